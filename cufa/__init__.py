@@ -1,0 +1,11 @@
+"""cufa: exact FlashAttention for any Python GPU framework.
+
+CUDA kernels compiled at run time with NVRTC (through CuPy); inputs and outputs are
+the caller's own arrays (PyTorch, CuPy, JAX, any ``__dlpack__`` object), zero-copy.
+"""
+from ._compile import all_variants
+from .api import flash_attn_func, scaled_dot_product_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attn_func", "scaled_dot_product_attention", "all_variants", "__version__"]

@@ -1,0 +1,52 @@
+"""Python mirror of ``FwdParams`` (kernels_cu/params.cuh), passed to kernels by value.
+
+The field list below is the single Python statement of the layout. Every compile
+appends ``static_assert``s generated from it (``layout_asserts``), so a struct that
+drifted from this mirror fails to compile instead of reading garbage.
+"""
+import numpy as np
+
+_PTR, _I64, _I32, _F32 = np.uint64, np.int64, np.int32, np.float32
+
+FWD_FIELDS = [
+    ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("lse", _PTR),
+    ("attn_mask", _PTR), ("alibi_slopes", _PTR),
+    ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
+    ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
+    ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
+    ("o_batch_stride", _I64), ("o_row_stride", _I64), ("o_head_stride", _I64),
+    ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
+    ("mask_batch_stride", _I64), ("mask_head_stride", _I64),
+    ("mask_row_stride", _I64), ("mask_col_stride", _I64),
+    ("alibi_batch_stride", _I64),
+    ("batch", _I32), ("nheads", _I32), ("nheads_k", _I32),
+    ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
+    ("num_m_blocks", _I32),
+    ("diag_offset", _I32), ("window_left", _I32), ("window_right", _I32),
+    ("attn_mask_type", _I32),
+    ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),
+]
+
+FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
+
+# AttnMaskType in params.cuh
+ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)
+
+
+def layout_asserts(struct_name="cufa::FwdParams", dtype=FWD_DTYPE):
+    """C++ static_asserts pinning the size and every field offset to this mirror
+    (``cufa::field_offset`` in params.cuh finds an offset at compile time)."""
+    lines = [f"static_assert(sizeof({struct_name}) == {dtype.itemsize}, "
+             f"\"{struct_name} size differs from cufa/_params.py\");"]
+    for name in dtype.names:
+        field_type, offset = dtype.fields[name][:2]
+        marker = "1.0000001f" if field_type.kind == "f" else "1"   # lowest byte non-zero
+        lines.append(f"static_assert(cufa::field_offset(&{struct_name}::{name}, "
+                     f"decltype({struct_name}::{name})({marker})) == {offset}, "
+                     f"\"{struct_name}::{name} offset differs from cufa/_params.py\");")
+    return "\n".join(lines) + "\n"
+
+
+def new_fwd_params():
+    """A zeroed params record; fill fields by name, pass ``record`` to the kernel."""
+    return np.zeros((), dtype=FWD_DTYPE)

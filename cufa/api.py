@@ -1,0 +1,293 @@
+"""The public attention functions: validate -> pick a kernel variant -> fill params -> launch."""
+import math
+
+from . import _compile, _interop, _params
+
+_KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+_ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
+                    "bfloat16": _params.ATTN_MASK_BF16, "float32": _params.ATTN_MASK_FP32}
+_UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
+_INT32_MAX = 2**31 - 1
+
+
+# -- public API ------------------------------------------------------------------------
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, return_lse=False, out=None):
+    """Exact attention ``softmax(q k^T * scale + mask) v``, flash-attn 2 conventions.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
+    fp16 or bf16 CUDA arrays (PyTorch, CuPy, JAX or any ``__dlpack__`` object), headdim a
+    multiple of 8 up to 256, nheads divisible by nheads_k (MQA/GQA). Any strides with a
+    contiguous last dimension (multiples of 8 elements).
+
+    Masks are aligned to the bottom-right corner when seqlen_q != seqlen_k: query i sees
+    key j iff ``j <= i + seqlen_k - seqlen_q`` (causal). For seqlen_q=2, seqlen_k=5::
+
+        causal:  1 1 1 1 0        window_size=(1, 0):  0 0 1 1 0
+                 1 1 1 1 1                             0 0 0 1 1
+
+    window_size=(left, right) keeps keys ``i + seqlen_k - seqlen_q - left <= j <=
+    i + seqlen_k - seqlen_q + right``; -1 leaves a side unbounded. softcap > 0 replaces a
+    scaled score s by ``softcap * tanh(s / softcap)``. alibi_slopes, float32 (nheads,) or
+    (batch, nheads), adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
+
+    Returns out shaped like q (in `out` if given), and with return_lse=True also
+    lse (batch, nheads, seqlen_q) float32 = log sum_j exp(score_ij). Rows that see no
+    key give 0 and lse -inf. The forward is deterministic; `deterministic` is accepted
+    for compatibility.
+    """
+    _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
+               batch_dim=0, seq_dim=1, head_dim=2)
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k = k.shape[1]
+    left, right = _window(window_size, causal)
+    alibi = _check_alibi(alibi_slopes, q, batch, nheads)
+    return _run(q, k, v, out, return_lse, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
+                nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d,
+                scale=_softmax_scale(softmax_scale, d, "softmax_scale"),
+                diag_offset=seqlen_k - seqlen_q, window=(left, right),
+                softcap=_softcap(softcap), alibi=alibi, attn_mask=None)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """PyTorch's ``scaled_dot_product_attention`` on the cufa kernels.
+
+    query: (batch, heads, L, E); key, value: (batch, heads_k, S, E); fp16 or bf16.
+    heads_k must equal heads unless enable_gqa=True (then heads % heads_k == 0).
+    is_causal aligns the mask to the top-left corner: query i sees keys j <= i.
+    attn_mask is boolean (True = take part) or additive float (float16, bfloat16,
+    float32), broadcastable to (batch, heads, L, S); it is read tile by tile inside the
+    kernel, never expanded. is_causal and attn_mask may be combined.
+
+    Rows that see no key give 0 (PyTorch's math backend gives NaN there).
+    """
+    _reject_unsupported(dropout_p, False, None)
+    q, k, v = (_interop.as_device_array(x, n)
+               for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
+               batch_dim=0, seq_dim=2, head_dim=1)
+    batch, nheads, seqlen_q, d = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    if nheads_k != nheads and not enable_gqa:
+        raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    mask = _check_attn_mask(attn_mask, q, (batch, nheads, seqlen_q, seqlen_k))
+    return _run(q, k, v, None, False, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
+                nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d,
+                scale=_softmax_scale(scale, d, "scale"), diag_offset=0,
+                window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED), softcap=0.0,
+                alibi=None, attn_mask=mask)
+
+
+# -- validation --------------------------------------------------------------------------
+
+def _reject_unsupported(dropout_p, return_probs, return_probs_name):
+    if not isinstance(dropout_p, (int, float)) or math.isnan(dropout_p) or dropout_p < 0:
+        raise ValueError(f"dropout_p must be a number >= 0; got {dropout_p!r}")
+    if dropout_p > 0:
+        raise NotImplementedError("dropout_p > 0 is not supported: cufa's forward has no "
+                                  "dropout; pass dropout_p=0.0")
+    if return_probs:
+        raise NotImplementedError(f"{return_probs_name}=True is not supported: the attention "
+                                  "matrix is never materialized; use return_lse=True for "
+                                  "the log-sum-exp")
+
+
+def _describe(x):
+    return f"{x.framework} array on cuda:{x.device}"
+
+
+def _check_dtype_device(x, name, ref, ref_name):
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on cuda:{x.device} but {ref_name} is on cuda:{ref.device}")
+
+
+def _check_loadable(x, name):
+    """The kernels move rows in 16-byte chunks: last dim contiguous, the rest aligned."""
+    if x.strides[-1] != 1 and x.shape[-1] > 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1); "
+                         f"got strides {x.strides}")
+    if any(s % 8 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1) or x.ptr % 16:
+        raise ValueError(f"{name} must have strides that are multiples of 8 elements and a "
+                         f"16-byte aligned start (the kernels load 16-byte chunks); got "
+                         f"strides {x.strides} and address {x.ptr:#x}")
+
+
+def _check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
+    qn, kn, vn = names
+    for x, n in ((q, qn), (k, kn), (v, vn)):
+        if x.ndim != 4:
+            raise ValueError(f"{n} must be 4-D {layout}; got shape {x.shape}")
+    if q.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"{qn} has dtype {q.dtype}; cufa supports float16 and bfloat16")
+    _check_dtype_device(k, kn, q, qn)
+    _check_dtype_device(v, vn, q, qn)
+    d = q.shape[3]
+    if d % 8 or not 8 <= d <= _compile.MAX_HEAD_DIM:
+        raise ValueError(f"{qn} has head dim {d}; cufa supports multiples of 8 from 8 to "
+                         f"{_compile.MAX_HEAD_DIM}")
+    if k.shape[3] != d:
+        raise ValueError(f"{kn} has head dim {k.shape[3]} but {qn} has {d}")
+    if v.shape != k.shape:
+        raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs equal "
+                         "key and value shapes (same head dim, length and heads)")
+    if k.shape[batch_dim] != q.shape[batch_dim]:
+        raise ValueError(f"{kn} has batch {k.shape[batch_dim]} but {qn} has "
+                         f"{q.shape[batch_dim]}")
+    nheads, nheads_k = q.shape[head_dim], k.shape[head_dim]
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"{qn} has {nheads} heads, not a multiple of the {nheads_k} heads "
+                         f"of {kn}")
+    for x, n in ((q, qn), (k, kn), (v, vn)):
+        _check_loadable(x, n)
+    if max(q.shape[seq_dim], k.shape[seq_dim]) > _INT32_MAX // 2:
+        raise ValueError(f"sequence lengths up to {_INT32_MAX // 2} are supported; got "
+                         f"{qn} {q.shape[seq_dim]}, {kn} {k.shape[seq_dim]}")
+
+
+def _softmax_scale(scale, d, name):
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name} must be a finite number > 0; got {scale!r}")
+    return float(scale)
+
+
+def _softcap(softcap):
+    if not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off); got {softcap!r}")
+    return float(softcap)
+
+
+def _window(window_size, causal):
+    """flash-attn's (left, right) with -1 = unbounded -> kernel bounds; causal caps right at 0."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}") from None
+    for side, n in ((left, "left"), (right, "right")):
+        if not isinstance(side, int) or isinstance(side, bool) or side < -1:
+            raise ValueError(f"window_size {n} must be an int >= -1 (-1 = unbounded); "
+                             f"got {side!r}")
+    left = _UNBOUNDED if left < 0 else min(left, _UNBOUNDED)
+    right = _UNBOUNDED if right < 0 else min(right, _UNBOUNDED)
+    if causal:
+        right = 0
+    return left, right
+
+
+def _check_alibi(alibi_slopes, q, batch, nheads):
+    a = _interop.optional_array(alibi_slopes, "alibi_slopes")
+    if a is None:
+        return None
+    if a.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32; got {a.dtype}")
+    if a.device != q.device:
+        raise ValueError(f"alibi_slopes is on cuda:{a.device} but q is on cuda:{q.device}")
+    if a.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}); "
+                         f"got {a.shape}")
+    if a.strides[-1] != 1 and nheads > 1:
+        raise ValueError(f"alibi_slopes must be contiguous over heads; got strides {a.strides}")
+    return a
+
+
+def _check_attn_mask(attn_mask, q, full_shape):
+    m = _interop.optional_array(attn_mask, "attn_mask")
+    if m is None:
+        return None
+    if m.dtype not in _ATTN_MASK_TYPES:
+        raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32; got {m.dtype}")
+    if m.device != q.device:
+        raise ValueError(f"attn_mask is on cuda:{m.device} but query is on cuda:{q.device}")
+    if m.ndim > 4 or any(n not in (1, f) for n, f in zip(m.shape[::-1], full_shape[::-1])):
+        raise ValueError(f"attn_mask of shape {m.shape} is not broadcastable to "
+                         f"(batch, heads, L, S) = {full_shape}")
+    return m
+
+
+def _check_out(out, q, name="out"):
+    o = _interop.as_device_array(out, name)
+    if o.framework != q.framework:
+        raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
+    if o.shape != q.shape or o.dtype != q.dtype:
+        raise ValueError(f"{name} must have q's shape {q.shape} and dtype {q.dtype}; got "
+                         f"{o.shape} {o.dtype}")
+    if o.device != q.device:
+        raise ValueError(f"{name} is on cuda:{o.device} but q is on cuda:{q.device}")
+    _check_loadable(o, name)
+    return o
+
+
+# -- launch --------------------------------------------------------------------------------
+
+def _broadcast_strides(m, full_shape):
+    """attn_mask strides over (batch, heads, L, S), 0 where the mask broadcasts."""
+    shape = (1,) * (4 - m.ndim) + m.shape
+    strides = (0,) * (4 - m.ndim) + m.strides
+    return tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(shape, full_shape, strides))
+
+
+def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
+         seqlen_k, d, scale, diag_offset, window, softcap, alibi, attn_mask):
+    framework = "cupy" if q.framework == "dlpack" else q.framework
+    if out is not None:
+        o_native, o = out, _check_out(out, q)
+    else:
+        o_native, o = _interop.empty(framework, q.shape, q.dtype, q.device)
+    lse_native, lse = _interop.empty(framework, (batch, nheads, seqlen_q), "float32", q.device)
+
+    if batch and nheads and seqlen_q:
+        mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
+        score_mods = softcap > 0 or alibi is not None or attn_mask is not None
+        variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods)
+        num_m_blocks = -(-seqlen_q // variant.block_m)
+        num_tiles = num_m_blocks * batch * nheads
+        if num_tiles > _INT32_MAX:
+            raise ValueError(f"problem too large: {num_tiles} query tiles exceed the grid limit")
+
+        p = _params.new_fwd_params()
+        for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
+            p[name] = x.ptr
+            p[f"{name}_batch_stride"] = x.strides[0]
+            p[f"{name}_row_stride"] = x.strides[seq_dim]
+            p[f"{name}_head_stride"] = x.strides[head_dim]
+        p["lse"] = lse.ptr
+        p["lse_batch_stride"], p["lse_head_stride"] = lse.strides[0], lse.strides[1]
+        if attn_mask is not None:
+            full = (batch, nheads, seqlen_q, seqlen_k)
+            p["attn_mask"] = attn_mask.ptr
+            p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
+            (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
+             p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
+        if alibi is not None:
+            p["alibi_slopes"] = alibi.ptr
+            p["alibi_batch_stride"] = alibi.strides[0] if alibi.ndim == 2 else 0
+        p["batch"], p["nheads"], p["nheads_k"] = batch, nheads, nheads_k
+        p["seqlen_q"], p["seqlen_k"], p["head_dim"] = seqlen_q, seqlen_k, d
+        p["num_m_blocks"] = num_m_blocks
+        p["diag_offset"] = diag_offset
+        p["window_left"], p["window_right"] = window
+        p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
+        p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
+
+        _launch(variant, num_tiles, p, q.framework, q.device)
+
+    o_native = _interop.to_caller(o_native, q)
+    if return_lse:
+        return o_native, _interop.to_caller(lse_native, q)
+    return o_native
+
+
+def _launch(variant, num_tiles, params, framework, device):
+    import cupy
+    fn = _compile.get_kernel(variant, device)
+    with cupy.cuda.Device(device), _interop.current_stream(framework, device):
+        fn((num_tiles,), (_compile.THREADS,), (params[()],), shared_mem=variant.smem_bytes)

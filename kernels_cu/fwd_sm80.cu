@@ -1,0 +1,315 @@
+// Forward attention on the Ampere instruction set (mma.sync, ldmatrix, cp.async):
+// runs on sm_80 and every later GPU. One CTA of 4 warps owns kBlockM query rows of
+// one (batch, head); it streams K/V blocks of kBlockN keys through shared memory,
+// from the last visible block to the first, so blocks that need masking come first.
+#include "common.cuh"
+#include "params.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+
+namespace cufa {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+
+// A shared-memory tile of 16-bit elements, kHeadDim per row, addressed in 16-byte
+// chunks. A chunk's place in its row is XOR-swizzled by the row so that the 8 rows
+// one ldmatrix phase reads land in 8 different bank groups.
+template <int kHeadDim>
+struct Swizzle {
+  static constexpr int kChunks = kHeadDim / 8;
+  // XOR span in chunks: 8 when a row holds a multiple of 8 chunks (128 bytes),
+  // else 4, with the row's bits 1-2 so that rows r and r+1 sit 64 bytes apart.
+  static constexpr int kSpan = (kChunks % 8 == 0) ? 8 : 4;
+  static_assert(kChunks % 4 == 0, "head dim must be padded to a multiple of 32");
+  __device__ __forceinline__ static int swz(int row) {
+    return kSpan == 8 ? (row & 7) : ((row >> 1) & 3);
+  }
+  __device__ __forceinline__ static int offset(int row, int chunk) {  // bytes
+    return (row * kChunks + (chunk ^ swz(row))) * 16;
+  }
+};
+
+// One lane's ldmatrix addresses into a swizzled tile: the lane reads row
+// `row_block + lane_row` (row_block a multiple of 8) at chunk `2 * pair + lane_chunk`.
+// The XOR only touches the chunk's low bits, so kSpan / 2 per-lane bases cover
+// every (row_block, pair) with compile-time offsets, rather than one register per address.
+template <int kHeadDim>
+struct LdmatrixAddr {
+  using S = Swizzle<kHeadDim>;
+  static constexpr int kBases = S::kSpan / 2;
+  u32 base[kBases];
+
+  __device__ __forceinline__ LdmatrixAddr(u32 tile, int lane_row, int lane_chunk) {
+#pragma unroll
+    for (int j = 0; j < kBases; ++j)
+      base[j] = tile + (lane_row * S::kChunks + ((2 * j + lane_chunk) ^ S::swz(lane_row))) * 16;
+  }
+  __device__ __forceinline__ u32 at(int row_block, int pair) const {
+    return base[pair % kBases] + row_block * S::kChunks * 16 + (pair / kBases) * S::kSpan * 16;
+  }
+};
+
+// -- load a tile: rows past `rows_valid` and columns past `head_dim` read as zeros --
+// Not unrolled on purpose: unrolled, the compiler keeps every chunk's addresses live
+// across the main loop, which costs more registers than the accumulators.
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void load_tile(u32 smem, const u16* gmem, i64 row_stride, int rows_valid,
+                                          int head_dim) {
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = r < rows_valid && c * 8 < head_dim;
+    const u16* src = valid ? gmem + r * row_stride + c * 8 : gmem;
+    cp_async_16(smem + Swizzle<kHeadDim>::offset(r, c), src, valid ? 16 : 0);
+  }
+}
+
+// -- S = Q K^T for this warp's rows --
+template <int kDtype, int kHeadDim, int kMTiles, int kNTiles>
+__device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4], const LdmatrixAddr<kHeadDim>& q,
+                                        const LdmatrixAddr<kHeadDim>& k) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    u32 a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q.at(mt * 16, ks));
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      u32 b[4];
+      ldmatrix_x4(b, k.at(np * 16, ks));
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_16816<kDtype>(s[mt][2 * np], a[mt], b[0], b[1]);
+        mma_16816<kDtype>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// -- O += P V: P goes from the S accumulators straight into A fragments --
+template <int kDtype, int kHeadDim, int kMTiles, int kNTiles, int kDTiles>
+__device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4],
+                                        const float (&p)[kMTiles][kNTiles][4],
+                                        const LdmatrixAddr<kHeadDim>& v) {
+#pragma unroll
+  for (int ks = 0; ks < kNTiles / 2; ++ks) {
+    u32 a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      a[mt][0] = pack2<kDtype>(p[mt][2 * ks][0], p[mt][2 * ks][1]);
+      a[mt][1] = pack2<kDtype>(p[mt][2 * ks][2], p[mt][2 * ks][3]);
+      a[mt][2] = pack2<kDtype>(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
+      a[mt][3] = pack2<kDtype>(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < kDTiles / 2; ++dp) {
+      u32 b[4];
+      ldmatrix_x4_trans(b, v.at(ks * 16, dp));
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_16816<kDtype>(o[mt][2 * dp], a[mt], b[0], b[1]);
+        mma_16816<kDtype>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Row and key of accumulator element e of tile (mt, nt) for this lane.
+__device__ __forceinline__ int frag_row(int row_base, int mt, int e, int lane) {
+  return row_base + mt * 16 + (lane >> 2) + 8 * (e >> 1);
+}
+__device__ __forceinline__ int frag_col(int col_base, int nt, int e, int lane) {
+  return col_base + nt * 8 + 2 * (lane & 3) + (e & 1);
+}
+
+// -- mask: keys outside the window or past seqlen_k get -inf --
+template <int kMask, int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
+                                           int row_base, int key0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!key_visible<kMask>(p, frag_row(row_base, mt, e, lane), frag_col(key0, nt, e, lane)))
+          s[mt][nt][e] = -CUFA_INF;
+}
+
+__device__ __forceinline__ float attn_mask_value(const FwdParams& p, i64 offset) {
+  switch (p.attn_mask_type) {
+    case ATTN_MASK_BOOL: return reinterpret_cast<const unsigned char*>(p.attn_mask)[offset] ? 0.f : -CUFA_INF;
+    case ATTN_MASK_FP16: return fp16_to_float(reinterpret_cast<const u16*>(p.attn_mask)[offset]);
+    case ATTN_MASK_BF16: return bf16_to_float(reinterpret_cast<const u16*>(p.attn_mask)[offset]);
+    case ATTN_MASK_FP32: return reinterpret_cast<const float*>(p.attn_mask)[offset];
+    default: return 0.f;
+  }
+}
+
+// -- score mods: scale, softcap, ALiBi, explicit mask; leaves scores in log2 units --
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_score_mods(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
+                                                 float alibi_slope, i64 mask_offset, int row_base,
+                                                 int key0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = frag_row(row_base, mt, e, lane), key = frag_col(key0, nt, e, lane);
+        float x = s[mt][nt][e] * p.scale;
+        if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
+        x -= alibi_slope * fabsf(static_cast<float>((i64)row + p.diag_offset - key));
+        if (p.attn_mask_type != ATTN_MASK_NONE && row < p.seqlen_q && key < p.seqlen_k)
+          x += attn_mask_value(p, mask_offset + row * p.mask_row_stride + key * p.mask_col_stride);
+        s[mt][nt][e] = x * CUFA_LOG2E;
+      }
+}
+
+// -- epilogue: O through this warp's rows of sQ (only this warp read them), then 16-byte stores --
+template <int kDtype, int kHeadDim, int kMTiles, int kDTiles>
+__device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4],
+                                             const float (&lse)[kMTiles][2], const FwdParams& p,
+                                             u16* s_stage, u16* o_ptr, float* lse_ptr, int row0,
+                                             int warp_row0, int lane) {
+  unsigned char* stage = reinterpret_cast<unsigned char*>(s_stage);
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
+        *reinterpret_cast<u32*>(stage + Swizzle<kHeadDim>::offset(r, dt) + 4 * (lane & 3)) =
+            pack2<kDtype>(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
+      }
+  __syncwarp();
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll
+  for (int i = 0; i < kMTiles * 16 * kChunks / 32; ++i) {
+    const int idx = i * 32 + lane;
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int row = row0 + warp_row0 + r;
+    if (row < p.seqlen_q && c * 8 < p.head_dim)
+      *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(stage + Swizzle<kHeadDim>::offset(warp_row0 + r, c));
+  }
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
+        if (row < p.seqlen_q) lse_ptr[row] = lse[mt][h];
+      }
+  }
+}
+
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN>
+__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
+  constexpr int kMTiles = kBlockM / (16 * kWarps);
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  static_assert(kMTiles * 16 * kWarps == kBlockM && kNTiles % 2 == 0, "tile shape");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  u16* sQ = reinterpret_cast<u16*>(smem);
+  u16* sK = sQ + kBlockM * kHeadDim;
+  u16* sV = sK + kBlockN * kHeadDim;
+
+  // -- which tile: query blocks of the last rows first (under causal masks they see the most keys) --
+  const int bh_count = p.batch * p.nheads;
+  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x) / bh_count;
+  const int bh = static_cast<int>(blockIdx.x) % bh_count;
+  const int b = bh / p.nheads, h = bh % p.nheads;
+  const int h_k = h / (p.nheads / p.nheads_k);
+  const int row0 = m_block * kBlockM;
+  const int row_end = min(row0 + kBlockM, p.seqlen_q);
+  const int lane = threadIdx.x % 32;
+  const int warp_row0 = (threadIdx.x / 32) * kMTiles * 16;
+
+  const u16* q_ptr = reinterpret_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                     row0 * p.q_row_stride;
+  const u16* k_ptr = reinterpret_cast<const u16*>(p.k) + b * p.k_batch_stride + h_k * p.k_head_stride;
+  const u16* v_ptr = reinterpret_cast<const u16*>(p.v) + b * p.v_batch_stride + h_k * p.v_head_stride;
+  u16* o_ptr = reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+  float* lse_ptr = reinterpret_cast<float*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
+
+  const float alibi_slope =
+      (kScoreMods && p.alibi_slopes) ? reinterpret_cast<const float*>(p.alibi_slopes)[b * p.alibi_batch_stride + h] : 0.f;
+  const i64 mask_offset = b * p.mask_batch_stride + h * p.mask_head_stride;
+  const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
+
+  float acc_o[kMTiles][kDTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+  OnlineSoftmax<kMTiles> softmax;
+  softmax.init();
+
+  const KeyRange keys = key_range<kMask>(p, row0, row_end);
+  const int n_block_min = keys.begin / kBlockN;
+  const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key skip the loop
+
+  if (n_block_min < n_block_max) {
+    const u32 sq = smem_u32(sQ), sk = smem_u32(sK), sv = smem_u32(sV);
+    // Lane -> (row, chunk) maps that make ldmatrix fragments match the mma operand layouts.
+    const LdmatrixAddr<kHeadDim> q_frag(sq + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
+    const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    load_tile<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, p.seqlen_q - row0, p.head_dim);
+    int nb = n_block_max - 1;
+    load_tile<kBlockN, kHeadDim>(sk, k_ptr + nb * kBlockN * p.k_row_stride, p.k_row_stride,
+                                 p.seqlen_k - nb * kBlockN, p.head_dim);
+    cp_async_commit();
+
+    for (; nb >= n_block_min; --nb) {
+      const int key0 = nb * kBlockN;
+      float acc_s[kMTiles][kNTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+
+      // -- K_nb has landed and every warp is done with V_{nb+1}: fetch V_nb under the QK product --
+      cp_async_wait<0>();
+      __syncthreads();
+      load_tile<kBlockN, kHeadDim>(sv, v_ptr + key0 * p.v_row_stride, p.v_row_stride,
+                                   p.seqlen_k - key0, p.head_dim);
+      cp_async_commit();
+
+      // -- compute qk, then score mods and mask --
+      gemm_qk<kDtype>(acc_s, q_frag, k_frag);
+      if (kScoreMods) apply_score_mods(acc_s, p, alibi_slope, mask_offset, row0 + warp_row0, key0, lane);
+      if (block_needs_mask<kMask>(p, row0, row_end, key0, key0 + kBlockN))
+        apply_mask<kMask>(acc_s, p, row0 + warp_row0, key0, lane);
+
+      // -- V_nb has landed and every warp is done with K_nb: fetch K_{nb-1} under softmax and PV --
+      cp_async_wait<0>();
+      __syncthreads();
+      if (nb > n_block_min) {
+        load_tile<kBlockN, kHeadDim>(sk, k_ptr + (key0 - kBlockN) * p.k_row_stride, p.k_row_stride,
+                                     p.seqlen_k - (key0 - kBlockN), p.head_dim);
+        cp_async_commit();
+      }
+
+      // -- update m_i and l_i, rescale acc, then acc += P V --
+      softmax.update(acc_s, acc_o, scale_log2);
+      gemm_pv<kDtype>(acc_o, acc_s, v_frag);
+    }
+  }
+
+  float lse[kMTiles][2];
+  softmax.finalize(acc_o, lse, scale_log2);
+  write_output<kDtype, kHeadDim>(acc_o, lse, p, sQ, o_ptr, lse_ptr, row0, warp_row0, lane);
+}
+
+}  // namespace cufa

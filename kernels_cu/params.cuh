@@ -1,0 +1,66 @@
+#pragma once
+// Parameters of the forward kernel family, passed by value. The Python mirror is
+// cufa/_params.py; every compile appends static_asserts generated from it, so a
+// layout mismatch is a compile error, never a silent misread.
+#include "common.cuh"
+
+namespace cufa {
+
+// What attn_mask points to (SDPA's explicit mask), a runtime choice in the
+// score-mods variants.
+enum AttnMaskType { ATTN_MASK_NONE = 0, ATTN_MASK_BOOL = 1, ATTN_MASK_FP16 = 2,
+                    ATTN_MASK_BF16 = 3, ATTN_MASK_FP32 = 4 };
+
+struct FwdParams {
+  // Device addresses as integers: a struct of plain numbers can be bit_cast at
+  // compile time, which is how the layout check reads field offsets.
+  u64 q, k, v, o;
+  u64 lse;           // float32 (batch, nheads, seqlen_q)
+  u64 attn_mask;     // broadcast through zero strides; 0 if none
+  u64 alibi_slopes;  // float32 (batch or 1, nheads); 0 if none
+
+  // Strides in elements; 64-bit because a tensor may exceed 2^31 elements.
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 k_batch_stride, k_row_stride, k_head_stride;
+  i64 v_batch_stride, v_row_stride, v_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  i64 lse_batch_stride, lse_head_stride;
+  i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
+  i64 alibi_batch_stride;
+
+  int batch, nheads, nheads_k;
+  int seqlen_q, seqlen_k, head_dim;
+  int num_m_blocks;
+  // Query i sees key j iff i + diag_offset - window_left <= j <= i + diag_offset + window_right.
+  // diag_offset is seqlen_k - seqlen_q (flash-attn, bottom-right) or 0 (SDPA, top-left);
+  // an unbounded side holds a value larger than any sequence.
+  int diag_offset, window_left, window_right;
+  int attn_mask_type;
+
+  float scale;       // softmax scale
+  float scale_log2;  // scale * log2(e): one FFMA per score before exp2
+  float softcap;     // 0 = off
+  float softcap_inv;
+};
+
+}  // namespace cufa
+
+namespace cufa {
+
+// Offset of a field, computed at compile time: set the field to a value whose
+// lowest byte is non-zero, bit_cast the struct to bytes, find that byte.
+template <typename T>
+struct StructBytes {
+  unsigned char b[sizeof(T)];
+};
+template <typename T, typename M>
+__device__ constexpr int field_offset(M T::*field, M marker) {
+  T t{};
+  t.*field = marker;
+  const StructBytes<T> bytes = __builtin_bit_cast(StructBytes<T>, t);
+  for (int i = 0; i < (int)sizeof(T); ++i)
+    if (bytes.b[i]) return i;
+  return -1;
+}
+
+}  // namespace cufa

@@ -1,0 +1,93 @@
+#pragma once
+// Online softmax over the mma.sync accumulator layout: each thread holds rows
+// g and g+8 of every 16-row tile (g = lane / 4), spread over the 4 lanes of a quad.
+#include "common.cuh"
+
+namespace cufa {
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int kMTiles>
+struct OnlineSoftmax {
+  float row_max[kMTiles][2];  // raw score units; -inf until the row sees a key
+  float row_sum[kMTiles][2];  // this lane's share; summed over the quad in finalize
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[mt][h] = -CUFA_INF;
+        row_sum[mt][h] = 0.f;
+      }
+  }
+
+  // Folds one block of scores in: raises the row max, rescales the partial
+  // output and sum by exp2(old max - new max), and turns the scores into
+  // probabilities exp2(score * scale_log2 - max * scale_log2).
+  template <int kNTiles, int kDTiles>
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4],
+                                         float (&o)[kMTiles][kDTiles][4], float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[mt][h];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        mx = quad_max(mx);
+        // A row that has seen only masked keys keeps max -inf: subtract 0 so
+        // exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+        const float max_scaled = mx == -CUFA_INF ? 0.f : mx * scale_log2;
+        const float correction = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
+        row_max[mt][h] = mx;
+        float sum = row_sum[mt][h] * correction;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[mt][dt][2 * h] *= correction;
+          o[mt][dt][2 * h + 1] *= correction;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float prob = fast_exp2(s[mt][nt][2 * h + e] * scale_log2 - max_scaled);
+            s[mt][nt][2 * h + e] = prob;
+            sum += prob;
+          }
+        row_sum[mt][h] = sum;
+      }
+  }
+
+  // Divides the output by the row sum and returns lse = max*scale + ln(sum).
+  // A row that saw no key (sum 0) gets output 0 and lse -inf; NaN passes through.
+  template <int kDTiles>
+  __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float (&lse)[kMTiles][2],
+                                           float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(row_sum[mt][h]);
+        const bool empty = sum == 0.f;
+        const float inv = 1.f / sum;
+        lse[mt][h] = empty ? -CUFA_INF : (row_max[mt][h] * scale_log2 + log2f(sum)) * CUFA_LN2;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          // Explicit zero: P = 0 times a NaN in a masked-out V row would leave NaN.
+          o[mt][dt][2 * h] = empty ? 0.f : o[mt][dt][2 * h] * inv;
+          o[mt][dt][2 * h + 1] = empty ? 0.f : o[mt][dt][2 * h + 1] * inv;
+        }
+      }
+  }
+};
+
+}  // namespace cufa

@@ -1,0 +1,32 @@
+import zlib
+
+import numpy as np
+import pytest
+
+
+def _cuda_device_reason():
+    """'' when a CUDA device is usable, else why not."""
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no CuPy, no driver, no device
+        return f"no CUDA device ({type(e).__name__}: {e})"
+    return "" if n else "no CUDA device (0 devices)"
+
+
+NO_GPU = _cuda_device_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not NO_GPU:
+        return
+    skip = pytest.mark.skip(reason=NO_GPU)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's id: fixed across runs, different per case."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,78 @@
+"""CPU: every kernel variant compiles with NVRTC for sm_80 and sm_90 without spills,
+and the params layout check really catches a drifted struct. No GPU needed."""
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+
+from cufa import _compile, _params
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def _compile_one(args):
+    variant, arch = args
+    try:
+        r = _compile.compile_for_arch(variant, arch)
+    except Exception as e:  # report, don't raise across the process boundary
+        return variant.key, arch, None, f"{type(e).__name__}: {e}"
+    return variant.key, arch, (r.registers, r.stack_bytes, r.spill_bytes, r.cubin_bytes), ""
+
+
+@pytest.fixture(scope="module")
+def reports():
+    jobs = [(v, a) for v in _compile.all_variants() for a in ARCHS]
+    with ProcessPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return list(pool.map(_compile_one, jobs))
+
+
+def test_variant_list_is_complete_and_keys_unique():
+    variants = _compile.all_variants()
+    keys = [v.key for v in variants]
+    assert len(set(keys)) == len(keys)
+    assert {v.dtype for v in variants} == set(_compile.DTYPES)
+    assert {v.head_dim for v in variants} == set(_compile.PADDED_HEAD_DIMS)
+    assert {(v.mask, v.score_mods) for v in variants} == {
+        (m, s) for m in _compile.MASKS for s in (False, True)}
+    for v in variants:  # fits the smallest shared memory of the sm_80+ family (sm_86/89: 99 KB)
+        assert v.smem_bytes <= 99 * 1024, v.key
+
+
+def test_every_variant_compiles_without_spills(reports):
+    bad = [(k, a, err) for k, a, r, err in reports if err]
+    assert not bad, "compile errors:\n" + "\n".join(f"{k} {a}: {e[:2000]}" for k, a, e in bad)
+    spills = [(k, a, r) for k, a, r, _ in reports if r[2] or r[1]]
+    assert not spills, "local memory (registers, stack, spill bytes):\n" + "\n".join(map(str, spills))
+    for key, arch, (regs, _, _, size), _ in reports:
+        assert 0 < regs <= 255 and size > 0, (key, arch)
+    print(f"\n{len(reports)} compiles, registers {min(r[0] for _, _, r, _ in reports)}.."
+          f"{max(r[0] for _, _, r, _ in reports)}")
+
+
+def test_head_dim_padding():
+    assert [_compile.padded_head_dim(d) for d in (8, 32, 40, 64, 72, 128, 136, 248, 256)] == [
+        32, 32, 64, 64, 96, 128, 160, 256, 256]
+    with pytest.raises(ValueError):
+        _compile.padded_head_dim(264)
+
+
+def test_source_has_headers_inlined_and_digest():
+    src = _compile.assembled_source("fwd_sm80.cu")
+    assert '#include "' not in src
+    assert "struct FwdParams" in src and "struct OnlineSoftmax" in src
+    assert src.startswith("// cufa fwd_sm80.cu sha256:")
+    assert "static_assert(sizeof(cufa::FwdParams)" in src
+
+
+def test_layout_check_catches_a_swapped_field(monkeypatch):
+    from cupy.cuda.compiler import CompileException
+    fields = list(_params.FWD_FIELDS)
+    i, j = fields.index(("q_row_stride", np.int64)), fields.index(("q_head_stride", np.int64))
+    fields[i], fields[j] = fields[j], fields[i]
+    monkeypatch.setattr(_params, "FWD_DTYPE", np.dtype(fields, align=True))
+    monkeypatch.setattr(_params.layout_asserts, "__defaults__",
+                        ("cufa::FwdParams", _params.FWD_DTYPE))
+    monkeypatch.setattr(_compile, "_source_cache", {})
+    with pytest.raises(CompileException, match="q_row_stride offset differs"):
+        _compile.compile_for_arch(_compile.fwd_variant("fp16", 64, "none", False), "sm_80")

@@ -1,0 +1,114 @@
+"""CPU: the NumPy reference — tiled online softmax against the naive version, and the
+naive version against a per-row textbook softmax."""
+import math
+
+import numpy as np
+import pytest
+
+from cufa import reference
+
+
+def _inputs(rng, batch, sq, sk, h, hk, d):
+    return (rng.standard_normal((batch, sq, h, d)), rng.standard_normal((batch, sk, hk, d)),
+            rng.standard_normal((batch, sk, hk, d)))
+
+
+MASKS = [
+    dict(),
+    dict(causal=True),
+    dict(window_size=(5, 0)),
+    dict(window_size=(-1, 3)),
+    dict(window_size=(2, 2), causal=True),
+    dict(softcap=3.0),
+    dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625])),
+    dict(causal=True, window_size=(7, -1), softcap=5.0, alibi_slopes=np.array([0.3, 0.1, 0.2, 0.4])),
+    dict(diag_offset=0, causal=True),
+]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: ",".join(sorted(m)) or "dense")
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 9), (9, 1), (37, 61), (61, 37), (64, 64), (100, 3)])
+def test_tiled_matches_naive(rng, mask, sq, sk):
+    q, k, v = _inputs(rng, 2, sq, sk, 4, 2, 24)
+    o_ref, lse_ref = reference.attention(q, k, v, **mask)
+    o, lse = reference.attention_tiled(q, k, v, block_m=16, block_n=24, **mask)
+    np.testing.assert_allclose(o, o_ref, atol=1e-12, rtol=1e-10)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("attn_mask_kind", ["bool", "float"])
+def test_tiled_matches_naive_with_attn_mask(rng, attn_mask_kind):
+    q, k, v = _inputs(rng, 2, 45, 70, 4, 4, 16)
+    if attn_mask_kind == "bool":
+        m = rng.random((2, 1, 45, 70)) > 0.3     # broadcast over heads
+        m[0, 0, 3] = False                       # a row with no key
+    else:
+        m = rng.standard_normal((45, 70)) * 2    # broadcast over batch and heads
+    o_ref, lse_ref = reference.attention(q, k, v, attn_mask=m)
+    o, lse = reference.attention_tiled(q, k, v, attn_mask=m, block_m=32, block_n=16)
+    np.testing.assert_allclose(o, o_ref, atol=1e-12)
+    np.testing.assert_allclose(lse[np.isfinite(lse_ref)], lse_ref[np.isfinite(lse_ref)], atol=1e-12)
+    if attn_mask_kind == "bool":
+        assert np.all(o[0, 3] == 0) and np.all(np.isneginf(lse[0, :, 3]))
+
+
+def _textbook(q, k, v, b, h, i, scale, visible_row, bias_row=None):
+    """softmax of one row written out by hand, GQA head mapping included."""
+    hk = h // (q.shape[2] // k.shape[2])
+    s = [scale * float(q[b, i, h] @ k[b, j, hk]) for j in range(k.shape[1])]
+    s = [x + (bias_row[j] if bias_row is not None else 0.0) if visible_row[j] else -math.inf
+         for j, x in enumerate(s)]
+    if all(x == -math.inf for x in s):
+        return np.zeros(q.shape[-1]), -math.inf
+    m = max(s)
+    w = [math.exp(x - m) for x in s]
+    out = sum(wj * v[b, j, hk] for j, wj in enumerate(w)) / sum(w)
+    return out, m + math.log(sum(w))
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1))])
+def test_naive_matches_textbook(rng, causal, window):
+    q, k, v = _inputs(rng, 1, 6, 9, 4, 2, 8)
+    slopes = np.array([0.1, 0.2, 0.3, 0.4])
+    o, lse = reference.attention(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes)
+    vis = reference.visible_keys(6, 9, causal=causal, window_size=window)
+    for h in range(4):
+        for i in range(6):
+            bias = [-slopes[h] * abs(i + 3 - j) for j in range(9)]
+            o_row, lse_row = _textbook(q, k, v, 0, h, i, 1 / math.sqrt(8), vis[i], bias)
+            np.testing.assert_allclose(o[0, i, h], o_row, atol=1e-12)
+            assert lse[0, h, i] == pytest.approx(lse_row, abs=1e-12)
+
+
+def test_visible_keys_bottom_right_and_top_left():
+    # flash-attn: seqlen_q=2, seqlen_k=5, causal -> the diagonal ends at the bottom right
+    assert reference.visible_keys(2, 5, causal=True).astype(int).tolist() == [
+        [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert reference.visible_keys(2, 5, window_size=(1, 0)).astype(int).tolist() == [
+        [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    # SDPA: top-left
+    assert reference.visible_keys(2, 5, causal=True, diag_offset=0).astype(int).tolist() == [
+        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    # more queries than keys, bottom-right: the first rows see nothing
+    assert reference.visible_keys(4, 2, causal=True).astype(int).tolist() == [
+        [0, 0], [0, 0], [1, 0], [1, 1]]
+
+
+def test_empty_keys_and_softcap_bound(rng):
+    q, k, v = _inputs(rng, 1, 5, 0, 2, 2, 8)
+    o, lse = reference.attention(q, k, v)
+    assert o.shape == (1, 5, 2, 8) and np.all(o == 0) and np.all(np.isneginf(lse))
+    q, k, v = _inputs(rng, 1, 5, 7, 2, 2, 8)
+    o, lse = reference.attention(q * 100, k * 100, v, softcap=2.0)
+    # capped scores lie in (-2, 2): lse <= 2 + log(7)
+    assert np.all(lse <= 2 + math.log(7) + 1e-12)
+
+
+def test_sdpa_layout(rng):
+    q, k, v = (rng.standard_normal((2, 3, n, 8)) for n in (5, 7, 7))
+    out = reference.sdpa(q, k, v, is_causal=True)
+    o, _ = reference.attention(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), causal=True,
+                               diag_offset=0)
+    np.testing.assert_allclose(out, o.transpose(0, 2, 1, 3))

@@ -1,0 +1,118 @@
+"""CPU: bad input raises an error that names the argument, before anything touches a GPU.
+
+Arrays are described by cufa's own view type (pointer, shape, strides, dtype, device),
+which the public functions accept as they accept framework arrays; so every check
+runs here without a GPU.
+"""
+import numpy as np
+import pytest
+
+import cufa
+from cufa._interop import DeviceArray
+
+
+def arr(shape, dtype="float16", strides=None, device=0, ptr=0x7f0000000000, framework="cupy"):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "bool": 1, "int32": 4}[dtype]
+    return DeviceArray(None, framework, ptr, tuple(shape), tuple(strides), dtype, device, itemsize)
+
+
+def qkv(b=2, sq=33, sk=47, h=4, hk=2, d=64, dtype="float16"):
+    return arr((b, sq, h, d), dtype), arr((b, sk, hk, d), dtype), arr((b, sk, hk, d), dtype)
+
+
+q0, k0, v0 = qkv()
+
+FLASH_CASES = [
+    # (id, args, kwargs, exception, message fragment)
+    ("q fp32", (arr((2, 33, 4, 64), "float32"), k0, v0), {}, TypeError, "q has dtype float32"),
+    ("k dtype differs", (q0, arr((2, 47, 2, 64), "bfloat16"), v0), {}, TypeError,
+     "k has dtype bfloat16 but q has float16"),
+    ("v on another device", (q0, k0, arr((2, 47, 2, 64), device=1)), {}, ValueError,
+     "v is on cuda:1 but q is on cuda:0"),
+    ("q rank 3", (arr((33, 4, 64)), k0, v0), {}, ValueError, "q must be 4-D"),
+    ("head dim 100", qkv(d=100), {}, ValueError, "head dim 100"),
+    ("head dim 264", qkv(d=264), {}, ValueError, "head dim 264"),
+    ("k head dim differs", (q0, arr((2, 47, 2, 128)), arr((2, 47, 2, 128))), {}, ValueError,
+     "k has head dim 128 but q has 64"),
+    ("v length differs", (q0, k0, arr((2, 48, 2, 64))), {}, ValueError, "v has shape"),
+    ("batch differs", (q0, arr((3, 47, 2, 64)), arr((3, 47, 2, 64))), {}, ValueError,
+     "k has batch 3 but q has 2"),
+    ("heads not divisible", qkv(h=6, hk=4), {}, ValueError, "q has 6 heads, not a multiple"),
+    ("strided last dim", (arr((2, 33, 4, 64), strides=(33 * 4 * 128, 4 * 128, 128, 2)), k0, v0),
+     {}, ValueError, "q must be contiguous in its last dimension"),
+    ("row stride not multiple of 8", (arr((2, 33, 4, 64), strides=(33 * 260, 260, 65, 1)), k0, v0),
+     {}, ValueError, "q must have strides that are multiples of 8"),
+    ("misaligned pointer", (arr((2, 33, 4, 64), ptr=0x7f0000000002), k0, v0), {}, ValueError,
+     "16-byte aligned"),
+    ("dropout", (q0, k0, v0), dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
+    ("negative dropout", (q0, k0, v0), dict(dropout_p=-0.1), ValueError, "dropout_p"),
+    ("attn probs", (q0, k0, v0), dict(return_attn_probs=True), NotImplementedError,
+     "return_attn_probs"),
+    ("scale zero", (q0, k0, v0), dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+    ("scale nan", (q0, k0, v0), dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    ("scale negative", (q0, k0, v0), dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    ("window not a pair", (q0, k0, v0), dict(window_size=3), ValueError, "window_size"),
+    ("window -2", (q0, k0, v0), dict(window_size=(-2, 0)), ValueError, "window_size left"),
+    ("window float", (q0, k0, v0), dict(window_size=(1.5, 0)), ValueError, "window_size left"),
+    ("softcap negative", (q0, k0, v0), dict(softcap=-1.0), ValueError, "softcap"),
+    ("softcap inf", (q0, k0, v0), dict(softcap=float("inf")), ValueError, "softcap"),
+    ("alibi fp16", (q0, k0, v0), dict(alibi_slopes=arr((4,), "float16")), TypeError,
+     "alibi_slopes must be float32"),
+    ("alibi shape", (q0, k0, v0), dict(alibi_slopes=arr((3,), "float32")), ValueError,
+     "alibi_slopes must have shape (4,) or (2, 4)"),
+    ("alibi device", (q0, k0, v0), dict(alibi_slopes=arr((4,), "float32", device=1)), ValueError,
+     "alibi_slopes is on cuda:1"),
+    ("out shape", (q0, k0, v0), dict(out=arr((2, 33, 4, 32))), ValueError, "out must have q's shape"),
+    ("out dtype", (q0, k0, v0), dict(out=arr((2, 33, 4, 64), "bfloat16")), ValueError,
+     "out must have q's shape"),
+    ("out framework", (q0, k0, v0), dict(out=arr((2, 33, 4, 64), framework="torch")), TypeError,
+     "out is a torch array but q is a cupy array"),
+    ("q host numpy", (np.zeros((2, 33, 4, 64), np.float16), k0, v0), {}, TypeError,
+     "q is not on a CUDA device"),
+    ("q a list", ([[1.0]], k0, v0), {}, TypeError, "q must be a CUDA array"),
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=[c[0] for c in FLASH_CASES])
+def test_flash_attn_func_rejects(case):
+    _, args, kwargs, exc, msg = case
+    with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        cufa.flash_attn_func(*args, **kwargs)
+
+
+def sdpa_qkv(b=2, h=4, hk=4, L=33, S=47, d=64):
+    return arr((b, h, L, d)), arr((b, hk, S, d)), arr((b, hk, S, d))
+
+
+SDPA_CASES = [
+    ("gqa without enable_gqa", sdpa_qkv(hk=2), {}, ValueError, "pass enable_gqa=True"),
+    ("value dim differs", (*sdpa_qkv()[:2], arr((2, 4, 47, 32))), {}, ValueError, "value has shape"),
+    ("mask not broadcastable", sdpa_qkv(), dict(attn_mask=arr((33, 46), "bool")), ValueError,
+     "attn_mask of shape (33, 46) is not broadcastable"),
+    ("mask rank 5", sdpa_qkv(), dict(attn_mask=arr((1, 2, 4, 33, 47), "bool")), ValueError,
+     "not broadcastable"),
+    ("mask int32", sdpa_qkv(), dict(attn_mask=arr((33, 47), "int32")), TypeError,
+     "attn_mask must be bool or float"),
+    ("mask on another device", sdpa_qkv(), dict(attn_mask=arr((33, 47), "bool", device=1)),
+     ValueError, "attn_mask is on cuda:1"),
+    ("dropout", sdpa_qkv(), dict(dropout_p=0.5), NotImplementedError, "dropout_p"),
+    ("scale nan", sdpa_qkv(), dict(scale=float("nan")), ValueError, "scale must be"),
+    ("query rank 3", (arr((4, 33, 64)), *sdpa_qkv()[1:]), {}, ValueError, "query must be 4-D"),
+]
+
+
+@pytest.mark.parametrize("case", SDPA_CASES, ids=[c[0] for c in SDPA_CASES])
+def test_sdpa_rejects(case):
+    _, args, kwargs, exc, msg = case
+    with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        cufa.scaled_dot_product_attention(*args, **kwargs)
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+    code = "import sys, cufa; print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
