@@ -1,0 +1,88 @@
+"""Shared by the GPU tests: inputs, the float64 and low-precision references, and the
+pass rule.
+
+Pass rule (FlashAttention's): the max error of cufa's output against the float64
+reference, on the same rounded inputs, must be at most twice the max error of a
+low-precision reference, the naive algorithm whose two matrix products (Q K^T and P V)
+round to the input dtype, plus 1e-5. That error is what the dtype itself costs on
+this very input, so the bound scales with fp16 vs bf16, head dim and score range
+without hand-tuned per-case tolerances. lse (float32 in cufa) gets the same rule
+against lse computed from the rounded scores, plus 1e-4; rows that see no key must
+be exactly 0 with lse -inf in both.
+"""
+import numpy as np
+import torch
+
+from cufa import reference
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def randn(rng, shape, dtype, scale=1.0, layout="bshd"):
+    """A CUDA tensor of logical shape (b, s, h, d) stored in `layout`:
+    bshd (contiguous), bhsd (a transposed view) or padded (row stride d + 8)."""
+    b, s, h, d = shape
+    if layout == "bhsd":
+        x = torch.from_numpy(rng.standard_normal((b, h, s, d), dtype=np.float32) * scale)
+        return x.to("cuda", DTYPES[dtype]).transpose(1, 2)
+    if layout == "padded":
+        x = torch.from_numpy(rng.standard_normal((b, s, h, d + 8), dtype=np.float32) * scale)
+        return x.to("cuda", DTYPES[dtype])[..., :d]
+    x = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * scale)
+    return x.to("cuda", DTYPES[dtype])
+
+
+def f64(t):
+    return t.detach().to(torch.float64).cpu().numpy()
+
+
+def lowp_attention(q, k, v, **kw):
+    """Naive attention with Q K^T and P V in the inputs' dtype (torch, on the GPU)."""
+    qh, kh, vh, scale, visible, attn_mask, diag = reference._prepare(
+        f64(q), f64(k), f64(v), kw.get("softmax_scale"), kw.get("causal", False),
+        kw.get("window_size", (-1, -1)), kw.get("attn_mask"), kw.get("diag_offset"))
+    dt = q.dtype
+    to = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to("cuda", dt))
+    s = (to(qh) @ to(kh).transpose(-1, -2)).double().cpu().numpy()
+    rows, cols = np.arange(qh.shape[2]), np.arange(kh.shape[2])
+    s = reference._score_mods(s, rows, cols, scale=scale, softcap=kw.get("softcap", 0.0),
+                              alibi_slopes=kw.get("alibi_slopes"), attn_mask=attn_mask,
+                              visible=visible, diag_offset=diag)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    m = np.where(np.isneginf(m), 0.0, m)
+    p = np.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p_norm = np.where(l == 0, 0.0, p / l)
+        lse = np.where(l == 0, -np.inf, m + np.log(l))[..., 0]
+    out = (to(p_norm) @ to(vh)).double().cpu().numpy()
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def check_attention(out, lse, q, k, v, label="", **kw):
+    """Assert the pass rule for out (b, sq, h, d) and lse (b, h, sq) against the references."""
+    kw_np = {key: (f64(val) if isinstance(val, torch.Tensor) and key != "attn_mask" else val)
+             for key, val in kw.items()}
+    if isinstance(kw.get("attn_mask"), torch.Tensor):
+        m = kw["attn_mask"]
+        kw_np["attn_mask"] = m.cpu().numpy() if m.dtype == torch.bool else f64(m)
+    o_ref, lse_ref = reference.attention(f64(q), f64(k), f64(v), **kw_np)
+    o_lp, lse_lp = lowp_attention(q, k, v, **kw_np)
+    o = f64(out)
+    assert o.shape == o_ref.shape, (o.shape, o_ref.shape)
+    assert not np.isnan(o).any(), f"{label}: NaN in output"
+    err, err_lp = np.abs(o - o_ref).max(initial=0), np.abs(o_lp - o_ref).max(initial=0)
+    assert err <= 2 * err_lp + 1e-5, (
+        f"{label}: out max err {err:.3e} > 2 x low-precision {err_lp:.3e} + 1e-5 "
+        f"(mean err {np.abs(o - o_ref).mean():.3e})")
+    if lse is not None:
+        lse = lse.double().cpu().numpy()
+        assert lse.shape == lse_ref.shape
+        empty = np.isneginf(lse_ref)
+        assert np.array_equal(np.isneginf(lse), empty), f"{label}: -inf lse rows differ"
+        assert np.all(o[empty.transpose(0, 2, 1)] == 0), f"{label}: rows with no key not 0"
+        fin = ~empty
+        lerr = np.abs(lse[fin] - lse_ref[fin]).max(initial=0)
+        lerr_lp = np.abs(lse_lp[fin] - lse_ref[fin]).max(initial=0)
+        assert lerr <= 2 * lerr_lp + 1e-4, f"{label}: lse max err {lerr:.3e} > 2 x {lerr_lp:.3e}"
+    return err, err_lp
