@@ -74,7 +74,10 @@ def current_stream(framework, device):
     import cupy
     if framework == "torch":
         import torch
-        return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device)
+        stream = torch.cuda.current_stream(device)
+        if hasattr(stream, "__cuda_stream__"):      # the CUDA stream protocol
+            return cupy.cuda.Stream.from_external(stream)
+        return cupy.cuda.ExternalStream(stream.cuda_stream, device)
     with cupy.cuda.Device(device):
         return cupy.cuda.get_current_stream()
 

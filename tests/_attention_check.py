@@ -8,7 +8,8 @@ round to the input dtype, plus 1e-5. That error is what the dtype itself costs o
 this very input, so the bound scales with fp16 vs bf16, head dim and score range
 without hand-tuned per-case tolerances. lse (float32 in cufa) gets the same rule
 against lse computed from the rounded scores, plus 1e-4; rows that see no key must
-be exactly 0 with lse -inf in both.
+be exactly 0 with lse -inf in both. Where the low-precision reference itself overflows
+(scores near 1e4 in fp16), the bound falls back to the dtype's rounding (eps x max |out|).
 """
 import numpy as np
 import torch
@@ -72,6 +73,10 @@ def check_attention(out, lse, q, k, v, label="", **kw):
     assert o.shape == o_ref.shape, (o.shape, o_ref.shape)
     assert not np.isnan(o).any(), f"{label}: NaN in output"
     err, err_lp = np.abs(o - o_ref).max(initial=0), np.abs(o_lp - o_ref).max(initial=0)
+    if not np.isfinite(err_lp):
+        # The low-precision products overflowed (|q.k| > 65504 in fp16): fall back to
+        # the dtype's own rounding of the largest output value.
+        err_lp = float(torch.finfo(q.dtype).eps) * np.abs(o_ref).max(initial=0)
     assert err <= 2 * err_lp + 1e-5, (
         f"{label}: out max err {err:.3e} > 2 x low-precision {err_lp:.3e} + 1e-5 "
         f"(mean err {np.abs(o - o_ref).mean():.3e})")
@@ -84,5 +89,7 @@ def check_attention(out, lse, q, k, v, label="", **kw):
         fin = ~empty
         lerr = np.abs(lse[fin] - lse_ref[fin]).max(initial=0)
         lerr_lp = np.abs(lse_lp[fin] - lse_ref[fin]).max(initial=0)
+        if not np.isfinite(lerr_lp):
+            lerr_lp = float(torch.finfo(torch.float32).eps) * np.abs(lse_ref[fin]).max(initial=0)
         assert lerr <= 2 * lerr_lp + 1e-4, f"{label}: lse max err {lerr:.3e} > 2 x {lerr_lp:.3e}"
     return err, err_lp
