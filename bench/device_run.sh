@@ -15,13 +15,22 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 python3 -m cufa info > "$OUT/info.txt" 2>&1
 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 "${@:-tests}" > "$OUT/gpu_tests.txt" 2>&1
 tests_rc=$?
+# On Hopper the default path is wgmma (sm90); run the portable mma.sync path (sm80) too.
+if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability != '90')"; then
+  CUFA_KERNEL_FAMILY=sm80 python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}" \
+    > "$OUT/gpu_tests_sm80.txt" 2>&1
+  tests_rc=$((tests_rc + $?))
+fi
 python3 -m cufa > "$OUT/check.txt" 2>&1
 check_rc=$?
 if [ $bench = 1 ]; then
-  python3 bench/bench_fwd.py --out "$OUT" > "$OUT/bench.txt" 2>&1
+  python3 bench/bench_fwd.py --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
 fi
 
 echo "== device"; cat "$OUT/nvidia-smi.txt"; head -4 "$OUT/info.txt"
-echo "== GPU tests (rc=$tests_rc)"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/gpu_tests.txt" | tail -25
-echo "== self-check (rc=$check_rc)"; tail -12 "$OUT/check.txt"
+echo "== GPU tests (rc=$tests_rc)"
+for f in "$OUT"/gpu_tests*.txt; do
+  echo "-- $(basename "$f")"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -15
+done
+echo "== self-check (rc=$check_rc)"; grep -E "FAIL|self-check|^\|" "$OUT/check.txt" | tail -20
 if [ $bench = 1 ]; then echo "== bench"; tail -40 "$OUT/bench.txt"; fi

@@ -71,11 +71,15 @@ def _gpu_check():
     except ImportError:
         dtypes = ["float16"]
         print("  (bfloat16 skipped: CuPy needs the ml_dtypes package for bfloat16 arrays)")
-    cases = [(dt, d, mask, mods) for dt in dtypes for d in _compile.PADDED_HEAD_DIMS
+    native = _compile.family_for(cupy.cuda.Device().compute_capability)
+    families = [native] + [f for f in ("sm80",) if f != native]   # Hopper checks both paths
+    dims = {"sm80": _compile.SM80_HEAD_DIMS, "sm90": _compile.SM90_HEAD_DIMS}
+    cases = [(fam, dt, d, mask, mods) for fam in families for dt in dtypes for d in dims[fam]
              for mask in _compile.MASKS for mods in (False, True)]
     failures = 0
-    for i, (dt, d, mask, mods) in enumerate(cases, 1):
-        _progress(i, len(cases), f"{dt} d={d} {mask}{' +mods' if mods else ''}")
+    for i, (fam, dt, d, mask, mods) in enumerate(cases, 1):
+        _progress(i, len(cases), f"{fam} {dt} d={d} {mask}{' +mods' if mods else ''}")
+        os.environ["CUFA_KERNEL_FAMILY"] = fam
         b, sq, sk, h, hk = 2, 97, 133, 4, 2
         q, k, v = (_random((b, n, hh, d), dt, rng) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
         kw = dict(causal=mask == "window")
@@ -92,8 +96,9 @@ def _gpu_check():
         tol = 2e-2 if dt == "bfloat16" else 4e-3
         if not (err < tol and lse_err < 1e-3):
             failures += 1
-            print(f"\n  FAIL {dt} d={d} {mask} mods={mods}: max |out err| {err:.2e}, "
+            print(f"\n  FAIL {fam} {dt} d={d} {mask} mods={mods}: max |out err| {err:.2e}, "
                   f"max |lse err| {lse_err:.2e}")
+    os.environ.pop("CUFA_KERNEL_FAMILY")
     print(f"\nself-check: {len(cases) - failures}/{len(cases)} kernel families match the reference")
     return failures == 0
 

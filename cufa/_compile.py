@@ -9,6 +9,7 @@ compiles it once even when several threads ask at the same time.
 """
 import hashlib
 import importlib.resources
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -18,68 +19,111 @@ from . import _params
 
 DTYPES = ("fp16", "bf16")           # index = Dtype in common.cuh
 MASKS = ("none", "window")          # index = MaskKind in mask.cuh
-PADDED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-MAX_HEAD_DIM = PADDED_HEAD_DIMS[-1]
-THREADS = 128                       # kThreads in fwd_sm80.cu
+FAMILIES = ("sm80", "sm90")         # kernels_cu/fwd_<family>.cu
+MAX_HEAD_DIM = 256
 
-# (block_m, block_n) per padded head dim: the largest tile whose accumulators
-# (O: block_m * head_dim / 128 floats a thread, S: block_m * block_n / 128) fit in
-# 255 registers without ptxas spilling. block_m 128 gives each warp 32 rows, so a
-# K/V fragment read from shared memory feeds two MMAs; above head dim 128 only 16
-# rows a warp fit. The score-mods variants need more registers at head dim 128.
-TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
-         160: (64, 64), 192: (64, 64), 224: (64, 64), 256: (64, 64)}
-TILES_SCORE_MODS = {**TILES, 128: (64, 64)}
+# sm80: mma.sync on any GPU from sm_80 on. Head dims padded to a multiple of 32;
+# (block_m, block_n) is the largest tile whose accumulators (O: block_m * head_dim / 128
+# floats a thread, S: block_m * block_n / 128) fit in 255 registers without ptxas
+# spilling. block_m 128 gives each warp 32 rows, so a K/V fragment read from shared
+# memory feeds two MMAs; above head dim 128 only 16 rows a warp fit. The score-mods
+# variants need more registers at head dim 128.
+SM80_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
+              160: (64, 64), 192: (64, 64), 224: (64, 64), 256: (64, 64)}
+SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
+
+# sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64);
+# 128 query rows (two warpgroups). block_n 128 where two K/V stages of it fit in
+# shared memory next to Q (227 KB), 64 above head dim 128.
+SM90_HEAD_DIMS = (64, 128, 192, 256)
+SM90_TILES = {64: (128, 128), 128: (128, 128), 192: (128, 64), 256: (128, 64)}
 
 NVRTC_OPTIONS = ("-std=c++17",)
 
 
 @dataclass(frozen=True)
 class FwdVariant:
+    family: str         # "sm80" | "sm90"
     dtype: str          # "fp16" | "bf16"
-    head_dim: int       # padded head dim, one of PADDED_HEAD_DIMS
+    head_dim: int       # padded head dim
     mask: str           # "none" | "window" (causal is a window)
     score_mods: bool    # softcap / ALiBi / explicit attn_mask, chosen at run time
     block_m: int
     block_n: int
 
-    source = "fwd_sm80.cu"
+    @property
+    def source(self):
+        return f"fwd_{self.family}.cu"
+
+    @property
+    def threads(self):
+        return 128 if self.family == "sm80" else 256
 
     @property
     def key(self):
         mods = "_mods" if self.score_mods else ""
-        return (f"fwd_{self.dtype}_hd{self.head_dim}_bm{self.block_m}_bn{self.block_n}"
-                f"_{self.mask}{mods}")
+        return (f"fwd_{self.family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
+                f"_bn{self.block_n}_{self.mask}{mods}")
 
     @property
     def name_expression(self):
-        return (f"cufa::fwd_kernel<{DTYPES.index(self.dtype)}, {self.head_dim}, "
-                f"{MASKS.index(self.mask)}, {str(self.score_mods).lower()}, "
-                f"{self.block_m}, {self.block_n}>")
+        args = (f"{DTYPES.index(self.dtype)}, {self.head_dim}, {MASKS.index(self.mask)}, "
+                f"{str(self.score_mods).lower()}")
+        if self.family == "sm80":
+            return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
+        return f"cufa::fwd_sm90_kernel<{args}, {self.block_n}>"
 
     @property
     def smem_bytes(self):
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        tiles = (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        if self.family == "sm80":
+            return tiles
+        return tiles + 2 * self.block_n * self.head_dim * 2 + 1024  # 2 K/V stages, alignment
+
+    @property
+    def archs(self):
+        """What the CPU compile check builds it for."""
+        return ("sm_80", "sm_90") if self.family == "sm80" else ("sm_90a",)
+
+    @property
+    def options(self):
+        """NVRTC options beyond the arch CuPy picks: wgmma needs the sm_90a target."""
+        return NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
 
 
-def padded_head_dim(head_dim):
-    for hd in PADDED_HEAD_DIMS:
+def padded_head_dim(head_dim, family="sm80"):
+    for hd in (SM80_HEAD_DIMS if family == "sm80" else SM90_HEAD_DIMS):
         if head_dim <= hd:
             return hd
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
-def fwd_variant(dtype, head_dim, mask, score_mods):
-    hd = padded_head_dim(head_dim)
-    block_m, block_n = (TILES_SCORE_MODS if score_mods else TILES)[hd]
-    return FwdVariant(dtype, hd, mask, bool(score_mods), block_m, block_n)
+def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80"):
+    hd = padded_head_dim(head_dim, family)
+    if family == "sm80":
+        block_m, block_n = (SM80_TILES_SCORE_MODS if score_mods else SM80_TILES)[hd]
+    else:
+        block_m, block_n = SM90_TILES[hd]
+    return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)
+
+
+def family_for(compute_capability):
+    """The kernel family for a device: wgmma on Hopper (9.0), mma.sync elsewhere.
+    CUFA_KERNEL_FAMILY=sm80 forces the portable path (tests use it on Hopper)."""
+    forced = os.environ.get("CUFA_KERNEL_FAMILY")
+    if forced:
+        if forced not in FAMILIES:
+            raise ValueError(f"CUFA_KERNEL_FAMILY must be one of {FAMILIES}; got {forced!r}")
+        return forced
+    return "sm90" if str(compute_capability) == "90" else "sm80"
 
 
 def all_variants():
     """Every kernel variant the library can launch."""
-    return [fwd_variant(dt, hd, mask, mods)
-            for dt in DTYPES for hd in PADDED_HEAD_DIMS for mask in MASKS
-            for mods in (False, True)]
+    return [fwd_variant(dt, hd, mask, mods, family)
+            for family, dims in (("sm80", SM80_HEAD_DIMS), ("sm90", SM90_HEAD_DIMS))
+            for dt in DTYPES for hd in dims for mask in MASKS for mods in (False, True)]
 
 
 # -- sources ---------------------------------------------------------------------------
@@ -139,7 +183,7 @@ def get_kernel(variant, device_id):
             import cupy
             with cupy.cuda.Device(device_id):
                 module = cupy.RawModule(code=assembled_source(variant.source),
-                                        options=NVRTC_OPTIONS,
+                                        options=variant.options,
                                         name_expressions=[variant.name_expression])
                 fn = module.get_function(variant.name_expression)
                 if variant.smem_bytes > 48 * 1024:
@@ -170,7 +214,7 @@ _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 
 
 def compile_for_arch(variant, arch):
-    """Compile `variant` for `arch` (e.g. "sm_90") with NVRTC, no GPU needed.
+    """Compile `variant` for `arch` (e.g. "sm_90", "sm_90a") with NVRTC, no GPU needed.
 
     Raises cupy.cuda.compiler.CompileException on a compile error.
     """

@@ -247,7 +247,8 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
     if batch and nheads and seqlen_q:
         mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
         score_mods = softcap > 0 or alibi is not None or attn_mask is not None
-        variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods)
+        family = _compile.family_for(_compute_capability(q.device))
+        variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family)
         num_m_blocks = -(-seqlen_q // variant.block_m)
         num_tiles = num_m_blocks * batch * nheads
         if num_tiles > _INT32_MAX:
@@ -290,4 +291,15 @@ def _launch(variant, num_tiles, params, framework, device):
     import cupy
     fn = _compile.get_kernel(variant, device)
     with cupy.cuda.Device(device), _interop.current_stream(framework, device):
-        fn((num_tiles,), (_compile.THREADS,), (params[()],), shared_mem=variant.smem_bytes)
+        fn((num_tiles,), (variant.threads,), (params[()],), shared_mem=variant.smem_bytes)
+
+
+_capabilities = {}
+
+
+def _compute_capability(device):
+    cc = _capabilities.get(device)
+    if cc is None:
+        import cupy
+        cc = _capabilities[device] = cupy.cuda.Device(device).compute_capability
+    return cc

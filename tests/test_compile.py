@@ -8,7 +8,6 @@ import pytest
 
 from cufa import _compile, _params
 
-ARCHS = ("sm_80", "sm_90")
 
 
 def _compile_one(args):
@@ -22,7 +21,7 @@ def _compile_one(args):
 
 @pytest.fixture(scope="module")
 def reports():
-    jobs = [(v, a) for v in _compile.all_variants() for a in ARCHS]
+    jobs = [(v, a) for v in _compile.all_variants() for a in v.archs]
     with ProcessPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         return list(pool.map(_compile_one, jobs))
 
@@ -32,11 +31,12 @@ def test_variant_list_is_complete_and_keys_unique():
     keys = [v.key for v in variants]
     assert len(set(keys)) == len(keys)
     assert {v.dtype for v in variants} == set(_compile.DTYPES)
-    assert {v.head_dim for v in variants} == set(_compile.PADDED_HEAD_DIMS)
+    for family, dims in (("sm80", _compile.SM80_HEAD_DIMS), ("sm90", _compile.SM90_HEAD_DIMS)):
+        assert {v.head_dim for v in variants if v.family == family} == set(dims)
     assert {(v.mask, v.score_mods) for v in variants} == {
         (m, s) for m in _compile.MASKS for s in (False, True)}
-    for v in variants:  # fits the smallest shared memory of the sm_80+ family (sm_86/89: 99 KB)
-        assert v.smem_bytes <= 99 * 1024, v.key
+    for v in variants:  # sm80 must fit sm_86/89's 99 KB of shared memory, sm90 the H100's 227 KB
+        assert v.smem_bytes <= (99 if v.family == "sm80" else 227) * 1024, v.key
 
 
 def test_every_variant_compiles_without_spills(reports):
@@ -51,17 +51,41 @@ def test_every_variant_compiles_without_spills(reports):
 
 
 def test_head_dim_padding():
-    assert [_compile.padded_head_dim(d) for d in (8, 32, 40, 64, 72, 128, 136, 248, 256)] == [
-        32, 32, 64, 64, 96, 128, 160, 256, 256]
+    dims = (8, 32, 40, 64, 72, 128, 136, 248, 256)
+    assert [_compile.padded_head_dim(d) for d in dims] == [32, 32, 64, 64, 96, 128, 160, 256, 256]
+    assert [_compile.padded_head_dim(d, "sm90") for d in dims] == [
+        64, 64, 64, 64, 128, 128, 192, 256, 256]
     with pytest.raises(ValueError):
         _compile.padded_head_dim(264)
 
 
-def test_source_has_headers_inlined_and_digest():
-    src = _compile.assembled_source("fwd_sm80.cu")
+def test_family_choice(monkeypatch):
+    monkeypatch.delenv("CUFA_KERNEL_FAMILY", raising=False)
+    assert _compile.family_for("90") == "sm90"
+    assert [_compile.family_for(cc) for cc in ("80", "86", "89", "100", "120")] == ["sm80"] * 5
+    monkeypatch.setenv("CUFA_KERNEL_FAMILY", "sm80")
+    assert _compile.family_for("90") == "sm80"
+    monkeypatch.setenv("CUFA_KERNEL_FAMILY", "sm70")
+    with pytest.raises(ValueError, match="CUFA_KERNEL_FAMILY"):
+        _compile.family_for("90")
+
+
+def test_wgmma_header_is_generated_from_the_script():
+    import importlib.util
+    from pathlib import Path
+    gen = Path(__file__).resolve().parent.parent / "tools" / "gen_wgmma.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma", gen)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.HEADER.read_text() == module.generate(), "run python tools/gen_wgmma.py"
+
+
+@pytest.mark.parametrize("source", ["fwd_sm80.cu", "fwd_sm90.cu"])
+def test_source_has_headers_inlined_and_digest(source):
+    src = _compile.assembled_source(source)
     assert '#include "' not in src
-    assert "struct FwdParams" in src and "struct OnlineSoftmax" in src
-    assert src.startswith("// cufa fwd_sm80.cu sha256:")
+    assert src.count("struct FwdParams {") == 1 and "struct OnlineSoftmax" in src
+    assert src.startswith(f"// cufa {source} sha256:")
     assert "static_assert(sizeof(cufa::FwdParams)" in src
 
 

@@ -1,0 +1,196 @@
+// Forward attention on Hopper's warpgroup MMA (sm_90a). Two warpgroups of 4 warps own
+// 64 query rows each (a CTA owns 128 rows of one (batch, head)); both matrix products
+// are wgmma: S = Q K^T with Q and K read from shared memory through descriptors, and
+// O += P V with P straight from the S registers. K/V blocks stream through a two-stage
+// cp.async ring: block j+1 loads while block j computes.
+#include "common.cuh"
+#include "params.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "score.cuh"
+#include "sm90.cuh"
+#include "wgmma_ops.cuh"
+
+namespace cufa {
+
+constexpr int kSm90Threads = 256;
+constexpr int kSm90BlockM = 128;
+
+// -- load a tile into the panel layout: rows past `rows_valid`, columns past `head_dim` as zeros --
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_stride,
+                                            int rows_valid, int head_dim) {
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kSm90Threads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = r < rows_valid && c * 8 < head_dim;
+    const u16* src = valid ? gmem + r * row_stride + c * 8 : gmem;
+    cp_async_16(smem + panel_offset<kRows>(r, c), src, valid ? 16 : 0);
+  }
+}
+
+// -- P from the S accumulators into wgmma A fragments, 16 keys per fragment --
+template <int kDtype, int kNTiles>
+__device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    a[kk][0] = pack2<kDtype>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    a[kk][1] = pack2<kDtype>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    a[kk][2] = pack2<kDtype>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    a[kk][3] = pack2<kDtype>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+// -- epilogue: straight from registers; each quad writes 16 contiguous bytes of a row --
+template <int kDtype, int kDTiles>
+__device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles][4],
+                                                    const float (&lse)[1][2], const FwdParams& p,
+                                                    u16* o_ptr, float* lse_ptr, int row_base,
+                                                    int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = frag_row(row_base, 0, 2 * h, lane);
+    if (row >= p.seqlen_q) continue;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      const int col = frag_col(0, dt, 0, lane);
+      if (col < p.head_dim)
+        *reinterpret_cast<u32*>(o_ptr + row * p.o_row_stride + col) =
+            pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
+    }
+    if ((lane & 3) == 0) lse_ptr[row] = lse[0][h];
+  }
+}
+
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN>
+__global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdParams p) {
+  constexpr int kBlockM = kSm90BlockM;
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0, "whole 128-byte panels");
+
+  // Dynamic shared memory is only 16-byte aligned; the swizzle needs 1024.
+  extern __shared__ unsigned char smem_raw[];
+  const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
+  // Q, then the two K/V stages: stage s of K at sk + s * kKVBytes, of V at sv + s * kKVBytes
+  // (arithmetic, not arrays: a run-time index into an array would put it in local memory).
+  const u32 sq = smem;
+  const u32 sk = sq + kQBytes;
+  const u32 sv = sk + 2 * kKVBytes;
+
+  // -- which tile: query blocks of the last rows first (under causal masks they see the most keys) --
+  const int bh_count = p.batch * p.nheads;
+  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x) / bh_count;
+  const int bh = static_cast<int>(blockIdx.x) % bh_count;
+  const int b = bh / p.nheads, h = bh % p.nheads;
+  const int h_k = h / (p.nheads / p.nheads_k);
+  const int row0 = m_block * kBlockM;
+  const int row_end = min(row0 + kBlockM, p.seqlen_q);
+  const int lane = threadIdx.x % 32;
+  const int warpgroup = threadIdx.x / 128;
+  const int row_base = row0 + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
+
+  const u16* q_ptr = reinterpret_cast<const u16*>(p.q) + b * p.q_batch_stride +
+                     h * p.q_head_stride + row0 * p.q_row_stride;
+  const u16* k_ptr = reinterpret_cast<const u16*>(p.k) + b * p.k_batch_stride + h_k * p.k_head_stride;
+  const u16* v_ptr = reinterpret_cast<const u16*>(p.v) + b * p.v_batch_stride + h_k * p.v_head_stride;
+  u16* o_ptr = reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+  float* lse_ptr = reinterpret_cast<float*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
+
+  const float alibi_slope =
+      (kScoreMods && p.alibi_slopes)
+          ? reinterpret_cast<const float*>(p.alibi_slopes)[b * p.alibi_batch_stride + h]
+          : 0.f;
+  const i64 mask_offset = b * p.mask_batch_stride + h * p.mask_head_stride;
+  const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
+
+  float acc_o[1][kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+  OnlineSoftmax<1> softmax;
+  softmax.init();
+
+  const KeyRange keys = key_range<kMask>(p, row0, row_end);
+  const int n_block_min = keys.begin / kBlockN;
+  const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key skip the loop
+
+  if (n_block_min < n_block_max) {
+    // K-major Q and K: 8-row groups 1024 bytes apart; 16 columns (32 bytes) per k-step
+    // inside a panel. MN-major V: 64-column panels kBlockN * 128 bytes apart, 8-key
+    // groups 1024 bytes apart; 16 keys (2048 bytes) per k-step.
+    const u64 q_desc = smem_desc(sq + warpgroup * 64 * 128, 16, 1024);
+    const u64 k_desc = smem_desc(sk, 16, 1024);
+    const u64 v_desc = smem_desc(sv, kBlockN * 128, 1024);
+    auto kstep = [](int ks, int rows) {  // descriptor offset (16-byte units) of k-step ks
+      return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+    };
+    constexpr u64 kStageStep = kKVBytes >> 4;
+
+    int nb = n_block_max - 1;
+    load_panels<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, p.seqlen_q - row0, p.head_dim);
+    load_panels<kBlockN, kHeadDim>(sk, k_ptr + nb * kBlockN * p.k_row_stride, p.k_row_stride,
+                                   p.seqlen_k - nb * kBlockN, p.head_dim);
+    load_panels<kBlockN, kHeadDim>(sv, v_ptr + nb * kBlockN * p.v_row_stride, p.v_row_stride,
+                                   p.seqlen_k - nb * kBlockN, p.head_dim);
+    cp_async_commit();
+
+    for (int stage = 0; nb >= n_block_min; --nb, stage ^= 1) {
+      const int key0 = nb * kBlockN;
+      // -- every warp is done with the other stage: fetch block nb-1 into it --
+      __syncthreads();
+      if (nb > n_block_min) {
+        const int next0 = key0 - kBlockN;
+        load_panels<kBlockN, kHeadDim>(sk + (stage ^ 1) * kKVBytes, k_ptr + next0 * p.k_row_stride,
+                                       p.k_row_stride, p.seqlen_k - next0, p.head_dim);
+        load_panels<kBlockN, kHeadDim>(sv + (stage ^ 1) * kKVBytes, v_ptr + next0 * p.v_row_stride,
+                                       p.v_row_stride, p.seqlen_k - next0, p.head_dim);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      fence_proxy_async();
+      __syncthreads();
+
+      // -- compute qk --
+      float acc_s[1][kNTiles][4];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        wgmma_ss<kDtype>(acc_s, q_desc + kstep(ks, kBlockM),
+                         k_desc + stage * kStageStep + kstep(ks, kBlockN),
+                         ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(acc_s);
+
+      if (kScoreMods) apply_score_mods(acc_s, p, alibi_slope, mask_offset, row_base, key0, lane);
+      if (block_needs_mask<kMask>(p, row0, row_end, key0, key0 + kBlockN))
+        apply_mask<kMask>(acc_s, p, row_base, key0, lane);
+
+      // -- update m_i and l_i, rescale acc, then acc += P V --
+      softmax.update(acc_s, acc_o, scale_log2);
+      u32 a[kNTiles / 2][4];
+      pack_p<kDtype>(a, acc_s);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kNTiles / 2; ++kk)
+        wgmma_rs<kDtype>(acc_o, a[kk], v_desc + stage * kStageStep + (kk * 16 * 128 >> 4), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(acc_o);
+      fence_registers(a);
+    }
+  }
+
+  float lse[1][2];
+  softmax.finalize(acc_o, lse, scale_log2);
+  write_output_direct<kDtype>(acc_o, lse, p, o_ptr, lse_ptr, row_base, lane);
+}
+
+}  // namespace cufa

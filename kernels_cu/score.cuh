@@ -1,0 +1,63 @@
+#pragma once
+// Score stages shared by the forward kernels, on the mma.sync accumulator layout
+// (wgmma accumulators use the same layout per warp): element e of tile (mt, nt)
+// is row 16 * mt + lane / 4 + 8 * (e / 2), column 8 * nt + 2 * (lane % 4) + e % 2.
+#include "params.cuh"
+#include "mask.cuh"
+
+namespace cufa {
+
+// Row and key of accumulator element e of tile (mt, nt) for this lane.
+__device__ __forceinline__ int frag_row(int row_base, int mt, int e, int lane) {
+  return row_base + mt * 16 + (lane >> 2) + 8 * (e >> 1);
+}
+__device__ __forceinline__ int frag_col(int col_base, int nt, int e, int lane) {
+  return col_base + nt * 8 + 2 * (lane & 3) + (e & 1);
+}
+
+// -- mask: keys outside the window or past seqlen_k get -inf --
+template <int kMask, int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
+                                           int row_base, int key0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!key_visible<kMask>(p, frag_row(row_base, mt, e, lane), frag_col(key0, nt, e, lane)))
+          s[mt][nt][e] = -CUFA_INF;
+}
+
+__device__ __forceinline__ float attn_mask_value(const FwdParams& p, i64 offset) {
+  switch (p.attn_mask_type) {
+    case ATTN_MASK_BOOL: return reinterpret_cast<const unsigned char*>(p.attn_mask)[offset] ? 0.f : -CUFA_INF;
+    case ATTN_MASK_FP16: return fp16_to_float(reinterpret_cast<const u16*>(p.attn_mask)[offset]);
+    case ATTN_MASK_BF16: return bf16_to_float(reinterpret_cast<const u16*>(p.attn_mask)[offset]);
+    case ATTN_MASK_FP32: return reinterpret_cast<const float*>(p.attn_mask)[offset];
+    default: return 0.f;
+  }
+}
+
+// -- score mods: scale, softcap, ALiBi, explicit mask; leaves scores in log2 units --
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_score_mods(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
+                                                 float alibi_slope, i64 mask_offset, int row_base,
+                                                 int key0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = frag_row(row_base, mt, e, lane), key = frag_col(key0, nt, e, lane);
+        float x = s[mt][nt][e] * p.scale;
+        if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
+        x -= alibi_slope * fabsf(static_cast<float>((i64)row + p.diag_offset - key));
+        if (p.attn_mask_type != ATTN_MASK_NONE && row < p.seqlen_q && key < p.seqlen_k)
+          x += attn_mask_value(p, mask_offset + row * p.mask_row_stride + key * p.mask_col_stride);
+        s[mt][nt][e] = x * CUFA_LOG2E;
+      }
+}
+
+}  // namespace cufa

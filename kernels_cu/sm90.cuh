@@ -1,0 +1,59 @@
+#pragma once
+// Hopper building blocks (sm_90a): shared-memory matrix descriptors, wgmma ordering,
+// and the 128-byte-swizzled tile layout the descriptors describe.
+#include "common.cuh"
+
+namespace cufa {
+
+// Tiles are stored as panels of 64 columns (128 bytes a row); rows of a panel are
+// consecutive, and 16-byte chunk c of row r sits at chunk c ^ (r % 8): the canonical
+// 128B-swizzle layout, for K-major operands (Q, K) and MN-major ones (V) alike.
+// Panels start at 1024-byte boundaries so the swizzle phase is 0.
+template <int kRows>
+__device__ __forceinline__ int panel_offset(int row, int chunk) {  // bytes
+  return (chunk / 8) * (kRows * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) * 16);
+}
+
+// wgmma shared-memory descriptor: start address, leading and stride byte offsets
+// (each >> 4), swizzle mode 1 = 128 bytes.
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) |
+         (static_cast<u64>((leading_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<u64>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// cp.async writes are generic-proxy stores; wgmma reads through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// wgmma reads and writes its registers asynchronously, but the compiler sees the asm
+// as done at issue. Passing each register through an empty volatile asm after
+// wgmma_wait keeps the compiler from reading accumulators, or reusing A-operand
+// registers, before the hardware is finished with them.
+template <int A, int B, int C>
+__device__ __forceinline__ void fence_registers(float (&x)[A][B][C]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j)
+#pragma unroll
+      for (int k = 0; k < C; ++k) asm volatile("" : "+f"(x[i][j][k])::"memory");
+}
+template <int A, int B>
+__device__ __forceinline__ void fence_registers(u32 (&x)[A][B]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+
+}  // namespace cufa
