@@ -250,7 +250,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       }
 
       // -- update m_i and l_i, rescale acc, then acc += P V --
-      softmax.update(acc_s, acc_o, scale_log2);
+      float correction[kMTiles][2];
+      softmax.update(acc_s, scale_log2, correction);
+      softmax.rescale_output(acc_o, correction);
       gemm_pv<kDtype>(acc_o, acc_s, v_frag);
     }
   }

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
   constexpr int kDTiles = kHeadDim / 8;
   constexpr int kQBytes = kBlockM * kHeadDim * 2;
   constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0, "whole 128-byte panels");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
 
   // Dynamic shared memory is only 16-byte aligned; the swizzle needs 1024.
   extern __shared__ unsigned char smem_raw[];
@@ -130,62 +130,80 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
       return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
     };
     constexpr u64 kStageStep = kKVBytes >> 4;
+    // Block `it` of the loop is key block n_block_max - 1 - it, in stage it % 2.
+    const int n_blocks = n_block_max - n_block_min;
+    auto load_k = [&](int it) {
+      const int key0 = (n_block_max - 1 - it) * kBlockN;
+      load_panels<kBlockN, kHeadDim>(sk + (it & 1) * kKVBytes, k_ptr + key0 * p.k_row_stride,
+                                     p.k_row_stride, p.seqlen_k - key0, p.head_dim);
+      cp_async_commit();
+    };
+    auto load_v = [&](int it) {
+      const int key0 = (n_block_max - 1 - it) * kBlockN;
+      load_panels<kBlockN, kHeadDim>(sv + (it & 1) * kKVBytes, v_ptr + key0 * p.v_row_stride,
+                                     p.v_row_stride, p.seqlen_k - key0, p.head_dim);
+      cp_async_commit();
+    };
+    auto issue_pv = [&](const u32 (&pa)[kNTiles / 2][4], int it) {
+#pragma unroll
+      for (int kk = 0; kk < kNTiles / 2; ++kk)
+        wgmma_rs<kDtype>(acc_o, pa[kk], v_desc + (it & 1) * kStageStep + (kk * 16 * 128 >> 4), 1);
+      wgmma_commit();
+    };
 
-    int nb = n_block_max - 1;
+    // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
+    // together, and computes the exponentials of S_it while the P V product runs. The
+    // copy of K_{it+1} overlaps the whole iteration, V_{it+1} its second half (its stage
+    // holds V_{it-1} until that product is done). cp.async groups complete in issue
+    // order Q+K_0, V_0, K_1, V_1, ...: at the top of iteration it, waiting for all but
+    // the newest (V_it) leaves K_it and V_{it-1} landed.
     load_panels<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, p.seqlen_q - row0, p.head_dim);
-    load_panels<kBlockN, kHeadDim>(sk, k_ptr + nb * kBlockN * p.k_row_stride, p.k_row_stride,
-                                   p.seqlen_k - nb * kBlockN, p.head_dim);
-    load_panels<kBlockN, kHeadDim>(sv, v_ptr + nb * kBlockN * p.v_row_stride, p.v_row_stride,
-                                   p.seqlen_k - nb * kBlockN, p.head_dim);
-    cp_async_commit();
-
-    for (int stage = 0; nb >= n_block_min; --nb, stage ^= 1) {
-      const int key0 = nb * kBlockN;
-      // -- every warp is done with the other stage: fetch block nb-1 into it --
-      __syncthreads();
-      if (nb > n_block_min) {
-        const int next0 = key0 - kBlockN;
-        load_panels<kBlockN, kHeadDim>(sk + (stage ^ 1) * kKVBytes, k_ptr + next0 * p.k_row_stride,
-                                       p.k_row_stride, p.seqlen_k - next0, p.head_dim);
-        load_panels<kBlockN, kHeadDim>(sv + (stage ^ 1) * kKVBytes, v_ptr + next0 * p.v_row_stride,
-                                       p.v_row_stride, p.seqlen_k - next0, p.head_dim);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+    load_k(0);
+    load_v(0);
+    u32 p_prev[kNTiles / 2][4];
+    for (int it = 0; it < n_blocks; ++it) {
+      const int key0 = (n_block_max - 1 - it) * kBlockN;
+      cp_async_wait<1>();
       fence_proxy_async();
-      __syncthreads();
+      __syncthreads();  // K_it visible to all; every warp done with S_{it-1}, so K's other stage is free
+      if (it + 1 < n_blocks) load_k(it + 1);
 
-      // -- compute qk --
+      // -- issue qk, and the previous block's P V --
       float acc_s[1][kNTiles][4];
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
         wgmma_ss<kDtype>(acc_s, q_desc + kstep(ks, kBlockM),
-                         k_desc + stage * kStageStep + kstep(ks, kBlockN),
-                         ks > 0);
+                         k_desc + (it & 1) * kStageStep + kstep(ks, kBlockN), ks > 0);
       wgmma_commit();
-      wgmma_wait<0>();
+      if (it > 0) issue_pv(p_prev, it - 1);
+      if (it > 0) wgmma_wait<1>(); else wgmma_wait<0>();
       fence_registers(acc_s);
 
+      // -- score mods and mask, then softmax while P V runs --
       if (kScoreMods) apply_score_mods(acc_s, p, alibi_slope, mask_offset, row_base, key0, lane);
       if (block_needs_mask<kMask>(p, row0, row_end, key0, key0 + kBlockN))
         apply_mask<kMask>(acc_s, p, row_base, key0, lane);
+      float correction[1][2];
+      softmax.update(acc_s, scale_log2, correction);
 
-      // -- update m_i and l_i, rescale acc, then acc += P V --
-      softmax.update(acc_s, acc_o, scale_log2);
-      u32 a[kNTiles / 2][4];
-      pack_p<kDtype>(a, acc_s);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kNTiles / 2; ++kk)
-        wgmma_rs<kDtype>(acc_o, a[kk], v_desc + stage * kStageStep + (kk * 16 * 128 >> 4), 1);
-      wgmma_commit();
+      // -- P V done: rescale O, refill V's other stage --
       wgmma_wait<0>();
       fence_registers(acc_o);
-      fence_registers(a);
+      fence_registers(p_prev);
+      __syncthreads();  // every warp done with V_{it-1}
+      if (it + 1 < n_blocks) load_v(it + 1);
+      softmax.rescale_output(acc_o, correction);
+      pack_p<kDtype>(p_prev, acc_s);
     }
+    // -- the last block's P V --
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    wgmma_fence();
+    issue_pv(p_prev, n_blocks - 1);
+    wgmma_wait<0>();
+    fence_registers(acc_o);
   }
 
   float lse[1][2];

@@ -29,12 +29,13 @@ struct OnlineSoftmax {
       }
   }
 
-  // Folds one block of scores in: raises the row max, rescales the partial
-  // output and sum by exp2(old max - new max), and turns the scores into
-  // probabilities exp2(score * scale_log2 - max * scale_log2).
-  template <int kNTiles, int kDTiles>
-  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4],
-                                         float (&o)[kMTiles][kDTiles][4], float scale_log2) {
+  // Folds one block of scores in: raises the row max, turns the scores into
+  // probabilities exp2(score * scale_log2 - max * scale_log2), and returns in
+  // `correction` the factor exp2(old max - new max) that the partial output must be
+  // multiplied by (rescale_output; separate so that it can wait for an in-flight MMA).
+  template <int kNTiles>
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                                         float (&correction)[kMTiles][2]) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -47,14 +48,9 @@ struct OnlineSoftmax {
         // A row that has seen only masked keys keeps max -inf: subtract 0 so
         // exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
         const float max_scaled = mx == -CUFA_INF ? 0.f : mx * scale_log2;
-        const float correction = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
+        correction[mt][h] = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
         row_max[mt][h] = mx;
-        float sum = row_sum[mt][h] * correction;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o[mt][dt][2 * h] *= correction;
-          o[mt][dt][2 * h + 1] *= correction;
-        }
+        float sum = row_sum[mt][h] * correction[mt][h];
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -65,6 +61,17 @@ struct OnlineSoftmax {
           }
         row_sum[mt][h] = sum;
       }
+  }
+
+  template <int kDTiles>
+  __device__ __forceinline__ static void rescale_output(float (&o)[kMTiles][kDTiles][4],
+                                                        const float (&correction)[kMTiles][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][dt][e] *= correction[mt][e >> 1];
   }
 
   // Divides the output by the row sum and returns lse = max*scale + ln(sum).
