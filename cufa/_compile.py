@@ -38,7 +38,7 @@ SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 # shared memory next to Q (227 KB), 64 above head dim 128.
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (128, 128), 128: (128, 128), 192: (128, 64), 256: (128, 64)}
-SM90_TILES_SCORE_MODS = {**SM90_TILES, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
+SM90_TILES_SCORE_MODS = {**SM90_TILES, 128: (128, 64)}  # else ptxas spills
 
 NVRTC_OPTIONS = ("-std=c++17",)
 

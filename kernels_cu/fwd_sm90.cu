@@ -152,21 +152,19 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
     };
 
     // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
-    // together, and computes the exponentials of S_it while the P V product runs. The
-    // copy of K_{it+1} overlaps the whole iteration, V_{it+1} its second half (its stage
-    // holds V_{it-1} until that product is done). cp.async groups complete in issue
-    // order Q+K_0, V_0, K_1, V_1, ...: at the top of iteration it, waiting for all but
-    // the newest (V_it) leaves K_it and V_{it-1} landed.
+    // together, and computes the exponentials of S_it while the P V product runs. Copies
+    // run one iteration ahead: the top of iteration `it` fetches K_{it+1} and V_it, into
+    // stages whose last readers (S_{it-1}, P_{it-2} V_{it-2}) finished before the barrier.
     load_panels<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, p.seqlen_q - row0, p.head_dim);
     load_k(0);
-    load_v(0);
     u32 p_prev[kNTiles / 2][4];
     for (int it = 0; it < n_blocks; ++it) {
       const int key0 = (n_block_max - 1 - it) * kBlockN;
-      cp_async_wait<1>();
+      cp_async_wait<0>();
       fence_proxy_async();
-      __syncthreads();  // K_it visible to all; every warp done with S_{it-1}, so K's other stage is free
+      __syncthreads();  // K_it and V_{it-1} visible to all; every warp is past S_{it-1}, P V_{it-2}
       if (it + 1 < n_blocks) load_k(it + 1);
+      load_v(it);
 
       // -- issue qk, and the previous block's P V --
       float acc_s[1][kNTiles][4];
@@ -186,13 +184,14 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
         apply_mask<kMask>(acc_s, p, row_base, key0, lane);
       float correction[1][2];
       softmax.update(acc_s, scale_log2, correction);
+      fence_registers(acc_s);
 
-      // -- P V done: rescale O, refill V's other stage --
+      // -- P V done: rescale O, keep P for the next iteration's product --
+      // (P is packed only now: the registers of the previous P feed the product until
+      // it completes, and ptxas does not see that they are still in use.)
       wgmma_wait<0>();
       fence_registers(acc_o);
       fence_registers(p_prev);
-      __syncthreads();  // every warp done with V_{it-1}
-      if (it + 1 < n_blocks) load_v(it + 1);
       softmax.rescale_output(acc_o, correction);
       pack_p<kDtype>(p_prev, acc_s);
     }

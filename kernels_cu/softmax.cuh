@@ -32,7 +32,7 @@ struct OnlineSoftmax {
   // Folds one block of scores in: raises the row max, turns the scores into
   // probabilities exp2(score * scale_log2 - max * scale_log2), and returns in
   // `correction` the factor exp2(old max - new max) that the partial output must be
-  // multiplied by (rescale_output; separate so that it can wait for an in-flight MMA).
+  // multiplied by (rescale_output: separate, so that it can wait for an in-flight MMA).
   template <int kNTiles>
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float scale_log2,
                                          float (&correction)[kMTiles][2]) {
