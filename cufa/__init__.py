@@ -4,7 +4,10 @@ CUDA kernels compiled at run time with NVRTC (through CuPy); inputs and outputs 
 the caller's own arrays (PyTorch, CuPy, JAX, any ``__dlpack__`` object), zero-copy.
 """
 from ._compile import all_variants
+from ._torch_ops import register_if_torch_loaded as _register_torch_ops
 from .api import flash_attn_func, scaled_dot_product_attention
+
+_register_torch_ops()  # only if torch is already imported: torch.compile can trace cufa calls
 
 __version__ = "0.1.0"
 

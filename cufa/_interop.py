@@ -7,6 +7,8 @@ bfloat16 needs no extra package); anything else with ``__dlpack__`` goes through
 """
 from dataclasses import dataclass
 
+from . import _torch_ops
+
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 
 
@@ -28,6 +30,7 @@ class DeviceArray:
 
 
 def _torch_view(x, name):
+    _torch_ops.register_if_torch_loaded()
     if x.device.type != "cuda":
         raise TypeError(f"{name} is a PyTorch tensor on {x.device}; cufa needs CUDA tensors")
     if x.requires_grad:
@@ -54,6 +57,10 @@ def as_device_array(x, name):
         return _torch_view(x, name)
     if module == "cupy":
         return _cupy_view(x, x, "cupy")
+    if is_jax(x) and _is_jax_tracer(x):
+        raise TypeError(f"{name} is a JAX tracer: cufa cannot run inside jax.jit (its kernels "
+                        "need device memory, which traced values do not have); call cufa "
+                        "outside the jitted function, on concrete arrays")
     if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
         raise TypeError(f"{name} must be a CUDA array (CuPy, PyTorch, JAX or any object with "
                         f"__dlpack__); got {type(x).__module__}.{type(x).__name__}")
@@ -101,9 +108,18 @@ def _cupy_dtype(dtype):
     return dtype
 
 
+def is_jax(x):
+    return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+def _is_jax_tracer(x):
+    import jax
+    return isinstance(x, jax.core.Tracer)
+
+
 def to_caller(native, like):
     """`native` (a torch or CuPy array) as the caller's type: JAX callers get JAX arrays."""
-    if like.framework == "dlpack" and type(like.obj).__module__.split(".")[0] in ("jax", "jaxlib"):
+    if like.framework == "dlpack" and is_jax(like.obj):
         import jax.dlpack
         return jax.dlpack.from_dlpack(native)
     return native

@@ -1,7 +1,7 @@
 """The public attention functions: validate -> pick a kernel variant -> fill params -> launch."""
 import math
 
-from . import _compile, _interop, _params
+from . import _compile, _interop, _params, _torch_ops
 
 _KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 _ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
@@ -39,6 +39,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     for compatibility.
     """
     _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    if _torch_ops.compiling(q):
+        if out is not None:
+            raise NotImplementedError("out= is not supported inside torch.compile")
+        left, right = window_size
+        o, lse = _torch_ops.ops()[0](q, k, v, softmax_scale, causal, left, right, softcap,
+                                     alibi_slopes)
+        return (o, lse) if return_lse else o
     q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
                batch_dim=0, seq_dim=1, head_dim=2)
@@ -67,6 +74,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Rows that see no key give 0 (PyTorch's math backend gives NaN there).
     """
     _reject_unsupported(dropout_p, False, None)
+    if _torch_ops.compiling(query):
+        return _torch_ops.ops()[1](query, key, value, attn_mask, is_causal, scale, enable_gqa)
     q, k, v = (_interop.as_device_array(x, n)
                for x, n in ((query, "query"), (key, "key"), (value, "value")))
     _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
@@ -219,6 +228,9 @@ def _check_out(out, q, name="out"):
     o = _interop.as_device_array(out, name)
     if o.framework != q.framework:
         raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
+    if _interop.is_jax(out):
+        raise TypeError(f"{name} is a JAX array, and JAX arrays are immutable; "
+                        "call without out= to get a new one")
     if o.shape != q.shape or o.dtype != q.dtype:
         raise ValueError(f"{name} must have q's shape {q.shape} and dtype {q.dtype}; got "
                          f"{o.shape} {o.dtype}")

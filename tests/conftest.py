@@ -1,3 +1,4 @@
+import os
 import zlib
 
 import numpy as np
@@ -15,6 +16,8 @@ def _cuda_device_reason():
 
 
 NO_GPU = _cuda_device_reason()
+# JAX would otherwise reserve 75% of the GPU at import, starving PyTorch in the same process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def pytest_collection_modifyitems(config, items):
