@@ -93,6 +93,21 @@ class FwdVariant:
         return NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
 
 
+@dataclass(frozen=True)
+class ScheduleKernel:
+    """varlen_schedule.cu: builds the work list of a packed batch (one CTA)."""
+    key: str = "varlen_schedule"
+    source: str = "varlen_schedule.cu"
+    name_expression: str = "cufa::varlen_schedule"
+    threads: int = 1024
+    smem_bytes: int = 0
+    archs: tuple = ("sm_80", "sm_90")
+    options: tuple = NVRTC_OPTIONS
+
+
+VARLEN_SCHEDULE = ScheduleKernel()
+
+
 def padded_head_dim(head_dim, family="sm80"):
     for hd in (SM80_HEAD_DIMS if family == "sm80" else SM90_HEAD_DIMS):
         if head_dim <= hd:
@@ -124,7 +139,8 @@ def all_variants():
     """Every kernel variant the library can launch."""
     return [fwd_variant(dt, hd, mask, mods, family)
             for family, dims in (("sm80", SM80_HEAD_DIMS), ("sm90", SM90_HEAD_DIMS))
-            for dt in DTYPES for hd in dims for mask in MASKS for mods in (False, True)]
+            for dt in DTYPES for hd in dims for mask in MASKS for mods in (False, True)
+            ] + [VARLEN_SCHEDULE]
 
 
 # -- sources ---------------------------------------------------------------------------
@@ -156,7 +172,9 @@ def assembled_source(filename):
     """One self-contained source string: includes inlined, layout checks appended."""
     src = _source_cache.get(filename)
     if src is None:
-        body = _inline(filename, set()) + "\n" + _params.layout_asserts()
+        body = _inline(filename, set())
+        if "struct FwdParams {" in body:
+            body += "\n" + _params.layout_asserts()
         digest = hashlib.sha256(body.encode()).hexdigest()[:16]
         src = f"// cufa {filename} sha256:{digest}\n{body}"
         _source_cache[filename] = src

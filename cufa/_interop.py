@@ -108,6 +108,14 @@ def _cupy_dtype(dtype):
     return dtype
 
 
+def to_numpy(x):
+    """A DeviceArray's values on the host (a device sync)."""
+    if x.framework == "torch":
+        return x.obj.detach().cpu().numpy()
+    import cupy
+    return cupy.asnumpy(x.obj if x.framework == "cupy" else cupy.from_dlpack(x.obj))
+
+
 def is_jax(x):
     return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
 

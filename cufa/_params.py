@@ -11,6 +11,8 @@ _PTR, _I64, _I32, _F32 = np.uint64, np.int64, np.int32, np.float32
 FWD_FIELDS = [
     ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("lse", _PTR),
     ("attn_mask", _PTR), ("alibi_slopes", _PTR),
+    ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR), ("seqused_k", _PTR),
+    ("tile_list", _PTR), ("tile_count", _PTR),
     ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
     ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
     ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
@@ -22,7 +24,7 @@ FWD_FIELDS = [
     ("batch", _I32), ("nheads", _I32), ("nheads_k", _I32),
     ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
     ("num_m_blocks", _I32),
-    ("diag_offset", _I32), ("window_left", _I32), ("window_right", _I32),
+    ("bottom_right", _I32), ("window_left", _I32), ("window_right", _I32),
     ("attn_mask_type", _I32),
     ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),
 ]

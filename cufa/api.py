@@ -56,8 +56,71 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return _run(q, k, v, out, return_lse, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
                 nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d,
                 scale=_softmax_scale(softmax_scale, d, "softmax_scale"),
-                diag_offset=seqlen_k - seqlen_q, window=(left, right),
+                bottom_right=True, window=(left, right),
                 softcap=_softcap(softcap), alibi=alibi, attn_mask=None)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, *, return_lse=False, out=None,
+                           seqused_k=None, check_cu_seqlens=False):
+    """Attention over a packed batch of variable-length sequences (flash-attn 2 conventions).
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim): the rows of all
+    sequences stacked. cu_seqlens_q/k: int32 (batch + 1,), starting at 0, non-decreasing,
+    ending at total_q/total_k; sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]. Masks
+    apply per sequence exactly as in flash_attn_func (causal aligned bottom-right per
+    sequence). seqused_k, int32 (batch,), uses only the first seqused_k[b] keys of
+    sequence b. Zero-length sequences and sequences without keys are legal (their rows
+    give 0 and lse -inf). lse is float32 (nheads, total_q).
+
+    max_seqlen_q / max_seqlen_k are accepted for compatibility and may exceed the true
+    maxima; the work list is built on the GPU from cu_seqlens, so they are not needed.
+
+    Free checks (no device sync): dtype, shape and device of cu_seqlens and seqused_k.
+    check_cu_seqlens=True also reads the values (one device-to-host copy, a sync): first
+    0, non-decreasing, last equal to the rows, seqused_k within the key lengths. Without
+    it, malformed values cannot make the kernel read or write outside the tensors, but
+    the result is undefined.
+    """
+    _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        if x.ndim != 3:
+            raise ValueError(f"{n} must be 3-D (total_rows, nheads, headdim); got shape {x.shape}")
+    # The 4-D checks, with the packed rows as one batch.
+    as4d = (lambda x: _interop.DeviceArray(x.obj, x.framework, x.ptr, (1,) + x.shape,
+                                           (0,) + x.strides, x.dtype, x.device, x.itemsize))
+    _check_qkv(as4d(q), as4d(k), as4d(v), ("q", "k", "v"), "(total_rows, nheads, headdim)",
+               batch_dim=0, seq_dim=1, head_dim=2)
+    total_q, nheads, d = q.shape
+    total_k = k.shape[0]
+    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
+    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
+    batch = cu_q.shape[0] - 1
+    if cu_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
+                         f"{batch + 1}; both must be (batch + 1,)")
+    used = _interop.optional_array(seqused_k, "seqused_k")
+    if used is not None:
+        if used.dtype != "int32":
+            raise TypeError(f"seqused_k must be int32; got {used.dtype}")
+        if used.shape != (batch,) or used.device != q.device:
+            raise ValueError(f"seqused_k must be ({batch},) int32 on cuda:{q.device}; got "
+                             f"{used.shape} on cuda:{used.device}")
+    for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"{n} must be an int >= 0; got {m!r}")
+    if check_cu_seqlens:
+        _check_cu_values(cu_q, "cu_seqlens_q", total_q, cu_k, "cu_seqlens_k", total_k, used)
+    left, right = _window(window_size, causal)
+    alibi = _check_alibi(alibi_slopes, q, batch, nheads)
+    return _run(q, k, v, out, return_lse, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
+                nheads_k=k.shape[1], seqlen_q=total_q, seqlen_k=total_k, d=d,
+                scale=_softmax_scale(softmax_scale, d, "softmax_scale"), bottom_right=True,
+                window=(left, right), softcap=_softcap(softcap), alibi=alibi, attn_mask=None,
+                varlen=(cu_q, cu_k, used))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -88,7 +151,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     mask = _check_attn_mask(attn_mask, q, (batch, nheads, seqlen_q, seqlen_k))
     return _run(q, k, v, None, False, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
                 nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d,
-                scale=_softmax_scale(scale, d, "scale"), diag_offset=0,
+                scale=_softmax_scale(scale, d, "scale"), bottom_right=False,
                 window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED), softcap=0.0,
                 alibi=None, attn_mask=mask)
 
@@ -224,6 +287,40 @@ def _check_attn_mask(attn_mask, q, full_shape):
     return m
 
 
+def _check_cu_seqlens(x, name, q):
+    c = _interop.as_device_array(x, name)
+    if c.dtype != "int32":
+        raise TypeError(f"{name} must be int32; got {c.dtype}")
+    if c.ndim != 1 or c.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D (batch + 1,); got shape {c.shape}")
+    if c.strides[0] != 1 and c.shape[0] > 1:
+        raise ValueError(f"{name} must be contiguous; got stride {c.strides[0]}")
+    if c.device != q.device:
+        raise ValueError(f"{name} is on cuda:{c.device} but q is on cuda:{q.device}")
+    return c
+
+
+def _check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
+    """The checks that read values: one copy to the host (a device sync)."""
+    host = {n: _interop.to_numpy(x) for x, n in ((cu_q, name_q), (cu_k, name_k))}
+    for (n, c), total in zip(host.items(), (total_q, total_k)):
+        if c[0] != 0:
+            raise ValueError(f"{n} must start at 0; got {int(c[0])}")
+        if (c[1:] < c[:-1]).any():
+            i = int((c[1:] < c[:-1]).argmax())
+            raise ValueError(f"{n} must be non-decreasing; {n}[{i + 1}] = {int(c[i + 1])} < "
+                             f"{n}[{i}] = {int(c[i])}")
+        if c[-1] != total:
+            raise ValueError(f"{n} ends at {int(c[-1])} but the tensor has {total} rows")
+    if used is not None:
+        u = _interop.to_numpy(used)
+        lens = host[name_k][1:] - host[name_k][:-1]
+        if (u < 0).any() or (u > lens).any():
+            i = int(((u < 0) | (u > lens)).argmax())
+            raise ValueError(f"seqused_k[{i}] = {int(u[i])} is outside [0, {int(lens[i])}], "
+                             f"the length of key sequence {i}")
+
+
 def _check_out(out, q, name="out"):
     o = _interop.as_device_array(out, name)
     if o.framework != q.framework:
@@ -250,13 +347,17 @@ def _broadcast_strides(m, full_shape):
 
 
 def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
-         seqlen_k, d, scale, diag_offset, window, softcap, alibi, attn_mask):
+         seqlen_k, d, scale, bottom_right, window, softcap, alibi, attn_mask, varlen=None):
+    """Fill the params and launch. Padded batches: q/k/v/o carry a batch dimension (0).
+    Packed batches (varlen = (cu_seqlens_q, cu_seqlens_k, seqused_k)): rows of all
+    sequences are stacked, seqlen_q/k are the total rows, and lse is (nheads, total_q)."""
     framework = "cupy" if q.framework == "dlpack" else q.framework
     if out is not None:
         o_native, o = out, _check_out(out, q)
     else:
         o_native, o = _interop.empty(framework, q.shape, q.dtype, q.device)
-    lse_native, lse = _interop.empty(framework, (batch, nheads, seqlen_q), "float32", q.device)
+    lse_shape = (nheads, seqlen_q) if varlen else (batch, nheads, seqlen_q)
+    lse_native, lse = _interop.empty(framework, lse_shape, "float32", q.device)
 
     if batch and nheads and seqlen_q:
         mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
@@ -264,18 +365,22 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
         family = _compile.family_for(_compute_capability(q.device))
         variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family)
         num_m_blocks = -(-seqlen_q // variant.block_m)
-        num_tiles = num_m_blocks * batch * nheads
-        if num_tiles > _INT32_MAX:
-            raise ValueError(f"problem too large: {num_tiles} query tiles exceed the grid limit")
+        # Packed batches: at most total_q / block_m + batch real tiles (each sequence
+        # rounds up once); the device-built list says how many there are.
+        max_tiles = seqlen_q // variant.block_m + batch if varlen else num_m_blocks * batch
+        if max_tiles * nheads > _INT32_MAX:
+            raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
+                             "the grid limit")
 
         p = _params.new_fwd_params()
         for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
             p[name] = x.ptr
-            p[f"{name}_batch_stride"] = x.strides[0]
+            p[f"{name}_batch_stride"] = 0 if varlen else x.strides[0]
             p[f"{name}_row_stride"] = x.strides[seq_dim]
             p[f"{name}_head_stride"] = x.strides[head_dim]
         p["lse"] = lse.ptr
-        p["lse_batch_stride"], p["lse_head_stride"] = lse.strides[0], lse.strides[1]
+        p["lse_batch_stride"], p["lse_head_stride"] = (
+            (0, lse.strides[0]) if varlen else (lse.strides[0], lse.strides[1]))
         if attn_mask is not None:
             full = (batch, nheads, seqlen_q, seqlen_k)
             p["attn_mask"] = attn_mask.ptr
@@ -288,12 +393,26 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
         p["batch"], p["nheads"], p["nheads_k"] = batch, nheads, nheads_k
         p["seqlen_q"], p["seqlen_k"], p["head_dim"] = seqlen_q, seqlen_k, d
         p["num_m_blocks"] = num_m_blocks
-        p["diag_offset"] = diag_offset
+        p["bottom_right"] = int(bottom_right)
         p["window_left"], p["window_right"] = window
         p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
         p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
 
-        _launch(variant, num_tiles, p, q.framework, q.device)
+        schedule = None
+        if varlen:
+            cu_q, cu_k, seqused_k = varlen
+            p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.ptr, cu_k.ptr
+            p["seqused_k"] = seqused_k.ptr if seqused_k is not None else 0
+            # One int32 scratch buffer: the int2 work list (8-byte aligned, first), its
+            # length, and the counting sort's 3 x num_buckets counters.
+            num_buckets = seqlen_q // variant.block_m + 2
+            _, scratch = _interop.empty(framework, (2 * max_tiles + 1 + 3 * num_buckets,),
+                                        "int32", q.device)
+            p["tile_list"] = scratch.ptr
+            p["tile_count"] = scratch.ptr + 8 * max_tiles
+            schedule = (cu_q.ptr, batch, seqlen_q, variant.block_m, num_buckets,
+                        scratch.ptr + 8 * max_tiles + 4, scratch.ptr, scratch.ptr + 8 * max_tiles)
+        _launch(variant, max_tiles * nheads, p, q.framework, q.device, schedule)
 
     o_native = _interop.to_caller(o_native, q)
     if return_lse:
@@ -301,11 +420,18 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
     return o_native
 
 
-def _launch(variant, num_tiles, params, framework, device):
+def _launch(variant, num_blocks, params, framework, device, schedule=None):
     import cupy
+    import numpy as np
     fn = _compile.get_kernel(variant, device)
     with cupy.cuda.Device(device), _interop.current_stream(framework, device):
-        fn((num_tiles,), (variant.threads,), (params[()],), shared_mem=variant.smem_bytes)
+        if schedule is not None:
+            sched = _compile.get_kernel(_compile.VARLEN_SCHEDULE, device)
+            cu_q, batch, total_q, block_m, buckets, counters, tiles, count = schedule
+            sched((1,), (_compile.VARLEN_SCHEDULE.threads,),
+                  (np.uint64(cu_q), np.int32(batch), np.int32(total_q), np.int32(block_m),
+                   np.int32(buckets), np.uint64(counters), np.uint64(tiles), np.uint64(count)))
+        fn((num_blocks,), (variant.threads,), (params[()],), shared_mem=variant.smem_bytes)
 
 
 _capabilities = {}

@@ -4,6 +4,7 @@
 // from the last visible block to the first, so blocks that need masking come first.
 #include "common.cuh"
 #include "params.cuh"
+#include "block_info.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"
 #include "score.cuh"
@@ -121,7 +122,8 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4],
 template <int kDtype, int kHeadDim, int kMTiles, int kDTiles>
 __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4],
                                              const float (&lse)[kMTiles][2], const FwdParams& p,
-                                             u16* s_stage, u16* o_ptr, float* lse_ptr, int row0,
+                                             int seqlen_q, u16* s_stage, u16* o_ptr, float* lse_ptr,
+                                             int row0,
                                              int warp_row0, int lane) {
   unsigned char* stage = reinterpret_cast<unsigned char*>(s_stage);
 #pragma unroll
@@ -141,7 +143,7 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
     const int row = row0 + warp_row0 + r;
-    if (row < p.seqlen_q && c * 8 < p.head_dim)
+    if (row < seqlen_q && c * 8 < p.head_dim)
       *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + c * 8) =
           *reinterpret_cast<const uint4*>(stage + Swizzle<kHeadDim>::offset(warp_row0 + r, c));
   }
@@ -151,7 +153,7 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
-        if (row < p.seqlen_q) lse_ptr[row] = lse[mt][h];
+        if (row < seqlen_q) lse_ptr[row] = lse[mt][h];
       }
   }
 }
@@ -168,27 +170,22 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   u16* sK = sQ + kBlockM * kHeadDim;
   u16* sV = sK + kBlockN * kHeadDim;
 
-  // -- which tile: query blocks of the last rows first (under causal masks they see the most keys) --
-  const int bh_count = p.batch * p.nheads;
-  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x) / bh_count;
-  const int bh = static_cast<int>(blockIdx.x) % bh_count;
-  const int b = bh / p.nheads, h = bh % p.nheads;
-  const int h_k = h / (p.nheads / p.nheads_k);
-  const int row0 = m_block * kBlockM;
-  const int row_end = min(row0 + kBlockM, p.seqlen_q);
+  // -- which tile --
+  Tile t;
+  if (!get_tile(p, t)) return;
+  const int row0 = t.m_block * kBlockM;
+  const int row_end = min(row0 + kBlockM, t.seqlen_q);
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * kMTiles * 16;
 
-  const u16* q_ptr = reinterpret_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                     row0 * p.q_row_stride;
-  const u16* k_ptr = reinterpret_cast<const u16*>(p.k) + b * p.k_batch_stride + h_k * p.k_head_stride;
-  const u16* v_ptr = reinterpret_cast<const u16*>(p.v) + b * p.v_batch_stride + h_k * p.v_head_stride;
-  u16* o_ptr = reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-  float* lse_ptr = reinterpret_cast<float*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
+  const TilePointers ptr = tile_pointers(p, t);
+  const u16* q_ptr = ptr.q + row0 * p.q_row_stride;
 
   const float alibi_slope =
-      (kScoreMods && p.alibi_slopes) ? reinterpret_cast<const float*>(p.alibi_slopes)[b * p.alibi_batch_stride + h] : 0.f;
-  const i64 mask_offset = b * p.mask_batch_stride + h * p.mask_head_stride;
+      (kScoreMods && p.alibi_slopes)
+          ? reinterpret_cast<const float*>(p.alibi_slopes)[t.b * p.alibi_batch_stride + t.h]
+          : 0.f;
+  const i64 mask_offset = t.b * p.mask_batch_stride + t.h * p.mask_head_stride;
   const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
 
   float acc_o[kMTiles][kDTiles][4];
@@ -201,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   OnlineSoftmax<kMTiles> softmax;
   softmax.init();
 
-  const KeyRange keys = key_range<kMask>(p, row0, row_end);
+  const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
   const int n_block_min = keys.begin / kBlockN;
   const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key skip the loop
 
@@ -211,10 +208,10 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
     const LdmatrixAddr<kHeadDim> q_frag(sq + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
     const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
     const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-    load_tile<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, p.seqlen_q - row0, p.head_dim);
+    load_tile<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, t.seqlen_q - row0, p.head_dim);
     int nb = n_block_max - 1;
-    load_tile<kBlockN, kHeadDim>(sk, k_ptr + nb * kBlockN * p.k_row_stride, p.k_row_stride,
-                                 p.seqlen_k - nb * kBlockN, p.head_dim);
+    load_tile<kBlockN, kHeadDim>(sk, ptr.k + nb * kBlockN * p.k_row_stride, p.k_row_stride,
+                                 t.seqlen_k - nb * kBlockN, p.head_dim);
     cp_async_commit();
 
     for (; nb >= n_block_min; --nb) {
@@ -230,22 +227,23 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       // -- K_nb has landed and every warp is done with V_{nb+1}: fetch V_nb under the QK product --
       cp_async_wait<0>();
       __syncthreads();
-      load_tile<kBlockN, kHeadDim>(sv, v_ptr + key0 * p.v_row_stride, p.v_row_stride,
-                                   p.seqlen_k - key0, p.head_dim);
+      load_tile<kBlockN, kHeadDim>(sv, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
+                                   t.seqlen_k - key0, p.head_dim);
       cp_async_commit();
 
       // -- compute qk, then score mods and mask --
       gemm_qk<kDtype>(acc_s, q_frag, k_frag);
-      if (kScoreMods) apply_score_mods(acc_s, p, alibi_slope, mask_offset, row0 + warp_row0, key0, lane);
-      if (block_needs_mask<kMask>(p, row0, row_end, key0, key0 + kBlockN))
-        apply_mask<kMask>(acc_s, p, row0 + warp_row0, key0, lane);
+      if (kScoreMods)
+        apply_score_mods(acc_s, p, t, alibi_slope, mask_offset, row0 + warp_row0, key0, lane);
+      if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
+        apply_mask<kMask>(acc_s, p, t, row0 + warp_row0, key0, lane);
 
       // -- V_nb has landed and every warp is done with K_nb: fetch K_{nb-1} under softmax and PV --
       cp_async_wait<0>();
       __syncthreads();
       if (nb > n_block_min) {
-        load_tile<kBlockN, kHeadDim>(sk, k_ptr + (key0 - kBlockN) * p.k_row_stride, p.k_row_stride,
-                                     p.seqlen_k - (key0 - kBlockN), p.head_dim);
+        load_tile<kBlockN, kHeadDim>(sk, ptr.k + (key0 - kBlockN) * p.k_row_stride, p.k_row_stride,
+                                     t.seqlen_k - (key0 - kBlockN), p.head_dim);
         cp_async_commit();
       }
 
@@ -259,7 +257,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   float lse[kMTiles][2];
   softmax.finalize(acc_o, lse, scale_log2);
-  write_output<kDtype, kHeadDim>(acc_o, lse, p, sQ, o_ptr, lse_ptr, row0, warp_row0, lane);
+  write_output<kDtype, kHeadDim>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o, ptr.lse, row0, warp_row0,
+                                 lane);
 }
 
 }  // namespace cufa

@@ -5,6 +5,7 @@
 // cp.async ring: block j+1 loads while block j computes.
 #include "common.cuh"
 #include "params.cuh"
+#include "block_info.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"
 #include "score.cuh"
@@ -46,12 +47,13 @@ __device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s
 template <int kDtype, int kDTiles>
 __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles][4],
                                                     const float (&lse)[1][2], const FwdParams& p,
-                                                    u16* o_ptr, float* lse_ptr, int row_base,
+                                                    int seqlen_q, u16* o_ptr, float* lse_ptr,
+                                                    int row_base,
                                                     int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = frag_row(row_base, 0, 2 * h, lane);
-    if (row >= p.seqlen_q) continue;
+    if (row >= seqlen_q) continue;
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt) {
       const int col = frag_col(0, dt, 0, lane);
@@ -81,30 +83,23 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
   const u32 sk = sq + kQBytes;
   const u32 sv = sk + 2 * kKVBytes;
 
-  // -- which tile: query blocks of the last rows first (under causal masks they see the most keys) --
-  const int bh_count = p.batch * p.nheads;
-  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x) / bh_count;
-  const int bh = static_cast<int>(blockIdx.x) % bh_count;
-  const int b = bh / p.nheads, h = bh % p.nheads;
-  const int h_k = h / (p.nheads / p.nheads_k);
-  const int row0 = m_block * kBlockM;
-  const int row_end = min(row0 + kBlockM, p.seqlen_q);
+  // -- which tile --
+  Tile t;
+  if (!get_tile(p, t)) return;
+  const int row0 = t.m_block * kBlockM;
+  const int row_end = min(row0 + kBlockM, t.seqlen_q);
   const int lane = threadIdx.x % 32;
   const int warpgroup = threadIdx.x / 128;
   const int row_base = row0 + warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
 
-  const u16* q_ptr = reinterpret_cast<const u16*>(p.q) + b * p.q_batch_stride +
-                     h * p.q_head_stride + row0 * p.q_row_stride;
-  const u16* k_ptr = reinterpret_cast<const u16*>(p.k) + b * p.k_batch_stride + h_k * p.k_head_stride;
-  const u16* v_ptr = reinterpret_cast<const u16*>(p.v) + b * p.v_batch_stride + h_k * p.v_head_stride;
-  u16* o_ptr = reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-  float* lse_ptr = reinterpret_cast<float*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
+  const TilePointers ptr = tile_pointers(p, t);
+  const u16* q_ptr = ptr.q + row0 * p.q_row_stride;
 
   const float alibi_slope =
       (kScoreMods && p.alibi_slopes)
-          ? reinterpret_cast<const float*>(p.alibi_slopes)[b * p.alibi_batch_stride + h]
+          ? reinterpret_cast<const float*>(p.alibi_slopes)[t.b * p.alibi_batch_stride + t.h]
           : 0.f;
-  const i64 mask_offset = b * p.mask_batch_stride + h * p.mask_head_stride;
+  const i64 mask_offset = t.b * p.mask_batch_stride + t.h * p.mask_head_stride;
   const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
 
   float acc_o[1][kDTiles][4];
@@ -115,7 +110,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
   OnlineSoftmax<1> softmax;
   softmax.init();
 
-  const KeyRange keys = key_range<kMask>(p, row0, row_end);
+  const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
   const int n_block_min = keys.begin / kBlockN;
   const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key skip the loop
 
@@ -134,14 +129,14 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
     const int n_blocks = n_block_max - n_block_min;
     auto load_k = [&](int it) {
       const int key0 = (n_block_max - 1 - it) * kBlockN;
-      load_panels<kBlockN, kHeadDim>(sk + (it & 1) * kKVBytes, k_ptr + key0 * p.k_row_stride,
-                                     p.k_row_stride, p.seqlen_k - key0, p.head_dim);
+      load_panels<kBlockN, kHeadDim>(sk + (it & 1) * kKVBytes, ptr.k + key0 * p.k_row_stride,
+                                     p.k_row_stride, t.seqlen_k - key0, p.head_dim);
       cp_async_commit();
     };
     auto load_v = [&](int it) {
       const int key0 = (n_block_max - 1 - it) * kBlockN;
-      load_panels<kBlockN, kHeadDim>(sv + (it & 1) * kKVBytes, v_ptr + key0 * p.v_row_stride,
-                                     p.v_row_stride, p.seqlen_k - key0, p.head_dim);
+      load_panels<kBlockN, kHeadDim>(sv + (it & 1) * kKVBytes, ptr.v + key0 * p.v_row_stride,
+                                     p.v_row_stride, t.seqlen_k - key0, p.head_dim);
       cp_async_commit();
     };
     auto issue_pv = [&](const u32 (&pa)[kNTiles / 2][4], int it) {
@@ -155,7 +150,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
     // together, and computes the exponentials of S_it while the P V product runs. Copies
     // run one iteration ahead: the top of iteration `it` fetches K_{it+1} and V_it, into
     // stages whose last readers (S_{it-1}, P_{it-2} V_{it-2}) finished before the barrier.
-    load_panels<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, p.seqlen_q - row0, p.head_dim);
+    load_panels<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, t.seqlen_q - row0, p.head_dim);
     load_k(0);
     u32 p_prev[kNTiles / 2][4];
     for (int it = 0; it < n_blocks; ++it) {
@@ -179,9 +174,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
       fence_registers(acc_s);
 
       // -- score mods and mask, then softmax while P V runs --
-      if (kScoreMods) apply_score_mods(acc_s, p, alibi_slope, mask_offset, row_base, key0, lane);
-      if (block_needs_mask<kMask>(p, row0, row_end, key0, key0 + kBlockN))
-        apply_mask<kMask>(acc_s, p, row_base, key0, lane);
+      if (kScoreMods)
+        apply_score_mods(acc_s, p, t, alibi_slope, mask_offset, row_base, key0, lane);
+      if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
+        apply_mask<kMask>(acc_s, p, t, row_base, key0, lane);
       float correction[1][2];
       softmax.update(acc_s, scale_log2, correction);
       fence_registers(acc_s);
@@ -207,7 +203,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
 
   float lse[1][2];
   softmax.finalize(acc_o, lse, scale_log2);
-  write_output_direct<kDtype>(acc_o, lse, p, o_ptr, lse_ptr, row_base, lane);
+  write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
 }
 
 }  // namespace cufa

@@ -1,7 +1,7 @@
 #pragma once
 // Which keys a query sees. Causal is the window (unbounded, 0); both are one
 // predicate, so the kernels carry a single compile-time mask kind.
-#include "params.cuh"
+#include "block_info.cuh"
 
 namespace cufa {
 
@@ -12,13 +12,14 @@ struct KeyRange {
 };
 
 template <int kMask>
-__device__ __forceinline__ KeyRange key_range(const FwdParams& p, int row_begin, int row_end) {
-  KeyRange r{0, p.seqlen_k};
+__device__ __forceinline__ KeyRange key_range(const FwdParams& p, const Tile& t, int row_begin,
+                                              int row_end) {
+  KeyRange r{0, t.seqlen_k};
   if (kMask == MASK_WINDOW) {
-    i64 lo = (i64)row_begin + p.diag_offset - p.window_left;
-    i64 hi = (i64)(row_end - 1) + p.diag_offset + p.window_right + 1;
-    r.begin = (int)max((i64)0, min(lo, (i64)p.seqlen_k));
-    r.end = (int)max((i64)r.begin, min(hi, (i64)p.seqlen_k));
+    i64 lo = (i64)row_begin + t.diag_offset - p.window_left;
+    i64 hi = (i64)(row_end - 1) + t.diag_offset + p.window_right + 1;
+    r.begin = (int)max((i64)0, min(lo, (i64)t.seqlen_k));
+    r.end = (int)max((i64)r.begin, min(hi, (i64)t.seqlen_k));
   }
   return r;
 }
@@ -26,22 +27,22 @@ __device__ __forceinline__ KeyRange key_range(const FwdParams& p, int row_begin,
 // True when some (row, key) pair of the block is not visible, so the block
 // needs the per-element predicate; interior blocks skip it.
 template <int kMask>
-__device__ __forceinline__ bool block_needs_mask(const FwdParams& p, int row_begin, int row_end,
-                                                 int key_begin, int key_end) {
-  if (key_end > p.seqlen_k) return true;
+__device__ __forceinline__ bool block_needs_mask(const FwdParams& p, const Tile& t, int row_begin,
+                                                 int row_end, int key_begin, int key_end) {
+  if (key_end > t.seqlen_k) return true;
   if (kMask == MASK_WINDOW) {
-    i64 lowest_hi = (i64)row_begin + p.diag_offset + p.window_right;   // first row's last key
-    i64 highest_lo = (i64)(row_end - 1) + p.diag_offset - p.window_left;  // last row's first key
+    i64 lowest_hi = (i64)row_begin + t.diag_offset + p.window_right;   // first row's last key
+    i64 highest_lo = (i64)(row_end - 1) + t.diag_offset - p.window_left;  // last row's first key
     if (lowest_hi < key_end - 1 || highest_lo > key_begin) return true;
   }
   return false;
 }
 
 template <int kMask>
-__device__ __forceinline__ bool key_visible(const FwdParams& p, int row, int key) {
-  if (key >= p.seqlen_k) return false;
+__device__ __forceinline__ bool key_visible(const FwdParams& p, const Tile& t, int row, int key) {
+  if (key >= t.seqlen_k) return false;
   if (kMask == MASK_WINDOW) {
-    i64 diag = (i64)row + p.diag_offset;
+    i64 diag = (i64)row + t.diag_offset;
     if (key < diag - p.window_left || key > diag + p.window_right) return false;
   }
   return true;

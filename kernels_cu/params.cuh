@@ -18,6 +18,10 @@ struct FwdParams {
   u64 lse;           // float32 (batch, nheads, seqlen_q)
   u64 attn_mask;     // broadcast through zero strides; 0 if none
   u64 alibi_slopes;  // float32 (batch or 1, nheads); 0 if none
+  // Packed (varlen) batches; all 0 for padded ones. int32 cu_seqlens (batch + 1,),
+  // seqused_k (batch,), and the work list built by varlen_schedule: int2 entries
+  // (sequence, query block) and their count.
+  u64 cu_seqlens_q, cu_seqlens_k, seqused_k, tile_list, tile_count;
 
   // Strides in elements; 64-bit because a tensor may exceed 2^31 elements.
   i64 q_batch_stride, q_row_stride, q_head_stride;
@@ -29,12 +33,13 @@ struct FwdParams {
   i64 alibi_batch_stride;
 
   int batch, nheads, nheads_k;
-  int seqlen_q, seqlen_k, head_dim;
-  int num_m_blocks;
-  // Query i sees key j iff i + diag_offset - window_left <= j <= i + diag_offset + window_right.
-  // diag_offset is seqlen_k - seqlen_q (flash-attn, bottom-right) or 0 (SDPA, top-left);
-  // an unbounded side holds a value larger than any sequence.
-  int diag_offset, window_left, window_right;
+  int seqlen_q, seqlen_k, head_dim;  // packed batches: total rows of q and of k
+  int num_m_blocks;                  // padded batches
+  // Query i sees key j iff i + d - window_left <= j <= i + d + window_right, where the
+  // diagonal offset d is seqlen_k - seqlen_q of the sequence when bottom_right
+  // (flash-attn), else 0 (SDPA, top-left); an unbounded side holds a value larger than
+  // any sequence.
+  int bottom_right, window_left, window_right;
   int attn_mask_type;
 
   float scale;       // softmax scale

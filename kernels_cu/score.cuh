@@ -18,14 +18,14 @@ __device__ __forceinline__ int frag_col(int col_base, int nt, int e, int lane) {
 // -- mask: keys outside the window or past seqlen_k get -inf --
 template <int kMask, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
-                                           int row_base, int key0, int lane) {
+                                           const Tile& t, int row_base, int key0, int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (!key_visible<kMask>(p, frag_row(row_base, mt, e, lane), frag_col(key0, nt, e, lane)))
+        if (!key_visible<kMask>(p, t, frag_row(row_base, mt, e, lane), frag_col(key0, nt, e, lane)))
           s[mt][nt][e] = -CUFA_INF;
 }
 
@@ -42,8 +42,8 @@ __device__ __forceinline__ float attn_mask_value(const FwdParams& p, i64 offset)
 // -- score mods: scale, softcap, ALiBi, explicit mask; leaves scores in log2 units --
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_score_mods(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
-                                                 float alibi_slope, i64 mask_offset, int row_base,
-                                                 int key0, int lane) {
+                                                 const Tile& t, float alibi_slope, i64 mask_offset,
+                                                 int row_base, int key0, int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -53,8 +53,8 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kMTiles][kNTiles][4]
         const int row = frag_row(row_base, mt, e, lane), key = frag_col(key0, nt, e, lane);
         float x = s[mt][nt][e] * p.scale;
         if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
-        x -= alibi_slope * fabsf(static_cast<float>((i64)row + p.diag_offset - key));
-        if (p.attn_mask_type != ATTN_MASK_NONE && row < p.seqlen_q && key < p.seqlen_k)
+        x -= alibi_slope * fabsf(static_cast<float>((i64)row + t.diag_offset - key));
+        if (p.attn_mask_type != ATTN_MASK_NONE && row < t.seqlen_q && key < t.seqlen_k)
           x += attn_mask_value(p, mask_offset + row * p.mask_row_stride + key * p.mask_col_stride);
         s[mt][nt][e] = x * CUFA_LOG2E;
       }

@@ -14,7 +14,7 @@ from cufa._interop import DeviceArray
 def arr(shape, dtype="float16", strides=None, device=0, ptr=0x7f0000000000, framework="cupy"):
     if strides is None:
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "bool": 1, "int32": 4}[dtype]
+    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "bool": 1, "int32": 4, "int64": 8}[dtype]
     return DeviceArray(None, framework, ptr, tuple(shape), tuple(strides), dtype, device, itemsize)
 
 
@@ -116,3 +116,32 @@ def test_import_is_light():
     code = "import sys, cufa; print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+VARLEN_CASES = [
+    ("q 4-D", dict(q=arr((1, 10, 2, 64))), ValueError, "q must be 3-D"),
+    ("cu int64", dict(cu_seqlens_q=arr((3,), "int64")), TypeError, "cu_seqlens_q must be int32"),
+    ("cu 2-D", dict(cu_seqlens_k=arr((1, 3), "int32")), ValueError, "cu_seqlens_k must be 1-D"),
+    ("cu lengths differ", dict(cu_seqlens_k=arr((4,), "int32")), ValueError,
+     "cu_seqlens_k has 4 entries but cu_seqlens_q has 3"),
+    ("cu other device", dict(cu_seqlens_q=arr((3,), "int32", device=1)), ValueError,
+     "cu_seqlens_q is on cuda:1"),
+    ("seqused float", dict(seqused_k=arr((2,), "float32")), TypeError, "seqused_k must be int32"),
+    ("seqused shape", dict(seqused_k=arr((3,), "int32")), ValueError, "seqused_k must be (2,)"),
+    ("max_seqlen negative", dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be an int"),
+    ("alibi batch", dict(alibi_slopes=arr((3, 4), "float32")), ValueError,
+     "alibi_slopes must have shape (4,) or (2, 4)"),
+    ("k head dim", dict(k=arr((12, 2, 32)), v=arr((12, 2, 32))), ValueError,
+     "k has head dim 32 but q has 64"),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
+def test_flash_attn_varlen_func_rejects(case):
+    _, changes, exc, msg = case
+    kw = dict(q=arr((10, 4, 64)), k=arr((12, 2, 64)), v=arr((12, 2, 64)),
+              cu_seqlens_q=arr((3,), "int32"), cu_seqlens_k=arr((3,), "int32"),
+              max_seqlen_q=6, max_seqlen_k=7)
+    kw.update(changes)
+    with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        cufa.flash_attn_varlen_func(**kw)

@@ -1,0 +1,74 @@
+#pragma once
+// Which (sequence, head, query block) a CTA owns, and where that sequence lives.
+#include "params.cuh"
+
+namespace cufa {
+
+struct Tile {
+  int b, h, h_k, m_block;
+  int seqlen_q, seqlen_k;
+  int diag_offset;      // query i's diagonal key is i + diag_offset
+  i64 q_start, k_start;  // first row of the sequence in q/o and k/v (0 for padded batches)
+};
+
+// Padded batches: block = (reversed query block, batch, head), heaviest query blocks
+// first. Packed (varlen) batches: block = (list entry, head); the list, built on the
+// device by varlen_schedule, holds (sequence, query block) pairs longest sequences and
+// last query blocks first, and only real tiles: no block is spent on padding. Sequence
+// bounds are clamped to the tensors, so even malformed cu_seqlens never index outside them.
+__device__ __forceinline__ bool get_tile(const FwdParams& p, Tile& t) {
+  const int block = static_cast<int>(blockIdx.x);
+  if (p.tile_list) {
+    const int entry = block / p.nheads;
+    if (entry >= *reinterpret_cast<const int*>(p.tile_count)) return false;
+    const int2 e = reinterpret_cast<const int2*>(p.tile_list)[entry];
+    t.b = e.x;
+    t.m_block = e.y;
+    t.h = block % p.nheads;
+    const int* cu_q = reinterpret_cast<const int*>(p.cu_seqlens_q);
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    const int q0 = min(max(cu_q[t.b], 0), p.seqlen_q);  // seqlen_q/k hold the total rows
+    const int k0 = min(max(cu_k[t.b], 0), p.seqlen_k);
+    t.q_start = q0;
+    t.k_start = k0;
+    t.seqlen_q = min(max(cu_q[t.b + 1], q0), p.seqlen_q) - q0;
+    t.seqlen_k = min(max(cu_k[t.b + 1], k0), p.seqlen_k) - k0;
+    if (p.seqused_k)
+      t.seqlen_k = min(max(reinterpret_cast<const int*>(p.seqused_k)[t.b], 0), t.seqlen_k);
+  } else {
+    const int bh_count = p.batch * p.nheads;
+    t.m_block = p.num_m_blocks - 1 - block / bh_count;
+    t.b = (block % bh_count) / p.nheads;
+    t.h = block % p.nheads;
+    t.q_start = t.k_start = 0;
+    t.seqlen_q = p.seqlen_q;
+    t.seqlen_k = p.seqlen_k;
+  }
+  t.h_k = t.h / (p.nheads / p.nheads_k);
+  t.diag_offset = p.bottom_right ? t.seqlen_k - t.seqlen_q : 0;
+  return true;
+}
+
+// Row 0 of the tile's sequence: q and o for head h, k and v for its KV head h_k.
+struct TilePointers {
+  const u16 *q, *k, *v;
+  u16* o;
+  float* lse;
+};
+
+__device__ __forceinline__ TilePointers tile_pointers(const FwdParams& p, const Tile& t) {
+  TilePointers r;
+  r.q = reinterpret_cast<const u16*>(p.q) + t.b * p.q_batch_stride + t.h * p.q_head_stride +
+        t.q_start * p.q_row_stride;
+  r.k = reinterpret_cast<const u16*>(p.k) + t.b * p.k_batch_stride + t.h_k * p.k_head_stride +
+        t.k_start * p.k_row_stride;
+  r.v = reinterpret_cast<const u16*>(p.v) + t.b * p.v_batch_stride + t.h_k * p.v_head_stride +
+        t.k_start * p.v_row_stride;
+  r.o = reinterpret_cast<u16*>(p.o) + t.b * p.o_batch_stride + t.h * p.o_head_stride +
+        t.q_start * p.o_row_stride;
+  r.lse = reinterpret_cast<float*>(p.lse) + t.b * p.lse_batch_stride + t.h * p.lse_head_stride +
+          t.q_start;
+  return r;
+}
+
+}  // namespace cufa

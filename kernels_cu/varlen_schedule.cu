@@ -1,0 +1,49 @@
+// The work list of a packed (varlen) batch: one entry (sequence, query block) per real
+// tile, so the forward launch spends nothing on padding, ordered longest sequence first
+// and, within a sequence, last query block first (under causal masks the heaviest), so
+// long sequences start early instead of finishing last. One CTA, no host round trip.
+//
+// A counting sort by block count: sequences with n query blocks get consecutive slots
+// after all sequences with more blocks. The order among sequences of equal length
+// follows atomics; every tile is computed independently, so results do not depend on it.
+#include "common.cuh"
+
+namespace cufa {
+
+__device__ __forceinline__ int query_blocks(const int* cu_seqlens_q, int b, int total_q,
+                                            int block_m) {
+  const int q0 = min(max(cu_seqlens_q[b], 0), total_q);  // clamped as in get_tile
+  const int q1 = min(max(cu_seqlens_q[b + 1], q0), total_q);
+  return (q1 - q0 + block_m - 1) / block_m;
+}
+
+// scratch: 3 * num_buckets ints; num_buckets > the largest possible block count.
+extern "C" __global__ void varlen_schedule(const int* cu_seqlens_q, int batch, int total_q,
+                                           int block_m, int num_buckets, int* scratch,
+                                           int2* tile_list, int* tile_count) {
+  int* count = scratch;                    // sequences with n blocks
+  int* taken = scratch + num_buckets;      // of those, placed so far
+  int* first = scratch + 2 * num_buckets;  // first slot of the sequences with n blocks
+  for (int i = threadIdx.x; i < num_buckets; i += blockDim.x) count[i] = taken[i] = 0;
+  __syncthreads();
+  for (int b = threadIdx.x; b < batch; b += blockDim.x)
+    atomicAdd(&count[query_blocks(cu_seqlens_q, b, total_q, block_m)], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int slot = 0;
+    for (int n = num_buckets - 1; n > 0; --n) {
+      first[n] = slot;
+      slot += count[n] * n;
+    }
+    *tile_count = slot;
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+    const int n = query_blocks(cu_seqlens_q, b, total_q, block_m);
+    if (n == 0) continue;
+    const int base = first[n] + atomicAdd(&taken[n], 1) * n;
+    for (int j = 0; j < n; ++j) tile_list[base + j] = int2{b, n - 1 - j};
+  }
+}
+
+}  // namespace cufa

@@ -1,0 +1,143 @@
+"""GPU: packed variable-length batches — every sequence checked against the reference
+run on it alone (pass rule in _attention_check.py)."""
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import cufa  # noqa: E402
+from _attention_check import DTYPES, check_attention, randn  # noqa: E402
+
+LENGTHS = [0, 1, 2, 7, 64, 65, 127, 128, 129, 200, 300, 513]
+
+
+def _cu(lens):
+    return torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+
+
+def _check_each_sequence(out, lse, q, k, v, lens_q, lens_k, used=None, alibi=None, label="", **kw):
+    cq, ck = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    for b in range(len(lens_q)):
+        s, e = cq[b], cq[b + 1]
+        ks, ke = ck[b], ck[b] + (used[b] if used is not None else lens_k[b])
+        if e == s:
+            continue
+        kw_b = dict(kw)
+        if alibi is not None:
+            kw_b["alibi_slopes"] = alibi if alibi.ndim == 1 else alibi[b]
+        check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None], k[ks:ke][None],
+                        v[ks:ke][None], label=f"{label} seq {b} ({e - s} x {ke - ks})", **kw_b)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_packed_batches(seed):
+    rng = np.random.default_rng(500 + seed)
+    batch = int(rng.integers(1, 12))
+    lens_q = [int(x) for x in rng.choice(LENGTHS, batch)]
+    lens_k = lens_q if rng.random() < 0.5 else [int(x) for x in rng.choice(LENGTHS, batch)]
+    dtype = str(rng.choice(list(DTYPES)))
+    d = int(rng.choice([32, 64, 96, 128, 256]))
+    h, hk = (int(x) for x in rng.choice([(4, 4), (4, 2), (6, 1)]))
+    kw = {}
+    if rng.random() < 0.5:
+        kw["causal"] = True
+    if rng.random() < 0.3:
+        kw["window_size"] = (int(rng.integers(0, 100)), int(rng.integers(-1, 20)))
+    if rng.random() < 0.3:
+        kw["softcap"] = 10.0
+    alibi = None
+    if rng.random() < 0.3:
+        shape = (h,) if rng.random() < 0.5 else (batch, h)
+        alibi = torch.from_numpy(rng.uniform(0, 1, shape).astype(np.float32)).cuda()
+    q = randn(rng, (1, sum(lens_q), h, d), dtype)[0]
+    k, v = (randn(rng, (1, sum(lens_k), hk, d), dtype)[0] for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    res, lse = cufa.flash_attn_varlen_func(
+        q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q) + 5, max(lens_k), out=out,
+        return_lse=True, alibi_slopes=alibi, check_cu_seqlens=True, **kw)
+    assert res is out and lse.shape == (h, sum(lens_q))
+    _check_each_sequence(out, lse, q, k, v, lens_q, lens_k, alibi=alibi,
+                         label=f"{dtype} d={d} h={h}/{hk} {sorted(kw)}", **kw)
+
+
+def test_seqused_k_and_sequences_without_keys():
+    rng = np.random.default_rng(7)
+    lens_q, lens_k = [5, 40, 0, 130, 9], [60, 0, 3, 200, 9]
+    used = [17, 0, 3, 150, 0]
+    q = randn(rng, (1, sum(lens_q), 4, 64), "bfloat16")[0]
+    k, v = (randn(rng, (1, sum(lens_k), 2, 64), "bfloat16")[0] for _ in range(2))
+    used_t = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), 130, 200,
+                                           causal=True, seqused_k=used_t, return_lse=True)
+    assert (out[:5] == 0).all() is not None
+    assert (out[45 + 130:] == 0).all() and torch.isneginf(lse[:, 45 + 130:]).all()  # used 0
+    _check_each_sequence(out, lse, q, k, v, lens_q, lens_k, used=used, causal=True)
+
+
+def test_matches_padded_dense_call():
+    """The same sequences, padded to one length, through flash_attn_func."""
+    rng = np.random.default_rng(8)
+    lens = [100, 37, 128, 1]
+    dense = randn(rng, (4, 128, 4, 64), "float16")
+    packed = torch.cat([dense[b, :n] for b, n in enumerate(lens)])
+    out = cufa.flash_attn_varlen_func(packed, packed, packed, _cu(lens), _cu(lens), 128, 128,
+                                      causal=True)
+    for b, n in enumerate(lens):
+        ref = cufa.flash_attn_func(dense[b:b + 1, :n], dense[b:b + 1, :n], dense[b:b + 1, :n],
+                                   causal=True)
+        torch.testing.assert_close(out[sum(lens[:b]):sum(lens[:b]) + n], ref[0], rtol=0, atol=0)
+
+
+def test_many_short_sequences():
+    rng = np.random.default_rng(9)
+    lens = [int(x) for x in rng.integers(0, 9, 5000)]
+    q = randn(rng, (1, sum(lens), 2, 64), "float16")[0]
+    out, lse = cufa.flash_attn_varlen_func(q, q, q, _cu(lens), _cu(lens), 8, 8, causal=True,
+                                           return_lse=True)
+    pick = [b for b in range(len(lens)) if lens[b]][:: 97]
+    cq = np.concatenate([[0], np.cumsum(lens)])
+    for b in pick:
+        s, e = cq[b], cq[b + 1]
+        check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None], q[s:e][None],
+                        q[s:e][None], causal=True)
+
+
+def test_unpad_pad_roundtrip_and_attention():
+    rng = np.random.default_rng(10)
+    batch, seqlen = 3, 50
+    hidden = randn(rng, (batch, seqlen, 2, 32), "float16")
+    mask = torch.zeros(batch, seqlen, dtype=torch.bool, device="cuda")
+    for b, n in enumerate([50, 0, 17]):
+        mask[b, :n] = True
+    mask[2, 30] = True                                   # not only prefixes
+    packed, indices, cu, max_len = cufa.unpad_input(hidden, mask)
+    assert packed.shape == (68, 2, 32) and cu.tolist() == [0, 50, 50, 68] and max_len == 50
+    assert torch.equal(cufa.pad_input(packed, indices, batch, seqlen),
+                       hidden * mask[..., None, None])
+
+
+def test_bad_cu_seqlens_are_refused():
+    q = torch.randn(10, 2, 64, device="cuda", dtype=torch.float16)
+    good = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
+    cases = [
+        (good.long(), TypeError, "cu_seqlens_q must be int32"),
+        (good[None], ValueError, "cu_seqlens_q must be 1-D"),
+        (torch.tensor([0, 4, 9], dtype=torch.int32, device="cuda"), ValueError, "ends at 9"),
+        (torch.tensor([0, 6, 4, 10], dtype=torch.int32, device="cuda"), ValueError,
+         "non-decreasing"),
+        (torch.tensor([1, 4, 10], dtype=torch.int32, device="cuda"), ValueError, "start at 0"),
+    ]
+    for cu, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            cufa.flash_attn_varlen_func(q, q, q, cu, cu, 10, 10, check_cu_seqlens=True)
+    with pytest.raises(ValueError, match="seqused_k"):
+        cufa.flash_attn_varlen_func(q, q, q, good, good, 6, 6, check_cu_seqlens=True,
+                                    seqused_k=torch.tensor([5, 1], dtype=torch.int32,
+                                                           device="cuda"))
+    # without the check, malformed values stay inside the tensors (no crash, no hang)
+    bad = torch.tensor([0, 60, -5], dtype=torch.int32, device="cuda")
+    cufa.flash_attn_varlen_func(q, q, q, bad, bad, 10, 10)
+    torch.cuda.synchronize()
+    out = cufa.flash_attn_varlen_func(q, q, q, good, good, 6, 6)
+    check_attention(out[:4][None], None, q[:4][None], q[:4][None], q[:4][None])
