@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Packed variable-length batches: cufa varlen against PyTorch's varlen_attn and against
+a padded dense cufa call of the same batch, in one run.
+
+    python3 bench/bench_varlen.py [--out DIR] [--reps 20]
+
+Batches: 32 sequences with lengths drawn from 128..4096, and 256 sequences from 64..512
+(fixed seeds); head dims 64 and 128 (heads = 2048 / d); fp16; causal and not. Useful
+TFLOP/s only: sum over sequences of 4 * H * len^2 * d (halved for causal) — padding and
+masked-out work do not count. CUDA events, median of --reps after warm-up.
+"""
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import cufa  # noqa: E402
+
+BATCHES = {"32 x 128..4096": (32, 128, 4096, 0), "256 x 64..512": (256, 64, 512, 1)}
+
+
+def time_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        times.append((start, stop))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def varlen_attn_peer():
+    """PyTorch's varlen_attn and how it spells causal in this release, or (None, reason)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception as e:  # older PyTorch
+        return None, f"{type(e).__name__}: {e}"
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        return (lambda *a, causal: varlen_attn(*a, is_causal=causal)), str(inspect.signature(varlen_attn))
+    if "window_size" in params:
+        return (lambda *a, causal: varlen_attn(*a, window_size=(-1, 0) if causal else (-1, -1))), \
+            str(inspect.signature(varlen_attn))
+    return (lambda *a, causal: varlen_attn(*a) if not causal else None), \
+        "no causal argument: " + str(inspect.signature(varlen_attn))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    peer, peer_note = varlen_attn_peer()
+    print(f"varlen_attn: {peer_note}")
+    rows = []
+    for name, (batch, lo, hi, seed) in BATCHES.items():
+        lens = np.random.default_rng(seed).integers(lo, hi + 1, batch)
+        total, max_len = int(lens.sum()), int(lens.max())
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+        for d in (64, 128):
+            h = 2048 // d
+            q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.float16) for _ in range(3))
+            dense = [torch.randn(batch, max_len, h, d, device="cuda", dtype=torch.float16)
+                     for _ in range(3)]
+            for causal in (False, True):
+                flops = sum(4 * h * int(n) ** 2 * d for n in lens) / (2 if causal else 1)
+                row = dict(batch=name, d=d, causal=causal, total_tokens=total, max_len=max_len)
+                row["cufa_ms"] = time_ms(lambda: cufa.flash_attn_varlen_func(
+                    q, k, v, cu, cu, max_len, max_len, causal=causal), args.reps)
+                row["padded_ms"] = time_ms(lambda: cufa.flash_attn_func(*dense, causal=causal),
+                                           args.reps)
+                row["peer_ms"] = None
+                if peer is not None:
+                    try:
+                        out = peer(q, k, v, cu, cu, max_len, max_len, causal=causal)
+                        if out is not None:
+                            ours = cufa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
+                                                               causal=causal)
+                            row["max_diff_vs_peer"] = (ours.float() - out.float()).abs().max().item()
+                            row["peer_ms"] = time_ms(
+                                lambda: peer(q, k, v, cu, cu, max_len, max_len, causal=causal),
+                                args.reps)
+                    except Exception as e:
+                        row["peer_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                for key in ("cufa", "padded", "peer"):
+                    ms = row[f"{key}_ms"]
+                    row[f"{key}_tflops"] = flops / ms / 1e9 if ms else None
+                rows.append(row)
+                print(f"{name} d={d} causal={causal}: cufa {row['cufa_tflops']:.0f} TFLOP/s",
+                      file=sys.stderr)
+
+    fmt = (lambda x: "n/a" if x is None else f"{x:.0f}")
+    ratio = (lambda a, b: "n/a" if not (a and b) else f"{a / b:.2f}")
+    lines = [f"Packed (varlen) forward, fp16, {torch.cuda.get_device_name()}, useful TFLOP/s "
+             f"(padding excluded), CUDA events, median of {args.reps}.", "",
+             "| batch | d | causal | tokens | cufa varlen | torch varlen_attn | cufa padded dense "
+             "| cufa / varlen_attn | cufa / padded |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['d']} | {r['causal']} | {r['total_tokens']} | "
+                     f"{fmt(r['cufa_tflops'])} | {fmt(r['peer_tflops'])} | "
+                     f"{fmt(r['padded_tflops'])} | {ratio(r['cufa_tflops'], r['peer_tflops'])} | "
+                     f"{ratio(r['cufa_tflops'], r['padded_tflops'])} |")
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(args.out, "bench_varlen.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(args.out, "bench_varlen.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       varlen_attn=peer_note, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
