@@ -181,11 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   const TilePointers ptr = tile_pointers(p, t);
   const u16* q_ptr = ptr.q + row0 * p.q_row_stride;
 
-  const float alibi_slope =
-      (kScoreMods && p.alibi_slopes)
-          ? reinterpret_cast<const float*>(p.alibi_slopes)[t.b * p.alibi_batch_stride + t.h]
-          : 0.f;
-  const i64 mask_offset = t.b * p.mask_batch_stride + t.h * p.mask_head_stride;
+  const TileMods mods = tile_mods<kScoreMods>(p, t);
   const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
 
   float acc_o[kMTiles][kDTiles][4];
@@ -234,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       // -- compute qk, then score mods and mask --
       gemm_qk<kDtype>(acc_s, q_frag, k_frag);
       if (kScoreMods)
-        apply_score_mods(acc_s, p, t, alibi_slope, mask_offset, row0 + warp_row0, key0, lane);
+        apply_score_mods(acc_s, p, t, mods, row0 + warp_row0, key0, lane);
       if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
         apply_mask<kMask>(acc_s, p, t, row0 + warp_row0, key0, lane);
 

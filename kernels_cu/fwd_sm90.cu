@@ -95,11 +95,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
   const TilePointers ptr = tile_pointers(p, t);
   const u16* q_ptr = ptr.q + row0 * p.q_row_stride;
 
-  const float alibi_slope =
-      (kScoreMods && p.alibi_slopes)
-          ? reinterpret_cast<const float*>(p.alibi_slopes)[t.b * p.alibi_batch_stride + t.h]
-          : 0.f;
-  const i64 mask_offset = t.b * p.mask_batch_stride + t.h * p.mask_head_stride;
+  const TileMods mods = tile_mods<kScoreMods>(p, t);
   const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
 
   float acc_o[1][kDTiles][4];
@@ -175,7 +171,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
 
       // -- score mods and mask, then softmax while P V runs --
       if (kScoreMods)
-        apply_score_mods(acc_s, p, t, alibi_slope, mask_offset, row_base, key0, lane);
+        apply_score_mods(acc_s, p, t, mods, row_base, key0, lane);
       if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
         apply_mask<kMask>(acc_s, p, t, row_base, key0, lane);
       float correction[1][2];

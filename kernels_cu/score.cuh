@@ -39,11 +39,27 @@ __device__ __forceinline__ float attn_mask_value(const FwdParams& p, i64 offset)
   }
 }
 
+// What the score mods need of the tile, read once per CTA.
+struct TileMods {
+  float alibi_slope;  // 0 when there is no ALiBi
+  i64 mask_offset;    // the (batch, head) corner of attn_mask
+};
+
+template <bool kScoreMods>
+__device__ __forceinline__ TileMods tile_mods(const FwdParams& p, const Tile& t) {
+  TileMods m;
+  m.alibi_slope = (kScoreMods && p.alibi_slopes)
+                      ? reinterpret_cast<const float*>(p.alibi_slopes)[t.b * p.alibi_batch_stride + t.h]
+                      : 0.f;
+  m.mask_offset = t.b * p.mask_batch_stride + t.h * p.mask_head_stride;
+  return m;
+}
+
 // -- score mods: scale, softcap, ALiBi, explicit mask; leaves scores in log2 units --
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_score_mods(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
-                                                 const Tile& t, float alibi_slope, i64 mask_offset,
-                                                 int row_base, int key0, int lane) {
+                                                 const Tile& t, const TileMods& m, int row_base,
+                                                 int key0, int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -53,9 +69,9 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kMTiles][kNTiles][4]
         const int row = frag_row(row_base, mt, e, lane), key = frag_col(key0, nt, e, lane);
         float x = s[mt][nt][e] * p.scale;
         if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
-        x -= alibi_slope * fabsf(static_cast<float>((i64)row + t.diag_offset - key));
+        x -= m.alibi_slope * fabsf(static_cast<float>((i64)row + t.diag_offset - key));
         if (p.attn_mask_type != ATTN_MASK_NONE && row < t.seqlen_q && key < t.seqlen_k)
-          x += attn_mask_value(p, mask_offset + row * p.mask_row_stride + key * p.mask_col_stride);
+          x += attn_mask_value(p, m.mask_offset + row * p.mask_row_stride + key * p.mask_col_stride);
         s[mt][nt][e] = x * CUFA_LOG2E;
       }
 }
