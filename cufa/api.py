@@ -86,14 +86,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
     q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    for x, n in ((q, "q"), (k, "k"), (v, "v")):
-        if x.ndim != 3:
-            raise ValueError(f"{n} must be 3-D (total_rows, nheads, headdim); got shape {x.shape}")
-    # The 4-D checks, with the packed rows as one batch.
-    as4d = (lambda x: _interop.DeviceArray(x.obj, x.framework, x.ptr, (1,) + x.shape,
-                                           (0,) + x.strides, x.dtype, x.device, x.itemsize))
-    _check_qkv(as4d(q), as4d(k), as4d(v), ("q", "k", "v"), "(total_rows, nheads, headdim)",
-               batch_dim=0, seq_dim=1, head_dim=2)
+    _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
+               batch_dim=None, seq_dim=0, head_dim=1)
     total_q, nheads, d = q.shape
     total_k = k.shape[0]
     cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
@@ -170,10 +164,6 @@ def _reject_unsupported(dropout_p, return_probs, return_probs_name):
                                   "the log-sum-exp")
 
 
-def _describe(x):
-    return f"{x.framework} array on cuda:{x.device}"
-
-
 def _check_dtype_device(x, name, ref, ref_name):
     if x.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
@@ -195,24 +185,26 @@ def _check_loadable(x, name):
 
 
 def _check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
+    """batch_dim None: packed rows, (total_rows, nheads, headdim)."""
     qn, kn, vn = names
+    rank = 3 if batch_dim is None else 4
     for x, n in ((q, qn), (k, kn), (v, vn)):
-        if x.ndim != 4:
-            raise ValueError(f"{n} must be 4-D {layout}; got shape {x.shape}")
+        if x.ndim != rank:
+            raise ValueError(f"{n} must be {rank}-D {layout}; got shape {x.shape}")
     if q.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"{qn} has dtype {q.dtype}; cufa supports float16 and bfloat16")
     _check_dtype_device(k, kn, q, qn)
     _check_dtype_device(v, vn, q, qn)
-    d = q.shape[3]
+    d = q.shape[-1]
     if d % 8 or not 8 <= d <= _compile.MAX_HEAD_DIM:
         raise ValueError(f"{qn} has head dim {d}; cufa supports multiples of 8 from 8 to "
                          f"{_compile.MAX_HEAD_DIM}")
-    if k.shape[3] != d:
-        raise ValueError(f"{kn} has head dim {k.shape[3]} but {qn} has {d}")
+    if k.shape[-1] != d:
+        raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {d}")
     if v.shape != k.shape:
         raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs equal "
                          "key and value shapes (same head dim, length and heads)")
-    if k.shape[batch_dim] != q.shape[batch_dim]:
+    if batch_dim is not None and k.shape[batch_dim] != q.shape[batch_dim]:
         raise ValueError(f"{kn} has batch {k.shape[batch_dim]} but {qn} has "
                          f"{q.shape[batch_dim]}")
     nheads, nheads_k = q.shape[head_dim], k.shape[head_dim]

@@ -33,12 +33,12 @@ def _wrapper(kind, n):
         a_operand, b_at, pred_at = "{" + _regs(acc, 4) + "}", acc + 4, acc + 5
         inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
         tail = "p, 1, 1, 1"             # scale-a, scale-b, B MN-major (transposed)
-    lines = [f"template <int DT>",
+    lines = ["template <int DT>",
              f"__device__ __forceinline__ void wgmma_{kind}({sig}) {{"]
     for dt, ptx in (("FP16", "f16"), ("BF16", "bf16")):
         lines += [
             f"  if (DT == {dt})",
-            f"    asm volatile(",
+            "    asm volatile(",
             f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred_at}, 0;\\n"',
             f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
             f'        "{{{_regs(0, acc)}}}, {a_operand}, %{b_at}, {tail};\\n}}\\n"',
