@@ -61,6 +61,24 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Copies a kRows x kHeadDim tile of 16-bit elements to shared memory in 16-byte chunks,
+// chunk (row, c) at byte `offset(row, c)` (the kernel's swizzle); rows past `rows_valid`
+// and columns past `head_dim` become zeros. Not unrolled on purpose: unrolled, the
+// compiler keeps every chunk's addresses live across the main loop, which costs more
+// registers than the accumulators.
+template <int kRows, int kHeadDim, int kThreads, typename Offset>
+__device__ __forceinline__ void copy_tile_async(u32 smem, const u16* gmem, i64 row_stride,
+                                                int rows_valid, int head_dim, Offset offset) {
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = r < rows_valid && c * 8 < head_dim;
+    const u16* src = valid ? gmem + r * row_stride + c * 8 : gmem;
+    cp_async_16(smem + offset(r, c), src, valid ? 16 : 0);
+  }
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -53,19 +53,11 @@ struct LdmatrixAddr {
 };
 
 // -- load a tile: rows past `rows_valid` and columns past `head_dim` read as zeros --
-// Not unrolled on purpose: unrolled, the compiler keeps every chunk's addresses live
-// across the main loop, which costs more registers than the accumulators.
 template <int kRows, int kHeadDim>
 __device__ __forceinline__ void load_tile(u32 smem, const u16* gmem, i64 row_stride, int rows_valid,
                                           int head_dim) {
-  constexpr int kChunks = kHeadDim / 8;
-#pragma unroll 1
-  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r < rows_valid && c * 8 < head_dim;
-    const u16* src = valid ? gmem + r * row_stride + c * 8 : gmem;
-    cp_async_16(smem + Swizzle<kHeadDim>::offset(r, c), src, valid ? 16 : 0);
-  }
+  copy_tile_async<kRows, kHeadDim, kThreads>(smem, gmem, row_stride, rows_valid, head_dim,
+                                             [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); });
 }
 
 // -- S = Q K^T for this warp's rows --

@@ -21,14 +21,8 @@ constexpr int kSm90BlockM = 128;
 template <int kRows, int kHeadDim>
 __device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_stride,
                                             int rows_valid, int head_dim) {
-  constexpr int kChunks = kHeadDim / 8;
-#pragma unroll 1
-  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kSm90Threads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r < rows_valid && c * 8 < head_dim;
-    const u16* src = valid ? gmem + r * row_stride + c * 8 : gmem;
-    cp_async_16(smem + panel_offset<kRows>(r, c), src, valid ? 16 : 0);
-  }
+  copy_tile_async<kRows, kHeadDim, kSm90Threads>(smem, gmem, row_stride, rows_valid, head_dim,
+                                                 [](int r, int c) { return panel_offset<kRows>(r, c); });
 }
 
 // -- P from the S accumulators into wgmma A fragments, 16 keys per fragment --
