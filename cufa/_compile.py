@@ -1,7 +1,7 @@
 """Kernel sources -> compiled functions: source loading, variant keys, NVRTC options, caches.
 
 A variant is one template instantiation, named by a key a person can read
-(``fwd_bf16_hd128_bm128_bn64_window``). Sources are read from ``kernels_cu/`` with
+(``fwd_sm90_bf16_hd128_bm128_bn128_window``). Sources are read from ``kernels_cu/`` with
 their ``#include "..."`` files inlined, so the string CuPy hashes for its disk
 cache covers every header (CuPy's key sees only the top-level string). Compiled
 functions are cached in memory per (device, variant); the first use of a variant
