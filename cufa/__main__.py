@@ -195,6 +195,11 @@ def info():
 
 def warmup(arch=None):
     variants = _compile.all_variants()
+    if arch is not None:
+        # Each variant for the named arch where it runs: the wgmma family only on Hopper,
+        # where it needs the arch-specific target.
+        hopper = arch.startswith("sm_90")
+        variants = [v for v in variants if getattr(v, "family", "sm80") == "sm80" or hopper]
     if arch is None:
         ok, reason = _gpu_status()
         if not ok:
@@ -211,7 +216,7 @@ def warmup(arch=None):
         if arch is None:
             _compile.get_kernel(v, device)
         else:
-            _compile.compile_for_arch(v, arch)
+            _compile.compile_for_arch(v, "sm_90a" if "sm_90a" in v.archs else arch)
         times.append((v.key, time.perf_counter() - t0))
     _progress(len(variants), len(variants), "done")
     print()

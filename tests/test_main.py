@@ -1,0 +1,32 @@
+"""CPU: `python -m cufa` — the main job without a GPU, and info."""
+import subprocess
+import sys
+
+import pytest
+from conftest import NO_GPU
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "cufa", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="a CUDA device is present: the GPU self-check runs instead")
+def test_main_job_without_gpu_runs_the_cpu_reference():
+    r = _run()
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("no CUDA device found")
+    assert "CPU reference OK" in r.stdout
+
+
+def test_info():
+    r = _run("info")
+    assert r.returncode == 0, r.stderr
+    assert "NVRTC" in r.stdout and "variants the library can launch:" in r.stdout
+
+
+def test_warmup_without_gpu_needs_an_arch():
+    if not NO_GPU:
+        pytest.skip("a CUDA device is present")
+    r = _run("warmup")
+    assert r.returncode == 1 and "--arch" in r.stdout
