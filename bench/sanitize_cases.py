@@ -1,0 +1,82 @@
+"""Small launches of every kernel variant at odd sizes: the workload for compute-sanitizer.
+
+    python3 bench/sanitize_cases.py            # what bench/sanitize.sh runs under each tool
+
+One call per (dtype, head dim family, mask kind, score mods) at sequence lengths 1, 7,
+65 and 129 (never a multiple of a tile), packed batches with empty sequences and
+sequences without keys, and SDPA with broadcast boolean and additive masks. Checks
+values loosely (the GPU tests do that strictly); the point is to touch every code path
+while the sanitizer watches.
+"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import cufa  # noqa: E402
+from cufa import _compile, reference  # noqa: E402
+
+DIMS = {"sm80": (32, 64, 96, 128, 160, 192, 224, 256), "sm90": (64, 128, 192, 256)}
+
+
+def _t(rng, shape, dtype):
+    return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to("cuda", dtype)
+
+
+def _close(out, ref, what):
+    err = (out.double().cpu() - torch.from_numpy(ref)).abs().max().item()
+    if not err < 5e-2:
+        raise SystemExit(f"{what}: max error {err:.3e}")
+
+
+def main():
+    rng = np.random.default_rng(0)
+    family = _compile.family_for(torch.cuda.get_device_capability()[0] * 10
+                                 + torch.cuda.get_device_capability()[1])
+    calls = 0
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in DIMS[family]:
+            for causal in (False, True):
+                for mods in (False, True):
+                    for sq, sk in ((1, 7), (65, 129), (129, 65)):
+                        q, k, v = _t(rng, (2, sq, 4, d), dtype), *(_t(rng, (2, sk, 2, d), dtype)
+                                                                 for _ in range(2))
+                        kw = dict(causal=causal)
+                        if mods:
+                            kw.update(softcap=5.0, alibi_slopes=torch.rand(4, device="cuda"))
+                        out = cufa.flash_attn_func(q, k, v, **kw)
+                        ref, _ = reference.attention(
+                            *(x.double().cpu().numpy() for x in (q, k, v)), causal=causal,
+                            softcap=kw.get("softcap", 0.0),
+                            alibi_slopes=kw["alibi_slopes"].cpu().numpy() if mods else None)
+                        _close(out, ref, f"{dtype} d={d} causal={causal} mods={mods} {sq}x{sk}")
+                        calls += 1
+    # packed batches: empty sequences, sequences without keys, seqused_k
+    lens_q, lens_k = [0, 1, 7, 65, 129, 0], [3, 0, 7, 129, 65, 1]
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    used = torch.tensor([2, 0, 7, 100, 65, 1], dtype=torch.int32, device="cuda")
+    for causal in (False, True):
+        q = _t(rng, (sum(lens_q), 4, 64), torch.float16)
+        k, v = (_t(rng, (sum(lens_k), 1, 64), torch.float16) for _ in range(2))
+        cufa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 129, 129, causal=causal,
+                                    seqused_k=used)
+        calls += 1
+    # SDPA: broadcast boolean and additive masks at odd sizes
+    for mask_dtype in (torch.bool, torch.float16):
+        q = _t(rng, (2, 4, 65, 64), torch.float16)
+        k, v = (_t(rng, (2, 4, 129, 64), torch.float16) for _ in range(2))
+        mask = torch.from_numpy(rng.random((2, 1, 65, 129)) > 0.3).cuda()
+        mask = mask if mask_dtype == torch.bool else mask.to(mask_dtype) * -3.0
+        cufa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+        calls += 1
+    torch.cuda.synchronize()
+    print(f"sanitize cases: {calls} calls, family {family}")
+
+
+if __name__ == "__main__":
+    main()

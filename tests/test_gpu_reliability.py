@@ -1,0 +1,160 @@
+"""GPU: large problems (64-bit offsets, grid limits), extreme values, and concurrency."""
+import threading
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import cufa  # noqa: E402
+from cufa import _compile  # noqa: E402
+from _attention_check import check_attention, randn  # noqa: E402
+
+
+def _rows_reference(q, k, v, rows, causal):
+    """float64 attention of the given query rows of (1, n, h, d) tensors, keys on the GPU."""
+    sq, sk = q.shape[1], k.shape[1]
+    rep = q.shape[2] // k.shape[2]
+    out = []
+    for i in rows:
+        qi = q[0, i].double()                                    # (h, d)
+        kk = k[0].double().repeat_interleave(rep, dim=1)         # (sk, h, d)
+        vv = v[0].double().repeat_interleave(rep, dim=1)
+        s = torch.einsum("hd,khd->hk", qi, kk) / q.shape[-1] ** 0.5
+        if causal:
+            s[:, i + sk - sq + 1:] = float("-inf")
+        out.append(torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), vv))
+    return torch.stack(out)
+
+
+def _check_rows(out, q, k, v, rows, causal):
+    ref = _rows_reference(q, k, v, rows, causal)
+    err = (out[0, rows].double() - ref).abs().max().item()
+    assert err < 2e-2, f"max error {err:.3e} on sampled rows"
+
+
+def test_q_with_more_than_2_31_elements():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = 2**31 // (16 * 64) + 97                       # q: (1, n, 16, 64) > 2^31 elements
+    q, k, v = (torch.randn((1, rows, 16, 64), device="cuda", dtype=torch.float16, generator=gen)
+               for rows in (n, 256, 256))
+    assert q.numel() > 2**31
+    out = cufa.flash_attn_func(q, k, v)
+    rows = [0, 1, n // 2, n - 2, n - 1]
+    _check_rows(out, q, k, v, rows, causal=False)
+    del q, out
+    torch.cuda.empty_cache()
+
+
+def test_seqlen_128k_head_dim_128():
+    rng = np.random.default_rng(1)
+    n = 128 * 1024
+    q, k, v = (randn(rng, (1, n, 2, 128), "bfloat16") for _ in range(3))
+    out = cufa.flash_attn_func(q, k, v, causal=True)
+    _check_rows(out, q, k, v, [0, 5, 4097, n // 3, n - 1], causal=True)
+
+
+def test_65536_sequences_in_one_packed_batch():
+    rng = np.random.default_rng(2)
+    lens = [int(x) for x in rng.integers(0, 6, 65536)]
+    q = randn(rng, (1, sum(lens), 2, 64), "float16")[0]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    out, lse = cufa.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, causal=True, return_lse=True)
+    c = np.concatenate([[0], np.cumsum(lens)])
+    for b in list(range(0, 65536, 4099)) + [65535]:
+        s, e = c[b], c[b + 1]
+        if e > s:
+            check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None], q[s:e][None],
+                            q[s:e][None], causal=True)
+
+
+def test_many_heads_times_batch():
+    rng = np.random.default_rng(3)
+    q = randn(rng, (4096, 3, 32, 32), "float16")       # 131072 (batch, head) pairs
+    out = cufa.flash_attn_func(q, q, q)
+    check_attention(out[-2:], None, q[-2:], q[-2:], q[-2:])
+
+
+@pytest.mark.parametrize("kw", [dict(softcap=1e-3), dict(softcap=1e4),
+                                dict(alibi=1e3), dict(alibi=1e-6)],
+                         ids=["softcap-tiny", "softcap-huge", "alibi-huge", "alibi-tiny"])
+def test_extreme_softcap_and_alibi(kw):
+    rng = np.random.default_rng(4)
+    q, k, v = (randn(rng, (2, 70, 4, 64), "float16", scale=3.0) for _ in range(3))
+    args = dict(causal=True)
+    if "softcap" in kw:
+        args["softcap"] = kw["softcap"]
+    else:
+        args["alibi_slopes"] = torch.full((4,), kw["alibi"], device="cuda")
+    out, lse = cufa.flash_attn_func(q, k, v, return_lse=True, **args)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    check_attention(out, lse, q, k, v, **args)
+
+
+def test_inf_inputs_propagate_without_hang():
+    rng = np.random.default_rng(5)
+    q, k, v = (randn(rng, (1, 50, 2, 64), "float16") for _ in range(3))
+    k[0, 10, 0, 0] = float("inf")
+    out = cufa.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    assert not torch.isfinite(out[0, 10:, 0]).all()          # rows that see the inf key
+    assert torch.isfinite(out[0, :10, 0]).all() and torch.isfinite(out[0, :, 1]).all()
+
+
+def test_two_threads_two_streams():
+    rng = np.random.default_rng(6)
+    inputs = [[randn(rng, (2, 300, 4, 64), "bfloat16") for _ in range(3)] for _ in range(2)]
+    results, errors = [None, None], []
+
+    def work(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for _ in range(20):
+                    results[i] = cufa.flash_attn_func(*inputs[i], causal=bool(i))
+            stream.synchronize()
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        check_attention(results[i], None, *inputs[i], causal=bool(i))
+
+
+def test_first_use_compiles_once_from_two_threads(monkeypatch):
+    import cupy
+    compiles = []
+    real = cupy.RawModule
+
+    def counting(*args, **kwargs):
+        compiles.append(kwargs.get("name_expressions"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cupy, "RawModule", counting)
+    monkeypatch.setattr(_compile, "_kernels", {})
+    rng = np.random.default_rng(7)
+    q = randn(rng, (1, 33, 2, 40), "bfloat16")
+    barrier = threading.Barrier(2)
+    outs, errors = [None, None], []
+
+    def work(i):
+        try:
+            barrier.wait()
+            outs[i] = cufa.flash_attn_func(q, q, q, window_size=(5, 3), softcap=7.0)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(compiles) == 1, compiles
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
