@@ -1,6 +1,8 @@
 """The public attention functions: validate -> pick a kernel variant -> fill params -> launch."""
 import math
 
+import numpy as np
+
 from . import _compile, _interop, _params, _torch_ops
 
 _KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -414,7 +416,6 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
 
 def _launch(variant, num_blocks, params, framework, device, schedule=None):
     import cupy
-    import numpy as np
     fn = _compile.get_kernel(variant, device)
     with cupy.cuda.Device(device), _interop.current_stream(framework, device):
         if schedule is not None:

@@ -102,27 +102,40 @@ def test_inf_inputs_propagate_without_hang():
     assert torch.isfinite(out[0, :10, 0]).all() and torch.isfinite(out[0, :, 1]).all()
 
 
-def test_two_threads_two_streams():
-    rng = np.random.default_rng(6)
-    inputs = [[randn(rng, (2, 300, 4, 64), "bfloat16") for _ in range(3)] for _ in range(2)]
+def _in_two_threads(work):
+    """Run work(0) and work(1) at the same time; re-raise what either raised."""
     results, errors = [None, None], []
+    start = threading.Barrier(2)
 
-    def work(i):
+    def run(i):
         try:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                for _ in range(20):
-                    results[i] = cufa.flash_attn_func(*inputs[i], causal=bool(i))
-            stream.synchronize()
+            start.wait()
+            results[i] = work(i)
         except Exception as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
+    return results
+
+
+def test_two_threads_two_streams():
+    rng = np.random.default_rng(6)
+    inputs = [[randn(rng, (2, 300, 4, 64), "bfloat16") for _ in range(3)] for _ in range(2)]
+
+    def work(i):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(20):
+                out = cufa.flash_attn_func(*inputs[i], causal=bool(i))
+        stream.synchronize()
+        return out
+
+    results = _in_two_threads(work)
     for i in range(2):
         check_attention(results[i], None, *inputs[i], causal=bool(i))
 
@@ -140,21 +153,6 @@ def test_first_use_compiles_once_from_two_threads(monkeypatch):
     monkeypatch.setattr(_compile, "_kernels", {})
     rng = np.random.default_rng(7)
     q = randn(rng, (1, 33, 2, 40), "bfloat16")
-    barrier = threading.Barrier(2)
-    outs, errors = [None, None], []
-
-    def work(i):
-        try:
-            barrier.wait()
-            outs[i] = cufa.flash_attn_func(q, q, q, window_size=(5, 3), softcap=7.0)
-        except Exception as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    outs = _in_two_threads(lambda i: cufa.flash_attn_func(q, q, q, window_size=(5, 3), softcap=7.0))
     assert len(compiles) == 1, compiles
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
