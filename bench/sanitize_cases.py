@@ -42,15 +42,18 @@ def main():
         for d in DIMS[family]:
             for causal in (False, True):
                 for mods in (False, True):
+                    # causal is the window kernel; a two-sided window takes its other branches
+                    window = (9, 3) if causal and mods else (-1, -1)
                     for sq, sk in ((1, 7), (65, 129), (129, 65)):
                         q, k, v = _t(rng, (2, sq, 4, d), dtype), *(_t(rng, (2, sk, 2, d), dtype)
                                                                  for _ in range(2))
-                        kw = dict(causal=causal)
+                        kw = dict(causal=causal and not mods, window_size=window)
                         if mods:
                             kw.update(softcap=5.0, alibi_slopes=torch.rand(4, device="cuda"))
                         out = cufa.flash_attn_func(q, k, v, **kw)
                         ref, _ = reference.attention(
-                            *(x.double().cpu().numpy() for x in (q, k, v)), causal=causal,
+                            *(x.double().cpu().numpy() for x in (q, k, v)),
+                            causal=kw["causal"], window_size=window,
                             softcap=kw.get("softcap", 0.0),
                             alibi_slopes=kw["alibi_slopes"].cpu().numpy() if mods else None)
                         _close(out, ref, f"{dtype} d={d} causal={causal} mods={mods} {sq}x{sk}")
