@@ -38,7 +38,12 @@ SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 # shared memory next to Q (227 KB), 64 above head dim 128.
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (128, 128), 128: (128, 128), 192: (128, 64), 256: (128, 64)}
-SM90_TILES_SCORE_MODS = {**SM90_TILES, 128: (128, 64)}  # else ptxas spills
+SM90_TILES_SCORE_MODS = {**SM90_TILES, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
+SM90_STAGES = {64: 2, 128: 2, 192: 2, 256: 2}  # K/V ring depth
+
+# Extra NVRTC options (-D...) for kernel experiments (bench/tune_sm90.py); part of the
+# compiled-module cache key. Empty in normal use.
+DEV_OPTIONS = ()
 
 NVRTC_OPTIONS = ("-std=c++17",)
 
@@ -52,6 +57,7 @@ class FwdVariant:
     score_mods: bool    # softcap / ALiBi / explicit attn_mask, chosen at run time
     block_m: int
     block_n: int
+    stages: int = 2     # sm90: K/V stages in the shared-memory ring
 
     @property
     def source(self):
@@ -59,13 +65,14 @@ class FwdVariant:
 
     @property
     def threads(self):
-        return 128 if self.family == "sm80" else 256
+        return 128 if self.family == "sm80" else 384  # sm90: producer + two consumer warpgroups
 
     @property
     def key(self):
         mods = "_mods" if self.score_mods else ""
+        stages = f"_s{self.stages}" if self.family == "sm90" else ""
         return (f"fwd_{self.family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}")
+                f"_bn{self.block_n}{stages}_{self.mask}{mods}")
 
     @property
     def name_expression(self):
@@ -73,14 +80,15 @@ class FwdVariant:
                 f"{str(self.score_mods).lower()}")
         if self.family == "sm80":
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
-        return f"cufa::fwd_sm90_kernel<{args}, {self.block_n}>"
+        return f"cufa::fwd_sm90_kernel<{args}, {self.block_n}, {self.stages}>"
 
     @property
     def smem_bytes(self):
-        tiles = (self.block_m + 2 * self.block_n) * self.head_dim * 2
         if self.family == "sm80":
-            return tiles
-        return tiles + 2 * self.block_n * self.head_dim * 2 + 1024  # 2 K/V stages, alignment
+            return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        # Q and the K/V stages; 1024 for the swizzle's alignment, the mbarriers after
+        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+        return tiles + 1024 + 8 * (1 + 4 * self.stages)
 
     @property
     def archs(self):
@@ -90,7 +98,8 @@ class FwdVariant:
     @property
     def options(self):
         """NVRTC options beyond the arch CuPy picks: wgmma needs the sm_90a target."""
-        return NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
+        return (NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
+                + tuple(DEV_OPTIONS))
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,8 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80"):
         block_m, block_n = (SM80_TILES_SCORE_MODS if score_mods else SM80_TILES)[hd]
     else:
         block_m, block_n = (SM90_TILES_SCORE_MODS if score_mods else SM90_TILES)[hd]
+        return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n,
+                          SM90_STAGES[hd])
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)
 
 
@@ -193,11 +204,12 @@ _kernels = {}
 
 def get_kernel(variant, device_id):
     """The compiled function of `variant` on `device_id`, compiled on first use."""
-    fn = _kernels.get((device_id, variant))
+    key = (device_id, variant, variant.options)
+    fn = _kernels.get(key)
     if fn is not None:
         return fn
     with _lock:
-        fn = _kernels.get((device_id, variant))
+        fn = _kernels.get(key)
         if fn is None:
             import cupy
             with cupy.cuda.Device(device_id):
@@ -207,12 +219,12 @@ def get_kernel(variant, device_id):
                 fn = module.get_function(variant.name_expression)
                 if variant.smem_bytes > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = variant.smem_bytes
-            _kernels[(device_id, variant)] = fn
+            _kernels[key] = fn
     return fn
 
 
 def compiled_keys():
-    return sorted(f"{v.key} (device {d})" for d, v in _kernels)
+    return sorted(f"{v.key} (device {d})" for d, v, _ in _kernels)
 
 
 # -- compiling without a GPU (NVRTC for a named arch; ptxas report parsed) -------------

@@ -1,6 +1,7 @@
 #pragma once
 // Hopper building blocks (sm_90a): shared-memory matrix descriptors, wgmma ordering,
-// and the 128-byte-swizzled tile layout the descriptors describe.
+// the 128-byte-swizzled tile layout the descriptors describe, mbarriers, named barriers
+// and per-warpgroup register budgets.
 #include "common.cuh"
 
 namespace cufa {
@@ -33,6 +34,48 @@ __device__ __forceinline__ void wgmma_wait() {
 // cp.async writes are generic-proxy stores; wgmma reads through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// -- mbarriers: 64-bit shared-memory barriers whose phase flips when `count` arrivals land --
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives once every cp.async this thread has issued so far has landed: the copy
+// announces itself, so the issuing thread never waits for it (init count = arriving threads).
+__device__ __forceinline__ void mbar_arrive_when_copied(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// -- named barriers (0 is __syncthreads'): `threads` arrivals complete one --
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// -- register budget per warpgroup (all four warps must execute it) --
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 // wgmma reads and writes its registers asynchronously, but the compiler sees the asm
