@@ -22,20 +22,25 @@ import cufa  # noqa: E402
 from cufa import _compile  # noqa: E402
 from bench_fwd import Shape, time_events  # noqa: E402
 
-# name -> (tiles {head_dim: (block_m, block_n)}, stages {head_dim: n}, NVRTC options)
+# name -> (tiles {head_dim: (block_m, block_n)} for masks "none", the same for
+# "window" (causal, local), stages {head_dim: n}, NVRTC options)
+WIDE = {64: (128, 192), 128: (128, 176), 256: (128, 80)}
+NARROW = {64: (128, 64), 128: (128, 64)}
 EXPERIMENTS = {
-    "base": ({}, {}, ()),
-    "nopp": ({}, {}, ("-DCUFA_PINGPONG=0",)),
-    "s3": ({}, {64: 3, 128: 3}, ()),
-    "bn176": ({128: (128, 176)}, {}, ()),
-    "bn192": ({64: (128, 192)}, {}, ()),
+    "base": ({}, {}, {}, ()),
+    "wide": (WIDE, {}, {}, ()),
+    "wide_nopp": (WIDE, {}, {}, ("-DCUFA_PINGPONG=0",)),
+    "wide_s3": (WIDE, {}, {64: 3}, ()),
+    "narrow_win": ({}, NARROW, {}, ()),
 }
-DEFAULT_SHAPES = "64:512:1,64:2048:0,64:8192:0,128:512:1,128:2048:0,128:8192:0,128:8192:1,256:8192:0"
+DEFAULT_SHAPES = ("64:512:0,64:512:1,64:2048:1,64:8192:0,128:512:0,128:512:1,128:2048:0,"
+                  "128:2048:1,128:8192:0,128:8192:1,256:512:1,256:8192:0")
 
 
 def configure(name):
-    tiles, stages, options = EXPERIMENTS[name]
+    tiles, window_tiles, stages, options = EXPERIMENTS[name]
     _compile.SM90_TILES = {**BASE_TILES, **tiles}
+    _compile.SM90_TILES_WINDOW = {**BASE_WINDOW_TILES, **window_tiles}
     _compile.SM90_STAGES = {**BASE_STAGES, **stages}
     _compile.DEV_OPTIONS = options
 
@@ -88,6 +93,7 @@ def main():
 
 
 BASE_TILES, BASE_STAGES = dict(_compile.SM90_TILES), dict(_compile.SM90_STAGES)
+BASE_WINDOW_TILES = dict(_compile.SM90_TILES_WINDOW)
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,7 @@ SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 # shared memory next to Q (227 KB), 64 above head dim 128.
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (128, 128), 128: (128, 128), 192: (128, 64), 256: (128, 64)}
+SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local: blocks straddling the diagonal
 SM90_TILES_SCORE_MODS = {**SM90_TILES, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_STAGES = {64: 2, 128: 2, 192: 2, 256: 2}  # K/V ring depth
 
@@ -129,7 +130,9 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80"):
     if family == "sm80":
         block_m, block_n = (SM80_TILES_SCORE_MODS if score_mods else SM80_TILES)[hd]
     else:
-        block_m, block_n = (SM90_TILES_SCORE_MODS if score_mods else SM90_TILES)[hd]
+        tiles = (SM90_TILES_SCORE_MODS if score_mods
+                 else SM90_TILES_WINDOW if mask == "window" else SM90_TILES)
+        block_m, block_n = tiles[hd]
         return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n,
                           SM90_STAGES[hd])
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)

@@ -3,7 +3,7 @@ import math
 
 import numpy as np
 
-from . import _compile, _interop, _params, _torch_ops
+from . import _compile, _interop, _params, _tma, _torch_ops
 
 _KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 _ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
@@ -358,6 +358,12 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
         score_mods = softcap > 0 or alibi is not None or attn_mask is not None
         family = _compile.family_for(_compute_capability(q.device))
         variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family)
+        maps = None
+        if family == "sm90":
+            maps = _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, varlen is not None)
+            if maps is None:  # a layout the copy engine cannot describe: the portable kernels
+                variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
+                                               "sm80")
         num_m_blocks = -(-seqlen_q // variant.block_m)
         # Packed batches: at most total_q / block_m + batch real tiles (each sequence
         # rounds up once); the device-built list says how many there are.
@@ -406,7 +412,7 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
             p["tile_count"] = scratch.ptr + 8 * max_tiles
             schedule = (cu_q.ptr, batch, seqlen_q, variant.block_m, num_buckets,
                         scratch.ptr + 8 * max_tiles + 4, scratch.ptr, scratch.ptr + 8 * max_tiles)
-        _launch(variant, max_tiles * nheads, p, q.framework, q.device, schedule)
+        _launch(variant, max_tiles * nheads, p, maps, q.framework, q.device, schedule)
 
     o_native = _interop.to_caller(o_native, q)
     if return_lse:
@@ -414,7 +420,23 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
     return o_native
 
 
-def _launch(variant, num_blocks, params, framework, device, schedule=None):
+def _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, packed):
+    """TMA descriptors of q, k, v as (batch, rows, heads, columns) views; None if one
+    cannot be described."""
+    views = {}
+    for name, x, box_rows in (("q", q, variant.block_m), ("k", k, variant.block_n),
+                              ("v", v, variant.block_n)):
+        if packed:
+            shape = (1, x.shape[seq_dim], x.shape[head_dim], d)
+            strides = (0, x.strides[seq_dim], x.strides[head_dim])
+        else:
+            shape = (x.shape[0], x.shape[seq_dim], x.shape[head_dim], d)
+            strides = (x.strides[0], x.strides[seq_dim], x.strides[head_dim])
+        views[name] = (x.ptr, shape, strides, box_rows)
+    return _tma.tensor_maps(q.dtype, views)
+
+
+def _launch(variant, num_blocks, params, maps, framework, device, schedule=None):
     import cupy
     fn = _compile.get_kernel(variant, device)
     with cupy.cuda.Device(device), _interop.current_stream(framework, device):
@@ -424,7 +446,8 @@ def _launch(variant, num_blocks, params, framework, device, schedule=None):
             sched((1,), (_compile.VARLEN_SCHEDULE.threads,),
                   (np.uint64(cu_q), np.int32(batch), np.int32(total_q), np.int32(block_m),
                    np.int32(buckets), np.uint64(counters), np.uint64(tiles), np.uint64(count)))
-        fn((num_blocks,), (variant.threads,), (params[()],), shared_mem=variant.smem_bytes)
+        args = (params[()],) if maps is None else (params[()], maps[()])
+        fn((num_blocks,), (variant.threads,), args, shared_mem=variant.smem_bytes)
 
 
 _capabilities = {}

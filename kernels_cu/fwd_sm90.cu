@@ -24,6 +24,7 @@ constexpr int kSm90BlockM = 128;
 constexpr int kProducerRegs = 24;      // 128 x 24 + 256 x 240 fits the 64K registers of an SM
 constexpr int kConsumerRegs = 240;
 constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
+constexpr int kProducerBarrier = 3;    // the producer warpgroup alone
 
 // -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
 //    and pass_turn (an arrive on the other's), so the two never issue at once and each
@@ -35,13 +36,23 @@ __device__ __forceinline__ void pass_turn(int consumer) {
   if (CUFA_PINGPONG) named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
 }
 
-// -- the producer warpgroup loads a tile into the panel layout: rows past `rows_valid`,
-//    columns past `head_dim` as zeros --
+// -- the producer warpgroup loads a tile into the panel layout with cp.async: rows past
+//    `rows_valid`, columns past `head_dim` as zeros --
 template <int kRows, int kHeadDim>
 __device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_stride,
                                             int rows_valid, int head_dim) {
   copy_tile_async<kRows, kHeadDim, 128>(smem, gmem, row_stride, rows_valid, head_dim,
                                         [](int r, int c) { return panel_offset<kRows>(r, c); });
+}
+
+// -- one thread loads a tile with TMA, one 64-column panel per copy: rows `row`.. of
+//    head `head` (columns, rows, heads, batch map); past the tensor's ends come zeros --
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void tma_load_panels(u32 smem, const TensorMap& map, u32 bar, int row,
+                                                int head, int batch) {
+#pragma unroll
+  for (int panel = 0; panel < kHeadDim / 64; ++panel)
+    tma_load_4d(smem + panel * kRows * 128, map, bar, panel * 64, row, head, batch);
 }
 
 // -- P from the S accumulators into wgmma A fragments, 16 keys per fragment --
@@ -79,7 +90,8 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
 }
 
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages>
-__global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
   constexpr int kBlockM = kSm90BlockM;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
@@ -114,10 +126,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
   auto parity_of = [](int it) { return static_cast<u32>((it / kStages) & 1); };
 
   if (threadIdx.x == 0) {
-    mbar_init(q_full, 128);  // one arrival per producer thread, when its copies land
+    mbar_init(q_full, 1);  // the producer's one arrival, plus the bytes its copies bring
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full + 8 * s, 128);
-      mbar_init(v_full + 8 * s, 128);
+      mbar_init(k_full + 8 * s, 1);
+      mbar_init(v_full + 8 * s, 1);
       mbar_init(k_empty + 8 * s, 256);  // every consumer thread is done reading
       mbar_init(v_empty + 8 * s, 256);
     }
@@ -126,25 +138,53 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // -- producer: Q once, then K and V of every block, each as soon as its stage is free --
+    // -- producer: Q once, then K and V of every block, each as soon as its stage is free.
+    //    One thread issues TMA copies, which announce their bytes on the stage's barrier.
+    //    A packed batch's last key block is the exception: the rows past the sequence
+    //    belong to the next one, and a stray inf there would turn P = 0 into NaN, so the
+    //    whole warpgroup copies it with cp.async, which fills those rows with zeros. --
     setmaxnreg_dec<kProducerRegs>();
     if (n_blocks == 0) return;
-    load_panels<kBlockM, kHeadDim>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
-                                   t.seqlen_q - row0, p.head_dim);
-    mbar_arrive_when_copied(q_full);
+    const bool elected = threadIdx.x == 0;
+    const bool packed = p.cu_seqlens_k != 0;
+    const int batch_coord = packed ? 0 : t.b;
+    if (elected) {
+      mbar_arrive_expect_bytes(q_full, kQBytes);
+      tma_load_panels<kBlockM, kHeadDim>(sq, maps.q, q_full, static_cast<int>(t.q_start) + row0,
+                                         t.h, batch_coord);
+    }
     for (int it = 0; it < n_blocks; ++it) {
       const int key0 = (n_block_max - 1 - it) * kBlockN;
       const u32 stage = stage_of(it);
+      if (packed && key0 + kBlockN > t.seqlen_k) {
+        if (it >= kStages) {
+          mbar_wait(k_empty + 8 * stage, parity_of(it) ^ 1);
+          mbar_wait(v_empty + 8 * stage, parity_of(it) ^ 1);
+        }
+        load_panels<kBlockN, kHeadDim>(sk + stage * kKVBytes, ptr.k + key0 * p.k_row_stride,
+                                       p.k_row_stride, t.seqlen_k - key0, p.head_dim);
+        load_panels<kBlockN, kHeadDim>(sv + stage * kKVBytes, ptr.v + key0 * p.v_row_stride,
+                                       p.v_row_stride, t.seqlen_k - key0, p.head_dim);
+        cp_async_wait_all();
+        fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
+        named_barrier_sync(kProducerBarrier, 128);
+        if (elected) {
+          mbar_arrive(k_full + 8 * stage);
+          mbar_arrive(v_full + 8 * stage);
+        }
+        continue;
+      }
+      if (!elected) continue;
+      const int row = static_cast<int>(t.k_start) + key0;
       if (it >= kStages) mbar_wait(k_empty + 8 * stage, parity_of(it) ^ 1);
-      load_panels<kBlockN, kHeadDim>(sk + stage * kKVBytes, ptr.k + key0 * p.k_row_stride,
-                                     p.k_row_stride, t.seqlen_k - key0, p.head_dim);
-      mbar_arrive_when_copied(k_full + 8 * stage);
+      mbar_arrive_expect_bytes(k_full + 8 * stage, kKVBytes);
+      tma_load_panels<kBlockN, kHeadDim>(sk + stage * kKVBytes, maps.k, k_full + 8 * stage, row,
+                                         t.h_k, batch_coord);
       if (it >= kStages) mbar_wait(v_empty + 8 * stage, parity_of(it) ^ 1);
-      load_panels<kBlockN, kHeadDim>(sv + stage * kKVBytes, ptr.v + key0 * p.v_row_stride,
-                                     p.v_row_stride, t.seqlen_k - key0, p.head_dim);
-      mbar_arrive_when_copied(v_full + 8 * stage);
+      mbar_arrive_expect_bytes(v_full + 8 * stage, kKVBytes);
+      tma_load_panels<kBlockN, kHeadDim>(sv + stage * kKVBytes, maps.v, v_full + 8 * stage, row,
+                                         t.h_k, batch_coord);
     }
-    cp_async_wait_all();  // leave no copy in flight behind an exited thread
     return;
   }
 
@@ -212,7 +252,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
     // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
     mbar_wait(q_full, 0);
     mbar_wait(k_full, 0);
-    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
     {
       take_turn(consumer);
       float acc_s[1][kNTiles][4];
@@ -232,7 +271,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
       const u32 stage = stage_of(it), prev_stage = stage_of(it - 1);
       mbar_wait(k_full + 8 * stage, parity_of(it));
       mbar_wait(v_full + 8 * prev_stage, parity_of(it - 1));
-      fence_proxy_async();
 
       take_turn(consumer);
       float acc_s[1][kNTiles][4];
@@ -256,7 +294,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1) fwd_sm90_kernel(const FwdPara
     // -- the last block's P V --
     const u32 last = stage_of(n_blocks - 1);
     mbar_wait(v_full + 8 * last, parity_of(n_blocks - 1));
-    fence_proxy_async();
     take_turn(consumer);
     wgmma_fence();
     issue_pv(p_prev, last);

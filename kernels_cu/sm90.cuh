@@ -43,11 +43,6 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Arrives once every cp.async this thread has issued so far has landed: the copy
-// announces itself, so the issuing thread never waits for it (init count = arriving threads).
-__device__ __forceinline__ void mbar_arrive_when_copied(u32 bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 // Waits until the phase with this parity has completed.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   u32 done;
@@ -59,6 +54,30 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   } while (!done);
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// -- TMA: bulk tensor copies described by maps the host builds (cuTensorMapEncodeTiled);
+//    kernels take them as a __grid_constant__ parameter, so their address is usable --
+struct alignas(64) TensorMap {
+  u64 opaque[16];
+};
+struct TensorMaps {
+  TensorMap q, k, v;  // (columns, rows, heads, batch) views, 128-byte swizzle
+};
+
+// Arrives and adds `bytes` to the transactions the current phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// One box at (c0, c1, c2, c3) into shared memory; its bytes count on `bar` when they land.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 bar, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
 
 // -- named barriers (0 is __syncthreads'): `threads` arrivals complete one --
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {

@@ -1,0 +1,75 @@
+"""TMA tensor maps for the Hopper kernels (kernels_cu/sm90.cuh, ``TensorMaps``).
+
+Each of q, k and v is described to the copy engine as a 4-D (columns, rows, heads, batch)
+tensor with its own strides, read in boxes of 64 columns (one 128-byte swizzled panel)
+by a tile's rows; elements past an end read as zeros. The driver's
+``cuTensorMapEncodeTiled`` builds the 128-byte descriptors on the host; CuPy has no
+wrapper, so it is called through ctypes. Descriptors depend only on their arguments, so
+they are cached.
+"""
+import ctypes
+import functools
+
+import numpy as np
+
+MAPS_DTYPE = np.dtype([("q", "V128"), ("k", "V128"), ("v", "V128")])
+PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width
+_DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 0, 3, 2, 0
+_MAX_STRIDE = 1 << 40
+
+
+def map_args(shape, strides, itemsize, box_rows):
+    """Arguments of one descriptor: shape and element strides are (batch, rows, heads,
+    columns) with unit column stride. Returns (dims, byte strides of dims 1..3, box), or
+    None where the copy engine cannot describe the tensor (the caller then uses the
+    portable kernels)."""
+    batch, rows, heads, cols = shape
+    dims = (cols, max(rows, 1), max(heads, 1), max(batch, 1))
+    byte_strides = []
+    for n, s in ((rows, strides[1]), (heads, strides[2]), (batch, strides[0])):
+        s *= itemsize
+        if n <= 1 and s == 0:
+            s = 16          # a dimension of one element: its stride is never used
+        if s <= 0 or s % 16 or s >= _MAX_STRIDE:
+            return None
+        byte_strides.append(s)
+    if max(dims) >= 1 << 32:
+        return None
+    return dims, tuple(byte_strides), (PANEL_COLUMNS, box_rows, 1, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_fn():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
+                   u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=1024)
+def encode(dtype, ptr, dims, byte_strides, box):
+    """The 128-byte descriptor, or None if the driver refuses the arguments."""
+    buf = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(buf) + 63) & ~63  # the driver wants it 64-byte aligned
+    rc = _encode_fn()(addr, _DATA_TYPES[dtype], 4, ptr, (ctypes.c_uint64 * 4)(*dims),
+                      (ctypes.c_uint64 * 3)(*byte_strides), (ctypes.c_uint32 * 4)(*box),
+                      (ctypes.c_uint32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B,
+                      _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
+    return ctypes.string_at(addr, 128) if rc == 0 else None
+
+
+def tensor_maps(dtype, views):
+    """views: {"q"|"k"|"v": (ptr, shape, strides, box_rows)} as in map_args. A record to
+    pass by value, or None if any tensor cannot be described."""
+    maps = np.zeros((), dtype=MAPS_DTYPE)
+    for name, (ptr, shape, strides, box_rows) in views.items():
+        args = map_args(shape, strides, 2, box_rows)
+        desc = encode(dtype, ptr, *args) if args else None
+        if desc is None:
+            return None
+        maps[name] = np.void(desc)
+    return maps
