@@ -24,14 +24,12 @@ from bench_fwd import Shape, time_events  # noqa: E402
 
 # name -> (tiles {head_dim: (block_m, block_n)} for masks "none", the same for
 # "window" (causal, local), stages {head_dim: n}, NVRTC options)
-WIDE = {64: (128, 192), 128: (128, 176), 256: (128, 80)}
-NARROW = {64: (128, 64), 128: (128, 64)}
 EXPERIMENTS = {
     "base": ({}, {}, {}, ()),
-    "wide": (WIDE, {}, {}, ()),
-    "wide_nopp": (WIDE, {}, {}, ("-DCUFA_PINGPONG=0",)),
-    "wide_s3": (WIDE, {}, {64: 3}, ()),
-    "narrow_win": ({}, NARROW, {}, ()),
+    "nopp": ({}, {}, {}, ("-DCUFA_PINGPONG=0",)),
+    "s3": ({}, {}, {64: 3, 128: 3}, ()),
+    "win_wide": ({}, {64: (128, 192)}, {}, ()),
+    "bn176": ({128: (128, 176)}, {}, {}, ()),
 }
 DEFAULT_SHAPES = ("64:512:0,64:512:1,64:2048:1,64:8192:0,128:512:0,128:512:1,128:2048:0,"
                   "128:2048:1,128:8192:0,128:8192:1,256:512:1,256:8192:0")

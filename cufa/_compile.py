@@ -34,12 +34,13 @@ SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
 SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 
 # sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64);
-# 128 query rows (two warpgroups). block_n 128 where two K/V stages of it fit in
-# shared memory next to Q (227 KB), 64 above head dim 128.
+# 128 query rows (two consumer warpgroups). block_n: the widest that measured fastest
+# (bench/tune_sm90.py, NOTES.md) with two K/V stages next to Q in shared memory (227 KB);
+# narrower where score mods would spill.
 SM90_HEAD_DIMS = (64, 128, 192, 256)
-SM90_TILES = {64: (128, 128), 128: (128, 128), 192: (128, 64), 256: (128, 64)}
-SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local: blocks straddling the diagonal
-SM90_TILES_SCORE_MODS = {**SM90_TILES, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
+SM90_TILES = {64: (128, 192), 128: (128, 128), 192: (128, 64), 256: (128, 80)}
+SM90_TILES_WINDOW = {**SM90_TILES, 64: (128, 128)}  # causal / local: less waste on the diagonal
+SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_STAGES = {64: 2, 128: 2, 192: 2, 256: 2}  # K/V ring depth
 
 # Extra NVRTC options (-D...) for kernel experiments (bench/tune_sm90.py); part of the
@@ -67,6 +68,11 @@ class FwdVariant:
     @property
     def threads(self):
         return 128 if self.family == "sm80" else 384  # sm90: producer + two consumer warpgroups
+
+    @property
+    def persistent(self):
+        """sm90 kernels loop over tiles: launch at most one CTA per SM."""
+        return self.family == "sm90"
 
     @property
     def key(self):

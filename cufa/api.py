@@ -447,10 +447,22 @@ def _launch(variant, num_blocks, params, maps, framework, device, schedule=None)
                   (np.uint64(cu_q), np.int32(batch), np.int32(total_q), np.int32(block_m),
                    np.int32(buckets), np.uint64(counters), np.uint64(tiles), np.uint64(count)))
         args = (params[()],) if maps is None else (params[()], maps[()])
+        if variant.persistent:  # one CTA per SM, each striding over the tiles
+            num_blocks = min(num_blocks, _sm_count(device))
         fn((num_blocks,), (variant.threads,), args, shared_mem=variant.smem_bytes)
 
 
 _capabilities = {}
+_sm_counts = {}
+
+
+def _sm_count(device):
+    n = _sm_counts.get(device)
+    if n is None:
+        import cupy
+        n = _sm_counts[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    return n
+
 
 
 def _compute_capability(device):

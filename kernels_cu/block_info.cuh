@@ -11,13 +11,15 @@ struct Tile {
   i64 q_start, k_start;  // first row of the sequence in q/o and k/v (0 for padded batches)
 };
 
-// Padded batches: block = (reversed query block, batch, head), heaviest query blocks
-// first. Packed (varlen) batches: block = (list entry, head); the list, built on the
-// device by varlen_schedule, holds (sequence, query block) pairs longest sequences and
-// last query blocks first, and only real tiles: no block is spent on padding. Sequence
-// bounds are clamped to the tensors, so even malformed cu_seqlens never index outside them.
-__device__ __forceinline__ bool get_tile(const FwdParams& p, Tile& t) {
-  const int block = static_cast<int>(blockIdx.x);
+// Tile `index` of the launch (false past the last one). Padded batches: index =
+// ((batch, head), reversed query block): the query blocks of one head run together, so
+// its K/V stay in L2, heaviest (last, under a causal mask) first. Packed (varlen)
+// batches: index = (list entry, head); the list, built on the device by varlen_schedule,
+// holds (sequence, query block) pairs longest sequences and last query blocks first, and
+// only real tiles: no block is spent on padding. Sequence bounds are clamped to the
+// tensors, so even malformed cu_seqlens never index outside them.
+__device__ __forceinline__ bool get_tile(const FwdParams& p, int index, Tile& t) {
+  const int block = index;
   if (p.tile_list) {
     const int entry = block / p.nheads;
     if (entry >= *reinterpret_cast<const int*>(p.tile_count)) return false;
@@ -36,10 +38,11 @@ __device__ __forceinline__ bool get_tile(const FwdParams& p, Tile& t) {
     if (p.seqused_k)
       t.seqlen_k = min(max(reinterpret_cast<const int*>(p.seqused_k)[t.b], 0), t.seqlen_k);
   } else {
-    const int bh_count = p.batch * p.nheads;
-    t.m_block = p.num_m_blocks - 1 - block / bh_count;
-    t.b = (block % bh_count) / p.nheads;
-    t.h = block % p.nheads;
+    const int bh = block / p.num_m_blocks;
+    if (bh >= p.batch * p.nheads) return false;
+    t.m_block = p.num_m_blocks - 1 - block % p.num_m_blocks;
+    t.b = bh / p.nheads;
+    t.h = bh % p.nheads;
     t.q_start = t.k_start = 0;
     t.seqlen_q = p.seqlen_q;
     t.seqlen_k = p.seqlen_k;

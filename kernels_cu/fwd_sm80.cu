@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   // -- which tile --
   Tile t;
-  if (!get_tile(p, t)) return;
+  if (!get_tile(p, static_cast<int>(blockIdx.x), t)) return;
   const int row0 = t.m_block * kBlockM;
   const int row_end = min(row0 + kBlockM, t.seqlen_q);
   const int lane = threadIdx.x % 32;

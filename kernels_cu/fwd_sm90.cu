@@ -1,10 +1,11 @@
-// Forward attention on Hopper (sm_90a), warp-specialized. A CTA owns 128 query rows of
-// one (batch, head) and has three warpgroups: a producer that streams K/V blocks into a
-// shared-memory ring (two or more stages) with cp.async, and two consumers of 64 rows each that
-// run both products on wgmma (S = Q K^T from shared memory, O += P V with P from
-// registers). Copies announce themselves on mbarriers, so the producer never waits for
-// a copy, only for a stage to be released. The consumers take turns issuing their
-// products (named barriers), so one's softmax runs under the other's matrix work.
+// Forward attention on Hopper (sm_90a): persistent, warp-specialized. One CTA per SM
+// works through tiles of 128 query rows of one (batch, head), striding over the tile
+// list. A producer warp streams Q and the K/V blocks of its tiles into shared memory with
+// TMA (a ring of stages, each announced on an mbarrier), running ahead across tile
+// boundaries; two consumer warpgroups of 64 rows each run both products on wgmma
+// (S = Q K^T from shared memory, O += P V with P from registers) and write O straight
+// from registers. The consumers take turns issuing their products (named barriers), so
+// one's softmax runs under the other's matrix work.
 #include "common.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -16,7 +17,7 @@
 
 namespace cufa {
 
-constexpr int kSm90Threads = 384;      // producer warpgroup, then two consumer warpgroups
+constexpr int kSm90Threads = 384;      // producer warpgroup (one warp works), two consumers
 constexpr int kSm90BlockM = 128;
 #ifndef CUFA_PINGPONG
 #define CUFA_PINGPONG 1  // consumers take turns issuing their products (0: experiments only)
@@ -24,7 +25,6 @@ constexpr int kSm90BlockM = 128;
 constexpr int kProducerRegs = 24;      // 128 x 24 + 256 x 240 fits the 64K registers of an SM
 constexpr int kConsumerRegs = 240;
 constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
-constexpr int kProducerBarrier = 3;    // the producer warpgroup alone
 
 // -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
 //    and pass_turn (an arrive on the other's), so the two never issue at once and each
@@ -36,12 +36,12 @@ __device__ __forceinline__ void pass_turn(int consumer) {
   if (CUFA_PINGPONG) named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
 }
 
-// -- the producer warpgroup loads a tile into the panel layout with cp.async: rows past
+// -- the producer warp loads a tile into the panel layout with cp.async: rows past
 //    `rows_valid`, columns past `head_dim` as zeros --
 template <int kRows, int kHeadDim>
 __device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_stride,
                                             int rows_valid, int head_dim) {
-  copy_tile_async<kRows, kHeadDim, 128>(smem, gmem, row_stride, rows_valid, head_dim,
+  copy_tile_async<kRows, kHeadDim, 32>(smem, gmem, row_stride, rows_valid, head_dim,
                                         [](int r, int c) { return panel_offset<kRows>(r, c); });
 }
 
@@ -89,222 +89,270 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
   }
 }
 
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages>
-__global__ void __launch_bounds__(kSm90Threads, 1)
-    fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
-  constexpr int kBlockM = kSm90BlockM;
-  constexpr int kNTiles = kBlockN / 8;
-  constexpr int kDTiles = kHeadDim / 8;
-  constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
+// -- shared memory: Q, the K/V ring, the mbarriers. The CTA's key blocks are counted
+//    over all its tiles: block g sits in stage g % kStages, whose barriers are then on
+//    their (g / kStages)-th phase --
+template <int kHeadDim, int kBlockN, int kStages>
+struct Sm90Smem {
+  static constexpr int kQBytes = kSm90BlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  u32 q, k, v;  // stage s of K at k + s * kKVBytes (arithmetic, not arrays: a run-time
+                // index into an array would put it in local memory)
+  u32 q_full, q_empty, k_full, v_full, k_empty, v_empty;  // stage s's barrier at + 8 * s
 
-  // Dynamic shared memory is only 16-byte aligned; the swizzle needs 1024.
-  // Q, the K stages, the V stages (stage s at + s * kKVBytes: arithmetic, not arrays, since
-  // a run-time index into an array would put it in local memory), then the mbarriers.
-  extern __shared__ unsigned char smem_raw[];
-  const u32 sq = (smem_u32(smem_raw) + 1023) & ~1023u;
-  const u32 sk = sq + kQBytes;
-  const u32 sv = sk + kStages * kKVBytes;
-  const u32 q_full = sv + kStages * kKVBytes;  // 8 bytes each
-  const u32 k_full = q_full + 8, v_full = k_full + 8 * kStages;
-  const u32 k_empty = v_full + 8 * kStages, v_empty = k_empty + 8 * kStages;
-
-  // -- which tile --
-  Tile t;
-  if (!get_tile(p, t)) return;
-  const int row0 = t.m_block * kBlockM;
-  const int row_end = min(row0 + kBlockM, t.seqlen_q);
-  const TilePointers ptr = tile_pointers(p, t);
-  const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
-  const int n_block_min = keys.begin / kBlockN;
-  const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key skip the loop
-  const int n_blocks = max(n_block_max - n_block_min, 0);
-  // Block `it` of the loop is key block n_block_max - 1 - it, in stage it % kStages, whose
-  // barriers are on their (it / kStages)-th phase.
-  auto stage_of = [](int it) { return static_cast<u32>(it % kStages); };
-  auto parity_of = [](int it) { return static_cast<u32>((it / kStages) & 1); };
-
-  if (threadIdx.x == 0) {
-    mbar_init(q_full, 1);  // the producer's one arrival, plus the bytes its copies bring
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full + 8 * s, 1);
-      mbar_init(v_full + 8 * s, 1);
-      mbar_init(k_empty + 8 * s, 256);  // every consumer thread is done reading
-      mbar_init(v_empty + 8 * s, 256);
-    }
+  __device__ explicit Sm90Smem(u32 base) {
+    q = (base + 1023) & ~1023u;  // dynamic shared memory is 16-byte aligned; the swizzle needs 1024
+    k = q + kQBytes;
+    v = k + kStages * kKVBytes;
+    q_full = v + kStages * kKVBytes;
+    q_empty = q_full + 8;
+    k_full = q_empty + 8;
+    v_full = k_full + 8 * kStages;
+    k_empty = v_full + 8 * kStages;
+    v_empty = k_empty + 8 * kStages;
   }
-  __syncthreads();
+  __device__ static u32 stage(int g) { return static_cast<u32>(g % kStages); }
+  __device__ static u32 parity(int g) { return static_cast<u32>((g / kStages) & 1); }
+};
 
-  const int warpgroup = threadIdx.x / 128;
-  if (warpgroup == 0) {
-    // -- producer: Q once, then K and V of every block, each as soon as its stage is free.
-    //    One thread issues TMA copies, which announce their bytes on the stage's barrier.
-    //    A packed batch's last key block is the exception: the rows past the sequence
-    //    belong to the next one, and a stray inf there would turn P = 0 into NaN, so the
-    //    whole warpgroup copies it with cp.async, which fills those rows with zeros. --
-    setmaxnreg_dec<kProducerRegs>();
-    if (n_blocks == 0) return;
-    const bool elected = threadIdx.x == 0;
-    const bool packed = p.cu_seqlens_k != 0;
-    const int batch_coord = packed ? 0 : t.b;
+// -- one tile's work: the tile, its rows, and its key blocks n_block_max - n_blocks ..
+//    n_block_max - 1, visited last first --
+struct Sm90Work {
+  Tile t;
+  int row0, row_end, n_block_max, n_blocks;
+};
+
+template <int kMask, int kBlockN>
+__device__ __forceinline__ bool sm90_work(const FwdParams& p, long long index, Sm90Work& w) {
+  if (index > 0x7fffffff || !get_tile(p, static_cast<int>(index), w.t)) return false;
+  w.row0 = w.t.m_block * kSm90BlockM;
+  w.row_end = min(w.row0 + kSm90BlockM, w.t.seqlen_q);
+  const KeyRange keys = key_range<kMask>(p, w.t, w.row0, w.row_end);
+  w.n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key: no blocks
+  w.n_blocks = max(w.n_block_max - keys.begin / kBlockN, 0);
+  return true;
+}
+
+// -- producer: one warp; lane 0 issues TMA copies, whose bytes complete the stage's
+//    barrier. A packed batch's last key block is the exception: the rows past the
+//    sequence belong to the next one, and a stray inf there would turn P = 0 into NaN,
+//    so the warp copies it with cp.async, which fills those rows with zeros. All lanes
+//    wait for every stage, so none runs a phase ahead of the barriers. --
+template <int kHeadDim, int kMask, int kBlockN, int kStages>
+__device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps,
+                                        const Sm90Smem<kHeadDim, kBlockN, kStages>& sm) {
+  using Smem = Sm90Smem<kHeadDim, kBlockN, kStages>;
+  const bool elected = threadIdx.x == 0;
+  const bool packed = p.cu_seqlens_k != 0;
+  int block_count = 0, tile_count = 0;
+  Sm90Work w;
+  for (long long index = blockIdx.x; sm90_work<kMask, kBlockN>(p, index, w); index += gridDim.x) {
+    if (w.n_blocks == 0) continue;
+    const Tile& t = w.t;
+    const int batch = packed ? 0 : t.b;
+    if (tile_count > 0) mbar_wait(sm.q_empty, (tile_count - 1) & 1);
     if (elected) {
-      mbar_arrive_expect_bytes(q_full, kQBytes);
-      tma_load_panels<kBlockM, kHeadDim>(sq, maps.q, q_full, static_cast<int>(t.q_start) + row0,
-                                         t.h, batch_coord);
+      mbar_arrive_expect_bytes(sm.q_full, Smem::kQBytes);
+      tma_load_panels<kSm90BlockM, kHeadDim>(sm.q, maps.q, sm.q_full,
+                                             static_cast<int>(t.q_start) + w.row0, t.h, batch);
     }
-    for (int it = 0; it < n_blocks; ++it) {
-      const int key0 = (n_block_max - 1 - it) * kBlockN;
-      const u32 stage = stage_of(it);
+    ++tile_count;
+    for (int it = 0; it < w.n_blocks; ++it, ++block_count) {
+      const int key0 = (w.n_block_max - 1 - it) * kBlockN;
+      const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
+      const u32 k_dst = sm.k + stage * Smem::kKVBytes, v_dst = sm.v + stage * Smem::kKVBytes;
+      if (block_count >= kStages) mbar_wait(sm.k_empty + 8 * stage, parity ^ 1);
       if (packed && key0 + kBlockN > t.seqlen_k) {
-        if (it >= kStages) {
-          mbar_wait(k_empty + 8 * stage, parity_of(it) ^ 1);
-          mbar_wait(v_empty + 8 * stage, parity_of(it) ^ 1);
-        }
-        load_panels<kBlockN, kHeadDim>(sk + stage * kKVBytes, ptr.k + key0 * p.k_row_stride,
-                                       p.k_row_stride, t.seqlen_k - key0, p.head_dim);
-        load_panels<kBlockN, kHeadDim>(sv + stage * kKVBytes, ptr.v + key0 * p.v_row_stride,
-                                       p.v_row_stride, t.seqlen_k - key0, p.head_dim);
+        if (block_count >= kStages) mbar_wait(sm.v_empty + 8 * stage, parity ^ 1);
+        const TilePointers ptr = tile_pointers(p, t);
+        load_panels<kBlockN, kHeadDim>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                       t.seqlen_k - key0, p.head_dim);
+        load_panels<kBlockN, kHeadDim>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
+                                       t.seqlen_k - key0, p.head_dim);
         cp_async_wait_all();
         fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
-        named_barrier_sync(kProducerBarrier, 128);
+        __syncwarp();
         if (elected) {
-          mbar_arrive(k_full + 8 * stage);
-          mbar_arrive(v_full + 8 * stage);
+          mbar_arrive(sm.k_full + 8 * stage);
+          mbar_arrive(sm.v_full + 8 * stage);
         }
         continue;
       }
-      if (!elected) continue;
       const int row = static_cast<int>(t.k_start) + key0;
-      if (it >= kStages) mbar_wait(k_empty + 8 * stage, parity_of(it) ^ 1);
-      mbar_arrive_expect_bytes(k_full + 8 * stage, kKVBytes);
-      tma_load_panels<kBlockN, kHeadDim>(sk + stage * kKVBytes, maps.k, k_full + 8 * stage, row,
-                                         t.h_k, batch_coord);
-      if (it >= kStages) mbar_wait(v_empty + 8 * stage, parity_of(it) ^ 1);
-      mbar_arrive_expect_bytes(v_full + 8 * stage, kKVBytes);
-      tma_load_panels<kBlockN, kHeadDim>(sv + stage * kKVBytes, maps.v, v_full + 8 * stage, row,
-                                         t.h_k, batch_coord);
+      if (elected) {
+        mbar_arrive_expect_bytes(sm.k_full + 8 * stage, Smem::kKVBytes);
+        tma_load_panels<kBlockN, kHeadDim>(k_dst, maps.k, sm.k_full + 8 * stage, row, t.h_k, batch);
+      }
+      if (block_count >= kStages) mbar_wait(sm.v_empty + 8 * stage, parity ^ 1);
+      if (elected) {
+        mbar_arrive_expect_bytes(sm.v_full + 8 * stage, Smem::kKVBytes);
+        tma_load_panels<kBlockN, kHeadDim>(v_dst, maps.v, sm.v_full + 8 * stage, row, t.h_k, batch);
+      }
+      __syncwarp();
     }
-    return;
   }
+}
 
-  // -- consumers --
-  setmaxnreg_inc<kConsumerRegs>();
-  const int consumer = warpgroup - 1;
+// -- a consumer warpgroup: 64 rows of every tile --
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages>
+__device__ __forceinline__ void consume(const FwdParams& p,
+                                        const Sm90Smem<kHeadDim, kBlockN, kStages>& sm,
+                                        int consumer) {
+  using Smem = Sm90Smem<kHeadDim, kBlockN, kStages>;
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
   const int lane = threadIdx.x % 32;
-  const int row_base = row0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
-  const TileMods mods = tile_mods<kScoreMods>(p, t);
   const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
+  // K-major Q and K: 8-row groups 1024 bytes apart; 16 columns (32 bytes) per k-step
+  // inside a panel. MN-major V: 64-column panels kBlockN * 128 bytes apart, 8-key
+  // groups 1024 bytes apart; 16 keys (2048 bytes) per k-step.
+  const u64 q_desc = smem_desc(sm.q + consumer * 64 * 128, 16, 1024);
+  const u64 k_desc = smem_desc(sm.k, 16, 1024);
+  const u64 v_desc = smem_desc(sm.v, kBlockN * 128, 1024);
+  auto kstep = [](int ks, int rows) {  // descriptor offset (16-byte units) of k-step ks
+    return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+  };
+  constexpr u64 kStageStep = Smem::kKVBytes >> 4;
 
-  float acc_o[1][kDTiles][4];
+  int block_count = 0, tile_count = 0;
+  Sm90Work w;
+  for (long long index = blockIdx.x; sm90_work<kMask, kBlockN>(p, index, w); index += gridDim.x) {
+    const Tile& t = w.t;
+    const int row_base = w.row0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
+    float acc_o[1][kDTiles][4];
 #pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt)
+    for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-  OnlineSoftmax<1> softmax;
-  softmax.init();
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    OnlineSoftmax<1> softmax;
+    softmax.init();
 
-  if (n_blocks > 0) {
-    // K-major Q and K: 8-row groups 1024 bytes apart; 16 columns (32 bytes) per k-step
-    // inside a panel. MN-major V: 64-column panels kBlockN * 128 bytes apart, 8-key
-    // groups 1024 bytes apart; 16 keys (2048 bytes) per k-step.
-    const u64 q_desc = smem_desc(sq + consumer * 64 * 128, 16, 1024);
-    const u64 k_desc = smem_desc(sk, 16, 1024);
-    const u64 v_desc = smem_desc(sv, kBlockN * 128, 1024);
-    auto kstep = [](int ks, int rows) {  // descriptor offset (16-byte units) of k-step ks
-      return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
-    };
-    constexpr u64 kStageStep = kKVBytes >> 4;
-    auto issue_pv = [&](const u32 (&pa)[kNTiles / 2][4], u32 stage) {
+    if (w.n_blocks > 0) {
+      const TileMods mods = tile_mods<kScoreMods>(p, t);
+      const int n_blocks = w.n_blocks;
+      auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
 #pragma unroll
-      for (int kk = 0; kk < kNTiles / 2; ++kk)
-        wgmma_rs<kDtype>(acc_o, pa[kk], v_desc + stage * kStageStep + (kk * 16 * 128 >> 4), 1);
-      wgmma_commit();
-    };
-    if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
-
-    // Scores of block `it` -> probabilities (in place), and the factor O must be rescaled
-    // by; then, once the previous P V is complete, O rescaled and P packed as the A
-    // operand of this block's product.
-    u32 p_prev[kNTiles / 2][4];
-    auto scores_to_probs = [&](float (&acc_s)[1][kNTiles][4], int it, float (&correction)[1][2]) {
-      const int key0 = (n_block_max - 1 - it) * kBlockN;
-      if (kScoreMods)
-        apply_score_mods(acc_s, p, t, mods, row_base, key0, lane);
-      if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
-        apply_mask<kMask>(acc_s, p, t, row_base, key0, lane);
-      softmax.update(acc_s, scale_log2, correction);
-      fence_registers(acc_s);
-    };
-    auto rescale_and_pack = [&](const float (&acc_s)[1][kNTiles][4], const float (&correction)[1][2]) {
-      softmax.rescale_output(acc_o, correction);
-      pack_p<kDtype>(p_prev, acc_s);
-    };
-    auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
+        for (int ks = 0; ks < kHeadDim / 16; ++ks)
+          wgmma_ss<kDtype>(acc_s, q_desc + kstep(ks, kSm90BlockM),
+                           k_desc + stage * kStageStep + kstep(ks, kBlockN), ks > 0);
+        wgmma_commit();
+      };
+      u32 p_prev[kNTiles / 2][4];
+      auto issue_pv = [&](u32 stage) {
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        wgmma_ss<kDtype>(acc_s, q_desc + kstep(ks, kBlockM),
-                         k_desc + stage * kStageStep + kstep(ks, kBlockN), ks > 0);
-      wgmma_commit();
-    };
+        for (int kk = 0; kk < kNTiles / 2; ++kk)
+          wgmma_rs<kDtype>(acc_o, p_prev[kk], v_desc + stage * kStageStep + (kk * 16 * 128 >> 4), 1);
+        wgmma_commit();
+      };
+      // Scores of block `it` -> probabilities (in place), and the factor O must be
+      // rescaled by; then, once the previous P V is complete, O rescaled and P packed as
+      // the A operand of this block's product.
+      auto scores_to_probs = [&](float (&acc_s)[1][kNTiles][4], int it, float (&correction)[1][2]) {
+        const int key0 = (w.n_block_max - 1 - it) * kBlockN;
+        if (kScoreMods)
+          apply_score_mods(acc_s, p, t, mods, row_base, key0, lane);
+        if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + kBlockN))
+          apply_mask<kMask>(acc_s, p, t, row_base, key0, lane);
+        softmax.update(acc_s, scale_log2, correction);
+        fence_registers(acc_s);
+      };
+      auto rescale_and_pack = [&](const float (&acc_s)[1][kNTiles][4], const float (&correction)[1][2]) {
+        softmax.rescale_output(acc_o, correction);
+        pack_p<kDtype>(p_prev, acc_s);
+      };
+      if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
 
-    // Block 0: S only. Peeled, so that every product in the loop is issued
-    // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
-    mbar_wait(q_full, 0);
-    mbar_wait(k_full, 0);
-    {
+      // Block 0: S only. Peeled, so that every product in the loop is issued
+      // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
+      mbar_wait(sm.q_full, tile_count & 1);
+      ++tile_count;
+      {
+        const u32 stage = Smem::stage(block_count);
+        mbar_wait(sm.k_full + 8 * stage, Smem::parity(block_count));
+        take_turn(consumer);
+        float acc_s[1][kNTiles][4];
+        wgmma_fence();
+        issue_qk(acc_s, stage);
+        pass_turn(consumer);
+        wgmma_wait<0>();
+        fence_registers(acc_s);
+        mbar_arrive(sm.k_empty + 8 * stage);
+        if (n_blocks == 1) mbar_arrive(sm.q_empty);  // Q's last reader is done
+        float correction[1][2];
+        scores_to_probs(acc_s, 0, correction);
+        rescale_and_pack(acc_s, correction);
+      }
+      // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
+      // together, and computes the exponentials of S_it while the P V product runs.
+      for (int it = 1; it < n_blocks; ++it) {
+        const int g = block_count + it;
+        const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
+        mbar_wait(sm.k_full + 8 * stage, Smem::parity(g));
+        mbar_wait(sm.v_full + 8 * prev_stage, Smem::parity(g - 1));
+        take_turn(consumer);
+        float acc_s[1][kNTiles][4];
+        wgmma_fence();
+        issue_qk(acc_s, stage);
+        issue_pv(prev_stage);
+        pass_turn(consumer);
+        wgmma_wait<1>();
+        fence_registers(acc_s);
+        mbar_arrive(sm.k_empty + 8 * stage);
+        if (it == n_blocks - 1) mbar_arrive(sm.q_empty);
+        // (P is packed only after the P V wait: the registers of the previous P feed the
+        // product until it completes, and ptxas does not see that they are still in use.)
+        float correction[1][2];
+        scores_to_probs(acc_s, it, correction);
+        wgmma_wait<0>();
+        fence_registers(acc_o);
+        fence_registers(p_prev);
+        mbar_arrive(sm.v_empty + 8 * prev_stage);
+        rescale_and_pack(acc_s, correction);
+      }
+      // -- the last block's P V --
+      const int last = block_count + n_blocks - 1;
+      mbar_wait(sm.v_full + 8 * Smem::stage(last), Smem::parity(last));
       take_turn(consumer);
-      float acc_s[1][kNTiles][4];
       wgmma_fence();
-      issue_qk(acc_s, 0);
-      pass_turn(consumer);
-      wgmma_wait<0>();
-      fence_registers(acc_s);
-      mbar_arrive(k_empty);
-      float correction[1][2];
-      scores_to_probs(acc_s, 0, correction);
-      rescale_and_pack(acc_s, correction);
-    }
-    // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
-    // together, and computes the exponentials of S_it while the P V product runs.
-    for (int it = 1; it < n_blocks; ++it) {
-      const u32 stage = stage_of(it), prev_stage = stage_of(it - 1);
-      mbar_wait(k_full + 8 * stage, parity_of(it));
-      mbar_wait(v_full + 8 * prev_stage, parity_of(it - 1));
-
-      take_turn(consumer);
-      float acc_s[1][kNTiles][4];
-      wgmma_fence();
-      issue_qk(acc_s, stage);
-      issue_pv(p_prev, prev_stage);
-      pass_turn(consumer);
-      wgmma_wait<1>();
-      fence_registers(acc_s);
-      mbar_arrive(k_empty + 8 * stage);
-      // (P is packed only after the P V wait: the registers of the previous P feed the
-      // product until it completes, and ptxas does not see that they are still in use.)
-      float correction[1][2];
-      scores_to_probs(acc_s, it, correction);
+      issue_pv(Smem::stage(last));
+      if (consumer == 0) pass_turn(consumer);  // consumer 1 has one turn left
       wgmma_wait<0>();
       fence_registers(acc_o);
-      fence_registers(p_prev);
-      mbar_arrive(v_empty + 8 * prev_stage);
-      rescale_and_pack(acc_s, correction);
+      mbar_arrive(sm.v_empty + 8 * Smem::stage(last));
+      block_count += n_blocks;
     }
-    // -- the last block's P V --
-    const u32 last = stage_of(n_blocks - 1);
-    mbar_wait(v_full + 8 * last, parity_of(n_blocks - 1));
-    take_turn(consumer);
-    wgmma_fence();
-    issue_pv(p_prev, last);
-    if (consumer == 0) pass_turn(consumer);  // consumer 1 has one turn left
-    wgmma_wait<0>();
-    fence_registers(acc_o);
-  }
 
-  float lse[1][2];
-  softmax.finalize(acc_o, lse, scale_log2);
-  write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
+    float lse[1][2];
+    softmax.finalize(acc_o, lse, scale_log2);
+    const TilePointers ptr = tile_pointers(p, t);
+    write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
+  }
+}
+
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages>
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
+  extern __shared__ unsigned char smem_raw[];
+  const Sm90Smem<kHeadDim, kBlockN, kStages> sm(smem_u32(smem_raw));
+  if (threadIdx.x == 0) {
+    mbar_init(sm.q_full, 1);  // the producer's one arrival, plus the bytes its copies bring
+    mbar_init(sm.q_empty, 256);  // every consumer thread is done reading
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(sm.k_full + 8 * s, 1);
+      mbar_init(sm.v_full + 8 * s, 1);
+      mbar_init(sm.k_empty + 8 * s, 256);
+      mbar_init(sm.v_empty + 8 * s, 256);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x < 32) produce<kHeadDim, kMask, kBlockN, kStages>(p, maps, sm);
+    return;
+  }
+  setmaxnreg_inc<kConsumerRegs>();
+  consume<kDtype, kHeadDim, kMask, kScoreMods, kBlockN, kStages>(p, sm, threadIdx.x / 128 - 1);
 }
 
 }  // namespace cufa
