@@ -393,6 +393,9 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
         p["batch"], p["nheads"], p["nheads_k"] = batch, nheads, nheads_k
         p["seqlen_q"], p["seqlen_k"], p["head_dim"] = seqlen_q, seqlen_k, d
         p["num_m_blocks"] = num_m_blocks
+        # Heads scheduled together: as many as keep their K/V within half of L2.
+        kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
+        p["heads_per_group"] = max(1, min(batch * nheads, _L2_BUDGET // kv_bytes))
         p["bottom_right"] = int(bottom_right)
         p["window_left"], p["window_right"] = window
         p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
@@ -453,6 +456,7 @@ def _launch(variant, num_blocks, params, maps, framework, device, schedule=None)
 
 
 _capabilities = {}
+_L2_BUDGET = 25 * 2**20  # bytes of K/V per scheduling group: half of an H100's L2
 _sm_counts = {}
 
 

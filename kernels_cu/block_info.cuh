@@ -38,9 +38,13 @@ __device__ __forceinline__ bool get_tile(const FwdParams& p, int index, Tile& t)
     if (p.seqused_k)
       t.seqlen_k = min(max(reinterpret_cast<const int*>(p.seqused_k)[t.b], 0), t.seqlen_k);
   } else {
-    const int bh = block / p.num_m_blocks;
-    if (bh >= p.batch * p.nheads) return false;
-    t.m_block = p.num_m_blocks - 1 - block % p.num_m_blocks;
+    const int bh_count = p.batch * p.nheads;
+    if (block / p.num_m_blocks >= bh_count) return false;
+    const int group_tiles = p.heads_per_group * p.num_m_blocks;
+    const int group = block / group_tiles, in_group = block % group_tiles;
+    const int group_heads = min(p.heads_per_group, bh_count - group * p.heads_per_group);
+    const int bh = group * p.heads_per_group + in_group % group_heads;
+    t.m_block = p.num_m_blocks - 1 - in_group / group_heads;
     t.b = bh / p.nheads;
     t.h = bh % p.nheads;
     t.q_start = t.k_start = 0;

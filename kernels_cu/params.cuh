@@ -35,6 +35,7 @@ struct FwdParams {
   int batch, nheads, nheads_k;
   int seqlen_q, seqlen_k, head_dim;  // packed batches: total rows of q and of k
   int num_m_blocks;                  // padded batches
+  int heads_per_group;               // padded batches: (batch, head) pairs scheduled together
   // Query i sees key j iff i + d - window_left <= j <= i + d + window_right, where the
   // diagonal offset d is seqlen_k - seqlen_q of the sequence when bottom_right
   // (flash-attn), else 0 (SDPA, top-left); an unbounded side holds a value larger than
