@@ -48,6 +48,7 @@ SM90_STAGES = {64: 2, 128: 2, 192: 2, 256: 2}  # K/V ring depth
 DEV_OPTIONS = ()
 
 NVRTC_OPTIONS = ("-std=c++17",)
+SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory a Hopper CTA may ask for
 
 
 @dataclass(frozen=True)
@@ -87,15 +88,23 @@ class FwdVariant:
                 f"{str(self.score_mods).lower()}")
         if self.family == "sm80":
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
-        return f"cufa::fwd_sm90_kernel<{args}, {self.block_n}, {self.stages}>"
+        return f"cufa::fwd_sm90_kernel<{args}, {self.block_n}, {self.stages}, {self.q_stages}>"
 
     @property
     def smem_bytes(self):
         if self.family == "sm80":
             return (self.block_m + 2 * self.block_n) * self.head_dim * 2
-        # Q and the K/V stages; 1024 for the swizzle's alignment, the mbarriers after
-        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
-        return tiles + 1024 + 8 * (1 + 4 * self.stages)
+        return self._sm90_smem(self.q_stages)
+
+    def _sm90_smem(self, q_stages):
+        # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers after
+        tiles = (q_stages * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+        return tiles + 1024 + 8 * (2 * q_stages + 4 * self.stages)
+
+    @property
+    def q_stages(self):
+        """sm90: two Q buffers where they fit (the next tile's Q loads during this one)."""
+        return 2 if self._sm90_smem(2) <= SM90_SMEM_LIMIT else 1
 
     @property
     def archs(self):

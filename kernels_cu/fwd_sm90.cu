@@ -89,10 +89,11 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
   }
 }
 
-// -- shared memory: Q, the K/V ring, the mbarriers. The CTA's key blocks are counted
-//    over all its tiles: block g sits in stage g % kStages, whose barriers are then on
-//    their (g / kStages)-th phase --
-template <int kHeadDim, int kBlockN, int kStages>
+// -- shared memory: Q stages, the K/V ring, the mbarriers. The CTA's key blocks are
+//    counted over all its tiles: block g sits in stage g % kStages, whose barriers are
+//    then on their (g / kStages)-th phase; tile number n's Q likewise in Q stage
+//    n % kQStages (two where they fit, so the next tile's Q loads during this one) --
+template <int kHeadDim, int kBlockN, int kStages, int kQStages>
 struct Sm90Smem {
   static constexpr int kQBytes = kSm90BlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
@@ -102,17 +103,19 @@ struct Sm90Smem {
 
   __device__ explicit Sm90Smem(u32 base) {
     q = (base + 1023) & ~1023u;  // dynamic shared memory is 16-byte aligned; the swizzle needs 1024
-    k = q + kQBytes;
+    k = q + kQStages * kQBytes;
     v = k + kStages * kKVBytes;
     q_full = v + kStages * kKVBytes;
-    q_empty = q_full + 8;
-    k_full = q_empty + 8;
+    q_empty = q_full + 8 * kQStages;
+    k_full = q_empty + 8 * kQStages;
     v_full = k_full + 8 * kStages;
     k_empty = v_full + 8 * kStages;
     v_empty = k_empty + 8 * kStages;
   }
   __device__ static u32 stage(int g) { return static_cast<u32>(g % kStages); }
   __device__ static u32 parity(int g) { return static_cast<u32>((g / kStages) & 1); }
+  __device__ static u32 q_stage(int n) { return static_cast<u32>(n % kQStages); }
+  __device__ static u32 q_parity(int n) { return static_cast<u32>((n / kQStages) & 1); }
 };
 
 // -- one tile's work: the tile, its rows, and its key blocks n_block_max - n_blocks ..
@@ -138,10 +141,10 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, long long index, S
 //    sequence belong to the next one, and a stray inf there would turn P = 0 into NaN,
 //    so the warp copies it with cp.async, which fills those rows with zeros. All lanes
 //    wait for every stage, so none runs a phase ahead of the barriers. --
-template <int kHeadDim, int kMask, int kBlockN, int kStages>
+template <int kHeadDim, int kMask, int kBlockN, int kStages, int kQStages>
 __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps,
-                                        const Sm90Smem<kHeadDim, kBlockN, kStages>& sm) {
-  using Smem = Sm90Smem<kHeadDim, kBlockN, kStages>;
+                                        const Sm90Smem<kHeadDim, kBlockN, kStages, kQStages>& sm) {
+  using Smem = Sm90Smem<kHeadDim, kBlockN, kStages, kQStages>;
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
   int block_count = 0, tile_count = 0;
@@ -150,10 +153,12 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
     if (w.n_blocks == 0) continue;
     const Tile& t = w.t;
     const int batch = packed ? 0 : t.b;
-    if (tile_count > 0) mbar_wait(sm.q_empty, (tile_count - 1) & 1);
+    const u32 q_stage = Smem::q_stage(tile_count);
+    if (tile_count >= kQStages) mbar_wait(sm.q_empty + 8 * q_stage, Smem::q_parity(tile_count) ^ 1);
     if (elected) {
-      mbar_arrive_expect_bytes(sm.q_full, Smem::kQBytes);
-      tma_load_panels<kSm90BlockM, kHeadDim>(sm.q, maps.q, sm.q_full,
+      mbar_arrive_expect_bytes(sm.q_full + 8 * q_stage, Smem::kQBytes);
+      tma_load_panels<kSm90BlockM, kHeadDim>(sm.q + q_stage * Smem::kQBytes, maps.q,
+                                             sm.q_full + 8 * q_stage,
                                              static_cast<int>(t.q_start) + w.row0, t.h, batch);
     }
     ++tile_count;
@@ -194,11 +199,12 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
 }
 
 // -- a consumer warpgroup: 64 rows of every tile --
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages>
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages,
+          int kQStages>
 __device__ __forceinline__ void consume(const FwdParams& p,
-                                        const Sm90Smem<kHeadDim, kBlockN, kStages>& sm,
+                                        const Sm90Smem<kHeadDim, kBlockN, kStages, kQStages>& sm,
                                         int consumer) {
-  using Smem = Sm90Smem<kHeadDim, kBlockN, kStages>;
+  using Smem = Sm90Smem<kHeadDim, kBlockN, kStages, kQStages>;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   const int lane = threadIdx.x % 32;
@@ -230,10 +236,12 @@ __device__ __forceinline__ void consume(const FwdParams& p,
     if (w.n_blocks > 0) {
       const TileMods mods = tile_mods<kScoreMods>(p, t);
       const int n_blocks = w.n_blocks;
+      const u32 q_stage = Smem::q_stage(tile_count);
+      const u64 q_stage_desc = q_desc + q_stage * (Smem::kQBytes >> 4);
       auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          wgmma_ss<kDtype>(acc_s, q_desc + kstep(ks, kSm90BlockM),
+          wgmma_ss<kDtype>(acc_s, q_stage_desc + kstep(ks, kSm90BlockM),
                            k_desc + stage * kStageStep + kstep(ks, kBlockN), ks > 0);
         wgmma_commit();
       };
@@ -264,7 +272,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
 
       // Block 0: S only. Peeled, so that every product in the loop is issued
       // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
-      mbar_wait(sm.q_full, tile_count & 1);
+      mbar_wait(sm.q_full + 8 * q_stage, Smem::q_parity(tile_count));
       ++tile_count;
       {
         const u32 stage = Smem::stage(block_count);
@@ -277,7 +285,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<0>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty + 8 * stage);
-        if (n_blocks == 1) mbar_arrive(sm.q_empty);  // Q's last reader is done
+        if (n_blocks == 1) mbar_arrive(sm.q_empty + 8 * q_stage);  // Q's last reader is done
         float correction[1][2];
         scores_to_probs(acc_s, 0, correction);
         rescale_and_pack(acc_s, correction);
@@ -298,7 +306,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<1>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty + 8 * stage);
-        if (it == n_blocks - 1) mbar_arrive(sm.q_empty);
+        if (it == n_blocks - 1) mbar_arrive(sm.q_empty + 8 * q_stage);
         // (P is packed only after the P V wait: the registers of the previous P feed the
         // product until it completes, and ptxas does not see that they are still in use.)
         float correction[1][2];
@@ -329,15 +337,18 @@ __device__ __forceinline__ void consume(const FwdParams& p,
   }
 }
 
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages>
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages,
+          int kQStages>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
   extern __shared__ unsigned char smem_raw[];
-  const Sm90Smem<kHeadDim, kBlockN, kStages> sm(smem_u32(smem_raw));
+  const Sm90Smem<kHeadDim, kBlockN, kStages, kQStages> sm(smem_u32(smem_raw));
   if (threadIdx.x == 0) {
-    mbar_init(sm.q_full, 1);  // the producer's one arrival, plus the bytes its copies bring
-    mbar_init(sm.q_empty, 256);  // every consumer thread is done reading
+    for (int s = 0; s < kQStages; ++s) {
+      mbar_init(sm.q_full + 8 * s, 1);  // the producer's one arrival, plus the bytes its copies bring
+      mbar_init(sm.q_empty + 8 * s, 256);  // every consumer thread is done reading
+    }
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.k_full + 8 * s, 1);
       mbar_init(sm.v_full + 8 * s, 1);
@@ -348,11 +359,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   __syncthreads();
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x < 32) produce<kHeadDim, kMask, kBlockN, kStages>(p, maps, sm);
+    if (threadIdx.x < 32) produce<kHeadDim, kMask, kBlockN, kStages, kQStages>(p, maps, sm);
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
-  consume<kDtype, kHeadDim, kMask, kScoreMods, kBlockN, kStages>(p, sm, threadIdx.x / 128 - 1);
+  consume<kDtype, kHeadDim, kMask, kScoreMods, kBlockN, kStages, kQStages>(p, sm,
+                                                                           threadIdx.x / 128 - 1);
 }
 
 }  // namespace cufa

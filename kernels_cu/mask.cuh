@@ -38,14 +38,10 @@ __device__ __forceinline__ bool block_needs_mask(const FwdParams& p, const Tile&
   return false;
 }
 
+// Keys [begin, end) one query row sees.
 template <int kMask>
-__device__ __forceinline__ bool key_visible(const FwdParams& p, const Tile& t, int row, int key) {
-  if (key >= t.seqlen_k) return false;
-  if (kMask == MASK_WINDOW) {
-    i64 diag = (i64)row + t.diag_offset;
-    if (key < diag - p.window_left || key > diag + p.window_right) return false;
-  }
-  return true;
+__device__ __forceinline__ KeyRange row_keys(const FwdParams& p, const Tile& t, int row) {
+  return key_range<kMask>(p, t, row, row + 1);
 }
 
 }  // namespace cufa

@@ -15,18 +15,26 @@ __device__ __forceinline__ int frag_col(int col_base, int nt, int e, int lane) {
   return col_base + nt * 8 + 2 * (lane & 3) + (e & 1);
 }
 
-// -- mask: keys outside the window or past seqlen_k get -inf --
+// -- mask: keys outside the window or past seqlen_k get -inf. Bounds are found once per
+//    row, relative to this lane's first key, so each score costs two compares --
 template <int kMask, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
                                            const Tile& t, int row_base, int key0, int lane) {
+  const int first_key = frag_col(key0, 0, 0, lane);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+    for (int h = 0; h < 2; ++h) {
+      const KeyRange keys = row_keys<kMask>(p, t, frag_row(row_base, mt, 2 * h, lane));
+      const int begin = keys.begin - first_key, end = keys.end - first_key;
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (!key_visible<kMask>(p, t, frag_row(row_base, mt, e, lane), frag_col(key0, nt, e, lane)))
-          s[mt][nt][e] = -CUFA_INF;
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = nt * 8 + e;  // relative to first_key
+          if (key < begin || key >= end) s[mt][nt][2 * h + e] = -CUFA_INF;
+        }
+    }
 }
 
 __device__ __forceinline__ float attn_mask_value(const FwdParams& p, i64 offset) {
