@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Host time per call on a problem too small to keep the GPU busy: what launching costs
+from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once.
+
+    python3 bench/host_overhead.py [--calls 2000]
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import cufa  # noqa: E402
+
+
+def per_call_us(fn, calls):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / calls * 1e6, (time.perf_counter() - t0) / calls * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=2000)
+    args = p.parse_args()
+    q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cases = {
+        "cufa.flash_attn_func": lambda: cufa.flash_attn_func(q, k, v, causal=True),
+        "cufa.scaled_dot_product_attention": lambda: cufa.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+        "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
+    }
+    print(f"| call ({torch.cuda.get_device_name()}) | host us/call | wall us/call |")
+    print("| --- | --- | --- |")
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        for name, fn in cases.items():
+            host, wall = per_call_us(fn, args.calls)
+            print(f"| {name} | {host:.1f} | {wall:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
