@@ -37,8 +37,14 @@ def _torch_view(x, name):
         raise NotImplementedError(
             f"{name} requires grad, but cufa has no backward pass yet: pass {name}.detach() "
             "or call under torch.no_grad()")
-    return DeviceArray(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
-                       str(x.dtype).replace("torch.", ""), x.device.index, x.element_size())
+    dtype = _torch_dtype_names.get(x.dtype)
+    if dtype is None:
+        dtype = _torch_dtype_names[x.dtype] = str(x.dtype).replace("torch.", "")
+    return DeviceArray(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype,
+                       x.device.index, x.element_size())
+
+
+_torch_dtype_names = {}
 
 
 def _cupy_view(x, obj, framework):
@@ -81,12 +87,16 @@ def current_stream(framework, device):
     import cupy
     if framework == "torch":
         import torch
-        stream = torch.cuda.current_stream(device)
-        if hasattr(stream, "__cuda_stream__"):      # the CUDA stream protocol
-            return cupy.cuda.Stream.from_external(stream)
-        return cupy.cuda.ExternalStream(stream.cuda_stream, device)
+        handle = torch.cuda.current_stream(device).cuda_stream
+        stream = _torch_streams.get((handle, device))
+        if stream is None:  # wrapping costs more than a launch: once per stream
+            stream = _torch_streams[(handle, device)] = cupy.cuda.ExternalStream(handle, device)
+        return stream
     with cupy.cuda.Device(device):
         return cupy.cuda.get_current_stream()
+
+
+_torch_streams = {}
 
 
 def empty(framework, shape, dtype, device):

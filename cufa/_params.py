@@ -49,6 +49,10 @@ def layout_asserts(struct_name="cufa::FwdParams", dtype=FWD_DTYPE):
     return "\n".join(lines) + "\n"
 
 
-def new_fwd_params():
-    """A zeroed params record; fill fields by name, pass ``record`` to the kernel."""
-    return np.zeros((), dtype=FWD_DTYPE)
+def pack_fwd_params(fields):
+    """{field: value} -> the record passed by value to the kernel (fields left out are
+    0). One conversion: cheaper than setting fields of a record one by one."""
+    unknown = fields.keys() - set(FWD_DTYPE.names)
+    if unknown:
+        raise KeyError(f"not FwdParams fields: {sorted(unknown)}")
+    return np.array(tuple(fields.get(name, 0) for name in FWD_DTYPE.names), dtype=FWD_DTYPE)

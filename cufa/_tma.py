@@ -62,11 +62,13 @@ def encode(dtype, ptr, dims, byte_strides, box):
     return ctypes.string_at(addr, 128) if rc == 0 else None
 
 
+@functools.lru_cache(maxsize=1024)
 def tensor_maps(dtype, views):
-    """views: {"q"|"k"|"v": (ptr, shape, strides, box_rows)} as in map_args. A record to
-    pass by value, or None if any tensor cannot be described."""
+    """views: (q, k, v) as (ptr, shape, strides, box_rows) tuples, as in map_args. A
+    record to pass by value (cached: treat it as read-only), or None if any tensor
+    cannot be described."""
     maps = np.zeros((), dtype=MAPS_DTYPE)
-    for name, (ptr, shape, strides, box_rows) in views.items():
+    for name, (ptr, shape, strides, box_rows) in zip(("q", "k", "v"), views):
         args = map_args(shape, strides, 2, box_rows)
         desc = encode(dtype, ptr, *args) if args else None
         if desc is None:

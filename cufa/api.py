@@ -372,7 +372,7 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
             raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
                              "the grid limit")
 
-        p = _params.new_fwd_params()
+        p = {}
         for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
             p[name] = x.ptr
             p[f"{name}_batch_stride"] = 0 if varlen else x.strides[0]
@@ -415,7 +415,8 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
             p["tile_count"] = scratch.ptr + 8 * max_tiles
             schedule = (cu_q.ptr, batch, seqlen_q, variant.block_m, num_buckets,
                         scratch.ptr + 8 * max_tiles + 4, scratch.ptr, scratch.ptr + 8 * max_tiles)
-        _launch(variant, max_tiles * nheads, p, maps, q.framework, q.device, schedule)
+        _launch(variant, max_tiles * nheads, _params.pack_fwd_params(p), maps, q.framework,
+                q.device, schedule)
 
     o_native = _interop.to_caller(o_native, q)
     if return_lse:
@@ -426,17 +427,16 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
 def _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, packed):
     """TMA descriptors of q, k, v as (batch, rows, heads, columns) views; None if one
     cannot be described."""
-    views = {}
-    for name, x, box_rows in (("q", q, variant.block_m), ("k", k, variant.block_n),
-                              ("v", v, variant.block_n)):
+    views = []
+    for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
         if packed:
             shape = (1, x.shape[seq_dim], x.shape[head_dim], d)
             strides = (0, x.strides[seq_dim], x.strides[head_dim])
         else:
             shape = (x.shape[0], x.shape[seq_dim], x.shape[head_dim], d)
             strides = (x.strides[0], x.strides[seq_dim], x.strides[head_dim])
-        views[name] = (x.ptr, shape, strides, box_rows)
-    return _tma.tensor_maps(q.dtype, views)
+        views.append((x.ptr, shape, strides, box_rows))
+    return _tma.tensor_maps(q.dtype, tuple(views))
 
 
 def _launch(variant, num_blocks, params, maps, framework, device, schedule=None):

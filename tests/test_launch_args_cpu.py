@@ -1,4 +1,4 @@
-"""CPU: the TMA descriptor arguments (cufa/_tma.py) for the layouts cufa accepts."""
+"""CPU: the TMA descriptor arguments (cufa/_tma.py) and the params record (cufa/_params.py)."""
 from cufa import _tma
 
 
@@ -28,3 +28,13 @@ def test_layouts_the_copy_engine_cannot_describe():
 
 def test_maps_record_is_three_descriptors():
     assert _tma.MAPS_DTYPE.itemsize == 384
+
+
+def test_params_record_from_named_fields():
+    from cufa import _params
+    rec = _params.pack_fwd_params({"q": 0x7f0000000000, "seqlen_k": 77, "scale": 0.5})
+    assert int(rec["q"]) == 0x7f0000000000 and int(rec["seqlen_k"]) == 77
+    assert float(rec["scale"]) == 0.5 and int(rec["k"]) == 0 and rec.dtype == _params.FWD_DTYPE
+    import pytest
+    with pytest.raises(KeyError, match="seqlen"):
+        _params.pack_fwd_params({"seqlen": 1})
