@@ -87,10 +87,15 @@ def current_stream(framework, device):
     import cupy
     if framework == "torch":
         import torch
-        handle = torch.cuda.current_stream(device).cuda_stream
-        stream = _torch_streams.get((handle, device))
+        torch_stream = torch.cuda.current_stream(device)
+        key = (torch_stream.cuda_stream, device)
+        stream = _torch_streams.get(key)
         if stream is None:  # wrapping costs more than a launch: once per stream
-            stream = _torch_streams[(handle, device)] = cupy.cuda.ExternalStream(handle, device)
+            if hasattr(torch_stream, "__cuda_stream__"):  # the CUDA stream protocol
+                stream = cupy.cuda.Stream.from_external(torch_stream)
+            else:
+                stream = cupy.cuda.ExternalStream(torch_stream.cuda_stream, device)
+            _torch_streams[key] = stream
         return stream
     with cupy.cuda.Device(device):
         return cupy.cuda.get_current_stream()
