@@ -21,6 +21,14 @@ def _as_cupy(x, name):
     return x if a.framework == "cupy" else cupy.from_dlpack(x)
 
 
+def _check_rank(x, name, min_rank, layout):
+    if not hasattr(x, "shape"):
+        raise TypeError(f"{name} must be an array; got {type(x).__name__}")
+    if len(x.shape) < min_rank:
+        raise ValueError(f"{name} must have rank >= {min_rank} {layout}; got shape "
+                         f"{tuple(x.shape)}")
+
+
 def _check_companion(x, name, ref, ref_name):
     """x must come from ref's framework (mixing would copy, or fail deep inside a kernel)
     and, for torch, sit on ref's device; CuPy devices are compared after conversion."""
@@ -53,11 +61,7 @@ def unpad_input(hidden, attention_mask):
     as (batch * seqlen, ...), cu_seqlens int32 (batch + 1,), max_seqlen int). Finding
     the tokens and reading max_seqlen cost a device sync, as in flash-attn.
     """
-    if not hasattr(hidden, "shape"):
-        raise TypeError(f"hidden must be an array; got {type(hidden).__name__}")
-    if len(hidden.shape) < 2:
-        raise ValueError(f"hidden must have rank >= 2 (batch, seqlen, ...); got shape "
-                         f"{tuple(hidden.shape)}")
+    _check_rank(hidden, "hidden", 2, "(batch, seqlen, ...)")
     _check_companion(attention_mask, "attention_mask", hidden, "hidden")
     if tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
@@ -101,11 +105,7 @@ def pad_input(packed, indices, batch, seqlen, *, check_indices=False):
     for x, n in ((batch, "batch"), (seqlen, "seqlen")):
         if not isinstance(x, int) or isinstance(x, bool) or x < 0:
             raise ValueError(f"{n} must be an int >= 0; got {x!r}")
-    if not hasattr(packed, "shape"):
-        raise TypeError(f"packed must be an array; got {type(packed).__name__}")
-    if len(packed.shape) < 1:
-        raise ValueError(f"packed must have rank >= 1 (nnz, ...); got shape "
-                         f"{tuple(packed.shape)}")
+    _check_rank(packed, "packed", 1, "(nnz, ...)")
     _check_companion(indices, "indices", packed, "packed")
     if _dtype_name(indices) not in ("int64", "int32"):
         raise TypeError(f"indices must be int64 or int32, got {_dtype_name(indices)}")
