@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Kernel experiments on Hopper: the same shapes under several sm90 configurations
-(tile width, K/V stages, compile-time switches), SDPA flash alongside, one table.
+"""Kernel experiments on Hopper: the same shapes under several sm90 tile widths, SDPA
+flash alongside, one table.
 
     python3 bench/tune_sm90.py [--exp base,s3,...] [--shapes 128:8192:0,...] [--reps 20]
 
@@ -23,24 +23,20 @@ from cufa import _compile  # noqa: E402
 from bench_fwd import Shape, time_events  # noqa: E402
 
 # name -> (tiles {head_dim: (block_m, block_n)} for masks "none", the same for
-# "window" (causal, local), stages {head_dim: n}, NVRTC options)
+# "window" (causal, local))
 EXPERIMENTS = {
-    "base": ({}, {}, {}, ()),
-    "nopp": ({}, {}, {}, ("-DCUFA_PINGPONG=0",)),
-    "s3": ({}, {}, {64: 3, 128: 3}, ()),
-    "win_wide": ({}, {64: (128, 192)}, {}, ()),
-    "bn176": ({128: (128, 176)}, {}, {}, ()),
+    "base": ({}, {}),
+    "win_wide": ({}, {64: (128, 192)}),
+    "narrow": ({64: (128, 128), 256: (128, 64)}, {}),
 }
 DEFAULT_SHAPES = ("64:512:0,64:512:1,64:2048:1,64:8192:0,128:512:0,128:512:1,128:2048:0,"
                   "128:2048:1,128:8192:0,128:8192:1,256:512:1,256:8192:0")
 
 
 def configure(name):
-    tiles, window_tiles, stages, options = EXPERIMENTS[name]
+    tiles, window_tiles = EXPERIMENTS[name]
     _compile.SM90_TILES = {**BASE_TILES, **tiles}
     _compile.SM90_TILES_WINDOW = {**BASE_WINDOW_TILES, **window_tiles}
-    _compile.SM90_STAGES = {**BASE_STAGES, **stages}
-    _compile.DEV_OPTIONS = options
 
 
 def run(shape_text, names, reps):
@@ -90,7 +86,7 @@ def main():
         print(f"| {shape_text} | " + " | ".join(cells) + " |", flush=True)
 
 
-BASE_TILES, BASE_STAGES = dict(_compile.SM90_TILES), dict(_compile.SM90_STAGES)
+BASE_TILES = dict(_compile.SM90_TILES)
 BASE_WINDOW_TILES = dict(_compile.SM90_TILES_WINDOW)
 
 if __name__ == "__main__":

@@ -41,11 +41,7 @@ SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (128, 192), 128: (128, 128), 192: (128, 64), 256: (128, 80)}
 SM90_TILES_WINDOW = {**SM90_TILES, 64: (128, 128)}  # causal / local: less waste on the diagonal
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
-SM90_STAGES = {64: 2, 128: 2, 192: 2, 256: 2}  # K/V ring depth
-
-# Extra NVRTC options (-D...) for kernel experiments (bench/tune_sm90.py); part of the
-# compiled-module cache key. Empty in normal use.
-DEV_OPTIONS = ()
+SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
 
 NVRTC_OPTIONS = ("-std=c++17",)
 SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory a Hopper CTA may ask for
@@ -60,7 +56,6 @@ class FwdVariant:
     score_mods: bool    # softcap / ALiBi / explicit attn_mask, chosen at run time
     block_m: int
     block_n: int
-    stages: int = 2     # sm90: K/V stages in the shared-memory ring
 
     @property
     def source(self):
@@ -78,9 +73,8 @@ class FwdVariant:
     @property
     def key(self):
         mods = "_mods" if self.score_mods else ""
-        stages = f"_s{self.stages}" if self.family == "sm90" else ""
         return (f"fwd_{self.family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}{stages}_{self.mask}{mods}")
+                f"_bn{self.block_n}_{self.mask}{mods}")
 
     @property
     def name_expression(self):
@@ -88,7 +82,7 @@ class FwdVariant:
                 f"{str(self.score_mods).lower()}")
         if self.family == "sm80":
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
-        return f"cufa::fwd_sm90_kernel<{args}, {self.block_n}, {self.stages}, {self.q_stages}>"
+        return f"cufa::fwd_sm90_kernel<{args}, {self.block_n}, {self.q_stages}>"
 
     @property
     def smem_bytes(self):
@@ -98,8 +92,8 @@ class FwdVariant:
 
     def _sm90_smem(self, q_stages):
         # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers after
-        tiles = (q_stages * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
-        return tiles + 1024 + 8 * (2 * q_stages + 4 * self.stages)
+        tiles = (q_stages * self.block_m + 2 * SM90_KV_STAGES * self.block_n) * self.head_dim * 2
+        return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES)
 
     @property
     def q_stages(self):
@@ -114,8 +108,7 @@ class FwdVariant:
     @property
     def options(self):
         """NVRTC options beyond the arch CuPy picks: wgmma needs the sm_90a target."""
-        return (NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
-                + tuple(DEV_OPTIONS))
+        return NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
 
 
 @dataclass(frozen=True)
@@ -148,8 +141,6 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80"):
         tiles = (SM90_TILES_SCORE_MODS if score_mods
                  else SM90_TILES_WINDOW if mask == "window" else SM90_TILES)
         block_m, block_n = tiles[hd]
-        return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n,
-                          SM90_STAGES[hd])
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)
 
 
@@ -222,7 +213,7 @@ _kernels = {}
 
 def get_kernel(variant, device_id):
     """The compiled function of `variant` on `device_id`, compiled on first use."""
-    key = (device_id, variant, variant.options)
+    key = (device_id, variant)
     fn = _kernels.get(key)
     if fn is not None:
         return fn
@@ -242,7 +233,7 @@ def get_kernel(variant, device_id):
 
 
 def compiled_keys():
-    return sorted(f"{v.key} (device {d})" for d, v, _ in _kernels)
+    return sorted(f"{v.key} (device {d})" for d, v in _kernels)
 
 
 # -- compiling without a GPU (NVRTC for a named arch; ptxas report parsed) -------------

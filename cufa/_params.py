@@ -30,6 +30,7 @@ FWD_FIELDS = [
 ]
 
 FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
+_FWD_NAMES = frozenset(FWD_DTYPE.names)
 
 # AttnMaskType in params.cuh
 ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)
@@ -52,7 +53,7 @@ def layout_asserts(struct_name="cufa::FwdParams", dtype=FWD_DTYPE):
 def pack_fwd_params(fields):
     """{field: value} -> the record passed by value to the kernel (fields left out are
     0). One conversion: cheaper than setting fields of a record one by one."""
-    unknown = fields.keys() - set(FWD_DTYPE.names)
+    unknown = fields.keys() - _FWD_NAMES
     if unknown:
         raise KeyError(f"not FwdParams fields: {sorted(unknown)}")
     return np.array(tuple(fields.get(name, 0) for name in FWD_DTYPE.names), dtype=FWD_DTYPE)

@@ -5,7 +5,7 @@ tensor with its own strides, read in boxes of 64 columns (one 128-byte swizzled 
 by a tile's rows; elements past an end read as zeros. The driver's
 ``cuTensorMapEncodeTiled`` builds the 128-byte descriptors on the host; CuPy has no
 wrapper, so it is called through ctypes. Descriptors depend only on their arguments, so
-they are cached.
+each (q, k, v) record is cached.
 """
 import ctypes
 import functools
@@ -50,7 +50,6 @@ def _encode_fn():
     return fn
 
 
-@functools.lru_cache(maxsize=1024)
 def encode(dtype, ptr, dims, byte_strides, box):
     """The 128-byte descriptor, or None if the driver refuses the arguments."""
     buf = ctypes.create_string_buffer(128 + 64)

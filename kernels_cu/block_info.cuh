@@ -11,15 +11,14 @@ struct Tile {
   i64 q_start, k_start;  // first row of the sequence in q/o and k/v (0 for padded batches)
 };
 
-// Tile `index` of the launch (false past the last one). Padded batches: index =
+// Tile number `block` of the launch (false past the last one). Padded batches: index =
 // ((batch, head), reversed query block): the query blocks of one head run together, so
 // its K/V stay in L2, heaviest (last, under a causal mask) first. Packed (varlen)
 // batches: index = (list entry, head); the list, built on the device by varlen_schedule,
 // holds (sequence, query block) pairs longest sequences and last query blocks first, and
 // only real tiles: no block is spent on padding. Sequence bounds are clamped to the
 // tensors, so even malformed cu_seqlens never index outside them.
-__device__ __forceinline__ bool get_tile(const FwdParams& p, int index, Tile& t) {
-  const int block = index;
+__device__ __forceinline__ bool get_tile(const FwdParams& p, int block, Tile& t) {
   if (p.tile_list) {
     const int entry = block / p.nheads;
     if (entry >= *reinterpret_cast<const int*>(p.tile_count)) return false;

@@ -19,9 +19,7 @@ namespace cufa {
 
 constexpr int kSm90Threads = 384;      // producer warpgroup (one warp works), two consumers
 constexpr int kSm90BlockM = 128;
-#ifndef CUFA_PINGPONG
-#define CUFA_PINGPONG 1  // consumers take turns issuing their products (0: experiments only)
-#endif
+constexpr int kStages = 2;             // K/V ring depth (3 measured no faster: NOTES.md)
 constexpr int kProducerRegs = 24;      // 128 x 24 + 256 x 240 fits the 64K registers of an SM
 constexpr int kConsumerRegs = 240;
 constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
@@ -30,10 +28,10 @@ constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn
 //    and pass_turn (an arrive on the other's), so the two never issue at once and each
 //    one's softmax overlaps the other's products --
 __device__ __forceinline__ void take_turn(int consumer) {
-  if (CUFA_PINGPONG) named_barrier_sync(kTurnBarrier + consumer, 256);
+  named_barrier_sync(kTurnBarrier + consumer, 256);
 }
 __device__ __forceinline__ void pass_turn(int consumer) {
-  if (CUFA_PINGPONG) named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
+  named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
 }
 
 // -- the producer warp loads a tile into the panel layout with cp.async: rows past
@@ -93,7 +91,7 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
 //    counted over all its tiles: block g sits in stage g % kStages, whose barriers are
 //    then on their (g / kStages)-th phase; tile number n's Q likewise in Q stage
 //    n % kQStages (two where they fit, so the next tile's Q loads during this one) --
-template <int kHeadDim, int kBlockN, int kStages, int kQStages>
+template <int kHeadDim, int kBlockN, int kQStages>
 struct Sm90Smem {
   static constexpr int kQBytes = kSm90BlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
@@ -141,10 +139,10 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, long long index, S
 //    sequence belong to the next one, and a stray inf there would turn P = 0 into NaN,
 //    so the warp copies it with cp.async, which fills those rows with zeros. All lanes
 //    wait for every stage, so none runs a phase ahead of the barriers. --
-template <int kHeadDim, int kMask, int kBlockN, int kStages, int kQStages>
+template <int kHeadDim, int kMask, int kBlockN, int kQStages>
 __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps,
-                                        const Sm90Smem<kHeadDim, kBlockN, kStages, kQStages>& sm) {
-  using Smem = Sm90Smem<kHeadDim, kBlockN, kStages, kQStages>;
+                                        const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm) {
+  using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
   int block_count = 0, tile_count = 0;
@@ -199,12 +197,11 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
 }
 
 // -- a consumer warpgroup: 64 rows of every tile --
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages,
-          int kQStages>
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kQStages>
 __device__ __forceinline__ void consume(const FwdParams& p,
-                                        const Sm90Smem<kHeadDim, kBlockN, kStages, kQStages>& sm,
+                                        const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm,
                                         int consumer) {
-  using Smem = Sm90Smem<kHeadDim, kBlockN, kStages, kQStages>;
+  using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   const int lane = threadIdx.x % 32;
@@ -337,13 +334,12 @@ __device__ __forceinline__ void consume(const FwdParams& p,
   }
 }
 
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kStages,
-          int kQStages>
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kQStages>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
   extern __shared__ unsigned char smem_raw[];
-  const Sm90Smem<kHeadDim, kBlockN, kStages, kQStages> sm(smem_u32(smem_raw));
+  const Sm90Smem<kHeadDim, kBlockN, kQStages> sm(smem_u32(smem_raw));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kQStages; ++s) {
       mbar_init(sm.q_full + 8 * s, 1);  // the producer's one arrival, plus the bytes its copies bring
@@ -359,12 +355,11 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   __syncthreads();
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x < 32) produce<kHeadDim, kMask, kBlockN, kStages, kQStages>(p, maps, sm);
+    if (threadIdx.x < 32) produce<kHeadDim, kMask, kBlockN, kQStages>(p, maps, sm);
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
-  consume<kDtype, kHeadDim, kMask, kScoreMods, kBlockN, kStages, kQStages>(p, sm,
-                                                                           threadIdx.x / 128 - 1);
+  consume<kDtype, kHeadDim, kMask, kScoreMods, kBlockN, kQStages>(p, sm, threadIdx.x / 128 - 1);
 }
 
 }  // namespace cufa

@@ -8,7 +8,7 @@ the shape lists; tests/test_compile.py checks that the header is up to date.
 """
 from pathlib import Path
 
-SS_N = (32, 64, 80, 96, 128, 176, 192)  # S = Q K^T: N = block_n
+SS_N = (32, 64, 80, 128, 192)  # S = Q K^T: N = block_n
 RS_N = (64, 128, 192, 256)   # O += P V: N = padded head dim
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma_ops.cuh"
 
