@@ -2,13 +2,15 @@
 """Attention forward: cufa against PyTorch SDPA (flash, cuDNN) and JAX cuDNN, one run.
 
     python3 bench/bench_fwd.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128,256]
-        [--seqlens 512,1024,...] [--causal 0,1] [--reps 30] [--no-peers] [--no-plot]
+        [--seqlens 512,1024,...] [--causal 0,1] [--reps 48] [--no-peers] [--no-plot]
         [--no-memory] [--list]
 
 Shapes: 16,384 tokens per batch (batch = 16384 // N), heads = 2048 // headdim, plus one GQA
 shape (d=128, N=4096, batch 4, 32 query / 8 kv heads). TFLOP/s = 4*B*H*N^2*d, halved for
 causal. GPU-side implementations are timed with one pair of CUDA events per call, median of
---reps after 5 warm-ups, rotating among input sets that together exceed the 50 MB L2. JAX is
+--reps, rotating among input sets that together exceed the 50 MB L2. The calls of a row are
+taken in 3 interleaved rounds (each implementation in turn, 5 warm-ups a round), so a slow
+spell of the machine falls on all of them rather than on whichever ran then. JAX is
 host-timed (wall clock to block_until_ready). Writes DIR/bench_fwd.{json,md,png} and
 DIR/bench_fwd_bf16.png.
 """
@@ -31,6 +33,7 @@ TOKENS, HIDDEN = 16384, 2048
 SEQLENS, QUICK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384), (1024, 4096, 16384)
 GQA = dict(head_dim=128, seqlen=4096, batch=4, nheads=32, nheads_k=8)
 WARMUP = 5
+ROUNDS = 3   # interleaved rounds per row (see the docstring)
 ROTATE_BYTES = 256 * 2**20      # q,k,v bytes cycled per timing loop: 5x the H100's 50 MB L2
 MAX_SETS = 8
 MEM_SEQLENS = (1024, 4096, 16384)
@@ -79,7 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--seqlens", type=_ints, default=None, help=f"default {SEQLENS}")
     p.add_argument("--causal", type=_ints, default=(0, 1), help='"0", "1" or "0,1"')
     p.add_argument("--quick", action="store_true", help=f"seqlens {QUICK_SEQLENS} only")
-    p.add_argument("--reps", type=int, default=30, help="timed calls per case (median)")
+    p.add_argument("--reps", type=int, default=48,
+                   help="timed calls per case (median), split over the rounds")
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
@@ -127,7 +131,7 @@ def progress(i, total, label, width=30):
 # -- timing ----------------------------------------------------------------------------------
 
 def time_events(torch, fn, sets, reps):
-    """Median and min ms of fn over reps calls, one CUDA event pair each, rotating sets."""
+    """ms of each of reps calls of fn, one CUDA event pair each, rotating sets."""
     torch.cuda.synchronize()
     for i in range(WARMUP):
         fn(*sets[i % len(sets)])
@@ -141,12 +145,12 @@ def time_events(torch, fn, sets, reps):
         fn(*args)
         stop.record()
     torch.cuda.synchronize()
-    ms = [a.elapsed_time(b) for a, b in pairs]
-    return statistics.median(ms), min(ms)
+    return [a.elapsed_time(b) for a, b in pairs]
 
 
 def time_host(fn, sets, reps):
-    """JAX: wall clock from dispatch to block_until_ready, per call (includes launch latency)."""
+    """JAX: ms of each call, wall clock from dispatch to block_until_ready (includes launch
+    latency)."""
     for i in range(WARMUP):
         fn(*sets[i % len(sets)]).block_until_ready()
     ms = []
@@ -155,19 +159,26 @@ def time_host(fn, sets, reps):
         t0 = time.perf_counter()
         fn(*args).block_until_ready()
         ms.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ms), min(ms)
+    return ms
 
 
-def measure(timer, shape, causal, *timer_args):
-    """{'ms', 'ms_min', 'tflops'} or {'na': reason}; PyTorch's 'why not' warnings kept."""
+def measure(timer, *timer_args):
+    """The ms list of timer(*timer_args), or {'na': reason}; PyTorch's 'why not'
+    warnings kept."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            ms, ms_min = timer(*timer_args)
+            return timer(*timer_args)
         except Exception as e:  # unsupported shape, missing kernel, OOM: a reason, not a crash
             why = " | ".join([f"{type(e).__name__}: {e}"] + [str(w.message) for w in caught[:2]])
             return {"na": " ".join(why.split())[:400]}
-    return {"ms": ms, "ms_min": ms_min, "tflops": shape.flops(causal) / ms / 1e9}
+
+
+def summarize(ms, shape, causal):
+    """{'ms' (median), 'ms_min', 'calls', 'tflops'} of a list of call times."""
+    median = statistics.median(ms)
+    return {"ms": median, "ms_min": min(ms), "calls": len(ms),
+            "tflops": shape.flops(causal) / median / 1e9}
 
 
 # -- implementations -------------------------------------------------------------------------
@@ -231,7 +242,7 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
     bnhd, bhnd = torch_inputs(torch, shape, gen)
     jax_sets = []
 
-    def time_jax(jax, causal):
+    def time_jax(jax, causal, reps):
         if not jax_sets:        # built inside measure(), so a failure is a reason, not a crash
             jax_sets.extend(jax_inputs(jax, shape, rng))
         if causal not in jax_fns:
@@ -240,25 +251,44 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
         torch.cuda.synchronize()
         return time_host(jax_fns[causal], jax_sets, reps)
 
+    def timer(name, impl, causal):
+        """A function of a call count returning that many call times, or a reason."""
+        if isinstance(impl, str):
+            return impl
+        if name == "cufa":
+            fn = partial(impl.flash_attn_func, causal=causal)
+            return lambda n: time_events(torch, fn, bnhd, n)
+        if name.startswith("sdpa"):
+            sdpa_kernel, backend = impl
+            fn = partial(torch.nn.functional.scaled_dot_product_attention,
+                         **sdpa_kwargs(causal, shape.gqa))
+
+            def timed(n):
+                with sdpa_kernel(backend):  # entered once, outside the timed calls
+                    return time_events(torch, fn, bhnd, n)
+            return timed
+        return lambda n: time_jax(impl, causal, n)
+
+    per_round = -(-reps // ROUNDS)
     rows = []
     for causal in causals:
         row = dict(asdict(shape), causal=causal, gqa=shape.gqa, sets=shape.sets(),
                    gflop=shape.flops(causal) / 1e9, impls={})
-        for name, impl in impls.items():
-            if isinstance(impl, str):
-                row["impls"][name] = {"na": impl}
-            elif name == "cufa":
-                fn = partial(impl.flash_attn_func, causal=causal)
-                row["impls"][name] = measure(time_events, shape, causal, torch, fn, bnhd, reps)
-            elif name.startswith("sdpa"):
-                sdpa_kernel, backend = impl
-                fn = partial(torch.nn.functional.scaled_dot_product_attention,
-                             **sdpa_kwargs(causal, shape.gqa))
-                with sdpa_kernel(backend):  # entered once, outside the timed calls
-                    row["impls"][name] = measure(time_events, shape, causal, torch, fn, bhnd, reps)
-            else:
-                row["impls"][name] = measure(time_jax, shape, causal, impl, causal)
-                row["impls"][name]["timing"] = "host wall clock"
+        timers = {name: timer(name, impl, causal) for name, impl in impls.items()}
+        samples = {name: [] for name in impls}
+        for _ in range(ROUNDS):
+            for name, t in timers.items():
+                if name in row["impls"]:      # not available, or failed in an earlier round
+                    continue
+                got = {"na": t} if isinstance(t, str) else measure(t, per_round)
+                if isinstance(got, dict):
+                    row["impls"][name] = got
+                else:
+                    samples[name] += got
+        row["impls"] = {name: row["impls"].get(name) or summarize(samples[name], shape, causal)
+                        for name in impls}
+        if "jax_cudnn" in row["impls"] and "na" not in row["impls"]["jax_cudnn"]:
+            row["impls"]["jax_cudnn"]["timing"] = "host wall clock"
         diff = check_vs_flash(torch, impls, bnhd[0], bhnd[0], causal, shape)
         row["max_abs_diff_cufa_vs_flash"] = diff
         if diff is not None and not diff < 0.05:
@@ -492,7 +522,9 @@ def main(argv=None):
     summ, line = summary(rows)
     device = torch.cuda.get_device_name()
     head = (f"Attention forward, {device}, TFLOP/s (4*B*H*N^2*d, halved for causal); median of "
-            f"{args.reps} calls after {WARMUP} warm-ups, CUDA events, inputs rotated past L2. "
+            f"{-(-args.reps // ROUNDS) * ROUNDS} calls in {ROUNDS} interleaved rounds of "
+            f"{-(-args.reps // ROUNDS)} after {WARMUP} warm-ups each, CUDA events, inputs "
+            "rotated past L2. "
             "* JAX is host-timed (wall clock to block_until_ready).")
     report = "\n\n".join([head, table, line] + ([memory_markdown(mem)] if mem else []))
     print(report)
@@ -500,7 +532,7 @@ def main(argv=None):
         f.write(report + "\n")
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "versions": versions(torch), "argv": sys.argv[1:], "reps": args.reps,
-            "warmup": WARMUP,
+            "warmup": WARMUP, "rounds": ROUNDS,
             "timing": {"cufa/sdpa": "CUDA event pair per call, median",
                        "jax_cudnn": "host wall clock to block_until_ready, median"},
             "flops": "4*B*H*Nq*Nk*d, halved for causal", "unavailable":

@@ -2,7 +2,7 @@
 """Packed variable-length batches: cufa varlen against PyTorch's varlen_attn and against
 a padded dense cufa call of the same batch, in one run.
 
-    python3 bench/bench_varlen.py [--out DIR] [--reps 20]
+    python3 bench/bench_varlen.py [--out DIR] [--reps 20] [--batches short] [--exp base,bn64]
 
 Batches: 32 sequences with lengths drawn from 128..4096, and 256 sequences from 64..512
 (fixed seeds); head dims 64 and 128 (heads = 2048 / d); fp16; causal and not. Useful
@@ -25,6 +25,9 @@ import torch  # noqa: E402
 import cufa  # noqa: E402
 
 BATCHES = {"32 x 128..4096": (32, 128, 4096, 0), "256 x 64..512": (256, 64, 512, 1)}
+BATCH_NAMES = {"long": "32 x 128..4096", "short": "256 x 64..512"}
+# --exp: sm90 key-block widths to try (cufa/_compile.py tables patched, as in tune_sm90.py)
+EXPERIMENTS = {"base": None, "bn128": 128, "bn64": 64}
 
 
 def time_ms(fn, reps):
@@ -61,12 +64,25 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--batches", default="long,short", help="long,short")
+    parser.add_argument("--exp", default="base", help="experiments: " + ",".join(EXPERIMENTS))
     args = parser.parse_args()
+    from cufa import _compile
+    base_tiles = (dict(_compile.SM90_TILES), dict(_compile.SM90_TILES_WINDOW))
+
+    def configure(exp):
+        _compile.SM90_TILES, _compile.SM90_TILES_WINDOW = (dict(t) for t in base_tiles)
+        if EXPERIMENTS[exp]:
+            for table in (_compile.SM90_TILES, _compile.SM90_TILES_WINDOW):
+                table.update({64: (128, EXPERIMENTS[exp]), 128: (128, EXPERIMENTS[exp])})
+
     os.makedirs(args.out, exist_ok=True)
     peer, peer_note = varlen_attn_peer()
     print(f"varlen_attn: {peer_note}")
     rows = []
     for name, (batch, lo, hi, seed) in BATCHES.items():
+        if not any(BATCH_NAMES[b] == name for b in args.batches.split(",")):
+            continue
         lens = np.random.default_rng(seed).integers(lo, hi + 1, batch)
         total, max_len = int(lens.sum()), int(lens.max())
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
@@ -78,8 +94,17 @@ def main():
             for causal in (False, True):
                 flops = sum(4 * h * int(n) ** 2 * d for n in lens) / (2 if causal else 1)
                 row = dict(batch=name, d=d, causal=causal, total_tokens=total, max_len=max_len)
-                row["cufa_ms"] = time_ms(lambda: cufa.flash_attn_varlen_func(
-                    q, k, v, cu, cu, max_len, max_len, causal=causal), args.reps)
+                first = None
+                for exp in args.exp.split(","):
+                    configure(exp)
+                    out = cufa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
+                                                      causal=causal).float()
+                    first = out if first is None else first
+                    row[f"cufa_{exp}_diff"] = (out - first).abs().max().item()
+                    row[f"cufa_{exp}_ms"] = time_ms(lambda: cufa.flash_attn_varlen_func(
+                        q, k, v, cu, cu, max_len, max_len, causal=causal), args.reps)
+                configure("base")
+                row["cufa_ms"] = row[f"cufa_{args.exp.split(',')[0]}_ms"]
                 row["padded_ms"] = time_ms(lambda: cufa.flash_attn_func(*dense, causal=causal),
                                            args.reps)
                 row["peer_ms"] = None
@@ -95,12 +120,13 @@ def main():
                                 args.reps)
                     except Exception as e:
                         row["peer_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                for key in ("cufa", "padded", "peer"):
+                for key in ["cufa", "padded", "peer"] + [f"cufa_{e}" for e in args.exp.split(",")]:
                     ms = row[f"{key}_ms"]
                     row[f"{key}_tflops"] = flops / ms / 1e9 if ms else None
                 rows.append(row)
-                print(f"{name} d={d} causal={causal}: cufa {row['cufa_tflops']:.0f} TFLOP/s",
-                      file=sys.stderr)
+                print(f"{name} d={d} causal={causal}: cufa " + ", ".join(
+                    f"{e} {row[f'cufa_{e}_tflops']:.0f} (diff {row[f'cufa_{e}_diff']:.1e})" for e in args.exp.split(",")) +
+                    f" TFLOP/s; padded {row['padded_tflops']:.0f}", file=sys.stderr)
 
     fmt = (lambda x: "n/a" if x is None else f"{x:.0f}")
     ratio = (lambda a, b: "n/a" if not (a and b) else f"{a / b:.2f}")

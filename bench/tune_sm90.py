@@ -10,6 +10,7 @@ pick the defaults in cufa/_compile.py; the measured outcomes go to bench/NOTES.m
 """
 import argparse
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,7 +51,8 @@ def run(shape_text, names, reps):
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         sdpa = torch.nn.functional.scaled_dot_product_attention
         ref = sdpa(*bhnd[0], is_causal=bool(causal)).transpose(1, 2)
-        ms, _ = time_events(torch, lambda q, k, v: sdpa(q, k, v, is_causal=bool(causal)), bhnd, reps)
+        ms = statistics.median(time_events(torch, lambda q, k, v: sdpa(q, k, v, is_causal=bool(causal)),
+                                           bhnd, reps))
     row["flash"] = shape.flops(causal) / ms / 1e9
     for name in names:
         configure(name)
@@ -60,8 +62,8 @@ def run(shape_text, names, reps):
             if not err < 2e-2:
                 row[name] = f"ERR {err:.2g}"
                 continue
-            ms, _ = time_events(torch, lambda q, k, v: cufa.flash_attn_func(q, k, v, causal=bool(causal)),
-                                sets, reps)
+            ms = statistics.median(time_events(
+                torch, lambda q, k, v: cufa.flash_attn_func(q, k, v, causal=bool(causal)), sets, reps))
             row[name] = shape.flops(causal) / ms / 1e9
         except Exception as e:  # a configuration that does not compile or fit: say so, go on
             row[name] = f"{type(e).__name__}"

@@ -23,7 +23,7 @@ FWD_FIELDS = [
     ("alibi_batch_stride", _I64),
     ("batch", _I32), ("nheads", _I32), ("nheads_k", _I32),
     ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
-    ("num_m_blocks", _I32), ("heads_per_group", _I32),
+    ("num_m_blocks", _I32), ("heads_per_group", _I32), ("kv_tail_maps", _I32),
     ("bottom_right", _I32), ("window_left", _I32), ("window_right", _I32),
     ("attn_mask_type", _I32),
     ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),

@@ -2,7 +2,9 @@
 
 Each of q, k and v is described to the copy engine as a 4-D (columns, rows, heads, batch)
 tensor with its own strides, read in boxes of 64 columns (one 128-byte swizzled panel)
-by a tile's rows; elements past an end read as zeros. The driver's
+by a tile's rows; elements past an end read as zeros. Packed batches add k and v as
+(columns, window, heads, start row) views (``tail_view``) for each sequence's last key
+block, so that the rows past the sequence read as zeros too. The driver's
 ``cuTensorMapEncodeTiled`` builds the 128-byte descriptors on the host; CuPy has no
 wrapper, so it is called through ctypes. Descriptors depend only on their arguments, so
 each (q, k, v) record is cached.
@@ -12,7 +14,8 @@ import functools
 
 import numpy as np
 
-MAPS_DTYPE = np.dtype([("q", "V128"), ("k", "V128"), ("v", "V128")])
+MAPS_DTYPE = np.dtype([("q", "V128"), ("k", "V128"), ("v", "V128"),
+                       ("k_tail", "V128"), ("v_tail", "V128")])
 PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width
 _DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 0, 3, 2, 0
@@ -61,16 +64,34 @@ def encode(dtype, ptr, dims, byte_strides, box):
     return ctypes.string_at(addr, 128) if rc == 0 else None
 
 
+def tail_view(ptr, rows, heads, cols, row_stride, head_stride, box_rows):
+    """A packed k or v as a (start row, window, heads, columns) view for map_args: the
+    window of box_rows rows and the start row both step one row, so a box at window
+    position box_rows - r reads r rows from its start and zeros after them."""
+    return (ptr, (rows, box_rows, heads, cols), (row_stride, row_stride, head_stride), box_rows)
+
+
 @functools.lru_cache(maxsize=1024)
-def tensor_maps(dtype, views):
-    """views: (q, k, v) as (ptr, shape, strides, box_rows) tuples, as in map_args. A
-    record to pass by value (cached: treat it as read-only), or None if any tensor
-    cannot be described."""
+def tensor_maps(dtype, views, tail_views=()):
+    """views: (q, k, v) as (ptr, shape, strides, box_rows) tuples, as in map_args;
+    tail_views: () or the packed (k, v) tail views. Returns (record, tails) -- the record
+    to pass by value (cached: treat it as read-only) and whether it holds the tail maps
+    -- or None if q, k or v cannot be described. Tails the driver refuses are left out
+    (the kernel then copies those blocks itself)."""
     maps = np.zeros((), dtype=MAPS_DTYPE)
-    for name, (ptr, shape, strides, box_rows) in zip(("q", "k", "v"), views):
-        args = map_args(shape, strides, 2, box_rows)
-        desc = encode(dtype, ptr, *args) if args else None
+    for name, view in zip(("q", "k", "v"), views):
+        desc = _describe(dtype, view)
         if desc is None:
             return None
         maps[name] = np.void(desc)
-    return maps
+    tails = [_describe(dtype, view) for view in tail_views]
+    has_tails = bool(tails) and None not in tails
+    if has_tails:
+        maps["k_tail"], maps["v_tail"] = np.void(tails[0]), np.void(tails[1])
+    return maps, has_tails
+
+
+def _describe(dtype, view):
+    ptr, shape, strides, box_rows = view
+    args = map_args(shape, strides, 2, box_rows)
+    return encode(dtype, ptr, *args) if args else None

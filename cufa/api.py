@@ -358,10 +358,12 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
         score_mods = softcap > 0 or alibi is not None or attn_mask is not None
         family = _compile.family_for(_compute_capability(q.device))
         variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family)
-        maps = None
+        maps, kv_tail_maps = None, False
         if family == "sm90":
-            maps = _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, varlen is not None)
-            if maps is None:  # a layout the copy engine cannot describe: the portable kernels
+            described = _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, varlen is not None)
+            if described is not None:
+                maps, kv_tail_maps = described
+            else:  # a layout the copy engine cannot describe: the portable kernels
                 variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
                                                "sm80")
         num_m_blocks = -(-seqlen_q // variant.block_m)
@@ -396,6 +398,7 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
         # Heads scheduled together: as many as keep their K/V within half of L2.
         kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
         p["heads_per_group"] = max(1, min(batch * nheads, _L2_BUDGET // kv_bytes))
+        p["kv_tail_maps"] = int(kv_tail_maps)
         p["bottom_right"] = int(bottom_right)
         p["window_left"], p["window_right"] = window
         p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
@@ -425,18 +428,22 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
 
 
 def _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, packed):
-    """TMA descriptors of q, k, v as (batch, rows, heads, columns) views; None if one
-    cannot be described."""
-    views = []
+    """TMA descriptors of q, k, v as (batch, rows, heads, columns) views, and for packed
+    batches the k/v tail views: (record, tails), or None if q, k or v cannot be
+    described."""
+    views, tails = [], []
     for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
+        rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
+                                                x.strides[seq_dim], x.strides[head_dim])
         if packed:
-            shape = (1, x.shape[seq_dim], x.shape[head_dim], d)
-            strides = (0, x.strides[seq_dim], x.strides[head_dim])
+            views.append((x.ptr, (1, rows, heads, d), (0, row_stride, head_stride), box_rows))
+            if x is not q:
+                tails.append(_tma.tail_view(x.ptr, rows, heads, d, row_stride, head_stride,
+                                            box_rows))
         else:
-            shape = (x.shape[0], x.shape[seq_dim], x.shape[head_dim], d)
-            strides = (x.strides[0], x.strides[seq_dim], x.strides[head_dim])
-        views.append((x.ptr, shape, strides, box_rows))
-    return _tma.tensor_maps(q.dtype, tuple(views))
+            views.append((x.ptr, (x.shape[0], rows, heads, d),
+                          (x.strides[0], row_stride, head_stride), box_rows))
+    return _tma.tensor_maps(q.dtype, tuple(views), tuple(tails))
 
 
 def _launch(variant, num_blocks, params, maps, framework, device, schedule=None):

@@ -135,10 +135,12 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, long long index, S
 }
 
 // -- producer: one warp; lane 0 issues TMA copies, whose bytes complete the stage's
-//    barrier. A packed batch's last key block is the exception: the rows past the
-//    sequence belong to the next one, and a stray inf there would turn P = 0 into NaN,
-//    so the warp copies it with cp.async, which fills those rows with zeros. All lanes
-//    wait for every stage, so none runs a phase ahead of the barriers. --
+//    barrier. A packed batch's last key block must not bring in the next sequence's rows
+//    (a stray inf there would turn P = 0 into NaN): it comes through the tail maps, whose
+//    window ends with the sequence. Where the window would start before row 0 (the
+//    first sequence) or the maps are missing, the warp copies it with cp.async, which
+//    fills those rows with zeros. All lanes wait for every stage, so none runs a phase
+//    ahead of the barriers. --
 template <int kHeadDim, int kMask, int kBlockN, int kQStages>
 __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps,
                                         const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm) {
@@ -165,35 +167,65 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
       const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
       const u32 k_dst = sm.k + stage * Smem::kKVBytes, v_dst = sm.v + stage * Smem::kKVBytes;
       if (block_count >= kStages) mbar_wait(sm.k_empty + 8 * stage, parity ^ 1);
+      // (map, row coordinate, last coordinate) of this block's K and V boxes
+      const TensorMap *k_map = &maps.k, *v_map = &maps.v;
+      int row = static_cast<int>(t.k_start) + key0, last = batch;
       if (packed && key0 + kBlockN > t.seqlen_k) {
-        if (block_count >= kStages) mbar_wait(sm.v_empty + 8 * stage, parity ^ 1);
-        const TilePointers ptr = tile_pointers(p, t);
-        load_panels<kBlockN, kHeadDim>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
-                                       t.seqlen_k - key0, p.head_dim);
-        load_panels<kBlockN, kHeadDim>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
-                                       t.seqlen_k - key0, p.head_dim);
-        cp_async_wait_all();
-        fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
-        __syncwarp();
-        if (elected) {
-          mbar_arrive(sm.k_full + 8 * stage);
-          mbar_arrive(sm.v_full + 8 * stage);
+        const int shift = key0 + kBlockN - t.seqlen_k;  // rows of the box past the sequence
+        if (p.kv_tail_maps && row >= shift) {
+          k_map = &maps.k_tail;
+          v_map = &maps.v_tail;
+          last = row - shift;
+          row = shift;
+        } else {
+          if (block_count >= kStages) mbar_wait(sm.v_empty + 8 * stage, parity ^ 1);
+          const TilePointers ptr = tile_pointers(p, t);
+          load_panels<kBlockN, kHeadDim>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                         t.seqlen_k - key0, p.head_dim);
+          load_panels<kBlockN, kHeadDim>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
+                                         t.seqlen_k - key0, p.head_dim);
+          cp_async_wait_all();
+          fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
+          __syncwarp();
+          if (elected) {
+            mbar_arrive(sm.k_full + 8 * stage);
+            mbar_arrive(sm.v_full + 8 * stage);
+          }
+          continue;
         }
-        continue;
       }
-      const int row = static_cast<int>(t.k_start) + key0;
       if (elected) {
         mbar_arrive_expect_bytes(sm.k_full + 8 * stage, Smem::kKVBytes);
-        tma_load_panels<kBlockN, kHeadDim>(k_dst, maps.k, sm.k_full + 8 * stage, row, t.h_k, batch);
+        tma_load_panels<kBlockN, kHeadDim>(k_dst, *k_map, sm.k_full + 8 * stage, row, t.h_k, last);
       }
       if (block_count >= kStages) mbar_wait(sm.v_empty + 8 * stage, parity ^ 1);
       if (elected) {
         mbar_arrive_expect_bytes(sm.v_full + 8 * stage, Smem::kKVBytes);
-        tma_load_panels<kBlockN, kHeadDim>(v_dst, maps.v, sm.v_full + 8 * stage, row, t.h_k, batch);
+        tma_load_panels<kBlockN, kHeadDim>(v_dst, *v_map, sm.v_full + 8 * stage, row, t.h_k, last);
       }
       __syncwarp();
     }
   }
+}
+
+// -- a consumer with no rows in a tile still owes its arrivals: on each stage once it
+//    is full (so it never runs a phase ahead of the other consumer) --
+template <int kHeadDim, int kBlockN, int kQStages>
+__device__ __forceinline__ void release_tile(const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm,
+                                             int n_blocks, int& block_count, int& tile_count) {
+  using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
+  const u32 q_stage = Smem::q_stage(tile_count);
+  mbar_wait(sm.q_full + 8 * q_stage, Smem::q_parity(tile_count));
+  mbar_arrive(sm.q_empty + 8 * q_stage);
+  ++tile_count;
+  for (int g = block_count; g < block_count + n_blocks; ++g) {
+    const u32 stage = Smem::stage(g), parity = Smem::parity(g);
+    mbar_wait(sm.k_full + 8 * stage, parity);
+    mbar_arrive(sm.k_empty + 8 * stage);
+    mbar_wait(sm.v_full + 8 * stage, parity);
+    mbar_arrive(sm.v_empty + 8 * stage);
+  }
+  block_count += n_blocks;
 }
 
 // -- a consumer warpgroup: 64 rows of every tile --
@@ -221,6 +253,14 @@ __device__ __forceinline__ void consume(const FwdParams& p,
   Sm90Work w;
   for (long long index = blockIdx.x; sm90_work<kMask, kBlockN>(p, index, w); index += gridDim.x) {
     const Tile& t = w.t;
+    // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
+    // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
+    // head dim 256: with the extra branch ptxas spills there.)
+    const bool solo = kHeadDim < 256 && w.row0 + 64 >= w.row_end;
+    if (solo && consumer == 1) {
+      if (w.n_blocks > 0) release_tile(sm, w.n_blocks, block_count, tile_count);
+      continue;
+    }
     const int row_base = w.row0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
     float acc_o[1][kDTiles][4];
 #pragma unroll
@@ -266,6 +306,8 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         pack_p<kDtype>(p_prev, acc_s);
       };
       if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
+      auto turn_begin = [&] { if (!solo) take_turn(consumer); };
+      auto turn_end = [&] { if (!solo) pass_turn(consumer); };
 
       // Block 0: S only. Peeled, so that every product in the loop is issued
       // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
@@ -274,11 +316,11 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       {
         const u32 stage = Smem::stage(block_count);
         mbar_wait(sm.k_full + 8 * stage, Smem::parity(block_count));
-        take_turn(consumer);
+        turn_begin();
         float acc_s[1][kNTiles][4];
         wgmma_fence();
         issue_qk(acc_s, stage);
-        pass_turn(consumer);
+        turn_end();
         wgmma_wait<0>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty + 8 * stage);
@@ -294,12 +336,12 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
         mbar_wait(sm.k_full + 8 * stage, Smem::parity(g));
         mbar_wait(sm.v_full + 8 * prev_stage, Smem::parity(g - 1));
-        take_turn(consumer);
+        turn_begin();
         float acc_s[1][kNTiles][4];
         wgmma_fence();
         issue_qk(acc_s, stage);
         issue_pv(prev_stage);
-        pass_turn(consumer);
+        turn_end();
         wgmma_wait<1>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty + 8 * stage);
@@ -317,10 +359,10 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       // -- the last block's P V --
       const int last = block_count + n_blocks - 1;
       mbar_wait(sm.v_full + 8 * Smem::stage(last), Smem::parity(last));
-      take_turn(consumer);
+      turn_begin();
       wgmma_fence();
       issue_pv(Smem::stage(last));
-      if (consumer == 0) pass_turn(consumer);  // consumer 1 has one turn left
+      if (consumer == 0) turn_end();  // consumer 1 has one turn left
       wgmma_wait<0>();
       fence_registers(acc_o);
       mbar_arrive(sm.v_empty + 8 * Smem::stage(last));

@@ -36,6 +36,7 @@ struct FwdParams {
   int seqlen_q, seqlen_k, head_dim;  // packed batches: total rows of q and of k
   int num_m_blocks;                  // padded batches
   int heads_per_group;               // padded batches: (batch, head) pairs scheduled together
+  int kv_tail_maps;                  // sm90, packed: TensorMaps::k_tail/v_tail are valid
   // Query i sees key j iff i + d - window_left <= j <= i + d + window_right, where the
   // diagonal offset d is seqlen_k - seqlen_q of the sequence when bottom_right
   // (flash-attn), else 0 (SDPA, top-left); an unbounded side holds a value larger than

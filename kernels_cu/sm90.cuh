@@ -62,6 +62,11 @@ struct alignas(64) TensorMap {
 };
 struct TensorMaps {
   TensorMap q, k, v;  // (columns, rows, heads, batch) views, 128-byte swizzle
+  // Packed batches: k and v again as (columns, window, heads, start row) views, whose
+  // window and start-row dimensions both step one row. A box at (.., kBlockN - r, h, s)
+  // reads rows s + kBlockN - r .. and zero-fills from its (r+1)-th row on (the window
+  // ends): the last r keys of a sequence without the next sequence's rows.
+  TensorMap k_tail, v_tail;
 };
 
 // Arrives and adds `bytes` to the transactions the current phase waits for.

@@ -26,8 +26,41 @@ def test_layouts_the_copy_engine_cannot_describe():
     assert _tma.map_args((1, 8, 4, 64), (0, 1 << 40, 64), 2, 64) is None  # stride too large
 
 
-def test_maps_record_is_three_descriptors():
-    assert _tma.MAPS_DTYPE.itemsize == 384
+def test_maps_record_is_five_descriptors():
+    assert _tma.MAPS_DTYPE.itemsize == 5 * 128  # q, k, v, k_tail, v_tail
+
+
+def _tma_box(memory, dims, byte_strides, itemsize, coords, box):
+    """What a tiled TMA copy reads: element (i0..i3) of the box is at coords + i, zero
+    where any coordinate leaves [0, dim)."""
+    import numpy as np
+    strides = (1,) + tuple(s // itemsize for s in byte_strides)  # in elements
+    out = np.zeros(box[::-1], memory.dtype)
+    for idx in np.ndindex(*box[::-1]):
+        pos = [c + i for c, i in zip(coords, idx[::-1])]
+        if all(0 <= x < n for x, n in zip(pos, dims)):
+            out[idx] = memory[sum(x * s for x, s in zip(pos, strides))]
+    return out
+
+
+def test_tail_view_reads_the_sequence_end_and_zeros():
+    """The producer's coordinates for a packed batch's last key block (fwd_sm90.cu):
+    the rows of the sequence, then zeros, never the next sequence's rows."""
+    import numpy as np
+    rows, heads, cols, block_n = 40, 2, 8, 16
+    kv = np.arange(1, rows * heads * cols + 1, dtype=np.int64)  # (rows, heads, cols), no zeros
+    view = _tma.tail_view(0, rows, heads, cols, heads * cols, cols, block_n)
+    dims, byte_strides, _ = _tma.map_args(*view[1:3], 2, block_n)
+    dense = kv.reshape(rows, heads, cols)
+    for k_start, seqlen_k, key0 in ((10, 21, 16), (9, 9, 0), (20, 20, 16), (39, 1, 0)):
+        shift = key0 + block_n - seqlen_k
+        row = k_start + key0
+        assert row >= shift  # else the kernel copies the block with cp.async
+        box = _tma_box(kv, dims, byte_strides, 2, (0, shift, 1, row - shift),
+                       (cols, block_n, 1, 1))[0, 0]
+        valid = seqlen_k - key0
+        np.testing.assert_array_equal(box[:valid], dense[row:row + valid, 1])
+        assert not box[valid:].any()
 
 
 def test_params_record_from_named_fields():
