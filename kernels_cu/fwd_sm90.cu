@@ -26,7 +26,10 @@ constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn
 
 // -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
 //    and pass_turn (an arrive on the other's), so the two never issue at once and each
-//    one's softmax overlaps the other's products --
+//    one's softmax overlaps the other's products. Consumer 1 passes once before its
+//    first turn, so consumer 0 goes first, and then after every turn, its last of a tile
+//    included: consumer 0 starts the next tile while 1 writes its output. Consumer 0
+//    takes one turn more at the end to balance the barrier --
 __device__ __forceinline__ void take_turn(int consumer) {
   named_barrier_sync(kTurnBarrier + consumer, 256);
 }
@@ -250,6 +253,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
   constexpr u64 kStageStep = Smem::kKVBytes >> 4;
 
   int block_count = 0, tile_count = 0;
+  bool took_turns = false;
   Sm90Work w;
   for (long long index = blockIdx.x; sm90_work<kMask, kBlockN>(p, index, w); index += gridDim.x) {
     const Tile& t = w.t;
@@ -305,7 +309,10 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         softmax.rescale_output(acc_o, correction);
         pack_p<kDtype>(p_prev, acc_s);
       };
-      if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
+      if (!solo && !took_turns) {
+        if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
+        took_turns = true;
+      }
       auto turn_begin = [&] { if (!solo) take_turn(consumer); };
       auto turn_end = [&] { if (!solo) pass_turn(consumer); };
 
@@ -362,7 +369,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       turn_begin();
       wgmma_fence();
       issue_pv(Smem::stage(last));
-      if (consumer == 0) turn_end();  // consumer 1 has one turn left
+      turn_end();
       wgmma_wait<0>();
       fence_registers(acc_o);
       mbar_arrive(sm.v_empty + 8 * Smem::stage(last));
@@ -374,6 +381,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
     const TilePointers ptr = tile_pointers(p, t);
     write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
   }
+  if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }
 
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kQStages>
