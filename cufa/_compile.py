@@ -91,9 +91,10 @@ class FwdVariant:
         return self._sm90_smem(self.q_stages)
 
     def _sm90_smem(self, q_stages):
-        # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers after
+        # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers and the
+        # tile index of each Q stage after
         tiles = (q_stages * self.block_m + 2 * SM90_KV_STAGES * self.block_n) * self.head_dim * 2
-        return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES)
+        return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES) + 4 * q_stages
 
     @property
     def q_stages(self):
@@ -230,6 +231,17 @@ def get_kernel(variant, device_id):
                     fn.max_dynamic_shared_size_bytes = variant.smem_bytes
             _kernels[key] = fn
     return fn
+
+
+def function_pointer(fn):
+    """The CUfunction handle of a compiled kernel (for a launch through the driver)."""
+    ptr = _function_ptrs.get(id(fn))
+    if ptr is None:
+        ptr = _function_ptrs[id(fn)] = fn.kernel.ptr
+    return ptr
+
+
+_function_ptrs = {}  # kernels live in _kernels for the process, so their ids stay theirs
 
 
 def compiled_keys():

@@ -12,7 +12,7 @@ FWD_FIELDS = [
     ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("lse", _PTR),
     ("attn_mask", _PTR), ("alibi_slopes", _PTR),
     ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR), ("seqused_k", _PTR),
-    ("tile_list", _PTR), ("tile_count", _PTR),
+    ("tile_list", _PTR), ("tile_count", _PTR), ("tile_counter", _PTR),
     ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
     ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
     ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),

@@ -1,4 +1,5 @@
 """The public attention functions: validate -> pick a kernel variant -> fill params -> launch."""
+import ctypes
 import math
 
 import numpy as np
@@ -404,6 +405,10 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
         p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
         p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
 
+        counter = None
+        if variant.persistent:  # the kernel's tile counter, zeroed at launch
+            _, counter = _interop.empty(framework, (1,), "int32", q.device)
+            p["tile_counter"] = counter.ptr
         schedule = None
         if varlen:
             cu_q, cu_k, seqused_k = varlen
@@ -419,7 +424,7 @@ def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k
             schedule = (cu_q.ptr, batch, seqlen_q, variant.block_m, num_buckets,
                         scratch.ptr + 8 * max_tiles + 4, scratch.ptr, scratch.ptr + 8 * max_tiles)
         _launch(variant, max_tiles * nheads, _params.pack_fwd_params(p), maps, q.framework,
-                q.device, schedule)
+                q.device, schedule, counter)
 
     o_native = _interop.to_caller(o_native, q)
     if return_lse:
@@ -446,20 +451,32 @@ def _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, packed):
     return _tma.tensor_maps(q.dtype, tuple(views), tuple(tails))
 
 
-def _launch(variant, num_blocks, params, maps, framework, device, schedule=None):
+def _launch(variant, num_blocks, params, maps, framework, device, schedule=None, counter=None):
     import cupy
     fn = _compile.get_kernel(variant, device)
-    with cupy.cuda.Device(device), _interop.current_stream(framework, device):
+    with cupy.cuda.Device(device), _interop.current_stream(framework, device) as stream:
+        if counter is not None:
+            cupy.cuda.runtime.memsetAsync(counter.ptr, 0, 4, stream.ptr)
         if schedule is not None:
             sched = _compile.get_kernel(_compile.VARLEN_SCHEDULE, device)
             cu_q, batch, total_q, block_m, buckets, counters, tiles, count = schedule
             sched((1,), (_compile.VARLEN_SCHEDULE.threads,),
                   (np.uint64(cu_q), np.int32(batch), np.int32(total_q), np.int32(block_m),
                    np.int32(buckets), np.uint64(counters), np.uint64(tiles), np.uint64(count)))
-        args = (params[()],) if maps is None else (params[()], maps[()])
-        if variant.persistent:  # one CTA per SM, each striding over the tiles
+        if variant.persistent:  # one CTA per SM, each taking tiles until none are left
             num_blocks = min(num_blocks, _sm_count(device))
-        fn((num_blocks,), (variant.threads,), args, shared_mem=variant.smem_bytes)
+        # Straight through the driver: the records are passed by address, which costs
+        # a fraction of CuPy's argument conversion (bench/host_overhead.py).
+        records = (params,) if maps is None else (params, maps)
+        pointers = (ctypes.c_void_p * len(records))(*(r.ctypes.data for r in records))
+        _driver().launchKernel(_compile.function_pointer(fn), num_blocks, 1, 1, variant.threads,
+                               1, 1, variant.smem_bytes, stream.ptr, ctypes.addressof(pointers),
+                               0)
+
+
+def _driver():
+    from cupy_backends.cuda.api import driver
+    return driver
 
 
 _capabilities = {}

@@ -1,11 +1,13 @@
 // Forward attention on Hopper (sm_90a): persistent, warp-specialized. One CTA per SM
-// works through tiles of 128 query rows of one (batch, head), striding over the tile
-// list. A producer warp streams Q and the K/V blocks of its tiles into shared memory with
-// TMA (a ring of stages, each announced on an mbarrier), running ahead across tile
-// boundaries; two consumer warpgroups of 64 rows each run both products on wgmma
-// (S = Q K^T from shared memory, O += P V with P from registers) and write O straight
-// from registers. The consumers take turns issuing their products (named barriers), so
-// one's softmax runs under the other's matrix work.
+// works through tiles of 128 query rows of one (batch, head), taking the next tile of
+// the list from a global counter when it is ready for one (tiles differ in cost under a
+// causal mask; a fixed stride left some SMs twice the work of others). A producer warp
+// streams Q and the K/V blocks of its tiles into shared memory with TMA (a ring of
+// stages, each announced on an mbarrier), running ahead across tile boundaries; two
+// consumer warpgroups of 64 rows each run both products on wgmma (S = Q K^T from shared
+// memory, O += P V with P from registers) and write O straight from registers. The
+// consumers take turns issuing their products (named barriers), so one's softmax runs
+// under the other's matrix work.
 #include "common.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -20,8 +22,8 @@ namespace cufa {
 constexpr int kSm90Threads = 384;      // producer warpgroup (one warp works), two consumers
 constexpr int kSm90BlockM = 128;
 constexpr int kStages = 2;             // K/V ring depth (3 measured no faster: NOTES.md)
-constexpr int kProducerRegs = 24;      // 128 x 24 + 256 x 240 fits the 64K registers of an SM
-constexpr int kConsumerRegs = 240;
+constexpr int kProducerRegs = 56;      // 128 x 56 + 256 x 224 = 384 x 168, the launch allotment
+constexpr int kConsumerRegs = 224;
 constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
 
 // -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
@@ -93,26 +95,34 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
 // -- shared memory: Q stages, the K/V ring, the mbarriers. The CTA's key blocks are
 //    counted over all its tiles: block g sits in stage g % kStages, whose barriers are
 //    then on their (g / kStages)-th phase; tile number n's Q likewise in Q stage
-//    n % kQStages (two where they fit, so the next tile's Q loads during this one) --
+//    n % kQStages (two where they fit, so the next tile's Q loads during this one), and
+//    the producer tells the consumers which tile that is in the word tile_index + 4 * s
+//    (-1: no more tiles) --
 template <int kHeadDim, int kBlockN, int kQStages>
 struct Sm90Smem {
   static constexpr int kQBytes = kSm90BlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  u32 q, k, v;  // stage s of K at k + s * kKVBytes (arithmetic, not arrays: a run-time
-                // index into an array would put it in local memory)
-  u32 q_full, q_empty, k_full, v_full, k_empty, v_empty;  // stage s's barrier at + 8 * s
+  // Offsets from q, the 1024-aligned base; stage s of K at k() + s * kKVBytes, stage s's
+  // barrier at + 8 * s. (Addresses are computed, not stored: the producer warp has 24
+  // registers, and arrays indexed at run time would go to local memory.)
+  static constexpr u32 kK = kQStages * kQBytes, kV = kK + kStages * kKVBytes;
+  static constexpr u32 kQFull = kV + kStages * kKVBytes, kQEmpty = kQFull + 8 * kQStages;
+  static constexpr u32 kKFull = kQEmpty + 8 * kQStages, kVFull = kKFull + 8 * kStages;
+  static constexpr u32 kKEmpty = kVFull + 8 * kStages, kVEmpty = kKEmpty + 8 * kStages;
+  static constexpr u32 kTileIndex = kVEmpty + 8 * kStages;
+  u32 q;
 
-  __device__ explicit Sm90Smem(u32 base) {
-    q = (base + 1023) & ~1023u;  // dynamic shared memory is 16-byte aligned; the swizzle needs 1024
-    k = q + kQStages * kQBytes;
-    v = k + kStages * kKVBytes;
-    q_full = v + kStages * kKVBytes;
-    q_empty = q_full + 8 * kQStages;
-    k_full = q_empty + 8 * kQStages;
-    v_full = k_full + 8 * kStages;
-    k_empty = v_full + 8 * kStages;
-    v_empty = k_empty + 8 * kStages;
-  }
+  // dynamic shared memory is 16-byte aligned; the swizzle needs 1024
+  __device__ explicit Sm90Smem(u32 base) : q((base + 1023) & ~1023u) {}
+  __device__ u32 k() const { return q + kK; }
+  __device__ u32 v() const { return q + kV; }
+  __device__ u32 q_full() const { return q + kQFull; }
+  __device__ u32 q_empty() const { return q + kQEmpty; }
+  __device__ u32 k_full() const { return q + kKFull; }
+  __device__ u32 v_full() const { return q + kVFull; }
+  __device__ u32 k_empty() const { return q + kKEmpty; }
+  __device__ u32 v_empty() const { return q + kVEmpty; }
+  __device__ u32 tile_index() const { return q + kTileIndex; }
   __device__ static u32 stage(int g) { return static_cast<u32>(g % kStages); }
   __device__ static u32 parity(int g) { return static_cast<u32>((g / kStages) & 1); }
   __device__ static u32 q_stage(int n) { return static_cast<u32>(n % kQStages); }
@@ -143,90 +153,108 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, long long index, S
 //    window ends with the sequence. Where the window would start before row 0 (the
 //    first sequence) or the maps are missing, the warp copies it with cp.async, which
 //    fills those rows with zeros. All lanes wait for every stage, so none runs a phase
-//    ahead of the barriers. --
+//    ahead of the barriers. Every tile, with keys or not, and the end of the list pass
+//    through a Q stage, which carries the tile's index to the consumers. --
+// -- the producer's K and V copies of key block `it` of a tile, the CTA's block number
+//    `block_count` --
+template <int kHeadDim, int kBlockN, int kQStages>
+__device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMaps& maps,
+                                              const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm,
+                                              const Sm90Work& w, int it, int block_count) {
+  using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
+  const bool elected = threadIdx.x == 0;
+  const bool packed = p.cu_seqlens_k != 0;
+  const Tile& t = w.t;
+  const int key0 = (w.n_block_max - 1 - it) * kBlockN;
+  const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
+  const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kKVBytes;
+  if (block_count >= kStages) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
+  // (map, row coordinate, last coordinate) of this block's K and V boxes
+  const TensorMap *k_map = &maps.k, *v_map = &maps.v;
+  int row = static_cast<int>(t.k_start) + key0, last = packed ? 0 : t.b;
+  if (packed && key0 + kBlockN > t.seqlen_k) {
+    const int shift = key0 + kBlockN - t.seqlen_k;  // rows of the box past the sequence
+    if (p.kv_tail_maps && row >= shift) {
+      k_map = &maps.k_tail;
+      v_map = &maps.v_tail;
+      last = row - shift;
+      row = shift;
+    } else {
+      if (block_count >= kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
+      const TilePointers ptr = tile_pointers(p, t);
+      load_panels<kBlockN, kHeadDim>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                     t.seqlen_k - key0, p.head_dim);
+      load_panels<kBlockN, kHeadDim>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
+                                     t.seqlen_k - key0, p.head_dim);
+      cp_async_wait_all();
+      fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
+      __syncwarp();
+      if (elected) {
+        mbar_arrive(sm.k_full() + 8 * stage);
+        mbar_arrive(sm.v_full() + 8 * stage);
+      }
+      return;
+    }
+  }
+  if (elected) {
+    mbar_arrive_expect_bytes(sm.k_full() + 8 * stage, Smem::kKVBytes);
+    tma_load_panels<kBlockN, kHeadDim>(k_dst, *k_map, sm.k_full() + 8 * stage, row, t.h_k, last);
+  }
+  if (block_count >= kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
+  if (elected) {
+    mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kKVBytes);
+    tma_load_panels<kBlockN, kHeadDim>(v_dst, *v_map, sm.v_full() + 8 * stage, row, t.h_k, last);
+  }
+  __syncwarp();
+}
+
 template <int kHeadDim, int kMask, int kBlockN, int kQStages>
 __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps,
                                         const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm) {
   using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
+  u32* counter = reinterpret_cast<u32*>(p.tile_counter);
   int block_count = 0, tile_count = 0;
   Sm90Work w;
-  for (long long index = blockIdx.x; sm90_work<kMask, kBlockN>(p, index, w); index += gridDim.x) {
-    if (w.n_blocks == 0) continue;
+  for (u32 index = blockIdx.x;; ++tile_count) {  // < 2^31 + gridDim.x: the host keeps tiles in int32
+    const bool more = sm90_work<kMask, kBlockN>(p, index, w);
     const Tile& t = w.t;
-    const int batch = packed ? 0 : t.b;
     const u32 q_stage = Smem::q_stage(tile_count);
-    if (tile_count >= kQStages) mbar_wait(sm.q_empty + 8 * q_stage, Smem::q_parity(tile_count) ^ 1);
+    if (tile_count >= kQStages) mbar_wait(sm.q_empty() + 8 * q_stage, Smem::q_parity(tile_count) ^ 1);
     if (elected) {
-      mbar_arrive_expect_bytes(sm.q_full + 8 * q_stage, Smem::kQBytes);
-      tma_load_panels<kSm90BlockM, kHeadDim>(sm.q + q_stage * Smem::kQBytes, maps.q,
-                                             sm.q_full + 8 * q_stage,
-                                             static_cast<int>(t.q_start) + w.row0, t.h, batch);
+      st_shared_u32(sm.tile_index() + 4 * q_stage, more ? index : ~0u);
+      if (more && w.n_blocks > 0) {
+        mbar_arrive_expect_bytes(sm.q_full() + 8 * q_stage, Smem::kQBytes);
+        tma_load_panels<kSm90BlockM, kHeadDim>(sm.q + q_stage * Smem::kQBytes, maps.q,
+                                               sm.q_full() + 8 * q_stage,
+                                               static_cast<int>(t.q_start) + w.row0, t.h,
+                                               packed ? 0 : t.b);
+      } else {
+        mbar_arrive(sm.q_full() + 8 * q_stage);  // the index alone
+      }
     }
-    ++tile_count;
-    for (int it = 0; it < w.n_blocks; ++it, ++block_count) {
-      const int key0 = (w.n_block_max - 1 - it) * kBlockN;
-      const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
-      const u32 k_dst = sm.k + stage * Smem::kKVBytes, v_dst = sm.v + stage * Smem::kKVBytes;
-      if (block_count >= kStages) mbar_wait(sm.k_empty + 8 * stage, parity ^ 1);
-      // (map, row coordinate, last coordinate) of this block's K and V boxes
-      const TensorMap *k_map = &maps.k, *v_map = &maps.v;
-      int row = static_cast<int>(t.k_start) + key0, last = batch;
-      if (packed && key0 + kBlockN > t.seqlen_k) {
-        const int shift = key0 + kBlockN - t.seqlen_k;  // rows of the box past the sequence
-        if (p.kv_tail_maps && row >= shift) {
-          k_map = &maps.k_tail;
-          v_map = &maps.v_tail;
-          last = row - shift;
-          row = shift;
-        } else {
-          if (block_count >= kStages) mbar_wait(sm.v_empty + 8 * stage, parity ^ 1);
-          const TilePointers ptr = tile_pointers(p, t);
-          load_panels<kBlockN, kHeadDim>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
-                                         t.seqlen_k - key0, p.head_dim);
-          load_panels<kBlockN, kHeadDim>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
-                                         t.seqlen_k - key0, p.head_dim);
-          cp_async_wait_all();
-          fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
-          __syncwarp();
-          if (elected) {
-            mbar_arrive(sm.k_full + 8 * stage);
-            mbar_arrive(sm.v_full + 8 * stage);
-          }
-          continue;
-        }
-      }
-      if (elected) {
-        mbar_arrive_expect_bytes(sm.k_full + 8 * stage, Smem::kKVBytes);
-        tma_load_panels<kBlockN, kHeadDim>(k_dst, *k_map, sm.k_full + 8 * stage, row, t.h_k, last);
-      }
-      if (block_count >= kStages) mbar_wait(sm.v_empty + 8 * stage, parity ^ 1);
-      if (elected) {
-        mbar_arrive_expect_bytes(sm.v_full + 8 * stage, Smem::kKVBytes);
-        tma_load_panels<kBlockN, kHeadDim>(v_dst, *v_map, sm.v_full + 8 * stage, row, t.h_k, last);
-      }
-      __syncwarp();
-    }
+    if (!more) break;
+    u32 next = 0;
+    if (elected) next = atomicAdd(counter, 1u);  // in flight while the K/V copies go out
+    for (int it = 0; it < w.n_blocks; ++it, ++block_count)
+      produce_block<kHeadDim, kBlockN, kQStages>(p, maps, sm, w, it, block_count);
+    index = gridDim.x + __shfl_sync(0xffffffffu, next, 0);
   }
 }
 
-// -- a consumer with no rows in a tile still owes its arrivals: on each stage once it
-//    is full (so it never runs a phase ahead of the other consumer) --
+// -- a consumer with no rows in a tile still owes its arrivals on the tile's K/V
+//    stages: on each once it is full (so it never runs a phase ahead of the other) --
 template <int kHeadDim, int kBlockN, int kQStages>
-__device__ __forceinline__ void release_tile(const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm,
-                                             int n_blocks, int& block_count, int& tile_count) {
+__device__ __forceinline__ void release_blocks(const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm,
+                                               int n_blocks, int& block_count) {
   using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
-  const u32 q_stage = Smem::q_stage(tile_count);
-  mbar_wait(sm.q_full + 8 * q_stage, Smem::q_parity(tile_count));
-  mbar_arrive(sm.q_empty + 8 * q_stage);
-  ++tile_count;
   for (int g = block_count; g < block_count + n_blocks; ++g) {
     const u32 stage = Smem::stage(g), parity = Smem::parity(g);
-    mbar_wait(sm.k_full + 8 * stage, parity);
-    mbar_arrive(sm.k_empty + 8 * stage);
-    mbar_wait(sm.v_full + 8 * stage, parity);
-    mbar_arrive(sm.v_empty + 8 * stage);
+    mbar_wait(sm.k_full() + 8 * stage, parity);
+    mbar_arrive(sm.k_empty() + 8 * stage);
+    mbar_wait(sm.v_full() + 8 * stage, parity);
+    mbar_arrive(sm.v_empty() + 8 * stage);
   }
   block_count += n_blocks;
 }
@@ -245,24 +273,30 @@ __device__ __forceinline__ void consume(const FwdParams& p,
   // inside a panel. MN-major V: 64-column panels kBlockN * 128 bytes apart, 8-key
   // groups 1024 bytes apart; 16 keys (2048 bytes) per k-step.
   const u64 q_desc = smem_desc(sm.q + consumer * 64 * 128, 16, 1024);
-  const u64 k_desc = smem_desc(sm.k, 16, 1024);
-  const u64 v_desc = smem_desc(sm.v, kBlockN * 128, 1024);
+  const u64 k_desc = smem_desc(sm.k(), 16, 1024);
+  const u64 v_desc = smem_desc(sm.v(), kBlockN * 128, 1024);
   auto kstep = [](int ks, int rows) {  // descriptor offset (16-byte units) of k-step ks
     return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
   };
   constexpr u64 kStageStep = Smem::kKVBytes >> 4;
 
-  int block_count = 0, tile_count = 0;
+  int block_count = 0;
   bool took_turns = false;
   Sm90Work w;
-  for (long long index = blockIdx.x; sm90_work<kMask, kBlockN>(p, index, w); index += gridDim.x) {
+  for (int tile_count = 0;; ++tile_count) {
+    const u32 q_stage = Smem::q_stage(tile_count);
+    mbar_wait(sm.q_full() + 8 * q_stage, Smem::q_parity(tile_count));
+    const u32 index = ld_shared_u32(sm.tile_index() + 4 * q_stage);
+    if (index == ~0u) break;
+    sm90_work<kMask, kBlockN>(p, index, w);
     const Tile& t = w.t;
     // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
     // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
     // head dim 256: with the extra branch ptxas spills there.)
     const bool solo = kHeadDim < 256 && w.row0 + 64 >= w.row_end;
     if (solo && consumer == 1) {
-      if (w.n_blocks > 0) release_tile(sm, w.n_blocks, block_count, tile_count);
+      mbar_arrive(sm.q_empty() + 8 * q_stage);
+      release_blocks(sm, w.n_blocks, block_count);
       continue;
     }
     const int row_base = w.row0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
@@ -277,7 +311,6 @@ __device__ __forceinline__ void consume(const FwdParams& p,
     if (w.n_blocks > 0) {
       const TileMods mods = tile_mods<kScoreMods>(p, t);
       const int n_blocks = w.n_blocks;
-      const u32 q_stage = Smem::q_stage(tile_count);
       const u64 q_stage_desc = q_desc + q_stage * (Smem::kQBytes >> 4);
       auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
 #pragma unroll
@@ -318,11 +351,9 @@ __device__ __forceinline__ void consume(const FwdParams& p,
 
       // Block 0: S only. Peeled, so that every product in the loop is issued
       // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
-      mbar_wait(sm.q_full + 8 * q_stage, Smem::q_parity(tile_count));
-      ++tile_count;
       {
         const u32 stage = Smem::stage(block_count);
-        mbar_wait(sm.k_full + 8 * stage, Smem::parity(block_count));
+        mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
         turn_begin();
         float acc_s[1][kNTiles][4];
         wgmma_fence();
@@ -330,8 +361,8 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         turn_end();
         wgmma_wait<0>();
         fence_registers(acc_s);
-        mbar_arrive(sm.k_empty + 8 * stage);
-        if (n_blocks == 1) mbar_arrive(sm.q_empty + 8 * q_stage);  // Q's last reader is done
+        mbar_arrive(sm.k_empty() + 8 * stage);
+        if (n_blocks == 1) mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
         float correction[1][2];
         scores_to_probs(acc_s, 0, correction);
         rescale_and_pack(acc_s, correction);
@@ -341,8 +372,8 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       for (int it = 1; it < n_blocks; ++it) {
         const int g = block_count + it;
         const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
-        mbar_wait(sm.k_full + 8 * stage, Smem::parity(g));
-        mbar_wait(sm.v_full + 8 * prev_stage, Smem::parity(g - 1));
+        mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
+        mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
         turn_begin();
         float acc_s[1][kNTiles][4];
         wgmma_fence();
@@ -351,8 +382,8 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         turn_end();
         wgmma_wait<1>();
         fence_registers(acc_s);
-        mbar_arrive(sm.k_empty + 8 * stage);
-        if (it == n_blocks - 1) mbar_arrive(sm.q_empty + 8 * q_stage);
+        mbar_arrive(sm.k_empty() + 8 * stage);
+        if (it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
         // (P is packed only after the P V wait: the registers of the previous P feed the
         // product until it completes, and ptxas does not see that they are still in use.)
         float correction[1][2];
@@ -360,20 +391,22 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<0>();
         fence_registers(acc_o);
         fence_registers(p_prev);
-        mbar_arrive(sm.v_empty + 8 * prev_stage);
+        mbar_arrive(sm.v_empty() + 8 * prev_stage);
         rescale_and_pack(acc_s, correction);
       }
       // -- the last block's P V --
       const int last = block_count + n_blocks - 1;
-      mbar_wait(sm.v_full + 8 * Smem::stage(last), Smem::parity(last));
+      mbar_wait(sm.v_full() + 8 * Smem::stage(last), Smem::parity(last));
       turn_begin();
       wgmma_fence();
       issue_pv(Smem::stage(last));
       turn_end();
       wgmma_wait<0>();
       fence_registers(acc_o);
-      mbar_arrive(sm.v_empty + 8 * Smem::stage(last));
+      mbar_arrive(sm.v_empty() + 8 * Smem::stage(last));
       block_count += n_blocks;
+    } else {
+      mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the index was read
     }
 
     float lse[1][2];
@@ -392,14 +425,14 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   const Sm90Smem<kHeadDim, kBlockN, kQStages> sm(smem_u32(smem_raw));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kQStages; ++s) {
-      mbar_init(sm.q_full + 8 * s, 1);  // the producer's one arrival, plus the bytes its copies bring
-      mbar_init(sm.q_empty + 8 * s, 256);  // every consumer thread is done reading
+      mbar_init(sm.q_full() + 8 * s, 1);  // the producer's one arrival, plus the bytes its copies bring
+      mbar_init(sm.q_empty() + 8 * s, 256);  // every consumer thread is done reading
     }
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(sm.k_full + 8 * s, 1);
-      mbar_init(sm.v_full + 8 * s, 1);
-      mbar_init(sm.k_empty + 8 * s, 256);
-      mbar_init(sm.v_empty + 8 * s, 256);
+      mbar_init(sm.k_full() + 8 * s, 1);
+      mbar_init(sm.v_full() + 8 * s, 1);
+      mbar_init(sm.k_empty() + 8 * s, 256);
+      mbar_init(sm.v_empty() + 8 * s, 256);
     }
   }
   __syncthreads();

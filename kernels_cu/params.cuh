@@ -22,6 +22,9 @@ struct FwdParams {
   // seqused_k (batch,), and the work list built by varlen_schedule: int2 entries
   // (sequence, query block) and their count.
   u64 cu_seqlens_q, cu_seqlens_k, seqused_k, tile_list, tile_count;
+  // sm90 (persistent): uint32 count of the tiles taken past the first gridDim.x, zeroed
+  // before each launch.
+  u64 tile_counter;
 
   // Strides in elements; 64-bit because a tensor may exceed 2^31 elements.
   i64 q_batch_stride, q_row_stride, q_head_stride;
