@@ -455,6 +455,8 @@ def _launch(variant, num_blocks, params, maps, framework, device, schedule=None,
     import cupy
     fn = _compile.get_kernel(variant, device)
     with cupy.cuda.Device(device), _interop.current_stream(framework, device) as stream:
+        if _driver().ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls below
+            cupy.cuda.runtime.free(0)       # need the device's context made current
         if counter is not None:
             cupy.cuda.runtime.memsetAsync(counter.ptr, 0, 4, stream.ptr)
         if schedule is not None:
