@@ -2,7 +2,9 @@
 """Host time per call on a problem too small to keep the GPU busy: what launching costs
 from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once.
 
-    python3 bench/host_overhead.py [--calls 2000]
+    python3 bench/host_overhead.py [--calls 2000] [--profile]
+
+--profile adds cProfile's top functions (own time) for cufa.flash_attn_func.
 """
 import argparse
 import os
@@ -31,6 +33,7 @@ def per_call_us(fn, calls):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -46,6 +49,12 @@ def main():
         for name, fn in cases.items():
             host, wall = per_call_us(fn, args.calls)
             print(f"| {name} | {host:.1f} | {wall:.1f} |")
+    if args.profile:
+        import cProfile
+        import pstats
+        profiler = cProfile.Profile()
+        profiler.runcall(per_call_us, cases["cufa.flash_attn_func"], args.calls)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

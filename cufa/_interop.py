@@ -82,38 +82,25 @@ def optional_array(x, name):
     return None if x is None else as_device_array(x, name)
 
 
-def current_stream(framework, device):
-    """The stream the caller's framework is issuing work on, as a CuPy stream."""
+def current_stream_ptr(framework, device):
+    """The stream the caller's framework is issuing work on (a CUstream handle)."""
+    if framework == "torch":
+        import torch
+        return torch.cuda.current_stream(device).cuda_stream
     import cupy
+    return cupy.cuda.get_current_stream(device).ptr
+
+
+def allocate(framework, shape, dtype, device):
+    """A new array of the caller's framework: (native array, device address)."""
     if framework == "torch":
         import torch
-        torch_stream = torch.cuda.current_stream(device)
-        key = (torch_stream.cuda_stream, device)
-        stream = _torch_streams.get(key)
-        if stream is None:  # wrapping costs more than a launch: once per stream
-            if hasattr(torch_stream, "__cuda_stream__"):  # the CUDA stream protocol
-                stream = cupy.cuda.Stream.from_external(torch_stream)
-            else:
-                stream = cupy.cuda.ExternalStream(torch_stream.cuda_stream, device)
-            _torch_streams[key] = stream
-        return stream
-    with cupy.cuda.Device(device):
-        return cupy.cuda.get_current_stream()
-
-
-_torch_streams = {}
-
-
-def empty(framework, shape, dtype, device):
-    """A new array of the caller's framework; returns (native array, DeviceArray view)."""
-    if framework == "torch":
-        import torch
-        native = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
-        return native, _torch_view(native, "output")
+        native = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        return native, native.data_ptr()
     import cupy
     with cupy.cuda.Device(device):
         native = cupy.empty(shape, dtype=_cupy_dtype(dtype))
-    return native, _cupy_view(native, native, "cupy")
+    return native, native.data.ptr
 
 
 def _cupy_dtype(dtype):

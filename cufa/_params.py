@@ -4,6 +4,9 @@ The field list below is the single Python statement of the layout. Every compile
 appends ``static_assert``s generated from it (``layout_asserts``), so a struct that
 drifted from this mirror fails to compile instead of reading garbage.
 """
+import ctypes
+import struct
+
 import numpy as np
 
 _PTR, _I64, _I32, _F32 = np.uint64, np.int64, np.int32, np.float32
@@ -32,6 +35,11 @@ FWD_FIELDS = [
 FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
 _FWD_NAMES = frozenset(FWD_DTYPE.names)
 
+# The pointers lead the record, so a call's addresses go in with one struct.pack.
+POINTER_FIELDS = tuple(name for name, kind in FWD_FIELDS if kind is _PTR)
+assert all(FWD_DTYPE.fields[n][1] == 8 * i for i, n in enumerate(POINTER_FIELDS))
+_POINTERS = struct.Struct(f"<{len(POINTER_FIELDS)}Q")
+
 # AttnMaskType in params.cuh
 ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)
 
@@ -57,3 +65,11 @@ def pack_fwd_params(fields):
     if unknown:
         raise KeyError(f"not FwdParams fields: {sorted(unknown)}")
     return np.array(tuple(fields.get(name, 0) for name in FWD_DTYPE.names), dtype=FWD_DTYPE)
+
+
+def with_pointers(record, pointers):
+    """A copy of `record` (bytes of a pack_fwd_params record) with the POINTER_FIELDS set
+    to `pointers`, as a ctypes buffer to pass by address."""
+    buffer = ctypes.create_string_buffer(record, len(record))
+    _POINTERS.pack_into(buffer, 0, *pointers)
+    return buffer

@@ -12,10 +12,7 @@ each (q, k, v) record is cached.
 import ctypes
 import functools
 
-import numpy as np
-
-MAPS_DTYPE = np.dtype([("q", "V128"), ("k", "V128"), ("v", "V128"),
-                       ("k_tail", "V128"), ("v_tail", "V128")])
+MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, sm90.cuh)
 PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width
 _DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 0, 3, 2, 0
@@ -74,21 +71,17 @@ def tail_view(ptr, rows, heads, cols, row_stride, head_stride, box_rows):
 @functools.lru_cache(maxsize=1024)
 def tensor_maps(dtype, views, tail_views=()):
     """views: (q, k, v) as (ptr, shape, strides, box_rows) tuples, as in map_args;
-    tail_views: () or the packed (k, v) tail views. Returns (record, tails) -- the record
-    to pass by value (cached: treat it as read-only) and whether it holds the tail maps
-    -- or None if q, k or v cannot be described. Tails the driver refuses are left out
-    (the kernel then copies those blocks itself)."""
-    maps = np.zeros((), dtype=MAPS_DTYPE)
-    for name, view in zip(("q", "k", "v"), views):
-        desc = _describe(dtype, view)
-        if desc is None:
-            return None
-        maps[name] = np.void(desc)
+    tail_views: () or the packed (k, v) tail views. Returns (record, tails) -- the
+    TensorMaps record as a ctypes buffer to pass by address (cached: read-only) and
+    whether it holds the tail maps -- or None if q, k or v cannot be described. Tails the
+    driver refuses are left out (the kernel then copies those blocks itself)."""
+    descriptors = [_describe(dtype, view) for view in views]
+    if None in descriptors:
+        return None
     tails = [_describe(dtype, view) for view in tail_views]
     has_tails = bool(tails) and None not in tails
-    if has_tails:
-        maps["k_tail"], maps["v_tail"] = np.void(tails[0]), np.void(tails[1])
-    return maps, has_tails
+    record = b"".join(descriptors + (tails if has_tails else [])).ljust(MAPS_BYTES, b"\0")
+    return ctypes.create_string_buffer(record, MAPS_BYTES), has_tails
 
 
 def _describe(dtype, view):

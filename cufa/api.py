@@ -1,8 +1,7 @@
 """The public attention functions: validate -> pick a kernel variant -> fill params -> launch."""
 import ctypes
 import math
-
-import numpy as np
+from dataclasses import dataclass
 
 from . import _compile, _interop, _params, _tma, _torch_ops
 
@@ -50,17 +49,25 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                      alibi_slopes)
         return (o, lse) if return_lse else o
     q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
-               batch_dim=0, seq_dim=1, head_dim=2)
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k = k.shape[1]
-    left, right = _window(window_size, causal)
-    alibi = _check_alibi(alibi_slopes, q, batch, nheads)
-    return _run(q, k, v, out, return_lse, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
-                nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d,
-                scale=_softmax_scale(softmax_scale, d, "softmax_scale"),
-                bottom_right=True, window=(left, right),
-                softcap=_softcap(softcap), alibi=alibi, attn_mask=None)
+    alibi = _interop.optional_array(alibi_slopes, "alibi_slopes")
+    o = _interop.optional_array(out, "out")
+    window, scale, softcap = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
+                              _softcap(softcap))
+    key = ("dense", _signature(q), _signature(k), _signature(v), _signature(alibi), _signature(o),
+           window, scale, softcap)
+    plan = _plans.get(key)
+    if plan is None:
+        _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
+                   batch_dim=0, seq_dim=1, head_dim=2)
+        batch, seqlen_q, nheads, d = q.shape
+        _check_alibi(alibi, q, batch, nheads)
+        if o is not None:
+            _check_out(out, o, q)
+        plan = _remember(key, _plan(
+            q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads, nheads_k=k.shape[2],
+            seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale, bottom_right=True,
+            window=window, softcap=softcap, alibi=alibi, attn_mask=None))
+    return _execute(plan, q, k, v, o, return_lse, alibi=alibi)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -89,35 +96,46 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
     q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
-               batch_dim=None, seq_dim=0, head_dim=1)
-    total_q, nheads, d = q.shape
-    total_k = k.shape[0]
-    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
-    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
-    batch = cu_q.shape[0] - 1
-    if cu_k.shape[0] != batch + 1:
-        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
-                         f"{batch + 1}; both must be (batch + 1,)")
+    cu_q = _interop.as_device_array(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = _interop.as_device_array(cu_seqlens_k, "cu_seqlens_k")
     used = _interop.optional_array(seqused_k, "seqused_k")
-    if used is not None:
-        if used.dtype != "int32":
-            raise TypeError(f"seqused_k must be int32; got {used.dtype}")
-        if used.shape != (batch,) or used.device != q.device:
-            raise ValueError(f"seqused_k must be ({batch},) int32 on cuda:{q.device}; got "
-                             f"{used.shape} on cuda:{used.device}")
+    alibi = _interop.optional_array(alibi_slopes, "alibi_slopes")
+    o = _interop.optional_array(out, "out")
     for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
+    window, scale, softcap = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
+                              _softcap(softcap))
+    key = ("packed", _signature(q), _signature(k), _signature(v), _signature(cu_q),
+           _signature(cu_k), _signature(used), _signature(alibi), _signature(o), window, scale,
+           softcap)
+    plan = _plans.get(key)
+    if plan is None:
+        _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
+                   batch_dim=None, seq_dim=0, head_dim=1)
+        total_q, nheads, d = q.shape
+        _check_cu_seqlens(cu_q, "cu_seqlens_q", q)
+        _check_cu_seqlens(cu_k, "cu_seqlens_k", q)
+        batch = cu_q.shape[0] - 1
+        if cu_k.shape[0] != batch + 1:
+            raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
+                             f"{batch + 1}; both must be (batch + 1,)")
+        if used is not None:
+            if used.dtype != "int32":
+                raise TypeError(f"seqused_k must be int32; got {used.dtype}")
+            if used.shape != (batch,) or used.device != q.device:
+                raise ValueError(f"seqused_k must be ({batch},) int32 on cuda:{q.device}; got "
+                                 f"{used.shape} on cuda:{used.device}")
+        _check_alibi(alibi, q, batch, nheads)
+        if o is not None:
+            _check_out(out, o, q)
+        plan = _remember(key, _plan(
+            q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads, nheads_k=k.shape[1],
+            seqlen_q=total_q, seqlen_k=k.shape[0], d=d, scale=scale, bottom_right=True,
+            window=window, softcap=softcap, alibi=alibi, attn_mask=None, packed=True))
     if check_cu_seqlens:
-        _check_cu_values(cu_q, "cu_seqlens_q", total_q, cu_k, "cu_seqlens_k", total_k, used)
-    left, right = _window(window_size, causal)
-    alibi = _check_alibi(alibi_slopes, q, batch, nheads)
-    return _run(q, k, v, out, return_lse, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
-                nheads_k=k.shape[1], seqlen_q=total_q, seqlen_k=total_k, d=d,
-                scale=_softmax_scale(softmax_scale, d, "softmax_scale"), bottom_right=True,
-                window=(left, right), softcap=_softcap(softcap), alibi=alibi, attn_mask=None,
-                varlen=(cu_q, cu_k, used))
+        _check_cu_values(cu_q, "cu_seqlens_q", q.shape[0], cu_k, "cu_seqlens_k", k.shape[0], used)
+    return _execute(plan, q, k, v, o, return_lse, alibi=alibi, packed=(cu_q, cu_k, used))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -138,19 +156,26 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return _torch_ops.ops()[1](query, key, value, attn_mask, is_causal, scale, enable_gqa)
     q, k, v = (_interop.as_device_array(x, n)
                for x, n in ((query, "query"), (key, "key"), (value, "value")))
-    _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
-               batch_dim=0, seq_dim=2, head_dim=1)
-    batch, nheads, seqlen_q, d = q.shape
-    nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    if nheads_k != nheads and not enable_gqa:
-        raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
-                         "pass enable_gqa=True for grouped-query attention")
-    mask = _check_attn_mask(attn_mask, q, (batch, nheads, seqlen_q, seqlen_k))
-    return _run(q, k, v, None, False, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
-                nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d,
-                scale=_softmax_scale(scale, d, "scale"), bottom_right=False,
-                window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED), softcap=0.0,
-                alibi=None, attn_mask=mask)
+    mask = _interop.optional_array(attn_mask, "attn_mask")
+    scale = _check_scale(scale, "scale")
+    plan_key = ("sdpa", _signature(q), _signature(k), _signature(v), _signature(mask),
+                bool(is_causal), scale, bool(enable_gqa))
+    plan = _plans.get(plan_key)
+    if plan is None:
+        _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
+                   batch_dim=0, seq_dim=2, head_dim=1)
+        batch, nheads, seqlen_q, d = q.shape
+        nheads_k, seqlen_k = k.shape[1], k.shape[2]
+        if nheads_k != nheads and not enable_gqa:
+            raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
+                             "pass enable_gqa=True for grouped-query attention")
+        _check_attn_mask(mask, q, (batch, nheads, seqlen_q, seqlen_k))
+        plan = _remember(plan_key, _plan(
+            q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads, nheads_k=nheads_k,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale, bottom_right=False,
+            window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED), softcap=0.0, alibi=None,
+            attn_mask=mask))
+    return _execute(plan, q, k, v, None, False, attn_mask=mask)
 
 
 # -- validation --------------------------------------------------------------------------
@@ -221,9 +246,10 @@ def _check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
                          f"{qn} {q.shape[seq_dim]}, {kn} {k.shape[seq_dim]}")
 
 
-def _softmax_scale(scale, d, name):
+def _check_scale(scale, name):
+    """None (1 / sqrt(head dim), decided with the plan) or a float."""
     if scale is None:
-        return 1.0 / math.sqrt(d)
+        return None
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"{name} must be a finite number > 0; got {scale!r}")
     return float(scale)
@@ -252,10 +278,9 @@ def _window(window_size, causal):
     return left, right
 
 
-def _check_alibi(alibi_slopes, q, batch, nheads):
-    a = _interop.optional_array(alibi_slopes, "alibi_slopes")
+def _check_alibi(a, q, batch, nheads):
     if a is None:
-        return None
+        return
     if a.dtype != "float32":
         raise TypeError(f"alibi_slopes must be float32; got {a.dtype}")
     if a.device != q.device:
@@ -265,13 +290,11 @@ def _check_alibi(alibi_slopes, q, batch, nheads):
                          f"got {a.shape}")
     if a.strides[-1] != 1 and nheads > 1:
         raise ValueError(f"alibi_slopes must be contiguous over heads; got strides {a.strides}")
-    return a
 
 
-def _check_attn_mask(attn_mask, q, full_shape):
-    m = _interop.optional_array(attn_mask, "attn_mask")
+def _check_attn_mask(m, q, full_shape):
     if m is None:
-        return None
+        return
     if m.dtype not in _ATTN_MASK_TYPES:
         raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32; got {m.dtype}")
     if m.device != q.device:
@@ -279,11 +302,9 @@ def _check_attn_mask(attn_mask, q, full_shape):
     if m.ndim > 4 or any(n not in (1, f) for n, f in zip(m.shape[::-1], full_shape[::-1])):
         raise ValueError(f"attn_mask of shape {m.shape} is not broadcastable to "
                          f"(batch, heads, L, S) = {full_shape}")
-    return m
 
 
-def _check_cu_seqlens(x, name, q):
-    c = _interop.as_device_array(x, name)
+def _check_cu_seqlens(c, name, q):
     if c.dtype != "int32":
         raise TypeError(f"{name} must be int32; got {c.dtype}")
     if c.ndim != 1 or c.shape[0] < 1:
@@ -292,7 +313,6 @@ def _check_cu_seqlens(x, name, q):
         raise ValueError(f"{name} must be contiguous; got stride {c.strides[0]}")
     if c.device != q.device:
         raise ValueError(f"{name} is on cuda:{c.device} but q is on cuda:{q.device}")
-    return c
 
 
 def _check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
@@ -316,8 +336,8 @@ def _check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
                              f"the length of key sequence {i}")
 
 
-def _check_out(out, q, name="out"):
-    o = _interop.as_device_array(out, name)
+def _check_out(out, o, q, name="out"):
+    """out: the caller's array; o: its view."""
     if o.framework != q.framework:
         raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
     if _interop.is_jax(out):
@@ -329,7 +349,6 @@ def _check_out(out, q, name="out"):
     if o.device != q.device:
         raise ValueError(f"{name} is on cuda:{o.device} but q is on cuda:{q.device}")
     _check_loadable(o, name)
-    return o
 
 
 # -- launch --------------------------------------------------------------------------------
@@ -341,139 +360,222 @@ def _broadcast_strides(m, full_shape):
     return tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(shape, full_shape, strides))
 
 
-def _run(q, k, v, out, return_lse, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
-         seqlen_k, d, scale, bottom_right, window, softcap, alibi, attn_mask, varlen=None):
-    """Fill the params and launch. Padded batches: q/k/v/o carry a batch dimension (0).
-    Packed batches (varlen = (cu_seqlens_q, cu_seqlens_k, seqused_k)): rows of all
-    sequences are stacked, seqlen_q/k are the total rows, and lse is (nheads, total_q)."""
+@dataclass(frozen=True)
+class _Plan:
+    """What a launch needs besides the arrays' addresses. It follows from the call's
+    signature alone (shapes, strides, dtypes, devices and alignment of the arrays, and the
+    options), so it is made once per signature; a repeated call then only allocates its
+    outputs, fills in the addresses and launches (bench/host_overhead.py)."""
+    framework: str          # of the outputs: "torch" or "cupy"
+    device: int
+    out_shape: tuple
+    dtype: str
+    lse_shape: tuple
+    variant: object = None  # None: an empty dimension, nothing to launch
+    function: int = 0       # the compiled kernel's CUfunction
+    params: bytes = b""     # the FwdParams record with every pointer 0
+    num_blocks: int = 0
+    tma_views: tuple = None  # q, k, v views (and packed k, v tail views) less their address
+    kv_tail_maps: bool = False
+    work_list: tuple = None  # packed batches: (max_tiles, num_buckets, batch, total_q)
+
+
+_plans = {}
+_MAX_PLANS = 4096
+
+
+def _signature(x):
+    """All that validation and the plan read of an array: everything but its address,
+    of which only the 16-byte alignment."""
+    return None if x is None else (type(x.obj), x.shape, x.strides, x.dtype, x.device,
+                                   x.ptr % 16)
+
+
+def _remember(key, plan):
+    if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: start over
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
+          bottom_right, window, softcap, alibi, attn_mask, packed=False):
+    """The variant, launch shape and params of validated arrays. Padded batches: q/k/v/o
+    carry a batch dimension (0). Packed batches: rows of all sequences are stacked,
+    seqlen_q/k are the total rows, and lse is (nheads, total_q). out: the caller's out=
+    view, or None for a new contiguous output."""
     framework = "cupy" if q.framework == "dlpack" else q.framework
-    if out is not None:
-        o_native, o = out, _check_out(out, q)
+    lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
+    outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
+                   lse_shape=lse_shape)
+    if not (batch and nheads and seqlen_q):
+        return _Plan(**outputs)
+    mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
+    score_mods = softcap > 0 or alibi is not None or attn_mask is not None
+    family = _compile.family_for(_compute_capability(q.device))
+    variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family)
+    tma_views, kv_tail_maps = None, False
+    if family == "sm90":
+        tma_views = _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed)
+        described = _tensor_maps(q, k, v, tma_views)
+        if described is not None:
+            kv_tail_maps = described[1]
+        else:  # a layout the copy engine cannot describe: the portable kernels
+            tma_views = None
+            variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
+                                           "sm80")
+    num_m_blocks = -(-seqlen_q // variant.block_m)
+    # Packed batches: at most total_q / block_m + batch real tiles (each sequence rounds
+    # up once); the device-built list says how many there are.
+    max_tiles = seqlen_q // variant.block_m + batch if packed else num_m_blocks * batch
+    if max_tiles * nheads > _INT32_MAX:
+        raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
+                         "the grid limit")
+    p = {}
+    o_strides = out.strides if out is not None else _contiguous_strides(q.shape)
+    for name, strides in (("q", q.strides), ("k", k.strides), ("v", v.strides), ("o", o_strides)):
+        p[f"{name}_batch_stride"] = 0 if packed else strides[0]
+        p[f"{name}_row_stride"] = strides[seq_dim]
+        p[f"{name}_head_stride"] = strides[head_dim]
+    p["lse_batch_stride"], p["lse_head_stride"] = (
+        (0, seqlen_q) if packed else (nheads * seqlen_q, seqlen_q))
+    if attn_mask is not None:
+        full = (batch, nheads, seqlen_q, seqlen_k)
+        p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
+        (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
+         p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
+    if alibi is not None:
+        p["alibi_batch_stride"] = alibi.strides[0] if alibi.ndim == 2 else 0
+    p["batch"], p["nheads"], p["nheads_k"] = batch, nheads, nheads_k
+    p["seqlen_q"], p["seqlen_k"], p["head_dim"] = seqlen_q, seqlen_k, d
+    p["num_m_blocks"] = num_m_blocks
+    # Heads scheduled together: as many as keep their K/V within half of L2.
+    kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
+    p["heads_per_group"] = max(1, min(batch * nheads, _L2_BUDGET // kv_bytes))
+    p["kv_tail_maps"] = int(kv_tail_maps)
+    p["bottom_right"] = int(bottom_right)
+    p["window_left"], p["window_right"] = window
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
+    p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
+    num_blocks = max_tiles * nheads
+    if variant.persistent:  # one CTA per SM, each taking tiles until none are left
+        num_blocks = min(num_blocks, _sm_count(q.device))
+    return _Plan(**outputs, variant=variant,
+                 function=_compile.function_pointer(_compile.get_kernel(variant, q.device)),
+                 params=_params.pack_fwd_params(p).tobytes(), num_blocks=num_blocks,
+                 tma_views=tma_views, kv_tail_maps=kv_tail_maps,
+                 work_list=(max_tiles, seqlen_q // variant.block_m + 2, batch, seqlen_q)
+                 if packed else None)
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
+    """q, k, v as (batch, rows, heads, columns) views for the TMA descriptors, and for
+    packed batches the k/v tail views; each less its address (``_tma.tensor_maps`` takes
+    (ptr,) + view)."""
+    views, tails = [], []
+    for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
+        rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
+                                                x.strides[seq_dim], x.strides[head_dim])
+        if packed:
+            views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
+            if x is not q:
+                tails.append(_tma.tail_view(0, rows, heads, d, row_stride, head_stride,
+                                            box_rows)[1:])
+        else:
+            views.append(((x.shape[0], rows, heads, d),
+                          (x.strides[0], row_stride, head_stride), box_rows))
+    return tuple(views), tuple(tails)
+
+
+def _tensor_maps(q, k, v, tma_views):
+    """(descriptor buffer, tails described) for these arrays, or None (cached per address)."""
+    views, tails = tma_views
+    return _tma.tensor_maps(
+        q.dtype, ((q.ptr,) + views[0], (k.ptr,) + views[1], (v.ptr,) + views[2]),
+        ((k.ptr,) + tails[0], (v.ptr,) + tails[1]) if tails else ())
+
+
+def _execute(plan, q, k, v, o, return_lse, *, alibi=None, attn_mask=None, packed=None):
+    """Allocate the outputs (unless `o`, the caller's out=) and launch the plan on the
+    caller's current stream."""
+    if o is None:
+        o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
+                                            plan.device)
     else:
-        o_native, o = _interop.empty(framework, q.shape, q.dtype, q.device)
-    lse_shape = (nheads, seqlen_q) if varlen else (batch, nheads, seqlen_q)
-    lse_native, lse = _interop.empty(framework, lse_shape, "float32", q.device)
-
-    if batch and nheads and seqlen_q:
-        mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
-        score_mods = softcap > 0 or alibi is not None or attn_mask is not None
-        family = _compile.family_for(_compute_capability(q.device))
-        variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family)
-        maps, kv_tail_maps = None, False
-        if family == "sm90":
-            described = _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, varlen is not None)
-            if described is not None:
-                maps, kv_tail_maps = described
-            else:  # a layout the copy engine cannot describe: the portable kernels
-                variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
-                                               "sm80")
-        num_m_blocks = -(-seqlen_q // variant.block_m)
-        # Packed batches: at most total_q / block_m + batch real tiles (each sequence
-        # rounds up once); the device-built list says how many there are.
-        max_tiles = seqlen_q // variant.block_m + batch if varlen else num_m_blocks * batch
-        if max_tiles * nheads > _INT32_MAX:
-            raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
-                             "the grid limit")
-
-        p = {}
-        for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
-            p[name] = x.ptr
-            p[f"{name}_batch_stride"] = 0 if varlen else x.strides[0]
-            p[f"{name}_row_stride"] = x.strides[seq_dim]
-            p[f"{name}_head_stride"] = x.strides[head_dim]
-        p["lse"] = lse.ptr
-        p["lse_batch_stride"], p["lse_head_stride"] = (
-            (0, lse.strides[0]) if varlen else (lse.strides[0], lse.strides[1]))
-        if attn_mask is not None:
-            full = (batch, nheads, seqlen_q, seqlen_k)
-            p["attn_mask"] = attn_mask.ptr
-            p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
-            (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
-             p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
-        if alibi is not None:
-            p["alibi_slopes"] = alibi.ptr
-            p["alibi_batch_stride"] = alibi.strides[0] if alibi.ndim == 2 else 0
-        p["batch"], p["nheads"], p["nheads_k"] = batch, nheads, nheads_k
-        p["seqlen_q"], p["seqlen_k"], p["head_dim"] = seqlen_q, seqlen_k, d
-        p["num_m_blocks"] = num_m_blocks
-        # Heads scheduled together: as many as keep their K/V within half of L2.
-        kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
-        p["heads_per_group"] = max(1, min(batch * nheads, _L2_BUDGET // kv_bytes))
-        p["kv_tail_maps"] = int(kv_tail_maps)
-        p["bottom_right"] = int(bottom_right)
-        p["window_left"], p["window_right"] = window
-        p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
-        p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
-
-        counter = None
-        if variant.persistent:  # the kernel's tile counter, zeroed at launch
-            _, counter = _interop.empty(framework, (1,), "int32", q.device)
-            p["tile_counter"] = counter.ptr
-        schedule = None
-        if varlen:
-            cu_q, cu_k, seqused_k = varlen
-            p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.ptr, cu_k.ptr
-            p["seqused_k"] = seqused_k.ptr if seqused_k is not None else 0
-            # One int32 scratch buffer: the int2 work list (8-byte aligned, first), its
-            # length, and the counting sort's 3 x num_buckets counters.
-            num_buckets = seqlen_q // variant.block_m + 2
-            _, scratch = _interop.empty(framework, (2 * max_tiles + 1 + 3 * num_buckets,),
-                                        "int32", q.device)
-            p["tile_list"] = scratch.ptr
-            p["tile_count"] = scratch.ptr + 8 * max_tiles
-            schedule = (cu_q.ptr, batch, seqlen_q, variant.block_m, num_buckets,
-                        scratch.ptr + 8 * max_tiles + 4, scratch.ptr, scratch.ptr + 8 * max_tiles)
-        _launch(variant, max_tiles * nheads, _params.pack_fwd_params(p), maps, q.framework,
-                q.device, schedule, counter)
-
+        o_native, o_ptr = o.obj, o.ptr
+    lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
+                                            plan.device)
+    if plan.variant is not None:
+        _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed)
     o_native = _interop.to_caller(o_native, q)
     if return_lse:
         return o_native, _interop.to_caller(lse_native, q)
     return o_native
 
 
-def _tensor_maps(variant, q, k, v, seq_dim, head_dim, d, packed):
-    """TMA descriptors of q, k, v as (batch, rows, heads, columns) views, and for packed
-    batches the k/v tail views: (record, tails), or None if q, k or v cannot be
-    described."""
-    views, tails = [], []
-    for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
-        rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
-                                                x.strides[seq_dim], x.strides[head_dim])
-        if packed:
-            views.append((x.ptr, (1, rows, heads, d), (0, row_stride, head_stride), box_rows))
-            if x is not q:
-                tails.append(_tma.tail_view(x.ptr, rows, heads, d, row_stride, head_stride,
-                                            box_rows))
-        else:
-            views.append((x.ptr, (x.shape[0], rows, heads, d),
-                          (x.strides[0], row_stride, head_stride), box_rows))
-    return _tma.tensor_maps(q.dtype, tuple(views), tuple(tails))
-
-
-def _launch(variant, num_blocks, params, maps, framework, device, schedule=None, counter=None):
+def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
     import cupy
-    fn = _compile.get_kernel(variant, device)
-    with cupy.cuda.Device(device), _interop.current_stream(framework, device) as stream:
-        if _driver().ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls below
-            cupy.cuda.runtime.free(0)       # need the device's context made current
-        if counter is not None:
-            cupy.cuda.runtime.memsetAsync(counter.ptr, 0, 4, stream.ptr)
-        if schedule is not None:
-            sched = _compile.get_kernel(_compile.VARLEN_SCHEDULE, device)
-            cu_q, batch, total_q, block_m, buckets, counters, tiles, count = schedule
-            sched((1,), (_compile.VARLEN_SCHEDULE.threads,),
-                  (np.uint64(cu_q), np.int32(batch), np.int32(total_q), np.int32(block_m),
-                   np.int32(buckets), np.uint64(counters), np.uint64(tiles), np.uint64(count)))
-        if variant.persistent:  # one CTA per SM, each taking tiles until none are left
-            num_blocks = min(num_blocks, _sm_count(device))
-        # Straight through the driver: the records are passed by address, which costs
-        # a fraction of CuPy's argument conversion (bench/host_overhead.py).
-        records = (params,) if maps is None else (params, maps)
-        pointers = (ctypes.c_void_p * len(records))(*(r.ctypes.data for r in records))
-        _driver().launchKernel(_compile.function_pointer(fn), num_blocks, 1, 1, variant.threads,
-                               1, 1, variant.smem_bytes, stream.ptr, ctypes.addressof(pointers),
-                               0)
+    framework, device = plan.framework, plan.device
+    counter = tile_list = tile_count = 0
+    if plan.variant.persistent:  # the kernel's tile counter, zeroed before the launch
+        _, counter = _interop.allocate(framework, (1,), "int32", device)
+    cu_q = cu_k = used = None
+    if packed:
+        cu_q, cu_k, used = packed
+        max_tiles, num_buckets, batch, total_q = plan.work_list
+        # One int32 scratch buffer: the int2 work list (8-byte aligned, first), its
+        # length, and the counting sort's 3 x num_buckets counters.
+        _, tile_list = _interop.allocate(framework, (2 * max_tiles + 1 + 3 * num_buckets,),
+                                         "int32", device)
+        tile_count = tile_list + 8 * max_tiles
+    params = _params.with_pointers(plan.params, (
+        q.ptr, k.ptr, v.ptr, o_ptr, lse_ptr, _ptr(attn_mask), _ptr(alibi), _ptr(cu_q),
+        _ptr(cu_k), _ptr(used), tile_list, tile_count, counter))
+    args = (params,)
+    if plan.tma_views is not None:
+        described = _tensor_maps(q, k, v, plan.tma_views)
+        if described is None or described[1] != plan.kv_tail_maps:
+            raise RuntimeError("the driver refused a TMA descriptor for a layout it "
+                               "accepted before")
+        args = (params, described[0])
+    driver = _driver()
+    with cupy.cuda.Device(device):
+        if driver.ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls below
+            cupy.cuda.runtime.free(0)    # need the device's context made current
+        stream = _interop.current_stream_ptr(framework, device)
+        if counter:
+            cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
+        if packed:
+            schedule = _compile.get_kernel(_compile.VARLEN_SCHEDULE, device)
+            _driver_launch(_compile.function_pointer(schedule), 1,
+                           _compile.VARLEN_SCHEDULE.threads, 0, stream,
+                           (ctypes.c_uint64(cu_q.ptr), ctypes.c_int32(batch),
+                            ctypes.c_int32(total_q), ctypes.c_int32(plan.variant.block_m),
+                            ctypes.c_int32(num_buckets), ctypes.c_uint64(tile_count + 4),
+                            ctypes.c_uint64(tile_list), ctypes.c_uint64(tile_count)))
+        _driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
+                       plan.variant.smem_bytes, stream, args)
+
+
+def _ptr(x):
+    return 0 if x is None else x.ptr
+
+
+def _driver_launch(function, blocks, threads, smem_bytes, stream, args):
+    """Straight through the driver, each argument (a ctypes object) passed by address:
+    a fraction of the cost of CuPy's argument conversion for the records."""
+    pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    _driver().launchKernel(function, blocks, 1, 1, threads, 1, 1, smem_bytes, stream,
+                           ctypes.addressof(pointers), 0)
 
 
 def _driver():

@@ -62,6 +62,31 @@ def test_torch_outputs_and_out_share_memory():
     assert type(lse) is torch.Tensor and lse.device == q.device
 
 
+def test_repeated_signature_takes_new_addresses_and_layouts():
+    """A call's plan is cached by its signature: a repeat with other arrays of the same
+    shapes must read and write those, and any change of layout must be planned anew."""
+    rng = np.random.default_rng(4)
+    shape = (2, 77, 4, 64)
+    for _ in range(2):  # same signature, fresh arrays each time
+        q, k, v = (randn(rng, shape, "float16") for _ in range(3))
+        out, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        check_attention(out, lse, q, k, v, causal=True)
+    # q strided (row stride 2 * h * d), out contiguous; then out strided, q contiguous
+    q = randn(rng, (2, 77, 8, 64), "float16")[:, :, :4]
+    out = cufa.flash_attn_func(q, k, v, causal=True)
+    assert out.is_contiguous()
+    check_attention(out, None, q, k, v, causal=True)
+    wide = torch.full((2, 77, 4, 72), float("nan"), device="cuda", dtype=torch.float16)
+    q = q.contiguous()
+    res = cufa.flash_attn_func(q, k, v, causal=True, out=wide[..., :64])
+    check_attention(res, None, q, k, v, causal=True)
+    assert wide[..., 64:].isnan().all()  # the padding columns untouched
+    # the same shapes 8 bytes off alignment: refused, not served from the plan
+    flat = torch.empty(q.numel() + 4, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        cufa.flash_attn_func(flat[4:].view(shape), k, v, causal=True)
+
+
 def test_cupy_zero_copy_in_and_out():
     cupy = pytest.importorskip("cupy")
     rng = np.random.default_rng(3)

@@ -27,7 +27,7 @@ def test_layouts_the_copy_engine_cannot_describe():
 
 
 def test_maps_record_is_five_descriptors():
-    assert _tma.MAPS_DTYPE.itemsize == 5 * 128  # q, k, v, k_tail, v_tail
+    assert _tma.MAPS_BYTES == 5 * 128  # q, k, v, k_tail, v_tail
 
 
 def _tma_box(memory, dims, byte_strides, itemsize, coords, box):
