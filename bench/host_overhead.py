@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Host time per call on a problem too small to keep the GPU busy: what launching costs
-from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once.
+from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once. "New
+signature" clears cufa's launch plans before each call, as a call with new shapes would.
 
     python3 bench/host_overhead.py [--calls 2000] [--profile]
 
@@ -16,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
+from cufa import api  # noqa: E402
 
 
 def per_call_us(fn, calls):
@@ -38,8 +40,23 @@ def main():
     q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    packed = tuple(x.reshape(256, 2, 64) for x in (torch.cat([q, q]), torch.cat([k, k]),
+                                                   torch.cat([v, v])))
+    cu = torch.tensor([0, 128, 256], device="cuda", dtype=torch.int32)
+
+    def varlen():
+        return cufa.flash_attn_varlen_func(*packed, cu, cu, 128, 128, causal=True)
+
+    def unplanned(fn):  # a new signature every call (a server's next packed batch)
+        api._plans.clear()
+        return fn()
+
     cases = {
         "cufa.flash_attn_func": lambda: cufa.flash_attn_func(q, k, v, causal=True),
+        "cufa.flash_attn_func, new signature": lambda: unplanned(
+            lambda: cufa.flash_attn_func(q, k, v, causal=True)),
+        "cufa.flash_attn_varlen_func (2 sequences)": varlen,
+        "cufa.flash_attn_varlen_func, new signature": lambda: unplanned(varlen),
         "cufa.scaled_dot_product_attention": lambda: cufa.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
     }
