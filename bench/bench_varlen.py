@@ -67,11 +67,12 @@ def main():
     parser.add_argument("--batches", default="long,short", help="long,short")
     parser.add_argument("--exp", default="base", help="experiments: " + ",".join(EXPERIMENTS))
     args = parser.parse_args()
-    from cufa import _compile
+    from cufa import _compile, api
     base_tiles = (dict(_compile.SM90_TILES), dict(_compile.SM90_TILES_WINDOW))
 
     def configure(exp):
         _compile.SM90_TILES, _compile.SM90_TILES_WINDOW = (dict(t) for t in base_tiles)
+        api._plans.clear()  # plans hold the variant picked from the old tables
         if EXPERIMENTS[exp]:
             for table in (_compile.SM90_TILES, _compile.SM90_TILES_WINDOW):
                 table.update({64: (128, EXPERIMENTS[exp]), 128: (128, EXPERIMENTS[exp])})

@@ -20,7 +20,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
-from cufa import _compile  # noqa: E402
+from cufa import _compile, api  # noqa: E402
 from bench_fwd import Shape, time_events  # noqa: E402
 
 # name -> (tiles {head_dim: (block_m, block_n)} for masks "none", the same for
@@ -39,6 +39,7 @@ def configure(name):
     tiles, window_tiles = EXPERIMENTS[name]
     _compile.SM90_TILES = {**BASE_TILES, **tiles}
     _compile.SM90_TILES_WINDOW = {**BASE_WINDOW_TILES, **window_tiles}
+    api._plans.clear()  # plans hold the variant picked from the old tables
 
 
 def run(shape_text, names, reps):

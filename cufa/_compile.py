@@ -145,13 +145,16 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80"):
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)
 
 
+FAMILY_ENV = "CUFA_KERNEL_FAMILY"
+
+
 def family_for(compute_capability):
     """The kernel family for a device: wgmma on Hopper (9.0), mma.sync elsewhere.
     CUFA_KERNEL_FAMILY=sm80 forces the portable path (tests use it on Hopper)."""
-    forced = os.environ.get("CUFA_KERNEL_FAMILY")
+    forced = os.environ.get(FAMILY_ENV)
     if forced:
         if forced not in FAMILIES:
-            raise ValueError(f"CUFA_KERNEL_FAMILY must be one of {FAMILIES}; got {forced!r}")
+            raise ValueError(f"{FAMILY_ENV} must be one of {FAMILIES}; got {forced!r}")
         return forced
     return "sm90" if str(compute_capability) == "90" else "sm80"
 

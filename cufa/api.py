@@ -1,6 +1,7 @@
 """The public attention functions: validate -> pick a kernel variant -> fill params -> launch."""
 import ctypes
 import math
+import os
 from dataclasses import dataclass
 
 from . import _compile, _interop, _params, _tma, _torch_ops
@@ -53,7 +54,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     o = _interop.optional_array(out, "out")
     window, scale, softcap = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
                               _softcap(softcap))
-    key = ("dense", _signature(q), _signature(k), _signature(v), _signature(alibi), _signature(o),
+    key = ("dense", _environ.get(_compile.FAMILY_ENV), _signature(q), _signature(k), _signature(v), _signature(alibi), _signature(o),
            window, scale, softcap)
     plan = _plans.get(key)
     if plan is None:
@@ -106,7 +107,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
     window, scale, softcap = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
                               _softcap(softcap))
-    key = ("packed", _signature(q), _signature(k), _signature(v), _signature(cu_q),
+    key = ("packed", _environ.get(_compile.FAMILY_ENV), _signature(q), _signature(k), _signature(v), _signature(cu_q),
            _signature(cu_k), _signature(used), _signature(alibi), _signature(o), window, scale,
            softcap)
     plan = _plans.get(key)
@@ -158,7 +159,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                for x, n in ((query, "query"), (key, "key"), (value, "value")))
     mask = _interop.optional_array(attn_mask, "attn_mask")
     scale = _check_scale(scale, "scale")
-    plan_key = ("sdpa", _signature(q), _signature(k), _signature(v), _signature(mask),
+    plan_key = ("sdpa", _environ.get(_compile.FAMILY_ENV), _signature(q), _signature(k), _signature(v), _signature(mask),
                 bool(is_causal), scale, bool(enable_gqa))
     plan = _plans.get(plan_key)
     if plan is None:
@@ -380,8 +381,9 @@ class _Plan:
     work_list: tuple = None  # packed batches: (max_tiles, num_buckets, batch, total_q)
 
 
-_plans = {}
+_plans = {}    # call key (the kernel family forced, signatures, options) -> _Plan
 _MAX_PLANS = 4096
+_environ = os.environ
 
 
 def _signature(x):
