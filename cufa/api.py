@@ -52,10 +52,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     alibi = _interop.optional_array(alibi_slopes, "alibi_slopes")
     o = _interop.optional_array(out, "out")
-    window, scale, softcap = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
-                              _softcap(softcap))
-    key = ("dense", _environ.get(_compile.FAMILY_ENV), _signature(q), _signature(k), _signature(v), _signature(alibi), _signature(o),
-           window, scale, softcap)
+    window = _window(window_size, causal)
+    scale, softcap = _check_scale(softmax_scale, "softmax_scale"), _softcap(softcap)
+    key = _call_key("dense", (q, k, v, alibi, o), (window, scale, softcap))
     plan = _plans.get(key)
     if plan is None:
         _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
@@ -105,11 +104,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
-    window, scale, softcap = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
-                              _softcap(softcap))
-    key = ("packed", _environ.get(_compile.FAMILY_ENV), _signature(q), _signature(k), _signature(v), _signature(cu_q),
-           _signature(cu_k), _signature(used), _signature(alibi), _signature(o), window, scale,
-           softcap)
+    window = _window(window_size, causal)
+    scale, softcap = _check_scale(softmax_scale, "softmax_scale"), _softcap(softcap)
+    key = _call_key("packed", (q, k, v, cu_q, cu_k, used, alibi, o), (window, scale, softcap))
     plan = _plans.get(key)
     if plan is None:
         _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
@@ -159,8 +156,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                for x, n in ((query, "query"), (key, "key"), (value, "value")))
     mask = _interop.optional_array(attn_mask, "attn_mask")
     scale = _check_scale(scale, "scale")
-    plan_key = ("sdpa", _environ.get(_compile.FAMILY_ENV), _signature(q), _signature(k), _signature(v), _signature(mask),
-                bool(is_causal), scale, bool(enable_gqa))
+    plan_key = _call_key("sdpa", (q, k, v, mask), (bool(is_causal), scale, bool(enable_gqa)))
     plan = _plans.get(plan_key)
     if plan is None:
         _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
@@ -381,16 +377,18 @@ class _Plan:
     work_list: tuple = None  # packed batches: (max_tiles, num_buckets, batch, total_q)
 
 
-_plans = {}    # call key (the kernel family forced, signatures, options) -> _Plan
+_plans = {}    # _call_key -> _Plan
 _MAX_PLANS = 4096
 _environ = os.environ
 
 
-def _signature(x):
-    """All that validation and the plan read of an array: everything but its address,
-    of which only the 16-byte alignment."""
-    return None if x is None else (type(x.obj), x.shape, x.strides, x.dtype, x.device,
-                                   x.ptr % 16)
+def _call_key(entry, arrays, options):
+    """What a plan depends on: the entry point, the kernel family forced, the options, and
+    of each array (or None) all that validation and planning read -- everything but its
+    address, of which only the 16-byte alignment."""
+    return (entry, _environ.get(_compile.FAMILY_ENV), options) + tuple(
+        None if x is None else (type(x.obj), x.shape, x.strides, x.dtype, x.device, x.ptr % 16)
+        for x in arrays)
 
 
 def _remember(key, plan):
