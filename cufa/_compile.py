@@ -236,15 +236,10 @@ def get_kernel(variant, device_id):
     return fn
 
 
-def function_pointer(fn):
-    """The CUfunction handle of a compiled kernel (for a launch through the driver)."""
-    ptr = _function_ptrs.get(id(fn))
-    if ptr is None:
-        ptr = _function_ptrs[id(fn)] = fn.kernel.ptr
-    return ptr
-
-
-_function_ptrs = {}  # kernels live in _kernels for the process, so their ids stay theirs
+def function_pointer(variant, device_id):
+    """The CUfunction handle of `variant` on `device_id` (for a launch through the
+    driver), compiled on first use."""
+    return get_kernel(variant, device_id).kernel.ptr
 
 
 def compiled_keys():

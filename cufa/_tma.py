@@ -61,11 +61,12 @@ def encode(dtype, ptr, dims, byte_strides, box):
     return ctypes.string_at(addr, 128) if rc == 0 else None
 
 
-def tail_view(ptr, rows, heads, cols, row_stride, head_stride, box_rows):
-    """A packed k or v as a (start row, window, heads, columns) view for map_args: the
-    window of box_rows rows and the start row both step one row, so a box at window
-    position box_rows - r reads r rows from its start and zeros after them."""
-    return (ptr, (rows, box_rows, heads, cols), (row_stride, row_stride, head_stride), box_rows)
+def tail_view(rows, heads, cols, row_stride, head_stride, box_rows):
+    """A packed k or v as a (start row, window, heads, columns) view for map_args, as
+    (shape, strides, box_rows): the window of box_rows rows and the start row both step
+    one row, so a box at window position box_rows - r reads r rows from its start and
+    zeros after them."""
+    return (rows, box_rows, heads, cols), (row_stride, row_stride, head_stride), box_rows
 
 
 @functools.lru_cache(maxsize=1024)

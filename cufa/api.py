@@ -1,4 +1,5 @@
-"""The public attention functions: validate -> pick a kernel variant -> fill params -> launch."""
+"""The public attention functions: validate -> plan (variant, params, grid; cached per call
+signature) -> launch."""
 import ctypes
 import math
 import os
@@ -61,8 +62,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                    batch_dim=0, seq_dim=1, head_dim=2)
         batch, seqlen_q, nheads, d = q.shape
         _check_alibi(alibi, q, batch, nheads)
-        if o is not None:
-            _check_out(out, o, q)
+        _check_out(out, o, q)
         plan = _remember(key, _plan(
             q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads, nheads_k=k.shape[2],
             seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale, bottom_right=True,
@@ -125,8 +125,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 raise ValueError(f"seqused_k must be ({batch},) int32 on cuda:{q.device}; got "
                                  f"{used.shape} on cuda:{used.device}")
         _check_alibi(alibi, q, batch, nheads)
-        if o is not None:
-            _check_out(out, o, q)
+        _check_out(out, o, q)
         plan = _remember(key, _plan(
             q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads, nheads_k=k.shape[1],
             seqlen_q=total_q, seqlen_k=k.shape[0], d=d, scale=scale, bottom_right=True,
@@ -334,7 +333,9 @@ def _check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
 
 
 def _check_out(out, o, q, name="out"):
-    """out: the caller's array; o: its view."""
+    """out: the caller's array (or None); o: its view."""
+    if o is None:
+        return
     if o.framework != q.framework:
         raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
     if _interop.is_jax(out):
@@ -374,19 +375,19 @@ class _Plan:
     num_blocks: int = 0
     tma_views: tuple = None  # q, k, v views (and packed k, v tail views) less their address
     kv_tail_maps: bool = False
-    work_list: tuple = None  # packed batches: (max_tiles, num_buckets, batch, total_q)
+    work_list: tuple = None  # packed batches: (the schedule kernel's CUfunction, max_tiles,
+                             # num_buckets, batch, total_q)
 
 
 _plans = {}    # _call_key -> _Plan
 _MAX_PLANS = 4096
-_environ = os.environ
 
 
 def _call_key(entry, arrays, options):
     """What a plan depends on: the entry point, the kernel family forced, the options, and
     of each array (or None) all that validation and planning read -- everything but its
     address, of which only the 16-byte alignment."""
-    return (entry, _environ.get(_compile.FAMILY_ENV), options) + tuple(
+    return (entry, os.environ.get(_compile.FAMILY_ENV), options) + tuple(
         None if x is None else (type(x.obj), x.shape, x.strides, x.dtype, x.device, x.ptr % 16)
         for x in arrays)
 
@@ -462,10 +463,11 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     if variant.persistent:  # one CTA per SM, each taking tiles until none are left
         num_blocks = min(num_blocks, _sm_count(q.device))
     return _Plan(**outputs, variant=variant,
-                 function=_compile.function_pointer(_compile.get_kernel(variant, q.device)),
+                 function=_compile.function_pointer(variant, q.device),
                  params=_params.pack_fwd_params(p).tobytes(), num_blocks=num_blocks,
                  tma_views=tma_views, kv_tail_maps=kv_tail_maps,
-                 work_list=(max_tiles, seqlen_q // variant.block_m + 2, batch, seqlen_q)
+                 work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
+                            max_tiles, seqlen_q // variant.block_m + 2, batch, seqlen_q)
                  if packed else None)
 
 
@@ -488,8 +490,7 @@ def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
         if packed:
             views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
             if x is not q:
-                tails.append(_tma.tail_view(0, rows, heads, d, row_stride, head_stride,
-                                            box_rows)[1:])
+                tails.append(_tma.tail_view(rows, heads, d, row_stride, head_stride, box_rows))
         else:
             views.append(((x.shape[0], rows, heads, d),
                           (x.strides[0], row_stride, head_stride), box_rows))
@@ -531,7 +532,7 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
     cu_q = cu_k = used = None
     if packed:
         cu_q, cu_k, used = packed
-        max_tiles, num_buckets, batch, total_q = plan.work_list
+        schedule, max_tiles, num_buckets, batch, total_q = plan.work_list
         # One int32 scratch buffer: the int2 work list (8-byte aligned, first), its
         # length, and the counting sort's 3 x num_buckets counters.
         _, tile_list = _interop.allocate(framework, (2 * max_tiles + 1 + 3 * num_buckets,),
@@ -555,8 +556,7 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
         if counter:
             cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
         if packed:
-            schedule = _compile.get_kernel(_compile.VARLEN_SCHEDULE, device)
-            _driver_launch(_compile.function_pointer(schedule), 1,
+            _driver_launch(schedule, 1,
                            _compile.VARLEN_SCHEDULE.threads, 0, stream,
                            (ctypes.c_uint64(cu_q.ptr), ctypes.c_int32(batch),
                             ctypes.c_int32(total_q), ctypes.c_int32(plan.variant.block_m),

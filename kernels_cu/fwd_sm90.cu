@@ -103,7 +103,7 @@ struct Sm90Smem {
   static constexpr int kQBytes = kSm90BlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   // Offsets from q, the 1024-aligned base; stage s of K at k() + s * kKVBytes, stage s's
-  // barrier at + 8 * s. (Addresses are computed, not stored: the producer warp has 24
+  // barrier at + 8 * s. (Addresses are computed, not stored: the producer warp has few
   // registers, and arrays indexed at run time would go to local memory.)
   static constexpr u32 kK = kQStages * kQBytes, kV = kK + kStages * kKVBytes;
   static constexpr u32 kQFull = kV + kStages * kKVBytes, kQEmpty = kQFull + 8 * kQStages;
@@ -147,14 +147,6 @@ __device__ __forceinline__ bool sm90_work(const FwdParams& p, long long index, S
   return true;
 }
 
-// -- producer: one warp; lane 0 issues TMA copies, whose bytes complete the stage's
-//    barrier. A packed batch's last key block must not bring in the next sequence's rows
-//    (a stray inf there would turn P = 0 into NaN): it comes through the tail maps, whose
-//    window ends with the sequence. Where the window would start before row 0 (the
-//    first sequence) or the maps are missing, the warp copies it with cp.async, which
-//    fills those rows with zeros. All lanes wait for every stage, so none runs a phase
-//    ahead of the barriers. Every tile, with keys or not, and the end of the list pass
-//    through a Q stage, which carries the tile's index to the consumers. --
 // -- the producer's K and V copies of key block `it` of a tile, the CTA's block number
 //    `block_count` --
 template <int kHeadDim, int kBlockN, int kQStages>
@@ -208,6 +200,14 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
   __syncwarp();
 }
 
+// -- producer: one warp; lane 0 issues TMA copies, whose bytes complete the stage's
+//    barrier. A packed batch's last key block must not bring in the next sequence's rows
+//    (a stray inf there would turn P = 0 into NaN): it comes through the tail maps, whose
+//    window ends with the sequence. Where the window would start before row 0 (the
+//    first sequence) or the maps are missing, the warp copies it with cp.async, which
+//    fills those rows with zeros. All lanes wait for every stage, so none runs a phase
+//    ahead of the barriers. Every tile, with keys or not, and the end of the list pass
+//    through a Q stage, which carries the tile's index to the consumers. --
 template <int kHeadDim, int kMask, int kBlockN, int kQStages>
 __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps,
                                         const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm) {

@@ -49,8 +49,8 @@ def test_tail_view_reads_the_sequence_end_and_zeros():
     import numpy as np
     rows, heads, cols, block_n = 40, 2, 8, 16
     kv = np.arange(1, rows * heads * cols + 1, dtype=np.int64)  # (rows, heads, cols), no zeros
-    view = _tma.tail_view(0, rows, heads, cols, heads * cols, cols, block_n)
-    dims, byte_strides, _ = _tma.map_args(*view[1:3], 2, block_n)
+    view = _tma.tail_view(rows, heads, cols, heads * cols, cols, block_n)
+    dims, byte_strides, _ = _tma.map_args(*view[:2], 2, block_n)
     dense = kv.reshape(rows, heads, cols)
     for k_start, seqlen_k, key0 in ((10, 21, 16), (9, 9, 0), (20, 20, 16), (39, 1, 0)):
         shift = key0 + block_n - seqlen_k
