@@ -91,10 +91,10 @@ class FwdVariant:
         return self._sm90_smem(self.q_stages)
 
     def _sm90_smem(self, q_stages):
-        # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers and the
-        # tile index of each Q stage after
+        # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers and then,
+        # 16-byte aligned, a 32-byte tile slot per Q stage
         tiles = (q_stages * self.block_m + 2 * SM90_KV_STAGES * self.block_n) * self.head_dim * 2
-        return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES) + 4 * q_stages
+        return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES) + 8 + 32 * q_stages
 
     @property
     def q_stages(self):

@@ -96,8 +96,7 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
 //    counted over all its tiles: block g sits in stage g % kStages, whose barriers are
 //    then on their (g / kStages)-th phase; tile number n's Q likewise in Q stage
 //    n % kQStages (two where they fit, so the next tile's Q loads during this one), and
-//    the producer tells the consumers which tile that is in the word tile_index + 4 * s
-//    (-1: no more tiles) --
+//    the producer hands the consumers that tile in the slot tile() + 32 * s --
 template <int kHeadDim, int kBlockN, int kQStages>
 struct Sm90Smem {
   static constexpr int kQBytes = kSm90BlockM * kHeadDim * 2;
@@ -109,7 +108,7 @@ struct Sm90Smem {
   static constexpr u32 kQFull = kV + kStages * kKVBytes, kQEmpty = kQFull + 8 * kQStages;
   static constexpr u32 kKFull = kQEmpty + 8 * kQStages, kVFull = kKFull + 8 * kStages;
   static constexpr u32 kKEmpty = kVFull + 8 * kStages, kVEmpty = kKEmpty + 8 * kStages;
-  static constexpr u32 kTileIndex = kVEmpty + 8 * kStages;
+  static constexpr u32 kTile = (kVEmpty + 8 * kStages + 15) & ~15u;
   u32 q;
 
   // dynamic shared memory is 16-byte aligned; the swizzle needs 1024
@@ -122,7 +121,7 @@ struct Sm90Smem {
   __device__ u32 v_full() const { return q + kVFull; }
   __device__ u32 k_empty() const { return q + kKEmpty; }
   __device__ u32 v_empty() const { return q + kVEmpty; }
-  __device__ u32 tile_index() const { return q + kTileIndex; }
+  __device__ u32 tile() const { return q + kTile; }
   __device__ static u32 stage(int g) { return static_cast<u32>(g % kStages); }
   __device__ static u32 parity(int g) { return static_cast<u32>((g / kStages) & 1); }
   __device__ static u32 q_stage(int n) { return static_cast<u32>(n % kQStages); }
@@ -137,14 +136,42 @@ struct Sm90Work {
 };
 
 template <int kMask, int kBlockN>
-__device__ __forceinline__ bool sm90_work(const FwdParams& p, long long index, Sm90Work& w) {
-  if (index > 0x7fffffff || !get_tile(p, static_cast<int>(index), w.t)) return false;
-  w.row0 = w.t.m_block * kSm90BlockM;
-  w.row_end = min(w.row0 + kSm90BlockM, w.t.seqlen_q);
-  const KeyRange keys = key_range<kMask>(p, w.t, w.row0, w.row_end);
+__device__ __forceinline__ Sm90Work sm90_work(const FwdParams& p, const Tile& t) {
+  Sm90Work w;
+  w.t = t;
+  w.row0 = t.m_block * kSm90BlockM;
+  w.row_end = min(w.row0 + kSm90BlockM, t.seqlen_q);
+  const KeyRange keys = key_range<kMask>(p, t, w.row0, w.row_end);
   w.n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key: no blocks
   w.n_blocks = max(w.n_block_max - keys.begin / kBlockN, 0);
-  return true;
+  return w;
+}
+
+// -- the producer looks each tile up once and hands it to the consumers through shared
+//    memory (32 bytes a Q stage; b = -1: the end of the list): a packed batch's tile
+//    takes two dependent global loads (list entry, then cu_seqlens), which the
+//    consumers would otherwise wait for at every tile start. Sequence starts fit in 32
+//    bits: they are clamped to the tensors' row counts, which are ints --
+__device__ __forceinline__ void store_tile(u32 addr, const Tile& t, bool more) {
+  asm volatile(
+      "st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n"
+      "st.shared.v4.s32 [%0 + 16], {%5, %6, %7, %8};\n"
+      ::"r"(addr), "r"(more ? t.b : -1), "r"(t.h), "r"(t.h_k), "r"(t.m_block), "r"(t.seqlen_q),
+      "r"(t.seqlen_k), "r"(static_cast<int>(t.q_start)), "r"(static_cast<int>(t.k_start))
+      : "memory");
+}
+__device__ __forceinline__ bool load_tile(u32 addr, const FwdParams& p, Tile& t) {
+  int q_start, k_start;
+  asm volatile(
+      "ld.shared.v4.s32 {%0, %1, %2, %3}, [%8];\n"
+      "ld.shared.v4.s32 {%4, %5, %6, %7}, [%8 + 16];\n"
+      : "=r"(t.b), "=r"(t.h), "=r"(t.h_k), "=r"(t.m_block), "=r"(t.seqlen_q), "=r"(t.seqlen_k),
+        "=r"(q_start), "=r"(k_start)
+      : "r"(addr) : "memory");
+  t.q_start = q_start;
+  t.k_start = k_start;
+  t.diag_offset = p.bottom_right ? t.seqlen_k - t.seqlen_q : 0;  // as get_tile sets it
+  return t.b >= 0;
 }
 
 // -- the producer's K and V copies of key block `it` of a tile, the CTA's block number
@@ -207,7 +234,7 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
 //    first sequence) or the maps are missing, the warp copies it with cp.async, which
 //    fills those rows with zeros. All lanes wait for every stage, so none runs a phase
 //    ahead of the barriers. Every tile, with keys or not, and the end of the list pass
-//    through a Q stage, which carries the tile's index to the consumers. --
+//    through a Q stage, which carries the tile to the consumers. --
 template <int kHeadDim, int kMask, int kBlockN, int kQStages>
 __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps,
                                         const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm) {
@@ -216,14 +243,14 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
   const bool packed = p.cu_seqlens_k != 0;
   u32* counter = reinterpret_cast<u32*>(p.tile_counter);
   int block_count = 0, tile_count = 0;
-  Sm90Work w;
   for (u32 index = blockIdx.x;; ++tile_count) {  // < 2^31 + gridDim.x: the host keeps tiles in int32
-    const bool more = sm90_work<kMask, kBlockN>(p, index, w);
-    const Tile& t = w.t;
+    Tile t{};  // stored whole even past the end of the list
+    const bool more = index <= 0x7fffffffu && get_tile(p, static_cast<int>(index), t);
+    const Sm90Work w = sm90_work<kMask, kBlockN>(p, t);
     const u32 q_stage = Smem::q_stage(tile_count);
     if (tile_count >= kQStages) mbar_wait(sm.q_empty() + 8 * q_stage, Smem::q_parity(tile_count) ^ 1);
     if (elected) {
-      st_shared_u32(sm.tile_index() + 4 * q_stage, more ? index : ~0u);
+      store_tile(sm.tile() + 32 * q_stage, t, more);
       if (more && w.n_blocks > 0) {
         mbar_arrive_expect_bytes(sm.q_full() + 8 * q_stage, Smem::kQBytes);
         tma_load_panels<kSm90BlockM, kHeadDim>(sm.q + q_stage * Smem::kQBytes, maps.q,
@@ -231,7 +258,7 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
                                                static_cast<int>(t.q_start) + w.row0, t.h,
                                                packed ? 0 : t.b);
       } else {
-        mbar_arrive(sm.q_full() + 8 * q_stage);  // the index alone
+        mbar_arrive(sm.q_full() + 8 * q_stage);  // the tile alone
       }
     }
     if (!more) break;
@@ -282,14 +309,12 @@ __device__ __forceinline__ void consume(const FwdParams& p,
 
   int block_count = 0;
   bool took_turns = false;
-  Sm90Work w;
   for (int tile_count = 0;; ++tile_count) {
     const u32 q_stage = Smem::q_stage(tile_count);
     mbar_wait(sm.q_full() + 8 * q_stage, Smem::q_parity(tile_count));
-    const u32 index = ld_shared_u32(sm.tile_index() + 4 * q_stage);
-    if (index == ~0u) break;
-    sm90_work<kMask, kBlockN>(p, index, w);
-    const Tile& t = w.t;
+    Tile t;
+    if (!load_tile(sm.tile() + 32 * q_stage, p, t)) break;
+    const Sm90Work w = sm90_work<kMask, kBlockN>(p, t);
     // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
     // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
     // head dim 256: with the extra branch ptxas spills there.)
@@ -406,7 +431,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       mbar_arrive(sm.v_empty() + 8 * Smem::stage(last));
       block_count += n_blocks;
     } else {
-      mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the index was read
+      mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
 
     float lse[1][2];

@@ -84,16 +84,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 b
       : "memory");
 }
 
-// -- a 32-bit word of shared memory by address (ordered with the barrier asm around it) --
-__device__ __forceinline__ void st_shared_u32(u32 addr, u32 value) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
-}
-__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
-  u32 value;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
-  return value;
-}
-
 // -- named barriers (0 is __syncthreads'): `threads` arrivals complete one --
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
