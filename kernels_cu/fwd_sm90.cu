@@ -111,8 +111,7 @@ struct Sm90Smem {
   static constexpr u32 kKFull = kQEmpty + 8 * kQStages, kVFull = kKFull + 8 * kStages;
   static constexpr u32 kKEmpty = kVFull + 8 * kStages, kVEmpty = kKEmpty + 8 * kStages;
   static constexpr u32 kTile = (kVEmpty + 8 * kStages + 15) & ~15u;
-  static constexpr u32 kNextTile = kTile + 32 * kQStages;  // the producer's, looked up ahead
-  static constexpr u32 kMergeLse = kNextTile + 32;  // split tiles (d < 256): 2 x 128 floats
+  static constexpr u32 kMergeLse = kTile + 32 * kQStages;  // split tiles (d < 256): 2 x 128 floats
   u32 q;
 
   // dynamic shared memory is 16-byte aligned; the swizzle needs 1024
@@ -126,7 +125,6 @@ struct Sm90Smem {
   __device__ u32 k_empty() const { return q + kKEmpty; }
   __device__ u32 v_empty() const { return q + kVEmpty; }
   __device__ u32 tile() const { return q + kTile; }
-  __device__ u32 next_tile() const { return q + kNextTile; }
   __device__ u32 merge_lse() const { return q + kMergeLse; }
   __device__ static u32 stage(int g) { return static_cast<u32>(g % kStages); }
   __device__ static u32 parity(int g) { return static_cast<u32>((g / kStages) & 1); }
@@ -248,15 +246,10 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
   u32* counter = reinterpret_cast<u32*>(p.tile_counter);
-  // index < 2^31 + gridDim.x: the host keeps tiles in int32
-  auto look_up = [&](u32 index, Tile& t) {
-    return index <= 0x7fffffffu && get_tile(p, static_cast<int>(index), t);
-  };
-  int block_count = 0;
-  Tile t{};  // stored whole even past the end of the list
-  bool more = look_up(blockIdx.x, t);
-  for (int tile_count = 0;; ++tile_count) {
-    if (tile_count > 0) more = load_tile(sm.next_tile(), p, t);
+  int block_count = 0, tile_count = 0;
+  for (u32 index = blockIdx.x;; ++tile_count) {  // < 2^31 + gridDim.x: the host keeps tiles in int32
+    Tile t{};  // stored whole even past the end of the list
+    const bool more = index <= 0x7fffffffu && get_tile(p, static_cast<int>(index), t);
     const Sm90Work w = sm90_work<kMask, kBlockN>(p, t);
     const u32 q_stage = Smem::q_stage(tile_count);
     if (tile_count >= kQStages) mbar_wait(sm.q_empty() + 8 * q_stage, Smem::q_parity(tile_count) ^ 1);
@@ -274,20 +267,10 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
     }
     if (!more) break;
     u32 next = 0;
-    if (elected) next = atomicAdd(counter, 1u);  // in flight while the first K/V copies go out
-    // The next tile is looked up once this one's first block is on its way, while the
-    // rest wait for stages, so its loads can go out as soon as this tile's last block
-    // has; it waits in shared memory (the warp has few registers).
-    if (w.n_blocks > 0) produce_block<kHeadDim, kBlockN, kQStages>(p, maps, sm, w, 0, block_count);
-    {
-      Tile t_next{};
-      const bool more_next = look_up(gridDim.x + __shfl_sync(0xffffffffu, next, 0), t_next);
-      if (elected) store_tile(sm.next_tile(), t_next, more_next);
-      __syncwarp();
-    }
-    for (int it = 1; it < w.n_blocks; ++it)
-      produce_block<kHeadDim, kBlockN, kQStages>(p, maps, sm, w, it, block_count + it);
-    block_count += w.n_blocks;
+    if (elected) next = atomicAdd(counter, 1u);  // in flight while the K/V copies go out
+    for (int it = 0; it < w.n_blocks; ++it, ++block_count)
+      produce_block<kHeadDim, kBlockN, kQStages>(p, maps, sm, w, it, block_count);
+    index = gridDim.x + __shfl_sync(0xffffffffu, next, 0);
   }
 }
 
