@@ -92,11 +92,9 @@ class FwdVariant:
 
     def _sm90_smem(self, q_stages):
         # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers and then,
-        # 16-byte aligned, a 32-byte tile slot per Q stage and (head dims below 256, which
-        # split a sequence's last rows between the consumers) 1 KiB for the merge
+        # 16-byte aligned, a 32-byte tile slot per Q stage
         tiles = (q_stages * self.block_m + 2 * SM90_KV_STAGES * self.block_n) * self.head_dim * 2
-        merge = 1024 if self.head_dim < 256 else 0
-        return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES) + 8 + 32 * q_stages + merge
+        return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES) + 8 + 32 * q_stages
 
     @property
     def q_stages(self):

@@ -25,8 +25,6 @@ constexpr int kStages = 2;             // K/V ring depth (3 measured no faster: 
 constexpr int kProducerRegs = 56;      // 128 x 56 + 256 x 224 = 384 x 168, the launch allotment
 constexpr int kConsumerRegs = 224;
 constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
-constexpr int kQReadBarrier = 3;       // split tiles: consumer 0 has read Q for the last time
-constexpr int kMergeBarrier = 4;       // split tiles: consumer 1's partial output is in place
 
 // -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
 //    and pass_turn (an arrive on the other's), so the two never issue at once and each
@@ -111,7 +109,6 @@ struct Sm90Smem {
   static constexpr u32 kKFull = kQEmpty + 8 * kQStages, kVFull = kKFull + 8 * kStages;
   static constexpr u32 kKEmpty = kVFull + 8 * kStages, kVEmpty = kKEmpty + 8 * kStages;
   static constexpr u32 kTile = (kVEmpty + 8 * kStages + 15) & ~15u;
-  static constexpr u32 kMergeLse = kTile + 32 * kQStages;  // split tiles (d < 256): 2 x 128 floats
   u32 q;
 
   // dynamic shared memory is 16-byte aligned; the swizzle needs 1024
@@ -125,7 +122,6 @@ struct Sm90Smem {
   __device__ u32 k_empty() const { return q + kKEmpty; }
   __device__ u32 v_empty() const { return q + kVEmpty; }
   __device__ u32 tile() const { return q + kTile; }
-  __device__ u32 merge_lse() const { return q + kMergeLse; }
   __device__ static u32 stage(int g) { return static_cast<u32>(g % kStages); }
   __device__ static u32 parity(int g) { return static_cast<u32>((g / kStages) & 1); }
   __device__ static u32 q_stage(int n) { return static_cast<u32>(n % kQStages); }
@@ -290,49 +286,6 @@ __device__ __forceinline__ void release_blocks(const Sm90Smem<kHeadDim, kBlockN,
   block_count += n_blocks;
 }
 
-// -- a split tile's two halves: consumer 1 leaves its normalized output and lse in the
-//    tile's Q stage (once consumer 0 has read Q for the last time) and the lse area;
-//    consumer 0 weighs both by exp(lse_half - lse). Both hold the same rows in the same
-//    fragment layout, so each thread swaps with its peer: word i of thread x at i * 128 + x --
-template <int kDTiles>
-__device__ __forceinline__ void merge_split_halves(float (&o)[1][kDTiles][4], float (&lse)[1][2],
-                                                   u32 scratch, u32 scratch_lse, int consumer) {
-  const u32 x = threadIdx.x % 128;
-  if (consumer == 1) {
-    named_barrier_sync(kQReadBarrier, 256);
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st_shared_f32(scratch + ((dt * 4 + e) * 128 + x) * 4, o[0][dt][e]);
-    st_shared_f32(scratch_lse + x * 4, lse[0][0]);
-    st_shared_f32(scratch_lse + (128 + x) * 4, lse[0][1]);
-    named_barrier_arrive(kMergeBarrier, 256);
-    return;
-  }
-  named_barrier_sync(kMergeBarrier, 256);
-  float weight[2][2];  // [row half][own, peer's]
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float peer = ld_shared_f32(scratch_lse + (h * 128 + x) * 4);
-    const float top = fmaxf(lse[0][h], peer);
-    if (top == -CUFA_INF) {  // no key in either half: output 0, lse -inf
-      weight[h][0] = weight[h][1] = 0.f;
-      continue;
-    }
-    const float own_w = __expf(lse[0][h] - top), peer_w = __expf(peer - top);
-    const float total = own_w + peer_w;
-    lse[0][h] = top + __logf(total);
-    weight[h][0] = own_w / total;
-    weight[h][1] = peer_w / total;
-  }
-#pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      o[0][dt][e] = o[0][dt][e] * weight[e >> 1][0] +
-                    ld_shared_f32(scratch + ((dt * 4 + e) * 128 + x) * 4) * weight[e >> 1][1];
-}
-
 // -- a consumer warpgroup: 64 rows of every tile --
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kQStages>
 __device__ __forceinline__ void consume(const FwdParams& p,
@@ -346,7 +299,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
   // K-major Q and K: 8-row groups 1024 bytes apart; 16 columns (32 bytes) per k-step
   // inside a panel. MN-major V: 64-column panels kBlockN * 128 bytes apart, 8-key
   // groups 1024 bytes apart; 16 keys (2048 bytes) per k-step.
-  const u64 q_desc = smem_desc(sm.q, 16, 1024);
+  const u64 q_desc = smem_desc(sm.q + consumer * 64 * 128, 16, 1024);
   const u64 k_desc = smem_desc(sm.k(), 16, 1024);
   const u64 v_desc = smem_desc(sm.v(), kBlockN * 128, 1024);
   auto kstep = [](int ks, int rows) {  // descriptor offset (16-byte units) of k-step ks
@@ -362,19 +315,16 @@ __device__ __forceinline__ void consume(const FwdParams& p,
     Tile t;
     if (!load_tile(sm.tile() + 32 * q_stage, p, t)) break;
     const Sm90Work w = sm90_work<kMask, kBlockN>(p, t);
-    // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer) runs
-    // without turns: split between the consumers where it has two key blocks or more,
-    // else consumer 1 only releases its stages. (Not at head dim 256: with the extra
-    // branch ptxas spills there.)
+    // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
+    // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
+    // head dim 256: with the extra branch ptxas spills there.)
     const bool solo = kHeadDim < 256 && w.row0 + 64 >= w.row_end;
-    const bool split = solo && w.n_blocks >= 2;
-    if (solo && !split && consumer == 1) {
+    if (solo && consumer == 1) {
       mbar_arrive(sm.q_empty() + 8 * q_stage);
       release_blocks(sm, w.n_blocks, block_count);
       continue;
     }
-    const int q_rows = split ? 0 : consumer * 64;  // this consumer's first row in the tile
-    const int row_base = w.row0 + q_rows + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
+    const int row_base = w.row0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
     float acc_o[1][kDTiles][4];
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
@@ -386,28 +336,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
     if (w.n_blocks > 0) {
       const TileMods mods = tile_mods<kScoreMods>(p, t);
       const int n_blocks = w.n_blocks;
-      // This consumer's key blocks: it = first, first + step, .. (all of them, or every
-      // other one of a split tile); the other's it still waits for and releases.
-      const int first = split ? consumer : 0, step = split ? 2 : 1;
-      const int mine = split ? (n_blocks - consumer + 1) / 2 : n_blocks;
-      int next_it = 0;  // the first block this consumer has not yet waited for
-      auto release_until = [&](int it_end) {
-        for (; next_it < it_end; ++next_it) {
-          const int g = block_count + next_it;
-          mbar_wait(sm.k_full() + 8 * Smem::stage(g), Smem::parity(g));
-          mbar_arrive(sm.k_empty() + 8 * Smem::stage(g));
-          mbar_wait(sm.v_full() + 8 * Smem::stage(g), Smem::parity(g));
-          mbar_arrive(sm.v_empty() + 8 * Smem::stage(g));
-        }
-        next_it = it_end + 1;
-      };
-      // Q's last reader is done: consumer 0 of a split tile lets consumer 1 write its
-      // partial output over Q; the Q stage goes back to the producer after the merge.
-      auto q_done = [&] {
-        if (!split) mbar_arrive(sm.q_empty() + 8 * q_stage);
-        else if (consumer == 0) named_barrier_arrive(kQReadBarrier, 256);
-      };
-      const u64 q_stage_desc = q_desc + ((q_stage * Smem::kQBytes + q_rows * 128) >> 4);
+      const u64 q_stage_desc = q_desc + q_stage * (Smem::kQBytes >> 4);
       auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks)
@@ -445,13 +374,11 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       auto turn_begin = [&] { if (!solo) take_turn(consumer); };
       auto turn_end = [&] { if (!solo) pass_turn(consumer); };
 
-      // The first block: S only. Peeled, so that every product in the loop is issued
+      // Block 0: S only. Peeled, so that every product in the loop is issued
       // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
       {
-        release_until(first);
-        const int g = block_count + first;
-        const u32 stage = Smem::stage(g);
-        mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
+        const u32 stage = Smem::stage(block_count);
+        mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
         turn_begin();
         float acc_s[1][kNTiles][4];
         wgmma_fence();
@@ -460,21 +387,18 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<0>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty() + 8 * stage);
-        if (mine == 1) q_done();
+        if (n_blocks == 1) mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
         float correction[1][2];
-        scores_to_probs(acc_s, first, correction);
+        scores_to_probs(acc_s, 0, correction);
         rescale_and_pack(acc_s, correction);
       }
-      // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P V of the
-      // previous block together, and computes the exponentials of S_it while the P V
-      // product runs.
-      for (int j = 1; j < mine; ++j) {
-        const int it = first + j * step;
-        release_until(it);  // (the other consumer's block before it, in a split tile)
+      // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
+      // together, and computes the exponentials of S_it while the P V product runs.
+      for (int it = 1; it < n_blocks; ++it) {
         const int g = block_count + it;
-        const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - step);
+        const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
         mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
-        mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - step));
+        mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
         turn_begin();
         float acc_s[1][kNTiles][4];
         wgmma_fence();
@@ -484,7 +408,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<1>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty() + 8 * stage);
-        if (j == mine - 1) q_done();
+        if (it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
         // (P is packed only after the P V wait: the registers of the previous P feed the
         // product until it completes, and ptxas does not see that they are still in use.)
         float correction[1][2];
@@ -496,7 +420,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         rescale_and_pack(acc_s, correction);
       }
       // -- the last block's P V --
-      const int last = block_count + first + (mine - 1) * step;
+      const int last = block_count + n_blocks - 1;
       mbar_wait(sm.v_full() + 8 * Smem::stage(last), Smem::parity(last));
       turn_begin();
       wgmma_fence();
@@ -505,7 +429,6 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       wgmma_wait<0>();
       fence_registers(acc_o);
       mbar_arrive(sm.v_empty() + 8 * Smem::stage(last));
-      release_until(n_blocks);  // (a split tile's last block, if it was the other's)
       block_count += n_blocks;
     } else {
       mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
@@ -513,12 +436,6 @@ __device__ __forceinline__ void consume(const FwdParams& p,
 
     float lse[1][2];
     softmax.finalize(acc_o, lse, scale_log2);
-    if (split) {
-      merge_split_halves(acc_o, lse, sm.q + q_stage * Smem::kQBytes, sm.merge_lse(), consumer);
-      fence_proxy_async();  // generic accesses to the Q stage before the producer's next TMA
-      mbar_arrive(sm.q_empty() + 8 * q_stage);
-      if (consumer == 1) continue;
-    }
     const TilePointers ptr = tile_pointers(p, t);
     write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
   }

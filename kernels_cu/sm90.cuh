@@ -84,16 +84,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 b
       : "memory");
 }
 
-// -- a float in shared memory by address (ordered with the barrier asm around it) --
-__device__ __forceinline__ void st_shared_f32(u32 addr, float value) {
-  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(value) : "memory");
-}
-__device__ __forceinline__ float ld_shared_f32(u32 addr) {
-  float value;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(value) : "r"(addr) : "memory");
-  return value;
-}
-
 // -- named barriers (0 is __syncthreads'): `threads` arrivals complete one --
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
