@@ -61,6 +61,36 @@ def test_random_packed_batches(seed):
                          label=f"{dtype} d={d} h={h}/{hk} {sorted(kw)}", **kw)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128, 192])
+@pytest.mark.parametrize("mods", ["none", "causal", "window+softcap+alibi"])
+def test_last_rows_with_many_key_blocks(d, mods):
+    """A sequence's last 64 rows or fewer against several key blocks: on Hopper one
+    consumer warpgroup runs them alone, without turns (sm80: ordinary tiles)."""
+    rng = np.random.default_rng(600 + d)
+    lens_q = [64, 129, 192, 300, 449, 40, 1, 257]
+    lens_k = [700, 129, 192, 300, 449, 900, 260, 1000]
+    h, hk = 4, 2
+    kw = {"causal": mods == "causal"}
+    alibi = None
+    if mods.startswith("window"):
+        kw.update(window_size=(150, 30), softcap=8.0)
+        alibi = torch.from_numpy(rng.uniform(0, 1, (h,)).astype(np.float32)).cuda()
+    q = randn(rng, (1, sum(lens_q), h, d), "bfloat16")[0]
+    k, v = (randn(rng, (1, sum(lens_k), hk, d), "bfloat16")[0] for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    _, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q),
+                                         max(lens_k), out=out, return_lse=True,
+                                         alibi_slopes=alibi, **kw)
+    _check_each_sequence(out, lse, q, k, v, lens_q, lens_k, alibi=alibi, label=f"d={d} {mods}",
+                         **kw)
+    dense_q = randn(rng, (2, 192, h, d), "float16")  # padded batch: rows 128..191 split too
+    dense_k, dense_v = (randn(rng, (2, 333, hk, d), "float16") for _ in range(2))
+    dense_out, dense_lse = cufa.flash_attn_func(dense_q, dense_k, dense_v, return_lse=True,
+                                                alibi_slopes=alibi, **kw)
+    check_attention(dense_out, dense_lse, dense_q, dense_k, dense_v, alibi_slopes=alibi,
+                    label=f"dense d={d} {mods}", **kw)
+
+
 def test_seqused_k_and_sequences_without_keys():
     rng = np.random.default_rng(7)
     lens_q, lens_k = [5, 40, 0, 130, 9], [60, 0, 3, 200, 9]
