@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A/B of kernel revisions on the packed-batch benchmark, each tree in its own process,
+# alternating, so that clock and thermal drift fall on all of them alike.
+#   here:       bash bench/ab_varlen.sh prepare REV [REV...]   # git trees into _ab/ (ignored)
+#   on the GPU: bash bench/ab_varlen.sh run                    # (device tool: carry ["_ab"])
+# ROUNDS (3), REPS (30) and BATCHES (short) from the environment.
+set -eu
+case "${1:-}" in
+prepare)
+  shift
+  rm -rf _ab
+  for rev in "$@"; do
+    dir=_ab/$(git rev-parse --short "$rev")
+    mkdir -p "$dir"
+    git archive "$rev" cufa kernels_cu bench | tar -x -C "$dir"
+  done
+  ls _ab ;;
+run)
+  OUT=${OUT:-/tmp/cufa-ab}
+  mkdir -p "$OUT"
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+  for round in $(seq "${ROUNDS:-3}"); do
+    for tree in _ab/*/; do
+      name=$(basename "$tree")
+      PYTHONPATH=$PWD/$tree python3 "$tree/bench/bench_varlen.py" --batches "${BATCHES:-short}" \
+        --reps "${REPS:-30}" --out "$OUT/$name.$round" > "$OUT/$name.$round.log" 2>&1
+    done
+  done
+  python3 - "$OUT" <<'PY'
+import collections, glob, json, os, sys
+rows = collections.defaultdict(lambda: collections.defaultdict(list))
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.*", "bench_varlen.json"))):
+    tree = os.path.basename(os.path.dirname(f)).rsplit(".", 1)[0]
+    for r in json.load(open(f))["rows"]:
+        rows[(r["batch"], r["d"], r["causal"])][tree].append(round(r["cufa_tflops"]))
+print("cufa varlen TFLOP/s per round (batch, d, causal): tree -> rounds")
+for key, trees in rows.items():
+    print(key, dict(trees))
+PY
+  ;;
+*) sed -n 2,6p "$0"; exit 2 ;;
+esac
