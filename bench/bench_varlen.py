@@ -7,7 +7,9 @@ a padded dense cufa call of the same batch, in one run.
 Batches: 32 sequences with lengths drawn from 128..4096, and 256 sequences from 64..512
 (fixed seeds); head dims 64 and 128 (heads = 2048 / d); fp16; causal and not. Useful
 TFLOP/s only: sum over sequences of 4 * H * len^2 * d (halved for causal) — padding and
-masked-out work do not count. CUDA events, median of --reps after warm-up.
+masked-out work do not count. CUDA events; cufa, the padded call and varlen_attn are timed
+in ROUNDS interleaved rounds (so drift in clocks falls on all three alike), the median of
+--reps calls each; --exp configurations one after another, before them.
 """
 import argparse
 import inspect
@@ -28,20 +30,34 @@ BATCHES = {"32 x 128..4096": (32, 128, 4096, 0), "256 x 64..512": (256, 64, 512,
 BATCH_NAMES = {"long": "32 x 128..4096", "short": "256 x 64..512"}
 # --exp: sm90 key-block widths to try (cufa/_compile.py tables patched, as in tune_sm90.py)
 EXPERIMENTS = {"base": None, "bn128": 128, "bn64": 64}
+ROUNDS = 3
 
 
-def time_ms(fn, reps):
+def event_times(fn, reps):
+    """ms of each of reps calls, one CUDA event pair each, after 3 warm-up calls."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(reps)]
+    for start, stop in pairs:
         start.record()
         fn()
         stop.record()
-        times.append((start, stop))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
+    return [s.elapsed_time(e) for s, e in pairs]
+
+
+def time_ms(fn, reps):
+    return statistics.median(event_times(fn, reps))
+
+
+def time_interleaved(fns, reps):
+    """Median ms of each function over ROUNDS rounds of reps / ROUNDS calls, in turn."""
+    times = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            times[name] += event_times(fn, max(1, reps // ROUNDS))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def varlen_attn_peer():
@@ -63,7 +79,7 @@ def varlen_attn_peer():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=30, help="timed calls per implementation")
     parser.add_argument("--batches", default="long,short", help="long,short")
     parser.add_argument("--exp", default="base", help="experiments: " + ",".join(EXPERIMENTS))
     args = parser.parse_args()
@@ -105,9 +121,9 @@ def main():
                     row[f"cufa_{exp}_ms"] = time_ms(lambda: cufa.flash_attn_varlen_func(
                         q, k, v, cu, cu, max_len, max_len, causal=causal), args.reps)
                 configure("base")
-                row["cufa_ms"] = row[f"cufa_{args.exp.split(',')[0]}_ms"]
-                row["padded_ms"] = time_ms(lambda: cufa.flash_attn_func(*dense, causal=causal),
-                                           args.reps)
+                fns = {"cufa": lambda: cufa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
+                                                                   causal=causal),
+                       "padded": lambda: cufa.flash_attn_func(*dense, causal=causal)}
                 row["peer_ms"] = None
                 if peer is not None:
                     try:
@@ -116,11 +132,11 @@ def main():
                             ours = cufa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
                                                                causal=causal)
                             row["max_diff_vs_peer"] = (ours.float() - out.float()).abs().max().item()
-                            row["peer_ms"] = time_ms(
-                                lambda: peer(q, k, v, cu, cu, max_len, max_len, causal=causal),
-                                args.reps)
+                            fns["peer"] = lambda: peer(q, k, v, cu, cu, max_len, max_len,
+                                                       causal=causal)
                     except Exception as e:
                         row["peer_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                row.update({f"{name}_ms": ms for name, ms in time_interleaved(fns, args.reps).items()})
                 for key in ["cufa", "padded", "peer"] + [f"cufa_{e}" for e in args.exp.split(",")]:
                     ms = row[f"{key}_ms"]
                     row[f"{key}_tflops"] = flops / ms / 1e9 if ms else None
@@ -132,7 +148,8 @@ def main():
     fmt = (lambda x: "n/a" if x is None else f"{x:.0f}")
     ratio = (lambda a, b: "n/a" if not (a and b) else f"{a / b:.2f}")
     lines = [f"Packed (varlen) forward, fp16, {torch.cuda.get_device_name()}, useful TFLOP/s "
-             f"(padding excluded), CUDA events, median of {args.reps}.", "",
+             f"(padding excluded), CUDA events, median of {args.reps} calls in {ROUNDS} interleaved "
+             f"rounds.", "",
              "| batch | d | causal | tokens | cufa varlen | torch varlen_attn | cufa padded dense "
              "| cufa / varlen_attn | cufa / padded |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
