@@ -11,6 +11,10 @@ struct Tile {
   i64 q_start, k_start;  // first row of the sequence in q/o and k/v (0 for padded batches)
 };
 
+__device__ __forceinline__ void set_diag_offset(const FwdParams& p, Tile& t) {
+  t.diag_offset = p.bottom_right ? t.seqlen_k - t.seqlen_q : 0;
+}
+
 // Tile number `block` of the launch (false past the last one). Padded batches: index =
 // ((batch, head), reversed query block): the query blocks of one head run together, so
 // its K/V stay in L2, heaviest (last, under a causal mask) first. Packed (varlen)
@@ -51,7 +55,7 @@ __device__ __forceinline__ bool get_tile(const FwdParams& p, int block, Tile& t)
     t.seqlen_k = p.seqlen_k;
   }
   t.h_k = t.h / (p.nheads / p.nheads_k);
-  t.diag_offset = p.bottom_right ? t.seqlen_k - t.seqlen_q : 0;
+  set_diag_offset(p, t);
   return true;
 }
 

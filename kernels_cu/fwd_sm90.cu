@@ -170,7 +170,7 @@ __device__ __forceinline__ bool load_tile(u32 addr, const FwdParams& p, Tile& t)
       : "r"(addr) : "memory");
   t.q_start = q_start;
   t.k_start = k_start;
-  t.diag_offset = p.bottom_right ? t.seqlen_k - t.seqlen_q : 0;  // as get_tile sets it
+  set_diag_offset(p, t);
   return t.b >= 0;
 }
 

@@ -83,7 +83,7 @@ def test_last_rows_with_many_key_blocks(d, mods):
                                          alibi_slopes=alibi, **kw)
     _check_each_sequence(out, lse, q, k, v, lens_q, lens_k, alibi=alibi, label=f"d={d} {mods}",
                          **kw)
-    dense_q = randn(rng, (2, 192, h, d), "float16")  # padded batch: rows 128..191 split too
+    dense_q = randn(rng, (2, 192, h, d), "float16")  # padded batch: rows 128..191 a solo tile too
     dense_k, dense_v = (randn(rng, (2, 333, hk, d), "float16") for _ in range(2))
     dense_out, dense_lse = cufa.flash_attn_func(dense_q, dense_k, dense_v, return_lse=True,
                                                 alibi_slopes=alibi, **kw)
