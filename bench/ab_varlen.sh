@@ -32,8 +32,9 @@ rows = collections.defaultdict(lambda: collections.defaultdict(list))
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.*", "bench_varlen.json"))):
     tree = os.path.basename(os.path.dirname(f)).rsplit(".", 1)[0]
     for r in json.load(open(f))["rows"]:
-        rows[(r["batch"], r["d"], r["causal"])][tree].append(round(r["cufa_tflops"]))
-print("cufa varlen TFLOP/s per round (batch, d, causal): tree -> rounds")
+        rows[(r["batch"], r["d"], r["causal"])][tree].append(
+            f'{r["cufa_tflops"]:.0f}/{r["padded_tflops"]:.0f}')
+print("cufa varlen / padded dense TFLOP/s per round (batch, d, causal): tree -> rounds")
 for key, trees in rows.items():
     print(key, dict(trees))
 PY
