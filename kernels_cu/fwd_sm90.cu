@@ -373,26 +373,16 @@ __device__ __forceinline__ void consume(const FwdParams& p,
                            k_desc + stage * kStageStep + kstep(ks, kBlockN), ks > 0);
         wgmma_commit();
       };
-      // The first block in two halves of keys, the second skipped when narrow (the same
-      // registers either way: a branch between two shapes made ptxas spill at d = 64)
-      auto issue_qk_first = [&](float (&acc_s)[1][kNTiles][4], u32 stage, bool narrow_block) {
+      // A narrow block's scores: the first half of the key block only (the second half
+      // holds -inf already)
+      auto issue_qk_narrow = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
         if constexpr (kHasNarrowBlocks<kBlockN>) {
-          constexpr int kHalf = kBlockN / 2;
-          constexpr u64 kSecond = (kHalf * 128) >> 4;  // kBlockN / 2 rows of K further
 #pragma unroll
           for (int ks = 0; ks < kHeadDim / 16; ++ks)
-            wgmma_ss_part<kDtype, kHalf, 0>(acc_s, q_stage_desc + kstep(ks, kSm90BlockM),
-                                            k_desc + stage * kStageStep + kstep(ks, kBlockN), ks > 0);
-          if (!narrow_block) {
-#pragma unroll
-            for (int ks = 0; ks < kHeadDim / 16; ++ks)
-              wgmma_ss_part<kDtype, kHalf, kNTiles / 2>(
-                  acc_s, q_stage_desc + kstep(ks, kSm90BlockM),
-                  k_desc + stage * kStageStep + kstep(ks, kBlockN) + kSecond, ks > 0);
-          }
+            wgmma_ss_part<kDtype, kBlockN / 2, 0>(acc_s, q_stage_desc + kstep(ks, kSm90BlockM),
+                                                  k_desc + stage * kStageStep + kstep(ks, kBlockN),
+                                                  ks > 0);
           wgmma_commit();
-        } else {
-          issue_qk(acc_s, stage);
         }
       };
       u32 p_prev[kNTiles / 2][4];
@@ -441,7 +431,10 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         float acc_s[1][kNTiles][4];
         mask_second_half<kBlockN>(acc_s);  // stays so in a narrow block (defined on both paths)
         wgmma_fence();
-        issue_qk_first(acc_s, stage, narrow);
+        if (narrow)
+          issue_qk_narrow(acc_s, stage);
+        else
+          issue_qk(acc_s, stage);
         turn_end();
         wgmma_wait<0>();
         fence_registers(acc_s);
