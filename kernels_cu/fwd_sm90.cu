@@ -286,35 +286,6 @@ __device__ __forceinline__ void release_blocks(const Sm90Smem<kHeadDim, kBlockN,
   block_count += n_blocks;
 }
 
-// -- a narrow block: the first key block a consumer visits (the highest) when its rows
-//    see none of that block's second half (a sequence's last keys, or the diagonal seen
-//    from the upper rows of a causal tile). Both products then run on the first half
-//    only: short sequences have one to four key blocks, so the half block is a large
-//    share of their matrix work. Needs half a block in whole 16-key steps --
-template <int kBlockN>
-constexpr bool kHasNarrowBlocks = kBlockN >= 64 && (kBlockN / 2) % 16 == 0;
-
-template <int kMask, int kBlockN>
-__device__ __forceinline__ bool first_block_is_narrow(const FwdParams& p, const Tile& t,
-                                                      const Sm90Work& w, int row_begin) {
-  if (!kHasNarrowBlocks<kBlockN>) return false;
-  const int row_end = min(row_begin + 64, w.row_end);
-  const int key0 = (w.n_block_max - 1) * kBlockN;
-  return key_range<kMask>(p, t, row_begin, row_end).end - key0 <= kBlockN / 2;
-}
-
-// The unmultiplied half of a narrow block's scores: -inf, as if masked (the rows past
-// the sequence, which no mask covers, must not read stale registers either).
-template <int kBlockN, int kNTiles>
-__device__ __forceinline__ void mask_second_half(float (&s)[1][kNTiles][4]) {
-  if constexpr (kHasNarrowBlocks<kBlockN>) {
-#pragma unroll
-    for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][nt][e] = -CUFA_INF;
-  }
-}
-
 // -- a consumer warpgroup: 64 rows of every tile --
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kQStages>
 __device__ __forceinline__ void consume(const FwdParams& p,
@@ -373,32 +344,13 @@ __device__ __forceinline__ void consume(const FwdParams& p,
                            k_desc + stage * kStageStep + kstep(ks, kBlockN), ks > 0);
         wgmma_commit();
       };
-      // A narrow block's scores: the first half of the key block only (the second half
-      // holds -inf already)
-      auto issue_qk_narrow = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
-        if constexpr (kHasNarrowBlocks<kBlockN>) {
-#pragma unroll
-          for (int ks = 0; ks < kHeadDim / 16; ++ks)
-            wgmma_ss_part<kDtype, kBlockN / 2, 0>(acc_s, q_stage_desc + kstep(ks, kSm90BlockM),
-                                                  k_desc + stage * kStageStep + kstep(ks, kBlockN),
-                                                  ks > 0);
-          wgmma_commit();
-        }
-      };
       u32 p_prev[kNTiles / 2][4];
-      auto issue_pv = [&](u32 stage, bool narrow_block) {
-        constexpr int kHalfSteps = kHasNarrowBlocks<kBlockN> ? kNTiles / 4 : kNTiles / 2;
+      auto issue_pv = [&](u32 stage) {
 #pragma unroll
-        for (int kk = 0; kk < kHalfSteps; ++kk)
+        for (int kk = 0; kk < kNTiles / 2; ++kk)
           wgmma_rs<kDtype>(acc_o, p_prev[kk], v_desc + stage * kStageStep + (kk * 16 * 128 >> 4), 1);
-        if (kHalfSteps < kNTiles / 2 && !narrow_block) {
-#pragma unroll
-          for (int kk = kHalfSteps; kk < kNTiles / 2; ++kk)
-            wgmma_rs<kDtype>(acc_o, p_prev[kk], v_desc + stage * kStageStep + (kk * 16 * 128 >> 4), 1);
-        }
         wgmma_commit();
       };
-      const bool narrow = first_block_is_narrow<kMask, kBlockN>(p, t, w, w.row0 + consumer * 64);
       // Scores of block `it` -> probabilities (in place), and the factor O must be
       // rescaled by; then, once the previous P V is complete, O rescaled and P packed as
       // the A operand of this block's product.
@@ -429,12 +381,8 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
         turn_begin();
         float acc_s[1][kNTiles][4];
-        mask_second_half<kBlockN>(acc_s);  // stays so in a narrow block (defined on both paths)
         wgmma_fence();
-        if (narrow)
-          issue_qk_narrow(acc_s, stage);
-        else
-          issue_qk(acc_s, stage);
+        issue_qk(acc_s, stage);
         turn_end();
         wgmma_wait<0>();
         fence_registers(acc_s);
@@ -455,7 +403,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         float acc_s[1][kNTiles][4];
         wgmma_fence();
         issue_qk(acc_s, stage);
-        issue_pv(prev_stage, it == 1 && narrow);
+        issue_pv(prev_stage);
         turn_end();
         wgmma_wait<1>();
         fence_registers(acc_s);
@@ -476,7 +424,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       mbar_wait(sm.v_full() + 8 * Smem::stage(last), Smem::parity(last));
       turn_begin();
       wgmma_fence();
-      issue_pv(Smem::stage(last), n_blocks == 1 && narrow);
+      issue_pv(Smem::stage(last));
       turn_end();
       wgmma_wait<0>();
       fence_registers(acc_o);

@@ -91,19 +91,19 @@ def test_last_rows_with_many_key_blocks(d, mods):
                     label=f"dense d={d} {mods}", **kw)
 
 
-# key counts around half of every sm90 key-block width (32, 64, 80, 128, 192): a block
-# with half or fewer of its keys seen is multiplied on its first half only
-NARROW_LENGTHS = [1, 31, 32, 33, 40, 63, 64, 65, 95, 96, 97, 127, 160, 161, 191, 192, 193,
+# key counts around half and whole multiples of every sm90 key-block width (32, 64, 80,
+# 128, 192): the highest key block seen in part, by every row or only by some
+KEY_BLOCK_EDGE_LENGTHS = [1, 31, 32, 33, 40, 63, 64, 65, 95, 96, 97, 127, 160, 161, 191, 192, 193,
                   255, 257, 288, 289, 320, 383, 385]
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("mods", ["none", "causal", "window+softcap+alibi"])
-def test_narrow_first_key_blocks(d, mods):
-    """Sequences whose highest key block is at most half seen, by every consumer (the
-    sequence's last keys) or by one (a causal diagonal), against ones just past half."""
+def test_partly_seen_last_key_blocks(d, mods):
+    """Sequences whose highest key block is seen up to about half, or just past it, by
+    every row (the sequence's last keys) or by some (a causal diagonal)."""
     rng = np.random.default_rng(700 + d)
-    lens_k = list(NARROW_LENGTHS)
+    lens_k = list(KEY_BLOCK_EDGE_LENGTHS)
     lens_q = [n if i % 3 else max(1, n - 37) for i, n in enumerate(lens_k)]  # some Nq < Nk
     h, hk = 4, 2
     kw = {"causal": mods == "causal"}

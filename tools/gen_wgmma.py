@@ -10,12 +10,11 @@ from pathlib import Path
 
 SS_N = (32, 64, 80, 128, 192)  # S = Q K^T: N = block_n
 RS_N = (64, 128, 192, 256)   # O += P V: N = padded head dim
-PART_N = (32, 64, 96)        # S = Q K^T on half a key block (narrow blocks): N = block_n / 2
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma_ops.cuh"
 
 
-def _acc_operands(n, first=""):
-    return ", ".join(f'"+f"(d[0][{first}{i // 4}][{i % 4}])' for i in range(n // 2))
+def _acc_operands(n):
+    return ", ".join(f'"+f"(d[0][{i // 4}][{i % 4}])' for i in range(n // 2))
 
 
 def _regs(first, count):
@@ -24,13 +23,7 @@ def _regs(first, count):
 
 def _wrapper(kind, n):
     acc = n // 2
-    first = ""
-    if kind == "ss_part":  # columns 8 * kFirst .. of a wider accumulator
-        sig = "float (&d)[1][T][4], u64 desc_a, u64 desc_b, int accumulate"
-        a_operand, b_at, pred_at, inputs = f"%{acc}", acc + 1, acc + 2, \
-            '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
-        tail, first = "p, 1, 1, 0, 0", "kFirst + "
-    elif kind == "ss":
+    if kind == "ss":
         sig = f"float (&d)[1][{n // 8}][4], u64 desc_a, u64 desc_b, int accumulate"
         a_operand, b_at, pred_at, inputs = f"%{acc}", acc + 1, acc + 2, \
             '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
@@ -49,23 +42,9 @@ def _wrapper(kind, n):
             f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred_at}, 0;\\n"',
             f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
             f'        "{{{_regs(0, acc)}}}, {a_operand}, %{b_at}, {tail};\\n}}\\n"',
-            f"        : {_acc_operands(n, first)}",
+            f"        : {_acc_operands(n)}",
             f"        : {inputs});",
         ]
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def _part_wrapper():
-    """One template over PART_N (NVRTC has no <type_traits> for enable_if)."""
-    lines = ["template <int DT, int N, int kFirst, int T>",
-             "__device__ __forceinline__ void wgmma_ss_part(float (&d)[1][T][4], u64 desc_a, "
-             "u64 desc_b, int accumulate) {",
-             f'  static_assert({" || ".join(f"N == {n}" for n in PART_N)}, "no wrapper for this N");',
-             '  static_assert(kFirst + N / 8 <= T, "columns past the accumulator");']
-    for n in PART_N:
-        body = _wrapper("ss_part", n).splitlines()[2:-1]  # the two asm statements
-        lines += [f"  if constexpr (N == {n}) {{"] + ["  " + line for line in body] + ["  }"]
     lines.append("}")
     return "\n".join(lines)
 
@@ -77,8 +56,6 @@ def generate():
         "// wgmma.mma_async m64nNk16 with fp32 accumulators, fp16/bf16 operands.",
         "//   wgmma_ss: A and B from shared memory (descriptors), both K-major (S = Q K^T).",
         "//   wgmma_rs: A from registers, B from shared memory MN-major (O += P V).",
-        "//   wgmma_ss_part<DT, N, kFirst>: wgmma_ss into columns 8 * kFirst .. 8 * kFirst + N - 1",
-        "//   of a wider accumulator (half a key block).",
         "// accumulate = 0 overwrites d, 1 adds to it. Accumulators use the mma.sync C layout",
         "// per warp: d[0][n / 8][e] is row 16 * warp + lane / 4 + 8 * (e / 2), column n.",
         '#include "common.cuh"',
@@ -88,7 +65,6 @@ def generate():
     ]
     parts += [_wrapper("ss", n) + "\n" for n in SS_N]
     parts += [_wrapper("rs", n) + "\n" for n in RS_N]
-    parts += [_part_wrapper() + "\n"]
     parts += ["}  // namespace cufa", ""]
     return "\n".join(parts)
 
