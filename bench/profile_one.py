@@ -1,6 +1,7 @@
 """One forward configuration, launched a few times: a target for ncu / compute-sanitizer.
 
     ncu --kernel-name regex:fwd --launch-skip 2 --launch-count 1 python3 bench/profile_one.py --d 128
+    ... python3 bench/profile_one.py --varlen    # bench_varlen's 256 x 64..512 packed batch
 """
 import argparse
 import os
@@ -18,7 +19,21 @@ parser.add_argument("--n", type=int, default=16384)
 parser.add_argument("--dtype", default="float16")
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--launches", type=int, default=4)
+parser.add_argument("--varlen", action="store_true", help="256 sequences of 64..512 rows, packed")
 args = parser.parse_args()
+
+if args.varlen:  # the same lengths as bench_varlen.py's short batch
+    import numpy as np
+    lens = np.random.default_rng(1).integers(64, 513, 256)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(int(lens.sum()), 2048 // args.d, args.d, device="cuda",
+                           dtype=getattr(torch, args.dtype)) for _ in range(3))
+    for _ in range(args.launches):
+        cufa.flash_attn_varlen_func(q, k, v, cu, cu, int(lens.max()), int(lens.max()),
+                                    causal=args.causal)
+    torch.cuda.synchronize()
+    print("done varlen", len(lens), int(lens.sum()), args.d)
+    sys.exit(0)
 
 batch, heads = 16384 // args.n, 2048 // args.d
 q, k, v = (torch.randn(batch, args.n, heads, args.d, device="cuda",

@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""Where a kernel's warps wait: the SASS lines with the most stall samples in an ncu
+report (collected with --section SourceCounters), with their share of all samples.
+
+    ncu --section SourceCounters --section WarpStateStats -o rep ... python3 bench/profile_one.py
+    python3 bench/ncu_stalls.py rep.ncu-rep [--top 30]
+"""
+import argparse
+import csv
+import io
+import subprocess
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("report")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    text = subprocess.run(["ncu", "--import", args.report, "--page", "source", "--csv",
+                           "--print-source", "sass"], capture_output=True, text=True).stdout
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"'))  # skip the banner
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    cols = list(rows[0].keys())
+    samples = next(c for c in cols if "Stall Sampling (All" in c)
+    source = next(c for c in cols if c.strip('"') in ("Source", "Sass", "SASS")) if any(
+        c.strip('"') in ("Source", "Sass", "SASS") for c in cols) else cols[1]
+    address = cols[0]
+
+    def num(x):
+        try:
+            return float(str(x).replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    total = sum(num(r[samples]) for r in rows) or 1.0
+    print(f"{len(rows)} SASS lines, {total:.0f} samples; columns: {cols[:12]}")
+    for r in sorted(rows, key=lambda r: -num(r[samples]))[:args.top]:
+        print(f"{100 * num(r[samples]) / total:5.1f}%  {r[address]:>8}  {r[source][:110]}")
+
+
+if __name__ == "__main__":
+    main()
