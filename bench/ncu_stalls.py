@@ -15,16 +15,19 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("report")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--save", help="also write the raw CSV here")
     args = parser.parse_args()
     text = subprocess.run(["ncu", "--import", args.report, "--page", "source", "--csv",
                            "--print-source", "sass"], capture_output=True, text=True).stdout
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"'))  # skip the banner
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
-    cols = list(rows[0].keys())
+    if args.save:
+        with open(args.save, "w") as f:
+            f.write(text)
+    table = [row for row in csv.reader(io.StringIO(text)) if row]
+    head = next(i for i, row in enumerate(table) if any("Stall Sampling (All" in c for c in row))
+    cols = table[head]
+    rows = [dict(zip(cols, row)) for row in table[head + 1:] if len(row) == len(cols)]
     samples = next(c for c in cols if "Stall Sampling (All" in c)
-    source = next(c for c in cols if c.strip('"') in ("Source", "Sass", "SASS")) if any(
-        c.strip('"') in ("Source", "Sass", "SASS") for c in cols) else cols[1]
+    source = next((c for c in cols if c in ("Source", "Sass", "SASS")), cols[1])
     address = cols[0]
 
     def num(x):

@@ -5,7 +5,7 @@
 // streams Q and the K/V blocks of its tiles into shared memory with TMA (a ring of
 // stages, each announced on an mbarrier), running ahead across tile boundaries; two
 // consumer warpgroups of 64 rows each run both products on wgmma (S = Q K^T from shared
-// memory, O += P V with P from registers) and write O straight from registers. The
+// memory, O += P V with P from registers) and write O through their Q stage. The
 // consumers take turns issuing their products (named barriers), so one's softmax runs
 // under the other's matrix work.
 #include "common.cuh"
@@ -70,25 +70,40 @@ __device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s
   }
 }
 
-// -- epilogue: straight from registers; each quad writes 16 contiguous bytes of a row --
-template <int kDtype, int kDTiles>
-__device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles][4],
-                                                    const float (&lse)[1][2], const FwdParams& p,
-                                                    int seqlen_q, u16* o_ptr, float* lse_ptr,
-                                                    int row_base,
-                                                    int lane) {
+// -- epilogue: each warp's 16 rows through its own rows of the tile's Q stage (read for
+//    the last time by now), then out in 16-byte chunks, whole rows per store. Straight
+//    from registers each quad stores 16 bytes of a row at a time, half a 32-byte sector,
+//    with four times the store instructions --
+template <int kDtype, int kHeadDim, int kDTiles>
+__device__ __forceinline__ void write_output(const float (&o)[1][kDTiles][4], const float (&lse)[1][2],
+                                             const FwdParams& p, int seqlen_q, u16* o_ptr,
+                                             float* lse_ptr, u32 q_stage_smem, int warp_row0,
+                                             int row0, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = frag_row(row_base, 0, 2 * h, lane);
-    if (row >= seqlen_q) continue;
+    const int r = warp_row0 + (lane >> 2) + 8 * h;  // row in the tile
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      const int col = frag_col(0, dt, 0, lane);
-      if (col < p.head_dim)
-        *reinterpret_cast<u32*>(o_ptr + row * p.o_row_stride + col) =
-            pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
+    for (int dt = 0; dt < kDTiles; ++dt)
+      st_shared_b32(q_stage_smem + panel_offset<kSm90BlockM>(r, dt) + 4 * (lane & 3),
+                    pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]));
+  }
+  __syncwarp();
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll 4
+  for (int i = 0; i < 16 * kChunks / 32; ++i) {
+    const int idx = i * 32 + lane;
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int row = row0 + warp_row0 + r;
+    if (row < seqlen_q && c * 8 < p.head_dim)
+      *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + c * 8) =
+          ld_shared_v4(q_stage_smem + panel_offset<kSm90BlockM>(warp_row0 + r, c));
+  }
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + warp_row0 + (lane >> 2) + 8 * h;
+      if (row < seqlen_q) lse_ptr[row] = lse[0][h];
     }
-    if ((lane & 3) == 0) lse_ptr[row] = lse[0][h];
   }
 }
 
@@ -387,7 +402,6 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<0>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty() + 8 * stage);
-        if (n_blocks == 1) mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
         float correction[1][2];
         scores_to_probs(acc_s, 0, correction);
         rescale_and_pack(acc_s, correction);
@@ -408,7 +422,6 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<1>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty() + 8 * stage);
-        if (it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
         // (P is packed only after the P V wait: the registers of the previous P feed the
         // product until it completes, and ptxas does not see that they are still in use.)
         float correction[1][2];
@@ -430,14 +443,18 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       fence_registers(acc_o);
       mbar_arrive(sm.v_empty() + 8 * Smem::stage(last));
       block_count += n_blocks;
-    } else {
-      mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
 
     float lse[1][2];
     softmax.finalize(acc_o, lse, scale_log2);
     const TilePointers ptr = tile_pointers(p, t);
-    write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
+    write_output<kDtype, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
+                                   sm.q + q_stage * Smem::kQBytes,
+                                   consumer * 64 + ((threadIdx.x / 32) % 4) * 16, w.row0, lane);
+    // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
+    // and read through the generic one.
+    fence_proxy_async();
+    mbar_arrive(sm.q_empty() + 8 * q_stage);
   }
   if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }
