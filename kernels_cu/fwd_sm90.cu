@@ -5,9 +5,9 @@
 // streams Q and the K/V blocks of its tiles into shared memory with TMA (a ring of
 // stages, each announced on an mbarrier), running ahead across tile boundaries; two
 // consumer warpgroups of 64 rows each run both products on wgmma (S = Q K^T from shared
-// memory, O += P V with P from registers) and write O through their Q stage. The
-// consumers take turns issuing their products (named barriers), so one's softmax runs
-// under the other's matrix work.
+// memory, O += P V with P from registers) and write O (from d = 128 through their Q
+// stage). The consumers take turns issuing their products (named barriers), so one's
+// softmax runs under the other's matrix work.
 #include "common.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -70,12 +70,17 @@ __device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s
   }
 }
 
-// -- epilogue: each warp's 16 rows through its own rows of the tile's Q stage (read for
-//    the last time by now), then out in 16-byte chunks, whole rows per store. Straight
-//    from registers each quad stores 16 bytes of a row at a time, half a 32-byte sector,
-//    with four times the store instructions --
+// -- epilogue, head dims from 128: each warp's 16 rows through its own rows of the tile's
+//    Q stage (read for the last time by now), then out in 16-byte chunks, whole rows per
+//    store. Straight from registers each quad stores 16 bytes of a row at a time, half a
+//    32-byte sector, with four times the store instructions: 7-13 % slower on short
+//    sequences at d = 128. At d = 64 the direct stores measured 2-3 % faster (the Q stage
+//    is then released at the last Q K^T, not after the epilogue) --
+template <int kHeadDim>
+constexpr bool kStagedOutput = kHeadDim >= 128;
+
 template <int kDtype, int kHeadDim, int kDTiles>
-__device__ __forceinline__ void write_output(const float (&o)[1][kDTiles][4], const float (&lse)[1][2],
+__device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles][4], const float (&lse)[1][2],
                                              const FwdParams& p, int seqlen_q, u16* o_ptr,
                                              float* lse_ptr, u32 q_stage_smem, int warp_row0,
                                              int row0, int lane) {
@@ -104,6 +109,26 @@ __device__ __forceinline__ void write_output(const float (&o)[1][kDTiles][4], co
       const int row = row0 + warp_row0 + (lane >> 2) + 8 * h;
       if (row < seqlen_q) lse_ptr[row] = lse[0][h];
     }
+  }
+}
+
+template <int kDtype, int kDTiles>
+__device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles][4],
+                                                    const float (&lse)[1][2], const FwdParams& p,
+                                                    int seqlen_q, u16* o_ptr, float* lse_ptr,
+                                                    int row_base, int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = frag_row(row_base, 0, 2 * h, lane);
+    if (row >= seqlen_q) continue;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      const int col = frag_col(0, dt, 0, lane);
+      if (col < p.head_dim)
+        *reinterpret_cast<u32*>(o_ptr + row * p.o_row_stride + col) =
+            pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
+    }
+    if ((lane & 3) == 0) lse_ptr[row] = lse[0][h];
   }
 }
 
@@ -402,6 +427,8 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<0>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty() + 8 * stage);
+        if (!kStagedOutput<kHeadDim> && n_blocks == 1)
+          mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
         float correction[1][2];
         scores_to_probs(acc_s, 0, correction);
         rescale_and_pack(acc_s, correction);
@@ -422,6 +449,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
         wgmma_wait<1>();
         fence_registers(acc_s);
         mbar_arrive(sm.k_empty() + 8 * stage);
+        if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
         // (P is packed only after the P V wait: the registers of the previous P feed the
         // product until it completes, and ptxas does not see that they are still in use.)
         float correction[1][2];
@@ -443,18 +471,25 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       fence_registers(acc_o);
       mbar_arrive(sm.v_empty() + 8 * Smem::stage(last));
       block_count += n_blocks;
+    } else if (!kStagedOutput<kHeadDim>) {
+      mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
 
     float lse[1][2];
     softmax.finalize(acc_o, lse, scale_log2);
     const TilePointers ptr = tile_pointers(p, t);
-    write_output<kDtype, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
-                                   sm.q + q_stage * Smem::kQBytes,
-                                   consumer * 64 + ((threadIdx.x / 32) % 4) * 16, w.row0, lane);
-    // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
-    // and read through the generic one.
-    fence_proxy_async();
-    mbar_arrive(sm.q_empty() + 8 * q_stage);
+    if constexpr (kStagedOutput<kHeadDim>) {
+      write_output_staged<kDtype, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
+                                            sm.q + q_stage * Smem::kQBytes,
+                                            consumer * 64 + ((threadIdx.x / 32) % 4) * 16,
+                                            w.row0, lane);
+      // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
+      // and read through the generic one.
+      fence_proxy_async();
+      mbar_arrive(sm.q_empty() + 8 * q_stage);
+    } else {
+      write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
+    }
   }
   if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }
