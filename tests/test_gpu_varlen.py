@@ -61,40 +61,49 @@ def test_random_packed_batches(seed):
                          label=f"{dtype} d={d} h={h}/{hk} {sorted(kw)}", **kw)
 
 
-@pytest.mark.parametrize("d", [32, 64, 128, 192])
-@pytest.mark.parametrize("mods", ["none", "causal", "window+softcap+alibi"])
-def test_last_rows_with_many_key_blocks(d, mods):
-    """A sequence's last 64 rows or fewer against several key blocks: on Hopper one
-    consumer warpgroup runs them alone, without turns (sm80: ordinary tiles)."""
-    rng = np.random.default_rng(600 + d)
-    lens_q = [64, 129, 192, 300, 449, 40, 1, 257]
-    lens_k = [700, 129, 192, 300, 449, 900, 260, 1000]
+def _check_mask_kind(rng, d, mods, lens_q, lens_k, dense_shapes, window, dtypes):
+    """A packed batch (lens_q, lens_k) and padded ones of 2 x (n_q, n_k), 4 heads over 2
+    KV heads, under one mask kind: "none", "causal" or "window+softcap+alibi"."""
     h, hk = 4, 2
     kw = {"causal": mods == "causal"}
     alibi = None
     if mods.startswith("window"):
-        kw.update(window_size=(150, 30), softcap=8.0)
+        kw.update(window_size=window, softcap=8.0)
         alibi = torch.from_numpy(rng.uniform(0, 1, (h,)).astype(np.float32)).cuda()
-    q = randn(rng, (1, sum(lens_q), h, d), "bfloat16")[0]
-    k, v = (randn(rng, (1, sum(lens_k), hk, d), "bfloat16")[0] for _ in range(2))
+    packed_dtype, dense_dtype = dtypes
+    q = randn(rng, (1, sum(lens_q), h, d), packed_dtype)[0]
+    k, v = (randn(rng, (1, sum(lens_k), hk, d), packed_dtype)[0] for _ in range(2))
     out = torch.full_like(q, float("nan"))
     _, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q),
                                          max(lens_k), out=out, return_lse=True,
                                          alibi_slopes=alibi, **kw)
     _check_each_sequence(out, lse, q, k, v, lens_q, lens_k, alibi=alibi, label=f"d={d} {mods}",
                          **kw)
-    dense_q = randn(rng, (2, 192, h, d), "float16")  # padded batch: rows 128..191 a solo tile too
-    dense_k, dense_v = (randn(rng, (2, 333, hk, d), "float16") for _ in range(2))
-    dense_out, dense_lse = cufa.flash_attn_func(dense_q, dense_k, dense_v, return_lse=True,
-                                                alibi_slopes=alibi, **kw)
-    check_attention(dense_out, dense_lse, dense_q, dense_k, dense_v, alibi_slopes=alibi,
-                    label=f"dense d={d} {mods}", **kw)
+    for n_q, n_k in dense_shapes:
+        dense_q = randn(rng, (2, n_q, h, d), dense_dtype)
+        dense_k, dense_v = (randn(rng, (2, n_k, hk, d), dense_dtype) for _ in range(2))
+        dense_out, dense_lse = cufa.flash_attn_func(dense_q, dense_k, dense_v, return_lse=True,
+                                                    alibi_slopes=alibi, **kw)
+        check_attention(dense_out, dense_lse, dense_q, dense_k, dense_v, alibi_slopes=alibi,
+                        label=f"dense {n_q}x{n_k} d={d} {mods}", **kw)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 192])
+@pytest.mark.parametrize("mods", ["none", "causal", "window+softcap+alibi"])
+def test_last_rows_with_many_key_blocks(d, mods):
+    """A sequence's last 64 rows or fewer against several key blocks: on Hopper one
+    consumer warpgroup runs them alone, without turns (sm80: ordinary tiles)."""
+    _check_mask_kind(np.random.default_rng(600 + d), d, mods,
+                     lens_q=[64, 129, 192, 300, 449, 40, 1, 257],
+                     lens_k=[700, 129, 192, 300, 449, 900, 260, 1000],
+                     dense_shapes=[(192, 333)],  # rows 128..191 a solo tile too
+                     window=(150, 30), dtypes=("bfloat16", "float16"))
 
 
 # key counts around half and whole multiples of every sm90 key-block width (32, 64, 80,
 # 128, 192): the highest key block seen in part, by every row or only by some
-KEY_BLOCK_EDGE_LENGTHS = [1, 31, 32, 33, 40, 63, 64, 65, 95, 96, 97, 127, 160, 161, 191, 192, 193,
-                  255, 257, 288, 289, 320, 383, 385]
+KEY_BLOCK_EDGE_LENGTHS = [1, 31, 32, 33, 40, 63, 64, 65, 95, 96, 97, 127, 160, 161, 191, 192,
+                          193, 255, 257, 288, 289, 320, 383, 385]
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -102,30 +111,12 @@ KEY_BLOCK_EDGE_LENGTHS = [1, 31, 32, 33, 40, 63, 64, 65, 95, 96, 97, 127, 160, 1
 def test_partly_seen_last_key_blocks(d, mods):
     """Sequences whose highest key block is seen up to about half, or just past it, by
     every row (the sequence's last keys) or by some (a causal diagonal)."""
-    rng = np.random.default_rng(700 + d)
     lens_k = list(KEY_BLOCK_EDGE_LENGTHS)
-    lens_q = [n if i % 3 else max(1, n - 37) for i, n in enumerate(lens_k)]  # some Nq < Nk
-    h, hk = 4, 2
-    kw = {"causal": mods == "causal"}
-    alibi = None
-    if mods.startswith("window"):
-        kw.update(window_size=(90, 20), softcap=8.0)
-        alibi = torch.from_numpy(rng.uniform(0, 1, (h,)).astype(np.float32)).cuda()
-    q = randn(rng, (1, sum(lens_q), h, d), "float16")[0]
-    k, v = (randn(rng, (1, sum(lens_k), hk, d), "float16")[0] for _ in range(2))
-    out = torch.full_like(q, float("nan"))
-    _, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q),
-                                         max(lens_k), out=out, return_lse=True,
-                                         alibi_slopes=alibi, **kw)
-    _check_each_sequence(out, lse, q, k, v, lens_q, lens_k, alibi=alibi, label=f"d={d} {mods}",
-                         **kw)
-    for n_q, n_k in ((97, 97), (160, 161), (33, 289), (289, 289)):  # padded batches
-        dense_q = randn(rng, (2, n_q, h, d), "bfloat16")
-        dense_k, dense_v = (randn(rng, (2, n_k, hk, d), "bfloat16") for _ in range(2))
-        dense_out, dense_lse = cufa.flash_attn_func(dense_q, dense_k, dense_v, return_lse=True,
-                                                    alibi_slopes=alibi, **kw)
-        check_attention(dense_out, dense_lse, dense_q, dense_k, dense_v, alibi_slopes=alibi,
-                        label=f"dense {n_q}x{n_k} d={d} {mods}", **kw)
+    _check_mask_kind(np.random.default_rng(700 + d), d, mods,
+                     lens_q=[n if i % 3 else max(1, n - 37) for i, n in enumerate(lens_k)],
+                     lens_k=lens_k,
+                     dense_shapes=[(97, 97), (160, 161), (33, 289), (289, 289)],
+                     window=(90, 20), dtypes=("float16", "bfloat16"))
 
 
 def test_seqused_k_and_sequences_without_keys():
