@@ -22,9 +22,11 @@ parser.add_argument("--launches", type=int, default=4)
 parser.add_argument("--varlen", action="store_true", help="256 sequences of 64..512 rows, packed")
 args = parser.parse_args()
 
-if args.varlen:  # the same lengths as bench_varlen.py's short batch
+if args.varlen:
     import numpy as np
-    lens = np.random.default_rng(1).integers(64, 513, 256)
+    from bench_varlen import BATCHES  # this script's folder is on sys.path
+    batch, lo, hi, seed = BATCHES["256 x 64..512"]
+    lens = np.random.default_rng(seed).integers(lo, hi + 1, batch)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(int(lens.sum()), 2048 // args.d, args.d, device="cuda",
                            dtype=getattr(torch, args.dtype)) for _ in range(3))

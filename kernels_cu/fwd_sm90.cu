@@ -70,6 +70,17 @@ __device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s
   }
 }
 
+// lse of this thread's two rows (rows row_base + lane / 4 and + 8), one lane of each quad
+__device__ __forceinline__ void write_lse(const float (&lse)[1][2], int seqlen_q, float* lse_ptr,
+                                          int row_base, int lane) {
+  if ((lane & 3) != 0) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = frag_row(row_base, 0, 2 * h, lane);
+    if (row < seqlen_q) lse_ptr[row] = lse[0][h];
+  }
+}
+
 // -- epilogue, head dims from 128: each warp's 16 rows through its own rows of the tile's
 //    Q stage (read for the last time by now), then out in 16-byte chunks, whole rows per
 //    store. Straight from registers each quad stores 16 bytes of a row at a time, half a
@@ -79,14 +90,17 @@ __device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s
 template <int kHeadDim>
 constexpr bool kStagedOutput = kHeadDim >= 128;
 
+// row_base: the first of this warp's 16 rows in the sequence; row0: the tile's first
 template <int kDtype, int kHeadDim, int kDTiles>
-__device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles][4], const float (&lse)[1][2],
-                                             const FwdParams& p, int seqlen_q, u16* o_ptr,
-                                             float* lse_ptr, u32 q_stage_smem, int warp_row0,
-                                             int row0, int lane) {
+__device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles][4],
+                                                    const float (&lse)[1][2], const FwdParams& p,
+                                                    int seqlen_q, u16* o_ptr, float* lse_ptr,
+                                                    u32 q_stage_smem, int row0, int row_base,
+                                                    int lane) {
+  const int warp_row0 = row_base - row0;  // in the tile, so in the Q stage
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = warp_row0 + (lane >> 2) + 8 * h;  // row in the tile
+    const int r = frag_row(warp_row0, 0, 2 * h, lane);
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
       st_shared_b32(q_stage_smem + panel_offset<kSm90BlockM>(r, dt) + 4 * (lane & 3),
@@ -98,18 +112,11 @@ __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles]
   for (int i = 0; i < 16 * kChunks / 32; ++i) {
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
-    const int row = row0 + warp_row0 + r;
-    if (row < seqlen_q && c * 8 < p.head_dim)
-      *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + c * 8) =
+    if (row_base + r < seqlen_q && c * 8 < p.head_dim)
+      *reinterpret_cast<uint4*>(o_ptr + (row_base + r) * p.o_row_stride + c * 8) =
           ld_shared_v4(q_stage_smem + panel_offset<kSm90BlockM>(warp_row0 + r, c));
   }
-  if ((lane & 3) == 0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row0 + warp_row0 + (lane >> 2) + 8 * h;
-      if (row < seqlen_q) lse_ptr[row] = lse[0][h];
-    }
-  }
+  write_lse(lse, seqlen_q, lse_ptr, row_base, lane);
 }
 
 template <int kDtype, int kDTiles>
@@ -128,8 +135,8 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
         *reinterpret_cast<u32*>(o_ptr + row * p.o_row_stride + col) =
             pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
     }
-    if ((lane & 3) == 0) lse_ptr[row] = lse[0][h];
   }
+  write_lse(lse, seqlen_q, lse_ptr, row_base, lane);
 }
 
 // -- shared memory: Q stages, the K/V ring, the mbarriers. The CTA's key blocks are
@@ -480,9 +487,8 @@ __device__ __forceinline__ void consume(const FwdParams& p,
     const TilePointers ptr = tile_pointers(p, t);
     if constexpr (kStagedOutput<kHeadDim>) {
       write_output_staged<kDtype, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
-                                            sm.q + q_stage * Smem::kQBytes,
-                                            consumer * 64 + ((threadIdx.x / 32) % 4) * 16,
-                                            w.row0, lane);
+                                            sm.q + q_stage * Smem::kQBytes, w.row0, row_base,
+                                            lane);
       // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
       // and read through the generic one.
       fence_proxy_async();
