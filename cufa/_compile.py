@@ -42,9 +42,15 @@ SM90_TILES = {64: (128, 192), 128: (128, 128), 192: (128, 64), 256: (128, 80)}
 SM90_TILES_WINDOW = {**SM90_TILES, 64: (128, 128)}  # causal / local: less waste on the diagonal
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
+# Packed batches of short sequences: 64-row tiles, one consumer warpgroup, two CTAs per SM
+# (half the query-row rounding of 128-row tiles; NOTES.md step 24). Two CTAs share the
+# SM's shared memory, so the key blocks are narrower. Head dims 64 and 128 only.
+SM90_SHORT_TILES = {64: (64, 128), 128: (64, 64)}
+SM90_SHORT_MAX_MEAN_SEQLEN = 512  # mean query rows per sequence up to which they are used
+SM90_SHORT_ENV = "CUFA_SM90_BLOCK_M"  # "64" / "128": force a shape where both exist (tests, bench)
 
 NVRTC_OPTIONS = ("-std=c++17",)
-SM90_SMEM_LIMIT = 227 * 1024  # dynamic shared memory a Hopper CTA may ask for
+SM90_SMEM_PER_SM = 228 * 1024  # of which the system reserves 1 KB per CTA
 
 
 @dataclass(frozen=True)
@@ -63,12 +69,18 @@ class FwdVariant:
 
     @property
     def threads(self):
-        return 128 if self.family == "sm80" else 384  # sm90: producer + two consumer warpgroups
+        # sm90: a producer warpgroup and one consumer warpgroup per 64 rows
+        return 128 if self.family == "sm80" else 128 * (1 + self.block_m // 64)
 
     @property
     def persistent(self):
-        """sm90 kernels loop over tiles: launch at most one CTA per SM."""
+        """sm90 kernels loop over tiles: launch at most ctas_per_sm CTAs per SM."""
         return self.family == "sm90"
+
+    @property
+    def ctas_per_sm(self):
+        """sm90: CTAs resident on one SM (kCtasPerSm in fwd_sm90.cu)."""
+        return 2 if self.block_m == 64 else 1
 
     @property
     def key(self):
@@ -82,7 +94,7 @@ class FwdVariant:
                 f"{str(self.score_mods).lower()}")
         if self.family == "sm80":
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
-        return f"cufa::fwd_sm90_kernel<{args}, {self.block_n}, {self.q_stages}>"
+        return f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}>"
 
     @property
     def smem_bytes(self):
@@ -99,7 +111,14 @@ class FwdVariant:
     @property
     def q_stages(self):
         """sm90: two Q buffers where they fit (the next tile's Q loads during this one)."""
-        return 2 if self._sm90_smem(2) <= SM90_SMEM_LIMIT else 1
+        return 2 if self._sm90_smem(2) <= self.smem_limit else 1
+
+    @property
+    def smem_limit(self):
+        """Dynamic shared memory one CTA may use with ctas_per_sm of them on an SM."""
+        if self.family == "sm80":
+            return 99 * 1024  # sm_86/89
+        return SM90_SMEM_PER_SM // self.ctas_per_sm - 1024
 
     @property
     def archs(self):
@@ -134,15 +153,31 @@ def padded_head_dim(head_dim, family="sm80"):
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
-def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80"):
+def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", short=False):
+    """short: an sm90 packed batch of short sequences (short_sequences), which gets the
+    64-row tiles where the head dim has them."""
     hd = padded_head_dim(head_dim, family)
     if family == "sm80":
         block_m, block_n = (SM80_TILES_SCORE_MODS if score_mods else SM80_TILES)[hd]
+    elif short and hd in SM90_SHORT_TILES:
+        block_m, block_n = SM90_SHORT_TILES[hd]
     else:
         tiles = (SM90_TILES_SCORE_MODS if score_mods
                  else SM90_TILES_WINDOW if mask == "window" else SM90_TILES)
         block_m, block_n = tiles[hd]
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)
+
+
+def short_sequences(packed, total_q, batch):
+    """Whether a batch gets the sm90 short-sequence tiles: packed, with at most
+    SM90_SHORT_MAX_MEAN_SEQLEN query rows per sequence on average; CUFA_SM90_BLOCK_M
+    (64 or 128) overrides, for any batch."""
+    forced = os.environ.get(SM90_SHORT_ENV)
+    if forced:
+        if forced not in ("64", "128"):
+            raise ValueError(f"{SM90_SHORT_ENV} must be 64 or 128; got {forced!r}")
+        return forced == "64"
+    return packed and total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch
 
 
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"
@@ -164,7 +199,9 @@ def all_variants():
     return [fwd_variant(dt, hd, mask, mods, family)
             for family, dims in (("sm80", SM80_HEAD_DIMS), ("sm90", SM90_HEAD_DIMS))
             for dt in DTYPES for hd in dims for mask in MASKS for mods in (False, True)
-            ] + [VARLEN_SCHEDULE]
+            ] + [fwd_variant(dt, hd, mask, mods, "sm90", short=True)
+                 for dt in DTYPES for hd in SM90_SHORT_TILES for mask in MASKS
+                 for mods in (False, True)] + [VARLEN_SCHEDULE]
 
 
 # -- sources ---------------------------------------------------------------------------
@@ -232,6 +269,8 @@ def get_kernel(variant, device_id):
                 fn = module.get_function(variant.name_expression)
                 if variant.smem_bytes > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = variant.smem_bytes
+                if getattr(variant, "ctas_per_sm", 1) > 1:  # room for all of them, not one
+                    fn.preferred_shared_memory_carveout = 100
             _kernels[key] = fn
     return fn
 

@@ -384,10 +384,11 @@ _MAX_PLANS = 4096
 
 
 def _call_key(entry, arrays, options):
-    """What a plan depends on: the entry point, the kernel family forced, the options, and
+    """What a plan depends on: the entry point, the kernel family and tile shape forced, the options, and
     of each array (or None) all that validation and planning read -- everything but its
     address, of which only the 16-byte alignment."""
-    return (entry, os.environ.get(_compile.FAMILY_ENV), options) + tuple(
+    return (entry, os.environ.get(_compile.FAMILY_ENV), os.environ.get(_compile.SM90_SHORT_ENV),
+            options) + tuple(
         None if x is None else (type(x.obj), x.shape, x.strides, x.dtype, x.device, x.ptr % 16)
         for x in arrays)
 
@@ -414,7 +415,9 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
     score_mods = softcap > 0 or alibi is not None or attn_mask is not None
     family = _compile.family_for(_compute_capability(q.device))
-    variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family)
+    short = _compile.short_sequences(packed, seqlen_q, batch)
+    variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
+                                   short)
     tma_views, kv_tail_maps = None, False
     if family == "sm90":
         tma_views = _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed)
@@ -460,8 +463,8 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
     p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
     num_blocks = max_tiles * nheads
-    if variant.persistent:  # one CTA per SM, each taking tiles until none are left
-        num_blocks = min(num_blocks, _sm_count(q.device))
+    if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
+        num_blocks = min(num_blocks, _sm_count(q.device) * variant.ctas_per_sm)
     return _Plan(**outputs, variant=variant,
                  function=_compile.function_pointer(variant, q.device),
                  params=_params.pack_fwd_params(p).tobytes(), num_blocks=num_blocks,

@@ -19,11 +19,18 @@
 
 namespace cufa {
 
-constexpr int kSm90Threads = 384;      // producer warpgroup (one warp works), two consumers
-constexpr int kSm90BlockM = 128;
+// Two shapes: 128-row tiles, two consumers, one CTA per SM (every batch); or 64-row
+// tiles, one consumer, two CTAs per SM (packed batches of short sequences, whose tiles
+// are mostly partial: half the rounding of query rows, and the SM's two CTAs hide each
+// other's per-tile latency the way the turns do for two consumers).
+template <int kBlockM> constexpr int kConsumers = kBlockM / 64;
+template <int kBlockM> constexpr int kSm90Threads = 128 * (1 + kConsumers<kBlockM>);
+template <int kBlockM> constexpr int kCtasPerSm = kBlockM == 64 ? 2 : 1;
 constexpr int kStages = 2;             // K/V ring depth (3 measured no faster: NOTES.md)
-constexpr int kProducerRegs = 56;      // 128 x 56 + 256 x 224 = 384 x 168, the launch allotment
-constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 56;
+// 128 x 56 + 256 x 224 = 384 x 168 and 128 x 56 + 128 x 200 = 256 x 128: the launch
+// allotments of one and of two CTAs per SM
+template <int kBlockM> constexpr int kConsumerRegs = kBlockM == 64 ? 200 : 224;
 constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
 
 // -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
@@ -91,7 +98,7 @@ template <int kHeadDim>
 constexpr bool kStagedOutput = kHeadDim >= 128;
 
 // row_base: the first of this warp's 16 rows in the sequence; row0: the tile's first
-template <int kDtype, int kHeadDim, int kDTiles>
+template <int kDtype, int kBlockM, int kHeadDim, int kDTiles>
 __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles][4],
                                                     const float (&lse)[1][2], const FwdParams& p,
                                                     int seqlen_q, u16* o_ptr, float* lse_ptr,
@@ -103,7 +110,7 @@ __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles]
     const int r = frag_row(warp_row0, 0, 2 * h, lane);
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
-      st_shared_b32(q_stage_smem + panel_offset<kSm90BlockM>(r, dt) + 4 * (lane & 3),
+      st_shared_b32(q_stage_smem + panel_offset<kBlockM>(r, dt) + 4 * (lane & 3),
                     pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]));
   }
   __syncwarp();
@@ -114,7 +121,7 @@ __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles]
     const int r = idx / kChunks, c = idx % kChunks;
     if (row_base + r < seqlen_q && c * 8 < p.head_dim)
       *reinterpret_cast<uint4*>(o_ptr + (row_base + r) * p.o_row_stride + c * 8) =
-          ld_shared_v4(q_stage_smem + panel_offset<kSm90BlockM>(warp_row0 + r, c));
+          ld_shared_v4(q_stage_smem + panel_offset<kBlockM>(warp_row0 + r, c));
   }
   write_lse(lse, seqlen_q, lse_ptr, row_base, lane);
 }
@@ -144,9 +151,11 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
 //    then on their (g / kStages)-th phase; tile number n's Q likewise in Q stage
 //    n % kQStages (two where they fit, so the next tile's Q loads during this one), and
 //    the producer hands the consumers that tile in the slot tile() + 32 * s --
-template <int kHeadDim, int kBlockN, int kQStages>
+template <int kBlockM_, int kHeadDim_, int kBlockN_, int kQStages_>
 struct Sm90Smem {
-  static constexpr int kQBytes = kSm90BlockM * kHeadDim * 2;
+  static constexpr int kBlockM = kBlockM_, kHeadDim = kHeadDim_, kBlockN = kBlockN_;
+  static constexpr int kQStages = kQStages_;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   // Offsets from q, the 1024-aligned base; stage s of K at k() + s * kKVBytes, stage s's
   // barrier at + 8 * s. (Addresses are computed, not stored: the producer warp has few
@@ -182,12 +191,12 @@ struct Sm90Work {
   int row0, row_end, n_block_max, n_blocks;
 };
 
-template <int kMask, int kBlockN>
+template <int kBlockM, int kMask, int kBlockN>
 __device__ __forceinline__ Sm90Work sm90_work(const FwdParams& p, const Tile& t) {
   Sm90Work w;
   w.t = t;
-  w.row0 = t.m_block * kSm90BlockM;
-  w.row_end = min(w.row0 + kSm90BlockM, t.seqlen_q);
+  w.row0 = t.m_block * kBlockM;
+  w.row_end = min(w.row0 + kBlockM, t.seqlen_q);
   const KeyRange keys = key_range<kMask>(p, t, w.row0, w.row_end);
   w.n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key: no blocks
   w.n_blocks = max(w.n_block_max - keys.begin / kBlockN, 0);
@@ -223,11 +232,11 @@ __device__ __forceinline__ bool load_tile(u32 addr, const FwdParams& p, Tile& t)
 
 // -- the producer's K and V copies of key block `it` of a tile, the CTA's block number
 //    `block_count` --
-template <int kHeadDim, int kBlockN, int kQStages>
+template <class Smem>
 __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMaps& maps,
-                                              const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm,
-                                              const Sm90Work& w, int it, int block_count) {
-  using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
+                                              const Smem& sm, const Sm90Work& w, int it,
+                                              int block_count) {
+  constexpr int kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
   const Tile& t = w.t;
@@ -282,10 +291,9 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
 //    fills those rows with zeros. All lanes wait for every stage, so none runs a phase
 //    ahead of the barriers. Every tile, with keys or not, and the end of the list pass
 //    through a Q stage, which carries the tile to the consumers. --
-template <int kHeadDim, int kMask, int kBlockN, int kQStages>
-__device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps,
-                                        const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm) {
-  using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
+template <int kMask, class Smem>
+__device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& maps, const Smem& sm) {
+  constexpr int kQStages = Smem::kQStages;
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
   u32* counter = reinterpret_cast<u32*>(p.tile_counter);
@@ -293,14 +301,14 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
   for (u32 index = blockIdx.x;; ++tile_count) {  // < 2^31 + gridDim.x: the host keeps tiles in int32
     Tile t{};  // stored whole even past the end of the list
     const bool more = index <= 0x7fffffffu && get_tile(p, static_cast<int>(index), t);
-    const Sm90Work w = sm90_work<kMask, kBlockN>(p, t);
+    const Sm90Work w = sm90_work<Smem::kBlockM, kMask, Smem::kBlockN>(p, t);
     const u32 q_stage = Smem::q_stage(tile_count);
     if (tile_count >= kQStages) mbar_wait(sm.q_empty() + 8 * q_stage, Smem::q_parity(tile_count) ^ 1);
     if (elected) {
       store_tile(sm.tile() + 32 * q_stage, t, more);
       if (more && w.n_blocks > 0) {
         mbar_arrive_expect_bytes(sm.q_full() + 8 * q_stage, Smem::kQBytes);
-        tma_load_panels<kSm90BlockM, kHeadDim>(sm.q + q_stage * Smem::kQBytes, maps.q,
+        tma_load_panels<Smem::kBlockM, Smem::kHeadDim>(sm.q + q_stage * Smem::kQBytes, maps.q,
                                                sm.q_full() + 8 * q_stage,
                                                static_cast<int>(t.q_start) + w.row0, t.h,
                                                packed ? 0 : t.b);
@@ -312,17 +320,15 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
     u32 next = 0;
     if (elected) next = atomicAdd(counter, 1u);  // in flight while the K/V copies go out
     for (int it = 0; it < w.n_blocks; ++it, ++block_count)
-      produce_block<kHeadDim, kBlockN, kQStages>(p, maps, sm, w, it, block_count);
+      produce_block(p, maps, sm, w, it, block_count);
     index = gridDim.x + __shfl_sync(0xffffffffu, next, 0);
   }
 }
 
 // -- a consumer with no rows in a tile still owes its arrivals on the tile's K/V
 //    stages: on each once it is full (so it never runs a phase ahead of the other) --
-template <int kHeadDim, int kBlockN, int kQStages>
-__device__ __forceinline__ void release_blocks(const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm,
-                                               int n_blocks, int& block_count) {
-  using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
+template <class Smem>
+__device__ __forceinline__ void release_blocks(const Smem& sm, int n_blocks, int& block_count) {
   for (int g = block_count; g < block_count + n_blocks; ++g) {
     const u32 stage = Smem::stage(g), parity = Smem::parity(g);
     mbar_wait(sm.k_full() + 8 * stage, parity);
@@ -334,11 +340,9 @@ __device__ __forceinline__ void release_blocks(const Sm90Smem<kHeadDim, kBlockN,
 }
 
 // -- a consumer warpgroup: 64 rows of every tile --
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kQStages>
-__device__ __forceinline__ void consume(const FwdParams& p,
-                                        const Sm90Smem<kHeadDim, kBlockN, kQStages>& sm,
-                                        int consumer) {
-  using Smem = Sm90Smem<kHeadDim, kBlockN, kQStages>;
+template <int kDtype, int kMask, bool kScoreMods, class Smem>
+__device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int consumer) {
+  constexpr int kBlockM = Smem::kBlockM, kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   const int lane = threadIdx.x % 32;
@@ -361,11 +365,11 @@ __device__ __forceinline__ void consume(const FwdParams& p,
     mbar_wait(sm.q_full() + 8 * q_stage, Smem::q_parity(tile_count));
     Tile t;
     if (!load_tile(sm.tile() + 32 * q_stage, p, t)) break;
-    const Sm90Work w = sm90_work<kMask, kBlockN>(p, t);
+    const Sm90Work w = sm90_work<Smem::kBlockM, kMask, Smem::kBlockN>(p, t);
     // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
     // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
     // head dim 256: with the extra branch ptxas spills there.)
-    const bool solo = kHeadDim < 256 && w.row0 + 64 >= w.row_end;
+    const bool solo = kConsumers<kBlockM> == 1 || (kHeadDim < 256 && w.row0 + 64 >= w.row_end);
     if (solo && consumer == 1) {
       mbar_arrive(sm.q_empty() + 8 * q_stage);
       release_blocks(sm, w.n_blocks, block_count);
@@ -387,7 +391,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
       auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          wgmma_ss<kDtype>(acc_s, q_stage_desc + kstep(ks, kSm90BlockM),
+          wgmma_ss<kDtype>(acc_s, q_stage_desc + kstep(ks, kBlockM),
                            k_desc + stage * kStageStep + kstep(ks, kBlockN), ks > 0);
         wgmma_commit();
       };
@@ -486,7 +490,7 @@ __device__ __forceinline__ void consume(const FwdParams& p,
     softmax.finalize(acc_o, lse, scale_log2);
     const TilePointers ptr = tile_pointers(p, t);
     if constexpr (kStagedOutput<kHeadDim>) {
-      write_output_staged<kDtype, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
+      write_output_staged<kDtype, kBlockM, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
                                             sm.q + q_stage * Smem::kQBytes, w.row0, row_base,
                                             lane);
       // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
@@ -500,32 +504,35 @@ __device__ __forceinline__ void consume(const FwdParams& p,
   if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }
 
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockN, int kQStages>
-__global__ void __launch_bounds__(kSm90Threads, 1)
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
+          int kQStages>
+__global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
+  static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups");
+  constexpr int kConsumerThreads = 128 * kConsumers<kBlockM>;
   extern __shared__ unsigned char smem_raw[];
-  const Sm90Smem<kHeadDim, kBlockN, kQStages> sm(smem_u32(smem_raw));
+  const Sm90Smem<kBlockM, kHeadDim, kBlockN, kQStages> sm(smem_u32(smem_raw));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kQStages; ++s) {
       mbar_init(sm.q_full() + 8 * s, 1);  // the producer's one arrival, plus the bytes its copies bring
-      mbar_init(sm.q_empty() + 8 * s, 256);  // every consumer thread is done reading
+      mbar_init(sm.q_empty() + 8 * s, kConsumerThreads);  // every consumer thread is done reading
     }
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.k_full() + 8 * s, 1);
       mbar_init(sm.v_full() + 8 * s, 1);
-      mbar_init(sm.k_empty() + 8 * s, 256);
-      mbar_init(sm.v_empty() + 8 * s, 256);
+      mbar_init(sm.k_empty() + 8 * s, kConsumerThreads);
+      mbar_init(sm.v_empty() + 8 * s, kConsumerThreads);
     }
   }
   __syncthreads();
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x < 32) produce<kHeadDim, kMask, kBlockN, kQStages>(p, maps, sm);
+    if (threadIdx.x < 32) produce<kMask>(p, maps, sm);
     return;
   }
-  setmaxnreg_inc<kConsumerRegs>();
-  consume<kDtype, kHeadDim, kMask, kScoreMods, kBlockN, kQStages>(p, sm, threadIdx.x / 128 - 1);
+  setmaxnreg_inc<kConsumerRegs<kBlockM>>();
+  consume<kDtype, kMask, kScoreMods>(p, sm, threadIdx.x / 128 - 1);
 }
 
 }  // namespace cufa
