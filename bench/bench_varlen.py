@@ -7,9 +7,10 @@ a padded dense cufa call of the same batch, in one run.
 Batches: 32 sequences with lengths drawn from 128..4096, and 256 sequences from 64..512
 (fixed seeds); head dims 64 and 128 (heads = 2048 / d); fp16; causal and not. Useful
 TFLOP/s only: sum over sequences of 4 * H * len^2 * d (halved for causal) — padding and
-masked-out work do not count. CUDA events; cufa, the padded call and varlen_attn are timed
-in ROUNDS interleaved rounds (so drift in clocks falls on all three alike), the median of
---reps calls each; --exp configurations other than base one after another, before them.
+masked-out work do not count. CUDA events; cufa (each --exp configuration), the padded call
+and varlen_attn are timed in ROUNDS interleaved rounds (so drift in clocks falls on all
+alike), the median of --reps calls each. Each experiment keeps its own plans, so switching
+between them costs no re-planning.
 """
 import argparse
 import inspect
@@ -28,8 +29,18 @@ import cufa  # noqa: E402
 
 BATCHES = {"32 x 128..4096": (32, 128, 4096, 0), "256 x 64..512": (256, 64, 512, 1)}
 BATCH_NAMES = {"long": "32 x 128..4096", "short": "256 x 64..512"}
-# --exp: sm90 key-block widths to try (cufa/_compile.py tables patched, as in tune_sm90.py)
-EXPERIMENTS = {"base": None, "bn128": 128, "bn64": 64}
+# --exp: sm90 tile tables to try, name -> {table in cufa/_compile.py: entries patched}
+# (as in tune_sm90.py); "bm128" puts the short batch on the 128-row tiles
+EXPERIMENTS = {
+    "base": {},
+    "bn128": {"SM90_TILES": {64: (128, 128), 128: (128, 128)},
+              "SM90_TILES_WINDOW": {64: (128, 128), 128: (128, 128)}},
+    "bn64": {"SM90_TILES": {64: (128, 64), 128: (128, 64)},
+             "SM90_TILES_WINDOW": {64: (128, 64), 128: (128, 64)}},
+    "bm128": {"SM90_SHORT_TILES": None},
+    "short_bn64": {"SM90_SHORT_TILES": {64: (64, 64)}},
+    "short_bn80": {"SM90_SHORT_TILES": {128: (64, 80)}},
+}
 ROUNDS = 3
 
 
@@ -45,10 +56,6 @@ def event_times(fn, reps):
         stop.record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in pairs]
-
-
-def time_ms(fn, reps):
-    return statistics.median(event_times(fn, reps))
 
 
 def time_interleaved(fns, reps):
@@ -84,14 +91,16 @@ def main():
     parser.add_argument("--exp", default="base", help="experiments: " + ",".join(EXPERIMENTS))
     args = parser.parse_args()
     from cufa import _compile, api
-    base_tiles = (dict(_compile.SM90_TILES), dict(_compile.SM90_TILES_WINDOW))
+    tables = {name: dict(getattr(_compile, name))
+              for name in ("SM90_TILES", "SM90_TILES_WINDOW", "SM90_SHORT_TILES")}
+
+    plans = {}  # experiment -> its own plan cache (plans hold the variant picked)
 
     def configure(exp):
-        _compile.SM90_TILES, _compile.SM90_TILES_WINDOW = (dict(t) for t in base_tiles)
-        api._plans.clear()  # plans hold the variant picked from the old tables
-        if EXPERIMENTS[exp]:
-            for table in (_compile.SM90_TILES, _compile.SM90_TILES_WINDOW):
-                table.update({64: (128, EXPERIMENTS[exp]), 128: (128, EXPERIMENTS[exp])})
+        for name, table in tables.items():
+            patch = EXPERIMENTS[exp].get(name, {})
+            setattr(_compile, name, {} if patch is None else {**table, **patch})
+        api._plans = plans.setdefault(exp, {})
 
     os.makedirs(args.out, exist_ok=True)
     peer, peer_note = varlen_attn_peer()
@@ -111,20 +120,31 @@ def main():
             for causal in (False, True):
                 flops = sum(4 * h * int(n) ** 2 * d for n in lens) / (2 if causal else 1)
                 row = dict(batch=name, d=d, causal=causal, total_tokens=total, max_len=max_len)
+                exps = ["base"] + [e for e in args.exp.split(",") if e != "base"]
+
+                def packed_call(exp):
+                    def call():
+                        if len(exps) > 1:  # (a base-only run times the bare call)
+                            configure(exp)
+                        return cufa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
+                                                           causal=causal)
+                    return call
+
                 first = None
-                for exp in args.exp.split(","):
-                    configure(exp)
-                    out = cufa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
-                                                      causal=causal).float()
+                for exp in exps:
+                    out = packed_call(exp)().float()
                     first = out if first is None else first
                     row[f"cufa_{exp}_diff"] = (out - first).abs().max().item()
-                    if exp != "base":  # base: the interleaved timing below
-                        row[f"cufa_{exp}_ms"] = time_ms(lambda: cufa.flash_attn_varlen_func(
-                            q, k, v, cu, cu, max_len, max_len, causal=causal), args.reps)
+                fns = {("cufa" if exp == "base" else f"cufa_{exp}"): packed_call(exp)
+                       for exp in exps}
+
+                def padded_call():
+                    if len(exps) > 1:
+                        configure("base")
+                    return cufa.flash_attn_func(*dense, causal=causal)
+
+                fns["padded"] = padded_call
                 configure("base")
-                fns = {"cufa": lambda: cufa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
-                                                                   causal=causal),
-                       "padded": lambda: cufa.flash_attn_func(*dense, causal=causal)}
                 row["peer_ms"] = None
                 if peer is not None:
                     try:
