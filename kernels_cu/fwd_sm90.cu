@@ -354,9 +354,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
   const u64 k_desc = smem_desc(sm.k(), 16, 1024);
   const u64 v_desc = smem_desc(sm.v(), kBlockN * 128, 1024);
   auto kstep = [](int ks, int rows) {  // descriptor offset (16-byte units) of k-step ks
-    return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+    return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
   };
-  constexpr u64 kStageStep = Smem::kKVBytes >> 4;
+  constexpr u32 kStageStep = Smem::kKVBytes >> 4;
 
   int block_count = 0;
   bool took_turns = false;
@@ -387,19 +387,21 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     if (w.n_blocks > 0) {
       const TileMods mods = tile_mods<kScoreMods>(p, t);
       const int n_blocks = w.n_blocks;
-      const u64 q_stage_desc = q_desc + q_stage * (Smem::kQBytes >> 4);
+      const u64 q_stage_desc = desc_add(q_desc, q_stage * (Smem::kQBytes >> 4));
       auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
+        const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          wgmma_ss<kDtype>(acc_s, q_stage_desc + kstep(ks, kBlockM),
-                           k_desc + stage * kStageStep + kstep(ks, kBlockN), ks > 0);
+          wgmma_ss<kDtype>(acc_s, desc_add(q_stage_desc, kstep(ks, kBlockM)),
+                           desc_add(k_stage_desc, kstep(ks, kBlockN)), ks > 0);
         wgmma_commit();
       };
       u32 p_prev[kNTiles / 2][4];
       auto issue_pv = [&](u32 stage) {
+        const u64 v_stage_desc = desc_add(v_desc, stage * kStageStep);
 #pragma unroll
         for (int kk = 0; kk < kNTiles / 2; ++kk)
-          wgmma_rs<kDtype>(acc_o, p_prev[kk], v_desc + stage * kStageStep + (kk * 16 * 128 >> 4), 1);
+          wgmma_rs<kDtype>(acc_o, p_prev[kk], desc_add(v_stage_desc, kk * 16 * 128 >> 4), 1);
         wgmma_commit();
       };
       // Scores of block `it` -> probabilities (in place), and the factor O must be
@@ -532,7 +534,7 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     return;
   }
   setmaxnreg_inc<kConsumerRegs<kBlockM>>();
-  consume<kDtype, kMask, kScoreMods>(p, sm, threadIdx.x / 128 - 1);
+  consume<kDtype, kMask, kScoreMods>(p, sm, kConsumers<kBlockM> == 1 ? 0 : threadIdx.x / 128 - 1);
 }
 
 }  // namespace cufa

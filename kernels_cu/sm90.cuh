@@ -23,6 +23,18 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride
          (static_cast<u64>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// A descriptor moved by `offset` 16-byte units within shared memory. The start address
+// is the low 14 bits and never carries into the fields above (shared memory is under
+// 256 KB), so a 32-bit add on the low word does it: a 64-bit add costs two more
+// instructions before every wgmma, which at 64-key blocks delays their issue.
+__device__ __forceinline__ u64 desc_add(u64 desc, u32 offset) {
+  u32 lo, hi;
+  asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(desc));
+  u64 moved;
+  asm("mov.b64 %0, {%1, %2};\n" : "=l"(moved) : "r"(lo + offset), "r"(hi));
+  return moved;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
