@@ -20,6 +20,11 @@ if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability !
   CUFA_KERNEL_FAMILY=sm80 python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}" \
     > "$OUT/gpu_tests_sm80.txt" 2>&1
   tests_rc=$((tests_rc + $?))
+  # The 64-row tiles of short packed batches (CUFA_SM90_BLOCK_M) on every forward test,
+  # dense ones included.
+  CUFA_SM90_BLOCK_M=64 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_gpu_forward.py tests/test_gpu_varlen.py > "$OUT/gpu_tests_sm90_bm64.txt" 2>&1
+  tests_rc=$((tests_rc + $?))
 fi
 python3 -m cufa > "$OUT/check.txt" 2>&1
 check_rc=$?

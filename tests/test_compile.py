@@ -37,8 +37,34 @@ def test_variant_list_is_complete_and_keys_unique():
         assert {v.head_dim for v in variants if v.family == family} == set(dims)
     assert {(v.mask, v.score_mods) for v in variants} == {
         (m, s) for m in _compile.MASKS for s in (False, True)}
-    for v in variants:  # sm80 must fit sm_86/89's 99 KB of shared memory, sm90 the H100's 227 KB
-        assert v.smem_bytes <= (99 if v.family == "sm80" else 227) * 1024, v.key
+    for v in variants:  # sm80 must fit sm_86/89's 99 KB; sm90 the H100's 228 KB per SM
+        assert v.smem_bytes <= v.smem_limit, v.key
+        assert v.ctas_per_sm * (v.smem_bytes + 1024) <= 228 * 1024 or v.family == "sm80", v.key
+    short = [v for v in variants if v.family == "sm90" and v.block_m == 64]
+    assert {v.head_dim for v in short} == set(_compile.SM90_SHORT_TILES)
+
+
+def test_short_sequence_tiles_are_picked_for_short_packed_batches(monkeypatch):
+    monkeypatch.delenv(_compile.SM90_SHORT_ENV, raising=False)
+    limit = _compile.SM90_SHORT_MAX_MEAN_SEQLEN
+    assert _compile.short_sequences(True, limit * 10, 10)
+    assert not _compile.short_sequences(True, limit * 10 + 1, 10)
+    assert not _compile.short_sequences(False, 64, 10)  # padded batches keep 128-row tiles
+    for hd in (64, 128, 192, 256):
+        v = _compile.fwd_variant("bf16", hd, "window", False, "sm90", short=True)
+        expected = _compile.SM90_SHORT_TILES.get(hd, (128, None))[0]
+        assert v.block_m == expected, v.key
+        assert v.threads == 128 * (1 + v.block_m // 64)
+        assert v.ctas_per_sm == (2 if v.block_m == 64 else 1)
+        assert f", {v.block_m}, {v.block_n}, {v.q_stages}>" in v.name_expression
+    assert _compile.fwd_variant("fp16", 64, "none", False, "sm80", short=True).block_m == 128
+    monkeypatch.setenv(_compile.SM90_SHORT_ENV, "64")
+    assert _compile.short_sequences(False, 1 << 20, 1)
+    monkeypatch.setenv(_compile.SM90_SHORT_ENV, "128")
+    assert not _compile.short_sequences(True, 64, 10)
+    monkeypatch.setenv(_compile.SM90_SHORT_ENV, "32")
+    with pytest.raises(ValueError, match=_compile.SM90_SHORT_ENV):
+        _compile.short_sequences(True, 64, 10)
 
 
 def test_every_variant_compiles_without_spills(reports):
