@@ -9,8 +9,9 @@ Shapes: 16,384 tokens per batch (batch = 16384 // N), heads = 2048 // headdim, p
 shape (d=128, N=4096, batch 4, 32 query / 8 kv heads). TFLOP/s = 4*B*H*N^2*d, halved for
 causal. GPU-side implementations are timed with one pair of CUDA events per call, median of
 --reps, rotating among input sets that together exceed the 50 MB L2. The calls of a row are
-taken in 3 interleaved rounds (each implementation in turn, 5 warm-ups a round), so a slow
-spell of the machine falls on all of them rather than on whichever ran then. JAX is
+taken in 4 interleaved rounds (each implementation in turn, 5 warm-ups a round), so a slow
+spell of the machine falls on all of them rather than on whichever ran then; each round
+starts with the next implementation, as whichever runs first in a round measured faster. JAX is
 host-timed (wall clock to block_until_ready). Writes DIR/bench_fwd.{json,md,png} and
 DIR/bench_fwd_bf16.png.
 """
@@ -33,7 +34,7 @@ TOKENS, HIDDEN = 16384, 2048
 SEQLENS, QUICK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384), (1024, 4096, 16384)
 GQA = dict(head_dim=128, seqlen=4096, batch=4, nheads=32, nheads_k=8)
 WARMUP = 5
-ROUNDS = 3   # interleaved rounds per row (see the docstring)
+ROUNDS = 4   # interleaved rounds per row, each in a rotated order (see the docstring)
 ROTATE_BYTES = 256 * 2**20      # q,k,v bytes cycled per timing loop: 5x the H100's 50 MB L2
 MAX_SETS = 8
 MEM_SEQLENS = (1024, 4096, 16384)
@@ -276,8 +277,13 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
                    gflop=shape.flops(causal) / 1e9, impls={})
         timers = {name: timer(name, impl, causal) for name, impl in impls.items()}
         samples = {name: [] for name in impls}
-        for _ in range(ROUNDS):
-            for name, t in timers.items():
+        for round_ in range(ROUNDS):
+            # each round starts one implementation later: whichever runs first after the
+            # others measured up to 10 % faster (clocks), so no one may always be first
+            names = list(timers)
+            names = names[round_ % len(names):] + names[:round_ % len(names)]
+            for name in names:
+                t = timers[name]
                 if name in row["impls"]:      # not available, or failed in an earlier round
                     continue
                 got = {"na": t} if isinstance(t, str) else measure(t, per_round)

@@ -8,8 +8,8 @@ Batches: 32 sequences with lengths drawn from 128..4096, and 256 sequences from 
 (fixed seeds); head dims 64 and 128 (heads = 2048 / d); fp16; causal and not. Useful
 TFLOP/s only: sum over sequences of 4 * H * len^2 * d (halved for causal) — padding and
 masked-out work do not count. CUDA events; cufa (each --exp configuration), the padded call
-and varlen_attn are timed in ROUNDS interleaved rounds (so drift in clocks falls on all
-alike), the median of --reps calls each. Each experiment keeps its own plans, so switching
+and varlen_attn are timed in interleaved rounds, each started by the next of them (so
+drift in clocks falls on all alike), the median of --reps calls each. Each experiment keeps its own plans, so switching
 between them costs no re-planning.
 """
 import argparse
@@ -59,11 +59,16 @@ def event_times(fn, reps):
 
 
 def time_interleaved(fns, reps):
-    """Median ms of each function over ROUNDS rounds of reps / ROUNDS calls, in turn."""
-    times = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            times[name] += event_times(fn, max(1, reps // ROUNDS))
+    """Median ms of each function over at least ROUNDS rounds of reps / rounds calls, in
+    turn. Each round starts one function later, and there are enough rounds for every
+    function to go first once: the first of a round measured up to 10 % faster than the
+    same kernel later in it (clocks), which always-first would credit to one function."""
+    names = list(fns)
+    rounds = max(ROUNDS, len(names))
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name] += event_times(fns[name], max(1, -(-reps // rounds)))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -170,7 +175,7 @@ def main():
     fmt = (lambda x: "n/a" if x is None else f"{x:.0f}")
     ratio = (lambda a, b: "n/a" if not (a and b) else f"{a / b:.2f}")
     lines = [f"Packed (varlen) forward, fp16, {torch.cuda.get_device_name()}, useful TFLOP/s "
-             f"(padding excluded), CUDA events, median of {args.reps} calls in {ROUNDS} interleaved "
+             f"(padding excluded), CUDA events, median of {args.reps} calls in rotated interleaved "
              f"rounds.", "",
              "| batch | d | causal | tokens | cufa varlen | torch varlen_attn | cufa padded dense "
              "| cufa / varlen_attn | cufa / padded |",
