@@ -9,9 +9,9 @@ Shapes: 16,384 tokens per batch (batch = 16384 // N), heads = 2048 // headdim, p
 shape (d=128, N=4096, batch 4, 32 query / 8 kv heads). TFLOP/s = 4*B*H*N^2*d, halved for
 causal. GPU-side implementations are timed with one pair of CUDA events per call, median of
 --reps, rotating among input sets that together exceed the 50 MB L2. The calls of a row are
-taken in 4 interleaved rounds (each implementation in turn, 5 warm-ups a round), so a slow
-spell of the machine falls on all of them rather than on whichever ran then; each round
-starts with the next implementation, as whichever runs first in a round measured faster. JAX is
+taken in 4 interleaved rounds (the implementations in a fresh random order each round, at
+least 5 warm-up calls and 30 ms before each block), so a slow spell of the machine, or the
+clocks left by the kernel before, fall on all of them rather than on whichever ran then. JAX is
 host-timed (wall clock to block_until_ready). Writes DIR/bench_fwd.{json,md,png} and
 DIR/bench_fwd_bf16.png.
 """
@@ -20,6 +20,7 @@ import datetime
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -34,7 +35,8 @@ TOKENS, HIDDEN = 16384, 2048
 SEQLENS, QUICK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384), (1024, 4096, 16384)
 GQA = dict(head_dim=128, seqlen=4096, batch=4, nheads=32, nheads_k=8)
 WARMUP = 5
-ROUNDS = 4   # interleaved rounds per row, each in a rotated order (see the docstring)
+ROUNDS = 4   # interleaved rounds per row, each in a random order (see the docstring)
+WARMUP_MS = 30  # at least this long of warm-up calls before each timed block
 ROTATE_BYTES = 256 * 2**20      # q,k,v bytes cycled per timing loop: 5x the H100's 50 MB L2
 MAX_SETS = 8
 MEM_SEQLENS = (1024, 4096, 16384)
@@ -132,16 +134,23 @@ def progress(i, total, label, width=30):
 # -- timing ----------------------------------------------------------------------------------
 
 def time_events(torch, fn, sets, reps):
-    """ms of each of reps calls of fn, one CUDA event pair each, rotating sets."""
+    """ms of each of reps calls of fn, one CUDA event pair each, rotating sets. Warm-up:
+    WARMUP calls and at least WARMUP_MS, since the GPU's clocks follow what ran before (the
+    same calls right after a lighter kernel measured up to 10 % faster)."""
     torch.cuda.synchronize()
-    for i in range(WARMUP):
+    start = time.perf_counter()
+    i = 0
+    while i < WARMUP or (time.perf_counter() - start) * 1e3 < WARMUP_MS:
         fn(*sets[i % len(sets)])
+        i += 1
+        if i % 4 == 0:
+            torch.cuda.synchronize()
     # No sync after warm-up: the queue stays ahead of the GPU, so host launch cost overlaps
     # kernels as it does inside a model, and each event pair brackets just this call's work.
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
              for _ in range(reps)]
     for i, (start, stop) in enumerate(pairs):
-        args = sets[(WARMUP + i) % len(sets)]
+        args = sets[i % len(sets)]
         start.record()
         fn(*args)
         stop.record()
@@ -277,12 +286,10 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
                    gflop=shape.flops(causal) / 1e9, impls={})
         timers = {name: timer(name, impl, causal) for name, impl in impls.items()}
         samples = {name: [] for name in impls}
-        for round_ in range(ROUNDS):
-            # each round starts one implementation later: whichever runs first after the
-            # others measured up to 10 % faster (clocks), so no one may always be first
-            names = list(timers)
-            names = names[round_ % len(names):] + names[:round_ % len(names)]
-            for name in names:
+        order = random.Random(0)
+        for _ in range(ROUNDS):
+            # a fresh order each round: no implementation always follows the same one
+            for name in order.sample(list(timers), len(timers)):
                 t = timers[name]
                 if name in row["impls"]:      # not available, or failed in an earlier round
                     continue
@@ -528,8 +535,9 @@ def main(argv=None):
     summ, line = summary(rows)
     device = torch.cuda.get_device_name()
     head = (f"Attention forward, {device}, TFLOP/s (4*B*H*N^2*d, halved for causal); median of "
-            f"{-(-args.reps // ROUNDS) * ROUNDS} calls in {ROUNDS} interleaved rounds of "
-            f"{-(-args.reps // ROUNDS)} after {WARMUP} warm-ups each, CUDA events, inputs "
+            f"{-(-args.reps // ROUNDS) * ROUNDS} calls in {ROUNDS} interleaved rounds (random "
+            f"order) of {-(-args.reps // ROUNDS)} after {WARMUP} warm-ups and {WARMUP_MS} ms "
+            "each, CUDA events, inputs "
             "rotated past L2. "
             "* JAX is host-timed (wall clock to block_until_ready).")
     report = "\n\n".join([head, table, line] + ([memory_markdown(mem)] if mem else []))

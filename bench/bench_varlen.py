@@ -8,16 +8,19 @@ Batches: 32 sequences with lengths drawn from 128..4096, and 256 sequences from 
 (fixed seeds); head dims 64 and 128 (heads = 2048 / d); fp16; causal and not. Useful
 TFLOP/s only: sum over sequences of 4 * H * len^2 * d (halved for causal) — padding and
 masked-out work do not count. CUDA events; cufa (each --exp configuration), the padded call
-and varlen_attn are timed in interleaved rounds, each started by the next of them (so
-drift in clocks falls on all alike), the median of --reps calls each. Each experiment keeps its own plans, so switching
+and varlen_attn are timed in ROUNDS interleaved rounds in random order (so drift in clocks
+falls on all alike), each block after WARMUP_MS of its own warm-up calls, the median of
+--reps calls each. Each experiment keeps its own plans, so switching
 between them costs no re-planning.
 """
 import argparse
 import inspect
 import json
 import os
+import random
 import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -41,34 +44,41 @@ EXPERIMENTS = {
     "short_bn64": {"SM90_SHORT_TILES": {64: (64, 64)}},
     "short_bn80": {"SM90_SHORT_TILES": {128: (64, 80)}},
 }
-ROUNDS = 3
+ROUNDS = 8
+WARMUP_MS = 30  # of calls before each timed block: see event_times
 
 
 def event_times(fn, reps):
-    """ms of each of reps calls, one CUDA event pair each, after 3 warm-up calls."""
-    for _ in range(3):
+    """ms of each of reps calls, one CUDA event pair each, after at least WARMUP_MS of
+    warm-up calls. The GPU's clocks follow what ran before: right after a lighter kernel
+    the same calls measured up to 10 % faster, so each block starts from this function's
+    own steady state."""
+    start = time.perf_counter()
+    calls = 0
+    while calls < 3 or (time.perf_counter() - start) * 1e3 < WARMUP_MS:
         fn()
+        calls += 1
+        if calls % 4 == 0:
+            torch.cuda.synchronize()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
              for _ in range(reps)]
-    for start, stop in pairs:
-        start.record()
+    for start_event, stop_event in pairs:
+        start_event.record()
         fn()
-        stop.record()
+        stop_event.record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in pairs]
 
 
 def time_interleaved(fns, reps):
-    """Median ms of each function over at least ROUNDS rounds of reps / rounds calls, in
-    turn. Each round starts one function later, and there are enough rounds for every
-    function to go first once: the first of a round measured up to 10 % faster than the
-    same kernel later in it (clocks), which always-first would credit to one function."""
+    """Median ms of each function over ROUNDS rounds of reps / ROUNDS calls, in a fresh
+    random order each round (fixed seed), so no function always follows the same one."""
     names = list(fns)
-    rounds = max(ROUNDS, len(names))
+    order = random.Random(0)
     times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name] += event_times(fns[name], max(1, -(-reps // rounds)))
+    for _ in range(ROUNDS):
+        for name in order.sample(names, len(names)):
+            times[name] += event_times(fns[name], max(1, -(-reps // ROUNDS)))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -175,8 +185,8 @@ def main():
     fmt = (lambda x: "n/a" if x is None else f"{x:.0f}")
     ratio = (lambda a, b: "n/a" if not (a and b) else f"{a / b:.2f}")
     lines = [f"Packed (varlen) forward, fp16, {torch.cuda.get_device_name()}, useful TFLOP/s "
-             f"(padding excluded), CUDA events, median of {args.reps} calls in rotated interleaved "
-             f"rounds.", "",
+             f"(padding excluded), CUDA events, median of {args.reps} calls in {ROUNDS} interleaved "
+             f"rounds (random order, {WARMUP_MS} ms warm-up per block).", "",
              "| batch | d | causal | tokens | cufa varlen | torch varlen_attn | cufa padded dense "
              "| cufa / varlen_attn | cufa / padded |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
