@@ -1,5 +1,6 @@
 """CPU: every kernel variant compiles with NVRTC for sm_80 and sm_90 without spills,
 and the params layout check really catches a drifted struct. No GPU needed."""
+import itertools
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -41,7 +42,9 @@ def test_variant_list_is_complete_and_keys_unique():
         assert v.smem_bytes <= v.smem_limit, v.key
         assert v.ctas_per_sm * (v.smem_bytes + 1024) <= 228 * 1024 or v.family == "sm80", v.key
     short = [v for v in variants if v.family == "sm90" and v.block_m == 64]
-    assert {v.head_dim for v in short} == set(_compile.SM90_SHORT_TILES)
+    assert {(v.head_dim, v.mask) for v in short} == (
+        {(hd, "none") for hd in _compile.SM90_SHORT_TILES}
+        | {(hd, "window") for hd in _compile.SM90_SHORT_TILES_WINDOW})
 
 
 def test_short_sequence_tiles_are_picked_for_short_packed_batches(monkeypatch):
@@ -50,10 +53,10 @@ def test_short_sequence_tiles_are_picked_for_short_packed_batches(monkeypatch):
     assert _compile.short_sequences(True, limit * 10, 10)
     assert not _compile.short_sequences(True, limit * 10 + 1, 10)
     assert not _compile.short_sequences(False, 64, 10)  # padded batches keep 128-row tiles
-    for hd in (64, 128, 192, 256):
-        v = _compile.fwd_variant("bf16", hd, "window", False, "sm90", short=True)
-        expected = _compile.SM90_SHORT_TILES.get(hd, (128, None))[0]
-        assert v.block_m == expected, v.key
+    for hd, mask in itertools.product((64, 128, 192, 256), _compile.MASKS):
+        v = _compile.fwd_variant("bf16", hd, mask, False, "sm90", short=True)
+        table = _compile.SM90_SHORT_TILES_WINDOW if mask == "window" else _compile.SM90_SHORT_TILES
+        assert v.block_m == table.get(hd, (128, None))[0], v.key
         assert v.threads == 128 * (1 + v.block_m // 64)
         assert v.ctas_per_sm == (2 if v.block_m == 64 else 1)
         assert f", {v.block_m}, {v.block_n}, {v.q_stages}>" in v.name_expression
