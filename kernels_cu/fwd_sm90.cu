@@ -1,5 +1,6 @@
 // Forward attention on Hopper (sm_90a): persistent, warp-specialized. One CTA per SM
-// works through tiles of 128 query rows of one (batch, head), taking the next tile of
+// (two on 64-row tiles, below) works through tiles of 128 query rows of one (batch, head),
+// taking the next tile of
 // the list from a global counter when it is ready for one (tiles differ in cost under a
 // causal mask; a fixed stride left some SMs twice the work of others). A producer warp
 // streams Q and the K/V blocks of its tiles into shared memory with TMA (a ring of
