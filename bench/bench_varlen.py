@@ -9,7 +9,8 @@ Batches: 32 sequences with lengths drawn from 128..4096, and 256 sequences from 
 TFLOP/s only: sum over sequences of 4 * H * len^2 * d (halved for causal) — padding and
 masked-out work do not count. CUDA events; cufa (each --exp configuration), the padded call
 and varlen_attn are timed in ROUNDS interleaved rounds in random order (so drift in clocks
-falls on all alike), each block after WARMUP_MS of its own warm-up calls, the median of
+falls on all alike), each block after bench_fwd's warm-up (at least 30 ms of its own
+calls), the median of
 --reps calls each. Each experiment keeps its own plans, so switching
 between them costs no re-planning.
 """
@@ -20,7 +21,6 @@ import os
 import random
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
+from bench_fwd import WARMUP_MS, time_events  # noqa: E402  (this script's folder is on sys.path)
 
 BATCHES = {"32 x 128..4096": (32, 128, 4096, 0), "256 x 64..512": (256, 64, 512, 1)}
 BATCH_NAMES = {"long": "32 x 128..4096", "short": "256 x 64..512"}
@@ -45,29 +46,6 @@ EXPERIMENTS = {
     "short_bn64": {"SM90_SHORT_TILES": {64: (64, 64)}, "SM90_SHORT_TILES_WINDOW": {64: (64, 64)}},
 }
 ROUNDS = 8
-WARMUP_MS = 30  # of calls before each timed block: see event_times
-
-
-def event_times(fn, reps):
-    """ms of each of reps calls, one CUDA event pair each, after at least WARMUP_MS of
-    warm-up calls. The GPU's clocks follow what ran before: right after a lighter kernel
-    the same calls measured up to 10 % faster, so each block starts from this function's
-    own steady state."""
-    start = time.perf_counter()
-    calls = 0
-    while calls < 3 or (time.perf_counter() - start) * 1e3 < WARMUP_MS:
-        fn()
-        calls += 1
-        if calls % 4 == 0:
-            torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
-    for start_event, stop_event in pairs:
-        start_event.record()
-        fn()
-        stop_event.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in pairs]
 
 
 def time_interleaved(fns, reps):
@@ -78,7 +56,8 @@ def time_interleaved(fns, reps):
     times = {name: [] for name in names}
     for _ in range(ROUNDS):
         for name in order.sample(names, len(names)):
-            times[name] += event_times(fns[name], max(1, -(-reps // ROUNDS)))
+            # (bench_fwd's timer: at least WARMUP_MS of warm-up before each block)
+            times[name] += time_events(torch, fns[name], [()], max(1, -(-reps // ROUNDS)))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -110,9 +89,12 @@ def main():
               for name in ("SM90_TILES", "SM90_TILES_WINDOW", "SM90_SHORT_TILES",
                            "SM90_SHORT_TILES_WINDOW")}
 
+    exps = ["base"] + [e for e in args.exp.split(",") if e != "base"]
     plans = {}  # experiment -> its own plan cache (plans hold the variant picked)
 
     def configure(exp):
+        if len(exps) == 1:  # base only: time the bare call
+            return
         for name, table in tables.items():
             patch = EXPERIMENTS[exp].get(name, {})
             setattr(_compile, name, {} if patch is None else {**table, **patch})
@@ -136,12 +118,10 @@ def main():
             for causal in (False, True):
                 flops = sum(4 * h * int(n) ** 2 * d for n in lens) / (2 if causal else 1)
                 row = dict(batch=name, d=d, causal=causal, total_tokens=total, max_len=max_len)
-                exps = ["base"] + [e for e in args.exp.split(",") if e != "base"]
 
                 def packed_call(exp):
                     def call():
-                        if len(exps) > 1:  # (a base-only run times the bare call)
-                            configure(exp)
+                        configure(exp)
                         return cufa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
                                                            causal=causal)
                     return call
@@ -155,8 +135,7 @@ def main():
                        for exp in exps}
 
                 def padded_call():
-                    if len(exps) > 1:
-                        configure("base")
+                    configure("base")
                     return cufa.flash_attn_func(*dense, causal=causal)
 
                 fns["padded"] = padded_call

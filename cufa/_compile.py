@@ -142,6 +142,7 @@ class ScheduleKernel:
     name_expression: str = "cufa::varlen_schedule"
     threads: int = 1024
     smem_bytes: int = 0
+    ctas_per_sm: int = 1
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
 
@@ -160,10 +161,11 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", short=False):
     """short: an sm90 packed batch of short sequences (short_sequences), which gets the
     64-row tiles where the head dim has them."""
     hd = padded_head_dim(head_dim, family)
+    short_tiles = SM90_SHORT_TILES_WINDOW if mask == "window" else SM90_SHORT_TILES
     if family == "sm80":
         block_m, block_n = (SM80_TILES_SCORE_MODS if score_mods else SM80_TILES)[hd]
-    elif short and hd in (SM90_SHORT_TILES_WINDOW if mask == "window" else SM90_SHORT_TILES):
-        block_m, block_n = (SM90_SHORT_TILES_WINDOW if mask == "window" else SM90_SHORT_TILES)[hd]
+    elif short and hd in short_tiles:
+        block_m, block_n = short_tiles[hd]
     else:
         tiles = (SM90_TILES_SCORE_MODS if score_mods
                  else SM90_TILES_WINDOW if mask == "window" else SM90_TILES)
@@ -198,14 +200,13 @@ def family_for(compute_capability):
 
 
 def all_variants():
-    """Every kernel variant the library can launch."""
-    return [fwd_variant(dt, hd, mask, mods, family)
-            for family, dims in (("sm80", SM80_HEAD_DIMS), ("sm90", SM90_HEAD_DIMS))
-            for dt in DTYPES for hd in dims for mask in MASKS for mods in (False, True)
-            ] + [fwd_variant(dt, hd, mask, mods, "sm90", short=True)
-                 for dt in DTYPES for mask, tiles in (("none", SM90_SHORT_TILES),
-                                                      ("window", SM90_SHORT_TILES_WINDOW))
-                 for hd in tiles for mods in (False, True)] + [VARLEN_SCHEDULE]
+    """Every kernel variant the library can launch (short-sequence choices that fall back
+    to the usual tiles counted once)."""
+    variants = [fwd_variant(dt, hd, mask, mods, family, short)
+                for family, dims in (("sm80", SM80_HEAD_DIMS), ("sm90", SM90_HEAD_DIMS))
+                for short in (False, True) for dt in DTYPES for hd in dims for mask in MASKS
+                for mods in (False, True)]
+    return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE]
 
 
 # -- sources ---------------------------------------------------------------------------
@@ -273,7 +274,7 @@ def get_kernel(variant, device_id):
                 fn = module.get_function(variant.name_expression)
                 if variant.smem_bytes > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = variant.smem_bytes
-                if getattr(variant, "ctas_per_sm", 1) > 1:  # room for all of them, not one
+                if variant.ctas_per_sm > 1:  # room in shared memory for all of them, not one
                     fn.preferred_shared_memory_carveout = 100
             _kernels[key] = fn
     return fn

@@ -1,8 +1,8 @@
 // Forward attention on Hopper (sm_90a): persistent, warp-specialized. One CTA per SM
-// (two on 64-row tiles, below) works through tiles of 128 query rows of one (batch, head),
-// taking the next tile of
-// the list from a global counter when it is ready for one (tiles differ in cost under a
-// causal mask; a fixed stride left some SMs twice the work of others). A producer warp
+// (two on 64-row tiles, below) works through tiles of 128 query rows of one (batch,
+// head), taking the next tile of the list from a global counter when it is ready for one
+// (tiles differ in cost under a causal mask; a fixed stride left some SMs twice the work
+// of others). A producer warp
 // streams Q and the K/V blocks of its tiles into shared memory with TMA (a ring of
 // stages, each announced on an mbarrier), running ahead across tile boundaries; two
 // consumer warpgroups of 64 rows each run both products on wgmma (S = Q K^T from shared
