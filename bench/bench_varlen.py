@@ -7,7 +7,9 @@ a padded dense cufa call of the same batch, in one run.
 Batches: 32 sequences with lengths drawn from 128..4096, and 256 sequences from 64..512
 (fixed seeds); head dims 64 and 128 (heads = 2048 / d); fp16; causal and not. Useful
 TFLOP/s only: sum over sequences of 4 * H * len^2 * d (halved for causal) — padding and
-masked-out work do not count. CUDA events; cufa (each --exp configuration), the padded call
+masked-out work do not count. Beside it, each call's least DRAM traffic (q, k, v read and o
+written once: 2 bytes an element) over its time, in TB/s: the padded call moves 1.76x the
+bytes of the short batch for 2.6x its useful FLOPs. CUDA events; cufa (each --exp configuration), the padded call
 and varlen_attn are timed in ROUNDS interleaved rounds in random order (so drift in clocks
 falls on all alike), each block after bench_fwd's warm-up (at least 30 ms of its own
 calls), the median of
@@ -118,6 +120,9 @@ def main():
             for causal in (False, True):
                 flops = sum(4 * h * int(n) ** 2 * d for n in lens) / (2 if causal else 1)
                 row = dict(batch=name, d=d, causal=causal, total_tokens=total, max_len=max_len)
+                # q, k, v read and o written once (2-byte elements): the least DRAM traffic
+                packed_bytes = 4 * total * h * d * 2
+                padded_bytes = 4 * batch * max_len * h * d * 2
 
                 def packed_call(exp):
                     def call():
@@ -157,6 +162,8 @@ def main():
                 for key in ["cufa", "padded", "peer"] + [f"cufa_{e}" for e in args.exp.split(",")]:
                     ms = row[f"{key}_ms"]
                     row[f"{key}_tflops"] = flops / ms / 1e9 if ms else None
+                row["cufa_tbps"] = packed_bytes / row["cufa_ms"] / 1e9
+                row["padded_tbps"] = padded_bytes / row["padded_ms"] / 1e9
                 rows.append(row)
                 print(f"{name} d={d} causal={causal}: cufa " + ", ".join(
                     f"{e} {row[f'cufa_{e}_tflops']:.0f} (diff {row[f'cufa_{e}_diff']:.1e})" for e in args.exp.split(",")) +
@@ -168,13 +175,14 @@ def main():
              f"(padding excluded), CUDA events, median of {args.reps} calls in {ROUNDS} interleaved "
              f"rounds (random order, {WARMUP_MS} ms warm-up per block).", "",
              "| batch | d | causal | tokens | cufa varlen | torch varlen_attn | cufa padded dense "
-             "| cufa / varlen_attn | cufa / padded |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| cufa / varlen_attn | cufa / padded | least traffic, TB/s: cufa / padded |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['d']} | {r['causal']} | {r['total_tokens']} | "
                      f"{fmt(r['cufa_tflops'])} | {fmt(r['peer_tflops'])} | "
                      f"{fmt(r['padded_tflops'])} | {ratio(r['cufa_tflops'], r['peer_tflops'])} | "
-                     f"{ratio(r['cufa_tflops'], r['padded_tflops'])} |")
+                     f"{ratio(r['cufa_tflops'], r['padded_tflops'])} | "
+                     f"{r['cufa_tbps']:.2f} / {r['padded_tbps']:.2f} |")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(args.out, "bench_varlen.md"), "w") as f:
