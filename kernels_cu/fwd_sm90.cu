@@ -1,14 +1,13 @@
 // Forward attention on Hopper (sm_90a): persistent, warp-specialized. One CTA per SM
-// (two on 64-row tiles, below) works through tiles of 128 query rows of one (batch,
-// head), taking the next tile of the list from a global counter when it is ready for one
-// (tiles differ in cost under a causal mask; a fixed stride left some SMs twice the work
-// of others). A producer warp
-// streams Q and the K/V blocks of its tiles into shared memory with TMA (a ring of
-// stages, each announced on an mbarrier), running ahead across tile boundaries; two
-// consumer warpgroups of 64 rows each run both products on wgmma (S = Q K^T from shared
-// memory, O += P V with P from registers) and write O (from d = 128 through their Q
-// stage). The consumers take turns issuing their products (named barriers), so one's
-// softmax runs under the other's matrix work.
+// (two on 64-row tiles, below) works through tiles of 128 (or 64) query rows of one
+// (batch, head), taking the next tile of the list from a global counter when it is ready
+// for one (tiles differ in cost under a causal mask; a fixed stride left some SMs twice
+// the work of others). A producer warp streams Q and the K/V blocks of its tiles into
+// shared memory with TMA (a ring of stages, each announced on an mbarrier), running ahead
+// across tile boundaries; two consumer warpgroups of 64 rows each run both products on
+// wgmma (S = Q K^T from shared memory, O += P V with P from registers) and write O (from
+// d = 128 through their Q stage). The consumers take turns issuing their products (named
+// barriers), so one's softmax runs under the other's matrix work.
 #include "common.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -366,7 +365,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     mbar_wait(sm.q_full() + 8 * q_stage, Smem::q_parity(tile_count));
     Tile t;
     if (!load_tile(sm.tile() + 32 * q_stage, p, t)) break;
-    const Sm90Work w = sm90_work<Smem::kBlockM, kMask, Smem::kBlockN>(p, t);
+    const Sm90Work w = sm90_work<kBlockM, kMask, kBlockN>(p, t);
     // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
     // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
     // head dim 256: with the extra branch ptxas spills there.)
