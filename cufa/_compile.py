@@ -149,6 +149,76 @@ class ScheduleKernel:
 
 VARLEN_SCHEDULE = ScheduleKernel()
 
+# KV-cache kernels (decode.cu, merge.cu): mma.sync, for every GPU from sm_80 on. Decode
+# is bound by reading the cache, so Hopper gains nothing from wgmma here. One variant per
+# dtype and padded head dim; masks and score mods are runtime branches, whose cost hides
+# under the memory traffic.
+DECODE_HEAD_DIMS = SM80_HEAD_DIMS
+DECODE_WARPS, DECODE_ROWS, DECODE_TILE_KEYS = 4, 16, 16  # decode.cu
+MERGE_DTYPES = ("fp16", "bf16", "fp32")  # index = MergeDtype in merge.cu
+
+
+def decode_stages(head_dim):
+    """cp.async stages per warp (DecodeStages in decode.cu)."""
+    return 4 if head_dim <= 64 else 3 if head_dim <= 128 else 2
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """decode.cu's kernels: "decode" (attention against the cache), "combine" (merges the
+    splits of split-KV), "append" (new keys into the cache, rotary); merge.cu's "merge"."""
+    kind: str
+    dtype: str
+    head_dim: int = 0   # "decode" only: the padded head dim
+    threads: int = 128
+    archs: tuple = ("sm_80", "sm_90")
+    options: tuple = NVRTC_OPTIONS
+
+    @property
+    def source(self):
+        return "merge.cu" if self.kind == "merge" else "decode.cu"
+
+    @property
+    def key(self):
+        hd = f"_hd{self.head_dim}" if self.kind == "decode" else ""
+        return f"{self.kind}_{self.dtype}{hd}" if self.kind == "decode" else \
+            f"decode_{self.kind}_{self.dtype}" if self.kind != "merge" else f"merge_{self.dtype}"
+
+    @property
+    def name_expression(self):
+        if self.kind == "merge":
+            return f"cufa::merge_states<{MERGE_DTYPES.index(self.dtype)}>"
+        dt = DTYPES.index(self.dtype)
+        if self.kind == "decode":
+            return f"cufa::decode_kernel<{dt}, {self.head_dim}>"
+        return f"cufa::decode_{self.kind}<{dt}>"
+
+    @property
+    def smem_bytes(self):
+        """Dynamic shared memory: Q, then each warp's K/V stages."""
+        if self.kind != "decode":
+            return 0
+        q = DECODE_ROWS * self.head_dim * 2
+        return q + DECODE_WARPS * decode_stages(self.head_dim) * 2 * DECODE_TILE_KEYS * self.head_dim * 2
+
+    @property
+    def ctas_per_sm(self):
+        """On an H100 (228 KB of shared memory an SM, 1 KB reserved per CTA, plus the
+        kernel's static 640 bytes)."""
+        if self.kind != "decode":
+            return 1
+        return max(1, min(16, SM90_SMEM_PER_SM // (self.smem_bytes + 1024 + 640)))
+
+
+def decode_kernel(dtype, head_dim):
+    return DecodeKernel("decode", dtype, padded_head_dim(head_dim))
+
+
+def decode_variants():
+    return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+            + [DecodeKernel(kind, dt) for kind in ("combine", "append") for dt in DTYPES]
+            + [DecodeKernel("merge", dt) for dt in MERGE_DTYPES])
+
 
 def padded_head_dim(head_dim, family="sm80"):
     for hd in (SM80_HEAD_DIMS if family == "sm80" else SM90_HEAD_DIMS):
@@ -206,7 +276,7 @@ def all_variants():
                 for family, dims in (("sm80", SM80_HEAD_DIMS), ("sm90", SM90_HEAD_DIMS))
                 for short in (False, True) for dt in DTYPES for hd in dims for mask in MASKS
                 for mods in (False, True)]
-    return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE]
+    return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 
 # -- sources ---------------------------------------------------------------------------
@@ -239,8 +309,10 @@ def assembled_source(filename):
     src = _source_cache.get(filename)
     if src is None:
         body = _inline(filename, set())
-        if "struct FwdParams {" in body:
-            body += "\n" + _params.layout_asserts()
+        for marker, record in _params.RECORDS.items():
+            if marker in body:
+                body += "\n" + (_params.layout_asserts() if record is _params.FWD else
+                                 _params.layout_asserts(record.struct_name, record.dtype))
         digest = hashlib.sha256(body.encode()).hexdigest()[:16]
         src = f"// cufa {filename} sha256:{digest}\n{body}"
         _source_cache[filename] = src

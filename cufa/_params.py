@@ -1,8 +1,9 @@
-"""Python mirror of ``FwdParams`` (kernels_cu/params.cuh), passed to kernels by value.
+"""Python mirrors of the kernels' params structs, passed by value: ``FwdParams``
+(kernels_cu/params.cuh) and ``DecodeParams`` (kernels_cu/decode_params.cuh).
 
-The field list below is the single Python statement of the layout. Every compile
+Each field list below is the single Python statement of its layout. Every compile
 appends ``static_assert``s generated from it (``layout_asserts``), so a struct that
-drifted from this mirror fails to compile instead of reading garbage.
+drifted from its mirror fails to compile instead of reading garbage.
 """
 import ctypes
 import struct
@@ -15,7 +16,7 @@ FWD_FIELDS = [
     ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("lse", _PTR),
     ("attn_mask", _PTR), ("alibi_slopes", _PTR),
     ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR), ("seqused_k", _PTR),
-    ("tile_list", _PTR), ("tile_count", _PTR), ("tile_counter", _PTR),
+    ("tile_list", _PTR), ("tile_count", _PTR), ("tile_counter", _PTR), ("block_table", _PTR),
     ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
     ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
     ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
@@ -23,29 +24,92 @@ FWD_FIELDS = [
     ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
     ("mask_batch_stride", _I64), ("mask_head_stride", _I64),
     ("mask_row_stride", _I64), ("mask_col_stride", _I64),
-    ("alibi_batch_stride", _I64),
+    ("alibi_batch_stride", _I64), ("block_table_batch_stride", _I64),
     ("batch", _I32), ("nheads", _I32), ("nheads_k", _I32),
     ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
     ("num_m_blocks", _I32), ("heads_per_group", _I32), ("kv_tail_maps", _I32),
     ("bottom_right", _I32), ("window_left", _I32), ("window_right", _I32),
-    ("attn_mask_type", _I32),
+    ("attn_mask_type", _I32), ("page_shift", _I32), ("num_pages", _I32),
     ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),
 ]
 
-FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
-_FWD_NAMES = frozenset(FWD_DTYPE.names)
+DECODE_FIELDS = [
+    ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("lse", _PTR),
+    ("o_partial", _PTR), ("lse_partial", _PTR),
+    ("cache_seqlens", _PTR), ("cache_batch_idx", _PTR), ("cache_leftpad", _PTR),
+    ("block_table", _PTR), ("alibi_slopes", _PTR),
+    ("k_new", _PTR), ("v_new", _PTR), ("q_source", _PTR), ("rotary_cos", _PTR),
+    ("rotary_sin", _PTR),
+    ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
+    ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
+    ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
+    ("o_batch_stride", _I64), ("o_row_stride", _I64), ("o_head_stride", _I64),
+    ("block_table_batch_stride", _I64), ("alibi_batch_stride", _I64),
+    ("k_new_batch_stride", _I64), ("k_new_row_stride", _I64), ("k_new_head_stride", _I64),
+    ("v_new_batch_stride", _I64), ("v_new_row_stride", _I64), ("v_new_head_stride", _I64),
+    ("q_source_batch_stride", _I64), ("q_source_row_stride", _I64),
+    ("q_source_head_stride", _I64),
+    ("batch", _I32), ("seqlen_q", _I32), ("nheads", _I32), ("nheads_k", _I32), ("group", _I32),
+    ("head_dim", _I32), ("cache_seqlen_fixed", _I32), ("seqlen_new", _I32), ("capacity", _I32),
+    ("cache_rows", _I32), ("page_shift", _I32), ("max_pages", _I32), ("num_splits", _I32),
+    ("num_m_blocks", _I32), ("window_left", _I32), ("window_right", _I32),
+    ("rotary_dim", _I32), ("seqlen_ro", _I32), ("rotary_dtype", _I32),
+    ("rotary_interleaved", _I32), ("rotary_q_per_token", _I32),
+    ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),
+]
 
-# The pointers lead the record, so a call's addresses go in with one struct.pack.
-POINTER_FIELDS = tuple(name for name, kind in FWD_FIELDS if kind is _PTR)
-assert all(FWD_DTYPE.fields[n][1] == 8 * i for i, n in enumerate(POINTER_FIELDS))
-_POINTERS = struct.Struct(f"<{len(POINTER_FIELDS)}Q")
+MERGE_FIELDS = [(n, _PTR) for n in ("out_a", "lse_a", "out_b", "lse_b", "out", "lse")] + [
+    (f"{x}_{d}_stride", _I64) for x in ("out_a", "out_b", "out")
+    for d in ("batch", "row", "head", "col")] + [
+    (f"{x}_{d}_stride", _I64) for x in ("lse_a", "lse_b", "lse")
+    for d in ("batch", "head", "row")] + [
+    ("batch", _I32), ("seqlen", _I32), ("nheads", _I32), ("head_dim", _I32)]
+
+
+class Record:
+    """One params struct: its NumPy layout, and the pointer fields that lead it (so a
+    call's addresses go in with one struct.pack)."""
+
+    def __init__(self, struct_name, fields):
+        self.struct_name = struct_name
+        self.dtype = np.dtype(fields, align=True)
+        self.names = frozenset(self.dtype.names)
+        self.pointer_fields = tuple(name for name, kind in fields if kind is _PTR)
+        assert all(self.dtype.fields[n][1] == 8 * i for i, n in enumerate(self.pointer_fields))
+        self._pointers = struct.Struct(f"<{len(self.pointer_fields)}Q")
+
+    def pack(self, fields):
+        """{field: value} -> the record passed by value to the kernel (fields left out
+        are 0). One conversion: cheaper than setting fields of a record one by one."""
+        unknown = fields.keys() - self.names
+        if unknown:
+            raise KeyError(f"not {self.struct_name} fields: {sorted(unknown)}")
+        return np.array(tuple(fields.get(name, 0) for name in self.dtype.names),
+                        dtype=self.dtype)
+
+    def with_pointers(self, record, pointers):
+        """A copy of `record` (bytes of a packed record) with the pointer fields set to
+        `pointers` ({name: address}; the others 0), as a ctypes buffer to pass by address."""
+        buffer = ctypes.create_string_buffer(record, len(record))
+        self._pointers.pack_into(buffer, 0, *(pointers.get(n, 0) for n in self.pointer_fields))
+        return buffer
+
+
+FWD = Record("cufa::FwdParams", FWD_FIELDS)
+DECODE = Record("cufa::DecodeParams", DECODE_FIELDS)
+MERGE = Record("cufa::MergeParams", MERGE_FIELDS)
+# marker in a kernel source -> the record whose layout checks a compile of it appends
+RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
+           "struct MergeParams {": MERGE}
+FWD_DTYPE = FWD.dtype
+POINTER_FIELDS = FWD.pointer_fields
 
 # AttnMaskType in params.cuh
 ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)
 
 
 def layout_asserts(struct_name="cufa::FwdParams", dtype=FWD_DTYPE):
-    """C++ static_asserts pinning the size and every field offset to this mirror
+    """C++ static_asserts pinning the size and every field offset to a mirror
     (``cufa::field_offset`` in params.cuh finds an offset at compile time)."""
     lines = [f"static_assert(sizeof({struct_name}) == {dtype.itemsize}, "
              f"\"{struct_name} size differs from cufa/_params.py\");"]
@@ -59,17 +123,9 @@ def layout_asserts(struct_name="cufa::FwdParams", dtype=FWD_DTYPE):
 
 
 def pack_fwd_params(fields):
-    """{field: value} -> the record passed by value to the kernel (fields left out are
-    0). One conversion: cheaper than setting fields of a record one by one."""
-    unknown = fields.keys() - _FWD_NAMES
-    if unknown:
-        raise KeyError(f"not FwdParams fields: {sorted(unknown)}")
-    return np.array(tuple(fields.get(name, 0) for name in FWD_DTYPE.names), dtype=FWD_DTYPE)
+    return FWD.pack(fields)
 
 
 def with_pointers(record, pointers):
-    """A copy of `record` (bytes of a pack_fwd_params record) with the POINTER_FIELDS set
-    to `pointers`, as a ctypes buffer to pass by address."""
-    buffer = ctypes.create_string_buffer(record, len(record))
-    _POINTERS.pack_into(buffer, 0, *pointers)
-    return buffer
+    """FwdParams: `pointers` in POINTER_FIELDS order."""
+    return FWD.with_pointers(record, dict(zip(POINTER_FIELDS, pointers)))

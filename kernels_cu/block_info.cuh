@@ -33,11 +33,16 @@ __device__ __forceinline__ bool get_tile(const FwdParams& p, int block, Tile& t)
     const int* cu_q = reinterpret_cast<const int*>(p.cu_seqlens_q);
     const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
     const int q0 = min(max(cu_q[t.b], 0), p.seqlen_q);  // seqlen_q/k hold the total rows
-    const int k0 = min(max(cu_k[t.b], 0), p.seqlen_k);
     t.q_start = q0;
-    t.k_start = k0;
     t.seqlen_q = min(max(cu_q[t.b + 1], q0), p.seqlen_q) - q0;
-    t.seqlen_k = min(max(cu_k[t.b + 1], k0), p.seqlen_k) - k0;
+    if (p.block_table) {  // keys 0.. of the sequence's pages; seqlen_k holds their capacity
+      t.k_start = 0;
+      t.seqlen_k = min(max(cu_k[t.b + 1] - cu_k[t.b], 0), p.seqlen_k);
+    } else {
+      const int k0 = min(max(cu_k[t.b], 0), p.seqlen_k);
+      t.k_start = k0;
+      t.seqlen_k = min(max(cu_k[t.b + 1], k0), p.seqlen_k) - k0;
+    }
     if (p.seqused_k)
       t.seqlen_k = min(max(reinterpret_cast<const int*>(p.seqused_k)[t.b], 0), t.seqlen_k);
   } else {
@@ -59,7 +64,8 @@ __device__ __forceinline__ bool get_tile(const FwdParams& p, int block, Tile& t)
   return true;
 }
 
-// Row 0 of the tile's sequence: q and o for head h, k and v for its KV head h_k.
+// Row 0 of the tile's sequence: q and o for head h, k and v for its KV head h_k (paged
+// K/V: the head's offset within a page; kv_row_ptr finds each row).
 struct TilePointers {
   const u16 *q, *k, *v;
   u16* o;
@@ -70,15 +76,25 @@ __device__ __forceinline__ TilePointers tile_pointers(const FwdParams& p, const 
   TilePointers r;
   r.q = reinterpret_cast<const u16*>(p.q) + t.b * p.q_batch_stride + t.h * p.q_head_stride +
         t.q_start * p.q_row_stride;
-  r.k = reinterpret_cast<const u16*>(p.k) + t.b * p.k_batch_stride + t.h_k * p.k_head_stride +
+  const i64 kv_batch = p.block_table ? 0 : t.b;
+  r.k = reinterpret_cast<const u16*>(p.k) + kv_batch * p.k_batch_stride + t.h_k * p.k_head_stride +
         t.k_start * p.k_row_stride;
-  r.v = reinterpret_cast<const u16*>(p.v) + t.b * p.v_batch_stride + t.h_k * p.v_head_stride +
+  r.v = reinterpret_cast<const u16*>(p.v) + kv_batch * p.v_batch_stride + t.h_k * p.v_head_stride +
         t.k_start * p.v_row_stride;
   r.o = reinterpret_cast<u16*>(p.o) + t.b * p.o_batch_stride + t.h * p.o_head_stride +
         t.q_start * p.o_row_stride;
   r.lse = reinterpret_cast<float*>(p.lse) + t.b * p.lse_batch_stride + t.h * p.lse_head_stride +
           t.q_start;
   return r;
+}
+
+// Key `key` of the tile's sequence in a paged cache: its page (clamped to the cache, so a
+// bad page id reads a wrong page, never outside), then its row there.
+__device__ __forceinline__ const u16* paged_row(const FwdParams& p, const Tile& t, const u16* head,
+                                                i64 page_stride, i64 row_stride, int key) {
+  const int* pages = reinterpret_cast<const int*>(p.block_table) + t.b * p.block_table_batch_stride;
+  const int page = min(max(pages[key >> p.page_shift], 0), p.num_pages - 1);
+  return head + page * page_stride + (key & ((1 << p.page_shift) - 1)) * row_stride;
 }
 
 }  // namespace cufa

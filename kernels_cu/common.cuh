@@ -65,18 +65,29 @@ __device__ __forceinline__ void cp_async_wait() {
 // chunk (row, c) at byte `offset(row, c)` (the kernel's swizzle); rows past `rows_valid`
 // and columns past `head_dim` become zeros. Not unrolled on purpose: unrolled, the
 // compiler keeps every chunk's addresses live across the main loop, which costs more
-// registers than the accumulators.
+// registers than the accumulators. row_ptr(r) gives row r's first element (called for
+// valid rows only); `any` is a valid address for the zero-filling copies, which read nothing.
+template <int kRows, int kHeadDim, int kThreads, typename RowPtr, typename Offset>
+__device__ __forceinline__ void copy_rows_async(u32 smem, RowPtr row_ptr, const u16* any,
+                                                int rows_valid, int head_dim, Offset offset,
+                                                int thread) {
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll 1
+  for (int idx = thread; idx < kRows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = r < rows_valid && c * 8 < head_dim;
+    const u16* src = valid ? row_ptr(r) + c * 8 : any;
+    cp_async_16(smem + offset(r, c), src, valid ? 16 : 0);
+  }
+}
+
+// The same for rows evenly spaced from gmem.
 template <int kRows, int kHeadDim, int kThreads, typename Offset>
 __device__ __forceinline__ void copy_tile_async(u32 smem, const u16* gmem, i64 row_stride,
                                                 int rows_valid, int head_dim, Offset offset) {
-  constexpr int kChunks = kHeadDim / 8;
-#pragma unroll 1
-  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r < rows_valid && c * 8 < head_dim;
-    const u16* src = valid ? gmem + r * row_stride + c * 8 : gmem;
-    cp_async_16(smem + offset(r, c), src, valid ? 16 : 0);
-  }
+  copy_rows_async<kRows, kHeadDim, kThreads>(
+      smem, [=](int r) { return gmem + r * row_stride; }, gmem, rows_valid, head_dim, offset,
+      threadIdx.x);
 }
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
@@ -106,6 +117,32 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+// Row and key of accumulator element e of tile (mt, nt) for this lane (the mma.sync
+// layout: row lane / 4 + 8 * (e / 2), column 2 * (lane % 4) + e % 2).
+__device__ __forceinline__ int frag_row(int row_base, int mt, int e, int lane) {
+  return row_base + mt * 16 + (lane >> 2) + 8 * (e >> 1);
+}
+__device__ __forceinline__ int frag_col(int col_base, int nt, int e, int lane) {
+  return col_base + nt * 8 + 2 * (lane & 3) + (e & 1);
+}
+
+// Offset of a params field, computed at compile time (the layout checks): set the field
+// to a value whose lowest byte is non-zero, bit_cast the struct to bytes, find that
+// byte. Params structs hold addresses as integers so that they can be bit_cast.
+template <typename T>
+struct StructBytes {
+  unsigned char b[sizeof(T)];
+};
+template <typename T, typename M>
+__device__ constexpr int field_offset(M T::*field, M marker) {
+  T t{};
+  t.*field = marker;
+  const StructBytes<T> bytes = __builtin_bit_cast(StructBytes<T>, t);
+  for (int i = 0; i < (int)sizeof(T); ++i)
+    if (bytes.b[i]) return i;
+  return -1;
 }
 
 }  // namespace cufa

@@ -8,49 +8,12 @@
 #include "mask.cuh"
 #include "softmax.cuh"
 #include "score.cuh"
+#include "mma_tiles.cuh"
 
 namespace cufa {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-
-// A shared-memory tile of 16-bit elements, kHeadDim per row, addressed in 16-byte
-// chunks. A chunk's place in its row is XOR-swizzled by the row so that the 8 rows
-// one ldmatrix phase reads land in 8 different bank groups.
-template <int kHeadDim>
-struct Swizzle {
-  static constexpr int kChunks = kHeadDim / 8;
-  // XOR span in chunks: 8 when a row holds a multiple of 8 chunks (128 bytes),
-  // else 4, with the row's bits 1-2 so that rows r and r+1 sit 64 bytes apart.
-  static constexpr int kSpan = (kChunks % 8 == 0) ? 8 : 4;
-  static_assert(kChunks % 4 == 0, "head dim must be padded to a multiple of 32");
-  __device__ __forceinline__ static int swz(int row) {
-    return kSpan == 8 ? (row & 7) : ((row >> 1) & 3);
-  }
-  __device__ __forceinline__ static int offset(int row, int chunk) {  // bytes
-    return (row * kChunks + (chunk ^ swz(row))) * 16;
-  }
-};
-
-// One lane's ldmatrix addresses into a swizzled tile: the lane reads row
-// `row_block + lane_row` (row_block a multiple of 8) at chunk `2 * pair + lane_chunk`.
-// The XOR only touches the chunk's low bits, so kSpan / 2 per-lane bases cover
-// every (row_block, pair) with compile-time offsets, rather than one register per address.
-template <int kHeadDim>
-struct LdmatrixAddr {
-  using S = Swizzle<kHeadDim>;
-  static constexpr int kBases = S::kSpan / 2;
-  u32 base[kBases];
-
-  __device__ __forceinline__ LdmatrixAddr(u32 tile, int lane_row, int lane_chunk) {
-#pragma unroll
-    for (int j = 0; j < kBases; ++j)
-      base[j] = tile + (lane_row * S::kChunks + ((2 * j + lane_chunk) ^ S::swz(lane_row))) * 16;
-  }
-  __device__ __forceinline__ u32 at(int row_block, int pair) const {
-    return base[pair % kBases] + row_block * S::kChunks * 16 + (pair / kBases) * S::kSpan * 16;
-  }
-};
 
 // -- load a tile: rows past `rows_valid` and columns past `head_dim` read as zeros --
 template <int kRows, int kHeadDim>
@@ -60,54 +23,20 @@ __device__ __forceinline__ void load_tile(u32 smem, const u16* gmem, i64 row_str
                                              [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); });
 }
 
-// -- S = Q K^T for this warp's rows --
-template <int kDtype, int kHeadDim, int kMTiles, int kNTiles>
-__device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4], const LdmatrixAddr<kHeadDim>& q,
-                                        const LdmatrixAddr<kHeadDim>& k) {
-#pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    u32 a[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q.at(mt * 16, ks));
-#pragma unroll
-    for (int np = 0; np < kNTiles / 2; ++np) {
-      u32 b[4];
-      ldmatrix_x4(b, k.at(np * 16, ks));
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        mma_16816<kDtype>(s[mt][2 * np], a[mt], b[0], b[1]);
-        mma_16816<kDtype>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-      }
-    }
+// -- load keys [key0, key0 + kRows) of K or V (head: the sequence's row 0 of this head) --
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void load_kv_block(u32 smem, const FwdParams& p, const Tile& t,
+                                              const u16* head, i64 batch_stride, i64 row_stride,
+                                              int key0) {
+  const int rows_valid = t.seqlen_k - key0;
+  if (!p.block_table) {
+    load_tile<kRows, kHeadDim>(smem, head + key0 * row_stride, row_stride, rows_valid, p.head_dim);
+    return;
   }
-}
-
-// -- O += P V: P goes from the S accumulators straight into A fragments --
-template <int kDtype, int kHeadDim, int kMTiles, int kNTiles, int kDTiles>
-__device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4],
-                                        const float (&p)[kMTiles][kNTiles][4],
-                                        const LdmatrixAddr<kHeadDim>& v) {
-#pragma unroll
-  for (int ks = 0; ks < kNTiles / 2; ++ks) {
-    u32 a[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      a[mt][0] = pack2<kDtype>(p[mt][2 * ks][0], p[mt][2 * ks][1]);
-      a[mt][1] = pack2<kDtype>(p[mt][2 * ks][2], p[mt][2 * ks][3]);
-      a[mt][2] = pack2<kDtype>(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
-      a[mt][3] = pack2<kDtype>(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
-    }
-#pragma unroll
-    for (int dp = 0; dp < kDTiles / 2; ++dp) {
-      u32 b[4];
-      ldmatrix_x4_trans(b, v.at(ks * 16, dp));
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        mma_16816<kDtype>(o[mt][2 * dp], a[mt], b[0], b[1]);
-        mma_16816<kDtype>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
+  copy_rows_async<kRows, kHeadDim, kThreads>(
+      smem, [&](int r) { return paged_row(p, t, head, batch_stride, row_stride, key0 + r); }, head,
+      rows_valid, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); },
+      threadIdx.x);
 }
 
 // -- epilogue: O through this warp's rows of sQ (only this warp read them), then 16-byte stores --
@@ -198,8 +127,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
     const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
     load_tile<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, t.seqlen_q - row0, p.head_dim);
     int nb = n_block_max - 1;
-    load_tile<kBlockN, kHeadDim>(sk, ptr.k + nb * kBlockN * p.k_row_stride, p.k_row_stride,
-                                 t.seqlen_k - nb * kBlockN, p.head_dim);
+    load_kv_block<kBlockN, kHeadDim>(sk, p, t, ptr.k, p.k_batch_stride, p.k_row_stride,
+                                     nb * kBlockN);
     cp_async_commit();
 
     for (; nb >= n_block_min; --nb) {
@@ -215,8 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       // -- K_nb has landed and every warp is done with V_{nb+1}: fetch V_nb under the QK product --
       cp_async_wait<0>();
       __syncthreads();
-      load_tile<kBlockN, kHeadDim>(sv, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
-                                   t.seqlen_k - key0, p.head_dim);
+      load_kv_block<kBlockN, kHeadDim>(sv, p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0);
       cp_async_commit();
 
       // -- compute qk, then score mods and mask --
@@ -230,8 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       cp_async_wait<0>();
       __syncthreads();
       if (nb > n_block_min) {
-        load_tile<kBlockN, kHeadDim>(sk, ptr.k + (key0 - kBlockN) * p.k_row_stride, p.k_row_stride,
-                                     t.seqlen_k - (key0 - kBlockN), p.head_dim);
+        load_kv_block<kBlockN, kHeadDim>(sk, p, t, ptr.k, p.k_batch_stride, p.k_row_stride,
+                                         key0 - kBlockN);
         cp_async_commit();
       }
 

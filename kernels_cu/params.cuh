@@ -25,6 +25,10 @@ struct FwdParams {
   // sm90 (persistent): uint32 count of the tiles taken past the first gridDim.x, zeroed
   // before each launch.
   u64 tile_counter;
+  // Packed batches reading K/V from a paged cache: int32 (batch, max pages) page ids;
+  // 0 when K/V are plain rows. Key j of sequence b is row j % page_size of page
+  // block_table[b][j / page_size]; k/v_batch_stride is then the page stride.
+  u64 block_table;
 
   // Strides in elements; 64-bit because a tensor may exceed 2^31 elements.
   i64 q_batch_stride, q_row_stride, q_head_stride;
@@ -34,6 +38,7 @@ struct FwdParams {
   i64 lse_batch_stride, lse_head_stride;
   i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
   i64 alibi_batch_stride;
+  i64 block_table_batch_stride;
 
   int batch, nheads, nheads_k;
   int seqlen_q, seqlen_k, head_dim;  // packed batches: total rows of q and of k
@@ -46,31 +51,13 @@ struct FwdParams {
   // any sequence.
   int bottom_right, window_left, window_right;
   int attn_mask_type;
+  int page_shift;  // log2(page_size), paged K/V only
+  int num_pages;   // pages in the cache: page ids are clamped to it
 
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e): one FFMA per score before exp2
   float softcap;     // 0 = off
   float softcap_inv;
 };
-
-}  // namespace cufa
-
-namespace cufa {
-
-// Offset of a field, computed at compile time: set the field to a value whose
-// lowest byte is non-zero, bit_cast the struct to bytes, find that byte.
-template <typename T>
-struct StructBytes {
-  unsigned char b[sizeof(T)];
-};
-template <typename T, typename M>
-__device__ constexpr int field_offset(M T::*field, M marker) {
-  T t{};
-  t.*field = marker;
-  const StructBytes<T> bytes = __builtin_bit_cast(StructBytes<T>, t);
-  for (int i = 0; i < (int)sizeof(T); ++i)
-    if (bytes.b[i]) return i;
-  return -1;
-}
 
 }  // namespace cufa

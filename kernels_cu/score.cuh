@@ -7,14 +7,6 @@
 
 namespace cufa {
 
-// Row and key of accumulator element e of tile (mt, nt) for this lane.
-__device__ __forceinline__ int frag_row(int row_base, int mt, int e, int lane) {
-  return row_base + mt * 16 + (lane >> 2) + 8 * (e >> 1);
-}
-__device__ __forceinline__ int frag_col(int col_base, int nt, int e, int lane) {
-  return col_base + nt * 8 + 2 * (lane & 3) + (e & 1);
-}
-
 // -- mask: keys outside the window or past seqlen_k get -inf. Bounds are found once per
 //    row, relative to this lane's first key, so each score costs two compares --
 template <int kMask, int kMTiles, int kNTiles>

@@ -1,0 +1,485 @@
+// Attention of a few new query rows against a KV cache: decode, speculative decode, and
+// appends of new keys. Reading the cache is the whole cost, so the kernel is built to
+// keep HBM busy rather than the matrix units:
+// - the query rows that share a KV head (GQA group x new tokens) form the 16 rows of one
+//   mma tile, so each cache byte is read once per KV head, not once per query head;
+// - each of the 4 warps streams its own 16-key tiles through a ring of cp.async stages
+//   (no CTA-wide barrier in the loop), and the warps' softmax states merge at the end;
+// - split-KV: the keys of one (sequence, KV head) are cut into num_splits chunks, each a
+//   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; decode_combine
+//   merges the chunks' normalized outputs by their lse.
+// decode_append runs first when the call appends keys or applies rotary embedding.
+#include "common.cuh"
+#include "decode_params.cuh"
+#include "softmax.cuh"
+#include "mma_tiles.cuh"
+
+namespace cufa {
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = 32 * kDecodeWarps;
+constexpr int kDecodeRows = 16;  // query rows per CTA: one mma tile
+constexpr int kTileKeys = 16;    // keys a warp takes per step
+
+// Cache stages per warp: enough bytes in flight to keep HBM busy, few enough that two or
+// more CTAs share an SM up to d = 128 (mirrored by decode_stages in cufa/_compile.py).
+template <int kHeadDim>
+struct DecodeStages {
+  static constexpr int value = kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 3 : 2);
+};
+
+// -- where a sequence's keys live --
+struct CacheSeq {
+  int b;
+  int seqlen_k;  // keys the queries attend to: cache_seqlens + seqlen_new - leftpad
+  int start;     // cache position of key 0 (cache_leftpad)
+  int end;       // cache position after the old keys: where the append writes
+  int row;       // cache row (contiguous cache)
+  const int* pages;  // block_table row (paged cache)
+};
+
+// Every value read from the device is clamped, so malformed lengths or ids can make the
+// result wrong but never make an access leave the arrays.
+__device__ __forceinline__ CacheSeq cache_seq(const DecodeParams& p, int b) {
+  CacheSeq s;
+  s.b = b;
+  const int cached = p.cache_seqlens ? reinterpret_cast<const int*>(p.cache_seqlens)[b]
+                                     : p.cache_seqlen_fixed;
+  s.end = min(max(cached, 0), p.capacity);
+  const int used_end = min(s.end + p.seqlen_new, p.capacity);
+  s.start = p.cache_leftpad ? min(max(reinterpret_cast<const int*>(p.cache_leftpad)[b], 0), used_end)
+                            : 0;
+  s.seqlen_k = used_end - s.start;
+  s.row = p.cache_batch_idx
+              ? min(max(reinterpret_cast<const int*>(p.cache_batch_idx)[b], 0), p.cache_rows - 1)
+              : b;
+  s.pages = reinterpret_cast<const int*>(p.block_table) + b * p.block_table_batch_stride;
+  return s;
+}
+
+// Cache position `pos` of one KV head (head: the cache's base plus the head's offset).
+__device__ __forceinline__ const u16* cache_row(const DecodeParams& p, const CacheSeq& s,
+                                                const u16* head, i64 batch_stride,
+                                                i64 row_stride, int pos) {
+  if (p.block_table) {
+    const int page = min(max(s.pages[pos >> p.page_shift], 0), p.cache_rows - 1);
+    return head + page * batch_stride + (pos & ((1 << p.page_shift) - 1)) * row_stride;
+  }
+  return head + s.row * batch_stride + pos * row_stride;
+}
+
+// -- a query row of the CTA: (token, head of the KV head's group) --
+struct DecodeRow {
+  int t, h;
+  bool valid;
+};
+
+__device__ __forceinline__ DecodeRow decode_row(const DecodeParams& p, int m_block, int h_k, int r) {
+  const int gr = m_block * kDecodeRows + r;
+  DecodeRow row;
+  row.valid = gr < p.seqlen_q * p.group;
+  row.t = gr / p.group;
+  row.h = h_k * p.group + gr % p.group;
+  return row;
+}
+
+// Keys [begin, end) that some row of the CTA sees (bottom-right window, i64 because an
+// unbounded side holds 2^30).
+struct KeySpan {
+  int begin, end;
+};
+
+__device__ __forceinline__ KeySpan visible_span(const DecodeParams& p, int seqlen_k, int t_lo,
+                                                int t_hi) {
+  const i64 diag = seqlen_k - p.seqlen_q;
+  const i64 lo = t_lo + diag - p.window_left, hi = t_hi + diag + p.window_right + 1;
+  KeySpan k;
+  k.begin = (int)max((i64)0, min(lo, (i64)seqlen_k));
+  k.end = (int)max((i64)k.begin, min(hi, (i64)seqlen_k));
+  return k;
+}
+
+// -- load one warp's 16-key tile of K and V into its stage --
+template <int kHeadDim>
+__device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
+                                             const CacheSeq& s, const u16* k_head,
+                                             const u16* v_head, int key0, int lane) {
+  const int rows_valid = s.seqlen_k - key0;
+  const auto swz = [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); };
+  copy_rows_async<kTileKeys, kHeadDim, 32>(
+      sk, [&](int r) { return cache_row(p, s, k_head, p.k_batch_stride, p.k_row_stride, s.start + key0 + r); },
+      k_head, rows_valid, p.head_dim, swz, lane);
+  copy_rows_async<kTileKeys, kHeadDim, 32>(
+      sv, [&](int r) { return cache_row(p, s, v_head, p.v_batch_stride, p.v_row_stride, s.start + key0 + r); },
+      v_head, rows_valid, p.head_dim, swz, lane);
+}
+
+// What one lane needs of its two accumulator rows (lane / 4 and lane / 4 + 8).
+struct LaneRows {
+  i64 lo[2], hi[2];  // visible keys [lo, hi] of each row
+  float slope[2];    // ALiBi slope of each row's head (0 without ALiBi)
+  int t[2];
+};
+
+__device__ __forceinline__ LaneRows lane_rows(const DecodeParams& p, const CacheSeq& s, int m_block,
+                                              int h_k, int lane) {
+  LaneRows lr;
+  const i64 diag = s.seqlen_k - p.seqlen_q;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const DecodeRow row = decode_row(p, m_block, h_k, (lane >> 2) + 8 * i);
+    lr.t[i] = row.t;
+    lr.lo[i] = row.t + diag - p.window_left;
+    lr.hi[i] = min(row.t + diag + p.window_right, (i64)s.seqlen_k - 1);
+    lr.slope[i] = (p.alibi_slopes && row.valid)
+                      ? reinterpret_cast<const float*>(p.alibi_slopes)[s.b * p.alibi_batch_stride + row.h]
+                      : 0.f;
+  }
+  return lr;
+}
+
+// -- score mods: scale, softcap, ALiBi; leaves scores in log2 units --
+__device__ __forceinline__ void decode_score_mods(float (&sc)[1][2][4], const DecodeParams& p,
+                                                  const CacheSeq& s, const LaneRows& lr, int key0,
+                                                  int lane) {
+  const int diag = s.seqlen_k - p.seqlen_q;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = frag_col(key0, nt, e, lane), i = e >> 1;
+      float x = sc[0][nt][e] * p.scale;
+      if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
+      x -= lr.slope[i] * fabsf(static_cast<float>(lr.t[i] + diag - key));
+      sc[0][nt][e] = x * CUFA_LOG2E;
+    }
+}
+
+// -- mask: keys outside a row's window or past the sequence get -inf --
+__device__ __forceinline__ void decode_mask(float (&sc)[1][2][4], const LaneRows& lr, int key0,
+                                            int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = frag_col(key0, nt, e, lane), i = e >> 1;
+      if (key < lr.lo[i] || key > lr.hi[i]) sc[0][nt][e] = -CUFA_INF;
+    }
+}
+
+template <int kHeadDim>
+struct DecodeSmem {
+  static constexpr int kStages = DecodeStages<kHeadDim>::value;
+  static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;
+  static constexpr int kWarpBytes = kStages * 2 * kTileBytes;  // K and V per stage
+  static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
+  static constexpr int kOStride = kHeadDim + 4;  // floats a row: rows 4 banks apart
+  static_assert(kDecodeWarps * kDecodeRows * kOStride * 4 <= kDecodeWarps * kWarpBytes,
+                "the warps' outputs reuse the cache stages");
+  static constexpr int kBytes = kQBytes + kDecodeWarps * kWarpBytes;
+};
+
+// -- epilogue: merge the warps' states, then write the output (or this split's share) --
+template <int kDtype, int kHeadDim>
+__device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
+                                                    int m_block, int h_k, int split, float* s_out,
+                                                    const float* s_max, const float* s_sum) {
+  using Smem = DecodeSmem<kHeadDim>;
+  constexpr int kChunks = kHeadDim / 8;
+  for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += kDecodeThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const DecodeRow row = decode_row(p, m_block, h_k, r);
+    if (!row.valid || c * 8 >= p.head_dim) continue;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] += s_out[(w * kDecodeRows + r) * Smem::kOStride + c * 8 + e];
+    const float sum = s_sum[r];
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // explicit 0: a row that saw no key
+    const float lse = sum > 0.f ? (s_max[r] * p.scale_log2 + log2f(sum)) * CUFA_LN2 : -CUFA_INF;
+    if (p.num_splits > 1) {
+      const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
+      float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o_partial) +
+                                              o_row * p.head_dim + c * 8);
+      dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+      dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+      if (c == 0)
+        reinterpret_cast<float*>(p.lse_partial)[((i64)(split * p.batch + s.b) * p.nheads + row.h) *
+                                                    p.seqlen_q + row.t] = lse;
+    } else {
+      uint4 packed;
+      packed.x = pack2<kDtype>(acc[0] * inv, acc[1] * inv);
+      packed.y = pack2<kDtype>(acc[2] * inv, acc[3] * inv);
+      packed.z = pack2<kDtype>(acc[4] * inv, acc[5] * inv);
+      packed.w = pack2<kDtype>(acc[6] * inv, acc[7] * inv);
+      *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
+                                row.t * p.o_row_stride + row.h * p.o_head_stride + c * 8) = packed;
+      if (c == 0 && p.lse)
+        reinterpret_cast<float*>(p.lse)[((i64)s.b * p.nheads + row.h) * p.seqlen_q + row.t] = lse;
+    }
+  }
+}
+
+// grid: (num_m_blocks * num_splits, nheads_k, batch)
+template <int kDtype, int kHeadDim>
+__global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeParams p) {
+  using Smem = DecodeSmem<kHeadDim>;
+  constexpr int kStages = Smem::kStages;
+  constexpr int kDTiles = kHeadDim / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float s_warp_max[kDecodeWarps][kDecodeRows], s_warp_sum[kDecodeWarps][kDecodeRows];
+  __shared__ float s_max[kDecodeRows], s_sum[kDecodeRows];
+
+  // -- which rows, keys and split --
+  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;
+  const int h_k = blockIdx.y;
+  const CacheSeq s = cache_seq(p, blockIdx.z);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int rows = min(kDecodeRows, p.seqlen_q * p.group - m_block * kDecodeRows);
+  const KeySpan span = visible_span(p, s.seqlen_k, (m_block * kDecodeRows) / p.group,
+                                    (m_block * kDecodeRows + rows - 1) / p.group);
+  const int num_tiles = (span.end - span.begin + kTileKeys - 1) / kTileKeys;
+  const int split_tiles = (num_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = min(split * split_tiles, num_tiles);
+  const int tile_end = min(tile_begin + split_tiles, num_tiles);
+  // this warp's tiles: tile_begin + warp, + 4, ...
+  const int my_tiles = max(0, (tile_end - tile_begin - warp + kDecodeWarps - 1) / kDecodeWarps);
+
+  // -- Q: the CTA's 16 rows, zeros past the last --
+  const u32 sq = smem_u32(smem);
+  const u16* q = reinterpret_cast<const u16*>(p.q);
+  copy_rows_async<kDecodeRows, kHeadDim, kDecodeThreads>(
+      sq, [&](int r) {
+        const DecodeRow row = decode_row(p, m_block, h_k, r);
+        return q + s.b * p.q_batch_stride + row.t * p.q_row_stride + row.h * p.q_head_stride;
+      },
+      q, rows, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); },
+      threadIdx.x);
+  cp_async_commit();
+
+  // -- prologue: the first kStages - 1 tiles of this warp --
+  const u32 stages = sq + Smem::kQBytes + warp * Smem::kWarpBytes;
+  const u16* k_head = reinterpret_cast<const u16*>(p.k) + h_k * p.k_head_stride;
+  const u16* v_head = reinterpret_cast<const u16*>(p.v) + h_k * p.v_head_stride;
+  const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kDecodeWarps) * kTileKeys; };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < my_tiles)
+      load_kv_tile<kHeadDim>(stages + i * 2 * Smem::kTileBytes,
+                             stages + (i * 2 + 1) * Smem::kTileBytes, p, s, k_head, v_head,
+                             tile_key0(i), lane);
+    cp_async_commit();
+  }
+  cp_async_wait<kStages - 1>();  // Q (the oldest group) has landed
+  __syncthreads();
+
+  const LaneRows lr = lane_rows(p, s, m_block, h_k, lane);
+  const bool score_mods = p.softcap > 0.f || p.alibi_slopes;
+  const float scale_log2 = score_mods ? 1.f : p.scale_log2;  // score mods leave log2 units
+  // keys every row of the CTA sees: tiles inside need no mask
+  const i64 all_lo = visible_span(p, s.seqlen_k, (m_block * kDecodeRows + rows - 1) / p.group,
+                                  (m_block * kDecodeRows + rows - 1) / p.group).begin;
+  const i64 all_hi = visible_span(p, s.seqlen_k, (m_block * kDecodeRows) / p.group,
+                                  (m_block * kDecodeRows) / p.group).end;
+  const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
+
+  float acc_o[1][kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+  OnlineSoftmax<1> softmax;
+  softmax.init();
+
+  for (int i = 0; i < my_tiles; ++i) {
+    // -- fetch tile i + kStages - 1 into the stage tile i - 1 used, then wait for tile i --
+    const int ahead = i + kStages - 1;
+    if (ahead < my_tiles) {
+      const int st = ahead % kStages;
+      load_kv_tile<kHeadDim>(stages + st * 2 * Smem::kTileBytes,
+                             stages + (st * 2 + 1) * Smem::kTileBytes, p, s, k_head, v_head,
+                             tile_key0(ahead), lane);
+    }
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    const int st = i % kStages, key0 = tile_key0(i);
+    const u32 sk = stages + st * 2 * Smem::kTileBytes, sv = sk + Smem::kTileBytes;
+    const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+
+    // -- compute qk, then score mods and mask --
+    float acc_s[1][2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
+    gemm_qk<kDtype>(acc_s, q_frag, k_frag);
+    if (score_mods) decode_score_mods(acc_s, p, s, lr, key0, lane);
+    if (key0 < all_lo || key0 + kTileKeys > all_hi) decode_mask(acc_s, lr, key0, lane);
+
+    // -- update m_i and l_i, rescale acc, then acc += P V --
+    float correction[1][2];
+    softmax.update(acc_s, scale_log2, correction);
+    softmax.rescale_output(acc_o, correction);
+    gemm_pv<kDtype>(acc_o, acc_s, v_frag);
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+
+  // -- merge the warps: each row's max and sum over the warps, then the outputs --
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float sum = quad_sum(softmax.row_sum[0][i]);
+    if ((lane & 3) == 0) {
+      s_warp_max[warp][(lane >> 2) + 8 * i] = softmax.row_max[0][i];
+      s_warp_sum[warp][(lane >> 2) + 8 * i] = sum;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (threadIdx.x < kDecodeRows) {
+    const int r = threadIdx.x;
+    float mx = -CUFA_INF;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, s_warp_max[w][r]);
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w)
+      if (s_warp_max[w][r] != -CUFA_INF)
+        sum += s_warp_sum[w][r] * fast_exp2((s_warp_max[w][r] - mx) * scale_log2);
+    s_max[r] = mx;
+    s_sum[r] = sum;
+  }
+  __syncthreads();
+  float* s_out = reinterpret_cast<float*>(smem + Smem::kQBytes);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = (lane >> 2) + 8 * i;
+    const float mine = softmax.row_max[0][i];
+    const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - s_max[r]) * scale_log2);
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+      *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * Smem::kOStride + dt * 8 + 2 * (lane & 3)]) =
+          make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
+  }
+  __syncthreads();
+  write_decode_output<kDtype, kHeadDim>(p, s, m_block, h_k, split, s_out, s_max, s_sum);
+}
+
+// -- split-KV: one warp per (batch, token, head) row merges the splits by their lse --
+template <int kDtype>
+__global__ void __launch_bounds__(128) decode_combine(const DecodeParams p) {
+  const int lane = threadIdx.x % 32;
+  // (b, t, h) in o_partial's order; the host keeps the row count below 2^31
+  const int row = blockIdx.x * 4 + threadIdx.x / 32;
+  if (row >= p.batch * p.seqlen_q * p.nheads) return;
+  const int h = row % p.nheads, t = (row / p.nheads) % p.seqlen_q, b = row / (p.nheads * p.seqlen_q);
+  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial);
+  const i64 lse_at = ((i64)b * p.nheads + h) * p.seqlen_q + t;
+  const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
+  float mx = -CUFA_INF;
+  for (int sp = lane; sp < p.num_splits; sp += 32) mx = fmaxf(mx, lse_part[sp * split_lse + lse_at]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float base = mx == -CUFA_INF ? 0.f : mx;
+  float sum = 0.f;
+  for (int sp = lane; sp < p.num_splits; sp += 32)
+    sum += fast_exp2((lse_part[sp * split_lse + lse_at] - base) * CUFA_LOG2E);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  if (lane == 0 && p.lse)
+    reinterpret_cast<float*>(p.lse)[lse_at] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
+  if (lane * 8 >= p.head_dim) return;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+  const float* o_part = reinterpret_cast<const float*>(p.o_partial) + (i64)row * p.head_dim + lane * 8;
+  for (int sp = 0; sp < p.num_splits; ++sp) {
+    const float w = fast_exp2((lse_part[sp * split_lse + lse_at] - base) * CUFA_LOG2E) * inv;
+    if (w == 0.f) continue;  // an empty split: its output may be anything
+    const float4 a = reinterpret_cast<const float4*>(o_part + sp * split_o)[0];
+    const float4 c = reinterpret_cast<const float4*>(o_part + sp * split_o)[1];
+    acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+    acc[4] += w * c.x; acc[5] += w * c.y; acc[6] += w * c.z; acc[7] += w * c.w;
+  }
+  uint4 packed;
+  packed.x = pack2<kDtype>(acc[0], acc[1]);
+  packed.y = pack2<kDtype>(acc[2], acc[3]);
+  packed.z = pack2<kDtype>(acc[4], acc[5]);
+  packed.w = pack2<kDtype>(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
+                            h * p.o_head_stride + lane * 8) = packed;
+}
+
+// -- rotary embedding of one row (d elements) from src to dst, at cache position pos --
+template <int kDtype>
+__device__ __forceinline__ float load_half(const u16* x, int i) {
+  return kDtype == FP16 ? fp16_to_float(x[i]) : bf16_to_float(x[i]);
+}
+template <int kDtype>
+__device__ __forceinline__ u16 to_half(float x) {
+  return static_cast<u16>(pack2<kDtype>(x, 0.f) & 0xffffu);
+}
+
+__device__ __forceinline__ float rotary_value(const DecodeParams& p, u64 table, i64 i) {
+  if (p.rotary_dtype == 2) return reinterpret_cast<const float*>(table)[i];
+  const u16 h = reinterpret_cast<const u16*>(table)[i];
+  return p.rotary_dtype == FP16 ? fp16_to_float(h) : bf16_to_float(h);
+}
+
+template <int kDtype>
+__device__ __forceinline__ void rotate_row(const DecodeParams& p, const u16* src, u16* dst, int pos,
+                                           int lane) {
+  const int half = p.rotary_dim / 2;
+  const i64 at = (i64)min(max(pos, 0), p.seqlen_ro - 1) * half;
+  for (int i = lane; i < half; i += 32) {
+    const int a = p.rotary_interleaved ? 2 * i : i, b = p.rotary_interleaved ? 2 * i + 1 : i + half;
+    const float c = rotary_value(p, p.rotary_cos, at + i), s = rotary_value(p, p.rotary_sin, at + i);
+    const float x0 = load_half<kDtype>(src, a), x1 = load_half<kDtype>(src, b);
+    dst[a] = to_half<kDtype>(x0 * c - x1 * s);
+    dst[b] = to_half<kDtype>(x0 * s + x1 * c);
+  }
+  for (int i = p.rotary_dim + lane; i < p.head_dim; i += 32) dst[i] = src[i];  // (all without rotary)
+}
+
+// -- append: new keys (rotated) and values into the cache; q rotated into its buffer.
+//    One warp per row: batch x seqlen_new x nheads_k cache rows, then batch x seqlen_q x
+//    nheads query rows when rotary is on. --
+template <int kDtype>
+__global__ void __launch_bounds__(128) decode_append(const DecodeParams p) {
+  const int lane = threadIdx.x % 32;
+  int row = blockIdx.x * 4 + threadIdx.x / 32;  // the host keeps the row counts below 2^31
+  const int kv_rows = p.k_new ? p.batch * p.seqlen_new * p.nheads_k : 0;
+  const u16* src;
+  u16* dst;
+  int pos;
+  if (row < kv_rows) {  // -- a new key and value --
+    const int hk = row % p.nheads_k, i = (row / p.nheads_k) % p.seqlen_new;
+    const CacheSeq s = cache_seq(p, row / (p.nheads_k * p.seqlen_new));
+    pos = s.end + i;
+    if (pos >= p.capacity) return;  // past the cache: dropped (check_inputs reports it)
+    const u16* v_src = reinterpret_cast<const u16*>(p.v_new) + s.b * p.v_new_batch_stride +
+                       i * p.v_new_row_stride + hk * p.v_new_head_stride;
+    u16* v_dst = const_cast<u16*>(cache_row(p, s, reinterpret_cast<const u16*>(p.v) + hk * p.v_head_stride,
+                                            p.v_batch_stride, p.v_row_stride, pos));
+    for (int c = lane; c < p.head_dim; c += 32) v_dst[c] = v_src[c];
+    src = reinterpret_cast<const u16*>(p.k_new) + s.b * p.k_new_batch_stride + i * p.k_new_row_stride +
+          hk * p.k_new_head_stride;
+    dst = const_cast<u16*>(cache_row(p, s, reinterpret_cast<const u16*>(p.k) + hk * p.k_head_stride,
+                                     p.k_batch_stride, p.k_row_stride, pos));
+  } else {  // -- a query row, when rotary is on --
+    row -= kv_rows;
+    if (!p.q_source || row >= p.batch * p.seqlen_q * p.nheads) return;
+    const int h = row % p.nheads, t = (row / p.nheads) % p.seqlen_q;
+    const CacheSeq s = cache_seq(p, row / (p.nheads * p.seqlen_q));
+    src = reinterpret_cast<const u16*>(p.q_source) + s.b * p.q_source_batch_stride +
+          t * p.q_source_row_stride + h * p.q_source_head_stride;
+    dst = reinterpret_cast<u16*>(p.q) + s.b * p.q_batch_stride + t * p.q_row_stride + h * p.q_head_stride;
+    pos = s.end + (p.rotary_q_per_token ? t : 0);
+  }
+  rotate_row<kDtype>(p, src, dst, pos, lane);
+}
+
+}  // namespace cufa

@@ -1,0 +1,50 @@
+#pragma once
+// Parameters of the KV-cache kernels (decode.cu), passed by value. The Python mirror is
+// cufa/_params.py (DECODE_FIELDS); every compile appends static_asserts generated from it.
+#include "common.cuh"
+
+namespace cufa {
+
+struct DecodeParams {
+  u64 q;              // (batch, seqlen_q, nheads, d), rotated already when rotary is on
+  u64 k, v;           // the cache: (batch_cache, seqlen_cache, nheads_k, d) or pages
+  u64 o;              // (batch, seqlen_q, nheads, d)
+  u64 lse;            // float32 (batch, nheads, seqlen_q); 0 = not wanted
+  // Split-KV: each split's normalized output and lse, float32 (num_splits, batch,
+  // seqlen_q, nheads, d) and (num_splits, batch, nheads, seqlen_q); 0 when not split.
+  u64 o_partial, lse_partial;
+  u64 cache_seqlens;  // int32 (batch,): cache end before the append; 0 = cache_seqlen_fixed
+  u64 cache_batch_idx, cache_leftpad;  // int32 (batch,) or 0
+  u64 block_table;    // int32 (batch, max_pages) or 0 (contiguous cache)
+  u64 alibi_slopes;   // float32 (batch or 1, nheads) or 0
+  // decode_append: new keys and values (batch, seqlen_new, nheads_k, d) written into the
+  // cache, rotated by rotary_cos/sin (seqlen_ro, rotary_dim / 2); q_source is the caller's
+  // q, which decode_append rotates into q (a buffer) when rotary is on, else 0.
+  u64 k_new, v_new, q_source, rotary_cos, rotary_sin;
+
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride: a cache row, or a page
+  i64 v_batch_stride, v_row_stride, v_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  i64 block_table_batch_stride, alibi_batch_stride;
+  i64 k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+  i64 v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+  i64 q_source_batch_stride, q_source_row_stride, q_source_head_stride;
+
+  int batch, seqlen_q, nheads, nheads_k, group, head_dim;  // group = nheads / nheads_k
+  int cache_seqlen_fixed;  // cache_seqlens given as a Python int
+  int seqlen_new;          // keys appended by this call (already in the cache)
+  int capacity;            // key positions a sequence can hold
+  int cache_rows;          // cache rows (contiguous) or pages (paged): ids are clamped to it
+  int page_shift, max_pages;
+  int num_splits, num_m_blocks;
+  int window_left, window_right;  // unbounded sides hold a value above any length
+  int rotary_dim, seqlen_ro;
+  int rotary_dtype;        // of cos/sin: 0 fp16, 1 bf16, 2 fp32
+  int rotary_interleaved;  // pairs (2i, 2i+1); else (i, i + rotary_dim / 2)
+  int rotary_q_per_token;  // q token t at position cache_seqlens + t (causal / window), else + 0
+
+  float scale, scale_log2, softcap, softcap_inv;
+};
+
+}  // namespace cufa
