@@ -3,6 +3,8 @@ signature) -> launch."""
 import ctypes
 import math
 import os
+
+import numpy as np
 from dataclasses import dataclass
 
 from . import _compile, _interop, _params, _tma, _torch_ops
@@ -74,7 +76,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, return_lse=False, out=None,
-                           seqused_k=None, check_cu_seqlens=False):
+                           seqused_k=None, check_cu_seqlens=False, block_table=None):
     """Attention over a packed batch of variable-length sequences (flash-attn 2 conventions).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim): the rows of all
@@ -87,6 +89,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     max_seqlen_q / max_seqlen_k are accepted for compatibility and may exceed the true
     maxima; the work list is built on the GPU from cu_seqlens, so they are not needed.
+
+    block_table, int32 (batch, max_pages): k and v are a paged KV cache
+    (num_pages, page_size, nheads_k, headdim), page_size a power of two up to 256, the
+    one flash_attn_with_kvcache reads (chunked prefill against a serving cache). Key j of
+    sequence b is row j % page_size of page block_table[b, j // page_size]; the sequence
+    has seqused_k[b] keys if given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b], at most
+    max_pages * page_size. Paged batches run on the mma.sync kernels (sm80 family).
 
     Free checks (no device sync): dtype, shape and device of cu_seqlens and seqused_k.
     check_cu_seqlens=True also reads the values (one device-to-host copy, a sync): first
@@ -101,16 +110,27 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     used = _interop.optional_array(seqused_k, "seqused_k")
     alibi = _interop.optional_array(alibi_slopes, "alibi_slopes")
     o = _interop.optional_array(out, "out")
+    table = _interop.optional_array(block_table, "block_table")
     for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
     window = _window(window_size, causal)
     scale, softcap = _check_scale(softmax_scale, "softmax_scale"), _softcap(softcap)
-    key = _call_key("packed", (q, k, v, cu_q, cu_k, used, alibi, o), (window, scale, softcap))
+    key = _call_key("packed", (q, k, v, cu_q, cu_k, used, alibi, o, table),
+                    (window, scale, softcap))
     plan = _plans.get(key)
     if plan is None:
-        _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
-                   batch_dim=None, seq_dim=0, head_dim=1)
+        paged = None
+        if table is None:
+            _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
+                       batch_dim=None, seq_dim=0, head_dim=1)
+        else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
+            if q.ndim != 3:
+                raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
+                                 f"{q.shape}")
+            _check_qkv(_with_leading_one(q), k, v, ("q", "k", "v"),
+                       "(num_pages, page_size, nheads_k, headdim) with block_table",
+                       batch_dim=None, seq_dim=1, head_dim=2)
         total_q, nheads, d = q.shape
         _check_cu_seqlens(cu_q, "cu_seqlens_q", q)
         _check_cu_seqlens(cu_k, "cu_seqlens_k", q)
@@ -118,6 +138,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if cu_k.shape[0] != batch + 1:
             raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
                              f"{batch + 1}; both must be (batch + 1,)")
+        if table is not None:
+            paged = check_block_table(table, k, q, batch)
         if used is not None:
             if used.dtype != "int32":
                 raise TypeError(f"seqused_k must be int32; got {used.dtype}")
@@ -127,12 +149,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_alibi(alibi, q, batch, nheads)
         _check_out(out, o, q)
         plan = _remember(key, _plan(
-            q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads, nheads_k=k.shape[1],
-            seqlen_q=total_q, seqlen_k=k.shape[0], d=d, scale=scale, bottom_right=True,
-            window=window, softcap=softcap, alibi=alibi, attn_mask=None, packed=True))
+            q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
+            nheads_k=k.shape[-2], seqlen_q=total_q,
+            seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
+            bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None,
+            packed=True, paged=paged))
     if check_cu_seqlens:
-        _check_cu_values(cu_q, "cu_seqlens_q", q.shape[0], cu_k, "cu_seqlens_k", k.shape[0], used)
-    return _execute(plan, q, k, v, o, return_lse, alibi=alibi, packed=(cu_q, cu_k, used))
+        _check_cu_values(cu_q, "cu_seqlens_q", q.shape[0], cu_k, "cu_seqlens_k",
+                         k.shape[0] if table is None else None, used)
+    if table is not None and check_cu_seqlens:
+        check_page_ids(table, k.shape[0])
+    return _execute(plan, q, k, v, o, return_lse, alibi=alibi, packed=(cu_q, cu_k, used, table))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -209,9 +236,10 @@ def _check_loadable(x, name):
 
 
 def _check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
-    """batch_dim None: packed rows, (total_rows, nheads, headdim)."""
+    """batch_dim None: packed rows, (total_rows, nheads, headdim), or paged k/v with q
+    seen through _with_leading_one (seq_dim 1)."""
     qn, kn, vn = names
-    rank = 3 if batch_dim is None else 4
+    rank = 3 if batch_dim is None and seq_dim == 0 else 4
     for x, n in ((q, qn), (k, kn), (v, vn)):
         if x.ndim != rank:
             raise ValueError(f"{n} must be {rank}-D {layout}; got shape {x.shape}")
@@ -240,6 +268,64 @@ def _check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
     if max(q.shape[seq_dim], k.shape[seq_dim]) > _INT32_MAX // 2:
         raise ValueError(f"sequence lengths up to {_INT32_MAX // 2} are supported; got "
                          f"{qn} {q.shape[seq_dim]}, {kn} {k.shape[seq_dim]}")
+
+
+def _with_leading_one(x):
+    """x seen with a leading dimension of 1 (for checks shared with 4-D arrays)."""
+    return _interop.DeviceArray(x.obj, x.framework, x.ptr, (1,) + x.shape, (0,) + x.strides,
+                                x.dtype, x.device, x.itemsize)
+
+
+def check_int32_vector(x, name, length, q):
+    """An int32 (length,) array on q's device, contiguous (cu_seqlens-like arguments)."""
+    if x.dtype != "int32":
+        raise TypeError(f"{name} must be int32; got {x.dtype}")
+    if x.shape != (length,):
+        raise ValueError(f"{name} must have shape ({length},); got {x.shape}")
+    if x.strides[0] != 1 and length > 1:
+        raise ValueError(f"{name} must be contiguous; got stride {x.strides[0]}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on cuda:{x.device} but q is on cuda:{q.device}")
+
+
+MAX_PAGE_SIZE = 256
+
+
+def check_block_table(table, cache, q, batch):
+    """A paged cache (num_pages, page_size, nheads_k, d) and its int32 (batch, max_pages)
+    page table -> {page_shift, num_pages, max_pages, capacity} for the params."""
+    if table.dtype != "int32":
+        raise TypeError(f"block_table must be int32; got {table.dtype}")
+    if table.ndim != 2 or table.shape[0] != batch:
+        raise ValueError(f"block_table must be 2-D ({batch}, max_pages_per_sequence); got shape "
+                         f"{table.shape}")
+    if table.strides[1] != 1 and table.shape[1] > 1:
+        raise ValueError(f"block_table must be contiguous in its last dimension; got strides "
+                         f"{table.strides}")
+    if table.device != q.device:
+        raise ValueError(f"block_table is on cuda:{table.device} but q is on cuda:{q.device}")
+    num_pages, page_size = cache.shape[0], cache.shape[1]
+    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(f"the paged cache has pages of {page_size} rows (its dim 1); cufa "
+                         f"takes powers of two from 1 to {MAX_PAGE_SIZE}")
+    if num_pages < 1:
+        raise ValueError("the paged cache has no pages (its dim 0 is 0)")
+    capacity = table.shape[1] * page_size
+    if capacity > _INT32_MAX // 2:
+        raise ValueError(f"block_table addresses {capacity} keys per sequence; at most "
+                         f"{_INT32_MAX // 2} are supported")
+    return dict(page_shift=page_size.bit_length() - 1, num_pages=num_pages,
+                max_pages=table.shape[1], capacity=capacity, table_stride=table.strides[0])
+
+
+def check_page_ids(table, num_pages):
+    """Reads the page table (a device sync): every id within the cache."""
+    ids = _interop.to_numpy(table)
+    bad = (ids < 0) | (ids >= num_pages)
+    if bad.any():
+        b, j = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(ids[b, j])} is not a page of the cache "
+                         f"(0 to {num_pages - 1})")
 
 
 def _check_scale(scale, name):
@@ -321,7 +407,7 @@ def _check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
             i = int((c[1:] < c[:-1]).argmax())
             raise ValueError(f"{n} must be non-decreasing; {n}[{i + 1}] = {int(c[i + 1])} < "
                              f"{n}[{i}] = {int(c[i])}")
-        if c[-1] != total:
+        if total is not None and c[-1] != total:  # (None: keys in a paged cache)
             raise ValueError(f"{n} ends at {int(c[-1])} but the tensor has {total} rows")
     if used is not None:
         u = _interop.to_numpy(used)
@@ -401,11 +487,12 @@ def _remember(key, plan):
 
 
 def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
-          bottom_right, window, softcap, alibi, attn_mask, packed=False):
+          bottom_right, window, softcap, alibi, attn_mask, packed=False, paged=None):
     """The variant, launch shape and params of validated arrays. Padded batches: q/k/v/o
     carry a batch dimension (0). Packed batches: rows of all sequences are stacked,
     seqlen_q/k are the total rows, and lse is (nheads, total_q). out: the caller's out=
-    view, or None for a new contiguous output."""
+    view, or None for a new contiguous output. paged: check_block_table's dict when k/v are
+    a paged cache (seqlen_k is then its capacity a sequence)."""
     framework = "cupy" if q.framework == "dlpack" else q.framework
     lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
     outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
@@ -415,6 +502,8 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
     score_mods = softcap > 0 or alibi is not None or attn_mask is not None
     family = _compile.family_for(_compute_capability(q.device))
+    if paged is not None:  # rows through a page table: no TMA descriptor describes them
+        family = "sm80"
     short = _compile.short_sequences(packed, seqlen_q, batch)
     variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
                                    short)
@@ -441,6 +530,12 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         p[f"{name}_batch_stride"] = 0 if packed else strides[0]
         p[f"{name}_row_stride"] = strides[seq_dim]
         p[f"{name}_head_stride"] = strides[head_dim]
+    if paged is not None:  # k, v: (pages, page_size, nheads_k, d); batch stride = page stride
+        for name, x in (("k", k), ("v", v)):
+            (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
+             p[f"{name}_head_stride"]) = x.strides[:3]
+        p["block_table_batch_stride"] = paged["table_stride"]
+        p["page_shift"], p["num_pages"] = paged["page_shift"], paged["num_pages"]
     p["lse_batch_stride"], p["lse_head_stride"] = (
         (0, seqlen_q) if packed else (nheads * seqlen_q, seqlen_q))
     if attn_mask is not None:
@@ -532,9 +627,9 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
     counter = tile_list = tile_count = 0
     if plan.variant.persistent:  # the kernel's tile counter, zeroed before the launch
         _, counter = _interop.allocate(framework, (1,), "int32", device)
-    cu_q = cu_k = used = None
+    cu_q = cu_k = used = table = None
     if packed:
-        cu_q, cu_k, used = packed
+        cu_q, cu_k, used, table = packed
         schedule, max_tiles, num_buckets, batch, total_q = plan.work_list
         # One int32 scratch buffer: the int2 work list (8-byte aligned, first), its
         # length, and the counting sort's 3 x num_buckets counters.
@@ -543,7 +638,7 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
         tile_count = tile_list + 8 * max_tiles
     params = _params.with_pointers(plan.params, (
         q.ptr, k.ptr, v.ptr, o_ptr, lse_ptr, _ptr(attn_mask), _ptr(alibi), _ptr(cu_q),
-        _ptr(cu_k), _ptr(used), tile_list, tile_count, counter))
+        _ptr(cu_k), _ptr(used), tile_list, tile_count, counter, _ptr(table)))
     args = (params,)
     if plan.tma_views is not None:
         described = _tensor_maps(q, k, v, plan.tma_views)
