@@ -6,6 +6,7 @@ the caller's own arrays (PyTorch, CuPy, JAX, any ``__dlpack__`` object), zero-co
 from ._compile import all_variants
 from ._torch_ops import register_if_torch_loaded as _register_torch_ops
 from .api import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
+from .kvcache import flash_attn_with_kvcache, merge_attention_states
 from .padding import pad_input, unpad_input
 
 _register_torch_ops()  # only if torch is already imported: torch.compile can trace cufa calls
@@ -13,4 +14,5 @@ _register_torch_ops()  # only if torch is already imported: torch.compile can tr
 __version__ = "0.1.0"
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention",
-           "unpad_input", "pad_input", "all_variants", "__version__"]
+           "flash_attn_with_kvcache", "merge_attention_states", "unpad_input", "pad_input",
+           "all_variants", "__version__"]

@@ -1,0 +1,485 @@
+"""KV-cache inference: attention of new tokens against a cache (decode, speculative
+decode, appends; contiguous or paged; split-KV), and the merge of partial attention
+states. validate -> plan (cached per call signature) -> launch, as in api.py."""
+import ctypes
+import math
+from dataclasses import dataclass
+
+from . import _compile, _interop, _params, api
+
+_ROTARY_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
+_MERGE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+MAX_SPLITS = 128
+_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh what it adds
+_GRID_YZ_MAX = 65535
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, out=None, check_inputs=False):
+    """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
+
+    q: (batch, seqlen_q, nheads, headdim). The cache is contiguous,
+    (batch_cache, seqlen_cache, nheads_k, headdim), or paged, (num_pages, page_size,
+    nheads_k, headdim) with block_table int32 (batch, max_pages): key position j of
+    sequence b is row j % page_size of page block_table[b, j // page_size]; page_size a
+    power of two from 1 to 256.
+
+    cache_seqlens: int32 (batch,) or an int, the keys in the cache before this call
+    (default: all of it). k, v (batch, seqlen_new, nheads_k, headdim), if given, are
+    written into the cache in place at positions cache_seqlens .. cache_seqlens +
+    seqlen_new - 1, and the queries attend to the old keys and the new ones. cache_batch_idx
+    int32 (batch,) picks the cache row of each sequence (contiguous cache);
+    cache_leftpad int32 (batch,) makes a sequence's keys start at that position.
+
+    Masks align bottom-right against seqlen_k = cache_seqlens + seqlen_new - leftpad, as
+    in flash_attn_func: query t sees key j iff j <= t + seqlen_k - seqlen_q (causal).
+    rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2), seqlen_ro >= the cache's
+    capacity, rotate q and the new k: new key i at position cache_seqlens + i; query t at
+    cache_seqlens + t when causal or windowed, else at cache_seqlens; rotary_interleaved
+    pairs features (2i, 2i+1), else (i, i + rotary_dim / 2).
+
+    num_splits: 0 picks a split of the keys from the shapes alone (never from device
+    values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
+    splits into n (at most 128). Returns out (batch, seqlen_q, nheads, headdim), and with
+    return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q). check_inputs=True
+    reads the device values first (one sync) and raises for page ids outside the cache,
+    lengths past its capacity and leftpads past the lengths; without it such values are
+    clamped in the kernels, so they never read or write outside the arrays.
+    """
+    q, kc, vc = (_interop.as_device_array(x, n)
+                 for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    kn, vn, cos, sin, idx, leftpad, table, alibi, o = (
+        _interop.optional_array(x, n) for x, n in (
+            (k, "k"), (v, "v"), (rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin"),
+            (cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad"),
+            (block_table, "block_table"), (alibi_slopes, "alibi_slopes"), (out, "out")))
+    fixed = None
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and cache_seqlens < 0):
+            raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 array; got "
+                             f"{cache_seqlens!r}")
+        fixed, seqlens = cache_seqlens, None
+    else:
+        seqlens = _interop.as_device_array(cache_seqlens, "cache_seqlens")
+    window = api._window(window_size, causal)
+    scale = api._check_scale(softmax_scale, "softmax_scale")
+    softcap = api._softcap(softcap)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shapes); got "
+                         f"{num_splits!r}")
+    options = (window, scale, softcap, bool(rotary_interleaved), num_splits, fixed,
+               bool(return_softmax_lse))
+    arrays = (q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o)
+    key = api._call_key("kvcache", arrays, options)
+    plan = api._plans.get(key)
+    if plan is None:
+        plan = api._remember(key, _plan_kvcache(
+            q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, table, alibi, o, out,
+            window=window, scale=scale, softcap=softcap, interleaved=bool(rotary_interleaved),
+            num_splits=num_splits, want_lse=bool(return_softmax_lse)))
+    if check_inputs:
+        _check_values(plan, seqlens, leftpad, table)
+    return _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
+    """The attention over the union of two disjoint key sets, from each part's output and
+    lse: lse = log(exp(lse_a) + exp(lse_b)), out = exp(lse_a - lse) out_a + exp(lse_b -
+    lse) out_b. This is how split-KV, prefix caching and attention spread over GPUs
+    combine their parts.
+
+    out_a, out_b: (batch, seqlen, nheads, headdim) with lse float32 (batch, nheads,
+    seqlen), as flash_attn_func returns them, or packed (total, nheads, headdim) with lse
+    (nheads, total), as flash_attn_varlen_func does; float16, bfloat16 or float32 (the
+    same for both), any strides. A part with lse -inf (no keys) weighs 0 and its output
+    is not read; two such parts give 0 and -inf. Returns (out, lse): out in the inputs'
+    dtype (written into `out` if given: same shape and dtype, any strides; it may be
+    out_a or out_b), lse float32.
+    """
+    views = [_interop.as_device_array(x, n) for x, n in (
+        (out_a, "out_a"), (lse_a, "lse_a"), (out_b, "out_b"), (lse_b, "lse_b"))]
+    o = _interop.optional_array(out, "out")
+    key = api._call_key("merge", tuple(views) + (o,), ())
+    plan = api._plans.get(key)
+    if plan is None:
+        plan = api._remember(key, _plan_merge(*views, o, out))
+    oa, la, ob, lb = views
+    o_native, o_ptr = (o.obj, o.ptr) if o is not None else _interop.allocate(
+        plan.framework, oa.shape, oa.dtype, plan.device)
+    lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
+                                            plan.device)
+    if plan.blocks:
+        params = _params.MERGE.with_pointers(plan.params, dict(
+            out_a=oa.ptr, lse_a=la.ptr, out_b=ob.ptr, lse_b=lb.ptr, out=o_ptr, lse=lse_ptr))
+        _launch(plan.device, plan.framework, ((plan.function, plan.blocks, 128, 0, params),))
+    return _interop.to_caller(o_native, oa), _interop.to_caller(lse_native, oa)
+
+
+# -- planning ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _KvPlan:
+    """What a call needs besides the arrays' addresses (see api._Plan)."""
+    framework: str
+    device: int
+    out_shape: tuple
+    dtype: str
+    lse_shape: tuple
+    want_lse: bool
+    params: bytes = b""
+    launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
+    workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
+                                        # and the rotated q (-1: not used)
+    rotary: bool = False
+    capacity: int = 0          # key positions a sequence can hold
+    num_pages: int = 0
+    seqlen_new: int = 0
+    fixed_seqlen: object = None
+
+
+def _check_cache(q, kc, vc, kn, vn, table, idx, batch, nheads):
+    """The cache (and new keys) against q; returns (paged dict or None, capacity, cache_rows)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, nheads, headdim); got shape {q.shape}")
+    if q.dtype not in api._KERNEL_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; cufa supports float16 and bfloat16")
+    d = q.shape[3]
+    if d % 8 or not 8 <= d <= _compile.MAX_HEAD_DIM:
+        raise ValueError(f"q has head dim {d}; cufa supports multiples of 8 from 8 to "
+                         f"{_compile.MAX_HEAD_DIM}")
+    layout = ("(num_pages, page_size, nheads_k, headdim)" if table is not None
+              else "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    for x, n in ((kc, "k_cache"), (vc, "v_cache")):
+        if x.ndim != 4:
+            raise ValueError(f"{n} must be 4-D {layout}; got shape {x.shape}")
+        api._check_dtype_device(x, n, q, "q")
+    if kc.shape[3] != d:
+        raise ValueError(f"k_cache has head dim {kc.shape[3]} but q has {d}")
+    if vc.shape != kc.shape:
+        raise ValueError(f"v_cache has shape {vc.shape} but k_cache has {kc.shape}; they must "
+                         "match")
+    nheads_k = kc.shape[2]
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"q has {nheads} heads, not a multiple of the {nheads_k} heads of "
+                         "k_cache")
+    for x, n in ((q, "q"), (kc, "k_cache"), (vc, "v_cache")):
+        api._check_loadable(x, n)
+    if table is not None:
+        if idx is not None:
+            raise ValueError("cache_batch_idx does not apply to a paged cache: block_table "
+                             "already says where each sequence's keys live")
+        paged = api.check_block_table(table, kc, q, batch)
+        capacity, cache_rows = paged["capacity"], paged["num_pages"]
+    else:
+        paged, capacity, cache_rows = None, kc.shape[1], kc.shape[0]
+        if idx is None and kc.shape[0] != batch:
+            raise ValueError(f"k_cache has batch {kc.shape[0]} but q has {batch}; pass "
+                             "cache_batch_idx to pick cache rows")
+        if capacity > api._INT32_MAX // 2:
+            raise ValueError(f"caches of up to {api._INT32_MAX // 2} positions are supported; "
+                             f"got {capacity}")
+    if (kn is None) != (vn is None):
+        raise ValueError("k and v must be given together (the new keys and their values)")
+    if kn is not None:
+        expected = (batch, kn.shape[1] if kn.ndim == 4 else -1, nheads_k, d)
+        for x, n in ((kn, "k"), (vn, "v")):
+            if x.ndim != 4 or x.shape != expected:
+                raise ValueError(f"{n} must be (batch, seqlen_new, nheads_k, headdim) = "
+                                 f"{expected}; got shape {x.shape}"
+                                 + (f" (head dim {x.shape[-1]} but the cache has {d})"
+                                    if x.ndim == 4 and x.shape[-1] != d else ""))
+            api._check_dtype_device(x, n, q, "q")
+            api._check_loadable(x, n)
+        if kn.shape[1] > capacity:
+            raise ValueError(f"k has {kn.shape[1]} new tokens but the cache holds at most "
+                             f"{capacity} per sequence")
+    return paged, capacity, cache_rows
+
+
+def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, table, alibi, o,
+                  out, *, window, scale, softcap, interleaved, num_splits, want_lse):
+    batch, seqlen_q, nheads, d = q.shape if q.ndim == 4 else (0, 0, 0, 0)
+    paged, capacity, cache_rows = _check_cache(q, kc, vc, kn, vn, table, idx, batch, nheads)
+    nheads_k = kc.shape[2]
+    seqlen_new = kn.shape[1] if kn is not None else 0
+    for x, n in ((seqlens, "cache_seqlens"), (idx, "cache_batch_idx"),
+                 (leftpad, "cache_leftpad")):
+        if x is not None:
+            api.check_int32_vector(x, n, batch, q)
+    if seqlens is None:
+        if kn is not None:
+            raise ValueError("cache_seqlens is required with k and v: it says where the new "
+                             "tokens go")
+        if fixed is None:
+            fixed = capacity
+    if fixed is not None and fixed + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens = {fixed} plus {seqlen_new} new tokens exceeds the "
+                         f"cache's {capacity} positions")
+    rotary_dim, seqlen_ro = _check_rotary(cos, sin, q, d, capacity)
+    api._check_alibi(alibi, q, batch, nheads)
+    api._check_out(out, o, q)
+    if batch > _GRID_YZ_MAX or nheads_k > _GRID_YZ_MAX:
+        raise ValueError(f"batch and nheads_k up to {_GRID_YZ_MAX} are supported; got "
+                         f"{batch}, {nheads_k}")
+    if max(batch * seqlen_q * nheads, batch * seqlen_new * nheads_k) * 4 > api._INT32_MAX:
+        raise ValueError("problem too large: more than 2^29 query or new-key rows")
+    framework = "cupy" if q.framework == "dlpack" else q.framework
+    outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
+                   lse_shape=(batch, nheads, seqlen_q), want_lse=want_lse)
+    extra = dict(capacity=capacity, num_pages=paged["num_pages"] if paged else 0,
+                 seqlen_new=seqlen_new, fixed_seqlen=fixed)
+    if batch == 0:
+        return _KvPlan(**outputs, **extra)
+
+    group = nheads // nheads_k
+    num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
+    kernel = _compile.decode_kernel(api._KERNEL_DTYPES[q.dtype], d)
+    if num_splits == 0:
+        num_splits = choose_num_splits(batch * nheads_k * num_m_blocks, capacity,
+                                       api._sm_count(q.device), kernel.ctas_per_sm)
+    num_splits = min(num_splits, MAX_SPLITS)
+    rotary = rotary_dim > 0
+    p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
+             head_dim=d, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
+             capacity=capacity, cache_rows=cache_rows, num_splits=num_splits,
+             num_m_blocks=num_m_blocks, window_left=window[0], window_right=window[1],
+             rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
+             rotary_dtype=_ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
+             rotary_interleaved=int(interleaved),
+             rotary_q_per_token=int(window != (api._UNBOUNDED, api._UNBOUNDED)))
+    q_strides = api._contiguous_strides(q.shape) if rotary else q.strides
+    o_strides = o.strides if o is not None else api._contiguous_strides(q.shape)
+    for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
+                          ("o", o_strides), ("q_source", q.strides if rotary else (0, 0, 0)),
+                          ("k_new", kn.strides if kn is not None else (0, 0, 0)),
+                          ("v_new", vn.strides if vn is not None else (0, 0, 0))):
+        (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
+         p[f"{name}_head_stride"]) = strides[:3]
+    if paged:
+        p["page_shift"], p["max_pages"] = paged["page_shift"], paged["max_pages"]
+        p["block_table_batch_stride"] = paged["table_stride"]
+    if alibi is not None:
+        p["alibi_batch_stride"] = alibi.strides[0] if alibi.ndim == 2 else 0
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
+    p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
+
+    dt = api._KERNEL_DTYPES[q.dtype]
+    launches = []
+    if kn is not None or rotary:
+        rows = batch * seqlen_new * nheads_k + (batch * seqlen_q * nheads if rotary else 0)
+        launches.append(_launch_entry(_compile.DecodeKernel("append", dt), q.device,
+                                      (-(-rows // 4), 1, 1)))
+    if seqlen_q:
+        launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
+                                                         batch)))
+        if num_splits > 1:
+            launches.append(_launch_entry(_compile.DecodeKernel("combine", dt), q.device,
+                                          (-(-batch * seqlen_q * nheads // 4), 1, 1)))
+    # One float32 buffer: the splits' outputs and lse, then the rotated q (16-byte rows),
+    # each part starting on a 256-byte boundary.
+    rows = batch * seqlen_q * nheads
+    split = num_splits > 1 and seqlen_q
+    sizes = (num_splits * rows * d if split else 0, num_splits * rows if split else 0,
+             (rows * d + 1) // 2 if rotary else 0)
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total if n else -1)
+        total += -(-n // 64) * 64
+    workspace = (total, *offsets)
+    return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p).tobytes(),
+                   launches=tuple(launches), workspace=workspace, rotary=rotary)
+
+
+def _launch_entry(kernel, device, grid):
+    return (kernel.kind, _compile.function_pointer(kernel, device), grid, kernel.threads,
+            kernel.smem_bytes)
+
+
+def choose_num_splits(units, max_keys, sm_count, ctas_per_sm):
+    """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
+    only. Decode reads the cache at the rate of the SMs that hold work, so split only
+    while some SM would be idle: then as many splits as fill every SM's CTA slots in one
+    wave (a second, partial wave would leave most SMs idle at its end), each with at
+    least _MIN_KEYS_PER_SPLIT keys of the cache's capacity."""
+    if units >= sm_count or units == 0:
+        return 1
+    most = max(1, max_keys // _MIN_KEYS_PER_SPLIT)
+    return max(1, min(sm_count * ctas_per_sm // units, most, MAX_SPLITS))
+
+
+def _check_rotary(cos, sin, q, d, capacity):
+    """-> (rotary_dim, seqlen_ro); (0, 0) without rotary."""
+    if cos is None and sin is None:
+        return 0, 0
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    for x, n in ((cos, "rotary_cos"), (sin, "rotary_sin")):
+        if x.dtype not in _ROTARY_DTYPES or x.dtype not in (q.dtype, "float32"):
+            raise TypeError(f"{n} must have q's dtype ({q.dtype}) or float32; got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
+        if x.ndim != 2 or x.shape != cos.shape:
+            raise ValueError(f"{n} must be 2-D (seqlen_ro, rotary_dim / 2), the shape of "
+                             f"rotary_cos; got {x.shape}")
+        if x.shape[1] > 1 and x.strides[1] != 1 or x.shape[0] > 1 and x.strides[0] != x.shape[1]:
+            raise ValueError(f"{n} must be contiguous; got strides {x.strides}")
+    seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
+    if not 0 < rotary_dim <= d:
+        raise ValueError(f"rotary_cos gives rotary_dim {rotary_dim} (2 x its dim 1); it must be "
+                         f"from 2 to the head dim {d}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos has {seqlen_ro} positions but the cache has {capacity}; "
+                         "it must cover every cache position")
+    return rotary_dim, seqlen_ro
+
+
+def _check_values(plan, seqlens, leftpad, table):
+    """check_inputs=True: the device values, read once (a sync)."""
+    if seqlens is not None:
+        lens = _interop.to_numpy(seqlens)
+    else:
+        lens = None
+    if lens is not None:
+        bad = (lens < 0) | (lens + plan.seqlen_new > plan.capacity)
+        if bad.any():
+            b = int(bad.argmax())
+            raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])}: with {plan.seqlen_new} new "
+                             f"tokens it must lie in [0, {plan.capacity - plan.seqlen_new}] (the "
+                             f"cache holds {plan.capacity} positions)")
+    if leftpad is not None:
+        pad = _interop.to_numpy(leftpad)
+        ends = (lens if lens is not None else plan.fixed_seqlen) + plan.seqlen_new
+        bad = (pad < 0) | (pad > ends)
+        if bad.any():
+            b = int(bad.argmax())
+            raise ValueError(f"cache_leftpad[{b}] = {int(pad[b])} lies outside [0, "
+                             f"cache_seqlens[{b}] + seqlen_new]")
+    if table is not None:
+        api.check_page_ids(table, plan.num_pages)
+
+
+def _plan_merge(oa, la, ob, lb, o, out):
+    for x, n in ((oa, "out_a"), (ob, "out_b")):
+        if x.dtype not in _MERGE_DTYPES:
+            raise TypeError(f"{n} must be float16, bfloat16 or float32; got {x.dtype}")
+        if x.ndim not in (3, 4):
+            raise ValueError(f"{n} must be (batch, seqlen, nheads, headdim) or packed "
+                             f"(total, nheads, headdim); got shape {x.shape}")
+    if ob.shape != oa.shape or ob.dtype != oa.dtype:
+        raise ValueError(f"out_b is {ob.shape} {ob.dtype} but out_a is {oa.shape} {oa.dtype}; "
+                         "they must match")
+    packed = oa.ndim == 3
+    rows, nheads = (oa.shape[0], oa.shape[1]) if packed else (oa.shape[1], oa.shape[2])
+    batch = 1 if packed else oa.shape[0]
+    lse_shape = (nheads, rows) if packed else (batch, nheads, rows)
+    for x, n in ((la, "lse_a"), (lb, "lse_b")):
+        if x.dtype != "float32":
+            raise TypeError(f"{n} must be float32; got {x.dtype}")
+        if x.shape != lse_shape:
+            raise ValueError(f"{n} must have shape {lse_shape} for outputs of shape "
+                             f"{oa.shape}; got {x.shape}")
+    for x, n in ((la, "lse_a"), (ob, "out_b"), (lb, "lse_b")):
+        if x.device != oa.device:
+            raise ValueError(f"{n} is on cuda:{x.device} but out_a is on cuda:{oa.device}")
+        if x.framework != oa.framework:
+            raise TypeError(f"{n} is a {x.framework} array but out_a is a {oa.framework} array")
+    if o is not None:
+        if _interop.is_jax(out):
+            raise TypeError("out is a JAX array, and JAX arrays are immutable; call without out=")
+        if o.shape != oa.shape or o.dtype != oa.dtype or o.device != oa.device:
+            raise ValueError(f"out must have out_a's shape {oa.shape} and dtype {oa.dtype} on "
+                             f"cuda:{oa.device}; got {o.shape} {o.dtype} on cuda:{o.device}")
+    if batch * rows * nheads * 4 > api._INT32_MAX:
+        raise ValueError("problem too large: more than 2^29 rows")
+
+    def out_strides(x):  # (batch, row, head, col)
+        return (0,) + tuple(x.strides) if packed else tuple(x.strides)
+
+    def lse_strides(x):  # (batch, head, row)
+        return (0,) + tuple(x.strides) if packed else tuple(x.strides)
+
+    p = dict(batch=batch, seqlen=rows, nheads=nheads, head_dim=oa.shape[-1])
+    o_strides = o.strides if o is not None else api._contiguous_strides(oa.shape)
+    for name, strides in (("out_a", out_strides(oa)), ("out_b", out_strides(ob)),
+                          ("out", (0,) + tuple(o_strides) if packed else tuple(o_strides))):
+        for dim, s in zip(("batch", "row", "head", "col"), strides):
+            p[f"{name}_{dim}_stride"] = s
+    lse_out = api._contiguous_strides(lse_shape)
+    for name, strides in (("lse_a", lse_strides(la)), ("lse_b", lse_strides(lb)),
+                          ("lse", (0,) + lse_out if packed else lse_out)):
+        for dim, s in zip(("batch", "head", "row"), strides):
+            p[f"{name}_{dim}_stride"] = s
+    framework = "cupy" if oa.framework == "dlpack" else oa.framework
+    count = batch * rows * nheads
+    kernel = _compile.DecodeKernel("merge", _MERGE_DTYPES[oa.dtype])
+    return _MergePlan(framework, oa.device, lse_shape, _params.MERGE.pack(p).tobytes(),
+                      _compile.function_pointer(kernel, oa.device) if count else 0,
+                      -(-count // 4))
+
+
+@dataclass(frozen=True)
+class _MergePlan:
+    framework: str
+    device: int
+    lse_shape: tuple
+    params: bytes
+    function: int
+    blocks: int
+
+
+# -- launch --------------------------------------------------------------------------------
+
+def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o):
+    if o is None:
+        o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
+                                            plan.device)
+    else:
+        o_native, o_ptr = o.obj, o.ptr
+    lse_native = lse_ptr = 0
+    if plan.want_lse:
+        lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
+                                                plan.device)
+    if plan.launches:
+        total, o_part, lse_part, q_rot = plan.workspace
+        base = _interop.allocate(plan.framework, (total,), "float32", plan.device)[1] if total else 0
+        at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
+        pointers = dict(
+            q=at(q_rot) if plan.rotary else q.ptr, k=kc.ptr, v=vc.ptr, o=o_ptr, lse=lse_ptr,
+            o_partial=at(o_part), lse_partial=at(lse_part), cache_seqlens=_ptr(seqlens),
+            cache_batch_idx=_ptr(idx), cache_leftpad=_ptr(leftpad), block_table=_ptr(table),
+            alibi_slopes=_ptr(alibi), k_new=_ptr(kn), v_new=_ptr(vn),
+            q_source=q.ptr if plan.rotary else 0, rotary_cos=_ptr(cos), rotary_sin=_ptr(sin))
+        params = _params.DECODE.with_pointers(plan.params, pointers)
+        _launch(plan.device, plan.framework,
+                tuple((fn, grid, threads, smem, params)
+                      for _, fn, grid, threads, smem in plan.launches))
+    o_native = _interop.to_caller(o_native, q)
+    if plan.want_lse:
+        return o_native, _interop.to_caller(lse_native, q)
+    return o_native
+
+
+def _ptr(x):
+    return 0 if x is None else x.ptr
+
+
+def _launch(device, framework, launches):
+    """Each (CUfunction, grid, threads, smem, params buffer) on the caller's stream, in
+    order, straight through the driver (the params record passed by address)."""
+    import cupy
+    driver = api._driver()
+    with cupy.cuda.Device(device):
+        if driver.ctxGetCurrent() == 0:  # a thread new to CUDA (see api._launch)
+            cupy.cuda.runtime.free(0)
+        stream = _interop.current_stream_ptr(framework, device)
+        for function, grid, threads, smem, params in launches:
+            if isinstance(grid, int):
+                grid = (grid, 1, 1)
+            pointers = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+            driver.launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem,
+                                stream, ctypes.addressof(pointers), 0)
