@@ -183,7 +183,8 @@ struct DecodeSmem {
 template <int kDtype, int kHeadDim>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
                                                     int m_block, int h_k, int split, float* s_out,
-                                                    const float* s_max, const float* s_sum) {
+                                                    const float* s_max, const float* s_sum,
+                                                    float scale_log2) {
   using Smem = DecodeSmem<kHeadDim>;
   constexpr int kChunks = kHeadDim / 8;
   for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += kDecodeThreads) {
@@ -197,7 +198,7 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
       for (int e = 0; e < 8; ++e) acc[e] += s_out[(w * kDecodeRows + r) * Smem::kOStride + c * 8 + e];
     const float sum = s_sum[r];
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // explicit 0: a row that saw no key
-    const float lse = sum > 0.f ? (s_max[r] * p.scale_log2 + log2f(sum)) * CUFA_LN2 : -CUFA_INF;
+    const float lse = sum > 0.f ? (s_max[r] * scale_log2 + log2f(sum)) * CUFA_LN2 : -CUFA_INF;
     if (p.num_splits > 1) {
       const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
       float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o_partial) +
@@ -365,7 +366,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodePara
           make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
   }
   __syncthreads();
-  write_decode_output<kDtype, kHeadDim>(p, s, m_block, h_k, split, s_out, s_max, s_sum);
+  write_decode_output<kDtype, kHeadDim>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
+                                        scale_log2);
 }
 
 // -- split-KV: one warp per (batch, token, head) row merges the splits by their lse --
