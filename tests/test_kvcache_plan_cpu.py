@@ -1,0 +1,135 @@
+"""CPU: what flash_attn_with_kvcache plans from shapes alone -- split count, kernels and
+their grids, the params record, the workspace layout -- with the compile and the device
+queries stubbed out, so no GPU is needed."""
+import numpy as np
+import pytest
+
+import cufa
+from cufa import _compile, _params, api, kvcache
+from cufa._interop import DeviceArray
+
+H100_SMS = 132
+
+
+def arr(shape, dtype="float16", strides=None, ptr=0x7f0000000000):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}[dtype]
+    return DeviceArray(None, "cupy", ptr, tuple(shape), tuple(strides), dtype, 0, itemsize)
+
+
+@pytest.fixture
+def planner(monkeypatch):
+    """Plans without a GPU: kernels get fake handles, the device has 132 SMs."""
+    monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: hash(kernel.key))
+    monkeypatch.setattr(api, "_sm_count", lambda device: H100_SMS)
+    monkeypatch.setattr(api, "_plans", {})
+    captured = []
+    monkeypatch.setattr(kvcache, "_run", lambda plan, *a: captured.append(plan) or plan)
+
+    def plan(*args, **kw):
+        cufa.flash_attn_with_kvcache(*args, **kw)
+        return captured[-1]
+    return plan
+
+
+def record(plan):
+    return np.frombuffer(plan.params, dtype=_params.DECODE.dtype)[0]
+
+
+@pytest.mark.parametrize("batch, keys, heads_k, d, expected", [
+    (1, 32768, 8, 128, 33),     # 8 CTAs unsplit: 264 slots (2 CTAs an SM at d = 128)
+    (1, 131072, 8, 128, 33),
+    (8, 16384, 8, 128, 4),      # 64 CTAs -> 256
+    (64, 4096, 8, 128, 1),      # 512 CTAs: every SM already has work
+    (256, 1024, 32, 64, 1),
+    (1, 32768, 32, 64, 4),      # d = 64: 3 CTAs an SM -> 396 slots
+    (1, 512, 8, 128, 2),        # few keys: at least 256 a split
+])
+def test_split_count_fills_the_sms_once(planner, batch, keys, heads_k, d, expected):
+    q = arr((batch, 1, 32, d))
+    cache = arr((batch, keys, heads_k, d))
+    plan = planner(q, cache, cache, cache_seqlens=arr((batch,), "int32"))
+    rec = record(plan)
+    assert rec["num_splits"] == expected
+    kinds = [entry[0] for entry in plan.launches]
+    assert kinds == (["decode", "combine"] if expected > 1 else ["decode"])
+    grid = plan.launches[0][2]
+    assert grid == (rec["num_m_blocks"] * expected, heads_k, batch)
+    if expected > 1:
+        assert expected * batch * heads_k <= H100_SMS * _compile.decode_kernel("fp16", d).ctas_per_sm
+
+
+def test_num_splits_argument_is_obeyed_and_capped(planner):
+    q, cache = arr((2, 1, 8, 64)), arr((2, 4096, 8, 64))
+    assert record(planner(q, cache, cache, num_splits=1))["num_splits"] == 1
+    assert record(planner(q, cache, cache, num_splits=7))["num_splits"] == 7
+    assert record(planner(q, cache, cache, num_splits=1000))["num_splits"] == kvcache.MAX_SPLITS
+
+
+def test_gqa_rows_and_query_blocks(planner):
+    # 4 tokens x group 4 = 16 rows: one block; 37 tokens x 4 = 148 rows: 10 blocks
+    for seqlen_q, blocks in ((1, 1), (4, 1), (37, 10)):
+        rec = record(planner(arr((3, seqlen_q, 32, 128)), arr((3, 256, 8, 128)),
+                             arr((3, 256, 8, 128)), num_splits=1))
+        assert (rec["group"], rec["num_m_blocks"]) == (4, blocks)
+    rec = record(planner(arr((3, 1, 8, 128)), arr((3, 256, 8, 128)), arr((3, 256, 8, 128))))
+    assert (rec["group"], rec["num_m_blocks"]) == (1, 1)
+
+
+def test_paged_cache_params(planner):
+    pages = arr((50, 16, 2, 64))
+    table = arr((3, 7), "int32")
+    rec = record(planner(arr((3, 1, 4, 64)), pages, pages, block_table=table,
+                         cache_seqlens=arr((3,), "int32")))
+    assert rec["page_shift"] == 4 and rec["max_pages"] == 7 and rec["capacity"] == 7 * 16
+    assert rec["cache_rows"] == 50 and rec["block_table_batch_stride"] == 7
+    assert (rec["k_batch_stride"], rec["k_row_stride"], rec["k_head_stride"]) == (
+        16 * 2 * 64, 2 * 64, 64)
+
+
+def test_append_and_rotary_plan_the_append_kernel_and_a_rotated_q(planner):
+    b, sq, h, hk, d = 2, 3, 8, 2, 128
+    q, cache = arr((b, sq, h, d)), arr((b, 300, hk, d))
+    new = arr((b, 2, hk, d))
+    cos = arr((300, 32))
+    plan = planner(q, cache, cache, new, new, rotary_cos=cos, rotary_sin=cos,
+                   cache_seqlens=arr((b,), "int32"), causal=True, num_splits=3)
+    assert [e[0] for e in plan.launches] == ["append", "decode", "combine"]
+    rows = b * 2 * hk + b * sq * h
+    assert plan.launches[0][2] == (-(-rows // 4), 1, 1)
+    rec = record(plan)
+    assert rec["rotary_dim"] == 64 and rec["rotary_q_per_token"] == 1
+    assert rec["seqlen_new"] == 2 and plan.rotary
+    # q is read from the rotated copy: contiguous strides, while q_source keeps the caller's
+    assert (rec["q_batch_stride"], rec["q_row_stride"], rec["q_head_stride"]) == (
+        sq * h * d, h * d, d)
+    total, o_part, lse_part, q_rot = plan.workspace
+    assert min(o_part, lse_part, q_rot) >= 0
+    for offset in (o_part, lse_part, q_rot):  # 256-byte aligned parts
+        assert offset % 64 == 0
+    assert o_part + 3 * b * sq * h * d <= lse_part and lse_part + 3 * b * sq * h <= q_rot
+    assert q_rot + b * sq * h * d // 2 <= total
+
+
+def test_no_rotary_no_split_needs_no_workspace(planner):
+    plan = planner(arr((64, 1, 32, 128)), arr((64, 4096, 8, 128)), arr((64, 4096, 8, 128)))
+    assert plan.workspace[0] == 0 and not plan.rotary
+
+
+def test_decode_kernel_shared_memory_fits_the_stated_ctas():
+    for v in _compile.decode_variants():
+        if v.kind == "decode":
+            assert v.ctas_per_sm * (v.smem_bytes + 1024 + 640) <= _compile.SM90_SMEM_PER_SM, v.key
+            assert v.smem_bytes <= 227 * 1024
+    assert _compile.decode_kernel("fp16", 128).ctas_per_sm == 2
+    assert _compile.decode_kernel("fp16", 64).ctas_per_sm == 3
+
+
+def test_variant_keys_are_readable_and_unique():
+    keys = [v.key for v in _compile.decode_variants()]
+    assert len(set(keys)) == len(keys)
+    assert "decode_bf16_hd128" in keys and "decode_combine_fp16" in keys
+    assert "decode_append_bf16" in keys and "merge_fp32" in keys
+    assert _compile.DecodeKernel("decode", "bf16", 64).name_expression == \
+        "cufa::decode_kernel<1, 64>"
