@@ -43,7 +43,7 @@ def record(plan):
     (8, 16384, 8, 128, 4),      # 64 CTAs -> 256
     (64, 4096, 8, 128, 1),      # 512 CTAs: every SM already has work
     (256, 1024, 32, 64, 1),
-    (1, 32768, 32, 64, 4),      # d = 64: 3 CTAs an SM -> 396 slots
+    (1, 32768, 32, 64, 12),      # d = 64: 3 CTAs an SM -> 396 slots
     (1, 512, 8, 128, 2),        # few keys: at least 256 a split
 ])
 def test_split_count_fills_the_sms_once(planner, batch, keys, heads_k, d, expected):
