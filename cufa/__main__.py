@@ -110,8 +110,46 @@ def _gpu_check():
         cases.append((fam, "varlen"))
         failures += not ok
     os.environ.pop("CUFA_KERNEL_FAMILY")
+    for page_size, splits in ((None, 1), (None, 0), (16, 5)):  # the KV-cache kernels
+        cases.append(("decode", page_size, splits))
+        failures += not _decode_check(rng, f64, page_size, splits)
     print(f"\nself-check: {len(cases) - failures}/{len(cases)} kernel families match the reference")
     return failures == 0
+
+
+def _decode_check(rng, f64, page_size, num_splits):
+    """flash_attn_with_kvcache appending 2 tokens to a cache of 3 sequences (GQA 8/2),
+    contiguous or paged, against the reference over the cache it should leave."""
+    import cupy
+    import cufa
+    b, cap, h, hk, d, new = 3, 256, 8, 2, 64, 2
+    lens = np.array([200, 0, 77], dtype=np.int32)
+    q = _random((b, 2, h, d), "float16", rng)
+    k_new, v_new = (_random((b, new, hk, d), "float16", rng) for _ in range(2))
+    k_cache, v_cache = (_random((b, cap, hk, d), "float16", rng) for _ in range(2))
+    k_ref, v_ref = f64(k_cache), f64(v_cache)
+    for i, n in enumerate(lens):
+        k_ref[i, n:n + new], v_ref[i, n:n + new] = f64(k_new[i]), f64(v_new[i])
+    table = None
+    if page_size:  # the same keys, scattered over shuffled pages
+        pages = cap // page_size
+        order = rng.permutation(b * pages + 3)[:b * pages].reshape(b, pages).astype(np.int32)
+        k_pages, v_pages = (cupy.zeros((b * pages + 3, page_size, hk, d), cupy.float16)
+                            for _ in range(2))
+        slots = cupy.asarray(order.ravel())
+        k_pages[slots] = k_cache.reshape(b * pages, page_size, hk, d)
+        v_pages[slots] = v_cache.reshape(b * pages, page_size, hk, d)
+        k_cache, v_cache, table = k_pages, v_pages, cupy.asarray(order)
+    o, lse = cufa.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=cupy.asarray(lens), causal=True,
+        block_table=table, num_splits=num_splits, return_softmax_lse=True)
+    ok = True
+    for i, n in enumerate(lens):
+        o_ref, lse_ref = reference.attention(f64(q[i:i + 1]), k_ref[i:i + 1, :n + new],
+                                             v_ref[i:i + 1, :n + new], causal=True)
+        ok &= _matches(f64(o[i:i + 1]), cupy.asnumpy(lse[i:i + 1]), o_ref, lse_ref, "float16",
+                       f"decode page_size={page_size} num_splits={num_splits} sequence {i}")
+    return ok
 
 
 def _matches(o, lse, o_ref, lse_ref, dtype, label):
