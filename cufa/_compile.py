@@ -154,13 +154,14 @@ VARLEN_SCHEDULE = ScheduleKernel()
 # dtype and padded head dim; masks and score mods are runtime branches, whose cost hides
 # under the memory traffic.
 DECODE_HEAD_DIMS = SM80_HEAD_DIMS
-DECODE_WARPS, DECODE_ROWS, DECODE_TILE_KEYS = 4, 16, 16  # decode.cu
+DECODE_ROWS, DECODE_TILE_KEYS = 16, 16  # query rows a CTA, keys a warp's tile (decode.cu)
+DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at most
 MERGE_DTYPES = ("fp16", "bf16", "fp32")  # index = MergeDtype in merge.cu
 
 
-def decode_stages(head_dim):
-    """cp.async stages per warp (DecodeStages in decode.cu)."""
-    return 4 if head_dim <= 64 else 3 if head_dim <= 128 else 2
+def decode_shape(head_dim):
+    """(warps, cp.async stages per warp) of the decode kernel (DecodeShape in decode.cu)."""
+    return (4 if head_dim <= 128 else 2), (4 if head_dim <= 64 else 2)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,6 @@ class DecodeKernel:
     kind: str
     dtype: str
     head_dim: int = 0   # "decode" only: the padded head dim
-    threads: int = 128
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
 
@@ -194,20 +194,29 @@ class DecodeKernel:
         return f"cufa::decode_{self.kind}<{dt}>"
 
     @property
+    def threads(self):
+        return 32 * decode_shape(self.head_dim)[0] if self.kind == "decode" else 128
+
+    @property
     def smem_bytes(self):
         """Dynamic shared memory: Q, then each warp's K/V stages."""
         if self.kind != "decode":
             return 0
-        q = DECODE_ROWS * self.head_dim * 2
-        return q + DECODE_WARPS * decode_stages(self.head_dim) * 2 * DECODE_TILE_KEYS * self.head_dim * 2
+        warps, stages = decode_shape(self.head_dim)
+        tile = DECODE_TILE_KEYS * self.head_dim * 2
+        return DECODE_ROWS * self.head_dim * 2 + warps * stages * 2 * tile
+
+    def ctas_per_sm_on(self, smem_per_sm):
+        """CTAs an SM holds, by shared memory (1 KB reserved per CTA); registers allow
+        more."""
+        if self.kind != "decode":
+            return 1
+        return max(1, min(16, smem_per_sm // (self.smem_bytes + 1024 + DECODE_STATIC_SMEM)))
 
     @property
     def ctas_per_sm(self):
-        """On an H100 (228 KB of shared memory an SM, 1 KB reserved per CTA, plus the
-        kernel's static 640 bytes)."""
-        if self.kind != "decode":
-            return 1
-        return max(1, min(16, SM90_SMEM_PER_SM // (self.smem_bytes + 1024 + 640)))
+        """On an H100 (228 KB of shared memory an SM)."""
+        return self.ctas_per_sm_on(SM90_SMEM_PER_SM)
 
 
 def decode_kernel(dtype, head_dim):

@@ -176,6 +176,8 @@ def _check_cache(q, kc, vc, kn, vn, table, idx, batch, nheads):
         capacity, cache_rows = paged["capacity"], paged["num_pages"]
     else:
         paged, capacity, cache_rows = None, kc.shape[1], kc.shape[0]
+        if batch and kc.shape[0] == 0:
+            raise ValueError("k_cache has no rows (its dim 0 is 0)")
         if idx is None and kc.shape[0] != batch:
             raise ValueError(f"k_cache has batch {kc.shape[0]} but q has {batch}; pass "
                              "cache_batch_idx to pick cache rows")
@@ -210,12 +212,11 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, tab
                  (leftpad, "cache_leftpad")):
         if x is not None:
             api.check_int32_vector(x, n, batch, q)
-    if seqlens is None:
+    if seqlens is None and fixed is None:
         if kn is not None:
             raise ValueError("cache_seqlens is required with k and v: it says where the new "
                              "tokens go")
-        if fixed is None:
-            fixed = capacity
+        fixed = capacity
     if fixed is not None and fixed + seqlen_new > capacity:
         raise ValueError(f"cache_seqlens = {fixed} plus {seqlen_new} new tokens exceeds the "
                          f"cache's {capacity} positions")
@@ -232,7 +233,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, tab
                    lse_shape=(batch, nheads, seqlen_q), want_lse=want_lse)
     extra = dict(capacity=capacity, num_pages=paged["num_pages"] if paged else 0,
                  seqlen_new=seqlen_new, fixed_seqlen=fixed)
-    if batch == 0:
+    if batch == 0 or nheads == 0:
         return _KvPlan(**outputs, **extra)
 
     group = nheads // nheads_k
@@ -240,7 +241,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, tab
     kernel = _compile.decode_kernel(api._KERNEL_DTYPES[q.dtype], d)
     if num_splits == 0:
         num_splits = choose_num_splits(batch * nheads_k * num_m_blocks, capacity,
-                                       api._sm_count(q.device), kernel.ctas_per_sm)
+                                       api._sm_count(q.device),
+                                       kernel.ctas_per_sm_on(_smem_per_sm(q.device)))
     num_splits = min(num_splits, MAX_SPLITS)
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
@@ -250,7 +252,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, tab
              rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
              rotary_dtype=_ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
              rotary_interleaved=int(interleaved),
-             rotary_q_per_token=int(window != (api._UNBOUNDED, api._UNBOUNDED)))
+             rotary_q_per_token=int(min(window) < capacity))
     q_strides = api._contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else api._contiguous_strides(q.shape)
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
@@ -270,8 +272,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, tab
 
     dt = api._KERNEL_DTYPES[q.dtype]
     launches = []
-    if kn is not None or rotary:
-        rows = batch * seqlen_new * nheads_k + (batch * seqlen_q * nheads if rotary else 0)
+    rows = batch * seqlen_new * nheads_k + (batch * seqlen_q * nheads if rotary else 0)
+    if rows:  # new keys to write, or q to rotate
         launches.append(_launch_entry(_compile.DecodeKernel("append", dt), q.device,
                                       (-(-rows // 4), 1, 1)))
     if seqlen_q:
@@ -298,6 +300,18 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, tab
 def _launch_entry(kernel, device, grid):
     return (kernel.kind, _compile.function_pointer(kernel, device), grid, kernel.threads,
             kernel.smem_bytes)
+
+
+_smem_per_sms = {}
+
+
+def _smem_per_sm(device):
+    n = _smem_per_sms.get(device)
+    if n is None:
+        import cupy
+        n = _smem_per_sms[device] = cupy.cuda.Device(device).attributes[
+            "MaxSharedMemoryPerMultiprocessor"]
+    return n
 
 
 def choose_num_splits(units, max_keys, sm_count, ctas_per_sm):
@@ -446,7 +460,10 @@ def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi,
                                                 plan.device)
     if plan.launches:
         total, o_part, lse_part, q_rot = plan.workspace
-        base = _interop.allocate(plan.framework, (total,), "float32", plan.device)[1] if total else 0
+        # (the buffer is held until the launches are queued: freed earlier, another thread
+        # could be handed the same memory for work ordered before ours)
+        workspace, base = (_interop.allocate(plan.framework, (total,), "float32", plan.device)
+                           if total else (None, 0))
         at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
         pointers = dict(
             q=at(q_rot) if plan.rotary else q.ptr, k=kc.ptr, v=vc.ptr, o=o_ptr, lse=lse_ptr,
@@ -458,6 +475,7 @@ def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi,
         _launch(plan.device, plan.framework,
                 tuple((fn, grid, threads, smem, params)
                       for _, fn, grid, threads, smem in plan.launches))
+        del workspace
     o_native = _interop.to_caller(o_native, q)
     if plan.want_lse:
         return o_native, _interop.to_caller(lse_native, q)

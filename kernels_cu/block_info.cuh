@@ -37,7 +37,7 @@ __device__ __forceinline__ bool get_tile(const FwdParams& p, int block, Tile& t)
     t.seqlen_q = min(max(cu_q[t.b + 1], q0), p.seqlen_q) - q0;
     if (p.block_table) {  // keys 0.. of the sequence's pages; seqlen_k holds their capacity
       t.k_start = 0;
-      t.seqlen_k = min(max(cu_k[t.b + 1] - cu_k[t.b], 0), p.seqlen_k);
+      t.seqlen_k = (int)min(max((i64)cu_k[t.b + 1] - cu_k[t.b], (i64)0), (i64)p.seqlen_k);
     } else {
       const int k0 = min(max(cu_k[t.b], 0), p.seqlen_k);
       t.k_start = k0;

@@ -3,8 +3,9 @@
 // keep HBM busy rather than the matrix units:
 // - the query rows that share a KV head (GQA group x new tokens) form the 16 rows of one
 //   mma tile, so each cache byte is read once per KV head, not once per query head;
-// - each of the 4 warps streams its own 16-key tiles through a ring of cp.async stages
-//   (no CTA-wide barrier in the loop), and the warps' softmax states merge at the end;
+// - each warp (4, or 2 above d = 128) streams its own 16-key tiles through a ring of
+//   cp.async stages (no CTA-wide barrier in the loop); the warps' softmax states merge at
+//   the end;
 // - split-KV: the keys of one (sequence, KV head) are cut into num_splits chunks, each a
 //   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; decode_combine
 //   merges the chunks' normalized outputs by their lse.
@@ -16,16 +17,26 @@
 
 namespace cufa {
 
-constexpr int kDecodeWarps = 4;
-constexpr int kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kDecodeRows = 16;  // query rows per CTA: one mma tile
 constexpr int kTileKeys = 16;    // keys a warp takes per step
 
-// Cache stages per warp: enough bytes in flight to keep HBM busy, few enough that two or
-// more CTAs share an SM up to d = 128 (mirrored by decode_stages in cufa/_compile.py).
+// Warps and cp.async stages per head dim: enough bytes in flight to keep HBM busy (three
+// CTAs share an H100 SM at every head dim), within the 99 KB of shared memory that every
+// GPU from sm_80 on grants a CTA. A warp's 16-key stage of K and V is 16 KB at d = 256,
+// hence two warps above d = 128. Mirrored by decode_shape in cufa/_compile.py.
 template <int kHeadDim>
-struct DecodeStages {
-  static constexpr int value = kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 3 : 2);
+struct DecodeShape {
+  static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
+  static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;
+  static constexpr int kWarpBytes = kStages * 2 * kTileBytes;  // K and V per stage
+  static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
+  static constexpr int kOStride = kHeadDim + 4;  // floats a row: rows 4 banks apart
+  static_assert(kDecodeRows * kOStride * 4 <= kWarpBytes,
+                "a warp's float outputs reuse its cache stages");
+  static constexpr int kBytes = kQBytes + kWarps * kWarpBytes;
+  static_assert(kBytes <= 99 * 1024, "shared memory of sm_86/89");
 };
 
 // -- where a sequence's keys live --
@@ -167,35 +178,23 @@ __device__ __forceinline__ void decode_mask(float (&sc)[1][2][4], const LaneRows
     }
 }
 
-template <int kHeadDim>
-struct DecodeSmem {
-  static constexpr int kStages = DecodeStages<kHeadDim>::value;
-  static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;
-  static constexpr int kWarpBytes = kStages * 2 * kTileBytes;  // K and V per stage
-  static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
-  static constexpr int kOStride = kHeadDim + 4;  // floats a row: rows 4 banks apart
-  static_assert(kDecodeWarps * kDecodeRows * kOStride * 4 <= kDecodeWarps * kWarpBytes,
-                "the warps' outputs reuse the cache stages");
-  static constexpr int kBytes = kQBytes + kDecodeWarps * kWarpBytes;
-};
-
 // -- epilogue: merge the warps' states, then write the output (or this split's share) --
 template <int kDtype, int kHeadDim>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
                                                     int m_block, int h_k, int split, float* s_out,
                                                     const float* s_max, const float* s_sum,
                                                     float scale_log2) {
-  using Smem = DecodeSmem<kHeadDim>;
+  using Shape = DecodeShape<kHeadDim>;
   constexpr int kChunks = kHeadDim / 8;
-  for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += kDecodeThreads) {
+  for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += Shape::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
     const DecodeRow row = decode_row(p, m_block, h_k, r);
     if (!row.valid || c * 8 >= p.head_dim) continue;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w)
+    for (int w = 0; w < Shape::kWarps; ++w)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] += s_out[(w * kDecodeRows + r) * Smem::kOStride + c * 8 + e];
+      for (int e = 0; e < 8; ++e) acc[e] += s_out[(w * kDecodeRows + r) * Shape::kOStride + c * 8 + e];
     const float sum = s_sum[r];
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // explicit 0: a row that saw no key
     const float lse = sum > 0.f ? (s_max[r] * scale_log2 + log2f(sum)) * CUFA_LN2 : -CUFA_INF;
@@ -224,12 +223,12 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
 
 // grid: (num_m_blocks * num_splits, nheads_k, batch)
 template <int kDtype, int kHeadDim>
-__global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeParams p) {
-  using Smem = DecodeSmem<kHeadDim>;
-  constexpr int kStages = Smem::kStages;
+__global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel(const DecodeParams p) {
+  using Shape = DecodeShape<kHeadDim>;
+  constexpr int kStages = Shape::kStages, kWarps = Shape::kWarps;
   constexpr int kDTiles = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float s_warp_max[kDecodeWarps][kDecodeRows], s_warp_sum[kDecodeWarps][kDecodeRows];
+  __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
   __shared__ float s_max[kDecodeRows], s_sum[kDecodeRows];
 
   // -- which rows, keys and split --
@@ -244,13 +243,13 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodePara
   const int split_tiles = (num_tiles + p.num_splits - 1) / p.num_splits;
   const int tile_begin = min(split * split_tiles, num_tiles);
   const int tile_end = min(tile_begin + split_tiles, num_tiles);
-  // this warp's tiles: tile_begin + warp, + 4, ...
-  const int my_tiles = max(0, (tile_end - tile_begin - warp + kDecodeWarps - 1) / kDecodeWarps);
+  // this warp's tiles: tile_begin + warp, + kWarps, ...
+  const int my_tiles = max(0, (tile_end - tile_begin - warp + kWarps - 1) / kWarps);
 
   // -- Q: the CTA's 16 rows, zeros past the last --
   const u32 sq = smem_u32(smem);
   const u16* q = reinterpret_cast<const u16*>(p.q);
-  copy_rows_async<kDecodeRows, kHeadDim, kDecodeThreads>(
+  copy_rows_async<kDecodeRows, kHeadDim, Shape::kThreads>(
       sq, [&](int r) {
         const DecodeRow row = decode_row(p, m_block, h_k, r);
         return q + s.b * p.q_batch_stride + row.t * p.q_row_stride + row.h * p.q_head_stride;
@@ -260,15 +259,15 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodePara
   cp_async_commit();
 
   // -- prologue: the first kStages - 1 tiles of this warp --
-  const u32 stages = sq + Smem::kQBytes + warp * Smem::kWarpBytes;
+  const u32 stages = sq + Shape::kQBytes + warp * Shape::kWarpBytes;
   const u16* k_head = reinterpret_cast<const u16*>(p.k) + h_k * p.k_head_stride;
   const u16* v_head = reinterpret_cast<const u16*>(p.v) + h_k * p.v_head_stride;
-  const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kDecodeWarps) * kTileKeys; };
+  const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < my_tiles)
-      load_kv_tile<kHeadDim>(stages + i * 2 * Smem::kTileBytes,
-                             stages + (i * 2 + 1) * Smem::kTileBytes, p, s, k_head, v_head,
+      load_kv_tile<kHeadDim>(stages + i * 2 * Shape::kTileBytes,
+                             stages + (i * 2 + 1) * Shape::kTileBytes, p, s, k_head, v_head,
                              tile_key0(i), lane);
     cp_async_commit();
   }
@@ -298,8 +297,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodePara
     const int ahead = i + kStages - 1;
     if (ahead < my_tiles) {
       const int st = ahead % kStages;
-      load_kv_tile<kHeadDim>(stages + st * 2 * Smem::kTileBytes,
-                             stages + (st * 2 + 1) * Smem::kTileBytes, p, s, k_head, v_head,
+      load_kv_tile<kHeadDim>(stages + st * 2 * Shape::kTileBytes,
+                             stages + (st * 2 + 1) * Shape::kTileBytes, p, s, k_head, v_head,
                              tile_key0(ahead), lane);
     }
     cp_async_commit();
@@ -307,7 +306,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodePara
     __syncwarp();
 
     const int st = i % kStages, key0 = tile_key0(i);
-    const u32 sk = stages + st * 2 * Smem::kTileBytes, sv = sk + Smem::kTileBytes;
+    const u32 sk = stages + st * 2 * Shape::kTileBytes, sv = sk + Shape::kTileBytes;
     const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
     const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 
@@ -344,17 +343,17 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodePara
     const int r = threadIdx.x;
     float mx = -CUFA_INF;
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, s_warp_max[w][r]);
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_warp_max[w][r]);
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w)
+    for (int w = 0; w < kWarps; ++w)
       if (s_warp_max[w][r] != -CUFA_INF)
         sum += s_warp_sum[w][r] * fast_exp2((s_warp_max[w][r] - mx) * scale_log2);
     s_max[r] = mx;
     s_sum[r] = sum;
   }
   __syncthreads();
-  float* s_out = reinterpret_cast<float*>(smem + Smem::kQBytes);
+  float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = (lane >> 2) + 8 * i;
@@ -362,7 +361,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodePara
     const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - s_max[r]) * scale_log2);
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
-      *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * Smem::kOStride + dt * 8 + 2 * (lane & 3)]) =
+      *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * Shape::kOStride + dt * 8 + 2 * (lane & 3)]) =
           make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
   }
   __syncthreads();

@@ -3,7 +3,8 @@
 //   lse = m + log(exp(lse_a - m) + exp(lse_b - m))
 //   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
 // A part with lse -inf saw no key and weighs 0 (its output is not read: it may hold
-// anything); two such parts give 0 and -inf.
+// anything); two such parts give 0 and -inf. lse +inf, flash-attn 2's mark of a row
+// without keys, counts as -inf; a NaN lse makes the row NaN.
 #include "common.cuh"
 
 namespace cufa {
@@ -47,9 +48,11 @@ __global__ void __launch_bounds__(128) merge_states(const MergeParams p) {
   if (index >= p.batch * p.seqlen * p.nheads) return;
   const i64 h = index % p.nheads, s = (index / p.nheads) % p.seqlen;
   const i64 b = index / (p.nheads * p.seqlen);
-  const float la = reinterpret_cast<const float*>(p.lse_a)[b * p.lse_a_batch_stride + h * p.lse_a_head_stride + s * p.lse_a_row_stride];
-  const float lb = reinterpret_cast<const float*>(p.lse_b)[b * p.lse_b_batch_stride + h * p.lse_b_head_stride + s * p.lse_b_row_stride];
-  const float m = fmaxf(la, lb);
+  float la = reinterpret_cast<const float*>(p.lse_a)[b * p.lse_a_batch_stride + h * p.lse_a_head_stride + s * p.lse_a_row_stride];
+  float lb = reinterpret_cast<const float*>(p.lse_b)[b * p.lse_b_batch_stride + h * p.lse_b_head_stride + s * p.lse_b_row_stride];
+  if (la == CUFA_INF) la = -CUFA_INF;
+  if (lb == CUFA_INF) lb = -CUFA_INF;
+  const float m = (la != la || lb != lb) ? la + lb : fmaxf(la, lb);  // NaN passes through
   const float base = m == -CUFA_INF ? 0.f : m;
   float wa = expf(la - base), wb = expf(lb - base);
   const float sum = wa + wb;
@@ -58,7 +61,7 @@ __global__ void __launch_bounds__(128) merge_states(const MergeParams p) {
   wb *= inv;
   if (lane == 0)
     reinterpret_cast<float*>(p.lse)[b * p.lse_batch_stride + h * p.lse_head_stride + s * p.lse_row_stride] =
-        sum > 0.f ? base + logf(sum) : -CUFA_INF;
+        m != m ? m : (sum > 0.f ? base + logf(sum) : -CUFA_INF);
   const i64 at_a = b * p.out_a_batch_stride + s * p.out_a_row_stride + h * p.out_a_head_stride;
   const i64 at_b = b * p.out_b_batch_stride + s * p.out_b_row_stride + h * p.out_b_head_stride;
   const i64 at = b * p.out_batch_stride + s * p.out_row_stride + h * p.out_head_stride;
@@ -66,6 +69,7 @@ __global__ void __launch_bounds__(128) merge_states(const MergeParams p) {
     float x = 0.f;
     if (wa != 0.f) x += wa * load_value<kDtype>(p.out_a, at_a + c * p.out_a_col_stride);
     if (wb != 0.f) x += wb * load_value<kDtype>(p.out_b, at_b + c * p.out_b_col_stride);
+    if (m != m) x = m;
     store_value<kDtype>(p.out, at + c * p.out_col_stride, x);
   }
 }
