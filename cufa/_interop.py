@@ -64,9 +64,9 @@ def as_device_array(x, name):
     if module == "cupy":
         return _cupy_view(x, x, "cupy")
     if is_jax(x) and _is_jax_tracer(x):
-        raise TypeError(f"{name} is a JAX tracer: cufa cannot run inside jax.jit (its kernels "
-                        "need device memory, which traced values do not have); call cufa "
-                        "outside the jitted function, on concrete arrays")
+        raise TypeError(f"{name} is a JAX tracer, which this cufa function cannot take (the "
+                        "attention functions can: inside jax.jit they run as XLA callbacks); "
+                        "call it outside the jitted function, on concrete arrays")
     if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
         raise TypeError(f"{name} must be a CUDA array (CuPy, PyTorch, JAX or any object with "
                         f"__dlpack__); got {type(x).__module__}.{type(x).__name__}")
@@ -108,6 +108,15 @@ def _cupy_dtype(dtype):
         import ml_dtypes  # CuPy represents bfloat16 through ml_dtypes
         return ml_dtypes.bfloat16
     return dtype
+
+
+def contiguous_strides(shape):
+    """Row-major strides, in elements."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def to_numpy(x):

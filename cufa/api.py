@@ -7,11 +7,12 @@ import os
 import numpy as np
 from dataclasses import dataclass
 
-from . import _compile, _interop, _params, _tma, _torch_ops
+from . import _compile, _interop, _jax, _params, _tma, _torch_ops
 
 _KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 _ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
                     "bfloat16": _params.ATTN_MASK_BF16, "float32": _params.ATTN_MASK_FP32}
+_OPTIONAL = frozenset(("seqused_k", "alibi_slopes", "block_table", "attn_mask"))
 _UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
 _INT32_MAX = 2**31 - 1
 
@@ -52,9 +53,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         o, lse = _torch_ops.ops()[0](q, k, v, softmax_scale, causal, left, right, softcap,
                                      alibi_slopes)
         return (o, lse) if return_lse else o
+    if _jax.tracing(q, k, v, alibi_slopes):
+        o, lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), dict(
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap), out=out)
+        return (o, lse) if return_lse else o
     q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     alibi = _interop.optional_array(alibi_slopes, "alibi_slopes")
     o = _interop.optional_array(out, "out")
+    return dense(q, k, v, alibi, o, out, softmax_scale=softmax_scale, causal=causal,
+                 window_size=window_size, softcap=softcap, return_lse=return_lse)
+
+
+def dense(q, k, v, alibi, o, out, *, softmax_scale, causal, window_size, softcap, return_lse,
+          lse_out=None):
+    """flash_attn_func on views; lse_out: a view to write lse into (jax.jit)."""
     window = _window(window_size, causal)
     scale, softcap = _check_scale(softmax_scale, "softmax_scale"), _softcap(softcap)
     key = _call_key("dense", (q, k, v, alibi, o), (window, scale, softcap))
@@ -69,7 +82,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads, nheads_k=k.shape[2],
             seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale, bottom_right=True,
             window=window, softcap=softcap, alibi=alibi, attn_mask=None))
-    return _execute(plan, q, k, v, o, return_lse, alibi=alibi)
+    return _execute(plan, q, k, v, o, return_lse, alibi=alibi, lse_out=lse_out)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -104,16 +117,32 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     the result is undefined.
     """
     _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
-    q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    cu_q = _interop.as_device_array(cu_seqlens_q, "cu_seqlens_q")
-    cu_k = _interop.as_device_array(cu_seqlens_k, "cu_seqlens_k")
-    used = _interop.optional_array(seqused_k, "seqused_k")
-    alibi = _interop.optional_array(alibi_slopes, "alibi_slopes")
-    o = _interop.optional_array(out, "out")
-    table = _interop.optional_array(block_table, "block_table")
     for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
+    arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table)
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                   softcap=softcap)
+    if _jax.tracing(*arrays.values()):
+        if check_cu_seqlens:
+            raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
+                             "function does not have; check them outside jax.jit")
+        o, lse = _jax.call("flash_attn_varlen_func", arrays, options, out=out)
+        return (o, lse) if return_lse else o
+    views = {n: (_interop.optional_array if n in _OPTIONAL else _interop.as_device_array)(x, n)
+             for n, x in arrays.items()}
+    o = _interop.optional_array(out, "out")
+    return packed(views, o, out, **options, return_lse=return_lse,
+                  check_cu_seqlens=check_cu_seqlens)
+
+
+def packed(views, o, out, *, softmax_scale, causal, window_size, softcap, return_lse,
+           check_cu_seqlens=False, lse_out=None):
+    """flash_attn_varlen_func on views (a dict by argument name)."""
+    q, k, v = views["q"], views["k"], views["v"]
+    cu_q, cu_k = views["cu_seqlens_q"], views["cu_seqlens_k"]
+    used, alibi, table = views["seqused_k"], views["alibi_slopes"], views["block_table"]
     window = _window(window_size, causal)
     scale, softcap = _check_scale(softmax_scale, "softmax_scale"), _softcap(softcap)
     key = _call_key("packed", (q, k, v, cu_q, cu_k, used, alibi, o, table),
@@ -159,7 +188,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          k.shape[0] if table is None else None, used)
     if table is not None and check_cu_seqlens:
         check_page_ids(table, k.shape[0])
-    return _execute(plan, q, k, v, o, return_lse, alibi=alibi, packed=(cu_q, cu_k, used, table))
+    return _execute(plan, q, k, v, o, return_lse, alibi=alibi, packed=(cu_q, cu_k, used, table),
+                    lse_out=lse_out)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -178,9 +208,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _reject_unsupported(dropout_p, False, None)
     if _torch_ops.compiling(query):
         return _torch_ops.ops()[1](query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if _jax.tracing(query, key, value, attn_mask):
+        return _jax.call("scaled_dot_product_attention", dict(
+            query=query, key=key, value=value, attn_mask=attn_mask), options)[0]
     q, k, v = (_interop.as_device_array(x, n)
                for x, n in ((query, "query"), (key, "key"), (value, "value")))
     mask = _interop.optional_array(attn_mask, "attn_mask")
+    return sdpa(q, k, v, mask, None, **options)
+
+
+def sdpa(q, k, v, mask, o, *, is_causal, scale, enable_gqa):
+    """scaled_dot_product_attention on views; o: where to write the output (jax.jit)."""
     scale = _check_scale(scale, "scale")
     plan_key = _call_key("sdpa", (q, k, v, mask), (bool(is_causal), scale, bool(enable_gqa)))
     plan = _plans.get(plan_key)
@@ -198,7 +237,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale, bottom_right=False,
             window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED), softcap=0.0, alibi=None,
             attn_mask=mask))
-    return _execute(plan, q, k, v, None, False, attn_mask=mask)
+    return _execute(plan, q, k, v, o, False, attn_mask=mask)
 
 
 # -- validation --------------------------------------------------------------------------
@@ -525,7 +564,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
                          "the grid limit")
     p = {}
-    o_strides = out.strides if out is not None else _contiguous_strides(q.shape)
+    o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
     for name, strides in (("q", q.strides), ("k", k.strides), ("v", v.strides), ("o", o_strides)):
         p[f"{name}_batch_stride"] = 0 if packed else strides[0]
         p[f"{name}_row_stride"] = strides[seq_dim]
@@ -569,14 +608,6 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
                  if packed else None)
 
 
-def _contiguous_strides(shape):
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
     """q, k, v as (batch, rows, heads, columns) views for the TMA descriptors, and for
     packed batches the k/v tail views; each less its address (``_tma.tensor_maps`` takes
@@ -603,16 +634,20 @@ def _tensor_maps(q, k, v, tma_views):
         ((k.ptr,) + tails[0], (v.ptr,) + tails[1]) if tails else ())
 
 
-def _execute(plan, q, k, v, o, return_lse, *, alibi=None, attn_mask=None, packed=None):
-    """Allocate the outputs (unless `o`, the caller's out=) and launch the plan on the
-    caller's current stream."""
+def _execute(plan, q, k, v, o, return_lse, *, alibi=None, attn_mask=None, packed=None,
+             lse_out=None):
+    """Allocate the outputs (unless `o`, the caller's out=, or lse_out) and launch the plan
+    on the caller's current stream."""
     if o is None:
         o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
                                             plan.device)
     else:
         o_native, o_ptr = o.obj, o.ptr
-    lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
-                                            plan.device)
+    if lse_out is None:
+        lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
+                                                plan.device)
+    else:
+        lse_native, lse_ptr = lse_out.obj, lse_out.ptr
     if plan.variant is not None:
         _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed)
     o_native = _interop.to_caller(o_native, q)

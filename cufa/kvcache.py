@@ -5,7 +5,7 @@ import ctypes
 import math
 from dataclasses import dataclass
 
-from . import _compile, _interop, _params, api
+from . import _compile, _interop, _jax, _params, api
 
 _ROTARY_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 _MERGE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -49,41 +49,70 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     reads the device values first (one sync) and raises for page ids outside the cache,
     lengths past its capacity and leftpads past the lengths; without it such values are
     clamped in the kernels, so they never read or write outside the arrays.
+
+    JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
+    after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
+    Under jax.jit with the caches donated (donate_argnums), they are the same memory and
+    no copy is made; without donation, or eagerly, XLA copies each cache once per call.
     """
-    q, kc, vc = (_interop.as_device_array(x, n)
-                 for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
-    kn, vn, cos, sin, idx, leftpad, table, alibi, o = (
-        _interop.optional_array(x, n) for x, n in (
-            (k, "k"), (v, "v"), (rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin"),
-            (cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad"),
-            (block_table, "block_table"), (alibi_slopes, "alibi_slopes"), (out, "out")))
     fixed = None
     if cache_seqlens is None or isinstance(cache_seqlens, int):
         if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and cache_seqlens < 0):
             raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 array; got "
                              f"{cache_seqlens!r}")
-        fixed, seqlens = cache_seqlens, None
-    else:
-        seqlens = _interop.as_device_array(cache_seqlens, "cache_seqlens")
+        fixed, cache_seqlens = cache_seqlens, None
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
+                  rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                  block_table=block_table, alibi_slopes=alibi_slopes)
+    options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
+                   window_size=window_size, softcap=softcap,
+                   rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
+    if _jax.tracing(*arrays.values()) or (_interop.is_jax(q) and k is not None):
+        if check_inputs:
+            raise ValueError("check_inputs=True is not supported for JAX arrays: under jax.jit "
+                             "there are no device values to read")
+        o, lse, *caches = _jax.call("flash_attn_with_kvcache", arrays, options, out=out)
+        return tuple([o] + ([lse] if return_softmax_lse else []) + caches) if caches else (
+            (o, lse) if return_softmax_lse else o)
+    views = {n: (_interop.as_device_array if n in _REQUIRED else _interop.optional_array)(x, n)
+             for n, x in arrays.items()}
+    o = _interop.optional_array(out, "out")
+    return with_kvcache(views, o, out, **options, return_lse=bool(return_softmax_lse),
+                        check_inputs=check_inputs)
+
+
+_REQUIRED = frozenset(("q", "k_cache", "v_cache"))
+
+
+def with_kvcache(views, o, out, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
+                 rotary_interleaved, num_splits, return_lse, check_inputs=False, lse_out=None):
+    """flash_attn_with_kvcache on views (a dict by argument name); cache_seqlen: the int
+    form of cache_seqlens, or None; lse_out: a view to write lse into (jax.jit)."""
+    q, kc, vc, kn, vn = (views[n] for n in ("q", "k_cache", "v_cache", "k", "v"))
+    cos, sin, seqlens = views["rotary_cos"], views["rotary_sin"], views["cache_seqlens"]
+    idx, leftpad, table = views["cache_batch_idx"], views["cache_leftpad"], views["block_table"]
+    alibi, fixed = views["alibi_slopes"], cache_seqlen
     window = api._window(window_size, causal)
     scale = api._check_scale(softmax_scale, "softmax_scale")
     softcap = api._softcap(softcap)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shapes); got "
                          f"{num_splits!r}")
-    options = (window, scale, softcap, bool(rotary_interleaved), num_splits, fixed,
-               bool(return_softmax_lse))
+    want_lse = return_lse or lse_out is not None
+    options = (window, scale, softcap, rotary_interleaved, num_splits, fixed, want_lse)
     arrays = (q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o)
     key = api._call_key("kvcache", arrays, options)
     plan = api._plans.get(key)
     if plan is None:
         plan = api._remember(key, _plan_kvcache(
             q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, table, alibi, o, out,
-            window=window, scale=scale, softcap=softcap, interleaved=bool(rotary_interleaved),
-            num_splits=num_splits, want_lse=bool(return_softmax_lse)))
+            window=window, scale=scale, softcap=softcap, interleaved=rotary_interleaved,
+            num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
         _check_values(plan, seqlens, leftpad, table)
-    return _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o)
+    return _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o,
+                lse_out)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
@@ -100,9 +129,16 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
     dtype (written into `out` if given: same shape and dtype, any strides; it may be
     out_a or out_b), lse float32.
     """
-    views = [_interop.as_device_array(x, n) for x, n in (
-        (out_a, "out_a"), (lse_a, "lse_a"), (out_b, "out_b"), (lse_b, "lse_b"))]
-    o = _interop.optional_array(out, "out")
+    arrays = dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    if _jax.tracing(*arrays.values()):
+        return _jax.call("merge_attention_states", arrays, {}, out=out)
+    views = {n: _interop.as_device_array(x, n) for n, x in arrays.items()}
+    return merge(views, _interop.optional_array(out, "out"), out)
+
+
+def merge(views, o, out, lse_out=None):
+    """merge_attention_states on views (a dict by argument name)."""
+    views = [views[n] for n in ("out_a", "lse_a", "out_b", "lse_b")]
     key = api._call_key("merge", tuple(views) + (o,), ())
     plan = api._plans.get(key)
     if plan is None:
@@ -110,8 +146,8 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
     oa, la, ob, lb = views
     o_native, o_ptr = (o.obj, o.ptr) if o is not None else _interop.allocate(
         plan.framework, oa.shape, oa.dtype, plan.device)
-    lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
-                                            plan.device)
+    lse_native, lse_ptr = (lse_out.obj, lse_out.ptr) if lse_out is not None else \
+        _interop.allocate(plan.framework, plan.lse_shape, "float32", plan.device)
     if plan.blocks:
         params = _params.MERGE.with_pointers(plan.params, dict(
             out_a=oa.ptr, lse_a=la.ptr, out_b=ob.ptr, lse_b=lb.ptr, out=o_ptr, lse=lse_ptr))
@@ -253,8 +289,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, tab
              rotary_dtype=_ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity))
-    q_strides = api._contiguous_strides(q.shape) if rotary else q.strides
-    o_strides = o.strides if o is not None else api._contiguous_strides(q.shape)
+    q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
+    o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
                           ("o", o_strides), ("q_source", q.strides if rotary else (0, 0, 0)),
                           ("k_new", kn.strides if kn is not None else (0, 0, 0)),
@@ -418,12 +454,12 @@ def _plan_merge(oa, la, ob, lb, o, out):
         return (0,) + tuple(x.strides) if packed else tuple(x.strides)
 
     p = dict(batch=batch, seqlen=rows, nheads=nheads, head_dim=oa.shape[-1])
-    o_strides = o.strides if o is not None else api._contiguous_strides(oa.shape)
+    o_strides = o.strides if o is not None else _interop.contiguous_strides(oa.shape)
     for name, strides in (("out_a", out_strides(oa)), ("out_b", out_strides(ob)),
                           ("out", (0,) + tuple(o_strides) if packed else tuple(o_strides))):
         for dim, s in zip(("batch", "row", "head", "col"), strides):
             p[f"{name}_{dim}_stride"] = s
-    lse_out = api._contiguous_strides(lse_shape)
+    lse_out = _interop.contiguous_strides(lse_shape)
     for name, strides in (("lse_a", lse_strides(la)), ("lse_b", lse_strides(lb)),
                           ("lse", (0,) + lse_out if packed else lse_out)):
         for dim, s in zip(("batch", "head", "row"), strides):
@@ -448,14 +484,17 @@ class _MergePlan:
 
 # -- launch --------------------------------------------------------------------------------
 
-def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o):
+def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o,
+         lse_out=None):
     if o is None:
         o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
                                             plan.device)
     else:
         o_native, o_ptr = o.obj, o.ptr
     lse_native = lse_ptr = 0
-    if plan.want_lse:
+    if lse_out is not None:
+        lse_native, lse_ptr = lse_out.obj, lse_out.ptr
+    elif plan.want_lse:
         lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
                                                 plan.device)
     if plan.launches:

@@ -1,0 +1,194 @@
+"""cufa inside jax.jit: a call on traced JAX arrays becomes one
+``jax.experimental.buffer_callback``. XLA allocates the outputs; when the compiled
+function runs, the callback launches cufa's kernels on XLA's stream with the buffers'
+addresses, through the same validation and plans as an eager call.
+
+Shapes, dtypes and options are static (part of the trace); array values (cu_seqlens,
+cache_seqlens, block tables) are not, so a jitted serving step recompiles only when
+shapes change. The KV-cache append writes into output buffers aliased to the caches
+(input_output_aliases): with the caches donated, no copy is made. jax.vmap and jax.grad
+raise errors that say what to do instead.
+"""
+import sys
+from dataclasses import dataclass
+
+from . import _interop
+
+
+def tracing(*xs):
+    """True when some argument is a JAX tracer (the call is inside jax.jit or another
+    transformation)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    return any(isinstance(x, jax.core.Tracer) for x in xs if x is not None)
+
+
+def available():
+    try:
+        from jax.experimental import buffer_callback  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Call:
+    """One traced call: what the callback needs at run time."""
+    entry: str        # the public function's name
+    names: tuple      # the array arguments passed, in order
+    dtypes: tuple     # their dtype names
+    out_dtypes: tuple
+    options: dict
+    aliases: tuple    # (argument name, output index): outputs that update an argument
+
+
+def call(entry, arrays, options, out=None):
+    """`entry` (a public function's name) on JAX arrays, traced or not, as one
+    buffer_callback; returns its outputs (out, lse, and any updated caches)."""
+    import jax
+    import jax.numpy as jnp
+    if not available():
+        raise TypeError(f"cufa.{entry} on traced JAX arrays needs jax.experimental."
+                        f"buffer_callback, which this JAX ({jax.__version__}) lacks; it is in "
+                        "JAX 0.10 and later. Outside jax.jit, cufa takes JAX arrays as they are")
+    from jax.experimental.buffer_callback import buffer_callback
+    if out is not None:
+        raise TypeError("out= is not supported for JAX arrays: they are immutable; use the "
+                        "returned array")
+    present = {n: jnp.asarray(x) if not hasattr(x, "dtype") else x
+               for n, x in arrays.items() if x is not None}
+    results, aliases = _outputs(entry, present)
+    names = tuple(present)
+    spec = Call(entry, names, tuple(str(present[n].dtype) for n in names),
+                tuple(str(r.dtype) for r in results), dict(options), tuple(aliases))
+    fn = buffer_callback(lambda ctx, outs, *bufs: on_device(spec, ctx, outs, bufs),
+                         tuple(results),
+                         input_output_aliases={names.index(n): i for n, i in aliases})
+    return _without_vmap_or_grad(fn, entry)(*(present[n] for n in names))
+
+
+def _outputs(entry, a):
+    """(ShapeDtypeStructs of the outputs, [(argument, output index)] updated in place)."""
+    import jax
+    f32 = "float32"
+    sds = jax.ShapeDtypeStruct
+    if entry == "flash_attn_func":
+        q = a["q"]
+        return [sds(q.shape, q.dtype), sds((q.shape[0], q.shape[2], q.shape[1]), f32)], []
+    if entry == "flash_attn_varlen_func":
+        q = a["q"]
+        return [sds(q.shape, q.dtype), sds((q.shape[1], q.shape[0]), f32)], []
+    if entry == "scaled_dot_product_attention":
+        return [sds(a["query"].shape, a["query"].dtype)], []
+    if entry == "flash_attn_with_kvcache":
+        q = a["q"]
+        outs = [sds(q.shape, q.dtype), sds((q.shape[0], q.shape[2], q.shape[1]), f32)]
+        if "k" not in a:
+            return outs, []
+        kc, vc = a["k_cache"], a["v_cache"]
+        return outs + [sds(kc.shape, kc.dtype), sds(vc.shape, vc.dtype)], [
+            ("k_cache", 2), ("v_cache", 3)]
+    if entry == "merge_attention_states":
+        return [sds(a["out_a"].shape, a["out_a"].dtype), sds(a["lse_a"].shape, f32)], []
+    raise ValueError(f"no jax.jit support for {entry}")
+
+
+def _without_vmap_or_grad(fn, entry):
+    """fn, with jax.vmap and jax.grad raising errors that name cufa and what to do."""
+    import jax
+
+    batched = jax.custom_batching.custom_vmap(fn)
+
+    @batched.def_vmap
+    def _(axis_size, in_batched, *args):
+        raise NotImplementedError(
+            f"cufa.{entry} under jax.vmap: cufa has no batching rule; fold the mapped axis into "
+            "the batch dimension (reshape (n, batch, ...) to (n * batch, ...)) and call it once")
+
+    @jax.custom_vjp
+    def differentiable(*args):
+        return batched(*args)
+
+    def forward(*args):
+        return batched(*args), None
+
+    def backward(residuals, cotangents):
+        raise NotImplementedError(f"cufa.{entry} has no backward pass yet: jax.grad through it "
+                                  "is not supported; wrap the call in jax.lax.stop_gradient if "
+                                  "no gradient should flow through attention")
+
+    differentiable.defvjp(forward, backward)
+    return differentiable
+
+
+def on_device(spec, ctx, outs, bufs):
+    """At run time, in XLA's callback: views of the buffers, then the eager path's
+    validation, plan and launch on XLA's stream."""
+    import cupy
+    views = {n: _view(b, n, dt) for n, b, dt in zip(spec.names, bufs, spec.dtypes)}
+    out_views = [_view(b, f"output {i}", dt) for i, (b, dt) in enumerate(zip(outs, spec.out_dtypes))]
+    for name, i in spec.aliases:  # the append writes into the updated cache's buffer
+        views[name] = out_views[i]
+    device = views[spec.names[0]].device
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(ctx.stream, device):
+        _RUNNERS[spec.entry](views, out_views, spec.options)
+
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "bool": 1}
+
+
+def _view(buf, name, dtype):
+    """An XLA device buffer as a DeviceArray (its device from the pointer)."""
+    import cupy
+    cai = buf.__cuda_array_interface__
+    ptr, shape = cai["data"][0], tuple(cai["shape"])
+    itemsize = _ITEMSIZE.get(dtype) or cupy.dtype(dtype).itemsize
+    strides = cai.get("strides")
+    strides = (tuple(s // itemsize for s in strides) if strides is not None
+               else _interop.contiguous_strides(shape))
+    device = (cupy.cuda.runtime.pointerGetAttributes(ptr).device if ptr
+              else cupy.cuda.runtime.getDevice())
+    return _interop.DeviceArray(None, "cupy", ptr, shape, strides, dtype, device, itemsize)
+
+
+def _views_for(views, names):
+    return {n: views.get(n) for n in names}
+
+
+def _run_dense(views, outs, options):
+    from . import api
+    api.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0], None,
+              **options, return_lse=True, lse_out=outs[1])
+
+
+def _run_packed(views, outs, options):
+    from . import api
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
+             "block_table")
+    api.packed(_views_for(views, names), outs[0], None, **options, return_lse=True,
+               lse_out=outs[1])
+
+
+def _run_sdpa(views, outs, options):
+    from . import api
+    api.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
+             **options)
+
+
+def _run_kvcache(views, outs, options):
+    from . import kvcache
+    names = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+             "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes")
+    kvcache.with_kvcache(_views_for(views, names), outs[0], None, **options, return_lse=True,
+                         lse_out=outs[1])
+
+
+def _run_merge(views, outs, options):
+    from . import kvcache
+    kvcache.merge(views, outs[0], None, lse_out=outs[1])
+
+
+_RUNNERS = {"flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,
+            "scaled_dot_product_attention": _run_sdpa, "flash_attn_with_kvcache": _run_kvcache,
+            "merge_attention_states": _run_merge}

@@ -1,0 +1,228 @@
+"""CPU: cufa under jax.jit, with the device launch replaced by the NumPy reference.
+
+What runs here is everything JAX sees -- the buffer_callback each public function becomes
+on traced arrays, its output shapes and dtypes, the aliasing of an appended cache, what
+is static (shapes, options) and what is not (cu_seqlens, cache_seqlens values), and the
+errors for jax.vmap, jax.grad and out= -- on JAX's CPU backend. The launch itself
+(`_jax.on_device`) is swapped for a function that reads the same buffers with NumPy and
+writes the reference's answer; the GPU tests run the real one. Skipped without JAX.
+"""
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import cufa  # noqa: E402
+from cufa import _jax, reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not _jax.available(), reason="this JAX has no buffer_callback")
+
+
+@pytest.fixture
+def numpy_device(monkeypatch):
+    """Replaces the launch: each run's Call goes into the returned list."""
+    runs = []
+
+    def on_device(spec, ctx, outs, bufs):
+        a = {n: np.asarray(b).astype(np.float64) if np.asarray(b).dtype.kind == "f"
+             or "bfloat16" in str(np.asarray(b).dtype) else np.asarray(b)
+             for n, b in zip(spec.names, bufs)}
+        results = _REFERENCE[spec.entry](a, spec.options)
+        for out, value in zip(outs, results):
+            target = np.asarray(out)
+            target[...] = np.asarray(value).astype(target.dtype)
+        runs.append(spec)
+    monkeypatch.setattr(_jax, "on_device", on_device)
+    return runs
+
+
+def _window(options):
+    return dict(causal=options.get("causal", False), window_size=options.get("window_size", (-1, -1)),
+                softcap=options.get("softcap", 0.0), softmax_scale=options.get("softmax_scale"))
+
+
+def _dense(a, options):
+    return reference.attention(a["q"], a["k"], a["v"], alibi_slopes=a.get("alibi_slopes"),
+                               **_window(options))
+
+
+def _packed(a, options):
+    cu_q, cu_k = a["cu_seqlens_q"], a["cu_seqlens_k"]
+    nheads, d = a["q"].shape[1:]
+    out = np.zeros_like(a["q"])
+    lse = np.full((nheads, a["q"].shape[0]), -np.inf)
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if qe > qs:
+            o, l_ = reference.attention(a["q"][None, qs:qe], a["k"][None, ks:ke],
+                                        a["v"][None, ks:ke], **_window(options))
+            out[qs:qe], lse[:, qs:qe] = o[0], l_[0]
+    return out, lse
+
+
+def _sdpa(a, options):
+    t = (lambda x: x.transpose(0, 2, 1, 3))
+    o, _ = reference.attention(t(a["query"]), t(a["key"]), t(a["value"]),
+                               causal=options["is_causal"], diag_offset=0)
+    return (t(o),)
+
+
+def _kvcache(a, options):
+    kc, vc = a["k_cache"].copy(), a["v_cache"].copy()
+    lens = a["cache_seqlens"] if "cache_seqlens" in a else np.full(kc.shape[0],
+                                                                    options["cache_seqlen"])
+    new = a["k"].shape[1] if "k" in a else 0
+    q = a["q"]
+    out = np.zeros_like(q)
+    lse = np.zeros((q.shape[0], q.shape[2], q.shape[1]))
+    for b, n in enumerate(lens):
+        if new:
+            kc[b, n:n + new], vc[b, n:n + new] = a["k"][b], a["v"][b]
+        out[b:b + 1], lse[b:b + 1] = reference.attention(q[b:b + 1], kc[b:b + 1, :n + new],
+                                                         vc[b:b + 1, :n + new], **_window(options))
+    return (out, lse) + ((kc, vc) if new else ())
+
+
+def _merge(a, options):
+    return reference_merge(a["out_a"], a["lse_a"], a["out_b"], a["lse_b"])
+
+
+def reference_merge(oa, la, ob, lb):
+    lse = np.logaddexp(la, lb)
+    with np.errstate(invalid="ignore"):
+        wa, wb = np.exp(la - lse), np.exp(lb - lse)
+    wa, wb = np.nan_to_num(wa), np.nan_to_num(wb)
+    move = (lambda w: np.moveaxis(w, -2, -1)[..., None] if oa.ndim == 4 else w.T[..., None])
+    return move(wa) * oa + move(wb) * ob, lse
+
+
+_REFERENCE = {"flash_attn_func": _dense, "flash_attn_varlen_func": _packed,
+              "scaled_dot_product_attention": _sdpa, "flash_attn_with_kvcache": _kvcache,
+              "merge_attention_states": _merge}
+
+
+def randn(rng, shape, dtype=jnp.float16):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype=dtype)
+
+
+def close(x, y, tol=2e-2):
+    np.testing.assert_allclose(np.asarray(x, dtype=np.float64), y, atol=tol, rtol=tol)
+
+
+def test_flash_attn_func_in_a_jitted_function_with_other_ops(numpy_device, rng):
+    q, k, v = randn(rng, (2, 7, 4, 32)), randn(rng, (2, 9, 2, 32)), randn(rng, (2, 9, 2, 32))
+    traces = []
+
+    @jax.jit
+    def step(q, k, v):
+        traces.append(1)
+        o, lse = cufa.flash_attn_func(q * 2, k, v, causal=True, return_lse=True)
+        return o.astype(jnp.float32) + 1, lse
+    o, lse = step(q, k, v)
+    o_ref, lse_ref = reference.attention(2 * np.asarray(q, np.float64), np.asarray(k, np.float64),
+                                         np.asarray(v, np.float64), causal=True)
+    assert o.shape == (2, 7, 4, 32) and lse.shape == (2, 4, 7) and lse.dtype == jnp.float32
+    close(o, o_ref + 1)
+    close(lse, lse_ref, 1e-3)
+    jax.block_until_ready(step(q + 1, k, v))
+    assert len(traces) == 1 and len(numpy_device) == 2  # one trace, two runs
+    step(q[:, :5], k, v)
+    assert len(traces) == 2  # a new shape traces again
+
+
+def test_options_are_static_in_the_callback(numpy_device, rng):
+    q = randn(rng, (1, 5, 2, 16))
+    jax.jit(lambda q: cufa.flash_attn_func(q, q, q, window_size=(2, 1), softcap=5.0))(q)
+    spec = numpy_device[-1]
+    assert spec.entry == "flash_attn_func" and spec.names == ("q", "k", "v")
+    assert spec.options["window_size"] == (2, 1) and spec.options["softcap"] == 5.0
+
+
+def test_varlen_lengths_are_values_not_shapes(numpy_device, rng):
+    q, k = randn(rng, (20, 2, 32)), randn(rng, (24, 2, 32))
+    traces = []
+
+    @jax.jit
+    def step(q, k, cu_q, cu_k):
+        traces.append(1)
+        return cufa.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 20, 24, causal=True,
+                                           return_lse=True)
+    for lens_q, lens_k in (([5, 15], [10, 14]), ([20, 0], [12, 12]), ([1, 19], [24, 0])):
+        cu_q = jnp.asarray(np.concatenate([[0], np.cumsum(lens_q)]), jnp.int32)
+        cu_k = jnp.asarray(np.concatenate([[0], np.cumsum(lens_k)]), jnp.int32)
+        o, lse = step(q, k, cu_q, cu_k)
+        o_ref, lse_ref = _packed(dict(q=np.asarray(q, np.float64), k=np.asarray(k, np.float64),
+                                      v=np.asarray(k, np.float64), cu_seqlens_q=np.asarray(cu_q),
+                                      cu_seqlens_k=np.asarray(cu_k)), dict(causal=True))
+        close(o, o_ref)
+        assert lse.shape == (2, 20)
+    assert len(traces) == 1
+
+
+def test_kvcache_append_returns_the_caches_and_aliases_them(numpy_device, rng):
+    b, cap, hk, d = 2, 16, 2, 32
+    q, kc, vc = randn(rng, (b, 1, 4, d)), randn(rng, (b, cap, hk, d)), randn(rng, (b, cap, hk, d))
+    k_new, v_new = randn(rng, (b, 2, hk, d)), randn(rng, (b, 2, hk, d))
+    lens = jnp.asarray([3, 9], jnp.int32)
+
+    def step(q, kc, vc, k_new, v_new, lens):
+        return cufa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens,
+                                            causal=True)
+    text = str(jax.make_jaxpr(step)(q, kc, vc, k_new, v_new, lens))
+    assert "input_output_aliases=((1, 2), (2, 3))" in text
+    kc_np, vc_np = np.asarray(kc, np.float64), np.asarray(vc, np.float64)
+    o, kc2, vc2 = jax.jit(step, donate_argnums=(1, 2))(q, kc, vc, k_new, v_new, lens)
+    assert o.shape == q.shape and kc2.shape == kc_np.shape
+    expect = _kvcache(dict(q=np.asarray(q, np.float64), k_cache=kc_np, v_cache=vc_np,
+                           k=np.asarray(k_new, np.float64), v=np.asarray(v_new, np.float64),
+                           cache_seqlens=np.asarray(lens)), dict(causal=True))
+    close(o, expect[0])
+    close(kc2, expect[2], 1e-3)
+    close(vc2, expect[3], 1e-3)
+
+
+def test_kvcache_without_append_returns_out_and_lse(numpy_device, rng):
+    q, kc = randn(rng, (2, 1, 4, 32)), randn(rng, (2, 16, 2, 32))
+    o, lse = jax.jit(lambda q, kc, n: cufa.flash_attn_with_kvcache(
+        q, kc, kc, cache_seqlens=n, return_softmax_lse=True))(q, kc, jnp.asarray([4, 16], jnp.int32))
+    assert o.shape == q.shape and lse.shape == (2, 4, 1)
+    assert numpy_device[-1].names == ("q", "k_cache", "v_cache", "cache_seqlens")
+
+
+def test_merge_and_sdpa_under_jit(numpy_device, rng):
+    oa, ob = randn(rng, (1, 3, 2, 8), jnp.float32), randn(rng, (1, 3, 2, 8), jnp.float32)
+    la = jnp.asarray(rng.standard_normal((1, 2, 3)), jnp.float32)
+    lb = jnp.full((1, 2, 3), -jnp.inf, jnp.float32)
+    o, lse = jax.jit(cufa.merge_attention_states)(oa, la, ob, lb)
+    close(o, np.asarray(oa), 1e-5)
+    close(lse, np.asarray(la), 1e-5)
+    q = randn(rng, (1, 2, 5, 16))
+    o = jax.jit(lambda q: cufa.scaled_dot_product_attention(q, q, q, is_causal=True))(q)
+    assert o.shape == q.shape and o.dtype == q.dtype
+
+
+def test_vmap_grad_and_out_raise_clear_errors(numpy_device, rng):
+    q = randn(rng, (3, 1, 5, 2, 16))
+    with pytest.raises(NotImplementedError, match="fold the mapped axis into the batch"):
+        jax.vmap(lambda q: cufa.flash_attn_func(q, q, q))(q)
+    x = randn(rng, (1, 5, 2, 16), jnp.float32).astype(jnp.float16)
+    with pytest.raises(NotImplementedError, match="no backward pass yet"):
+        jax.grad(lambda q: cufa.flash_attn_func(q, q, q).astype(jnp.float32).sum())(x)
+    with pytest.raises(TypeError, match="immutable"):
+        jax.jit(lambda q: cufa.flash_attn_func(q, q, q, out=q))(x)
+    cu = jnp.asarray([0, 5], jnp.int32)
+    with pytest.raises(ValueError, match="check_cu_seqlens"):
+        jax.jit(lambda q, cu: cufa.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5,
+                                                          check_cu_seqlens=True))(x[0], cu)
+
+
+def test_eager_kvcache_append_on_jax_arrays_returns_the_caches_too(numpy_device, rng):
+    q, kc = randn(rng, (1, 1, 2, 16)), randn(rng, (1, 8, 1, 16))
+    new = randn(rng, (1, 1, 1, 16))
+    o, lse, kc2, vc2 = cufa.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=3,
+                                                    return_softmax_lse=True)
+    assert lse.shape == (1, 2, 1) and kc2.shape == kc.shape
+    close(kc2[0, 3], np.asarray(new[0, 0], np.float64), 1e-3)
+    close(kc2[0, :3], np.asarray(kc[0, :3], np.float64), 0)
+    assert numpy_device[-1].options["cache_seqlen"] == 3
