@@ -1,9 +1,9 @@
 """PyTorch custom ops, so that torch.compile can trace calls to cufa.
 
 torch.compile cannot look inside cufa (CuPy, raw pointers), so while it traces, the
-public functions hand torch tensors to ``torch.ops.cufa.flash_attn`` /
-``torch.ops.cufa.sdpa``: opaque ops with fake implementations that only compute output
-shapes. In eager mode nothing goes through here.
+public functions hand torch tensors to ``torch.ops.cufa.*`` (flash_attn, flash_attn_varlen,
+sdpa, kvcache, merge): opaque ops with fake implementations that only compute output
+shapes, symbolically under dynamic shapes. In eager mode nothing goes through here.
 
 Importing cufa never imports torch, and torch.compile cannot trace the registration
 itself, so the ops are registered when cufa is imported after torch, or else at the
@@ -26,11 +26,12 @@ def register_if_torch_loaded():
         _ops = _register()
 
 
-def ops():
+def op(name):
+    """The registered op `name` (torch.ops.cufa.<name>)."""
     if _ops is None:
         raise RuntimeError("cufa's torch.compile ops are not registered yet: import torch "
                            "before cufa, or call cufa once outside torch.compile first")
-    return _ops
+    return _ops[name]
 
 
 def _register():
@@ -39,7 +40,7 @@ def _register():
     import torch
     from torch import Tensor
 
-    from . import api
+    from . import api, kvcache
 
     @torch.library.custom_op("cufa::flash_attn", mutates_args=())
     def flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
@@ -66,4 +67,54 @@ def _register():
     def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         return query.new_empty(query.shape)
 
-    return flash_attn, sdpa
+    @torch.library.custom_op("cufa::flash_attn_varlen", mutates_args=())
+    def flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          softmax_scale: Optional[float], causal: bool, window_left: int,
+                          window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                          seqused_k: Optional[Tensor],
+                          block_table: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        return api.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+            softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
+            block_table=block_table, return_lse=True)
+
+    @flash_attn_varlen.register_fake
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
+        total_q, nheads, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
+
+    # The cache is written in place when k and v are given.
+    @torch.library.custom_op("cufa::kvcache", mutates_args=("k_cache", "v_cache"))
+    def kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
+                   v: Optional[Tensor], rotary_cos: Optional[Tensor],
+                   rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                   cache_seqlen: Optional[int], cache_batch_idx: Optional[Tensor],
+                   cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                   softmax_scale: Optional[float], causal: bool, window_left: int,
+                   window_right: int, softcap: float, rotary_interleaved: bool,
+                   alibi_slopes: Optional[Tensor], num_splits: int) -> Tuple[Tensor, Tensor]:
+        return kvcache.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+            cache_seqlens if cache_seqlens is not None else cache_seqlen, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right),
+            softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse=True)
+
+    @kvcache_op.register_fake
+    def _(q, *rest):
+        batch, seqlen_q, nheads, _ = q.shape
+        return (q.new_empty(q.shape),
+                q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
+
+    @torch.library.custom_op("cufa::merge", mutates_args=())
+    def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
+              lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+        return kvcache.merge_attention_states(out_a, lse_a, out_b, lse_b)
+
+    @merge.register_fake
+    def _(out_a, lse_a, out_b, lse_b):
+        return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)
+
+    return dict(flash_attn=flash_attn, sdpa=sdpa, flash_attn_varlen=flash_attn_varlen,
+                kvcache=kvcache_op, merge=merge)

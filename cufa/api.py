@@ -50,8 +50,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         if out is not None:
             raise NotImplementedError("out= is not supported inside torch.compile")
         left, right = window_size
-        o, lse = _torch_ops.ops()[0](q, k, v, softmax_scale, causal, left, right, softcap,
-                                     alibi_slopes)
+        o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal, left, right,
+                                             softcap, alibi_slopes)
         return (o, lse) if return_lse else o
     if _jax.tracing(q, k, v, alibi_slopes):
         o, lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), dict(
@@ -124,6 +124,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                   seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table)
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap)
+    if _torch_ops.compiling(q):
+        if out is not None:
+            raise NotImplementedError("out= is not supported inside torch.compile")
+        if check_cu_seqlens:
+            raise ValueError("check_cu_seqlens=True reads device values (a sync), which "
+                             "torch.compile cannot trace; check them outside the compiled code")
+        o, lse = _torch_ops.op("flash_attn_varlen")(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, *window_size, softcap, alibi_slopes, seqused_k, block_table)
+        return (o, lse) if return_lse else o
     if _jax.tracing(*arrays.values()):
         if check_cu_seqlens:
             raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
@@ -207,7 +217,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     _reject_unsupported(dropout_p, False, None)
     if _torch_ops.compiling(query):
-        return _torch_ops.ops()[1](query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if _jax.tracing(query, key, value, attn_mask):
         return _jax.call("scaled_dot_product_attention", dict(
@@ -242,8 +252,10 @@ def sdpa(q, k, v, mask, o, *, is_causal, scale, enable_gqa):
 
 # -- validation --------------------------------------------------------------------------
 
+# (comparisons rather than math.isnan / isfinite: torch.compile may pass these as symbolic
+# floats, which comparisons handle and math functions do not)
 def _reject_unsupported(dropout_p, return_probs, return_probs_name):
-    if not isinstance(dropout_p, (int, float)) or math.isnan(dropout_p) or dropout_p < 0:
+    if not isinstance(dropout_p, (int, float)) or not dropout_p >= 0:
         raise ValueError(f"dropout_p must be a number >= 0; got {dropout_p!r}")
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 is not supported: cufa's forward has no "
@@ -371,13 +383,13 @@ def _check_scale(scale, name):
     """None (1 / sqrt(head dim), decided with the plan) or a float."""
     if scale is None:
         return None
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise ValueError(f"{name} must be a finite number > 0; got {scale!r}")
     return float(scale)
 
 
 def _softcap(softcap):
-    if not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+    if not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off); got {softcap!r}")
     return float(softcap)
 

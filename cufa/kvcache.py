@@ -5,7 +5,7 @@ import ctypes
 import math
 from dataclasses import dataclass
 
-from . import _compile, _interop, _jax, _params, api
+from . import _compile, _interop, _jax, _params, _torch_ops, api
 
 _ROTARY_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 _MERGE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -68,6 +68,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap,
                    rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
+    if _torch_ops.compiling(q):
+        if out is not None or check_inputs:
+            raise NotImplementedError("out= and check_inputs=True are not supported inside "
+                                      "torch.compile")
+        o, lse = _torch_ops.op("kvcache")(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
+            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, *window_size,
+            softcap, bool(rotary_interleaved), alibi_slopes, num_splits)
+        return (o, lse) if return_softmax_lse else o
     if _jax.tracing(*arrays.values()) or (_interop.is_jax(q) and k is not None):
         if check_inputs:
             raise ValueError("check_inputs=True is not supported for JAX arrays: under jax.jit "
@@ -130,6 +139,10 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
     out_a or out_b), lse float32.
     """
     arrays = dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    if _torch_ops.compiling(out_a):
+        if out is not None:
+            raise NotImplementedError("out= is not supported inside torch.compile")
+        return _torch_ops.op("merge")(out_a, lse_a, out_b, lse_b)
     if _jax.tracing(*arrays.values()):
         return _jax.call("merge_attention_states", arrays, {}, out=out)
     views = {n: _interop.as_device_array(x, n) for n, x in arrays.items()}

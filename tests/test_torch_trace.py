@@ -47,3 +47,54 @@ def test_out_is_refused_under_compile():
                       backend="eager")
     with pytest.raises(Exception, match="out= is not supported inside torch.compile"):
         f(q)
+
+
+def _counting_compile(fn):
+    """torch.compile(fullgraph, dynamic) with a backend that records each graph it gets."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    _torch_ops.register_if_torch_loaded()
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=True), graphs
+
+
+def test_dynamic_lengths_trace_once():
+    def block(q, k, v):
+        return cufa.flash_attn_func(q, k, v, causal=True) * 2
+    f, graphs = _counting_compile(block)
+    for n in (64, 100, 333):
+        q = torch.empty(2, n, 4, 32, dtype=torch.float16, device="meta")
+        k = torch.empty(2, n + 7, 2, 32, dtype=torch.float16, device="meta")
+        assert f(q, k, k).shape == (2, n, 4, 32)
+    assert len(graphs) == 1
+    assert "torch.ops.cufa.flash_attn" in graphs[0].code
+
+
+def test_varlen_kvcache_and_merge_trace_as_one_op_each_with_dynamic_shapes():
+    def step(q, k, v, cu, q1, k_cache, v_cache, k_new, lens, table):
+        o, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 128, 128, causal=True,
+                                             return_lse=True)
+        o1 = cufa.flash_attn_with_kvcache(q1, k_cache, v_cache, k_new, k_new,
+                                          cache_seqlens=lens, block_table=table, causal=True)
+        merged, _ = cufa.merge_attention_states(o, lse, o, lse)
+        return merged, o1
+    f, graphs = _counting_compile(step)
+    for total, batch in ((300, 5), (517, 9)):  # (no size equal to another: duck sizing)
+        meta = dict(dtype=torch.float16, device="meta")
+        q = torch.empty(total, 4, 64, **meta)
+        k = torch.empty(total, 2, 64, **meta)
+        cu = torch.empty(batch + 1, dtype=torch.int32, device="meta")
+        q1 = torch.empty(batch, 1, 4, 64, **meta)
+        pages = torch.empty(40, 16, 2, 64, **meta)
+        k_new = torch.empty(batch, 1, 2, 64, **meta)
+        lens = torch.empty(batch, dtype=torch.int32, device="meta")
+        table = torch.empty(batch, 8, dtype=torch.int32, device="meta")
+        merged, o1 = f(q, k, k, cu, q1, pages, pages, k_new, lens, table)
+        assert merged.shape == q.shape and o1.shape == q1.shape
+    assert len(graphs) == 1
+    code = graphs[0].code
+    for op in ("flash_attn_varlen", "kvcache", "merge"):
+        assert f"torch.ops.cufa.{op}" in code, op
