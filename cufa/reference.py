@@ -11,8 +11,14 @@ lse -inf. Score pipeline, in this order (as in the kernels):
 
 diag_offset is seqlen_k - seqlen_q for flash-attn's bottom-right alignment (the default)
 and 0 for PyTorch SDPA's top-left alignment.
+
+KV cache (flash_attn_with_kvcache): kvcache_attention appends, rotates and gathers each
+sequence's keys (kvcache_gather), then runs attention() per sequence; merge_states
+combines two partial results; paged_layout / to_paged / from_paged move a contiguous
+cache to and from pages.
 """
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -138,3 +144,196 @@ def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None):
     out, _ = attention(tr(query), tr(key), tr(value), softmax_scale=scale, causal=is_causal,
                        attn_mask=attn_mask, diag_offset=0)
     return out.transpose(0, 2, 1, 3)
+
+
+# -- KV cache ----------------------------------------------------------------------------
+
+def apply_rotary(x, cos, sin, positions, interleaved=True):
+    """Rotary embedding: x (batch, seqlen, heads, d) with token (b, t) rotated at position
+    positions[b, t]. cos, sin: (seqlen_ro, rotary_dim // 2); the first rotary_dim features
+    are rotated in pairs, the rest kept. interleaved pairs (x[2i], x[2i + 1]), else
+    (x[i], x[i + rotary_dim // 2]); pair i by angle index i:
+
+        x0' = x0 cos[p, i] - x1 sin[p, i],    x1' = x0 sin[p, i] + x1 cos[p, i]
+    """
+    x = np.array(x, dtype=np.float64)
+    cos, sin = (np.asarray(a, dtype=np.float64) for a in (cos, sin))
+    positions = np.asarray(positions)
+    half = cos.shape[1]
+    if cos.shape != sin.shape or 2 * half > x.shape[-1]:
+        raise ValueError(f"rotary_cos {cos.shape} / rotary_sin {sin.shape}: rotary_dim "
+                         f"{2 * half} must fit head dim {x.shape[-1]}")
+    if positions.shape != x.shape[:2]:
+        raise ValueError(f"positions must be {x.shape[:2]}; got {positions.shape}")
+    if positions.size and not (0 <= positions.min() and positions.max() < cos.shape[0]):
+        raise ValueError(f"rotary positions {positions.min()}..{positions.max()} outside the "
+                         f"table's {cos.shape[0]} positions")
+    c, s = cos[positions][:, :, None, :], sin[positions][:, :, None, :]
+    first, second = ((slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved
+                     else (slice(0, half), slice(half, 2 * half)))
+    x0, x1 = x[..., first].copy(), x[..., second].copy()
+    x[..., first] = x0 * c - x1 * s
+    x[..., second] = x0 * s + x1 * c
+    return x
+
+
+@dataclass
+class KvGather:
+    """What flash_attn_with_kvcache attends with: q after rotary, and for each sequence b
+    its keys and values (1, seqlen_k(b), nheads_k, d) taken from the cache after the
+    append; the caches after the append (same layout as given)."""
+    q: np.ndarray
+    keys: list
+    values: list
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+
+
+def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                   cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                   block_table=None, causal=False, window_size=(-1, -1),
+                   rotary_interleaved=True):
+    """The append (rotary on the new keys, written at cache_seqlens[b] + i) and the gather
+    of each sequence's keys, cache positions [leftpad[b], cache_seqlens[b] + seqlen_new).
+    Strict: any value a correct call could not have raises ValueError."""
+    q = np.asarray(q, dtype=np.float64)
+    k_cache, v_cache = (np.array(c, dtype=np.float64) for c in (k_cache, v_cache))
+    batch, seqlen_q = q.shape[:2]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    seqlen_new = 0 if k is None else k.shape[1]
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx does not apply with block_table")
+        block_table = np.asarray(block_table)
+        page_size = k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+
+        def where(b, pos):  # cache index of key positions pos of sequence b
+            return block_table[b, pos // page_size], pos % page_size
+    else:
+        capacity = k_cache.shape[1]
+        rows = np.arange(batch) if cache_batch_idx is None else np.asarray(cache_batch_idx)
+
+        def where(b, pos):
+            return rows[b], pos
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens is required with k and v")
+        cache_seqlens = capacity
+    lens = np.broadcast_to(np.asarray(cache_seqlens, dtype=np.int64), (batch,))
+    pad = np.zeros(batch, np.int64) if cache_leftpad is None else np.asarray(cache_leftpad)
+    ends = lens + seqlen_new
+    if (lens < 0).any() or (ends > capacity).any():
+        raise ValueError(f"cache_seqlens {lens} + {seqlen_new} new keys outside [0, {capacity}]")
+    if (pad < 0).any() or (pad > lens).any():
+        raise ValueError(f"cache_leftpad {pad} outside [0, cache_seqlens {lens}]")
+    new_pos = lens[:, None] + np.arange(seqlen_new)[None, :]
+    if rotary_cos is not None:
+        if causal or tuple(window_size) != (-1, -1):
+            q_pos = lens[:, None] + np.arange(seqlen_q)[None, :]
+        else:
+            q_pos = np.repeat(lens[:, None], seqlen_q, axis=1)
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        if k is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin, new_pos, rotary_interleaved)
+    for b in range(batch):
+        if seqlen_new:
+            at = where(b, new_pos[b])
+            k_cache[at], v_cache[at] = np.asarray(k[b]), np.asarray(v[b])
+    keys, values = [], []
+    for b in range(batch):
+        at = where(b, np.arange(pad[b], ends[b]))
+        keys.append(k_cache[at][None])
+        values.append(v_cache[at][None])
+    return KvGather(q, keys, values, k_cache, v_cache)
+
+
+def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                      block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                      softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                      return_softmax_lse=False):
+    """flash_attn_with_kvcache in float64 (arguments as NumPy arrays; cache_seqlens an
+    array or an int). Each sequence b is attention(q[b], its keys) with masks and ALiBi
+    aligned bottom-right against seqlen_k(b) = cache_seqlens[b] + seqlen_new - leftpad[b],
+    key index 0 at the leftpad. num_splits and return_softmax_lse are accepted for the
+    same call signature and change nothing. Returns (out (batch, seqlen_q, nheads, d),
+    lse (batch, nheads, seqlen_q), k_cache_after, v_cache_after)."""
+    g = kvcache_gather(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                       cache_batch_idx, cache_leftpad, block_table, causal, window_size,
+                       rotary_interleaved)
+    outs, lses = [], []
+    for b, (keys, values) in enumerate(zip(g.keys, g.values)):
+        o, lse = attention(g.q[b:b + 1], keys, values, softmax_scale=softmax_scale,
+                           causal=causal, window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_row(alibi_slopes, b))
+        outs.append(o)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses), g.k_cache, g.v_cache
+
+
+def alibi_row(alibi_slopes, b):
+    """Sequence b's slopes (nheads,) from (nheads,) or (batch, nheads) slopes (or None)."""
+    if alibi_slopes is None:
+        return None
+    a = np.asarray(alibi_slopes, dtype=np.float64)
+    return a if a.ndim == 1 else a[b]
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Attention over the union of two disjoint key sets from each part's (out, lse):
+    out (batch, seqlen, nheads, d) with lse (batch, nheads, seqlen), or packed
+    (total, nheads, d) with lse (nheads, total). A part with lse -inf weighs 0 (its
+    output is not read); both -inf give 0 and -inf."""
+    o_a, lse_a, o_b, lse_b = (np.asarray(x, dtype=np.float64) for x in (o_a, lse_a, o_b, lse_b))
+    lse = np.logaddexp(lse_a, lse_b)
+    safe = np.where(np.isneginf(lse), 0.0, lse)
+    # lse laid out like out's (..., seqlen, nheads) with a trailing axis over d
+    as_out = ((lambda x: x.T[..., None]) if o_a.ndim == 3
+              else (lambda x: x.transpose(0, 2, 1)[..., None]))
+    out = np.zeros_like(o_a)
+    for o_x, lse_x in ((o_a, lse_a), (o_b, lse_b)):
+        w = as_out(np.exp(lse_x - safe))
+        out += np.where(as_out(np.isneginf(lse_x)), 0.0, w * o_x)
+    return out, lse
+
+
+def paged_layout(batch, capacity, page_size, rng, spare_pages=3):
+    """A random page table for `batch` sequences of `capacity` positions (a multiple of
+    page_size): (block_table int32 (batch, capacity // page_size), num_pages). The pages
+    are a random permutation of num_pages = batch * capacity // page_size + spare_pages,
+    so spare_pages pages belong to no sequence."""
+    if capacity % page_size:
+        raise ValueError(f"capacity {capacity} is not a multiple of page_size {page_size}")
+    used = batch * (capacity // page_size)
+    order = rng.permutation(used + spare_pages)[:used]
+    return order.reshape(batch, capacity // page_size).astype(np.int32), used + spare_pages
+
+
+def to_paged(cache, block_table, num_pages, fill=0.0):
+    """A contiguous cache (batch, capacity, heads, d), NumPy or PyTorch, laid out in
+    num_pages pages (num_pages, page_size, heads, d) along block_table (paged_layout);
+    pages of no sequence hold `fill`."""
+    batch, capacity = cache.shape[:2]
+    page_size = capacity // block_table.shape[1]
+    shape = (num_pages, page_size) + tuple(cache.shape[2:])
+    ids = np.asarray(block_table).reshape(-1)
+    if hasattr(cache, "new_full"):  # a torch tensor
+        import torch
+        pages = cache.new_full(shape, fill)
+        ids = torch.as_tensor(ids, dtype=torch.long, device=cache.device)
+    else:
+        pages = np.full(shape, fill, dtype=cache.dtype)
+    pages[ids] = cache.reshape((-1, page_size) + tuple(cache.shape[2:]))
+    return pages
+
+
+def from_paged(pages, block_table):
+    """The contiguous (batch, max_pages * page_size, heads, d) view of a paged cache."""
+    ids = np.asarray(block_table).reshape(-1)
+    if hasattr(pages, "new_full"):  # a torch tensor
+        import torch
+        ids = torch.as_tensor(ids, dtype=torch.long, device=pages.device)
+    gathered = pages[ids]
+    return gathered.reshape((np.shape(block_table)[0], -1) + tuple(pages.shape[2:]))
