@@ -14,6 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
@@ -60,18 +61,62 @@ def main():
         "cufa.scaled_dot_product_attention": lambda: cufa.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
     }
+    cache = torch.randn(8, 1024, 2, 64, device="cuda", dtype=torch.float16)
+    q1 = torch.randn(8, 1, 8, 64, device="cuda", dtype=torch.float16)
+    lens = torch.full((8,), 1000, device="cuda", dtype=torch.int32)
+    cases["cufa.flash_attn_with_kvcache (8 x 1k, decode)"] = (
+        lambda: cufa.flash_attn_with_kvcache(q1, cache, cache, cache_seqlens=lens))
+    cases["torch SDPA (flash), same decode"] = (
+        lambda: sdpa(q1.transpose(1, 2), cache.transpose(1, 2), cache.transpose(1, 2),
+                     enable_gqa=True))
     print(f"| call ({torch.cuda.get_device_name()}) | host us/call | wall us/call |")
     print("| --- | --- | --- |")
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         for name, fn in cases.items():
             host, wall = per_call_us(fn, args.calls)
             print(f"| {name} | {host:.1f} | {wall:.1f} |")
+    jax_table(args.calls)
     if args.profile:
         import cProfile
         import pstats
         profiler = cProfile.Profile()
         profiler.runcall(per_call_us, cases["cufa.flash_attn_func"], args.calls)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def jax_table(calls):
+    """Per-call time of a jitted function holding one attention call: cufa (a
+    buffer_callback into Python) against jax.nn.dot_product_attention."""
+    try:
+        import jax
+        import jax.numpy as jnp
+        from cufa import _jax
+    except ImportError as e:
+        print(f"\n(JAX not timed: {e})")
+        return
+    if not _jax.available():
+        print(f"\n(JAX {jax.__version__} has no buffer_callback: cufa cannot run under jit)")
+        return
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 64)), jnp.float16)
+    fns = {"cufa.flash_attn_func under jax.jit": jax.jit(
+               lambda q: cufa.flash_attn_func(q, q, q, causal=True)),
+           "jax.nn.dot_product_attention under jax.jit": jax.jit(
+               lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))}
+    print(f"\n| jitted call ({jax.devices()[0].device_kind}) | us/call (queued) | us/call (one at a time) |")
+    print("| --- | --- | --- |")
+    for name, fn in fns.items():
+        for _ in range(20):
+            fn(q).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(q)
+        out.block_until_ready()
+        queued = (time.perf_counter() - t0) / calls * 1e6
+        t0 = time.perf_counter()
+        for _ in range(calls // 4):
+            fn(q).block_until_ready()
+        single = (time.perf_counter() - t0) / (calls // 4) * 1e6
+        print(f"| {name} | {queued:.1f} | {single:.1f} |")
 
 
 if __name__ == "__main__":
