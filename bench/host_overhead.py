@@ -2,6 +2,8 @@
 """Host time per call on a problem too small to keep the GPU busy: what launching costs
 from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once. "New
 signature" clears cufa's launch plans before each call, as a call with new shapes would.
+Also a decode call against SDPA's, and, where JAX with buffer_callback is installed, a
+jitted cufa call against jax.nn.dot_product_attention.
 
     python3 bench/host_overhead.py [--calls 2000] [--profile]
 
