@@ -185,7 +185,7 @@ def info():
         print(f"no CUDA device: {reason}")
     cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
     print(f"kernel cache (CuPy, on disk): {cache}")
-    print(f"kernel sources: {_compile.KERNEL_DIR} (fwd_sm80.cu sha256:"
+    print(f"kernel sources: {_compile.KERNEL_FILES} (fwd_sm80.cu sha256:"
           f"{_compile.source_digest('fwd_sm80.cu')})")
     print(f"variants the library can launch: {len(_compile.all_variants())}")
     for key in _compile.compiled_keys():

@@ -211,27 +211,32 @@ def all_variants():
 
 # -- sources ---------------------------------------------------------------------------
 
-def _kernel_dir():
+def _kernel_files():
+    """The kernel sources as an importlib.resources tree: the installed package's data
+    (a wheel, an sdist or an editable install; also inside a zip), or in a checkout run
+    without installing (PYTHONPATH=.), the kernels_cu/ beside cufa/."""
     try:
-        path = Path(str(importlib.resources.files("cufa.kernels_cu")))
-        if (path / "common.cuh").is_file():
-            return path
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return Path(__file__).resolve().parent.parent / "kernels_cu"
+        return importlib.resources.files("cufa.kernels_cu")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "kernels_cu"
 
 
-KERNEL_DIR = _kernel_dir()
+KERNEL_FILES = _kernel_files()
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _source_cache = {}
+
+
+def kernel_source(name):
+    """The text of one kernel source file, e.g. "fwd_sm80.cu", read as text (not through
+    a file path, which a zipped install does not have)."""
+    return KERNEL_FILES.joinpath(name).read_text(encoding="utf-8")
 
 
 def _inline(name, seen):
     if name in seen:               # every header is #pragma once
         return ""
     seen.add(name)
-    text = (KERNEL_DIR / name).read_text()
-    return _INCLUDE.sub(lambda m: _inline(m.group(1), seen), text)
+    return _INCLUDE.sub(lambda m: _inline(m.group(1), seen), kernel_source(name))
 
 
 def assembled_source(filename):
