@@ -4,7 +4,8 @@ check (the default): with a GPU, every kernel family against the float64 referen
 a short timing table; without one, says so and runs the CPU reference on a small problem.
 info: device, architecture, CuPy / CUDA / NVRTC versions, cache location, compiled variants.
 warmup: compile every variant into the on-disk kernel cache that calls use, for this GPU
-or, with ``--arch sm_90``, for a GPU that is not here (no GPU needed).
+or, with --arch sm_90, for a GPU that is not here (no GPU needed): a second warmup, or a
+first call on such a GPU, then compiles nothing.
 """
 import argparse
 import ctypes
@@ -289,7 +290,8 @@ def _cubins(folder):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m cufa", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cufa", description=__doc__.split("\n", 2)[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="check", choices=("check", "info", "warmup"))
     parser.add_argument("--arch", help="warmup only: fill the cache for a GPU of this "
                         "architecture (sm_80 or later, e.g. sm_90) instead of this one; no "
