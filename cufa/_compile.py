@@ -319,6 +319,9 @@ def arch_flags_without_a_device():
     calls the function under the memo. Needed to compile for a named arch without a GPU."""
     from cupy.cuda import compiler
     memoized = compiler._get_arch_for_options_for_nvrtc
+    if not hasattr(memoized, "__wrapped__"):
+        raise RuntimeError("this CuPy's compiler is not the one cufa's warmup knows (CuPy 14): "
+                           "it cannot compile for a named arch without a GPU")
     compiler._get_arch_for_options_for_nvrtc = memoized.__wrapped__
     try:
         yield
