@@ -3,29 +3,63 @@
 check (the default): with a GPU, every kernel family against the float64 reference plus
 a short timing table; without one, says so and runs the CPU reference on a small problem.
 info: device, architecture, CuPy / CUDA / NVRTC versions, cache location, compiled variants.
-warmup: compile every variant (for the current device, or ``--arch sm_90`` without one).
+warmup: compile every variant into the on-disk kernel cache that calls use, for this GPU
+or, with --arch sm_90, for a GPU that is not here (no GPU needed): a second warmup, or a
+first call on such a GPU, then compiles nothing.
 """
 import argparse
+import ctypes
+import fnmatch
 import os
+import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
 from . import _compile, reference
 
+INSTALL_HINT = "pip install 'cufa[cuda13]' (or 'cufa[cuda12]')"
+
 
 def _gpu_status():
-    """(True, '') when a CUDA device is usable, else (False, reason)."""
+    """(True, '') when a CUDA device is usable, else (False, one line saying why)."""
     try:
         import cupy
     except ImportError as e:
-        return False, f"CuPy is not installed ({e}); pip install 'cufa[cuda13]' or 'cufa[cuda12]'"
+        return False, f"CuPy is not installed ({e}); {INSTALL_HINT}"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no driver, no device, or a broken installation
-        return False, f"{type(e).__name__}: {e}"
-    return (n > 0), ("" if n else "the CUDA runtime reports 0 devices")
+        if not _driver_installed():  # CUDA then says "driver insufficient": not the news
+            return False, "no CUDA device found"
+        return False, f"no usable CUDA device: {type(e).__name__}: {e}"
+    return (n > 0), ("" if n else "no CUDA device found")
+
+
+def _driver_installed():
+    try:
+        ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def nvrtc_library():
+    """The libnvrtc CuPy loaded (it finds it through cuda.pathfinder: pip wheels first)."""
+    from cuda import pathfinder
+    return pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
+
+
+def cuda_header_dir():
+    """The CUDA runtime headers' folder, found as CuPy finds it."""
+    from cuda import pathfinder
+    return pathfinder.find_nvidia_header_directory("cudart")
+
+
+def _cache_dir():
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
 
 
 def _progress(i, total, label, width=30):
@@ -192,8 +226,7 @@ def _timing_table():
 def check():
     ok, reason = _gpu_status()
     if not ok:
-        print(f"no CUDA device found: {reason}")
-        print("running the CPU reference on a small problem instead")
+        print(f"{reason}; running the CPU reference on a small problem instead")
         return 0 if _cpu_check() else 1
     ok = _gpu_check()
     _timing_table()
@@ -205,11 +238,13 @@ def check():
 def info():
     try:
         import cupy
-        print(f"CuPy {cupy.__version__}")
+        print(f"CuPy {cupy.__version__} ({cupy.__file__})")
         from cupy.cuda import nvrtc
-        print(f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}")
-    except Exception as e:
-        print(f"CuPy/NVRTC unavailable: {e}")
+        print(f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))} ({nvrtc_library()})")
+        print(f"CUDA headers, which CuPy puts on every compile's include path: "
+              f"{cuda_header_dir() or 'not found; ' + INSTALL_HINT}")
+    except Exception as e:  # no CuPy, or CuPy without NVRTC
+        print(f"CuPy/NVRTC unavailable ({str(e).splitlines()[0]}); {INSTALL_HINT}")
         return 0
     ok, reason = _gpu_status()
     if ok:
@@ -220,10 +255,9 @@ def info():
               f"{props['multiProcessorCount']} SMs")
         print(f"CUDA runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}")
     else:
-        print(f"no CUDA device: {reason}")
-    cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
-    print(f"kernel cache (CuPy, on disk): {cache}")
-    print(f"kernel sources: {_compile.KERNEL_DIR} (fwd_sm80.cu sha256:"
+        print(reason)
+    print(f"kernel cache (CuPy, on disk): {_cache_dir()}")
+    print(f"kernel sources: {_compile.KERNEL_FILES} (fwd_sm80.cu sha256:"
           f"{_compile.source_digest('fwd_sm80.cu')})")
     print(f"variants the library can launch: {len(_compile.all_variants())}")
     for key in _compile.compiled_keys():
@@ -231,50 +265,82 @@ def info():
     return 0
 
 
-def warmup(arch=None):
-    variants = _compile.all_variants()
-    if arch is not None:
-        # Each variant for the named arch where it runs: the wgmma family only on Hopper,
-        # where it needs the arch-specific target.
-        hopper = arch.startswith("sm_90")
-        variants = [v for v in variants if getattr(v, "family", "sm80") == "sm80" or hopper]
+def _parse_arch(text, supported):
+    """"sm_90", "sm_90a" or "90" -> 90; None for what cufa cannot compile for."""
+    m = re.fullmatch(r"(?:sm_?)?(\d+)a?", text.strip().lower())
+    cc = int(m.group(1)) if m else None
+    return cc if cc in supported else None
+
+
+def warmup(arch=None, only="*"):
+    """Compile every variant that runs on the GPU (or on `arch`) into CuPy's on-disk cache,
+    the one calls read: afterwards a call compiles nothing, nor does a second warmup."""
+    try:
+        from cupy.cuda import compiler, nvrtc
+        nvrtc_version = ".".join(map(str, nvrtc.getVersion()))
+        supported = [cc for cc in nvrtc.getSupportedArchs() if cc >= 80]
+    except Exception as e:  # no CuPy, or CuPy without NVRTC
+        print(f"NVRTC unavailable ({str(e).splitlines()[0]}); {INSTALL_HINT}")
+        return 1
     if arch is None:
         ok, reason = _gpu_status()
         if not ok:
-            print(f"no CUDA device found ({reason}); pass --arch sm_80 (or sm_90) to "
-                  "compile without one")
+            print(f"{reason}; pass --arch (e.g. --arch sm_90) to compile for a GPU that is "
+                  "not here")
             return 1
-        import cupy
-        device = cupy.cuda.Device().id
-    times = []
+        cc = int(compiler._get_arch())  # the device's, as CuPy compiles calls for it
+    else:
+        cc = _parse_arch(arch, supported)
+        if cc is None:
+            print(f"--arch {arch}: not an architecture cufa compiles for; it needs sm_80 or "
+                  f"later, and NVRTC {nvrtc_version} here supports "
+                  f"{', '.join(f'sm_{a}' for a in supported)}", file=sys.stderr)
+            return 2
+    variants = [v for v in _compile.all_variants()
+                if _compile.runs_on(v, cc) and fnmatch.fnmatch(v.key, only)]
+    cache = _cache_dir()
+    before = _cubins(cache)
+    times = {}
     t_all = time.perf_counter()
-    for i, v in enumerate(variants, 1):
-        _progress(i - 1, len(variants), v.key)
-        t0 = time.perf_counter()
-        if arch is None:
-            _compile.get_kernel(v, device)
-        else:
-            _compile.compile_for_arch(v, "sm_90a" if "sm_90a" in v.archs else arch)
-        times.append((v.key, time.perf_counter() - t0))
-    _progress(len(variants), len(variants), "done")
+    # NVRTC releases the GIL: one compile per core
+    with _compile.arch_flags_without_a_device(), ThreadPoolExecutor(os.cpu_count()) as pool:
+        jobs = {pool.submit(_timed, _compile.compile_into_cache, v, cc): v for v in variants}
+        for i, job in enumerate(as_completed(jobs), 1):
+            times[jobs[job].key] = job.result()
+            _progress(i, len(variants), jobs[job].key)
     print()
-    for key, t in times:
-        print(f"  {t:7.2f} s  {key}")
-    print(f"{len(variants)} variants in {time.perf_counter() - t_all:.1f} s"
-          + (f" for {arch}" if arch else ""))
+    for v in variants:
+        print(f"  {times[v.key]:7.2f} s  {v.key}")
+    compiled = len(_cubins(cache) - before)
+    print(f"{len(variants)} variants for sm_{cc} in {time.perf_counter() - t_all:.1f} s: "
+          f"{compiled} compiled into {cache}, {len(variants) - compiled} were there already")
     return 0
 
 
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _cubins(folder):
+    return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m cufa", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cufa", description=__doc__.split("\n", 2)[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="check", choices=("check", "info", "warmup"))
-    parser.add_argument("--arch", help="warmup only: compile for this arch (e.g. sm_90) "
-                        "with NVRTC, no GPU needed")
+    parser.add_argument("--arch", help="warmup only: fill the cache for a GPU of this "
+                        "architecture (sm_80 or later, e.g. sm_90) instead of this one; no "
+                        "GPU needed")
+    parser.add_argument("--only", default="*", metavar="GLOB",
+                        help="warmup only: the variants whose key matches, e.g. 'fwd_*_bf16_*'")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
     if args.command == "warmup":
-        return warmup(args.arch)
+        return warmup(args.arch, args.only)
     return check()
 
 

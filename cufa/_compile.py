@@ -7,6 +7,7 @@ cache covers every header (CuPy's key sees only the top-level string). Compiled
 functions are cached in memory per (device, variant); the first use of a variant
 compiles it once even when several threads ask at the same time.
 """
+import contextlib
 import hashlib
 import importlib.resources
 import os
@@ -290,27 +291,32 @@ def all_variants():
 
 # -- sources ---------------------------------------------------------------------------
 
-def _kernel_dir():
+def _kernel_files():
+    """The kernel sources as an importlib.resources tree: the installed package's data
+    (a wheel, an sdist or an editable install; also inside a zip), or in a checkout run
+    without installing (PYTHONPATH=.), the kernels_cu/ beside cufa/."""
     try:
-        path = Path(str(importlib.resources.files("cufa.kernels_cu")))
-        if (path / "common.cuh").is_file():
-            return path
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return Path(__file__).resolve().parent.parent / "kernels_cu"
+        return importlib.resources.files("cufa.kernels_cu")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "kernels_cu"
 
 
-KERNEL_DIR = _kernel_dir()
+KERNEL_FILES = _kernel_files()
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _source_cache = {}
+
+
+def kernel_source(name):
+    """The text of one kernel source file, e.g. "fwd_sm80.cu", read as text (not through
+    a file path, which a zipped install does not have)."""
+    return KERNEL_FILES.joinpath(name).read_text(encoding="utf-8")
 
 
 def _inline(name, seen):
     if name in seen:               # every header is #pragma once
         return ""
     seen.add(name)
-    text = (KERNEL_DIR / name).read_text()
-    return _INCLUDE.sub(lambda m: _inline(m.group(1), seen), text)
+    return _INCLUDE.sub(lambda m: _inline(m.group(1), seen), kernel_source(name))
 
 
 def assembled_source(filename):
@@ -349,16 +355,20 @@ def get_kernel(variant, device_id):
         if fn is None:
             import cupy
             with cupy.cuda.Device(device_id):
-                module = cupy.RawModule(code=assembled_source(variant.source),
-                                        options=variant.options,
-                                        name_expressions=[variant.name_expression])
-                fn = module.get_function(variant.name_expression)
+                fn = raw_module(variant).get_function(variant.name_expression)
                 if variant.smem_bytes > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = variant.smem_bytes
                 if variant.ctas_per_sm > 1:  # room in shared memory for all of them, not one
                     fn.preferred_shared_memory_carveout = 100
             _kernels[key] = fn
     return fn
+
+
+def raw_module(variant):
+    """The cupy.RawModule a call compiles `variant` through, for the current device."""
+    import cupy
+    return cupy.RawModule(code=assembled_source(variant.source), options=variant.options,
+                          name_expressions=[variant.name_expression])
 
 
 def function_pointer(variant, device_id):
@@ -369,6 +379,50 @@ def function_pointer(variant, device_id):
 
 def compiled_keys():
     return sorted(f"{v.key} (device {d})" for d, v in _kernels)
+
+
+# -- filling CuPy's disk cache ahead of the calls (python -m cufa warmup), GPU or not --
+
+def runs_on(variant, cc):
+    """Whether `variant` runs on a GPU of compute capability `cc` (90 for sm_90). Its archs
+    name the oldest GPU it runs on ("sm_80") or the only one ("sm_90a": wgmma, 9.0 only)."""
+    for arch in variant.archs:
+        n = int(arch[3:].rstrip("a"))
+        if (cc == n) if arch.endswith("a") else (cc >= n):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def arch_flags_without_a_device():
+    """CuPy memoizes its `-arch=` flag per current device, so it asks the driver even when
+    the arch is given; the flag depends only on the arch, so while this is open CuPy
+    calls the function under the memo. Needed to compile for a named arch without a GPU."""
+    from cupy.cuda import compiler
+    memoized = compiler._get_arch_for_options_for_nvrtc
+    if not hasattr(memoized, "__wrapped__"):
+        raise RuntimeError("this CuPy's compiler is not the one cufa's warmup knows (CuPy 14): "
+                           "it cannot compile for a named arch without a GPU")
+    compiler._get_arch_for_options_for_nvrtc = memoized.__wrapped__
+    try:
+        yield
+    finally:
+        compiler._get_arch_for_options_for_nvrtc = memoized
+
+
+def compile_into_cache(variant, cc):
+    """Compile `variant` into CuPy's on-disk kernel cache as a call on a GPU of compute
+    capability `cc` would: the function raw_module's compile goes through, with the same
+    source, options and name expression, so the cache key is the call's own. An entry
+    already there costs a file read. Without a GPU, run it in arch_flags_without_a_device."""
+    import cupy
+    from cupy._core import core
+    try:
+        core.compile_with_cache(assembled_source(variant.source), tuple(variant.options),
+                                arch=str(cc), prepend_cupy_headers=False,
+                                name_expressions=(variant.name_expression,))
+    except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError):
+        pass  # CuPy saves the cubin, then loads it: with no GPU of that arch the load fails
 
 
 # -- compiling without a GPU (NVRTC for a named arch; ptxas report parsed) -------------

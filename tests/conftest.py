@@ -20,6 +20,11 @@ NO_GPU = _cuda_device_reason()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def pytest_report_header(config):
+    import cufa
+    return f"cufa {cufa.__version__} under test: {os.path.dirname(cufa.__file__)}"
+
+
 def pytest_collection_modifyitems(config, items):
     if not NO_GPU:
         return
