@@ -184,6 +184,26 @@ def measure(timer, *timer_args):
             return {"na": " ".join(why.split())[:400]}
 
 
+def run_rounds(timers, per_round, rounds=ROUNDS):
+    """Each timer (a function of a call count returning that many call times, or a string
+    saying why there is none) in `rounds` rounds of per_round calls, the timers in a fresh
+    random order each round (fixed seed): no implementation always follows the same one.
+    -> {name: list of ms, or {'na': reason}}; a timer that fails runs no further rounds."""
+    failed, samples = {}, {name: [] for name in timers}
+    order = random.Random(0)
+    for _ in range(rounds):
+        for name in order.sample(list(timers), len(timers)):
+            t = timers[name]
+            if name in failed:      # not available, or failed in an earlier round
+                continue
+            got = {"na": t} if isinstance(t, str) else measure(t, per_round)
+            if isinstance(got, dict):
+                failed[name] = got
+            else:
+                samples[name] += got
+    return {name: failed.get(name) or samples[name] for name in timers}
+
+
 def summarize(ms, shape, causal):
     """{'ms' (median), 'ms_min', 'calls', 'tflops'} of a list of call times."""
     median = statistics.median(ms)
@@ -283,23 +303,11 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
     rows = []
     for causal in causals:
         row = dict(asdict(shape), causal=causal, gqa=shape.gqa, sets=shape.sets(),
-                   gflop=shape.flops(causal) / 1e9, impls={})
-        timers = {name: timer(name, impl, causal) for name, impl in impls.items()}
-        samples = {name: [] for name in impls}
-        order = random.Random(0)
-        for _ in range(ROUNDS):
-            # a fresh order each round: no implementation always follows the same one
-            for name in order.sample(list(timers), len(timers)):
-                t = timers[name]
-                if name in row["impls"]:      # not available, or failed in an earlier round
-                    continue
-                got = {"na": t} if isinstance(t, str) else measure(t, per_round)
-                if isinstance(got, dict):
-                    row["impls"][name] = got
-                else:
-                    samples[name] += got
-        row["impls"] = {name: row["impls"].get(name) or summarize(samples[name], shape, causal)
-                        for name in impls}
+                   gflop=shape.flops(causal) / 1e9)
+        timed = run_rounds({name: timer(name, impl, causal) for name, impl in impls.items()},
+                           per_round)
+        row["impls"] = {name: got if isinstance(got, dict) else summarize(got, shape, causal)
+                        for name, got in timed.items()}
         if "jax_cudnn" in row["impls"] and "na" not in row["impls"]["jax_cudnn"]:
             row["impls"]["jax_cudnn"]["timing"] = "host wall clock"
         diff = check_vs_flash(torch, impls, bnhd[0], bhnd[0], causal, shape)
@@ -491,13 +499,13 @@ def versions(torch):
 
 # -- main ------------------------------------------------------------------------------------
 
-def require_torch_cuda():
+def require_torch_cuda(script="bench_fwd"):
     try:
         import torch
     except ImportError as e:
-        sys.exit(f"bench_fwd: PyTorch is required ({e}); run on the GPU machine")
+        sys.exit(f"{script}: PyTorch is required ({e}); run on the GPU machine")
     if not torch.cuda.is_available():
-        sys.exit("bench_fwd: torch.cuda.is_available() is False: no usable CUDA device")
+        sys.exit(f"{script}: torch.cuda.is_available() is False: no usable CUDA device")
     return torch
 
 

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: installs nothing; device info, the GPU tests, the
-# self-check and (with --bench) the benchmark; full logs under $OUT, a short summary last.
-#   bash bench/device_run.sh [--bench] [pytest args...]
+# self-check, (with --bench) the forward benchmark and (with --decode) the KV-cache decode
+# benchmark; full logs under $OUT, a short summary last.
+#   bash bench/device_run.sh [--bench] [--decode] [pytest args...]
+# BENCH_ARGS / DECODE_ARGS: extra arguments for bench_fwd.py / bench_decode.py.
 set -u
 OUT=${OUT:-/tmp/cufa-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX would otherwise take 75% of the GPU
 bench=0
-if [ "${1:-}" = "--bench" ]; then bench=1; shift; fi
+decode=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) bench=1; shift ;;
+    --decode) decode=1; shift ;;
+    *) break ;;
+  esac
+done
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
   > "$OUT/nvidia-smi.txt" 2>&1
@@ -31,6 +40,9 @@ check_rc=$?
 if [ $bench = 1 ]; then
   python3 bench/bench_fwd.py --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
 fi
+if [ $decode = 1 ]; then
+  python3 bench/bench_decode.py --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench_decode.txt" 2>&1
+fi
 
 echo "== device"; cat "$OUT/nvidia-smi.txt"; head -4 "$OUT/info.txt"
 echo "== GPU tests (rc=$tests_rc)"
@@ -39,3 +51,4 @@ for f in "$OUT"/gpu_tests*.txt; do
 done
 echo "== self-check (rc=$check_rc)"; grep -E "FAIL|self-check|^\|" "$OUT/check.txt" | tail -20
 if [ $bench = 1 ]; then echo "== bench"; tail -40 "$OUT/bench.txt"; fi
+if [ $decode = 1 ]; then echo "== decode bench"; tail -22 "$OUT/bench_decode.txt"; fi

@@ -253,19 +253,20 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                       block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                       softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                      return_softmax_lse=False):
+                      return_softmax_lse=False, *, attend=attention):
     """flash_attn_with_kvcache in float64 (arguments as NumPy arrays; cache_seqlens an
     array or an int). Each sequence b is attention(q[b], its keys) with masks and ALiBi
     aligned bottom-right against seqlen_k(b) = cache_seqlens[b] + seqlen_new - leftpad[b],
     key index 0 at the leftpad. num_splits and return_softmax_lse are accepted for the
-    same call signature and change nothing. Returns (out (batch, seqlen_q, nheads, d),
-    lse (batch, nheads, seqlen_q), k_cache_after, v_cache_after)."""
+    same call signature and change nothing. attend: the per-sequence attention, called as
+    attention() is (the GPU tests pass a low-precision one). Returns (out (batch,
+    seqlen_q, nheads, d), lse (batch, nheads, seqlen_q), k_cache_after, v_cache_after)."""
     g = kvcache_gather(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, causal, window_size,
                        rotary_interleaved)
     outs, lses = [], []
     for b, (keys, values) in enumerate(zip(g.keys, g.values)):
-        o, lse = attention(g.q[b:b + 1], keys, values, softmax_scale=softmax_scale,
+        o, lse = attend(g.q[b:b + 1], keys, values, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_row(alibi_slopes, b))
         outs.append(o)

@@ -69,6 +69,13 @@ def check_attention(out, lse, q, k, v, label="", **kw):
         kw_np["attn_mask"] = m.cpu().numpy() if m.dtype == torch.bool else f64(m)
     o_ref, lse_ref = reference.attention(f64(q), f64(k), f64(v), **kw_np)
     o_lp, lse_lp = lowp_attention(q, k, v, **kw_np)
+    return assert_pass_rule(out, lse, (o_ref, lse_ref), (o_lp, lse_lp), q.dtype, label)
+
+
+def assert_pass_rule(out, lse, ref, lowp, dtype, label):
+    """out/lse (torch; lse may be None) against ref = (out, lse) in float64 and lowp = the
+    low-precision reference's (out, lse). Returns (max err, low-precision max err)."""
+    (o_ref, lse_ref), (o_lp, lse_lp) = ref, lowp
     o = f64(out)
     assert o.shape == o_ref.shape, (o.shape, o_ref.shape)
     assert not np.isnan(o).any(), f"{label}: NaN in output"
@@ -76,7 +83,7 @@ def check_attention(out, lse, q, k, v, label="", **kw):
     if not np.isfinite(err_lp):
         # The low-precision products overflowed (|q.k| > 65504 in fp16): fall back to
         # the dtype's own rounding of the largest output value.
-        err_lp = float(torch.finfo(q.dtype).eps) * np.abs(o_ref).max(initial=0)
+        err_lp = float(torch.finfo(dtype).eps) * np.abs(o_ref).max(initial=0)
     assert err <= 2 * err_lp + 1e-5, (
         f"{label}: out max err {err:.3e} > 2 x low-precision {err_lp:.3e} + 1e-5 "
         f"(mean err {np.abs(o - o_ref).mean():.3e})")
@@ -93,3 +100,36 @@ def check_attention(out, lse, q, k, v, label="", **kw):
             lerr_lp = float(torch.finfo(torch.float32).eps) * np.abs(lse_ref[fin]).max(initial=0)
         assert lerr <= 2 * lerr_lp + 1e-4, f"{label}: lse max err {lerr:.3e} > 2 x {lerr_lp:.3e}"
     return err, err_lp
+
+
+def host(x):
+    """A torch tensor as NumPy (floats in float64); anything else as it is."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return f64(x) if x.is_floating_point() else x.cpu().numpy()
+
+
+def kvcache_references(q, k_cache, v_cache, k=None, v=None, **kw):
+    """reference.kvcache_attention on the arrays as they were before the call (k_cache and
+    v_cache: clones taken before it) -> (ref (out, lse), lowp (out, lse), k_cache after,
+    v_cache after). The low-precision reference attends each sequence to the keys the
+    reference gathered, with the rotated q and keys rounded to q's dtype (what the
+    kernels attend with)."""
+    kw = {key: host(val) for key, val in kw.items() if key not in ("out", "check_inputs")}
+    args = [host(x) for x in (q, k_cache, v_cache, k, v)]
+    o_ref, lse_ref, k_after, v_after = reference.kvcache_attention(*args, **kw)
+
+    def attend_lowp(qb, kb, vb, **attn_kw):
+        to = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to("cuda", q.dtype))
+        return lowp_attention(to(qb), to(kb), to(vb), **attn_kw)
+
+    lowp = reference.kvcache_attention(*args, **kw, attend=attend_lowp)[:2]
+    return (o_ref, lse_ref), lowp, k_after, v_after
+
+
+def check_kvcache(out, lse, q, k_cache, v_cache, k=None, v=None, label="", **kw):
+    """The pass rule for flash_attn_with_kvcache's out and lse (kvcache_references'
+    arguments); returns the reference's caches after the append."""
+    ref, lowp, k_after, v_after = kvcache_references(q, k_cache, v_cache, k, v, **kw)
+    assert_pass_rule(out, lse, ref, lowp, q.dtype, label)
+    return k_after, v_after

@@ -1,0 +1,484 @@
+#!/usr/bin/env python3
+"""KV-cache decode: cufa (contiguous cache, paged caches, CUDA-graph replay) against
+PyTorch SDPA (flash, cuDNN), one run.
+
+    python3 bench/bench_decode.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128]
+        [--reps 40] [--no-peers] [--no-plot] [--list]
+
+Rows: dtype x heads (32 over 8, 32 over 32) x head dim x (batch, cache length N) in
+(1, 32k), (1, 128k), (8, 16k), (64, 4k), (128, 2k), (256, 1k) x seqlen_q 1 and 4, every
+sequence's cache full (cache_seqlens = N), no mask (seqlen_q 4 non-causal for all).
+cufa reads the contiguous cache (batch, N, heads_k, d) and paged copies of it (pages of
+16 and 256 rows, in random order); SDPA reads q as a (batch, heads, seqlen_q, d) view and
+the contiguous cache as (batch, heads_k, N, d) views, enable_gqa=True when the heads
+differ. "cufa graph" replays the contiguous call from a CUDA graph, as servers replay
+decode steps. Decode reads the cache once, so the figure is KV bytes / time, TB/s (bytes
+= 2 * batch * N * heads_k * d * 2), beside the device's copy bandwidth measured in the
+same run (a 1 GiB device-to-device copy: bytes read + written / time). Timing as in
+bench_fwd.py: one CUDA event pair per call, median; every implementation in ROUNDS
+interleaved rounds in random order, each block after at least 30 ms of warm-up; caches
+under 100 MB are two input sets used in turn (the H100's L2 holds 50 MB). Writes
+DIR/bench_decode.{json,md,png}.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this cufa
+
+from bench_fwd import (ROUNDS, TORCH_DTYPES, WARMUP, WARMUP_MS, _fmt, _ints,  # noqa: E402
+                       progress, require_torch_cuda, run_rounds, time_events, versions)
+
+SHAPES = ((1, 32768), (1, 131072), (8, 16384), (64, 4096), (128, 2048), (256, 1024))
+QUICK_SHAPES = ((1, 131072), (64, 4096), (256, 1024))
+HEADS = ((32, 8), (32, 32))
+SEQLENS_Q = (1, 4)
+PAGE_SIZES = (16, 256)
+IMPLS = ("cufa", "cufa_paged16", "cufa_paged256", "cufa_graph", "sdpa_flash", "sdpa_cudnn")
+LABELS = {"cufa": "cufa", "cufa_paged16": "cufa pages 16", "cufa_paged256": "cufa pages 256",
+          "cufa_graph": "cufa graph", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN"}
+CUFA_LAYOUTS = ("cufa", "cufa_paged16", "cufa_paged256")
+ROTATE_BELOW = 100 * 2**20      # caches smaller than this: 2 input sets (past the 50 MB L2)
+COPY_BYTES = 2**30
+BIG_CACHE = 0.5e9               # rows held to the copy-bandwidth target
+TARGET_COPY, TARGET_BATCH1 = 0.85, 0.75
+TARGET_FLASH, TARGET_CUDNN = 1.0, 0.95
+TB = 1e12
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench/results", help="folder for bench_decode.{json,md,png}")
+    p.add_argument("--dtypes", default="fp16,bf16", help="comma list of fp16, bf16")
+    p.add_argument("--head-dims", type=_ints, default=(64, 128))
+    p.add_argument("--quick", action="store_true",
+                   help=f"shapes {QUICK_SHAPES}, heads 32/8, seqlen_q 1 only")
+    p.add_argument("--reps", type=int, default=40,
+                   help="timed calls per implementation and row (median), split over the rounds")
+    p.add_argument("--no-peers", action="store_true", help="time cufa only")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--list", action="store_true", help="print the rows and exit (no GPU)")
+    args = p.parse_args(argv)
+    args.dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+    bad = [d for d in args.dtypes if d not in TORCH_DTYPES]
+    if bad:
+        p.error(f"--dtypes: unknown {bad}; expected fp16 and/or bf16")
+    if any(d <= 0 or d % 8 or d > 256 for d in args.head_dims):
+        p.error("--head-dims must be multiples of 8 up to 256")
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    return args
+
+
+def caches(args):
+    """(dtype, nheads, nheads_k, head_dim, batch, N) of each cache; its rows are the seqlen_q."""
+    shapes, heads = (QUICK_SHAPES, HEADS[:1]) if args.quick else (SHAPES, HEADS)
+    return [(dt, h, hk, d, b, n) for dt in args.dtypes for h, hk in heads
+            for d in args.head_dims for b, n in shapes]
+
+
+def seqlens_q(args):
+    return SEQLENS_Q[:1] if args.quick else SEQLENS_Q
+
+
+def kv_bytes(batch, n, nheads_k, head_dim):
+    return 2 * batch * n * nheads_k * head_dim * 2
+
+
+def case_name(r):
+    return (f"{r['dtype']} d={r['head_dim']} {r['nheads']}/{r['nheads_k']} "
+            f"B={r['batch']} N={r['seqlen']} sq={r['seqlen_q']}")
+
+
+def estimate_s(args, impls=len(IMPLS), rate=2.5e12, setup_s=0.3):
+    """Rough seconds of a run: warm-up blocks, timed calls at `rate` bytes/s, and setup."""
+    per_round = -(-args.reps // ROUNDS)
+    total = 0.0
+    for *_, hk, d, b, n in caches(args):
+        call = kv_bytes(b, n, hk, d) / rate
+        total += setup_s + len(seqlens_q(args)) * impls * ROUNDS * (
+            max(WARMUP_MS / 1e3, WARMUP * call) + per_round * call)
+    return total
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+def make_caches(torch, cfg, gen, rng):
+    """Input sets: the contiguous cache, its paged copies (page size -> (k pages, v pages,
+    block_table)), cache_seqlens = N. Two sets where the cache is under ROTATE_BELOW."""
+    from cufa import reference
+    dt, _, hk, d, b, n = cfg
+    dtype = getattr(torch, TORCH_DTYPES[dt])
+    count = 2 if kv_bytes(b, n, hk, d) < ROTATE_BELOW else 1
+    sets = []
+    for _ in range(count):
+        k, v = (torch.randn(b, n, hk, d, device="cuda", dtype=dtype, generator=gen)
+                for _ in range(2))
+        paged = {}
+        for ps in PAGE_SIZES:
+            table, num_pages = reference.paged_layout(b, n, ps, rng)
+            paged[ps] = (reference.to_paged(k, table, num_pages),
+                         reference.to_paged(v, table, num_pages),
+                         torch.tensor(table, dtype=torch.int32, device="cuda"))
+        sets.append(dict(k=k, v=v, paged=paged,
+                         lens=torch.full((b,), n, dtype=torch.int32, device="cuda")))
+    return sets
+
+
+def capture_graphs(torch, fn, arg_sets):
+    """One CUDA graph of fn(*args) per set, after a warm-up call on a side stream
+    (compile and plan outside the capture, as PyTorch asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for args in arg_sets:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        graphs.append(g)
+    torch.cuda.synchronize()
+    return graphs
+
+
+# -- one row -----------------------------------------------------------------------------------
+
+def load_impls(torch, no_peers):
+    """name -> handle, or a string saying why it is not available."""
+    impls = {}
+    try:
+        import cufa
+        getattr(cufa, "flash_attn_with_kvcache")
+        impls.update({name: cufa for name in ("cufa", "cufa_paged16", "cufa_paged256",
+                                              "cufa_graph")})
+    except Exception as e:
+        why = f"cufa.flash_attn_with_kvcache unavailable: {type(e).__name__}: {e}"
+        impls.update({name: why for name in IMPLS[:4]})
+    if no_peers:
+        return impls
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        impls["sdpa_flash"] = (sdpa_kernel, SDPBackend.FLASH_ATTENTION)
+        impls["sdpa_cudnn"] = (sdpa_kernel, SDPBackend.CUDNN_ATTENTION)
+    except (ImportError, AttributeError) as e:
+        impls["sdpa_flash"] = impls["sdpa_cudnn"] = f"torch.nn.attention unavailable: {e}"
+    return impls
+
+
+def time_row(torch, impls, cfg, sq, sets, reps, gen):
+    """All implementations on the same caches, interleaved; -> the row."""
+    dt, h, hk, d, b, n = cfg
+    dtype = getattr(torch, TORCH_DTYPES[dt])
+    qs = [torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=gen) for _ in sets]
+    sdpa_kw = {"enable_gqa": True} if h != hk else {}
+    graphs = []
+
+    def cufa_args(name):
+        """(q, k, v, cache_seqlens, block_table) per set, for the layout of `name`."""
+        if name in ("cufa", "cufa_graph"):
+            return [(q, s["k"], s["v"], s["lens"], None) for q, s in zip(qs, sets)]
+        kp, vp, table = zip(*(s["paged"][int(name[len("cufa_paged"):])] for s in sets))
+        return [(q, kp[i], vp[i], s["lens"], table[i]) for i, (q, s) in enumerate(zip(qs, sets))]
+
+    def timer(name, impl):
+        if isinstance(impl, str):
+            return impl
+        if name.startswith("sdpa"):
+            sdpa_kernel, backend = impl
+            bhsd = [(q.transpose(1, 2), s["k"].transpose(1, 2), s["v"].transpose(1, 2))
+                    for q, s in zip(qs, sets)]
+            fn = (lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                                  **sdpa_kw))
+
+            def timed(count):
+                with sdpa_kernel(backend):  # entered once, outside the timed calls
+                    return time_events(torch, fn, bhsd, count)
+            return timed
+
+        def call(q, k, v, lens, table):
+            return impl.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table)
+
+        if name == "cufa_graph":
+            def timed(count):
+                if not graphs:     # captured inside measure(): a failure is a reason
+                    graphs.extend(capture_graphs(torch, call, cufa_args(name)))
+                return time_events(torch, lambda g: g.replay(), [(g,) for g in graphs], count)
+            return timed
+        return lambda count: time_events(torch, call, cufa_args(name), count)
+
+    per_round = -(-reps // ROUNDS)
+    timed = run_rounds({name: timer(name, impl) for name, impl in impls.items()}, per_round)
+    row = dict(dtype=dt, head_dim=d, nheads=h, nheads_k=hk, batch=b, seqlen=n, seqlen_q=sq,
+               kv_bytes=kv_bytes(b, n, hk, d), sets=len(sets), impls={})
+    for name, got in timed.items():
+        if isinstance(got, dict):
+            row["impls"][name] = got
+            continue
+        ms = statistics.median(got)
+        row["impls"][name] = {"us": ms * 1e3, "us_min": min(got) * 1e3, "calls": len(got),
+                              "tbps": row["kv_bytes"] / (ms * 1e-3) / TB}
+    row["max_abs_diff"] = check_outputs(torch, impls, qs[0], sets[0], sdpa_kw)
+    del graphs[:]
+    return row
+
+
+def check_outputs(torch, impls, q, s, sdpa_kw):
+    """A timing of a wrong kernel means nothing: cufa's paged outputs and SDPA flash's
+    against cufa's contiguous one (max abs difference; None where one is missing)."""
+    if isinstance(impls.get("cufa"), str):
+        return None
+    cufa = impls["cufa"]
+    base = cufa.flash_attn_with_kvcache(q, s["k"], s["v"], cache_seqlens=s["lens"]).float()
+    diffs = {}
+    for ps in PAGE_SIZES:
+        kp, vp, table = s["paged"][ps]
+        out = cufa.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=s["lens"], block_table=table)
+        diffs[f"paged{ps}"] = float((out.float() - base).abs().max())
+    if isinstance(impls.get("sdpa_flash"), tuple):
+        sdpa_kernel, backend = impls["sdpa_flash"]
+        try:
+            with sdpa_kernel(backend):
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), s["k"].transpose(1, 2), s["v"].transpose(1, 2), **sdpa_kw)
+            diffs["sdpa_flash"] = float((ref.transpose(1, 2).float() - base).abs().max())
+        except Exception:  # flash n/a for this shape: nothing to compare against
+            pass
+    return diffs
+
+
+def add_ratios(row, copy_tbps):
+    """Fraction of the copy bandwidth per implementation; cufa's speed over the peers'."""
+    for v in row["impls"].values():
+        if "tbps" in v:
+            v["frac_copy"] = v["tbps"] / copy_tbps
+    t = {k: v.get("us") for k, v in row["impls"].items()}
+    for peer, key in (("sdpa_flash", "ratio_vs_flash"), ("sdpa_cudnn", "ratio_vs_cudnn")):
+        row[key] = t[peer] / t["cufa"] if t.get("cufa") and t.get(peer) else None
+
+
+def measure_copy(torch, reps=20):
+    """Device-to-device copy of COPY_BYTES: (bytes read + written) / median time, TB/s."""
+    a = torch.empty(COPY_BYTES // 2, dtype=torch.float16, device="cuda")
+    b = torch.empty_like(a)
+    ms = statistics.median(time_events(torch, lambda x, y: y.copy_(x), [(a, b)], reps))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * COPY_BYTES / (ms * 1e-3) / TB
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def targets(rows, names):
+    """[(text, met (True / False / None: nothing to judge), failing rows)]."""
+    out = []
+
+    def judge(text, pairs, minimum):
+        vals = [(x, r) for x, r in pairs if x is not None]
+        bad = [f"{case_name(r)}: {x:.2f}" for x, r in vals if x < minimum]
+        out.append((text + (f" ({len(pairs) - len(vals)} rows without numbers)"
+                            if len(vals) < len(pairs) else ""),
+                    None if not vals else not bad, bad))
+
+    if "sdpa_flash" in names:
+        judge(f"every contiguous row >= {TARGET_FLASH:.2f}x SDPA flash",
+              [(r["ratio_vs_flash"], r) for r in rows], TARGET_FLASH)
+    if "sdpa_cudnn" in names:
+        judge(f"every contiguous row >= {TARGET_CUDNN:.2f}x SDPA cuDNN",
+              [(r["ratio_vs_cudnn"], r) for r in rows], TARGET_CUDNN)
+    for name in CUFA_LAYOUTS:
+        frac = (lambda r: r["impls"].get(name, {}).get("frac_copy"))
+        judge(f"{LABELS[name]}: every cache >= {BIG_CACHE / 1e9:.1f} GB at >= "
+              f"{TARGET_COPY:.0%} of copy bandwidth",
+              [(frac(r), r) for r in rows if r["kv_bytes"] >= BIG_CACHE], TARGET_COPY)
+        judge(f"{LABELS[name]}: batch 1 at 32k and 128k >= {TARGET_BATCH1:.0%} of copy bandwidth",
+              [(frac(r), r) for r in rows if r["batch"] == 1], TARGET_BATCH1)
+    return out
+
+
+def markdown(rows, names):
+    head = ["dtype", "d", "H/Hkv", "B x N", "sq", "KV MB"] + [LABELS[n] for n in names] \
+        + ["cufa/flash", "cufa/cuDNN"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [r["dtype"], r["head_dim"], f"{r['nheads']}/{r['nheads_k']}",
+                 f"{r['batch']} x {r['seqlen']}", r["seqlen_q"], f"{r['kv_bytes'] / 2**20:.0f}"]
+        for n in names:
+            v = r["impls"].get(n, {})
+            cells.append("n/a" if "us" not in v else
+                         f"{v['us']:.1f} ({v['tbps']:.2f}, {v.get('frac_copy', 0):.0%})")
+        cells += [_fmt(r.get("ratio_vs_flash"), ".2f"), _fmt(r.get("ratio_vs_cudnn"), ".2f")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_markdown(judged):
+    lines = []
+    for text, met, bad in judged:
+        mark = {True: "met", False: "NOT met", None: "not measured"}[met]
+        lines.append(f"- {mark}: {text}")
+        lines += [f"    - {b}" for b in bad[:12]] + ([f"    - ... {len(bad) - 12} more"]
+                                                     if len(bad) > 12 else [])
+    return "\n".join(lines)
+
+
+def unavailable(rows):
+    """name -> the first reason an implementation was n/a, and on how many rows."""
+    why = {}
+    for r in rows:
+        for n, v in r["impls"].items():
+            if "na" in v:
+                reason, count = why.get(n, (v["na"], 0))
+                why[n] = (reason, count + 1)
+    return why
+
+
+def summary_table(rows, names, judged):
+    """A few lines to read last: per implementation its rows, median TB/s and the least
+    fraction of copy bandwidth over big caches; then the targets."""
+    lines = [f"{'implementation':<16} {'rows':>4} {'median TB/s':>11}  min % copy (>= 0.5 GB)"]
+    for n in names:
+        got = [r["impls"][n]["tbps"] for r in rows if "tbps" in r["impls"].get(n, {})]
+        big = [r["impls"][n]["frac_copy"] for r in rows
+               if r["kv_bytes"] >= BIG_CACHE and "frac_copy" in r["impls"].get(n, {})]
+        median = _fmt(statistics.median(got) if got else None, ".2f")
+        least = _fmt(100 * min(big) if big else None, ".0f")
+        lines.append(f"{LABELS[n]:<16} {len(got):>4} {median:>11}  {least}")
+    lines += [f"{'met' if met else 'NOT met' if met is False else 'n/a'}: {text}"
+              for text, met, _ in judged]
+    return "\n".join(lines)
+
+
+def plot(rows, names, out_dir, device, copy_tbps):
+    """KV TB/s per (batch, N), a line per implementation; a panel per (dtype, heads, d);
+    seqlen_q 1 rows only (the table has all)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"plot skipped: matplotlib not installed ({e})", file=sys.stderr)
+        return None
+    rs = [r for r in rows if r["seqlen_q"] == 1]
+    panels = sorted({(r["head_dim"], r["dtype"], r["nheads_k"]) for r in rs})
+    if not panels:
+        return None
+    cols = sorted({(p[1], p[2]) for p in panels}, key=lambda c: (c[0] != "fp16", c))
+    dims = sorted({p[0] for p in panels})
+    fig, axes = plt.subplots(len(dims), len(cols), squeeze=False, sharey=True,
+                             figsize=(4.2 * len(cols), 3.4 * len(dims)))
+    for i, d in enumerate(dims):
+        for j, (dt, hk) in enumerate(cols):
+            ax = axes[i][j]
+            sel = [r for r in rs if (r["head_dim"], r["dtype"], r["nheads_k"]) == (d, dt, hk)]
+            shapes = [f"{r['batch']}x{r['seqlen'] // 1024}k" for r in sel]
+            for n in names:
+                pts = [(x, r["impls"][n]["tbps"]) for x, r in enumerate(sel)
+                       if "tbps" in r["impls"].get(n, {})]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=LABELS[n])
+            ax.axhline(copy_tbps, color="gray", ls="--", lw=1)
+            ax.axhline(TARGET_COPY * copy_tbps, color="gray", ls=":", lw=1)
+            ax.set_xticks(range(len(shapes)))
+            ax.set_xticklabels(shapes, fontsize=8)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.set_title(f"{dt} d={d}, 32/{hk} heads", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("KV TB/s")
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"decode, seqlen_q 1, {device} (dashed: copy bandwidth; dotted: "
+                 f"{TARGET_COPY:.0%} of it)")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "bench_decode.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- main ------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfgs = caches(args)
+    total = len(cfgs) * len(seqlens_q(args))
+    if args.list:
+        for cfg in cfgs:
+            dt, h, hk, d, b, n = cfg
+            for sq in seqlens_q(args):
+                r = dict(dtype=dt, head_dim=d, nheads=h, nheads_k=hk, batch=b, seqlen=n,
+                         seqlen_q=sq)
+                mb = kv_bytes(b, n, hk, d) / 2**20
+                print(case_name(r), f"KV {mb:.0f} MB sets={2 if mb * 2**20 < ROTATE_BELOW else 1}")
+        print(f"{total} rows, about {estimate_s(args) / 60:.1f} min on an H100")
+        return 0
+    torch = require_torch_cuda("bench_decode")
+    import numpy as np
+    os.makedirs(args.out, exist_ok=True)
+    impls = load_impls(torch, args.no_peers)
+    names = [n for n in IMPLS if n in impls]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rng = np.random.default_rng(0)
+    copy_tbps = measure_copy(torch)
+    print(f"device-to-device copy: {copy_tbps:.2f} TB/s (read + written)", file=sys.stderr)
+    rows = []
+    for cfg in cfgs:
+        sets = make_caches(torch, cfg, gen, rng)
+        for sq in seqlens_q(args):
+            dt, h, hk, d, b, n = cfg
+            progress(len(rows), total, case_name(dict(dtype=dt, head_dim=d, nheads=h, nheads_k=hk,
+                                                      batch=b, seqlen=n, seqlen_q=sq)))
+            row = time_row(torch, impls, cfg, sq, sets, args.reps, gen)
+            add_ratios(row, copy_tbps)
+            worst = max((row["max_abs_diff"] or {}).values(), default=0.0)
+            if not worst < 0.05:
+                print(f"\nwarning: {case_name(row)}: outputs differ by {worst:.3g} "
+                      f"({row['max_abs_diff']})", file=sys.stderr)
+            rows.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    progress(len(rows), total, "done")
+    sys.stderr.write("\n")
+
+    device = torch.cuda.get_device_name()
+    judged = targets(rows, names)
+    head = (f"KV-cache decode, {device}: per implementation median µs (KV TB/s, % of copy "
+            f"bandwidth {copy_tbps:.2f} TB/s); KV bytes = 2 * B * N * Hkv * d * 2, every cache "
+            f"full, no mask. Median of {-(-args.reps // ROUNDS) * ROUNDS} calls in {ROUNDS} "
+            f"interleaved rounds (random order), each block after {WARMUP} warm-ups and "
+            f"{WARMUP_MS} ms, CUDA events; caches under {ROTATE_BELOW // 2**20} MB rotate 2 "
+            "input sets. cufa/flash and cufa/cuDNN: the peer's time over cufa's (contiguous).")
+    why = unavailable(rows)
+    na = "\n".join(f"- {LABELS[n]} n/a on {c} rows: {reason}" for n, (reason, c) in why.items())
+    report = "\n\n".join([head, markdown(rows, names), "Targets:\n\n" + targets_markdown(judged)]
+                         + ([na] if na else []))
+    with open(os.path.join(args.out, "bench_decode.md"), "w") as f:
+        f.write(report + "\n")
+    meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "versions": versions(torch), "argv": sys.argv[1:] if argv is None else argv,
+            "reps": args.reps, "warmup": WARMUP, "warmup_ms": WARMUP_MS, "rounds": ROUNDS,
+            "copy_tbps": copy_tbps, "copy_bytes": COPY_BYTES,
+            "kv_bytes": "2 * batch * N * nheads_k * head_dim * 2",
+            "timing": "CUDA event pair per call, median",
+            "unavailable": {n: i for n, i in impls.items() if isinstance(i, str)}}
+    summ = [{"target": t, "met": m, "failing": b} for t, m, b in judged]
+    with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "targets": summ}, f, indent=1)
+    if not args.no_plot:
+        path = plot(rows, names, args.out, device, copy_tbps)
+        if path:
+            print(f"wrote {path}", file=sys.stderr)
+    print(report)
+    print()
+    print(summary_table(rows, names, judged))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

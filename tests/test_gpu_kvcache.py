@@ -1,0 +1,523 @@
+"""GPU: flash_attn_with_kvcache (decode and appends against a contiguous or paged cache,
+rotary, leftpad, cache_batch_idx, split-KV), merge_attention_states, paged
+flash_attn_varlen_func and a decode step replayed from a CUDA graph. Every output is
+checked against the float64 reference (pass rule in _attention_check.py); after every
+call the cache's bytes outside the new tokens are unchanged and the new slots hold the
+(rotated) new keys to within 1 ulp."""
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import cufa  # noqa: E402
+from cufa import reference  # noqa: E402
+from _attention_check import (  # noqa: E402
+    assert_pass_rule, check_attention, check_kvcache, f64, kvcache_references, randn)
+
+NAN = float("nan")
+
+
+def i32(values):
+    return torch.tensor(np.asarray(values), dtype=torch.int32, device="cuda")
+
+
+def cu_seqlens(lens):
+    return i32(np.concatenate([[0], np.cumsum(lens)]))
+
+
+# -- building a call ----------------------------------------------------------------------
+
+def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=64, capacity=160,
+          page_size=None, new=0, lens=None, batch_idx=False, leftpad=None, rotary=None,
+          rotary_dim=None, rotary_fp32=False, alibi=None, q_layout="bshd", cache_layout="bshd",
+          poison=False, **call_kw):
+    """Random inputs of one flash_attn_with_kvcache call -> (its keyword arguments, the
+    cache slots the append writes as an index (cache rows or pages, positions)).
+
+    lens: cache_seqlens as a list, a Python int, "none" (the argument left out), or None
+    (random, leaving room for the new tokens and for q's rotary positions). page_size:
+    a paged cache in random page order with 3 spare pages of NaN. rotary: "interleaved"
+    or "half", over rotary_dim features (default d), tables in q's dtype or float32.
+    alibi: "heads" (nheads,) or "batch" (batch, nheads). poison: NaN in every cache slot
+    that is not one of a sequence's keys (before the leftpad, from cache_seqlens on,
+    rows no sequence uses), the new slots included: the append overwrites those.
+    """
+    h, hk = heads
+    q = randn(rng, (batch, seqlen_q, h, d), dtype, layout=q_layout)
+    rows = batch + 2 if batch_idx else batch
+    k_cache, v_cache = (randn(rng, (rows, capacity, hk, d), dtype, layout=cache_layout)
+                        for _ in range(2))
+    room = capacity - max(new, seqlen_q)
+    if lens is None:
+        lens = [int(x) for x in rng.integers(0, room + 1, batch)]
+    seqlens = np.broadcast_to(np.asarray(capacity if lens == "none" else lens), (batch,))
+    assert (seqlens + new <= capacity).all(), (lens, new, capacity)
+    kw = dict(q=q, **call_kw)
+    if lens != "none":
+        kw["cache_seqlens"] = lens if isinstance(lens, int) else i32(lens)
+    idx = np.arange(batch)
+    if batch_idx:
+        idx = rng.permutation(rows)[:batch]
+        kw["cache_batch_idx"] = i32(idx)
+    pad = np.zeros(batch, np.int64)
+    if leftpad is not None:
+        pad = np.asarray(leftpad)
+        kw["cache_leftpad"] = i32(pad)
+    if new:
+        kw["k"], kw["v"] = (randn(rng, (batch, new, hk, d), dtype) for _ in range(2))
+    if rotary:
+        rd = rotary_dim or d
+        angles = rng.uniform(-math.pi, math.pi, (capacity, rd // 2))
+        table_dtype = torch.float32 if rotary_fp32 else q.dtype
+        kw["rotary_cos"], kw["rotary_sin"] = (
+            torch.from_numpy(f(angles)).to("cuda", table_dtype) for f in (np.cos, np.sin))
+        kw["rotary_interleaved"] = rotary == "interleaved"
+    if alibi:
+        shape = (h,) if alibi == "heads" else (batch, h)
+        kw["alibi_slopes"] = torch.from_numpy(rng.uniform(0, 1, shape).astype(np.float32)).cuda()
+    if poison:
+        keep = torch.zeros(rows, capacity, dtype=torch.bool, device="cuda")
+        for b in range(batch):
+            keep[idx[b], pad[b]:seqlens[b]] = True
+        for c in (k_cache, v_cache):
+            c[~keep] = NAN
+    positions = seqlens[:, None] + np.arange(new)[None, :]          # (batch, new)
+    if page_size:
+        table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
+        k_cache, v_cache = (reference.to_paged(c, table, num_pages, fill=NAN)
+                            for c in (k_cache, v_cache))
+        kw["block_table"] = i32(table)
+        slots = (table[np.arange(batch)[:, None], positions // page_size], positions % page_size)
+    else:
+        slots = (np.broadcast_to(idx[:, None], positions.shape), positions)
+    kw["k_cache"], kw["v_cache"] = k_cache, v_cache
+    return kw, tuple(s.ravel() for s in slots)
+
+
+def snapshot(kw):
+    return {n: kw[n].clone() for n in ("k_cache", "v_cache")}
+
+
+def ulp(x, dtype):
+    """The spacing of dtype's numbers at |x| (the subnormal spacing below the normal range)."""
+    fi = torch.finfo(dtype)
+    return np.exp2(np.floor(np.log2(np.maximum(np.abs(x), fi.tiny)))) * fi.eps
+
+
+def check_cache(cache, before, expected, slots, label):
+    """cache after the call: bit-identical to `before` outside the appended slots; in them,
+    `expected` (the reference's float64 cache) to within 1 ulp of the cache's dtype (the
+    rotation runs in float32, then rounds once)."""
+    written = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
+    written[tuple(torch.as_tensor(s, dtype=torch.long, device=cache.device) for s in slots)] = True
+    changed = (cache.view(torch.int16) != before.view(torch.int16)) & ~written[..., None, None]
+    if changed.any():
+        first = tuple(int(i) for i in changed.nonzero()[0])
+        raise AssertionError(f"{label}: {int(changed.sum())} values outside the new tokens "
+                             f"changed, the first at {first}: {before[first].item()} -> "
+                             f"{cache[first].item()}")
+    if not len(slots[0]):
+        return
+    got = f64(cache[written])
+    exp = expected[written.cpu().numpy()]
+    bound = ulp(np.maximum(np.abs(got), np.abs(exp)), cache.dtype) + 2**-22 * np.abs(exp).max()
+    err = np.abs(got - exp)
+    assert not np.isnan(got).any(), f"{label}: NaN in the new slots"
+    assert (err <= bound).all(), (
+        f"{label}: new slots differ from the (rotated) new keys by up to "
+        f"{(err / bound).max():.2f} x 1 ulp (max err {err.max():.3e}, mean {err.mean():.3e})")
+
+
+def call_and_check(kw, before, slots, label, refs=None, **extra):
+    """One call, out poisoned with NaN; out and lse against the references (computed here
+    unless given: kvcache_references of the call before it), then the cache."""
+    out = torch.full_like(kw["q"], NAN)
+    res, lse = cufa.flash_attn_with_kvcache(**kw, **extra, out=out, return_softmax_lse=True)
+    assert res is out, f"{label}: out= was not returned"
+    assert lse.dtype == torch.float32 and lse.shape == (out.shape[0], out.shape[2], out.shape[1])
+    ref, lowp, k_after, v_after = refs or kvcache_references(**{**kw, **before})
+    assert_pass_rule(out, lse, ref, lowp, kw["q"].dtype, label)
+    for n, after in (("k_cache", k_after), ("v_cache", v_after)):
+        check_cache(kw[n], before[n], after, slots, f"{label}: {n}")
+    return out, lse
+
+
+def run_case(rng, label, **spec):
+    kw, slots = build(rng, **spec)
+    return call_and_check(kw, snapshot(kw), slots, label)
+
+
+# -- decode and append: the cases ---------------------------------------------------------
+
+CASES = {
+    # layouts, heads, head dims, dtypes
+    "fp16 d64 GQA 32/8 q1": dict(heads=(32, 8)),
+    "bf16 d128 MHA 4/4 q1": dict(dtype="bfloat16", heads=(4, 4), d=128),
+    "fp16 d72 MQA 8/1 q4 causal": dict(heads=(8, 1), d=72, seqlen_q=4, causal=True),
+    "bf16 d40 GQA q37 causal": dict(dtype="bfloat16", d=40, seqlen_q=37, causal=True,
+                                    capacity=300),
+    "fp16 d128 q37 non-causal": dict(d=128, seqlen_q=37, heads=(6, 2), capacity=129),
+    "fp16 d256 GQA q4": dict(d=256, seqlen_q=4, capacity=100),
+    "q a (b, h, s, d) view, cache row stride d+8": dict(seqlen_q=4, q_layout="bhsd",
+                                                        cache_layout="padded", causal=True),
+    # paged
+    "paged 1 append 1": dict(page_size=1, capacity=48, new=1),
+    "paged 16 append 1 GQA 32/8": dict(page_size=16, heads=(32, 8), new=1),
+    "paged 64 append 5 q4 causal bf16": dict(dtype="bfloat16", page_size=64, capacity=256, new=5,
+                                             seqlen_q=4, causal=True),
+    "paged 256 append 3 d128": dict(page_size=256, capacity=512, new=3, d=128),
+    "paged 16 MQA d72 q37": dict(page_size=16, capacity=96, heads=(8, 1), d=72, seqlen_q=37,
+                                 causal=True),
+    # appends, lengths
+    "append 1": dict(new=1),
+    "append 7 q4 causal": dict(new=7, seqlen_q=4, causal=True),
+    "append 4 q1 non-causal": dict(new=4),
+    "cache_seqlens 0 append 2 q4 causal": dict(lens=[0, 0, 0], new=2, seqlen_q=4, causal=True),
+    "cache_seqlens 0 no append": dict(lens=[0, 5, 0], seqlen_q=4),
+    "cache_seqlens int": dict(lens=77, seqlen_q=4, causal=True),
+    "cache_seqlens int append 3": dict(lens=41, new=3, page_size=16),
+    "cache_seqlens int 0 append 2": dict(lens=0, new=2, seqlen_q=2, causal=True),
+    "cache_seqlens left out (whole cache)": dict(lens="none", capacity=97, seqlen_q=4,
+                                                 causal=True),
+    "append fills the whole cache": dict(lens=[157, 150, 157], new=3, capacity=160),
+    "cache_batch_idx": dict(batch_idx=True, new=2, seqlen_q=2, causal=True),
+    "cache_leftpad": dict(leftpad=[0, 30, 50], lens=[10, 90, 50], seqlen_q=4, causal=True),
+    "cache_leftpad append window alibi": dict(leftpad=[3, 70, 0], lens=[3, 100, 20], new=2,
+                                              window_size=(25, 0), alibi="batch"),
+    # masks and score mods
+    "causal q1 sees everything": dict(causal=True),
+    "window (40, 0)": dict(window_size=(40, 0), capacity=300),
+    "window (17, 3) q4": dict(window_size=(17, 3), seqlen_q=4, new=2),
+    "window (0, 0) q37": dict(window_size=(0, 0), seqlen_q=37, capacity=200),
+    "softcap": dict(softcap=12.0, seqlen_q=4),
+    "ALiBi (nheads,) causal": dict(alibi="heads", causal=True, seqlen_q=4),
+    "ALiBi (batch, nheads) softcap bf16": dict(alibi="batch", softcap=5.0, dtype="bfloat16"),
+    "softmax_scale 0.3": dict(softmax_scale=0.3, seqlen_q=4),
+    # rotary
+    "rotary interleaved causal append": dict(rotary="interleaved", causal=True, new=3,
+                                             seqlen_q=3),
+    "rotary half rotary_dim 32 < d 128": dict(rotary="half", rotary_dim=32, d=128, new=2,
+                                              seqlen_q=4, causal=True),
+    "rotary non-causal: q at one position": dict(rotary="interleaved", rotary_dim=48, new=1,
+                                                 seqlen_q=4),
+    "rotary window: q per token": dict(rotary="half", window_size=(30, 5), new=2, seqlen_q=3),
+    "rotary float32 tables bf16 paged 16": dict(rotary="half", rotary_fp32=True, dtype="bfloat16",
+                                                page_size=16, new=3, seqlen_q=2, causal=True),
+    "rotary q only (no append)": dict(rotary="interleaved", rotary_dim=16, seqlen_q=2,
+                                      causal=True),
+    "rotary with leftpad": dict(rotary="interleaved", leftpad=[5, 0, 12], lens=[40, 8, 12], new=2,
+                                causal=True),
+    "rotary cache_batch_idx": dict(rotary="half", batch_idx=True, new=1),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case(rng, name):
+    run_case(rng, name, **CASES[name])
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_calls(seed):
+    rng = np.random.default_rng(1700 + seed)
+    pick = (lambda options: options[int(rng.integers(len(options)))])
+    page_size = pick([None, None, 1, 16, 64, 256])
+    seqlen_q = pick([1, 1, 2, 4, 37])
+    new = pick([0, 1, 3])
+    step = page_size or 1
+    capacity = step * int(rng.integers(1, max(2, 400 // step) + 1))
+    capacity = -(-max(capacity, seqlen_q, new) // step) * step
+    batch = int(rng.integers(1, 6))
+    spec = dict(dtype=pick(["float16", "bfloat16"]), batch=batch, seqlen_q=seqlen_q,
+                heads=pick([(32, 8), (8, 1), (4, 4), (6, 2)]), d=pick([40, 64, 72, 96, 128, 256]),
+                capacity=capacity, page_size=page_size, new=new,
+                causal=bool(rng.random() < 0.5), num_splits=pick([0, 0, 1, 3]))
+    if rng.random() < 0.3:
+        spec["window_size"] = (int(rng.integers(0, 100)), int(rng.integers(-1, 10)))
+    if rng.random() < 0.3:
+        spec["softcap"] = 8.0
+    if rng.random() < 0.3:
+        spec["alibi"] = pick(["heads", "batch"])
+    if rng.random() < 0.4:
+        spec.update(rotary=pick(["interleaved", "half"]), rotary_fp32=bool(rng.random() < 0.5),
+                    rotary_dim=2 * int(rng.integers(1, spec["d"] // 2 + 1)))
+    if not page_size and rng.random() < 0.3:
+        spec["batch_idx"] = True
+    room = capacity - max(new, seqlen_q)
+    lens = [int(x) for x in rng.integers(0, room + 1, batch)]
+    if rng.random() < 0.3:
+        lens[0] = 0
+    spec["lens"] = lens
+    if not page_size and rng.random() < 0.3:
+        spec["leftpad"] = [int(rng.integers(0, n + 1)) for n in lens]
+    run_case(rng, f"seed {seed}: {spec}", **spec)
+
+
+# -- page boundaries, empty caches --------------------------------------------------------
+
+@pytest.mark.parametrize("page_size, lens", [
+    (16, [13, 14, 16, 0, 29, 61]),      # fills a page exactly; crosses; starts a page; ...
+    (1, [0, 1, 7, 45, 2, 3]),
+    (256, [253, 254, 256, 0, 100, 509]),
+])
+def test_appends_at_page_boundaries(rng, page_size, lens):
+    capacity = max(64, 2 * page_size)
+    run_case(rng, f"page {page_size}", page_size=page_size, capacity=capacity, lens=lens, new=3,
+             batch=len(lens), seqlen_q=3, causal=True)
+
+
+def test_empty_caches_give_zero_and_minus_inf(rng):
+    """cache_seqlens 0, no new keys: no row sees a key; with 2 new keys and 4 causal
+    queries, rows 0 and 1 see none (bottom-right alignment) and rows 2, 3 only new keys."""
+    out, lse = run_case(rng, "empty", lens=[0, 0], batch=2, seqlen_q=4, causal=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    out, lse = run_case(rng, "empty + 2 new", lens=[0, 0], batch=2, new=2, seqlen_q=4,
+                        causal=True, page_size=16)
+    assert (out[:, :2] == 0).all() and torch.isneginf(lse[:, :, :2]).all()
+    assert torch.isfinite(lse[:, :, 2:]).all()
+
+
+def test_garbage_outside_the_keys_is_never_used(rng):
+    """NaN before the leftpads, from cache_seqlens on and in unused rows and pages: masked
+    keys must not let 0 x NaN into the sums."""
+    for spec in (dict(leftpad=[4, 0, 33], lens=[20, 9, 60], batch_idx=True),
+                 dict(page_size=16, lens=[20, 0, 47]),
+                 dict(page_size=64, capacity=192, lens=[64, 1, 100])):
+        for new, seqlen_q in ((0, 1), (3, 4)):
+            run_case(rng, f"poisoned {spec} new={new}", poison=True, new=new, seqlen_q=seqlen_q,
+                     causal=seqlen_q > 1, **spec)
+
+
+# -- split-KV -----------------------------------------------------------------------------
+
+SPLIT_CASES = {
+    "1 x 4000 keys fp16 d128 32/8": dict(batch=1, heads=(32, 8), d=128, capacity=4096,
+                                          lens=[4000], splits=(1, 2, 7, 0, 128)),
+    "paged 64 bf16 d64 q4 causal append rotary ALiBi window": dict(
+        dtype="bfloat16", page_size=64, capacity=1024, batch=3, seqlen_q=4, causal=True, new=2,
+        rotary="half", alibi="heads", window_size=(300, -1)),
+    "MQA d72 q1 window both sides": dict(heads=(8, 1), d=72, capacity=777, batch=2,
+                                         window_size=(200, 50), lens=[700, 13]),
+}
+
+
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_num_splits_agree(rng, name):
+    """num_splits 2, 7, 0 (heuristic) against num_splits=1, to fp32-accumulation noise
+    (2 ulps of the output's dtype at its largest value), and each against the reference."""
+    spec = dict(SPLIT_CASES[name])
+    splits = spec.pop("splits", (1, 2, 7, 0))
+    kw, slots = build(rng, **spec)
+    before = snapshot(kw)
+    refs = kvcache_references(**{**kw, **before})
+    results = {}
+    for n in splits:       # appends rewrite the same keys at the same places every time
+        out, lse = call_and_check(kw, before, slots, f"{name} num_splits={n}", refs,
+                                  num_splits=n)
+        results[n] = (f64(out), lse.double().cpu().numpy())
+    o1, lse1 = results[1]
+    eps = torch.finfo(kw["q"].dtype).eps
+    for n, (o, lse) in results.items():
+        diff, bound = np.abs(o - o1), 2 * eps * np.abs(o1).max()
+        assert diff.max() <= bound, (f"{name}: num_splits={n} vs 1: max diff {diff.max():.3e} > "
+                                     f"{bound:.3e} (mean {diff.mean():.3e})")
+        assert np.array_equal(np.isneginf(lse), np.isneginf(lse1))
+        fin = np.isfinite(lse1)
+        ldiff = np.abs(lse[fin] - lse1[fin])
+        assert (ldiff <= 1e-4 + 1e-5 * np.abs(lse1[fin])).all(), (
+            f"{name}: lse num_splits={n} vs 1: max diff {ldiff.max():.3e}")
+
+
+# -- merge_attention_states ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("split", [0, 29, 71], ids=["empty first", "middle", "empty second"])
+def test_merge_equals_attention_over_all_keys(rng, dtype, packed, split):
+    """Keys [0, split) and [split, 71) attended by flash_attn_func, then merged. An empty
+    part is out NaN (never read) with lse -inf."""
+    b = 1 if packed else 2
+    q = randn(rng, (b, 13, 4, 72), dtype)
+    k, v = (randn(rng, (b, 71, 2, 72), dtype) for _ in range(2))
+    parts = []
+    for lo, hi in ((0, split), (split, 71)):
+        if lo == hi:
+            parts += [torch.full_like(q, NAN),
+                      torch.full((b, 4, 13), -math.inf, dtype=torch.float32, device="cuda")]
+        else:
+            parts += list(cufa.flash_attn_func(q, k[:, lo:hi], v[:, lo:hi], softcap=20.0,
+                                               return_lse=True))
+    if packed:   # (total, nheads, d) with lse (nheads, total)
+        parts = [x[0] for x in parts]
+    out = torch.full_like(parts[0], NAN)
+    res, lse = cufa.merge_attention_states(*parts, out=out)
+    assert res is out and lse.dtype == torch.float32 and lse.shape == parts[1].shape
+    if packed:
+        res, lse = res[None], lse[None]
+    check_attention(res, lse, q, k, v, softcap=20.0, label=f"merge split at {split}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_merge_rows_with_empty_parts(rng, dtype, packed):
+    """Rows where one part, or both, saw no key (lse -inf, output NaN: not read), and
+    rows whose lse differ by 60: against reference.merge_states."""
+    shape, lse_shape = ((23, 3, 40), (3, 23)) if packed else ((2, 23, 3, 40), (2, 3, 23))
+    tdt = getattr(torch, dtype)
+    o_a, o_b = (torch.from_numpy(rng.standard_normal(shape)).to("cuda", tdt) for _ in range(2))
+    lse_a, lse_b = (torch.from_numpy(rng.standard_normal(lse_shape) * 3).float().cuda()
+                    for _ in range(2))
+    at = (lambda r: (slice(None), r) if packed else (slice(None), slice(None), r))
+    out_at = (lambda r: (r,) if packed else (slice(None), r))
+    lse_a[at(0)], o_a[out_at(0)] = -math.inf, NAN        # row 0: only part b
+    lse_b[at(1)], o_b[out_at(1)] = -math.inf, NAN        # row 1: only part a
+    lse_a[at(2)] = lse_b[at(2)] = -math.inf               # row 2: neither
+    o_a[out_at(2)] = o_b[out_at(2)] = NAN
+    lse_a[at(3)], lse_b[at(3)] = 30.0, -30.0              # row 3: part b weighs e^-60
+    expected, expected_lse = reference.merge_states(f64(o_a), f64(lse_a), f64(o_b), f64(lse_b))
+    got, got_lse = cufa.merge_attention_states(o_a, lse_a, o_b, lse_b)
+    got, got_lse = f64(got), f64(got_lse)
+    assert got.dtype == np.float64 and not np.isnan(got).any(), "NaN in merged output"
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(expected_lse))
+    assert (got[out_at(2)] == 0).all() and np.isneginf(got_lse[at(2)]).all()
+    err = np.abs(got - expected)
+    bound = ulp(expected, tdt) + 4e-6 * np.abs(expected).max()
+    assert (err <= bound).all(), (f"{dtype}: merged out max err {err.max():.3e} "
+                                  f"({(err / bound).max():.2f} x bound), mean {err.mean():.3e}")
+    fin = np.isfinite(expected_lse)
+    lerr = np.abs(got_lse[fin] - expected_lse[fin])
+    assert (lerr <= 1e-5 * (1 + np.abs(expected_lse[fin]))).all(), f"lse max err {lerr.max():.3e}"
+
+
+# -- CUDA graphs ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged 16"])
+def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
+    """One decode step (append 1 token, attend, split-KV on: 2 x 2 KV heads over 1024
+    positions) captured once; each replay with new lengths, page table, q and new keys
+    copied into the captured tensors."""
+    batch, capacity = 2, 1024
+    kw, _ = build(rng, batch=batch, heads=(16, 2), d=128, capacity=capacity, page_size=page_size,
+                  new=1, lens=[5, 700], causal=True)
+    out = torch.full_like(kw["q"], NAN)
+    step = (lambda: cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True))
+    side = torch.cuda.Stream()      # warm-up (compile, plan) off the capture, as PyTorch asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = step()
+    for replay in range(3):
+        lens = rng.integers(0, capacity, batch)
+        lens[replay % batch] = capacity - 1 if replay == 1 else 0
+        kw["cache_seqlens"].copy_(i32(lens))
+        if page_size:  # the same pages (not the spare ones, of NaN), dealt out anew
+            table = rng.permutation(kw["block_table"].cpu().numpy().ravel()).reshape(batch, -1)
+            kw["block_table"].copy_(i32(table))
+        for n in ("q", "k", "v"):
+            kw[n].copy_(torch.randn_like(kw[n]))
+        before = snapshot(kw)
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        label = f"replay {replay} lens {lens.tolist()}"
+        positions = lens[:, None]
+        if page_size:
+            slots = (table[np.arange(batch)[:, None], positions // page_size],
+                     positions % page_size)
+        else:
+            slots = (np.arange(batch)[:, None], positions)
+        slots = tuple(s.ravel() for s in slots)
+        k_after, v_after = check_kvcache(out, lse, label=label, **{**kw, **before})
+        check_cache(kw["k_cache"], before["k_cache"], k_after, slots, f"{label}: k_cache")
+        check_cache(kw["v_cache"], before["v_cache"], v_after, slots, f"{label}: v_cache")
+
+
+# -- paged varlen ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("seqused", [False, True], ids=["cu_seqlens_k", "seqused_k"])
+def test_varlen_with_block_table(rng, page_size, seqused):
+    """Packed queries against a paged cache: sequence b's keys are its positions 0..len-1
+    through block_table[b] (len = seqused_k[b], else from cu_seqlens_k)."""
+    lens_q = [1, 7, 0, 33, 5, 64]
+    lens_k = [40, 7, 3, 300, 0, 512]
+    used = [17, 7, 0, 257, 0, 1] if seqused else lens_k
+    batch, capacity, h, hk, d = len(lens_q), 512, 8, 2, 64 if page_size == 16 else 128
+    dtype = "float16" if page_size == 16 else "bfloat16"
+    q = randn(rng, (1, sum(lens_q), h, d), dtype)[0]
+    k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), dtype) for _ in range(2))
+    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
+    k_pages, v_pages = (reference.to_paged(c, table, num_pages, fill=NAN)
+                        for c in (k_cache, v_cache))
+    out = torch.full_like(q, NAN)
+    res, lse = cufa.flash_attn_varlen_func(
+        q, k_pages, v_pages, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
+        causal=True, return_lse=True, out=out, block_table=i32(table),
+        seqused_k=i32(used) if seqused else None)
+    assert res is out and lse.shape == (h, sum(lens_q))
+    starts = np.concatenate([[0], np.cumsum(lens_q)])
+    for b in range(batch):
+        s, e, n = starts[b], starts[b + 1], used[b]
+        if e > s:
+            check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None],
+                            k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True,
+                            label=f"paged varlen page {page_size} seq {b} ({e - s} x {n})")
+
+
+# -- device values: checked, or clamped ------------------------------------------------------
+
+def test_check_inputs_refuses_bad_device_values(rng):
+    kw, _ = build(rng, page_size=16, capacity=64, new=2, lens=[10, 20, 30])
+    before = snapshot(kw)
+    num_pages = kw["k_cache"].shape[0]
+    call = (lambda **changes: cufa.flash_attn_with_kvcache(**{**kw, **changes},
+                                                           check_inputs=True))
+    for bad_id in (num_pages, -1):
+        table = kw["block_table"].clone()
+        table[1, 2] = bad_id
+        with pytest.raises(ValueError, match="block_table"):
+            call(block_table=table)
+    for lens in ([10, 63, 30], [-1, 20, 30]):    # 63 + 2 new > 64 positions
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            call(cache_seqlens=i32(lens))
+    flat, _ = build(rng, capacity=64, lens=[10, 20, 30])
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        cufa.flash_attn_with_kvcache(**flat, cache_leftpad=i32([0, 21, 0]), check_inputs=True)
+    for n in before:   # refused before any launch: nothing appended
+        assert torch.equal(kw[n].view(torch.int16), before[n].view(torch.int16))
+    call()             # the good values pass
+
+
+def test_bad_values_without_the_check_stay_inside_the_arrays(rng):
+    """Page ids outside the cache, negative and too-large lengths, cache_batch_idx and
+    leftpads out of range, without check_inputs: the call returns, the device stays
+    healthy, and the guard regions around the cache and out are untouched."""
+    for paged in (True, False):
+        batch, h, hk, d, capacity = 3, 8, 2, 64, 64
+        kw, _ = build(rng, batch=batch, heads=(h, hk), d=d, capacity=capacity, new=2,
+                      page_size=16 if paged else None, batch_idx=not paged, lens=[1, 2, 3])
+        guarded = {}
+        for n in ("k_cache", "v_cache"):
+            buf = torch.full((kw[n].shape[0] + 2,) + kw[n].shape[1:], 7.0, dtype=kw[n].dtype,
+                             device="cuda")
+            buf[1:-1] = kw[n]
+            kw[n], guarded[n] = buf[1:-1], buf
+        out_buf = torch.full((batch + 2, 1, h, d), 7.0, dtype=kw["q"].dtype, device="cuda")
+        kw["cache_seqlens"] = i32([-3, 10**6, capacity - 1])
+        if paged:
+            kw["block_table"] = i32([[0, 1000, -5, 2], [-1, 2**30, 3, 3], [9, 0, 0, 1]])
+        else:
+            kw["cache_batch_idx"] = i32([batch + 7, -1, 0])
+            kw["cache_leftpad"] = i32([100, -4, 70])
+        cufa.flash_attn_with_kvcache(**kw, out=out_buf[1:-1], num_splits=3)
+        cufa.flash_attn_with_kvcache(**kw, out=out_buf[1:-1])
+        torch.cuda.synchronize()
+        for n, buf in guarded.items():
+            assert (buf[0] == 7).all() and (buf[-1] == 7).all(), f"{n}: guard region written"
+        assert (out_buf[0] == 7).all() and (out_buf[-1] == 7).all(), "out: guard region written"
+    run_case(rng, "a good call after the bad ones", page_size=16, new=1)
