@@ -29,8 +29,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this cufa
 
-from bench_fwd import (ROUNDS, TORCH_DTYPES, WARMUP, WARMUP_MS, _fmt, _ints,  # noqa: E402
-                       progress, require_torch_cuda, run_rounds, time_events, versions)
+import bench_fwd  # noqa: E402  (this script's folder is on sys.path)
+from bench_fwd import (ROUNDS, TORCH_DTYPES, WARMUP, WARMUP_MS, _dtype_list, _fmt,  # noqa: E402
+                       _ints, progress, require_torch_cuda, run_rounds, time_events, versions)
 
 SHAPES = ((1, 32768), (1, 131072), (8, 16384), (64, 4096), (128, 2048), (256, 1024))
 QUICK_SHAPES = ((1, 131072), (64, 4096), (256, 1024))
@@ -52,7 +53,8 @@ TB = 1e12
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results", help="folder for bench_decode.{json,md,png}")
-    p.add_argument("--dtypes", default="fp16,bf16", help="comma list of fp16, bf16")
+    p.add_argument("--dtypes", type=_dtype_list, default="fp16,bf16",
+                   help="comma list of fp16, bf16")
     p.add_argument("--head-dims", type=_ints, default=(64, 128))
     p.add_argument("--quick", action="store_true",
                    help=f"shapes {QUICK_SHAPES}, heads 32/8, seqlen_q 1 only")
@@ -62,10 +64,6 @@ def parse_args(argv=None):
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--list", action="store_true", help="print the rows and exit (no GPU)")
     args = p.parse_args(argv)
-    args.dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
-    bad = [d for d in args.dtypes if d not in TORCH_DTYPES]
-    if bad:
-        p.error(f"--dtypes: unknown {bad}; expected fp16 and/or bf16")
     if any(d <= 0 or d % 8 or d > 256 for d in args.head_dims):
         p.error("--head-dims must be multiples of 8 up to 256")
     if args.reps < 1:
@@ -150,25 +148,13 @@ def capture_graphs(torch, fn, arg_sets):
 # -- one row -----------------------------------------------------------------------------------
 
 def load_impls(torch, no_peers):
-    """name -> handle, or a string saying why it is not available."""
-    impls = {}
-    try:
-        import cufa
-        getattr(cufa, "flash_attn_with_kvcache")
-        impls.update({name: cufa for name in ("cufa", "cufa_paged16", "cufa_paged256",
-                                              "cufa_graph")})
-    except Exception as e:
-        why = f"cufa.flash_attn_with_kvcache unavailable: {type(e).__name__}: {e}"
-        impls.update({name: why for name in IMPLS[:4]})
-    if no_peers:
-        return impls
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        impls["sdpa_flash"] = (sdpa_kernel, SDPBackend.FLASH_ATTENTION)
-        impls["sdpa_cudnn"] = (sdpa_kernel, SDPBackend.CUDNN_ATTENTION)
-    except (ImportError, AttributeError) as e:
-        impls["sdpa_flash"] = impls["sdpa_cudnn"] = f"torch.nn.attention unavailable: {e}"
-    return impls
+    """name -> handle, or a string saying why it is not available (bench_fwd's, the cufa
+    entry standing for the four cufa columns)."""
+    impls = bench_fwd.load_impls(torch, no_peers, jax=False)
+    cufa = impls.pop("cufa")
+    if not isinstance(cufa, str) and not hasattr(cufa, "flash_attn_with_kvcache"):
+        cufa = "this cufa has no flash_attn_with_kvcache"
+    return {**{name: cufa for name in IMPLS[:4]}, **impls}
 
 
 def time_row(torch, impls, cfg, sq, sets, reps, gen):

@@ -77,10 +77,20 @@ def _ints(text):
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _dtype_list(text):
+    """--dtypes: a comma list of fp16, bf16."""
+    dtypes = tuple(d.strip() for d in text.split(",") if d.strip())
+    bad = [d for d in dtypes if d not in TORCH_DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; expected fp16 and/or bf16")
+    return dtypes
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results", help="folder for bench_fwd.{json,md,png}")
-    p.add_argument("--dtypes", default="fp16,bf16", help="comma list of fp16, bf16")
+    p.add_argument("--dtypes", type=_dtype_list, default="fp16,bf16",
+                   help="comma list of fp16, bf16")
     p.add_argument("--head-dims", type=_ints, default=(64, 128, 256))
     p.add_argument("--seqlens", type=_ints, default=None, help=f"default {SEQLENS}")
     p.add_argument("--causal", type=_ints, default=(0, 1), help='"0", "1" or "0,1"')
@@ -92,10 +102,6 @@ def parse_args(argv=None):
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     args = p.parse_args(argv)
-    args.dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
-    bad = [d for d in args.dtypes if d not in TORCH_DTYPES]
-    if bad:
-        p.error(f"--dtypes: unknown {bad}; expected fp16 and/or bf16")
     if args.seqlens is None:
         args.seqlens = QUICK_SEQLENS if args.quick else SEQLENS
     elif args.quick:
@@ -213,8 +219,9 @@ def summarize(ms, shape, causal):
 
 # -- implementations -------------------------------------------------------------------------
 
-def load_impls(torch, no_peers):
-    """name -> module-ish handle, or a string saying why it is not available."""
+def load_impls(torch, no_peers, jax=True):
+    """name -> module-ish handle, or a string saying why it is not available (JAX only
+    with jax=True)."""
     impls = {}
     try:
         import cufa
@@ -230,6 +237,8 @@ def load_impls(torch, no_peers):
     except (ImportError, AttributeError) as e:
         impls.setdefault("sdpa_flash", f"torch.nn.attention unavailable: {e}")
         impls.setdefault("sdpa_cudnn", f"torch.nn.attention unavailable: {e}")
+    if not jax:
+        return impls
     try:
         import jax
         gpus = jax.devices("gpu")

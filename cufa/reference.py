@@ -195,7 +195,9 @@ def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
                    rotary_interleaved=True):
     """The append (rotary on the new keys, written at cache_seqlens[b] + i) and the gather
     of each sequence's keys, cache positions [leftpad[b], cache_seqlens[b] + seqlen_new).
-    Strict: any value a correct call could not have raises ValueError."""
+    q is rotated at cache_seqlens[b] + t when the mask is local (causal, or a window side
+    below the cache's capacity), else at cache_seqlens[b]. Strict: any value a correct
+    call could not have raises ValueError."""
     q = np.asarray(q, dtype=np.float64)
     k_cache, v_cache = (np.array(c, dtype=np.float64) for c in (k_cache, v_cache))
     batch, seqlen_q = q.shape[:2]
@@ -230,7 +232,9 @@ def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
         raise ValueError(f"cache_leftpad {pad} outside [0, cache_seqlens {lens}]")
     new_pos = lens[:, None] + np.arange(seqlen_new)[None, :]
     if rotary_cos is not None:
-        if causal or tuple(window_size) != (-1, -1):
+        # flash-attn's rule: q per token when the mask is local, i.e. causal, or a window
+        # side within the cache's capacity (a side >= capacity counts as unbounded)
+        if causal or any(0 <= side < capacity for side in window_size):
             q_pos = lens[:, None] + np.arange(seqlen_q)[None, :]
         else:
             q_pos = np.repeat(lens[:, None], seqlen_q, axis=1)
@@ -286,8 +290,10 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     """Attention over the union of two disjoint key sets from each part's (out, lse):
     out (batch, seqlen, nheads, d) with lse (batch, nheads, seqlen), or packed
     (total, nheads, d) with lse (nheads, total). A part with lse -inf weighs 0 (its
-    output is not read); both -inf give 0 and -inf."""
+    output is not read); both -inf give 0 and -inf. lse +inf, flash-attn 2's mark of a
+    row without keys, counts as -inf."""
     o_a, lse_a, o_b, lse_b = (np.asarray(x, dtype=np.float64) for x in (o_a, lse_a, o_b, lse_b))
+    lse_a, lse_b = (np.where(np.isposinf(x), -np.inf, x) for x in (lse_a, lse_b))
     lse = np.logaddexp(lse_a, lse_b)
     safe = np.where(np.isneginf(lse), 0.0, lse)
     # lse laid out like out's (..., seqlen, nheads) with a trailing axis over d

@@ -204,6 +204,8 @@ CASES = {
     "rotary non-causal: q at one position": dict(rotary="interleaved", rotary_dim=48, new=1,
                                                  seqlen_q=4),
     "rotary window: q per token": dict(rotary="half", window_size=(30, 5), new=2, seqlen_q=3),
+    "rotary window as wide as the cache: q at one position": dict(
+        rotary="interleaved", window_size=(160, -1), capacity=160, new=2, seqlen_q=3),
     "rotary float32 tables bf16 paged 16": dict(rotary="half", rotary_fp32=True, dtype="bfloat16",
                                                 page_size=16, new=3, seqlen_q=2, causal=True),
     "rotary q only (no append)": dict(rotary="interleaved", rotary_dim=16, seqlen_q=2,
@@ -362,8 +364,8 @@ def test_merge_equals_attention_over_all_keys(rng, dtype, packed, split):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_merge_rows_with_empty_parts(rng, dtype, packed):
-    """Rows where one part, or both, saw no key (lse -inf, output NaN: not read), and
-    rows whose lse differ by 60: against reference.merge_states."""
+    """Rows where one part, or both, saw no key (lse -inf, or flash-attn 2's +inf; output
+    NaN: not read), and rows whose lse differ by 60: against reference.merge_states."""
     shape, lse_shape = ((23, 3, 40), (3, 23)) if packed else ((2, 23, 3, 40), (2, 3, 23))
     tdt = getattr(torch, dtype)
     o_a, o_b = (torch.from_numpy(rng.standard_normal(shape)).to("cuda", tdt) for _ in range(2))
@@ -376,6 +378,7 @@ def test_merge_rows_with_empty_parts(rng, dtype, packed):
     lse_a[at(2)] = lse_b[at(2)] = -math.inf               # row 2: neither
     o_a[out_at(2)] = o_b[out_at(2)] = NAN
     lse_a[at(3)], lse_b[at(3)] = 30.0, -30.0              # row 3: part b weighs e^-60
+    lse_a[at(4)], o_a[out_at(4)] = math.inf, NAN         # row 4: +inf, flash-attn 2's "no key"
     expected, expected_lse = reference.merge_states(f64(o_a), f64(lse_a), f64(o_b), f64(lse_b))
     got, got_lse = cufa.merge_attention_states(o_a, lse_a, o_b, lse_b)
     got, got_lse = f64(got), f64(got_lse)

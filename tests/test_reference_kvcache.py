@@ -158,6 +158,18 @@ def test_merge_of_two_key_sets_is_attention_over_both(rng, split, packed):
     assert empty.any() and (got_o[(empty.T if packed else empty.transpose(0, 2, 1))] == 0).all()
 
 
+def test_merge_takes_plus_inf_lse_as_no_keys(rng):
+    """flash-attn 2 marks rows without keys with lse +inf."""
+    o_a, o_b = (rng.standard_normal((4, 2, 8)) for _ in range(2))
+    lse_a, lse_b = (rng.standard_normal((2, 4)) for _ in range(2))
+    lse_a[0, 1], o_a[1, 0] = np.inf, np.nan
+    got, got_lse = reference.merge_states(o_a, lse_a, o_b, lse_b)
+    assert np.array_equal(got[1, 0], o_b[1, 0]) and got_lse[0, 1] == lse_b[0, 1]
+    lse_b[0, 1] = np.inf
+    got, got_lse = reference.merge_states(o_a, lse_a, o_b, lse_b)
+    assert (got[1, 0] == 0).all() and np.isneginf(got_lse[0, 1])
+
+
 def test_merge_is_symmetric(rng):
     o_a, o_b = (rng.standard_normal((2, 5, 3, 8)) for _ in range(2))
     lse_a, lse_b = (rng.standard_normal((2, 3, 5)) * 4 for _ in range(2))
@@ -225,11 +237,15 @@ def test_rotary_positions_outside_the_table_raise(rng):
         reference.apply_rotary(rng.standard_normal((1, 2, 1, 8)), cos, sin, np.array([[7, 8]]))
 
 
-@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)),
-                                            (False, (5, 2))])
-def test_kvcache_rotates_new_keys_at_their_cache_position_and_q_by_mask(rng, causal, window):
+@pytest.mark.parametrize("causal, window, per_token", [
+    (False, (-1, -1), False), (True, (-1, -1), True), (False, (5, 2), True),
+    (False, (63, -1), True), (False, (-1, 0), True),
+    (False, (64, -1), False), (False, (64, 100), False)])   # sides >= capacity: unbounded
+def test_kvcache_rotates_new_keys_at_their_cache_position_and_q_by_mask(rng, causal, window,
+                                                                         per_token):
     """New key i of sequence b at cache_seqlens[b] + i (the leftpad does not shift it); q
-    token t at cache_seqlens[b] + t with causal or a window, else all at cache_seqlens[b]."""
+    token t at cache_seqlens[b] + t when the mask is local (causal, or a window side below
+    the cache's 64 positions, as flash-attn decides), else all at cache_seqlens[b]."""
     q, k_cache, v_cache, k, v = cache_case(rng, seqlen_q=3)
     cos, sin = rotary_table(64, 8)
     lens = np.array([0, 10, 33], dtype=np.int32)
@@ -244,7 +260,7 @@ def test_kvcache_rotates_new_keys_at_their_cache_position_and_q_by_mask(rng, cau
         assert np.array_equal(g.v_cache[b, n:n + 3], v[b])
         assert np.array_equal(g.k_cache[b, n + 3:], k_cache[b, n + 3:])
         assert np.array_equal(g.k_cache[b, :n], k_cache[b, :n])
-        pos_q = np.arange(n, n + 3)[None] if causal or window != (-1, -1) else np.full((1, 3), n)
+        pos_q = np.arange(n, n + 3)[None] if per_token else np.full((1, 3), n)
         assert np.allclose(g.q[b:b + 1], reference.apply_rotary(q[b:b + 1], cos, sin, pos_q,
                                                                  False), atol=1e-14)
         assert g.keys[b].shape == (1, n + 3 - pad[b], 2, 16)
