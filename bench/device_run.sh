@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: installs nothing; device info, the GPU tests, the
-# self-check, (with --bench) the forward benchmark and (with --decode) the KV-cache decode
-# benchmark; full logs under $OUT, a short summary last.
-#   bash bench/device_run.sh [--bench] [--decode] [pytest args...]
+# self-check, (with --bench) the forward benchmark, (with --decode) the KV-cache decode
+# benchmark and (with --host) the launch-cost table; full logs under $OUT, a short summary
+# last.
+#   bash bench/device_run.sh [--bench] [--decode] [--host] [pytest args...]
 # BENCH_ARGS / DECODE_ARGS: extra arguments for bench_fwd.py / bench_decode.py.
 set -u
 OUT=${OUT:-/tmp/cufa-out}
@@ -11,10 +12,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX would otherwise take 75% of the GPU
 bench=0
 decode=0
+host=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) bench=1; shift ;;
     --decode) decode=1; shift ;;
+    --host) host=1; shift ;;
     *) break ;;
   esac
 done
@@ -43,6 +46,9 @@ fi
 if [ $decode = 1 ]; then
   python3 bench/bench_decode.py --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench_decode.txt" 2>&1
 fi
+if [ $host = 1 ]; then
+  python3 bench/host_overhead.py > "$OUT/host_overhead.txt" 2>&1
+fi
 
 echo "== device"; cat "$OUT/nvidia-smi.txt"; head -4 "$OUT/info.txt"
 echo "== GPU tests (rc=$tests_rc)"
@@ -52,3 +58,4 @@ done
 echo "== self-check (rc=$check_rc)"; grep -E "FAIL|self-check|^\|" "$OUT/check.txt" | tail -20
 if [ $bench = 1 ]; then echo "== bench"; tail -40 "$OUT/bench.txt"; fi
 if [ $decode = 1 ]; then echo "== decode bench"; tail -22 "$OUT/bench_decode.txt"; fi
+if [ $host = 1 ]; then echo "== launch cost"; grep -E "^\|" "$OUT/host_overhead.txt"; fi
