@@ -90,8 +90,12 @@ class Record:
     def with_pointers(self, record, pointers):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to
         `pointers` ({name: address}; the others 0), as a ctypes buffer to pass by address."""
+        return self.with_pointer_values(record, [pointers.get(n, 0) for n in self.pointer_fields])
+
+    def with_pointer_values(self, record, values):
+        """The same with every pointer given, in pointer_fields order (the launch path)."""
         buffer = ctypes.create_string_buffer(record, len(record))
-        self._pointers.pack_into(buffer, 0, *(pointers.get(n, 0) for n in self.pointer_fields))
+        self._pointers.pack_into(buffer, 0, *values)
         return buffer
 
 
@@ -128,4 +132,4 @@ def pack_fwd_params(fields):
 
 def with_pointers(record, pointers):
     """FwdParams: `pointers` in POINTER_FIELDS order."""
-    return FWD.with_pointers(record, dict(zip(POINTER_FIELDS, pointers)))
+    return FWD.with_pointer_values(record, pointers)
