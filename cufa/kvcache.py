@@ -517,13 +517,10 @@ def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi,
         workspace, base = (_interop.allocate(plan.framework, (total,), "float32", plan.device)
                            if total else (None, 0))
         at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
-        pointers = dict(
-            q=at(q_rot) if plan.rotary else q.ptr, k=kc.ptr, v=vc.ptr, o=o_ptr, lse=lse_ptr,
-            o_partial=at(o_part), lse_partial=at(lse_part), cache_seqlens=_ptr(seqlens),
-            cache_batch_idx=_ptr(idx), cache_leftpad=_ptr(leftpad), block_table=_ptr(table),
-            alibi_slopes=_ptr(alibi), k_new=_ptr(kn), v_new=_ptr(vn),
-            q_source=q.ptr if plan.rotary else 0, rotary_cos=_ptr(cos), rotary_sin=_ptr(sin))
-        params = _params.DECODE.with_pointers(plan.params, pointers)
+        params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
+            at(q_rot) if plan.rotary else q.ptr, kc.ptr, vc.ptr, o_ptr, lse_ptr, at(o_part),
+            at(lse_part), _ptr(seqlens), _ptr(idx), _ptr(leftpad), _ptr(table), _ptr(alibi),
+            _ptr(kn), _ptr(vn), q.ptr if plan.rotary else 0, _ptr(cos), _ptr(sin)))
         _launch(plan.device, plan.framework,
                 tuple((fn, grid, threads, smem, params)
                       for _, fn, grid, threads, smem in plan.launches))

@@ -138,3 +138,11 @@ def test_variant_keys_are_readable_and_unique():
     assert "decode_append_bf16" in keys and "merge_fp32" in keys
     assert _compile.DecodeKernel("decode", "bf16", 64).name_expression == \
         "cufa::decode_kernel<1, 64>"
+
+
+def test_decode_pointer_order_is_the_records():
+    # kvcache._run packs the pointers positionally, in this order
+    assert _params.DECODE.pointer_fields == (
+        "q", "k", "v", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
+        "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "k_new", "v_new",
+        "q_source", "rotary_cos", "rotary_sin")
