@@ -4,7 +4,10 @@
 
 One call per (dtype, head dim family, mask kind, score mods) at sequence lengths 1, 7,
 65 and 129 (never a multiple of a tile), packed batches with empty sequences and
-sequences without keys, and SDPA with broadcast boolean and additive masks. Checks
+sequences without keys, SDPA with broadcast boolean and additive masks, and the KV-cache
+kernels: every decode variant (contiguous and paged, split and not, with appends, rotary
+and leftpad), malformed lengths and page ids (clamped, never an access outside), merges
+and paged packed batches. Checks
 values loosely (the GPU tests do that strictly); the point is to touch every code path
 while the sanitizer watches.
 """
@@ -77,8 +80,55 @@ def main():
         mask = mask if mask_dtype == torch.bool else mask.to(mask_dtype) * -3.0
         cufa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
         calls += 1
+    calls += kvcache_cases(rng)
     torch.cuda.synchronize()
     print(f"sanitize cases: {calls} calls, family {family}")
+
+
+def kvcache_cases(rng):
+    """Every decode variant once at odd lengths, then the paths the values steer."""
+    calls = 0
+    i32 = (lambda x: torch.tensor(x, dtype=torch.int32, device="cuda"))
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in _compile.DECODE_HEAD_DIMS:
+            q = _t(rng, (3, 2, 8, d), dtype)
+            cache = _t(rng, (3, 97, 2, d), dtype)
+            new = _t(rng, (3, 3, 2, d), dtype)
+            for splits in (1, 5):
+                cufa.flash_attn_with_kvcache(q, cache, cache.clone(), new, new,
+                                             cache_seqlens=i32([0, 50, 94]), causal=True,
+                                             num_splits=splits, return_softmax_lse=True)
+                calls += 1
+    d, page = 128, 16
+    pages = _t(rng, (20, page, 2, d), torch.float16)
+    table = i32(rng.permutation(20)[:18].reshape(3, 6))
+    cos = sin = _t(rng, (6 * page, 32), torch.float16)
+    q = _t(rng, (3, 4, 8, d), torch.float16)
+    new = _t(rng, (3, 2, 2, d), torch.float16)
+    for lens, leftpad in (([0, 17, 94], [0, 3, 90]), ([1000, -5, 96], [-1, 200, 0])):
+        # the second row: lengths past the capacity, negative, leftpad past the end -- clamped
+        cufa.flash_attn_with_kvcache(q, pages, pages.clone(), new, new, rotary_cos=cos,
+                                     rotary_sin=sin, cache_seqlens=i32(lens),
+                                     cache_leftpad=i32(leftpad), block_table=table,
+                                     window_size=(20, 0), softcap=10.0, num_splits=3,
+                                     alibi_slopes=torch.rand(8, device="cuda"))
+        calls += 1
+    bad_table = i32([[0, 99, -7, 5, 1, 2], [3] * 6, [19] * 6])  # ids outside the cache
+    cufa.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=i32([96, 96, 96]),
+                                 block_table=bad_table)
+    lens_q, lens_k = [0, 7, 65], [5, 0, 96]
+    cu_q = i32(np.concatenate([[0], np.cumsum(lens_q)]))
+    cu_k = i32(np.concatenate([[0], np.cumsum(lens_k)]))
+    qp = _t(rng, (sum(lens_q), 8, d), torch.float16)
+    cufa.flash_attn_varlen_func(qp, pages, pages, cu_q, cu_k, 65, 96, causal=True,
+                                block_table=table)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        oa, ob = _t(rng, (2, 7, 3, 72), dtype), _t(rng, (2, 7, 3, 72), dtype)
+        la, lb = _t(rng, (2, 3, 7), torch.float32), _t(rng, (2, 3, 7), torch.float32)
+        lb[0] = float("-inf")
+        cufa.merge_attention_states(oa, la, ob, lb)
+        calls += 1
+    return calls + 2
 
 
 if __name__ == "__main__":
