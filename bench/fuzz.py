@@ -6,8 +6,9 @@
 Each case draws from its own generator, seeded by (seed, case index), so any failure is
 reproducible from the two numbers it prints. Cases mix padded and packed batches, SDPA
 with masks, fp16 and bf16, head dims 8..256, lengths 0..600 (odd ones on purpose),
-GQA, every mask kind and combination, and strided layouts. The pass rule is the GPU
-tests' (tests/_attention_check.py).
+GQA, every mask kind and combination, strided layouts, and KV-cache calls (contiguous and
+paged, appends, rotary, leftpad, splits; drawn as tests/test_gpu_kvcache.py's random
+cases). The pass rule is the GPU tests' (tests/_attention_check.py).
 """
 import argparse
 import os
@@ -52,8 +53,12 @@ def run_case(seed, index):
     d = int(rng.integers(1, 33)) * 8
     h_k = int(rng.choice([1, 2, 4]))
     h = h_k * int(rng.choice([1, 2, 3]))
-    kind = str(rng.choice(["dense", "varlen", "sdpa"]))
-    if kind == "dense":
+    kind = str(rng.choice(["dense", "varlen", "sdpa", "kvcache"]))
+    if kind == "kvcache":
+        import test_gpu_kvcache
+        spec = test_gpu_kvcache.random_spec(rng)
+        test_gpu_kvcache.run_case(rng, f"kvcache {spec}", **spec)
+    elif kind == "dense":
         b = int(rng.integers(1, 4))
         sq, sk = (int(rng.choice(LENGTHS[1:])) for _ in range(2))
         layout = str(rng.choice(["bshd", "bhsd", "padded"]))

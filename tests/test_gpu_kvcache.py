@@ -224,6 +224,13 @@ def test_case(rng, name):
 @pytest.mark.parametrize("seed", range(16))
 def test_random_calls(seed):
     rng = np.random.default_rng(1700 + seed)
+    spec = random_spec(rng)
+    run_case(rng, f"seed {seed}: {spec}", **spec)
+
+
+def random_spec(rng):
+    """A random flash_attn_with_kvcache case (build's arguments); bench/fuzz.py draws
+    from it too."""
     pick = (lambda options: options[int(rng.integers(len(options)))])
     page_size = pick([None, None, 1, 16, 64, 256])
     seqlen_q = pick([1, 1, 2, 4, 37])
@@ -254,7 +261,7 @@ def test_random_calls(seed):
     spec["lens"] = lens
     if not page_size and rng.random() < 0.3:
         spec["leftpad"] = [int(rng.integers(0, n + 1)) for n in lens]
-    run_case(rng, f"seed {seed}: {spec}", **spec)
+    return spec
 
 
 # -- page boundaries, empty caches --------------------------------------------------------
