@@ -68,15 +68,25 @@ __device__ __forceinline__ CacheSeq cache_seq(const DecodeParams& p, int b) {
   return s;
 }
 
+// Where cache position `pos` lives: a cache row (contiguous) or a page, and the row in it.
+struct CacheSlot {
+  i64 block;
+  int row;
+};
+
+__device__ __forceinline__ CacheSlot cache_slot(const DecodeParams& p, const CacheSeq& s, int pos) {
+  if (p.block_table)
+    return CacheSlot{min(max(s.pages[pos >> p.page_shift], 0), p.cache_rows - 1),
+                     pos & ((1 << p.page_shift) - 1)};
+  return CacheSlot{s.row, pos};
+}
+
 // Cache position `pos` of one KV head (head: the cache's base plus the head's offset).
 __device__ __forceinline__ const u16* cache_row(const DecodeParams& p, const CacheSeq& s,
                                                 const u16* head, i64 batch_stride,
                                                 i64 row_stride, int pos) {
-  if (p.block_table) {
-    const int page = min(max(s.pages[pos >> p.page_shift], 0), p.cache_rows - 1);
-    return head + page * batch_stride + (pos & ((1 << p.page_shift) - 1)) * row_stride;
-  }
-  return head + s.row * batch_stride + pos * row_stride;
+  const CacheSlot slot = cache_slot(p, s, pos);
+  return head + slot.block * batch_stride + slot.row * row_stride;
 }
 
 // -- a query row of the CTA: (token, head of the KV head's group) --
@@ -110,19 +120,30 @@ __device__ __forceinline__ KeySpan visible_span(const DecodeParams& p, int seqle
   return k;
 }
 
-// -- load one warp's 16-key tile of K and V into its stage --
+// -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
+//    columns past head_dim read as zeros. A row's page is looked up once for K and V;
+//    unrolled, so that a lane's lookups are in flight together --
 template <int kHeadDim>
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
                                              const CacheSeq& s, const u16* k_head,
                                              const u16* v_head, int key0, int lane) {
+  constexpr int kChunks = kHeadDim / 8;
   const int rows_valid = s.seqlen_k - key0;
-  const auto swz = [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); };
-  copy_rows_async<kTileKeys, kHeadDim, 32>(
-      sk, [&](int r) { return cache_row(p, s, k_head, p.k_batch_stride, p.k_row_stride, s.start + key0 + r); },
-      k_head, rows_valid, p.head_dim, swz, lane);
-  copy_rows_async<kTileKeys, kHeadDim, 32>(
-      sv, [&](int r) { return cache_row(p, s, v_head, p.v_batch_stride, p.v_row_stride, s.start + key0 + r); },
-      v_head, rows_valid, p.head_dim, swz, lane);
+#pragma unroll
+  for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = r < rows_valid && c * 8 < p.head_dim;
+    const u16* k_src = k_head;  // any valid address: a zero-filling copy reads nothing
+    const u16* v_src = v_head;
+    if (valid) {
+      const CacheSlot slot = cache_slot(p, s, s.start + key0 + r);
+      k_src += slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
+      v_src += slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
+    }
+    const u32 at = Swizzle<kHeadDim>::offset(r, c);
+    cp_async_16(sk + at, k_src, valid ? 16 : 0);
+    cp_async_16(sv + at, v_src, valid ? 16 : 0);
+  }
 }
 
 // What one lane needs of its two accumulator rows (lane / 4 and lane / 4 + 8).
