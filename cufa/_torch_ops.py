@@ -2,8 +2,9 @@
 
 torch.compile cannot look inside cufa (CuPy, raw pointers), so while it traces, the
 public functions hand torch tensors to ``torch.ops.cufa.*`` (flash_attn, flash_attn_varlen,
-sdpa, kvcache, merge): opaque ops with fake implementations that only compute output
-shapes, symbolically under dynamic shapes. In eager mode nothing goes through here.
+sdpa, kvcache, kvcache_append, merge): opaque ops with fake implementations that only
+compute output shapes, symbolically under dynamic shapes. In eager mode nothing goes
+through here.
 
 Importing cufa never imports torch, and torch.compile cannot trace the registration
 itself, so the ops are registered when cufa is imported after torch, or else at the
@@ -85,27 +86,41 @@ def _register():
         total_q, nheads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
 
-    # The cache is written in place when k and v are given.
-    @torch.library.custom_op("cufa::kvcache", mutates_args=("k_cache", "v_cache"))
-    def kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
-                   v: Optional[Tensor], rotary_cos: Optional[Tensor],
-                   rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
-                   cache_seqlen: Optional[int], cache_batch_idx: Optional[Tensor],
-                   cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
-                   softmax_scale: Optional[float], causal: bool, window_left: int,
-                   window_right: int, softcap: float, rotary_interleaved: bool,
-                   alibi_slopes: Optional[Tensor], num_splits: int) -> Tuple[Tensor, Tensor]:
+    def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                     cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                     causal, window_left, window_right, softcap, rotary_interleaved,
+                     alibi_slopes, num_splits):
         return kvcache.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
             cache_seqlens if cache_seqlens is not None else cache_seqlen, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right),
             softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse=True)
 
-    @kvcache_op.register_fake
-    def _(q, *rest):
+    def kvcache_fake(q, *rest):
         batch, seqlen_q, nheads, _ = q.shape
         return (q.new_empty(q.shape),
                 q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
+
+    # Two ops: with k and v the cache is written in place, and an op that mutates its
+    # inputs costs torch.compile more (functionalization) than a decode that only reads.
+    ops = {}
+    for name, mutates in (("kvcache", ()), ("kvcache_append", ("k_cache", "v_cache"))):
+        @torch.library.custom_op(f"cufa::{name}", mutates_args=mutates)
+        def kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
+                       v: Optional[Tensor], rotary_cos: Optional[Tensor],
+                       rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                       cache_seqlen: Optional[int], cache_batch_idx: Optional[Tensor],
+                       cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                       softmax_scale: Optional[float], causal: bool, window_left: int,
+                       window_right: int, softcap: float, rotary_interleaved: bool,
+                       alibi_slopes: Optional[Tensor],
+                       num_splits: int) -> Tuple[Tensor, Tensor]:
+            return kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
+                                block_table, softmax_scale, causal, window_left, window_right,
+                                softcap, rotary_interleaved, alibi_slopes, num_splits)
+        kvcache_op.register_fake(kvcache_fake)
+        ops[name] = kvcache_op
 
     @torch.library.custom_op("cufa::merge", mutates_args=())
     def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
@@ -117,4 +132,4 @@ def _register():
         return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)
 
     return dict(flash_attn=flash_attn, sdpa=sdpa, flash_attn_varlen=flash_attn_varlen,
-                kvcache=kvcache_op, merge=merge)
+                merge=merge, **ops)

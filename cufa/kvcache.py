@@ -3,6 +3,7 @@ decode, appends; contiguous or paged; split-KV), and the merge of partial attent
 states. validate -> plan (cached per call signature) -> launch, as in api.py."""
 import ctypes
 import math
+import numbers
 from dataclasses import dataclass
 
 from . import _compile, _interop, _jax, _params, _torch_ops, api
@@ -56,11 +57,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     no copy is made; without donation, or eagerly, XLA copies each cache once per call.
     """
     fixed = None
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
+    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
         if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and cache_seqlens < 0):
             raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 array; got "
                              f"{cache_seqlens!r}")
-        fixed, cache_seqlens = cache_seqlens, None
+        fixed, cache_seqlens = (None if cache_seqlens is None else int(cache_seqlens)), None
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
                   rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
                   cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
@@ -72,7 +73,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if out is not None or check_inputs:
             raise NotImplementedError("out= and check_inputs=True are not supported inside "
                                       "torch.compile")
-        o, lse = _torch_ops.op("kvcache")(
+        o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, *window_size,
             softcap, bool(rotary_interleaved), alibi_slopes, num_splits)

@@ -96,5 +96,14 @@ def test_varlen_kvcache_and_merge_trace_as_one_op_each_with_dynamic_shapes():
         assert merged.shape == q.shape and o1.shape == q1.shape
     assert len(graphs) == 1
     code = graphs[0].code
-    for op in ("flash_attn_varlen", "kvcache", "merge"):
+    for op in ("flash_attn_varlen", "kvcache_append", "merge"):
         assert f"torch.ops.cufa.{op}" in code, op
+
+
+def test_decode_without_append_is_the_op_that_mutates_nothing():
+    q = torch.empty(4, 1, 8, 64, dtype=torch.float16, device="meta")
+    cache = torch.empty(4, 256, 2, 64, dtype=torch.float16, device="meta")
+    lens = torch.empty(4, dtype=torch.int32, device="meta")
+    code = _traced_graph(lambda q, c, n: cufa.flash_attn_with_kvcache(q, c, c, cache_seqlens=n),
+                         q, cache, lens)
+    assert "torch.ops.cufa.kvcache.default" in code and "kvcache_append" not in code
