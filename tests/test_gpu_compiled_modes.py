@@ -172,7 +172,7 @@ def test_jax_jit_runs_the_kernels_on_xla_stream():
     np.testing.assert_allclose(np.asarray(o) / 2, np.asarray(ref, np.float32), atol=2e-2)
 
 
-def test_jax_jit_kvcache_append_with_donation_and_varlen_values():
+def test_jax_jit_kvcache_append_with_donation():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     from cufa import _jax
