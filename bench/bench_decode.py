@@ -17,15 +17,18 @@ decode steps. Decode reads the cache once, so the figure is KV bytes / time, TB/
 same run (a 1 GiB device-to-device copy: bytes read + written / time). Timing as in
 bench_fwd.py: one CUDA event pair per call, median; every implementation in ROUNDS
 interleaved rounds in random order, each block after at least 30 ms of warm-up; caches
-under 100 MB are two input sets used in turn (the H100's L2 holds 50 MB). Writes
-DIR/bench_decode.{json,md,png}.
+under 100 MB are two input sets used in turn (the H100's L2 holds 50 MB). The last column
+times one call at a time (a sync after each, host cost included) for cufa and the SDPA
+peers, as a server that waits for each step sees it. Writes DIR/bench_decode.{json,md,png}.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this cufa
 
@@ -209,9 +212,46 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen):
         ms = statistics.median(got)
         row["impls"][name] = {"us": ms * 1e3, "us_min": min(got) * 1e3, "calls": len(got),
                               "tbps": row["kv_bytes"] / (ms * 1e-3) / TB}
+    row["one_at_a_time_us"] = one_at_a_time(torch, impls, cufa_args("cufa"), qs, sets, sdpa_kw)
     row["max_abs_diff"] = check_outputs(torch, impls, qs[0], sets[0], sdpa_kw)
     del graphs[:]
     return row
+
+
+def one_at_a_time(torch, impls, cufa_sets, qs, sets, sdpa_kw, calls=20):
+    """Wall time of one call followed by a sync (median us): the host's launch cost
+    counts, as in a server that waits for each step -- cufa contiguous and the SDPA
+    peers. (The table's other columns queue calls back to back, which hides it.)"""
+    fns = {}
+    if not isinstance(impls.get("cufa"), str):
+        cufa = impls["cufa"]
+        fns["cufa"] = (lambda q, k, v, lens, table: cufa.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=lens, block_table=table), cufa_sets, None)
+    for name in ("sdpa_flash", "sdpa_cudnn"):
+        if isinstance(impls.get(name), tuple):
+            sdpa_kernel, backend = impls[name]
+            bhsd = [(q.transpose(1, 2), s["k"].transpose(1, 2), s["v"].transpose(1, 2))
+                    for q, s in zip(qs, sets)]
+            fns[name] = (lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, **sdpa_kw), bhsd, (sdpa_kernel, backend))
+    out = {}
+    for name, (fn, arg_sets, backend) in fns.items():
+        try:
+            with (backend[0](backend[1]) if backend else contextlib.nullcontext()):
+                for i in range(3):
+                    fn(*arg_sets[i % len(arg_sets)])
+                torch.cuda.synchronize()
+                times = []
+                for i in range(calls):
+                    t0 = time.perf_counter()
+                    fn(*arg_sets[i % len(arg_sets)])
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e6)
+            out[name] = statistics.median(times)
+        except Exception as e:  # a peer that refuses the shape: its reason is in the table
+            out[name] = None
+            print(f"one-at-a-time {name}: {type(e).__name__}: {e}", file=sys.stderr)
+    return out
 
 
 def check_outputs(torch, impls, q, s, sdpa_kw):
@@ -289,7 +329,7 @@ def targets(rows, names):
 
 def markdown(rows, names):
     head = ["dtype", "d", "H/Hkv", "B x N", "sq", "KV MB"] + [LABELS[n] for n in names] \
-        + ["cufa/flash", "cufa/cuDNN"]
+        + ["cufa/flash", "cufa/cuDNN", "one at a time: cufa / flash / cuDNN us"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [r["dtype"], r["head_dim"], f"{r['nheads']}/{r['nheads_k']}",
@@ -299,6 +339,9 @@ def markdown(rows, names):
             cells.append("n/a" if "us" not in v else
                          f"{v['us']:.1f} ({v['tbps']:.2f}, {v.get('frac_copy', 0):.0%})")
         cells += [_fmt(r.get("ratio_vs_flash"), ".2f"), _fmt(r.get("ratio_vs_cudnn"), ".2f")]
+        single = r.get("one_at_a_time_us", {})
+        cells.append(" / ".join(_fmt(single.get(n), ".0f")
+                                for n in ("cufa", "sdpa_flash", "sdpa_cudnn")))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
