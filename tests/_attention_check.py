@@ -102,6 +102,20 @@ def assert_pass_rule(out, lse, ref, lowp, dtype, label):
     return err, err_lp
 
 
+def capture_cuda_graph(fn):
+    """fn captured in a torch CUDA graph, after a warm-up call (compile, plan) on a side
+    stream, as PyTorch asks; -> (graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 def host(x):
     """A torch tensor as NumPy (floats in float64); anything else as it is."""
     if not isinstance(x, torch.Tensor):

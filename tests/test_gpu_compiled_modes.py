@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 import cufa  # noqa: E402
-from _attention_check import randn  # noqa: E402
+from _attention_check import capture_cuda_graph, randn  # noqa: E402
 
 
 def _close(a, b, tol=2e-3):
@@ -19,23 +19,10 @@ def _close(a, b, tol=2e-3):
     assert err <= tol, err
 
 
-def _capture(fn):
-    """fn captured in a torch CUDA graph (after a warm-up call on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result
-
-
 def test_graph_replays_dense_and_sdpa_with_new_values():
     rng = np.random.default_rng(0)
     q, k, v = (randn(rng, (2, 200, 4, 64), "float16") for _ in range(3))
-    graph, (out, lse, sd) = _capture(lambda: cufa.flash_attn_func(q, k, v, causal=True,
+    graph, (out, lse, sd) = capture_cuda_graph(lambda: cufa.flash_attn_func(q, k, v, causal=True,
                                                                    return_lse=True)
                                      + (cufa.scaled_dot_product_attention(
                                          q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -57,7 +44,7 @@ def test_graph_replays_varlen_with_new_cu_seqlens():
     total = 600
     q, k, v = (randn(rng, (1, total, 4, 64), "float16")[0] for _ in range(3))
     cu = torch.tensor([0, 100, 350, 600], dtype=torch.int32, device="cuda")
-    graph, (out, lse) = _capture(lambda: cufa.flash_attn_varlen_func(
+    graph, (out, lse) = capture_cuda_graph(lambda: cufa.flash_attn_varlen_func(
         q, k, v, cu, cu, total, total, causal=True, return_lse=True))
     for lens in ([600, 0, 0], [1, 598, 1], [200, 200, 200]):
         cu.copy_(torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32))
@@ -81,7 +68,7 @@ def test_graph_replays_kvcache_and_merge_with_new_lengths_and_pages():
         o, lse = cufa.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens,
                                               block_table=table, return_softmax_lse=True)
         return (o, lse) + cufa.merge_attention_states(o, lse, o, lse)
-    graph, (out, lse, merged, merged_lse) = _capture(step)
+    graph, (out, lse, merged, merged_lse) = capture_cuda_graph(step)
     for _ in range(3):
         lens.copy_(torch.randint(0, 20 * page + 1, (b,), dtype=torch.int32))
         table.copy_(torch.randperm(pages, device="cuda")[:b * 20].reshape(b, 20).int())
@@ -102,9 +89,9 @@ def test_cupy_stream_capture_replays_with_new_values():
     cufa.flash_attn_func(q, q, q)  # warm: plans, kernels, the memory pool
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        stream.begin_capture()
+        stream.begincapture_cuda_graph()
         out = cufa.flash_attn_func(q, q, q, causal=True)
-        graph = stream.end_capture()
+        graph = stream.endcapture_cuda_graph()
     for _ in range(3):
         q[...] = cupy.asarray(rng.standard_normal(q.shape), dtype=cupy.float16)
         graph.launch(stream)

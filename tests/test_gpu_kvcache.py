@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
-    assert_pass_rule, check_attention, check_kvcache, f64, kvcache_references, randn)
+    assert_pass_rule, capture_cuda_graph, check_attention, check_kvcache, f64, kvcache_references,
+    randn)
 
 NAN = float("nan")
 
@@ -412,15 +413,8 @@ def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
     kw, _ = build(rng, batch=batch, heads=(16, 2), d=128, capacity=capacity, page_size=page_size,
                   new=1, lens=[5, 700], causal=True)
     out = torch.full_like(kw["q"], NAN)
-    step = (lambda: cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True))
-    side = torch.cuda.Stream()      # warm-up (compile, plan) off the capture, as PyTorch asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, lse = step()
+    graph, (_, lse) = capture_cuda_graph(
+        lambda: cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True))
     for replay in range(3):
         lens = rng.integers(0, capacity, batch)
         lens[replay % batch] = capacity - 1 if replay == 1 else 0
