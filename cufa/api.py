@@ -1,11 +1,12 @@
 """The public attention functions: validate -> plan (variant, params, grid; cached per call
 signature) -> launch."""
+import contextlib
 import ctypes
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
-from dataclasses import dataclass
 
 from . import _compile, _interop, _jax, _params, _tma, _torch_ops
 
@@ -196,8 +197,8 @@ def packed(views, o, out, *, softmax_scale, causal, window_size, softcap, return
     if check_cu_seqlens:
         _check_cu_values(cu_q, "cu_seqlens_q", q.shape[0], cu_k, "cu_seqlens_k",
                          k.shape[0] if table is None else None, used)
-    if table is not None and check_cu_seqlens:
-        check_page_ids(table, k.shape[0])
+        if table is not None:
+            check_page_ids(table, k.shape[0])
     return _execute(plan, q, k, v, o, return_lse, alibi=alibi, packed=(cu_q, cu_k, used, table),
                     lse_out=lse_out)
 
@@ -693,21 +694,17 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
             raise RuntimeError("the driver refused a TMA descriptor for a layout it "
                                "accepted before")
         args = (params, described[0])
-    driver = _driver()
-    with cupy.cuda.Device(device):
-        if driver.ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls below
-            cupy.cuda.runtime.free(0)    # need the device's context made current
-        stream = _interop.current_stream_ptr(framework, device)
+    with caller_stream(framework, device) as stream:
         if counter:
             cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
         if packed:
-            _driver_launch(schedule, 1,
+            driver_launch(schedule, 1,
                            _compile.VARLEN_SCHEDULE.threads, 0, stream,
                            (ctypes.c_uint64(cu_q.ptr), ctypes.c_int32(batch),
                             ctypes.c_int32(total_q), ctypes.c_int32(plan.variant.block_m),
                             ctypes.c_int32(num_buckets), ctypes.c_uint64(tile_count + 4),
                             ctypes.c_uint64(tile_list), ctypes.c_uint64(tile_count)))
-        _driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
+        driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
                        plan.variant.smem_bytes, stream, args)
 
 
@@ -715,11 +712,24 @@ def _ptr(x):
     return 0 if x is None else x.ptr
 
 
-def _driver_launch(function, blocks, threads, smem_bytes, stream, args):
+@contextlib.contextmanager
+def caller_stream(framework, device):
+    """`device` current, with its context (for the driver calls), and the stream the
+    caller's framework is issuing work on."""
+    import cupy
+    with cupy.cuda.Device(device):
+        if _driver().ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls
+            cupy.cuda.runtime.free(0)       # need the device's context made current
+        yield _interop.current_stream_ptr(framework, device)
+
+
+def driver_launch(function, blocks, threads, smem_bytes, stream, args):
     """Straight through the driver, each argument (a ctypes object) passed by address:
-    a fraction of the cost of CuPy's argument conversion for the records."""
+    a fraction of the cost of CuPy's argument conversion for the records. blocks: a count
+    or an (x, y, z) grid."""
+    grid = (blocks, 1, 1) if isinstance(blocks, int) else blocks
     pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    _driver().launchKernel(function, blocks, 1, 1, threads, 1, 1, smem_bytes, stream,
+    _driver().launchKernel(function, *grid, threads, 1, 1, smem_bytes, stream,
                            ctypes.addressof(pointers), 0)
 
 

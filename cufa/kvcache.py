@@ -1,7 +1,6 @@
 """KV-cache inference: attention of new tokens against a cache (decode, speculative
 decode, appends; contiguous or paged; split-KV), and the merge of partial attention
 states. validate -> plan (cached per call signature) -> launch, as in api.py."""
-import ctypes
 import math
 import numbers
 from dataclasses import dataclass
@@ -191,33 +190,15 @@ class _KvPlan:
     fixed_seqlen: object = None
 
 
-def _check_cache(q, kc, vc, kn, vn, table, idx, batch, nheads):
+def _check_cache(q, kc, vc, kn, vn, table, idx):
     """The cache (and new keys) against q; returns (paged dict or None, capacity, cache_rows)."""
-    if q.ndim != 4:
-        raise ValueError(f"q must be 4-D (batch, seqlen_q, nheads, headdim); got shape {q.shape}")
-    if q.dtype not in api._KERNEL_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; cufa supports float16 and bfloat16")
-    d = q.shape[3]
-    if d % 8 or not 8 <= d <= _compile.MAX_HEAD_DIM:
-        raise ValueError(f"q has head dim {d}; cufa supports multiples of 8 from 8 to "
-                         f"{_compile.MAX_HEAD_DIM}")
-    layout = ("(num_pages, page_size, nheads_k, headdim)" if table is not None
-              else "(batch_cache, seqlen_cache, nheads_k, headdim)")
-    for x, n in ((kc, "k_cache"), (vc, "v_cache")):
-        if x.ndim != 4:
-            raise ValueError(f"{n} must be 4-D {layout}; got shape {x.shape}")
-        api._check_dtype_device(x, n, q, "q")
-    if kc.shape[3] != d:
-        raise ValueError(f"k_cache has head dim {kc.shape[3]} but q has {d}")
-    if vc.shape != kc.shape:
-        raise ValueError(f"v_cache has shape {vc.shape} but k_cache has {kc.shape}; they must "
-                         "match")
-    nheads_k = kc.shape[2]
-    if nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"q has {nheads} heads, not a multiple of the {nheads_k} heads of "
-                         "k_cache")
-    for x, n in ((q, "q"), (kc, "k_cache"), (vc, "v_cache")):
-        api._check_loadable(x, n)
+    cache = ("(num_pages, page_size, nheads_k, headdim)" if table is not None
+             else "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    # what flash_attn_func checks of q, k, v; the batch dims may differ (cache_batch_idx, pages)
+    api._check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
+                   f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
+                   batch_dim=None, seq_dim=1, head_dim=2)
+    batch, d, nheads_k = q.shape[0], q.shape[3], kc.shape[2]
     if table is not None:
         if idx is not None:
             raise ValueError("cache_batch_idx does not apply to a paged cache: block_table "
@@ -231,9 +212,6 @@ def _check_cache(q, kc, vc, kn, vn, table, idx, batch, nheads):
         if idx is None and kc.shape[0] != batch:
             raise ValueError(f"k_cache has batch {kc.shape[0]} but q has {batch}; pass "
                              "cache_batch_idx to pick cache rows")
-        if capacity > api._INT32_MAX // 2:
-            raise ValueError(f"caches of up to {api._INT32_MAX // 2} positions are supported; "
-                             f"got {capacity}")
     if (kn is None) != (vn is None):
         raise ValueError("k and v must be given together (the new keys and their values)")
     if kn is not None:
@@ -254,8 +232,8 @@ def _check_cache(q, kc, vc, kn, vn, table, idx, batch, nheads):
 
 def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, table, alibi, o,
                   out, *, window, scale, softcap, interleaved, num_splits, want_lse):
-    batch, seqlen_q, nheads, d = q.shape if q.ndim == 4 else (0, 0, 0, 0)
-    paged, capacity, cache_rows = _check_cache(q, kc, vc, kn, vn, table, idx, batch, nheads)
+    paged, capacity, cache_rows = _check_cache(q, kc, vc, kn, vn, table, idx)
+    batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
     seqlen_new = kn.shape[1] if kn is not None else 0
     for x, n in ((seqlens, "cache_seqlens"), (idx, "cache_batch_idx"),
@@ -404,10 +382,7 @@ def _check_rotary(cos, sin, q, d, capacity):
 
 def _check_values(plan, seqlens, leftpad, table):
     """check_inputs=True: the device values, read once (a sync)."""
-    if seqlens is not None:
-        lens = _interop.to_numpy(seqlens)
-    else:
-        lens = None
+    lens = _interop.to_numpy(seqlens) if seqlens is not None else None
     if lens is not None:
         bad = (lens < 0) | (lens + plan.seqlen_new > plan.capacity)
         if bad.any():
@@ -520,8 +495,8 @@ def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi,
         at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
         params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
             at(q_rot) if plan.rotary else q.ptr, kc.ptr, vc.ptr, o_ptr, lse_ptr, at(o_part),
-            at(lse_part), _ptr(seqlens), _ptr(idx), _ptr(leftpad), _ptr(table), _ptr(alibi),
-            _ptr(kn), _ptr(vn), q.ptr if plan.rotary else 0, _ptr(cos), _ptr(sin)))
+            at(lse_part), api._ptr(seqlens), api._ptr(idx), api._ptr(leftpad), api._ptr(table), api._ptr(alibi),
+            api._ptr(kn), api._ptr(vn), q.ptr if plan.rotary else 0, api._ptr(cos), api._ptr(sin)))
         _launch(plan.device, plan.framework,
                 tuple((fn, grid, threads, smem, params)
                       for _, fn, grid, threads, smem in plan.launches))
@@ -532,22 +507,9 @@ def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi,
     return o_native
 
 
-def _ptr(x):
-    return 0 if x is None else x.ptr
-
-
 def _launch(device, framework, launches):
     """Each (CUfunction, grid, threads, smem, params buffer) on the caller's stream, in
-    order, straight through the driver (the params record passed by address)."""
-    import cupy
-    driver = api._driver()
-    with cupy.cuda.Device(device):
-        if driver.ctxGetCurrent() == 0:  # a thread new to CUDA (see api._launch)
-            cupy.cuda.runtime.free(0)
-        stream = _interop.current_stream_ptr(framework, device)
+    order."""
+    with api.caller_stream(framework, device) as stream:
         for function, grid, threads, smem, params in launches:
-            if isinstance(grid, int):
-                grid = (grid, 1, 1)
-            pointers = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-            driver.launchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem,
-                                stream, ctypes.addressof(pointers), 0)
+            api.driver_launch(function, grid, threads, smem, stream, (params,))
