@@ -1,6 +1,7 @@
 """Small launches of every kernel variant at odd sizes: the workload for compute-sanitizer.
 
     python3 bench/sanitize_cases.py            # what bench/sanitize.sh runs under each tool
+    python3 bench/sanitize_cases.py --kvcache-only   # the KV-cache, paged and merge calls alone
 
 One call per (dtype, head dim family, mask kind, score mods) at sequence lengths 1, 7,
 65 and 129 (never a multiple of a tile), packed batches with empty sequences and
@@ -40,6 +41,11 @@ def main():
     rng = np.random.default_rng(0)
     family = _compile.family_for(torch.cuda.get_device_capability()[0] * 10
                                  + torch.cuda.get_device_capability()[1])
+    if sys.argv[1:] == ["--kvcache-only"]:
+        calls = kvcache_cases(rng)
+        torch.cuda.synchronize()
+        print(f"sanitize cases: {calls} calls (KV-cache only), family {family}")
+        return
     calls = 0
     for dtype in (torch.float16, torch.bfloat16):
         for d in DIMS[family]:

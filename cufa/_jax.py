@@ -131,8 +131,18 @@ def on_device(spec, ctx, outs, bufs):
     for name, i in spec.aliases:  # the append writes into the updated cache's buffer
         views[name] = out_views[i]
     device = views[spec.names[0]].device
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(ctx.stream, device):
+    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_XlaStream(ctx.stream)):
         _RUNNERS[spec.entry](views, out_views, spec.options)
+
+
+class _XlaStream:
+    """XLA's raw stream handle, in the CUDA stream protocol that CuPy 14 takes."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
 
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "bool": 1}

@@ -89,9 +89,9 @@ def test_cupy_stream_capture_replays_with_new_values():
     cufa.flash_attn_func(q, q, q)  # warm: plans, kernels, the memory pool
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        stream.begincapture_cuda_graph()
+        stream.begin_capture()
         out = cufa.flash_attn_func(q, q, q, causal=True)
-        graph = stream.endcapture_cuda_graph()
+        graph = stream.end_capture()
     for _ in range(3):
         q[...] = cupy.asarray(rng.standard_normal(q.shape), dtype=cupy.float16)
         graph.launch(stream)

@@ -113,7 +113,7 @@ def check_cache(cache, before, expected, slots, label):
     `expected` (the reference's float64 cache) to within 1 ulp of the cache's dtype (the
     rotation runs in float32, then rounds once)."""
     written = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
-    written[tuple(torch.as_tensor(s, dtype=torch.long, device=cache.device) for s in slots)] = True
+    written[tuple(torch.as_tensor(np.array(s), dtype=torch.long, device=cache.device) for s in slots)] = True
     changed = (cache.view(torch.int16) != before.view(torch.int16)) & ~written[..., None, None]
     if changed.any():
         first = tuple(int(i) for i in changed.nonzero()[0])
