@@ -390,49 +390,80 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
                                         scale_log2);
 }
 
-// -- split-KV: one warp per (batch, token, head) row merges the splits by their lse --
+// -- split-KV: one CTA per (batch, token, head) row merges the splits by their lse --
+// The reads are few (splits x head_dim floats a row) but, done one split after another,
+// each waits a full memory latency: the threads share out the splits as well as the
+// columns, so every read of a row is in flight at once.
+constexpr int kCombineThreads = 128;
+constexpr int kMaxSplits = 128;  // MAX_SPLITS in cufa/kvcache.py: one lse per thread
+
 template <int kDtype>
-__global__ void __launch_bounds__(128) decode_combine(const DecodeParams p) {
-  const int lane = threadIdx.x % 32;
+__global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float partial[kCombineThreads * 8];
+  __shared__ float warp_value[kCombineThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   // (b, t, h) in o_partial's order; the host keeps the row count below 2^31
-  const int row = blockIdx.x * 4 + threadIdx.x / 32;
-  if (row >= p.batch * p.seqlen_q * p.nheads) return;
+  const int row = blockIdx.x;
   const int h = row % p.nheads, t = (row / p.nheads) % p.seqlen_q, b = row / (p.nheads * p.seqlen_q);
-  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial);
   const i64 lse_at = ((i64)b * p.nheads + h) * p.seqlen_q + t;
   const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
-  float mx = -CUFA_INF;
-  for (int sp = lane; sp < p.num_splits; sp += 32) mx = fmaxf(mx, lse_part[sp * split_lse + lse_at]);
+  const float lse = tid < p.num_splits
+                        ? reinterpret_cast<const float*>(p.lse_partial)[tid * split_lse + lse_at]
+                        : -CUFA_INF;
+  float mx = lse;
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) warp_value[warp] = mx;
+  __syncthreads();
+  mx = fmaxf(fmaxf(warp_value[0], warp_value[1]), fmaxf(warp_value[2], warp_value[3]));
   const float base = mx == -CUFA_INF ? 0.f : mx;
-  float sum = 0.f;
-  for (int sp = lane; sp < p.num_splits; sp += 32)
-    sum += fast_exp2((lse_part[sp * split_lse + lse_at] - base) * CUFA_LOG2E);
+  const float e = lse == -CUFA_INF ? 0.f : fast_exp2((lse - base) * CUFA_LOG2E);
+  float sum = e;
 #pragma unroll
   for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  __syncthreads();  // every thread has read warp_value's maxima
+  if (lane == 0) warp_value[warp] = sum;
+  __syncthreads();
+  sum = warp_value[0] + warp_value[1] + warp_value[2] + warp_value[3];
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  if (lane == 0 && p.lse)
+  if (tid < kMaxSplits) weight[tid] = e * inv;
+  if (tid == 0 && p.lse)
     reinterpret_cast<float*>(p.lse)[lse_at] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
-  if (lane * 8 >= p.head_dim) return;
+  __syncthreads();
+
+  // thread = (split group, 8-column chunk)
+  const int chunks = p.head_dim / 8, groups = kCombineThreads / chunks;
+  const int chunk = tid % chunks, group = tid / chunks;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
-  const float* o_part = reinterpret_cast<const float*>(p.o_partial) + (i64)row * p.head_dim + lane * 8;
-  for (int sp = 0; sp < p.num_splits; ++sp) {
-    const float w = fast_exp2((lse_part[sp * split_lse + lse_at] - base) * CUFA_LOG2E) * inv;
-    if (w == 0.f) continue;  // an empty split: its output may be anything
-    const float4 a = reinterpret_cast<const float4*>(o_part + sp * split_o)[0];
-    const float4 c = reinterpret_cast<const float4*>(o_part + sp * split_o)[1];
-    acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-    acc[4] += w * c.x; acc[5] += w * c.y; acc[6] += w * c.z; acc[7] += w * c.w;
+  if (group < groups) {
+    const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+    const float* o_part = reinterpret_cast<const float*>(p.o_partial) + (i64)row * p.head_dim + chunk * 8;
+#pragma unroll 4
+    for (int sp = group; sp < p.num_splits; sp += groups) {
+      const float w = weight[sp];
+      const float4 a = reinterpret_cast<const float4*>(o_part + sp * split_o)[0];
+      const float4 c = reinterpret_cast<const float4*>(o_part + sp * split_o)[1];
+      if (w != 0.f) {  // an empty split's output may be anything, NaN included
+        acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+        acc[4] += w * c.x; acc[5] += w * c.y; acc[6] += w * c.z; acc[7] += w * c.w;
+      }
+    }
   }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) partial[tid * 8 + i] = acc[i];
+  __syncthreads();
+  if (tid >= chunks) return;
+  for (int g = 1; g < groups; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += partial[(g * chunks + tid) * 8 + i];
   uint4 packed;
   packed.x = pack2<kDtype>(acc[0], acc[1]);
   packed.y = pack2<kDtype>(acc[2], acc[3]);
   packed.z = pack2<kDtype>(acc[4], acc[5]);
   packed.w = pack2<kDtype>(acc[6], acc[7]);
   *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
-                            h * p.o_head_stride + lane * 8) = packed;
+                            h * p.o_head_stride + tid * 8) = packed;
 }
 
 // -- rotary embedding of one row (d elements) from src to dst, at cache position pos --

@@ -39,15 +39,16 @@ def record(plan):
 
 
 @pytest.mark.parametrize("batch, keys, heads_k, d, expected", [
-    (1, 32768, 8, 128, 49),     # 8 CTAs unsplit: 396 slots (3 CTAs an SM)
-    (1, 131072, 8, 128, 49),
+    (1, 32768, 8, 128, 45),     # 8 CTAs on 396 slots (3 CTAs an SM): 45 splits fill 91 %
+    (1, 131072, 8, 128, 45),
     (8, 16384, 8, 128, 6),      # 64 CTAs -> 384
-    (64, 4096, 8, 128, 1),      # 512 CTAs: every SM already has work
+    (64, 4096, 8, 128, 3),      # 512 CTAs: 1.3 waves; 3 splits make 3.9
+    (128, 2048, 8, 128, 1),     # 1024 CTAs: over two waves already
     (256, 1024, 32, 64, 1),
-    (1, 32768, 32, 64, 12),      # d = 64: 3 CTAs an SM -> 396 slots
+    (1, 32768, 32, 64, 12),     # d = 64: 3 CTAs an SM -> 396 slots
     (1, 512, 8, 128, 2),        # few keys: at least 256 a split
 ])
-def test_split_count_fills_the_sms_once(planner, batch, keys, heads_k, d, expected):
+def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     q = arr((batch, 1, 32, d))
     cache = arr((batch, keys, heads_k, d))
     plan = planner(q, cache, cache, cache_seqlens=arr((batch,), "int32"))
@@ -57,8 +58,10 @@ def test_split_count_fills_the_sms_once(planner, batch, keys, heads_k, d, expect
     assert kinds == (["decode", "combine"] if expected > 1 else ["decode"])
     grid = plan.launches[0][2]
     assert grid == (rec["num_m_blocks"] * expected, heads_k, batch)
-    if expected > 1:
-        assert expected * batch * heads_k <= H100_SMS * _compile.decode_kernel("fp16", d).ctas_per_sm
+    if 1 < expected < keys // 256:  # not capped by the keys: the waves fill >= 90 %
+        waves = expected * batch * heads_k / (
+            H100_SMS * _compile.decode_kernel("fp16", d).ctas_per_sm)
+        assert waves / np.ceil(waves) >= 0.9
     # an sm_86 / sm_89 GPU (100 KB an SM) holds one CTA an SM: fewer splits
     assert kvcache.choose_num_splits(8, keys, 84, _compile.decode_kernel("fp16", d).ctas_per_sm_on(
         100 * 1024)) == min(84 // 8, max(1, keys // 256)) or expected == 1
@@ -117,7 +120,7 @@ def test_append_and_rotary_plan_the_append_kernel_and_a_rotated_q(planner):
 
 
 def test_no_rotary_no_split_needs_no_workspace(planner):
-    plan = planner(arr((64, 1, 32, 128)), arr((64, 4096, 8, 128)), arr((64, 4096, 8, 128)))
+    plan = planner(arr((128, 1, 32, 128)), arr((128, 4096, 8, 128)), arr((128, 4096, 8, 128)))
     assert plan.workspace[0] == 0 and not plan.rotary
 
 
