@@ -31,7 +31,7 @@ class DeviceArray:
 
 def _torch_view(x, name):
     _torch_ops.register_if_torch_loaded()
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         raise TypeError(f"{name} is a PyTorch tensor on {x.device}; cufa needs CUDA tensors")
     if x.requires_grad:
         raise NotImplementedError(
@@ -41,7 +41,7 @@ def _torch_view(x, name):
     if dtype is None:
         dtype = _torch_dtype_names[x.dtype] = str(x.dtype).replace("torch.", "")
     return DeviceArray(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype,
-                       x.device.index, x.element_size())
+                       x.get_device(), x.element_size())
 
 
 _torch_dtype_names = {}
@@ -85,10 +85,23 @@ def optional_array(x, name):
 def current_stream_ptr(framework, device):
     """The stream the caller's framework is issuing work on (a CUstream handle)."""
     if framework == "torch":
-        import torch
-        return torch.cuda.current_stream(device).cuda_stream
+        global _torch_raw_stream
+        if _torch_raw_stream is None:
+            _torch_raw_stream = _find_torch_raw_stream()
+        return _torch_raw_stream(device)
     import cupy
     return cupy.cuda.get_current_stream(device).ptr
+
+
+def _find_torch_raw_stream():
+    """torch's own fast read of the current stream (what its compiled code calls), where
+    this torch has it; torch.cuda.current_stream builds a Stream object each call."""
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else (lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
+_torch_raw_stream = None
 
 
 def allocate(framework, shape, dtype, device):

@@ -712,15 +712,33 @@ def _ptr(x):
     return 0 if x is None else x.ptr
 
 
-@contextlib.contextmanager
-def caller_stream(framework, device):
-    """`device` current, with its context (for the driver calls), and the stream the
-    caller's framework is issuing work on."""
-    import cupy
-    with cupy.cuda.Device(device):
-        if _driver().ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls
-            cupy.cuda.runtime.free(0)       # need the device's context made current
-        yield _interop.current_stream_ptr(framework, device)
+class caller_stream:
+    """Context: `device` current, with its context (for the driver calls); gives the
+    stream the caller's framework is issuing work on. When the device's context is current
+    already (the usual case) it switches nothing: a launch's host cost is what a small
+    model step waits on."""
+    __slots__ = ("framework", "device", "_switch")
+
+    def __init__(self, framework, device):
+        self.framework, self.device, self._switch = framework, device, None
+
+    def __enter__(self):
+        driver = _driver()
+        if _contexts.get(self.device) != driver.ctxGetCurrent():
+            import cupy
+            self._switch = cupy.cuda.Device(self.device)
+            self._switch.__enter__()
+            if driver.ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls
+                cupy.cuda.runtime.free(0)    # need the device's context made current
+            _contexts[self.device] = driver.ctxGetCurrent()
+        return _interop.current_stream_ptr(self.framework, self.device)
+
+    def __exit__(self, *exc):
+        if self._switch is not None:
+            self._switch.__exit__(*exc)
+
+
+_contexts = {}  # device -> its context handle, as current during our launches
 
 
 def driver_launch(function, blocks, threads, smem_bytes, stream, args):
@@ -734,8 +752,14 @@ def driver_launch(function, blocks, threads, smem_bytes, stream, args):
 
 
 def _driver():
-    from cupy_backends.cuda.api import driver
-    return driver
+    global _driver_module
+    if _driver_module is None:
+        from cupy_backends.cuda.api import driver
+        _driver_module = driver
+    return _driver_module
+
+
+_driver_module = None
 
 
 _capabilities = {}
