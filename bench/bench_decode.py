@@ -298,6 +298,65 @@ def measure_copy(torch, reps=20):
     return 2 * COPY_BYTES / (ms * 1e-3) / TB
 
 
+def mixed_batch(torch, rng, copy_tbps, reps=40):
+    """The serving-shaped step: 4 prefill chunks of 512 tokens (each after 0-4k cached keys)
+    and 124 decode requests (1k-8k cached keys), one paged cache (page 16), fp16, d = 128,
+    32 query heads over 8 KV heads, as one flash_attn_varlen_func call with block_table.
+    Its median time against max(FLOP floor, byte floor): FLOPs at the bf16/fp16 matmul
+    rate measured in this run, bytes (the visible keys and values once, q and out) at the
+    copy rate."""
+    import numpy as np
+    import cufa
+    h, hk, d, page, chunk = 32, 8, 128, 16, 512
+    prefix = [int(x) for x in rng.integers(0, 4097, 4)]
+    lens_q = [chunk] * 4 + [1] * 124
+    lens_k = [p + chunk for p in prefix] + [int(x) for x in rng.integers(1024, 8193, 124)]
+    pages_per = [-(-n // page) for n in lens_k]
+    width = max(pages_per)
+    ids = rng.permutation(sum(pages_per))
+    table = np.zeros((len(lens_k), width), np.int32)
+    at = 0
+    for b, n in enumerate(pages_per):
+        table[b, :n] = ids[at:at + n]
+        at += n
+    dev = (lambda x: torch.tensor(np.asarray(x), dtype=torch.int32, device="cuda"))
+    cu_q = dev(np.concatenate([[0], np.cumsum(lens_q)]))
+    cu_k = dev(np.concatenate([[0], np.cumsum(lens_k)]))
+    k_pages, v_pages = (torch.randn(sum(pages_per), page, hk, d, device="cuda",
+                                    dtype=torch.float16) for _ in range(2))
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.float16)
+    table_t = dev(table)
+
+    def step(q):
+        return cufa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lens_q),
+                                           max(lens_k), causal=True, block_table=table_t)
+    us = statistics.median(time_events(torch, step, [(q,)], reps)) * 1e3
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    mm_tflops = 2 * 8192**3 / (statistics.median(time_events(
+        torch, lambda x: x @ x, [(a,)], 10)) * 1e-3) / 1e12
+    del a
+    pairs = sum(sq * (sk - sq) + sq * (sq + 1) / 2 for sq, sk in zip(lens_q, lens_k))
+    flops = 4 * h * d * pairs
+    moved = (sum(lens_k) * hk * d * 2 + 2 * sum(lens_q) * h * d) * 2
+    flop_floor_us = flops / (mm_tflops * 1e12) * 1e6
+    byte_floor_us = moved / (copy_tbps * 1e12) * 1e6
+    floor = max(flop_floor_us, byte_floor_us)
+    return dict(us=us, flop_floor_us=flop_floor_us, byte_floor_us=byte_floor_us,
+                matmul_tflops=mm_tflops, tflops=flops / (us * 1e-6) / 1e12,
+                kv_tbps=moved / (us * 1e-6) / TB, floor_fraction=floor / us,
+                prefix=prefix, decode_keys=(min(lens_k[4:]), max(lens_k[4:]), sum(lens_k[4:])))
+
+
+def mixed_markdown(m):
+    return (f"Serving-shaped step (one flash_attn_varlen_func call, paged cache page 16, fp16, "
+            f"d=128, 32/8 heads; 4 prefill chunks of 512 after {m['prefix']} cached keys + 124 "
+            f"decode requests with {m['decode_keys'][0]}-{m['decode_keys'][1]} keys): "
+            f"{m['us']:.1f} us; FLOP floor {m['flop_floor_us']:.1f} us (matmul "
+            f"{m['matmul_tflops']:.0f} TFLOP/s in this run), byte floor {m['byte_floor_us']:.1f} us; "
+            f"{100 * m['floor_fraction']:.0f} % of the floor max(FLOP, byte) "
+            f"({m['tflops']:.0f} TFLOP/s, {m['kv_tbps']:.2f} TB/s).")
+
+
 # -- report ----------------------------------------------------------------------------------
 
 def targets(rows, names):
@@ -474,6 +533,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     progress(len(rows), total, "done")
     sys.stderr.write("\n")
+    mixed = mixed_batch(torch, rng, copy_tbps)
 
     device = torch.cuda.get_device_name()
     judged = targets(rows, names)
@@ -485,8 +545,8 @@ def main(argv=None):
             "input sets. cufa/flash and cufa/cuDNN: the peer's time over cufa's (contiguous).")
     why = unavailable(rows)
     na = "\n".join(f"- {LABELS[n]} n/a on {c} rows: {reason}" for n, (reason, c) in why.items())
-    report = "\n\n".join([head, markdown(rows, names), "Targets:\n\n" + targets_markdown(judged)]
-                         + ([na] if na else []))
+    report = "\n\n".join([head, markdown(rows, names), mixed_markdown(mixed),
+                           "Targets:\n\n" + targets_markdown(judged)] + ([na] if na else []))
     with open(os.path.join(args.out, "bench_decode.md"), "w") as f:
         f.write(report + "\n")
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -498,7 +558,7 @@ def main(argv=None):
             "unavailable": {n: i for n, i in impls.items() if isinstance(i, str)}}
     summ = [{"target": t, "met": m, "failing": b} for t, m, b in judged]
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "targets": summ}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "mixed": mixed, "targets": summ}, f, indent=1)
     if not args.no_plot:
         path = plot(rows, names, args.out, device, copy_tbps)
         if path:
