@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--list", action="store_true", help="print the rows and exit (no GPU)")
+    p.add_argument("--mixed-only", action="store_true",
+                   help="time the serving-shaped mixed step alone (printed, no files)")
     args = p.parse_args(argv)
     if any(d <= 0 or d % 8 or d > 256 for d in args.head_dims):
         p.error("--head-dims must be multiples of 8 up to 256")
@@ -330,7 +332,22 @@ def mixed_batch(torch, rng, copy_tbps, reps=40):
     def step(q):
         return cufa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lens_q),
                                            max(lens_k), causal=True, block_table=table_t)
+
+    # the same step as two calls: the chunks packed, the decodes through the decode kernel
+    chunk_rows = 4 * chunk
+    cu_q_chunks, cu_k_chunks = cu_q[:5].clone(), cu_k[:5].clone()
+    table_chunks, table_decode = table_t[:4].clone(), table_t[4:].clone()
+    decode_lens = dev(lens_k[4:])
+
+    def two_calls(q):
+        cufa.flash_attn_varlen_func(q[:chunk_rows], k_pages, v_pages, cu_q_chunks, cu_k_chunks,
+                                    chunk, max(lens_k[:4]), causal=True,
+                                    block_table=table_chunks)
+        return cufa.flash_attn_with_kvcache(q[chunk_rows:, None], k_pages, v_pages,
+                                            cache_seqlens=decode_lens, causal=True,
+                                            block_table=table_decode)
     us = statistics.median(time_events(torch, step, [(q,)], reps)) * 1e3
+    split_us = statistics.median(time_events(torch, two_calls, [(q,)], reps)) * 1e3
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     mm_tflops = 2 * 8192**3 / (statistics.median(time_events(
         torch, lambda x: x @ x, [(a,)], 10)) * 1e-3) / 1e12
@@ -341,20 +358,24 @@ def mixed_batch(torch, rng, copy_tbps, reps=40):
     flop_floor_us = flops / (mm_tflops * 1e12) * 1e6
     byte_floor_us = moved / (copy_tbps * 1e12) * 1e6
     floor = max(flop_floor_us, byte_floor_us)
-    return dict(us=us, flop_floor_us=flop_floor_us, byte_floor_us=byte_floor_us,
+    return dict(us=us, two_calls_us=split_us, flop_floor_us=flop_floor_us, byte_floor_us=byte_floor_us,
                 matmul_tflops=mm_tflops, tflops=flops / (us * 1e-6) / 1e12,
                 kv_tbps=moved / (us * 1e-6) / TB, floor_fraction=floor / us,
                 prefix=prefix, decode_keys=(min(lens_k[4:]), max(lens_k[4:]), sum(lens_k[4:])))
 
 
 def mixed_markdown(m):
+    floor = max(m["flop_floor_us"], m["byte_floor_us"])
     return (f"Serving-shaped step (one flash_attn_varlen_func call, paged cache page 16, fp16, "
             f"d=128, 32/8 heads; 4 prefill chunks of 512 after {m['prefix']} cached keys + 124 "
             f"decode requests with {m['decode_keys'][0]}-{m['decode_keys'][1]} keys): "
             f"{m['us']:.1f} us; FLOP floor {m['flop_floor_us']:.1f} us (matmul "
             f"{m['matmul_tflops']:.0f} TFLOP/s in this run), byte floor {m['byte_floor_us']:.1f} us; "
             f"{100 * m['floor_fraction']:.0f} % of the floor max(FLOP, byte) "
-            f"({m['tflops']:.0f} TFLOP/s, {m['kv_tbps']:.2f} TB/s).")
+            f"({m['tflops']:.0f} TFLOP/s, {m['kv_tbps']:.2f} TB/s). The same step as two calls "
+            f"(the chunks through flash_attn_varlen_func, the decodes through "
+            f"flash_attn_with_kvcache): {m['two_calls_us']:.1f} us, "
+            f"{100 * floor / m['two_calls_us']:.0f} % of the floor.")
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -515,6 +536,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     copy_tbps = measure_copy(torch)
     print(f"device-to-device copy: {copy_tbps:.2f} TB/s (read + written)", file=sys.stderr)
+    if args.mixed_only:
+        print(mixed_markdown(mixed_batch(torch, rng, copy_tbps)))
+        return 0
     rows = []
     for cfg in cfgs:
         sets = make_caches(torch, cfg, gen, rng)
