@@ -37,11 +37,12 @@ def _torch_view(x, name):
         raise NotImplementedError(
             f"{name} requires grad, but cufa has no backward pass yet: pass {name}.detach() "
             "or call under torch.no_grad()")
-    dtype = _torch_dtype_names.get(x.dtype)
-    if dtype is None:
-        dtype = _torch_dtype_names[x.dtype] = str(x.dtype).replace("torch.", "")
-    return DeviceArray(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype,
-                       x.get_device(), x.element_size())
+    described = _torch_dtype_names.get(x.dtype)
+    if described is None:
+        described = _torch_dtype_names[x.dtype] = (str(x.dtype).replace("torch.", ""),
+                                                   x.element_size())
+    return DeviceArray(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), described[0],
+                       x.get_device(), described[1])
 
 
 _torch_dtype_names = {}
