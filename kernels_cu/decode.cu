@@ -395,10 +395,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
 // each waits a full memory latency: the threads share out the splits as well as the
 // columns, so every read of a row is in flight at once.
 constexpr int kCombineThreads = 128;
-constexpr int kMaxSplits = 128;  // MAX_SPLITS in cufa/kvcache.py: one lse per thread
 
 template <int kDtype>
 __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
+  constexpr int kMaxSplits = kCombineThreads;  // MAX_SPLITS in cufa/kvcache.py: one lse a thread
   __shared__ float weight[kMaxSplits];
   __shared__ float partial[kCombineThreads * 8];
   __shared__ float warp_value[kCombineThreads / 32];
