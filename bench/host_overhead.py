@@ -7,7 +7,9 @@ jitted cufa call against jax.nn.dot_product_attention.
 
     python3 bench/host_overhead.py [--calls 2000] [--profile]
 
---profile adds cProfile's top functions (own time) for cufa.flash_attn_func.
+--profile adds cProfile's top functions (own time) for cufa.flash_attn_func and the decode
+call. The CuPy rows take the same memory as CuPy arrays (the caller's stream is then
+CuPy's current stream).
 """
 import argparse
 import os
@@ -71,6 +73,15 @@ def main():
     cases["torch SDPA (flash), same decode"] = (
         lambda: sdpa(q1.transpose(1, 2), cache.transpose(1, 2), cache.transpose(1, 2),
                      enable_gqa=True))
+    try:  # the same calls on CuPy arrays (views of the same memory)
+        import cupy
+        qc, cachec, q1c, lensc = (cupy.from_dlpack(x) for x in (q, cache, q1, lens))
+        cases["cufa.flash_attn_func, CuPy arrays"] = (
+            lambda: cufa.flash_attn_func(qc, qc, qc, causal=True))
+        cases["cufa.flash_attn_with_kvcache, CuPy arrays"] = (
+            lambda: cufa.flash_attn_with_kvcache(q1c, cachec, cachec, cache_seqlens=lensc))
+    except ImportError:
+        pass
     print(f"| call ({torch.cuda.get_device_name()}) | host us/call | wall us/call |")
     print("| --- | --- | --- |")
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
@@ -81,9 +92,11 @@ def main():
     if args.profile:
         import cProfile
         import pstats
-        profiler = cProfile.Profile()
-        profiler.runcall(per_call_us, cases["cufa.flash_attn_func"], args.calls)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        for name in ("cufa.flash_attn_func", "cufa.flash_attn_with_kvcache (8 x 1k, decode)"):
+            print(f"\ncProfile, {name}:")
+            profiler = cProfile.Profile()
+            profiler.runcall(per_call_us, cases[name], args.calls)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def jax_table(calls):
