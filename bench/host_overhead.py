@@ -113,10 +113,15 @@ def jax_table(calls):
         print(f"\n(JAX {jax.__version__} has no buffer_callback: cufa cannot run under jit)")
         return
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 64)), jnp.float16)
+    from jax.experimental.buffer_callback import buffer_callback
     fns = {"cufa.flash_attn_func under jax.jit": jax.jit(
                lambda q: cufa.flash_attn_func(q, q, q, causal=True)),
            "jax.nn.dot_product_attention under jax.jit": jax.jit(
-               lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))}
+               lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True)),
+           # the mechanism alone: a callback that returns at once (its output unwritten)
+           "a no-op buffer_callback under jax.jit (the floor)": jax.jit(
+               lambda q: buffer_callback(lambda ctx, out, x: None,
+                                         jax.ShapeDtypeStruct(q.shape, q.dtype))(q))}
     print(f"\n| jitted call ({jax.devices()[0].device_kind}) | us/call (queued) | us/call (one at a time) |")
     print("| --- | --- | --- |")
     for name, fn in fns.items():
