@@ -1,6 +1,5 @@
 """The public attention functions: validate -> plan (variant, params, grid; cached per call
 signature) -> launch."""
-import contextlib
 import ctypes
 import math
 import os

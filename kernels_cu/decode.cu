@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
 // The reads are few (splits x head_dim floats a row) but, done one split after another,
 // each waits a full memory latency: the threads share out the splits as well as the
 // columns, so every read of a row is in flight at once.
-constexpr int kCombineThreads = 128;
+constexpr int kCombineThreads = 128;  // four warps: the block reductions below read four values
 
 template <int kDtype>
 __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
