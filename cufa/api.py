@@ -180,11 +180,7 @@ def packed(views, o, out, *, softmax_scale, causal, window_size, softcap, return
         if table is not None:
             paged = check_block_table(table, k, q, batch)
         if used is not None:
-            if used.dtype != "int32":
-                raise TypeError(f"seqused_k must be int32; got {used.dtype}")
-            if used.shape != (batch,) or used.device != q.device:
-                raise ValueError(f"seqused_k must be ({batch},) int32 on cuda:{q.device}; got "
-                                 f"{used.shape} on cuda:{used.device}")
+            check_int32_vector(used, "seqused_k", batch, q)
         _check_alibi(alibi, q, batch, nheads)
         _check_out(out, o, q)
         plan = _remember(key, _plan(
@@ -332,7 +328,7 @@ def check_int32_vector(x, name, length, q):
     if x.dtype != "int32":
         raise TypeError(f"{name} must be int32; got {x.dtype}")
     if x.shape != (length,):
-        raise ValueError(f"{name} must have shape ({length},); got {x.shape}")
+        raise ValueError(f"{name} must be ({length},) int32; got shape {x.shape}")
     if x.strides[0] != 1 and length > 1:
         raise ValueError(f"{name} must be contiguous; got stride {x.strides[0]}")
     if x.device != q.device:
@@ -613,7 +609,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         num_blocks = min(num_blocks, _sm_count(q.device) * variant.ctas_per_sm)
     return _Plan(**outputs, variant=variant,
                  function=_compile.function_pointer(variant, q.device),
-                 params=_params.pack_fwd_params(p).tobytes(), num_blocks=num_blocks,
+                 params=_params.FWD.pack(p).tobytes(), num_blocks=num_blocks,
                  tma_views=tma_views, kv_tail_maps=kv_tail_maps,
                  work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
                             max_tiles, seqlen_q // variant.block_m + 2, batch, seqlen_q)
@@ -683,7 +679,7 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
         _, tile_list = _interop.allocate(framework, (2 * max_tiles + 1 + 3 * num_buckets,),
                                          "int32", device)
         tile_count = tile_list + 8 * max_tiles
-    params = _params.with_pointers(plan.params, (
+    params = _params.FWD.with_pointer_values(plan.params, (
         q.ptr, k.ptr, v.ptr, o_ptr, lse_ptr, _ptr(attn_mask), _ptr(alibi), _ptr(cu_q),
         _ptr(cu_k), _ptr(used), tile_list, tile_count, counter, _ptr(table)))
     args = (params,)
