@@ -326,8 +326,7 @@ def assembled_source(filename):
         body = _inline(filename, set())
         for marker, record in _params.RECORDS.items():
             if marker in body:
-                body += "\n" + (_params.layout_asserts() if record is _params.FWD else
-                                 _params.layout_asserts(record.struct_name, record.dtype))
+                body += "\n" + _params.layout_asserts(record)
         digest = hashlib.sha256(body.encode()).hexdigest()[:16]
         src = f"// cufa {filename} sha256:{digest}\n{body}"
         _source_cache[filename] = src

@@ -87,13 +87,9 @@ class Record:
         return np.array(tuple(fields.get(name, 0) for name in self.dtype.names),
                         dtype=self.dtype)
 
-    def with_pointers(self, record, pointers):
-        """A copy of `record` (bytes of a packed record) with the pointer fields set to
-        `pointers` ({name: address}; the others 0), as a ctypes buffer to pass by address."""
-        return self.with_pointer_values(record, [pointers.get(n, 0) for n in self.pointer_fields])
-
     def with_pointer_values(self, record, values):
-        """The same with every pointer given, in pointer_fields order (the launch path)."""
+        """A copy of `record` (bytes of a packed record) with the pointer fields set to
+        `values`, in pointer_fields order, as a ctypes buffer to pass by address."""
         buffer = ctypes.create_string_buffer(record, len(record))
         self._pointers.pack_into(buffer, 0, *values)
         return buffer
@@ -105,16 +101,15 @@ MERGE = Record("cufa::MergeParams", MERGE_FIELDS)
 # marker in a kernel source -> the record whose layout checks a compile of it appends
 RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
            "struct MergeParams {": MERGE}
-FWD_DTYPE = FWD.dtype
-POINTER_FIELDS = FWD.pointer_fields
 
 # AttnMaskType in params.cuh
 ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)
 
 
-def layout_asserts(struct_name="cufa::FwdParams", dtype=FWD_DTYPE):
-    """C++ static_asserts pinning the size and every field offset to a mirror
+def layout_asserts(record):
+    """C++ static_asserts pinning the size and every field offset to a Record
     (``cufa::field_offset`` in params.cuh finds an offset at compile time)."""
+    struct_name, dtype = record.struct_name, record.dtype
     lines = [f"static_assert(sizeof({struct_name}) == {dtype.itemsize}, "
              f"\"{struct_name} size differs from cufa/_params.py\");"]
     for name in dtype.names:
@@ -124,12 +119,3 @@ def layout_asserts(struct_name="cufa::FwdParams", dtype=FWD_DTYPE):
                      f"decltype({struct_name}::{name})({marker})) == {offset}, "
                      f"\"{struct_name}::{name} offset differs from cufa/_params.py\");")
     return "\n".join(lines) + "\n"
-
-
-def pack_fwd_params(fields):
-    return FWD.pack(fields)
-
-
-def with_pointers(record, pointers):
-    """FwdParams: `pointers` in POINTER_FIELDS order."""
-    return FWD.with_pointer_values(record, pointers)

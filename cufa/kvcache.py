@@ -162,8 +162,8 @@ def merge(views, o, out, lse_out=None):
     lse_native, lse_ptr = (lse_out.obj, lse_out.ptr) if lse_out is not None else \
         _interop.allocate(plan.framework, plan.lse_shape, "float32", plan.device)
     if plan.blocks:
-        params = _params.MERGE.with_pointers(plan.params, dict(
-            out_a=oa.ptr, lse_a=la.ptr, out_b=ob.ptr, lse_b=lb.ptr, out=o_ptr, lse=lse_ptr))
+        params = _params.MERGE.with_pointer_values(plan.params, (  # MERGE_FIELDS' order
+            oa.ptr, la.ptr, ob.ptr, lb.ptr, o_ptr, lse_ptr))
         _launch(plan.device, plan.framework, ((plan.function, plan.blocks, 128, 0, params),))
     return _interop.to_caller(o_native, oa), _interop.to_caller(lse_native, oa)
 
@@ -447,22 +447,17 @@ def _plan_merge(oa, la, ob, lb, o, out):
     if batch * rows * nheads * 4 > api._INT32_MAX:
         raise ValueError("problem too large: more than 2^29 rows")
 
-    def out_strides(x):  # (batch, row, head, col)
-        return (0,) + tuple(x.strides) if packed else tuple(x.strides)
-
-    def lse_strides(x):  # (batch, head, row)
-        return (0,) + tuple(x.strides) if packed else tuple(x.strides)
+    def batched(strides):  # packed arrays have no batch dimension: its stride is 0
+        return (0,) + tuple(strides) if packed else tuple(strides)
 
     p = dict(batch=batch, seqlen=rows, nheads=nheads, head_dim=oa.shape[-1])
     o_strides = o.strides if o is not None else _interop.contiguous_strides(oa.shape)
-    for name, strides in (("out_a", out_strides(oa)), ("out_b", out_strides(ob)),
-                          ("out", (0,) + tuple(o_strides) if packed else tuple(o_strides))):
-        for dim, s in zip(("batch", "row", "head", "col"), strides):
+    for name, strides in (("out_a", oa.strides), ("out_b", ob.strides), ("out", o_strides)):
+        for dim, s in zip(("batch", "row", "head", "col"), batched(strides)):
             p[f"{name}_{dim}_stride"] = s
-    lse_out = _interop.contiguous_strides(lse_shape)
-    for name, strides in (("lse_a", lse_strides(la)), ("lse_b", lse_strides(lb)),
-                          ("lse", (0,) + lse_out if packed else lse_out)):
-        for dim, s in zip(("batch", "head", "row"), strides):
+    for name, strides in (("lse_a", la.strides), ("lse_b", lb.strides),
+                          ("lse", _interop.contiguous_strides(lse_shape))):
+        for dim, s in zip(("batch", "head", "row"), batched(strides)):
             p[f"{name}_{dim}_stride"] = s
     framework = "cupy" if oa.framework == "dlpack" else oa.framework
     count = batch * rows * nheads

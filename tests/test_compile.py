@@ -126,9 +126,7 @@ def test_layout_check_catches_a_swapped_field(monkeypatch):
     fields = list(_params.FWD_FIELDS)
     i, j = fields.index(("q_row_stride", np.int64)), fields.index(("q_head_stride", np.int64))
     fields[i], fields[j] = fields[j], fields[i]
-    monkeypatch.setattr(_params, "FWD_DTYPE", np.dtype(fields, align=True))
-    monkeypatch.setattr(_params.layout_asserts, "__defaults__",
-                        ("cufa::FwdParams", _params.FWD_DTYPE))
+    monkeypatch.setattr(_params.FWD, "dtype", np.dtype(fields, align=True))
     monkeypatch.setattr(_compile, "_source_cache", {})
     with pytest.raises(CompileException, match="q_row_stride offset differs"):
         _compile.compile_for_arch(_compile.fwd_variant("fp16", 64, "none", False), "sm_80")

@@ -65,9 +65,9 @@ def test_tail_view_reads_the_sequence_end_and_zeros():
 
 def test_params_record_from_named_fields():
     from cufa import _params
-    rec = _params.pack_fwd_params({"q": 0x7f0000000000, "seqlen_k": 77, "scale": 0.5})
+    rec = _params.FWD.pack({"q": 0x7f0000000000, "seqlen_k": 77, "scale": 0.5})
     assert int(rec["q"]) == 0x7f0000000000 and int(rec["seqlen_k"]) == 77
-    assert float(rec["scale"]) == 0.5 and int(rec["k"]) == 0 and rec.dtype == _params.FWD_DTYPE
+    assert float(rec["scale"]) == 0.5 and int(rec["k"]) == 0 and rec.dtype == _params.FWD.dtype
     import pytest
     with pytest.raises(KeyError, match="seqlen"):
-        _params.pack_fwd_params({"seqlen": 1})
+        _params.FWD.pack({"seqlen": 1})
