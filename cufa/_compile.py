@@ -181,9 +181,11 @@ class DecodeKernel:
 
     @property
     def key(self):
-        hd = f"_hd{self.head_dim}" if self.kind == "decode" else ""
-        return f"{self.kind}_{self.dtype}{hd}" if self.kind == "decode" else \
-            f"decode_{self.kind}_{self.dtype}" if self.kind != "merge" else f"merge_{self.dtype}"
+        if self.kind == "decode":
+            return f"decode_{self.dtype}_hd{self.head_dim}"
+        if self.kind == "merge":
+            return f"merge_{self.dtype}"
+        return f"decode_{self.kind}_{self.dtype}"
 
     @property
     def name_expression(self):
