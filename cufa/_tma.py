@@ -50,17 +50,6 @@ def _encode_fn():
     return fn
 
 
-def encode(dtype, ptr, dims, byte_strides, box):
-    """The 128-byte descriptor, or None if the driver refuses the arguments."""
-    buf = ctypes.create_string_buffer(128 + 64)
-    addr = (ctypes.addressof(buf) + 63) & ~63  # the driver wants it 64-byte aligned
-    rc = _encode_fn()(addr, _DATA_TYPES[dtype], 4, ptr, (ctypes.c_uint64 * 4)(*dims),
-                      (ctypes.c_uint64 * 3)(*byte_strides), (ctypes.c_uint32 * 4)(*box),
-                      (ctypes.c_uint32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B,
-                      _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
-    return ctypes.string_at(addr, 128) if rc == 0 else None
-
-
 def tail_view(rows, heads, cols, row_stride, head_stride, box_rows):
     """A packed k or v as a (start row, window, heads, columns) view for map_args, as
     (shape, strides, box_rows): the window of box_rows rows and the start row both step
@@ -75,17 +64,42 @@ def tensor_maps(dtype, views, tail_views=()):
     tail_views: () or the packed (k, v) tail views. Returns (record, tails) -- the
     TensorMaps record as a ctypes buffer to pass by address (cached: read-only) and
     whether it holds the tail maps -- or None if q, k or v cannot be described. Tails the
-    driver refuses are left out (the kernel then copies those blocks itself)."""
-    descriptors = [_describe(dtype, view) for view in views]
-    if None in descriptors:
-        return None
-    tails = [_describe(dtype, view) for view in tail_views]
-    has_tails = bool(tails) and None not in tails
-    record = b"".join(descriptors + (tails if has_tails else [])).ljust(MAPS_BYTES, b"\0")
-    return ctypes.create_string_buffer(record, MAPS_BYTES), has_tails
+    driver refuses are left out (the kernel then copies those blocks itself). Each map is
+    encoded straight into the record, from arguments prepared once per layout: a model's
+    activations come at new addresses every call."""
+    holder = ctypes.create_string_buffer(MAPS_BYTES + 64)
+    offset = -ctypes.addressof(holder) % 64  # the driver wants 64-byte aligned maps
+    base = ctypes.addressof(holder) + offset
+    for i, (ptr, *layout) in enumerate(views):
+        if not _encode_at(base + 128 * i, dtype, ptr, *layout):
+            return None
+    has_tails = bool(tail_views)
+    for i, (ptr, *layout) in enumerate(tail_views):
+        has_tails = has_tails and _encode_at(base + 128 * (len(views) + i), dtype, ptr, *layout)
+    if not has_tails:
+        ctypes.memset(base + 128 * len(views), 0, MAPS_BYTES - 128 * len(views))
+    return (ctypes.c_char * MAPS_BYTES).from_buffer(holder, offset), has_tails
 
 
-def _describe(dtype, view):
-    ptr, shape, strides, box_rows = view
+@functools.lru_cache(maxsize=None)
+def _prepared(dtype, shape, strides, box_rows):
+    """cuTensorMapEncodeTiled's arguments but the address, for one layout; None if the
+    copy engine cannot describe it."""
     args = map_args(shape, strides, 2, box_rows)
-    return encode(dtype, ptr, *args) if args else None
+    if args is None:
+        return None
+    dims, byte_strides, box = args
+    return (_DATA_TYPES[dtype], (ctypes.c_uint64 * 4)(*dims),
+            (ctypes.c_uint64 * 3)(*byte_strides), (ctypes.c_uint32 * 4)(*box),
+            (ctypes.c_uint32 * 4)(1, 1, 1, 1))
+
+
+def _encode_at(addr, dtype, ptr, shape, strides, box_rows):
+    """Encode one map at `addr` (64-byte aligned); False if it cannot be described."""
+    prepared = _prepared(dtype, shape, strides, box_rows)
+    if prepared is None:
+        return False
+    data_type, dims, byte_strides, box, element_strides = prepared
+    return _encode_fn()(addr, data_type, 4, ptr, dims, byte_strides, box, element_strides,
+                        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B,
+                        _OOB_FILL_ZEROS) == 0

@@ -651,11 +651,13 @@ def _execute(plan, q, k, v, o, return_lse, *, alibi=None, attn_mask=None, packed
                                             plan.device)
     else:
         o_native, o_ptr = o.obj, o.ptr
-    if lse_out is None:
+    if lse_out is not None:
+        lse_native, lse_ptr = lse_out.obj, lse_out.ptr
+    elif return_lse:
         lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
                                                 plan.device)
-    else:
-        lse_native, lse_ptr = lse_out.obj, lse_out.ptr
+    else:  # the kernels skip lse without a buffer: one allocation less a call
+        lse_native, lse_ptr = None, 0
     if plan.variant is not None:
         _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed)
     o_native = _interop.to_caller(o_native, q)

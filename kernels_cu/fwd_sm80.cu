@@ -68,7 +68,7 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
       *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + c * 8) =
           *reinterpret_cast<const uint4*>(stage + Swizzle<kHeadDim>::offset(warp_row0 + r, c));
   }
-  if ((lane & 3) == 0) {
+  if ((lane & 3) == 0 && p.lse) {  // no lse buffer when the caller did not ask for lse
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll

@@ -123,7 +123,7 @@ __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles]
       *reinterpret_cast<uint4*>(o_ptr + (row_base + r) * p.o_row_stride + c * 8) =
           ld_shared_v4(q_stage_smem + panel_offset<kBlockM>(warp_row0 + r, c));
   }
-  write_lse(lse, seqlen_q, lse_ptr, row_base, lane);
+  if (p.lse) write_lse(lse, seqlen_q, lse_ptr, row_base, lane);  // lse asked for
 }
 
 template <int kDtype, int kDTiles>
@@ -143,7 +143,7 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
             pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
     }
   }
-  write_lse(lse, seqlen_q, lse_ptr, row_base, lane);
+  if (p.lse) write_lse(lse, seqlen_q, lse_ptr, row_base, lane);  // lse asked for
 }
 
 // -- shared memory: Q stages, the K/V ring, the mbarriers. The CTA's key blocks are
