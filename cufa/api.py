@@ -670,17 +670,22 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
     import cupy
     framework, device = plan.framework, plan.device
     counter = tile_list = tile_count = 0
-    if plan.variant.persistent:  # the kernel's tile counter, zeroed before the launch
-        _, counter = _interop.allocate(framework, (1,), "int32", device)
+    memset_counter = False
     cu_q = cu_k = used = table = None
     if packed:
         cu_q, cu_k, used, table = packed
         schedule, max_tiles, num_buckets, batch, total_q = plan.work_list
         # One int32 scratch buffer: the int2 work list (8-byte aligned, first), its
-        # length, and the counting sort's 3 x num_buckets counters.
-        _, tile_list = _interop.allocate(framework, (2 * max_tiles + 1 + 3 * num_buckets,),
-                                         "int32", device)
+        # length, the counting sort's 3 x num_buckets counters, then the tile counter
+        # (the schedule kernel zeroes it).
+        ints = 2 * max_tiles + 1 + 3 * num_buckets
+        _, tile_list = _interop.allocate(framework, (ints + 1,), "int32", device)
         tile_count = tile_list + 8 * max_tiles
+        if plan.variant.persistent:
+            counter = tile_list + 4 * ints
+    elif plan.variant.persistent:  # the kernel's tile counter, zeroed before the launch
+        _, counter = _interop.allocate(framework, (1,), "int32", device)
+        memset_counter = True
     params = _params.FWD.with_pointer_values(plan.params, (
         q.ptr, k.ptr, v.ptr, o_ptr, lse_ptr, _ptr(attn_mask), _ptr(alibi), _ptr(cu_q),
         _ptr(cu_k), _ptr(used), tile_list, tile_count, counter, _ptr(table)))
@@ -692,7 +697,7 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
                                "accepted before")
         args = (params, described[0])
     with caller_stream(framework, device) as stream:
-        if counter:
+        if memset_counter:
             cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
         if packed:
             driver_launch(schedule, 1,
@@ -700,7 +705,8 @@ def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
                            (ctypes.c_uint64(cu_q.ptr), ctypes.c_int32(batch),
                             ctypes.c_int32(total_q), ctypes.c_int32(plan.variant.block_m),
                             ctypes.c_int32(num_buckets), ctypes.c_uint64(tile_count + 4),
-                            ctypes.c_uint64(tile_list), ctypes.c_uint64(tile_count)))
+                            ctypes.c_uint64(tile_list), ctypes.c_uint64(tile_count),
+                            ctypes.c_uint64(counter)))
         driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
                        plan.variant.smem_bytes, stream, args)
 

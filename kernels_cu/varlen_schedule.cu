@@ -18,13 +18,16 @@ __device__ __forceinline__ int query_blocks(const int* cu_seqlens_q, int b, int 
 }
 
 // scratch: 3 * num_buckets ints; num_buckets > the largest possible block count.
+// tile_counter (or null): the persistent forward's tile counter, zeroed here so the
+// launch needs no memset of its own.
 extern "C" __global__ void varlen_schedule(const int* cu_seqlens_q, int batch, int total_q,
                                            int block_m, int num_buckets, int* scratch,
-                                           int2* tile_list, int* tile_count) {
+                                           int2* tile_list, int* tile_count, int* tile_counter) {
   int* count = scratch;                    // sequences with n blocks
   int* taken = scratch + num_buckets;      // of those, placed so far
   int* first = scratch + 2 * num_buckets;  // first slot of the sequences with n blocks
   for (int i = threadIdx.x; i < num_buckets; i += blockDim.x) count[i] = taken[i] = 0;
+  if (threadIdx.x == 0 && tile_counter) *tile_counter = 0;
   __syncthreads();
   for (int b = threadIdx.x; b < batch; b += blockDim.x)
     atomicAdd(&count[query_blocks(cu_seqlens_q, b, total_q, block_m)], 1);
