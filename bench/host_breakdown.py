@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Where a repeated flash_attn_func call's host time goes: each step of the launch path
+timed alone, on the inputs of bench/host_overhead.py's first row, beside the whole call,
+SDPA flash and the framework primitives any launch needs (torch.empty, one launch).
+
+    python3 bench/host_breakdown.py [--calls 5000]
+
+The steps overlap a little (each is timed with its own call overhead), so their sum reads
+a few us over the whole call.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import cufa  # noqa: E402
+from cufa import _interop, _params, api  # noqa: E402
+
+
+def us_per_call(fn, calls):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):  # best of three: the lent machines' host CPUs are noisy
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return best / calls * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=5000)
+    args = p.parse_args()
+    q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    call = lambda: cufa.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+    call()
+    (plan,) = api._plans.values()
+    views = [_interop.as_device_array(x, "q") for x in (q, k, v)]
+    qv, kv_, vv = views
+    options = (api._window((-1, -1), True), None, 0.0)
+    stream = torch.cuda.current_stream().cuda_stream
+    o_ptr = torch.empty_like(q).data_ptr()
+
+    def launch_only():
+        params = _params.FWD.with_pointer_values(plan.params, (
+            qv.ptr, kv_.ptr, vv.ptr, o_ptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+        args = (params,)
+        if plan.tma_views is not None:
+            args = (params, api._tensor_maps(qv, kv_, vv, plan.tma_views)[0])
+        api.driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
+                          plan.variant.smem_bytes, stream, args)
+
+    def stream_only():
+        with api.caller_stream("torch", 0) as s:
+            return s
+
+    steps = {
+        "whole call: cufa.flash_attn_func": call,
+        "torch SDPA flash (same inputs)": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "torch.empty(1, int32) + memsetAsync": lambda: (
+            torch.empty(1, dtype=torch.int32, device="cuda"),
+            __import__("cupy").cuda.runtime.memsetAsync(o_ptr, 0, 4, stream)),
+        "3 x as_device_array": lambda: [_interop.as_device_array(x, "q") for x in (q, k, v)],
+        "_call_key + plan lookup": lambda: api._plans.get(
+            api._call_key("dense", (qv, kv_, vv, None, None), options)),
+        "options (_window, _check_scale, _softcap)": lambda: (
+            api._window((-1, -1), True), api._check_scale(None, "s"), api._softcap(0.0)),
+        "checks (_reject_unsupported, compiling, tracing)": lambda: (
+            api._reject_unsupported(0.0, False, "x"), api._torch_ops.compiling(q),
+            api._jax.tracing(q, k, v, None)),
+        "params record with pointers": lambda: _params.FWD.with_pointer_values(
+            plan.params, (1,) * 14),
+        "TMA maps (cached address)": lambda: plan.tma_views is not None and api._tensor_maps(
+            qv, kv_, vv, plan.tma_views),
+        "caller_stream": stream_only,
+        "record + maps + driver launch": launch_only,
+    }
+    device = torch.cuda.get_device_name()
+    print(f"| step ({device}) | host us/call |")
+    print("| --- | --- |")
+    for name, fn in steps.items():
+        print(f"| {name} | {us_per_call(fn, args.calls):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
