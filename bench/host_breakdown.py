@@ -43,18 +43,17 @@ def main():
     call = lambda: cufa.flash_attn_func(q, k, v, causal=True)  # noqa: E731
     call()
     (plan,) = api._plans.values()
-    views = [_interop.as_device_array(x, "q") for x in (q, k, v)]
-    qv, kv_, vv = views
-    options = (api._window((-1, -1), True), None, 0.0)
+    arrays, names = (q, k, v, None, None), api._DENSE_ARRAYS
+    _, (qp, kp, vp, _, _) = _interop.signature(arrays, names)
     stream = torch.cuda.current_stream().cuda_stream
     o_ptr = torch.empty_like(q).data_ptr()
 
-    def launch_only():
+    def launch_only():  # what _launch does for this plan, less the tile counter lookup
         params = _params.FWD.with_pointer_values(plan.params, (
-            qv.ptr, kv_.ptr, vv.ptr, o_ptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+            qp, kp, vp, o_ptr, 0, 0, 0, 0, 0, 0, 0, 0, counter, 0))
         args = (params,)
         if plan.tma_views is not None:
-            args = (params, api._tensor_maps(qv, kv_, vv, plan.tma_views)[0])
+            args = (params, api._tensor_maps(plan.dtype, qp, kp, vp, plan.tma_views)[0])
         api.driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
                           plan.variant.smem_bytes, stream, args)
 
@@ -62,26 +61,25 @@ def main():
         with api.caller_stream("torch", 0) as s:
             return s
 
+    _, counter = api._tile_counter("torch", 0, stream)
     steps = {
         "whole call: cufa.flash_attn_func": call,
         "torch SDPA flash (same inputs)": lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
-        "torch.empty_like(q)": lambda: torch.empty_like(q),
-        "torch.empty(1, int32) + memsetAsync": lambda: (
-            torch.empty(1, dtype=torch.int32, device="cuda"),
-            __import__("cupy").cuda.runtime.memsetAsync(o_ptr, 0, 4, stream)),
-        "3 x as_device_array": lambda: [_interop.as_device_array(x, "q") for x in (q, k, v)],
-        "_call_key + plan lookup": lambda: api._plans.get(
-            api._call_key("dense", (qv, kv_, vv, None, None), options)),
-        "options (_window, _check_scale, _softcap)": lambda: (
-            api._window((-1, -1), True), api._check_scale(None, "s"), api._softcap(0.0)),
+        "output: _interop.allocate": lambda: _interop.allocate("torch", plan.out_shape,
+                                                              plan.dtype, 0),
+        "tile counter (per stream)": lambda: api._tile_counter("torch", 0, stream),
+        "signature of (q, k, v, None, None)": lambda: _interop.signature(arrays, names),
+        "options + key + plan lookup": lambda: api._plans.get(("dense", (
+            api._window((-1, -1), True), api._check_scale(None, "s"), api._softcap(0.0)))
+            + _interop.signature(arrays, names)[0]),
         "checks (_reject_unsupported, compiling, tracing)": lambda: (
             api._reject_unsupported(0.0, False, "x"), api._torch_ops.compiling(q),
             api._jax.tracing(q, k, v, None)),
         "params record with pointers": lambda: _params.FWD.with_pointer_values(
             plan.params, (1,) * 14),
         "TMA maps (cached address)": lambda: plan.tma_views is not None and api._tensor_maps(
-            qv, kv_, vv, plan.tma_views),
+            plan.dtype, qp, kp, vp, plan.tma_views),
         "caller_stream": stream_only,
         "record + maps + driver launch": launch_only,
     }

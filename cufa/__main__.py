@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
-from . import _compile, reference
+from . import _compile, api, reference
 
 INSTALL_HINT = "pip install 'cufa[cuda13]' (or 'cufa[cuda12]')"
 
@@ -115,6 +115,7 @@ def _gpu_check():
     for i, (fam, dt, d, mask, mods) in enumerate(cases, 1):
         _progress(i, len(cases), f"{fam} {dt} d={d} {mask}{' +mods' if mods else ''}")
         os.environ["CUFA_KERNEL_FAMILY"] = fam
+        api.clear_plans()   # plans read the override when they are made
         b, sq, sk, h, hk = 2, 97, 133, 4, 2
         q, k, v = (_random((b, n, hh, d), dt, rng) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
         kw = dict(causal=mask == "window")
@@ -129,6 +130,7 @@ def _gpu_check():
                                  f"{fam} {dt} d={d} {mask} mods={mods}")
     for fam in families:   # packed batches: the device-built work list, per-sequence bounds
         os.environ["CUFA_KERNEL_FAMILY"] = fam
+        api.clear_plans()
         lens = [0, 1, 130, 77, 300]
         cu = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
         q, k, v = (_random((sum(lens), hh, 64), "float16", rng) for hh in (4, 2, 2))
@@ -144,6 +146,7 @@ def _gpu_check():
         cases.append((fam, "varlen"))
         failures += not ok
     os.environ.pop("CUFA_KERNEL_FAMILY")
+    api.clear_plans()
     for page_size, splits in ((None, 1), (None, 0), (16, 5)):  # the KV-cache kernels
         cases.append(("decode", page_size, splits))
         failures += not _decode_check(rng, f64, page_size, splits)

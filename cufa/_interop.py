@@ -5,6 +5,7 @@ PyTorch tensors and CuPy arrays are read directly (no DLPack round trip, so
 bfloat16 needs no extra package); anything else with ``__dlpack__`` goes through
 ``cupy.from_dlpack``. Nothing here copies data.
 """
+import sys
 from dataclasses import dataclass
 
 from . import _torch_ops
@@ -61,8 +62,12 @@ def as_device_array(x, name):
         return x
     module = type(x).__module__.split(".")[0]
     if module == "torch":
+        global _torch_tensor
+        _torch_tensor = sys.modules["torch"].Tensor
         return _torch_view(x, name)
     if module == "cupy":
+        global _cupy_array
+        _cupy_array = sys.modules["cupy"].ndarray
         return _cupy_view(x, x, "cupy")
     if is_jax(x) and _is_jax_tracer(x):
         raise TypeError(f"{name} is a JAX tracer, which this cufa function cannot take (the "
@@ -81,6 +86,41 @@ def as_device_array(x, name):
 
 def optional_array(x, name):
     return None if x is None else as_device_array(x, name)
+
+
+def signature(arrays, names):
+    """(key, addresses): of each array (or None) what a launch plan depends on -- its
+    kind, shape, strides, dtype, device and 16-byte alignment -- and its device address.
+    Torch tensors and CuPy arrays are read directly, without a view object (a repeated
+    call's host cost, bench/host_breakdown.py); anything else is viewed through
+    as_device_array, which checks it. Not checked here: a plan is made only after its
+    arrays passed validation, so a key that finds one describes valid arrays."""
+    key, addresses = [], []
+    for x, name in zip(arrays, names):
+        kind = type(x)
+        if kind is _torch_tensor:
+            ptr = x.data_ptr()
+            key.append((x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad, ptr % 16))
+        elif kind is _cupy_array:
+            ptr = x.data.ptr
+            key.append((kind, x.shape, x.strides, x.dtype, x.device.id, ptr % 16))
+        elif x is None:
+            ptr = 0
+            key.append(None)
+        else:
+            view = as_device_array(x, name)
+            ptr = view.ptr
+            key.append((type(view.obj), view.shape, view.strides, view.dtype, view.device,
+                        ptr % 16))
+        addresses.append(ptr)
+    return tuple(key), addresses
+
+
+class _Unseen:
+    """Matches no array's type until as_device_array has seen the framework."""
+
+
+_torch_tensor = _cupy_array = _Unseen
 
 
 def current_stream_ptr(framework, device):
@@ -105,16 +145,32 @@ def _find_torch_raw_stream():
 _torch_raw_stream = None
 
 
-def allocate(framework, shape, dtype, device):
-    """A new array of the caller's framework: (native array, device address)."""
+def allocate(framework, shape, dtype, device, stream):
+    """A new array of the caller's framework on `device`, for work on `stream`, both
+    current (callers are inside api.caller_stream): (native array, device address). A
+    CuPy array is taken from the pool of the stream it is used on, as the pool reuses
+    freed memory on that stream only (under jax.jit, XLA's stream is not CuPy's)."""
     if framework == "torch":
         import torch
         native = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         return native, native.data_ptr()
     import cupy
-    with cupy.cuda.Device(device):
+    if cupy.cuda.get_current_stream().ptr == stream:
         native = cupy.empty(shape, dtype=_cupy_dtype(dtype))
+    else:
+        with cupy.cuda.Stream.from_external(_StreamHandle(stream)):
+            native = cupy.empty(shape, dtype=_cupy_dtype(dtype))
     return native, native.data.ptr
+
+
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol that CuPy 14 takes."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
 
 
 def _cupy_dtype(dtype):
@@ -150,9 +206,16 @@ def _is_jax_tracer(x):
     return isinstance(x, jax.core.Tracer)
 
 
+def returns_jax(like):
+    """Whether a call on `like` (a view of its first array) returns JAX arrays."""
+    return like.framework == "dlpack" and is_jax(like.obj)
+
+
+def to_jax(native):
+    import jax.dlpack
+    return jax.dlpack.from_dlpack(native)
+
+
 def to_caller(native, like):
     """`native` (a torch or CuPy array) as the caller's type: JAX callers get JAX arrays."""
-    if like.framework == "dlpack" and is_jax(like.obj):
-        import jax.dlpack
-        return jax.dlpack.from_dlpack(native)
-    return native
+    return to_jax(native) if returns_jax(like) else native

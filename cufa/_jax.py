@@ -124,79 +124,69 @@ def _without_vmap_or_grad(fn, entry):
 
 def on_device(spec, ctx, outs, bufs):
     """At run time, in XLA's callback: views of the buffers, then the eager path's
-    validation, plan and launch on XLA's stream."""
-    import cupy
-    views = {n: _view(b, n, dt) for n, b, dt in zip(spec.names, bufs, spec.dtypes)}
-    out_views = [_view(b, f"output {i}", dt) for i, (b, dt) in enumerate(zip(outs, spec.out_dtypes))]
+    validation, plan and launch on XLA's stream. All buffers of one call are on one
+    device, so it is looked up once."""
+    device = _device_of(bufs[0] if bufs else outs[0])
+    views = {n: _view(b, n, dt, device) for n, b, dt in zip(spec.names, bufs, spec.dtypes)}
+    out_views = [_view(b, f"output {i}", dt, device)
+                 for i, (b, dt) in enumerate(zip(outs, spec.out_dtypes))]
     for name, i in spec.aliases:  # the append writes into the updated cache's buffer
         views[name] = out_views[i]
-    device = views[spec.names[0]].device
-    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(_XlaStream(ctx.stream)):
-        _RUNNERS[spec.entry](views, out_views, spec.options)
+    _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream)
 
 
-class _XlaStream:
-    """XLA's raw stream handle, in the CUDA stream protocol that CuPy 14 takes."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
+def _device_of(buf):
+    import cupy
+    ptr = buf.__cuda_array_interface__["data"][0]
+    return (cupy.cuda.runtime.pointerGetAttributes(ptr).device if ptr
+            else cupy.cuda.runtime.getDevice())
 
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "bool": 1}
 
 
-def _view(buf, name, dtype):
-    """An XLA device buffer as a DeviceArray (its device from the pointer)."""
-    import cupy
+def _view(buf, name, dtype, device):
+    """An XLA device buffer as a DeviceArray."""
     cai = buf.__cuda_array_interface__
     ptr, shape = cai["data"][0], tuple(cai["shape"])
-    itemsize = _ITEMSIZE.get(dtype) or cupy.dtype(dtype).itemsize
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is None:
+        import cupy
+        itemsize = cupy.dtype(dtype).itemsize
     strides = cai.get("strides")
     strides = (tuple(s // itemsize for s in strides) if strides is not None
                else _interop.contiguous_strides(shape))
-    device = (cupy.cuda.runtime.pointerGetAttributes(ptr).device if ptr
-              else cupy.cuda.runtime.getDevice())
     return _interop.DeviceArray(None, "cupy", ptr, shape, strides, dtype, device, itemsize)
 
 
-def _views_for(views, names):
-    return {n: views.get(n) for n in names}
-
-
-def _run_dense(views, outs, options):
+def _run_dense(views, outs, options, stream):
     from . import api
-    api.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0], None,
-              **options, return_lse=True, lse_out=outs[1])
+    api.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0],
+              **options, return_lse=True, lse_out=outs[1], stream=stream)
 
 
-def _run_packed(views, outs, options):
+def _run_packed(views, outs, options, stream):
     from . import api
-    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
-             "block_table")
-    api.packed(_views_for(views, names), outs[0], None, **options, return_lse=True,
-               lse_out=outs[1])
+    api.packed(*(views.get(n) for n in api._PACKED_ARRAYS[:-1]), outs[0], **options,
+               return_lse=True, lse_out=outs[1], stream=stream)
 
 
-def _run_sdpa(views, outs, options):
+def _run_sdpa(views, outs, options, stream):
     from . import api
     api.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
-             **options)
+             **options, stream=stream)
 
 
-def _run_kvcache(views, outs, options):
+def _run_kvcache(views, outs, options, stream):
     from . import kvcache
-    names = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
-             "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes")
-    kvcache.with_kvcache(_views_for(views, names), outs[0], None, **options, return_lse=True,
-                         lse_out=outs[1])
+    kvcache.with_kvcache(tuple(views.get(n) for n in kvcache._ARRAYS[:-1]) + (outs[0],),
+                         **options, return_lse=True, lse_out=outs[1], stream=stream)
 
 
-def _run_merge(views, outs, options):
+def _run_merge(views, outs, options, stream):
     from . import kvcache
-    kvcache.merge(views, outs[0], None, lse_out=outs[1])
+    kvcache.merge(tuple(views[n] for n in kvcache._MERGE_ARRAYS[:-1]) + (outs[0],),
+                  lse_out=outs[1], stream=stream)
 
 
 _RUNNERS = {"flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,

@@ -2,7 +2,7 @@
 signature) -> launch."""
 import ctypes
 import math
-import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +12,6 @@ from . import _compile, _interop, _jax, _params, _tma, _torch_ops
 _KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 _ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
                     "bfloat16": _params.ATTN_MASK_BF16, "float32": _params.ATTN_MASK_FP32}
-_OPTIONAL = frozenset(("seqused_k", "alibi_slopes", "block_table", "attn_mask"))
 _UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
 _INT32_MAX = 2**31 - 1
 
@@ -58,31 +57,45 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             softcap=softcap), out=out)
         return (o, lse) if return_lse else o
-    q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    alibi = _interop.optional_array(alibi_slopes, "alibi_slopes")
-    o = _interop.optional_array(out, "out")
-    return dense(q, k, v, alibi, o, out, softmax_scale=softmax_scale, causal=causal,
+    return dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, return_lse=return_lse)
 
 
-def dense(q, k, v, alibi, o, out, *, softmax_scale, causal, window_size, softcap, return_lse,
-          lse_out=None):
-    """flash_attn_func on views; lse_out: a view to write lse into (jax.jit)."""
-    window = _window(window_size, causal)
-    scale, softcap = _check_scale(softmax_scale, "softmax_scale"), _softcap(softcap)
-    key = _call_key("dense", (q, k, v, alibi, o), (window, scale, softcap))
+_DENSE_ARRAYS = ("q", "k", "v", "alibi_slopes", "out")
+
+
+def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, softcap,
+          return_lse, lse_out=None, stream=None):
+    """flash_attn_func on arrays or views. Under jax.jit: out is the output buffer's
+    view, lse_out a view to write lse into, stream XLA's (a CUstream handle)."""
+    options = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
+               _softcap(softcap))
+    arrays = (q, k, v, alibi_slopes, out)
+    key, (q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr) = _interop.signature(arrays, _DENSE_ARRAYS)
+    key = ("dense", options) + key
     plan = _plans.get(key)
     if plan is None:
-        _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
-                   batch_dim=0, seq_dim=1, head_dim=2)
-        batch, seqlen_q, nheads, d = q.shape
-        _check_alibi(alibi, q, batch, nheads)
-        _check_out(out, o, q)
-        plan = _remember(key, _plan(
-            q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads, nheads_k=k.shape[2],
-            seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale, bottom_right=True,
-            window=window, softcap=softcap, alibi=alibi, attn_mask=None))
-    return _execute(plan, q, k, v, o, return_lse, alibi=alibi, lse_out=lse_out)
+        plan = _remember(key, _plan_dense(*_views(arrays, _DENSE_ARRAYS), out, *options))
+    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
+                    lse_out=lse_out, stream=stream)
+
+
+def _plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
+    _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
+               batch_dim=0, seq_dim=1, head_dim=2)
+    batch, seqlen_q, nheads, d = q.shape
+    _check_alibi(alibi, q, batch, nheads)
+    _check_out(out, o, q)
+    return _plan(q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
+                 nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale,
+                 bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None)
+
+
+def _views(arrays, names, required=3):
+    """Views of a call's arrays for validation and planning (the first `required` may not
+    be None)."""
+    return [(_interop.as_device_array if i < required else _interop.optional_array)(x, n)
+            for i, (x, n) in enumerate(zip(arrays, names))]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -140,62 +153,71 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              "function does not have; check them outside jax.jit")
         o, lse = _jax.call("flash_attn_varlen_func", arrays, options, out=out)
         return (o, lse) if return_lse else o
-    views = {n: (_interop.optional_array if n in _OPTIONAL else _interop.as_device_array)(x, n)
-             for n, x in arrays.items()}
-    o = _interop.optional_array(out, "out")
-    return packed(views, o, out, **options, return_lse=return_lse,
+    return packed(*arrays.values(), out, **options, return_lse=return_lse,
                   check_cu_seqlens=check_cu_seqlens)
 
 
-def packed(views, o, out, *, softmax_scale, causal, window_size, softcap, return_lse,
-           check_cu_seqlens=False, lse_out=None):
-    """flash_attn_varlen_func on views (a dict by argument name)."""
-    q, k, v = views["q"], views["k"], views["v"]
-    cu_q, cu_k = views["cu_seqlens_q"], views["cu_seqlens_k"]
-    used, alibi, table = views["seqused_k"], views["alibi_slopes"], views["block_table"]
-    window = _window(window_size, causal)
-    scale, softcap = _check_scale(softmax_scale, "softmax_scale"), _softcap(softcap)
-    key = _call_key("packed", (q, k, v, cu_q, cu_k, used, alibi, o, table),
-                    (window, scale, softcap))
+_PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
+                  "block_table", "out")
+
+
+def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out, *,
+           softmax_scale, causal, window_size, softcap, return_lse, check_cu_seqlens=False,
+           lse_out=None, stream=None):
+    """flash_attn_varlen_func on arrays or views (as dense)."""
+    options = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
+               _softcap(softcap))
+    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out)
+    key, ptrs = _interop.signature(arrays, _PACKED_ARRAYS)
+    key = ("packed", options) + key
     plan = _plans.get(key)
+    views = None
+    if plan is None or check_cu_seqlens:
+        views = _views(arrays, _PACKED_ARRAYS)
     if plan is None:
-        paged = None
-        if table is None:
-            _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
-                       batch_dim=None, seq_dim=0, head_dim=1)
-        else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
-            if q.ndim != 3:
-                raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
-                                 f"{q.shape}")
-            _check_qkv(_with_leading_one(q), k, v, ("q", "k", "v"),
-                       "(num_pages, page_size, nheads_k, headdim) with block_table",
-                       batch_dim=None, seq_dim=1, head_dim=2)
-        total_q, nheads, d = q.shape
-        _check_cu_seqlens(cu_q, "cu_seqlens_q", q)
-        _check_cu_seqlens(cu_k, "cu_seqlens_k", q)
-        batch = cu_q.shape[0] - 1
-        if cu_k.shape[0] != batch + 1:
-            raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
-                             f"{batch + 1}; both must be (batch + 1,)")
-        if table is not None:
-            paged = check_block_table(table, k, q, batch)
-        if used is not None:
-            check_int32_vector(used, "seqused_k", batch, q)
-        _check_alibi(alibi, q, batch, nheads)
-        _check_out(out, o, q)
-        plan = _remember(key, _plan(
-            q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
-            nheads_k=k.shape[-2], seqlen_q=total_q,
-            seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
-            bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None,
-            packed=True, paged=paged))
+        plan = _remember(key, _plan_packed(*views, out, *options))
     if check_cu_seqlens:
-        _check_cu_values(cu_q, "cu_seqlens_q", q.shape[0], cu_k, "cu_seqlens_k",
-                         k.shape[0] if table is None else None, used)
+        q_, k_, _, cu_q, cu_k, used, _, table, _ = views
+        _check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
+                         k_.shape[0] if table is None else None, used)
         if table is not None:
-            check_page_ids(table, k.shape[0])
-    return _execute(plan, q, k, v, o, return_lse, alibi=alibi, packed=(cu_q, cu_k, used, table),
-                    lse_out=lse_out)
+            check_page_ids(table, k_.shape[0])
+    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, o_ptr = ptrs
+    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
+                    packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
+                    stream=stream)
+
+
+def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, softcap):
+    paged = None
+    if table is None:
+        _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
+                   batch_dim=None, seq_dim=0, head_dim=1)
+    else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
+        if q.ndim != 3:
+            raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
+                             f"{q.shape}")
+        _check_qkv(_with_leading_one(q), k, v, ("q", "k", "v"),
+                   "(num_pages, page_size, nheads_k, headdim) with block_table",
+                   batch_dim=None, seq_dim=1, head_dim=2)
+    total_q, nheads, d = q.shape
+    _check_cu_seqlens(cu_q, "cu_seqlens_q", q)
+    _check_cu_seqlens(cu_k, "cu_seqlens_k", q)
+    batch = cu_q.shape[0] - 1
+    if cu_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
+                         f"{batch + 1}; both must be (batch + 1,)")
+    if table is not None:
+        paged = check_block_table(table, k, q, batch)
+    if used is not None:
+        check_int32_vector(used, "seqused_k", batch, q)
+    _check_alibi(alibi, q, batch, nheads)
+    _check_out(out, o, q)
+    return _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
+                 nheads_k=k.shape[-2], seqlen_q=total_q,
+                 seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
+                 bottom_right=True, window=window, softcap=softcap, alibi=alibi,
+                 attn_mask=None, packed=True, paged=paged)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -218,32 +240,39 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if _jax.tracing(query, key, value, attn_mask):
         return _jax.call("scaled_dot_product_attention", dict(
             query=query, key=key, value=value, attn_mask=attn_mask), options)[0]
-    q, k, v = (_interop.as_device_array(x, n)
-               for x, n in ((query, "query"), (key, "key"), (value, "value")))
-    mask = _interop.optional_array(attn_mask, "attn_mask")
-    return sdpa(q, k, v, mask, None, **options)
+    return sdpa(query, key, value, attn_mask, None, **options)
 
 
-def sdpa(q, k, v, mask, o, *, is_causal, scale, enable_gqa):
-    """scaled_dot_product_attention on views; o: where to write the output (jax.jit)."""
-    scale = _check_scale(scale, "scale")
-    plan_key = _call_key("sdpa", (q, k, v, mask), (bool(is_causal), scale, bool(enable_gqa)))
+_SDPA_ARRAYS = ("query", "key", "value", "attn_mask")
+
+
+def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, stream=None):
+    """scaled_dot_product_attention on arrays or views; out and stream as in dense."""
+    options = (bool(is_causal), _check_scale(scale, "scale"), bool(enable_gqa))
+    arrays = (query, key, value, attn_mask)
+    plan_key, (q_ptr, k_ptr, v_ptr, mask_ptr) = _interop.signature(arrays, _SDPA_ARRAYS)
+    plan_key = ("sdpa", options) + plan_key
     plan = _plans.get(plan_key)
     if plan is None:
-        _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
-                   batch_dim=0, seq_dim=2, head_dim=1)
-        batch, nheads, seqlen_q, d = q.shape
-        nheads_k, seqlen_k = k.shape[1], k.shape[2]
-        if nheads_k != nheads and not enable_gqa:
-            raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
-                             "pass enable_gqa=True for grouped-query attention")
-        _check_attn_mask(mask, q, (batch, nheads, seqlen_q, seqlen_k))
-        plan = _remember(plan_key, _plan(
-            q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads, nheads_k=nheads_k,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale, bottom_right=False,
-            window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED), softcap=0.0, alibi=None,
-            attn_mask=mask))
-    return _execute(plan, q, k, v, o, False, attn_mask=mask)
+        plan = _remember(plan_key, _plan_sdpa(*_views(arrays, _SDPA_ARRAYS), *options))
+    o_ptr = 0 if out is None else out.ptr
+    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
+                    stream=stream)
+
+
+def _plan_sdpa(q, k, v, mask, is_causal, scale, enable_gqa):
+    _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
+               batch_dim=0, seq_dim=2, head_dim=1)
+    batch, nheads, seqlen_q, d = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    if nheads_k != nheads and not enable_gqa:
+        raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    _check_attn_mask(mask, q, (batch, nheads, seqlen_q, seqlen_k))
+    return _plan(q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
+                 nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale,
+                 bottom_right=False, window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED),
+                 softcap=0.0, alibi=None, attn_mask=mask)
 
 
 # -- validation --------------------------------------------------------------------------
@@ -510,27 +539,25 @@ class _Plan:
     kv_tail_maps: bool = False
     work_list: tuple = None  # packed batches: (the schedule kernel's CUfunction, max_tiles,
                              # num_buckets, batch, total_q)
+    to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
 
 
-_plans = {}    # _call_key -> _Plan
+_plans = {}    # ("entry", options) + _interop.signature key -> plan
 _MAX_PLANS = 4096
 
 
-def _call_key(entry, arrays, options):
-    """What a plan depends on: the entry point, the kernel family and tile shape forced, the options, and
-    of each array (or None) all that validation and planning read -- everything but its
-    address, of which only the 16-byte alignment."""
-    return (entry, os.environ.get(_compile.FAMILY_ENV), os.environ.get(_compile.SM90_SHORT_ENV),
-            options) + tuple(
-        None if x is None else (type(x.obj), x.shape, x.strides, x.dtype, x.device, x.ptr % 16)
-        for x in arrays)
-
-
 def _remember(key, plan):
+    """The environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) are read when a
+    plan is made: clear_plans() after changing them in a running process."""
     if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: start over
         _plans.clear()
     _plans[key] = plan
     return plan
+
+
+def clear_plans():
+    """Forget every launch plan (the next call of each signature plans again)."""
+    _plans.clear()
 
 
 def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
@@ -543,7 +570,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     framework = "cupy" if q.framework == "dlpack" else q.framework
     lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
     outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
-                   lse_shape=lse_shape)
+                   lse_shape=lse_shape, to_jax=_interop.returns_jax(q))
     if not (batch and nheads and seqlen_q):
         return _Plan(**outputs)
     mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
@@ -557,7 +584,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     tma_views, kv_tail_maps = None, False
     if family == "sm90":
         tma_views = _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed)
-        described = _tensor_maps(q, k, v, tma_views)
+        described = _tensor_maps(q.dtype, q.ptr, k.ptr, v.ptr, tma_views)
         if described is not None:
             kv_tail_maps = described[1]
         else:  # a layout the copy engine cannot describe: the portable kernels
@@ -634,81 +661,105 @@ def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
     return tuple(views), tuple(tails)
 
 
-def _tensor_maps(q, k, v, tma_views):
-    """(descriptor buffer, tails described) for these arrays, or None (cached per address)."""
+def _tensor_maps(dtype, q, k, v, tma_views):
+    """(descriptor buffer, tails described) for arrays at addresses q, k, v, or None
+    (cached per address)."""
     views, tails = tma_views
-    return _tma.tensor_maps(
-        q.dtype, ((q.ptr,) + views[0], (k.ptr,) + views[1], (v.ptr,) + views[2]),
-        ((k.ptr,) + tails[0], (v.ptr,) + tails[1]) if tails else ())
+    return _tma.tensor_maps(dtype, ((q,) + views[0], (k,) + views[1], (v,) + views[2]),
+                            ((k,) + tails[0], (v,) + tails[1]) if tails else ())
 
 
-def _execute(plan, q, k, v, o, return_lse, *, alibi=None, attn_mask=None, packed=None,
-             lse_out=None):
-    """Allocate the outputs (unless `o`, the caller's out=, or lse_out) and launch the plan
-    on the caller's current stream."""
-    if o is None:
-        o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
-                                            plan.device)
-    else:
-        o_native, o_ptr = o.obj, o.ptr
-    if lse_out is not None:
-        lse_native, lse_ptr = lse_out.obj, lse_out.ptr
-    elif return_lse:
-        lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
-                                                plan.device)
-    else:  # the kernels skip lse without a buffer: one allocation less a call
-        lse_native, lse_ptr = None, 0
-    if plan.variant is not None:
-        _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed)
-    o_native = _interop.to_caller(o_native, q)
-    if return_lse:
-        return o_native, _interop.to_caller(lse_native, q)
-    return o_native
+def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,
+             lse_out=None, stream=None):
+    """Allocate the outputs (unless out=, or lse_out) and launch the plan on the caller's
+    current stream. q, k, v, o_ptr (out's), alibi, attn_mask: addresses; packed: the
+    addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream: see dense."""
+    with caller_stream(plan.framework, plan.device, stream) as stream:
+        if out is None:
+            o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
+                                                plan.device, stream)
+        else:
+            o_native = out
+        if lse_out is not None:
+            lse_native, lse_ptr = lse_out, lse_out.ptr
+        elif return_lse:
+            lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape,
+                                                    "float32", plan.device, stream)
+        else:  # the kernels skip lse without a buffer: one allocation less a call
+            lse_native, lse_ptr = None, 0
+        if plan.variant is not None:
+            _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed)
+    if plan.to_jax:
+        o_native = _interop.to_jax(o_native)
+        lse_native = _interop.to_jax(lse_native) if return_lse else None
+    return (o_native, lse_native) if return_lse else o_native
 
 
-def _launch(plan, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
-    import cupy
+def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
+    """The plan's launches on `stream` (the device current); arguments as _execute's."""
     framework, device = plan.framework, plan.device
     counter = tile_list = tile_count = 0
-    memset_counter = False
-    cu_q = cu_k = used = table = None
+    cu_q = cu_k = used = table = 0
     if packed:
         cu_q, cu_k, used, table = packed
         schedule, max_tiles, num_buckets, batch, total_q = plan.work_list
         # One int32 scratch buffer: the int2 work list (8-byte aligned, first), its
         # length, the counting sort's 3 x num_buckets counters, then the tile counter
-        # (the schedule kernel zeroes it).
+        # (2 ints, which the schedule kernel zeroes).
         ints = 2 * max_tiles + 1 + 3 * num_buckets
-        _, tile_list = _interop.allocate(framework, (ints + 1,), "int32", device)
+        scratch, tile_list = _interop.allocate(framework, (ints + 2,), "int32", device,
+                                               stream)
         tile_count = tile_list + 8 * max_tiles
         if plan.variant.persistent:
             counter = tile_list + 4 * ints
-    elif plan.variant.persistent:  # the kernel's tile counter, zeroed before the launch
-        _, counter = _interop.allocate(framework, (1,), "int32", device)
-        memset_counter = True
+    elif plan.variant.persistent:
+        scratch, counter = _tile_counter(framework, device, stream)
     params = _params.FWD.with_pointer_values(plan.params, (
-        q.ptr, k.ptr, v.ptr, o_ptr, lse_ptr, _ptr(attn_mask), _ptr(alibi), _ptr(cu_q),
-        _ptr(cu_k), _ptr(used), tile_list, tile_count, counter, _ptr(table)))
+        q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
+        counter, table))
     args = (params,)
     if plan.tma_views is not None:
-        described = _tensor_maps(q, k, v, plan.tma_views)
+        described = _tensor_maps(plan.dtype, q, k, v, plan.tma_views)
         if described is None or described[1] != plan.kv_tail_maps:
             raise RuntimeError("the driver refused a TMA descriptor for a layout it "
                                "accepted before")
         args = (params, described[0])
-    with caller_stream(framework, device) as stream:
-        if memset_counter:
-            cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
-        if packed:
-            driver_launch(schedule, 1,
-                           _compile.VARLEN_SCHEDULE.threads, 0, stream,
-                           (ctypes.c_uint64(cu_q.ptr), ctypes.c_int32(batch),
-                            ctypes.c_int32(total_q), ctypes.c_int32(plan.variant.block_m),
-                            ctypes.c_int32(num_buckets), ctypes.c_uint64(tile_count + 4),
-                            ctypes.c_uint64(tile_list), ctypes.c_uint64(tile_count),
-                            ctypes.c_uint64(counter)))
-        driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
-                       plan.variant.smem_bytes, stream, args)
+    if packed:
+        driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
+                      (ctypes.c_uint64(cu_q), ctypes.c_int32(batch), ctypes.c_int32(total_q),
+                       ctypes.c_int32(plan.variant.block_m), ctypes.c_int32(num_buckets),
+                       ctypes.c_uint64(tile_count + 4), ctypes.c_uint64(tile_list),
+                       ctypes.c_uint64(tile_count), ctypes.c_uint64(counter)))
+    driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
+                  plan.variant.smem_bytes, stream, args)
+    # (scratch, the counter's buffer, is held until the launches are queued: freed
+    # earlier, another thread could be handed the same memory for work ordered before ours)
+    del scratch
+
+
+_tile_counters = {}  # (device, stream, thread) -> a persistent kernel's tile counter
+
+
+def _tile_counter(framework, device, stream):
+    """(owner, address) of 2 zeroed uint32s for a persistent kernel's tile counter on
+    `stream`. The kernel leaves its counter zeroed, and launches on one stream run one after
+    another, so each stream keeps one counter and a call needs no memset. The default
+    streams' handles are shared across threads that may not share the stream, so those
+    counters are per thread too. A stream being captured into a CUDA graph gets a counter
+    of its own, zeroed by a memset in the graph: a graph may be replayed on any stream,
+    beside any other work."""
+    import cupy
+    runtime = cupy.cuda.runtime
+    if runtime.streamIsCapturing(stream):
+        owner, ptr = _interop.allocate(framework, (2,), "int32", device, stream)
+        runtime.memsetAsync(ptr, 0, 8, stream)
+        return owner, ptr
+    key = (device, stream, threading.get_ident() if stream <= 2 else 0)
+    ptr = _tile_counters.get(key)
+    if ptr is None:  # held for the process's life: 8 bytes a stream
+        ptr = _tile_counters[key] = runtime.malloc(8)
+        runtime.memsetAsync(ptr, 0, 8, stream)
+    return None, ptr
 
 
 def _ptr(x):
@@ -720,10 +771,11 @@ class caller_stream:
     stream the caller's framework is issuing work on. When the device's context is current
     already (the usual case) it switches nothing: a launch's host cost is what a small
     model step waits on."""
-    __slots__ = ("framework", "device", "_switch")
+    __slots__ = ("framework", "device", "stream", "_switch")
 
-    def __init__(self, framework, device):
-        self.framework, self.device, self._switch = framework, device, None
+    def __init__(self, framework, device, stream=None):
+        """stream: a CUstream handle to use instead (XLA's, in a jax.jit callback)."""
+        self.framework, self.device, self.stream, self._switch = framework, device, stream, None
 
     def __enter__(self):
         driver = _driver()
@@ -734,6 +786,8 @@ class caller_stream:
             if driver.ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls
                 cupy.cuda.runtime.free(0)    # need the device's context made current
             _contexts[self.device] = driver.ctxGetCurrent()
+        if self.stream is not None:
+            return self.stream
         return _interop.current_stream_ptr(self.framework, self.device)
 
     def __exit__(self, *exc):

@@ -84,24 +84,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         o, lse, *caches = _jax.call("flash_attn_with_kvcache", arrays, options, out=out)
         return tuple([o] + ([lse] if return_softmax_lse else []) + caches) if caches else (
             (o, lse) if return_softmax_lse else o)
-    views = {n: (_interop.as_device_array if n in _REQUIRED else _interop.optional_array)(x, n)
-             for n, x in arrays.items()}
-    o = _interop.optional_array(out, "out")
-    return with_kvcache(views, o, out, **options, return_lse=bool(return_softmax_lse),
-                        check_inputs=check_inputs)
+    return with_kvcache(tuple(arrays.values()) + (out,), **options,
+                        return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
 
 
-_REQUIRED = frozenset(("q", "k_cache", "v_cache"))
+# with_kvcache's arrays, in order (the first three required)
+_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+           "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "out")
 
 
-def with_kvcache(views, o, out, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
-                 rotary_interleaved, num_splits, return_lse, check_inputs=False, lse_out=None):
-    """flash_attn_with_kvcache on views (a dict by argument name); cache_seqlen: the int
-    form of cache_seqlens, or None; lse_out: a view to write lse into (jax.jit)."""
-    q, kc, vc, kn, vn = (views[n] for n in ("q", "k_cache", "v_cache", "k", "v"))
-    cos, sin, seqlens = views["rotary_cos"], views["rotary_sin"], views["cache_seqlens"]
-    idx, leftpad, table = views["cache_batch_idx"], views["cache_leftpad"], views["block_table"]
-    alibi, fixed = views["alibi_slopes"], cache_seqlen
+def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
+                 rotary_interleaved, num_splits, return_lse, check_inputs=False, lse_out=None,
+                 stream=None):
+    """flash_attn_with_kvcache on arrays or views, in _ARRAYS order (out: the caller's out=
+    or, under jax.jit, the output buffer's view); cache_seqlen: the int form of
+    cache_seqlens, or None; lse_out, stream: as in api.dense (jax.jit)."""
     window = api._window(window_size, causal)
     scale = api._check_scale(softmax_scale, "softmax_scale")
     softcap = api._softcap(softcap)
@@ -109,19 +106,20 @@ def with_kvcache(views, o, out, *, cache_seqlen, softmax_scale, causal, window_s
         raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shapes); got "
                          f"{num_splits!r}")
     want_lse = return_lse or lse_out is not None
-    options = (window, scale, softcap, rotary_interleaved, num_splits, fixed, want_lse)
-    arrays = (q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o)
-    key = api._call_key("kvcache", arrays, options)
+    options = (window, scale, softcap, rotary_interleaved, num_splits, cache_seqlen, want_lse)
+    key, ptrs = _interop.signature(arrays, _ARRAYS)
+    key = ("kvcache", options) + key
     plan = api._plans.get(key)
+    views = None
+    if plan is None or check_inputs:
+        views = api._views(arrays, _ARRAYS)
     if plan is None:
         plan = api._remember(key, _plan_kvcache(
-            q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, table, alibi, o, out,
-            window=window, scale=scale, softcap=softcap, interleaved=rotary_interleaved,
-            num_splits=num_splits, want_lse=want_lse))
+            *views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
+            interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
-        _check_values(plan, seqlens, leftpad, table)
-    return _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o,
-                lse_out)
+        _check_values(plan, views[7], views[9], views[10])
+    return _run(plan, ptrs, arrays[-1], lse_out, stream)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
@@ -145,27 +143,38 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
         return _torch_ops.op("merge")(out_a, lse_a, out_b, lse_b)
     if _jax.tracing(*arrays.values()):
         return _jax.call("merge_attention_states", arrays, {}, out=out)
-    views = {n: _interop.as_device_array(x, n) for n, x in arrays.items()}
-    return merge(views, _interop.optional_array(out, "out"), out)
+    return merge((out_a, lse_a, out_b, lse_b, out))
 
 
-def merge(views, o, out, lse_out=None):
-    """merge_attention_states on views (a dict by argument name)."""
-    views = [views[n] for n in ("out_a", "lse_a", "out_b", "lse_b")]
-    key = api._call_key("merge", tuple(views) + (o,), ())
+_MERGE_ARRAYS = ("out_a", "lse_a", "out_b", "lse_b", "out")
+
+
+def merge(arrays, lse_out=None, stream=None):
+    """merge_attention_states on arrays or views, in _MERGE_ARRAYS order (out: the
+    caller's out= or, under jax.jit, the output buffer's view; lse_out, stream: as in
+    api.dense)."""
+    key, (oa, la, ob, lb, o_ptr) = _interop.signature(arrays, _MERGE_ARRAYS)
+    key = ("merge",) + key
     plan = api._plans.get(key)
     if plan is None:
-        plan = api._remember(key, _plan_merge(*views, o, out))
-    oa, la, ob, lb = views
-    o_native, o_ptr = (o.obj, o.ptr) if o is not None else _interop.allocate(
-        plan.framework, oa.shape, oa.dtype, plan.device)
-    lse_native, lse_ptr = (lse_out.obj, lse_out.ptr) if lse_out is not None else \
-        _interop.allocate(plan.framework, plan.lse_shape, "float32", plan.device)
-    if plan.blocks:
-        params = _params.MERGE.with_pointer_values(plan.params, (  # MERGE_FIELDS' order
-            oa.ptr, la.ptr, ob.ptr, lb.ptr, o_ptr, lse_ptr))
-        _launch(plan.device, plan.framework, ((plan.function, plan.blocks, 128, 0, params),))
-    return _interop.to_caller(o_native, oa), _interop.to_caller(lse_native, oa)
+        views = api._views(arrays, _MERGE_ARRAYS, required=4)
+        plan = api._remember(key, _plan_merge(*views, arrays[-1]))
+    out = arrays[-1]
+    with api.caller_stream(plan.framework, plan.device, stream) as stream:
+        o_native = out
+        if out is None:
+            o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
+                                                plan.device, stream)
+        lse_native, lse_ptr = (lse_out, lse_out.ptr) if lse_out is not None else \
+            _interop.allocate(plan.framework, plan.lse_shape, "float32", plan.device,
+                              stream)
+        if plan.blocks:
+            params = _params.MERGE.with_pointer_values(plan.params, (  # MERGE_FIELDS' order
+                oa, la, ob, lb, o_ptr, lse_ptr))
+            api.driver_launch(plan.function, plan.blocks, 128, 0, stream, (params,))
+    if plan.to_jax:
+        return _interop.to_jax(o_native), _interop.to_jax(lse_native)
+    return o_native, lse_native
 
 
 # -- planning ------------------------------------------------------------------------------
@@ -179,6 +188,7 @@ class _KvPlan:
     dtype: str
     lse_shape: tuple
     want_lse: bool
+    to_jax: bool               # the caller passed JAX arrays: outputs go back as JAX arrays
     params: bytes = b""
     launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
     workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
@@ -230,8 +240,8 @@ def _check_cache(q, kc, vc, kn, vn, table, idx):
     return paged, capacity, cache_rows
 
 
-def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, table, alibi, o,
-                  out, *, window, scale, softcap, interleaved, num_splits, want_lse):
+def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
+                  fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
     paged, capacity, cache_rows = _check_cache(q, kc, vc, kn, vn, table, idx)
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
@@ -258,7 +268,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, fixed, idx, leftpad, tab
         raise ValueError("problem too large: more than 2^29 query or new-key rows")
     framework = "cupy" if q.framework == "dlpack" else q.framework
     outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
-                   lse_shape=(batch, nheads, seqlen_q), want_lse=want_lse)
+                   lse_shape=(batch, nheads, seqlen_q), want_lse=want_lse,
+                   to_jax=_interop.returns_jax(q))
     extra = dict(capacity=capacity, num_pages=paged["num_pages"] if paged else 0,
                  seqlen_new=seqlen_new, fixed_seqlen=fixed)
     if batch == 0 or nheads == 0:
@@ -462,60 +473,57 @@ def _plan_merge(oa, la, ob, lb, o, out):
     framework = "cupy" if oa.framework == "dlpack" else oa.framework
     count = batch * rows * nheads
     kernel = _compile.DecodeKernel("merge", _MERGE_DTYPES[oa.dtype])
-    return _MergePlan(framework, oa.device, lse_shape, _params.MERGE.pack(p).tobytes(),
+    return _MergePlan(framework, oa.device, oa.shape, oa.dtype, lse_shape,
+                      _params.MERGE.pack(p).tobytes(),
                       _compile.function_pointer(kernel, oa.device) if count else 0,
-                      -(-count // 4))
+                      -(-count // 4), _interop.returns_jax(oa))
 
 
 @dataclass(frozen=True)
 class _MergePlan:
     framework: str
     device: int
+    out_shape: tuple
+    dtype: str
     lse_shape: tuple
     params: bytes
     function: int
     blocks: int
+    to_jax: bool
 
 
 # -- launch --------------------------------------------------------------------------------
 
-def _run(plan, q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o,
-         lse_out=None):
-    if o is None:
-        o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
-                                            plan.device)
-    else:
-        o_native, o_ptr = o.obj, o.ptr
-    lse_native = lse_ptr = 0
-    if lse_out is not None:
-        lse_native, lse_ptr = lse_out.obj, lse_out.ptr
-    elif plan.want_lse:
-        lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32",
-                                                plan.device)
-    if plan.launches:
-        total, o_part, lse_part, q_rot = plan.workspace
-        # (the buffer is held until the launches are queued: freed earlier, another thread
-        # could be handed the same memory for work ordered before ours)
-        workspace, base = (_interop.allocate(plan.framework, (total,), "float32", plan.device)
-                           if total else (None, 0))
-        at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
-        params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
-            at(q_rot) if plan.rotary else q.ptr, kc.ptr, vc.ptr, o_ptr, lse_ptr, at(o_part),
-            at(lse_part), api._ptr(seqlens), api._ptr(idx), api._ptr(leftpad), api._ptr(table), api._ptr(alibi),
-            api._ptr(kn), api._ptr(vn), q.ptr if plan.rotary else 0, api._ptr(cos), api._ptr(sin)))
-        _launch(plan.device, plan.framework,
-                tuple((fn, grid, threads, smem, params)
-                      for _, fn, grid, threads, smem in plan.launches))
-        del workspace
-    o_native = _interop.to_caller(o_native, q)
-    if plan.want_lse:
-        return o_native, _interop.to_caller(lse_native, q)
-    return o_native
-
-
-def _launch(device, framework, launches):
-    """Each (CUfunction, grid, threads, smem, params buffer) on the caller's stream, in
-    order."""
-    with api.caller_stream(framework, device) as stream:
-        for function, grid, threads, smem, params in launches:
-            api.driver_launch(function, grid, threads, smem, stream, (params,))
+def _run(plan, ptrs, out, lse_out, stream):
+    """ptrs: the arrays' addresses in _ARRAYS order."""
+    q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
+    with api.caller_stream(plan.framework, plan.device, stream) as stream:
+        if out is None:
+            o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
+                                                plan.device, stream)
+        else:
+            o_native = out
+        lse_native = lse_ptr = 0
+        if lse_out is not None:
+            lse_native, lse_ptr = lse_out, lse_out.ptr
+        elif plan.want_lse:
+            lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape,
+                                                    "float32", plan.device, stream)
+        if plan.launches:
+            total, o_part, lse_part, q_rot = plan.workspace
+            # (held until the launches are queued: freed earlier, another thread could be
+            # handed the same memory for work ordered before ours)
+            workspace, base = (_interop.allocate(plan.framework, (total,), "float32",
+                                                 plan.device, stream) if total else (None, 0))
+            at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
+            params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
+                at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
+                at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
+                q if plan.rotary else 0, cos, sin))
+            for _, function, grid, threads, smem in plan.launches:
+                api.driver_launch(function, grid, threads, smem, stream, (params,))
+            del workspace
+    if plan.to_jax:
+        o_native = _interop.to_jax(o_native)
+        lse_native = _interop.to_jax(lse_native) if plan.want_lse else None
+    return (o_native, lse_native) if plan.want_lse else o_native

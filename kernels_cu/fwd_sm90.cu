@@ -283,6 +283,18 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
   __syncwarp();
 }
 
+// -- the last CTA out of the tile loop zeroes the tile counter (and its count of CTAs
+//    out, counter[1]) for the next launch on the stream, so the host needs no memset:
+//    every CTA has then taken its last tile, so no atomicAdd on counter[0] is to come --
+__device__ __forceinline__ void leave_tile_loop(u32* counter) {
+  __threadfence();  // our last counter[0] atomic before our count below
+  if (atomicAdd(counter + 1, 1u) == gridDim.x - 1) {
+    __threadfence();  // every other CTA's counter[0] atomics before the reset
+    atomicExch(counter, 0u);
+    atomicExch(counter + 1, 0u);
+  }
+}
+
 // -- producer: one warp; lane 0 issues TMA copies, whose bytes complete the stage's
 //    barrier. A packed batch's last key block must not bring in the next sequence's rows
 //    (a stray inf there would turn P = 0 into NaN): it comes through the tail maps, whose
@@ -316,7 +328,10 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
         mbar_arrive(sm.q_full() + 8 * q_stage);  // the tile alone
       }
     }
-    if (!more) break;
+    if (!more) {
+      if (elected) leave_tile_loop(counter);
+      break;
+    }
     u32 next = 0;
     if (elected) next = atomicAdd(counter, 1u);  // in flight while the K/V copies go out
     for (int it = 0; it < w.n_blocks; ++it, ++block_count)

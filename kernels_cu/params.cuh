@@ -22,8 +22,8 @@ struct FwdParams {
   // seqused_k (batch,), and the work list built by varlen_schedule: int2 entries
   // (sequence, query block) and their count.
   u64 cu_seqlens_q, cu_seqlens_k, seqused_k, tile_list, tile_count;
-  // sm90 (persistent): uint32 count of the tiles taken past the first gridDim.x, zeroed
-  // before each launch.
+  // sm90 (persistent): uint32 count of the tiles taken past the first gridDim.x, then the
+  // count of CTAs done; zero at the start of a launch, and left zero at its end.
   u64 tile_counter;
   // Packed batches reading K/V from a paged cache: int32 (batch, max pages) page ids;
   // 0 when K/V are plain rows. Key j of sequence b is row j % page_size of page

@@ -18,8 +18,8 @@ __device__ __forceinline__ int query_blocks(const int* cu_seqlens_q, int b, int 
 }
 
 // scratch: 3 * num_buckets ints; num_buckets > the largest possible block count.
-// tile_counter (or null): the persistent forward's tile counter, zeroed here so the
-// launch needs no memset of its own.
+// tile_counter (or null): the persistent forward's tile counter (2 uint32), zeroed here
+// so the launch needs no memset of its own.
 extern "C" __global__ void varlen_schedule(const int* cu_seqlens_q, int batch, int total_q,
                                            int block_m, int num_buckets, int* scratch,
                                            int2* tile_list, int* tile_count, int* tile_counter) {
@@ -27,7 +27,7 @@ extern "C" __global__ void varlen_schedule(const int* cu_seqlens_q, int batch, i
   int* taken = scratch + num_buckets;      // of those, placed so far
   int* first = scratch + 2 * num_buckets;  // first slot of the sequences with n blocks
   for (int i = threadIdx.x; i < num_buckets; i += blockDim.x) count[i] = taken[i] = 0;
-  if (threadIdx.x == 0 && tile_counter) *tile_counter = 0;
+  if (threadIdx.x < 2 && tile_counter) tile_counter[threadIdx.x] = 0;
   __syncthreads();
   for (int b = threadIdx.x; b < batch; b += blockDim.x)
     atomicAdd(&count[query_blocks(cu_seqlens_q, b, total_q, block_m)], 1);

@@ -1,0 +1,160 @@
+"""CPU: the launch path of every entry point, with the device layer replaced by a recorder:
+each argument's address lands in its field of the params record, outputs are allocated
+only where asked for, a repeated signature reuses its plan, and a new address is read
+afresh. Views (DeviceArray) stand in for arrays, as under jax.jit."""
+import numpy as np
+import pytest
+
+import cufa
+from cufa import _compile, _interop, _params, _tma, api, kvcache
+
+
+class _Device:
+    """Records launches; hands out fresh fake addresses."""
+
+    def __init__(self):
+        self.launches, self.allocations, self.next = [], [], 1 << 20
+
+    def allocate(self, framework, shape, dtype, device, stream):
+        self.allocations.append((shape, dtype))
+        self.next += 1 << 20
+        return f"array@{self.next:#x}", self.next
+
+    def launch(self, function, blocks, threads, smem, stream, args):
+        self.launches.append((function, blocks, [bytes(a) for a in args]))
+
+
+class _Stream:
+    def __init__(self, framework, device, stream=None):
+        self.stream = stream
+
+    def __enter__(self):
+        return 7 if self.stream is None else self.stream
+
+    def __exit__(self, *exc):
+        pass
+
+
+@pytest.fixture
+def device(monkeypatch):
+    fake = _Device()
+    monkeypatch.setattr(api, "caller_stream", _Stream)
+    monkeypatch.setattr(api, "driver_launch", fake.launch)
+    monkeypatch.setattr(_interop, "allocate", fake.allocate)
+    monkeypatch.setattr(api, "_tile_counter", lambda framework, device, stream: (None, 0xC0))
+    monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
+    monkeypatch.setattr(api, "_compute_capability", lambda device: "90")
+    monkeypatch.setattr(api, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: 228 * 1024)
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: (lambda *args: 0))
+    _tma.tensor_maps.cache_clear()
+    api.clear_plans()
+    yield fake
+    api.clear_plans()
+    _tma.tensor_maps.cache_clear()
+
+
+_addresses = iter(range(1 << 32, 1 << 40, 1 << 24))
+
+
+def view(shape, dtype="float16"):
+    itemsize = 4 if dtype in ("float32", "int32") else 2
+    return _interop.DeviceArray(None, "cupy", next(_addresses), tuple(shape),
+                                _interop.contiguous_strides(shape), dtype, 0, itemsize)
+
+
+def record(launch, fields=_params.FWD):
+    return np.frombuffer(launch[2][0], dtype=fields.dtype)[0]
+
+
+def test_dense_addresses_and_no_lse_unless_asked(device):
+    q, k, v = view((2, 100, 4, 64)), view((2, 130, 2, 64)), view((2, 130, 2, 64))
+    o = cufa.flash_attn_func(q, k, v, causal=True)
+    (launch,) = device.launches
+    r = record(launch)
+    assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, v.ptr)
+    assert r["o"] == int(o.split("@")[1], 16) and r["lse"] == 0
+    assert r["tile_counter"] == 0xC0       # persistent kernel: the per-stream counter
+    assert device.allocations == [((2, 100, 4, 64), "float16")]
+    assert len(launch[2]) == 2             # the record and the TMA maps
+    o, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    r = record(device.launches[-1])
+    assert r["lse"] == int(lse.split("@")[1], 16) and device.allocations[-1] == (
+        (2, 4, 100), "float32")
+    assert len(api._plans) == 1            # return_lse is no part of the plan
+
+
+def test_repeated_signature_reuses_the_plan_with_new_addresses(device):
+    shapes = ((1, 64, 2, 128), (1, 64, 2, 128), (1, 64, 2, 128))
+    for _ in range(3):
+        q, k, v = (view(s) for s in shapes)
+        cufa.flash_attn_func(q, k, v)
+        r = record(device.launches[-1])
+        assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, v.ptr)
+    assert len(api._plans) == 1
+    cufa.flash_attn_func(q, k, v, softcap=5.0)  # new options: a new plan
+    assert len(api._plans) == 2
+
+
+def test_out_is_written_and_returned(device):
+    q = view((1, 33, 2, 64))
+    out = view((1, 33, 2, 64))
+    res = cufa.flash_attn_func(q, q, q, out=out)
+    assert res is out and record(device.launches[-1])["o"] == out.ptr
+    assert device.allocations == []
+
+
+def test_packed_addresses_and_scratch(device):
+    q, k = view((300, 4, 64)), view((300, 2, 64))
+    cu = view((4,), "int32")
+    used = view((3,), "int32")
+    o, lse = cufa.flash_attn_varlen_func(q, k, k, cu, cu, 200, 200, seqused_k=used,
+                                         return_lse=True)
+    schedule, forward = device.launches
+    r = record(forward)
+    assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, k.ptr)
+    assert (r["cu_seqlens_q"], r["cu_seqlens_k"], r["seqused_k"]) == (cu.ptr, cu.ptr, used.ptr)
+    scratch = r["tile_list"]
+    assert r["tile_count"] > scratch and r["tile_counter"] > r["tile_count"]
+    # the schedule kernel's last argument: the forward's tile counter, which it zeroes
+    assert int.from_bytes(schedule[2][-1], "little") == r["tile_counter"]
+
+
+def test_sdpa_mask_address(device):
+    q = view((2, 4, 50, 64))
+    mask = view((50, 70), "float32")
+    kv = view((2, 4, 70, 64))
+    cufa.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
+    assert record(device.launches[-1])["attn_mask"] == mask.ptr
+
+
+def test_kvcache_addresses(device):
+    q, cache = view((4, 1, 8, 128)), view((4, 1024, 2, 128))
+    lens = view((4,), "int32")
+    k_new = view((4, 1, 2, 128))
+    o = cufa.flash_attn_with_kvcache(q, cache, cache, k_new, k_new, cache_seqlens=lens,
+                                     num_splits=1)
+    append, decode = device.launches
+    r = record(decode, _params.DECODE)
+    assert (r["q"], r["k"], r["v"], r["cache_seqlens"]) == (q.ptr, cache.ptr, cache.ptr,
+                                                           lens.ptr)
+    assert (r["k_new"], r["v_new"]) == (k_new.ptr, k_new.ptr)
+    assert r["o"] == int(o.split("@")[1], 16) and r["lse"] == 0
+
+
+def test_merge_addresses(device):
+    oa, ob = view((1, 10, 2, 64)), view((1, 10, 2, 64))
+    la, lb = view((1, 2, 10), "float32"), view((1, 2, 10), "float32")
+    out, lse = cufa.merge_attention_states(oa, la, ob, lb)
+    r = record(device.launches[-1], _params.MERGE)
+    assert (r["out_a"], r["lse_a"], r["out_b"], r["lse_b"]) == (oa.ptr, la.ptr, ob.ptr, lb.ptr)
+    assert r["out"] == int(out.split("@")[1], 16) and r["lse"] == int(lse.split("@")[1], 16)
+
+
+def test_bad_input_still_named_before_any_launch(device):
+    q = view((1, 10, 2, 64))
+    with pytest.raises(ValueError, match="k has head dim 128"):
+        cufa.flash_attn_func(q, view((1, 10, 2, 128)), view((1, 10, 2, 128)))
+    with pytest.raises(TypeError, match="q must be a CUDA array"):
+        cufa.flash_attn_func(None, q, q)
+    assert device.launches == [] and api._plans == {}
