@@ -222,3 +222,27 @@ def test_scale_default_is_inverse_sqrt_d(rng):
     a = cufa.flash_attn_func(q, q, q)
     b = cufa.flash_attn_func(q, q, q, softmax_scale=1 / math.sqrt(72))
     assert torch.equal(a, b)
+
+
+def test_back_to_back_calls_share_the_self_resetting_tile_counter(rng):
+    """The persistent kernel's tile counter is kept per stream and reset by the kernel
+    itself: calls queued without a sync in between, with different tile counts, on two
+    streams at once, each compute every tile (a counter left non-zero would skip tiles of
+    the next call, leaving its poison)."""
+    shapes = [(1, 1, 2, 64), (3, 300, 4, 64), (2, 129, 8, 128), (1, 1000, 2, 64),
+              (2, 65, 4, 256), (4, 17, 2, 64)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    calls = []
+    for rep in range(3):
+        for i, (b, s, h, d) in enumerate(shapes):
+            q, k, v = (randn(rng, (b, s, h, d), "float16") for _ in range(3))
+            out = _poisoned_like(q)
+            stream = streams[(i + rep) % 2]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                cufa.flash_attn_func(q, k, v, causal=bool(i % 2), out=out)
+            calls.append((out, q, k, v, bool(i % 2)))
+    torch.cuda.synchronize()
+    for out, q, k, v, causal in calls:
+        check_attention(out, None, q, k, v, label=f"{tuple(q.shape)} causal={causal}",
+                        causal=causal)
