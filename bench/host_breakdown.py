@@ -67,7 +67,7 @@ def main():
         "torch SDPA flash (same inputs)": lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
         "output: _interop.allocate": lambda: _interop.allocate("torch", plan.out_shape,
-                                                              plan.dtype, 0),
+                                                              plan.dtype, 0, stream),
         "tile counter (per stream)": lambda: api._tile_counter("torch", 0, stream),
         "signature of (q, k, v, None, None)": lambda: _interop.signature(arrays, names),
         "options + key + plan lookup": lambda: api._plans.get(("dense", (

@@ -700,6 +700,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
     framework, device = plan.framework, plan.device
     counter = tile_list = tile_count = 0
     cu_q = cu_k = used = table = 0
+    scratch = None
     if packed:
         cu_q, cu_k, used, table = packed
         schedule, max_tiles, num_buckets, batch, total_q = plan.work_list

@@ -158,3 +158,16 @@ def test_bad_input_still_named_before_any_launch(device):
     with pytest.raises(TypeError, match="q must be a CUDA array"):
         cufa.flash_attn_func(None, q, q)
     assert device.launches == [] and api._plans == {}
+
+
+def test_portable_kernels_and_empty_batches(device, monkeypatch):
+    monkeypatch.setattr(api, "_compute_capability", lambda device: "80")
+    q = view((2, 40, 2, 64))
+    cufa.flash_attn_func(q, q, q)
+    r = record(device.launches[-1])
+    assert r["q"] == q.ptr and r["tile_counter"] == 0   # not persistent: no counter
+    assert len(device.launches[-1][2]) == 1             # no TMA maps
+    empty = view((0, 40, 2, 64))
+    o, lse = cufa.flash_attn_func(empty, empty, empty, return_lse=True)
+    assert len(device.launches) == 1 and device.allocations[-2:] == [
+        ((0, 40, 2, 64), "float16"), ((0, 2, 40), "float32")]
