@@ -15,6 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
@@ -88,6 +89,51 @@ def main():
     print("| --- | --- |")
     for name, fn in steps.items():
         print(f"| {name} | {us_per_call(fn, args.calls):.2f} |")
+    jax_breakdown(2000)
+
+
+def jax_breakdown(calls):
+    """Under jax.jit: the per-call time, the time spent inside cufa's callback (the rest
+    is XLA's callback mechanism), and cProfile's view of the callback (run on XLA's
+    thread, so profiled from inside it)."""
+    try:
+        import jax
+        import jax.numpy as jnp
+        from cufa import _jax
+    except ImportError as e:
+        print(f"(JAX not timed: {e})")
+        return
+    import cProfile
+    import pstats
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 64)), jnp.float16)
+    fn = jax.jit(lambda q: cufa.flash_attn_func(q, q, q, causal=True))
+    inner, spent = _jax.on_device, [0.0]
+    profiler = cProfile.Profile()
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        inner(*args)
+        spent[0] += time.perf_counter() - t0
+
+    def profiled(*args):
+        profiler.enable()
+        inner(*args)
+        profiler.disable()
+
+    for wrapper in (timed, profiled):
+        _jax.on_device = wrapper
+        fn(q).block_until_ready()
+        spent[0] = 0.0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(q)
+        out.block_until_ready()
+        total = (time.perf_counter() - t0) / calls * 1e6
+        if wrapper is timed:
+            print(f"\njax.jit: {total:.1f} us a call, {spent[0] / calls * 1e6:.1f} us of it "
+                  "inside cufa's callback")
+    _jax.on_device = inner
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,11 @@ def allocate(framework, shape, dtype, device, stream):
     freed memory on that stream only (under jax.jit, XLA's stream is not CuPy's)."""
     if framework == "torch":
         import torch
-        native = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        kind = _torch_kinds.get((dtype, device))
+        if kind is None:  # torch.device objects: an int device costs torch a conversion
+            kind = _torch_kinds[dtype, device] = (getattr(torch, dtype),
+                                                  torch.device("cuda", device))
+        native = torch.empty(shape, dtype=kind[0], device=kind[1])
         return native, native.data_ptr()
     import cupy
     if cupy.cuda.get_current_stream().ptr == stream:
@@ -161,6 +165,9 @@ def allocate(framework, shape, dtype, device, stream):
         with cupy.cuda.Stream.from_external(_StreamHandle(stream)):
             native = cupy.empty(shape, dtype=_cupy_dtype(dtype))
     return native, native.data.ptr
+
+
+_torch_kinds = {}  # (dtype name, device) -> torch.empty's dtype and device arguments
 
 
 class _StreamHandle:
