@@ -41,11 +41,15 @@ class Call:
     out_dtypes: tuple
     options: dict
     aliases: tuple    # (argument name, output index): outputs that update an argument
+    layouts: tuple    # (shape, strides, dtype, itemsize) of each argument: static under jit
+    out_layouts: tuple
 
 
-def call(entry, arrays, options, out=None):
+def call(entry, arrays, options, out=None, lse=True):
     """`entry` (a public function's name) on JAX arrays, traced or not, as one
-    buffer_callback; returns its outputs (out, lse, and any updated caches)."""
+    buffer_callback; returns its outputs (out, lse, and any updated caches). lse=False
+    leaves lse out of flash_attn_func's and flash_attn_varlen_func's outputs (one buffer
+    less for XLA to hand over, and none to write)."""
     import jax
     import jax.numpy as jnp
     if not available():
@@ -59,9 +63,12 @@ def call(entry, arrays, options, out=None):
     present = {n: jnp.asarray(x) if not hasattr(x, "dtype") else x
                for n, x in arrays.items() if x is not None}
     results, aliases = _outputs(entry, present)
+    if not lse and entry in ("flash_attn_func", "flash_attn_varlen_func"):
+        results = results[:1]
     names = tuple(present)
     spec = Call(entry, names, tuple(str(present[n].dtype) for n in names),
-                tuple(str(r.dtype) for r in results), dict(options), tuple(aliases))
+                tuple(str(r.dtype) for r in results), dict(options), tuple(aliases),
+                tuple(_layout(present[n]) for n in names), tuple(_layout(r) for r in results))
     fn = buffer_callback(lambda ctx, outs, *bufs: on_device(spec, ctx, outs, bufs),
                          tuple(results),
                          input_output_aliases={names.index(n): i for n, i in aliases})
@@ -123,21 +130,21 @@ def _without_vmap_or_grad(fn, entry):
 
 
 def on_device(spec, ctx, outs, bufs):
-    """At run time, in XLA's callback: views of the buffers, then the eager path's
-    validation, plan and launch on XLA's stream. All buffers of one call are on one
-    device, so it is looked up once."""
-    device = _device_of(bufs[0] if bufs else outs[0])
-    views = {n: _view(b, n, dt, device) for n, b, dt in zip(spec.names, bufs, spec.dtypes)}
-    out_views = [_view(b, f"output {i}", dt, device)
-                 for i, (b, dt) in enumerate(zip(outs, spec.out_dtypes))]
+    """At run time, in XLA's callback: views of the buffers (their layouts known since
+    tracing), then the eager path's validation, plan and launch on XLA's stream. All
+    buffers of one call are on one device, so it is looked up once."""
+    views = {n: _view(b, layout) for n, b, layout in zip(spec.names, bufs, spec.layouts)}
+    out_views = [_view(b, layout) for b, layout in zip(outs, spec.out_layouts)]
+    device = _device_of(out_views[0].ptr)
+    for view in (*views.values(), *out_views):
+        view.device = device
     for name, i in spec.aliases:  # the append writes into the updated cache's buffer
         views[name] = out_views[i]
     _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream)
 
 
-def _device_of(buf):
+def _device_of(ptr):
     import cupy
-    ptr = buf.__cuda_array_interface__["data"][0]
     return (cupy.cuda.runtime.pointerGetAttributes(ptr).device if ptr
             else cupy.cuda.runtime.getDevice())
 
@@ -145,30 +152,36 @@ def _device_of(buf):
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "bool": 1}
 
 
-def _view(buf, name, dtype, device):
-    """An XLA device buffer as a DeviceArray."""
+def _layout(x):
+    """(shape, row-major strides, dtype name, itemsize) of a traced array: what XLA's
+    buffers for it will be (the callback checks the strides)."""
+    dtype = str(x.dtype)
+    itemsize = _ITEMSIZE.get(dtype) or x.dtype.itemsize
+    return tuple(x.shape), _interop.contiguous_strides(tuple(x.shape)), dtype, itemsize
+
+
+def _view(buf, layout):
+    """An XLA device buffer as a DeviceArray (its device set by the caller)."""
     cai = buf.__cuda_array_interface__
-    ptr, shape = cai["data"][0], tuple(cai["shape"])
-    itemsize = _ITEMSIZE.get(dtype)
-    if itemsize is None:
-        import cupy
-        itemsize = cupy.dtype(dtype).itemsize
-    strides = cai.get("strides")
-    strides = (tuple(s // itemsize for s in strides) if strides is not None
-               else _interop.contiguous_strides(shape))
-    return _interop.DeviceArray(None, "cupy", ptr, shape, strides, dtype, device, itemsize)
+    shape, strides, dtype, itemsize = layout
+    if cai.get("strides") is not None:  # not row-major after all
+        strides = tuple(s // itemsize for s in cai["strides"])
+    return _interop.DeviceArray(None, "cupy", cai["data"][0], shape, strides, dtype, -1,
+                                itemsize)
 
 
 def _run_dense(views, outs, options, stream):
     from . import api
+    lse = outs[1] if len(outs) > 1 else None
     api.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0],
-              **options, return_lse=True, lse_out=outs[1], stream=stream)
+              **options, return_lse=lse is not None, lse_out=lse, stream=stream)
 
 
 def _run_packed(views, outs, options, stream):
     from . import api
+    lse = outs[1] if len(outs) > 1 else None
     api.packed(*(views.get(n) for n in api._PACKED_ARRAYS[:-1]), outs[0], **options,
-               return_lse=True, lse_out=outs[1], stream=stream)
+               return_lse=lse is not None, lse_out=lse, stream=stream)
 
 
 def _run_sdpa(views, outs, options, stream):

@@ -77,15 +77,15 @@ class Record:
         self.pointer_fields = tuple(name for name, kind in fields if kind is _PTR)
         assert all(self.dtype.fields[n][1] == 8 * i for i, n in enumerate(self.pointer_fields))
         self._pointers = struct.Struct(f"<{len(self.pointer_fields)}Q")
+        self._record = struct.Struct(_struct_format(self.dtype))
 
     def pack(self, fields):
-        """{field: value} -> the record passed by value to the kernel (fields left out
-        are 0). One conversion: cheaper than setting fields of a record one by one."""
+        """{field: value} -> the record's bytes, passed by value to the kernel (fields left
+        out are 0). One struct.pack of the layout (a plan for a new signature makes one)."""
         unknown = fields.keys() - self.names
         if unknown:
             raise KeyError(f"not {self.struct_name} fields: {sorted(unknown)}")
-        return np.array(tuple(fields.get(name, 0) for name in self.dtype.names),
-                        dtype=self.dtype)
+        return self._record.pack(*(fields.get(name, 0) for name in self.dtype.names))
 
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to
@@ -93,6 +93,17 @@ class Record:
         buffer = ctypes.create_string_buffer(record, len(record))
         self._pointers.pack_into(buffer, 0, *values)
         return buffer
+
+
+def _struct_format(dtype):
+    """The struct module's format of an aligned NumPy record dtype (padding as pad bytes)."""
+    codes = {np.dtype(_PTR): "Q", np.dtype(_I64): "q", np.dtype(_I32): "i", np.dtype(_F32): "f"}
+    fmt, at = "<", 0
+    for name in dtype.names:
+        kind, offset = dtype.fields[name][:2]
+        fmt += "x" * (offset - at) + codes[kind]
+        at = offset + kind.itemsize
+    return fmt + "x" * (dtype.itemsize - at)
 
 
 FWD = Record("cufa::FwdParams", FWD_FIELDS)

@@ -53,10 +53,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                              softcap, alibi_slopes)
         return (o, lse) if return_lse else o
     if _jax.tracing(q, k, v, alibi_slopes):
-        o, lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), dict(
-            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            softcap=softcap), out=out)
-        return (o, lse) if return_lse else o
+        o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes),
+                            dict(softmax_scale=softmax_scale, causal=causal,
+                                 window_size=window_size, softcap=softcap),
+                            out=out, lse=return_lse)
+        return (o, *lse) if return_lse else o
     return dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, return_lse=return_lse)
 
@@ -151,8 +152,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if check_cu_seqlens:
             raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
                              "function does not have; check them outside jax.jit")
-        o, lse = _jax.call("flash_attn_varlen_func", arrays, options, out=out)
-        return (o, lse) if return_lse else o
+        o, *lse = _jax.call("flash_attn_varlen_func", arrays, options, out=out, lse=return_lse)
+        return (o, *lse) if return_lse else o
     return packed(*arrays.values(), out, **options, return_lse=return_lse,
                   check_cu_seqlens=check_cu_seqlens)
 
@@ -636,7 +637,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         num_blocks = min(num_blocks, _sm_count(q.device) * variant.ctas_per_sm)
     return _Plan(**outputs, variant=variant,
                  function=_compile.function_pointer(variant, q.device),
-                 params=_params.FWD.pack(p).tobytes(), num_blocks=num_blocks,
+                 params=_params.FWD.pack(p), num_blocks=num_blocks,
                  tma_views=tma_views, kv_tail_maps=kv_tail_maps,
                  work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
                             max_tiles, seqlen_q // variant.block_m + 2, batch, seqlen_q)

@@ -332,7 +332,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
         offsets.append(total if n else -1)
         total += -(-n // 64) * 64
     workspace = (total, *offsets)
-    return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p).tobytes(),
+    return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary)
 
 
@@ -474,7 +474,7 @@ def _plan_merge(oa, la, ob, lb, o, out):
     count = batch * rows * nheads
     kernel = _compile.DecodeKernel("merge", _MERGE_DTYPES[oa.dtype])
     return _MergePlan(framework, oa.device, oa.shape, oa.dtype, lse_shape,
-                      _params.MERGE.pack(p).tobytes(),
+                      _params.MERGE.pack(p),
                       _compile.function_pointer(kernel, oa.device) if count else 0,
                       -(-count // 4), _interop.returns_jax(oa))
 

@@ -65,9 +65,14 @@ def test_tail_view_reads_the_sequence_end_and_zeros():
 
 def test_params_record_from_named_fields():
     from cufa import _params
-    rec = _params.FWD.pack({"q": 0x7f0000000000, "seqlen_k": 77, "scale": 0.5})
+    import numpy as np
+    packed = _params.FWD.pack({"q": 0x7f0000000000, "seqlen_k": 77, "scale": 0.5,
+                               "window_left": -3, "softcap_inv": 0.25})
+    assert len(packed) == _params.FWD.dtype.itemsize
+    rec = np.frombuffer(packed, dtype=_params.FWD.dtype)[0]
     assert int(rec["q"]) == 0x7f0000000000 and int(rec["seqlen_k"]) == 77
-    assert float(rec["scale"]) == 0.5 and int(rec["k"]) == 0 and rec.dtype == _params.FWD.dtype
+    assert float(rec["scale"]) == 0.5 and int(rec["k"]) == 0
+    assert int(rec["window_left"]) == -3 and float(rec["softcap_inv"]) == 0.25
     import pytest
     with pytest.raises(KeyError, match="seqlen"):
         _params.FWD.pack({"seqlen": 1})

@@ -21,7 +21,7 @@ class _Device:
         return f"array@{self.next:#x}", self.next
 
     def launch(self, function, blocks, threads, smem, stream, args):
-        self.launches.append((function, blocks, [bytes(a) for a in args]))
+        self.launches.append((function, blocks, [bytes(a) for a in args], stream))
 
 
 class _Stream:
@@ -171,3 +171,35 @@ def test_portable_kernels_and_empty_batches(device, monkeypatch):
     o, lse = cufa.flash_attn_func(empty, empty, empty, return_lse=True)
     assert len(device.launches) == 1 and device.allocations[-2:] == [
         ((0, 40, 2, 64), "float16"), ((0, 2, 40), "float32")]
+
+
+class _XlaBuffer:
+    def __init__(self, shape, typestr):
+        self.__cuda_array_interface__ = dict(shape=shape, typestr=typestr, strides=None,
+                                             data=(next(_addresses), False), version=3)
+
+
+def test_jax_callback_launches_on_xla_stream_without_lse_unless_asked(device, monkeypatch):
+    jax = pytest.importorskip("jax")
+    from cufa import _jax
+    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
+    q = jax.ShapeDtypeStruct((1, 40, 2, 64), "float16")
+    for lse in (False, True):
+        results = [q] + ([jax.ShapeDtypeStruct((1, 2, 40), "float32")] if lse else [])
+        spec = _jax.Call("flash_attn_func", ("q", "k", "v"), ("float16",) * 3,
+                         tuple(str(r.dtype) for r in results),
+                         dict(softmax_scale=None, causal=True, window_size=(-1, -1),
+                              softcap=0.0), (), tuple(_jax._layout(q) for _ in range(3)),
+                         tuple(_jax._layout(r) for r in results))
+        bufs = [_XlaBuffer((1, 40, 2, 64), "<f2") for _ in range(3)]
+        outs = [_XlaBuffer(tuple(r.shape), "<f4") for r in results]
+
+        class Context:
+            stream = 0x5EED
+        _jax.on_device(spec, Context, outs, bufs)
+        launch = device.launches[-1]
+        r = record(launch)
+        ptr = (lambda b: b.__cuda_array_interface__["data"][0])
+        assert (r["q"], r["k"], r["v"], r["o"]) == tuple(map(ptr, bufs + outs[:1]))
+        assert r["lse"] == (ptr(outs[1]) if lse else 0)
+        assert launch[3] == 0x5EED and device.allocations == []
