@@ -8,6 +8,7 @@ functions are cached in memory per (device, variant); the first use of a variant
 compiles it once even when several threads ask at the same time.
 """
 import contextlib
+import functools
 import hashlib
 import importlib.resources
 import os
@@ -239,6 +240,7 @@ def padded_head_dim(head_dim, family="sm80"):
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
+@functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature calls it
 def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", short=False):
     """short: an sm90 packed batch of short sequences (short_sequences), which gets the
     64-row tiles where the head dim has them."""

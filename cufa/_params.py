@@ -78,6 +78,7 @@ class Record:
         assert all(self.dtype.fields[n][1] == 8 * i for i, n in enumerate(self.pointer_fields))
         self._pointers = struct.Struct(f"<{len(self.pointer_fields)}Q")
         self._record = struct.Struct(_struct_format(self.dtype))
+        self._zeros = (0,) * len(self.dtype.names)  # fields left out
 
     def pack(self, fields):
         """{field: value} -> the record's bytes, passed by value to the kernel (fields left
@@ -85,7 +86,7 @@ class Record:
         unknown = fields.keys() - self.names
         if unknown:
             raise KeyError(f"not {self.struct_name} fields: {sorted(unknown)}")
-        return self._record.pack(*(fields.get(name, 0) for name in self.dtype.names))
+        return self._record.pack(*map(fields.get, self.dtype.names, self._zeros))
 
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to

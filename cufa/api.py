@@ -521,7 +521,7 @@ def _broadcast_strides(m, full_shape):
     return tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(shape, full_shape, strides))
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen, which costs every field an object.__setattr__; never changed once made
 class _Plan:
     """What a launch needs besides the arrays' addresses. It follows from the call's
     signature alone (shapes, strides, dtypes, devices and alignment of the arrays, and the

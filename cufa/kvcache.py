@@ -179,7 +179,7 @@ def merge(arrays, lse_out=None, stream=None):
 
 # -- planning ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass  # not frozen (see api._Plan); never changed once made
 class _KvPlan:
     """What a call needs besides the arrays' addresses (see api._Plan)."""
     framework: str
@@ -479,7 +479,7 @@ def _plan_merge(oa, la, ob, lb, o, out):
                       -(-count // 4), _interop.returns_jax(oa))
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen (see api._Plan); never changed once made
 class _MergePlan:
     framework: str
     device: int
