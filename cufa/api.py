@@ -174,7 +174,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     plan = _plans.get(key)
     views = None
     if plan is None or check_cu_seqlens:
-        views = _views(arrays, _PACKED_ARRAYS)
+        views = _views(arrays, _PACKED_ARRAYS, required=5)  # q, k, v and both cu_seqlens
     if plan is None:
         plan = _remember(key, _plan_packed(*views, out, *options))
     if check_cu_seqlens:

@@ -203,3 +203,16 @@ def test_jax_callback_launches_on_xla_stream_without_lse_unless_asked(device, mo
         assert (r["q"], r["k"], r["v"], r["o"]) == tuple(map(ptr, bufs + outs[:1]))
         assert r["lse"] == (ptr(outs[1]) if lse else 0)
         assert launch[3] == 0x5EED and device.allocations == []
+
+
+def test_missing_required_arrays_are_named(device):
+    q = view((30, 2, 64))
+    cu = view((2,), "int32")
+    with pytest.raises(TypeError, match="cu_seqlens_k must be a CUDA array"):
+        cufa.flash_attn_varlen_func(q, q, q, cu, None, 30, 30)
+    with pytest.raises(TypeError, match="v_cache must be a CUDA array"):
+        cufa.flash_attn_with_kvcache(view((1, 1, 2, 64)), view((1, 8, 2, 64)), None)
+    with pytest.raises(TypeError, match="lse_b must be a CUDA array"):
+        cufa.merge_attention_states(view((1, 4, 2, 64)), view((1, 2, 4), "float32"),
+                                    view((1, 4, 2, 64)), None)
+    assert device.launches == []
