@@ -676,24 +676,34 @@ def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, pac
     current stream. q, k, v, o_ptr (out's), alibi, attn_mask: addresses; packed: the
     addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream: see dense."""
     with caller_stream(plan.framework, plan.device, stream) as stream:
-        if out is None:
-            o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
-                                                plan.device, stream)
-        else:
-            o_native = out
-        if lse_out is not None:
-            lse_native, lse_ptr = lse_out, lse_out.ptr
-        elif return_lse:
-            lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape,
-                                                    "float32", plan.device, stream)
-        else:  # the kernels skip lse without a buffer: one allocation less a call
-            lse_native, lse_ptr = None, 0
+        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream)
         if plan.variant is not None:
             _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed)
+    return returned(plan, o, lse, return_lse)
+
+
+def outputs(plan, out, o_ptr, lse_out, want_lse, stream):
+    """(out, its address, lse, its address) of a call, inside caller_stream: the caller's
+    out= (or, under jax.jit, XLA's buffers out and lse_out) where given, else new arrays of
+    the caller's framework; without want_lse no lse at all (None, 0), which the kernels
+    skip: one allocation less a call. Plans of every entry point have the fields read."""
+    if out is None:
+        out, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
+                                       plan.device, stream)
+    if lse_out is not None:
+        return out, o_ptr, lse_out, lse_out.ptr
+    if not want_lse:
+        return out, o_ptr, None, 0
+    lse, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32", plan.device,
+                                     stream)
+    return out, o_ptr, lse, lse_ptr
+
+
+def returned(plan, out, lse, with_lse):
+    """What the caller gets back: out (and lse), as JAX arrays for a JAX caller."""
     if plan.to_jax:
-        o_native = _interop.to_jax(o_native)
-        lse_native = _interop.to_jax(lse_native) if return_lse else None
-    return (o_native, lse_native) if return_lse else o_native
+        out, lse = _interop.to_jax(out), (_interop.to_jax(lse) if with_lse else None)
+    return (out, lse) if with_lse else out
 
 
 def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
@@ -762,10 +772,6 @@ def _tile_counter(framework, device, stream):
         ptr = _tile_counters[key] = runtime.malloc(8)
         runtime.memsetAsync(ptr, 0, 8, stream)
     return None, ptr
-
-
-def _ptr(x):
-    return 0 if x is None else x.ptr
 
 
 class caller_stream:

@@ -159,22 +159,13 @@ def merge(arrays, lse_out=None, stream=None):
     if plan is None:
         views = api._views(arrays, _MERGE_ARRAYS, required=4)
         plan = api._remember(key, _plan_merge(*views, arrays[-1]))
-    out = arrays[-1]
     with api.caller_stream(plan.framework, plan.device, stream) as stream:
-        o_native = out
-        if out is None:
-            o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
-                                                plan.device, stream)
-        lse_native, lse_ptr = (lse_out, lse_out.ptr) if lse_out is not None else \
-            _interop.allocate(plan.framework, plan.lse_shape, "float32", plan.device,
-                              stream)
+        o, o_ptr, lse, lse_ptr = api.outputs(plan, arrays[-1], o_ptr, lse_out, True, stream)
         if plan.blocks:
             params = _params.MERGE.with_pointer_values(plan.params, (  # MERGE_FIELDS' order
                 oa, la, ob, lb, o_ptr, lse_ptr))
             api.driver_launch(plan.function, plan.blocks, 128, 0, stream, (params,))
-    if plan.to_jax:
-        return _interop.to_jax(o_native), _interop.to_jax(lse_native)
-    return o_native, lse_native
+    return api.returned(plan, o, lse, True)
 
 
 # -- planning ------------------------------------------------------------------------------
@@ -498,17 +489,7 @@ def _run(plan, ptrs, out, lse_out, stream):
     """ptrs: the arrays' addresses in _ARRAYS order."""
     q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
     with api.caller_stream(plan.framework, plan.device, stream) as stream:
-        if out is None:
-            o_native, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
-                                                plan.device, stream)
-        else:
-            o_native = out
-        lse_native = lse_ptr = 0
-        if lse_out is not None:
-            lse_native, lse_ptr = lse_out, lse_out.ptr
-        elif plan.want_lse:
-            lse_native, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape,
-                                                    "float32", plan.device, stream)
+        o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream)
         if plan.launches:
             total, o_part, lse_part, q_rot = plan.workspace
             # (held until the launches are queued: freed earlier, another thread could be
@@ -523,7 +504,4 @@ def _run(plan, ptrs, out, lse_out, stream):
             for _, function, grid, threads, smem in plan.launches:
                 api.driver_launch(function, grid, threads, smem, stream, (params,))
             del workspace
-    if plan.to_jax:
-        o_native = _interop.to_jax(o_native)
-        lse_native = _interop.to_jax(lse_native) if plan.want_lse else None
-    return (o_native, lse_native) if plan.want_lse else o_native
+    return api.returned(plan, o, lse, plan.want_lse)
