@@ -43,6 +43,7 @@ class Call:
     aliases: tuple    # (argument name, output index): outputs that update an argument
     layouts: tuple    # (shape, strides, dtype, itemsize) of each argument: static under jit
     out_layouts: tuple
+    scratch: bool     # the last output is the launch's device scratch (see call)
 
 
 def call(entry, arrays, options, out=None, lse=True):
@@ -65,14 +66,65 @@ def call(entry, arrays, options, out=None, lse=True):
     results, aliases = _outputs(entry, present)
     if not lse and entry in ("flash_attn_func", "flash_attn_varlen_func"):
         results = results[:1]
+    # Device scratch (a packed batch's work list, the tile counter, split-KV partials) is
+    # one more output, so XLA owns it: XLA may record the launches into a CUDA graph
+    # (command_buffer_compatible) and replay them without calling back, and memory cufa
+    # allocated in the callback would be gone by then.
+    scratch = _scratch_bytes(entry, present, options)
+    if scratch:
+        results.append(jax.ShapeDtypeStruct((scratch,), jnp.uint8))
     names = tuple(present)
     spec = Call(entry, names, tuple(str(present[n].dtype) for n in names),
                 tuple(str(r.dtype) for r in results), dict(options), tuple(aliases),
-                tuple(_layout(present[n]) for n in names), tuple(_layout(r) for r in results))
+                tuple(_layout(present[n]) for n in names), tuple(_layout(r) for r in results),
+                bool(scratch))
     fn = buffer_callback(lambda ctx, outs, *bufs: on_device(spec, ctx, outs, bufs),
                          tuple(results),
-                         input_output_aliases={names.index(n): i for n, i in aliases})
-    return _without_vmap_or_grad(fn, entry)(*(present[n] for n in names))
+                         input_output_aliases={names.index(n): i for n, i in aliases},
+                         command_buffer_compatible=True)
+    outputs = _without_vmap_or_grad(fn, entry)(*(present[n] for n in names))
+    return outputs[:-1] if scratch else outputs
+
+
+def _scratch_bytes(entry, present, options):
+    """The device scratch the call's launch plan needs, planned at trace time from the
+    traced shapes (on the current CUDA device; a run on a device with other properties is
+    refused, not misread). 0 off GPU backends: the CPU tests trace without a device."""
+    import jax
+    if jax.default_backend() != "gpu" or entry == "merge_attention_states":
+        return 0
+    import cupy
+    from . import api, kvcache
+    device = cupy.cuda.runtime.getDevice()
+    views = {n: _interop.DeviceArray(None, "cupy", 256, *_layout(x)[:3], device,
+                                     _layout(x)[3]) for n, x in present.items()}
+    get = views.get
+    if entry == "flash_attn_func":
+        plan = api._plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None, None,
+                               *_normalized(api, options))
+    elif entry == "flash_attn_varlen_func":
+        plan = api._plan_packed(*(get(n) for n in api._PACKED_ARRAYS[:-1]), None, None,
+                                *_normalized(api, options))
+    elif entry == "scaled_dot_product_attention":
+        plan = api._plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
+                              bool(options["is_causal"]),
+                              api._check_scale(options["scale"], "scale"),
+                              bool(options["enable_gqa"]))
+    else:  # flash_attn_with_kvcache
+        o = dict(options)
+        plan = kvcache._plan_kvcache(
+            *(get(n) for n in kvcache._ARRAYS[:-1]), None, None, o["cache_seqlen"],
+            window=api._window(o["window_size"], o["causal"]),
+            scale=api._check_scale(o["softmax_scale"], "softmax_scale"),
+            softcap=api._softcap(o["softcap"]), interleaved=o["rotary_interleaved"],
+            num_splits=o["num_splits"], want_lse=True)
+    return plan.scratch_bytes
+
+
+def _normalized(api, options):
+    return (api._window(options["window_size"], options["causal"]),
+            api._check_scale(options["softmax_scale"], "softmax_scale"),
+            api._softcap(options["softcap"]))
 
 
 def _outputs(entry, a):
@@ -140,7 +192,11 @@ def on_device(spec, ctx, outs, bufs):
         view.device = device
     for name, i in spec.aliases:  # the append writes into the updated cache's buffer
         views[name] = out_views[i]
-    _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream)
+    scratch = None
+    if spec.scratch:
+        buffer = out_views.pop()
+        scratch = (buffer.ptr, buffer.shape[0])
+    _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream, scratch)
 
 
 def _device_of(ptr):
@@ -170,33 +226,35 @@ def _view(buf, layout):
                                 itemsize)
 
 
-def _run_dense(views, outs, options, stream):
+def _run_dense(views, outs, options, stream, scratch):
     from . import api
     lse = outs[1] if len(outs) > 1 else None
     api.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0],
-              **options, return_lse=lse is not None, lse_out=lse, stream=stream)
+              **options, return_lse=lse is not None, lse_out=lse, stream=stream,
+              scratch=scratch)
 
 
-def _run_packed(views, outs, options, stream):
+def _run_packed(views, outs, options, stream, scratch):
     from . import api
     lse = outs[1] if len(outs) > 1 else None
     api.packed(*(views.get(n) for n in api._PACKED_ARRAYS[:-1]), outs[0], **options,
-               return_lse=lse is not None, lse_out=lse, stream=stream)
+               return_lse=lse is not None, lse_out=lse, stream=stream, scratch=scratch)
 
 
-def _run_sdpa(views, outs, options, stream):
+def _run_sdpa(views, outs, options, stream, scratch):
     from . import api
     api.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
-             **options, stream=stream)
+             **options, stream=stream, scratch=scratch)
 
 
-def _run_kvcache(views, outs, options, stream):
+def _run_kvcache(views, outs, options, stream, scratch):
     from . import kvcache
     kvcache.with_kvcache(tuple(views.get(n) for n in kvcache._ARRAYS[:-1]) + (outs[0],),
-                         **options, return_lse=True, lse_out=outs[1], stream=stream)
+                         **options, return_lse=True, lse_out=outs[1], stream=stream,
+                         scratch=scratch)
 
 
-def _run_merge(views, outs, options, stream):
+def _run_merge(views, outs, options, stream, scratch):
     from . import kvcache
     kvcache.merge(tuple(views[n] for n in kvcache._MERGE_ARRAYS[:-1]) + (outs[0],),
                   lse_out=outs[1], stream=stream)

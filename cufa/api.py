@@ -66,9 +66,11 @@ _DENSE_ARRAYS = ("q", "k", "v", "alibi_slopes", "out")
 
 
 def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, softcap,
-          return_lse, lse_out=None, stream=None):
+          return_lse, lse_out=None, stream=None, scratch=None):
     """flash_attn_func on arrays or views. Under jax.jit: out is the output buffer's
-    view, lse_out a view to write lse into, stream XLA's (a CUstream handle)."""
+    view, lse_out a view to write lse into, stream XLA's (a CUstream handle), and scratch
+    (address, bytes) an XLA buffer of the plan's scratch_bytes: memory that stays valid
+    when XLA replays the launches from a CUDA graph, as memory cufa allocated would not."""
     options = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
                _softcap(softcap))
     arrays = (q, k, v, alibi_slopes, out)
@@ -78,7 +80,7 @@ def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, sof
     if plan is None:
         plan = _remember(key, _plan_dense(*_views(arrays, _DENSE_ARRAYS), out, *options))
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
-                    lse_out=lse_out, stream=stream)
+                    lse_out=lse_out, stream=stream, scratch=scratch)
 
 
 def _plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
@@ -164,7 +166,7 @@ _PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "a
 
 def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out, *,
            softmax_scale, causal, window_size, softcap, return_lse, check_cu_seqlens=False,
-           lse_out=None, stream=None):
+           lse_out=None, stream=None, scratch=None):
     """flash_attn_varlen_func on arrays or views (as dense)."""
     options = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
                _softcap(softcap))
@@ -186,7 +188,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, o_ptr = ptrs
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
-                    stream=stream)
+                    stream=stream, scratch=scratch)
 
 
 def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, softcap):
@@ -247,7 +249,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 _SDPA_ARRAYS = ("query", "key", "value", "attn_mask")
 
 
-def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, stream=None):
+def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, stream=None,
+         scratch=None):
     """scaled_dot_product_attention on arrays or views; out and stream as in dense."""
     options = (bool(is_causal), _check_scale(scale, "scale"), bool(enable_gqa))
     arrays = (query, key, value, attn_mask)
@@ -258,7 +261,7 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, str
         plan = _remember(plan_key, _plan_sdpa(*_views(arrays, _SDPA_ARRAYS), *options))
     o_ptr = 0 if out is None else out.ptr
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
-                    stream=stream)
+                    stream=stream, scratch=scratch)
 
 
 def _plan_sdpa(q, k, v, mask, is_causal, scale, enable_gqa):
@@ -541,6 +544,7 @@ class _Plan:
     work_list: tuple = None  # packed batches: (the schedule kernel's CUfunction, max_tiles,
                              # num_buckets, batch, total_q)
     to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
+    scratch_bytes: int = 0  # device scratch a launch needs (packed work list, tile counter)
 
 
 _plans = {}    # ("entry", options) + _interop.signature key -> plan
@@ -635,7 +639,10 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     num_blocks = max_tiles * nheads
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
         num_blocks = min(num_blocks, _sm_count(q.device) * variant.ctas_per_sm)
-    return _Plan(**outputs, variant=variant,
+    # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
+    scratch_bytes = (4 * (_work_list_ints(max_tiles, seqlen_q // variant.block_m + 2) + 2)
+                     if packed else 8 if variant.persistent else 0)
+    return _Plan(**outputs, variant=variant, scratch_bytes=scratch_bytes,
                  function=_compile.function_pointer(variant, q.device),
                  params=_params.FWD.pack(p), num_blocks=num_blocks,
                  tma_views=tma_views, kv_tail_maps=kv_tail_maps,
@@ -671,14 +678,17 @@ def _tensor_maps(dtype, q, k, v, tma_views):
 
 
 def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,
-             lse_out=None, stream=None):
+             lse_out=None, stream=None, scratch=None):
     """Allocate the outputs (unless out=, or lse_out) and launch the plan on the caller's
     current stream. q, k, v, o_ptr (out's), alibi, attn_mask: addresses; packed: the
-    addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream: see dense."""
+    addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream, scratch:
+    see dense."""
+    scratch_ptr = _check_scratch(scratch, plan.scratch_bytes)
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream)
         if plan.variant is not None:
-            _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed)
+            _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed,
+                    scratch_ptr)
     return returned(plan, o, lse, return_lse)
 
 
@@ -706,7 +716,13 @@ def returned(plan, out, lse, with_lse):
     return (out, lse) if with_lse else out
 
 
-def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
+def _work_list_ints(max_tiles, num_buckets):
+    """A packed batch's int32 scratch before its tile counter: the int2 work list (8-byte
+    aligned, first), its length, and the counting sort's 3 x num_buckets counters."""
+    return 2 * max_tiles + 1 + 3 * num_buckets
+
+
+def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scratch_ptr):
     """The plan's launches on `stream` (the device current); arguments as _execute's."""
     framework, device = plan.framework, plan.device
     counter = tile_list = tile_count = 0
@@ -715,17 +731,23 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
     if packed:
         cu_q, cu_k, used, table = packed
         schedule, max_tiles, num_buckets, batch, total_q = plan.work_list
-        # One int32 scratch buffer: the int2 work list (8-byte aligned, first), its
-        # length, the counting sort's 3 x num_buckets counters, then the tile counter
-        # (2 ints, which the schedule kernel zeroes).
-        ints = 2 * max_tiles + 1 + 3 * num_buckets
-        scratch, tile_list = _interop.allocate(framework, (ints + 2,), "int32", device,
-                                               stream)
+        # the work list, then the tile counter (2 ints, which the schedule kernel zeroes)
+        ints = _work_list_ints(max_tiles, num_buckets)
+        if scratch_ptr:
+            tile_list = scratch_ptr
+        else:
+            scratch, tile_list = _interop.allocate(framework, (ints + 2,), "int32", device,
+                                                   stream)
         tile_count = tile_list + 8 * max_tiles
         if plan.variant.persistent:
             counter = tile_list + 4 * ints
     elif plan.variant.persistent:
-        scratch, counter = _tile_counter(framework, device, stream)
+        if scratch_ptr:  # XLA's buffer, perhaps replayed from a graph: zeroed in the stream
+            import cupy
+            counter = scratch_ptr
+            cupy.cuda.runtime.memsetAsync(counter, 0, 8, stream)
+        else:
+            scratch, counter = _tile_counter(framework, device, stream)
     params = _params.FWD.with_pointer_values(plan.params, (
         q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
         counter, table))
@@ -747,6 +769,19 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed):
     # (scratch, the counter's buffer, is held until the launches are queued: freed
     # earlier, another thread could be handed the same memory for work ordered before ours)
     del scratch
+
+
+def _check_scratch(scratch, needed):
+    """scratch: None, or (address, bytes) of a caller-provided device buffer (XLA's, under
+    jax.jit); its address, or 0 for none."""
+    if scratch is None:
+        return 0
+    ptr, size = scratch
+    if size < needed:
+        raise RuntimeError(f"the scratch buffer traced for this jitted call has {size} bytes "
+                           f"but the launch needs {needed}: the device it runs on differs "
+                           "from the one it was traced for; trace it again there")
+    return ptr
 
 
 _tile_counters = {}  # (device, stream, thread) -> a persistent kernel's tile counter

@@ -95,10 +95,10 @@ _ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cac
 
 def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
                  rotary_interleaved, num_splits, return_lse, check_inputs=False, lse_out=None,
-                 stream=None):
+                 stream=None, scratch=None):
     """flash_attn_with_kvcache on arrays or views, in _ARRAYS order (out: the caller's out=
     or, under jax.jit, the output buffer's view); cache_seqlen: the int form of
-    cache_seqlens, or None; lse_out, stream: as in api.dense (jax.jit)."""
+    cache_seqlens, or None; lse_out, stream, scratch: as in api.dense (jax.jit)."""
     window = api._window(window_size, causal)
     scale = api._check_scale(softmax_scale, "softmax_scale")
     softcap = api._softcap(softcap)
@@ -119,7 +119,7 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
             interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
         _check_values(plan, views[7], views[9], views[10])
-    return _run(plan, ptrs, arrays[-1], lse_out, stream)
+    return _run(plan, ptrs, arrays[-1], lse_out, stream, scratch)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
@@ -184,6 +184,7 @@ class _KvPlan:
     launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
     workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
                                         # and the rotated q (-1: not used)
+    scratch_bytes: int = 0     # the workspace's
     rotary: bool = False
     capacity: int = 0          # key positions a sequence can hold
     num_pages: int = 0
@@ -324,7 +325,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
         total += -(-n // 64) * 64
     workspace = (total, *offsets)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
-                   launches=tuple(launches), workspace=workspace, rotary=rotary)
+                   launches=tuple(launches), workspace=workspace, scratch_bytes=4 * total,
+                   rotary=rotary)
 
 
 def _launch_entry(kernel, device, grid):
@@ -485,8 +487,9 @@ class _MergePlan:
 
 # -- launch --------------------------------------------------------------------------------
 
-def _run(plan, ptrs, out, lse_out, stream):
+def _run(plan, ptrs, out, lse_out, stream, scratch):
     """ptrs: the arrays' addresses in _ARRAYS order."""
+    scratch_ptr = api._check_scratch(scratch, plan.scratch_bytes)
     q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
     with api.caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream)
@@ -494,8 +497,8 @@ def _run(plan, ptrs, out, lse_out, stream):
             total, o_part, lse_part, q_rot = plan.workspace
             # (held until the launches are queued: freed earlier, another thread could be
             # handed the same memory for work ordered before ours)
-            workspace, base = (_interop.allocate(plan.framework, (total,), "float32",
-                                                 plan.device, stream) if total else (None, 0))
+            workspace, base = (None, scratch_ptr) if scratch_ptr or not total else \
+                _interop.allocate(plan.framework, (total,), "float32", plan.device, stream)
             at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
             params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),

@@ -190,7 +190,7 @@ def test_jax_callback_launches_on_xla_stream_without_lse_unless_asked(device, mo
                          tuple(str(r.dtype) for r in results),
                          dict(softmax_scale=None, causal=True, window_size=(-1, -1),
                               softcap=0.0), (), tuple(_jax._layout(q) for _ in range(3)),
-                         tuple(_jax._layout(r) for r in results))
+                         tuple(_jax._layout(r) for r in results), False)
         bufs = [_XlaBuffer((1, 40, 2, 64), "<f2") for _ in range(3)]
         outs = [_XlaBuffer(tuple(r.shape), "<f4") for r in results]
 
@@ -216,3 +216,38 @@ def test_missing_required_arrays_are_named(device):
         cufa.merge_attention_states(view((1, 4, 2, 64)), view((1, 2, 4), "float32"),
                                     view((1, 4, 2, 64)), None)
     assert device.launches == []
+
+
+def test_jax_callback_takes_its_scratch_from_xla(device, monkeypatch):
+    """Under jax.jit the tile counter (and a packed batch's work list) live in an output
+    XLA owns, zeroed in the stream, never in memory cufa allocates: XLA may replay the
+    launches from a CUDA graph after the callback has returned."""
+    jax = pytest.importorskip("jax")
+    import cupy
+    from cufa import _jax
+    memsets = []
+    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
+                        lambda ptr, value, size, stream: memsets.append((ptr, size, stream)))
+    q = jax.ShapeDtypeStruct((1, 40, 2, 64), "float16")
+    scratch = jax.ShapeDtypeStruct((8,), "uint8")
+    spec = _jax.Call("flash_attn_func", ("q", "k", "v"), ("float16",) * 3,
+                     ("float16", "uint8"), dict(softmax_scale=None, causal=False,
+                                                window_size=(-1, -1), softcap=0.0), (),
+                     tuple(_jax._layout(q) for _ in range(3)),
+                     (_jax._layout(q), _jax._layout(scratch)), True)
+    bufs = [_XlaBuffer((1, 40, 2, 64), "<f2") for _ in range(3)]
+    outs = [_XlaBuffer((1, 40, 2, 64), "<f2"), _XlaBuffer((8,), "|u1")]
+
+    class Context:
+        stream = 0x5EED
+    _jax.on_device(spec, Context, outs, bufs)
+    counter = outs[1].__cuda_array_interface__["data"][0]
+    assert record(device.launches[-1])["tile_counter"] == counter
+    assert memsets == [(counter, 8, 0x5EED)] and device.allocations == []
+    # traced for a device whose plan needed less scratch than this one's: refused
+    small = jax.ShapeDtypeStruct((4,), "uint8")
+    spec = spec.__class__(**{**spec.__dict__,
+                             "out_layouts": (_jax._layout(q), _jax._layout(small))})
+    with pytest.raises(RuntimeError, match="scratch buffer traced for this jitted call"):
+        _jax.on_device(spec, Context, [outs[0], _XlaBuffer((4,), "|u1")], bufs)
