@@ -261,7 +261,7 @@ def short_sequences(packed, total_q, batch):
     """Whether a batch gets the sm90 short-sequence tiles: packed, with at most
     SM90_SHORT_MAX_MEAN_SEQLEN query rows per sequence on average; CUFA_SM90_BLOCK_M
     (64 or 128) overrides, for any batch."""
-    forced = os.environ.get(SM90_SHORT_ENV)
+    forced = _overrides[SM90_SHORT_ENV]
     if forced:
         if forced not in ("64", "128"):
             raise ValueError(f"{SM90_SHORT_ENV} must be 64 or 128; got {forced!r}")
@@ -275,12 +275,23 @@ FAMILY_ENV = "CUFA_KERNEL_FAMILY"
 def family_for(compute_capability):
     """The kernel family for a device: wgmma on Hopper (9.0), mma.sync elsewhere.
     CUFA_KERNEL_FAMILY=sm80 forces the portable path (tests use it on Hopper)."""
-    forced = os.environ.get(FAMILY_ENV)
+    forced = _overrides[FAMILY_ENV]
     if forced:
         if forced not in FAMILIES:
             raise ValueError(f"{FAMILY_ENV} must be one of {FAMILIES}; got {forced!r}")
         return forced
     return "sm90" if str(compute_capability) == "90" else "sm80"
+
+
+def read_overrides():
+    """Read CUFA_KERNEL_FAMILY and CUFA_SM90_BLOCK_M from the environment: at import, and
+    again by api.clear_plans(). Plans are made with the values last read, not with
+    os.environ at each plan (two lookups cost a new signature's plan 2 us)."""
+    _overrides.update((name, os.environ.get(name)) for name in (FAMILY_ENV, SM90_SHORT_ENV))
+
+
+_overrides = {}
+read_overrides()
 
 
 def all_variants():

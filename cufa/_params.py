@@ -78,15 +78,17 @@ class Record:
         assert all(self.dtype.fields[n][1] == 8 * i for i, n in enumerate(self.pointer_fields))
         self._pointers = struct.Struct(f"<{len(self.pointer_fields)}Q")
         self._record = struct.Struct(_struct_format(self.dtype))
-        self._zeros = (0,) * len(self.dtype.names)  # fields left out
+        self._zeros = dict.fromkeys(self.dtype.names, 0)  # fields left out; in layout order
 
     def pack(self, fields):
         """{field: value} -> the record's bytes, passed by value to the kernel (fields left
         out are 0). One struct.pack of the layout (a plan for a new signature makes one)."""
-        unknown = fields.keys() - self.names
-        if unknown:
+        values = self._zeros.copy()
+        values.update(fields)
+        if len(values) != len(self._zeros):
+            unknown = fields.keys() - self.names
             raise KeyError(f"not {self.struct_name} fields: {sorted(unknown)}")
-        return self._record.pack(*map(fields.get, self.dtype.names, self._zeros))
+        return self._record.pack(*values.values())
 
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to

@@ -304,15 +304,20 @@ def _check_dtype_device(x, name, ref, ref_name):
 
 def _check_loadable(x, name):
     """The kernels move rows in 16-byte chunks: last dim contiguous, the rest aligned."""
-    if 0 in x.shape:  # nothing is read or written; frameworks report any strides here
+    shape, strides = x.shape, x.strides
+    if 0 in shape:  # nothing is read or written; frameworks report any strides here
         return
-    if x.strides[-1] != 1 and x.shape[-1] > 1:
+    if strides[-1] != 1 and shape[-1] > 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride 1); "
-                         f"got strides {x.strides}")
-    if any(s % 8 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1) or x.ptr % 16:
+                         f"got strides {strides}")
+    misaligned = x.ptr % 16
+    for s, n in zip(strides[:-1], shape):
+        if s % 8 and n > 1:
+            misaligned = True
+    if misaligned:
         raise ValueError(f"{name} must have strides that are multiples of 8 elements and a "
                          f"16-byte aligned start (the kernels load 16-byte chunks); got "
-                         f"strides {x.strides} and address {x.ptr:#x}")
+                         f"strides {strides} and address {x.ptr:#x}")
 
 
 def _check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
@@ -547,13 +552,16 @@ class _Plan:
     scratch_bytes: int = 0  # device scratch a launch needs (packed work list, tile counter)
 
 
+_LOG2_E = math.log2(math.e)
+_STRIDE_FIELDS = tuple((f"{x}_batch_stride", f"{x}_row_stride", f"{x}_head_stride")
+                       for x in "qkvo")
 _plans = {}    # ("entry", options) + _interop.signature key -> plan
 _MAX_PLANS = 4096
 
 
 def _remember(key, plan):
-    """The environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) are read when a
-    plan is made: clear_plans() after changing them in a running process."""
+    """Plans use the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) as
+    last read: clear_plans() after changing them in a running process."""
     if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: start over
         _plans.clear()
     _plans[key] = plan
@@ -561,8 +569,10 @@ def _remember(key, plan):
 
 
 def clear_plans():
-    """Forget every launch plan (the next call of each signature plans again)."""
+    """Forget every launch plan (the next call of each signature plans again) and read
+    the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) afresh."""
     _plans.clear()
+    _compile.read_overrides()
 
 
 def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
@@ -603,20 +613,29 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     if max_tiles * nheads > _INT32_MAX:
         raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
                          "the grid limit")
-    p = {}
     o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
-    for name, strides in (("q", q.strides), ("k", k.strides), ("v", v.strides), ("o", o_strides)):
-        p[f"{name}_batch_stride"] = 0 if packed else strides[0]
-        p[f"{name}_row_stride"] = strides[seq_dim]
-        p[f"{name}_head_stride"] = strides[head_dim]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    # Heads scheduled together: as many as keep their K/V within half of L2.
+    kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
+    p = dict(
+        batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        head_dim=d, num_m_blocks=num_m_blocks,
+        heads_per_group=max(1, min(batch * nheads, _L2_BUDGET // kv_bytes)),
+        kv_tail_maps=int(kv_tail_maps), bottom_right=int(bottom_right),
+        window_left=window[0], window_right=window[1],
+        scale=scale, scale_log2=scale * _LOG2_E,
+        softcap=softcap, softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
+        lse_batch_stride=0 if packed else nheads * seqlen_q, lse_head_stride=seqlen_q)
+    for (batch_field, row_field, head_field), strides in zip(
+            _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
+        p[batch_field] = 0 if packed else strides[0]
+        p[row_field] = strides[seq_dim]
+        p[head_field] = strides[head_dim]
     if paged is not None:  # k, v: (pages, page_size, nheads_k, d); batch stride = page stride
-        for name, x in (("k", k), ("v", v)):
-            (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
-             p[f"{name}_head_stride"]) = x.strides[:3]
+        for fields, x in zip(_STRIDE_FIELDS[1:3], (k, v)):
+            p.update(zip(fields, x.strides[:3]))
         p["block_table_batch_stride"] = paged["table_stride"]
         p["page_shift"], p["num_pages"] = paged["page_shift"], paged["num_pages"]
-    p["lse_batch_stride"], p["lse_head_stride"] = (
-        (0, seqlen_q) if packed else (nheads * seqlen_q, seqlen_q))
     if attn_mask is not None:
         full = (batch, nheads, seqlen_q, seqlen_k)
         p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
@@ -624,18 +643,6 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
          p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
     if alibi is not None:
         p["alibi_batch_stride"] = alibi.strides[0] if alibi.ndim == 2 else 0
-    p["batch"], p["nheads"], p["nheads_k"] = batch, nheads, nheads_k
-    p["seqlen_q"], p["seqlen_k"], p["head_dim"] = seqlen_q, seqlen_k, d
-    p["num_m_blocks"] = num_m_blocks
-    # Heads scheduled together: as many as keep their K/V within half of L2.
-    kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
-    p["heads_per_group"] = max(1, min(batch * nheads, _L2_BUDGET // kv_bytes))
-    p["kv_tail_maps"] = int(kv_tail_maps)
-    p["bottom_right"] = int(bottom_right)
-    p["window_left"], p["window_right"] = window
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
-    p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
     num_blocks = max_tiles * nheads
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
         num_blocks = min(num_blocks, _sm_count(q.device) * variant.ctas_per_sm)

@@ -7,7 +7,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
-from cufa import _compile, _params
+from cufa import _compile, _params, api
 
 
 
@@ -47,8 +47,22 @@ def test_variant_list_is_complete_and_keys_unique():
         | {(hd, "window") for hd in _compile.SM90_SHORT_TILES_WINDOW})
 
 
-def test_short_sequence_tiles_are_picked_for_short_packed_batches(monkeypatch):
-    monkeypatch.delenv(_compile.SM90_SHORT_ENV, raising=False)
+@pytest.fixture
+def setenv(monkeypatch):
+    """Set (value) or unset (None) an override; plans read them by clear_plans()."""
+    def set_override(name, value):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        api.clear_plans()
+    yield set_override
+    monkeypatch.undo()
+    api.clear_plans()
+
+
+def test_short_sequence_tiles_are_picked_for_short_packed_batches(setenv):
+    setenv(_compile.SM90_SHORT_ENV, None)
     limit = _compile.SM90_SHORT_MAX_MEAN_SEQLEN
     assert _compile.short_sequences(True, limit * 10, 10)
     assert not _compile.short_sequences(True, limit * 10 + 1, 10)
@@ -61,11 +75,11 @@ def test_short_sequence_tiles_are_picked_for_short_packed_batches(monkeypatch):
         assert v.ctas_per_sm == (2 if v.block_m == 64 else 1)
         assert f", {v.block_m}, {v.block_n}, {v.q_stages}>" in v.name_expression
     assert _compile.fwd_variant("fp16", 64, "none", False, "sm80", short=True).block_m == 128
-    monkeypatch.setenv(_compile.SM90_SHORT_ENV, "64")
+    setenv(_compile.SM90_SHORT_ENV, "64")
     assert _compile.short_sequences(False, 1 << 20, 1)
-    monkeypatch.setenv(_compile.SM90_SHORT_ENV, "128")
+    setenv(_compile.SM90_SHORT_ENV, "128")
     assert not _compile.short_sequences(True, 64, 10)
-    monkeypatch.setenv(_compile.SM90_SHORT_ENV, "32")
+    setenv(_compile.SM90_SHORT_ENV, "32")
     with pytest.raises(ValueError, match=_compile.SM90_SHORT_ENV):
         _compile.short_sequences(True, 64, 10)
 
@@ -91,13 +105,13 @@ def test_head_dim_padding():
         _compile.padded_head_dim(264)
 
 
-def test_family_choice(monkeypatch):
-    monkeypatch.delenv("CUFA_KERNEL_FAMILY", raising=False)
+def test_family_choice(setenv):
+    setenv("CUFA_KERNEL_FAMILY", None)
     assert _compile.family_for("90") == "sm90"
     assert [_compile.family_for(cc) for cc in ("80", "86", "89", "100", "120")] == ["sm80"] * 5
-    monkeypatch.setenv("CUFA_KERNEL_FAMILY", "sm80")
+    setenv("CUFA_KERNEL_FAMILY", "sm80")
     assert _compile.family_for("90") == "sm80"
-    monkeypatch.setenv("CUFA_KERNEL_FAMILY", "sm70")
+    setenv("CUFA_KERNEL_FAMILY", "sm70")
     with pytest.raises(ValueError, match="CUFA_KERNEL_FAMILY"):
         _compile.family_for("90")
 

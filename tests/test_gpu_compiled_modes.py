@@ -185,3 +185,47 @@ def test_jax_jit_kvcache_append_with_donation():
     o_ref = cufa.flash_attn_with_kvcache(q, kc2, vc2, cache_seqlens=lens + 1, causal=True)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
     assert vc_host.shape == np.asarray(vc2).shape
+
+
+def test_jax_jit_replays_with_new_values_every_call():
+    """The callbacks are command_buffer_compatible: XLA may record the launches once and
+    replay them from a CUDA graph without calling back into Python. Every call here gets
+    new inputs and new lengths (packed batch, split-KV decode over a paged cache); each
+    result must match the eager call on the same values."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from cufa import _jax
+    if not _jax.available():
+        pytest.skip("this JAX has no buffer_callback")
+    rng = np.random.default_rng(8)
+    total, h, hk, d, page, pages = 640, 8, 2, 64, 16, 48
+
+    def f16(shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float16)
+
+    @jax.jit
+    def step(q, k, v, cu, qd, kc, vc, lens, table):
+        o = cufa.flash_attn_varlen_func(q, k, v, cu, cu, total, total, causal=True)
+        od, lse = cufa.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens,
+                                               block_table=table, num_splits=3,
+                                               return_softmax_lse=True)
+        return o * 2, od, lse
+
+    for lens_q, lens_k in (([640, 0, 0], [1, 300, 0]), ([1, 638, 1], [250, 17, 96]),
+                           ([200, 200, 240], [0, 0, 1]), ([333, 7, 300], [256, 255, 129])):
+        q, k, v = f16((total, h, d)), f16((total, hk, d)), f16((total, hk, d))
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens_q)]), jnp.int32)
+        qd, kc, vc = f16((3, 1, h, d)), f16((pages, page, hk, d)), f16((pages, page, hk, d))
+        lens = jnp.asarray(lens_k, jnp.int32)
+        table = jnp.asarray(rng.permutation(pages)[:48].reshape(3, 16), jnp.int32)
+        o, od, lse = (np.asarray(x) for x in step(q, k, v, cu, qd, kc, vc, lens, table))
+        o_ref = cufa.flash_attn_varlen_func(q, k, v, cu, cu, total, total, causal=True)
+        od_ref, lse_ref = cufa.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens,
+                                                       block_table=table, num_splits=3,
+                                                       return_softmax_lse=True)
+        np.testing.assert_array_equal(o, np.asarray(o_ref * 2))
+        np.testing.assert_array_equal(od, np.asarray(od_ref))
+        np.testing.assert_array_equal(lse, np.asarray(lse_ref))
+        ref = jax.nn.dot_product_attention(q[None, :lens_q[0]], k[None, :lens_q[0]],
+                                           v[None, :lens_q[0]], is_causal=True)[0]
+        np.testing.assert_allclose(o[:lens_q[0]] / 2, np.asarray(ref, np.float32), atol=2e-2)
