@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
-from cufa import _interop, _params, api  # noqa: E402
+from cufa import _interop, _params, _tma, api  # noqa: E402
 
 
 def us_per_call(fn, calls):
@@ -53,8 +53,8 @@ def main():
         params = _params.FWD.with_pointer_values(plan.params, (
             qp, kp, vp, o_ptr, 0, 0, 0, 0, 0, 0, 0, 0, counter, 0))
         args = (params,)
-        if plan.tma_views is not None:
-            args = (params, api._tensor_maps(plan.dtype, qp, kp, vp, plan.tma_views)[0])
+        if plan.tma_template is not None:
+            args = (params, _tma.with_addresses(plan.tma_template, qp, kp, vp))
         api.driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
                           plan.variant.smem_bytes, stream, args)
 
@@ -79,8 +79,11 @@ def main():
             api._jax.tracing(q, k, v, None)),
         "params record with pointers": lambda: _params.FWD.with_pointer_values(
             plan.params, (1,) * 14),
-        "TMA maps (cached address)": lambda: plan.tma_views is not None and api._tensor_maps(
-            plan.dtype, qp, kp, vp, plan.tma_views),
+        "TMA maps (cached address)": lambda: plan.tma_template is not None and (
+            _tma.with_addresses(plan.tma_template, qp, kp, vp)),
+        "TMA maps (new addresses: copy, 3 address replacements)": lambda: (
+            plan.tma_template is not None and _tma.with_addresses.__wrapped__(
+                plan.tma_template, qp, kp, vp)),
         "caller_stream": stream_only,
         "record + maps + driver launch": launch_only,
     }

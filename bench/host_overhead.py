@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Host time per call on a problem too small to keep the GPU busy: what launching costs
 from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once. "New
-signature" clears cufa's launch plans before each call, as a call with new shapes would.
+signature" clears cufa's launch plans and TMA descriptor templates before each call, as
+a call with new shapes would.
 Also a decode call against SDPA's, and, where JAX with buffer_callback is installed, a
 jitted cufa call against jax.nn.dot_product_attention.
 
@@ -27,7 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
-from cufa import api  # noqa: E402
+from cufa import _tma, api  # noqa: E402
 
 
 def per_call_us(fn, calls):
@@ -58,13 +59,14 @@ def main():
     def varlen():
         return cufa.flash_attn_varlen_func(*packed, cu, cu, 128, 128, causal=True)
 
-    def unplanned(fn):  # a new signature every call (a server's next packed batch)
-        api._plans.clear()
+    def unplanned(fn):  # a new signature every call (a server's next packed batch): no
+        api._plans.clear()  # plan, and on Hopper no TMA descriptors for the new layout
+        _tma.template.cache_clear()
         return fn()
 
     # Inputs at addresses the launch has not seen (more sets than its descriptor cache
-    # holds), as a model's activations are: on Hopper each call then encodes its TMA
-    # descriptors.
+    # holds), as a model's activations are: on Hopper each call then points a copy of
+    # its layout's TMA descriptors at them.
     fresh = [tuple(torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16)
                    for _ in range(3)) for _ in range(2048)]
     turn = iter(range(1 << 62))

@@ -6,8 +6,9 @@ by a tile's rows; elements past an end read as zeros. Packed batches add k and v
 (columns, window, heads, start row) views (``tail_view``) for each sequence's last key
 block, so that the rows past the sequence read as zeros too. The driver's
 ``cuTensorMapEncodeTiled`` builds the 128-byte descriptors on the host; CuPy has no
-wrapper, so it is called through ctypes. Descriptors depend only on their arguments, so
-each (q, k, v) record is cached.
+wrapper, so it is called through ctypes. A layout's record is encoded once (template);
+a call's record is a copy with the addresses replaced (with_addresses), cached per
+addresses.
 """
 import ctypes
 import functools
@@ -58,27 +59,51 @@ def tail_view(rows, heads, cols, row_stride, head_stride, box_rows):
     return (rows, box_rows, heads, cols), (row_stride, row_stride, head_stride), box_rows
 
 
-@functools.lru_cache(maxsize=1024)
-def tensor_maps(dtype, views, tail_views=()):
-    """views: (q, k, v) as (ptr, shape, strides, box_rows) tuples, as in map_args;
-    tail_views: () or the packed (k, v) tail views. Returns (record, tails) -- the
-    TensorMaps record as a ctypes buffer to pass by address (cached: read-only) and
-    whether it holds the tail maps -- or None if q, k or v cannot be described. Tails the
-    driver refuses are left out (the kernel then copies those blocks itself). Each map is
-    encoded straight into the record, from arguments prepared once per layout: a model's
-    activations come at new addresses every call."""
-    holder = ctypes.create_string_buffer(MAPS_BYTES + 64)
-    offset = -ctypes.addressof(holder) % 64  # the driver wants 64-byte aligned maps
-    base = ctypes.addressof(holder) + offset
-    for i, (ptr, *layout) in enumerate(views):
-        if not _encode_at(base + 128 * i, dtype, ptr, *layout):
+@functools.lru_cache(maxsize=4096)
+def template(dtype, views, tail_views=()):
+    """views: (q, k, v) as (shape, strides, box_rows) tuples, as in map_args; tail_views:
+    () or the packed (k, v) tail views. Returns (record, tails) -- the TensorMaps record's
+    bytes, encoded at a placeholder address, and whether it holds the tail maps -- or
+    None if q, k or v cannot be described. Tails the driver refuses are left out (the
+    kernel then copies those blocks itself). with_addresses points a copy at the
+    arrays."""
+    holder, base = _aligned_record()
+    for i, layout in enumerate(views):
+        if not _encode_at(base + 128 * i, dtype, _PLACEHOLDER_ADDRESS, *layout):
             return None
     has_tails = bool(tail_views)
-    for i, (ptr, *layout) in enumerate(tail_views):
-        has_tails = has_tails and _encode_at(base + 128 * (len(views) + i), dtype, ptr, *layout)
+    for i, layout in enumerate(tail_views):
+        has_tails = has_tails and _encode_at(base + 128 * (len(views) + i), dtype,
+                                             _PLACEHOLDER_ADDRESS, *layout)
     if not has_tails:
         ctypes.memset(base + 128 * len(views), 0, MAPS_BYTES - 128 * len(views))
-    return (ctypes.c_char * MAPS_BYTES).from_buffer(holder, offset), has_tails
+    return ctypes.string_at(base, MAPS_BYTES), has_tails
+
+
+@functools.lru_cache(maxsize=1024)
+def with_addresses(template, q, k, v):
+    """A template's record with its maps pointed at q, k and v (the tail maps at k and
+    v), as a ctypes buffer to pass by address (cached per addresses: read-only). A model's
+    activations come at new addresses every call, and cuTensorMapReplaceAddress costs a
+    fraction of encoding each map afresh."""
+    record, has_tails = template
+    holder, base = _aligned_record()
+    ctypes.memmove(base, record, MAPS_BYTES)
+    replace = _replace_fn()
+    for i, ptr in enumerate((q, k, v, k, v) if has_tails else (q, k, v)):
+        if replace(base + 128 * i, ptr) != 0:
+            raise RuntimeError(f"cuTensorMapReplaceAddress refused address {ptr:#x}")
+    return (ctypes.c_char * MAPS_BYTES).from_buffer(holder, base - ctypes.addressof(holder))
+
+
+def _aligned_record():
+    """A buffer holding one TensorMaps record at a 64-byte aligned address (the driver
+    wants aligned maps): (buffer, that address)."""
+    holder = ctypes.create_string_buffer(MAPS_BYTES + 64)
+    return holder, ctypes.addressof(holder) + (-ctypes.addressof(holder) % 64)
+
+
+_PLACEHOLDER_ADDRESS = 1 << 20  # aligned for any map; replaced before every launch
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,6 +117,14 @@ def _prepared(dtype, shape, strides, box_rows):
     return (_DATA_TYPES[dtype], (ctypes.c_uint64 * 4)(*dims),
             (ctypes.c_uint64 * 3)(*byte_strides), (ctypes.c_uint32 * 4)(*box),
             (ctypes.c_uint32 * 4)(1, 1, 1, 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _replace_fn():
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapReplaceAddress
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _encode_at(addr, dtype, ptr, shape, strides, box_rows):

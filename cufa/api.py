@@ -544,8 +544,7 @@ class _Plan:
     function: int = 0       # the compiled kernel's CUfunction
     params: bytes = b""     # the FwdParams record with every pointer 0
     num_blocks: int = 0
-    tma_views: tuple = None  # q, k, v views (and packed k, v tail views) less their address
-    kv_tail_maps: bool = False
+    tma_template: tuple = None  # _tma.template: the TensorMaps record less its addresses
     work_list: tuple = None  # packed batches: (the schedule kernel's CUfunction, max_tiles,
                              # num_buckets, batch, total_q)
     to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
@@ -596,14 +595,12 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     short = _compile.short_sequences(packed, seqlen_q, batch)
     variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
                                    short)
-    tma_views, kv_tail_maps = None, False
+    tma_template, kv_tail_maps = None, False
     if family == "sm90":
-        tma_views = _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed)
-        described = _tensor_maps(q.dtype, q.ptr, k.ptr, v.ptr, tma_views)
-        if described is not None:
-            kv_tail_maps = described[1]
+        tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
+        if tma_template is not None:
+            kv_tail_maps = tma_template[1]
         else:  # a layout the copy engine cannot describe: the portable kernels
-            tma_views = None
             variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
                                            "sm80")
     num_m_blocks = -(-seqlen_q // variant.block_m)
@@ -652,16 +649,15 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     return _Plan(**outputs, variant=variant, scratch_bytes=scratch_bytes,
                  function=_compile.function_pointer(variant, q.device),
                  params=_params.FWD.pack(p), num_blocks=num_blocks,
-                 tma_views=tma_views, kv_tail_maps=kv_tail_maps,
+                 tma_template=tma_template,
                  work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
                             max_tiles, seqlen_q // variant.block_m + 2, batch, seqlen_q)
                  if packed else None)
 
 
-def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
-    """q, k, v as (batch, rows, heads, columns) views for the TMA descriptors, and for
-    packed batches the k/v tail views; each less its address (``_tma.tensor_maps`` takes
-    (ptr,) + view)."""
+def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed):
+    """q, k, v (and for packed batches the k/v tails) as (batch, rows, heads, columns)
+    views, encoded once as _tma.template; None if the copy engine cannot describe them."""
     views, tails = [], []
     for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
         rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
@@ -673,15 +669,7 @@ def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
         else:
             views.append(((x.shape[0], rows, heads, d),
                           (x.strides[0], row_stride, head_stride), box_rows))
-    return tuple(views), tuple(tails)
-
-
-def _tensor_maps(dtype, q, k, v, tma_views):
-    """(descriptor buffer, tails described) for arrays at addresses q, k, v, or None
-    (cached per address)."""
-    views, tails = tma_views
-    return _tma.tensor_maps(dtype, ((q,) + views[0], (k,) + views[1], (v,) + views[2]),
-                            ((k,) + tails[0], (v,) + tails[1]) if tails else ())
+    return _tma.template(q.dtype, tuple(views), tuple(tails))
 
 
 def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,
@@ -759,12 +747,8 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
         q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
         counter, table))
     args = (params,)
-    if plan.tma_views is not None:
-        described = _tensor_maps(plan.dtype, q, k, v, plan.tma_views)
-        if described is None or described[1] != plan.kv_tail_maps:
-            raise RuntimeError("the driver refused a TMA descriptor for a layout it "
-                               "accepted before")
-        args = (params, described[0])
+    if plan.tma_template is not None:
+        args = (params, _tma.with_addresses(plan.tma_template, q, k, v))
     if packed:
         driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
                       (ctypes.c_uint64(cu_q), ctypes.c_int32(batch), ctypes.c_int32(total_q),

@@ -2,6 +2,8 @@
 each argument's address lands in its field of the params record, outputs are allocated
 only where asked for, a repeated signature reuses its plan, and a new address is read
 afresh. Views (DeviceArray) stand in for arrays, as under jax.jit."""
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -46,12 +48,33 @@ def device(monkeypatch):
     monkeypatch.setattr(api, "_compute_capability", lambda device: "90")
     monkeypatch.setattr(api, "_sm_count", lambda device: 132)
     monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: 228 * 1024)
-    monkeypatch.setattr(_tma, "_encode_fn", lambda: (lambda *args: 0))
-    _tma.tensor_maps.cache_clear()
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: _fake_encode)
+    monkeypatch.setattr(_tma, "_replace_fn", lambda: _fake_replace)
+    for cached in (_tma.template, _tma.with_addresses):
+        cached.cache_clear()
     api.clear_plans()
     yield fake
     api.clear_plans()
-    _tma.tensor_maps.cache_clear()
+    for cached in (_tma.template, _tma.with_addresses):
+        cached.cache_clear()
+
+
+def _fake_encode(map_address, data_type, rank, ptr, *layout):
+    """A fake map: its address in the first 8 bytes, then a mark that it was encoded."""
+    ctypes.memmove(map_address, (ptr | 1 << 63).to_bytes(8, "little"), 8)
+    return 0
+
+
+def _fake_replace(map_address, ptr):
+    ctypes.memmove(map_address, (ptr | 1 << 63).to_bytes(8, "little"), 8)
+    return 0
+
+
+def map_addresses(launch):
+    """The address each (fake) TMA map of a launch points at; 0 for a map not encoded."""
+    maps = launch[2][1]
+    words = [int.from_bytes(maps[i:i + 8], "little") for i in range(0, len(maps), 128)]
+    return [w & ~(1 << 63) if w >> 63 else 0 for w in words]
 
 
 _addresses = iter(range(1 << 32, 1 << 40, 1 << 24))
@@ -91,7 +114,9 @@ def test_repeated_signature_reuses_the_plan_with_new_addresses(device):
         cufa.flash_attn_func(q, k, v)
         r = record(device.launches[-1])
         assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, v.ptr)
-    assert len(api._plans) == 1
+        # the layout's maps, encoded once, pointed at this call's arrays (no tail maps)
+        assert map_addresses(device.launches[-1]) == [q.ptr, k.ptr, v.ptr, 0, 0]
+    assert len(api._plans) == 1 and _tma.template.cache_info().misses == 1
     cufa.flash_attn_func(q, k, v, softcap=5.0)  # new options: a new plan
     assert len(api._plans) == 2
 
@@ -114,6 +139,7 @@ def test_packed_addresses_and_scratch(device):
     r = record(forward)
     assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, k.ptr)
     assert (r["cu_seqlens_q"], r["cu_seqlens_k"], r["seqused_k"]) == (cu.ptr, cu.ptr, used.ptr)
+    assert map_addresses(forward) == [q.ptr, k.ptr, k.ptr, k.ptr, k.ptr]  # k, v tails too
     scratch = r["tile_list"]
     assert r["tile_count"] > scratch and r["tile_counter"] > r["tile_count"]
     # the schedule kernel's last argument: the forward's tile counter, which it zeroes
