@@ -7,11 +7,12 @@ by a tile's rows; elements past an end read as zeros. Packed batches add k and v
 block, so that the rows past the sequence read as zeros too. The driver's
 ``cuTensorMapEncodeTiled`` builds the 128-byte descriptors on the host; CuPy has no
 wrapper, so it is called through ctypes. A layout's record is encoded once (template);
-a call's record is a copy with the addresses replaced (with_addresses), cached per
-addresses.
+a call's record is a copy with the addresses replaced (with_addresses).
 """
 import ctypes
 import functools
+import struct
+from dataclasses import dataclass
 
 MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, sm90.cuh)
 PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width
@@ -59,14 +60,21 @@ def tail_view(rows, heads, cols, row_stride, head_stride, box_rows):
     return (rows, box_rows, heads, cols), (row_stride, row_stride, head_stride), box_rows
 
 
+@dataclass(frozen=True, eq=False)
+class Template:
+    """A layout's TensorMaps record, every map encoded at a placeholder address."""
+    record: bytes
+    has_tails: bool       # the record holds the packed k/v tail maps
+    address_words: tuple  # per map (byte offset, bits kept, shift) of the 64-bit word that
+                          # holds its address; () where only the driver may move them
+
+
 @functools.lru_cache(maxsize=4096)
 def template(dtype, views, tail_views=()):
     """views: (q, k, v) as (shape, strides, box_rows) tuples, as in map_args; tail_views:
-    () or the packed (k, v) tail views. Returns (record, tails) -- the TensorMaps record's
-    bytes, encoded at a placeholder address, and whether it holds the tail maps -- or
-    None if q, k or v cannot be described. Tails the driver refuses are left out (the
-    kernel then copies those blocks itself). with_addresses points a copy at the
-    arrays."""
+    () or the packed (k, v) tail views. Returns the layout's Template, or None if q, k or
+    v cannot be described. Tails the driver refuses are left out (the kernel then copies
+    those blocks itself). with_addresses points a copy at a call's arrays."""
     holder, base = _aligned_record()
     for i, layout in enumerate(views):
         if not _encode_at(base + 128 * i, dtype, _PLACEHOLDER_ADDRESS, *layout):
@@ -77,23 +85,91 @@ def template(dtype, views, tail_views=()):
                                              _PLACEHOLDER_ADDRESS, *layout)
     if not has_tails:
         ctypes.memset(base + 128 * len(views), 0, MAPS_BYTES - 128 * len(views))
-    return ctypes.string_at(base, MAPS_BYTES), has_tails
+    record = ctypes.string_at(base, MAPS_BYTES)
+    return Template(record, has_tails, _address_words(record, len(views) + has_tails * 2))
+
+
+def with_addresses(template, q, k, v):
+    """The template's record with its maps pointed at q, k and v (the tail maps at k and
+    v), as a ctypes buffer to pass by address (the launch copies it). A model's
+    activations come at new addresses every call: the addresses are written into a copy
+    of the record where their place in it is known (_address_field), else moved by
+    cuTensorMapReplaceAddress, one driver call a map."""
+    pointers = (q, k, v, k, v) if template.has_tails else (q, k, v)
+    if not template.address_words:
+        return _moved_by_driver(template, pointers)
+    record = ctypes.create_string_buffer(template.record, MAPS_BYTES)
+    for (offset, kept, shift), ptr in zip(template.address_words, pointers):
+        _WORD.pack_into(record, offset, kept | ptr >> shift)
+    return record
 
 
 @functools.lru_cache(maxsize=1024)
-def with_addresses(template, q, k, v):
-    """A template's record with its maps pointed at q, k and v (the tail maps at k and
-    v), as a ctypes buffer to pass by address (cached per addresses: read-only). A model's
-    activations come at new addresses every call, and cuTensorMapReplaceAddress costs a
-    fraction of encoding each map afresh."""
-    record, has_tails = template
+def _moved_by_driver(template, pointers):
+    """with_addresses through the driver (cached per addresses: read-only)."""
     holder, base = _aligned_record()
-    ctypes.memmove(base, record, MAPS_BYTES)
-    replace = _replace_fn()
-    for i, ptr in enumerate((q, k, v, k, v) if has_tails else (q, k, v)):
-        if replace(base + 128 * i, ptr) != 0:
+    ctypes.memmove(base, template.record, MAPS_BYTES)
+    for i, ptr in enumerate(pointers):
+        if _replace_fn()(base + 128 * i, ptr) != 0:
             raise RuntimeError(f"cuTensorMapReplaceAddress refused address {ptr:#x}")
     return (ctypes.c_char * MAPS_BYTES).from_buffer(holder, base - ctypes.addressof(holder))
+
+
+@functools.lru_cache(maxsize=None)
+def _address_field():
+    """(byte offset, shift) such that a map keeps its address as address >> shift in the
+    low 64 - shift bits of the little-endian word at that offset, the word's other bits
+    untouched by a move; None if no such field explains the driver's moves. CUtensorMap is
+    opaque, so this is learned from the driver: one map, encoded at the placeholder and
+    moved by cuTensorMapReplaceAddress to addresses with varied bits, must match the
+    model byte for byte at every one."""
+    holder, base = _aligned_record()
+    if not _encode_at(base, "float16", _PLACEHOLDER_ADDRESS, (1, 64, 1, 64), (0, 64, 64), 64):
+        return None
+    encoded = ctypes.string_at(base, 128)
+    moved = {_PLACEHOLDER_ADDRESS: encoded}
+    for address in _PROBE_ADDRESSES:
+        ctypes.memmove(base, encoded, 128)
+        if _replace_fn()(base, address) != 0:
+            return None
+        moved[address] = ctypes.string_at(base, 128)
+    for offset in range(128 - 7):
+        for shift in range(5):
+            if all(_patched(encoded, offset, shift, a) == m for a, m in moved.items()):
+                return offset, shift
+    return None
+
+
+def _address_words(record, count):
+    """Template.address_words of a record of `count` maps, or () unless every map keeps
+    the placeholder in _address_field and writing one test address there gives the
+    driver's own move of the whole record."""
+    field = _address_field()
+    if field is None:
+        return ()
+    offset, shift = field
+    mask = _U64 >> shift
+    words, expected = [], record
+    for i in range(count):
+        at = 128 * i + offset
+        word = int.from_bytes(record[at:at + 8], "little")
+        if word & mask != _PLACEHOLDER_ADDRESS >> shift:
+            return ()
+        words.append((at, word & ~mask, shift))
+        expected = _patched(expected, at, shift, _PROBE_ADDRESSES[0])
+    holder, base = _aligned_record()
+    ctypes.memmove(base, record, MAPS_BYTES)
+    for i in range(count):
+        if _replace_fn()(base + 128 * i, _PROBE_ADDRESSES[0]) != 0:
+            return ()
+    return tuple(words) if ctypes.string_at(base, MAPS_BYTES) == expected else ()
+
+
+def _patched(record, offset, shift, address):
+    """record with address written into the field at offset (see _address_field)."""
+    word = int.from_bytes(record[offset:offset + 8], "little")
+    word = word & ~(_U64 >> shift) | address >> shift
+    return record[:offset] + word.to_bytes(8, "little") + record[offset + 8:]
 
 
 def _aligned_record():
@@ -104,6 +180,10 @@ def _aligned_record():
 
 
 _PLACEHOLDER_ADDRESS = 1 << 20  # aligned for any map; replaced before every launch
+# 16-byte aligned, with varied bits over the 49-bit range of device addresses
+_PROBE_ADDRESSES = (0x7F12_3456_7890, 0x1_0000_0010, 0x0F0F_0F0F_0F00, 0x1555_5555_5550)
+_U64 = (1 << 64) - 1
+_WORD = struct.Struct("<Q")
 
 
 @functools.lru_cache(maxsize=None)

@@ -544,7 +544,7 @@ class _Plan:
     function: int = 0       # the compiled kernel's CUfunction
     params: bytes = b""     # the FwdParams record with every pointer 0
     num_blocks: int = 0
-    tma_template: tuple = None  # _tma.template: the TensorMaps record less its addresses
+    tma_template: object = None  # _tma.Template: the TensorMaps record less its addresses
     work_list: tuple = None  # packed batches: (the schedule kernel's CUfunction, max_tiles,
                              # num_buckets, batch, total_q)
     to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
@@ -599,7 +599,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     if family == "sm90":
         tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
         if tma_template is not None:
-            kv_tail_maps = tma_template[1]
+            kv_tail_maps = tma_template.has_tails
         else:  # a layout the copy engine cannot describe: the portable kernels
             variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
                                            "sm80")

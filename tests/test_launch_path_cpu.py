@@ -50,31 +50,36 @@ def device(monkeypatch):
     monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: 228 * 1024)
     monkeypatch.setattr(_tma, "_encode_fn", lambda: _fake_encode)
     monkeypatch.setattr(_tma, "_replace_fn", lambda: _fake_replace)
-    for cached in (_tma.template, _tma.with_addresses):
-        cached.cache_clear()
+    _clear_tma_caches()
     api.clear_plans()
     yield fake
     api.clear_plans()
-    for cached in (_tma.template, _tma.with_addresses):
+    _clear_tma_caches()
+
+
+def _clear_tma_caches():
+    for cached in (_tma.template, _tma._moved_by_driver, _tma._address_field):
         cached.cache_clear()
 
 
 def _fake_encode(map_address, data_type, rank, ptr, *layout):
-    """A fake map: its address in the first 8 bytes, then a mark that it was encoded."""
-    ctypes.memmove(map_address, (ptr | 1 << 63).to_bytes(8, "little"), 8)
+    """A fake map: the address, shifted right by 4, in the low 60 bits of the word at byte
+    16, a mark in the top 4 bits; the other bytes a pattern."""
+    ctypes.memmove(map_address, bytes(range(128)), 128)
+    _fake_replace(map_address, ptr)
     return 0
 
 
 def _fake_replace(map_address, ptr):
-    ctypes.memmove(map_address, (ptr | 1 << 63).to_bytes(8, "little"), 8)
+    ctypes.memmove(map_address + 16, (ptr >> 4 | 0xA << 60).to_bytes(8, "little"), 8)
     return 0
 
 
 def map_addresses(launch):
     """The address each (fake) TMA map of a launch points at; 0 for a map not encoded."""
     maps = launch[2][1]
-    words = [int.from_bytes(maps[i:i + 8], "little") for i in range(0, len(maps), 128)]
-    return [w & ~(1 << 63) if w >> 63 else 0 for w in words]
+    words = [int.from_bytes(maps[i + 16:i + 24], "little") for i in range(0, len(maps), 128)]
+    return [(w & (1 << 60) - 1) << 4 if w >> 60 == 0xA else 0 for w in words]
 
 
 _addresses = iter(range(1 << 32, 1 << 40, 1 << 24))
@@ -119,6 +124,27 @@ def test_repeated_signature_reuses_the_plan_with_new_addresses(device):
     assert len(api._plans) == 1 and _tma.template.cache_info().misses == 1
     cufa.flash_attn_func(q, k, v, softcap=5.0)  # new options: a new plan
     assert len(api._plans) == 2
+
+
+def test_tma_addresses_written_in_python_or_moved_by_the_driver(device, monkeypatch):
+    q, k = view((1, 64, 2, 128)), view((1, 80, 2, 128))
+    cufa.flash_attn_func(q, k, k)
+    assert _tma._address_field() == (16, 4)   # learned from the (fake) driver's moves
+    assert map_addresses(device.launches[-1]) == [q.ptr, k.ptr, k.ptr, 0, 0]
+    moves = []
+
+    def counting_replace(map_address, ptr):  # also bumps a byte: no field explains it
+        moves.append(ptr)
+        ctypes.memmove(map_address + 100, bytes([len(moves) % 256]), 1)
+        return _fake_replace(map_address, ptr)
+    monkeypatch.setattr(_tma, "_replace_fn", lambda: counting_replace)
+    _clear_tma_caches()
+    api.clear_plans()
+    q = view((1, 64, 2, 128))
+    cufa.flash_attn_func(q, k, k)
+    assert _tma._address_field() is None
+    assert map_addresses(device.launches[-1]) == [q.ptr, k.ptr, k.ptr, 0, 0]
+    assert moves[-3:] == [q.ptr, k.ptr, k.ptr]   # the driver moved this call's maps
 
 
 def test_out_is_written_and_returned(device):
