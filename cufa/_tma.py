@@ -115,18 +115,26 @@ def _moved_by_driver(template, pointers):
     return (ctypes.c_char * MAPS_BYTES).from_buffer(holder, base - ctypes.addressof(holder))
 
 
-@functools.lru_cache(maxsize=None)
 def _address_field():
     """(byte offset, shift) such that a map keeps its address as address >> shift in the
     low 64 - shift bits of the little-endian word at that offset, the word's other bits
     untouched by a move; None if no such field explains the driver's moves. CUtensorMap is
     opaque, so this is learned from the driver: one map, encoded at the placeholder and
     moved by cuTensorMapReplaceAddress to addresses with varied bits, must match the
-    model byte for byte at every one."""
+    model byte for byte at every one. Learned once a process; not while the driver cannot
+    encode at all (no CUDA context yet)."""
+    global _learned_field
+    if _learned_field is not _UNKNOWN:
+        return _learned_field
     holder, base = _aligned_record()
     if not _encode_at(base, "float16", _PLACEHOLDER_ADDRESS, (1, 64, 1, 64), (0, 64, 64), 64):
         return None
-    encoded = ctypes.string_at(base, 128)
+    _learned_field = _fitted_field(base, ctypes.string_at(base, 128))
+    return _learned_field
+
+
+def _fitted_field(base, encoded):
+    """_address_field's search, on the map `encoded` (also at base)."""
     moved = {_PLACEHOLDER_ADDRESS: encoded}
     for address in _PROBE_ADDRESSES:
         ctypes.memmove(base, encoded, 128)
@@ -180,6 +188,8 @@ def _aligned_record():
 
 
 _PLACEHOLDER_ADDRESS = 1 << 20  # aligned for any map; replaced before every launch
+_UNKNOWN = object()
+_learned_field = _UNKNOWN
 # 16-byte aligned, with varied bits over the 49-bit range of device addresses
 _PROBE_ADDRESSES = (0x7F12_3456_7890, 0x1_0000_0010, 0x0F0F_0F0F_0F00, 0x1555_5555_5550)
 _U64 = (1 << 64) - 1
