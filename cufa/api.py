@@ -561,8 +561,8 @@ _MAX_PLANS = 4096
 def _remember(key, plan):
     """Plans use the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) as
     last read: clear_plans() after changing them in a running process."""
-    if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: start over
-        _plans.clear()
+    if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: the oldest goes
+        del _plans[next(iter(_plans))]
     _plans[key] = plan
     return plan
 

@@ -304,3 +304,11 @@ def test_jax_callback_takes_its_scratch_from_xla(device, monkeypatch):
                              "out_layouts": (_jax._layout(q), _jax._layout(small))})
     with pytest.raises(RuntimeError, match="scratch buffer traced for this jitted call"):
         _jax.on_device(spec, Context, [outs[0], _XlaBuffer((4,), "|u1")], bufs)
+
+
+def test_plans_beyond_the_limit_drop_the_oldest(device, monkeypatch):
+    monkeypatch.setattr(api, "_MAX_PLANS", 3)
+    shapes = [(1, n, 2, 64) for n in (10, 11, 12, 13)]
+    for shape in shapes:
+        cufa.flash_attn_func(view(shape), view(shape), view(shape))
+    assert [key[2][1] for key in api._plans] == shapes[1:]  # q's shape in each key
