@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# A/B of kernel revisions on the packed-batch benchmark, each tree in its own process,
-# alternating, so that clock and thermal drift fall on all of them alike.
+# A/B of kernel revisions on the packed-batch benchmark (or, with BENCH=decode, the
+# KV-cache decode benchmark), each tree in its own process, alternating, so that clock
+# and thermal drift fall on all of them alike.
 #   here:       bash bench/ab_varlen.sh prepare REV [REV...]   # git trees into _ab/ (ignored)
 #   on the GPU: bash bench/ab_varlen.sh run                    # (device tool: carry ["_ab"])
-# ROUNDS (3), REPS (30) and BATCHES (short) from the environment.
+# ROUNDS (3), REPS (30) and BATCHES (short) from the environment; with BENCH=decode,
+# DECODE_ARGS (default: --shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers).
 set -eu
 case "${1:-}" in
 prepare)
@@ -22,10 +24,33 @@ run)
   for round in $(seq "${ROUNDS:-3}"); do
     for tree in _ab/*/; do
       name=$(basename "$tree")
-      PYTHONPATH=$PWD/$tree python3 "$tree/bench/bench_varlen.py" --batches "${BATCHES:-short}" \
-        --reps "${REPS:-30}" --out "$OUT/$name.$round" > "$OUT/$name.$round.log" 2>&1
+      if [ "${BENCH:-varlen}" = decode ]; then
+        PYTHONPATH=$PWD/$tree python3 "$tree/bench/bench_decode.py" --reps "${REPS:-30}" \
+          ${DECODE_ARGS:---shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers} \
+          --no-plot --out "$OUT/$name.$round" > "$OUT/$name.$round.log" 2>&1
+      else
+        PYTHONPATH=$PWD/$tree python3 "$tree/bench/bench_varlen.py" --batches "${BATCHES:-short}" \
+          --reps "${REPS:-30}" --out "$OUT/$name.$round" > "$OUT/$name.$round.log" 2>&1
+      fi
     done
   done
+  if [ "${BENCH:-varlen}" = decode ]; then
+    python3 - "$OUT" <<'PY'
+import collections, glob, json, os, sys
+rows = collections.defaultdict(lambda: collections.defaultdict(list))
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.*", "bench_decode.json"))):
+    tree = os.path.basename(os.path.dirname(f)).rsplit(".", 1)[0]
+    for r in json.load(open(f))["rows"]:
+        key = (r["dtype"], r["head_dim"], f'{r["nheads"]}/{r["nheads_k"]}', r["batch"],
+               r["seqlen"], r["seqlen_q"])
+        rows[key][tree].append(" ".join(f'{n} {v["us"]:.1f}' for n, v in r["impls"].items()
+                                        if isinstance(v, dict) and "us" in v))
+print("cufa decode us per round (dtype, d, heads, batch, keys, query tokens): tree -> rounds")
+for key, trees in rows.items():
+    print(key, dict(trees))
+PY
+    exit 0
+  fi
   python3 - "$OUT" <<'PY'
 import collections, glob, json, os, sys
 rows = collections.defaultdict(lambda: collections.defaultdict(list))

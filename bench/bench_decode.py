@@ -3,7 +3,7 @@
 PyTorch SDPA (flash, cuDNN), one run.
 
     python3 bench/bench_decode.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128]
-        [--reps 40] [--no-peers] [--no-plot] [--list]
+        [--shapes 1x32768,64x4096] [--reps 40] [--no-peers] [--no-plot] [--list]
 
 Rows: dtype x heads (32 over 8, 32 over 32) x head dim x (batch, cache length N) in
 (1, 32k), (1, 128k), (8, 16k), (64, 4k), (128, 2k), (256, 1k) x seqlen_q 1 and 4, every
@@ -53,6 +53,16 @@ TARGET_FLASH, TARGET_CUDNN = 1.0, 0.95
 TB = 1e12
 
 
+def _shape_list(text):
+    try:
+        shapes = tuple(tuple(int(x) for x in item.split("x")) for item in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
+        raise argparse.ArgumentTypeError(f"expected BATCHxKEYS[,...]; got {text!r}")
+    return shapes
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results", help="folder for bench_decode.{json,md,png}")
@@ -61,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--head-dims", type=_ints, default=(64, 128))
     p.add_argument("--quick", action="store_true",
                    help=f"shapes {QUICK_SHAPES}, heads 32/8, seqlen_q 1 only")
+    p.add_argument("--shapes", type=_shape_list, default=None,
+                   help="comma list of BATCHxKEYS (e.g. 1x32768,64x4096) instead of the grid's "
+                        "(heads, head dims and query tokens as chosen otherwise)")
     p.add_argument("--reps", type=int, default=40,
                    help="timed calls per implementation and row (median), split over the rounds")
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
@@ -79,6 +92,7 @@ def parse_args(argv=None):
 def caches(args):
     """(dtype, nheads, nheads_k, head_dim, batch, N) of each cache; its rows are the seqlen_q."""
     shapes, heads = (QUICK_SHAPES, HEADS[:1]) if args.quick else (SHAPES, HEADS)
+    shapes = args.shapes or shapes
     return [(dt, h, hk, d, b, n) for dt in args.dtypes for h, hk in heads
             for d in args.head_dims for b, n in shapes]
 
