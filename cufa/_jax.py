@@ -96,35 +96,36 @@ def _scratch_bytes(entry, present, options):
     import cupy
     from . import api, kvcache
     device = cupy.cuda.runtime.getDevice()
-    views = {n: _interop.DeviceArray(None, "cupy", 256, *_layout(x)[:3], device,
-                                     _layout(x)[3]) for n, x in present.items()}
+    views = {}
+    for n, x in present.items():
+        shape, strides, dtype, itemsize = _layout(x)
+        views[n] = _interop.DeviceArray(None, "cupy", 256, shape, strides, dtype, device,
+                                        itemsize)
     get = views.get
     if entry == "flash_attn_func":
         plan = api._plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None, None,
-                               *_normalized(api, options))
+                               *_checked_options(api, options))
     elif entry == "flash_attn_varlen_func":
         plan = api._plan_packed(*(get(n) for n in api._PACKED_ARRAYS[:-1]), None, None,
-                                *_normalized(api, options))
+                                *_checked_options(api, options))
     elif entry == "scaled_dot_product_attention":
         plan = api._plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
                               bool(options["is_causal"]),
                               api._check_scale(options["scale"], "scale"),
                               bool(options["enable_gqa"]))
     else:  # flash_attn_with_kvcache
-        o = dict(options)
+        window, scale, softcap = _checked_options(api, options)
         plan = kvcache._plan_kvcache(
-            *(get(n) for n in kvcache._ARRAYS[:-1]), None, None, o["cache_seqlen"],
-            window=api._window(o["window_size"], o["causal"]),
-            scale=api._check_scale(o["softmax_scale"], "softmax_scale"),
-            softcap=api._softcap(o["softcap"]), interleaved=o["rotary_interleaved"],
-            num_splits=o["num_splits"], want_lse=True)
+            *(get(n) for n in kvcache._ARRAYS[:-1]), None, None, options["cache_seqlen"],
+            window=window, scale=scale, softcap=softcap,
+            interleaved=options["rotary_interleaved"], num_splits=options["num_splits"],
+            want_lse=True)
     return plan.scratch_bytes
 
 
-def _normalized(api, options):
-    return (api._window(options["window_size"], options["causal"]),
-            api._check_scale(options["softmax_scale"], "softmax_scale"),
-            api._softcap(options["softcap"]))
+def _checked_options(api, options):
+    return api._options(options["softmax_scale"], options["causal"], options["window_size"],
+                        options["softcap"])
 
 
 def _outputs(entry, a):

@@ -71,8 +71,7 @@ def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, sof
     view, lse_out a view to write lse into, stream XLA's (a CUstream handle), and scratch
     (address, bytes) an XLA buffer of the plan's scratch_bytes: memory that stays valid
     when XLA replays the launches from a CUDA graph, as memory cufa allocated would not."""
-    options = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
-               _softcap(softcap))
+    options = _options(softmax_scale, causal, window_size, softcap)
     arrays = (q, k, v, alibi_slopes, out)
     key, (q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr) = _interop.signature(arrays, _DENSE_ARRAYS)
     key = ("dense", options) + key
@@ -168,8 +167,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
            softmax_scale, causal, window_size, softcap, return_lse, check_cu_seqlens=False,
            lse_out=None, stream=None, scratch=None):
     """flash_attn_varlen_func on arrays or views (as dense)."""
-    options = (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
-               _softcap(softcap))
+    options = _options(softmax_scale, causal, window_size, softcap)
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out)
     key, ptrs = _interop.signature(arrays, _PACKED_ARRAYS)
     key = ("packed", options) + key
@@ -428,6 +426,12 @@ def _softcap(softcap):
     return float(softcap)
 
 
+def _options(softmax_scale, causal, window_size, softcap):
+    """(window, scale, softcap) of flash-attn's options, checked: what a plan depends on."""
+    return (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
+            _softcap(softcap))
+
+
 def _window(window_size, causal):
     """flash-attn's (left, right) with -1 = unbounded -> kernel bounds; causal caps right at 0."""
     try:
@@ -595,18 +599,17 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     short = _compile.short_sequences(packed, seqlen_q, batch)
     variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
                                    short)
-    tma_template, kv_tail_maps = None, False
+    tma_template = None
     if family == "sm90":
         tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
-        if tma_template is not None:
-            kv_tail_maps = tma_template.has_tails
-        else:  # a layout the copy engine cannot describe: the portable kernels
+        if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
             variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
                                            "sm80")
     num_m_blocks = -(-seqlen_q // variant.block_m)
     # Packed batches: at most total_q / block_m + batch real tiles (each sequence rounds
     # up once); the device-built list says how many there are.
     max_tiles = seqlen_q // variant.block_m + batch if packed else num_m_blocks * batch
+    num_buckets = seqlen_q // variant.block_m + 2  # packed: the schedule's counting sort
     if max_tiles * nheads > _INT32_MAX:
         raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
                          "the grid limit")
@@ -618,7 +621,8 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         head_dim=d, num_m_blocks=num_m_blocks,
         heads_per_group=max(1, min(batch * nheads, _L2_BUDGET // kv_bytes)),
-        kv_tail_maps=int(kv_tail_maps), bottom_right=int(bottom_right),
+        kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
+        bottom_right=int(bottom_right),
         window_left=window[0], window_right=window[1],
         scale=scale, scale_log2=scale * _LOG2_E,
         softcap=softcap, softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
@@ -644,14 +648,14 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
         num_blocks = min(num_blocks, _sm_count(q.device) * variant.ctas_per_sm)
     # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
-    scratch_bytes = (4 * (_work_list_ints(max_tiles, seqlen_q // variant.block_m + 2) + 2)
+    scratch_bytes = (4 * (_work_list_ints(max_tiles, num_buckets) + 2)
                      if packed else 8 if variant.persistent else 0)
     return _Plan(**outputs, variant=variant, scratch_bytes=scratch_bytes,
                  function=_compile.function_pointer(variant, q.device),
                  params=_params.FWD.pack(p), num_blocks=num_blocks,
                  tma_template=tma_template,
                  work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
-                            max_tiles, seqlen_q // variant.block_m + 2, batch, seqlen_q)
+                            max_tiles, num_buckets, batch, seqlen_q)
                  if packed else None)
 
 

@@ -99,9 +99,7 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
     """flash_attn_with_kvcache on arrays or views, in _ARRAYS order (out: the caller's out=
     or, under jax.jit, the output buffer's view); cache_seqlen: the int form of
     cache_seqlens, or None; lse_out, stream, scratch: as in api.dense (jax.jit)."""
-    window = api._window(window_size, causal)
-    scale = api._check_scale(softmax_scale, "softmax_scale")
-    softcap = api._softcap(softcap)
+    window, scale, softcap = api._options(softmax_scale, causal, window_size, softcap)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shapes); got "
                          f"{num_splits!r}")
@@ -298,7 +296,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     if alibi is not None:
         p["alibi_batch_stride"] = alibi.strides[0] if alibi.ndim == 2 else 0
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    p["scale"], p["scale_log2"] = scale, scale * math.log2(math.e)
+    p["scale"], p["scale_log2"] = scale, scale * api._LOG2_E
     p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
 
     dt = api._KERNEL_DTYPES[q.dtype]
