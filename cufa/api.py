@@ -804,6 +804,30 @@ def _tile_counter(framework, device, stream):
     return None, ptr
 
 
+_workspaces = {}  # (device, stream, thread) -> (address, bytes): split-KV partials
+
+
+def stream_workspace(framework, device, stream, nbytes):
+    """(owner, address) of at least nbytes of device memory for one launch's scratch on
+    `stream` (the split-KV partials of a decode). As with the tile counter, launches on
+    one stream run one after another, so each stream (each thread, on the default
+    streams) keeps one buffer and a call allocates nothing; the buffer grows, to twice
+    the size asked, when a call needs more. Under graph capture the memory comes from the
+    caller's allocator, as a graph may be replayed on any stream."""
+    import cupy
+    runtime = cupy.cuda.runtime
+    if runtime.streamIsCapturing(stream):
+        return _interop.allocate(framework, (-(-nbytes // 4),), "float32", device, stream)
+    key = (device, stream, threading.get_ident() if stream <= 2 else 0)
+    held = _workspaces.get(key)
+    if held is None or held[1] < nbytes:
+        if held is not None:  # work queued on this stream may still read the old buffer
+            runtime.streamSynchronize(stream)
+            runtime.free(held[0])
+        held = _workspaces[key] = (runtime.malloc(2 * nbytes), 2 * nbytes)
+    return None, held[0]
+
+
 class caller_stream:
     """Context: `device` current, with its context (for the driver calls); gives the
     stream the caller's framework is issuing work on. When the device's context is current

@@ -496,7 +496,7 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
             # (held until the launches are queued: freed earlier, another thread could be
             # handed the same memory for work ordered before ours)
             workspace, base = (None, scratch_ptr) if scratch_ptr or not total else \
-                _interop.allocate(plan.framework, (total,), "float32", plan.device, stream)
+                api.stream_workspace(plan.framework, plan.device, stream, 4 * total)
             at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
             params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),

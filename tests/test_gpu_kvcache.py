@@ -340,6 +340,29 @@ def test_num_splits_agree(rng, name):
             f"{name}: lse num_splits={n} vs 1: max diff {ldiff.max():.3e}")
 
 
+def test_back_to_back_split_decodes_share_the_stream_workspace(rng):
+    """Split-KV partials live in a buffer each stream keeps and grows: decodes queued
+    without a sync, growing and shrinking the partials, on two streams at once, each
+    match the reference (a buffer freed or shared while a queued call still used it
+    would mix their partials)."""
+    shapes = [(1, 512, (8, 2), 64, 3), (2, 3000, (32, 8), 128, 16), (1, 100, (4, 4), 64, 2),
+              (4, 2000, (16, 2), 128, 9), (1, 1, (2, 1), 64, 2)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    calls = []
+    for rep in range(3):
+        for i, (batch, n, heads, d, splits) in enumerate(shapes):
+            kw, _ = build(rng, batch=batch, heads=heads, d=d, capacity=n, lens=[n] * batch)
+            stream = streams[(i + rep) % 2]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out, lse = cufa.flash_attn_with_kvcache(**kw, num_splits=splits,
+                                                        return_softmax_lse=True)
+            calls.append((out, lse, kw, f"{batch} x {n} {heads} d{d} splits {splits}"))
+    torch.cuda.synchronize()
+    for out, lse, kw, label in calls:
+        check_kvcache(out, lse, label=label, **kw)
+
+
 # -- merge_attention_states ---------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

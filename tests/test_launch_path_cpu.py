@@ -44,6 +44,8 @@ def device(monkeypatch):
     monkeypatch.setattr(api, "driver_launch", fake.launch)
     monkeypatch.setattr(_interop, "allocate", fake.allocate)
     monkeypatch.setattr(api, "_tile_counter", lambda framework, device, stream: (None, 0xC0))
+    monkeypatch.setattr(api, "stream_workspace",
+                        lambda framework, device, stream, nbytes: (None, _WORKSPACE))
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
     monkeypatch.setattr(api, "_compute_capability", lambda device: "90")
     monkeypatch.setattr(api, "_sm_count", lambda device: 132)
@@ -55,6 +57,9 @@ def device(monkeypatch):
     yield fake
     api.clear_plans()
     _clear_tma_caches()
+
+
+_WORKSPACE = 0xD000_0000  # the per-stream split-KV workspace's (fake) address
 
 
 def _clear_tma_caches():
@@ -193,6 +198,17 @@ def test_kvcache_addresses(device):
                                                            lens.ptr)
     assert (r["k_new"], r["v_new"]) == (k_new.ptr, k_new.ptr)
     assert r["o"] == int(o.split("@")[1], 16) and r["lse"] == 0
+
+
+def test_kvcache_split_partials_in_the_stream_workspace(device):
+    q, cache = view((1, 1, 32, 128)), view((1, 32768, 8, 128))
+    lens = view((1,), "int32")
+    o = cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=4)
+    decode, combine = device.launches
+    r = record(decode, _params.DECODE)
+    assert r["o_partial"] == _WORKSPACE and r["lse_partial"] > _WORKSPACE
+    assert r["num_splits"] == 4
+    assert device.allocations == [((1, 1, 32, 128), "float16")]  # the output only
 
 
 def test_merge_addresses(device):
