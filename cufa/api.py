@@ -805,6 +805,7 @@ def _tile_counter(framework, device, stream):
 
 
 _workspaces = {}  # (device, stream, thread) -> (address, bytes): split-KV partials
+_workspace_growth = threading.Lock()
 
 
 def stream_workspace(framework, device, stream, nbytes):
@@ -821,10 +822,13 @@ def stream_workspace(framework, device, stream, nbytes):
     key = (device, stream, threading.get_ident() if stream <= 2 else 0)
     held = _workspaces.get(key)
     if held is None or held[1] < nbytes:
-        if held is not None:  # work queued on this stream may still read the old buffer
-            runtime.streamSynchronize(stream)
-            runtime.free(held[0])
-        held = _workspaces[key] = (runtime.malloc(2 * nbytes), 2 * nbytes)
+        with _workspace_growth:  # two threads on one stream must not free it twice
+            held = _workspaces.get(key)
+            if held is None or held[1] < nbytes:
+                if held is not None:  # work queued on the stream may still read it
+                    runtime.streamSynchronize(stream)
+                    runtime.free(held[0])
+                held = _workspaces[key] = (runtime.malloc(2 * nbytes), 2 * nbytes)
     return None, held[0]
 
 
