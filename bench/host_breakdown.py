@@ -62,14 +62,14 @@ def main():
         with api.caller_stream("torch", 0) as s:
             return s
 
-    _, counter = api._tile_counter("torch", 0, stream)
+    _, counter = api.stream_counters("torch", 0, stream, 2)
     steps = {
         "whole call: cufa.flash_attn_func": call,
         "torch SDPA flash (same inputs)": lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
         "output: _interop.allocate": lambda: _interop.allocate("torch", plan.out_shape,
                                                               plan.dtype, 0, stream),
-        "tile counter (per stream)": lambda: api._tile_counter("torch", 0, stream),
+        "tile counter (per stream)": lambda: api.stream_counters("torch", 0, stream, 2),
         "signature of (q, k, v, None, None)": lambda: _interop.signature(arrays, names),
         "options + key + plan lookup": lambda: api._plans.get(("dense", (
             api._window((-1, -1), True), api._check_scale(None, "s"), api._softcap(0.0)))

@@ -746,7 +746,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
             counter = scratch_ptr
             cupy.cuda.runtime.memsetAsync(counter, 0, 8, stream)
         else:
-            scratch, counter = _tile_counter(framework, device, stream)
+            scratch, counter = stream_counters(framework, device, stream, 2)
     params = _params.FWD.with_pointer_values(plan.params, (
         q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
         counter, table))
@@ -779,29 +779,39 @@ def _check_scratch(scratch, needed):
     return ptr
 
 
-_tile_counters = {}  # (device, stream, thread) -> a persistent kernel's tile counter
+_stream_counters = {}  # (device, stream, thread) -> (address, count) of zeroed uint32s
+_counter_growth = threading.Lock()
 
 
-def _tile_counter(framework, device, stream):
-    """(owner, address) of 2 zeroed uint32s for a persistent kernel's tile counter on
-    `stream`. The kernel leaves its counter zeroed, and launches on one stream run one after
-    another, so each stream keeps one counter and a call needs no memset. The default
-    streams' handles are shared across threads that may not share the stream, so those
-    counters are per thread too. A stream being captured into a CUDA graph gets a counter
-    of its own, zeroed by a memset in the graph: a graph may be replayed on any stream,
-    beside any other work."""
+def stream_counters(framework, device, stream, count):
+    """(owner, address) of `count` zeroed uint32s for a launch on `stream`: the persistent
+    kernel's tile counter (2), split-KV decode's per-tile counts. The kernels leave their
+    counters zeroed, and launches on one stream run one after another, so each stream
+    keeps one buffer (grown, zeroed, when a call needs more) and a call needs no memset.
+    The default streams' handles are shared across threads that may not share the stream,
+    so those buffers are per thread too. A stream being captured into a CUDA graph gets
+    counters of its own, zeroed by a memset in the graph: a graph may be replayed on any
+    stream, beside any other work."""
     import cupy
     runtime = cupy.cuda.runtime
     if runtime.streamIsCapturing(stream):
-        owner, ptr = _interop.allocate(framework, (2,), "int32", device, stream)
-        runtime.memsetAsync(ptr, 0, 8, stream)
+        owner, ptr = _interop.allocate(framework, (count,), "int32", device, stream)
+        runtime.memsetAsync(ptr, 0, 4 * count, stream)
         return owner, ptr
     key = (device, stream, threading.get_ident() if stream <= 2 else 0)
-    ptr = _tile_counters.get(key)
-    if ptr is None:  # held for the process's life: 8 bytes a stream
-        ptr = _tile_counters[key] = runtime.malloc(8)
-        runtime.memsetAsync(ptr, 0, 8, stream)
-    return None, ptr
+    held = _stream_counters.get(key)
+    if held is None or held[1] < count:
+        with _counter_growth:  # two threads on one stream must not free it twice
+            held = _stream_counters.get(key)
+            if held is None or held[1] < count:
+                if held is not None:  # launches queued on the stream may still count on it
+                    runtime.streamSynchronize(stream)
+                    runtime.free(held[0])
+                size = max(2 * count, 64)
+                ptr = runtime.malloc(4 * size)
+                runtime.memsetAsync(ptr, 0, 4 * size, stream)
+                held = _stream_counters[key] = (ptr, size)
+    return None, held[0]
 
 
 _workspaces = {}  # (device, stream, thread) -> (address, bytes): split-KV partials

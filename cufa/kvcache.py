@@ -182,7 +182,8 @@ class _KvPlan:
     launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
     workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
                                         # and the rotated q (-1: not used)
-    scratch_bytes: int = 0     # the workspace's
+    scratch_bytes: int = 0     # the workspace's and, under jax.jit, the split counters'
+    split_counters: int = 0    # uint32s the split decode counts its splits in (0: no split)
     rotary: bool = False
     capacity: int = 0          # key positions a sequence can hold
     num_pages: int = 0
@@ -308,9 +309,6 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     if seqlen_q:
         launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
                                                          batch)))
-        if num_splits > 1:
-            launches.append(_launch_entry(_compile.DecodeKernel("combine", dt), q.device,
-                                          (batch * seqlen_q * nheads, 1, 1)))
     # One float32 buffer: the splits' outputs and lse, then the rotated q (16-byte rows),
     # each part starting on a 256-byte boundary.
     rows = batch * seqlen_q * nheads
@@ -322,9 +320,11 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
         offsets.append(total if n else -1)
         total += -(-n // 64) * 64
     workspace = (total, *offsets)
+    # one count a CTA tile (the splits of a tile count in; the last merges them)
+    counters = batch * nheads_k * num_m_blocks if split else 0
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
-                   launches=tuple(launches), workspace=workspace, scratch_bytes=4 * total,
-                   rotary=rotary)
+                   launches=tuple(launches), workspace=workspace, rotary=rotary,
+                   scratch_bytes=4 * (total + counters), split_counters=counters)
 
 
 def _launch_entry(kernel, device, grid):
@@ -498,11 +498,19 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
             workspace, base = (None, scratch_ptr) if scratch_ptr or not total else \
                 api.stream_workspace(plan.framework, plan.device, stream, 4 * total)
             at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
+            counters_owner, counters = None, 0
+            if plan.split_counters and scratch_ptr:  # XLA's buffer, perhaps replayed
+                import cupy                           # from a graph: zeroed in the stream
+                counters = scratch_ptr + 4 * total
+                cupy.cuda.runtime.memsetAsync(counters, 0, 4 * plan.split_counters, stream)
+            elif plan.split_counters:
+                counters_owner, counters = api.stream_counters(plan.framework, plan.device,
+                                                               stream, plan.split_counters)
             params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
-                at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
+                at(lse_part), counters, seqlens, idx, leftpad, table, alibi, kn, vn,
                 q if plan.rotary else 0, cos, sin))
             for _, function, grid, threads, smem in plan.launches:
                 api.driver_launch(function, grid, threads, smem, stream, (params,))
-            del workspace
+            del workspace, counters_owner
     return api.returned(plan, o, lse, plan.want_lse)

@@ -341,26 +341,34 @@ def test_num_splits_agree(rng, name):
 
 
 def test_back_to_back_split_decodes_share_the_stream_workspace(rng):
-    """Split-KV partials live in a buffer each stream keeps and grows: decodes queued
-    without a sync, growing and shrinking the partials, on two streams at once, each
-    match the reference (a buffer freed or shared while a queued call still used it
-    would mix their partials)."""
+    """Split-KV partials live in a buffer each stream keeps and grows, and the splits
+    count in on counters the stream keeps zeroed (shared with the forward's tile
+    counter): decodes queued without a sync, growing and shrinking both, on two streams
+    at once, with forward calls between them, each match the reference (a buffer freed
+    or shared while a queued call still used it, or a count left non-zero, would mix or
+    skip their partials)."""
     shapes = [(1, 512, (8, 2), 64, 3), (2, 3000, (32, 8), 128, 16), (1, 100, (4, 4), 64, 2),
               (4, 2000, (16, 2), 128, 9), (1, 1, (2, 1), 64, 2)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    calls = []
+    calls, forwards = [], []
     for rep in range(3):
         for i, (batch, n, heads, d, splits) in enumerate(shapes):
             kw, _ = build(rng, batch=batch, heads=heads, d=d, capacity=n, lens=[n] * batch)
             stream = streams[(i + rep) % 2]
             stream.wait_stream(torch.cuda.current_stream())
+            qf = randn(rng, (1, 70 + i, 4, 64), "float16")
+            kf = randn(rng, (1, 90, 2, 64), "float16")
             with torch.cuda.stream(stream):
                 out, lse = cufa.flash_attn_with_kvcache(**kw, num_splits=splits,
                                                         return_softmax_lse=True)
+                dense = cufa.flash_attn_func(qf, kf, kf, causal=True)
             calls.append((out, lse, kw, f"{batch} x {n} {heads} d{d} splits {splits}"))
+            forwards.append((dense, qf, kf))
     torch.cuda.synchronize()
     for out, lse, kw, label in calls:
         check_kvcache(out, lse, label=label, **kw)
+    for dense, qf, kf in forwards:
+        check_attention(dense, None, qf, kf, kf, label=f"forward {tuple(qf.shape)}", causal=True)
 
 
 # -- merge_attention_states ---------------------------------------------------------------

@@ -54,8 +54,11 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     plan = planner(q, cache, cache, cache_seqlens=arr((batch,), "int32"))
     rec = record(plan)
     assert rec["num_splits"] == expected
-    kinds = [entry[0] for entry in plan.launches]
-    assert kinds == (["decode", "combine"] if expected > 1 else ["decode"])
+    assert [entry[0] for entry in plan.launches] == ["decode"]  # the last split merges
+    # a count for each CTA tile's splits, after the workspace in jax.jit's scratch
+    tiles = batch * heads_k * rec["num_m_blocks"]
+    assert plan.split_counters == (tiles if expected > 1 else 0)
+    assert plan.scratch_bytes == 4 * (plan.workspace[0] + plan.split_counters)
     grid = plan.launches[0][2]
     assert grid == (rec["num_m_blocks"] * expected, heads_k, batch)
     if 1 < expected < keys // 256:  # not capped by the keys: the waves fill >= 90 %
@@ -102,7 +105,7 @@ def test_append_and_rotary_plan_the_append_kernel_and_a_rotated_q(planner):
     cos = arr((300, 32))
     plan = planner(q, cache, cache, new, new, rotary_cos=cos, rotary_sin=cos,
                    cache_seqlens=arr((b,), "int32"), causal=True, num_splits=3)
-    assert [e[0] for e in plan.launches] == ["append", "decode", "combine"]
+    assert [e[0] for e in plan.launches] == ["append", "decode"]
     rows = b * 2 * hk + b * sq * h
     assert plan.launches[0][2] == (-(-rows // 4), 1, 1)
     rec = record(plan)
@@ -137,7 +140,7 @@ def test_decode_kernel_shared_memory_fits_the_stated_ctas():
 def test_variant_keys_are_readable_and_unique():
     keys = [v.key for v in _compile.decode_variants()]
     assert len(set(keys)) == len(keys)
-    assert "decode_bf16_hd128" in keys and "decode_combine_fp16" in keys
+    assert "decode_bf16_hd128" in keys
     assert "decode_append_bf16" in keys and "merge_fp32" in keys
     assert _compile.DecodeKernel("decode", "bf16", 64).name_expression == \
         "cufa::decode_kernel<1, 64>"
@@ -146,6 +149,6 @@ def test_variant_keys_are_readable_and_unique():
 def test_decode_pointer_order_is_the_records():
     # kvcache._run packs the pointers positionally, in this order
     assert _params.DECODE.pointer_fields == (
-        "q", "k", "v", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
-        "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "k_new", "v_new",
-        "q_source", "rotary_cos", "rotary_sin")
+        "q", "k", "v", "o", "lse", "o_partial", "lse_partial", "split_counters",
+        "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
+        "k_new", "v_new", "q_source", "rotary_cos", "rotary_sin")

@@ -43,7 +43,8 @@ def device(monkeypatch):
     monkeypatch.setattr(api, "caller_stream", _Stream)
     monkeypatch.setattr(api, "driver_launch", fake.launch)
     monkeypatch.setattr(_interop, "allocate", fake.allocate)
-    monkeypatch.setattr(api, "_tile_counter", lambda framework, device, stream: (None, 0xC0))
+    monkeypatch.setattr(api, "stream_counters",
+                        lambda framework, device, stream, count: (None, _COUNTERS))
     monkeypatch.setattr(api, "stream_workspace",
                         lambda framework, device, stream, nbytes: (None, _WORKSPACE))
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
@@ -60,6 +61,7 @@ def device(monkeypatch):
 
 
 _WORKSPACE = 0xD000_0000  # the per-stream split-KV workspace's (fake) address
+_COUNTERS = 0xC0          # the per-stream counters' (fake) address
 
 
 def _clear_tma_caches():
@@ -108,7 +110,7 @@ def test_dense_addresses_and_no_lse_unless_asked(device):
     r = record(launch)
     assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, v.ptr)
     assert r["o"] == int(o.split("@")[1], 16) and r["lse"] == 0
-    assert r["tile_counter"] == 0xC0       # persistent kernel: the per-stream counter
+    assert r["tile_counter"] == _COUNTERS  # persistent kernel: the per-stream counter
     assert device.allocations == [((2, 100, 4, 64), "float16")]
     assert len(launch[2]) == 2             # the record and the TMA maps
     o, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
@@ -204,10 +206,10 @@ def test_kvcache_split_partials_in_the_stream_workspace(device):
     q, cache = view((1, 1, 32, 128)), view((1, 32768, 8, 128))
     lens = view((1,), "int32")
     o = cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=4)
-    decode, combine = device.launches
+    (decode,) = device.launches  # the last split of each tile merges them
     r = record(decode, _params.DECODE)
     assert r["o_partial"] == _WORKSPACE and r["lse_partial"] > _WORKSPACE
-    assert r["num_splits"] == 4
+    assert r["num_splits"] == 4 and r["split_counters"] == _COUNTERS
     assert device.allocations == [((1, 1, 32, 128), "float16")]  # the output only
 
 
@@ -328,3 +330,45 @@ def test_plans_beyond_the_limit_drop_the_oldest(device, monkeypatch):
     for shape in shapes:
         cufa.flash_attn_func(view(shape), view(shape), view(shape))
     assert [key[2][1] for key in api._plans] == shapes[1:]  # q's shape in each key
+
+
+def test_jax_split_decode_counts_in_xla_scratch(device, monkeypatch):
+    """A split decode under jax.jit: the partials and the split counters (after them)
+    in XLA's scratch output, the counters zeroed in the stream on every run."""
+    jax = pytest.importorskip("jax")
+    import cupy
+    from cufa import _jax
+    memsets = []
+    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
+                        lambda ptr, value, size, stream: memsets.append((ptr, size, stream)))
+    q = jax.ShapeDtypeStruct((2, 1, 8, 64), "float16")
+    cache = jax.ShapeDtypeStruct((2, 4096, 2, 64), "float16")
+    lens = jax.ShapeDtypeStruct((2,), "int32")
+    lse = jax.ShapeDtypeStruct((2, 8, 1), "float32")
+    plan = kvcache._plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
+                                 None, None, None, None, view((2,), "int32"), None, None,
+                                 None, None, None, None, None, window=(1 << 30, 1 << 30),
+                                 scale=None, softcap=0.0, interleaved=True, num_splits=5,
+                                 want_lse=True)
+    assert plan.split_counters == 2 * 2 * 1   # batch x KV heads x one 16-row tile
+    scratch = jax.ShapeDtypeStruct((plan.scratch_bytes,), "uint8")
+    options = dict(cache_seqlen=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                   softcap=0.0, rotary_interleaved=True, num_splits=5)
+    spec = _jax.Call("flash_attn_with_kvcache", ("q", "k_cache", "v_cache", "cache_seqlens"),
+                     ("float16", "float16", "float16", "int32"), ("float16", "float32", "uint8"),
+                     options, (), tuple(_jax._layout(x) for x in (q, cache, cache, lens)),
+                     tuple(_jax._layout(x) for x in (q, lse, scratch)), True)
+    bufs = [_XlaBuffer(x.shape, np.dtype(x.dtype).str) for x in (q, cache, cache, lens)]
+    outs = [_XlaBuffer(x.shape, np.dtype(x.dtype).str) for x in (q, lse, scratch)]
+
+    class Context:
+        stream = 0x5EED
+    for _ in range(2):
+        _jax.on_device(spec, Context, outs, bufs)
+    base = outs[2].__cuda_array_interface__["data"][0]
+    r = record(device.launches[-1], _params.DECODE)
+    counters = base + 4 * plan.workspace[0]
+    assert r["o_partial"] == base and r["split_counters"] == counters
+    assert r["num_splits"] == 5 and device.allocations == []
+    assert memsets == [(counters, 4 * plan.split_counters, 0x5EED)] * 2
