@@ -779,66 +779,53 @@ def _check_scratch(scratch, needed):
     return ptr
 
 
-_stream_counters = {}  # (device, stream, thread) -> (address, count) of zeroed uint32s
-_counter_growth = threading.Lock()
-
-
 def stream_counters(framework, device, stream, count):
     """(owner, address) of `count` zeroed uint32s for a launch on `stream`: the persistent
     kernel's tile counter (2), split-KV decode's per-tile counts. The kernels leave their
     counters zeroed, and launches on one stream run one after another, so each stream
-    keeps one buffer (grown, zeroed, when a call needs more) and a call needs no memset.
-    The default streams' handles are shared across threads that may not share the stream,
-    so those buffers are per thread too. A stream being captured into a CUDA graph gets
-    counters of its own, zeroed by a memset in the graph: a graph may be replayed on any
-    stream, beside any other work."""
-    import cupy
-    runtime = cupy.cuda.runtime
-    if runtime.streamIsCapturing(stream):
-        owner, ptr = _interop.allocate(framework, (count,), "int32", device, stream)
-        runtime.memsetAsync(ptr, 0, 4 * count, stream)
-        return owner, ptr
-    key = (device, stream, threading.get_ident() if stream <= 2 else 0)
-    held = _stream_counters.get(key)
-    if held is None or held[1] < count:
-        with _counter_growth:  # two threads on one stream must not free it twice
-            held = _stream_counters.get(key)
-            if held is None or held[1] < count:
-                if held is not None:  # launches queued on the stream may still count on it
-                    runtime.streamSynchronize(stream)
-                    runtime.free(held[0])
-                size = max(2 * count, 64)
-                ptr = runtime.malloc(4 * size)
-                runtime.memsetAsync(ptr, 0, 4 * size, stream)
-                held = _stream_counters[key] = (ptr, size)
-    return None, held[0]
-
-
-_workspaces = {}  # (device, stream, thread) -> (address, bytes): split-KV partials
-_workspace_growth = threading.Lock()
+    keeps one buffer (zeroed when it is made) and a call needs no memset. A stream being
+    captured into a CUDA graph gets counters of its own, zeroed by a memset in the graph:
+    a graph may be replayed on any stream, beside any other work."""
+    return _stream_buffer(_counters, framework, device, stream, 4 * max(count, 32),
+                          zeroed=True)
 
 
 def stream_workspace(framework, device, stream, nbytes):
     """(owner, address) of at least nbytes of device memory for one launch's scratch on
-    `stream` (the split-KV partials of a decode). As with the tile counter, launches on
-    one stream run one after another, so each stream (each thread, on the default
-    streams) keeps one buffer and a call allocates nothing; the buffer grows, to twice
-    the size asked, when a call needs more. Under graph capture the memory comes from the
-    caller's allocator, as a graph may be replayed on any stream."""
+    `stream` (the split-KV partials of a decode), kept per stream as the counters are, so
+    a call allocates nothing; from the caller's allocator under graph capture."""
+    return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False)
+
+
+_counters = {}     # (device, stream, thread) -> (address, bytes)
+_workspaces = {}
+_buffer_growth = threading.Lock()
+
+
+def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed):
+    """A buffer `stream` keeps in held_by, grown (to twice the size asked) when a call
+    needs more. The default streams' handles are shared across threads that may not share
+    the stream, so theirs are per thread too."""
     import cupy
     runtime = cupy.cuda.runtime
     if runtime.streamIsCapturing(stream):
-        return _interop.allocate(framework, (-(-nbytes // 4),), "float32", device, stream)
+        owner, ptr = _interop.allocate(framework, (-(-nbytes // 4),), "int32", device, stream)
+        if zeroed:
+            runtime.memsetAsync(ptr, 0, nbytes, stream)
+        return owner, ptr
     key = (device, stream, threading.get_ident() if stream <= 2 else 0)
-    held = _workspaces.get(key)
+    held = held_by.get(key)
     if held is None or held[1] < nbytes:
-        with _workspace_growth:  # two threads on one stream must not free it twice
-            held = _workspaces.get(key)
+        with _buffer_growth:  # two threads on one stream must not free it twice
+            held = held_by.get(key)
             if held is None or held[1] < nbytes:
-                if held is not None:  # work queued on the stream may still read it
+                if held is not None:  # launches queued on the stream may still use it
                     runtime.streamSynchronize(stream)
                     runtime.free(held[0])
-                held = _workspaces[key] = (runtime.malloc(2 * nbytes), 2 * nbytes)
+                ptr = runtime.malloc(2 * nbytes)
+                if zeroed:
+                    runtime.memsetAsync(ptr, 0, 2 * nbytes, stream)
+                held = held_by[key] = (ptr, 2 * nbytes)
     return None, held[0]
 
 

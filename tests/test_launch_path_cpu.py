@@ -289,17 +289,25 @@ def test_missing_required_arrays_are_named(device):
     assert device.launches == []
 
 
-def test_jax_callback_takes_its_scratch_from_xla(device, monkeypatch):
+@pytest.fixture
+def memsets(monkeypatch):
+    """The memsets a jitted call's callback queues (their address, size and stream), with
+    the buffers' device looked up as 0."""
+    import cupy
+    from cufa import _jax
+    queued = []
+    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
+                        lambda ptr, value, size, stream: queued.append((ptr, size, stream)))
+    return queued
+
+
+def test_jax_callback_takes_its_scratch_from_xla(device, memsets):
     """Under jax.jit the tile counter (and a packed batch's work list) live in an output
     XLA owns, zeroed in the stream, never in memory cufa allocates: XLA may replay the
     launches from a CUDA graph after the callback has returned."""
     jax = pytest.importorskip("jax")
-    import cupy
     from cufa import _jax
-    memsets = []
-    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
-    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
-                        lambda ptr, value, size, stream: memsets.append((ptr, size, stream)))
     q = jax.ShapeDtypeStruct((1, 40, 2, 64), "float16")
     scratch = jax.ShapeDtypeStruct((8,), "uint8")
     spec = _jax.Call("flash_attn_func", ("q", "k", "v"), ("float16",) * 3,
@@ -332,16 +340,11 @@ def test_plans_beyond_the_limit_drop_the_oldest(device, monkeypatch):
     assert [key[2][1] for key in api._plans] == shapes[1:]  # q's shape in each key
 
 
-def test_jax_split_decode_counts_in_xla_scratch(device, monkeypatch):
+def test_jax_split_decode_counts_in_xla_scratch(device, memsets):
     """A split decode under jax.jit: the partials and the split counters (after them)
     in XLA's scratch output, the counters zeroed in the stream on every run."""
     jax = pytest.importorskip("jax")
-    import cupy
     from cufa import _jax
-    memsets = []
-    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
-    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
-                        lambda ptr, value, size, stream: memsets.append((ptr, size, stream)))
     q = jax.ShapeDtypeStruct((2, 1, 8, 64), "float16")
     cache = jax.ShapeDtypeStruct((2, 4096, 2, 64), "float16")
     lens = jax.ShapeDtypeStruct((2,), "int32")
