@@ -735,8 +735,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
         if scratch_ptr:
             tile_list = scratch_ptr
         else:
-            scratch, tile_list = _interop.allocate(framework, (ints + 2,), "int32", device,
-                                                   stream)
+            scratch, tile_list = stream_workspace(framework, device, stream, 4 * (ints + 2))
         tile_count = tile_list + 8 * max_tiles
         if plan.variant.persistent:
             counter = tile_list + 4 * ints
@@ -791,9 +790,11 @@ def stream_counters(framework, device, stream, count):
 
 
 def stream_workspace(framework, device, stream, nbytes):
-    """(owner, address) of at least nbytes of device memory for one launch's scratch on
-    `stream` (the split-KV partials of a decode), kept per stream as the counters are, so
-    a call allocates nothing; from the caller's allocator under graph capture."""
+    """(owner, address) of at least nbytes of device memory for one call's scratch on
+    `stream` (a packed batch's work list, a decode's split-KV partials), kept per stream
+    as the counters are, so a call allocates nothing; from the caller's allocator under
+    graph capture. Launches on the stream run in order, so one call's kernels are done
+    with it before the next call's write it."""
     return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False)
 
 

@@ -175,6 +175,8 @@ def test_packed_addresses_and_scratch(device):
     assert (r["cu_seqlens_q"], r["cu_seqlens_k"], r["seqused_k"]) == (cu.ptr, cu.ptr, used.ptr)
     assert map_addresses(forward) == [q.ptr, k.ptr, k.ptr, k.ptr, k.ptr]  # k, v tails too
     scratch = r["tile_list"]
+    assert scratch == _WORKSPACE  # the work list in the stream's buffer: no allocation
+    assert device.allocations == [((300, 4, 64), "float16"), ((4, 300), "float32")]
     assert r["tile_count"] > scratch and r["tile_counter"] > r["tile_count"]
     # the schedule kernel's last argument: the forward's tile counter, which it zeroes
     assert int.from_bytes(schedule[2][-1], "little") == r["tile_counter"]
