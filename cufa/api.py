@@ -123,7 +123,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     one flash_attn_with_kvcache reads (chunked prefill against a serving cache). Key j of
     sequence b is row j % page_size of page block_table[b, j // page_size]; the sequence
     has seqused_k[b] keys if given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b], at most
-    max_pages * page_size. Paged batches run on the mma.sync kernels (sm80 family).
+    max_pages * page_size. Paged batches run on the mma.sync kernels (sm80 family);
+    their sequences of 1 to 16 // (nheads // nheads_k) query rows on the decode kernel.
 
     Free checks (no device sync): dtype, shape and device of cu_seqlens and seqused_k.
     check_cu_seqlens=True also reads the values (one device-to-host copy, a sync): first
@@ -214,11 +215,21 @@ def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale,
         check_int32_vector(used, "seqused_k", batch, q)
     _check_alibi(alibi, q, batch, nheads)
     _check_out(out, o, q)
-    return _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
+    plan = _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=k.shape[-2], seqlen_q=total_q,
                  seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi,
                  attn_mask=None, packed=True, paged=paged)
+    if paged is not None and plan.variant is not None:
+        # Decode-sized sequences of a serving batch go to the decode kernel (one tile a
+        # GQA group, each KV byte read once); the forward's work list leaves them out.
+        from . import kvcache
+        plan.decode = kvcache.plan_packed_decode(
+            q, k, v, o, alibi, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2], d=d,
+            total_q=total_q, window=window, scale=scale, softcap=softcap)
+        plan.decode.scratch_offset = -(-plan.scratch_bytes // 256) * 256
+        plan.scratch_bytes = plan.decode.scratch_offset + plan.decode.scratch_bytes
+    return plan
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -553,6 +564,7 @@ class _Plan:
                              # num_buckets, batch, total_q)
     to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
     scratch_bytes: int = 0  # device scratch a launch needs (packed work list, tile counter)
+    decode: object = None   # paged packed batches: kvcache.PackedDecode, the short sequences
 
 
 _LOG2_E = math.log2(math.e)
@@ -757,9 +769,14 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
                       (ctypes.c_uint64(cu_q), ctypes.c_int32(batch), ctypes.c_int32(total_q),
                        ctypes.c_int32(plan.variant.block_m), ctypes.c_int32(num_buckets),
                        ctypes.c_uint64(tile_count + 4), ctypes.c_uint64(tile_list),
-                       ctypes.c_uint64(tile_count), ctypes.c_uint64(counter)))
+                       ctypes.c_uint64(tile_count), ctypes.c_uint64(counter),
+                       ctypes.c_int32(plan.decode.rows if plan.decode else 0)))
     driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
                   plan.variant.smem_bytes, stream, args)
+    if plan.decode is not None:
+        from . import kvcache
+        kvcache.launch_packed_decode(plan.decode, plan, stream, q, k, v, o_ptr, lse_ptr, alibi,
+                                     packed, scratch_ptr)
     # (scratch, the counter's buffer, is held until the launches are queued: freed
     # earlier, another thread could be handed the same memory for work ordered before ours)
     del scratch

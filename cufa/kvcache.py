@@ -282,7 +282,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
              rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
              rotary_dtype=_ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
              rotary_interleaved=int(interleaved),
-             rotary_q_per_token=int(min(window) < capacity))
+             rotary_q_per_token=int(min(window) < capacity),
+             lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q)
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
@@ -325,6 +326,96 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
                    scratch_bytes=4 * (total + counters), split_counters=counters)
+
+
+@dataclass
+class PackedDecode:
+    """The decode kernel's share of a packed batch over a paged cache (api._plan_packed):
+    every sequence of 1 to `rows` query rows, whose GQA group of heads then fills one
+    16-row tile and reads each KV byte once, instead of a 64- or 128-row forward tile a
+    query head. The forward kernel's work list leaves those sequences out."""
+    rows: int
+    function: int
+    grid: tuple
+    threads: int
+    smem: int
+    params: bytes
+    workspace: tuple        # (float32s, offset of o_partial, of lse_partial; -1: none)
+    split_counters: int
+    scratch_bytes: int      # the workspace's and the counters' (jax.jit's scratch)
+    scratch_offset: int = 0  # where they start in jax.jit's scratch (set by api)
+
+
+def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, total_q,
+                       window, scale, softcap):
+    """PackedDecode of validated views: q (total_q, nheads, d), k and v paged (pages,
+    page_size, nheads_k, d), o the caller's out= view or None; paged from
+    api.check_block_table."""
+    group = nheads // nheads_k
+    rows = max(1, _compile.DECODE_ROWS // group)
+    num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
+    kernel = _compile.decode_kernel(api._KERNEL_DTYPES[q.dtype], d)
+    capacity = paged["capacity"]
+    num_splits = min(MAX_SPLITS, choose_num_splits(
+        batch * nheads_k * num_m_blocks, capacity, api._sm_count(q.device),
+        kernel.ctas_per_sm_on(_smem_per_sm(q.device))))
+    o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    p = dict(batch=batch, seqlen_q=rows, nheads=nheads, nheads_k=nheads_k, group=group,
+             head_dim=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
+             page_shift=paged["page_shift"], max_pages=paged["max_pages"],
+             block_table_batch_stride=paged["table_stride"], num_splits=num_splits,
+             num_m_blocks=num_m_blocks, window_left=window[0], window_right=window[1],
+             scale=scale, scale_log2=scale * math.log2(math.e), softcap=softcap,
+             softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
+             lse_batch_stride=0, lse_head_stride=total_q,
+             q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
+             o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
+             alibi_batch_stride=(alibi.strides[0] if alibi is not None and alibi.ndim == 2
+                                 else 0))
+    for name, x in (("k", k), ("v", v)):  # page stride as the batch stride
+        (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
+         p[f"{name}_head_stride"]) = x.strides[:3]
+    partial_rows = batch * rows * nheads if num_splits > 1 else 0
+    o_floats = -(-num_splits * partial_rows * d // 64) * 64  # lse_partial 256-byte aligned
+    workspace = ((o_floats + num_splits * partial_rows, 0, o_floats) if partial_rows
+                 else (0, -1, -1))
+    counters = batch * nheads_k * num_m_blocks if partial_rows else 0
+    return PackedDecode(rows, _compile.function_pointer(kernel, q.device),
+                        (num_m_blocks * num_splits, nheads_k, batch), kernel.threads,
+                        kernel.smem_bytes, _params.DECODE.pack(p), workspace, counters,
+                        4 * (workspace[0] + counters))
+
+
+def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr):
+    """route's launch on `stream` after the forward's (api._launch's arguments): its
+    partials and counters in XLA's scratch under jax.jit, else the stream's."""
+    cu_q, cu_k, used, table = packed
+    total, o_part, lse_part = route.workspace
+    held = []
+    counters = 0
+    if scratch_ptr:  # XLA's buffer, perhaps replayed from a graph: counters zeroed here
+        base = scratch_ptr + route.scratch_offset
+        if route.split_counters:
+            import cupy
+            counters = base + 4 * total
+            cupy.cuda.runtime.memsetAsync(counters, 0, 4 * route.split_counters, stream)
+    else:
+        base = 0
+        if total:
+            owner, base = api.stream_workspace(plan.framework, plan.device, stream, 4 * total)
+            held.append(owner)
+        if route.split_counters:
+            owner, counters = api.stream_counters(plan.framework, plan.device, stream,
+                                                  route.split_counters)
+            held.append(owner)
+    at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
+    params = _params.DECODE.with_pointer_values(route.params, (  # DECODE_FIELDS' order
+        q, k, v, o, lse, at(o_part), at(lse_part), counters, 0, 0, 0, table, alibi, 0, 0, 0,
+        0, 0, cu_q, cu_k, used))
+    api.driver_launch(route.function, route.grid, route.threads, route.smem, stream,
+                      (params,))
+    del held  # (held until the launch is queued, as in _run)
 
 
 def _launch_entry(kernel, device, grid):
@@ -509,7 +600,7 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
             params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), counters, seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin))
+                q if plan.rotary else 0, cos, sin, 0, 0, 0))
             for _, function, grid, threads, smem in plan.launches:
                 api.driver_launch(function, grid, threads, smem, stream, (params,))
             del workspace, counters_owner

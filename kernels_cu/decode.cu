@@ -48,6 +48,8 @@ struct CacheSeq {
   int end;       // cache position after the old keys: where the append writes
   int row;       // cache row (contiguous cache)
   const int* pages;  // block_table row (paged cache)
+  int seqlen_q;  // query rows: p.seqlen_q, or a packed sequence's own
+  int q_row0;    // row of query 0 in q and o (a packed batch's cu_seqlens_q; else 0)
 };
 
 // Every value read from the device is clamped, so malformed lengths or ids can make the
@@ -55,6 +57,22 @@ struct CacheSeq {
 __device__ __forceinline__ CacheSeq cache_seq(const DecodeParams& p, int b) {
   CacheSeq s;
   s.b = b;
+  s.pages = reinterpret_cast<const int*>(p.block_table) + b * p.block_table_batch_stride;
+  if (p.cu_seqlens_q) {  // a packed batch: rows and keys from the offsets, no append
+    const int* cu_q = reinterpret_cast<const int*>(p.cu_seqlens_q);
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    s.q_row0 = min(max(cu_q[b], 0), p.total_q);
+    s.seqlen_q = min(max(cu_q[b + 1], s.q_row0), p.total_q) - s.q_row0;
+    const int keys = p.seqused_k ? reinterpret_cast<const int*>(p.seqused_k)[b]
+                                 : cu_k[b + 1] - cu_k[b];
+    s.start = p.block_table ? 0 : min(max(cu_k[b], 0), p.capacity);  // packed rows: row 0
+    s.end = s.start + min(max(keys, 0), p.capacity - s.start);
+    s.seqlen_k = s.end - s.start;
+    s.row = 0;
+    return s;
+  }
+  s.seqlen_q = p.seqlen_q;
+  s.q_row0 = 0;
   const int cached = p.cache_seqlens ? reinterpret_cast<const int*>(p.cache_seqlens)[b]
                                      : p.cache_seqlen_fixed;
   s.end = min(max(cached, 0), p.capacity);
@@ -65,7 +83,6 @@ __device__ __forceinline__ CacheSeq cache_seq(const DecodeParams& p, int b) {
   s.row = p.cache_batch_idx
               ? min(max(reinterpret_cast<const int*>(p.cache_batch_idx)[b], 0), p.cache_rows - 1)
               : b;
-  s.pages = reinterpret_cast<const int*>(p.block_table) + b * p.block_table_batch_stride;
   return s;
 }
 
@@ -96,10 +113,11 @@ struct DecodeRow {
   bool valid;
 };
 
-__device__ __forceinline__ DecodeRow decode_row(const DecodeParams& p, int m_block, int h_k, int r) {
+__device__ __forceinline__ DecodeRow decode_row(const DecodeParams& p, const CacheSeq& s,
+                                                int m_block, int h_k, int r) {
   const int gr = m_block * kDecodeRows + r;
   DecodeRow row;
-  row.valid = gr < p.seqlen_q * p.group;
+  row.valid = gr < s.seqlen_q * p.group;
   row.t = gr / p.group;
   row.h = h_k * p.group + gr % p.group;
   return row;
@@ -111,9 +129,9 @@ struct KeySpan {
   int begin, end;
 };
 
-__device__ __forceinline__ KeySpan visible_span(const DecodeParams& p, int seqlen_k, int t_lo,
-                                                int t_hi) {
-  const i64 diag = seqlen_k - p.seqlen_q;
+__device__ __forceinline__ KeySpan visible_span(const DecodeParams& p, int seqlen_k, int seqlen_q,
+                                                int t_lo, int t_hi) {
+  const i64 diag = seqlen_k - seqlen_q;
   const i64 lo = t_lo + diag - p.window_left, hi = t_hi + diag + p.window_right + 1;
   KeySpan k;
   k.begin = (int)max((i64)0, min(lo, (i64)seqlen_k));
@@ -157,10 +175,10 @@ struct LaneRows {
 __device__ __forceinline__ LaneRows lane_rows(const DecodeParams& p, const CacheSeq& s, int m_block,
                                               int h_k, int lane) {
   LaneRows lr;
-  const i64 diag = s.seqlen_k - p.seqlen_q;
+  const i64 diag = s.seqlen_k - s.seqlen_q;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const DecodeRow row = decode_row(p, m_block, h_k, (lane >> 2) + 8 * i);
+    const DecodeRow row = decode_row(p, s, m_block, h_k, (lane >> 2) + 8 * i);
     lr.t[i] = row.t;
     lr.lo[i] = row.t + diag - p.window_left;
     lr.hi[i] = min(row.t + diag + p.window_right, (i64)s.seqlen_k - 1);
@@ -175,7 +193,7 @@ __device__ __forceinline__ LaneRows lane_rows(const DecodeParams& p, const Cache
 __device__ __forceinline__ void decode_score_mods(float (&sc)[1][2][4], const DecodeParams& p,
                                                   const CacheSeq& s, const LaneRows& lr, int key0,
                                                   int lane) {
-  const int diag = s.seqlen_k - p.seqlen_q;
+  const int diag = s.seqlen_k - s.seqlen_q;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -210,7 +228,7 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
   constexpr int kChunks = kHeadDim / 8;
   for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += Shape::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const DecodeRow row = decode_row(p, m_block, h_k, r);
+    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
     if (!row.valid || c * 8 >= p.head_dim) continue;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -236,9 +254,11 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
       packed.z = pack2<kDtype>(acc[4] * inv, acc[5] * inv);
       packed.w = pack2<kDtype>(acc[6] * inv, acc[7] * inv);
       *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
-                                row.t * p.o_row_stride + row.h * p.o_head_stride + c * 8) = packed;
+                                (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride +
+                                c * 8) = packed;
       if (c == 0 && p.lse)
-        reinterpret_cast<float*>(p.lse)[((i64)s.b * p.nheads + row.h) * p.seqlen_q + row.t] = lse;
+        reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
+                                        s.q_row0 + row.t] = lse;
     }
   }
 }
@@ -287,8 +307,8 @@ __device__ __forceinline__ void combine_splits(const DecodeParams& p, const Cach
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
   for (int r = warp; r < rows; r += kThreads / 32) {
-    const DecodeRow row = decode_row(p, m_block, h_k, r);
-    const i64 lse_at = ((i64)s.b * p.nheads + row.h) * p.seqlen_q + row.t;
+    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+    const i64 lse_at = ((i64)s.b * p.nheads + row.h) * p.seqlen_q + row.t;  // in the partials
     const float* lse_part = reinterpret_cast<const float*>(p.lse_partial) + lse_at;
     float mx = -CUFA_INF;
     for (int sp = lane; sp < p.num_splits; sp += 32) mx = fmaxf(mx, __ldcg(lse_part + sp * split_lse));
@@ -305,7 +325,8 @@ __device__ __forceinline__ void combine_splits(const DecodeParams& p, const Cach
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int sp = lane; sp < p.num_splits; sp += 32) weight[r * kMaxSplits + sp] *= inv;
     if (lane == 0 && p.lse)
-      reinterpret_cast<float*>(p.lse)[lse_at] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
+      reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
+                                      s.q_row0 + row.t] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
   }
   __syncthreads();
 
@@ -314,8 +335,8 @@ __device__ __forceinline__ void combine_splits(const DecodeParams& p, const Cach
   const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
   for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
     const int r = idx / chunks, c = idx % chunks;
-    const DecodeRow row = decode_row(p, m_block, h_k, r);
-    const i64 o_row = ((i64)s.b * p.seqlen_q + row.t) * p.nheads + row.h;
+    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+    const i64 o_row = ((i64)s.b * p.seqlen_q + row.t) * p.nheads + row.h;  // in the partials
     const float* o_part = reinterpret_cast<const float*>(p.o_partial) + o_row * p.head_dim + c * 8;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
@@ -334,7 +355,8 @@ __device__ __forceinline__ void combine_splits(const DecodeParams& p, const Cach
     packed.z = pack2<kDtype>(acc[4], acc[5]);
     packed.w = pack2<kDtype>(acc[6], acc[7]);
     *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
-                              row.t * p.o_row_stride + row.h * p.o_head_stride + c * 8) = packed;
+                              (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride +
+                              c * 8) = packed;
   }
 }
 
@@ -355,8 +377,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   const int h_k = blockIdx.y;
   const CacheSeq s = cache_seq(p, blockIdx.z);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int rows = min(kDecodeRows, p.seqlen_q * p.group - m_block * kDecodeRows);
-  const KeySpan span = visible_span(p, s.seqlen_k, (m_block * kDecodeRows) / p.group,
+  const int rows = min(kDecodeRows, s.seqlen_q * p.group - m_block * kDecodeRows);
+  // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes)
+  if (rows <= 0 || s.seqlen_q > p.seqlen_q) return;
+  const KeySpan span = visible_span(p, s.seqlen_k, s.seqlen_q, (m_block * kDecodeRows) / p.group,
                                     (m_block * kDecodeRows + rows - 1) / p.group);
   const int num_tiles = (span.end - span.begin + kTileKeys - 1) / kTileKeys;
   const int split_tiles = (num_tiles + p.num_splits - 1) / p.num_splits;
@@ -370,8 +394,9 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   const u16* q = reinterpret_cast<const u16*>(p.q);
   copy_rows_async<kDecodeRows, kHeadDim, Shape::kThreads>(
       sq, [&](int r) {
-        const DecodeRow row = decode_row(p, m_block, h_k, r);
-        return q + s.b * p.q_batch_stride + row.t * p.q_row_stride + row.h * p.q_head_stride;
+        const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+        return q + s.b * p.q_batch_stride + (s.q_row0 + row.t) * p.q_row_stride +
+               row.h * p.q_head_stride;
       },
       q, rows, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); },
       threadIdx.x);
@@ -397,10 +422,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   const bool score_mods = p.softcap > 0.f || p.alibi_slopes;
   const float scale_log2 = score_mods ? 1.f : p.scale_log2;  // score mods leave log2 units
   // keys every row of the CTA sees: tiles inside need no mask
-  const i64 all_lo = visible_span(p, s.seqlen_k, (m_block * kDecodeRows + rows - 1) / p.group,
-                                  (m_block * kDecodeRows + rows - 1) / p.group).begin;
-  const i64 all_hi = visible_span(p, s.seqlen_k, (m_block * kDecodeRows) / p.group,
-                                  (m_block * kDecodeRows) / p.group).end;
+  const int t_first = (m_block * kDecodeRows) / p.group;
+  const int t_last = (m_block * kDecodeRows + rows - 1) / p.group;
+  const i64 all_lo = visible_span(p, s.seqlen_k, s.seqlen_q, t_last, t_last).begin;
+  const i64 all_hi = visible_span(p, s.seqlen_k, s.seqlen_q, t_first, t_first).end;
   const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
 
   float acc_o[1][kDTiles][4];

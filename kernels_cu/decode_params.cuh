@@ -24,6 +24,11 @@ struct DecodeParams {
   // cache, rotated by rotary_cos/sin (seqlen_ro, rotary_dim / 2); q_source is the caller's
   // q, which decode_append rotates into q (a buffer) when rotary is on, else 0.
   u64 k_new, v_new, q_source, rotary_cos, rotary_sin;
+  // A packed batch (flash_attn_varlen_func): int32 (batch + 1,) row offsets of q/o and of
+  // the keys, and (batch,) keys in use (or 0). Set, q and o are (total_q, nheads, d) with
+  // batch strides 0, seqlen_q is the most query rows a sequence may have to be taken
+  // here (longer ones are the forward kernel's), and there is no append.
+  u64 cu_seqlens_q, cu_seqlens_k, seqused_k;
 
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride: a cache row, or a page
@@ -33,8 +38,10 @@ struct DecodeParams {
   i64 k_new_batch_stride, k_new_row_stride, k_new_head_stride;
   i64 v_new_batch_stride, v_new_row_stride, v_new_head_stride;
   i64 q_source_batch_stride, q_source_row_stride, q_source_head_stride;
+  i64 lse_batch_stride, lse_head_stride;  // lse's row stride is 1
 
   int batch, seqlen_q, nheads, nheads_k, group, head_dim;  // group = nheads / nheads_k
+  int total_q;             // a packed batch's q rows (cu_seqlens_q values are clamped to it)
   int cache_seqlen_fixed;  // cache_seqlens given as a Python int
   int seqlen_new;          // keys appended by this call (already in the cache)
   int capacity;            // key positions a sequence can hold

@@ -11,18 +11,21 @@
 namespace cufa {
 
 __device__ __forceinline__ int query_blocks(const int* cu_seqlens_q, int b, int total_q,
-                                            int block_m) {
+                                            int block_m, int decode_rows) {
   const int q0 = min(max(cu_seqlens_q[b], 0), total_q);  // clamped as in get_tile
   const int q1 = min(max(cu_seqlens_q[b + 1], q0), total_q);
+  if (q1 - q0 <= decode_rows) return 0;  // none, or the decode kernel's (cache_seq there)
   return (q1 - q0 + block_m - 1) / block_m;
 }
 
 // scratch: 3 * num_buckets ints; num_buckets > the largest possible block count.
 // tile_counter (or null): the persistent forward's tile counter (2 uint32), zeroed here
-// so the launch needs no memset of its own.
+// so the launch needs no memset of its own. decode_rows: sequences with at most this many
+// query rows get no tiles (the decode kernel takes them; 0 when it is not launched).
 extern "C" __global__ void varlen_schedule(const int* cu_seqlens_q, int batch, int total_q,
                                            int block_m, int num_buckets, int* scratch,
-                                           int2* tile_list, int* tile_count, int* tile_counter) {
+                                           int2* tile_list, int* tile_count, int* tile_counter,
+                                           int decode_rows) {
   int* count = scratch;                    // sequences with n blocks
   int* taken = scratch + num_buckets;      // of those, placed so far
   int* first = scratch + 2 * num_buckets;  // first slot of the sequences with n blocks
@@ -30,7 +33,7 @@ extern "C" __global__ void varlen_schedule(const int* cu_seqlens_q, int batch, i
   if (threadIdx.x < 2 && tile_counter) tile_counter[threadIdx.x] = 0;
   __syncthreads();
   for (int b = threadIdx.x; b < batch; b += blockDim.x)
-    atomicAdd(&count[query_blocks(cu_seqlens_q, b, total_q, block_m)], 1);
+    atomicAdd(&count[query_blocks(cu_seqlens_q, b, total_q, block_m, decode_rows)], 1);
   __syncthreads();
   if (threadIdx.x == 0) {
     int slot = 0;
@@ -42,7 +45,7 @@ extern "C" __global__ void varlen_schedule(const int* cu_seqlens_q, int batch, i
   }
   __syncthreads();
   for (int b = threadIdx.x; b < batch; b += blockDim.x) {
-    const int n = query_blocks(cu_seqlens_q, b, total_q, block_m);
+    const int n = query_blocks(cu_seqlens_q, b, total_q, block_m, decode_rows);
     if (n == 0) continue;
     const int base = first[n] + atomicAdd(&taken[n], 1) * n;
     for (int j = 0; j < n; ++j) tile_list[base + j] = int2{b, n - 1 - j};

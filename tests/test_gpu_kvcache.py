@@ -504,6 +504,48 @@ def test_varlen_with_block_table(rng, page_size, seqused):
                             label=f"paged varlen page {page_size} seq {b} ({e - s} x {n})")
 
 
+PAGED_MIXED_CASES = {
+    # heads (T = 16 // group query rows go to the decode kernel), lens_q, lens_k, options
+    "GQA 8/2 causal": ((8, 2), [1, 2, 3, 4, 5, 0, 1, 4, 40], [90, 2, 700, 1, 33, 5, 0, 4, 300],
+                       dict(causal=True)),
+    "MQA 16/1 window softcap": ((16, 1), [1, 2, 3, 1, 64], [500, 1, 2, 0, 200],
+                                dict(causal=True, window_size=(37, 0), softcap=15.0)),
+    "MHA 4/4 ALiBi, not causal": ((4, 4), [16, 17, 1, 9], [60, 61, 1, 200],
+                                  dict(alibi_slopes=True)),
+    "2 sequences, long keys: split": ((8, 1), [1, 2], [3000, 2100], dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", PAGED_MIXED_CASES)
+def test_varlen_paged_short_sequences_take_the_decode_kernel(rng, name):
+    """A serving batch: sequences of up to 16 / group query rows go to the decode kernel
+    (each GQA group one tile), the rest to the forward; the out and lse of every sequence,
+    whichever kernel took it, match the reference (out poisoned before the call)."""
+    (h, hk), lens_q, lens_k, options = PAGED_MIXED_CASES[name]
+    batch, d, page_size = len(lens_q), 128, 16
+    capacity = -(-max(lens_k) // page_size) * page_size
+    q = randn(rng, (1, sum(lens_q), h, d), "float16")[0]
+    k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), "float16") for _ in range(2))
+    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
+    k_pages, v_pages = (reference.to_paged(c, table, num_pages, fill=NAN)
+                        for c in (k_cache, v_cache))
+    kw = dict(options)
+    if kw.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = torch.from_numpy(rng.uniform(0, 1, h).astype(np.float32)).cuda()
+    cu_q = cu_seqlens(lens_q)
+    out = torch.full_like(q, NAN)
+    res, lse = cufa.flash_attn_varlen_func(
+        q, k_pages, v_pages, cu_q, cu_seqlens(lens_k), max(lens_q), max(lens_k),
+        return_lse=True, out=out, block_table=i32(table), **kw)
+    starts = np.concatenate([[0], np.cumsum(lens_q)])
+    for b in range(batch):
+        s, e, n = starts[b], starts[b + 1], lens_k[b]
+        if e > s:
+            check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None],
+                            k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                            label=f"{name}: seq {b} ({e - s} x {n})", **kw)
+
+
 # -- device values: checked, or clamped ------------------------------------------------------
 
 def test_check_inputs_refuses_bad_device_values(rng):

@@ -110,6 +110,8 @@ def test_append_and_rotary_plan_the_append_kernel_and_a_rotated_q(planner):
     assert plan.launches[0][2] == (-(-rows // 4), 1, 1)
     rec = record(plan)
     assert rec["rotary_dim"] == 64 and rec["rotary_q_per_token"] == 1
+    assert (rec["lse_batch_stride"], rec["lse_head_stride"]) == (h * sq, sq)  # (b, h, sq)
+    assert rec["cu_seqlens_q"] == 0  # not a packed batch
     assert rec["seqlen_new"] == 2 and plan.rotary
     # q is read from the rotated copy: contiguous strides, while q_source keeps the caller's
     assert (rec["q_batch_stride"], rec["q_row_stride"], rec["q_head_stride"]) == (
@@ -151,4 +153,5 @@ def test_decode_pointer_order_is_the_records():
     assert _params.DECODE.pointer_fields == (
         "q", "k", "v", "o", "lse", "o_partial", "lse_partial", "split_counters",
         "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
-        "k_new", "v_new", "q_source", "rotary_cos", "rotary_sin")
+        "k_new", "v_new", "q_source", "rotary_cos", "rotary_sin", "cu_seqlens_q", "cu_seqlens_k",
+        "seqused_k")

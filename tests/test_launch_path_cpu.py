@@ -178,8 +178,36 @@ def test_packed_addresses_and_scratch(device):
     assert scratch == _WORKSPACE  # the work list in the stream's buffer: no allocation
     assert device.allocations == [((300, 4, 64), "float16"), ((4, 300), "float32")]
     assert r["tile_count"] > scratch and r["tile_counter"] > r["tile_count"]
-    # the schedule kernel's last argument: the forward's tile counter, which it zeroes
-    assert int.from_bytes(schedule[2][-1], "little") == r["tile_counter"]
+    # the schedule kernel's last arguments: the forward's tile counter, which it zeroes,
+    # and the query rows up to which sequences are the decode kernel's (none: not paged)
+    assert int.from_bytes(schedule[2][-2], "little") == r["tile_counter"]
+    assert int.from_bytes(schedule[2][-1], "little") == 0
+
+
+def test_paged_packed_batch_sends_short_sequences_to_the_decode_kernel(device):
+    """flash_attn_varlen_func over a paged cache: after the forward, the decode kernel
+    takes the sequences of 1 to 16 / group query rows (the schedule leaves them out of
+    the forward's work list), writing the same out and lse."""
+    total, h, hk, d, pages, page = 300, 8, 2, 128, 40, 16
+    q, cache = view((total, h, d)), view((pages, page, hk, d))
+    cu, used, table = view((5,), "int32"), view((4,), "int32"), view((4, 10), "int32")
+    o, lse = cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, seqused_k=used,
+                                         block_table=table, causal=True, return_lse=True)
+    schedule, forward, decode = device.launches
+    assert int.from_bytes(schedule[2][-1], "little") == 16 // (h // hk)
+    r = record(decode, _params.DECODE)
+    assert (r["q"], r["k"], r["v"], r["block_table"]) == (q.ptr, cache.ptr, cache.ptr, table.ptr)
+    assert (r["cu_seqlens_q"], r["cu_seqlens_k"], r["seqused_k"]) == (cu.ptr, cu.ptr, used.ptr)
+    assert r["o"] == record(forward)["o"] and r["lse"] == record(forward)["lse"] != 0
+    assert (r["seqlen_q"], r["group"], r["total_q"], r["num_m_blocks"]) == (4, 4, total, 1)
+    assert (r["q_batch_stride"], r["q_row_stride"], r["lse_batch_stride"],
+            r["lse_head_stride"]) == (0, h * d, 0, total)
+    assert (r["capacity"], r["max_pages"], r["page_shift"]) == (160, 10, 4)
+    assert r["cache_seqlens"] == r["k_new"] == r["q_source"] == 0
+    assert decode[1] == (r["num_m_blocks"] * r["num_splits"], hk, 4)  # grid
+    o2 = cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, seqused_k=used,
+                                     block_table=table, causal=True)
+    assert record(device.launches[-1], _params.DECODE)["lse"] == 0  # no lse asked for
 
 
 def test_sdpa_mask_address(device):
