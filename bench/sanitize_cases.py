@@ -8,7 +8,7 @@ One call per (dtype, head dim family, mask kind, score mods) at sequence lengths
 sequences without keys, SDPA with broadcast boolean and additive masks, and the KV-cache
 kernels: every decode variant (contiguous and paged, split and not, with appends, rotary
 and leftpad), malformed lengths and page ids (clamped, never an access outside), merges
-and paged packed batches. Checks
+and paged packed batches (their decode-sized sequences on the decode kernel, split). Checks
 values loosely (the GPU tests do that strictly); the point is to touch every code path
 while the sanitizer watches.
 """
@@ -128,6 +128,16 @@ def kvcache_cases(rng):
     qp = _t(rng, (sum(lens_q), 8, d), torch.float16)
     cufa.flash_attn_varlen_func(qp, pages, pages, cu_q, cu_k, 65, 96, causal=True,
                                 block_table=table)
+    # decode-sized sequences of a paged packed batch on the decode kernel, split over long
+    # keys (2 sequences x 1 KV head: the splits' last merges), malformed lengths clamped
+    big = _t(rng, (300, page, 1, d), torch.float16)
+    big_table = i32(rng.permutation(300).reshape(2, 150))
+    for lens_k in ([2400, 1700], [5000, -3]):
+        qd = _t(rng, (3, 8, d), torch.float16)
+        cu_kd = i32([0] + [int(x) for x in np.cumsum(lens_k)])
+        cufa.flash_attn_varlen_func(qd, big, big, i32([0, 1, 3]), cu_kd, 2, 2400, causal=True,
+                                    block_table=big_table, return_lse=True)
+        calls += 1
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         oa, ob = _t(rng, (2, 7, 3, 72), dtype), _t(rng, (2, 7, 3, 72), dtype)
         la, lb = _t(rng, (2, 3, 7), torch.float32), _t(rng, (2, 3, 7), torch.float32)
