@@ -269,21 +269,18 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     group = nheads // nheads_k
     num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
     kernel = _compile.decode_kernel(api._KERNEL_DTYPES[q.dtype], d)
-    if num_splits == 0:
-        num_splits = choose_num_splits(batch * nheads_k * num_m_blocks, capacity,
-                                       api._sm_count(q.device),
-                                       kernel.ctas_per_sm_on(_smem_per_sm(q.device)))
-    num_splits = min(num_splits, MAX_SPLITS)
+    num_splits = _split_count(num_splits, batch * nheads_k * num_m_blocks, capacity, kernel,
+                              q.device)
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
              capacity=capacity, cache_rows=cache_rows, num_splits=num_splits,
-             num_m_blocks=num_m_blocks, window_left=window[0], window_right=window[1],
-             rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
+             num_m_blocks=num_m_blocks, rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
              rotary_dtype=_ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity),
-             lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q)
+             lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
+             **_score_fields(window, scale, softcap, d, alibi))
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
@@ -295,11 +292,6 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     if paged:
         p["page_shift"], p["max_pages"] = paged["page_shift"], paged["max_pages"]
         p["block_table_batch_stride"] = paged["table_stride"]
-    if alibi is not None:
-        p["alibi_batch_stride"] = alibi.strides[0] if alibi.ndim == 2 else 0
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    p["scale"], p["scale_log2"] = scale, scale * api._LOG2_E
-    p["softcap"], p["softcap_inv"] = softcap, (1.0 / softcap if softcap > 0 else 0.0)
 
     dt = api._KERNEL_DTYPES[q.dtype]
     launches = []
@@ -310,22 +302,65 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     if seqlen_q:
         launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
                                                          batch)))
-    # One float32 buffer: the splits' outputs and lse, then the rotated q (16-byte rows),
-    # each part starting on a 256-byte boundary.
+    # the splits' outputs and lse, then the rotated q (16-byte rows)
     rows = batch * seqlen_q * nheads
     split = num_splits > 1 and seqlen_q
-    sizes = (num_splits * rows * d if split else 0, num_splits * rows if split else 0,
-             (rows * d + 1) // 2 if rotary else 0)
+    workspace = _workspace(num_splits * rows * d if split else 0,
+                           num_splits * rows if split else 0,
+                           (rows * d + 1) // 2 if rotary else 0)
+    counters = batch * nheads_k * num_m_blocks if split else 0
+    return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
+                   launches=tuple(launches), workspace=workspace, rotary=rotary,
+                   scratch_bytes=4 * (workspace[0] + counters), split_counters=counters)
+
+
+def _split_count(num_splits, units, capacity, kernel, device):
+    """num_splits as given (capped), or for 0 chosen from the shapes (choose_num_splits)."""
+    if num_splits == 0:
+        num_splits = choose_num_splits(units, capacity, api._sm_count(device),
+                                       kernel.ctas_per_sm_on(_smem_per_sm(device)))
+    return min(num_splits, MAX_SPLITS)
+
+
+def _score_fields(window, scale, softcap, d, alibi):
+    """DecodeParams' mask and score fields."""
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return dict(window_left=window[0], window_right=window[1], scale=scale,
+                scale_log2=scale * api._LOG2_E, softcap=softcap,
+                softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
+                alibi_batch_stride=alibi.strides[0] if alibi is not None and alibi.ndim == 2
+                else 0)
+
+
+def _workspace(*sizes):
+    """One float32 buffer of parts of `sizes` floats, each on a 256-byte boundary:
+    (floats in all, each part's offset or -1 for an empty one)."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total if n else -1)
         total += -(-n // 64) * 64
-    workspace = (total, *offsets)
-    # one count a CTA tile (the splits of a tile count in; the last merges them)
-    counters = batch * nheads_k * num_m_blocks if split else 0
-    return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
-                   launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   scratch_bytes=4 * (total + counters), split_counters=counters)
+    return (total, *offsets)
+
+
+def _scratch(framework, device, total, counts, stream, scratch_ptr):
+    """(owners to hold until the launches are queued, the address of a workspace of
+    `total` floats, that of `counts` split counters after it): at scratch_ptr under
+    jax.jit (XLA's buffer, perhaps replayed from a graph, so the counters are zeroed in
+    the stream), else in the stream's buffers."""
+    if scratch_ptr:
+        base = scratch_ptr
+        if counts:
+            import cupy
+            cupy.cuda.runtime.memsetAsync(base + 4 * total, 0, 4 * counts, stream)
+        return (), base, base + 4 * total if counts else 0
+    owners, base, counters = [], 0, 0
+    if total:
+        owner, base = api.stream_workspace(framework, device, stream, 4 * total)
+        owners.append(owner)
+    if counts:
+        owner, counters = api.stream_counters(framework, device, stream, counts)
+        owners.append(owner)
+    return owners, base, counters
 
 
 @dataclass
@@ -356,30 +391,21 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
     num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
     kernel = _compile.decode_kernel(api._KERNEL_DTYPES[q.dtype], d)
     capacity = paged["capacity"]
-    num_splits = min(MAX_SPLITS, choose_num_splits(
-        batch * nheads_k * num_m_blocks, capacity, api._sm_count(q.device),
-        kernel.ctas_per_sm_on(_smem_per_sm(q.device))))
+    num_splits = _split_count(0, batch * nheads_k * num_m_blocks, capacity, kernel, q.device)
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     p = dict(batch=batch, seqlen_q=rows, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
              page_shift=paged["page_shift"], max_pages=paged["max_pages"],
              block_table_batch_stride=paged["table_stride"], num_splits=num_splits,
-             num_m_blocks=num_m_blocks, window_left=window[0], window_right=window[1],
-             scale=scale, scale_log2=scale * math.log2(math.e), softcap=softcap,
-             softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
-             lse_batch_stride=0, lse_head_stride=total_q,
+             num_m_blocks=num_m_blocks, lse_batch_stride=0, lse_head_stride=total_q,
              q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
              o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
-             alibi_batch_stride=(alibi.strides[0] if alibi is not None and alibi.ndim == 2
-                                 else 0))
+             **_score_fields(window, scale, softcap, d, alibi))
     for name, x in (("k", k), ("v", v)):  # page stride as the batch stride
         (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
          p[f"{name}_head_stride"]) = x.strides[:3]
     partial_rows = batch * rows * nheads if num_splits > 1 else 0
-    o_floats = -(-num_splits * partial_rows * d // 64) * 64  # lse_partial 256-byte aligned
-    workspace = ((o_floats + num_splits * partial_rows, 0, o_floats) if partial_rows
-                 else (0, -1, -1))
+    workspace = _workspace(num_splits * partial_rows * d, num_splits * partial_rows)
     counters = batch * nheads_k * num_m_blocks if partial_rows else 0
     return PackedDecode(rows, _compile.function_pointer(kernel, q.device),
                         (num_m_blocks * num_splits, nheads_k, batch), kernel.threads,
@@ -392,23 +418,8 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, sc
     partials and counters in XLA's scratch under jax.jit, else the stream's."""
     cu_q, cu_k, used, table = packed
     total, o_part, lse_part = route.workspace
-    held = []
-    counters = 0
-    if scratch_ptr:  # XLA's buffer, perhaps replayed from a graph: counters zeroed here
-        base = scratch_ptr + route.scratch_offset
-        if route.split_counters:
-            import cupy
-            counters = base + 4 * total
-            cupy.cuda.runtime.memsetAsync(counters, 0, 4 * route.split_counters, stream)
-    else:
-        base = 0
-        if total:
-            owner, base = api.stream_workspace(plan.framework, plan.device, stream, 4 * total)
-            held.append(owner)
-        if route.split_counters:
-            owner, counters = api.stream_counters(plan.framework, plan.device, stream,
-                                                  route.split_counters)
-            held.append(owner)
+    held, base, counters = _scratch(plan.framework, plan.device, total, route.split_counters,
+                                    stream, scratch_ptr and scratch_ptr + route.scratch_offset)
     at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
     params = _params.DECODE.with_pointer_values(route.params, (  # DECODE_FIELDS' order
         q, k, v, o, lse, at(o_part), at(lse_part), counters, 0, 0, 0, table, alibi, 0, 0, 0,
@@ -586,22 +597,14 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
             total, o_part, lse_part, q_rot = plan.workspace
             # (held until the launches are queued: freed earlier, another thread could be
             # handed the same memory for work ordered before ours)
-            workspace, base = (None, scratch_ptr) if scratch_ptr or not total else \
-                api.stream_workspace(plan.framework, plan.device, stream, 4 * total)
+            held, base, counters = _scratch(plan.framework, plan.device, total,
+                                            plan.split_counters, stream, scratch_ptr)
             at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
-            counters_owner, counters = None, 0
-            if plan.split_counters and scratch_ptr:  # XLA's buffer, perhaps replayed
-                import cupy                           # from a graph: zeroed in the stream
-                counters = scratch_ptr + 4 * total
-                cupy.cuda.runtime.memsetAsync(counters, 0, 4 * plan.split_counters, stream)
-            elif plan.split_counters:
-                counters_owner, counters = api.stream_counters(plan.framework, plan.device,
-                                                               stream, plan.split_counters)
             params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), counters, seqlens, idx, leftpad, table, alibi, kn, vn,
                 q if plan.rotary else 0, cos, sin, 0, 0, 0))
             for _, function, grid, threads, smem in plan.launches:
                 api.driver_launch(function, grid, threads, smem, stream, (params,))
-            del workspace, counters_owner
+            del held
     return api.returned(plan, o, lse, plan.want_lse)
