@@ -157,7 +157,7 @@ VARLEN_SCHEDULE = ScheduleKernel()
 # under the memory traffic.
 DECODE_HEAD_DIMS = SM80_HEAD_DIMS
 DECODE_ROWS, DECODE_TILE_KEYS = 16, 16  # query rows a CTA, keys a warp's tile (decode.cu)
-DECODE_STATIC_SMEM = 656                # decode_kernel's __shared__ arrays, at most
+DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at most
 MERGE_DTYPES = ("fp16", "bf16", "fp32")  # index = MergeDtype in merge.cu
 
 
@@ -168,9 +168,8 @@ def decode_shape(head_dim):
 
 @dataclass(frozen=True)
 class DecodeKernel:
-    """decode.cu's kernels: "decode" (attention against the cache; split-KV merged by the
-    last split of each tile), "append" (new keys into the cache, rotary); merge.cu's
-    "merge"."""
+    """decode.cu's kernels: "decode" (attention against the cache), "combine" (merges the
+    splits of split-KV), "append" (new keys into the cache, rotary); merge.cu's "merge"."""
     kind: str
     dtype: str
     head_dim: int = 0   # "decode" only: the padded head dim
@@ -230,7 +229,7 @@ def decode_kernel(dtype, head_dim):
 
 def decode_variants():
     return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
-            + [DecodeKernel("append", dt) for dt in DTYPES]
+            + [DecodeKernel(kind, dt) for kind in ("combine", "append") for dt in DTYPES]
             + [DecodeKernel("merge", dt) for dt in MERGE_DTYPES])
 
 

@@ -35,7 +35,7 @@ FWD_FIELDS = [
 
 DECODE_FIELDS = [
     ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("lse", _PTR),
-    ("o_partial", _PTR), ("lse_partial", _PTR), ("split_counters", _PTR),
+    ("o_partial", _PTR), ("lse_partial", _PTR),
     ("cache_seqlens", _PTR), ("cache_batch_idx", _PTR), ("cache_leftpad", _PTR),
     ("block_table", _PTR), ("alibi_slopes", _PTR),
     ("k_new", _PTR), ("v_new", _PTR), ("q_source", _PTR), ("rotary_cos", _PTR),

@@ -797,8 +797,7 @@ def _check_scratch(scratch, needed):
 
 def stream_counters(framework, device, stream, count):
     """(owner, address) of `count` zeroed uint32s for a launch on `stream`: the persistent
-    kernel's tile counter (2), split-KV decode's per-tile counts. The kernels leave their
-    counters zeroed, and launches on one stream run one after another, so each stream
+    kernel's tile counter (2). The kernel leaves its counter zeroed, and launches on one stream run one after another, so each stream
     keeps one buffer (zeroed when it is made) and a call needs no memset. A stream being
     captured into a CUDA graph gets counters of its own, zeroed by a memset in the graph:
     a graph may be replayed on any stream, beside any other work."""

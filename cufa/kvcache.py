@@ -182,8 +182,7 @@ class _KvPlan:
     launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
     workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
                                         # and the rotated q (-1: not used)
-    scratch_bytes: int = 0     # the workspace's and, under jax.jit, the split counters'
-    split_counters: int = 0    # uint32s the split decode counts its splits in (0: no split)
+    scratch_bytes: int = 0     # the workspace's (jax.jit's scratch)
     rotary: bool = False
     capacity: int = 0          # key positions a sequence can hold
     num_pages: int = 0
@@ -302,16 +301,18 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     if seqlen_q:
         launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
                                                          batch)))
+        if num_splits > 1:
+            launches.append(_launch_entry(_compile.DecodeKernel("combine", dt), q.device,
+                                          (batch * seqlen_q * nheads, 1, 1)))
     # the splits' outputs and lse, then the rotated q (16-byte rows)
     rows = batch * seqlen_q * nheads
     split = num_splits > 1 and seqlen_q
     workspace = _workspace(num_splits * rows * d if split else 0,
                            num_splits * rows if split else 0,
                            (rows * d + 1) // 2 if rotary else 0)
-    counters = batch * nheads_k * num_m_blocks if split else 0
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   scratch_bytes=4 * (workspace[0] + counters), split_counters=counters)
+                   scratch_bytes=4 * workspace[0])
 
 
 def _split_count(num_splits, units, capacity, kernel, device):
@@ -342,25 +343,12 @@ def _workspace(*sizes):
     return (total, *offsets)
 
 
-def _scratch(framework, device, total, counts, stream, scratch_ptr):
-    """(owners to hold until the launches are queued, the address of a workspace of
-    `total` floats, that of `counts` split counters after it): at scratch_ptr under
-    jax.jit (XLA's buffer, perhaps replayed from a graph, so the counters are zeroed in
-    the stream), else in the stream's buffers."""
-    if scratch_ptr:
-        base = scratch_ptr
-        if counts:
-            import cupy
-            cupy.cuda.runtime.memsetAsync(base + 4 * total, 0, 4 * counts, stream)
-        return (), base, base + 4 * total if counts else 0
-    owners, base, counters = [], 0, 0
-    if total:
-        owner, base = api.stream_workspace(framework, device, stream, 4 * total)
-        owners.append(owner)
-    if counts:
-        owner, counters = api.stream_counters(framework, device, stream, counts)
-        owners.append(owner)
-    return owners, base, counters
+def _scratch(framework, device, total, stream, scratch_ptr):
+    """(owner to hold until the launches are queued, the address of a workspace of `total`
+    floats): scratch_ptr under jax.jit (XLA's buffer), else the stream's buffer."""
+    if scratch_ptr or not total:
+        return None, scratch_ptr
+    return api.stream_workspace(framework, device, stream, 4 * total)
 
 
 @dataclass
@@ -370,14 +358,11 @@ class PackedDecode:
     16-row tile and reads each KV byte once, instead of a 64- or 128-row forward tile a
     query head. The forward kernel's work list leaves those sequences out."""
     rows: int
-    function: int
-    grid: tuple
-    threads: int
-    smem: int
+    launches: tuple         # (kind, CUfunction, grid, threads, smem): decode, then combine
+                            # when split
     params: bytes
     workspace: tuple        # (float32s, offset of o_partial, of lse_partial; -1: none)
-    split_counters: int
-    scratch_bytes: int      # the workspace's and the counters' (jax.jit's scratch)
+    scratch_bytes: int      # the workspace's (jax.jit's scratch)
     scratch_offset: int = 0  # where they start in jax.jit's scratch (set by api)
 
 
@@ -406,27 +391,28 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
          p[f"{name}_head_stride"]) = x.strides[:3]
     partial_rows = batch * rows * nheads if num_splits > 1 else 0
     workspace = _workspace(num_splits * partial_rows * d, num_splits * partial_rows)
-    counters = batch * nheads_k * num_m_blocks if partial_rows else 0
-    return PackedDecode(rows, _compile.function_pointer(kernel, q.device),
-                        (num_m_blocks * num_splits, nheads_k, batch), kernel.threads,
-                        kernel.smem_bytes, _params.DECODE.pack(p), workspace, counters,
-                        4 * (workspace[0] + counters))
+    launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k, batch))]
+    if partial_rows:
+        launches.append(_launch_entry(_compile.DecodeKernel("combine", kernel.dtype), q.device,
+                                      (partial_rows, 1, 1)))
+    return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
+                        4 * workspace[0])
 
 
 def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr):
-    """route's launch on `stream` after the forward's (api._launch's arguments): its
-    partials and counters in XLA's scratch under jax.jit, else the stream's."""
+    """route's launches on `stream` after the forward's (api._launch's arguments): its
+    partials in XLA's scratch under jax.jit, else the stream's."""
     cu_q, cu_k, used, table = packed
     total, o_part, lse_part = route.workspace
-    held, base, counters = _scratch(plan.framework, plan.device, total, route.split_counters,
-                                    stream, scratch_ptr and scratch_ptr + route.scratch_offset)
+    held, base = _scratch(plan.framework, plan.device, total, stream,
+                          scratch_ptr and scratch_ptr + route.scratch_offset)
     at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
     params = _params.DECODE.with_pointer_values(route.params, (  # DECODE_FIELDS' order
-        q, k, v, o, lse, at(o_part), at(lse_part), counters, 0, 0, 0, table, alibi, 0, 0, 0,
-        0, 0, cu_q, cu_k, used))
-    api.driver_launch(route.function, route.grid, route.threads, route.smem, stream,
-                      (params,))
-    del held  # (held until the launch is queued, as in _run)
+        q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
+        cu_q, cu_k, used))
+    for _, function, grid, threads, smem in route.launches:
+        api.driver_launch(function, grid, threads, smem, stream, (params,))
+    del held  # (held until the launches are queued, as in _run)
 
 
 def _launch_entry(kernel, device, grid):
@@ -597,12 +583,11 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
             total, o_part, lse_part, q_rot = plan.workspace
             # (held until the launches are queued: freed earlier, another thread could be
             # handed the same memory for work ordered before ours)
-            held, base, counters = _scratch(plan.framework, plan.device, total,
-                                            plan.split_counters, stream, scratch_ptr)
+            held, base = _scratch(plan.framework, plan.device, total, stream, scratch_ptr)
             at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
             params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
-                at(lse_part), counters, seqlens, idx, leftpad, table, alibi, kn, vn,
+                at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
                 q if plan.rotary else 0, cos, sin, 0, 0, 0))
             for _, function, grid, threads, smem in plan.launches:
                 api.driver_launch(function, grid, threads, smem, stream, (params,))

@@ -7,9 +7,10 @@
 //   cp.async stages (no CTA-wide barrier in the loop); the warps' softmax states merge at
 //   the end;
 // - split-KV: the keys of one (sequence, KV head) are cut into num_splits chunks, each a
-//   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; the last chunk
-//   of a tile to finish merges the chunks' normalized outputs by their lse (no second
-//   kernel: one launch a call, and no launch gap).
+//   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; decode_combine
+//   merges the chunks' normalized outputs by their lse. (Merging in the last chunk of a
+//   tile to finish saves the launch but leaves one CTA reading every split of the tile
+//   while the rest of the GPU idles: 3-15 us slower on an H100, see bench/NOTES.md.)
 // decode_append runs first when the call appends keys or applies rotary embedding.
 #include "common.cuh"
 #include "decode_params.cuh"
@@ -263,111 +264,12 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
   }
 }
 
-// -- split-KV: the last of a tile's splits to finish merges them --
-enum : int { kMaxSplits = 128 };  // MAX_SPLITS in cufa/kvcache.py (an enumerator: a
-                                  // compile of decode_append alone leaves it unused)
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-// Counts this CTA's split in (its partials written by every thread); true in the CTA that
-// counted last, which then sees every split's partials. That CTA zeroes the count: the
-// next launch on the stream, or the next replay of a graph, starts from zero.
-template <int kThreads>
-__device__ __forceinline__ bool last_split(const DecodeParams& p, int b, int h_k, int m_block) {
-  __shared__ int is_last;
-  __threadfence();  // this thread's partials are visible device-wide before the count
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* count = reinterpret_cast<unsigned*>(p.split_counters) +
-                      ((i64)b * p.nheads_k + h_k) * p.num_m_blocks + m_block;
-    is_last = atomicAdd(count, 1u) == (unsigned)p.num_splits - 1;
-    if (is_last) *count = 0u;
-  }
-  __syncthreads();
-  if (is_last) __threadfence();  // the other splits' partials are read after their counts
-  return is_last;
-}
-
-// The tile's rows merged over the splits: each split's output weighted by exp(its lse -
-// the row's lse). Partials are read with ld.global.cg: another SM wrote them, and L1
-// keeps no copy that could be stale. weight: kDecodeRows x kMaxSplits floats of shared
-// memory (the cache stages, free by now).
-template <int kDtype, int kThreads>
-__device__ __forceinline__ void combine_splits(const DecodeParams& p, const CacheSeq& s,
-                                               int m_block, int h_k, int rows, float* weight) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
-  for (int r = warp; r < rows; r += kThreads / 32) {
-    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-    const i64 lse_at = ((i64)s.b * p.nheads + row.h) * p.seqlen_q + row.t;  // in the partials
-    const float* lse_part = reinterpret_cast<const float*>(p.lse_partial) + lse_at;
-    float mx = -CUFA_INF;
-    for (int sp = lane; sp < p.num_splits; sp += 32) mx = fmaxf(mx, __ldcg(lse_part + sp * split_lse));
-    mx = warp_max(mx);
-    const float base = mx == -CUFA_INF ? 0.f : mx;
-    float sum = 0.f;
-    for (int sp = lane; sp < p.num_splits; sp += 32) {
-      const float lse = __ldcg(lse_part + sp * split_lse);
-      const float e = lse == -CUFA_INF ? 0.f : fast_exp2((lse - base) * CUFA_LOG2E);
-      weight[r * kMaxSplits + sp] = e;
-      sum += e;
-    }
-    sum = warp_sum(sum);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int sp = lane; sp < p.num_splits; sp += 32) weight[r * kMaxSplits + sp] *= inv;
-    if (lane == 0 && p.lse)
-      reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
-                                      s.q_row0 + row.t] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
-  }
-  __syncthreads();
-
-  // thread = (row, 8-column chunk); the splits' reads of one are independent, unrolled
-  const int chunks = p.head_dim / 8;
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
-  for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
-    const int r = idx / chunks, c = idx % chunks;
-    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-    const i64 o_row = ((i64)s.b * p.seqlen_q + row.t) * p.nheads + row.h;  // in the partials
-    const float* o_part = reinterpret_cast<const float*>(p.o_partial) + o_row * p.head_dim + c * 8;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int sp = 0; sp < p.num_splits; ++sp) {
-      const float w = weight[r * kMaxSplits + sp];
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o));
-      const float4 d = __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o) + 1);
-      if (w != 0.f) {  // an empty split's output may be anything, NaN included
-        acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-        acc[4] += w * d.x; acc[5] += w * d.y; acc[6] += w * d.z; acc[7] += w * d.w;
-      }
-    }
-    uint4 packed;
-    packed.x = pack2<kDtype>(acc[0], acc[1]);
-    packed.y = pack2<kDtype>(acc[2], acc[3]);
-    packed.z = pack2<kDtype>(acc[4], acc[5]);
-    packed.w = pack2<kDtype>(acc[6], acc[7]);
-    *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
-                              (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride +
-                              c * 8) = packed;
-  }
-}
-
 // grid: (num_m_blocks * num_splits, nheads_k, batch)
 template <int kDtype, int kHeadDim>
 __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel(const DecodeParams p) {
   using Shape = DecodeShape<kHeadDim>;
   constexpr int kStages = Shape::kStages, kWarps = Shape::kWarps;
   constexpr int kDTiles = kHeadDim / 8;
-  static_assert(kDecodeRows * kMaxSplits * 4 <= kWarps * Shape::kWarpBytes,
-                "the split weights reuse the cache stages");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
   __shared__ float s_max[kDecodeRows], s_sum[kDecodeRows];
@@ -511,8 +413,87 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   __syncthreads();
   write_decode_output<kDtype, kHeadDim>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
                                         scale_log2);
-  if (p.num_splits > 1 && last_split<Shape::kThreads>(p, s.b, h_k, m_block))
-    combine_splits<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);
+}
+
+// -- split-KV: one CTA per (batch, token, head) row merges the splits by their lse --
+// The reads are few (splits x head_dim floats a row) but, done one split after another,
+// each waits a full memory latency: the threads share out the splits as well as the
+// columns, so every read of a row is in flight at once.
+constexpr int kCombineThreads = 128;  // four warps: the block reductions below read four values
+
+template <int kDtype>
+__global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
+  constexpr int kMaxSplits = kCombineThreads;  // MAX_SPLITS in cufa/kvcache.py: one lse a thread
+  __shared__ float weight[kMaxSplits];
+  __shared__ float partial[kCombineThreads * 8];
+  __shared__ float warp_value[kCombineThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  // (b, t, h) in o_partial's order; the host keeps the row count below 2^31
+  const int row = blockIdx.x;
+  const int h = row % p.nheads, t = (row / p.nheads) % p.seqlen_q, b = row / (p.nheads * p.seqlen_q);
+  const CacheSeq s = cache_seq(p, b);
+  // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes,
+  // the same test as decode_kernel's)
+  if (t >= s.seqlen_q || s.seqlen_q > p.seqlen_q) return;
+  const i64 lse_at = ((i64)b * p.nheads + h) * p.seqlen_q + t;
+  const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
+  const float lse = tid < p.num_splits
+                        ? reinterpret_cast<const float*>(p.lse_partial)[tid * split_lse + lse_at]
+                        : -CUFA_INF;
+  float mx = lse;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) warp_value[warp] = mx;
+  __syncthreads();
+  mx = fmaxf(fmaxf(warp_value[0], warp_value[1]), fmaxf(warp_value[2], warp_value[3]));
+  const float base = mx == -CUFA_INF ? 0.f : mx;
+  const float e = lse == -CUFA_INF ? 0.f : fast_exp2((lse - base) * CUFA_LOG2E);
+  float sum = e;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  __syncthreads();  // every thread has read warp_value's maxima
+  if (lane == 0) warp_value[warp] = sum;
+  __syncthreads();
+  sum = warp_value[0] + warp_value[1] + warp_value[2] + warp_value[3];
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  if (tid < kMaxSplits) weight[tid] = e * inv;
+  if (tid == 0 && p.lse)
+    reinterpret_cast<float*>(p.lse)[b * p.lse_batch_stride + h * p.lse_head_stride + s.q_row0 + t] =
+        sum > 0.f ? base + logf(sum) : -CUFA_INF;
+  __syncthreads();
+
+  // thread = (split group, 8-column chunk)
+  const int chunks = p.head_dim / 8, groups = kCombineThreads / chunks;
+  const int chunk = tid % chunks, group = tid / chunks;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (group < groups) {
+    const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+    const float* o_part = reinterpret_cast<const float*>(p.o_partial) + (i64)row * p.head_dim + chunk * 8;
+#pragma unroll 4
+    for (int sp = group; sp < p.num_splits; sp += groups) {
+      const float w = weight[sp];
+      const float4 a = reinterpret_cast<const float4*>(o_part + sp * split_o)[0];
+      const float4 c = reinterpret_cast<const float4*>(o_part + sp * split_o)[1];
+      if (w != 0.f) {  // an empty split's output may be anything, NaN included
+        acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+        acc[4] += w * c.x; acc[5] += w * c.y; acc[6] += w * c.z; acc[7] += w * c.w;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) partial[tid * 8 + i] = acc[i];
+  __syncthreads();
+  if (tid >= chunks) return;
+  for (int g = 1; g < groups; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += partial[(g * chunks + tid) * 8 + i];
+  uint4 packed;
+  packed.x = pack2<kDtype>(acc[0], acc[1]);
+  packed.y = pack2<kDtype>(acc[2], acc[3]);
+  packed.z = pack2<kDtype>(acc[4], acc[5]);
+  packed.w = pack2<kDtype>(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride +
+                            (s.q_row0 + t) * p.o_row_stride + h * p.o_head_stride + tid * 8) = packed;
 }
 
 // -- rotary embedding of one row (d elements) from src to dst, at cache position pos --

@@ -13,9 +13,6 @@ struct DecodeParams {
   // Split-KV: each split's normalized output and lse, float32 (num_splits, batch,
   // seqlen_q, nheads, d) and (num_splits, batch, nheads, seqlen_q); 0 when not split.
   u64 o_partial, lse_partial;
-  // uint32 (batch, nheads_k, num_m_blocks), zero before a launch: the splits of each
-  // CTA tile count in as they finish; the last merges them and leaves the count zero.
-  u64 split_counters;
   u64 cache_seqlens;  // int32 (batch,): cache end before the append; 0 = cache_seqlen_fixed
   u64 cache_batch_idx, cache_leftpad;  // int32 (batch,) or 0
   u64 block_table;    // int32 (batch, max_pages) or 0 (contiguous cache)

@@ -341,12 +341,11 @@ def test_num_splits_agree(rng, name):
 
 
 def test_back_to_back_split_decodes_share_the_stream_workspace(rng):
-    """Split-KV partials live in a buffer each stream keeps and grows, and the splits
-    count in on counters the stream keeps zeroed (shared with the forward's tile
-    counter): decodes queued without a sync, growing and shrinking both, on two streams
-    at once, with forward calls between them, each match the reference (a buffer freed
-    or shared while a queued call still used it, or a count left non-zero, would mix or
-    skip their partials)."""
+    """Split-KV partials live in a buffer each stream keeps and grows (the forward's
+    packed work list too): decodes queued without a sync, growing and shrinking it, on
+    two streams at once, with forward calls between them, each match the reference (a
+    buffer freed or shared while a queued call still used it would mix their
+    partials)."""
     shapes = [(1, 512, (8, 2), 64, 3), (2, 3000, (32, 8), 128, 16), (1, 100, (4, 4), 64, 2),
               (4, 2000, (16, 2), 128, 9), (1, 1, (2, 1), 64, 2)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]

@@ -54,11 +54,11 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     plan = planner(q, cache, cache, cache_seqlens=arr((batch,), "int32"))
     rec = record(plan)
     assert rec["num_splits"] == expected
-    assert [entry[0] for entry in plan.launches] == ["decode"]  # the last split merges
-    # a count for each CTA tile's splits, after the workspace in jax.jit's scratch
-    tiles = batch * heads_k * rec["num_m_blocks"]
-    assert plan.split_counters == (tiles if expected > 1 else 0)
-    assert plan.scratch_bytes == 4 * (plan.workspace[0] + plan.split_counters)
+    kinds = [entry[0] for entry in plan.launches]
+    assert kinds == (["decode", "combine"] if expected > 1 else ["decode"])
+    if expected > 1:  # one combine CTA a query row
+        assert plan.launches[1][2] == (batch * 32, 1, 1)
+    assert plan.scratch_bytes == 4 * plan.workspace[0]
     grid = plan.launches[0][2]
     assert grid == (rec["num_m_blocks"] * expected, heads_k, batch)
     if 1 < expected < keys // 256:  # not capped by the keys: the waves fill >= 90 %
@@ -105,7 +105,7 @@ def test_append_and_rotary_plan_the_append_kernel_and_a_rotated_q(planner):
     cos = arr((300, 32))
     plan = planner(q, cache, cache, new, new, rotary_cos=cos, rotary_sin=cos,
                    cache_seqlens=arr((b,), "int32"), causal=True, num_splits=3)
-    assert [e[0] for e in plan.launches] == ["append", "decode"]
+    assert [e[0] for e in plan.launches] == ["append", "decode", "combine"]
     rows = b * 2 * hk + b * sq * h
     assert plan.launches[0][2] == (-(-rows // 4), 1, 1)
     rec = record(plan)
@@ -151,7 +151,7 @@ def test_variant_keys_are_readable_and_unique():
 def test_decode_pointer_order_is_the_records():
     # kvcache._run packs the pointers positionally, in this order
     assert _params.DECODE.pointer_fields == (
-        "q", "k", "v", "o", "lse", "o_partial", "lse_partial", "split_counters",
+        "q", "k", "v", "o", "lse", "o_partial", "lse_partial",
         "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
         "k_new", "v_new", "q_source", "rotary_cos", "rotary_sin", "cu_seqlens_q", "cu_seqlens_k",
         "seqused_k")
