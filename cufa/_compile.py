@@ -52,6 +52,7 @@ SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
 SM90_SHORT_TILES = {64: (64, 128)}
 SM90_SHORT_TILES_WINDOW = {**SM90_SHORT_TILES, 128: (64, 64)}
 SM90_SHORT_MAX_MEAN_SEQLEN = 512  # mean query rows per sequence up to which they are used
+SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches: query rows up to which (d <= 64)
 SM90_SHORT_ENV = "CUFA_SM90_BLOCK_M"  # "64" / "128": force a shape where both exist (tests, bench)
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -257,16 +258,20 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", short=False):
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)
 
 
-def short_sequences(packed, total_q, batch):
+def short_sequences(packed, total_q, batch, head_dim):
     """Whether a batch gets the sm90 short-sequence tiles: packed, with at most
-    SM90_SHORT_MAX_MEAN_SEQLEN query rows per sequence on average; CUFA_SM90_BLOCK_M
-    (64 or 128) overrides, for any batch."""
+    SM90_SHORT_MAX_MEAN_SEQLEN query rows per sequence on average; or padded, at head
+    dims up to 64, with at most SM90_SHORT_DENSE_MAX_SEQLEN query rows (step 24 of NOTES:
+    +2-5 % there, -15 % at d = 128). CUFA_SM90_BLOCK_M (64 or 128) overrides, for any
+    batch."""
     forced = _overrides[SM90_SHORT_ENV]
     if forced:
         if forced not in ("64", "128"):
             raise ValueError(f"{SM90_SHORT_ENV} must be 64 or 128; got {forced!r}")
         return forced == "64"
-    return packed and total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch
+    if packed:
+        return total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch
+    return head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN
 
 
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"

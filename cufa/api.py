@@ -608,7 +608,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     family = _compile.family_for(_compute_capability(q.device))
     if paged is not None:  # rows through a page table: no TMA descriptor describes them
         family = "sm80"
-    short = _compile.short_sequences(packed, seqlen_q, batch)
+    short = _compile.short_sequences(packed, seqlen_q, batch, d)
     variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
                                    short)
     tma_template = None

@@ -64,9 +64,12 @@ def setenv(monkeypatch):
 def test_short_sequence_tiles_are_picked_for_short_packed_batches(setenv):
     setenv(_compile.SM90_SHORT_ENV, None)
     limit = _compile.SM90_SHORT_MAX_MEAN_SEQLEN
-    assert _compile.short_sequences(True, limit * 10, 10)
-    assert not _compile.short_sequences(True, limit * 10 + 1, 10)
-    assert not _compile.short_sequences(False, 64, 10)  # padded batches keep 128-row tiles
+    assert _compile.short_sequences(True, limit * 10, 10, 128)
+    assert not _compile.short_sequences(True, limit * 10 + 1, 10, 128)
+    dense = _compile.SM90_SHORT_DENSE_MAX_SEQLEN  # padded: d <= 64 and short only
+    assert _compile.short_sequences(False, dense, 10, 64)
+    assert not _compile.short_sequences(False, dense + 1, 10, 64)
+    assert not _compile.short_sequences(False, 64, 10, 128)
     for hd, mask in itertools.product((64, 128, 192, 256), _compile.MASKS):
         v = _compile.fwd_variant("bf16", hd, mask, False, "sm90", short=True)
         table = _compile.SM90_SHORT_TILES_WINDOW if mask == "window" else _compile.SM90_SHORT_TILES
@@ -76,12 +79,12 @@ def test_short_sequence_tiles_are_picked_for_short_packed_batches(setenv):
         assert f", {v.block_m}, {v.block_n}, {v.q_stages}>" in v.name_expression
     assert _compile.fwd_variant("fp16", 64, "none", False, "sm80", short=True).block_m == 128
     setenv(_compile.SM90_SHORT_ENV, "64")
-    assert _compile.short_sequences(False, 1 << 20, 1)
+    assert _compile.short_sequences(False, 1 << 20, 1, 128)
     setenv(_compile.SM90_SHORT_ENV, "128")
-    assert not _compile.short_sequences(True, 64, 10)
+    assert not _compile.short_sequences(True, 64, 10, 64)
     setenv(_compile.SM90_SHORT_ENV, "32")
     with pytest.raises(ValueError, match=_compile.SM90_SHORT_ENV):
-        _compile.short_sequences(True, 64, 10)
+        _compile.short_sequences(True, 64, 10, 64)
 
 
 def test_every_variant_compiles_without_spills(reports):
