@@ -3,7 +3,11 @@
 timed alone, on the inputs of bench/host_overhead.py's first row, beside the whole call,
 SDPA flash and the framework primitives any launch needs (torch.empty, one launch).
 
-    python3 bench/host_breakdown.py [--calls 5000]
+    python3 bench/host_breakdown.py [--calls 5000] [--new-signature]
+
+--new-signature: instead, the parts of a call whose signature has no plan yet (a new
+shape): planning with and without the TMA descriptors, their encoding and their check,
+and cProfile's view of such calls.
 
 The steps overlap a little (each is timed with its own call overhead), so their sum reads
 a few us over the whole call.
@@ -39,10 +43,13 @@ def us_per_call(fn, calls):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=5000)
+    p.add_argument("--new-signature", action="store_true")
     args = p.parse_args()
     q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     call = lambda: cufa.flash_attn_func(q, k, v, causal=True)  # noqa: E731
     call()
+    if args.new_signature:
+        return new_signature(call, q, k, v, args.calls // 5)
     (plan,) = api._plans.values()
     arrays, names = (q, k, v, None, None), api._DENSE_ARRAYS
     _, (qp, kp, vp, _, _) = _interop.signature(arrays, names)
@@ -93,6 +100,65 @@ def main():
     for name, fn in steps.items():
         print(f"| {name} | {us_per_call(fn, args.calls):.2f} |")
     jax_breakdown(2000)
+
+
+def new_signature(call, q, k, v, calls):
+    """A new signature's host time, part by part (bench/host_overhead.py's row clears the
+    plans and the descriptor templates before each call, as a new shape would need)."""
+    import cProfile
+    import pstats
+    (plan,) = api._plans.values()
+    views = (((1, 128, 2, 64), (16384, 128, 64), plan.variant.block_m),
+             ((1, 128, 2, 64), (16384, 128, 64), plan.variant.block_n),
+             ((1, 128, 2, 64), (16384, 128, 64), plan.variant.block_n))
+
+    def unplanned():
+        api._plans.clear()
+        _tma.template.cache_clear()
+        return call()
+
+    def planned_maps():  # the plan again, the layout's descriptors cached
+        api._plans.clear()
+        return call()
+
+    def encode3():
+        holder, base = _tma._aligned_record()
+        for i, layout in enumerate(views):
+            _tma._encode_at(base + 128 * i, "float16", _tma._PLACEHOLDER_ADDRESS, *layout)
+
+    record = _tma.template.__wrapped__("float16", views).record
+    cu = torch.tensor([0, 60, 128], device="cuda", dtype=torch.int32)
+    qp = q[0]
+
+    def varlen_unplanned():
+        api._plans.clear()
+        _tma.template.cache_clear()
+        return cufa.flash_attn_varlen_func(qp, qp, qp, cu, cu, 68, 68, causal=True)
+
+    steps = {
+        "repeated call": call,
+        "new signature (plans and templates cleared)": unplanned,
+        "new signature, templates kept (planning alone)": planned_maps,
+        "template(): 3 maps encoded + checked": lambda: _tma.template.__wrapped__(
+            "float16", views),
+        "3 maps encoded (cuTensorMapEncodeTiled)": encode3,
+        "_address_words: the check (3 driver moves, a new kind)": lambda: _tma._address_words(
+            record, 3, object()),
+        "packed new signature (plans and templates cleared)": varlen_unplanned,
+    }
+    print(f"| new-signature step ({torch.cuda.get_device_name()}) | host us/call |")
+    print("| --- | --- |")
+    for name, fn in steps.items():
+        print(f"| {name} | {us_per_call(fn, calls):.2f} |")
+    for name, fn in (("dense", unplanned), ("packed", varlen_unplanned)):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+        print(f"\ncProfile, {calls} {name} new-signature calls")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
 def jax_breakdown(calls):

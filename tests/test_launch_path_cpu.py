@@ -68,6 +68,7 @@ def _clear_tma_caches():
     for cached in (_tma.template, _tma._moved_by_driver):
         cached.cache_clear()
     _tma._learned_field = _tma._UNKNOWN
+    _tma._verified_kinds.clear()
 
 
 def _fake_encode(map_address, data_type, rank, ptr, *layout):
@@ -153,6 +154,31 @@ def test_tma_addresses_written_in_python_or_moved_by_the_driver(device, monkeypa
     assert _tma._address_field() is None
     assert map_addresses(device.launches[-1]) == [q.ptr, k.ptr, k.ptr, 0, 0]
     assert moves[-3:] == [q.ptr, k.ptr, k.ptr]   # the driver moved this call's maps
+
+
+def test_a_new_shape_of_a_checked_kind_costs_no_driver_moves(device, monkeypatch):
+    """A layout's maps are checked against the driver's own move once per kind (dtype and
+    boxes); a new shape of that kind (a server's next token count) is encoded, its
+    placeholders found where the field says, and no map moved by the driver."""
+    moves = []
+
+    def counting_replace(map_address, ptr):
+        moves.append(ptr)
+        return _fake_replace(map_address, ptr)
+    monkeypatch.setattr(_tma, "_replace_fn", lambda: counting_replace)
+    q = view((1, 64, 2, 128))
+    cufa.flash_attn_func(q, q, q)
+    learned = len(moves)          # the field learned (probe moves) and this kind checked
+    assert learned > 3
+    for n in (65, 300, 1000):     # new shapes, same dtype and boxes
+        q = view((1, n, 2, 128))
+        cufa.flash_attn_func(q, q, q)
+        assert map_addresses(device.launches[-1]) == [q.ptr, q.ptr, q.ptr, 0, 0]
+    assert len(moves) == learned
+    q = view((1, 64, 2, 128), "bfloat16")  # a new kind: checked once
+    cufa.flash_attn_func(q, q, q)
+    assert len(moves) == learned + 3
+    assert map_addresses(device.launches[-1]) == [q.ptr, q.ptr, q.ptr, 0, 0]
 
 
 def test_out_is_written_and_returned(device):
