@@ -164,16 +164,18 @@ def _address_words(record, count, kind):
         return ()
     offset, shift = field
     mask = _U64 >> shift
-    words, expected = [], record
+    words = []
     for i in range(count):
         at = 128 * i + offset
         word = int.from_bytes(record[at:at + 8], "little")
         if word & mask != _PLACEHOLDER_ADDRESS >> shift:
             return ()
         words.append((at, word & ~mask, shift))
-        expected = _patched(expected, at, shift, _PROBE_ADDRESSES[0])
     if kind in _verified_kinds:
         return tuple(words)
+    expected = record
+    for at, _, _ in words:
+        expected = _patched(expected, at, shift, _PROBE_ADDRESSES[0])
     holder, base = _aligned_record()
     ctypes.memmove(base, record, MAPS_BYTES)
     for i in range(count):
