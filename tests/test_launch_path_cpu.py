@@ -430,3 +430,38 @@ def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
     assert r["o_partial"] == base and r["lse_partial"] == base + 4 * plan.workspace[2]
     assert [entry[0] for entry in plan.launches] == ["decode", "combine"]
     assert r["num_splits"] == 5 and device.allocations == [] and memsets == []
+
+
+def test_the_documented_serving_step_validates_and_launches(device):
+    """docs/api.md's serving example, call by call, on views of its shapes: the append
+    of a prefill chunk into the pages, the chunk's attention over the pages, a decode step
+    and the mixed step (a chunk and decodes in one packed call) all pass validation and
+    launch what they should."""
+    pages, page, chunk = 4096, 16, 512
+    k_cache, v_cache = view((pages, page, 8, 128), "bfloat16"), view((pages, page, 8, 128),
+                                                                      "bfloat16")
+    table, lens = view((8, pages // 8), "int32"), view((8,), "int32")
+    q, k, v = (view((8, chunk, h, 128), "bfloat16") for h in (32, 8, 8))
+    q0 = view((8, 0, 32, 128), "bfloat16")  # q[:, :0]: append only
+    cufa.flash_attn_with_kvcache(q0, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                 block_table=table)
+    assert [record(launch, _params.DECODE)["seqlen_new"] for launch in device.launches] == [chunk]
+    cu_q = view((9,), "int32")
+    cufa.flash_attn_varlen_func(view((8 * chunk, 32, 128), "bfloat16"), k_cache, v_cache,
+                                cu_q, cu_q, chunk, (pages // 8) * page, causal=True,
+                                seqused_k=lens, block_table=table)
+    q1, k1, v1 = (view((8, 1, h, 128), "bfloat16") for h in (32, 8, 8))
+    count = len(device.launches)
+    cufa.flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=lens,
+                                 block_table=table, causal=True)
+    assert len(device.launches) > count
+    # the mixed step: a 512-token chunk of sequence 0 and decodes of sequences 1..7
+    cu_mixed = view((9,), "int32")
+    count = len(device.launches)
+    cufa.flash_attn_varlen_func(view((chunk + 7, 32, 128), "bfloat16"), k_cache, v_cache,
+                                cu_mixed, cu_mixed, chunk, (pages // 8) * page, causal=True,
+                                seqused_k=lens, block_table=table)
+    schedule, forward, decode = device.launches[count:count + 3]
+    assert record(decode, _params.DECODE)["seqlen_q"] == 16 // 4  # rows a decode sequence may have
+    with pytest.raises(ValueError, match="capacity|cache"):  # the append without its pages
+        cufa.flash_attn_with_kvcache(q0, k_cache, v_cache, k, v, cache_seqlens=lens)
