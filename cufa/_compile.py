@@ -224,6 +224,7 @@ class DecodeKernel:
         return self.ctas_per_sm_on(SM90_SMEM_PER_SM)
 
 
+@functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature asks
 def decode_kernel(dtype, head_dim):
     return DecodeKernel("decode", dtype, padded_head_dim(head_dim))
 

@@ -1,6 +1,7 @@
 """KV-cache inference: attention of new tokens against a cache (decode, speculative
 decode, appends; contiguous or paged; split-KV), and the merge of partial attention
 states. validate -> plan (cached per call signature) -> launch, as in api.py."""
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -432,6 +433,7 @@ def _smem_per_sm(device):
     return n
 
 
+@functools.lru_cache(maxsize=1024)  # a loop over up to 128 counts; a new signature asks
 def choose_num_splits(units, max_keys, sm_count, ctas_per_sm):
     """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
     only. A CTA alone on an SM streams the cache at well under its share of the bandwidth
