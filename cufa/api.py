@@ -1,5 +1,6 @@
 """The public attention functions: validate -> plan (variant, params, grid; cached per call
 signature) -> launch."""
+import collections
 import ctypes
 import math
 import threading
@@ -570,7 +571,9 @@ class _Plan:
 _LOG2_E = math.log2(math.e)
 _STRIDE_FIELDS = tuple((f"{x}_batch_stride", f"{x}_row_stride", f"{x}_head_stride")
                        for x in "qkvo")
-_plans = {}    # ("entry", options) + _interop.signature key -> plan
+# ("entry", options) + _interop.signature key -> plan. Ordered: past _MAX_PLANS the
+# oldest goes, in O(1) (a dict's first item after many deletions is a scan away)
+_plans = collections.OrderedDict()
 _MAX_PLANS = 4096
 
 
@@ -578,7 +581,7 @@ def _remember(key, plan):
     """Plans use the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) as
     last read: clear_plans() after changing them in a running process."""
     if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: the oldest goes
-        del _plans[next(iter(_plans))]
+        _plans.popitem(last=False)
     _plans[key] = plan
     return plan
 
