@@ -4,6 +4,9 @@
 # and thermal drift fall on all of them alike.
 #   here:       bash bench/ab_varlen.sh prepare REV [REV...]   # git trees into _ab/ (ignored)
 #   on the GPU: bash bench/ab_varlen.sh run                    # (device tool: carry ["_ab"])
+#               bash bench/ab_varlen.sh test [pytest args]     # each tree's own GPU tests
+#                                                              # (SANITIZE=1: and the KV-cache
+#                                                              # cases under compute-sanitizer)
 # ROUNDS (3), REPS (30) and BATCHES (short) from the environment; with BENCH=decode,
 # DECODE_ARGS (default: --shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers).
 set -eu
@@ -14,9 +17,31 @@ prepare)
   for rev in "$@"; do
     dir=_ab/$(git rev-parse --short "$rev")
     mkdir -p "$dir"
-    git archive "$rev" cufa kernels_cu bench | tar -x -C "$dir"
+    git archive "$rev" cufa kernels_cu bench tests | tar -x -C "$dir"
   done
   ls _ab ;;
+test)
+  # Candidate branches checked in one device call: each tree's GPU tests (default kernel
+  # family) against that tree's own code, then optionally the sanitizer.
+  shift
+  OUT=${OUT:-/tmp/cufa-ab}
+  mkdir -p "$OUT"
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+  status=0
+  for tree in _ab/*/; do
+    name=$(basename "$tree")
+    (cd "$tree" && PYTHONPATH=$PWD python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}") \
+      > "$OUT/$name.tests.log" 2>&1 || status=1
+    echo "$name tests: $(grep -E 'passed|failed|error|skipped' "$OUT/$name.tests.log" | tail -1)"
+    if [ "${SANITIZE:-0}" = 1 ]; then
+      for tool in memcheck racecheck; do
+        (cd "$tree" && PYTHONPATH=$PWD compute-sanitizer --tool $tool --error-exitcode 3 \
+          python3 bench/sanitize_cases.py --kvcache-only) > "$OUT/$name.$tool.log" 2>&1 || status=1
+        echo "$name $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$name.$tool.log")"
+      done
+    fi
+  done
+  exit $status ;;
 run)
   OUT=${OUT:-/tmp/cufa-ab}
   mkdir -p "$OUT"
