@@ -69,14 +69,14 @@ def main():
         with api.caller_stream("torch", 0) as s:
             return s
 
-    _, counter = api.stream_counters("torch", 0, stream, 2)
+    _, counter = api.stream_tile_counter("torch", 0, stream)
     steps = {
         "whole call: cufa.flash_attn_func": call,
         "torch SDPA flash (same inputs)": lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
         "output: _interop.allocate": lambda: _interop.allocate("torch", plan.out_shape,
                                                               plan.dtype, 0, stream),
-        "tile counter (per stream)": lambda: api.stream_counters("torch", 0, stream, 2),
+        "tile counter (per stream)": lambda: api.stream_tile_counter("torch", 0, stream),
         "signature of (q, k, v, None, None)": lambda: _interop.signature(arrays, names),
         "options + key + plan lookup": lambda: api._plans.get(("dense", (
             api._window((-1, -1), True), api._check_scale(None, "s"), api._softcap(0.0)))

@@ -629,7 +629,6 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
                          "the grid limit")
     o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     # Heads scheduled together: as many as keep their K/V within half of L2.
     kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
     p = dict(
@@ -638,10 +637,8 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         heads_per_group=max(1, min(batch * nheads, _L2_BUDGET // kv_bytes)),
         kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
         bottom_right=int(bottom_right),
-        window_left=window[0], window_right=window[1],
-        scale=scale, scale_log2=scale * _LOG2_E,
-        softcap=softcap, softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
-        lse_batch_stride=0 if packed else nheads * seqlen_q, lse_head_stride=seqlen_q)
+        lse_batch_stride=0 if packed else nheads * seqlen_q, lse_head_stride=seqlen_q,
+        **score_fields(window, scale, softcap, d, alibi))
     for (batch_field, row_field, head_field), strides in zip(
             _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
         p[batch_field] = 0 if packed else strides[0]
@@ -657,8 +654,6 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
         (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
          p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
-    if alibi is not None:
-        p["alibi_batch_stride"] = alibi.strides[0] if alibi.ndim == 2 else 0
     num_blocks = max_tiles * nheads
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
         num_blocks = min(num_blocks, _sm_count(q.device) * variant.ctas_per_sm)
@@ -672,6 +667,16 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
                  work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
                             max_tiles, num_buckets, batch, seqlen_q)
                  if packed else None)
+
+
+def score_fields(window, scale, softcap, d, alibi):
+    """The mask and score fields that FwdParams and DecodeParams share."""
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return dict(window_left=window[0], window_right=window[1], scale=scale,
+                scale_log2=scale * _LOG2_E, softcap=softcap,
+                softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
+                alibi_batch_stride=alibi.strides[0] if alibi is not None and alibi.ndim == 2
+                else 0)
 
 
 def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed):
@@ -760,7 +765,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
             counter = scratch_ptr
             cupy.cuda.runtime.memsetAsync(counter, 0, 8, stream)
         else:
-            scratch, counter = stream_counters(framework, device, stream, 2)
+            scratch, counter = stream_tile_counter(framework, device, stream)
     params = _params.FWD.with_pointer_values(plan.params, (
         q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
         counter, table))
@@ -798,26 +803,26 @@ def _check_scratch(scratch, needed):
     return ptr
 
 
-def stream_counters(framework, device, stream, count):
-    """(owner, address) of `count` zeroed uint32s for a launch on `stream`: the persistent
-    kernel's tile counter (2). The kernel leaves its counter zeroed, and launches on one stream run one after another, so each stream
-    keeps one buffer (zeroed when it is made) and a call needs no memset. A stream being
-    captured into a CUDA graph gets counters of its own, zeroed by a memset in the graph:
-    a graph may be replayed on any stream, beside any other work."""
-    return _stream_buffer(_counters, framework, device, stream, 4 * max(count, 32),
-                          zeroed=True)
+def stream_tile_counter(framework, device, stream):
+    """(owner, address) of the persistent kernel's tile counter (2 zeroed uint32s) for a
+    launch on `stream`. The kernel leaves its counter zeroed, and launches on one stream
+    run one after another, so each stream keeps one (zeroed when it is made) and a call
+    needs no memset. A stream being captured into a CUDA graph gets a counter of its own,
+    zeroed by a memset in the graph: a graph may be replayed on any stream, beside any
+    other work."""
+    return _stream_buffer(_tile_counters, framework, device, stream, 8, zeroed=True)
 
 
 def stream_workspace(framework, device, stream, nbytes):
     """(owner, address) of at least nbytes of device memory for one call's scratch on
     `stream` (a packed batch's work list, a decode's split-KV partials), kept per stream
-    as the counters are, so a call allocates nothing; from the caller's allocator under
+    as the tile counter is, so a call allocates nothing; from the caller's allocator under
     graph capture. Launches on the stream run in order, so one call's kernels are done
     with it before the next call's write it."""
     return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False)
 
 
-_counters = {}     # (device, stream, thread) -> (address, bytes)
+_tile_counters = {}  # (device, stream, thread) -> (address, bytes)
 _workspaces = {}
 _buffer_growth = threading.Lock()
 

@@ -280,7 +280,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity),
              lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
-             **_score_fields(window, scale, softcap, d, alibi))
+             **api.score_fields(window, scale, softcap, d, alibi))
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
@@ -324,16 +324,6 @@ def _split_count(num_splits, units, capacity, kernel, device):
     return min(num_splits, MAX_SPLITS)
 
 
-def _score_fields(window, scale, softcap, d, alibi):
-    """DecodeParams' mask and score fields."""
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return dict(window_left=window[0], window_right=window[1], scale=scale,
-                scale_log2=scale * api._LOG2_E, softcap=softcap,
-                softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
-                alibi_batch_stride=alibi.strides[0] if alibi is not None and alibi.ndim == 2
-                else 0)
-
-
 def _workspace(*sizes):
     """One float32 buffer of parts of `sizes` floats, each on a 256-byte boundary:
     (floats in all, each part's offset or -1 for an empty one)."""
@@ -344,12 +334,22 @@ def _workspace(*sizes):
     return (total, *offsets)
 
 
-def _scratch(framework, device, total, stream, scratch_ptr):
-    """(owner to hold until the launches are queued, the address of a workspace of `total`
-    floats): scratch_ptr under jax.jit (XLA's buffer), else the stream's buffer."""
-    if scratch_ptr or not total:
-        return None, scratch_ptr
-    return api.stream_workspace(framework, device, stream, 4 * total)
+def _launch_decode(record, launches, workspace, pointers, framework, device, stream,
+                   scratch_ptr):
+    """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
+    record on `stream`. pointers(at) -> the record's pointer values (DECODE_FIELDS'
+    order), `at` mapping a workspace offset (-1: none) to its address: in XLA's
+    scratch_ptr under jax.jit, else in the stream's buffer."""
+    held, base = None, scratch_ptr
+    if not scratch_ptr and workspace[0]:
+        held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0])
+    params = _params.DECODE.with_pointer_values(
+        record, pointers(lambda offset: base + 4 * offset if offset >= 0 else 0))
+    for _, function, grid, threads, smem in launches:
+        api.driver_launch(function, grid, threads, smem, stream, (params,))
+    # (the buffer held until the launches are queued: freed earlier, another thread could
+    # be handed the same memory for work ordered before ours)
+    del held
 
 
 @dataclass
@@ -386,7 +386,7 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
              num_m_blocks=num_m_blocks, lse_batch_stride=0, lse_head_stride=total_q,
              q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
              o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
-             **_score_fields(window, scale, softcap, d, alibi))
+             **api.score_fields(window, scale, softcap, d, alibi))
     for name, x in (("k", k), ("v", v)):  # page stride as the batch stride
         (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
          p[f"{name}_head_stride"]) = x.strides[:3]
@@ -404,16 +404,11 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, sc
     """route's launches on `stream` after the forward's (api._launch's arguments): its
     partials in XLA's scratch under jax.jit, else the stream's."""
     cu_q, cu_k, used, table = packed
-    total, o_part, lse_part = route.workspace
-    held, base = _scratch(plan.framework, plan.device, total, stream,
-                          scratch_ptr and scratch_ptr + route.scratch_offset)
-    at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
-    params = _params.DECODE.with_pointer_values(route.params, (  # DECODE_FIELDS' order
+    _, o_part, lse_part = route.workspace
+    _launch_decode(route.params, route.launches, route.workspace, lambda at: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
-        cu_q, cu_k, used))
-    for _, function, grid, threads, smem in route.launches:
-        api.driver_launch(function, grid, threads, smem, stream, (params,))
-    del held  # (held until the launches are queued, as in _run)
+        cu_q, cu_k, used), plan.framework, plan.device, stream,
+        scratch_ptr and scratch_ptr + route.scratch_offset)
 
 
 def _launch_entry(kernel, device, grid):
@@ -582,16 +577,10 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
     with api.caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream)
         if plan.launches:
-            total, o_part, lse_part, q_rot = plan.workspace
-            # (held until the launches are queued: freed earlier, another thread could be
-            # handed the same memory for work ordered before ours)
-            held, base = _scratch(plan.framework, plan.device, total, stream, scratch_ptr)
-            at = (lambda offset: base + 4 * offset if offset >= 0 else 0)
-            params = _params.DECODE.with_pointer_values(plan.params, (  # DECODE_FIELDS' order
+            _, o_part, lse_part, q_rot = plan.workspace
+            _launch_decode(plan.params, plan.launches, plan.workspace, lambda at: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin, 0, 0, 0))
-            for _, function, grid, threads, smem in plan.launches:
-                api.driver_launch(function, grid, threads, smem, stream, (params,))
-            del held
+                q if plan.rotary else 0, cos, sin, 0, 0, 0), plan.framework, plan.device,
+                stream, scratch_ptr)
     return api.returned(plan, o, lse, plan.want_lse)

@@ -43,8 +43,8 @@ def device(monkeypatch):
     monkeypatch.setattr(api, "caller_stream", _Stream)
     monkeypatch.setattr(api, "driver_launch", fake.launch)
     monkeypatch.setattr(_interop, "allocate", fake.allocate)
-    monkeypatch.setattr(api, "stream_counters",
-                        lambda framework, device, stream, count: (None, _COUNTERS))
+    monkeypatch.setattr(api, "stream_tile_counter",
+                        lambda framework, device, stream: (None, _COUNTERS))
     monkeypatch.setattr(api, "stream_workspace",
                         lambda framework, device, stream, nbytes: (None, _WORKSPACE))
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
