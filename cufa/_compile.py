@@ -174,6 +174,7 @@ class DecodeKernel:
     kind: str
     dtype: str
     head_dim: int = 0   # "decode" only: the padded head dim
+    rows: int = 1       # "combine" only: rows a CTA (1, or 4: a warp a row)
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
 
@@ -187,6 +188,8 @@ class DecodeKernel:
             return f"decode_{self.dtype}_hd{self.head_dim}"
         if self.kind == "merge":
             return f"merge_{self.dtype}"
+        if self.kind == "combine":
+            return f"decode_combine_r{self.rows}_{self.dtype}"
         return f"decode_{self.kind}_{self.dtype}"
 
     @property
@@ -196,6 +199,8 @@ class DecodeKernel:
         dt = DTYPES.index(self.dtype)
         if self.kind == "decode":
             return f"cufa::decode_kernel<{dt}, {self.head_dim}>"
+        if self.kind == "combine":
+            return f"cufa::decode_combine<{dt}, {self.rows}>"
         return f"cufa::decode_{self.kind}<{dt}>"
 
     @property
@@ -229,9 +234,19 @@ def decode_kernel(dtype, head_dim):
     return DecodeKernel("decode", dtype, padded_head_dim(head_dim))
 
 
+def combine_kernel(dtype, head_dim, num_splits):
+    """decode_combine for `num_splits` splits of rows of head_dim columns: a warp a row
+    while its lanes can have every split's read of a row in flight at once (4 reads a
+    lane: the loop's unroll), else 128 threads a row."""
+    lanes_a_split = -(-head_dim // 8)  # a lane takes 8 columns of a split's row
+    rows = 4 if num_splits <= 4 * (32 // lanes_a_split) else 1
+    return DecodeKernel("combine", dtype, rows=rows)
+
+
 def decode_variants():
     return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
-            + [DecodeKernel(kind, dt) for kind in ("combine", "append") for dt in DTYPES]
+            + [DecodeKernel("combine", dt, rows=rows) for dt in DTYPES for rows in (1, 4)]
+            + [DecodeKernel("append", dt) for dt in DTYPES]
             + [DecodeKernel("merge", dt) for dt in MERGE_DTYPES])
 
 

@@ -303,8 +303,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
         launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
                                                          batch)))
         if num_splits > 1:
-            launches.append(_launch_entry(_compile.DecodeKernel("combine", dt), q.device,
-                                          (batch * seqlen_q * nheads, 1, 1)))
+            launches.append(_combine_entry(dt, d, num_splits, batch * seqlen_q * nheads,
+                                           q.device))
     # the splits' outputs and lse, then the rotated q (16-byte rows)
     rows = batch * seqlen_q * nheads
     split = num_splits > 1 and seqlen_q
@@ -394,8 +394,7 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
     workspace = _workspace(num_splits * partial_rows * d, num_splits * partial_rows)
     launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k, batch))]
     if partial_rows:
-        launches.append(_launch_entry(_compile.DecodeKernel("combine", kernel.dtype), q.device,
-                                      (partial_rows, 1, 1)))
+        launches.append(_combine_entry(kernel.dtype, d, num_splits, partial_rows, q.device))
     return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
                         4 * workspace[0])
 
@@ -409,6 +408,11 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, sc
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
         cu_q, cu_k, used), plan.framework, plan.device, stream,
         scratch_ptr and scratch_ptr + route.scratch_offset)
+
+
+def _combine_entry(dtype, d, num_splits, rows, device):
+    kernel = _compile.combine_kernel(dtype, d, num_splits)
+    return _launch_entry(kernel, device, (-(-rows // kernel.rows), 1, 1))
 
 
 def _launch_entry(kernel, device, grid):

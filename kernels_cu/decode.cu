@@ -415,21 +415,55 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
                                         scale_log2);
 }
 
-// -- split-KV: one CTA per (batch, token, head) row merges the splits by their lse --
+// -- split-KV: each (batch, token, head) row's splits merged by their lse --
 // The reads are few (splits x head_dim floats a row) but, done one split after another,
-// each waits a full memory latency: the threads share out the splits as well as the
-// columns, so every read of a row is in flight at once.
-constexpr int kCombineThreads = 128;  // four warps: the block reductions below read four values
+// each waits a full memory latency: a row's threads share out the splits as well as the
+// columns, so its reads are in flight at once. kRows rows a CTA: 1 (128 threads a row)
+// for many splits; 4 (a warp a row) for a few, where a CTA a row would leave most of its
+// threads idle and make the launch a long queue of tiny CTAs (64 sequences x 4 tokens x
+// 32 heads are 8192 rows).
+constexpr int kCombineThreads = 128;
 
-template <int kDtype>
+// max or sum over the threads of one row: a warp's shuffles, then (a CTA a row) the
+// warps' values through shared memory
+template <int kRows, bool kMax>
+__device__ __forceinline__ float row_reduce(float x, float* warp_value) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = kMax ? fmaxf(x, y) : x + y;
+  }
+  if constexpr (kRows == 1) {
+    __syncthreads();  // earlier readers of warp_value are done with it
+    if (threadIdx.x % 32 == 0) warp_value[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = warp_value[0];
+#pragma unroll
+    for (int w = 1; w < kCombineThreads / 32; ++w)
+      x = kMax ? fmaxf(x, warp_value[w]) : x + warp_value[w];
+  }
+  return x;
+}
+
+template <int kRows>
+__device__ __forceinline__ void row_sync() {
+  if constexpr (kRows == 1) __syncthreads(); else __syncwarp();
+}
+
+template <int kDtype, int kRows>
 __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
-  constexpr int kMaxSplits = kCombineThreads;  // MAX_SPLITS in cufa/kvcache.py: one lse a thread
-  __shared__ float weight[kMaxSplits];
+  static_assert(kRows == 1 || kRows == kCombineThreads / 32, "a CTA a row, or a warp a row");
+  constexpr int kMaxSplits = 128;  // MAX_SPLITS in cufa/kvcache.py
+  constexpr int kRowThreads = kCombineThreads / kRows;
+  __shared__ float weight[kRows][kMaxSplits];
   __shared__ float partial[kCombineThreads * 8];
   __shared__ float warp_value[kCombineThreads / 32];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  // (b, t, h) in o_partial's order; the host keeps the row count below 2^31
-  const int row = blockIdx.x;
+  const int slot = threadIdx.x / kRowThreads, tid = threadIdx.x % kRowThreads;
+  // (b, t, h) in o_partial's order; the host keeps the row count below 2^31. The returns
+  // below leave a whole CTA (a CTA a row) or a whole warp (a warp a row, which then meets
+  // no CTA barrier).
+  const int row = blockIdx.x * kRows + slot;
+  if (row >= p.batch * p.seqlen_q * p.nheads) return;
   const int h = row % p.nheads, t = (row / p.nheads) % p.seqlen_q, b = row / (p.nheads * p.seqlen_q);
   const CacheSeq s = cache_seq(p, b);
   // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes,
@@ -437,33 +471,28 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
   if (t >= s.seqlen_q || s.seqlen_q > p.seqlen_q) return;
   const i64 lse_at = ((i64)b * p.nheads + h) * p.seqlen_q + t;
   const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
-  const float lse = tid < p.num_splits
-                        ? reinterpret_cast<const float*>(p.lse_partial)[tid * split_lse + lse_at]
-                        : -CUFA_INF;
-  float mx = lse;
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  if (lane == 0) warp_value[warp] = mx;
-  __syncthreads();
-  mx = fmaxf(fmaxf(warp_value[0], warp_value[1]), fmaxf(warp_value[2], warp_value[3]));
+  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial) + lse_at;
+  float mx = -CUFA_INF;
+  for (int sp = tid; sp < p.num_splits; sp += kRowThreads) mx = fmaxf(mx, lse_part[sp * split_lse]);
+  mx = row_reduce<kRows, true>(mx, warp_value);
   const float base = mx == -CUFA_INF ? 0.f : mx;
-  const float e = lse == -CUFA_INF ? 0.f : fast_exp2((lse - base) * CUFA_LOG2E);
-  float sum = e;
-#pragma unroll
-  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  __syncthreads();  // every thread has read warp_value's maxima
-  if (lane == 0) warp_value[warp] = sum;
-  __syncthreads();
-  sum = warp_value[0] + warp_value[1] + warp_value[2] + warp_value[3];
+  float sum = 0.f;
+  for (int sp = tid; sp < p.num_splits; sp += kRowThreads) {
+    const float lse = lse_part[sp * split_lse];
+    const float e = lse == -CUFA_INF ? 0.f : fast_exp2((lse - base) * CUFA_LOG2E);
+    weight[slot][sp] = e;
+    sum += e;
+  }
+  sum = row_reduce<kRows, false>(sum, warp_value);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  if (tid < kMaxSplits) weight[tid] = e * inv;
+  for (int sp = tid; sp < p.num_splits; sp += kRowThreads) weight[slot][sp] *= inv;
   if (tid == 0 && p.lse)
     reinterpret_cast<float*>(p.lse)[b * p.lse_batch_stride + h * p.lse_head_stride + s.q_row0 + t] =
         sum > 0.f ? base + logf(sum) : -CUFA_INF;
-  __syncthreads();
+  row_sync<kRows>();  // every weight of the row written
 
   // thread = (split group, 8-column chunk)
-  const int chunks = p.head_dim / 8, groups = kCombineThreads / chunks;
+  const int chunks = p.head_dim / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (group < groups) {
@@ -471,7 +500,7 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
     const float* o_part = reinterpret_cast<const float*>(p.o_partial) + (i64)row * p.head_dim + chunk * 8;
 #pragma unroll 4
     for (int sp = group; sp < p.num_splits; sp += groups) {
-      const float w = weight[sp];
+      const float w = weight[slot][sp];
       const float4 a = reinterpret_cast<const float4*>(o_part + sp * split_o)[0];
       const float4 c = reinterpret_cast<const float4*>(o_part + sp * split_o)[1];
       if (w != 0.f) {  // an empty split's output may be anything, NaN included
@@ -481,12 +510,12 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
     }
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) partial[tid * 8 + i] = acc[i];
-  __syncthreads();
+  for (int i = 0; i < 8; ++i) partial[threadIdx.x * 8 + i] = acc[i];
+  row_sync<kRows>();
   if (tid >= chunks) return;
   for (int g = 1; g < groups; ++g)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] += partial[(g * chunks + tid) * 8 + i];
+    for (int i = 0; i < 8; ++i) acc[i] += partial[(slot * kRowThreads + g * chunks + tid) * 8 + i];
   uint4 packed;
   packed.x = pack2<kDtype>(acc[0], acc[1]);
   packed.y = pack2<kDtype>(acc[2], acc[3]);

@@ -56,8 +56,9 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     assert rec["num_splits"] == expected
     kinds = [entry[0] for entry in plan.launches]
     assert kinds == (["decode", "combine"] if expected > 1 else ["decode"])
-    if expected > 1:  # one combine CTA a query row
-        assert plan.launches[1][2] == (batch * 32, 1, 1)
+    if expected > 1:  # a CTA a query row, or (few splits) a warp a row
+        per_cta = _compile.combine_kernel("fp16", d, expected).rows
+        assert plan.launches[1][2] == (-(-batch * 32 // per_cta), 1, 1)
     assert plan.scratch_bytes == 4 * plan.workspace[0]
     grid = plan.launches[0][2]
     assert grid == (rec["num_m_blocks"] * expected, heads_k, batch)
@@ -155,3 +156,15 @@ def test_decode_pointer_order_is_the_records():
         "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
         "k_new", "v_new", "q_source", "rotary_cos", "rotary_sin", "cu_seqlens_q", "cu_seqlens_k",
         "seqused_k")
+
+
+@pytest.mark.parametrize("d, splits, rows", [
+    (64, 2, 4), (64, 16, 4), (64, 17, 1), (128, 8, 4), (128, 9, 1), (256, 4, 4), (256, 5, 1),
+    (96, 8, 4), (96, 9, 1),   # 12 lanes a split: two splits a warp at once
+])
+def test_combine_takes_a_warp_a_row_while_one_round_of_reads_covers_the_splits(d, splits, rows):
+    # a lane reads 8 columns; a warp's lanes hold 32 // (d / 8) splits at once, 4 reads each
+    kernel = _compile.combine_kernel("bf16", d, splits)
+    assert kernel.rows == rows
+    assert kernel.key == f"decode_combine_r{rows}_bf16"
+    assert kernel.name_expression == f"cufa::decode_combine<1, {rows}>"
