@@ -167,6 +167,12 @@ def decode_shape(head_dim):
     return (4 if head_dim <= 128 else 2), (4 if head_dim <= 64 else 2)
 
 
+# Decode kernels with fewer stages and so more CTAs an SM, by padded head dim: the planner
+# takes one where it runs the work in one wave without splitting the keys while the
+# default shape would split (kvcache._kernel_and_splits).
+DECODE_MORE_CTAS_STAGES = {64: 3}
+
+
 @dataclass(frozen=True)
 class DecodeKernel:
     """decode.cu's kernels: "decode" (attention against the cache), "combine" (merges the
@@ -175,6 +181,7 @@ class DecodeKernel:
     dtype: str
     head_dim: int = 0   # "decode" only: the padded head dim
     rows: int = 1       # "combine" only: rows a CTA (1, or 4: a warp a row)
+    stages: int = 0     # "decode" only: cp.async stages a warp (0: decode_shape's)
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
 
@@ -185,7 +192,7 @@ class DecodeKernel:
     @property
     def key(self):
         if self.kind == "decode":
-            return f"decode_{self.dtype}_hd{self.head_dim}"
+            return f"decode_{self.dtype}_hd{self.head_dim}_s{self.shape[1]}"
         if self.kind == "merge":
             return f"merge_{self.dtype}"
         if self.kind == "combine":
@@ -198,21 +205,27 @@ class DecodeKernel:
             return f"cufa::merge_states<{MERGE_DTYPES.index(self.dtype)}>"
         dt = DTYPES.index(self.dtype)
         if self.kind == "decode":
-            return f"cufa::decode_kernel<{dt}, {self.head_dim}>"
+            return f"cufa::decode_kernel<{dt}, {self.head_dim}, {self.shape[1]}>"
         if self.kind == "combine":
             return f"cufa::decode_combine<{dt}, {self.rows}>"
         return f"cufa::decode_{self.kind}<{dt}>"
 
     @property
+    def shape(self):
+        """(warps, stages) of a "decode" kernel."""
+        warps, stages = decode_shape(self.head_dim)
+        return warps, self.stages or stages
+
+    @property
     def threads(self):
-        return 32 * decode_shape(self.head_dim)[0] if self.kind == "decode" else 128
+        return 32 * self.shape[0] if self.kind == "decode" else 128
 
     @property
     def smem_bytes(self):
         """Dynamic shared memory: Q, then each warp's K/V stages."""
         if self.kind != "decode":
             return 0
-        warps, stages = decode_shape(self.head_dim)
+        warps, stages = self.shape
         tile = DECODE_TILE_KEYS * self.head_dim * 2
         return DECODE_ROWS * self.head_dim * 2 + warps * stages * 2 * tile
 
@@ -234,6 +247,14 @@ def decode_kernel(dtype, head_dim):
     return DecodeKernel("decode", dtype, padded_head_dim(head_dim))
 
 
+@functools.lru_cache(maxsize=None)
+def decode_kernel_with_more_ctas(dtype, head_dim):
+    """The DECODE_MORE_CTAS_STAGES shape for head_dim, or None."""
+    d = padded_head_dim(head_dim)
+    stages = DECODE_MORE_CTAS_STAGES.get(d)
+    return DecodeKernel("decode", dtype, d, stages=stages) if stages else None
+
+
 def combine_kernel(dtype, head_dim, num_splits):
     """decode_combine for `num_splits` splits of rows of head_dim columns: a warp a row
     while its lanes can have every split's read of a row in flight at once (4 reads a
@@ -245,6 +266,8 @@ def combine_kernel(dtype, head_dim, num_splits):
 
 def decode_variants():
     return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+            + [DecodeKernel("decode", dt, hd, stages=stages) for dt in DTYPES
+               for hd, stages in DECODE_MORE_CTAS_STAGES.items()]
             + [DecodeKernel("combine", dt, rows=rows) for dt in DTYPES for rows in (1, 4)]
             + [DecodeKernel("append", dt) for dt in DTYPES]
             + [DecodeKernel("merge", dt) for dt in MERGE_DTYPES])

@@ -23,14 +23,17 @@ constexpr int kDecodeRows = 16;  // query rows per CTA: one mma tile
 constexpr int kTileKeys = 16;    // keys a warp takes per step
 
 // Warps and cp.async stages per head dim: enough bytes in flight to keep HBM busy (three
-// CTAs share an H100 SM at every head dim), within the 99 KB of shared memory that every
-// GPU from sm_80 on grants a CTA. A warp's 16-key stage of K and V is 16 KB at d = 256,
-// hence two warps above d = 128. Mirrored by decode_shape in cufa/_compile.py.
-template <int kHeadDim>
+// CTAs share an H100 SM), within the 99 KB of shared memory that every GPU from sm_80 on
+// grants a CTA. A warp's 16-key stage of K and V is 16 KB at d = 256, hence two warps
+// above d = 128. kStagesWanted (0: these) gives d = 64 a three-stage shape, four CTAs an
+// SM, that the planner takes where it runs the work in one wave unsplit (measured slower
+// than four stages once there are several waves). Mirrored by decode_shape in
+// cufa/_compile.py.
+template <int kHeadDim, int kStagesWanted = 0>
 struct DecodeShape {
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : 2;
+  static constexpr int kStages = kStagesWanted ? kStagesWanted : kHeadDim <= 64 ? 4 : 2;
   static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;
   static constexpr int kWarpBytes = kStages * 2 * kTileBytes;  // K and V per stage
   static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
@@ -265,10 +268,10 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
 }
 
 // grid: (num_m_blocks * num_splits, nheads_k, batch)
-template <int kDtype, int kHeadDim>
+template <int kDtype, int kHeadDim, int kStages>
 __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel(const DecodeParams p) {
-  using Shape = DecodeShape<kHeadDim>;
-  constexpr int kStages = Shape::kStages, kWarps = Shape::kWarps;
+  using Shape = DecodeShape<kHeadDim, kStages>;
+  constexpr int kWarps = Shape::kWarps;
   constexpr int kDTiles = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];

@@ -164,6 +164,11 @@ CASES = {
     "fp16 d256 GQA q4": dict(d=256, seqlen_q=4, capacity=100),
     "q a (b, h, s, d) view, cache row stride d+8": dict(seqlen_q=4, q_layout="bhsd",
                                                         cache_layout="padded", causal=True),
+    # 512 units at d = 64: the three-stage shape, four CTAs an SM, unsplit
+    "fp16 d64 64 x 512 GQA 32/8 q1 append": dict(batch=64, heads=(32, 8), capacity=512, new=1),
+    "bf16 d64 64 x 512 GQA 32/8 q4 causal paged 16": dict(
+        dtype="bfloat16", batch=64, heads=(32, 8), capacity=512, seqlen_q=4, causal=True,
+        page_size=16),
     # paged
     "paged 1 append 1": dict(page_size=1, capacity=48, new=1),
     "paged 16 append 1 GQA 32/8": dict(page_size=16, heads=(32, 8), new=1),

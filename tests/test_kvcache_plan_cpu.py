@@ -71,6 +71,31 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
         100 * 1024)) == min(84 // 8, max(1, keys // 256)) or expected == 1
 
 
+@pytest.mark.parametrize("batch, heads_k, seqlen_q, wider", [
+    (64, 8, 1, True),     # 512 units: split 3 ways on 396 slots, one wave on 528
+    (64, 8, 4, True),     # 4 tokens x 4 heads a KV head: still one 16-row block
+    (60, 8, 1, True),     # 480: fills 91 % of the 528
+    (48, 8, 1, False),    # 384: one wave of the default shape already
+    (32, 32, 1, False),   # 1024: unsplit already, several waves
+    (1, 8, 1, False),     # batch 1: split either way
+])
+def test_d64_takes_the_four_cta_shape_where_it_runs_unsplit(planner, batch, heads_k, seqlen_q,
+                                                             wider):
+    q = arr((batch, seqlen_q, 32, 64))
+    cache = arr((batch, 4096, heads_k, 64))
+    plan = planner(q, cache, cache, cache_seqlens=arr((batch,), "int32"))
+    decode = [entry for entry in plan.launches if entry[0] == "decode"][0]
+    more = _compile.decode_kernel_with_more_ctas("fp16", 64)
+    assert more.ctas_per_sm == 4 and _compile.decode_kernel("fp16", 64).ctas_per_sm == 3
+    assert (decode[4] == more.smem_bytes) == wider
+    if wider:
+        assert record(plan)["num_splits"] == 1
+        assert [entry[0] for entry in plan.launches] == ["decode"]
+    # an explicit split count keeps the default shape
+    plan = planner(q, cache, cache, cache_seqlens=arr((batch,), "int32"), num_splits=2)
+    assert [e for e in plan.launches if e[0] == "decode"][0][4] != more.smem_bytes
+
+
 def test_num_splits_argument_is_obeyed_and_capped(planner):
     q, cache = arr((2, 1, 8, 64)), arr((2, 4096, 8, 64))
     assert record(planner(q, cache, cache, num_splits=1))["num_splits"] == 1
@@ -143,10 +168,10 @@ def test_decode_kernel_shared_memory_fits_the_stated_ctas():
 def test_variant_keys_are_readable_and_unique():
     keys = [v.key for v in _compile.decode_variants()]
     assert len(set(keys)) == len(keys)
-    assert "decode_bf16_hd128" in keys
+    assert "decode_bf16_hd128_s2" in keys and "decode_fp16_hd64_s3" in keys
     assert "decode_append_bf16" in keys and "merge_fp32" in keys
     assert _compile.DecodeKernel("decode", "bf16", 64).name_expression == \
-        "cufa::decode_kernel<1, 64>"
+        "cufa::decode_kernel<1, 64, 4>"
 
 
 def test_decode_pointer_order_is_the_records():
