@@ -76,13 +76,24 @@ def template(dtype, views, tail_views=()):
     v cannot be described. Tails the driver refuses are left out (the kernel then copies
     those blocks itself). with_addresses points a copy at a call's arrays."""
     holder, base = _aligned_record()
+    encoded = {}  # layout -> offset: at the placeholder, equal layouts encode equal maps
+    # (k and v of one shape, their tails), and a driver encode is most of a new layout's cost
+
+    def encode(offset, layout):
+        if layout in encoded:
+            ctypes.memmove(base + offset, base + encoded[layout], 128)
+            return True
+        if not _encode_at(base + offset, dtype, _PLACEHOLDER_ADDRESS, *layout):
+            return False
+        encoded[layout] = offset
+        return True
+
     for i, layout in enumerate(views):
-        if not _encode_at(base + 128 * i, dtype, _PLACEHOLDER_ADDRESS, *layout):
+        if not encode(128 * i, layout):
             return None
     has_tails = bool(tail_views)
     for i, layout in enumerate(tail_views):
-        has_tails = has_tails and _encode_at(base + 128 * (len(views) + i), dtype,
-                                             _PLACEHOLDER_ADDRESS, *layout)
+        has_tails = has_tails and encode(128 * (len(views) + i), layout)
     if not has_tails:
         ctypes.memset(base + 128 * len(views), 0, MAPS_BYTES - 128 * len(views))
     record = ctypes.string_at(base, MAPS_BYTES)

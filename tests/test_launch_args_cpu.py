@@ -63,6 +63,35 @@ def test_tail_view_reads_the_sequence_end_and_zeros():
         assert not box[valid:].any()
 
 
+def test_template_encodes_each_distinct_layout_once(monkeypatch):
+    """Equal layouts (k and v of one shape, their tails) get the first one's bytes, not
+    another driver encode: the record equals one encoded map by map."""
+    import ctypes
+    calls = []
+
+    def encode(addr, data_type, rank, ptr, dims, strides, box, *rest):
+        calls.append(addr)
+        fields = (ptr, *dims, *strides, *box)
+        ctypes.memmove(addr, b"".join(int(f).to_bytes(8, "little") for f in fields), 96)
+        return 0
+
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: encode)
+    monkeypatch.setattr(_tma, "_learned_field", None)  # no address field: the driver moves
+    _tma.template.cache_clear()
+    q = ((1, 300, 8, 64), (0, 512, 64), 128)
+    kv = ((1, 300, 2, 64), (0, 128, 64), 128)
+    tails = tuple(_tma.tail_view(300, 2, 64, 128, 64, 128) for _ in range(2))
+    t = _tma.template("float16", (q, kv, kv), tails)
+    assert len(calls) == 3 and t.has_tails  # q, k, k's tail; v and v's tail copied
+    maps = [t.record[128 * i:128 * i + 128] for i in range(5)]
+    assert maps[1] == maps[2] and maps[3] == maps[4] and len({maps[0], maps[1], maps[3]}) == 3
+    calls.clear()
+    other = ((1, 300, 2, 64), (0, 256, 64), 128)  # v with another row stride: its own map
+    t2 = _tma.template("float16", (q, kv, other), ())
+    assert len(calls) == 3 and t2.record[256:384] != t2.record[128:256]
+    _tma.template.cache_clear()
+
+
 def test_params_record_from_named_fields():
     from cufa import _params
     import numpy as np
