@@ -9,8 +9,9 @@ shapes change. The KV-cache append writes into output buffers aliased to the cac
 (input_output_aliases): with the caches donated, no copy is made. jax.vmap and jax.grad
 raise errors that say what to do instead.
 """
+import itertools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import _interop
 
@@ -44,6 +45,8 @@ class Call:
     layouts: tuple    # (shape, strides, dtype, itemsize) of each argument: static under jit
     out_layouts: tuple
     scratch: bool     # the last output is the launch's device scratch (see call)
+    token: int = field(default_factory=itertools.count().__next__, compare=False)
+    # (token: this trace's key for the replays of on_device)
 
 
 def call(entry, arrays, options, out=None, lse=True):
@@ -185,9 +188,28 @@ def _without_vmap_or_grad(fn, entry):
 def on_device(spec, ctx, outs, bufs):
     """At run time, in XLA's callback: views of the buffers (their layouts known since
     tracing), then the eager path's validation, plan and launch on XLA's stream. All
-    buffers of one call are on one device, so it is looked up once."""
-    views = {n: _view(b, layout) for n, b, layout in zip(spec.names, bufs, spec.layouts)}
-    out_views = [_view(b, layout) for b, layout in zip(outs, spec.out_layouts)]
+    buffers of one call are on one device, so it is looked up once.
+
+    XLA hands a compiled function's buffers the same addresses run after run, and the
+    launches depend only on the trace and those addresses: the device calls of a run are
+    recorded and the next run with the same stream and addresses repeats them, without
+    the views, the plan lookup and the records (api.clear_plans forgets them)."""
+    api = sys.modules["cufa.api"]  # (imported by now: the call that traced came through it)
+    interfaces = [b.__cuda_array_interface__ for b in bufs] + \
+        [b.__cuda_array_interface__ for b in outs]
+    key = ("jax", spec.token, ctx.stream,
+           tuple((i["data"][0], i.get("strides")) for i in interfaces))
+    replay = api._plans.get(key)
+    if replay is not None:
+        device, calls = replay
+        with api.caller_stream("cupy", device, ctx.stream):
+            for fn, args, _ in calls:
+                fn(*args)
+        return
+    views = {n: _view(cai, layout) for n, cai, layout in zip(spec.names, interfaces,
+                                                            spec.layouts)}
+    out_views = [_view(cai, layout) for cai, layout in zip(interfaces[len(bufs):],
+                                                          spec.out_layouts)]
     device = _device_of(out_views[0].ptr)
     for view in (*views.values(), *out_views):
         view.device = device
@@ -197,7 +219,14 @@ def on_device(spec, ctx, outs, bufs):
     if spec.scratch:
         buffer = out_views.pop()
         scratch = (buffer.ptr, buffer.shape[0])
-    _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream, scratch)
+    recording = api._recording
+    recording.calls, recording.replayable = [], True
+    try:
+        _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream, scratch)
+        if recording.replayable:
+            api._remember(key, (device, tuple(recording.calls)))
+    finally:
+        recording.calls = None
 
 
 def _device_of(ptr):
@@ -217,9 +246,9 @@ def _layout(x):
     return tuple(x.shape), _interop.contiguous_strides(tuple(x.shape)), dtype, itemsize
 
 
-def _view(buf, layout):
-    """An XLA device buffer as a DeviceArray (its device set by the caller)."""
-    cai = buf.__cuda_array_interface__
+def _view(cai, layout):
+    """An XLA device buffer (its __cuda_array_interface__) as a DeviceArray (its device
+    set by the caller)."""
     shape, strides, dtype, itemsize = layout
     if cai.get("strides") is not None:  # not row-major after all
         strides = tuple(s // itemsize for s in cai["strides"])

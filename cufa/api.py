@@ -763,7 +763,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
         if scratch_ptr:  # XLA's buffer, perhaps replayed from a graph: zeroed in the stream
             import cupy
             counter = scratch_ptr
-            cupy.cuda.runtime.memsetAsync(counter, 0, 8, stream)
+            stream_call(cupy.cuda.runtime.memsetAsync, counter, 0, 8, stream)
         else:
             scratch, counter = stream_tile_counter(framework, device, stream)
     params = _params.FWD.with_pointer_values(plan.params, (
@@ -833,6 +833,7 @@ def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed):
     the stream, so theirs are per thread too."""
     import cupy
     runtime = cupy.cuda.runtime
+    _recording.replayable = False  # this memory is not XLA's: a jax.jit replay must not reuse it
     if runtime.streamIsCapturing(stream):
         owner, ptr = _interop.allocate(framework, (-(-nbytes // 4),), "int32", device, stream)
         if zeroed:
@@ -892,8 +893,23 @@ def driver_launch(function, blocks, threads, smem_bytes, stream, args):
     or an (x, y, z) grid."""
     grid = (blocks, 1, 1) if isinstance(blocks, int) else blocks
     pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    _driver().launchKernel(function, *grid, threads, 1, 1, smem_bytes, stream,
-                           ctypes.addressof(pointers), 0)
+    stream_call(_driver().launchKernel, function, *grid, threads, 1, 1, smem_bytes, stream,
+                ctypes.addressof(pointers), 0, keep=(pointers, args))
+
+
+def stream_call(fn, *args, keep=None):
+    """fn(*args): a driver or runtime call that queues work on a stream. Inside a jax.jit
+    callback that _jax.on_device records, the call is also kept (with `keep`, the memory
+    its arguments point to) so that the next run with the same buffers repeats it."""
+    fn(*args)
+    calls = getattr(_recording, "calls", None)
+    if calls is not None:
+        calls.append((fn, args, keep))
+
+
+# _jax.on_device's recording: `calls` (a list) while one is made on this thread, and
+# `replayable`, cleared where a call takes memory only that one call holds.
+_recording = threading.local()
 
 
 def _driver():

@@ -465,3 +465,105 @@ def test_the_documented_serving_step_validates_and_launches(device):
     assert record(decode, _params.DECODE)["seqlen_q"] == 16 // 4  # rows a decode sequence may have
     with pytest.raises(ValueError, match="capacity|cache"):  # the append without its pages
         cufa.flash_attn_with_kvcache(q0, k_cache, v_cache, k, v, cache_seqlens=lens)
+
+
+# -- jax.jit: a callback's device calls recorded and repeated ------------------------------
+
+class _Buffer:
+    """An XLA buffer as the callback sees it: its __cuda_array_interface__."""
+
+    def __init__(self, ptr, shape):
+        self.ptr, self.shape = ptr, shape
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": "<f2", "data": (self.ptr, False),
+                "version": 3, "strides": None}
+
+
+class _Driver:
+    """The driver module's launchKernel: each launch with its argument records' bytes,
+    read through the pointer array as the driver would."""
+
+    def __init__(self):
+        self.launches = []
+
+    def launchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+        params = ctypes.c_void_p.from_address(args).value  # the first argument: the record
+        self.launches.append((function, (gx, gy, gz), stream,
+                              ctypes.string_at(params, _params.FWD.dtype.itemsize)))
+
+
+def _dense_call():
+    from cufa import _jax
+    layout = ((2, 100, 4, 64), (25600, 256, 64, 1), "float16", 2)
+    return _jax.Call("flash_attn_func", ("q", "k", "v"), ("float16",) * 3, ("float16",),
+                     dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0),
+                     (), (layout,) * 3, (layout,), False)
+
+
+def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypatch):
+    from cufa import _jax
+    driver = _Driver()
+    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(api, "_driver", lambda: driver)
+    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
+    planned = []
+    real_plan = api._plan_dense
+    monkeypatch.setattr(api, "_plan_dense", lambda *a: planned.append(1) or real_plan(*a))
+    spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
+    bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
+    out = [_Buffer(0x9000_0000, (2, 100, 4, 64))]
+    _jax.on_device(spec, ctx, out, bufs)
+    first = driver.launches[:]
+    assert len(first) == 1 and planned == [1] and first[0][2] == 0x77
+    real_view = _jax._view
+    for _ in range(2):  # repeated: the same launch, bytes and all, and no plan or views
+        driver.launches.clear()
+        monkeypatch.setattr(_jax, "_view", None)
+        _jax.on_device(spec, ctx, out, bufs)
+        assert driver.launches == first and planned == [1]
+    monkeypatch.setattr(_jax, "_view", real_view)
+    # a new output address: launched afresh, pointing at it
+    driver.launches.clear()
+    moved = [_Buffer(0xA000_0000, (2, 100, 4, 64))]
+    _jax.on_device(spec, ctx, moved, bufs)
+    def o_field(record):
+        return int(np.frombuffer(record, _params.FWD.dtype)[0]["o"])
+    assert o_field(driver.launches[0][3]) == 0xA000_0000
+    assert o_field(first[0][3]) == 0x9000_0000
+    # another stream: launched afresh on it
+    driver.launches.clear()
+    _jax.on_device(spec, type("Ctx", (), {"stream": 0x78}), out, bufs)
+    assert driver.launches[0][2] == 0x78
+    # clear_plans forgets the recordings with the plans
+    api.clear_plans()
+    assert not any(isinstance(k, tuple) and k[0] == "jax" for k in api._plans)
+
+
+def test_jax_callback_that_failed_or_took_stream_memory_is_not_repeated(device, monkeypatch):
+    from cufa import _jax
+    driver = _Driver()
+    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(api, "_driver", lambda: driver)
+    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
+    spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
+    bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
+    out = [_Buffer(0x9000_0000, (2, 100, 4, 64))]
+
+    def fails(*a, **kw):
+        raise ValueError("bad")
+    monkeypatch.setitem(_jax._RUNNERS, "flash_attn_func", fails)
+    with pytest.raises(ValueError):
+        _jax.on_device(spec, ctx, out, bufs)
+    assert api._recording.calls is None
+    assert not any(k[0] == "jax" for k in api._plans if isinstance(k, tuple))
+
+    def takes_stream_memory(*a, **kw):  # as api._stream_buffer does
+        api._recording.replayable = False
+    monkeypatch.setitem(_jax._RUNNERS, "flash_attn_func", takes_stream_memory)
+    _jax.on_device(spec, ctx, out, bufs)
+    assert not any(k[0] == "jax" for k in api._plans if isinstance(k, tuple))
+
+
+_real_driver_launch = api.driver_launch
