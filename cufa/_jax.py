@@ -9,6 +9,7 @@ shapes change. The KV-cache append writes into output buffers aliased to the cac
 (input_output_aliases): with the caches donated, no copy is made. jax.vmap and jax.grad
 raise errors that say what to do instead.
 """
+import collections
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -193,13 +194,15 @@ def on_device(spec, ctx, outs, bufs):
     XLA hands a compiled function's buffers the same addresses run after run, and the
     launches depend only on the trace and those addresses: the device calls of a run are
     recorded and the next run with the same stream and addresses repeats them, without
-    the views, the plan lookup and the records (api.clear_plans forgets them)."""
+    the views, the plan lookup and the records (api.clear_plans forgets them). They are
+    kept apart from the plans: a function whose buffers move every run (new arguments)
+    leaves a recording a run, and those must not push out plans."""
     api = sys.modules["cufa.api"]  # (imported by now: the call that traced came through it)
     interfaces = [b.__cuda_array_interface__ for b in bufs] + \
         [b.__cuda_array_interface__ for b in outs]
     key = ("jax", spec.token, ctx.stream,
            tuple((i["data"][0], i.get("strides")) for i in interfaces))
-    replay = api._plans.get(key)
+    replay = replays.get(key)
     if replay is not None:
         device, calls = replay
         with api.caller_stream("cupy", device, ctx.stream):
@@ -224,9 +227,15 @@ def on_device(spec, ctx, outs, bufs):
     try:
         _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream, scratch)
         if recording.replayable:
-            api._remember(key, (device, tuple(recording.calls)))
+            if len(replays) >= _MAX_REPLAYS:
+                replays.popitem(last=False)
+            replays[key] = (device, tuple(recording.calls))
     finally:
         recording.calls = None
+
+
+replays = collections.OrderedDict()  # on_device's recordings, the oldest first
+_MAX_REPLAYS = 1024
 
 
 def _device_of(ptr):

@@ -590,6 +590,7 @@ def clear_plans():
     """Forget every launch plan (the next call of each signature plans again) and read
     the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) afresh."""
     _plans.clear()
+    _jax.replays.clear()
     _compile.read_overrides()
 
 

@@ -537,8 +537,9 @@ def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypa
     _jax.on_device(spec, type("Ctx", (), {"stream": 0x78}), out, bufs)
     assert driver.launches[0][2] == 0x78
     # clear_plans forgets the recordings with the plans
+    assert len(_jax.replays) == 3
     api.clear_plans()
-    assert not any(isinstance(k, tuple) and k[0] == "jax" for k in api._plans)
+    assert not _jax.replays
 
 
 def test_jax_callback_that_failed_or_took_stream_memory_is_not_repeated(device, monkeypatch):
@@ -557,13 +558,30 @@ def test_jax_callback_that_failed_or_took_stream_memory_is_not_repeated(device, 
     with pytest.raises(ValueError):
         _jax.on_device(spec, ctx, out, bufs)
     assert api._recording.calls is None
-    assert not any(k[0] == "jax" for k in api._plans if isinstance(k, tuple))
+    assert not _jax.replays
 
     def takes_stream_memory(*a, **kw):  # as api._stream_buffer does
         api._recording.replayable = False
     monkeypatch.setitem(_jax._RUNNERS, "flash_attn_func", takes_stream_memory)
     _jax.on_device(spec, ctx, out, bufs)
-    assert not any(k[0] == "jax" for k in api._plans if isinstance(k, tuple))
+    assert not _jax.replays
+
+
+def test_jax_recordings_of_moving_buffers_are_bounded(device, monkeypatch):
+    """A jitted function whose buffers move every run leaves a recording a run: the oldest
+    go, and the plans stay."""
+    from cufa import _jax
+    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(api, "_driver", lambda: _Driver())
+    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
+    monkeypatch.setattr(_jax, "_MAX_REPLAYS", 4)
+    spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
+    bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
+    for i in range(10):
+        _jax.on_device(spec, ctx, [_Buffer(0x9000_0000 + 0x100_0000 * i, (2, 100, 4, 64))], bufs)
+    assert len(_jax.replays) == 4 and len(api._plans) == 1
+    assert [k[3][-1][0] for k in _jax.replays] == [0x9000_0000 + 0x100_0000 * i
+                                                  for i in range(6, 10)]
 
 
 _real_driver_launch = api.driver_launch
