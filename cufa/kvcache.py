@@ -455,12 +455,14 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm):
     as long as a full one: 512 CTAs on 396 slots took 84 % of the copy bandwidth. Split
     while the CTAs make under two waves, into the fewest splits whose waves fill at least
     90 % of the slots they take (else the best filling), each split with at least
-    _MIN_KEYS_PER_SPLIT keys of the cache's capacity; then the largest power of two not
-    above that. Measured on an H100 (CUDA-graph replays, 7 interleaved rounds), split counts
-    that are powers of two read faster than their neighbours, and than the fullest waves:
-    1 x 128k, 8 KV heads, d = 64: 32 splits 102.7 us against 105.7 with 45, 116.0 with 36;
-    d = 128 184.9 against 192.5; 1 x 32k 31.4 against 32.8; 2 x 64k 101.7 with 16 against
-    104.4 with 22; 1 x 128k, 32 KV heads: 8 splits 380.7, 9 splits 434.0."""
+    _MIN_KEYS_PER_SPLIT keys of the cache's capacity. Where those CTAs make one wave, the
+    largest power of two not above that count: within one wave, fewer and longer CTAs cost
+    nothing, and on an H100 (CUDA-graph replays, 7 interleaved rounds) power-of-two counts
+    read faster than their neighbours: 1 x 128k, 8 KV heads, d = 64: 32 splits 102.7 us
+    against 105.7 with 45, 116.0 with 36; d = 128 184.9 against 192.5; 1 x 32k 31.4 against
+    32.8; 2 x 64k 101.7 with 16 against 104.4 with 22; 1 x 128k, 32 KV heads: 8 splits 380.7,
+    9 splits 434.0. Over several waves the fill decides (8 x 16k, 32 KV heads: 3 splits,
+    1.9 waves, against 2 splits, 1.3 waves: 379 against 473 us)."""
     slots = sm_count * ctas_per_sm
     if units == 0 or units >= 2 * slots:
         return 1
@@ -474,7 +476,7 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm):
             break
         if fill > best_fill + 1e-9:
             best, best_fill = splits, fill
-    return 1 << (best.bit_length() - 1)
+    return 1 << (best.bit_length() - 1) if units * best <= slots else best
 
 
 def _check_rotary(cos, sin, q, d, capacity):
