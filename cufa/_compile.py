@@ -73,17 +73,17 @@ class FwdVariant:
     def source(self):
         return f"fwd_{self.family}.cu"
 
-    @property
+    @functools.cached_property  # read by every launch
     def threads(self):
         # sm90: a producer warpgroup and one consumer warpgroup per 64 rows
         return 128 if self.family == "sm80" else 128 * (1 + self.block_m // 64)
 
-    @property
+    @functools.cached_property  # read by every launch
     def persistent(self):
         """sm90 kernels loop over tiles: launch at most ctas_per_sm CTAs per SM."""
         return self.family == "sm90"
 
-    @property
+    @functools.cached_property
     def ctas_per_sm(self):
         """sm90: CTAs resident on one SM (kCtasPerSm in fwd_sm90.cu)."""
         return 2 if self.block_m == 64 else 1
@@ -102,7 +102,7 @@ class FwdVariant:
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
         return f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}>"
 
-    @property
+    @functools.cached_property  # read by every launch
     def smem_bytes(self):
         if self.family == "sm80":
             return (self.block_m + 2 * self.block_n) * self.head_dim * 2
@@ -114,12 +114,12 @@ class FwdVariant:
         tiles = (q_stages * self.block_m + 2 * SM90_KV_STAGES * self.block_n) * self.head_dim * 2
         return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES) + 8 + 32 * q_stages
 
-    @property
+    @functools.cached_property
     def q_stages(self):
         """sm90: two Q buffers where they fit (the next tile's Q loads during this one)."""
         return 2 if self._sm90_smem(2) <= self.smem_limit else 1
 
-    @property
+    @functools.cached_property
     def smem_limit(self):
         """Dynamic shared memory one CTA may use with ctas_per_sm of them on an SM."""
         if self.family == "sm80":
