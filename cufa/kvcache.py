@@ -183,12 +183,16 @@ class _KvPlan:
     launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
     workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
                                         # and the rotated q (-1: not used)
-    scratch_bytes: int = 0     # the workspace's (jax.jit's scratch)
     rotary: bool = False
     capacity: int = 0          # key positions a sequence can hold
     num_pages: int = 0
     seqlen_new: int = 0
     fixed_seqlen: object = None
+
+    @property
+    def scratch_bytes(self):
+        """The workspace's bytes (jax.jit's scratch)."""
+        return 4 * self.workspace[0]
 
 
 def _check_cache(q, kc, vc, kn, vn, table, idx):
@@ -311,8 +315,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                            num_splits * rows if split else 0,
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
-                   launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   scratch_bytes=4 * workspace[0])
+                   launches=tuple(launches), workspace=workspace, rotary=rotary)
 
 
 def _kernel_and_splits(dtype, d, num_splits, units, capacity, device):
@@ -378,8 +381,12 @@ class PackedDecode:
                             # when split
     params: bytes
     workspace: tuple        # (float32s, offset of o_partial, of lse_partial; -1: none)
-    scratch_bytes: int      # the workspace's (jax.jit's scratch)
     scratch_offset: int = 0  # where they start in jax.jit's scratch (set by api)
+
+    @property
+    def scratch_bytes(self):
+        """The workspace's bytes (jax.jit's scratch)."""
+        return 4 * self.workspace[0]
 
 
 def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, total_q,
@@ -402,16 +409,14 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
              q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
              o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
              **api.score_fields(window, scale, softcap, d, alibi))
-    for name, x in (("k", k), ("v", v)):  # page stride as the batch stride
-        (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
-         p[f"{name}_head_stride"]) = x.strides[:3]
+    for fields, x in zip(api._STRIDE_FIELDS[1:3], (k, v)):  # page stride as the batch stride
+        p.update(zip(fields, x.strides[:3]))
     partial_rows = batch * rows * nheads if num_splits > 1 else 0
     workspace = _workspace(num_splits * partial_rows * d, num_splits * partial_rows)
     launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k, batch))]
     if partial_rows:
         launches.append(_combine_entry(kernel.dtype, d, num_splits, partial_rows, q.device))
-    return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
-                        4 * workspace[0])
+    return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace)
 
 
 def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr):
