@@ -34,6 +34,9 @@ struct DecodeShape {
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = kStagesWanted ? kStagesWanted : kHeadDim <= 64 ? 4 : 2;
+  // 16-key tiles a warp's softmax step folds in: two where two stages can be computing
+  // while two are in flight, so the max, sum and output rescale run once per 32 keys
+  static constexpr int kStepTiles = kStages >= 4 ? 2 : 1;
   static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;
   static constexpr int kWarpBytes = kStages * 2 * kTileBytes;  // K and V per stage
   static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
@@ -152,13 +155,21 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
                                              const u16* v_head, int key0, int lane) {
   constexpr int kChunks = kHeadDim / 8;
   const int rows_valid = s.seqlen_k - key0;
+  // A contiguous cache's tile is rows of one base: a row stride a chunk, not a slot lookup
+  // and two 64-bit products (ncu: our loop issued over twice cuDNN's instructions a byte).
+  const bool paged = p.block_table != 0;
+  const i64 first = paged ? 0 : s.row * p.k_batch_stride + (i64)(s.start + key0) * p.k_row_stride;
+  const i64 first_v = paged ? 0 : s.row * p.v_batch_stride + (i64)(s.start + key0) * p.v_row_stride;
 #pragma unroll
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
     const bool valid = r < rows_valid && c * 8 < p.head_dim;
     const u16* k_src = k_head;  // any valid address: a zero-filling copy reads nothing
     const u16* v_src = v_head;
-    if (valid) {
+    if (valid && !paged) {
+      k_src += first + r * p.k_row_stride + c * 8;
+      v_src += first_v + r * p.v_row_stride + c * 8;
+    } else if (valid) {
       const CacheSlot slot = cache_slot(p, s, s.start + key0 + r);
       k_src += slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
       v_src += slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
@@ -307,20 +318,21 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
       threadIdx.x);
   cp_async_commit();
 
-  // -- prologue: the first kStages - 1 tiles of this warp --
+  // -- prologue: the first kStages - kStep tiles of this warp, a commit group each --
+  constexpr int kStep = Shape::kStepTiles;
   const u32 stages = sq + Shape::kQBytes + warp * Shape::kWarpBytes;
   const u16* k_head = reinterpret_cast<const u16*>(p.k) + h_k * p.k_head_stride;
   const u16* v_head = reinterpret_cast<const u16*>(p.v) + h_k * p.v_head_stride;
   const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
+  const auto stage_k = [&](int i) { return stages + (i % kStages) * 2 * Shape::kTileBytes; };
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
+  for (int i = 0; i < kStages - kStep; ++i) {
     if (i < my_tiles)
-      load_kv_tile<kHeadDim>(stages + i * 2 * Shape::kTileBytes,
-                             stages + (i * 2 + 1) * Shape::kTileBytes, p, s, k_head, v_head,
+      load_kv_tile<kHeadDim>(stage_k(i), stage_k(i) + Shape::kTileBytes, p, s, k_head, v_head,
                              tile_key0(i), lane);
     cp_async_commit();
   }
-  cp_async_wait<kStages - 1>();  // Q (the oldest group) has landed
+  cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed
   __syncthreads();
 
   const LaneRows lr = lane_rows(p, s, m_block, h_k, lane);
@@ -341,40 +353,52 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   OnlineSoftmax<1> softmax;
   softmax.init();
 
-  for (int i = 0; i < my_tiles; ++i) {
-    // -- fetch tile i + kStages - 1 into the stage tile i - 1 used, then wait for tile i --
-    const int ahead = i + kStages - 1;
-    if (ahead < my_tiles) {
-      const int st = ahead % kStages;
-      load_kv_tile<kHeadDim>(stages + st * 2 * Shape::kTileBytes,
-                             stages + (st * 2 + 1) * Shape::kTileBytes, p, s, k_head, v_head,
-                             tile_key0(ahead), lane);
+  for (int i = 0; i < my_tiles; i += kStep) {
+    // -- fetch the kStep tiles after the ones in flight, into the stages the last step
+    //    used, then wait for tiles i .. i + kStep - 1 --
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) {
+      const int ahead = i + kStages - kStep + u;
+      if (ahead < my_tiles)
+        load_kv_tile<kHeadDim>(stage_k(ahead), stage_k(ahead) + Shape::kTileBytes, p, s, k_head,
+                               v_head, tile_key0(ahead), lane);
+      cp_async_commit();
     }
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<kStages - kStep>();
     __syncwarp();
 
-    const int st = i % kStages, key0 = tile_key0(i);
-    const u32 sk = stages + st * 2 * Shape::kTileBytes, sv = sk + Shape::kTileBytes;
-    const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-    const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-
-    // -- compute qk, then score mods and mask --
-    float acc_s[1][2][4];
+    // -- compute qk of each tile (a tile past the warp's last scores -inf), score mods, mask --
+    float acc_s[1][2 * kStep][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int u = 0; u < kStep; ++u) {
+      float(&tile_s)[1][2][4] = *reinterpret_cast<float(*)[1][2][4]>(&acc_s[0][2 * u]);
+      const bool present = u == 0 || i + u < my_tiles;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
-    gemm_qk<kDtype>(acc_s, q_frag, k_frag);
-    if (score_mods) decode_score_mods(acc_s, p, s, lr, key0, lane);
-    if (key0 < all_lo || key0 + kTileKeys > all_hi) decode_mask(acc_s, lr, key0, lane);
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tile_s[0][nt][e] = present ? 0.f : -CUFA_INF;
+      if (!present) continue;
+      const int key0 = tile_key0(i + u);
+      const LdmatrixAddr<kHeadDim> k_frag(stage_k(i + u), (lane & 7) + ((lane >> 4) << 3),
+                                          (lane >> 3) & 1);
+      gemm_qk<kDtype>(tile_s, q_frag, k_frag);
+      if (score_mods) decode_score_mods(tile_s, p, s, lr, key0, lane);
+      if (key0 < all_lo || key0 + kTileKeys > all_hi) decode_mask(tile_s, lr, key0, lane);
+    }
 
-    // -- update m_i and l_i, rescale acc, then acc += P V --
+    // -- update m_i and l_i once for the step, rescale acc, then acc += P V per tile --
     float correction[1][2];
     softmax.update(acc_s, scale_log2, correction);
     softmax.rescale_output(acc_o, correction);
-    gemm_pv<kDtype>(acc_o, acc_s, v_frag);
-    __syncwarp();  // every lane is done with this stage before it is refilled
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) {
+      if (u > 0 && i + u >= my_tiles) continue;
+      const float(&tile_p)[1][2][4] = *reinterpret_cast<const float(*)[1][2][4]>(&acc_s[0][2 * u]);
+      const LdmatrixAddr<kHeadDim> v_frag(stage_k(i + u) + Shape::kTileBytes,
+                                          (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+      gemm_pv<kDtype>(acc_o, tile_p, v_frag);
+    }
+    __syncwarp();  // every lane is done with these stages before they are refilled
   }
 
   // -- merge the warps: each row's max and sum over the warps, then the outputs --
