@@ -455,23 +455,31 @@ def _smem_per_sm(device):
 @functools.lru_cache(maxsize=1024)  # a loop over up to 128 counts; a new signature asks
 def choose_num_splits(units, max_keys, sm_count, ctas_per_sm):
     """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
-    only. A CTA alone on an SM streams the cache at well under its share of the bandwidth
-    (measured on an H100), so a last wave that fills few of the SMs' CTA slots costs nearly
-    as long as a full one: 512 CTAs on 396 slots took 84 % of the copy bandwidth. Split
-    while the CTAs make under two waves, into the fewest splits whose waves fill at least
-    90 % of the slots they take (else the best filling), each split with at least
-    _MIN_KEYS_PER_SPLIT keys of the cache's capacity. Where those CTAs make one wave, the
-    largest power of two not above that count: within one wave, fewer and longer CTAs cost
-    nothing, and on an H100 (CUDA-graph replays, 7 interleaved rounds) power-of-two counts
-    read faster than their neighbours: 1 x 128k, 8 KV heads, d = 64: 32 splits 102.7 us
-    against 105.7 with 45, 116.0 with 36; d = 128 184.9 against 192.5; 1 x 32k 31.4 against
-    32.8; 2 x 64k 101.7 with 16 against 104.4 with 22; 1 x 128k, 32 KV heads: 8 splits 380.7,
-    9 splits 434.0. Over several waves the fill decides (8 x 16k, 32 KV heads: 3 splits,
-    1.9 waves, against 2 splits, 1.3 waves: 379 against 473 us)."""
+    only.
+    Few units (at most one an SM): one CTA an SM, the largest power of two with units x
+    splits <= sm_count, where that covers at least 90 % of the SMs (what was measured). On an H100 (CUDA-graph
+    replays, 5 interleaved rounds) 128 CTAs read faster than 256 at every batch-1 and
+    8-sequence row measured: 1 x 128k, 8 KV heads, d = 64: 16 splits 97.4 us against 32
+    splits 102.2; 8 x 16k: 2 splits 96.1 against 4 101.8; 1 x 128k, 32 KV heads: 4 splits
+    351.5 against 8 376.7; d = 128 1 x 128k: 182.0 against 185.0.
+    Otherwise: a CTA alone on an SM streams the cache at well under its share of the
+    bandwidth, so a last wave that fills few of the SMs' CTA slots costs nearly as long as
+    a full one (512 CTAs on 396 slots took 84 % of the copy bandwidth). Split while the
+    CTAs make under two waves, into the fewest splits whose waves fill at least 90 % of
+    the slots they take (else the best filling), each split with at least
+    _MIN_KEYS_PER_SPLIT keys of the cache's capacity; where those CTAs make one wave, the
+    largest power of two not above that count (powers of two read faster than their
+    neighbours: 1 x 128k, 32 KV heads, 8 splits 380.7 us, 9 splits 434.0). Over several
+    waves the fill decides (8 x 16k, 32 KV heads: 3 splits, 1.9 waves, against 2 splits,
+    1.3 waves: 379 against 473 us)."""
     slots = sm_count * ctas_per_sm
     if units == 0 or units >= 2 * slots:
         return 1
     most = max(1, min(max_keys // _MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    if units <= sm_count:
+        per_sm = 1 << (min(sm_count // units, most).bit_length() - 1)
+        if 10 * units * per_sm >= 9 * sm_count:
+            return per_sm
     best, best_fill = 1, 0.0
     for splits in range(1, most + 1):
         waves = units * splits / slots

@@ -39,14 +39,16 @@ def record(plan):
 
 
 @pytest.mark.parametrize("batch, keys, heads_k, d, expected", [
-    (1, 32768, 8, 128, 32),     # 8 CTAs on 396 slots (3 CTAs an SM): 45 fill 91 % -> 32
-    (1, 131072, 8, 128, 32),
-    (8, 16384, 8, 128, 4),      # 64 CTAs: 6 fill 97 % of one wave -> 4
+    (1, 32768, 8, 128, 16),     # 8 units on 132 SMs: one CTA an SM, 8 x 16 = 128
+    (1, 131072, 8, 128, 16),
+    (8, 16384, 8, 128, 2),      # 64 units: 128 CTAs
+    (12, 16384, 8, 128, 4),     # 96 units: 73 % of the SMs at one an SM -> the slots' fill
+    (30, 16384, 4, 128, 1),     # 120 units: 91 % of the SMs, unsplit
     (64, 4096, 8, 128, 3),      # 512 CTAs: 1.3 waves; 3 splits make 3.9 (several waves: kept)
     (8, 16384, 32, 64, 3),      # 256 CTAs: 3 splits make 1.94 waves (2 would make 1.29)
     (128, 2048, 8, 128, 1),     # 1024 CTAs: over two waves already
     (256, 1024, 32, 64, 1),
-    (1, 32768, 32, 64, 8),      # 32 CTAs: 12 fill 97 % -> 8
+    (1, 32768, 32, 64, 4),      # 32 units: 128 CTAs
     (1, 512, 8, 128, 2),        # few keys: at least 256 a split
 ])
 def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
