@@ -273,7 +273,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     group = nheads // nheads_k
     num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
     kernel, num_splits = _kernel_and_splits(api._KERNEL_DTYPES[q.dtype], d, num_splits,
-                                            batch * nheads_k * num_m_blocks, capacity, q.device)
+                                            batch * nheads_k * num_m_blocks, capacity, q.device,
+                                            paged=paged is not None)
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
@@ -318,7 +319,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                    launches=tuple(launches), workspace=workspace, rotary=rotary)
 
 
-def _kernel_and_splits(dtype, d, num_splits, units, capacity, device):
+def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
     """The decode kernel and split count for `units` CTAs (batch x KV heads x query
     blocks). Where the default shape would split the keys but the shape with more CTAs an
     SM (fewer stages) holds every unit in one wave, that one, unsplit: at d = 64, 64 x 4k
@@ -326,19 +327,20 @@ def _kernel_and_splits(dtype, d, num_splits, units, capacity, device):
     on an H100, with no combine. With several waves it measured 2-3 % slower, so it is not
     the default."""
     kernel = _compile.decode_kernel(dtype, d)
-    splits = _split_count(num_splits, units, capacity, kernel, device)
+    splits = _split_count(num_splits, units, capacity, kernel, device, paged)
     if num_splits == 0 and splits > 1:
         wider = _compile.decode_kernel_with_more_ctas(dtype, d)
-        if wider is not None and _split_count(0, units, capacity, wider, device) == 1:
+        if wider is not None and _split_count(0, units, capacity, wider, device, paged) == 1:
             return wider, 1
     return kernel, splits
 
 
-def _split_count(num_splits, units, capacity, kernel, device):
+def _split_count(num_splits, units, capacity, kernel, device, paged):
     """num_splits as given (capped), or for 0 chosen from the shapes (choose_num_splits)."""
     if num_splits == 0:
         num_splits = choose_num_splits(units, capacity, api._sm_count(device),
-                                       kernel.ctas_per_sm_on(_smem_per_sm(device)))
+                                       kernel.ctas_per_sm_on(_smem_per_sm(device)),
+                                       one_per_sm=not paged)
     return min(num_splits, MAX_SPLITS)
 
 
@@ -399,7 +401,8 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
     num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
     capacity = paged["capacity"]
     kernel, num_splits = _kernel_and_splits(api._KERNEL_DTYPES[q.dtype], d, 0,
-                                            batch * nheads_k * num_m_blocks, capacity, q.device)
+                                            batch * nheads_k * num_m_blocks, capacity, q.device,
+                                            paged=True)
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     p = dict(batch=batch, seqlen_q=rows, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
@@ -453,18 +456,21 @@ def _smem_per_sm(device):
 
 
 @functools.lru_cache(maxsize=1024)  # a loop over up to 128 counts; a new signature asks
-def choose_num_splits(units, max_keys, sm_count, ctas_per_sm):
+def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
     """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
     only.
-    Few units (at most one an SM): one CTA an SM, the largest power of two with units x
-    splits <= sm_count, where that covers at least 90 % of the SMs (what was measured). On an H100 (CUDA-graph
+    Few units (at most one an SM) of a contiguous cache (one_per_sm): one CTA an SM, the
+    largest power of two with units x splits <= sm_count, where that covers at least 90 %
+    of the SMs (what was measured). Not for paged caches: a page lookup a row keeps a
+    CTA's reads from streaming as fast, and the same rule read them 1.3-1.5x slower
+    (1 x 128k, 32 KV heads, d = 64, pages of 16: 398 -> 539 us). On an H100 (CUDA-graph
     replays, 5 interleaved rounds) 128 CTAs read faster than 256 at every batch-1 and
     8-sequence row measured: 1 x 128k, 8 KV heads, d = 64: 16 splits 97.4 us against 32
     splits 102.2; 8 x 16k: 2 splits 96.1 against 4 101.8; 1 x 128k, 32 KV heads: 4 splits
     351.5 against 8 376.7; d = 128 1 x 128k: 182.0 against 185.0.
-    Otherwise: a CTA alone on an SM streams the cache at well under its share of the
-    bandwidth, so a last wave that fills few of the SMs' CTA slots costs nearly as long as
-    a full one (512 CTAs on 396 slots took 84 % of the copy bandwidth). Split while the
+    Otherwise (and for paged caches): a last wave that fills few of the SMs' CTA slots
+    costs nearly as long as a full one (512 CTAs on 396 slots took 84 % of the copy
+    bandwidth). Split while the
     CTAs make under two waves, into the fewest splits whose waves fill at least 90 % of
     the slots they take (else the best filling), each split with at least
     _MIN_KEYS_PER_SPLIT keys of the cache's capacity; where those CTAs make one wave, the
@@ -476,7 +482,7 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm):
     if units == 0 or units >= 2 * slots:
         return 1
     most = max(1, min(max_keys // _MIN_KEYS_PER_SPLIT, MAX_SPLITS))
-    if units <= sm_count:
+    if one_per_sm and units <= sm_count:
         per_sm = 1 << (min(sm_count // units, most).bit_length() - 1)
         if 10 * units * per_sm >= 9 * sm_count:
             return per_sm
