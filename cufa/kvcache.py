@@ -458,26 +458,25 @@ def _smem_per_sm(device):
 @functools.lru_cache(maxsize=1024)  # a loop over up to 128 counts; a new signature asks
 def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
     """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
-    only.
-    Few units (at most one an SM) of a contiguous cache (one_per_sm): one CTA an SM, the
+    only. Measured on an H100 with CUDA-graph replays, 5 interleaved rounds.
+
+    A contiguous cache (one_per_sm) with at most one unit an SM: one CTA an SM, the
     largest power of two with units x splits <= sm_count, where that covers at least 90 %
-    of the SMs (what was measured). Not for paged caches: a page lookup a row keeps a
-    CTA's reads from streaming as fast, and the same rule read them 1.3-1.5x slower
-    (1 x 128k, 32 KV heads, d = 64, pages of 16: 398 -> 539 us). On an H100 (CUDA-graph
-    replays, 5 interleaved rounds) 128 CTAs read faster than 256 at every batch-1 and
-    8-sequence row measured: 1 x 128k, 8 KV heads, d = 64: 16 splits 97.4 us against 32
-    splits 102.2; 8 x 16k: 2 splits 96.1 against 4 101.8; 1 x 128k, 32 KV heads: 4 splits
-    351.5 against 8 376.7; d = 128 1 x 128k: 182.0 against 185.0.
-    Otherwise (and for paged caches): a last wave that fills few of the SMs' CTA slots
-    costs nearly as long as a full one (512 CTAs on 396 slots took 84 % of the copy
-    bandwidth). Split while the
-    CTAs make under two waves, into the fewest splits whose waves fill at least 90 % of
-    the slots they take (else the best filling), each split with at least
-    _MIN_KEYS_PER_SPLIT keys of the cache's capacity; where those CTAs make one wave, the
-    largest power of two not above that count (powers of two read faster than their
-    neighbours: 1 x 128k, 32 KV heads, 8 splits 380.7 us, 9 splits 434.0). Over several
-    waves the fill decides (8 x 16k, 32 KV heads: 3 splits, 1.9 waves, against 2 splits,
-    1.3 waves: 379 against 473 us)."""
+    of the SMs. 128 CTAs read faster than 256 at every batch-1 and 8-sequence row: 1 x
+    128k, 8 KV heads, d = 64: 16 splits 97.4 us against 32 splits 102.2; 8 x 16k: 2 splits
+    96.1 against 4 101.8; 1 x 128k, 32 KV heads: 4 splits 351.5 against 8 376.7; d = 128
+    1 x 128k: 182.0 against 185.0. More units that still fit the CTA slots: unsplit (8 x
+    16k, 32 KV heads, d = 64: 359.5 us against 374.8 in 3 splits over 1.9 waves).
+
+    Otherwise, and for paged caches (a CTA that looks a page up every row streams slower:
+    the rule above read them 1.3-1.5x slower, 1 x 128k, 32 KV heads, d = 64, pages of 16:
+    398 -> 539 us): a last wave that fills few of the SMs' CTA slots costs nearly as long
+    as a full one (512 CTAs on 396 slots took 84 % of the copy bandwidth). Split while the
+    CTAs make under two waves, into the fewest splits whose waves fill at least 90 % of the
+    slots they take (else the best filling), each split with at least _MIN_KEYS_PER_SPLIT
+    keys of the cache's capacity; where those CTAs make one wave, the largest power of two
+    not above that count (powers of two read faster than their neighbours: 1 x 128k, 32 KV
+    heads, 8 splits 380.7 us, 9 splits 434.0). Over several waves the fill decides."""
     slots = sm_count * ctas_per_sm
     if units == 0 or units >= 2 * slots:
         return 1
@@ -486,6 +485,8 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
         per_sm = 1 << (min(sm_count // units, most).bit_length() - 1)
         if 10 * units * per_sm >= 9 * sm_count:
             return per_sm
+    if one_per_sm and sm_count < units <= slots:
+        return 1
     best, best_fill = 1, 0.0
     for splits in range(1, most + 1):
         waves = units * splits / slots

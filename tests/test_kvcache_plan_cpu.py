@@ -45,7 +45,7 @@ def record(plan):
     (12, 16384, 8, 128, 4),     # 96 units: 73 % of the SMs at one an SM -> the slots' fill
     (30, 16384, 4, 128, 1),     # 120 units: 91 % of the SMs, unsplit
     (64, 4096, 8, 128, 3),      # 512 CTAs: 1.3 waves; 3 splits make 3.9 (several waves: kept)
-    (8, 16384, 32, 64, 3),      # 256 CTAs: 3 splits make 1.94 waves (2 would make 1.29)
+    (8, 16384, 32, 64, 1),      # 256 units: one wave of the 396 slots unsplit
     (128, 2048, 8, 128, 1),     # 1024 CTAs: over two waves already
     (256, 1024, 32, 64, 1),
     (1, 32768, 32, 64, 4),      # 32 units: 128 CTAs
