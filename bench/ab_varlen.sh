@@ -18,8 +18,9 @@ prepare)
     dir=_ab/$(git rev-parse --short "$rev")
     mkdir -p "$dir"
     git archive "$rev" cufa kernels_cu bench tests | tar -x -C "$dir"
+    echo "$(basename "$dir") $rev" >> _ab/ORDER  # the first is the baseline of the summary
   done
-  ls _ab ;;
+  cat _ab/ORDER ;;
 test)
   # Candidate branches checked in one device call: each tree's GPU tests (default kernel
   # family) against that tree's own code, then optionally the sanitizer.
@@ -73,6 +74,27 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.*", "bench_decode.json"))
 print("cufa decode us per round (dtype, d, heads, batch, keys, query tokens): tree -> rounds")
 for key, trees in rows.items():
     print(key, dict(trees))
+# each column's best round per tree, and its ratio to the baseline tree's (ORDER's first)
+order = [line.split()[0] for line in open("_ab/ORDER")] if os.path.exists("_ab/ORDER") else []
+names = [t for t in order if any(t in trees for trees in rows.values())] or sorted(
+    {t for trees in rows.values() for t in trees})
+base = names[0]
+print(f"\nbest round, us (ratio to {base}):")
+for key, trees in rows.items():
+    cells = []
+    for tree in names:
+        best = {}
+        for text in trees.get(tree, []):
+            words = text.split()
+            for name, value in zip(words[::2], words[1::2]):
+                best[name] = min(best.get(name, float("inf")), float(value))
+        cells.append((tree, best))
+    base_best = cells[0][1]
+    line = " | ".join(
+        f"{tree}: " + " ".join(f"{n} {v:.1f}" + (f" ({v / base_best[n]:.3f})" if tree != base
+                                                  and n in base_best else "")
+                               for n, v in best.items()) for tree, best in cells)
+    print(key, line)
 PY
     exit 0
   fi
