@@ -380,7 +380,12 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     mbar_wait(sm.q_full() + 8 * q_stage, Smem::q_parity(tile_count));
     Tile t;
     if (!load_tile(sm.tile() + 32 * q_stage, p, t)) break;
-    const Sm90Work w = sm90_work<kBlockM, kMask, kBlockN>(p, t);
+    Sm90Work w = sm90_work<kBlockM, kMask, kBlockN>(p, t);
+    // The key-block count drives the stage indices and so every wgmma descriptor. Read
+    // from shared memory, ptxas cannot tell it is the same across the warp; broadcast
+    // from lane 0, it is, and the descriptors stay in uniform registers (no R2UR moves
+    // and vector adds before each wgmma).
+    w.n_blocks = __shfl_sync(0xffffffffu, w.n_blocks, 0);
     // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
     // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
     // head dim 256: with the extra branch ptxas spills there.)
@@ -549,7 +554,9 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     return;
   }
   setmaxnreg_inc<kConsumerRegs<kBlockM>>();
-  consume<kDtype, kMask, kScoreMods>(p, sm, kConsumers<kBlockM> == 1 ? 0 : threadIdx.x / 128 - 1);
+  // Broadcast for the same reason: the consumer index picks this warpgroup's Q rows.
+  const int consumer = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128) - 1, 0);
+  consume<kDtype, kMask, kScoreMods>(p, sm, kConsumers<kBlockM> == 1 ? 0 : consumer);
 }
 
 }  // namespace cufa
