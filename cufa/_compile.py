@@ -40,8 +40,8 @@ SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 # (bench/tune_sm90.py, NOTES.md) with two K/V stages next to Q in shared memory (227 KB);
 # narrower where score mods would spill.
 SM90_HEAD_DIMS = (64, 128, 192, 256)
-SM90_TILES = {64: (128, 192), 128: (128, 128), 192: (128, 64), 256: (128, 80)}
-SM90_TILES_WINDOW = {**SM90_TILES, 64: (128, 128)}  # causal / local: less waste on the diagonal
+SM90_TILES = {64: (192, 128), 128: (128, 128), 192: (128, 64), 256: (128, 80)}
+SM90_TILES_WINDOW = {**SM90_TILES, 64: (192, 128)}  # causal / local: less waste on the diagonal
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
 # Packed batches of short sequences: 64-row tiles, one consumer warpgroup, two CTAs per SM

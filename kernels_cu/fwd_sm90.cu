@@ -27,10 +27,12 @@ template <int kBlockM> constexpr int kConsumers = kBlockM / 64;
 template <int kBlockM> constexpr int kSm90Threads = 128 * (1 + kConsumers<kBlockM>);
 template <int kBlockM> constexpr int kCtasPerSm = kBlockM == 64 ? 2 : 1;
 constexpr int kStages = 2;             // K/V ring depth (3 measured no faster: NOTES.md)
-constexpr int kProducerRegs = 56;
+template <int kBlockM> constexpr int kProducerRegs = kBlockM == 192 ? 32 : 56;
 // 128 x 56 + 256 x 224 = 384 x 168 and 128 x 56 + 128 x 200 = 256 x 128: the launch
 // allotments of one and of two CTAs per SM
-template <int kBlockM> constexpr int kConsumerRegs = kBlockM == 64 ? 200 : 224;
+template <int kBlockM> constexpr int kConsumerRegs = kBlockM == 64 ? 200 : kBlockM == 192 ? 160 : 224;
+// Two consumers take turns issuing; three (192-row tiles at d = 64) issue freely.
+template <int kBlockM> constexpr bool kTurns = kConsumers<kBlockM> == 2;
 constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
 
 // -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
@@ -389,8 +391,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
     // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
     // head dim 256: with the extra branch ptxas spills there.)
-    const bool solo = kConsumers<kBlockM> == 1 || (kHeadDim < 256 && w.row0 + 64 >= w.row_end);
-    if (solo && consumer == 1) {
+    const bool solo = !kTurns<kBlockM> || (kHeadDim < 256 && w.row0 + 64 >= w.row_end);
+    // A consumer whose 64 rows lie past the tile's end only releases the stages.
+    const bool idle = kTurns<kBlockM> ? solo && consumer == 1 : w.row0 + 64 * consumer >= w.row_end;
+    if (idle) {
       mbar_arrive(sm.q_empty() + 8 * q_stage);
       release_blocks(sm, w.n_blocks, block_count);
       continue;
@@ -531,7 +535,7 @@ template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int
 __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
-  static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups");
+  static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 192, "one to three consumer warpgroups");
   constexpr int kConsumerThreads = 128 * kConsumers<kBlockM>;
   extern __shared__ unsigned char smem_raw[];
   const Sm90Smem<kBlockM, kHeadDim, kBlockN, kQStages> sm(smem_u32(smem_raw));
@@ -549,7 +553,7 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
   }
   __syncthreads();
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<kProducerRegs<kBlockM>>();
     if (threadIdx.x < 32) produce<kMask>(p, maps, sm);
     return;
   }
