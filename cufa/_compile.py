@@ -36,12 +36,13 @@ SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
 SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 
 # sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64);
-# 128 query rows (two consumer warpgroups). block_n: the widest that measured fastest
-# (bench/tune_sm90.py, NOTES.md) with two K/V stages next to Q in shared memory (227 KB);
-# narrower where score mods would spill.
+# 128 query rows (two consumer warpgroups), 192 at d = 64 (three, NOTES.md step 33).
+# block_n: the widest that measured fastest (bench/tune_sm90.py, NOTES.md) with two K/V
+# stages next to Q in shared memory (227 KB) and, at d = 64, the three consumers'
+# accumulators in 160 registers; narrower where score mods would spill.
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (192, 128), 128: (128, 128), 192: (128, 64), 256: (128, 80)}
-SM90_TILES_WINDOW = {**SM90_TILES, 64: (192, 128)}  # causal / local: less waste on the diagonal
+SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same today; bench/tune_sm90.py varies it)
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
 # Packed batches of short sequences: 64-row tiles, one consumer warpgroup, two CTAs per SM
@@ -53,7 +54,7 @@ SM90_SHORT_TILES = {64: (64, 128)}
 SM90_SHORT_TILES_WINDOW = {**SM90_SHORT_TILES, 128: (64, 64)}
 SM90_SHORT_MAX_MEAN_SEQLEN = 512  # mean query rows per sequence up to which they are used
 SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches: query rows up to which (d <= 64)
-SM90_SHORT_ENV = "CUFA_SM90_BLOCK_M"  # "64" / "128": force a shape where both exist (tests, bench)
+SM90_SHORT_ENV = "CUFA_SM90_BLOCK_M"  # "64" / "128": force the short tiles or the regular ones (tests, bench)
 
 NVRTC_OPTIONS = ("-std=c++17",)
 SM90_SMEM_PER_SM = 228 * 1024  # of which the system reserves 1 KB per CTA

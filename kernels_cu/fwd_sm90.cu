@@ -1,5 +1,5 @@
 // Forward attention on Hopper (sm_90a): persistent, warp-specialized. One CTA per SM
-// (two on 64-row tiles, below) works through tiles of 128 (or 64) query rows of one
+// (two on 64-row tiles, below) works through tiles of 128 (64, 192) query rows of one
 // (batch, head), taking the next tile of the list from a global counter when it is ready
 // for one (tiles differ in cost under a causal mask; a fixed stride left some SMs twice
 // the work of others). A producer warp streams Q and the K/V blocks of its tiles into
@@ -19,17 +19,20 @@
 
 namespace cufa {
 
-// Two shapes: 128-row tiles, two consumers, one CTA per SM (every batch); or 64-row
-// tiles, one consumer, two CTAs per SM (packed batches of short sequences, whose tiles
-// are mostly partial: half the rounding of query rows, and the SM's two CTAs hide each
+// Three shapes: 128-row tiles, two consumers, one CTA per SM (d > 64); 192-row tiles,
+// three consumers, one CTA per SM (d = 64, whose loop is short on matrix work per
+// exponential: a third warpgroup keeps the matrix units fed, +3-12 % in NOTES.md step
+// 33); or 64-row tiles, one consumer, two CTAs per SM (short sequences, whose tiles are
+// mostly partial: half the rounding of query rows, and the SM's two CTAs hide each
 // other's per-tile latency the way the turns do for two consumers).
 template <int kBlockM> constexpr int kConsumers = kBlockM / 64;
 template <int kBlockM> constexpr int kSm90Threads = 128 * (1 + kConsumers<kBlockM>);
 template <int kBlockM> constexpr int kCtasPerSm = kBlockM == 64 ? 2 : 1;
 constexpr int kStages = 2;             // K/V ring depth (3 measured no faster: NOTES.md)
 template <int kBlockM> constexpr int kProducerRegs = kBlockM == 192 ? 32 : 56;
-// 128 x 56 + 256 x 224 = 384 x 168 and 128 x 56 + 128 x 200 = 256 x 128: the launch
-// allotments of one and of two CTAs per SM
+// 128 x 56 + 256 x 224 = 384 x 168, 128 x 32 + 384 x 160 = 512 x 128 and
+// 128 x 56 + 128 x 200 = 256 x 128: the launch allotments (at 152 the three consumers
+// spill; the producer fits in 32)
 template <int kBlockM> constexpr int kConsumerRegs = kBlockM == 64 ? 200 : kBlockM == 192 ? 160 : 224;
 // Two consumers take turns issuing; three (192-row tiles at d = 64) issue freely.
 template <int kBlockM> constexpr bool kTurns = kConsumers<kBlockM> == 2;

@@ -98,7 +98,11 @@ def assert_pass_rule(out, lse, ref, lowp, dtype, label):
         lerr_lp = np.abs(lse_lp[fin] - lse_ref[fin]).max(initial=0)
         if not np.isfinite(lerr_lp):
             lerr_lp = float(torch.finfo(torch.float32).eps) * np.abs(lse_ref[fin]).max(initial=0)
-        assert lerr <= 2 * lerr_lp + 1e-4, f"{label}: lse max err {lerr:.3e} > 2 x {lerr_lp:.3e}"
+        # lse is float32: a value of magnitude L carries about eps * L per rounding (the
+        # max, its scaling, the log), which for huge scores exceeds the absolute 1e-4
+        rounding = 8 * float(torch.finfo(torch.float32).eps) * np.abs(lse_ref[fin]).max(initial=0)
+        assert lerr <= 2 * lerr_lp + 1e-4 + rounding, (
+            f"{label}: lse max err {lerr:.3e} > 2 x {lerr_lp:.3e} + 1e-4 + {rounding:.1e}")
     return err, err_lp
 
 
