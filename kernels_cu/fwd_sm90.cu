@@ -540,6 +540,10 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
   static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 192, "one to three consumer warpgroups");
   constexpr int kConsumerThreads = 128 * kConsumers<kBlockM>;
+  // setmaxnreg moves registers between warpgroups; it cannot hand out more than the
+  // launch allotted (65536 an SM, shared by its CTAs)
+  static_assert(128 * kProducerRegs<kBlockM> + kConsumerThreads * kConsumerRegs<kBlockM> <=
+                    65536 / kCtasPerSm<kBlockM>, "register split over the SM's file");
   extern __shared__ unsigned char smem_raw[];
   const Sm90Smem<kBlockM, kHeadDim, kBlockN, kQStages> sm(smem_u32(smem_raw));
   if (threadIdx.x == 0) {
