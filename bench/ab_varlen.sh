@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# A/B of kernel revisions on the packed-batch benchmark (or, with BENCH=decode, the
-# KV-cache decode benchmark), each tree in its own process, alternating, so that clock
-# and thermal drift fall on all of them alike.
+# A/B of kernel revisions on the packed-batch benchmark (with BENCH=decode, the KV-cache
+# decode benchmark; with BENCH=fwd, dense forward shapes through bench/ab_fwd_probe.py),
+# each tree in its own process, alternating, so that clock and thermal drift fall on all
+# of them alike.
 #   here:       bash bench/ab_varlen.sh prepare REV [REV...]   # git trees into _ab/ (ignored)
 #   on the GPU: bash bench/ab_varlen.sh run                    # (device tool: carry ["_ab"])
 #               bash bench/ab_varlen.sh test [pytest args]     # each tree's own GPU tests
 #                                                              # (SANITIZE=1: and the KV-cache
 #                                                              # cases under compute-sanitizer)
 # ROUNDS (3), REPS (30) and BATCHES (short) from the environment; with BENCH=decode,
-# DECODE_ARGS (default: --shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers).
+# DECODE_ARGS (default: --shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers); with
+# BENCH=fwd, FWD_SHAPES (d:N:causal[:bf16],...; default: ab_fwd_probe.py's).
 set -eu
 case "${1:-}" in
 prepare)
@@ -50,7 +52,10 @@ run)
   for round in $(seq "${ROUNDS:-3}"); do
     for tree in _ab/*/; do
       name=$(basename "$tree")
-      if [ "${BENCH:-varlen}" = decode ]; then
+      if [ "${BENCH:-varlen}" = fwd ]; then
+        python3 bench/ab_fwd_probe.py "$tree" --reps "${REPS:-30}" \
+          ${FWD_SHAPES:+--shapes "$FWD_SHAPES"} >> "$OUT/ab_fwd.jsonl" 2>> "$OUT/ab_fwd.log"
+      elif [ "${BENCH:-varlen}" = decode ]; then
         PYTHONPATH=$PWD/$tree python3 "$tree/bench/bench_decode.py" --reps "${REPS:-30}" \
           ${DECODE_ARGS:---shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers} \
           --no-plot --out "$OUT/$name.$round" > "$OUT/$name.$round.log" 2>&1
@@ -60,6 +65,25 @@ run)
       fi
     done
   done
+  if [ "${BENCH:-varlen}" = fwd ]; then
+    python3 - "$OUT" <<'PY'
+import json, os, statistics, sys
+rows = [json.loads(line) for line in open(os.path.join(sys.argv[1], "ab_fwd.jsonl"))]
+order = [line.split()[0] for line in open("_ab/ORDER")]
+shapes = [k for k in rows[0] if k != "tree"]
+print(f"TFLOP/s, median over rounds (max), ratio of medians to {order[0]}")
+print("d:N:causal".ljust(18), *[t.ljust(22) for t in order])
+for shape in shapes:
+    base = statistics.median(r[shape] for r in rows if r["tree"] == order[0])
+    cells = []
+    for tree in order:
+        values = [r[shape] for r in rows if r["tree"] == tree]
+        cells.append(f"{statistics.median(values):6.1f} ({max(values):6.1f}) "
+                     f"{statistics.median(values) / base:4.2f}".ljust(22))
+    print(shape.ljust(18), *cells)
+PY
+    exit 0
+  fi
   if [ "${BENCH:-varlen}" = decode ]; then
     python3 - "$OUT" <<'PY'
 import collections, glob, json, os, sys

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""One tree's dense forward on a few shapes, for kernel A/Bs (`BENCH=fwd bash
+bench/ab_varlen.sh run`): each tree in its own process, the trees alternating, so that
+clock and power drift fall on all of them alike. Prints one JSON line, TFLOP/s per shape.
+
+    python3 bench/ab_fwd_probe.py TREE [--shapes d:N:causal[:bf16],...] [--reps 30]
+
+16k tokens a batch and heads = 2048 / d, as in bench_fwd.py. Each sample is three calls
+back to back between one pair of CUDA events (host cost hidden); the median is reported.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+DEFAULT_SHAPES = ("64:2048:0,64:8192:0,64:16384:1,128:512:0,128:2048:0,128:8192:0,"
+                  "128:16384:0,128:16384:1,128:1024:1,256:8192:0")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("tree", help="folder holding the cufa package to time")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES)
+    p.add_argument("--reps", type=int, default=30)
+    args = p.parse_args()
+    sys.path.insert(0, os.path.abspath(args.tree))
+    import torch
+    import cufa
+
+    result = {"tree": os.path.basename(os.path.abspath(args.tree))}
+    for text in args.shapes.split(","):
+        d, n, causal, *dtype = text.split(":")
+        d, n, causal = int(d), int(n), bool(int(causal))
+        dt = torch.bfloat16 if dtype == ["bf16"] else torch.float16
+        batch, heads = max(1, 16384 // n), 2048 // d
+        q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=dt) for _ in range(3))
+        for _ in range(10):
+            cufa.flash_attn_func(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(args.reps):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                cufa.flash_attn_func(q, k, v, causal=causal)
+            stop.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(stop) / 3)
+        flops = 4 * batch * heads * n * n * d / (2 if causal else 1)
+        result[text] = round(flops / statistics.median(samples) / 1e9, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
