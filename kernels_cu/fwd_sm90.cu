@@ -4,9 +4,9 @@
 // for one (tiles differ in cost under a causal mask; a fixed stride left some SMs twice
 // the work of others). A producer warp streams Q and the K/V blocks of its tiles into
 // shared memory with TMA (a ring of stages, each announced on an mbarrier), running ahead
-// across tile boundaries; two consumer warpgroups of 64 rows each run both products on
+// across tile boundaries; consumer warpgroups of 64 rows each run both products on
 // wgmma (S = Q K^T from shared memory, O += P V with P from registers) and write O (from
-// d = 128 through their Q stage). The consumers take turns issuing their products (named
+// d = 128 through their Q stage). Two consumers take turns issuing their products (named
 // barriers), so one's softmax runs under the other's matrix work.
 #include "common.cuh"
 #include "params.cuh"
