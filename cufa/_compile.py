@@ -41,7 +41,7 @@ SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 # stages next to Q in shared memory (227 KB) and, at d = 64, the three consumers'
 # accumulators in 160 registers; narrower where score mods would spill.
 SM90_HEAD_DIMS = (64, 128, 192, 256)
-SM90_TILES = {64: (192, 128), 128: (128, 128), 192: (128, 64), 256: (128, 80)}
+SM90_TILES = {64: (192, 128), 128: (192, 80), 192: (128, 64), 256: (128, 80)}
 SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same today; bench/tune_sm90.py varies it)
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
