@@ -41,6 +41,7 @@ EXPERIMENTS = {
     "base": {},
     "bn128": {"SM90_TILES": {64: (128, 128), 128: (128, 128)},
               "SM90_TILES_WINDOW": {64: (128, 128), 128: (128, 128)}},
+    "bm192": {"SM90_MID_TILES": None},  # d=128 on 192-row tiles at any length
     "bn64": {"SM90_TILES": {64: (128, 64), 128: (128, 64)},
              "SM90_TILES_WINDOW": {64: (128, 64), 128: (128, 64)}},
     "bm128": {"SM90_SHORT_TILES": None, "SM90_SHORT_TILES_WINDOW": None},
@@ -88,8 +89,8 @@ def main():
     args = parser.parse_args()
     from cufa import _compile, api
     tables = {name: dict(getattr(_compile, name))
-              for name in ("SM90_TILES", "SM90_TILES_WINDOW", "SM90_SHORT_TILES",
-                           "SM90_SHORT_TILES_WINDOW")}
+              for name in ("SM90_TILES", "SM90_TILES_WINDOW", "SM90_MID_TILES",
+                           "SM90_SHORT_TILES", "SM90_SHORT_TILES_WINDOW")}
 
     exps = ["base"] + [e for e in args.exp.split(",") if e != "base"]
     plans = {}  # experiment -> its own plan cache (plans hold the variant picked)
@@ -100,6 +101,7 @@ def main():
         for name, table in tables.items():
             patch = EXPERIMENTS[exp].get(name, {})
             setattr(_compile, name, {} if patch is None else {**table, **patch})
+        _compile.fwd_variant.cache_clear()  # it caches the variant picked from the tables
         api._plans = plans.setdefault(exp, {})
 
     os.makedirs(args.out, exist_ok=True)

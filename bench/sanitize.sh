@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over bench/sanitize_cases.py (every kernel
 # variant at odd sizes, packed batches with empty sequences, SDPA masks), for the
-# device's kernel family and, on Hopper, its 64-row tiles (CUFA_SM90_BLOCK_M=64, on dense
-# batches too) and the portable family. Logs under $OUT.
-#   bash bench/sanitize.sh [family...]     # default, bm64, sm80
+# device's kernel family and, on Hopper, its 64- and 192-row tiles (CUFA_SM90_BLOCK_M=64 or
+# 192, on every batch) and the portable family. Logs under $OUT.
+#   bash bench/sanitize.sh [family...]     # default, bm64, bm192, sm80
 set -u
 OUT=${OUT:-/tmp/cufa-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 families="default"
 python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability != '90')" \
-  && families="default bm64 sm80"
+  && families="default bm64 bm192 sm80"
 [ $# -gt 0 ] && families="$*"
 status=0
 for family in $families; do
@@ -19,6 +19,7 @@ for family in $families; do
     unset CUFA_KERNEL_FAMILY CUFA_SM90_BLOCK_M
     case $family in
       bm64) export CUFA_SM90_BLOCK_M=64 ;;
+      bm192) export CUFA_SM90_BLOCK_M=192 ;;
       sm80) export CUFA_KERNEL_FAMILY=sm80 ;;
     esac
     compute-sanitizer --tool "$tool" --error-exitcode 3 python3 bench/sanitize_cases.py > "$log" 2>&1

@@ -39,6 +39,10 @@ def configure(name):
     tiles, window_tiles = EXPERIMENTS[name]
     _compile.SM90_TILES = {**BASE_TILES, **tiles}
     _compile.SM90_TILES_WINDOW = {**BASE_WINDOW_TILES, **window_tiles}
+    # an experiment's head dims take its tiles at every length
+    _compile.SM90_MID_TILES = {hd: t for hd, t in BASE_MID_TILES.items()
+                               if hd not in tiles and hd not in window_tiles}
+    _compile.fwd_variant.cache_clear()  # it caches the variant picked from the tables
     api._plans.clear()  # plans hold the variant picked from the old tables
 
 
@@ -92,6 +96,7 @@ def main():
 
 BASE_TILES = dict(_compile.SM90_TILES)
 BASE_WINDOW_TILES = dict(_compile.SM90_TILES_WINDOW)
+BASE_MID_TILES = dict(_compile.SM90_MID_TILES)
 
 if __name__ == "__main__":
     main()

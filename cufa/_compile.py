@@ -36,15 +36,21 @@ SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
 SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 
 # sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64);
-# 128 query rows (two consumer warpgroups), 192 at d = 64 (three, NOTES.md step 33).
-# block_n: the widest that measured fastest (bench/tune_sm90.py, NOTES.md) with two K/V
-# stages next to Q in shared memory (227 KB) and, at d = 64, the three consumers'
-# accumulators in 160 registers; narrower where score mods would spill.
+# 192 query rows (three consumer warpgroups) at d <= 128 (NOTES.md steps 33, 34), 128 (two)
+# above. block_n: the widest that measured fastest (bench/tune_sm90.py, NOTES.md) with two
+# K/V stages next to Q in shared memory (227 KB) and, on 192-row tiles, the three
+# consumers' accumulators in 160 registers; narrower where score mods would spill.
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (192, 128), 128: (192, 80), 192: (128, 64), 256: (128, 80)}
 SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same today; bench/tune_sm90.py varies it)
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
+# Sequences of middling length (mean query rows a sequence below SM90_LONG_MIN_SEQLEN, by
+# mask): 128-row tiles at d = 128. There a sequence's last 192-row tile is mostly empty
+# (512 rows: 576 computed) and fewer tiles fill the SMs unevenly: d = 128 N = 512 -5 %,
+# causal N = 1k -11 % on 192 rows, against +5-11 % from 2k up (NOTES.md step 34).
+SM90_MID_TILES = {128: (128, 128)}
+SM90_LONG_MIN_SEQLEN = {"none": 1024, "window": 2048}
 # Packed batches of short sequences: 64-row tiles, one consumer warpgroup, two CTAs per SM
 # (half the query-row rounding of 128-row tiles; NOTES.md step 24). Two CTAs share the
 # SM's shared memory, so the key blocks are narrower. Where they measured faster on the
@@ -54,7 +60,10 @@ SM90_SHORT_TILES = {64: (64, 128)}
 SM90_SHORT_TILES_WINDOW = {**SM90_SHORT_TILES, 128: (64, 64)}
 SM90_SHORT_MAX_MEAN_SEQLEN = 512  # mean query rows per sequence up to which they are used
 SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches: query rows up to which (d <= 64)
-SM90_SHORT_ENV = "CUFA_SM90_BLOCK_M"  # "64" / "128": force the short tiles or the regular ones (tests, bench)
+# "64" / "128" / "192": force the short, middle or long tiles' table (tests, bench); a head
+# dim without tiles of that class gets the next longer class's
+SM90_ROWS_ENV = "CUFA_SM90_BLOCK_M"
+SM90_ROW_CLASSES = {"64": "short", "128": "mid", "192": "long"}
 
 NVRTC_OPTIONS = ("-std=c++17",)
 SM90_SMEM_PER_SM = 228 * 1024  # of which the system reserves 1 KB per CTA
@@ -282,36 +291,42 @@ def padded_head_dim(head_dim, family="sm80"):
 
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature calls it
-def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", short=False):
-    """short: an sm90 packed batch of short sequences (short_sequences), which gets the
-    64-row tiles where the head dim has them."""
+def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
+    """rows: the sm90 tile class of the batch (sm90_rows): "short" takes the 64-row
+    tiles, "mid" the middle ones, where the head dim has them, else the next longer."""
     hd = padded_head_dim(head_dim, family)
     short_tiles = SM90_SHORT_TILES_WINDOW if mask == "window" else SM90_SHORT_TILES
     if family == "sm80":
         block_m, block_n = (SM80_TILES_SCORE_MODS if score_mods else SM80_TILES)[hd]
-    elif short and hd in short_tiles:
+    elif rows == "short" and hd in short_tiles:
         block_m, block_n = short_tiles[hd]
+    elif score_mods:
+        block_m, block_n = SM90_TILES_SCORE_MODS[hd]
+    elif rows != "long" and hd in SM90_MID_TILES:
+        block_m, block_n = SM90_MID_TILES[hd]
     else:
-        tiles = (SM90_TILES_SCORE_MODS if score_mods
-                 else SM90_TILES_WINDOW if mask == "window" else SM90_TILES)
-        block_m, block_n = tiles[hd]
+        block_m, block_n = (SM90_TILES_WINDOW if mask == "window" else SM90_TILES)[hd]
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)
 
 
-def short_sequences(packed, total_q, batch, head_dim):
-    """Whether a batch gets the sm90 short-sequence tiles: packed, with at most
-    SM90_SHORT_MAX_MEAN_SEQLEN query rows per sequence on average; or padded, at head
-    dims up to 64, with at most SM90_SHORT_DENSE_MAX_SEQLEN query rows (step 24 of NOTES:
-    +2-5 % there, -15 % at d = 128). CUFA_SM90_BLOCK_M (64 or 128) overrides, for any
-    batch."""
-    forced = _overrides[SM90_SHORT_ENV]
+def sm90_rows(packed, total_q, batch, head_dim, mask):
+    """The sm90 tile class of a batch, by its mean query rows a sequence: "short" for
+    packed batches of at most SM90_SHORT_MAX_MEAN_SEQLEN, and padded ones at head dims
+    up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (step 24 of NOTES: +2-5 % there,
+    -15 % at d = 128); "long" from SM90_LONG_MIN_SEQLEN[mask] up; else "mid".
+    CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
+    forced = _overrides[SM90_ROWS_ENV]
     if forced:
-        if forced not in ("64", "128"):
-            raise ValueError(f"{SM90_SHORT_ENV} must be 64 or 128; got {forced!r}")
-        return forced == "64"
-    if packed:
-        return total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch
-    return head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN
+        if forced not in SM90_ROW_CLASSES:
+            raise ValueError(f"{SM90_ROWS_ENV} must be one of {', '.join(SM90_ROW_CLASSES)}; "
+                             f"got {forced!r}")
+        return SM90_ROW_CLASSES[forced]
+    if packed and total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch:
+        return "short"
+    if not packed and head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN:
+        return "short"
+    per_sequence = total_q if not packed else total_q / batch
+    return "long" if per_sequence >= SM90_LONG_MIN_SEQLEN[mask] else "mid"
 
 
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"
@@ -332,7 +347,7 @@ def read_overrides():
     """Read CUFA_KERNEL_FAMILY and CUFA_SM90_BLOCK_M from the environment: at import, and
     again by api.clear_plans(). Plans are made with the values last read, not with
     os.environ at each plan (two lookups cost a new signature's plan 2 us)."""
-    _overrides.update((name, os.environ.get(name)) for name in (FAMILY_ENV, SM90_SHORT_ENV))
+    _overrides.update((name, os.environ.get(name)) for name in (FAMILY_ENV, SM90_ROWS_ENV))
 
 
 _overrides = {}
@@ -340,11 +355,12 @@ read_overrides()
 
 
 def all_variants():
-    """Every kernel variant the library can launch (short-sequence choices that fall back
-    to the usual tiles counted once)."""
-    variants = [fwd_variant(dt, hd, mask, mods, family, short)
+    """Every kernel variant the library can launch (tile classes that fall back to the
+    same tiles counted once)."""
+    variants = [fwd_variant(dt, hd, mask, mods, family, rows)
                 for family, dims in (("sm80", SM80_HEAD_DIMS), ("sm90", SM90_HEAD_DIMS))
-                for short in (False, True) for dt in DTYPES for hd in dims for mask in MASKS
+                for rows in SM90_ROW_CLASSES.values() for dt in DTYPES for hd in dims
+                for mask in MASKS
                 for mods in (False, True)]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 

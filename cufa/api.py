@@ -612,9 +612,9 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     family = _compile.family_for(_compute_capability(q.device))
     if paged is not None:  # rows through a page table: no TMA descriptor describes them
         family = "sm80"
-    short = _compile.short_sequences(packed, seqlen_q, batch, d)
+    rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind)
     variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
-                                   short)
+                                   rows)
     tma_template = None
     if family == "sm90":
         tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)

@@ -61,30 +61,54 @@ def setenv(monkeypatch):
     api.clear_plans()
 
 
-def test_short_sequence_tiles_are_picked_for_short_packed_batches(setenv):
-    setenv(_compile.SM90_SHORT_ENV, None)
+def test_tile_class_follows_the_mean_sequence_length(setenv):
+    setenv(_compile.SM90_ROWS_ENV, None)
+    rows = _compile.sm90_rows
     limit = _compile.SM90_SHORT_MAX_MEAN_SEQLEN
-    assert _compile.short_sequences(True, limit * 10, 10, 128)
-    assert not _compile.short_sequences(True, limit * 10 + 1, 10, 128)
+    assert rows(True, limit * 10, 10, 128, "none") == "short"
+    assert rows(True, limit * 10 + 1, 10, 128, "none") == "mid"
     dense = _compile.SM90_SHORT_DENSE_MAX_SEQLEN  # padded: d <= 64 and short only
-    assert _compile.short_sequences(False, dense, 10, 64)
-    assert not _compile.short_sequences(False, dense + 1, 10, 64)
-    assert not _compile.short_sequences(False, 64, 10, 128)
-    for hd, mask in itertools.product((64, 128, 192, 256), _compile.MASKS):
-        v = _compile.fwd_variant("bf16", hd, mask, False, "sm90", short=True)
-        table = _compile.SM90_SHORT_TILES_WINDOW if mask == "window" else _compile.SM90_SHORT_TILES
-        assert v.block_m == table.get(hd, (128, None))[0], v.key
+    assert rows(False, dense, 10, 64, "none") == "short"
+    assert rows(False, dense + 1, 10, 64, "none") == "long"
+    assert rows(False, 64, 10, 128, "none") == "mid"
+    for mask, long_from in _compile.SM90_LONG_MIN_SEQLEN.items():
+        assert rows(False, long_from - 1, 3, 128, mask) == "mid"
+        assert rows(False, long_from, 3, 128, mask) == "long"
+        assert rows(True, long_from * 3 - 1, 3, 128, mask) == "mid"  # packed: the mean
+        assert rows(True, long_from * 3, 3, 128, mask) == "long"
+    setenv(_compile.SM90_ROWS_ENV, "64")
+    assert rows(False, 1 << 20, 1, 128, "none") == "short"
+    setenv(_compile.SM90_ROWS_ENV, "128")
+    assert rows(True, 64, 10, 64, "none") == "mid"
+    setenv(_compile.SM90_ROWS_ENV, "192")
+    assert rows(True, 64, 10, 64, "window") == "long"
+    setenv(_compile.SM90_ROWS_ENV, "32")
+    with pytest.raises(ValueError, match=_compile.SM90_ROWS_ENV):
+        rows(True, 64, 10, 64, "none")
+
+
+@pytest.mark.parametrize("rows", ["short", "mid", "long"])
+def test_each_tile_class_takes_its_table_or_the_next_longer(rows):
+    for hd, mask, mods in itertools.product((64, 128, 192, 256), _compile.MASKS, (False, True)):
+        v = _compile.fwd_variant("bf16", hd, mask, mods, "sm90", rows=rows)
+        short = _compile.SM90_SHORT_TILES_WINDOW if mask == "window" else _compile.SM90_SHORT_TILES
+        long = _compile.SM90_TILES_WINDOW if mask == "window" else _compile.SM90_TILES
+        if rows == "short" and hd in short:
+            expected = short[hd]
+        elif mods:
+            expected = _compile.SM90_TILES_SCORE_MODS[hd]
+        elif rows != "long" and hd in _compile.SM90_MID_TILES:
+            expected = _compile.SM90_MID_TILES[hd]
+        else:
+            expected = long[hd]
+        assert (v.block_m, v.block_n) == expected, v.key
         assert v.threads == 128 * (1 + v.block_m // 64)
         assert v.ctas_per_sm == (2 if v.block_m == 64 else 1)
         assert f", {v.block_m}, {v.block_n}, {v.q_stages}>" in v.name_expression
-    assert _compile.fwd_variant("fp16", 64, "none", False, "sm80", short=True).block_m == 128
-    setenv(_compile.SM90_SHORT_ENV, "64")
-    assert _compile.short_sequences(False, 1 << 20, 1, 128)
-    setenv(_compile.SM90_SHORT_ENV, "128")
-    assert not _compile.short_sequences(True, 64, 10, 64)
-    setenv(_compile.SM90_SHORT_ENV, "32")
-    with pytest.raises(ValueError, match=_compile.SM90_SHORT_ENV):
-        _compile.short_sequences(True, 64, 10, 64)
+    assert _compile.fwd_variant("fp16", 64, "none", False, "sm80", rows=rows).block_m == 128
+    # d = 128 really has three classes: 64 rows (causal), 128 and 192
+    assert _compile.fwd_variant("fp16", 128, "window", False, "sm90", rows=rows).block_m == {
+        "short": 64, "mid": 128, "long": 192}[rows]
 
 
 def test_every_variant_compiles_without_spills(reports):
