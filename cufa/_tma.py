@@ -6,8 +6,11 @@ by a tile's rows; elements past an end read as zeros. Packed batches add k and v
 (columns, window, heads, start row) views (``tail_view``) for each sequence's last key
 block, so that the rows past the sequence read as zeros too. The driver's
 ``cuTensorMapEncodeTiled`` builds the 128-byte descriptors on the host; CuPy has no
-wrapper, so it is called through ctypes. A layout's record is encoded once (template);
-a call's record is a copy with the addresses replaced (with_addresses).
+wrapper, so it is called through ctypes. A layout's record is made once (template): the
+driver encodes one map per kind (element type and box), and a new layout's maps are that
+map with their dims and strides written in, where the driver's own encodes show them
+stored as _with_layout writes them (else the driver encodes every layout). A call's
+record is a copy with the addresses replaced (with_addresses).
 """
 import ctypes
 import functools
@@ -75,28 +78,21 @@ def template(dtype, views, tail_views=()):
     () or the packed (k, v) tail views. Returns the layout's Template, or None if q, k or
     v cannot be described. Tails the driver refuses are left out (the kernel then copies
     those blocks itself). with_addresses points a copy at a call's arrays."""
-    holder, base = _aligned_record()
-    encoded = {}  # layout -> offset: at the placeholder, equal layouts encode equal maps
-    # (k and v of one shape, their tails), and a driver encode is most of a new layout's cost
+    maps = {}  # layout -> its map at the placeholder; equal layouts have equal maps (k
+    # and v of one shape, their tails)
 
-    def encode(offset, layout):
-        if layout in encoded:
-            ctypes.memmove(base + offset, base + encoded[layout], 128)
-            return True
-        if not _encode_at(base + offset, dtype, _PLACEHOLDER_ADDRESS, *layout):
-            return False
-        encoded[layout] = offset
-        return True
+    def make(layout):
+        if layout not in maps:
+            maps[layout] = _map(dtype, layout)
+        return maps[layout]
 
-    for i, layout in enumerate(views):
-        if not encode(128 * i, layout):
-            return None
-    has_tails = bool(tail_views)
-    for i, layout in enumerate(tail_views):
-        has_tails = has_tails and encode(128 * (len(views) + i), layout)
-    if not has_tails:
-        ctypes.memset(base + 128 * len(views), 0, MAPS_BYTES - 128 * len(views))
-    record = ctypes.string_at(base, MAPS_BYTES)
+    record = [make(layout) for layout in views]
+    if None in record:
+        return None
+    tails = [make(layout) for layout in tail_views]
+    has_tails = bool(tails) and None not in tails
+    record = b"".join(record + tails if has_tails else record)
+    record += bytes(MAPS_BYTES - len(record))
     # what the driver's encoding can depend on besides shapes and strides: the element
     # type and the boxes (the rank, swizzle and fill are the same for every map here)
     kind = (dtype, tuple(view[2] for view in views),
@@ -129,6 +125,72 @@ def _moved_by_driver(template, pointers):
         if _replace_fn()(base + 128 * i, ptr) != 0:
             raise RuntimeError(f"cuTensorMapReplaceAddress refused address {ptr:#x}")
     return (ctypes.c_char * MAPS_BYTES).from_buffer(holder, base - ctypes.addressof(holder))
+
+
+def _map(dtype, layout):
+    """The map of `layout` ((shape, strides, box_rows), as map_args) at the placeholder
+    address: its kind's map with the layout's dims and strides written in, or where that
+    kind's maps do not store them as _with_layout writes them, the driver's encode. None
+    if the copy engine cannot describe the layout."""
+    shape, strides, box_rows = layout
+    args = map_args(shape, strides, 2, box_rows)
+    if args is None:
+        return None
+    kind_map = _kind_map(dtype, box_rows)
+    if kind_map is not None:
+        return _with_layout(kind_map, args[0], args[1])
+    holder, base = _aligned_record()
+    if not _encode_at(base, dtype, _PLACEHOLDER_ADDRESS, *layout):
+        return None
+    return ctypes.string_at(base, 128)
+
+
+# Where a map keeps its dims and strides (CUtensorMap is opaque; read off the driver's
+# encodes of 661 layouts on an H100, driver 580): dim - 1 in four 32-bit words from byte
+# 32; stride / 16 in 36 bits each, the low 32 in three words from byte 12, the high 4 in
+# consecutive nibbles from byte 28. Trusted for a kind only after the driver's encodes of
+# _KIND_PROBES matched it (_kind_map).
+_MAP = struct.Struct("<12s3I4sH2s4I80s")  # the pieces of a map around those fields
+_LOW32 = 0xFFFFFFFF
+
+
+def _with_layout(kind_map, dims, byte_strides):
+    """kind_map (128 bytes) with the dims and byte strides (dims 1..3) of map_args."""
+    u0, u1, u2 = (s >> 4 for s in byte_strides)
+    high = (int.from_bytes(kind_map[28:30], "little") & ~0xFFF
+            | u0 >> 32 | u1 >> 32 << 4 | u2 >> 32 << 8)
+    return _MAP.pack(kind_map[:12], u0 & _LOW32, u1 & _LOW32, u2 & _LOW32, kind_map[24:28],
+                     high, kind_map[30:32], dims[0] - 1, dims[1] - 1, dims[2] - 1,
+                     dims[3] - 1, kind_map[48:])
+
+
+# (shape, strides) of layouts whose driver encodes must match _with_layout on a kind's
+# map: small and large dims, strides across the 40-bit range (high nibbles set)
+_KIND_PROBES = (
+    ((3, 1000, 8, 64), (8 * 64 * 1000, 8 * 64, 64)),
+    ((0xFFFF, 0xFFFF_FFF1, 0xABCD, 64), (0x3_B2A1_9080, 0x7F_FFFF_FFF8, 0x9_1A2B_3C48)),
+    ((1, 1, 1, 64), (0, 0, 0)),
+)
+_kind_maps = {}  # (dtype, box_rows) -> the kind's map at the placeholder, or None
+
+
+def _kind_map(dtype, box_rows):
+    """The map the driver encodes for a kind at the placeholder, if its encodes of every
+    _KIND_PROBES layout equal that map with the probe's dims and strides written in
+    (_with_layout); else None. Learned once a kind, not while the driver cannot encode."""
+    kind = (dtype, box_rows)
+    if kind in _kind_maps:
+        return _kind_maps[kind]
+    holder, base = _aligned_record()
+    maps = []
+    for shape, strides in _KIND_PROBES:
+        if not _encode_at(base, dtype, _PLACEHOLDER_ADDRESS, shape, strides, box_rows):
+            return None  # no driver to ask yet (or it refuses): not remembered
+        maps.append((ctypes.string_at(base, 128), map_args(shape, strides, 2, box_rows)))
+    kind_map = maps[0][0]
+    holds = all(_with_layout(kind_map, args[0], args[1]) == m for m, args in maps)
+    _kind_maps[kind] = kind_map if holds else None
+    return _kind_maps[kind]
 
 
 def _address_field():

@@ -77,7 +77,11 @@ def test_template_encodes_each_distinct_layout_once(monkeypatch):
 
     monkeypatch.setattr(_tma, "_encode_fn", lambda: encode)
     monkeypatch.setattr(_tma, "_learned_field", None)  # no address field: the driver moves
+    monkeypatch.setattr(_tma, "_kind_maps", {})  # (this driver's maps fail the layout model)
     _tma.template.cache_clear()
+    for kind in (("float16", 128),):  # learn the kind first: its probes are encodes too
+        assert _tma._kind_map(*kind) is None
+    calls.clear()
     q = ((1, 300, 8, 64), (0, 512, 64), 128)
     kv = ((1, 300, 2, 64), (0, 128, 64), 128)
     tails = tuple(_tma.tail_view(300, 2, 64, 128, 64, 128) for _ in range(2))
@@ -90,6 +94,90 @@ def test_template_encodes_each_distinct_layout_once(monkeypatch):
     t2 = _tma.template("float16", (q, kv, other), ())
     assert len(calls) == 3 and t2.record[256:384] != t2.record[128:256]
     _tma.template.cache_clear()
+
+
+def _model_encode(calls, dims_minus=1):
+    """A fake cuTensorMapEncodeTiled storing a map as the driver was read to (_tma's
+    layout model): address in word 0, dim - 1 in 32-bit words from byte 32, stride / 16
+    split into 32 low bits from byte 12 and 4 high bits from bit 224; element type and box
+    in bytes of their own; the rest a pattern. dims_minus=0: a driver that stores dims
+    otherwise."""
+    import ctypes
+
+    def encode(addr, data_type, rank, ptr, dims, strides, box, *rest):
+        calls.append((tuple(dims), tuple(strides)))
+        x = int.from_bytes(bytes(range(128, 256)), "little")
+        x = x & ~((1 << 64) - 1) | ptr
+        for i in range(4):
+            x = x & ~(0xFFFFFFFF << 256 + 32 * i) | (dims[i] - dims_minus) << 256 + 32 * i
+        for i in range(3):
+            unit = strides[i] >> 4
+            x = x & ~(0xFFFFFFFF << 96 + 32 * i) | (unit & 0xFFFFFFFF) << 96 + 32 * i
+            x = x & ~(0xF << 224 + 4 * i) | (unit >> 32) << 224 + 4 * i
+        x = x & ~(0xFFFF << 800) | data_type << 800 | (box[1] - 1) << 808
+        ctypes.memmove(addr, x.to_bytes(128, "little"), 128)
+        return 0
+    return encode
+
+
+def _random_layouts(rng, count):
+    """(q, k, v) views for _tma.template, strides across the 40-bit range."""
+    out = []
+    for _ in range(count):
+        views = []
+        for box in (rng.choice((64, 128, 192)), 80, 80):
+            shape = (rng.randrange(1, 1 << 16), rng.randrange(1, 1 << 31), rng.randrange(1, 300), 64)
+            strides = tuple(8 * rng.randrange(1, 1 << rng.choice((8, 20, 36))) for _ in range(3))
+            views.append((shape, strides, box))
+        out.append(tuple(views))
+    return out
+
+
+def test_new_layouts_are_written_into_a_kind_map_not_encoded(monkeypatch):
+    """Where the driver's maps store dims and strides as the layout model says, a new
+    layout costs no encode (only each kind's probes do), and its record equals the one
+    the driver encodes map by map."""
+    import random
+    calls = []
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: _model_encode(calls))
+    monkeypatch.setattr(_tma, "_learned_field", None)
+    monkeypatch.setattr(_tma, "_kind_maps", {})
+    _tma.template.cache_clear()
+    layouts = _random_layouts(random.Random(3), 40)
+    written = [_tma.template("bfloat16", views).record for views in layouts]
+    kinds = {("bfloat16", box) for views in layouts for _, _, box in views}
+    assert len(calls) == len(_tma._KIND_PROBES) * len(kinds)
+    assert all(m is not None for m in _tma._kind_maps.values())
+    monkeypatch.setattr(_tma, "_kind_map", lambda dtype, box_rows: None)  # the driver only
+    _tma.template.cache_clear()
+    encoded = [_tma.template("bfloat16", views).record for views in layouts]
+    assert written == encoded and len(set(written)) == len(layouts)
+    _tma.template.cache_clear()
+
+
+def test_a_driver_storing_layouts_otherwise_encodes_every_layout(monkeypatch):
+    import random
+    calls = []
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: _model_encode(calls, dims_minus=0))
+    monkeypatch.setattr(_tma, "_learned_field", None)
+    monkeypatch.setattr(_tma, "_kind_maps", {})
+    _tma.template.cache_clear()
+    layouts = _random_layouts(random.Random(4), 10)
+    records = [_tma.template("float16", views).record for views in layouts]
+    assert set(_tma._kind_maps.values()) == {None}
+    assert len(calls) == len(_tma._KIND_PROBES) * len(_tma._kind_maps) + 3 * len(layouts)
+    holder, base = _tma._aligned_record()
+    for views, record in zip(layouts, records):  # byte for byte the driver's own maps
+        for i, view in enumerate(views):
+            assert _tma._encode_at(base, "float16", _tma._PLACEHOLDER_ADDRESS, *view)
+            assert record[128 * i:128 * i + 128] == __import__("ctypes").string_at(base, 128)
+    _tma.template.cache_clear()
+
+
+def test_no_driver_yet_is_not_remembered(monkeypatch):
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: lambda *args: 1)  # every encode fails
+    monkeypatch.setattr(_tma, "_kind_maps", {})
+    assert _tma._kind_map("float16", 128) is None and _tma._kind_maps == {}
 
 
 def test_params_record_from_named_fields():
