@@ -77,7 +77,8 @@ def test_template_encodes_each_distinct_layout_once(monkeypatch):
 
     monkeypatch.setattr(_tma, "_encode_fn", lambda: encode)
     monkeypatch.setattr(_tma, "_learned_field", None)  # no address field: the driver moves
-    monkeypatch.setattr(_tma, "_kind_maps", {})  # (this driver's maps fail the layout model)
+    monkeypatch.setattr(_tma, "_kind_maps", {})
+    monkeypatch.setattr(_tma, "_kind_words", {})  # (this driver's maps fail the layout model)
     _tma.template.cache_clear()
     for kind in (("float16", 128),):  # learn the kind first: its probes are encodes too
         assert _tma._kind_map(*kind) is None
@@ -137,17 +138,32 @@ def test_new_layouts_are_written_into_a_kind_map_not_encoded(monkeypatch):
     """Where the driver's maps store dims and strides as the layout model says, a new
     layout costs no encode (only each kind's probes do), and its record equals the one
     the driver encodes map by map."""
+    import ctypes
     import random
     calls = []
+
+    def replace(addr, ptr):  # the model's driver moves word 0
+        ctypes.memmove(addr, ptr.to_bytes(8, "little"), 8)
+        return 0
+
     monkeypatch.setattr(_tma, "_encode_fn", lambda: _model_encode(calls))
-    monkeypatch.setattr(_tma, "_learned_field", None)
+    monkeypatch.setattr(_tma, "_replace_fn", lambda: replace)
+    monkeypatch.setattr(_tma, "_learned_field", _tma._UNKNOWN)
+    monkeypatch.setattr(_tma, "_verified_kinds", set())
     monkeypatch.setattr(_tma, "_kind_maps", {})
+    monkeypatch.setattr(_tma, "_kind_words", {})
     _tma.template.cache_clear()
     layouts = _random_layouts(random.Random(3), 40)
-    written = [_tma.template("bfloat16", views).record for views in layouts]
+    templates = [_tma.template("bfloat16", views) for views in layouts]
+    written = [t.record for t in templates]
     kinds = {("bfloat16", box) for views in layouts for _, _, box in views}
-    assert len(calls) == len(_tma._KIND_PROBES) * len(kinds)
-    assert all(m is not None for m in _tma._kind_maps.values())
+    assert len(calls) == len(_tma._KIND_PROBES) * len(kinds) + 1  # + the address field's
+    assert all(m is not None for m in _tma._kind_maps.values()) and _tma._kind_words
+    q, k, v = 0x7F00_1234_5670, 0x7F00_0000_0100, 0x10  # the kinds' address words reused
+    for t in templates:
+        moved = b"".join(p.to_bytes(8, "little") + t.record[i + 8:i + 128]
+                         for i, p in zip((0, 128, 256), (q, k, v)))
+        assert bytes(_tma.with_addresses(t, q, k, v)) == moved + t.record[384:]
     monkeypatch.setattr(_tma, "_kind_map", lambda dtype, box_rows: None)  # the driver only
     _tma.template.cache_clear()
     encoded = [_tma.template("bfloat16", views).record for views in layouts]
@@ -161,6 +177,7 @@ def test_a_driver_storing_layouts_otherwise_encodes_every_layout(monkeypatch):
     monkeypatch.setattr(_tma, "_encode_fn", lambda: _model_encode(calls, dims_minus=0))
     monkeypatch.setattr(_tma, "_learned_field", None)
     monkeypatch.setattr(_tma, "_kind_maps", {})
+    monkeypatch.setattr(_tma, "_kind_words", {})
     _tma.template.cache_clear()
     layouts = _random_layouts(random.Random(4), 10)
     records = [_tma.template("float16", views).record for views in layouts]
@@ -177,6 +194,7 @@ def test_a_driver_storing_layouts_otherwise_encodes_every_layout(monkeypatch):
 def test_no_driver_yet_is_not_remembered(monkeypatch):
     monkeypatch.setattr(_tma, "_encode_fn", lambda: lambda *args: 1)  # every encode fails
     monkeypatch.setattr(_tma, "_kind_maps", {})
+    monkeypatch.setattr(_tma, "_kind_words", {})
     assert _tma._kind_map("float16", 128) is None and _tma._kind_maps == {}
 
 

@@ -70,6 +70,7 @@ def _clear_tma_caches():
     _tma._learned_field = _tma._UNKNOWN
     _tma._verified_kinds.clear()
     _tma._kind_maps.clear()
+    _tma._kind_words.clear()
 
 
 def _fake_encode(map_address, data_type, rank, ptr, *layout):
