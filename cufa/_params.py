@@ -79,6 +79,9 @@ class Record:
         self._pointers = struct.Struct(f"<{len(self.pointer_fields)}Q")
         self._record = struct.Struct(_struct_format(self.dtype))
         self._zeros = dict.fromkeys(self.dtype.names, 0)  # fields left out; in layout order
+        codes = _struct_codes()
+        self._fields = {name: (struct.Struct("<" + codes[self.dtype.fields[name][0]]),
+                               self.dtype.fields[name][1]) for name in self.dtype.names}
 
     def pack(self, fields):
         """{field: value} -> the record's bytes, passed by value to the kernel (fields left
@@ -90,6 +93,15 @@ class Record:
             raise KeyError(f"not {self.struct_name} fields: {sorted(unknown)}")
         return self._record.pack(*values.values())
 
+    def with_fields(self, record, fields):
+        """A copy of `record` (bytes of a packed record) with `fields` ({field: value})
+        set, as bytes."""
+        buffer = bytearray(record)
+        for name, value in fields.items():
+            packer, offset = self._fields[name]
+            packer.pack_into(buffer, offset, value)
+        return bytes(buffer)
+
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to
         `values`, in pointer_fields order, as a ctypes buffer to pass by address."""
@@ -98,9 +110,13 @@ class Record:
         return buffer
 
 
+def _struct_codes():
+    return {np.dtype(_PTR): "Q", np.dtype(_I64): "q", np.dtype(_I32): "i", np.dtype(_F32): "f"}
+
+
 def _struct_format(dtype):
     """The struct module's format of an aligned NumPy record dtype (padding as pad bytes)."""
-    codes = {np.dtype(_PTR): "Q", np.dtype(_I64): "q", np.dtype(_I32): "i", np.dtype(_F32): "f"}
+    codes = _struct_codes()
     fmt, at = "<", 0
     for name in dtype.names:
         kind, offset = dtype.fields[name][:2]

@@ -78,9 +78,26 @@ def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, sof
     key = ("dense", options) + key
     plan = _plans.get(key)
     if plan is None:
-        plan = _remember(key, _plan_dense(*_views(arrays, _DENSE_ARRAYS), out, *options))
+        plan = _remember(key, _dense_plan(_views(arrays, _DENSE_ARRAYS), out, options))
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     lse_out=lse_out, stream=stream, scratch=scratch)
+
+
+def _dense_plan(views, out, options):
+    """A padded batch's plan: moved from a plan of its layout at other sizes (_moved)
+    where there is one, else made."""
+    q, k, v, alibi, o = views
+    layout = None if alibi is not None else _layout_key("dense", options, views, 2, 1)
+    base = _layouts.get(layout) if layout is not None else None
+    if base is not None:
+        (batch, seqlen_q), (batch_k, seqlen_k) = q.shape[:2], k.shape[:2]
+        if (batch_k == batch and v.shape[:2] == k.shape[:2]
+                and (o is None or o.shape == q.shape) and _movable(seqlen_q, seqlen_k, batch)
+                and _loadable(q, k, v, o)):
+            plan = _moved(base, q, k, v, o, 1, 2, batch, seqlen_q, seqlen_k, False)
+            if plan is not None:
+                return plan
+    return _remember_layout(layout, _plan_dense(*views, out, *options))
 
 
 def _plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
@@ -178,7 +195,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     if plan is None or check_cu_seqlens:
         views = _views(arrays, _PACKED_ARRAYS, required=5)  # q, k, v and both cu_seqlens
     if plan is None:
-        plan = _remember(key, _plan_packed(*views, out, *options))
+        plan = _remember(key, _packed_plan(views, out, options))
     if check_cu_seqlens:
         q_, k_, _, cu_q, cu_k, used, _, table, _ = views
         _check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
@@ -189,6 +206,27 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
                     stream=stream, scratch=scratch)
+
+
+def _packed_plan(views, out, options):
+    """A packed batch's plan: moved from a plan of its layout at other sizes (_moved)
+    where there is one (paged batches and ALiBi aside), else made."""
+    q, k, v, cu_q, cu_k, used, alibi, table, o = views
+    layout = None
+    if alibi is None and table is None and all(
+            x is None or x.strides == (1,) for x in (cu_q, cu_k, used)):
+        layout = _layout_key("packed", options, views, 1, 0)
+    base = _layouts.get(layout) if layout is not None else None
+    if base is not None:
+        total_q, total_k, batch = q.shape[0], k.shape[0], cu_q.shape[0] - 1
+        if (v.shape[0] == total_k and cu_k.shape == cu_q.shape
+                and (used is None or used.shape == (batch,))
+                and (o is None or o.shape == q.shape) and _movable(total_q, total_k, batch)
+                and _loadable(q, k, v, o)):
+            plan = _moved(base, q, k, v, o, 0, 1, batch, total_q, total_k, True)
+            if plan is not None:
+                return plan
+    return _remember_layout(layout, _plan_packed(*views, out, *options))
 
 
 def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, softcap):
@@ -590,8 +628,83 @@ def clear_plans():
     """Forget every launch plan (the next call of each signature plans again) and read
     the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) afresh."""
     _plans.clear()
+    _layouts.clear()
     _jax.replays.clear()
     _compile.read_overrides()
+
+
+# -- plans moved to new sizes -------------------------------------------------------------
+# A server calls with new sizes nearly every step (a packed batch's token count, a padded
+# batch's length). A call whose arrays differ from a planned call's only in their sizes
+# (batch, sequence lengths and the batch strides that follow from them) gets that plan
+# moved to its sizes: the size checks and the size-dependent values (_Sizes, the TMA maps),
+# not validation and planning from scratch (bench/NOTES.md, launch cost).
+_layouts = collections.OrderedDict()  # _layout_key -> a plan of that layout
+
+
+def _layout_key(entry, options, views, free_dims, free_strides):
+    """A call's signature less its sizes: of each array its type, framework, shape past the
+    first free_dims, strides past the first free_strides, dtype, device and alignment."""
+    return (entry, options) + tuple(
+        None if x is None else (type(x.obj), x.framework, x.shape[free_dims:],
+                                x.strides[free_strides:], x.dtype, x.device, x.ptr % 16)
+        for x in views)
+
+
+def _remember_layout(layout, plan):
+    """plan as its layout's, when it has one and launches (paged batches do not move)."""
+    if layout is not None and plan.variant is not None and plan.decode is None:
+        if len(_layouts) >= _MAX_PLANS:
+            _layouts.popitem(last=False)
+        _layouts[layout] = plan
+    return plan
+
+
+def _movable(seqlen_q, seqlen_k, batch):
+    """Sizes a moved plan takes; others (empty, too long) are planned, which says why."""
+    return 0 < min(seqlen_q, seqlen_k, batch) and max(seqlen_q, seqlen_k) <= _INT32_MAX // 2
+
+
+def _loadable(*views):
+    """Whether _check_loadable passes every view (its strides past the layout's)."""
+    try:
+        for x in views:
+            if x is not None:
+                _check_loadable(x, "")
+    except ValueError:
+        return False
+    return True
+
+
+def _moved(base, q, k, v, o, seq_dim, head_dim, batch, seqlen_q, seqlen_k, packed):
+    """base (a plan of this call's layout) at the call's sizes; None where they change
+    the kernel variant or whether TMA describes the arrays."""
+    family = _compile.family_for(_compute_capability(q.device))
+    variant, tma_template = _variant(q, k, v, seq_dim, head_dim, q.shape[-1], batch,
+                                     seqlen_q, packed, base.variant.mask,
+                                     base.variant.score_mods, family)
+    if variant != base.variant or (tma_template is None) != (base.tma_template is None) or (
+            tma_template is not None and tma_template.has_tails != base.tma_template.has_tails):
+        return None
+    nheads = q.shape[head_dim]
+    sizes = _Sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
+    fields = sizes.fields
+    if not packed:  # the row and head strides are the layout's, as in base
+        o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
+        for (batch_field, _, _), strides in zip(
+                _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
+            fields[batch_field] = strides[0]
+    plan = _Plan.__new__(_Plan)  # a copy of base (copy.copy takes 3 us more)
+    plan.__dict__.update(base.__dict__)
+    plan.out_shape = q.shape
+    plan.lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
+    plan.params = _params.FWD.with_fields(base.params, fields)
+    plan.num_blocks, plan.scratch_bytes = sizes.num_blocks, sizes.scratch_bytes
+    plan.tma_template = tma_template
+    if packed:
+        plan.work_list = (base.work_list[0], sizes.max_tiles, sizes.num_buckets, batch,
+                          seqlen_q)
+    return plan
 
 
 def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
@@ -612,33 +725,14 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     family = _compile.family_for(_compute_capability(q.device))
     if paged is not None:  # rows through a page table: no TMA descriptor describes them
         family = "sm80"
-    rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind)
-    variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
-                                   rows)
-    tma_template = None
-    if family == "sm90":
-        tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
-        if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
-            variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
-                                           "sm80")
-    num_m_blocks = -(-seqlen_q // variant.block_m)
-    # Packed batches: at most total_q / block_m + batch real tiles (each sequence rounds
-    # up once); the device-built list says how many there are.
-    max_tiles = seqlen_q // variant.block_m + batch if packed else num_m_blocks * batch
-    num_buckets = seqlen_q // variant.block_m + 2  # packed: the schedule's counting sort
-    if max_tiles * nheads > _INT32_MAX:
-        raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed "
-                         "the grid limit")
+    variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
+                                     mask_kind, score_mods, family)
+    sizes = _Sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
     o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
-    # Heads scheduled together: as many as keep their K/V within half of L2.
-    kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
     p = dict(
-        batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        head_dim=d, num_m_blocks=num_m_blocks,
-        heads_per_group=max(1, min(batch * nheads, _L2_BUDGET // kv_bytes)),
+        nheads=nheads, nheads_k=nheads_k, head_dim=d,
         kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
-        bottom_right=int(bottom_right),
-        lse_batch_stride=0 if packed else nheads * seqlen_q, lse_head_stride=seqlen_q,
+        bottom_right=int(bottom_right), **sizes.fields,
         **score_fields(window, scale, softcap, d, alibi))
     for (batch_field, row_field, head_field), strides in zip(
             _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
@@ -655,19 +749,55 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
         (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
          p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
-    num_blocks = max_tiles * nheads
-    if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
-        num_blocks = min(num_blocks, _sm_count(q.device) * variant.ctas_per_sm)
-    # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
-    scratch_bytes = (4 * (_work_list_ints(max_tiles, num_buckets) + 2)
-                     if packed else 8 if variant.persistent else 0)
-    return _Plan(**outputs, variant=variant, scratch_bytes=scratch_bytes,
+    return _Plan(**outputs, variant=variant, scratch_bytes=sizes.scratch_bytes,
                  function=_compile.function_pointer(variant, q.device),
-                 params=_params.FWD.pack(p), num_blocks=num_blocks,
+                 params=_params.FWD.pack(p), num_blocks=sizes.num_blocks,
                  tma_template=tma_template,
                  work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
-                            max_tiles, num_buckets, batch, seqlen_q)
+                            sizes.max_tiles, sizes.num_buckets, batch, seqlen_q)
                  if packed else None)
+
+
+def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,
+             family):
+    """(kernel variant, _tma.Template or None) of a plan."""
+    rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind)
+    variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
+                                   rows)
+    if family != "sm90":
+        return variant, None
+    tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
+    if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
+        variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80")
+    return variant, tma_template
+
+
+class _Sizes:
+    """The launch values of a plan that follow from its sizes (batch, heads, sequence
+    lengths) and tiles: shared by _plan and _moved, so that a moved plan is the plan."""
+
+    def __init__(self, variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
+        num_m_blocks = -(-seqlen_q // variant.block_m)
+        # Packed batches: at most total_q / block_m + batch real tiles (each sequence
+        # rounds up once); the device-built list says how many there are.
+        self.max_tiles = (seqlen_q // variant.block_m + batch if packed
+                          else num_m_blocks * batch)
+        self.num_buckets = seqlen_q // variant.block_m + 2  # packed: the schedule's counting sort
+        if self.max_tiles * nheads > _INT32_MAX:
+            raise ValueError(f"problem too large: {self.max_tiles * nheads} query tiles "
+                             "exceed the grid limit")
+        # Heads scheduled together: as many as keep their K/V within half of L2.
+        kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
+        self.fields = dict(  # FwdParams
+            batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks,
+            heads_per_group=max(1, min(batch * nheads, _L2_BUDGET // kv_bytes)),
+            lse_batch_stride=0 if packed else nheads * seqlen_q, lse_head_stride=seqlen_q)
+        self.num_blocks = self.max_tiles * nheads
+        if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
+            self.num_blocks = min(self.num_blocks, _sm_count(device) * variant.ctas_per_sm)
+        # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
+        self.scratch_bytes = (4 * (_work_list_ints(self.max_tiles, self.num_buckets) + 2)
+                              if packed else 8 if variant.persistent else 0)
 
 
 def score_fields(window, scale, softcap, d, alibi):

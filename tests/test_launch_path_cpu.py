@@ -587,3 +587,92 @@ def test_jax_recordings_of_moving_buffers_are_bounded(device, monkeypatch):
 
 
 _real_driver_launch = api.driver_launch
+
+
+def _strided(shape, strides, dtype="float16"):
+    itemsize = 4 if dtype in ("float32", "int32") else 2
+    return _interop.DeviceArray(None, "cupy", next(_addresses), tuple(shape), tuple(strides),
+                                dtype, 0, itemsize)
+
+
+def _last_plan():
+    return next(reversed(api._plans.values()))
+
+
+def _same_plan(a, b):
+    fields = dict(a.__dict__)
+    other = dict(b.__dict__)
+    ta, tb = fields.pop("tma_template"), other.pop("tma_template")
+    assert fields == other
+    assert (ta is None) == (tb is None)
+    if ta is not None:
+        assert (ta.record, ta.has_tails, ta.address_words) == (
+            tb.record, tb.has_tails, tb.address_words)
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, heads_first,
+                                                                       monkeypatch):
+    """Moved plans (api._moved) equal the plans made by validation and planning, at sizes
+    that cross the tile classes (64-, 128- and 192-row tiles), for padded and packed
+    batches, with and without out=, and a (B, H, N, d) storage whose head stride grows."""
+    import random
+    rng = random.Random(5)
+    moved_plans = []
+    move = api._moved
+
+    def counted(*args):
+        plan = move(*args)
+        moved_plans.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(api, "_moved", counted)
+    for case in range(60):
+        d, h, hk = rng.choice((64, 128, 72)), rng.choice((4, 8)), rng.choice((1, 2, 4))
+        causal, dense, with_out = rng.random() < 0.5, rng.random() < 0.6, rng.random() < 0.3
+        for n_q, n_k, batch in [(rng.randrange(1, 5000), rng.randrange(1, 5000),
+                                 rng.randrange(1, 6)) for _ in range(3)]:
+            if dense:
+                def arr(n, heads):
+                    if heads_first:  # (B, H, N, d) storage seen as (B, N, H, d)
+                        return _strided((batch, n, heads, d), (heads * n * d, d, n * d, 1))
+                    return view((batch, n, heads, d))
+                q, k, v = arr(n_q, h), arr(n_k, hk), arr(n_k, hk)
+                out = view(q.shape) if with_out else None
+
+                def call():
+                    return cufa.flash_attn_func(q, k, v, causal=causal, out=out)
+            else:
+                total_q, total_k = n_q * batch, n_k * batch
+                q, k, v = view((total_q, h, d)), view((total_k, hk, d)), view((total_k, hk, d))
+                cu_q, cu_k = view((batch + 1,), "int32"), view((batch + 1,), "int32")
+                out = view(q.shape) if with_out else None
+
+                def call():
+                    return cufa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, n_q, n_k,
+                                                       causal=causal, out=out)
+            call()
+            moved = _last_plan()
+            api._plans.clear()
+            api._layouts.clear()
+            call()  # made from scratch
+            _same_plan(moved, _last_plan())
+    # most calls moved a plan (the rest: another tile class or (B, H, N, d) storage,
+    # whose head stride changes with N: another layout)
+    assert sum(moved_plans) > (20 if heads_first else 60), (sum(moved_plans), len(moved_plans))
+
+
+def test_moved_plans_still_refuse_bad_sizes(device):
+    q, k = view((2, 300, 4, 64)), view((2, 300, 4, 64))
+    cufa.flash_attn_func(q, k, k)
+    with pytest.raises(ValueError, match="k has batch 3 but q has 2"):
+        cufa.flash_attn_func(q, view((3, 300, 4, 64)), view((3, 300, 4, 64)))
+    with pytest.raises(ValueError, match="v has shape"):
+        cufa.flash_attn_func(q, k, view((2, 301, 4, 64)))
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        cufa.flash_attn_func(q, k, k, out=view((2, 299, 4, 64)))
+    bad = _strided((3, 300, 4, 64), (300 * 256 + 4, 256, 64, 1))  # batch stride not 8-aligned
+    with pytest.raises(ValueError, match="multiples of 8"):
+        cufa.flash_attn_func(bad, bad, bad)
+    empty = view((2, 0, 4, 64))
+    assert cufa.flash_attn_func(empty, k, k).startswith("array@")  # planned: nothing to launch
