@@ -2,7 +2,8 @@
 """Host time per call on a problem too small to keep the GPU busy: what launching costs
 from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once. "New
 signature" clears cufa's launch plans and TMA descriptor templates before each call, as
-a call with new shapes would.
+a call with new sizes would (the plan of its layout at other sizes stays, as in a
+server: moved to the new sizes); "new layout" clears those plans too.
 Also a decode call against SDPA's, and, where JAX with buffer_callback is installed, a
 jitted cufa call against jax.nn.dot_product_attention.
 
@@ -60,9 +61,13 @@ def main():
         return cufa.flash_attn_varlen_func(*packed, cu, cu, 128, 128, causal=True)
 
     def unplanned(fn):  # a new signature every call (a server's next packed batch): no
-        api._plans.clear()  # plan, and on Hopper no TMA descriptors for the new layout
-        _tma.template.cache_clear()
+        api._plans.clear()  # plan, and on Hopper no TMA descriptors for the new layout;
+        _tma.template.cache_clear()  # the plan of its layout at other sizes is there
         return fn()
+
+    def unlaid(fn):  # a new layout as well: no plan to move either
+        api._layouts.clear()
+        return unplanned(fn)
 
     # Inputs at addresses the launch has not seen (more sets than its descriptor cache
     # holds), as a model's activations are: on Hopper each call then points a copy of
@@ -80,8 +85,11 @@ def main():
         "cufa.flash_attn_func, new input addresses": new_addresses,
         "cufa.flash_attn_func, new signature": lambda: unplanned(
             lambda: cufa.flash_attn_func(q, k, v, causal=True)),
+        "cufa.flash_attn_func, new layout": lambda: unlaid(
+            lambda: cufa.flash_attn_func(q, k, v, causal=True)),
         "cufa.flash_attn_varlen_func (2 sequences)": varlen,
         "cufa.flash_attn_varlen_func, new signature": lambda: unplanned(varlen),
+        "cufa.flash_attn_varlen_func, new layout": lambda: unlaid(varlen),
         "cufa.scaled_dot_product_attention": lambda: cufa.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
     }
