@@ -63,13 +63,16 @@ def tail_view(rows, heads, cols, row_stride, head_stride, box_rows):
     return (rows, box_rows, heads, cols), (row_stride, row_stride, head_stride), box_rows
 
 
-@dataclass(frozen=True, eq=False)
 class Template:
-    """A layout's TensorMaps record, every map encoded at a placeholder address."""
-    record: bytes
-    has_tails: bool       # the record holds the packed k/v tail maps
-    address_words: tuple  # per map (byte offset, bits kept, shift) of the 64-bit word that
-                          # holds its address; () where only the driver may move them
+    """A layout's TensorMaps record, every map encoded at a placeholder address. (A plain
+    class: a new shape makes one, and a frozen dataclass's fields cost a setattr each.)"""
+    __slots__ = ("record", "has_tails", "address_words")
+
+    def __init__(self, record, has_tails, address_words):
+        self.record = record                # bytes
+        self.has_tails = has_tails          # the record holds the packed k/v tail maps
+        self.address_words = address_words  # per map (byte offset, bits kept, shift) of the
+        # 64-bit word that holds its address; () where only the driver may move them
 
 
 @functools.lru_cache(maxsize=4096)
@@ -78,6 +81,9 @@ def template(dtype, views, tail_views=()):
     () or the packed (k, v) tail views. Returns the layout's Template, or None if q, k or
     v cannot be described. Tails the driver refuses are left out (the kernel then copies
     those blocks itself). with_addresses points a copy at a call's arrays."""
+    made = _kind_template(dtype, views, tail_views)
+    if made is not None:
+        return made
     maps = {}  # layout -> its map at the placeholder; equal layouts have equal maps (k
     # and v of one shape, their tails)
 
@@ -107,6 +113,47 @@ def template(dtype, views, tail_views=()):
             if field is not None and not _DIMS_AND_STRIDES[0] - 8 < field[0] < _DIMS_AND_STRIDES[1]:
                 _kind_words[kind] = words
     return Template(record, has_tails, words)
+
+
+def _kind_template(dtype, views, tail_views):
+    """template() of a kind seen before whose maps are all kind maps (_kind_map): each
+    map one struct pack of its dims and strides into its kind's map, the address words
+    the kind's. None where that does not hold (the general path then decides), e.g. a
+    layout map_args refuses."""
+    kind = (dtype, tuple(view[2] for view in views), tuple(view[2] for view in tail_views))
+    words = _kind_words.get(kind)
+    if words is None:
+        return None
+    record, previous = [], None
+    for layout in views + tail_views:
+        if layout != previous:  # k and v of one shape (and their tails) share a map
+            previous, made = layout, _written_map(_kind_parts[dtype, layout[2]], *layout)
+            if made is None:
+                return None
+        record.append(made)
+    record.append(bytes(MAPS_BYTES - 128 * len(record)))
+    return Template(b"".join(record), bool(tail_views), words)
+
+
+def _written_map(parts, shape, strides, box_rows):
+    """_with_layout(kind map, *map_args(shape, strides, 2, box_rows)[:2]) from the kind
+    map's parts (_kind_parts), straight-line (a new shape writes three to five of these);
+    None where map_args would refuse the layout."""
+    batch, rows, heads, cols = shape
+    batch_stride, row_stride, head_stride = strides
+    # strides in 16-byte units (2-byte elements); a dimension of one element may have
+    # stride 0, which is never used
+    u0 = row_stride >> 3 if row_stride or rows > 1 else 1
+    u1 = head_stride >> 3 if head_stride or heads > 1 else 1
+    u2 = batch_stride >> 3 if batch_stride or batch > 1 else 1
+    if (min(row_stride, head_stride, batch_stride) < 0 or (row_stride | head_stride | batch_stride) & 7
+            or (u0 | u1 | u2) >> 36 or not (u0 and u1 and u2) or (rows | heads | batch | cols) >> 32):
+        return None
+    head, middle, high, pad, tail = parts
+    return _MAP.pack(head, u0 & _LOW32, u1 & _LOW32, u2 & _LOW32, middle,
+                     high | u0 >> 32 | u1 >> 32 << 4 | u2 >> 32 << 8, pad, cols - 1,
+                     rows - 1 if rows > 1 else 0, heads - 1 if heads > 1 else 0,
+                     batch - 1 if batch > 1 else 0, tail)
 
 
 def with_addresses(template, q, k, v):
@@ -182,6 +229,7 @@ _KIND_PROBES = (
 )
 _kind_maps = {}  # (dtype, box_rows) -> the kind's map at the placeholder, or None
 _kind_words = {}  # template's kind -> the address words of its records made of kind maps
+_kind_parts = {}  # (dtype, box_rows) -> its kind map around the fields (_written_map)
 
 
 def _kind_map(dtype, box_rows):
@@ -200,6 +248,10 @@ def _kind_map(dtype, box_rows):
     kind_map = maps[0][0]
     holds = all(_with_layout(kind_map, args[0], args[1]) == m for m, args in maps)
     _kind_maps[kind] = kind_map if holds else None
+    if holds:
+        _kind_parts[kind] = (kind_map[:12], kind_map[24:28],
+                             int.from_bytes(kind_map[28:30], "little") & ~0xFFF,
+                             kind_map[30:32], kind_map[48:])
     return _kind_maps[kind]
 
 

@@ -93,7 +93,7 @@ def _dense_plan(views, out, options):
         (batch, seqlen_q), (batch_k, seqlen_k) = q.shape[:2], k.shape[:2]
         if (batch_k == batch and v.shape[:2] == k.shape[:2]
                 and (o is None or o.shape == q.shape) and _movable(seqlen_q, seqlen_k, batch)
-                and _loadable(q, k, v, o)):
+                and _loadable((q, k, v, o), 2)):
             plan = _moved(base, q, k, v, o, 1, 2, batch, seqlen_q, seqlen_k, False)
             if plan is not None:
                 return plan
@@ -222,7 +222,7 @@ def _packed_plan(views, out, options):
         if (v.shape[0] == total_k and cu_k.shape == cu_q.shape
                 and (used is None or used.shape == (batch,))
                 and (o is None or o.shape == q.shape) and _movable(total_q, total_k, batch)
-                and _loadable(q, k, v, o)):
+                and _loadable((q, k, v, o), 1)):
             plan = _moved(base, q, k, v, o, 0, 1, batch, total_q, total_k, True)
             if plan is not None:
                 return plan
@@ -665,14 +665,15 @@ def _movable(seqlen_q, seqlen_k, batch):
     return 0 < min(seqlen_q, seqlen_k, batch) and max(seqlen_q, seqlen_k) <= _INT32_MAX // 2
 
 
-def _loadable(*views):
-    """Whether _check_loadable passes every view (its strides past the layout's)."""
-    try:
-        for x in views:
-            if x is not None:
-                _check_loadable(x, "")
-    except ValueError:
-        return False
+def _loadable(views, free_dims):
+    """_check_loadable of views of a planned layout at new sizes: the layout fixes the
+    rest, so only a free dim's stride can newly matter (misaligned, under a size now
+    past 1)."""
+    for x in views:
+        if x is not None:
+            for i in range(free_dims):
+                if x.strides[i] % 8 and x.shape[i] > 1:
+                    return False
     return True
 
 
@@ -683,7 +684,7 @@ def _moved(base, q, k, v, o, seq_dim, head_dim, batch, seqlen_q, seqlen_k, packe
     variant, tma_template = _variant(q, k, v, seq_dim, head_dim, q.shape[-1], batch,
                                      seqlen_q, packed, base.variant.mask,
                                      base.variant.score_mods, family)
-    if variant != base.variant or (tma_template is None) != (base.tma_template is None) or (
+    if variant is not base.variant or (tma_template is None) != (base.tma_template is None) or (
             tma_template is not None and tma_template.has_tails != base.tma_template.has_tails):
         return None
     nheads = q.shape[head_dim]

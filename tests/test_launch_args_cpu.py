@@ -79,6 +79,7 @@ def test_template_encodes_each_distinct_layout_once(monkeypatch):
     monkeypatch.setattr(_tma, "_learned_field", None)  # no address field: the driver moves
     monkeypatch.setattr(_tma, "_kind_maps", {})
     monkeypatch.setattr(_tma, "_kind_words", {})  # (this driver's maps fail the layout model)
+    monkeypatch.setattr(_tma, "_kind_parts", {})
     _tma.template.cache_clear()
     for kind in (("float16", 128),):  # learn the kind first: its probes are encodes too
         assert _tma._kind_map(*kind) is None
@@ -152,6 +153,7 @@ def test_new_layouts_are_written_into_a_kind_map_not_encoded(monkeypatch):
     monkeypatch.setattr(_tma, "_verified_kinds", set())
     monkeypatch.setattr(_tma, "_kind_maps", {})
     monkeypatch.setattr(_tma, "_kind_words", {})
+    monkeypatch.setattr(_tma, "_kind_parts", {})
     _tma.template.cache_clear()
     layouts = _random_layouts(random.Random(3), 40)
     templates = [_tma.template("bfloat16", views) for views in layouts]
@@ -165,10 +167,38 @@ def test_new_layouts_are_written_into_a_kind_map_not_encoded(monkeypatch):
                          for i, p in zip((0, 128, 256), (q, k, v)))
         assert bytes(_tma.with_addresses(t, q, k, v)) == moved + t.record[384:]
     monkeypatch.setattr(_tma, "_kind_map", lambda dtype, box_rows: None)  # the driver only
+    monkeypatch.setattr(_tma, "_kind_words", {})
     _tma.template.cache_clear()
     encoded = [_tma.template("bfloat16", views).record for views in layouts]
     assert written == encoded and len(set(written)) == len(layouts)
     _tma.template.cache_clear()
+
+
+def test_a_written_map_is_the_layout_model_of_map_args(monkeypatch):
+    """_written_map (a new shape's maps, straight-line) refuses exactly the layouts
+    map_args refuses and otherwise writes what _with_layout writes, edge strides included
+    (zero under a size of one, unaligned, past 40 bits)."""
+    import random
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: _model_encode([]))
+    monkeypatch.setattr(_tma, "_kind_maps", {})
+    monkeypatch.setattr(_tma, "_kind_parts", {})
+    kind_map = _tma._kind_map("float16", 128)
+    parts = _tma._kind_parts["float16", 128]
+    rng = random.Random(5)
+    sizes = (0, 1, 2, 3, 1000, (1 << 32) - 1, 1 << 32)
+    strides = (0, -8, 4, 8, 64, 8 * 3, (1 << 39) - 8, 1 << 39, 8 * 0xF_1234_5678)
+    refused = 0
+    for _ in range(4000):
+        shape = (rng.choice(sizes), rng.choice(sizes), rng.choice(sizes), rng.choice((64, 8)))
+        layout = (shape, tuple(rng.choice(strides) for _ in range(3)), 128)
+        args = _tma.map_args(*layout[:2], 2, 128)
+        written = _tma._written_map(parts, *layout)
+        if args is None:
+            assert written is None, layout
+            refused += 1
+        else:
+            assert written == _tma._with_layout(kind_map, args[0], args[1]), layout
+    assert 0 < refused < 4000
 
 
 def test_a_driver_storing_layouts_otherwise_encodes_every_layout(monkeypatch):
@@ -178,6 +208,7 @@ def test_a_driver_storing_layouts_otherwise_encodes_every_layout(monkeypatch):
     monkeypatch.setattr(_tma, "_learned_field", None)
     monkeypatch.setattr(_tma, "_kind_maps", {})
     monkeypatch.setattr(_tma, "_kind_words", {})
+    monkeypatch.setattr(_tma, "_kind_parts", {})
     _tma.template.cache_clear()
     layouts = _random_layouts(random.Random(4), 10)
     records = [_tma.template("float16", views).record for views in layouts]
@@ -195,6 +226,7 @@ def test_no_driver_yet_is_not_remembered(monkeypatch):
     monkeypatch.setattr(_tma, "_encode_fn", lambda: lambda *args: 1)  # every encode fails
     monkeypatch.setattr(_tma, "_kind_maps", {})
     monkeypatch.setattr(_tma, "_kind_words", {})
+    monkeypatch.setattr(_tma, "_kind_parts", {})
     assert _tma._kind_map("float16", 128) is None and _tma._kind_maps == {}
 
 

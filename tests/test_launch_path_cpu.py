@@ -71,6 +71,7 @@ def _clear_tma_caches():
     _tma._verified_kinds.clear()
     _tma._kind_maps.clear()
     _tma._kind_words.clear()
+    _tma._kind_parts.clear()
 
 
 def _fake_encode(map_address, data_type, rank, ptr, *layout):
