@@ -626,14 +626,11 @@ def _remember(key, plan):
 
 def clear_plans():
     """Forget every launch plan (the next call of each signature plans again) and read
-    the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_NO_PDL) afresh."""
-    global _launch_ex_fn
+    the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) afresh."""
     _plans.clear()
     _layouts.clear()
     _jax.replays.clear()
     _compile.read_overrides()
-    _programmatic_devices.clear()
-    _launch_ex_fn = _UNSET
 
 
 # -- plans moved to new sizes -------------------------------------------------------------
@@ -1022,78 +1019,14 @@ class caller_stream:
 _contexts = {}  # device -> its context handle, as current during our launches
 
 
-def driver_launch(function, blocks, threads, smem_bytes, stream, args, after_ours=False):
+def driver_launch(function, blocks, threads, smem_bytes, stream, args):
     """Straight through the driver, each argument (a ctypes object) passed by address:
     a fraction of the cost of CuPy's argument conversion for the records. blocks: a count
-    or an (x, y, z) grid. after_ours: the launch before it on the stream is one of ours
-    that lets it start early (let_next_grid_start in common.cuh), and it waits for that
-    one's writes itself: launched with programmatic stream serialization (callers pass it
-    only where programmatic_launches(device))."""
+    or an (x, y, z) grid."""
     grid = (blocks, 1, 1) if isinstance(blocks, int) else blocks
     pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    if after_ours:
-        config = _LaunchConfig(*grid, threads, 1, 1, smem_bytes, stream,
-                               ctypes.pointer(_PROGRAMMATIC), 1)
-        stream_call(_checked_launch_ex, config, function, pointers,
-                    keep=(config, pointers, args))
-        return
     stream_call(_driver().launchKernel, function, *grid, threads, 1, 1, smem_bytes, stream,
                 ctypes.addressof(pointers), 0, keep=(pointers, args))
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, a 64-byte value
-    _fields_ = [("id", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_byte * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("smem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-    def __init__(self, gx, gy, gz, bx, by, bz, smem, stream, attrs, num_attrs):
-        super().__init__((gx, gy, gz), (bx, by, bz), smem, stream, attrs, num_attrs)
-
-
-_PROGRAMMATIC = _LaunchAttribute(6, 1)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-def programmatic_launches(device):
-    """Whether launches on `device` may be programmatic (driver_launch's after_ours): sm_90
-    on, a driver with cuLaunchKernelEx, and not CUFA_NO_PDL=1 (A/B runs)."""
-    allowed = _programmatic_devices.get(device)
-    if allowed is None:
-        allowed = _programmatic_devices[device] = (
-            int(_compute_capability(device)) >= 90 and _launch_ex() is not None)
-    return allowed
-
-
-def _launch_ex():
-    """libcuda's cuLaunchKernelEx, or None."""
-    global _launch_ex_fn
-    if _launch_ex_fn is _UNSET:
-        _launch_ex_fn = None
-        import os
-        if os.environ.get("CUFA_NO_PDL") != "1":
-            try:
-                fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-            except (OSError, AttributeError):
-                return None
-            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            _launch_ex_fn = fn
-    return _launch_ex_fn
-
-
-def _checked_launch_ex(config, function, pointers):
-    status = _launch_ex_fn(config, function, pointers, None)
-    if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {status})")
-
-
-_UNSET = object()
-_launch_ex_fn = _UNSET
-_programmatic_devices = {}  # device -> whether its launches may be programmatic (sm_90 on)
 
 
 def stream_call(fn, *args, keep=None):

@@ -365,12 +365,8 @@ def _launch_decode(record, launches, workspace, pointers, framework, device, str
         held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0])
     params = _params.DECODE.with_pointer_values(
         record, pointers(lambda offset: base + 4 * offset if offset >= 0 else 0))
-    # each launch after the first follows one of ours (append -> decode -> combine), which
-    # lets it start early: its launch and start overlap that one's tail
-    after_ours = False
     for _, function, grid, threads, smem in launches:
-        api.driver_launch(function, grid, threads, smem, stream, (params,), after_ours)
-        after_ours = api.programmatic_launches(device)
+        api.driver_launch(function, grid, threads, smem, stream, (params,))
     # (the buffer held until the launches are queued: freed earlier, another thread could
     # be handed the same memory for work ordered before ours)
     del held

@@ -55,21 +55,6 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_by
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
 }
-// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream
-// serialization may be scheduled while the kernel before it still runs, once every CTA
-// of that one has let it (or exited); it must wait before reading what that one writes.
-// Without the launch attribute, and before sm_90, both are no-ops.
-__device__ __forceinline__ void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_next_grid_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

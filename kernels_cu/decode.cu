@@ -288,11 +288,6 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
   __shared__ float s_max[kDecodeRows], s_sum[kDecodeRows];
 
-  // The split combine (launched after this kernel, programmatically) may take its SM
-  // slots now and wait there for our partials: its launch and start overlap our tail.
-  // We wait for decode_append's new keys and rotated q the same way.
-  let_next_grid_start();
-  wait_for_previous_grid();
   // -- which rows, keys and split --
   const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;
   const int h_k = blockIdx.y;
@@ -490,7 +485,6 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
   __shared__ float weight[kRows][kMaxSplits];
   __shared__ float partial[kCombineThreads * 8];
   __shared__ float warp_value[kCombineThreads / 32];
-  wait_for_previous_grid();  // the decode kernel's partials (see decode_kernel)
   const int slot = threadIdx.x / kRowThreads, tid = threadIdx.x % kRowThreads;
   // (b, t, h) in o_partial's order; the host keeps the row count below 2^31. The returns
   // below leave a whole CTA (a CTA a row) or a whole warp (a warp a row, which then meets
@@ -594,7 +588,6 @@ __device__ __forceinline__ void rotate_row(const DecodeParams& p, const u16* src
 //    nheads query rows when rotary is on. --
 template <int kDtype>
 __global__ void __launch_bounds__(128) decode_append(const DecodeParams p) {
-  let_next_grid_start();  // the decode kernel waits for our writes itself
   const int lane = threadIdx.x % 32;
   int row = blockIdx.x * 4 + threadIdx.x / 32;  // the host keeps the row counts below 2^31
   const int kv_rows = p.k_new ? p.batch * p.seqlen_new * p.nheads_k : 0;

@@ -22,7 +22,7 @@ class _Device:
         self.next += 1 << 20
         return f"array@{self.next:#x}", self.next
 
-    def launch(self, function, blocks, threads, smem, stream, args, after_ours=False):
+    def launch(self, function, blocks, threads, smem, stream, args):
         self.launches.append((function, blocks, [bytes(a) for a in args], stream))
 
 
