@@ -1,5 +1,6 @@
 """Python mirrors of the kernels' params structs, passed by value: ``FwdParams``
-(kernels_cu/params.cuh) and ``DecodeParams`` (kernels_cu/decode_params.cuh).
+(kernels_cu/params.cuh), ``DecodeParams`` (kernels_cu/decode_params.cuh), ``MergeParams``
+(merge.cu) and ``ScheduleParams`` (varlen_schedule.cu).
 
 Each field list below is the single Python statement of its layout. Every compile
 appends ``static_assert``s generated from it (``layout_asserts``), so a struct that
@@ -66,6 +67,11 @@ MERGE_FIELDS = [(n, _PTR) for n in ("out_a", "lse_a", "out_b", "lse_b", "out", "
     ("batch", _I32), ("seqlen", _I32), ("nheads", _I32), ("head_dim", _I32)]
 
 
+SCHEDULE_FIELDS = [(n, _PTR) for n in ("cu_seqlens_q", "scratch", "tile_list", "tile_count",
+                                       "tile_counter")] + [
+    (n, _I32) for n in ("batch", "total_q", "block_m", "num_buckets", "decode_rows")]
+
+
 class Record:
     """One params struct: its NumPy layout, and the pointer fields that lead it (so a
     call's addresses go in with one struct.pack)."""
@@ -128,9 +134,10 @@ def _struct_format(dtype):
 FWD = Record("cufa::FwdParams", FWD_FIELDS)
 DECODE = Record("cufa::DecodeParams", DECODE_FIELDS)
 MERGE = Record("cufa::MergeParams", MERGE_FIELDS)
+SCHEDULE = Record("cufa::ScheduleParams", SCHEDULE_FIELDS)
 # marker in a kernel source -> the record whose layout checks a compile of it appends
 RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
-           "struct MergeParams {": MERGE}
+           "struct MergeParams {": MERGE, "struct ScheduleParams {": SCHEDULE}
 
 # AttnMaskType in params.cuh
 ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)

@@ -266,6 +266,8 @@ def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale,
         plan.decode = kvcache.plan_packed_decode(
             q, k, v, o, alibi, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2], d=d,
             total_q=total_q, window=window, scale=scale, softcap=softcap)
+        plan.work_list = plan.work_list[:3] + (_params.SCHEDULE.with_fields(
+            plan.work_list[3], {"decode_rows": plan.decode.rows}),)
         plan.decode.scratch_offset = -(-plan.scratch_bytes // 256) * 256
         plan.scratch_bytes = plan.decode.scratch_offset + plan.decode.scratch_bytes
     return plan
@@ -600,7 +602,7 @@ class _Plan:
     num_blocks: int = 0
     tma_template: object = None  # _tma.Template: the TensorMaps record less its addresses
     work_list: tuple = None  # packed batches: (the schedule kernel's CUfunction, max_tiles,
-                             # num_buckets, batch, total_q)
+                             # num_buckets, its ScheduleParams record with every pointer 0)
     to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
     scratch_bytes: int = 0  # device scratch a launch needs (packed work list, tile counter)
     decode: object = None   # paged packed batches: kvcache.PackedDecode, the short sequences
@@ -703,8 +705,9 @@ def _moved(base, q, k, v, o, seq_dim, head_dim, batch, seqlen_q, seqlen_k, packe
     plan.num_blocks, plan.scratch_bytes = sizes.num_blocks, sizes.scratch_bytes
     plan.tma_template = tma_template
     if packed:
-        plan.work_list = (base.work_list[0], sizes.max_tiles, sizes.num_buckets, batch,
-                          seqlen_q)
+        plan.work_list = (base.work_list[0], sizes.max_tiles, sizes.num_buckets,
+                          _params.SCHEDULE.with_fields(base.work_list[3], dict(
+                              batch=batch, total_q=seqlen_q, num_buckets=sizes.num_buckets)))
     return plan
 
 
@@ -755,7 +758,9 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
                  params=_params.FWD.pack(p), num_blocks=sizes.num_blocks,
                  tma_template=tma_template,
                  work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
-                            sizes.max_tiles, sizes.num_buckets, batch, seqlen_q)
+                            sizes.max_tiles, sizes.num_buckets, _params.SCHEDULE.pack(dict(
+                                batch=batch, total_q=seqlen_q, block_m=variant.block_m,
+                                num_buckets=sizes.num_buckets)))
                  if packed else None)
 
 
@@ -881,7 +886,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
     scratch = None
     if packed:
         cu_q, cu_k, used, table = packed
-        schedule, max_tiles, num_buckets, batch, total_q = plan.work_list
+        schedule, max_tiles, num_buckets, schedule_record = plan.work_list
         # the work list, then the tile counter (2 ints, which the schedule kernel zeroes)
         ints = _work_list_ints(max_tiles, num_buckets)
         if scratch_ptr:
@@ -906,11 +911,8 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
         args = (params, _tma.with_addresses(plan.tma_template, q, k, v))
     if packed:
         driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
-                      (ctypes.c_uint64(cu_q), ctypes.c_int32(batch), ctypes.c_int32(total_q),
-                       ctypes.c_int32(plan.variant.block_m), ctypes.c_int32(num_buckets),
-                       ctypes.c_uint64(tile_count + 4), ctypes.c_uint64(tile_list),
-                       ctypes.c_uint64(tile_count), ctypes.c_uint64(counter),
-                       ctypes.c_int32(plan.decode.rows if plan.decode else 0)))
+                      (_params.SCHEDULE.with_pointer_values(schedule_record, (
+                          cu_q, tile_count + 4, tile_list, tile_count, counter)),))
     driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
                   plan.variant.smem_bytes, stream, args)
     if plan.decode is not None:
@@ -1024,9 +1026,12 @@ def driver_launch(function, blocks, threads, smem_bytes, stream, args):
     a fraction of the cost of CuPy's argument conversion for the records. blocks: a count
     or an (x, y, z) grid."""
     grid = (blocks, 1, 1) if isinstance(blocks, int) else blocks
-    pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    pointers = _POINTER_ARRAYS[len(args)](*map(ctypes.addressof, args))
     stream_call(_driver().launchKernel, function, *grid, threads, 1, 1, smem_bytes, stream,
                 ctypes.addressof(pointers), 0, keep=(pointers, args))
+
+
+_POINTER_ARRAYS = [ctypes.c_void_p * n for n in range(4)]  # kernel arguments: 1 or 2 records
 
 
 def stream_call(fn, *args, keep=None):

@@ -18,14 +18,25 @@ __device__ __forceinline__ int query_blocks(const int* cu_seqlens_q, int b, int 
   return (q1 - q0 + block_m - 1) / block_m;
 }
 
+// Passed by value as one record (the host packs it once per plan and writes only the
+// pointers a call): ten separate kernel arguments cost the launch ten ctypes objects.
 // scratch: 3 * num_buckets ints; num_buckets > the largest possible block count.
 // tile_counter (or null): the persistent forward's tile counter (2 uint32), zeroed here
 // so the launch needs no memset of its own. decode_rows: sequences with at most this many
 // query rows get no tiles (the decode kernel takes them; 0 when it is not launched).
-extern "C" __global__ void varlen_schedule(const int* cu_seqlens_q, int batch, int total_q,
-                                           int block_m, int num_buckets, int* scratch,
-                                           int2* tile_list, int* tile_count, int* tile_counter,
-                                           int decode_rows) {
+struct ScheduleParams {
+  u64 cu_seqlens_q, scratch, tile_list, tile_count, tile_counter;  // int*, int2* for the list
+  int batch, total_q, block_m, num_buckets, decode_rows;
+};
+
+extern "C" __global__ void varlen_schedule(const ScheduleParams p) {
+  const int* cu_seqlens_q = reinterpret_cast<const int*>(p.cu_seqlens_q);
+  const int batch = p.batch, total_q = p.total_q, block_m = p.block_m;
+  const int num_buckets = p.num_buckets, decode_rows = p.decode_rows;
+  int* scratch = reinterpret_cast<int*>(p.scratch);
+  int2* tile_list = reinterpret_cast<int2*>(p.tile_list);
+  int* tile_count = reinterpret_cast<int*>(p.tile_count);
+  int* tile_counter = reinterpret_cast<int*>(p.tile_counter);
   int* count = scratch;                    // sequences with n blocks
   int* taken = scratch + num_buckets;      // of those, placed so far
   int* first = scratch + 2 * num_buckets;  // first slot of the sequences with n blocks

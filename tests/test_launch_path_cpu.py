@@ -207,10 +207,16 @@ def test_packed_addresses_and_scratch(device):
     assert scratch == _WORKSPACE  # the work list in the stream's buffer: no allocation
     assert device.allocations == [((300, 4, 64), "float16"), ((4, 300), "float32")]
     assert r["tile_count"] > scratch and r["tile_counter"] > r["tile_count"]
-    # the schedule kernel's last arguments: the forward's tile counter, which it zeroes,
-    # and the query rows up to which sequences are the decode kernel's (none: not paged)
-    assert int.from_bytes(schedule[2][-2], "little") == r["tile_counter"]
-    assert int.from_bytes(schedule[2][-1], "little") == 0
+    # the schedule kernel's record: the batch, the forward's work list and tile counter
+    # (which it zeroes), and the query rows up to which sequences are the decode kernel's
+    # (none: not paged)
+    (s_args,) = schedule[2]
+    sr = np.frombuffer(s_args, dtype=_params.SCHEDULE.dtype)[0]
+    assert (sr["cu_seqlens_q"], sr["tile_list"], sr["tile_count"], sr["tile_counter"]) == (
+        cu.ptr, scratch, r["tile_count"], r["tile_counter"])
+    assert sr["scratch"] == r["tile_count"] + 4
+    assert (sr["batch"], sr["total_q"], sr["decode_rows"]) == (3, 300, 0)
+    assert sr["block_m"] in (64, 128, 192) and sr["num_buckets"] == 300 // sr["block_m"] + 2
 
 
 def test_paged_packed_batch_sends_short_sequences_to_the_decode_kernel(device):
@@ -223,7 +229,7 @@ def test_paged_packed_batch_sends_short_sequences_to_the_decode_kernel(device):
     o, lse = cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, seqused_k=used,
                                          block_table=table, causal=True, return_lse=True)
     schedule, forward, decode = device.launches
-    assert int.from_bytes(schedule[2][-1], "little") == 16 // (h // hk)
+    assert record(schedule, _params.SCHEDULE)["decode_rows"] == 16 // (h // hk)
     r = record(decode, _params.DECODE)
     assert (r["q"], r["k"], r["v"], r["block_table"]) == (q.ptr, cache.ptr, cache.ptr, table.ptr)
     assert (r["cu_seqlens_q"], r["cu_seqlens_k"], r["seqused_k"]) == (cu.ptr, cu.ptr, used.ptr)
