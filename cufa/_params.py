@@ -18,17 +18,19 @@ FWD_FIELDS = [
     ("attn_mask", _PTR), ("alibi_slopes", _PTR),
     ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR), ("seqused_k", _PTR),
     ("tile_list", _PTR), ("tile_count", _PTR), ("tile_counter", _PTR), ("block_table", _PTR),
-    ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
-    ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
-    ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
-    ("o_batch_stride", _I64), ("o_row_stride", _I64), ("o_head_stride", _I64),
-    ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
+    ("q_row_stride", _I64), ("q_head_stride", _I64),
+    ("k_row_stride", _I64), ("k_head_stride", _I64),
+    ("v_row_stride", _I64), ("v_head_stride", _I64),
+    ("o_row_stride", _I64), ("o_head_stride", _I64),
     ("mask_batch_stride", _I64), ("mask_head_stride", _I64),
     ("mask_row_stride", _I64), ("mask_col_stride", _I64),
     ("alibi_batch_stride", _I64), ("block_table_batch_stride", _I64),
-    ("batch", _I32), ("nheads", _I32), ("nheads_k", _I32),
-    ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
-    ("num_m_blocks", _I32), ("heads_per_group", _I32), ("kv_tail_maps", _I32),
+    # what a call's sizes set, one run of fields (api._moved writes them with one pack)
+    ("q_batch_stride", _I64), ("k_batch_stride", _I64), ("v_batch_stride", _I64),
+    ("o_batch_stride", _I64), ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
+    ("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32),
+    ("num_m_blocks", _I32), ("heads_per_group", _I32),
+    ("nheads", _I32), ("nheads_k", _I32), ("head_dim", _I32), ("kv_tail_maps", _I32),
     ("bottom_right", _I32), ("window_left", _I32), ("window_right", _I32),
     ("attn_mask_type", _I32), ("page_shift", _I32), ("num_pages", _I32),
     ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),
@@ -107,6 +109,30 @@ class Record:
             packer, offset = self._fields[name]
             packer.pack_into(buffer, offset, value)
         return bytes(buffer)
+
+    def setter(self, names):
+        """A function (record, values) -> a copy of record (bytes) with the fields `names`
+        set to `values` (in that order): with_fields for a set of fields set often (a moved
+        plan's sizes), their packers looked up once."""
+        packers = tuple(self._fields[name] for name in names)
+        offsets = [offset for _, offset in packers]
+        ends = [offset + packer.size for packer, offset in packers]
+        if offsets[1:] == ends[:-1]:  # one run of fields, in order: one pack
+            run = struct.Struct("<" + "".join(packer.format[1:] for packer, _ in packers))
+            start = offsets[0]
+
+            def set_run(record, values):
+                buffer = bytearray(record)
+                run.pack_into(buffer, start, *values)
+                return bytes(buffer)
+            return set_run
+
+        def set_fields(record, values):
+            buffer = bytearray(record)
+            for (packer, offset), value in zip(packers, values):
+                packer.pack_into(buffer, offset, value)
+            return bytes(buffer)
+        return set_fields
 
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to

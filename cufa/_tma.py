@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass
 
 MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, sm90.cuh)
+_PADS = [bytes(MAPS_BYTES - 128 * n) for n in range(6)]  # a record of n maps to MAPS_BYTES
 PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width
 _DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 0, 3, 2, 0
@@ -120,7 +121,8 @@ def _kind_template(dtype, views, tail_views):
     map one struct pack of its dims and strides into its kind's map, the address words
     the kind's. None where that does not hold (the general path then decides), e.g. a
     layout map_args refuses."""
-    kind = (dtype, tuple(view[2] for view in views), tuple(view[2] for view in tail_views))
+    q, k, v = views
+    kind = (dtype, (q[2], k[2], v[2]), (tail_views[0][2], tail_views[1][2]) if tail_views else ())
     words = _kind_words.get(kind)
     if words is None:
         return None
@@ -131,8 +133,14 @@ def _kind_template(dtype, views, tail_views):
             if made is None:
                 return None
         record.append(made)
-    record.append(bytes(MAPS_BYTES - 128 * len(record)))
+    record.append(_PADS[len(record)])
     return Template(b"".join(record), bool(tail_views), words)
+
+
+def new_shape_template(dtype, views, tail_views=()):
+    """template(), for a shape not seen before (a plan moved to new sizes): the kind maps'
+    path without the cache's lookup and insertion (2 us of the 5), else template()."""
+    return _kind_template(dtype, views, tail_views) or template(dtype, views, tail_views)
 
 
 def _written_map(parts, shape, strides, box_rows):

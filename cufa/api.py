@@ -639,7 +639,7 @@ def clear_plans():
 # A server calls with new sizes nearly every step (a packed batch's token count, a padded
 # batch's length). A call whose arrays differ from a planned call's only in their sizes
 # (batch, sequence lengths and the batch strides that follow from them) gets that plan
-# moved to its sizes: the size checks and the size-dependent values (_Sizes, the TMA maps),
+# moved to its sizes: the size checks and the size-dependent values (_sizes, the TMA maps),
 # not validation and planning from scratch (bench/NOTES.md, launch cost).
 _layouts = collections.OrderedDict()  # _layout_key -> a plan of that layout
 
@@ -681,33 +681,37 @@ def _loadable(views, free_dims):
 
 def _moved(base, q, k, v, o, seq_dim, head_dim, batch, seqlen_q, seqlen_k, packed):
     """base (a plan of this call's layout) at the call's sizes; None where they change
-    the kernel variant or whether TMA describes the arrays."""
+    the kernel variant or whether TMA describes the arrays. What _plan would make, with
+    only the size-dependent steps (_sizes, the TMA maps, the size fields of the records)."""
+    old, d = base.variant, q.shape[-1]
     family = _compile.family_for(_compute_capability(q.device))
-    variant, tma_template = _variant(q, k, v, seq_dim, head_dim, q.shape[-1], batch,
-                                     seqlen_q, packed, base.variant.mask,
-                                     base.variant.score_mods, family)
-    if variant is not base.variant or (tma_template is None) != (base.tma_template is None) or (
-            tma_template is not None and tma_template.has_tails != base.tma_template.has_tails):
-        return None
+    variant = _compile.fwd_variant(old.dtype, d, old.mask, old.score_mods, family,
+                                   _compile.sm90_rows(packed, seqlen_q, batch, d, old.mask))
+    if variant is not old and variant != old:  # (sm80: equal variants of two tile classes)
+        return None  # another tile class (or a base planned on the portable kernels)
+    tma_template = None
+    if family == "sm90":
+        tma_template = _tma_template(old, q, k, v, seq_dim, head_dim, d, packed,
+                                     _tma.new_shape_template)
+        if tma_template is None or tma_template.has_tails != base.tma_template.has_tails:
+            return None
     nheads = q.shape[head_dim]
-    sizes = _Sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
-    fields = sizes.fields
-    if not packed:  # the row and head strides are the layout's, as in base
-        o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
-        for (batch_field, _, _), strides in zip(
-                _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
-            fields[batch_field] = strides[0]
+    values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
+        old, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
     plan = _Plan.__new__(_Plan)  # a copy of base (copy.copy takes 3 us more)
     plan.__dict__.update(base.__dict__)
     plan.out_shape = q.shape
-    plan.lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
-    plan.params = _params.FWD.with_fields(base.params, fields)
-    plan.num_blocks, plan.scratch_bytes = sizes.num_blocks, sizes.scratch_bytes
-    plan.tma_template = tma_template
+    plan.num_blocks, plan.scratch_bytes, plan.tma_template = num_blocks, scratch_bytes, tma_template
     if packed:
-        plan.work_list = (base.work_list[0], sizes.max_tiles, sizes.num_buckets,
-                          _params.SCHEDULE.with_fields(base.work_list[3], dict(
-                              batch=batch, total_q=seqlen_q, num_buckets=sizes.num_buckets)))
+        plan.lse_shape = (nheads, seqlen_q)
+        plan.params = _set_sizes(base.params, values)
+        plan.work_list = (base.work_list[0], max_tiles, num_buckets, _set_schedule_sizes(
+            base.work_list[3], (batch, seqlen_q, num_buckets)))
+    else:  # the batch strides change with the sizes; the row and head strides are the layout's
+        plan.lse_shape = (batch, nheads, seqlen_q)
+        o_batch_stride = o.strides[0] if o is not None else seqlen_q * nheads * d
+        plan.params = _set_batch_strides_and_sizes(base.params, (
+            q.strides[0], k.strides[0], v.strides[0], o_batch_stride) + values)
     return plan
 
 
@@ -731,12 +735,13 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         family = "sm80"
     variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
                                      mask_kind, score_mods, family)
-    sizes = _Sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
+    values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
+        variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
     o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
     p = dict(
         nheads=nheads, nheads_k=nheads_k, head_dim=d,
         kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
-        bottom_right=int(bottom_right), **sizes.fields,
+        bottom_right=int(bottom_right), **dict(zip(_SIZE_FIELDS, values)),
         **score_fields(window, scale, softcap, d, alibi))
     for (batch_field, row_field, head_field), strides in zip(
             _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
@@ -753,14 +758,14 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
         (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
          p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
-    return _Plan(**outputs, variant=variant, scratch_bytes=sizes.scratch_bytes,
+    return _Plan(**outputs, variant=variant, scratch_bytes=scratch_bytes,
                  function=_compile.function_pointer(variant, q.device),
-                 params=_params.FWD.pack(p), num_blocks=sizes.num_blocks,
+                 params=_params.FWD.pack(p), num_blocks=num_blocks,
                  tma_template=tma_template,
                  work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
-                            sizes.max_tiles, sizes.num_buckets, _params.SCHEDULE.pack(dict(
+                            max_tiles, num_buckets, _params.SCHEDULE.pack(dict(
                                 batch=batch, total_q=seqlen_q, block_m=variant.block_m,
-                                num_buckets=sizes.num_buckets)))
+                                num_buckets=num_buckets)))
                  if packed else None)
 
 
@@ -778,32 +783,39 @@ def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, 
     return variant, tma_template
 
 
-class _Sizes:
-    """The launch values of a plan that follow from its sizes (batch, heads, sequence
-    lengths) and tiles: shared by _plan and _moved, so that a moved plan is the plan."""
+# FwdParams fields that follow from a plan's sizes, in _sizes' order
+_SIZE_FIELDS = ("lse_batch_stride", "lse_head_stride", "batch", "seqlen_q", "seqlen_k",
+                "num_m_blocks", "heads_per_group")
+_BATCH_STRIDE_FIELDS = tuple(fields[0] for fields in _STRIDE_FIELDS)  # q, k, v, o
+_set_sizes = _params.FWD.setter(_SIZE_FIELDS)  # (one run of FwdParams: one pack)
+_set_batch_strides_and_sizes = _params.FWD.setter(_BATCH_STRIDE_FIELDS + _SIZE_FIELDS)
+_set_schedule_sizes = _params.SCHEDULE.setter(("batch", "total_q", "num_buckets"))
 
-    def __init__(self, variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
-        num_m_blocks = -(-seqlen_q // variant.block_m)
-        # Packed batches: at most total_q / block_m + batch real tiles (each sequence
-        # rounds up once); the device-built list says how many there are.
-        self.max_tiles = (seqlen_q // variant.block_m + batch if packed
-                          else num_m_blocks * batch)
-        self.num_buckets = seqlen_q // variant.block_m + 2  # packed: the schedule's counting sort
-        if self.max_tiles * nheads > _INT32_MAX:
-            raise ValueError(f"problem too large: {self.max_tiles * nheads} query tiles "
-                             "exceed the grid limit")
-        # Heads scheduled together: as many as keep their K/V within half of L2.
-        kv_bytes = max(seqlen_k, 1) * variant.head_dim * 2 * 2
-        self.fields = dict(  # FwdParams
-            batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_m_blocks=num_m_blocks,
-            heads_per_group=max(1, min(batch * nheads, _L2_BUDGET // kv_bytes)),
-            lse_batch_stride=0 if packed else nheads * seqlen_q, lse_head_stride=seqlen_q)
-        self.num_blocks = self.max_tiles * nheads
-        if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
-            self.num_blocks = min(self.num_blocks, _sm_count(device) * variant.ctas_per_sm)
-        # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
-        self.scratch_bytes = (4 * (_work_list_ints(self.max_tiles, self.num_buckets) + 2)
-                              if packed else 8 if variant.persistent else 0)
+
+def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
+    """The launch values of a plan that follow from its sizes (batch, heads, sequence
+    lengths) and tiles, shared by _plan and _moved so that a moved plan is the plan:
+    (values of _SIZE_FIELDS, num_blocks, max_tiles, num_buckets, scratch_bytes)."""
+    block_m = variant.block_m
+    num_m_blocks = -(-seqlen_q // block_m)
+    # Packed batches: at most total_q / block_m + batch real tiles (each sequence rounds
+    # up once); the device-built list says how many there are.
+    max_tiles = seqlen_q // block_m + batch if packed else num_m_blocks * batch
+    num_buckets = seqlen_q // block_m + 2  # packed: the schedule's counting sort
+    if max_tiles * nheads > _INT32_MAX:
+        raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed the "
+                         "grid limit")
+    # Heads scheduled together: as many as keep their K/V within half of L2.
+    kv_bytes = (seqlen_k if seqlen_k > 1 else 1) * variant.head_dim * 4
+    values = (0 if packed else nheads * seqlen_q, seqlen_q, batch, seqlen_q, seqlen_k,
+              num_m_blocks, max(1, min(batch * nheads, _L2_BUDGET // kv_bytes)))
+    num_blocks = max_tiles * nheads
+    if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
+        num_blocks = min(num_blocks, _sm_count(device) * variant.ctas_per_sm)
+    # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
+    scratch_bytes = (4 * (_work_list_ints(max_tiles, num_buckets) + 2) if packed
+                     else 8 if variant.persistent else 0)
+    return values, num_blocks, max_tiles, num_buckets, scratch_bytes
 
 
 def score_fields(window, scale, softcap, d, alibi):
@@ -816,7 +828,7 @@ def score_fields(window, scale, softcap, d, alibi):
                 else 0)
 
 
-def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed):
+def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.template):
     """q, k, v (and for packed batches the k/v tails) as (batch, rows, heads, columns)
     views, encoded once as _tma.template; None if the copy engine cannot describe them."""
     views, tails = [], []
@@ -830,7 +842,7 @@ def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed):
         else:
             views.append(((x.shape[0], rows, heads, d),
                           (x.strides[0], row_stride, head_stride), box_rows))
-    return _tma.template(q.dtype, tuple(views), tuple(tails))
+    return make(q.dtype, tuple(views), tuple(tails))
 
 
 def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,

@@ -31,19 +31,24 @@ struct FwdParams {
   u64 block_table;
 
   // Strides in elements; 64-bit because a tensor may exceed 2^31 elements.
-  i64 q_batch_stride, q_row_stride, q_head_stride;
-  i64 k_batch_stride, k_row_stride, k_head_stride;
-  i64 v_batch_stride, v_row_stride, v_head_stride;
-  i64 o_batch_stride, o_row_stride, o_head_stride;
-  i64 lse_batch_stride, lse_head_stride;
+  i64 q_row_stride, q_head_stride;
+  i64 k_row_stride, k_head_stride;
+  i64 v_row_stride, v_head_stride;
+  i64 o_row_stride, o_head_stride;
   i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
   i64 alibi_batch_stride;
   i64 block_table_batch_stride;
 
-  int batch, nheads, nheads_k;
-  int seqlen_q, seqlen_k, head_dim;  // packed batches: total rows of q and of k
-  int num_m_blocks;                  // padded batches
-  int heads_per_group;               // padded batches: (batch, head) pairs scheduled together
+  // What a call's sizes set, in one run of fields from the batch strides to
+  // heads_per_group: a plan moved to new sizes writes them with one pack (api._moved).
+  i64 q_batch_stride, k_batch_stride, v_batch_stride, o_batch_stride;
+  i64 lse_batch_stride, lse_head_stride;
+  int batch;
+  int seqlen_q, seqlen_k;  // packed batches: total rows of q and of k
+  int num_m_blocks;        // padded batches
+  int heads_per_group;     // padded batches: (batch, head) pairs scheduled together
+
+  int nheads, nheads_k, head_dim;
   int kv_tail_maps;                  // sm90, packed: TensorMaps::k_tail/v_tail are valid
   // Query i sees key j iff i + d - window_left <= j <= i + d + window_right, where the
   // diagonal offset d is seqlen_k - seqlen_q of the sequence when bottom_right
