@@ -116,6 +116,36 @@ def signature(arrays, names):
     return tuple(key), addresses
 
 
+def views(arrays, names, entries, addresses, required):
+    """as_device_array of each array (the first `required`; the rest may be None) of a
+    call whose signature() gave (entries, addresses): torch tensors and CuPy arrays are
+    viewed from what signature() read off them, not read again (three torch tensors' views
+    cost ~9 us of a lent host's time), where their entries show a CUDA array as_device_array
+    would take; anything else through as_device_array, which says what is wrong."""
+    out = []
+    for i, (x, entry, ptr) in enumerate(zip(arrays, entries, addresses)):
+        kind = type(x)
+        if kind is _torch_tensor:
+            shape, strides, dtype, device, requires_grad, _ = entry
+            described = _torch_dtype_names.get(dtype)
+            if device >= 0 and not requires_grad and described is not None and x.is_cuda:
+                _torch_ops.register_if_torch_loaded()
+                out.append(DeviceArray(x, "torch", ptr, tuple(shape), strides, described[0],
+                                       device, described[1]))
+                continue
+        elif kind is _cupy_array:
+            _, shape, strides, dtype, device, _ = entry
+            itemsize = dtype.itemsize
+            out.append(DeviceArray(x, "cupy", ptr, shape, tuple(s // itemsize for s in strides),
+                                   dtype.name, device, itemsize))
+            continue
+        elif x is None and i >= required:
+            out.append(None)
+            continue
+        out.append(as_device_array(x, names[i]))
+    return out
+
+
 class _Unseen:
     """Matches no array's type until as_device_array has seen the framework."""
 

@@ -74,11 +74,13 @@ def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, sof
     when XLA replays the launches from a CUDA graph, as memory cufa allocated would not."""
     options = _options(softmax_scale, causal, window_size, softcap)
     arrays = (q, k, v, alibi_slopes, out)
-    key, (q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr) = _interop.signature(arrays, _DENSE_ARRAYS)
-    key = ("dense", options) + key
+    entries, addresses = _interop.signature(arrays, _DENSE_ARRAYS)
+    key = ("dense", options) + entries
     plan = _plans.get(key)
     if plan is None:
-        plan = _remember(key, _dense_plan(_views(arrays, _DENSE_ARRAYS), out, options))
+        plan = _remember(key, _dense_plan(
+            _interop.views(arrays, _DENSE_ARRAYS, entries, addresses, 3), out, options))
+    q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr = addresses
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     lse_out=lse_out, stream=stream, scratch=scratch)
 
@@ -109,13 +111,6 @@ def _plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
     return _plan(q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
                  nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale,
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None)
-
-
-def _views(arrays, names, required=3):
-    """Views of a call's arrays for validation and planning (the first `required` may not
-    be None)."""
-    return [(_interop.as_device_array if i < required else _interop.optional_array)(x, n)
-            for i, (x, n) in enumerate(zip(arrays, names))]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -188,12 +183,12 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     """flash_attn_varlen_func on arrays or views (as dense)."""
     options = _options(softmax_scale, causal, window_size, softcap)
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out)
-    key, ptrs = _interop.signature(arrays, _PACKED_ARRAYS)
-    key = ("packed", options) + key
+    entries, ptrs = _interop.signature(arrays, _PACKED_ARRAYS)
+    key = ("packed", options) + entries
     plan = _plans.get(key)
     views = None
-    if plan is None or check_cu_seqlens:
-        views = _views(arrays, _PACKED_ARRAYS, required=5)  # q, k, v and both cu_seqlens
+    if plan is None or check_cu_seqlens:  # (required: q, k, v and both cu_seqlens)
+        views = _interop.views(arrays, _PACKED_ARRAYS, entries, ptrs, 5)
     if plan is None:
         plan = _remember(key, _packed_plan(views, out, options))
     if check_cu_seqlens:
@@ -304,11 +299,13 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, str
     """scaled_dot_product_attention on arrays or views; out and stream as in dense."""
     options = (bool(is_causal), _check_scale(scale, "scale"), bool(enable_gqa))
     arrays = (query, key, value, attn_mask)
-    plan_key, (q_ptr, k_ptr, v_ptr, mask_ptr) = _interop.signature(arrays, _SDPA_ARRAYS)
-    plan_key = ("sdpa", options) + plan_key
+    entries, addresses = _interop.signature(arrays, _SDPA_ARRAYS)
+    plan_key = ("sdpa", options) + entries
     plan = _plans.get(plan_key)
     if plan is None:
-        plan = _remember(plan_key, _plan_sdpa(*_views(arrays, _SDPA_ARRAYS), *options))
+        plan = _remember(plan_key, _plan_sdpa(
+            *_interop.views(arrays, _SDPA_ARRAYS, entries, addresses, 3), *options))
+    q_ptr, k_ptr, v_ptr, mask_ptr = addresses
     o_ptr = 0 if out is None else out.ptr
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
                     stream=stream, scratch=scratch)

@@ -106,12 +106,12 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
                          f"{num_splits!r}")
     want_lse = return_lse or lse_out is not None
     options = (window, scale, softcap, rotary_interleaved, num_splits, cache_seqlen, want_lse)
-    key, ptrs = _interop.signature(arrays, _ARRAYS)
-    key = ("kvcache", options) + key
+    entries, ptrs = _interop.signature(arrays, _ARRAYS)
+    key = ("kvcache", options) + entries
     plan = api._plans.get(key)
     views = None
     if plan is None or check_inputs:
-        views = api._views(arrays, _ARRAYS)
+        views = _interop.views(arrays, _ARRAYS, entries, ptrs, 3)
     if plan is None:
         plan = api._remember(key, _plan_kvcache(
             *views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
@@ -152,11 +152,12 @@ def merge(arrays, lse_out=None, stream=None):
     """merge_attention_states on arrays or views, in _MERGE_ARRAYS order (out: the
     caller's out= or, under jax.jit, the output buffer's view; lse_out, stream: as in
     api.dense)."""
-    key, (oa, la, ob, lb, o_ptr) = _interop.signature(arrays, _MERGE_ARRAYS)
-    key = ("merge",) + key
+    entries, addresses = _interop.signature(arrays, _MERGE_ARRAYS)
+    key = ("merge",) + entries
     plan = api._plans.get(key)
+    oa, la, ob, lb, o_ptr = addresses
     if plan is None:
-        views = api._views(arrays, _MERGE_ARRAYS, required=4)
+        views = _interop.views(arrays, _MERGE_ARRAYS, entries, addresses, 4)
         plan = api._remember(key, _plan_merge(*views, arrays[-1]))
     with api.caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = api.outputs(plan, arrays[-1], o_ptr, lse_out, True, stream)
