@@ -125,7 +125,9 @@ def views(arrays, names, entries, addresses, required):
     out = []
     for i, (x, entry, ptr) in enumerate(zip(arrays, entries, addresses)):
         kind = type(x)
-        if kind is _torch_tensor:
+        # (entries of signature()'s fast paths only: the first array of a framework in a
+        # process went through as_device_array there, and its entry is the view's)
+        if kind is _torch_tensor and not isinstance(entry[0], type):
             shape, strides, dtype, device, requires_grad, _ = entry
             described = _torch_dtype_names.get(dtype)
             if device >= 0 and not requires_grad and described is not None and x.is_cuda:
@@ -133,7 +135,7 @@ def views(arrays, names, entries, addresses, required):
                 out.append(DeviceArray(x, "torch", ptr, tuple(shape), strides, described[0],
                                        device, described[1]))
                 continue
-        elif kind is _cupy_array:
+        elif kind is _cupy_array and type(entry[3]) is not str:
             _, shape, strides, dtype, device, _ = entry
             itemsize = dtype.itemsize
             out.append(DeviceArray(x, "cupy", ptr, shape, tuple(s // itemsize for s in strides),
