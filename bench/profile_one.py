@@ -2,6 +2,7 @@
 
     ncu --kernel-name regex:fwd --launch-skip 2 --launch-count 1 python3 bench/profile_one.py --d 128
     ... python3 bench/profile_one.py --varlen    # bench_varlen's 256 x 64..512 packed batch
+    ncu --kernel-name regex:fprop ... python3 bench/profile_one.py --peer cudnn  # the peer
 """
 import argparse
 import os
@@ -20,6 +21,8 @@ parser.add_argument("--dtype", default="float16")
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--launches", type=int, default=4)
 parser.add_argument("--varlen", action="store_true", help="256 sequences of 64..512 rows, packed")
+parser.add_argument("--peer", choices=("cudnn", "flash"),
+                    help="launch PyTorch SDPA's cuDNN or flash backend instead (same shape)")
 args = parser.parse_args()
 
 if args.varlen:
@@ -40,7 +43,15 @@ if args.varlen:
 batch, heads = 16384 // args.n, 2048 // args.d
 q, k, v = (torch.randn(batch, args.n, heads, args.d, device="cuda",
                        dtype=getattr(torch, args.dtype)) for _ in range(3))
-for _ in range(args.launches):
-    cufa.flash_attn_func(q, k, v, causal=args.causal)
+if args.peer:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.peer]
+    with sdpa_kernel(backend):
+        for _ in range(args.launches):
+            torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=args.causal)
+else:
+    for _ in range(args.launches):
+        cufa.flash_attn_func(q, k, v, causal=args.causal)
 torch.cuda.synchronize()
 print("done", batch, args.n, heads, args.d)

@@ -802,13 +802,21 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     if max_tiles * nheads > _INT32_MAX:
         raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed the "
                          "grid limit")
-    # Heads scheduled together: as many as keep their K/V within half of L2.
-    kv_bytes = (seqlen_k if seqlen_k > 1 else 1) * variant.head_dim * 4
-    values = (0 if packed else nheads * seqlen_q, seqlen_q, batch, seqlen_q, seqlen_k,
-              num_m_blocks, max(1, min(batch * nheads, _L2_BUDGET // kv_bytes)))
     num_blocks = max_tiles * nheads
+    # Heads scheduled together (padded batches; a group's tiles are its heads' query
+    # blocks, last first, heads inner): as many as keep their K/V within half of L2.
+    kv_bytes = (seqlen_k if seqlen_k > 1 else 1) * variant.head_dim * 4
+    group_heads = _L2_BUDGET // kv_bytes
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
-        num_blocks = min(num_blocks, _sm_count(device) * variant.ctas_per_sm)
+        resident = _sm_count(device) * variant.ctas_per_sm
+        num_blocks = min(num_blocks, resident)
+        # and no more than the resident CTAs cover at once, so that a head's query blocks
+        # run together and its K/V comes from DRAM once (short sequences: +2-8 % at 512
+        # rows, bench/NOTES.md step 35), though at least _MIN_GROUP_HEADS, whose K/V
+        # spread the CTAs' reads over L2 (4 heads' K/V under 132 CTAs read 10 % slower)
+        group_heads = min(group_heads, max(resident // num_m_blocks, _MIN_GROUP_HEADS))
+    values = (0 if packed else nheads * seqlen_q, seqlen_q, batch, seqlen_q, seqlen_k,
+              num_m_blocks, max(1, min(batch * nheads, group_heads)))
     # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
     scratch_bytes = (4 * (_work_list_ints(max_tiles, num_buckets) + 2) if packed
                      else 8 if variant.persistent else 0)
@@ -1071,6 +1079,7 @@ _driver_module = None
 
 _capabilities = {}
 _L2_BUDGET = 25 * 2**20  # bytes of K/V per scheduling group: half of an H100's L2
+_MIN_GROUP_HEADS = 12
 _sm_counts = {}
 
 

@@ -683,3 +683,20 @@ def test_moved_plans_still_refuse_bad_sizes(device):
         cufa.flash_attn_func(bad, bad, bad)
     empty = view((2, 0, 4, 64))
     assert cufa.flash_attn_func(empty, k, k).startswith("array@")  # planned: nothing to launch
+
+
+def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):
+    """Padded batches: a scheduling group holds at most the heads whose query blocks the
+    resident CTAs cover at once (so each head's K/V is read from DRAM once), at least
+    _MIN_GROUP_HEADS, and never more than half of L2 holds (api._sizes)."""
+    def heads_per_group(n, d, causal=False):
+        q = view((16384 // n, n, 2048 // d, d))
+        cufa.flash_attn_func(q, q, q, causal=causal)
+        plan = _last_plan()
+        return int(np.frombuffer(plan.params, dtype=_params.FWD.dtype)[0]["heads_per_group"]), plan
+    groups, plan = heads_per_group(512, 128)  # 128-row tiles, one CTA an SM: 4 blocks a head
+    assert plan.variant.block_m == 128 and groups == 132 // 4
+    groups, plan = heads_per_group(512, 64)   # 64-row tiles, two CTAs an SM: 8 blocks a head
+    assert plan.variant.block_m == 64 and groups == 2 * 132 // 8
+    assert heads_per_group(4096, 128)[0] == api._MIN_GROUP_HEADS  # 22 blocks a head
+    assert heads_per_group(16384, 128)[0] == api._L2_BUDGET // (16384 * 128 * 4)  # L2 bound
