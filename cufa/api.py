@@ -835,7 +835,9 @@ def score_fields(window, scale, softcap, d, alibi):
 
 def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.template):
     """q, k, v (and for packed batches the k/v tails) as (batch, rows, heads, columns)
-    views, encoded once as _tma.template; None if the copy engine cannot describe them."""
+    views, made into a _tma.Template by `make` (_tma.template, cached per layout; a moved
+    plan's new shape: _tma.new_shape_template); None if the copy engine cannot describe
+    them."""
     views, tails = [], []
     for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
         rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
