@@ -90,7 +90,9 @@ def optional_array(x, name):
 
 def signature(arrays, names):
     """(key, addresses): of each array (or None) what a launch plan depends on -- its
-    kind, shape, strides, dtype, device and 16-byte alignment -- and its device address.
+    kind (or torch dtype), shape, strides, then its dtype, device and 16-byte alignment
+    (shape and strides at 1 and 2 in every entry: api._layout_key) -- and its device
+    address.
     Torch tensors and CuPy arrays are read directly, without a view object (a repeated
     call's host cost, bench/host_breakdown.py); anything else is viewed through
     as_device_array, which checks it. Not checked here: a plan is made only after its
@@ -100,7 +102,7 @@ def signature(arrays, names):
         kind = type(x)
         if kind is _torch_tensor:
             ptr = x.data_ptr()
-            key.append((x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad, ptr % 16))
+            key.append((x.dtype, x.shape, x.stride(), x.get_device(), x.requires_grad, ptr % 16))
         elif kind is _cupy_array:
             ptr = x.data.ptr
             key.append((kind, x.shape, x.strides, x.dtype, x.device.id, ptr % 16))
@@ -116,6 +118,12 @@ def signature(arrays, names):
     return tuple(key), addresses
 
 
+def stride_unit(entry, itemsize):
+    """Elements a stride of signature() `entry` counts (of an array with this itemsize):
+    CuPy's own strides, read on its fast path, count bytes."""
+    return itemsize if entry[0] is _cupy_array and type(entry[3]) is not str else 1
+
+
 def views(arrays, names, entries, addresses, required):
     """as_device_array of each array (the first `required`; the rest may be None) of a
     call whose signature() gave (entries, addresses): torch tensors and CuPy arrays are
@@ -128,7 +136,7 @@ def views(arrays, names, entries, addresses, required):
         # (entries of signature()'s fast paths only: the first array of a framework in a
         # process went through as_device_array there, and its entry is the view's)
         if kind is _torch_tensor and not isinstance(entry[0], type):
-            shape, strides, dtype, device, requires_grad, _ = entry
+            dtype, shape, strides, device, requires_grad, _ = entry
             described = _torch_dtype_names.get(dtype)
             if device >= 0 and not requires_grad and described is not None and x.is_cuda:
                 _torch_ops.register_if_torch_loaded()

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 
 MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, sm90.cuh)
-_PADS = [bytes(MAPS_BYTES - 128 * n) for n in range(6)]  # a record of n maps to MAPS_BYTES
+PADS = [bytes(MAPS_BYTES - 128 * n) for n in range(6)]  # a record of n maps to MAPS_BYTES
 PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width
 _DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 0, 3, 2, 0
@@ -133,7 +133,7 @@ def _kind_template(dtype, views, tail_views):
             if made is None:
                 return None
         record.append(made)
-    record.append(_PADS[len(record)])
+    record.append(PADS[len(record)])
     return Template(b"".join(record), bool(tail_views), words)
 
 
@@ -162,6 +162,39 @@ def _written_map(parts, shape, strides, box_rows):
                      high | u0 >> 32 | u1 >> 32 << 4 | u2 >> 32 << 8, pad, cols - 1,
                      rows - 1 if rows > 1 else 0, heads - 1 if heads > 1 else 0,
                      batch - 1 if batch > 1 else 0, tail)
+
+
+# A moved plan's maps (api._Mover): a layout's map with only its batch, rows and batch
+# stride left to write, the rest (the kind's bytes, columns, heads, row and head
+# strides) packed once a layout.
+_MOVED_MAP = struct.Struct("<20sI4sH6sI4sI80s")
+
+
+def map_writers(template, dtype, boxes):
+    """What moved_map needs of each map of `template` (a layout's record, its maps of box
+    rows `boxes`) besides its batch, rows and batch stride: the map's bytes around those
+    fields. None unless every map is its kind's with dims and strides written in
+    (_kind_parts), so that moved_map's maps are what _written_map would write."""
+    if not all((dtype, box) in _kind_parts for box in boxes):
+        return None
+    writers, record = [], template.record
+    for at in range(0, 128 * len(boxes), 128):
+        made = record[at:at + 128]
+        high = int.from_bytes(made[28:30], "little") & ~0xF00  # the batch stride's nibble out
+        writers.append((made[:20], made[24:28], high, made[30:36], made[40:44], made[48:]))
+    return writers
+
+
+def moved_map(writer, batch, rows, batch_stride):
+    """_written_map of the writer's layout at a new batch, rows and batch stride (in
+    elements); None where map_args would refuse them."""
+    u2 = batch_stride >> 3 if batch_stride or batch > 1 else 1
+    if batch_stride < 0 or batch_stride & 7 or u2 >> 36 or not u2 or (rows | batch) >> 32:
+        return None
+    start, middle, high, columns, heads, tail = writer
+    return _MOVED_MAP.pack(start, u2 & _LOW32, middle, high | u2 >> 32 << 8, columns,
+                           rows - 1 if rows > 1 else 0, heads, batch - 1 if batch > 1 else 0,
+                           tail)
 
 
 def with_addresses(template, q, k, v):

@@ -78,28 +78,25 @@ def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, sof
     key = ("dense", options) + entries
     plan = _plans.get(key)
     if plan is None:
-        plan = _remember(key, _dense_plan(
-            _interop.views(arrays, _DENSE_ARRAYS, entries, addresses, 3), out, options))
+        plan = _remember(key, _dense_plan(arrays, entries, addresses, out, options))
     q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr = addresses
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     lse_out=lse_out, stream=stream, scratch=scratch)
 
 
-def _dense_plan(views, out, options):
-    """A padded batch's plan: moved from a plan of its layout at other sizes (_moved)
-    where there is one, else made."""
-    q, k, v, alibi, o = views
-    layout = None if alibi is not None else _layout_key("dense", options, views, 2, 1)
-    base = _layouts.get(layout) if layout is not None else None
-    if base is not None:
-        (batch, seqlen_q), (batch_k, seqlen_k) = q.shape[:2], k.shape[:2]
-        if (batch_k == batch and v.shape[:2] == k.shape[:2]
-                and (o is None or o.shape == q.shape) and _movable(seqlen_q, seqlen_k, batch)
-                and _loadable((q, k, v, o), 2)):
-            plan = _moved(base, q, k, v, o, 1, 2, batch, seqlen_q, seqlen_k, False)
+def _dense_plan(arrays, entries, addresses, out, options):
+    """A padded batch's plan: its layout's plan moved to the call's sizes (_Mover) where
+    there is one, else made."""
+    layout = None
+    if entries[3] is None:  # (ALiBi's plans are made)
+        layout = _layout_key(("dense", options), entries, 2, 1)
+        mover = _layouts.get(layout)
+        if mover is not None:
+            plan = mover.dense(*entries)
             if plan is not None:
                 return plan
-    return _remember_layout(layout, _plan_dense(*views, out, *options))
+    views = _interop.views(arrays, _DENSE_ARRAYS, entries, addresses, 3)
+    return _remember_layout(layout, _plan_dense(*views, out, *options), views, entries, False)
 
 
 def _plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
@@ -186,12 +183,10 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     entries, ptrs = _interop.signature(arrays, _PACKED_ARRAYS)
     key = ("packed", options) + entries
     plan = _plans.get(key)
-    views = None
-    if plan is None or check_cu_seqlens:  # (required: q, k, v and both cu_seqlens)
-        views = _interop.views(arrays, _PACKED_ARRAYS, entries, ptrs, 5)
     if plan is None:
-        plan = _remember(key, _packed_plan(views, out, options))
+        plan = _remember(key, _packed_plan(arrays, entries, ptrs, out, options))
     if check_cu_seqlens:
+        views = _interop.views(arrays, _PACKED_ARRAYS, entries, ptrs, 5)
         q_, k_, _, cu_q, cu_k, used, _, table, _ = views
         _check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
                          k_.shape[0] if table is None else None, used)
@@ -203,25 +198,19 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
                     stream=stream, scratch=scratch)
 
 
-def _packed_plan(views, out, options):
-    """A packed batch's plan: moved from a plan of its layout at other sizes (_moved)
-    where there is one (paged batches and ALiBi aside), else made."""
-    q, k, v, cu_q, cu_k, used, alibi, table, o = views
+def _packed_plan(arrays, entries, ptrs, out, options):
+    """A packed batch's plan: its layout's plan moved to the call's sizes (_Mover) where
+    there is one (paged batches and ALiBi aside), else made."""
     layout = None
-    if alibi is None and table is None and all(
-            x is None or x.strides == (1,) for x in (cu_q, cu_k, used)):
-        layout = _layout_key("packed", options, views, 1, 0)
-    base = _layouts.get(layout) if layout is not None else None
-    if base is not None:
-        total_q, total_k, batch = q.shape[0], k.shape[0], cu_q.shape[0] - 1
-        if (v.shape[0] == total_k and cu_k.shape == cu_q.shape
-                and (used is None or used.shape == (batch,))
-                and (o is None or o.shape == q.shape) and _movable(total_q, total_k, batch)
-                and _loadable((q, k, v, o), 1)):
-            plan = _moved(base, q, k, v, o, 0, 1, batch, total_q, total_k, True)
+    if entries[6] is None and entries[7] is None:
+        layout = _layout_key(("packed", options), entries, 1, 0)
+        mover = _layouts.get(layout)
+        if mover is not None:
+            plan = mover.packed_batch(*entries)
             if plan is not None:
                 return plan
-    return _remember_layout(layout, _plan_packed(*views, out, *options))
+    views = _interop.views(arrays, _PACKED_ARRAYS, entries, ptrs, 5)
+    return _remember_layout(layout, _plan_packed(*views, out, *options), views, entries, True)
 
 
 def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, softcap):
@@ -638,24 +627,25 @@ def clear_plans():
 # (batch, sequence lengths and the batch strides that follow from them) gets that plan
 # moved to its sizes: the size checks and the size-dependent values (_sizes, the TMA maps),
 # not validation and planning from scratch (bench/NOTES.md, launch cost).
-_layouts = collections.OrderedDict()  # _layout_key -> a plan of that layout
+_layouts = collections.OrderedDict()  # _layout_key -> the _Mover of a plan of that layout
 
 
-def _layout_key(entry, options, views, free_dims, free_strides):
-    """A call's signature less its sizes: of each array its type, framework, shape past the
-    first free_dims, strides past the first free_strides, dtype, device and alignment."""
-    return (entry, options) + tuple(
-        None if x is None else (type(x.obj), x.framework, x.shape[free_dims:],
-                                x.strides[free_strides:], x.dtype, x.device, x.ptr % 16)
-        for x in views)
+def _layout_key(head, entries, free_dims, free_strides):
+    """A call's signature (entries of _interop.signature) less its sizes: of each array
+    its kind, shape past the first free_dims, strides past the first free_strides, dtype,
+    device and alignment."""
+    return head + tuple([None if e is None else (e[0], e[1][free_dims:], e[2][free_strides:])
+                         + e[3:] for e in entries])
 
 
-def _remember_layout(layout, plan):
-    """plan as its layout's, when it has one and launches (paged batches do not move)."""
+def _remember_layout(layout, plan, views, entries, packed):
+    """plan as its layout's, when it has one and can move (paged batches do not)."""
     if layout is not None and plan.variant is not None and plan.decode is None:
-        if len(_layouts) >= _MAX_PLANS:
-            _layouts.popitem(last=False)
-        _layouts[layout] = plan
+        mover = _Mover.of(plan, views, entries, packed)
+        if mover is not None:
+            if len(_layouts) >= _MAX_PLANS:
+                _layouts.popitem(last=False)
+            _layouts[layout] = mover
     return plan
 
 
@@ -664,52 +654,167 @@ def _movable(seqlen_q, seqlen_k, batch):
     return 0 < min(seqlen_q, seqlen_k, batch) and max(seqlen_q, seqlen_k) <= _INT32_MAX // 2
 
 
-def _loadable(views, free_dims):
-    """_check_loadable of views of a planned layout at new sizes: the layout fixes the
-    rest, so only a free dim's stride can newly matter (misaligned, under a size now
-    past 1)."""
-    for x in views:
-        if x is not None:
-            for i in range(free_dims):
-                if x.strides[i] % 8 and x.shape[i] > 1:
-                    return False
-    return True
+class _Shaped:
+    """Shape, strides (in elements) and dtype where _tma_template wants an array."""
+    __slots__ = ("shape", "strides", "dtype")
+
+    def __init__(self, shape, strides, dtype):
+        self.shape, self.strides, self.dtype = shape, strides, dtype
 
 
-def _moved(base, q, k, v, o, seq_dim, head_dim, batch, seqlen_q, seqlen_k, packed):
-    """base (a plan of this call's layout) at the call's sizes; None where they change
-    the kernel variant or whether TMA describes the arrays. What _plan would make, with
-    only the size-dependent steps (_sizes, the TMA maps, the size fields of the records)."""
-    old, d = base.variant, q.shape[-1]
-    family = _compile.family_for(_compute_capability(q.device))
-    variant = _compile.fwd_variant(old.dtype, d, old.mask, old.score_mods, family,
-                                   _compile.sm90_rows(packed, seqlen_q, batch, d, old.mask))
-    if variant is not old and variant != old:  # (sm80: equal variants of two tile classes)
-        return None  # another tile class (or a base planned on the portable kernels)
-    tma_template = None
-    if family == "sm90":
-        tma_template = _tma_template(old, q, k, v, seq_dim, head_dim, d, packed,
-                                     _tma.new_shape_template)
-        if tma_template is None or tma_template.has_tails != base.tma_template.has_tails:
+class _Mover:
+    """A plan of one layout, and what moving it to other sizes needs that the layout
+    fixes, so that a move reads, checks and writes only the sizes: the batch, the
+    sequence lengths and the batch strides, taken from the call's signature entries (no
+    views), and the TMA maps written from per-layout pieces (_tma.moved_map). A move
+    makes what _plan would make (a CPU test compares them); None where the sizes change
+    the kernel variant or whether TMA describes the arrays, or a size check fails (the
+    call is then planned, which says what is wrong)."""
+    __slots__ = ("plan", "packed", "entries", "d", "units", "rows_misaligned", "same_tiles",
+                 "tma", "writers", "words", "box_n")
+
+    @classmethod
+    def of(cls, plan, views, entries, packed):
+        """plan's mover, or None where the layout does not move (its cu_seqlens strided,
+        or planned on the portable kernels where Hopper's could not describe it). The
+        rest is read off the entries at the first move (a new layout pays no more)."""
+        if plan.variant.family != _compile.family_for(_compute_capability(plan.device)):
             return None
-    nheads = q.shape[head_dim]
-    values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
-        old, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
-    plan = _Plan.__new__(_Plan)  # a copy of base (copy.copy takes 3 us more)
-    plan.__dict__.update(base.__dict__)
-    plan.out_shape = q.shape
-    plan.num_blocks, plan.scratch_bytes, plan.tma_template = num_blocks, scratch_bytes, tma_template
-    if packed:
-        plan.lse_shape = (nheads, seqlen_q)
-        plan.params = _set_sizes(base.params, values)
-        plan.work_list = (base.work_list[0], max_tiles, num_buckets, _set_schedule_sizes(
-            base.work_list[3], (batch, seqlen_q, num_buckets)))
-    else:  # the batch strides change with the sizes; the row and head strides are the layout's
-        plan.lse_shape = (batch, nheads, seqlen_q)
-        o_batch_stride = o.strides[0] if o is not None else seqlen_q * nheads * d
-        plan.params = _set_batch_strides_and_sizes(base.params, (
-            q.strides[0], k.strides[0], v.strides[0], o_batch_stride) + values)
-    return plan
+        if packed and any(x is not None and x.strides != (1,) for x in views[3:6]):
+            return None
+        self = cls.__new__(cls)
+        self.plan, self.packed, self.units = plan, packed, None
+        self.entries = entries[:3] + entries[-1:]  # q, k, v, out (no references to arrays)
+        return self
+
+    def _prepare(self):
+        """What the layout fixes, from the base plan's entries (its first move)."""
+        plan, variant = self.plan, self.plan.variant
+        itemsize = 4 if plan.dtype == "float32" else 2
+        self.units = tuple(1 if e is None else _interop.stride_unit(e, itemsize)
+                           for e in self.entries)
+        strides = [None if e is None else [s // u for s in e[2]]
+                   for e, u in zip(self.entries, self.units)]
+        self.d, self.box_n, self.same_tiles = self.entries[0][1][-1], variant.block_n, {}
+        # a row stride the layout fixes but _check_loadable allows only under one row
+        self.rows_misaligned = any(x is not None and x[1] % 8 for x in strides)
+        template = plan.tma_template
+        self.tma, self.writers, self.words = template is not None, None, None
+        seq_dim = 0 if self.packed else 1
+        # (a row stride 0, which a map takes under one row, is left to the general path)
+        if template is not None and template.address_words and (
+                not self.packed or template.has_tails) and all(
+                    x[seq_dim] for x in strides[:3]):
+            boxes = (variant.block_m,) + (variant.block_n,) * (4 if self.packed else 2)
+            self.writers = _tma.map_writers(template, plan.dtype, boxes)
+            self.words = template.address_words
+
+    def dense(self, q, k, v, alibi, o):
+        """The plan at the sizes of a padded batch's signature entries (o: out's or None)."""
+        if self.units is None:
+            self._prepare()
+        batch, seqlen_q = q[1][0], q[1][1]
+        seqlen_k = k[1][1]
+        if (k[1][0] != batch or v[1][0] != batch or v[1][1] != seqlen_k
+                or o is not None and (o[1][0] != batch or o[1][1] != seqlen_q)
+                or not _movable(seqlen_q, seqlen_k, batch)
+                or self.rows_misaligned and max(seqlen_q, seqlen_k) > 1):
+            return None
+        q_unit, k_unit, v_unit, o_unit = self.units
+        batch_strides = (q[2][0] // q_unit, k[2][0] // k_unit, v[2][0] // v_unit,
+                         o[2][0] // o_unit if o is not None else seqlen_q * q[1][2] * self.d)
+        if batch > 1 and any(s % 8 for s in batch_strides):
+            return None  # (_check_loadable refuses them: planned, which says so)
+        template = None
+        if self.tma:
+            if self.writers is not None:
+                q_map, k_map, v_map = self.writers
+                q_stride, k_stride, v_stride = batch_strides[:3]
+                maps = (_tma.moved_map(q_map, batch, seqlen_q, q_stride),
+                        _tma.moved_map(k_map, batch, seqlen_k, k_stride))
+                maps += (maps[1] if v_map == k_map and v_stride == k_stride
+                         else _tma.moved_map(v_map, batch, seqlen_k, v_stride),)
+                if None in maps:
+                    return None
+                template = _tma.Template(b"".join(maps) + _tma.PADS[3], False, self.words)
+            else:
+                template = self._general_template((q, k, v), 1, 2)
+                if template is None:
+                    return None
+        return self._moved(batch, q[1][2], seqlen_q, seqlen_k, tuple(q[1]), template,
+                           batch_strides)
+
+    def packed_batch(self, q, k, v, cu_q, cu_k, used, alibi, table, o):
+        """The plan at the sizes of a packed batch's signature entries."""
+        if self.units is None:
+            self._prepare()
+        total_q, total_k, batch = q[1][0], k[1][0], cu_q[1][0] - 1
+        if (v[1][0] != total_k or cu_k[1][0] != batch + 1
+                or used is not None and used[1][0] != batch
+                or o is not None and o[1][0] != total_q
+                or not _movable(total_q, total_k, batch)):
+            return None
+        template = None
+        if self.tma:
+            if self.writers is not None:
+                q_map, k_map, v_map, k_tail, v_tail = self.writers
+                maps = [_tma.moved_map(q_map, 1, total_q, 0),
+                        _tma.moved_map(k_map, 1, total_k, 0)]
+                maps.append(maps[1] if v_map == k_map else _tma.moved_map(v_map, 1, total_k, 0))
+                k_row_stride = k[2][0] // self.units[1]
+                maps.append(_tma.moved_map(k_tail, total_k, self.box_n, k_row_stride))
+                maps.append(maps[3] if v_tail == k_tail else _tma.moved_map(
+                    v_tail, total_k, self.box_n, v[2][0] // self.units[2]))
+                if None in maps:
+                    return None
+                template = _tma.Template(b"".join(maps), True, self.words)
+            else:
+                template = self._general_template((q, k, v), 0, 1)
+                if template is None:
+                    return None
+        return self._moved(batch, q[1][1], total_q, total_k, tuple(q[1]), template, None)
+
+    def _general_template(self, entries, seq_dim, head_dim):
+        """The TMA maps through _tma's general path (its kind maps not written in Python
+        on this driver); None where it refuses them, or the tails, which base has."""
+        dtype = self.plan.dtype
+        q, k, v = (_Shaped(tuple(e[1]), tuple(s // unit for s in e[2]), dtype)
+                   for e, unit in zip(entries, self.units))
+        template = _tma_template(self.plan.variant, q, k, v, seq_dim, head_dim, self.d,
+                                 self.packed, _tma.new_shape_template)
+        if template is None or template.has_tails != self.plan.tma_template.has_tails:
+            return None
+        return template
+
+    def _moved(self, batch, nheads, seqlen_q, seqlen_k, out_shape, tma_template,
+               batch_strides):
+        """The plan at these sizes, its maps made: _sizes and the records' size fields."""
+        base, packed = self.plan, self.packed
+        variant = base.variant
+        if variant.family == "sm90":
+            rows = _compile.sm90_rows(packed, seqlen_q, batch, self.d, variant.mask)
+            same = self.same_tiles.get(rows)
+            if same is None:  # (the tile classes of a head dim may share tiles)
+                same = self.same_tiles[rows] = variant == _compile.fwd_variant(
+                    variant.dtype, self.d, variant.mask, variant.score_mods, "sm90", rows)
+            if not same:
+                return None
+        values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
+            variant, batch, nheads, seqlen_q, seqlen_k, packed, base.device)
+        plan = _Plan.__new__(_Plan)  # a copy of base (copy.copy takes 3 us more)
+        plan.__dict__.update(base.__dict__)
+        plan.out_shape = out_shape
+        plan.num_blocks, plan.scratch_bytes, plan.tma_template = (num_blocks, scratch_bytes,
+                                                                  tma_template)
+        if packed:
+            plan.lse_shape = (nheads, seqlen_q)
+            plan.params = _set_sizes(base.params, values)
+            plan.work_list = (base.work_list[0], max_tiles, num_buckets, _set_schedule_sizes(
+                base.work_list[3], (batch, seqlen_q, num_buckets)))
+        else:  # the batch strides follow the sizes; the row and head strides are the layout's
+            plan.lse_shape = (batch, nheads, seqlen_q)
+            plan.params = _set_batch_strides_and_sizes(base.params, batch_strides + values)
+        return plan
 
 
 def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
@@ -834,10 +939,15 @@ def score_fields(window, scale, softcap, d, alibi):
 
 
 def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.template):
+    """q, k, v (and for packed batches the k/v tails) made into a _tma.Template by `make`
+    (_tma.template, cached per layout; a moved plan's new shape: _tma.new_shape_template);
+    None if the copy engine cannot describe them."""
+    return make(q.dtype, *_tma_views(variant, q, k, v, seq_dim, head_dim, d, packed))
+
+
+def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
     """q, k, v (and for packed batches the k/v tails) as (batch, rows, heads, columns)
-    views, made into a _tma.Template by `make` (_tma.template, cached per layout; a moved
-    plan's new shape: _tma.new_shape_template); None if the copy engine cannot describe
-    them."""
+    views of _tma.template: (views, tail views)."""
     views, tails = [], []
     for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
         rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
@@ -849,7 +959,7 @@ def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.temp
         else:
             views.append(((x.shape[0], rows, heads, d),
                           (x.strides[0], row_stride, head_stride), box_rows))
-    return make(q.dtype, tuple(views), tuple(tails))
+    return tuple(views), tuple(tails)
 
 
 def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,

@@ -201,6 +201,38 @@ def test_a_written_map_is_the_layout_model_of_map_args(monkeypatch):
     assert 0 < refused < 4000
 
 
+def test_a_moved_map_is_the_written_map_of_its_new_sizes(monkeypatch):
+    """_tma.moved_map (a moved plan's maps: a layout's pieces with only batch, rows and
+    batch stride written) writes what _written_map writes for the layout at those sizes,
+    and refuses what it refuses (edge sizes and strides included)."""
+    import random
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: _model_encode([]))
+    monkeypatch.setattr(_tma, "_kind_maps", {})
+    monkeypatch.setattr(_tma, "_kind_parts", {})
+    assert _tma._kind_map("float16", 128) is not None
+    parts = _tma._kind_parts["float16", 128]
+    rng = random.Random(6)
+    sizes = (1, 2, 3, 1000, (1 << 32) - 1, 1 << 32)
+    strides = (0, -8, 4, 8, 64, 8 * 3, (1 << 39) - 8, 1 << 39, 8 * 0xF_1234_5678)
+    refused = 0
+    for _ in range(300):
+        heads, cols = rng.choice((1, 2, 40)), rng.choice((64, 8))
+        row_stride, head_stride = 8 * rng.randrange(1, 1 << 33), rng.choice(strides[1:])
+        layout = ((rng.choice(sizes), rng.choice(sizes), heads, cols),
+                  (rng.choice(strides), row_stride, head_stride), 128)
+        made = _tma._written_map(parts, *layout)
+        if made is None:
+            continue
+        (writer,) = _tma.map_writers(_tma.Template(made, False, ()), "float16", (128,))
+        for _ in range(20):
+            batch, rows, batch_stride = rng.choice(sizes), rng.choice(sizes), rng.choice(strides)
+            expected = _tma._written_map(parts, (batch, rows, heads, cols),
+                                         (batch_stride, row_stride, head_stride), 128)
+            assert _tma.moved_map(writer, batch, rows, batch_stride) == expected
+            refused += expected is None
+    assert refused
+
+
 def test_a_driver_storing_layouts_otherwise_encodes_every_layout(monkeypatch):
     import random
     calls = []

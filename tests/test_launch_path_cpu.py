@@ -617,23 +617,48 @@ def _same_plan(a, b):
             tb.record, tb.has_tails, tb.address_words)
 
 
+def _model_driver(monkeypatch):
+    """A fake driver that stores maps as _tma's layout model says (the H100's does): new
+    shapes' maps are then written in Python, and moved plans' by _tma.moved_map."""
+    def replace(map_address, ptr):
+        ctypes.memmove(map_address, ptr.to_bytes(8, "little"), 8)
+        return 0
+
+    def encode(map_address, data_type, rank, ptr, dims, byte_strides, box, *rest):
+        kind = bytes([data_type, box[1] & 0xFF]) + bytes(range(2, 128))
+        ctypes.memmove(map_address, _tma._with_layout(kind, tuple(dims), tuple(byte_strides)),
+                       128)
+        return replace(map_address, ptr)
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: encode)
+    monkeypatch.setattr(_tma, "_replace_fn", lambda: replace)
+    _clear_tma_caches()
+
+
 @pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("driver", ["model", "other"])
 def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, heads_first,
-                                                                       monkeypatch):
-    """Moved plans (api._moved) equal the plans made by validation and planning, at sizes
+                                                                       driver, monkeypatch):
+    """Moved plans (api._Mover) equal the plans made by validation and planning, at sizes
     that cross the tile classes (64-, 128- and 192-row tiles), for padded and packed
-    batches, with and without out=, and a (B, H, N, d) storage whose head stride grows."""
+    batches, with and without out=, and a (B, H, N, d) storage whose head stride grows;
+    with a driver whose maps _tma writes (moved maps written from a layout's pieces), and
+    one whose maps it does not (moved through _tma's general path)."""
     import random
+    if driver == "model":
+        _model_driver(monkeypatch)
     rng = random.Random(5)
     moved_plans = []
-    move = api._moved
+    move = api._Mover._moved
 
-    def counted(*args):
-        plan = move(*args)
+    def counted(mover, *args):
+        plan = move(mover, *args)
         moved_plans.append(plan is not None)
+        if mover.tma:
+            written.append(mover.writers is not None)
         return plan
+    written = []
 
-    monkeypatch.setattr(api, "_moved", counted)
+    monkeypatch.setattr(api._Mover, "_moved", counted)
     for case in range(60):
         d, h, hk = rng.choice((64, 128, 72)), rng.choice((4, 8)), rng.choice((1, 2, 4))
         causal, dense, with_out = rng.random() < 0.5, rng.random() < 0.6, rng.random() < 0.3
@@ -664,6 +689,7 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
             api._layouts.clear()
             call()  # made from scratch
             _same_plan(moved, _last_plan())
+    assert written and all(written) == (driver == "model") and any(written) == all(written)
     # most calls moved a plan (the rest: another tile class or (B, H, N, d) storage,
     # whose head stride changes with N: another layout)
     assert sum(moved_plans) > (20 if heads_first else 60), (sum(moved_plans), len(moved_plans))
