@@ -268,9 +268,9 @@ def decode_kernel_with_more_ctas(dtype, head_dim):
 def combine_kernel(dtype, head_dim, num_splits):
     """decode_combine for `num_splits` splits of rows of head_dim columns: a warp a row
     while its lanes can have every split's read of a row in flight at once (4 reads a
-    lane: the loop's unroll), else 128 threads a row."""
+    lane, and a lane a split's lse), else 128 threads a row."""
     lanes_a_split = -(-head_dim // 8)  # a lane takes 8 columns of a split's row
-    rows = 4 if num_splits <= 4 * (32 // lanes_a_split) else 1
+    rows = 4 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else 1
     return DecodeKernel("combine", dtype, rows=rows)
 
 

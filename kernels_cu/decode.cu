@@ -482,6 +482,8 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
   static_assert(kRows == 1 || kRows == kCombineThreads / 32, "a CTA a row, or a warp a row");
   constexpr int kMaxSplits = 128;  // MAX_SPLITS in cufa/kvcache.py
   constexpr int kRowThreads = kCombineThreads / kRows;
+  static_assert(kMaxSplits <= kCombineThreads, "a row's lse values: one a thread");
+  constexpr int kEarly = 4;  // a thread's first splits of o_partial, loaded with the lse
   __shared__ float weight[kRows][kMaxSplits];
   __shared__ float partial[kCombineThreads * 8];
   __shared__ float warp_value[kCombineThreads / 32];
@@ -492,49 +494,61 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
   const int row = blockIdx.x * kRows + slot;
   if (row >= p.batch * p.seqlen_q * p.nheads) return;
   const int h = row % p.nheads, t = (row / p.nheads) % p.seqlen_q, b = row / (p.nheads * p.seqlen_q);
+  // Every load that needs nothing read from the device goes out first, together: the
+  // row's lse values (one a thread: a warp row has at most 32 splits) and the first
+  // kEarly splits of each thread's columns, so that the row waits about one memory
+  // latency, not one for cache_seq, one for the lse and one for the outputs. (Rows that
+  // cache_seq then skips read partials nobody wrote, inside the workspace, and drop them.)
+  const i64 lse_at = ((i64)b * p.nheads + h) * p.seqlen_q + t;
+  const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
+  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial) + lse_at;
+  const float my_lse = tid < p.num_splits ? lse_part[tid * split_lse] : -CUFA_INF;
+  // thread = (split group, 8-column chunk)
+  const int chunks = p.head_dim / 8, groups = kRowThreads / chunks;
+  const int chunk = tid % chunks, group = tid / chunks;
+  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+  const float* o_part = reinterpret_cast<const float*>(p.o_partial) + (i64)row * p.head_dim + chunk * 8;
+  float4 early[kEarly][2];
+#pragma unroll
+  for (int i = 0; i < kEarly; ++i) {
+    const int sp = group + i * groups;
+    if (group < groups && sp < p.num_splits) {
+      early[i][0] = reinterpret_cast<const float4*>(o_part + sp * split_o)[0];
+      early[i][1] = reinterpret_cast<const float4*>(o_part + sp * split_o)[1];
+    }
+  }
   const CacheSeq s = cache_seq(p, b);
   // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes,
   // the same test as decode_kernel's)
   if (t >= s.seqlen_q || s.seqlen_q > p.seqlen_q) return;
-  const i64 lse_at = ((i64)b * p.nheads + h) * p.seqlen_q + t;
-  const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
-  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial) + lse_at;
-  float mx = -CUFA_INF;
-  for (int sp = tid; sp < p.num_splits; sp += kRowThreads) mx = fmaxf(mx, lse_part[sp * split_lse]);
-  mx = row_reduce<kRows, true>(mx, warp_value);
+  const float mx = row_reduce<kRows, true>(my_lse, warp_value);
   const float base = mx == -CUFA_INF ? 0.f : mx;
-  float sum = 0.f;
-  for (int sp = tid; sp < p.num_splits; sp += kRowThreads) {
-    const float lse = lse_part[sp * split_lse];
-    const float e = lse == -CUFA_INF ? 0.f : fast_exp2((lse - base) * CUFA_LOG2E);
-    weight[slot][sp] = e;
-    sum += e;
-  }
-  sum = row_reduce<kRows, false>(sum, warp_value);
+  const float e = my_lse == -CUFA_INF ? 0.f : fast_exp2((my_lse - base) * CUFA_LOG2E);
+  const float sum = row_reduce<kRows, false>(e, warp_value);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  for (int sp = tid; sp < p.num_splits; sp += kRowThreads) weight[slot][sp] *= inv;
+  if (tid < p.num_splits) weight[slot][tid] = e * inv;
   if (tid == 0 && p.lse)
     reinterpret_cast<float*>(p.lse)[b * p.lse_batch_stride + h * p.lse_head_stride + s.q_row0 + t] =
         sum > 0.f ? base + logf(sum) : -CUFA_INF;
   row_sync<kRows>();  // every weight of the row written
 
-  // thread = (split group, 8-column chunk)
-  const int chunks = p.head_dim / 8, groups = kRowThreads / chunks;
-  const int chunk = tid % chunks, group = tid / chunks;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (group < groups) {
-    const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
-    const float* o_part = reinterpret_cast<const float*>(p.o_partial) + (i64)row * p.head_dim + chunk * 8;
-#pragma unroll 4
-    for (int sp = group; sp < p.num_splits; sp += groups) {
-      const float w = weight[slot][sp];
-      const float4 a = reinterpret_cast<const float4*>(o_part + sp * split_o)[0];
-      const float4 c = reinterpret_cast<const float4*>(o_part + sp * split_o)[1];
-      if (w != 0.f) {  // an empty split's output may be anything, NaN included
-        acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-        acc[4] += w * c.x; acc[5] += w * c.y; acc[6] += w * c.z; acc[7] += w * c.w;
-      }
+  const auto add = [&](float w, const float4& a, const float4& c) {
+    if (w != 0.f) {  // an empty split's output may be anything, NaN included
+      acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+      acc[4] += w * c.x; acc[5] += w * c.y; acc[6] += w * c.z; acc[7] += w * c.w;
     }
+  };
+  if (group < groups) {
+#pragma unroll
+    for (int i = 0; i < kEarly; ++i) {
+      const int sp = group + i * groups;
+      if (sp < p.num_splits) add(weight[slot][sp], early[i][0], early[i][1]);
+    }
+#pragma unroll 4
+    for (int sp = group + kEarly * groups; sp < p.num_splits; sp += groups)
+      add(weight[slot][sp], reinterpret_cast<const float4*>(o_part + sp * split_o)[0],
+          reinterpret_cast<const float4*>(o_part + sp * split_o)[1]);
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) partial[threadIdx.x * 8 + i] = acc[i];

@@ -201,9 +201,11 @@ def test_decode_pointer_order_is_the_records():
 @pytest.mark.parametrize("d, splits, rows", [
     (64, 2, 4), (64, 16, 4), (64, 17, 1), (128, 8, 4), (128, 9, 1), (256, 4, 4), (256, 5, 1),
     (96, 8, 4), (96, 9, 1),   # 12 lanes a split: two splits a warp at once
+    (32, 32, 4), (16, 32, 4), (16, 33, 1), (8, 64, 1),  # and a lane a split's lse
 ])
 def test_combine_takes_a_warp_a_row_while_one_round_of_reads_covers_the_splits(d, splits, rows):
-    # a lane reads 8 columns; a warp's lanes hold 32 // (d / 8) splits at once, 4 reads each
+    # a lane reads 8 columns; a warp's lanes hold 32 // (d / 8) splits at once, 4 reads
+    # each, and a lane holds one split's lse
     kernel = _compile.combine_kernel("bf16", d, splits)
     assert kernel.rows == rows
     assert kernel.key == f"decode_combine_r{rows}_bf16"
