@@ -51,15 +51,17 @@ SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
 # causal N = 1k -11 % on 192 rows, against +5-11 % from 2k up (NOTES.md step 34).
 SM90_MID_TILES = {128: (128, 128)}
 SM90_LONG_MIN_SEQLEN = {"none": 1024, "window": 2048}
-# Packed batches of short sequences: 64-row tiles, one consumer warpgroup, two CTAs per SM
-# (half the query-row rounding of 128-row tiles; NOTES.md step 24). Two CTAs share the
-# SM's shared memory, so the key blocks are narrower. Where they measured faster on the
-# 256 x 64..512 batch: d=64 (+5 %), d=128 causal (+3 %); d=128 non-causal keeps the 128-row
-# tiles (4 % faster there: 64-key blocks at d=128 cost more per FLOP).
-SM90_SHORT_TILES = {64: (64, 128)}
-SM90_SHORT_TILES_WINDOW = {**SM90_SHORT_TILES, 128: (64, 64)}
+# Short sequences (packed batches of them, and padded ones up to 1k rows at d <= 64),
+# causal or windowed: 64-row tiles, one consumer warpgroup, two CTAs per SM (half the
+# query-row rounding of 128-row tiles; NOTES.md step 24). Two CTAs share the SM's shared
+# memory, so the key blocks are narrower. Measured faster than the longer tiles there:
+# d = 64 and d = 128 causal. Without a mask the longer tiles are: d = 128 on 128 rows (4 %:
+# 64-key blocks at d = 128 cost more per FLOP), d = 64 on the 192-row tiles of step 33
+# (step 36: +12 % on the 256 x 64..512 batch, +4-9 % padded at 512 and 1k rows).
+SM90_SHORT_TILES = {}
+SM90_SHORT_TILES_WINDOW = {64: (64, 128), 128: (64, 64)}
 SM90_SHORT_MAX_MEAN_SEQLEN = 512  # mean query rows per sequence up to which they are used
-SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded causal batches: query rows up to which (d <= 64)
+SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches: query rows up to which (d <= 64)
 # "64" / "128" / "192": force the short, middle or long tiles' table (tests, bench); a head
 # dim without tiles of that class gets the next longer class's
 SM90_ROWS_ENV = "CUFA_SM90_BLOCK_M"
@@ -311,11 +313,10 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
 
 def sm90_rows(packed, total_q, batch, head_dim, mask):
     """The sm90 tile class of a batch, by its mean query rows a sequence: "short" for
-    packed batches of at most SM90_SHORT_MAX_MEAN_SEQLEN, and padded causal (windowed)
-    ones at head dims up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (NOTES steps 24
-    and 28: +2-5 % there, -15 % at d = 128; without a mask the 192-row tiles of step 33
-    are 4-9 % faster there, step 36); "long" from SM90_LONG_MIN_SEQLEN[mask] up; else
-    "mid".
+    packed batches of at most SM90_SHORT_MAX_MEAN_SEQLEN, and padded ones at head dims
+    up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (step 24 of NOTES: +2-5 % there,
+    -15 % at d = 128); "long" from SM90_LONG_MIN_SEQLEN[mask] up; else "mid". (A class
+    without tiles for the head dim and mask takes the next longer's: fwd_variant.)
     CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
     forced = _overrides[SM90_ROWS_ENV]
     if forced:
@@ -325,7 +326,7 @@ def sm90_rows(packed, total_q, batch, head_dim, mask):
         return SM90_ROW_CLASSES[forced]
     if packed and total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch:
         return "short"
-    if not packed and head_dim <= 64 and mask != "none" and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN:
+    if not packed and head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN:
         return "short"
     per_sequence = total_q if not packed else total_q / batch
     return "long" if per_sequence >= SM90_LONG_MIN_SEQLEN[mask] else "mid"

@@ -67,11 +67,12 @@ def test_tile_class_follows_the_mean_sequence_length(setenv):
     limit = _compile.SM90_SHORT_MAX_MEAN_SEQLEN
     assert rows(True, limit * 10, 10, 128, "none") == "short"
     assert rows(True, limit * 10 + 1, 10, 128, "none") == "mid"
-    dense = _compile.SM90_SHORT_DENSE_MAX_SEQLEN  # padded: d <= 64, causal and short only
-    assert rows(False, dense, 10, 64, "window") == "short"
-    assert rows(False, dense + 1, 10, 64, "window") == "mid"  # (d = 64: the long tiles)
-    assert rows(False, 512, 10, 64, "none") == "mid"  # (d = 64: the long tiles, step 36)
-    assert _compile.fwd_variant("fp16", 64, "none", False, "sm90", "mid").block_m == 192
+    dense = _compile.SM90_SHORT_DENSE_MAX_SEQLEN  # padded: d <= 64 and short only
+    assert rows(False, dense, 10, 64, "none") == "short"
+    assert rows(False, dense + 1, 10, 64, "none") == "long"
+    # (no 64-row tiles without a mask: d = 64 short batches take the long ones, step 36)
+    assert _compile.fwd_variant("fp16", 64, "none", False, "sm90", "short").block_m == 192
+    assert _compile.fwd_variant("fp16", 64, "window", False, "sm90", "short").block_m == 64
     assert rows(False, 64, 10, 128, "none") == "mid"
     for mask, long_from in _compile.SM90_LONG_MIN_SEQLEN.items():
         assert rows(False, long_from - 1, 3, 128, mask) == "mid"
