@@ -697,7 +697,8 @@ class _Mover:
                    for e, u in zip(self.entries, self.units)]
         self.d, self.box_n, self.same_tiles = self.entries[0][1][-1], variant.block_n, {}
         # a row stride the layout fixes but _check_loadable allows only under one row
-        self.rows_misaligned = any(x is not None and x[1] % 8 for x in strides)
+        seq_dim = 0 if self.packed else 1
+        self.rows_misaligned = any(x is not None and x[seq_dim] % 8 for x in strides)
         template = plan.tma_template
         self.tma, self.writers, self.words = template is not None, None, None
         seq_dim = 0 if self.packed else 1
@@ -752,7 +753,8 @@ class _Mover:
         if (v[1][0] != total_k or cu_k[1][0] != batch + 1
                 or used is not None and used[1][0] != batch
                 or o is not None and o[1][0] != total_q
-                or not _movable(total_q, total_k, batch)):
+                or not _movable(total_q, total_k, batch)
+                or self.rows_misaligned and max(total_q, total_k) > 1):
             return None
         template = None
         if self.tma:

@@ -710,6 +710,23 @@ def test_moved_plans_still_refuse_bad_sizes(device):
     empty = view((2, 0, 4, 64))
     assert cufa.flash_attn_func(empty, k, k).startswith("array@")  # planned: nothing to launch
 
+def test_moved_plans_refuse_a_row_stride_allowed_under_one_row(device, monkeypatch):
+    """A row stride that is no multiple of 8 passes under one row; the same layout at
+    more rows is refused (planned again, which says why), packed and padded. (On sm_80
+    devices: TMA refuses such layouts, so on sm_90 their plans never move.)"""
+    monkeypatch.setattr(api, "_compute_capability", lambda device: "80")
+    one, kv = _strided((1, 4, 64), (260, 64, 1)), view((300, 4, 64))
+    cu = view((2,), "int32")
+    cufa.flash_attn_varlen_func(one, kv, kv, cu, cu, 1, 300)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        cufa.flash_attn_varlen_func(_strided((300, 4, 64), (260, 64, 1)), kv, kv, cu, cu,
+                                    300, 300)
+    one = _strided((1, 1, 4, 64), (260, 260, 64, 1))  # padded: the row stride of one row
+    cufa.flash_attn_func(one, view((1, 300, 4, 64)), view((1, 300, 4, 64)))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        cufa.flash_attn_func(_strided((1, 300, 4, 64), (300 * 260, 260, 64, 1)),
+                             view((1, 300, 4, 64)), view((1, 300, 4, 64)))
+
 
 def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):
     """Padded batches: a scheduling group holds at most the heads whose query blocks the
