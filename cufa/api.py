@@ -701,7 +701,6 @@ class _Mover:
         self.rows_misaligned = any(x is not None and x[seq_dim] % 8 for x in strides)
         template = plan.tma_template
         self.tma, self.writers, self.words = template is not None, None, None
-        seq_dim = 0 if self.packed else 1
         # (a row stride 0, which a map takes under one row, is left to the general path)
         if template is not None and template.address_words and (
                 not self.packed or template.has_tails) and all(
