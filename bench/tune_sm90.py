@@ -24,9 +24,10 @@ from cufa import _compile, api  # noqa: E402
 from bench_fwd import Shape, time_events  # noqa: E402
 
 # name -> (tiles {head_dim: (block_m, block_n)} for masks "none", the same for
-# "window" (causal, local))
+# "window" (causal, local)[, the same for short causal sequences' 64-row tiles])
 EXPERIMENTS = {
     "base": ({}, {}),
+    "short_bn64": ({}, {}, {64: (64, 64)}),  # causal d = 64 up to 1k rows on 64-key blocks
     "win_wide": ({}, {64: (128, 192)}),
     "narrow": ({64: (128, 128), 256: (128, 64)}, {}),
     "d256_bn64": ({256: (128, 64)}, {256: (128, 64)}),
@@ -36,9 +37,10 @@ DEFAULT_SHAPES = ("64:512:0,64:512:1,64:2048:1,64:8192:0,128:512:0,128:512:1,128
 
 
 def configure(name):
-    tiles, window_tiles = EXPERIMENTS[name]
+    tiles, window_tiles, *short_window_tiles = EXPERIMENTS[name]
     _compile.SM90_TILES = {**BASE_TILES, **tiles}
     _compile.SM90_TILES_WINDOW = {**BASE_WINDOW_TILES, **window_tiles}
+    _compile.SM90_SHORT_TILES_WINDOW = {**BASE_SHORT_WINDOW_TILES, **dict(*short_window_tiles)}
     # an experiment's head dims take its tiles at every length
     _compile.SM90_MID_TILES = {hd: t for hd, t in BASE_MID_TILES.items()
                                if hd not in tiles and hd not in window_tiles}
@@ -97,6 +99,7 @@ def main():
 BASE_TILES = dict(_compile.SM90_TILES)
 BASE_WINDOW_TILES = dict(_compile.SM90_TILES_WINDOW)
 BASE_MID_TILES = dict(_compile.SM90_MID_TILES)
+BASE_SHORT_WINDOW_TILES = dict(_compile.SM90_SHORT_TILES_WINDOW)
 
 if __name__ == "__main__":
     main()
