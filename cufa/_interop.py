@@ -118,10 +118,15 @@ def signature(arrays, names):
     return tuple(key), addresses
 
 
+def _read_off_cupy(entry):
+    """Whether signature() read `entry` off a CuPy array itself (its fast path), not off
+    a view: then its strides count bytes and its dtype is CuPy's."""
+    return entry[0] is _cupy_array and type(entry[3]) is not str
+
+
 def stride_unit(entry, itemsize):
-    """Elements a stride of signature() `entry` counts (of an array with this itemsize):
-    CuPy's own strides, read on its fast path, count bytes."""
-    return itemsize if entry[0] is _cupy_array and type(entry[3]) is not str else 1
+    """Elements a stride of signature() `entry` counts (of an array with this itemsize)."""
+    return itemsize if _read_off_cupy(entry) else 1
 
 
 def views(arrays, names, entries, addresses, required):
@@ -143,7 +148,7 @@ def views(arrays, names, entries, addresses, required):
                 out.append(DeviceArray(x, "torch", ptr, tuple(shape), strides, described[0],
                                        device, described[1]))
                 continue
-        elif kind is _cupy_array and type(entry[3]) is not str:
+        elif kind is _cupy_array and _read_off_cupy(entry):
             _, shape, strides, dtype, device, _ = entry
             itemsize = dtype.itemsize
             out.append(DeviceArray(x, "cupy", ptr, shape, tuple(s // itemsize for s in strides),

@@ -25,7 +25,7 @@ FWD_FIELDS = [
     ("mask_batch_stride", _I64), ("mask_head_stride", _I64),
     ("mask_row_stride", _I64), ("mask_col_stride", _I64),
     ("alibi_batch_stride", _I64), ("block_table_batch_stride", _I64),
-    # what a call's sizes set, one run of fields (api._moved writes them with one pack)
+    # what a call's sizes set, one run of fields (api._Mover writes them with one pack)
     ("q_batch_stride", _I64), ("k_batch_stride", _I64), ("v_batch_stride", _I64),
     ("o_batch_stride", _I64), ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
     ("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32),

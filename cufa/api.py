@@ -690,9 +690,8 @@ class _Mover:
     def _prepare(self):
         """What the layout fixes, from the base plan's entries (its first move)."""
         plan, variant = self.plan, self.plan.variant
-        itemsize = 4 if plan.dtype == "float32" else 2
-        self.units = tuple(1 if e is None else _interop.stride_unit(e, itemsize)
-                           for e in self.entries)
+        # (fp16 and bf16 only: every array of a plan has 2-byte elements)
+        self.units = tuple(1 if e is None else _interop.stride_unit(e, 2) for e in self.entries)
         strides = [None if e is None else [s // u for s in e[2]]
                    for e, u in zip(self.entries, self.units)]
         self.d, self.box_n, self.same_tiles = self.entries[0][1][-1], variant.block_n, {}
@@ -718,7 +717,8 @@ class _Mover:
         if (k[1][0] != batch or v[1][0] != batch or v[1][1] != seqlen_k
                 or o is not None and (o[1][0] != batch or o[1][1] != seqlen_q)
                 or not _movable(seqlen_q, seqlen_k, batch)
-                or self.rows_misaligned and max(seqlen_q, seqlen_k) > 1):
+                or self.rows_misaligned and max(seqlen_q, seqlen_k) > 1
+                or not self._same_tiles(seqlen_q, batch)):
             return None
         q_unit, k_unit, v_unit, o_unit = self.units
         batch_strides = (q[2][0] // q_unit, k[2][0] // k_unit, v[2][0] // v_unit,
@@ -727,20 +727,18 @@ class _Mover:
             return None  # (_check_loadable refuses them: planned, which says so)
         template = None
         if self.tma:
-            if self.writers is not None:
-                q_map, k_map, v_map = self.writers
-                q_stride, k_stride, v_stride = batch_strides[:3]
-                maps = (_tma.moved_map(q_map, batch, seqlen_q, q_stride),
-                        _tma.moved_map(k_map, batch, seqlen_k, k_stride))
-                maps += (maps[1] if v_map == k_map and v_stride == k_stride
-                         else _tma.moved_map(v_map, batch, seqlen_k, v_stride),)
-                if None in maps:
-                    return None
-                template = _tma.Template(b"".join(maps) + _tma.PADS[3], False, self.words)
-            else:
+            if self.writers is None:
                 template = self._general_template((q, k, v), 1, 2)
-                if template is None:
-                    return None
+            else:
+                (q_map, k_map, v_map), (q_stride, k_stride, v_stride) = (self.writers,
+                                                                         batch_strides[:3])
+                k_moved = _tma.moved_map(k_map, batch, seqlen_k, k_stride)
+                template = self._written((
+                    _tma.moved_map(q_map, batch, seqlen_q, q_stride), k_moved,
+                    k_moved if (v_map, v_stride) == (k_map, k_stride)
+                    else _tma.moved_map(v_map, batch, seqlen_k, v_stride)), False)
+            if template is None:
+                return None
         return self._moved(batch, q[1][2], seqlen_q, seqlen_k, tuple(q[1]), template,
                            batch_strides)
 
@@ -753,27 +751,45 @@ class _Mover:
                 or used is not None and used[1][0] != batch
                 or o is not None and o[1][0] != total_q
                 or not _movable(total_q, total_k, batch)
-                or self.rows_misaligned and max(total_q, total_k) > 1):
+                or self.rows_misaligned and max(total_q, total_k) > 1
+                or not self._same_tiles(total_q, batch)):
             return None
         template = None
         if self.tma:
-            if self.writers is not None:
-                q_map, k_map, v_map, k_tail, v_tail = self.writers
-                maps = [_tma.moved_map(q_map, 1, total_q, 0),
-                        _tma.moved_map(k_map, 1, total_k, 0)]
-                maps.append(maps[1] if v_map == k_map else _tma.moved_map(v_map, 1, total_k, 0))
-                k_row_stride = k[2][0] // self.units[1]
-                maps.append(_tma.moved_map(k_tail, total_k, self.box_n, k_row_stride))
-                maps.append(maps[3] if v_tail == k_tail else _tma.moved_map(
-                    v_tail, total_k, self.box_n, v[2][0] // self.units[2]))
-                if None in maps:
-                    return None
-                template = _tma.Template(b"".join(maps), True, self.words)
-            else:
+            if self.writers is None:
                 template = self._general_template((q, k, v), 0, 1)
-                if template is None:
-                    return None
+            else:
+                q_map, k_map, v_map, k_tail, v_tail = self.writers
+                k_moved = _tma.moved_map(k_map, 1, total_k, 0)
+                k_tail_moved = _tma.moved_map(k_tail, total_k, self.box_n,
+                                              k[2][0] // self.units[1])
+                template = self._written((
+                    _tma.moved_map(q_map, 1, total_q, 0), k_moved,
+                    k_moved if v_map == k_map else _tma.moved_map(v_map, 1, total_k, 0),
+                    k_tail_moved, k_tail_moved if v_tail == k_tail else _tma.moved_map(
+                        v_tail, total_k, self.box_n, v[2][0] // self.units[2])), True)
+            if template is None:
+                return None
         return self._moved(batch, q[1][1], total_q, total_k, tuple(q[1]), template, None)
+
+    def _same_tiles(self, total_q, batch):
+        """Whether these sizes keep the base plan's tiles (sm90: the tile class of
+        sm90_rows; the tile classes of a head dim may share tiles)."""
+        variant = self.plan.variant
+        if variant.family != "sm90":
+            return True
+        rows = _compile.sm90_rows(self.packed, total_q, batch, self.d, variant.mask)
+        same = self.same_tiles.get(rows)
+        if same is None:
+            same = self.same_tiles[rows] = variant == _compile.fwd_variant(
+                variant.dtype, self.d, variant.mask, variant.score_mods, "sm90", rows)
+        return same
+
+    def _written(self, maps, has_tails):
+        """The Template of maps written by _tma.moved_map; None if it refused one."""
+        if None in maps:
+            return None
+        return _tma.Template(b"".join(maps) + _tma.PADS[len(maps)], has_tails, self.words)
 
     def _general_template(self, entries, seq_dim, head_dim):
         """The TMA maps through _tma's general path (its kind maps not written in Python
@@ -791,17 +807,8 @@ class _Mover:
                batch_strides):
         """The plan at these sizes, its maps made: _sizes and the records' size fields."""
         base, packed = self.plan, self.packed
-        variant = base.variant
-        if variant.family == "sm90":
-            rows = _compile.sm90_rows(packed, seqlen_q, batch, self.d, variant.mask)
-            same = self.same_tiles.get(rows)
-            if same is None:  # (the tile classes of a head dim may share tiles)
-                same = self.same_tiles[rows] = variant == _compile.fwd_variant(
-                    variant.dtype, self.d, variant.mask, variant.score_mods, "sm90", rows)
-            if not same:
-                return None
         values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
-            variant, batch, nheads, seqlen_q, seqlen_k, packed, base.device)
+            base.variant, batch, nheads, seqlen_q, seqlen_k, packed, base.device)
         plan = _Plan.__new__(_Plan)  # a copy of base (copy.copy takes 3 us more)
         plan.__dict__.update(base.__dict__)
         plan.out_shape = out_shape
@@ -897,7 +904,7 @@ _set_schedule_sizes = _params.SCHEDULE.setter(("batch", "total_q", "num_buckets"
 
 def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     """The launch values of a plan that follow from its sizes (batch, heads, sequence
-    lengths) and tiles, shared by _plan and _moved so that a moved plan is the plan:
+    lengths) and tiles, shared by _plan and _Mover so that a moved plan is the plan:
     (values of _SIZE_FIELDS, num_blocks, max_tiles, num_buckets, scratch_bytes)."""
     block_m = variant.block_m
     num_m_blocks = -(-seqlen_q // block_m)

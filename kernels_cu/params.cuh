@@ -40,7 +40,7 @@ struct FwdParams {
   i64 block_table_batch_stride;
 
   // What a call's sizes set, in one run of fields from the batch strides to
-  // heads_per_group: a plan moved to new sizes writes them with one pack (api._moved).
+  // heads_per_group: a plan moved to new sizes writes them with one pack (api._Mover).
   i64 q_batch_stride, k_batch_stride, v_batch_stride, o_batch_stride;
   i64 lse_batch_stride, lse_head_stride;
   int batch;
