@@ -1093,7 +1093,15 @@ def stream_workspace(framework, device, stream, nbytes):
     return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False)
 
 
+def stream_split_counters(framework, device, stream, nbytes):
+    """(owner, address) of nbytes of zeroed int32 counters for a split decode on `stream`,
+    which the decode kernel leaves zeroed (as stream_tile_counter's; under graph capture
+    the graph's own, zeroed by a memset in it)."""
+    return _stream_buffer(_split_counters, framework, device, stream, nbytes, zeroed=True)
+
+
 _tile_counters = {}  # (device, stream, thread) -> (address, bytes)
+_split_counters = {}
 _workspaces = {}
 _buffer_growth = threading.Lock()
 

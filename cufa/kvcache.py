@@ -358,19 +358,29 @@ def _workspace(*sizes):
 def _launch_decode(record, launches, workspace, pointers, framework, device, stream,
                    scratch_ptr):
     """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
-    record on `stream`. pointers(at) -> the record's pointer values (DECODE_FIELDS'
-    order), `at` mapping a workspace offset (-1: none) to its address: in XLA's
-    scratch_ptr under jax.jit, else in the stream's buffer."""
+    record on `stream`. pointers(at, counters) -> the record's pointer values
+    (DECODE_FIELDS' order), `at` mapping a workspace offset (-1: none) to its address: in
+    XLA's scratch_ptr under jax.jit, else in the stream's buffer; counters: the split
+    counters' address, or 0. Outside jax.jit a split decode merges its partials in its
+    own launch (the stream's zeroed counters, one a decode CTA at most) and the combine
+    is not launched; under jax.jit, whose replays must not depend on memory cufa keeps,
+    decode_combine merges them."""
     held, base = None, scratch_ptr
     if not scratch_ptr and workspace[0]:
         held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0])
+    counters = counters_held = 0
+    if not scratch_ptr and launches[-1][0] == "combine":
+        x, y, z = launches[-2][2]
+        counters_held, counters = api.stream_split_counters(framework, device, stream,
+                                                            4 * x * y * z)
+        launches = launches[:-1]
     params = _params.DECODE.with_pointer_values(
-        record, pointers(lambda offset: base + 4 * offset if offset >= 0 else 0))
+        record, pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters))
     for _, function, grid, threads, smem in launches:
         api.driver_launch(function, grid, threads, smem, stream, (params,))
-    # (the buffer held until the launches are queued: freed earlier, another thread could
+    # (the buffers held until the launches are queued: freed earlier, another thread could
     # be handed the same memory for work ordered before ours)
-    del held
+    del held, counters_held
 
 
 @dataclass
@@ -428,9 +438,9 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, sc
     partials in XLA's scratch under jax.jit, else the stream's."""
     cu_q, cu_k, used, table = packed
     _, o_part, lse_part = route.workspace
-    _launch_decode(route.params, route.launches, route.workspace, lambda at: (
+    _launch_decode(route.params, route.launches, route.workspace, lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
-        cu_q, cu_k, used), plan.framework, plan.device, stream,
+        cu_q, cu_k, used, counters), plan.framework, plan.device, stream,
         scratch_ptr and scratch_ptr + route.scratch_offset)
 
 
@@ -626,9 +636,9 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
         o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream)
         if plan.launches:
             _, o_part, lse_part, q_rot = plan.workspace
-            _launch_decode(plan.params, plan.launches, plan.workspace, lambda at: (
+            _launch_decode(plan.params, plan.launches, plan.workspace, lambda at, counters: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin, 0, 0, 0), plan.framework, plan.device,
+                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters), plan.framework, plan.device,
                 stream, scratch_ptr)
     return api.returned(plan, o, lse, plan.want_lse)

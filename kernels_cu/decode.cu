@@ -278,6 +278,106 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
   }
 }
 
+// -- split-KV merged in the launch (p.split_counters set): the last split of a (query
+//    block, KV head, sequence) to finish merges the unit's partials into the output, so
+//    the call needs no decode_combine launch. Its threads share out rows, columns and
+//    splits as decode_combine's do, so the reads are in flight together (a merge that
+//    read one split after another measured 3-15 us slower than the combine kernel:
+//    bench/NOTES.md). The counter is left zeroed for the next launch on the stream. --
+constexpr int kMaxSplits = 128;  // MAX_SPLITS in cufa/kvcache.py
+static_assert(kMaxSplits <= 16 * 128, "a merge's weights: kDecodeRows x kMaxSplits floats");
+
+template <int kDtype, int kThreads>
+__device__ __forceinline__ void merge_if_last(const DecodeParams& p, const CacheSeq& s, int m_block,
+                                              int h_k, int rows, float* scratch) {
+  __shared__ int s_last;
+  __threadfence();  // this thread's partials, device-wide, before the count below
+  __syncthreads();  // (also: every reader of the output staging is done with `scratch`)
+  if (threadIdx.x == 0) {
+    int* counter = reinterpret_cast<int*>(p.split_counters) +
+                   ((i64)blockIdx.z * gridDim.y + blockIdx.y) * p.num_m_blocks + m_block;
+    const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
+    if (last) atomicExch(counter, 0);
+    s_last = last;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // the other splits' partials, after their counts
+  const int splits = p.num_splits, chunks = p.head_dim / 8;
+  float* weight = scratch;                             // [kDecodeRows][kMaxSplits]
+  float* partial = scratch + kDecodeRows * kMaxSplits;  // [kThreads][8]
+  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial);
+  for (int idx = threadIdx.x; idx < rows * splits; idx += kThreads) {
+    const int r = idx / splits, sp = idx % splits;
+    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+    weight[r * kMaxSplits + sp] =
+        __ldcg(lse_part + ((i64)(sp * p.batch + s.b) * p.nheads + row.h) * p.seqlen_q + row.t);
+  }
+  __syncthreads();
+  if (threadIdx.x < rows) {  // each row's lse values -> its weights, and its lse
+    float* w = weight + threadIdx.x * kMaxSplits;
+    float mx = -CUFA_INF;
+    for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, w[sp]);
+    const float base = mx == -CUFA_INF ? 0.f : mx;
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+      const float e = w[sp] == -CUFA_INF ? 0.f : fast_exp2((w[sp] - base) * CUFA_LOG2E);
+      w[sp] = e;
+      sum += e;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int sp = 0; sp < splits; ++sp) w[sp] *= inv;
+    const DecodeRow row = decode_row(p, s, m_block, h_k, threadIdx.x);
+    if (p.lse)
+      reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
+                                      s.q_row0 + row.t] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
+  }
+  __syncthreads();
+  // thread = (row and 8-column chunk, split group); groups of a pair are adjacent threads
+  const int pairs = rows * chunks;
+  const int groups = max(1, kThreads / pairs), pairs_a_pass = kThreads / groups;
+  const int group = threadIdx.x % groups;
+  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+  const float* o_part = reinterpret_cast<const float*>(p.o_partial);
+  for (int pass = 0; pass < pairs; pass += pairs_a_pass) {
+    const int pair = pass + threadIdx.x / groups;
+    const int r = pair / chunks, c = pair % chunks;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    DecodeRow row{};
+    if (pair < pairs) {
+      row = decode_row(p, s, m_block, h_k, r);
+      const float* src = o_part + ((i64)(s.b * p.seqlen_q + row.t) * p.nheads + row.h) * p.head_dim + c * 8;
+#pragma unroll 4
+      for (int sp = group; sp < splits; sp += groups) {
+        const float w = weight[r * kMaxSplits + sp];
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o));
+        const float4 b = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o) + 1);
+        if (w != 0.f) {  // an empty split's output may be anything, NaN included
+          acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+          acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) partial[threadIdx.x * 8 + i] = acc[i];
+    __syncthreads();
+    if (pair < pairs && group == 0) {
+      for (int g = 1; g < groups; ++g)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += partial[(threadIdx.x + g) * 8 + i];
+      uint4 packed;
+      packed.x = pack2<kDtype>(acc[0], acc[1]);
+      packed.y = pack2<kDtype>(acc[2], acc[3]);
+      packed.z = pack2<kDtype>(acc[4], acc[5]);
+      packed.w = pack2<kDtype>(acc[6], acc[7]);
+      *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
+                                (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride +
+                                c * 8) = packed;
+    }
+    __syncthreads();  // partial is rewritten by the next pass
+  }
+}
+
 // grid: (num_m_blocks * num_splits, nheads_k, batch)
 template <int kDtype, int kHeadDim, int kStages>
 __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel(const DecodeParams p) {
@@ -440,6 +540,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   __syncthreads();
   write_decode_output<kDtype, kHeadDim>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
                                         scale_log2);
+  static_assert((kDecodeRows * kMaxSplits + Shape::kThreads * 8) * 4 <= kWarps * Shape::kWarpBytes,
+                "the merge's weights and partial sums fit the cache stages");
+  if (p.num_splits > 1 && p.split_counters)
+    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);
 }
 
 // -- split-KV: each (batch, token, head) row's splits merged by their lse --
@@ -480,7 +584,6 @@ __device__ __forceinline__ void row_sync() {
 template <int kDtype, int kRows>
 __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
   static_assert(kRows == 1 || kRows == kCombineThreads / 32, "a CTA a row, or a warp a row");
-  constexpr int kMaxSplits = 128;  // MAX_SPLITS in cufa/kvcache.py
   constexpr int kRowThreads = kCombineThreads / kRows;
   static_assert(kMaxSplits <= kCombineThreads, "a row's lse values: one a thread");
   constexpr int kEarly = 4;  // a thread's first splits of o_partial, loaded with the lse

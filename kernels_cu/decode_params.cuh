@@ -26,6 +26,10 @@ struct DecodeParams {
   // batch strides 0, seqlen_q is the most query rows a sequence may have to be taken
   // here (longer ones are the forward kernel's), and there is no append.
   u64 cu_seqlens_q, cu_seqlens_k, seqused_k;
+  // int32 (batch, nheads_k, num_m_blocks) zeroed counters: the last split of each merges
+  // the partials in the decode launch (and zeroes its counter again); 0: decode_combine
+  // merges them
+  u64 split_counters;
 
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride: a cache row, or a page
