@@ -63,6 +63,8 @@ def mock_device():
     _interop.allocate = _allocate
     api.stream_tile_counter = lambda framework, device, stream: (None, 0xC0)
     api.stream_workspace = lambda framework, device, stream, nbytes: (None, 0xD000_0000)
+    api.stream_split_counters = lambda framework, device, stream, nbytes: (None, 0xE0)
+    api.stream_capturing = lambda stream: False
     _compile.function_pointer = lambda variant, device: 0xF00
     api._compute_capability = lambda device: "90"
     api._sm_count = lambda device: 132

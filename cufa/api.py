@@ -1095,9 +1095,16 @@ def stream_workspace(framework, device, stream, nbytes):
 
 def stream_split_counters(framework, device, stream, nbytes):
     """(owner, address) of nbytes of zeroed int32 counters for a split decode on `stream`,
-    which the decode kernel leaves zeroed (as stream_tile_counter's; under graph capture
-    the graph's own, zeroed by a memset in it)."""
+    which the decode kernel leaves zeroed (as stream_tile_counter's). Not for a stream
+    under graph capture: there the graph's own would need a memset node, and a graph
+    replays decode_combine faster than a merge in the decode launch (bench/NOTES.md)."""
     return _stream_buffer(_split_counters, framework, device, stream, nbytes, zeroed=True)
+
+
+def stream_capturing(stream):
+    """Whether `stream` is being captured into a CUDA graph."""
+    import cupy
+    return bool(cupy.cuda.runtime.streamIsCapturing(stream))
 
 
 _tile_counters = {}  # (device, stream, thread) -> (address, bytes)
@@ -1113,7 +1120,7 @@ def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed):
     import cupy
     runtime = cupy.cuda.runtime
     _recording.replayable = False  # this memory is not XLA's: a jax.jit replay must not reuse it
-    if runtime.streamIsCapturing(stream):
+    if stream_capturing(stream):
         owner, ptr = _interop.allocate(framework, (-(-nbytes // 4),), "int32", device, stream)
         if zeroed:
             runtime.memsetAsync(ptr, 0, nbytes, stream)

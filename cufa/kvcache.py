@@ -361,15 +361,17 @@ def _launch_decode(record, launches, workspace, pointers, framework, device, str
     record on `stream`. pointers(at, counters) -> the record's pointer values
     (DECODE_FIELDS' order), `at` mapping a workspace offset (-1: none) to its address: in
     XLA's scratch_ptr under jax.jit, else in the stream's buffer; counters: the split
-    counters' address, or 0. Outside jax.jit a split decode merges its partials in its
-    own launch (the stream's zeroed counters, one a decode CTA at most) and the combine
-    is not launched; under jax.jit, whose replays must not depend on memory cufa keeps,
-    decode_combine merges them."""
+    counters' address, or 0. A split decode called eagerly merges its partials in its own
+    launch (the stream's zeroed counters, one a unit) and the combine is not launched: a
+    launch less of host time, which bounds these calls when queued. Under jax.jit (whose
+    replays must not depend on memory cufa keeps) and under graph capture (where the
+    counters would need a memset node, and the combine kernel replays faster than the
+    merge in the decode launch: bench/NOTES.md) decode_combine merges them."""
     held, base = None, scratch_ptr
     if not scratch_ptr and workspace[0]:
         held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0])
     counters = counters_held = 0
-    if not scratch_ptr and launches[-1][0] == "combine":
+    if not scratch_ptr and launches[-1][0] == "combine" and not api.stream_capturing(stream):
         x, y, z = launches[-2][2]
         counters_held, counters = api.stream_split_counters(framework, device, stream,
                                                             4 * x * y * z)

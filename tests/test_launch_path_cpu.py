@@ -16,6 +16,7 @@ class _Device:
 
     def __init__(self):
         self.launches, self.allocations, self.next = [], [], 1 << 20
+        self.capturing = False
 
     def allocate(self, framework, shape, dtype, device, stream):
         self.allocations.append((shape, dtype))
@@ -49,6 +50,7 @@ def device(monkeypatch):
                         lambda framework, device, stream, nbytes: (None, _WORKSPACE))
     monkeypatch.setattr(api, "stream_split_counters",
                         lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS))
+    monkeypatch.setattr(api, "stream_capturing", lambda stream: fake.capturing)
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
     monkeypatch.setattr(api, "_compute_capability", lambda device: "90")
     monkeypatch.setattr(api, "_sm_count", lambda device: 132)
@@ -281,6 +283,12 @@ def test_kvcache_split_partials_in_the_stream_workspace(device):
     assert device.allocations == [((1, 1, 32, 128), "float16")]  # the output only
     cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=1)
     assert record(device.launches[-1], _params.DECODE)["split_counters"] == 0
+    # under graph capture decode_combine merges: no counters of cufa's in the graph
+    device.capturing, done = True, len(device.launches)
+    cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=4)
+    decode, combine = device.launches[done:]
+    assert record(decode, _params.DECODE)["split_counters"] == 0
+    assert record(combine, _params.DECODE)["num_splits"] == 4
 
 
 def test_merge_addresses(device):
