@@ -47,6 +47,7 @@ EXPERIMENTS = {
     "bm128": {"SM90_SHORT_TILES": None, "SM90_SHORT_TILES_WINDOW": None},
     "short_bm64": {"SM90_SHORT_TILES": {128: (64, 64)}},  # d=128 non-causal on 64-row tiles too
     "short_bn64": {"SM90_SHORT_TILES": {64: (64, 64)}, "SM90_SHORT_TILES_WINDOW": {64: (64, 64)}},
+    "short_win_bn64": {"SM90_SHORT_TILES_WINDOW": {64: (64, 64)}},  # causal d=64 only
 }
 ROUNDS = 8
 
