@@ -170,6 +170,7 @@ VARLEN_SCHEDULE = ScheduleKernel()
 # under the memory traffic.
 DECODE_HEAD_DIMS = SM80_HEAD_DIMS
 DECODE_ROWS, DECODE_TILE_KEYS = 16, 16  # query rows a CTA, keys a warp's tile (decode.cu)
+COMBINE_THREADS = 128  # kCombineThreads in decode.cu; decode_append and merge_states take as many
 DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at most
 MERGE_DTYPES = ("fp16", "bf16", "fp32")  # index = MergeDtype in merge.cu
 
@@ -230,7 +231,7 @@ class DecodeKernel:
 
     @property
     def threads(self):
-        return 32 * self.shape[0] if self.kind == "decode" else 128
+        return 32 * self.shape[0] if self.kind == "decode" else COMBINE_THREADS
 
     @property
     def smem_bytes(self):
@@ -274,6 +275,12 @@ def combine_kernel(dtype, head_dim, num_splits):
     lanes_a_split = -(-head_dim // 8)  # a lane takes 8 columns of a split's row
     rows = 4 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else 1
     return DecodeKernel("combine", dtype, rows=rows)
+
+
+def combine_row_threads(head_dim, num_splits):
+    """decode_combine's threads a row (DecodeParams.combine_row_threads): the merge in the
+    decode launch sums in the same order, so both merges give the same bits."""
+    return COMBINE_THREADS // combine_kernel("fp16", head_dim, num_splits).rows
 
 
 def decode_variants():

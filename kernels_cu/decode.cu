@@ -281,11 +281,26 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
 // -- split-KV merged in the launch (p.split_counters set): the last split of a (query
 //    block, KV head, sequence) to finish merges the unit's partials into the output, so
 //    the call needs no decode_combine launch. Its threads share out rows, columns and
-//    splits as decode_combine's do, so the reads are in flight together (a merge that
-//    read one split after another measured 3-15 us slower than the combine kernel:
-//    bench/NOTES.md). The counter is left zeroed for the next launch on the stream. --
+//    splits, so the reads are in flight together (a merge that read one split after
+//    another measured 3-15 us slower than the combine kernel: bench/NOTES.md). The
+//    counter is left zeroed for the next launch on the stream.
+//    The sums are decode_combine's, term for term and in its order (a row's weights as a
+//    warp's butterfly over 32 splits, the 32-split sums added in order above 32; its
+//    outputs as `groups` strided partial sums added in order), so an eager call gives
+//    the bits a graph or jax.jit replay of it gives. --
 constexpr int kMaxSplits = 128;  // MAX_SPLITS in cufa/kvcache.py
-static_assert(kMaxSplits <= 16 * 128, "a merge's weights: kDecodeRows x kMaxSplits floats");
+constexpr int kCombineThreads = 128;
+static_assert(kMaxSplits <= kCombineThreads, "decode_combine: a row's lse values, one a thread");
+
+template <bool kMax>
+__device__ __forceinline__ float warp_butterfly(float x) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = kMax ? fmaxf(x, y) : x + y;
+  }
+  return x;
+}
 
 template <int kDtype, int kThreads>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const CacheSeq& s, int m_block,
@@ -304,6 +319,7 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
   if (!s_last) return;
   __threadfence();  // the other splits' partials, after their counts
   const int splits = p.num_splits, chunks = p.head_dim / 8;
+  const int row_threads = p.combine_row_threads;  // the combine variant's: 32 or 128
   float* weight = scratch;                             // [kDecodeRows][kMaxSplits]
   float* partial = scratch + kDecodeRows * kMaxSplits;  // [kThreads][8]
   const float* lse_part = reinterpret_cast<const float*>(p.lse_partial);
@@ -314,29 +330,40 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
         __ldcg(lse_part + ((i64)(sp * p.batch + s.b) * p.nheads + row.h) * p.seqlen_q + row.t);
   }
   __syncthreads();
-  if (threadIdx.x < rows) {  // each row's lse values -> its weights, and its lse
-    float* w = weight + threadIdx.x * kMaxSplits;
+  // a warp a row: its lse values -> weights, and its lse
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < rows; r += kThreads / 32) {
+    float* w = weight + r * kMaxSplits;
     float mx = -CUFA_INF;
-    for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, w[sp]);
+    for (int part = 0; part < row_threads / 32; ++part) {
+      const int sp = part * 32 + lane;
+      mx = fmaxf(mx, warp_butterfly<true>(sp < splits ? w[sp] : -CUFA_INF));
+    }
     const float base = mx == -CUFA_INF ? 0.f : mx;
     float sum = 0.f;
-    for (int sp = 0; sp < splits; ++sp) {
-      const float e = w[sp] == -CUFA_INF ? 0.f : fast_exp2((w[sp] - base) * CUFA_LOG2E);
-      w[sp] = e;
-      sum += e;
+    for (int part = 0; part < row_threads / 32; ++part) {
+      const int sp = part * 32 + lane;
+      const float lse_sp = sp < splits ? w[sp] : -CUFA_INF;
+      const float e = lse_sp == -CUFA_INF ? 0.f : fast_exp2((lse_sp - base) * CUFA_LOG2E);
+      const float part_sum = warp_butterfly<false>(e);
+      sum = part == 0 ? part_sum : sum + part_sum;
+      if (sp < splits) w[sp] = e;
     }
+    __syncwarp();
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int sp = 0; sp < splits; ++sp) w[sp] *= inv;
-    const DecodeRow row = decode_row(p, s, m_block, h_k, threadIdx.x);
-    if (p.lse)
+    for (int sp = lane; sp < splits; sp += 32) w[sp] *= inv;
+    if (lane == 0 && p.lse) {
+      const DecodeRow row = decode_row(p, s, m_block, h_k, r);
       reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
                                       s.q_row0 + row.t] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
+    }
   }
   __syncthreads();
-  // thread = (row and 8-column chunk, split group); groups of a pair are adjacent threads
-  const int pairs = rows * chunks;
-  const int groups = max(1, kThreads / pairs), pairs_a_pass = kThreads / groups;
-  const int group = threadIdx.x % groups;
+  // thread = (row and 8-column chunk, split group); groups of a pair are adjacent threads,
+  // and threads past the last whole pair (kThreads not a multiple of groups) sit out
+  const int pairs = rows * chunks, groups = row_threads / chunks;
+  const int pairs_a_pass = kThreads / groups, group = threadIdx.x % groups;
+  const bool in_pass = threadIdx.x < pairs_a_pass * groups;
   const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
   const float* o_part = reinterpret_cast<const float*>(p.o_partial);
   for (int pass = 0; pass < pairs; pass += pairs_a_pass) {
@@ -344,7 +371,7 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
     const int r = pair / chunks, c = pair % chunks;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     DecodeRow row{};
-    if (pair < pairs) {
+    if (in_pass && pair < pairs) {
       row = decode_row(p, s, m_block, h_k, r);
       const float* src = o_part + ((i64)(s.b * p.seqlen_q + row.t) * p.nheads + row.h) * p.head_dim + c * 8;
 #pragma unroll 4
@@ -361,7 +388,7 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
 #pragma unroll
     for (int i = 0; i < 8; ++i) partial[threadIdx.x * 8 + i] = acc[i];
     __syncthreads();
-    if (pair < pairs && group == 0) {
+    if (in_pass && pair < pairs && group == 0) {
       for (int g = 1; g < groups; ++g)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] += partial[(threadIdx.x + g) * 8 + i];
@@ -553,17 +580,12 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
 // for many splits; 4 (a warp a row) for a few, where a CTA a row would leave most of its
 // threads idle and make the launch a long queue of tiny CTAs (64 sequences x 4 tokens x
 // 32 heads are 8192 rows).
-constexpr int kCombineThreads = 128;
 
 // max or sum over the threads of one row: a warp's shuffles, then (a CTA a row) the
 // warps' values through shared memory
 template <int kRows, bool kMax>
 __device__ __forceinline__ float row_reduce(float x, float* warp_value) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, o);
-    x = kMax ? fmaxf(x, y) : x + y;
-  }
+  x = warp_butterfly<kMax>(x);
   if constexpr (kRows == 1) {
     __syncthreads();  // earlier readers of warp_value are done with it
     if (threadIdx.x % 32 == 0) warp_value[threadIdx.x / 32] = x;
@@ -585,7 +607,6 @@ template <int kDtype, int kRows>
 __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
   static_assert(kRows == 1 || kRows == kCombineThreads / 32, "a CTA a row, or a warp a row");
   constexpr int kRowThreads = kCombineThreads / kRows;
-  static_assert(kMaxSplits <= kCombineThreads, "a row's lse values: one a thread");
   constexpr int kEarly = 4;  // a thread's first splits of o_partial, loaded with the lse
   __shared__ float weight[kRows][kMaxSplits];
   __shared__ float partial[kCombineThreads * 8];

@@ -49,6 +49,7 @@ struct DecodeParams {
   int cache_rows;          // cache rows (contiguous) or pages (paged): ids are clamped to it
   int page_shift, max_pages;
   int num_splits, num_m_blocks;
+  int combine_row_threads;  // decode_combine's threads a row (32 or 128), split or not
   int window_left, window_right;  // unbounded sides hold a value above any length
   int rotary_dim, seqlen_ro;
   int rotary_dtype;        // of cos/sin: 0 fp16, 1 bf16, 2 fp32

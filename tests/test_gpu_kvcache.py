@@ -476,6 +476,33 @@ def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
         check_cache(kw["v_cache"], before["v_cache"], v_after, slots, f"{label}: v_cache")
 
 
+@pytest.mark.parametrize("d, heads, seqlen_q, num_splits, page_size", [
+    (64, (8, 2), 1, 3, None),
+    (72, (8, 1), 4, 5, 16),      # 9 column chunks: groups do not divide the CTA's threads
+    (128, (16, 2), 1, 12, None),  # past a warp's reads: decode_combine's CTA a row
+    (256, (8, 2), 2, 6, None),
+    (64, (4, 1), 1, 40, 16),      # more splits than a warp's lanes
+], ids=["d64 3 splits", "d72 paged q4 5 splits", "d128 12 splits", "d256 q2 6 splits",
+        "d64 paged 40 splits"])
+def test_eager_merge_gives_the_bits_of_the_graph_merge(rng, d, heads, seqlen_q, num_splits,
+                                                       page_size):
+    """An eager split call merges its splits in the decode launch; a graph replay of it
+    merges them in decode_combine. Both sum in the same order, so the bits agree."""
+    kw, _ = build(rng, batch=2, heads=heads, d=d, seqlen_q=seqlen_q, capacity=1024,
+                  page_size=page_size, lens=[1000, 333], num_splits=num_splits)
+    eager_out, eager_lse = cufa.flash_attn_with_kvcache(**kw, return_softmax_lse=True)
+    out = torch.full_like(kw["q"], NAN)
+    graph, (_, lse) = capture_cuda_graph(
+        lambda: cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True))
+    out.fill_(NAN)
+    lse.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager_out.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), eager_lse.view(torch.int32))
+    check_kvcache(eager_out, eager_lse, label="eager", **kw)
+
+
 # -- paged varlen ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("page_size", [16, 256])
