@@ -3,11 +3,13 @@
 timed alone, on the inputs of bench/host_overhead.py's first row, beside the whole call,
 SDPA flash and the framework primitives any launch needs (torch.empty, one launch).
 
-    python3 bench/host_breakdown.py [--calls 5000] [--new-signature]
+    python3 bench/host_breakdown.py [--calls 5000] [--new-signature | --decode]
 
 --new-signature: instead, the parts of a call whose signature has no plan yet (a new
 shape): planning with and without the TMA descriptors, their encoding and their check,
-and cProfile's view of such calls.
+and cProfile's view of such calls. --decode: the same for a split-KV decode call (batch 1,
+32 query heads over 8 KV heads, 4k keys: small enough that the host, not the GPU, sets the
+pace), beside SDPA's calls on the same cache.
 
 The steps overlap a little (each is timed with its own call overhead), so their sum reads
 a few us over the whole call.
@@ -44,7 +46,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=5000)
     p.add_argument("--new-signature", action="store_true")
+    p.add_argument("--decode", action="store_true")
     args = p.parse_args()
+    if args.decode:
+        return decode_breakdown(args.calls)
     q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     call = lambda: cufa.flash_attn_func(q, k, v, causal=True)  # noqa: E731
     call()
@@ -159,6 +164,67 @@ def new_signature(call, q, k, v, calls):
         torch.cuda.synchronize()
         print(f"\ncProfile, {calls} {name} new-signature calls")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
+def decode_breakdown(calls):
+    """A repeated split-KV decode call, step by step (kvcache._run's path)."""
+    from cufa import kvcache
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cache = [torch.randn(1, 4096, 8, 64, device="cuda", dtype=torch.float16) for _ in range(2)]
+    q = torch.randn(1, 1, 32, 64, device="cuda", dtype=torch.float16)
+    lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
+    call = lambda: cufa.flash_attn_with_kvcache(q, *cache, cache_seqlens=lens)  # noqa: E731
+    call()
+    (plan,) = [pl for key, pl in api._plans.items() if key[0] == "kvcache"]
+    arrays = (q, *cache, None, None, None, None, lens, None, None, None, None, None)
+    stream = torch.cuda.current_stream().cuda_stream
+    _, ptrs = _interop.signature(arrays, kvcache._ARRAYS)
+    decode = next(entry for entry in plan.launches if entry[0] == "decode")
+    x, y, z = decode[2]
+    qt, kt, vt = q.transpose(1, 2), cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
+                                                                        enable_gqa=True)
+        return run
+
+    def context_only():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            pass
+
+    def stream_only():
+        with api.caller_stream("torch", 0) as s:
+            return s
+
+    def launch_only():
+        api.driver_launch(decode[1], decode[2], decode[3], decode[4], stream, (plan.params,))
+
+    steps = {
+        f"whole call: flash_attn_with_kvcache ({len(plan.launches)} launches planned, "
+        "the combine's dropped eagerly)": call,
+        "torch SDPA flash, same decode (sdpa_kernel entered each call)": sdpa(
+            SDPBackend.FLASH_ATTENTION),
+        "torch SDPA cuDNN, same decode (sdpa_kernel entered each call)": sdpa(
+            SDPBackend.CUDNN_ATTENTION),
+        "sdpa_kernel context alone": context_only,
+        "signature of the 13 arrays": lambda: _interop.signature(arrays, kvcache._ARRAYS),
+        "output: _interop.allocate": lambda: _interop.allocate("torch", q.shape, "float16", 0,
+                                                              stream),
+        "caller_stream": stream_only,
+        "stream_capturing": lambda: api.stream_capturing(stream),
+        "stream_workspace": lambda: api.stream_workspace("torch", 0, stream, 4096),
+        "stream_split_counters": lambda: api.stream_split_counters("torch", 0, stream,
+                                                                   4 * x * y * z),
+        "params record with pointers": lambda: _params.DECODE.with_pointer_values(
+            plan.params, (1,) * 21),
+        "one driver launch (decode kernel)": launch_only,
+    }
+    print(f"| decode step ({torch.cuda.get_device_name()}) | host us/call |")
+    print("| --- | --- |")
+    for name, fn in steps.items():
+        print(f"| {name} | {us_per_call(fn, calls):.2f} |")
 
 
 def jax_breakdown(calls):
