@@ -47,9 +47,10 @@ def main():
     p.add_argument("--calls", type=int, default=5000)
     p.add_argument("--new-signature", action="store_true")
     p.add_argument("--decode", action="store_true")
+    p.add_argument("--decode-keys", type=int, default=4096, help="the decode cache's length")
     args = p.parse_args()
     if args.decode:
-        return decode_breakdown(args.calls)
+        return decode_breakdown(args.calls, args.decode_keys)
     q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     call = lambda: cufa.flash_attn_func(q, k, v, causal=True)  # noqa: E731
     call()
@@ -166,13 +167,14 @@ def new_signature(call, q, k, v, calls):
         pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
-def decode_breakdown(calls):
-    """A repeated split-KV decode call, step by step (kvcache._run's path)."""
+def decode_breakdown(calls, keys):
+    """A repeated split-KV decode call, step by step (kvcache._run's path); then one call
+    and a sync, against SDPA's, and what the GPU takes for each (CUDA events)."""
     from cufa import kvcache
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    cache = [torch.randn(1, 4096, 8, 64, device="cuda", dtype=torch.float16) for _ in range(2)]
+    cache = [torch.randn(1, keys, 8, 64, device="cuda", dtype=torch.float16) for _ in range(2)]
     q = torch.randn(1, 1, 32, 64, device="cuda", dtype=torch.float16)
-    lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
+    lens = torch.full((1,), keys, device="cuda", dtype=torch.int32)
     call = lambda: cufa.flash_attn_with_kvcache(q, *cache, cache_seqlens=lens)  # noqa: E731
     call()
     (plan,) = [pl for key, pl in api._plans.items() if key[0] == "kvcache"]
@@ -198,8 +200,13 @@ def decode_breakdown(calls):
         with api.caller_stream("torch", 0) as s:
             return s
 
-    def launch_only():
-        api.driver_launch(decode[1], decode[2], decode[3], decode[4], stream, (plan.params,))
+    recorded, real_launch = [], api.driver_launch
+    api.driver_launch = lambda *launch: (recorded.append(launch), real_launch(*launch))
+    kept = call()  # (its output stays alive: the recorded launch writes it)
+    api.driver_launch = real_launch
+
+    def launch_only():  # the call's decode launch again, as recorded
+        real_launch(*recorded[-1])
 
     steps = {
         f"whole call: flash_attn_with_kvcache ({len(plan.launches)} launches planned, "
@@ -221,10 +228,24 @@ def decode_breakdown(calls):
             plan.params, (1,) * 21),
         "one driver launch (decode kernel)": launch_only,
     }
-    print(f"| decode step ({torch.cuda.get_device_name()}) | host us/call |")
+    print(f"| decode step, 1 x {keys} keys ({torch.cuda.get_device_name()}) | host us/call |")
     print("| --- | --- |")
     for name, fn in steps.items():
         print(f"| {name} | {us_per_call(fn, calls):.2f} |")
+    print("\n| one call and a sync | us (median) | GPU us (events, median) |\n| --- | --- | --- |")
+    for name, fn in (("cufa", call), ("SDPA flash", sdpa(SDPBackend.FLASH_ATTENTION)),
+                     ("SDPA cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION))):
+        walls, gpus = [], []
+        for _ in range(200):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e6)
+            gpus.append(start.elapsed_time(stop) * 1e3)
+        print(f"| {name} | {np.median(walls):.1f} | {np.median(gpus):.1f} |")
 
 
 def jax_breakdown(calls):
