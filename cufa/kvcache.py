@@ -182,6 +182,7 @@ class _KvPlan:
     to_jax: bool               # the caller passed JAX arrays: outputs go back as JAX arrays
     params: bytes = b""
     launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
+    merge_in_launch: bool = False  # an eager split call may merge in its decode launch
     workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
                                         # and the rotated q (-1: not used)
     rotary: bool = False
@@ -318,7 +319,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                            num_splits * rows if split else 0,
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
-                   launches=tuple(launches), workspace=workspace, rotary=rotary)
+                   launches=tuple(launches), workspace=workspace, rotary=rotary,
+                   merge_in_launch=_merge_in_launch(kernel, d, num_splits, seqlen_q * group))
 
 
 def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
@@ -356,15 +358,16 @@ def _workspace(*sizes):
     return (total, *offsets)
 
 
-def _launch_decode(record, launches, workspace, pointers, framework, device, stream,
-                   scratch_ptr):
+def _launch_decode(record, launches, workspace, merge_in_launch, pointers, framework, device,
+                   stream, scratch_ptr):
     """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
     record on `stream`. pointers(at, counters) -> the record's pointer values
     (DECODE_FIELDS' order), `at` mapping a workspace offset (-1: none) to its address: in
     XLA's scratch_ptr under jax.jit, else in the stream's buffer; counters: the split
     counters' address, or 0. A split decode called eagerly merges its partials in its own
-    launch (the stream's zeroed counters, one a unit) and the combine is not launched: a
-    launch less of host time, which bounds these calls when queued. Under jax.jit (whose
+    launch where `merge_in_launch` (the stream's zeroed counters, one a unit) and the
+    combine is not launched: a launch less of host time, which bounds these calls when
+    queued. Under jax.jit (whose
     replays must not depend on memory cufa keeps) and under graph capture (where the
     counters would need a memset node, and the combine kernel replays faster than the
     merge in the decode launch: bench/NOTES.md) decode_combine merges them."""
@@ -372,7 +375,7 @@ def _launch_decode(record, launches, workspace, pointers, framework, device, str
     if not scratch_ptr and workspace[0]:
         held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0])
     counters = counters_held = 0
-    if not scratch_ptr and launches[-1][0] == "combine" and not api.stream_capturing(stream):
+    if merge_in_launch and not scratch_ptr and not api.stream_capturing(stream):
         x, y, z = launches[-2][2]
         counters_held, counters = api.stream_split_counters(framework, device, stream,
                                                             4 * x * y * z)
@@ -397,6 +400,7 @@ class PackedDecode:
                             # when split
     params: bytes
     workspace: tuple        # (float32s, offset of o_partial, of lse_partial; -1: none)
+    merge_in_launch: bool = False  # an eager split call may merge in its decode launch
     scratch_offset: int = 0  # where they start in jax.jit's scratch (set by api)
 
     @property
@@ -434,7 +438,8 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
     launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k, batch))]
     if partial_rows:
         launches.append(_combine_entry(kernel.dtype, d, num_splits, partial_rows, q.device))
-    return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace)
+    return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
+                        merge_in_launch=_merge_in_launch(kernel, d, num_splits, rows * group))
 
 
 def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr):
@@ -442,10 +447,22 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, sc
     partials in XLA's scratch under jax.jit, else the stream's."""
     cu_q, cu_k, used, table = packed
     _, o_part, lse_part = route.workspace
-    _launch_decode(route.params, route.launches, route.workspace, lambda at, counters: (
+    _launch_decode(route.params, route.launches, route.workspace, route.merge_in_launch,
+                   lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
         cu_q, cu_k, used, counters), plan.framework, plan.device, stream,
         scratch_ptr and scratch_ptr + route.scratch_offset)
+
+
+def _merge_in_launch(kernel, d, num_splits, unit_rows):
+    """Whether an eager call may merge its splits in the decode launch (the last split of
+    each unit to finish): only where the decode CTA's threads cover the unit's merge in
+    one pass, decode_combine's threads a row for each of its rows (at most DECODE_ROWS).
+    Each pass more is about a memory latency more, in one CTA a unit while the others are
+    done: 4 passes measured 2-5 us slower a call than the combine kernel, and 16 passes
+    (1 x 128k, 4 tokens, 32/8) 10-25 %, where the launch saved is worth less (NOTES)."""
+    rows = min(unit_rows, _compile.DECODE_ROWS)
+    return num_splits > 1 and rows * _compile.combine_row_threads(d, num_splits) <= kernel.threads
 
 
 def _combine_entry(dtype, d, num_splits, rows, device):
@@ -640,7 +657,8 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
         o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream)
         if plan.launches:
             _, o_part, lse_part, q_rot = plan.workspace
-            _launch_decode(plan.params, plan.launches, plan.workspace, lambda at, counters: (
+            _launch_decode(plan.params, plan.launches, plan.workspace, plan.merge_in_launch,
+                           lambda at, counters: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
                 q if plan.rotary else 0, cos, sin, 0, 0, 0, counters), plan.framework, plan.device,

@@ -477,20 +477,26 @@ def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
 
 
 @pytest.mark.parametrize("d, heads, seqlen_q, num_splits, page_size", [
-    (64, (8, 2), 1, 3, None),
-    (72, (8, 1), 4, 5, 16),      # 9 column chunks: groups do not divide the CTA's threads
-    (128, (16, 2), 1, 12, None),  # past a warp's reads: decode_combine's CTA a row
-    (256, (8, 2), 2, 6, None),
-    (64, (4, 1), 1, 40, 16),      # more splits than a warp's lanes
-], ids=["d64 3 splits", "d72 paged q4 5 splits", "d128 12 splits", "d256 q2 6 splits",
-        "d64 paged 40 splits"])
-def test_eager_merge_gives_the_bits_of_the_graph_merge(rng, d, heads, seqlen_q, num_splits,
-                                                       page_size):
-    """An eager split call merges its splits in the decode launch; a graph replay of it
-    merges them in decode_combine. Both sum in the same order, so the bits agree."""
+    (64, (8, 2), 1, 3, None),     # a warp a row
+    (72, (8, 2), 1, 5, 16),       # 9 column chunks: groups do not divide the CTA's threads
+    (128, (4, 4), 1, 12, None),   # decode_combine's CTA a row
+    (64, (4, 4), 1, 40, 16),      # more splits than a warp's lanes
+    (256, (4, 2), 1, 3, None),    # a 64-thread decode CTA
+], ids=["d64 3 splits", "d72 paged 5 splits", "d128 12 splits", "d64 paged 40 splits",
+        "d256 3 splits"])
+def test_eager_merge_gives_the_bits_of_the_graph_merge(rng, monkeypatch, d, heads, seqlen_q,
+                                                       num_splits, page_size):
+    """An eager split call whose merge one pass of the decode CTA covers merges in the
+    decode launch; a graph replay of it merges in decode_combine. Both sum in the same
+    order, so the bits agree."""
+    from cufa import api
+    taken, counters = [], api.stream_split_counters
+    monkeypatch.setattr(api, "stream_split_counters",
+                        lambda *args: taken.append(args) or counters(*args))
     kw, _ = build(rng, batch=2, heads=heads, d=d, seqlen_q=seqlen_q, capacity=1024,
                   page_size=page_size, lens=[1000, 333], num_splits=num_splits)
     eager_out, eager_lse = cufa.flash_attn_with_kvcache(**kw, return_softmax_lse=True)
+    assert taken, "the eager call was to merge in its decode launch"
     out = torch.full_like(kw["q"], NAN)
     graph, (_, lse) = capture_cuda_graph(
         lambda: cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True))

@@ -283,6 +283,13 @@ def test_kvcache_split_partials_in_the_stream_workspace(device):
     assert device.allocations == [((1, 1, 32, 128), "float16")]  # the output only
     cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=1)
     assert record(device.launches[-1], _params.DECODE)["split_counters"] == 0
+    # a merge the decode CTA cannot cover in one pass (4 rows, a CTA a row at 16 splits of
+    # d = 128) stays decode_combine's, eagerly too
+    done = len(device.launches)
+    cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=16)
+    decode, combine = device.launches[done:]
+    assert record(decode, _params.DECODE)["split_counters"] == 0
+    assert record(decode, _params.DECODE)["combine_row_threads"] == 128
     # under graph capture decode_combine merges: no counters of cufa's in the graph
     device.capturing, done = True, len(device.launches)
     cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=4)
