@@ -57,15 +57,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     no copy is made; without donation, or eagerly, XLA copies each cache once per call.
     """
     fixed = None
-    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
+    if cache_seqlens is None or _is_integral(cache_seqlens):
         if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and cache_seqlens < 0):
             raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 array; got "
                              f"{cache_seqlens!r}")
         fixed, cache_seqlens = (None if cache_seqlens is None else int(cache_seqlens)), None
-    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
-                  rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
-                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                  block_table=block_table, alibi_slopes=alibi_slopes)
+    arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+              cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
     options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap,
                    rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
@@ -78,15 +76,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, *window_size,
             softcap, bool(rotary_interleaved), alibi_slopes, num_splits)
         return (o, lse) if return_softmax_lse else o
-    if _jax.tracing(*arrays.values()) or (_interop.is_jax(q) and k is not None):
+    if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
         if check_inputs:
             raise ValueError("check_inputs=True is not supported for JAX arrays: under jax.jit "
                              "there are no device values to read")
-        o, lse, *caches = _jax.call("flash_attn_with_kvcache", arrays, options, out=out)
+        o, lse, *caches = _jax.call("flash_attn_with_kvcache", dict(zip(_ARRAYS, arrays)),
+                                    options, out=out)
         return tuple([o] + ([lse] if return_softmax_lse else []) + caches) if caches else (
             (o, lse) if return_softmax_lse else o)
-    return with_kvcache(tuple(arrays.values()) + (out,), **options,
+    return with_kvcache(arrays + (out,), **options,
                         return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
+
+
+_integral_types = {}  # type -> whether numbers.Integral (an ABC check each call costs more)
+
+
+def _is_integral(x):
+    kind = type(x)
+    known = _integral_types.get(kind)
+    if known is None:
+        known = _integral_types[kind] = isinstance(x, numbers.Integral)
+    return known
 
 
 # with_kvcache's arrays, in order (the first three required)
