@@ -377,10 +377,10 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     counters' address, or 0. A split decode called eagerly merges its partials in its own
     launch where `merge_in_launch` (the stream's zeroed counters, one a unit) and the
     combine is not launched: a launch less of host time, which bounds these calls when
-    queued. Under jax.jit (whose
-    replays must not depend on memory cufa keeps) and under graph capture (where the
-    counters would need a memset node, and the combine kernel replays faster than the
-    merge in the decode launch: bench/NOTES.md) decode_combine merges them."""
+    queued. Under jax.jit (whose replays must not depend on memory cufa keeps) and under
+    graph capture (where the counters would need a memset node, and the combine kernel
+    replays faster than the merge in the decode launch: bench/NOTES.md) decode_combine
+    merges them."""
     held, base = None, scratch_ptr
     if not scratch_ptr and workspace[0]:
         held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0])
@@ -471,8 +471,9 @@ def _merge_in_launch(kernel, d, num_splits, unit_rows):
     Each pass more is about a memory latency more, in one CTA a unit while the others are
     done: 4 passes measured 2-5 us slower a call than the combine kernel, and 16 passes
     (1 x 128k, 4 tokens, 32/8) 10-25 %, where the launch saved is worth less (NOTES)."""
-    rows = min(unit_rows, _compile.DECODE_ROWS)
-    return num_splits > 1 and rows * _compile.combine_row_threads(d, num_splits) <= kernel.threads
+    rows = min(unit_rows, _compile.DECODE_ROWS)  # (0: no query rows, no decode launch)
+    return (num_splits > 1 and rows > 0
+            and rows * _compile.combine_row_threads(d, num_splits) <= kernel.threads)
 
 
 def _combine_entry(dtype, d, num_splits, rows, device):

@@ -298,6 +298,16 @@ def test_kvcache_split_partials_in_the_stream_workspace(device):
     assert record(combine, _params.DECODE)["num_splits"] == 4
 
 
+def test_kvcache_append_without_query_rows_launches_the_append_alone(device):
+    """No query rows: no decode launch to merge in, split or not (the append writes the
+    new keys all the same)."""
+    q, cache, new = view((1, 0, 8, 64)), view((1, 1024, 2, 64)), view((1, 1, 2, 64))
+    lens = view((1,), "int32")
+    cufa.flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=lens, num_splits=4)
+    (append,) = device.launches
+    assert record(append, _params.DECODE)["k_new"] == new.ptr
+
+
 def test_merge_addresses(device):
     oa, ob = view((1, 10, 2, 64)), view((1, 10, 2, 64))
     la, lb = view((1, 2, 10), "float32"), view((1, 2, 10), "float32")
