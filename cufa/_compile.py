@@ -268,19 +268,19 @@ def decode_kernel_with_more_ctas(dtype, head_dim):
     return DecodeKernel("decode", dtype, d, stages=stages) if stages else None
 
 
-def combine_kernel(dtype, head_dim, num_splits):
-    """decode_combine for `num_splits` splits of rows of head_dim columns: a warp a row
-    while its lanes can have every split's read of a row in flight at once (4 reads a
-    lane, and a lane a split's lse), else 128 threads a row."""
-    lanes_a_split = -(-head_dim // 8)  # a lane takes 8 columns of a split's row
-    rows = 4 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else 1
-    return DecodeKernel("combine", dtype, rows=rows)
-
-
 def combine_row_threads(head_dim, num_splits):
-    """decode_combine's threads a row (DecodeParams.combine_row_threads): the merge in the
-    decode launch sums in the same order, so both merges give the same bits."""
-    return COMBINE_THREADS // combine_kernel("fp16", head_dim, num_splits).rows
+    """decode_combine's threads a row for `num_splits` splits of rows of head_dim columns
+    (DecodeParams.combine_row_threads): a warp while its lanes can have every split's read
+    of a row in flight at once (4 reads a lane, and a lane a split's lse), else the CTA.
+    The merge in the decode launch sums in the same order, so both give the same bits."""
+    lanes_a_split = -(-head_dim // 8)  # a lane takes 8 columns of a split's row
+    return 32 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else COMBINE_THREADS
+
+
+def combine_kernel(dtype, head_dim, num_splits):
+    """decode_combine for `num_splits` splits of rows of head_dim columns."""
+    return DecodeKernel("combine", dtype,
+                        rows=COMBINE_THREADS // combine_row_threads(head_dim, num_splits))
 
 
 def decode_variants():

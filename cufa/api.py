@@ -1098,7 +1098,8 @@ def stream_split_counters(framework, device, stream, nbytes):
     which the decode kernel leaves zeroed (as stream_tile_counter's). Not for a stream
     under graph capture: there the graph's own would need a memset node, and a graph
     replays decode_combine faster than a merge in the decode launch (bench/NOTES.md)."""
-    return _stream_buffer(_split_counters, framework, device, stream, nbytes, zeroed=True)
+    return _stream_buffer(_split_counters, framework, device, stream, nbytes, zeroed=True,
+                          capturing=False)
 
 
 def stream_capturing(stream):
@@ -1113,14 +1114,18 @@ _workspaces = {}
 _buffer_growth = threading.Lock()
 
 
-def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed):
+def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed, capturing=None):
     """A buffer `stream` keeps in held_by, grown (to twice the size asked) when a call
     needs more. The default streams' handles are shared across threads that may not share
-    the stream, so theirs are per thread too."""
+    the stream, so theirs are per thread too. capturing: whether `stream` is under graph
+    capture, where the caller knows it (None: asked here); captured, the call gets memory
+    of its own."""
     import cupy
     runtime = cupy.cuda.runtime
     _recording.replayable = False  # this memory is not XLA's: a jax.jit replay must not reuse it
-    if stream_capturing(stream):
+    if capturing is None:
+        capturing = stream_capturing(stream)
+    if capturing:
         owner, ptr = _interop.allocate(framework, (-(-nbytes // 4),), "int32", device, stream)
         if zeroed:
             runtime.memsetAsync(ptr, 0, nbytes, stream)
