@@ -7,10 +7,10 @@
 //   cp.async stages (no CTA-wide barrier in the loop); the warps' softmax states merge at
 //   the end;
 // - split-KV: the keys of one (sequence, KV head) are cut into num_splits chunks, each a
-//   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; decode_combine
-//   merges the chunks' normalized outputs by their lse. (Merging in the last chunk of a
-//   tile to finish saves the launch but leaves one CTA reading every split of the tile
-//   while the rest of the GPU idles: 3-15 us slower on an H100, see bench/NOTES.md.)
+//   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; the chunks'
+//   normalized outputs merge by their lse, in decode_combine or, for an eager call whose
+//   merge one pass of the CTA covers, in the chunk that finishes last (merge_if_last: a
+//   launch less of host time; in a graph the combine node replays faster, NOTES.md).
 // decode_append runs first when the call appends keys or applies rotary embedding.
 #include "common.cuh"
 #include "decode_params.cuh"
@@ -302,6 +302,25 @@ __device__ __forceinline__ float warp_butterfly(float x) {
   return x;
 }
 
+// acc += w * (a, b): one split's 8 columns into a partial sum. Shared by the two merges so
+// that they add the same terms in the same order.
+__device__ __forceinline__ void add_weighted8(float (&acc)[8], float w, const float4& a, const float4& b) {
+  if (w != 0.f) {  // an empty split's output may be anything, NaN included
+    acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
+    acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
+  }
+}
+
+template <int kDtype>
+__device__ __forceinline__ void store8(u16* dst, const float (&acc)[8]) {
+  uint4 packed;
+  packed.x = pack2<kDtype>(acc[0], acc[1]);
+  packed.y = pack2<kDtype>(acc[2], acc[3]);
+  packed.z = pack2<kDtype>(acc[4], acc[5]);
+  packed.w = pack2<kDtype>(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(dst) = packed;
+}
+
 template <int kDtype, int kThreads>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const CacheSeq& s, int m_block,
                                               int h_k, int rows, float* scratch) {
@@ -379,10 +398,7 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
         const float w = weight[r * kMaxSplits + sp];
         const float4 a = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o));
         const float4 b = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o) + 1);
-        if (w != 0.f) {  // an empty split's output may be anything, NaN included
-          acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-          acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
-        }
+        add_weighted8(acc, w, a, b);
       }
     }
 #pragma unroll
@@ -392,14 +408,9 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
       for (int g = 1; g < groups; ++g)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] += partial[(threadIdx.x + g) * 8 + i];
-      uint4 packed;
-      packed.x = pack2<kDtype>(acc[0], acc[1]);
-      packed.y = pack2<kDtype>(acc[2], acc[3]);
-      packed.z = pack2<kDtype>(acc[4], acc[5]);
-      packed.w = pack2<kDtype>(acc[6], acc[7]);
-      *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
-                                (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride +
-                                c * 8) = packed;
+      store8<kDtype>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
+                         (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride + c * 8,
+                     acc);
     }
     __syncthreads();  // partial is rewritten by the next pass
   }
@@ -657,22 +668,16 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
   row_sync<kRows>();  // every weight of the row written
 
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  const auto add = [&](float w, const float4& a, const float4& c) {
-    if (w != 0.f) {  // an empty split's output may be anything, NaN included
-      acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
-      acc[4] += w * c.x; acc[5] += w * c.y; acc[6] += w * c.z; acc[7] += w * c.w;
-    }
-  };
   if (group < groups) {
 #pragma unroll
     for (int i = 0; i < kEarly; ++i) {
       const int sp = group + i * groups;
-      if (sp < p.num_splits) add(weight[slot][sp], early[i][0], early[i][1]);
+      if (sp < p.num_splits) add_weighted8(acc, weight[slot][sp], early[i][0], early[i][1]);
     }
 #pragma unroll 4
     for (int sp = group + kEarly * groups; sp < p.num_splits; sp += groups)
-      add(weight[slot][sp], reinterpret_cast<const float4*>(o_part + sp * split_o)[0],
-          reinterpret_cast<const float4*>(o_part + sp * split_o)[1]);
+      add_weighted8(acc, weight[slot][sp], reinterpret_cast<const float4*>(o_part + sp * split_o)[0],
+                    reinterpret_cast<const float4*>(o_part + sp * split_o)[1]);
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) partial[threadIdx.x * 8 + i] = acc[i];
@@ -681,13 +686,9 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
   for (int g = 1; g < groups; ++g)
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] += partial[(slot * kRowThreads + g * chunks + tid) * 8 + i];
-  uint4 packed;
-  packed.x = pack2<kDtype>(acc[0], acc[1]);
-  packed.y = pack2<kDtype>(acc[2], acc[3]);
-  packed.z = pack2<kDtype>(acc[4], acc[5]);
-  packed.w = pack2<kDtype>(acc[6], acc[7]);
-  *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride +
-                            (s.q_row0 + t) * p.o_row_stride + h * p.o_head_stride + tid * 8) = packed;
+  store8<kDtype>(reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride + (s.q_row0 + t) * p.o_row_stride +
+                     h * p.o_head_stride + tid * 8,
+                 acc);
 }
 
 // -- rotary embedding of one row (d elements) from src to dst, at cache position pos --
