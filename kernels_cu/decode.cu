@@ -146,13 +146,24 @@ __device__ __forceinline__ KeySpan visible_span(const DecodeParams& p, int seqle
   return k;
 }
 
+// -- a paged cache's page ids, looked up a step before the copies that need them: lane l
+//    loads the page of the tile's row l % 16, and the copies take each row's page from a
+//    shuffle. (Looked up at the copy, the id is a dependent load in front of every
+//    cp.async: with one CTA an SM that stalls the stream, bench/NOTES.md.) 0 where no
+//    page is read: a contiguous cache, rows past the sequence --
+__device__ __forceinline__ int tile_row_page(const DecodeParams& p, const CacheSeq& s, int key0,
+                                             int lane) {
+  const int r = lane % kTileKeys;
+  if (!p.block_table || r >= s.seqlen_k - key0) return 0;
+  return s.pages[(s.start + key0 + r) >> p.page_shift];
+}
+
 // -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
-//    columns past head_dim read as zeros. A row's page is looked up once for K and V;
-//    unrolled, so that a lane's lookups are in flight together --
+//    columns past head_dim read as zeros. row_page: this lane's tile_row_page --
 template <int kHeadDim>
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
                                              const CacheSeq& s, const u16* k_head,
-                                             const u16* v_head, int key0, int lane) {
+                                             const u16* v_head, int key0, int row_page, int lane) {
   constexpr int kChunks = kHeadDim / 8;
   const int rows_valid = s.seqlen_k - key0;
   // A contiguous cache's tile is rows of one base: a row stride a chunk, not a slot lookup
@@ -169,10 +180,13 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
     if (valid && !paged) {
       k_src += first + r * p.k_row_stride + c * 8;
       v_src += first_v + r * p.v_row_stride + c * 8;
-    } else if (valid) {
-      const CacheSlot slot = cache_slot(p, s, s.start + key0 + r);
-      k_src += slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
-      v_src += slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
+    } else if (paged) {  // (the whole warp: the shuffle)
+      const i64 block = min(max(__shfl_sync(0xffffffffu, row_page, r), 0), p.cache_rows - 1);
+      const int row = (s.start + key0 + r) & ((1 << p.page_shift) - 1);
+      if (valid) {
+        k_src += block * p.k_batch_stride + row * p.k_row_stride + c * 8;
+        v_src += block * p.v_batch_stride + row * p.v_row_stride + c * 8;
+      }
     }
     const u32 at = Swizzle<kHeadDim>::offset(r, c);
     cp_async_16(sk + at, k_src, valid ? 16 : 0);
@@ -467,8 +481,15 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   for (int i = 0; i < kStages - kStep; ++i) {
     if (i < my_tiles)
       load_kv_tile<kHeadDim>(stage_k(i), stage_k(i) + Shape::kTileBytes, p, s, k_head, v_head,
-                             tile_key0(i), lane);
+                             tile_key0(i), tile_row_page(p, s, tile_key0(i), lane), lane);
     cp_async_commit();
+  }
+  // the page ids of the first step's copies (then each step loads the next step's)
+  int next_pages[kStep];
+#pragma unroll
+  for (int u = 0; u < kStep; ++u) {
+    const int ahead = kStages - kStep + u;
+    next_pages[u] = ahead < my_tiles ? tile_row_page(p, s, tile_key0(ahead), lane) : 0;
   }
   cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed
   __syncthreads();
@@ -499,8 +520,9 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
       const int ahead = i + kStages - kStep + u;
       if (ahead < my_tiles)
         load_kv_tile<kHeadDim>(stage_k(ahead), stage_k(ahead) + Shape::kTileBytes, p, s, k_head,
-                               v_head, tile_key0(ahead), lane);
+                               v_head, tile_key0(ahead), next_pages[u], lane);
       cp_async_commit();
+      next_pages[u] = ahead + kStep < my_tiles ? tile_row_page(p, s, tile_key0(ahead + kStep), lane) : 0;
     }
     cp_async_wait<kStages - kStep>();
     __syncwarp();
