@@ -159,8 +159,9 @@ __device__ __forceinline__ int tile_row_page(const DecodeParams& p, const CacheS
 }
 
 // -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
-//    columns past head_dim read as zeros. row_page: this lane's tile_row_page --
-template <int kHeadDim>
+//    columns past head_dim read as zeros. A paged cache's rows take their pages from
+//    row_page, this lane's tile_row_page (kPagesAhead), or look them up here --
+template <int kHeadDim, bool kPagesAhead>
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
                                              const CacheSeq& s, const u16* k_head,
                                              const u16* v_head, int key0, int row_page, int lane) {
@@ -181,8 +182,11 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
       k_src += first + r * p.k_row_stride + c * 8;
       v_src += first_v + r * p.v_row_stride + c * 8;
     } else if (paged) {  // (the whole warp: the shuffle)
-      const i64 block = min(max(__shfl_sync(0xffffffffu, row_page, r), 0), p.cache_rows - 1);
-      const int row = (s.start + key0 + r) & ((1 << p.page_shift) - 1);
+      const int pos = s.start + key0 + r;
+      const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r)
+                                   : valid ? s.pages[pos >> p.page_shift] : 0;
+      const i64 block = min(max(page, 0), p.cache_rows - 1);
+      const int row = pos & ((1 << p.page_shift) - 1);
       if (valid) {
         k_src += block * p.k_batch_stride + row * p.k_row_stride + c * 8;
         v_src += block * p.v_batch_stride + row * p.v_row_stride + c * 8;
@@ -472,25 +476,29 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
 
   // -- prologue: the first kStages - kStep tiles of this warp, a commit group each --
   constexpr int kStep = Shape::kStepTiles;
+  // Page ids a step ahead: pages of 16 and 256 read 1-2 % faster at d = 128 on an H100;
+  // at d = 64 (two tiles a step, more CTAs an SM) they read within +-2 %, as often
+  // slower, so it keeps the lookup at the copy (bench/NOTES.md).
+  constexpr bool kPagesAhead = kStep == 1;
   const u32 stages = sq + Shape::kQBytes + warp * Shape::kWarpBytes;
   const u16* k_head = reinterpret_cast<const u16*>(p.k) + h_k * p.k_head_stride;
   const u16* v_head = reinterpret_cast<const u16*>(p.v) + h_k * p.v_head_stride;
   const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
   const auto stage_k = [&](int i) { return stages + (i % kStages) * 2 * Shape::kTileBytes; };
+  const auto ahead_pages = [&](int i) {
+    return kPagesAhead && i < my_tiles ? tile_row_page(p, s, tile_key0(i), lane) : 0;
+  };
 #pragma unroll
   for (int i = 0; i < kStages - kStep; ++i) {
     if (i < my_tiles)
-      load_kv_tile<kHeadDim>(stage_k(i), stage_k(i) + Shape::kTileBytes, p, s, k_head, v_head,
-                             tile_key0(i), tile_row_page(p, s, tile_key0(i), lane), lane);
+      load_kv_tile<kHeadDim, kPagesAhead>(stage_k(i), stage_k(i) + Shape::kTileBytes, p, s,
+                                          k_head, v_head, tile_key0(i), ahead_pages(i), lane);
     cp_async_commit();
   }
   // the page ids of the first step's copies (then each step loads the next step's)
   int next_pages[kStep];
 #pragma unroll
-  for (int u = 0; u < kStep; ++u) {
-    const int ahead = kStages - kStep + u;
-    next_pages[u] = ahead < my_tiles ? tile_row_page(p, s, tile_key0(ahead), lane) : 0;
-  }
+  for (int u = 0; u < kStep; ++u) next_pages[u] = ahead_pages(kStages - kStep + u);
   cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed
   __syncthreads();
 
@@ -519,10 +527,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
     for (int u = 0; u < kStep; ++u) {
       const int ahead = i + kStages - kStep + u;
       if (ahead < my_tiles)
-        load_kv_tile<kHeadDim>(stage_k(ahead), stage_k(ahead) + Shape::kTileBytes, p, s, k_head,
-                               v_head, tile_key0(ahead), next_pages[u], lane);
+        load_kv_tile<kHeadDim, kPagesAhead>(stage_k(ahead), stage_k(ahead) + Shape::kTileBytes, p,
+                                            s, k_head, v_head, tile_key0(ahead), next_pages[u], lane);
       cp_async_commit();
-      next_pages[u] = ahead + kStep < my_tiles ? tile_row_page(p, s, tile_key0(ahead + kStep), lane) : 0;
+      next_pages[u] = ahead_pages(ahead + kStep);
     }
     cp_async_wait<kStages - kStep>();
     __syncwarp();
