@@ -509,11 +509,12 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
     128k, 8 KV heads, d = 64: 16 splits 97.4 us against 32 splits 102.2; 8 x 16k: 2 splits
     96.1 against 4 101.8; 1 x 128k, 32 KV heads: 4 splits 351.5 against 8 376.7; d = 128
     1 x 128k: 182.0 against 185.0. More units that still fit the CTA slots: unsplit (8 x
-    16k, 32 KV heads, d = 64: 359.5 us against 374.8 in 3 splits over 1.9 waves).
+    16k, 32 KV heads, d = 64: 359.5 us against 374.8 in 3 splits over 1.9 waves; paged
+    too: pages of 16 398 -> 376 us, of 256 385 -> 370).
 
-    Otherwise, and for paged caches (a CTA that looks a page up every row streams slower:
-    the rule above read them 1.3-1.5x slower, 1 x 128k, 32 KV heads, d = 64, pages of 16:
-    398 -> 539 us): a last wave that fills few of the SMs' CTA slots costs nearly as long
+    Otherwise, and for paged caches with at most one unit an SM (one CTA an SM reads pages
+    5-20 % slower, with the page ids loaded a step ahead too: 1 x 128k, 8 KV heads, d = 64,
+    pages of 16 108 -> 117 us, of 256 104 -> 123): a last wave that fills few of the SMs' CTA slots costs nearly as long
     as a full one (512 CTAs on 396 slots took 84 % of the copy bandwidth). Split while the
     CTAs make under two waves, into the fewest splits whose waves fill at least 90 % of the
     slots they take (else the best filling), each split with at least _MIN_KEYS_PER_SPLIT
@@ -528,7 +529,7 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
         per_sm = 1 << (min(sm_count // units, most).bit_length() - 1)
         if 10 * units * per_sm >= 9 * sm_count:
             return per_sm
-    if one_per_sm and sm_count < units <= slots:
+    if sm_count < units <= slots:
         return 1
     best, best_fill = 1, 0.0
     for splits in range(1, most + 1):

@@ -139,6 +139,17 @@ def test_paged_caches_split_to_fill_the_slots_not_one_cta_an_sm(planner, heads_k
                           cache_seqlens=lens))["num_splits"] == paged
 
 
+def test_units_that_fit_the_cta_slots_run_unsplit_paged_or_not(planner):
+    # 8 x 16k, 32 KV heads, d = 64: 256 units over 132 SMs x 3 slots. Paged caches split
+    # them 3 ways before (1.9 waves), 5 % slower than unsplit on an H100
+    q, lens = arr((8, 1, 32, 64)), arr((8,), "int32")
+    cache = arr((8, 16384, 32, 64))
+    assert record(planner(q, cache, cache, cache_seqlens=lens))["num_splits"] == 1
+    pages, table = arr((8192, 16, 32, 64)), arr((8, 1024), "int32")
+    assert record(planner(q, pages, pages, block_table=table,
+                          cache_seqlens=lens))["num_splits"] == 1
+
+
 def test_append_and_rotary_plan_the_append_kernel_and_a_rotated_q(planner):
     b, sq, h, hk, d = 2, 3, 8, 2, 128
     q, cache = arr((b, sq, h, d)), arr((b, 300, hk, d))
