@@ -14,13 +14,17 @@ _KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 _ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
                     "bfloat16": _params.ATTN_MASK_BF16, "float32": _params.ATTN_MASK_FP32}
 _UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
+# The entry points' default window_size, this object: _options takes it unchecked (a
+# value-equal pair from the caller, or -1.0, goes through the checks).
+NO_WINDOW = (-1, -1)
+_DEFAULT_OPTIONS = (((_UNBOUNDED, _UNBOUNDED), None, 0.0), ((_UNBOUNDED, 0), None, 0.0))
 _INT32_MAX = 2**31 - 1
 
 
 # -- public API ------------------------------------------------------------------------
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, return_lse=False, out=None):
     """Exact attention ``softmax(q k^T * scale + mask) v``, flash-attn 2 conventions.
 
@@ -111,7 +115,7 @@ def _plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW,
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, return_lse=False, out=None,
                            seqused_k=None, check_cu_seqlens=False, block_table=None):
@@ -466,8 +470,12 @@ def _softcap(softcap):
 
 def _options(softmax_scale, causal, window_size, softcap):
     """(window, scale, softcap) of flash-attn's options, checked: what a plan depends on."""
+    if (window_size is NO_WINDOW and softmax_scale is None and type(softcap) is float
+            and softcap == 0.0):  # the defaults (the usual decode call): nothing to check
+        return _DEFAULT_OPTIONS[1 if causal else 0]
     return (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
             _softcap(softcap))
+
 
 
 def _window(window_size, causal):

@@ -18,7 +18,7 @@ _GRID_YZ_MAX = 65535
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
-                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            causal=False, window_size=api.NO_WINDOW, softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, out=None, check_inputs=False):
     """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
@@ -64,6 +64,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         fixed, cache_seqlens = (None if cache_seqlens is None else int(cache_seqlens)), None
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
               cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
+    kind = type(q)
+    if kind is _interop._cupy_array or (kind is _interop._torch_tensor
+                                         and not _torch_ops.compiling(q)):
+        # eager (checked first: a decode step's host time is what a small batch waits on)
+        return with_kvcache(arrays + (out,), cache_seqlen=fixed, softmax_scale=softmax_scale,
+                            causal=causal, window_size=window_size, softcap=softcap,
+                            rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
+                            return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
     options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap,
                    rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
