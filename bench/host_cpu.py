@@ -62,7 +62,7 @@ def mock_device():
     api.driver_launch = lambda *args: None
     _interop.allocate = _allocate
     api.stream_tile_counter = lambda framework, device, stream: (None, 0xC0)
-    api.stream_workspace = lambda framework, device, stream, nbytes: (None, 0xD000_0000)
+    api.stream_workspace = lambda framework, device, stream, nbytes, capturing=None: (None, 0xD000_0000)
     api.stream_split_counters = lambda framework, device, stream, nbytes: (None, 0xE0)
     api.stream_capturing = lambda stream: False
     _compile.function_pointer = lambda variant, device: 0xF00

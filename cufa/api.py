@@ -1092,13 +1092,14 @@ def stream_tile_counter(framework, device, stream):
     return _stream_buffer(_tile_counters, framework, device, stream, 8, zeroed=True)
 
 
-def stream_workspace(framework, device, stream, nbytes):
+def stream_workspace(framework, device, stream, nbytes, capturing=None):
     """(owner, address) of at least nbytes of device memory for one call's scratch on
     `stream` (a packed batch's work list, a decode's split-KV partials), kept per stream
     as the tile counter is, so a call allocates nothing; from the caller's allocator under
     graph capture. Launches on the stream run in order, so one call's kernels are done
-    with it before the next call's write it."""
-    return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False)
+    with it before the next call's write it. capturing: as _stream_buffer's."""
+    return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False,
+                          capturing=capturing)
 
 
 def stream_split_counters(framework, device, stream, nbytes):

@@ -390,10 +390,13 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     replays faster than the merge in the decode launch: bench/NOTES.md) decode_combine
     merges them."""
     held, base = None, scratch_ptr
+    # (one capture check a call: a driver call, ~1 us of a lent host's time)
+    capturing = None if scratch_ptr or not merge_in_launch else api.stream_capturing(stream)
     if not scratch_ptr and workspace[0]:
-        held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0])
+        held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0],
+                                          capturing)
     counters = counters_held = 0
-    if merge_in_launch and not scratch_ptr and not api.stream_capturing(stream):
+    if merge_in_launch and not scratch_ptr and not capturing:
         x, y, z = launches[-2][2]
         counters_held, counters = api.stream_split_counters(framework, device, stream,
                                                             4 * x * y * z)

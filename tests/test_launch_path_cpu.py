@@ -47,7 +47,7 @@ def device(monkeypatch):
     monkeypatch.setattr(api, "stream_tile_counter",
                         lambda framework, device, stream: (None, _COUNTERS))
     monkeypatch.setattr(api, "stream_workspace",
-                        lambda framework, device, stream, nbytes: (None, _WORKSPACE))
+                        lambda framework, device, stream, nbytes, capturing=None: (None, _WORKSPACE))
     monkeypatch.setattr(api, "stream_split_counters",
                         lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS))
     monkeypatch.setattr(api, "stream_capturing", lambda stream: fake.capturing)
