@@ -477,7 +477,6 @@ def _options(softmax_scale, causal, window_size, softcap):
             _softcap(softcap))
 
 
-
 def _window(window_size, causal):
     """flash-attn's (left, right) with -1 = unbounded -> kernel bounds; causal caps right at 0."""
     try:

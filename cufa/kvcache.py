@@ -525,8 +525,9 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
 
     Otherwise, and for paged caches with at most one unit an SM (one CTA an SM reads pages
     5-20 % slower, with the page ids loaded a step ahead too: 1 x 128k, 8 KV heads, d = 64,
-    pages of 16 108 -> 117 us, of 256 104 -> 123): a last wave that fills few of the SMs' CTA slots costs nearly as long
-    as a full one (512 CTAs on 396 slots took 84 % of the copy bandwidth). Split while the
+    pages of 16 108 -> 117 us, of 256 104 -> 123): a last wave that fills few of the SMs'
+    CTA slots costs nearly as long as a full one (512 CTAs on 396 slots took 84 % of the
+    copy bandwidth). Split while the
     CTAs make under two waves, into the fewest splits whose waves fill at least 90 % of the
     slots they take (else the best filling), each split with at least _MIN_KEYS_PER_SPLIT
     keys of the cache's capacity; where those CTAs make one wave, the largest power of two

@@ -148,9 +148,8 @@ __device__ __forceinline__ KeySpan visible_span(const DecodeParams& p, int seqle
 
 // -- a paged cache's page ids, looked up a step before the copies that need them: lane l
 //    loads the page of the tile's row l % 16, and the copies take each row's page from a
-//    shuffle. (Looked up at the copy, the id is a dependent load in front of every
-//    cp.async: with one CTA an SM that stalls the stream, bench/NOTES.md.) 0 where no
-//    page is read: a contiguous cache, rows past the sequence --
+//    shuffle, instead of a dependent load in front of their cp.async. 0 where no page is
+//    read: a contiguous cache, rows past the sequence --
 __device__ __forceinline__ int tile_row_page(const DecodeParams& p, const CacheSeq& s, int key0,
                                              int lane) {
   const int r = lane % kTileKeys;
@@ -322,7 +321,8 @@ __device__ __forceinline__ float warp_butterfly(float x) {
 
 // acc += w * (a, b): one split's 8 columns into a partial sum. Shared by the two merges so
 // that they add the same terms in the same order.
-__device__ __forceinline__ void add_weighted8(float (&acc)[8], float w, const float4& a, const float4& b) {
+__device__ __forceinline__ void add_weighted8(float (&acc)[8], float w, const float4& a,
+                                              const float4& b) {
   if (w != 0.f) {  // an empty split's output may be anything, NaN included
     acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
     acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
