@@ -168,9 +168,21 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
   const int rows_valid = s.seqlen_k - key0;
   // A contiguous cache's tile is rows of one base: a row stride a chunk, not a slot lookup
   // and two 64-bit products (ncu: our loop issued over twice cuDNN's instructions a byte).
-  const bool paged = p.block_table != 0;
-  const i64 first = paged ? 0 : s.row * p.k_batch_stride + (i64)(s.start + key0) * p.k_row_stride;
-  const i64 first_v = paged ? 0 : s.row * p.v_batch_stride + (i64)(s.start + key0) * p.v_row_stride;
+  // A paged tile inside one page (pages of 16 rows or more, a 16-aligned first key) is
+  // such a tile too, from its page: one lookup a tile, not one a row (pages of 256 1-2 %
+  // faster on an H100, pages of 16 within +-1.5 %).
+  const int pos0 = s.start + key0;
+  const bool one_page = p.page_shift >= 4 && (pos0 & (kTileKeys - 1)) == 0;
+  const bool paged = p.block_table != 0 && !one_page;
+  i64 block = s.row;
+  if (p.block_table && one_page) {
+    const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, 0)
+                                 : s.pages[pos0 >> p.page_shift];
+    block = min(max(page, 0), p.cache_rows - 1);
+  }
+  const int row0 = p.block_table ? pos0 & ((1 << p.page_shift) - 1) : pos0;
+  const i64 first = paged ? 0 : block * p.k_batch_stride + (i64)row0 * p.k_row_stride;
+  const i64 first_v = paged ? 0 : block * p.v_batch_stride + (i64)row0 * p.v_row_stride;
 #pragma unroll
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;

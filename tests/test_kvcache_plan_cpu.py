@@ -139,6 +139,26 @@ def test_paged_caches_split_to_fill_the_slots_not_one_cta_an_sm(planner, heads_k
                           cache_seqlens=lens))["num_splits"] == paged
 
 
+@pytest.mark.parametrize("heads_k, one_per_sm", [(8, 16), (32, 4)])
+def test_pages_of_256_read_whole_take_the_contiguous_rule(planner, heads_k, one_per_sm):
+    # 1 x 128k keys: tiles inside one page read as contiguous ones, so pages of 256 get one
+    # CTA an SM as a contiguous cache does; not with a leftpad or a left window (tiles
+    # off a page's row 0), nor pages of 16 (slower so on an H100)
+    q, lens = arr((1, 1, 32, 64)), arr((1,), "int32")
+
+    def splits(page, **kw):
+        pages, table = arr((131072 // page, page, heads_k, 64)), arr((1, 131072 // page), "int32")
+        return record(planner(q, pages, pages, block_table=table, cache_seqlens=lens,
+                              **kw))["num_splits"]
+
+    assert splits(256) == one_per_sm
+    slot_fill = splits(16)
+    assert slot_fill != one_per_sm
+    assert splits(256, cache_leftpad=arr((1,), "int32")) == slot_fill
+    assert splits(256, window_size=(4096, 0)) == slot_fill
+    assert splits(256, window_size=(-1, 0)) == one_per_sm  # a right bound keeps row 0
+
+
 def test_units_that_fit_the_cta_slots_run_unsplit_paged_or_not(planner):
     # 8 x 16k, 32 KV heads, d = 64: 256 units over 132 SMs x 3 slots. Paged caches split
     # them 3 ways before (1.9 waves), 5 % slower than unsplit on an H100
