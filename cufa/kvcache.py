@@ -65,34 +65,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
               cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
     kind = type(q)
-    if kind is _interop._cupy_array or (kind is _interop._torch_tensor
-                                         and not _torch_ops.compiling(q)):
-        # eager (checked first: a decode step's host time is what a small batch waits on)
-        return with_kvcache(arrays + (out,), cache_seqlen=fixed, softmax_scale=softmax_scale,
-                            causal=causal, window_size=window_size, softcap=softcap,
-                            rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
-                            return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
-    options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
-                   window_size=window_size, softcap=softcap,
-                   rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
-    if _torch_ops.compiling(q):
-        if out is not None or check_inputs:
-            raise NotImplementedError("out= and check_inputs=True are not supported inside "
-                                      "torch.compile")
-        o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
-            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, *window_size,
-            softcap, bool(rotary_interleaved), alibi_slopes, num_splits)
-        return (o, lse) if return_softmax_lse else o
-    if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
-        if check_inputs:
-            raise ValueError("check_inputs=True is not supported for JAX arrays: under jax.jit "
-                             "there are no device values to read")
-        o, lse, *caches = _jax.call("flash_attn_with_kvcache", dict(zip(_ARRAYS, arrays)),
-                                    options, out=out)
-        return tuple([o] + ([lse] if return_softmax_lse else []) + caches) if caches else (
-            (o, lse) if return_softmax_lse else o)
-    return with_kvcache(arrays + (out,), **options,
+    # (a CuPy array or an eager torch tensor, the usual decode step, skips the JAX and
+    # torch.compile routes' checks: its host time is what a small batch waits on)
+    if kind is not _interop._cupy_array and (kind is not _interop._torch_tensor
+                                             or _torch_ops.compiling(q)):
+        if _torch_ops.compiling(q):
+            if out is not None or check_inputs:
+                raise NotImplementedError("out= and check_inputs=True are not supported "
+                                          "inside torch.compile")
+            o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
+                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
+                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                *window_size, softcap, bool(rotary_interleaved), alibi_slopes, num_splits)
+            return (o, lse) if return_softmax_lse else o
+        if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
+            if check_inputs:
+                raise ValueError("check_inputs=True is not supported for JAX arrays: under "
+                                 "jax.jit there are no device values to read")
+            options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap,
+                           rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
+            o, lse, *caches = _jax.call("flash_attn_with_kvcache", dict(zip(_ARRAYS, arrays)),
+                                        options, out=out)
+            return tuple([o] + ([lse] if return_softmax_lse else []) + caches) if caches else (
+                (o, lse) if return_softmax_lse else o)
+    return with_kvcache(arrays + (out,), cache_seqlen=fixed, softmax_scale=softmax_scale,
+                        causal=causal, window_size=window_size, softcap=softcap,
+                        rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
                         return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
 
 
@@ -402,7 +401,7 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
                                           capturing)
     counters = counters_held = 0
     if merge_in_launch and not scratch_ptr and not capturing:
-        x, y, z = launches[-2][2]
+        x, y, z = launches[-2][2]  # (a split call's launches end: decode, combine)
         counters_held, counters = api.stream_split_counters(framework, device, stream,
                                                             4 * x * y * z)
         launches = launches[:-1]
@@ -531,14 +530,14 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
     Otherwise, and for paged caches with at most one unit an SM (one CTA an SM read pages
     5-20 % slower, with the page ids loaded a step ahead too: 1 x 128k, 8 KV heads, d = 64,
     pages of 16 108 -> 117 us, of 256 104 -> 123; since tiles inside one page read as
-    contiguous ones, pages of 256 take the rule above, _plan_kvcache): a last wave that fills few of the SMs'
-    CTA slots costs nearly as long as a full one (512 CTAs on 396 slots took 84 % of the
-    copy bandwidth). Split while the
-    CTAs make under two waves, into the fewest splits whose waves fill at least 90 % of the
-    slots they take (else the best filling), each split with at least _MIN_KEYS_PER_SPLIT
-    keys of the cache's capacity; where those CTAs make one wave, the largest power of two
-    not above that count (powers of two read faster than their neighbours: 1 x 128k, 32 KV
-    heads, 8 splits 380.7 us, 9 splits 434.0). Over several waves the fill decides."""
+    contiguous ones, pages of 256 take the rule above, _plan_kvcache): a last wave that
+    fills few of the SMs' CTA slots costs nearly as long as a full one (512 CTAs on 396
+    slots took 84 % of the copy bandwidth). Split while the CTAs make under two waves,
+    into the fewest splits whose waves fill at least 90 % of the slots they take (else the
+    best filling), each split with at least _MIN_KEYS_PER_SPLIT keys of the cache's
+    capacity; where those CTAs make one wave, the largest power of two not above that
+    count (powers of two read faster than their neighbours: 1 x 128k, 32 KV heads, 8
+    splits 380.7 us, 9 splits 434.0). Over several waves the fill decides."""
     slots = sm_count * ctas_per_sm
     if units == 0 or units >= 2 * slots:
         return 1
@@ -691,6 +690,6 @@ def _run(plan, ptrs, out, lse_out, stream, scratch):
                            lambda at, counters: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters), plan.framework, plan.device,
-                stream, scratch_ptr)
+                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters), plan.framework,
+                plan.device, stream, scratch_ptr)
     return api.returned(plan, o, lse, plan.want_lse)
