@@ -99,10 +99,13 @@ struct CacheSlot {
   int row;
 };
 
+// Position `pos` in page `page` (an id as the block table holds it: clamped to the cache).
+__device__ __forceinline__ CacheSlot page_slot(const DecodeParams& p, int page, int pos) {
+  return CacheSlot{min(max(page, 0), p.cache_rows - 1), pos & ((1 << p.page_shift) - 1)};
+}
+
 __device__ __forceinline__ CacheSlot cache_slot(const DecodeParams& p, const CacheSeq& s, int pos) {
-  if (p.block_table)
-    return CacheSlot{min(max(s.pages[pos >> p.page_shift], 0), p.cache_rows - 1),
-                     pos & ((1 << p.page_shift) - 1)};
+  if (p.block_table) return page_slot(p, s.pages[pos >> p.page_shift], pos);
   return CacheSlot{s.row, pos};
 }
 
@@ -175,11 +178,9 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
   const bool one_page = p.page_shift >= 4 && (pos0 & (kTileKeys - 1)) == 0;
   const bool paged = p.block_table != 0 && !one_page;
   i64 block = s.row;
-  if (p.block_table && one_page) {
-    const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, 0)
-                                 : s.pages[pos0 >> p.page_shift];
-    block = min(max(page, 0), p.cache_rows - 1);
-  }
+  if (p.block_table && one_page)
+    block = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, 0)
+                                     : s.pages[pos0 >> p.page_shift], pos0).block;
   const int row0 = p.block_table ? pos0 & ((1 << p.page_shift) - 1) : pos0;
   const i64 first = paged ? 0 : block * p.k_batch_stride + (i64)row0 * p.k_row_stride;
   const i64 first_v = paged ? 0 : block * p.v_batch_stride + (i64)row0 * p.v_row_stride;
@@ -194,13 +195,12 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
       v_src += first_v + r * p.v_row_stride + c * 8;
     } else if (paged) {  // (the whole warp: the shuffle)
       const int pos = s.start + key0 + r;
-      const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r)
-                                   : valid ? s.pages[pos >> p.page_shift] : 0;
-      const i64 block = min(max(page, 0), p.cache_rows - 1);
-      const int row = pos & ((1 << p.page_shift) - 1);
+      const CacheSlot slot = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r)
+                                                      : valid ? s.pages[pos >> p.page_shift] : 0,
+                                       pos);
       if (valid) {
-        k_src += block * p.k_batch_stride + row * p.k_row_stride + c * 8;
-        v_src += block * p.v_batch_stride + row * p.v_row_stride + c * 8;
+        k_src += slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
+        v_src += slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
       }
     }
     const u32 at = Swizzle<kHeadDim>::offset(r, c);
