@@ -52,7 +52,7 @@ class _Stream:
 _next = [1 << 32]
 
 
-def _allocate(framework, shape, dtype, device, stream):
+def _allocate(framework, shape, dtype, device, stream, like=None):
     _next[0] += 1 << 20
     return None, _next[0]
 

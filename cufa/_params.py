@@ -87,6 +87,7 @@ class Record:
         self.pointer_fields = tuple(name for name, kind in fields if kind is _PTR)
         assert all(self.dtype.fields[n][1] == 8 * i for i, n in enumerate(self.pointer_fields))
         self._pointers = struct.Struct(f"<{len(self.pointer_fields)}Q")
+        self._buffer = ctypes.c_char * self.dtype.itemsize
         self._record = struct.Struct(_struct_format(self.dtype))
         self._zeros = dict.fromkeys(self.dtype.names, 0)  # fields left out; in layout order
         codes = _struct_codes()
@@ -139,7 +140,7 @@ class Record:
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to
         `values`, in pointer_fields order, as a ctypes buffer to pass by address."""
-        buffer = ctypes.create_string_buffer(record, len(record))
+        buffer = self._buffer.from_buffer_copy(record)  # (create_string_buffer: +1 us)
         self._pointers.pack_into(buffer, 0, *values)
         return buffer
 

@@ -85,7 +85,7 @@ def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, sof
         plan = _remember(key, _dense_plan(arrays, entries, addresses, out, options))
     q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr = addresses
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
-                    lse_out=lse_out, stream=stream, scratch=scratch)
+                    lse_out=lse_out, stream=stream, scratch=scratch, like=q)
 
 
 def _dense_plan(arrays, entries, addresses, out, options):
@@ -199,7 +199,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, o_ptr = ptrs
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
-                    stream=stream, scratch=scratch)
+                    stream=stream, scratch=scratch, like=q)
 
 
 def _packed_plan(arrays, entries, ptrs, out, options):
@@ -301,7 +301,7 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, str
     q_ptr, k_ptr, v_ptr, mask_ptr = addresses
     o_ptr = 0 if out is None else out.ptr
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
-                    stream=stream, scratch=scratch)
+                    stream=stream, scratch=scratch, like=query)
 
 
 def _plan_sdpa(q, k, v, mask, is_causal, scale, enable_gqa):
@@ -978,28 +978,29 @@ def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
 
 
 def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,
-             lse_out=None, stream=None, scratch=None):
+             lse_out=None, stream=None, scratch=None, like=None):
     """Allocate the outputs (unless out=, or lse_out) and launch the plan on the caller's
     current stream. q, k, v, o_ptr (out's), alibi, attn_mask: addresses; packed: the
     addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream, scratch:
-    see dense."""
+    see dense; like: the caller's q (outputs')."""
     scratch_ptr = _check_scratch(scratch, plan.scratch_bytes)
     with caller_stream(plan.framework, plan.device, stream) as stream:
-        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream)
+        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream, like)
         if plan.variant is not None:
             _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed,
                     scratch_ptr)
     return returned(plan, o, lse, return_lse)
 
 
-def outputs(plan, out, o_ptr, lse_out, want_lse, stream):
+def outputs(plan, out, o_ptr, lse_out, want_lse, stream, like=None):
     """(out, its address, lse, its address) of a call, inside caller_stream: the caller's
     out= (or, under jax.jit, XLA's buffers out and lse_out) where given, else new arrays of
     the caller's framework; without want_lse no lse at all (None, 0), which the kernels
-    skip: one allocation less a call. Plans of every entry point have the fields read."""
+    skip: one allocation less a call. Plans of every entry point have the fields read.
+    like: the caller's q, whose shape, dtype and device every plan's out has."""
     if out is None:
         out, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
-                                       plan.device, stream)
+                                       plan.device, stream, like)
     if lse_out is not None:
         return out, o_ptr, lse_out, lse_out.ptr
     if not want_lse:
@@ -1112,8 +1113,14 @@ def stream_split_counters(framework, device, stream, nbytes):
 
 def stream_capturing(stream):
     """Whether `stream` is being captured into a CUDA graph."""
-    import cupy
-    return bool(cupy.cuda.runtime.streamIsCapturing(stream))
+    global _stream_is_capturing
+    if _stream_is_capturing is None:  # (looked up once: cupy.cuda's lookups cost ~1 us)
+        import cupy
+        _stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
+    return bool(_stream_is_capturing(stream))
+
+
+_stream_is_capturing = None
 
 
 _tile_counters = {}  # (device, stream, thread) -> (address, bytes)
@@ -1128,19 +1135,20 @@ def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed, capturing
     the stream, so theirs are per thread too. capturing: whether `stream` is under graph
     capture, where the caller knows it (None: asked here); captured, the call gets memory
     of its own."""
-    import cupy
-    runtime = cupy.cuda.runtime
     _recording.replayable = False  # this memory is not XLA's: a jax.jit replay must not reuse it
     if capturing is None:
         capturing = stream_capturing(stream)
     if capturing:
+        import cupy
         owner, ptr = _interop.allocate(framework, (-(-nbytes // 4),), "int32", device, stream)
         if zeroed:
-            runtime.memsetAsync(ptr, 0, nbytes, stream)
+            cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
         return owner, ptr
     key = (device, stream, threading.get_ident() if stream <= 2 else 0)
     held = held_by.get(key)
     if held is None or held[1] < nbytes:
+        import cupy
+        runtime = cupy.cuda.runtime
         with _buffer_growth:  # two threads on one stream must not free it twice
             held = held_by.get(key)
             if held is None or held[1] < nbytes:

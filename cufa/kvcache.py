@@ -135,7 +135,7 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
             interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
         _check_values(plan, views[7], views[9], views[10])
-    return _run(plan, ptrs, arrays[-1], lse_out, stream, scratch)
+    return _run(plan, ptrs, arrays[0], arrays[-1], lse_out, stream, scratch)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
@@ -177,7 +177,8 @@ def merge(arrays, lse_out=None, stream=None):
         views = _interop.views(arrays, _MERGE_ARRAYS, entries, addresses, 4)
         plan = api._remember(key, _plan_merge(*views, arrays[-1]))
     with api.caller_stream(plan.framework, plan.device, stream) as stream:
-        o, o_ptr, lse, lse_ptr = api.outputs(plan, arrays[-1], o_ptr, lse_out, True, stream)
+        o, o_ptr, lse, lse_ptr = api.outputs(plan, arrays[-1], o_ptr, lse_out, True, stream,
+                                             arrays[0])  # (out has out_a's shape and dtype)
         if plan.blocks:
             params = _params.MERGE.with_pointer_values(plan.params, (  # MERGE_FIELDS' order
                 oa, la, ob, lb, o_ptr, lse_ptr))
@@ -678,12 +679,13 @@ class _MergePlan:
 
 # -- launch --------------------------------------------------------------------------------
 
-def _run(plan, ptrs, out, lse_out, stream, scratch):
-    """ptrs: the arrays' addresses in _ARRAYS order."""
-    scratch_ptr = api._check_scratch(scratch, plan.scratch_bytes)
+def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
+    """ptrs: the arrays' addresses in _ARRAYS order; q_array: the caller's q."""
+    scratch_ptr = 0 if scratch is None else api._check_scratch(scratch, plan.scratch_bytes)
     q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
     with api.caller_stream(plan.framework, plan.device, stream) as stream:
-        o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream)
+        o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
+                                             q_array)
         if plan.launches:
             _, o_part, lse_part, q_rot = plan.workspace
             _launch_decode(plan.params, plan.launches, plan.workspace, plan.merge_in_launch,

@@ -18,7 +18,7 @@ class _Device:
         self.launches, self.allocations, self.next = [], [], 1 << 20
         self.capturing = False
 
-    def allocate(self, framework, shape, dtype, device, stream):
+    def allocate(self, framework, shape, dtype, device, stream, like=None):
         self.allocations.append((shape, dtype))
         self.next += 1 << 20
         return f"array@{self.next:#x}", self.next
