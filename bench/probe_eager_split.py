@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Probe: a batch-1 split decode called eagerly, back to back (calls issued, then one
+sync: host us a call while issuing, wall us a call), with the merge in the decode launch
+(the default) and with decode_combine instead, beside graph replays of the call and SDPA's
+calls; fp16, 1 x 32k keys, 32/8 heads. Two caches rotate (64 MB at d = 64 outgrows L2).
+
+    python3 bench/probe_eager_split.py [--calls 400]
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import cufa  # noqa: E402
+from cufa import api  # noqa: E402
+
+
+def back_to_back(fn, sets, calls):
+    for i in range(20):
+        fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(*sets[i % len(sets)])
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return (issued - t0) / calls * 1e6, (done - t0) / calls * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--calls", type=int, default=400)
+    args = p.parse_args()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    print("| d | sq | cufa eager (merge in launch): host / wall us | cufa eager, combine kernel "
+          "| cufa graph replay wall | SDPA flash host / wall | SDPA cuDNN host / wall |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for d in (64, 128):
+        for sq in (1, 4):
+            sets = []
+            for _ in range(2):
+                k, v = (torch.randn(1, 32768, 8, d, device="cuda", dtype=torch.float16)
+                        for _ in range(2))
+                q = torch.randn(1, sq, 32, d, device="cuda", dtype=torch.float16)
+                lens = torch.full((1,), 32768, device="cuda", dtype=torch.int32)
+                sets.append((q, k, v, lens))
+
+            def call(q, k, v, lens):
+                return cufa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+            row = [back_to_back(call, sets, args.calls)]
+            plans = [pl for key, pl in api._plans.items() if key[0] == "kvcache"]
+            for pl in plans:
+                pl.merge_in_launch = False
+            row.append(back_to_back(call, sets, args.calls))
+            for pl in plans:
+                pl.merge_in_launch = True
+            graphs = []
+            for s in sets:
+                call(*s)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    call(*s)
+                graphs.append((g,))
+            row.append(back_to_back(lambda g: g.replay(), graphs, args.calls))
+            bhsd = [tuple(x.transpose(1, 2) for x in s[:3]) for s in sets]
+            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                with sdpa_kernel(backend):
+                    row.append(back_to_back(lambda q, k, v: sdpa(q, k, v, enable_gqa=True),
+                                            bhsd, args.calls))
+            api.clear_plans()
+            cells = [f"{h:.1f} / {w:.1f}" for h, w in row]
+            cells[2] = f"{row[2][1]:.1f}"
+            print(f"| {d} | {sq} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
