@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass
 
 MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, sm90.cuh)
+_MAPS_BUFFER = ctypes.c_char * MAPS_BYTES  # a record's type as a launch argument
 PADS = [bytes(MAPS_BYTES - 128 * n) for n in range(6)]  # a record of n maps to MAPS_BYTES
 PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width
 _DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
@@ -206,7 +207,7 @@ def with_addresses(template, q, k, v):
     pointers = (q, k, v, k, v) if template.has_tails else (q, k, v)
     if not template.address_words:
         return _moved_by_driver(template, pointers)
-    record = ctypes.create_string_buffer(template.record, MAPS_BYTES)
+    record = _MAPS_BUFFER.from_buffer_copy(template.record)  # (create_string_buffer: +1 us)
     for (offset, kept, shift), ptr in zip(template.address_words, pointers):
         _WORD.pack_into(record, offset, kept | ptr >> shift)
     return record

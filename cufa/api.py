@@ -50,19 +50,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     for compatibility.
     """
     _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
-    if _torch_ops.compiling(q):
-        if out is not None:
-            raise NotImplementedError("out= is not supported inside torch.compile")
-        left, right = window_size
-        o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal, left, right,
-                                             softcap, alibi_slopes)
-        return (o, lse) if return_lse else o
-    if _jax.tracing(q, k, v, alibi_slopes):
-        o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes),
-                            dict(softmax_scale=softmax_scale, causal=causal,
-                                 window_size=window_size, softcap=softcap),
-                            out=out, lse=return_lse)
-        return (o, *lse) if return_lse else o
+    if _other_route(q):
+        if _torch_ops.compiling(q):
+            if out is not None:
+                raise NotImplementedError("out= is not supported inside torch.compile")
+            left, right = window_size
+            o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal, left, right,
+                                                 softcap, alibi_slopes)
+            return (o, lse) if return_lse else o
+        if _jax.tracing(q, k, v, alibi_slopes):
+            o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v,
+                                                        alibi_slopes=alibi_slopes),
+                                dict(softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, softcap=softcap),
+                                out=out, lse=return_lse)
+            return (o, *lse) if return_lse else o
     return dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, return_lse=return_lse)
 
@@ -150,28 +152,39 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
-    arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                  seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table)
-    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                   softcap=softcap)
-    if _torch_ops.compiling(q):
-        if out is not None:
-            raise NotImplementedError("out= is not supported inside torch.compile")
-        if check_cu_seqlens:
-            raise ValueError("check_cu_seqlens=True reads device values (a sync), which "
-                             "torch.compile cannot trace; check them outside the compiled code")
-        o, lse = _torch_ops.op("flash_attn_varlen")(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, *window_size, softcap, alibi_slopes, seqused_k, block_table)
-        return (o, lse) if return_lse else o
-    if _jax.tracing(*arrays.values()):
-        if check_cu_seqlens:
-            raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
-                             "function does not have; check them outside jax.jit")
-        o, *lse = _jax.call("flash_attn_varlen_func", arrays, options, out=out, lse=return_lse)
-        return (o, *lse) if return_lse else o
-    return packed(*arrays.values(), out, **options, return_lse=return_lse,
-                  check_cu_seqlens=check_cu_seqlens)
+    if _other_route(q):
+        if _torch_ops.compiling(q):
+            if out is not None:
+                raise NotImplementedError("out= is not supported inside torch.compile")
+            if check_cu_seqlens:
+                raise ValueError("check_cu_seqlens=True reads device values (a sync), which "
+                                 "torch.compile cannot trace; check them outside the compiled "
+                                 "code")
+            o, lse = _torch_ops.op("flash_attn_varlen")(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                causal, *window_size, softcap, alibi_slopes, seqused_k, block_table)
+            return (o, lse) if return_lse else o
+        arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table)
+        if _jax.tracing(*arrays.values()):
+            if check_cu_seqlens:
+                raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
+                                 "function does not have; check them outside jax.jit")
+            o, *lse = _jax.call("flash_attn_varlen_func", arrays, dict(
+                softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                softcap=softcap), out=out, lse=return_lse)
+            return (o, *lse) if return_lse else o
+    return packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out,
+                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                  softcap=softcap, return_lse=return_lse, check_cu_seqlens=check_cu_seqlens)
+
+
+def _other_route(q):
+    """Whether a call may take the torch.compile or the JAX route: not for a CuPy array or
+    an eager torch tensor q, the usual call, which then skips those routes' checks."""
+    kind = type(q)
+    return kind is not _interop._cupy_array and (kind is not _interop._torch_tensor
+                                                 or _torch_ops.compiling(q))
 
 
 _PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",

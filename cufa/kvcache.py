@@ -64,11 +64,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         fixed, cache_seqlens = (None if cache_seqlens is None else int(cache_seqlens)), None
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
               cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
-    kind = type(q)
-    # (a CuPy array or an eager torch tensor, the usual decode step, skips the JAX and
-    # torch.compile routes' checks: its host time is what a small batch waits on)
-    if kind is not _interop._cupy_array and (kind is not _interop._torch_tensor
-                                             or _torch_ops.compiling(q)):
+    if api._other_route(q):  # (the usual decode step's host time is what a small batch waits on)
         if _torch_ops.compiling(q):
             if out is not None or check_inputs:
                 raise NotImplementedError("out= and check_inputs=True are not supported "
