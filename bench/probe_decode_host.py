@@ -16,20 +16,7 @@ import torch  # noqa: E402
 
 import cufa  # noqa: E402
 from cufa import _interop, api, kvcache  # noqa: E402
-
-
-def us_per_call(fn, calls):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return best / calls * 1e6
+from host_breakdown import us_per_call  # noqa: E402  (best of three rounds)
 
 
 def main():
@@ -104,15 +91,6 @@ def main():
                 walls.append(time.perf_counter() - t0)
         walls.sort()
         print(f"| {name} | {walls[len(walls) // 2] * 1e6:.1f} |")
-    import cProfile
-    import pstats
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.calls):
-        call()
-    profiler.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
