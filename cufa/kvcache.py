@@ -677,7 +677,7 @@ class _MergePlan:
 
 def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
     """ptrs: the arrays' addresses in _ARRAYS order; q_array: the caller's q."""
-    scratch_ptr = 0 if scratch is None else api._check_scratch(scratch, plan.scratch_bytes)
+    scratch_ptr = api._check_scratch(scratch, plan.scratch_bytes)
     q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
     with api.caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
