@@ -4,8 +4,11 @@ bench/ab_varlen.sh run`): each tree in its own process, the trees alternating, s
 clock and power drift fall on all of them alike. Prints one JSON line, TFLOP/s per shape.
 
     python3 bench/ab_fwd_probe.py TREE [--shapes d:N:causal[:bf16],...] [--reps 30]
+                                       [--peer cudnn|flash]
 
-16k tokens a batch and heads = 2048 / d, as in bench_fwd.py. Each sample is three calls
+16k tokens a batch and heads = 2048 / d, as in bench_fwd.py. N may be NQxNK (query rows x
+keys, 16k query rows a batch): a sweep of NK at one NQ separates a tile's fixed cost from
+its cost a key block. --peer times PyTorch SDPA's backend instead of the tree's cufa. Each sample is three calls
 back to back between one pair of CUDA events (host cost hidden); the median is reported.
 """
 import argparse
@@ -23,32 +26,45 @@ def main():
     p.add_argument("tree", help="folder holding the cufa package to time")
     p.add_argument("--shapes", default=DEFAULT_SHAPES)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--peer", choices=("cudnn", "flash"))
     args = p.parse_args()
     sys.path.insert(0, os.path.abspath(args.tree))
     import torch
     import cufa
 
-    result = {"tree": os.path.basename(os.path.abspath(args.tree))}
+    attend = lambda q, k, v, causal: cufa.flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+    if args.peer:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+        context = sdpa_kernel(backend[args.peer])
+        context.__enter__()  # for the whole process
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        attend = lambda q, k, v, causal: sdpa(q.transpose(1, 2), k.transpose(1, 2),  # noqa: E731
+                                              v.transpose(1, 2), is_causal=causal)
+    result = {"tree": args.peer or os.path.basename(os.path.abspath(args.tree))}
     for text in args.shapes.split(","):
         d, n, causal, *dtype = text.split(":")
-        d, n, causal = int(d), int(n), bool(int(causal))
+        n, n_k = (int(x) for x in (n.split("x") if "x" in n else (n, n)))
+        d, causal = int(d), bool(int(causal))
         dt = torch.bfloat16 if dtype == ["bf16"] else torch.float16
         batch, heads = max(1, 16384 // n), 2048 // d
-        q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=dt) for _ in range(3))
+        q = torch.randn(batch, n, heads, d, device="cuda", dtype=dt)
+        k, v = (torch.randn(batch, n_k, heads, d, device="cuda", dtype=dt) for _ in range(2))
         for _ in range(10):
-            cufa.flash_attn_func(q, k, v, causal=causal)
+            attend(q, k, v, causal)
         torch.cuda.synchronize()
         samples = []
         for _ in range(args.reps):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(3):
-                cufa.flash_attn_func(q, k, v, causal=causal)
+                attend(q, k, v, causal)
             stop.record()
             torch.cuda.synchronize()
             samples.append(start.elapsed_time(stop) / 3)
-        flops = 4 * batch * heads * n * n * d / (2 if causal else 1)
+        flops = 4 * batch * heads * n * n_k * d / (2 if causal else 1)
         result[text] = round(flops / statistics.median(samples) / 1e9, 1)
+        result[text + ":us"] = round(statistics.median(samples) * 1e3, 2)
     print(json.dumps(result))
 
 

@@ -10,7 +10,8 @@
 #                                                              # cases under compute-sanitizer)
 # ROUNDS (3), REPS (30) and BATCHES (short) from the environment; with BENCH=decode,
 # DECODE_ARGS (default: --shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers); with
-# BENCH=fwd, FWD_SHAPES (d:N:causal[:bf16],...; default: ab_fwd_probe.py's).
+# BENCH=fwd, FWD_SHAPES (d:N:causal[:bf16],...; default: ab_fwd_probe.py's) and PEERS
+# (SDPA backends timed beside the trees: "cudnn flash").
 set -eu
 case "${1:-}" in
 prepare)
@@ -55,6 +56,12 @@ run)
       if [ "${BENCH:-varlen}" = fwd ]; then
         python3 bench/ab_fwd_probe.py "$tree" --reps "${REPS:-30}" \
           ${FWD_SHAPES:+--shapes "$FWD_SHAPES"} >> "$OUT/ab_fwd.jsonl" 2>> "$OUT/ab_fwd.log"
+        if [ "$tree" = "$(ls -d _ab/*/ | head -1)" ]; then  # PEERS: SDPA backends, once a round
+          for peer in ${PEERS:-}; do
+            python3 bench/ab_fwd_probe.py "$tree" --peer "$peer" --reps "${REPS:-30}" \
+              ${FWD_SHAPES:+--shapes "$FWD_SHAPES"} >> "$OUT/ab_fwd.jsonl" 2>> "$OUT/ab_fwd.log"
+          done
+        fi
       elif [ "${BENCH:-varlen}" = decode ]; then
         PYTHONPATH=$PWD/$tree python3 "$tree/bench/bench_decode.py" --reps "${REPS:-30}" \
           ${DECODE_ARGS:---shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers} \
@@ -69,8 +76,8 @@ run)
     python3 - "$OUT" <<'PY'
 import json, os, statistics, sys
 rows = [json.loads(line) for line in open(os.path.join(sys.argv[1], "ab_fwd.jsonl"))]
-order = [line.split()[0] for line in open("_ab/ORDER")]
-shapes = [k for k in rows[0] if k != "tree"]
+order = [line.split()[0] for line in open("_ab/ORDER")] + os.environ.get("PEERS", "").split()
+shapes = [k for k in rows[0] if k != "tree" and not k.endswith(":us")]
 print(f"TFLOP/s, median over rounds (max), ratio of medians to {order[0]}")
 print("d:N:causal".ljust(18), *[t.ljust(22) for t in order])
 for shape in shapes:
