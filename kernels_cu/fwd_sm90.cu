@@ -119,14 +119,19 @@ __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles]
                     pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]));
   }
   __syncwarp();
+  // (What a store does not change is worked out once: the warp's first row in memory and
+  // in the stage, a multiple of 16 rows, so the swizzle sees only r.)
   constexpr int kChunks = kHeadDim / 8;
+  u16* const o_rows = o_ptr + row_base * p.o_row_stride;
+  const u32 stage_rows = q_stage_smem + warp_row0 * 128;
+  const int rows_left = seqlen_q - row_base;
 #pragma unroll 4
   for (int i = 0; i < 16 * kChunks / 32; ++i) {
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
-    if (row_base + r < seqlen_q && c * 8 < p.head_dim)
-      *reinterpret_cast<uint4*>(o_ptr + (row_base + r) * p.o_row_stride + c * 8) =
-          ld_shared_v4(q_stage_smem + panel_offset<kBlockM>(warp_row0 + r, c));
+    if (r < rows_left && c * 8 < p.head_dim)
+      st_global_v4(o_rows + r * p.o_row_stride + c * 8,
+                   ld_shared_v4(stage_rows + panel_offset<kBlockM>(r, c)));
   }
   if (p.lse) write_lse(lse, seqlen_q, lse_ptr, row_base, lane);  // lse asked for
 }
@@ -471,7 +476,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
         float correction[1][2];
         scores_to_probs(acc_s, 0, correction);
-        rescale_and_pack(acc_s, correction);
+        // O is still zero: rescaling it would be 0 * correction, which the compiler must
+        // keep (inf and NaN), ~100 instructions a tile at d = 128
+        pack_p<kDtype>(p_prev, acc_s);
       }
       // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
       // together, and computes the exponentials of S_it while the P V product runs.

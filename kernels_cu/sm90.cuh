@@ -107,6 +107,14 @@ __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
   return v;
 }
 
+// One 16-byte global store. Assigned through a uint4 pointer, ld_shared_v4's four
+// registers went out as four 4-byte stores (NVVM splits the vector it cannot see whole),
+// four instructions each writing a quarter of the bytes.
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w) : "memory");
+}
+
 // -- named barriers (0 is __syncthreads'): `threads` arrivals complete one --
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

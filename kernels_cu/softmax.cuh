@@ -74,26 +74,43 @@ struct OnlineSoftmax {
         for (int e = 0; e < 4; ++e) o[mt][dt][e] *= correction[mt][e >> 1];
   }
 
-  // Divides the output by the row sum and returns lse = max*scale + ln(sum).
+  // Divides the output by the row sum and returns lse = max*scale + ln(sum). A row that
+  // saw a key has sum >= 1 (its max scores exp2(0) = 1), so one-instruction reciprocal and
+  // log2 (rcp/lg2.approx, <= 2 ulp there) serve; the IEEE ones cost ~30 instructions a row.
   // A row that saw no key (sum 0) gets output 0 and lse -inf; NaN passes through.
   template <int kDTiles>
   __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float (&lse)[kMTiles][2],
                                            float scale_log2) {
+    float inv[kMTiles][2];
+    bool any_empty = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(row_sum[mt][h]);
         const bool empty = sum == 0.f;
-        const float inv = 1.f / sum;
-        lse[mt][h] = empty ? -CUFA_INF : (row_max[mt][h] * scale_log2 + log2f(sum)) * CUFA_LN2;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          // Explicit zero: P = 0 times a NaN in a masked-out V row would leave NaN.
-          o[mt][dt][2 * h] = empty ? 0.f : o[mt][dt][2 * h] * inv;
-          o[mt][dt][2 * h + 1] = empty ? 0.f : o[mt][dt][2 * h + 1] * inv;
-        }
+        any_empty |= empty;
+        inv[mt][h] = empty ? 0.f : fast_rcp(sum);
+        lse[mt][h] = empty ? -CUFA_INF : (row_max[mt][h] * scale_log2 + fast_log2(sum)) * CUFA_LN2;
       }
+    // Empty rows need explicit zeros (P = 0 times a NaN in a masked-out V row would leave
+    // NaN), a select per element; behind a warp vote, rows with keys skip it.
+    if (__any_sync(0xffffffffu, any_empty)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            o[mt][dt][e] = inv[mt][e >> 1] == 0.f ? 0.f : o[mt][dt][e] * inv[mt][e >> 1];
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[mt][dt][e] *= inv[mt][e >> 1];
+    }
   }
 };
 
