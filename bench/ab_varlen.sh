@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of kernel revisions on the packed-batch benchmark (with BENCH=decode, the KV-cache
 # decode benchmark; with BENCH=fwd, dense forward shapes through bench/ab_fwd_probe.py),
-# each tree in its own process, alternating, so that clock and thermal drift fall on all
+# each tree in its own process, in a new random order each round, so that clock and thermal drift fall on all
 # of them alike.
 #   here:       bash bench/ab_varlen.sh prepare REV [REV...]   # git trees into _ab/ (ignored)
 #   on the GPU: bash bench/ab_varlen.sh run                    # (device tool: carry ["_ab"])
@@ -51,7 +51,10 @@ run)
   mkdir -p "$OUT"
   export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
   for round in $(seq "${ROUNDS:-3}"); do
-    for tree in _ab/*/; do
+    # the trees in a new random order each round: the clocks drift over a round (the
+    # first process of a round read up to 10 % high in some leases), so no tree may
+    # always run first or last
+    for tree in $(ls -d _ab/*/ | shuf); do
       name=$(basename "$tree")
       if [ "${BENCH:-varlen}" = fwd ]; then
         python3 bench/ab_fwd_probe.py "$tree" --reps "${REPS:-30}" \
