@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A/B of kernel revisions on the packed-batch benchmark (with BENCH=decode, the KV-cache
 # decode benchmark; with BENCH=fwd, dense forward shapes through bench/ab_fwd_probe.py),
-# each tree in its own process, in a new random order each round, so that clock and thermal drift fall on all
-# of them alike.
+# each tree in its own process, in a new random order each round, so that clock and
+# thermal drift fall on all of them alike.
 #   here:       bash bench/ab_varlen.sh prepare REV [REV...]   # git trees into _ab/ (ignored)
 #   on the GPU: bash bench/ab_varlen.sh run                    # (device tool: carry ["_ab"])
 #               bash bench/ab_varlen.sh test [pytest args]     # each tree's own GPU tests
