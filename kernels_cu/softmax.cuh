@@ -104,12 +104,7 @@ struct OnlineSoftmax {
           for (int e = 0; e < 4; ++e)
             o[mt][dt][e] = inv[mt][e >> 1] == 0.f ? 0.f : o[mt][dt][e] * inv[mt][e >> 1];
     } else {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[mt][dt][e] *= inv[mt][e >> 1];
+      rescale_output(o, inv);
     }
   }
 };
