@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """One tree's dense forward on a few shapes, for kernel A/Bs (`BENCH=fwd bash
-bench/ab_varlen.sh run`): each tree in its own process, the trees alternating, so that
-clock and power drift fall on all of them alike. Prints one JSON line, TFLOP/s per shape.
+bench/ab_varlen.sh run`): each tree in its own process, the trees in a new random order
+each round, so that clock and power drift fall on all of them alike. Prints one JSON line,
+TFLOP/s (and µs) per shape.
 
     python3 bench/ab_fwd_probe.py TREE [--shapes d:N:causal[:bf16],...] [--reps 30]
                                        [--peer cudnn|flash]
 
 16k tokens a batch and heads = 2048 / d, as in bench_fwd.py. N may be NQxNK (query rows x
 keys, 16k query rows a batch): a sweep of NK at one NQ separates a tile's fixed cost from
-its cost a key block. --peer times PyTorch SDPA's backend instead of the tree's cufa. Each sample is three calls
-back to back between one pair of CUDA events (host cost hidden); the median is reported.
+its cost a key block. --peer times PyTorch SDPA's backend instead of the tree's cufa. Each
+sample is three calls back to back between one pair of CUDA events (host cost hidden); the
+median is reported.
 """
 import argparse
 import json

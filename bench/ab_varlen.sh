@@ -53,18 +53,20 @@ run)
   for round in $(seq "${ROUNDS:-3}"); do
     # the trees in a new random order each round: the clocks drift over a round (the
     # first process of a round read up to 10 % high in some leases), so no tree may
-    # always run first or last
-    for tree in $(ls -d _ab/*/ | shuf); do
+    # always run first or last; with BENCH=fwd the PEERS are shuffled in among them
+    names=$(ls -d _ab/*/)
+    if [ "${BENCH:-varlen}" = fwd ]; then
+      for peer in ${PEERS:-}; do names+=$'\n'"peer:$peer"; done
+    fi
+    for tree in $(echo "$names" | shuf); do
       name=$(basename "$tree")
       if [ "${BENCH:-varlen}" = fwd ]; then
-        python3 bench/ab_fwd_probe.py "$tree" --reps "${REPS:-30}" \
+        case $tree in
+          peer:*) probe=(. --peer "${tree#peer:}") ;;  # SDPA's backend; cufa from here, unused
+          *) probe=("$tree") ;;
+        esac
+        python3 bench/ab_fwd_probe.py "${probe[@]}" --reps "${REPS:-30}" \
           ${FWD_SHAPES:+--shapes "$FWD_SHAPES"} >> "$OUT/ab_fwd.jsonl" 2>> "$OUT/ab_fwd.log"
-        if [ "$tree" = "$(ls -d _ab/*/ | head -1)" ]; then  # PEERS: SDPA backends, once a round
-          for peer in ${PEERS:-}; do
-            python3 bench/ab_fwd_probe.py "$tree" --peer "$peer" --reps "${REPS:-30}" \
-              ${FWD_SHAPES:+--shapes "$FWD_SHAPES"} >> "$OUT/ab_fwd.jsonl" 2>> "$OUT/ab_fwd.log"
-          done
-        fi
       elif [ "${BENCH:-varlen}" = decode ]; then
         PYTHONPATH=$PWD/$tree python3 "$tree/bench/bench_decode.py" --reps "${REPS:-30}" \
           ${DECODE_ARGS:---shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers} \
