@@ -102,6 +102,11 @@ __device__ __forceinline__ void write_lse(const float (&lse)[1][2], int seqlen_q
 template <int kHeadDim>
 constexpr bool kStagedOutput = kHeadDim >= 128;
 
+// -- lazy max (OnlineSoftmax::update_lazy) from d = 128: O's rescale is then skipped by
+//    most blocks, and it is 64 (d = 128) to 128 (d = 256) multiplies a thread a block --
+template <int kHeadDim>
+constexpr bool kLazyRescale = kHeadDim >= 128;
+
 // row_base: the first of this warp's 16 rows in the sequence; row0: the tile's first
 template <int kDtype, int kBlockM, int kHeadDim, int kDTiles>
 __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles][4],
@@ -439,17 +444,24 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       // Scores of block `it` -> probabilities (in place), and the factor O must be
       // rescaled by; then, once the previous P V is complete, O rescaled and P packed as
       // the A operand of this block's product.
+      // (returns whether O needs rescaling: always, but under a lazy max)
       auto scores_to_probs = [&](float (&acc_s)[1][kNTiles][4], int it, float (&correction)[1][2]) {
         const int key0 = (w.n_block_max - 1 - it) * kBlockN;
         if (kScoreMods)
           apply_score_mods(acc_s, p, t, mods, row_base, key0, lane);
         if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + kBlockN))
           apply_mask<kMask>(acc_s, p, t, row_base, key0, lane);
-        softmax.update(acc_s, scale_log2, correction);
+        bool rescale = true;
+        if constexpr (kLazyRescale<kHeadDim>)
+          rescale = softmax.update_lazy(acc_s, scale_log2, correction);
+        else
+          softmax.update(acc_s, scale_log2, correction);
         fence_registers(acc_s);
+        return rescale;
       };
-      auto rescale_and_pack = [&](const float (&acc_s)[1][kNTiles][4], const float (&correction)[1][2]) {
-        softmax.rescale_output(acc_o, correction);
+      auto rescale_and_pack = [&](const float (&acc_s)[1][kNTiles][4], const float (&correction)[1][2],
+                                  bool rescale) {
+        if (rescale) softmax.rescale_output(acc_o, correction);
         pack_p<kDtype>(p_prev, acc_s);
       };
       if (!solo && !took_turns) {
@@ -500,12 +512,12 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         // (P is packed only after the P V wait: the registers of the previous P feed the
         // product until it completes, and ptxas does not see that they are still in use.)
         float correction[1][2];
-        scores_to_probs(acc_s, it, correction);
+        const bool rescale = scores_to_probs(acc_s, it, correction);
         wgmma_wait<0>();
         fence_registers(acc_o);
         fence_registers(p_prev);
         mbar_arrive(sm.v_empty() + 8 * prev_stage);
-        rescale_and_pack(acc_s, correction);
+        rescale_and_pack(acc_s, correction, rescale);
       }
       // -- the last block's P V --
       const int last = block_count + n_blocks - 1;

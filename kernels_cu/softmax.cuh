@@ -63,6 +63,49 @@ struct OnlineSoftmax {
       }
   }
 
+  // update() with a lazy max: the max the exponentials subtract is raised only when a
+  // row's scores pass it by more than kLazySlack (log2 units), so the probabilities stay <= 2^8 (exact
+  // in the 16-bit P, and the sums and O in fp32 take the factor) and most blocks after the
+  // first leave every correction 1. Returns whether any row of the warp was raised, i.e.
+  // whether O needs rescale_output at all: at d >= 128 that is 64-128 multiplies a thread
+  // a block against 40-64 exponentials.
+  template <int kNTiles>
+  __device__ __forceinline__ bool update_lazy(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                                              float (&correction)[kMTiles][2]) {
+    constexpr float kLazySlack = 8.f;
+    bool raised = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -CUFA_INF;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        mx = quad_max(mx);
+        // (-inf until the row sees a key: -inf + slack stays -inf, so its first key raises)
+        const bool raise = mx * scale_log2 > row_max[mt][h] * scale_log2 + kLazySlack;
+        correction[mt][h] = 1.f;
+        if (raise) {
+          correction[mt][h] = fast_exp2((row_max[mt][h] - mx) * scale_log2);
+          row_max[mt][h] = mx;
+        }
+        raised |= raise;
+        const float max_scaled = row_max[mt][h] == -CUFA_INF ? 0.f : row_max[mt][h] * scale_log2;
+        float sum = row_sum[mt][h] * correction[mt][h];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float prob = fast_exp2(s[mt][nt][2 * h + e] * scale_log2 - max_scaled);
+            s[mt][nt][2 * h + e] = prob;
+            sum += prob;
+          }
+        row_sum[mt][h] = sum;
+      }
+    return __any_sync(0xffffffffu, raised);
+  }
+
   template <int kDTiles>
   __device__ __forceinline__ static void rescale_output(float (&o)[kMTiles][kDTiles][4],
                                                         const float (&correction)[kMTiles][2]) {

@@ -92,6 +92,26 @@ def test_extreme_softcap_and_alibi(kw):
     check_attention(out, lse, q, k, v, **args)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ramp", ["first-keys-large", "last-keys-large"])
+def test_row_max_rising_block_after_block(d, dtype, causal, ramp):
+    """Keys scaled 1..14x along the sequence, so a row's scores span ~±100 and its running
+    max rises by far more than 2^8 from key block to key block when the large keys come
+    last in the kernel's order (it visits a tile's key blocks last first): every lazy-max
+    raise and O rescale after the first block runs, not only the first block's."""
+    rng = np.random.default_rng(7)
+    n = 1000
+    q, k, v = (randn(rng, (2, n, 2, d), dtype) for _ in range(3))
+    ramp_up = torch.linspace(1.0, 14.0, n, device="cuda")
+    factor = ramp_up.flip(0) if ramp == "first-keys-large" else ramp_up
+    k = (k.float() * factor[None, :, None, None]).to(k.dtype)
+    out = torch.full_like(q, float("nan"))
+    _, lse = cufa.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out)
+    check_attention(out, lse, q, k, v, causal=causal)
+
+
 def test_inf_inputs_propagate_without_hang():
     rng = np.random.default_rng(5)
     q, k, v = (randn(rng, (1, 50, 2, 64), "float16") for _ in range(3))
