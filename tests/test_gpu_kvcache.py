@@ -345,6 +345,28 @@ def test_num_splits_agree(rng, name):
             f"{name}: lse num_splits={n} vs 1: max diff {ldiff.max():.3e}")
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("ramp", ["large keys first", "large keys last"])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_row_max_rising_along_the_cache(rng, d, ramp, seqlen_q):
+    """Cached keys scaled 1..14x along their positions: a row's scores span about ±100 and,
+    in one of the two orders, its running max rises step after step (with random keys
+    alone it hardly moves after a warp's first tile), so every rescale of O and every
+    split's merge weight is exercised far from 1. Unsplit, split by the planner and split
+    5 ways."""
+    capacity = 2048
+    kw, slots = build(rng, batch=2, seqlen_q=seqlen_q, heads=(32, 8), d=d, capacity=capacity,
+                      lens=[2000, 1337], causal=seqlen_q > 1)
+    factor = torch.linspace(1.0, 14.0, capacity, device="cuda")
+    if ramp == "large keys first":
+        factor = factor.flip(0)
+    kw["k_cache"] = (kw["k_cache"].float() * factor[None, :, None, None]).to(kw["k_cache"].dtype)
+    before = snapshot(kw)
+    refs = kvcache_references(**{**kw, **before})
+    for n in (1, 0, 5):
+        call_and_check(kw, before, slots, f"{ramp} num_splits={n}", refs, num_splits=n)
+
+
 def test_back_to_back_split_decodes_share_the_stream_workspace(rng):
     """Split-KV partials live in a buffer each stream keeps and grows (the forward's
     packed work list too): decodes queued without a sync, growing and shrinking it, on
