@@ -11,13 +11,15 @@ TFLOP/s (and µs) per shape.
 keys, 16k query rows a batch): a sweep of NK at one NQ separates a tile's fixed cost from
 its cost a key block. --peer times PyTorch SDPA's backend instead of the tree's cufa. Each
 sample is three calls back to back between one pair of CUDA events (host cost hidden); the
-median is reported.
+median is reported, with the wall-clock span of the samples (epoch seconds), which
+ab_varlen.sh matches with its nvidia-smi clock and power samples.
 """
 import argparse
 import json
 import os
 import statistics
 import sys
+import time
 
 DEFAULT_SHAPES = ("64:2048:0,64:8192:0,64:16384:1,128:512:0,128:2048:0,128:8192:0,"
                   "128:16384:0,128:16384:1,128:1024:1,256:8192:0")
@@ -55,7 +57,7 @@ def main():
         for _ in range(10):
             attend(q, k, v, causal)
         torch.cuda.synchronize()
-        samples = []
+        samples, began = [], time.time()
         for _ in range(args.reps):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -67,6 +69,7 @@ def main():
         flops = 4 * batch * heads * n * n_k * d / (2 if causal else 1)
         result[text] = round(flops / statistics.median(samples) / 1e9, 1)
         result[text + ":us"] = round(statistics.median(samples) * 1e3, 2)
+        result[text + ":t"] = (round(began, 3), round(time.time(), 3))  # for clock samples
     print(json.dumps(result))
 
 

@@ -50,6 +50,14 @@ run)
   OUT=${OUT:-/tmp/cufa-ab}
   mkdir -p "$OUT"
   export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+  # SM clock, power and temperature every 100 ms (read only), to tell a slower tree from
+  # a slower spell of the card; the forward summary matches them to each shape's samples
+  sampler=
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu \
+      --format=csv,noheader,nounits -lms 100 > "$OUT/clocks.csv" 2> /dev/null &
+    sampler=$!
+  fi
   for round in $(seq "${ROUNDS:-3}"); do
     # the trees in a new random order each round: the clocks drift over a round (the
     # first process of a round read up to 10 % high in some leases), so no tree may
@@ -77,12 +85,13 @@ run)
       fi
     done
   done
+  [ -n "$sampler" ] && kill "$sampler"
   if [ "${BENCH:-varlen}" = fwd ]; then
     python3 - "$OUT" <<'PY'
-import json, os, statistics, sys
+import datetime, json, os, statistics, sys
 rows = [json.loads(line) for line in open(os.path.join(sys.argv[1], "ab_fwd.jsonl"))]
 order = [line.split()[0] for line in open("_ab/ORDER")] + os.environ.get("PEERS", "").split()
-shapes = [k for k in rows[0] if k != "tree" and not k.endswith(":us")]
+shapes = [k for k in rows[0] if k != "tree" and not k.endswith((":us", ":t"))]
 print(f"TFLOP/s, median over rounds (max), ratio of medians to {order[0]}")
 print("d:N:causal".ljust(18), *[t.ljust(22) for t in order])
 for shape in shapes:
@@ -93,6 +102,27 @@ for shape in shapes:
         cells.append(f"{statistics.median(values):6.1f} ({max(values):6.1f}) "
                      f"{statistics.median(values) / base:4.2f}".ljust(22))
     print(shape.ljust(18), *cells)
+# clocks: each process's samples of a shape, in run order (tree, TFLOP/s, SM MHz, W)
+clock_file = os.path.join(sys.argv[1], "clocks.csv")
+samples = []
+for line in open(clock_file) if os.path.exists(clock_file) else ():
+    try:
+        stamp, mhz, watts, temp = (x.strip() for x in line.split(","))
+        when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        samples.append((when, float(mhz), float(watts), float(temp)))
+    except ValueError:
+        continue
+if samples:
+    print("\nper process in run order: TFLOP/s @ median SM MHz / W / deg C over its samples")
+    for shape in shapes:
+        cells = []
+        for r in rows:
+            t0, t1 = r.get(shape + ":t", (0, 0))
+            inside = [s for s in samples if t0 <= s[0] <= t1]
+            if inside:
+                mhz, watts, temp = (statistics.median(s[i] for s in inside) for i in (1, 2, 3))
+                cells.append(f"{r['tree'][:7]} {r[shape]:.0f}@{mhz:.0f}/{watts:.0f}/{temp:.0f}")
+        print(shape.ljust(18), " ".join(cells))
 PY
     exit 0
   fi
