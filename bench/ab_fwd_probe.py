@@ -9,10 +9,11 @@ TFLOP/s (and µs) per shape.
 
 16k tokens a batch and heads = 2048 / d, as in bench_fwd.py. N may be NQxNK (query rows x
 keys, 16k query rows a batch): a sweep of NK at one NQ separates a tile's fixed cost from
-its cost a key block. --peer times PyTorch SDPA's backend instead of the tree's cufa. Each
-sample is three calls back to back between one pair of CUDA events (host cost hidden); the
-median is reported, with the wall-clock span of the samples (epoch seconds), which
-ab_varlen.sh matches with its nvidia-smi clock and power samples.
+its cost a key block. --peer times PyTorch SDPA's backend instead of the tree's cufa. After a
+warm-up of at least WARMUP_S, each sample is three calls back to back between one pair of
+CUDA events (host cost hidden); the median is reported, with the wall-clock span of the
+warm-up and samples (epoch seconds), which ab_varlen.sh matches with its nvidia-smi clock
+and power samples.
 """
 import argparse
 import json
@@ -21,6 +22,7 @@ import statistics
 import sys
 import time
 
+WARMUP_S = 0.2  # of calls before each shape's samples (bench_fwd.py: 30 ms a block, in rounds)
 DEFAULT_SHAPES = ("64:2048:0,64:8192:0,64:16384:1,128:512:0,128:2048:0,128:8192:0,"
                   "128:16384:0,128:16384:1,128:1024:1,256:8192:0")
 
@@ -54,10 +56,20 @@ def main():
         batch, heads = max(1, 16384 // n), 2048 // d
         q = torch.randn(batch, n, heads, d, device="cuda", dtype=dt)
         k, v = (torch.randn(batch, n_k, heads, d, device="cuda", dtype=dt) for _ in range(2))
+        # Warm-up: 10 calls, then calls until WARMUP_S has passed, so that the samples are
+        # taken under the shape's sustained load, as bench_fwd.py's are (10 calls of a
+        # short shape are ~5 ms; the SM clock under tensor work read 1500-1980 MHz in
+        # nvidia-smi's samples, bench/NOTES.md, so a few ms need not have settled it).
         for _ in range(10):
             attend(q, k, v, causal)
         torch.cuda.synchronize()
-        samples, began = [], time.time()
+        began = time.time()
+        warm_until = began + WARMUP_S
+        while time.time() < warm_until:
+            for _ in range(5):
+                attend(q, k, v, causal)
+            torch.cuda.synchronize()
+        samples = []
         for _ in range(args.reps):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -69,7 +81,7 @@ def main():
         flops = 4 * batch * heads * n * n_k * d / (2 if causal else 1)
         result[text] = round(flops / statistics.median(samples) / 1e9, 1)
         result[text + ":us"] = round(statistics.median(samples) * 1e3, 2)
-        result[text + ":t"] = (round(began, 3), round(time.time(), 3))  # for clock samples
+        result[text + ":t"] = (round(began, 3), round(time.time(), 3))  # warm-up and samples
     print(json.dumps(result))
 
 
