@@ -444,7 +444,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       // Scores of block `it` -> probabilities (in place), and the factor O must be
       // rescaled by; then, once the previous P V is complete, O rescaled and P packed as
       // the A operand of this block's product.
-      // (returns whether O needs rescaling: always, but under a lazy max)
+      // (Returns whether O needs rescaling; under a lazy max most blocks do not.)
       auto scores_to_probs = [&](float (&acc_s)[1][kNTiles][4], int it, float (&correction)[1][2]) {
         const int key0 = (w.n_block_max - 1 - it) * kBlockN;
         if (kScoreMods)

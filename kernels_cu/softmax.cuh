@@ -64,11 +64,13 @@ struct OnlineSoftmax {
   }
 
   // update() with a lazy max: the max the exponentials subtract is raised only when a
-  // row's scores pass it by more than kLazySlack (log2 units), so the probabilities stay <= 2^8 (exact
-  // in the 16-bit P, and the sums and O in fp32 take the factor) and most blocks after the
-  // first leave every correction 1. Returns whether any row of the warp was raised, i.e.
-  // whether O needs rescale_output at all: at d >= 128 that is 64-128 multiplies a thread
-  // a block against 40-64 exponentials.
+  // row's scores pass it by more than kLazySlack (log2 units), so probabilities stay
+  // <= 2^8 (a 16-bit P keeps its relative precision at any size; the sums and O are
+  // fp32) and most blocks after the first leave every correction 1. Returns whether any
+  // row of the warp was raised, i.e. whether O needs rescale_output at all: at d >= 128
+  // that is 64-128 multiplies a thread a block against 40-64 exponentials. (A row that
+  // saw a key still has sum >= 1, as finalize's approximations need: its largest score
+  // gives exp2(>= 0).)
   template <int kNTiles>
   __device__ __forceinline__ bool update_lazy(float (&s)[kMTiles][kNTiles][4], float scale_log2,
                                               float (&correction)[kMTiles][2]) {
