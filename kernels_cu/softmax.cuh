@@ -29,6 +29,35 @@ struct OnlineSoftmax {
       }
   }
 
+  // The max of `init` and this block's scores of row half h (rows g and g + 8) of m-tile
+  // mt, over the quad.
+  template <int kNTiles>
+  __device__ __forceinline__ static float row_block_max(const float (&s)[kMTiles][kNTiles][4],
+                                                        int mt, int h, float init) {
+    float mx = init;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+      mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+    return quad_max(mx);
+  }
+
+  // That row half's scores -> exp2(score * scale_log2 - max_scaled), in place; returns
+  // `sum` plus them (this lane's share).
+  template <int kNTiles>
+  __device__ __forceinline__ static float exponentiate_row(float (&s)[kMTiles][kNTiles][4], int mt,
+                                                           int h, float scale_log2,
+                                                           float max_scaled, float sum) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float prob = fast_exp2(s[mt][nt][2 * h + e] * scale_log2 - max_scaled);
+        s[mt][nt][2 * h + e] = prob;
+        sum += prob;
+      }
+    return sum;
+  }
+
   // Folds one block of scores in: raises the row max, turns the scores into
   // probabilities exp2(score * scale_log2 - max * scale_log2), and returns in
   // `correction` the factor exp2(old max - new max) that the partial output must be
@@ -40,26 +69,14 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mt][h];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        mx = quad_max(mx);
+        const float mx = row_block_max(s, mt, h, row_max[mt][h]);
         // A row that has seen only masked keys keeps max -inf: subtract 0 so
         // exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
         const float max_scaled = mx == -CUFA_INF ? 0.f : mx * scale_log2;
         correction[mt][h] = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
         row_max[mt][h] = mx;
-        float sum = row_sum[mt][h] * correction[mt][h];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float prob = fast_exp2(s[mt][nt][2 * h + e] * scale_log2 - max_scaled);
-            s[mt][nt][2 * h + e] = prob;
-            sum += prob;
-          }
-        row_sum[mt][h] = sum;
+        row_sum[mt][h] = exponentiate_row(s, mt, h, scale_log2, max_scaled,
+                                          row_sum[mt][h] * correction[mt][h]);
       }
   }
 
@@ -80,11 +97,7 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = -CUFA_INF;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        mx = quad_max(mx);
+        const float mx = row_block_max(s, mt, h, -CUFA_INF);
         // (-inf until the row sees a key: -inf + slack stays -inf, so its first key raises)
         const bool raise = mx * scale_log2 > row_max[mt][h] * scale_log2 + kLazySlack;
         correction[mt][h] = 1.f;
@@ -94,16 +107,8 @@ struct OnlineSoftmax {
         }
         raised |= raise;
         const float max_scaled = row_max[mt][h] == -CUFA_INF ? 0.f : row_max[mt][h] * scale_log2;
-        float sum = row_sum[mt][h] * correction[mt][h];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float prob = fast_exp2(s[mt][nt][2 * h + e] * scale_log2 - max_scaled);
-            s[mt][nt][2 * h + e] = prob;
-            sum += prob;
-          }
-        row_sum[mt][h] = sum;
+        row_sum[mt][h] = exponentiate_row(s, mt, h, scale_log2, max_scaled,
+                                          row_sum[mt][h] * correction[mt][h]);
       }
     return __any_sync(0xffffffffu, raised);
   }
