@@ -12,8 +12,10 @@ causal. GPU-side implementations are timed with one pair of CUDA events per call
 taken in 4 interleaved rounds (the implementations in a fresh random order each round, at
 least 5 warm-up calls and 30 ms before each block), so a slow spell of the machine, or the
 clocks left by the kernel before, fall on all of them rather than on whichever ran then. JAX is
-host-timed (wall clock to block_until_ready). Writes DIR/bench_fwd.{json,md,png} and
-DIR/bench_fwd_bf16.png.
+host-timed (wall clock to block_until_ready). Then cufa and the SDPA peers one call at a
+time (each call from an idle queue and waited for, wall clock: the host's cost counts, as
+for a lone call), median of ALONE_CALLS, in the table's last column. Writes
+DIR/bench_fwd.{json,md,png} and DIR/bench_fwd_bf16.png.
 """
 import argparse
 import datetime
@@ -37,6 +39,8 @@ GQA = dict(head_dim=128, seqlen=4096, batch=4, nheads=32, nheads_k=8)
 WARMUP = 5
 ROUNDS = 4   # interleaved rounds per row, each in a random order (see the docstring)
 WARMUP_MS = 30  # at least this long of warm-up calls before each timed block
+ALONE_CALLS = 12  # one-call-at-a-time samples per implementation and row
+ALONE_IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn")
 ROTATE_BYTES = 256 * 2**20      # q,k,v bytes cycled per timing loop: 5x the H100's 50 MB L2
 MAX_SETS = 8
 MEM_SEQLENS = (1024, 4096, 16384)
@@ -162,6 +166,23 @@ def time_events(torch, fn, sets, reps):
         stop.record()
     torch.cuda.synchronize()
     return [a.elapsed_time(b) for a, b in pairs]
+
+
+def time_alone(torch, fn, sets, calls):
+    """ms of each of `calls` calls of fn, each from an idle queue and waited for (wall
+    clock from the call to the sync after it): the host's cost counts, as for a lone call
+    in a server that waits for each step. Two calls first (plans, compiles)."""
+    for i in range(2):
+        fn(*sets[i % len(sets)])
+    ms = []
+    for i in range(calls):
+        args = sets[i % len(sets)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return ms
 
 
 def time_host(fn, sets, reps):
@@ -290,13 +311,14 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
         torch.cuda.synchronize()
         return time_host(jax_fns[causal], jax_sets, reps)
 
-    def timer(name, impl, causal):
-        """A function of a call count returning that many call times, or a reason."""
+    def timer(name, impl, causal, time_calls=time_events):
+        """A function of a call count returning that many call times (time_calls: queued,
+        time_events; one at a time, time_alone), or a reason."""
         if isinstance(impl, str):
             return impl
         if name == "cufa":
             fn = partial(impl.flash_attn_func, causal=causal)
-            return lambda n: time_events(torch, fn, bnhd, n)
+            return lambda n: time_calls(torch, fn, bnhd, n)
         if name.startswith("sdpa"):
             sdpa_kernel, backend = impl
             fn = partial(torch.nn.functional.scaled_dot_product_attention,
@@ -304,7 +326,7 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
 
             def timed(n):
                 with sdpa_kernel(backend):  # entered once, outside the timed calls
-                    return time_events(torch, fn, bhnd, n)
+                    return time_calls(torch, fn, bhnd, n)
             return timed
         return lambda n: time_jax(impl, causal, n)
 
@@ -317,6 +339,12 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
                            per_round)
         row["impls"] = {name: got if isinstance(got, dict) else summarize(got, shape, causal)
                         for name, got in timed.items()}
+        # one call at a time (host cost counts), after the queued rounds, in one round
+        alone = run_rounds({name: timer(name, impls[name], causal, time_alone)
+                            for name in ALONE_IMPLS if name in impls}, ALONE_CALLS, rounds=1)
+        row["one_at_a_time_us"] = {name: None if isinstance(got, dict)
+                                   else statistics.median(got) * 1e3
+                                   for name, got in alone.items()}
         if "jax_cudnn" in row["impls"] and "na" not in row["impls"]["jax_cudnn"]:
             row["impls"]["jax_cudnn"]["timing"] = "host wall clock"
         diff = check_vs_flash(torch, impls, bnhd[0], bhnd[0], causal, shape)
@@ -410,15 +438,31 @@ def _fmt(x, spec):
 
 def markdown(rows, names):
     head = ["dtype", "d", "causal", "N", "B x H/Hkv"] + [LABELS[n] for n in names] \
-        + ["cufa/flash", "cufa/cuDNN"]
+        + ["cufa/flash", "cufa/cuDNN", "one at a time: cufa / flash / cuDNN us"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [r["dtype"], r["head_dim"], "yes" if r["causal"] else "no", r["seqlen"],
                  f"{r['batch']} x {r['nheads']}/{r['nheads_k']}"]
         cells += [_fmt(r["impls"].get(n, {}).get("tflops"), ".0f") for n in names]
         cells += [_fmt(r.get("ratio_vs_flash"), ".2f"), _fmt(r.get("ratio_vs_cudnn"), ".2f")]
+        single = r.get("one_at_a_time_us", {})
+        cells.append(" / ".join(_fmt(single.get(n), ".0f") for n in ALONE_IMPLS))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def alone_summary(rows):
+    """The one-call-at-a-time view in a line: cuDNN's time over cufa's (>= 1: cufa is
+    faster) over the rows with both."""
+    ratios = sorted(r["one_at_a_time_us"]["sdpa_cudnn"] / r["one_at_a_time_us"]["cufa"]
+                    for r in rows if r.get("one_at_a_time_us", {}).get("cufa")
+                    and r["one_at_a_time_us"].get("sdpa_cudnn"))
+    if not ratios:
+        return "one call at a time: no row has both cufa and SDPA cuDNN"
+    return (f"one call at a time (each call from an idle queue, waited for; host cost "
+            f"counts), SDPA cuDNN's time over cufa's over {len(ratios)} rows: "
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f}, median {statistics.median(ratios):.2f}; "
+            f"cufa as fast or faster on {sum(x >= 1 for x in ratios)}")
 
 
 def summary(rows):
@@ -557,7 +601,8 @@ def main(argv=None):
             "each, CUDA events, inputs "
             "rotated past L2. "
             "* JAX is host-timed (wall clock to block_until_ready).")
-    report = "\n\n".join([head, table, line] + ([memory_markdown(mem)] if mem else []))
+    report = "\n\n".join([head, table, line, alone_summary(rows)]
+                           + ([memory_markdown(mem)] if mem else []))
     print(report)
     with open(os.path.join(args.out, "bench_fwd.md"), "w") as f:
         f.write(report + "\n")
@@ -565,6 +610,8 @@ def main(argv=None):
             "versions": versions(torch), "argv": sys.argv[1:], "reps": args.reps,
             "warmup": WARMUP, "rounds": ROUNDS,
             "timing": {"cufa/sdpa": "CUDA event pair per call, median",
+                       "one_at_a_time_us": f"wall clock, call + sync from an idle queue, "
+                                           f"median of {ALONE_CALLS}",
                        "jax_cudnn": "host wall clock to block_until_ready, median"},
             "flops": "4*B*H*Nq*Nk*d, halved for causal", "unavailable":
             {n: i for n, i in impls.items() if isinstance(i, str)}}
