@@ -85,7 +85,7 @@ run)
       fi
     done
   done
-  [ -n "$sampler" ] && kill "$sampler"
+  if [ -n "$sampler" ]; then kill "$sampler" 2> /dev/null || true; fi
   if [ "${BENCH:-varlen}" = fwd ]; then
     python3 - "$OUT" <<'PY'
 import datetime, json, os, statistics, sys

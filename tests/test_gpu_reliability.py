@@ -97,10 +97,10 @@ def test_extreme_softcap_and_alibi(kw):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("ramp", ["first-keys-large", "last-keys-large"])
 def test_row_max_rising_block_after_block(d, dtype, causal, ramp):
-    """Keys scaled 1..14x along the sequence, so a row's scores span ~±100 and its running
-    max rises by far more than 2^8 from key block to key block when the large keys come
-    last in the kernel's order (it visits a tile's key blocks last first): every lazy-max
-    raise and O rescale after the first block runs, not only the first block's."""
+    """Keys scaled 1..14x along the sequence, so a row's scores span ~±100 and, when the
+    large keys come last in the kernel's order (it visits a tile's key blocks last first),
+    its running max rises block after block, past the lazy max's slack of 2^8 every few
+    blocks: raises and O rescales after the first block run, not only the first's."""
     rng = np.random.default_rng(7)
     n = 1000
     q, k, v = (randn(rng, (2, n, 2, d), dtype) for _ in range(3))
