@@ -28,13 +28,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this cufa
 
 import bench_fwd  # noqa: E402  (this script's folder is on sys.path)
-from bench_fwd import (ROUNDS, TORCH_DTYPES, WARMUP, WARMUP_MS, _dtype_list, _fmt,  # noqa: E402
-                       _ints, progress, require_torch_cuda, run_rounds, time_events, versions)
+from bench_fwd import (ALONE_IMPLS, ROUNDS, TORCH_DTYPES, WARMUP, WARMUP_MS,  # noqa: E402
+                       _dtype_list, _fmt, _ints, progress, require_torch_cuda, run_rounds,
+                       time_alone, time_events, versions)
 
 SHAPES = ((1, 32768), (1, 131072), (8, 16384), (64, 4096), (128, 2048), (256, 1024))
 QUICK_SHAPES = ((1, 131072), (64, 4096), (256, 1024))
@@ -254,16 +254,7 @@ def one_at_a_time(torch, impls, cufa_sets, qs, sets, sdpa_kw, calls=20):
     for name, (fn, arg_sets, backend) in fns.items():
         try:
             with (backend[0](backend[1]) if backend else contextlib.nullcontext()):
-                for i in range(3):
-                    fn(*arg_sets[i % len(arg_sets)])
-                torch.cuda.synchronize()
-                times = []
-                for i in range(calls):
-                    t0 = time.perf_counter()
-                    fn(*arg_sets[i % len(arg_sets)])
-                    torch.cuda.synchronize()
-                    times.append((time.perf_counter() - t0) * 1e6)
-            out[name] = statistics.median(times)
+                out[name] = statistics.median(time_alone(torch, fn, arg_sets, calls)) * 1e3
         except Exception as e:  # a peer that refuses the shape: its reason is in the table
             out[name] = None
             print(f"one-at-a-time {name}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -434,8 +425,7 @@ def markdown(rows, names):
                          f"{v['us']:.1f} ({v['tbps']:.2f}, {v.get('frac_copy', 0):.0%})")
         cells += [_fmt(r.get("ratio_vs_flash"), ".2f"), _fmt(r.get("ratio_vs_cudnn"), ".2f")]
         single = r.get("one_at_a_time_us", {})
-        cells.append(" / ".join(_fmt(single.get(n), ".0f")
-                                for n in ("cufa", "sdpa_flash", "sdpa_cudnn")))
+        cells.append(" / ".join(_fmt(single.get(n), ".0f") for n in ALONE_IMPLS))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

@@ -171,16 +171,15 @@ def time_events(torch, fn, sets, reps):
 def time_alone(torch, fn, sets, calls):
     """ms of each of `calls` calls of fn, each from an idle queue and waited for (wall
     clock from the call to the sync after it): the host's cost counts, as for a lone call
-    in a server that waits for each step. Two calls first (plans, compiles)."""
-    for i in range(2):
+    in a server that waits for each step. Three calls first (plans, compiles)."""
+    for i in range(3):
         fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
     ms = []
     for i in range(calls):
-        args = sets[i % len(sets)]
-        torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn(*args)
-        torch.cuda.synchronize()
+        fn(*sets[i % len(sets)])
+        torch.cuda.synchronize()  # (so the next call starts from an idle queue too)
         ms.append((time.perf_counter() - t0) * 1e3)
     return ms
 
