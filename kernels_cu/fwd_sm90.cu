@@ -357,14 +357,21 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
 
 // -- a consumer with no rows in a tile still owes its arrivals on the tile's K/V
 //    stages: on each once it is full (so it never runs a phase ahead of the other) --
+// -- a K or V stage is released by one thread a consumer warpgroup (as CUTLASS's and
+//    cuDNN's consumers do): the warpgroup's wgmma has read it once any of its threads has
+//    waited for it --
+__device__ __forceinline__ void release_stage(u32 bar) {
+  if (threadIdx.x % 128 == 0) mbar_arrive(bar);
+}
+
 template <class Smem>
 __device__ __forceinline__ void release_blocks(const Smem& sm, int n_blocks, int& block_count) {
   for (int g = block_count; g < block_count + n_blocks; ++g) {
     const u32 stage = Smem::stage(g), parity = Smem::parity(g);
     mbar_wait(sm.k_full() + 8 * stage, parity);
-    mbar_arrive(sm.k_empty() + 8 * stage);
+    release_stage(sm.k_empty() + 8 * stage);
     mbar_wait(sm.v_full() + 8 * stage, parity);
-    mbar_arrive(sm.v_empty() + 8 * stage);
+    release_stage(sm.v_empty() + 8 * stage);
   }
   block_count += n_blocks;
 }
@@ -483,7 +490,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         turn_end();
         wgmma_wait<0>();
         fence_registers(acc_s);
-        mbar_arrive(sm.k_empty() + 8 * stage);
+        release_stage(sm.k_empty() + 8 * stage);
         if (!kStagedOutput<kHeadDim> && n_blocks == 1)
           mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
         float correction[1][2];
@@ -507,7 +514,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         turn_end();
         wgmma_wait<1>();
         fence_registers(acc_s);
-        mbar_arrive(sm.k_empty() + 8 * stage);
+        release_stage(sm.k_empty() + 8 * stage);
         if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
         // (P is packed only after the P V wait: the registers of the previous P feed the
         // product until it completes, and ptxas does not see that they are still in use.)
@@ -516,7 +523,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         wgmma_wait<0>();
         fence_registers(acc_o);
         fence_registers(p_prev);
-        mbar_arrive(sm.v_empty() + 8 * prev_stage);
+        release_stage(sm.v_empty() + 8 * prev_stage);
         rescale_and_pack(acc_s, correction, rescale);
       }
       // -- the last block's P V --
@@ -528,7 +535,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       turn_end();
       wgmma_wait<0>();
       fence_registers(acc_o);
-      mbar_arrive(sm.v_empty() + 8 * Smem::stage(last));
+      release_stage(sm.v_empty() + 8 * Smem::stage(last));
       block_count += n_blocks;
     } else if (!kStagedOutput<kHeadDim>) {
       mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
@@ -573,8 +580,8 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.k_full() + 8 * s, 1);
       mbar_init(sm.v_full() + 8 * s, 1);
-      mbar_init(sm.k_empty() + 8 * s, kConsumerThreads);
-      mbar_init(sm.v_empty() + 8 * s, kConsumerThreads);
+      mbar_init(sm.k_empty() + 8 * s, kConsumers<kBlockM>);  // one thread a warpgroup
+      mbar_init(sm.v_empty() + 8 * s, kConsumers<kBlockM>);
     }
   }
   __syncthreads();
