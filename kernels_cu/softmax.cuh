@@ -16,6 +16,11 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 template <int kMTiles>
 struct OnlineSoftmax {
+  // A row's max and sum over a block run as four independent chains, joined at the end:
+  // one chain of 16-64 dependent adds is latency the scheduler cannot fill when the
+  // SM's other warps are waiting on their products
+  static constexpr int kChains = 2;
+
   float row_max[kMTiles][2];  // raw score units; -inf until the row sees a key
   float row_sum[kMTiles][2];  // this lane's share; summed over the quad in finalize
 
@@ -34,11 +39,13 @@ struct OnlineSoftmax {
   template <int kNTiles>
   __device__ __forceinline__ static float row_block_max(const float (&s)[kMTiles][kNTiles][4],
                                                         int mt, int h, float init) {
-    float mx = init;
+    float mx[kChains];
+#pragma unroll
+    for (int c = 0; c < kChains; ++c) mx[c] = init;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
-      mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-    return quad_max(mx);
+      mx[nt % kChains] = fmaxf(mx[nt % kChains], fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+    return quad_max(fmaxf(mx[0], mx[1]));
   }
 
   // That row half's scores -> exp2(score * scale_log2 - max_scaled), in place; returns
@@ -47,15 +54,16 @@ struct OnlineSoftmax {
   __device__ __forceinline__ static float exponentiate_row(float (&s)[kMTiles][kNTiles][4], int mt,
                                                            int h, float scale_log2,
                                                            float max_scaled, float sum) {
+    float sums[kChains] = {sum, 0.f};
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float prob = fast_exp2(s[mt][nt][2 * h + e] * scale_log2 - max_scaled);
         s[mt][nt][2 * h + e] = prob;
-        sum += prob;
+        sums[(2 * nt + e) % kChains] += prob;
       }
-    return sum;
+    return sums[0] + sums[1];
   }
 
   // Folds one block of scores in: raises the row max, turns the scores into
