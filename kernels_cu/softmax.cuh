@@ -14,12 +14,13 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <int kMTiles>
+// kChains: a row's block max and sum run as that many independent chains, joined at the
+// end. One chain of 16-64 dependent adds is latency the scheduler cannot fill while the
+// SM's other warps wait on their products (sm90 forward at d <= 128: ncu's "wait" stalls
+// 1.58 an instruction against cuDNN's 0.91; NOTES.md step 43).
+template <int kMTiles, int kChains = 1>
 struct OnlineSoftmax {
-  // A row's max and sum over a block run as four independent chains, joined at the end:
-  // one chain of 16-64 dependent adds is latency the scheduler cannot fill when the
-  // SM's other warps are waiting on their products
-  static constexpr int kChains = 2;
+  static_assert(kChains == 1 || kChains == 2, "joined below as one or two");
 
   float row_max[kMTiles][2];  // raw score units; -inf until the row sees a key
   float row_sum[kMTiles][2];  // this lane's share; summed over the quad in finalize
@@ -45,7 +46,7 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
       mx[nt % kChains] = fmaxf(mx[nt % kChains], fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-    return quad_max(fmaxf(mx[0], mx[1]));
+    return quad_max(kChains == 1 ? mx[0] : fmaxf(mx[0], mx[kChains - 1]));
   }
 
   // That row half's scores -> exp2(score * scale_log2 - max_scaled), in place; returns
@@ -54,7 +55,7 @@ struct OnlineSoftmax {
   __device__ __forceinline__ static float exponentiate_row(float (&s)[kMTiles][kNTiles][4], int mt,
                                                            int h, float scale_log2,
                                                            float max_scaled, float sum) {
-    float sums[kChains] = {sum, 0.f};
+    float sums[kChains] = {sum};
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -63,7 +64,7 @@ struct OnlineSoftmax {
         s[mt][nt][2 * h + e] = prob;
         sums[(2 * nt + e) % kChains] += prob;
       }
-    return sums[0] + sums[1];
+    return kChains == 1 ? sums[0] : sums[0] + sums[kChains - 1];
   }
 
   // Folds one block of scores in: raises the row max, turns the scores into
