@@ -360,15 +360,15 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
   }
 }
 
-// -- a consumer with no rows in a tile still owes its arrivals on the tile's K/V
-//    stages: on each once it is full (so it never runs a phase ahead of the other) --
-// -- a K or V stage is released by one thread a consumer warpgroup (as CUTLASS's and
-//    cuDNN's consumers do): the warpgroup's wgmma has read it once any of its threads has
-//    waited for it --
+// -- a K or V stage is released by one thread a consumer warpgroup (as FA3's and cuDNN's
+//    consumers do; an arrival from all 128 measured slower on short causal rows, NOTES.md
+//    step 42): the warpgroup's wgmma has read it once any of its threads has waited for it --
 __device__ __forceinline__ void release_stage(u32 bar) {
   if (threadIdx.x % 128 == 0) mbar_arrive(bar);
 }
 
+// -- a consumer with no rows in a tile still owes its arrivals on the tile's K/V
+//    stages: on each once it is full (so it never runs a phase ahead of the other) --
 template <class Smem>
 __device__ __forceinline__ void release_blocks(const Smem& sm, int n_blocks, int& block_count) {
   for (int g = block_count; g < block_count + n_blocks; ++g) {
