@@ -107,7 +107,7 @@ constexpr bool kStagedOutput = kHeadDim >= 128;
 template <int kHeadDim>
 constexpr bool kLazyRescale = kHeadDim >= 128;
 
-// -- a row's block max and sum as two chains up to d = 128 (+2-4 % there); at d = 256 they
+// -- a row's block max and sum as two chains up to d = 128 (+1-4 % there); at d = 256 they
 //    measured 1-3 % slower on short rows --
 template <int kHeadDim>
 constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
