@@ -20,8 +20,6 @@ __device__ __forceinline__ float quad_sum(float x) {
 // 1.58 an instruction against cuDNN's 0.91; NOTES.md step 43).
 template <int kMTiles, int kChains = 1>
 struct OnlineSoftmax {
-  static_assert(kChains == 1 || kChains == 2, "joined below as one or two");
-
   float row_max[kMTiles][2];  // raw score units; -inf until the row sees a key
   float row_sum[kMTiles][2];  // this lane's share; summed over the quad in finalize
 
@@ -46,7 +44,9 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
       mx[nt % kChains] = fmaxf(mx[nt % kChains], fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-    return quad_max(kChains == 1 ? mx[0] : fmaxf(mx[0], mx[kChains - 1]));
+#pragma unroll
+    for (int c = 1; c < kChains; ++c) mx[0] = fmaxf(mx[0], mx[c]);
+    return quad_max(mx[0]);
   }
 
   // That row half's scores -> exp2(score * scale_log2 - max_scaled), in place; returns
@@ -64,7 +64,9 @@ struct OnlineSoftmax {
         s[mt][nt][2 * h + e] = prob;
         sums[(2 * nt + e) % kChains] += prob;
       }
-    return kChains == 1 ? sums[0] : sums[0] + sums[kChains - 1];
+#pragma unroll
+    for (int c = 1; c < kChains; ++c) sums[0] += sums[c];
+    return sums[0];
   }
 
   // Folds one block of scores in: raises the row max, turns the scores into
