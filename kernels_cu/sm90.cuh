@@ -154,4 +154,16 @@ __device__ __forceinline__ void fence_registers(u32 (&x)[A][B]) {
     for (int j = 0; j < B; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
 }
 
+// ptxas places the wait for an in-flight wgmma as early as it may, above independent
+// work: the P V wait went above the whole softmax, so a warpgroup's exponentials never ran
+// under its own product. A shared-memory store that depends on the row sums and never
+// runs (sums are >= 0) holds the wait below them (NOTES.md steps 27 and 44).
+__device__ __forceinline__ void hold_wait_below(float a, float b, u32 smem) {
+  asm volatile(
+      "{\n.reg .pred p, q;\n"
+      "setp.lt.f32 p, %0, 0f00000000;\n"
+      "setp.lt.or.f32 q, %1, 0f00000000, p;\n"
+      "@q st.shared.b32 [%2], 0;\n}\n" ::"f"(a), "f"(b), "r"(smem) : "memory");
+}
+
 }  // namespace cufa
