@@ -65,6 +65,13 @@ SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches: query rows up to which (d 
 # "64" / "128" / "192": force the short, middle or long tiles' table (tests, bench); a head
 # dim without tiles of that class gets the next longer class's
 SM90_ROWS_ENV = "CUFA_SM90_BLOCK_M"
+# Long rows' tiles on which the P V wait is held below the exponentials, so that a
+# warpgroup's exponentials run under its own P V (hold_wait_below in sm90.cuh; ptxas
+# otherwise waits for P V before the first one). A/B at d = 64 on 192 x 128: 2k-16k +1-7 %,
+# but N = 512 -4 % and 2k causal -1-2 %, so not on the short and middle classes' tiles;
+# d = 128: -2 % at 4k, +3 % at 16k; d = 256 and 64-row tiles within noise. Score mods
+# spill with it (NOTES.md step 44).
+SM90_HOLD_PV_WAIT = {64: (192, 128)}
 SM90_ROW_CLASSES = {"64": "short", "128": "mid", "192": "long"}
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -80,6 +87,7 @@ class FwdVariant:
     score_mods: bool    # softcap / ALiBi / explicit attn_mask, chosen at run time
     block_m: int
     block_n: int
+    hold_pv_wait: bool = False  # sm90: SM90_HOLD_PV_WAIT
 
     @property
     def source(self):
@@ -103,8 +111,9 @@ class FwdVariant:
     @property
     def key(self):
         mods = "_mods" if self.score_mods else ""
+        hold = "_hold" if self.hold_pv_wait else ""
         return (f"fwd_{self.family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}")
+                f"_bn{self.block_n}_{self.mask}{mods}{hold}")
 
     @property
     def name_expression(self):
@@ -112,7 +121,8 @@ class FwdVariant:
                 f"{str(self.score_mods).lower()}")
         if self.family == "sm80":
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
-        return f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}>"
+        return (f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}, "
+                f"{str(self.hold_pv_wait).lower()}>")
 
     @functools.cached_property  # read by every launch
     def smem_bytes(self):
@@ -315,7 +325,9 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
         block_m, block_n = SM90_MID_TILES[hd]
     else:
         block_m, block_n = (SM90_TILES_WINDOW if mask == "window" else SM90_TILES)[hd]
-    return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n)
+    hold = (family == "sm90" and rows == "long" and not score_mods
+            and SM90_HOLD_PV_WAIT.get(hd) == (block_m, block_n))
+    return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold)
 
 
 def sm90_rows(packed, total_q, batch, head_dim, mask):

@@ -112,12 +112,6 @@ constexpr bool kLazyRescale = kHeadDim >= 128;
 template <int kHeadDim>
 constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
 
-// -- the P V wait held below the exponentials (hold_wait_below) on the d = 64 192 x 128
-//    tiles: +1-7 % there; at d = 128 it read -2 % at 4k and +3 % at 16k, at d = 256 and on
-//    64-row tiles within noise (NOTES.md step 44). Score mods spill with it --
-template <int kHeadDim, int kBlockM, bool kScoreMods>
-constexpr bool kHoldPVWait = kHeadDim == 64 && kBlockM == 192 && !kScoreMods;
-
 // row_base: the first of this warp's 16 rows in the sequence; row0: the tile's first
 template <int kDtype, int kBlockM, int kHeadDim, int kDTiles>
 __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles][4],
@@ -388,7 +382,7 @@ __device__ __forceinline__ void release_blocks(const Smem& sm, int n_blocks, int
 }
 
 // -- a consumer warpgroup: 64 rows of every tile --
-template <int kDtype, int kMask, bool kScoreMods, class Smem>
+template <int kDtype, int kMask, bool kScoreMods, bool kHoldPVWait, class Smem>
 __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int consumer) {
   constexpr int kBlockM = Smem::kBlockM, kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
   constexpr int kNTiles = kBlockN / 8;
@@ -531,7 +525,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         // product until it completes, and ptxas does not see that they are still in use.)
         float correction[1][2];
         const bool rescale = scores_to_probs(acc_s, it, correction);
-        if constexpr (kHoldPVWait<kHeadDim, kBlockM, kScoreMods>)
+        if constexpr (kHoldPVWait)  // the exponentials under this warpgroup's own P V
           hold_wait_below(softmax.row_sum[0][0], softmax.row_sum[0][1], sm.tile());
         wgmma_wait<0>();
         fence_registers(acc_o);
@@ -572,8 +566,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
   if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }
 
+// kHoldPVWait: the P V wait held below the softmax (hold_wait_below; the host picks it,
+// _compile.SM90_HOLD_PV_WAIT)
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
-          int kQStages>
+          int kQStages, bool kHoldPVWait>
 __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
@@ -606,7 +602,7 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
   setmaxnreg_inc<kConsumerRegs<kBlockM>>();
   // Broadcast for the same reason: the consumer index picks this warpgroup's Q rows.
   const int consumer = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128) - 1, 0);
-  consume<kDtype, kMask, kScoreMods>(p, sm, kConsumers<kBlockM> == 1 ? 0 : consumer);
+  consume<kDtype, kMask, kScoreMods, kHoldPVWait>(p, sm, kConsumers<kBlockM> == 1 ? 0 : consumer);
 }
 
 }  // namespace cufa

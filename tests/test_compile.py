@@ -107,7 +107,11 @@ def test_each_tile_class_takes_its_table_or_the_next_longer(rows):
         assert (v.block_m, v.block_n) == expected, v.key
         assert v.threads == 128 * (1 + v.block_m // 64)
         assert v.ctas_per_sm == (2 if v.block_m == 64 else 1)
-        assert f", {v.block_m}, {v.block_n}, {v.q_stages}>" in v.name_expression
+        hold = rows == "long" and not mods and hd == 64  # SM90_HOLD_PV_WAIT's tiles
+        assert v.hold_pv_wait == hold, v.key
+        assert v.key.endswith("_hold") == hold
+        assert (f", {v.block_m}, {v.block_n}, {v.q_stages}, {str(hold).lower()}>"
+                in v.name_expression)
     assert _compile.fwd_variant("fp16", 64, "none", False, "sm80", rows=rows).block_m == 128
     # d = 128 really has three classes: 64 rows (causal), 128 and 192
     assert _compile.fwd_variant("fp16", 128, "window", False, "sm90", rows=rows).block_m == {
