@@ -120,14 +120,16 @@ __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles]
                                                     u32 q_stage_smem, int row0, int row_base,
                                                     int lane) {
   const int warp_row0 = row_base - row0;  // in the tile, so in the Q stage
+  // A 16 x 16 block a stmatrix: matrices 0 and 1 are the warp's rows 0-7 and 8-15 of
+  // chunk 2j, 2 and 3 those of chunk 2j + 1 (a quarter of the stores of 4-byte pairs)
+  const int lane_row = warp_row0 + (lane & 15), lane_chunk = lane >> 4;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = frag_row(warp_row0, 0, 2 * h, lane);
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-      st_shared_b32(q_stage_smem + panel_offset<kBlockM>(r, dt) + 4 * (lane & 3),
-                    pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]));
-  }
+  for (int j = 0; j < kDTiles / 2; ++j)
+    stmatrix_x4(q_stage_smem + panel_offset<kBlockM>(lane_row, 2 * j + lane_chunk),
+                pack2<kDtype>(o[0][2 * j][0], o[0][2 * j][1]),
+                pack2<kDtype>(o[0][2 * j][2], o[0][2 * j][3]),
+                pack2<kDtype>(o[0][2 * j + 1][0], o[0][2 * j + 1][1]),
+                pack2<kDtype>(o[0][2 * j + 1][2], o[0][2 * j + 1][3]));
   __syncwarp();
   // (What a store does not change is worked out once: the warp's first row in memory and
   // in the stage, a multiple of 16 rows, so the swizzle sees only r.)

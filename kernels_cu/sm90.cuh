@@ -97,9 +97,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 b
 }
 
 // -- shared memory by address (ordered with the barrier asm around it) --
-__device__ __forceinline__ void st_shared_b32(u32 addr, u32 value) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
-}
 __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
@@ -152,6 +149,15 @@ __device__ __forceinline__ void fence_registers(u32 (&x)[A][B]) {
   for (int i = 0; i < A; ++i)
 #pragma unroll
     for (int j = 0; j < B; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+
+// Four 8x8 b16 matrices into shared memory: lanes 8i..8i+7 give the row addresses of
+// matrix i, and register i holds a lane's pair of it in the mma fragment layout (row
+// lane / 4, columns 2 * (lane % 4) + {0, 1}): a warp's 16 x 16 block of O in one store.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // ptxas places the wait for an in-flight wgmma as early as it may, above independent
