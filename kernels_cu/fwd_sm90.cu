@@ -122,6 +122,7 @@ __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles]
   const int warp_row0 = row_base - row0;  // in the tile, so in the Q stage
   // A 16 x 16 block a stmatrix: matrices 0 and 1 are the warp's rows 0-7 and 8-15 of
   // chunk 2j, 2 and 3 those of chunk 2j + 1 (a quarter of the stores of 4-byte pairs)
+  static_assert(kDTiles % 2 == 0, "stmatrix stores 16-column pairs of chunks");
   const int lane_row = warp_row0 + (lane & 15), lane_chunk = lane >> 4;
 #pragma unroll
   for (int j = 0; j < kDTiles / 2; ++j)
