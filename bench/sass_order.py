@@ -6,7 +6,15 @@ nvidia-cuda-nvdisasm has one), and the runs of HGMMA / WARPGROUP.DEPBAR / MUFU.E
 named-barrier / shared-store instructions listed in program order. ptxas moves waits
 across independent work (NOTES.md steps 3, 27, 44): this shows where they ended up.
 
-    python3 bench/sass_order.py "family='sm90', dtype='fp16', head_dim=128, mask='none', score_mods=False, block_m=128" [--tree DIR] [--keep OUT.sass]
+With --loops, each loop that issues wgmma or exponentials instead: its instructions and the
+cycles ptxas's schedule makes one warp wait between them (the stall count of each
+instruction's control code, bits 105-108 of its 128-bit word), by opcode. That is the
+loop's issue time for a warp whose every variable-latency result (MUFU, shuffles, loads,
+wgmma) is ready when asked for: a floor, static, per warp. It counts every instruction in
+the loop's address range, blocks that most iterations branch over included (the partial
+key block's mask in the d = 128 loop: ~130 instructions, ~270 cycles of its 645 / 1462).
+
+    python3 bench/sass_order.py "family='sm90', dtype='fp16', head_dim=128, mask='none', score_mods=False, block_m=128" [--tree DIR] [--keep OUT.sass] [--loops]
 """
 import argparse
 import os
@@ -27,6 +35,8 @@ def main():
     parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent),
                         help="checkout whose kernels_cu/ to compile")
     parser.add_argument("--keep", help="also write the whole SASS here")
+    parser.add_argument("--loops", action="store_true",
+                        help="each wgmma or exponential loop's static stall cycles, by opcode")
     args = parser.parse_args()
     sys.path.insert(0, args.tree)
     from cufa import _compile
@@ -48,11 +58,14 @@ def main():
                                 str(cubin), str(source)], capture_output=True, text=True)
         if built.returncode:
             sys.exit(built.stderr)
-        sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True,
-                              text=True).stdout
+        sass = subprocess.run([nvdisasm, "-c", *(["-hex"] if args.loops else []), str(cubin)],
+                              check=True, capture_output=True, text=True).stdout
     if args.keep:
         Path(args.keep).write_text(sass)
     print(variant)
+    if args.loops:
+        print_loops(sass)
+        return
     runs = []  # [first line, count, mnemonic]
     for number, line in enumerate(sass.splitlines(), 1):
         mark = MARKS.search(line)
@@ -65,6 +78,52 @@ def main():
             runs.append([number, 1, name])
     for number, count, name in runs:
         print(f"{number:6d}  {count:3d} x {name}")
+
+
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\* 0x[0-9a-f]{16} \*/")
+HIGH_WORD = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
+LABEL = re.compile(r"^\s*\.L_x_(\d+):")
+BRANCH = re.compile(r"\bBRA\b.*`\(\.L_x_(\d+)\)")
+
+
+def print_loops(sass):
+    """Loops (a branch back to a label above it) holding HGMMA or MUFU.EX2, innermost
+    first: instructions, static stall cycles, the opcodes that hold the most cycles."""
+    code, labels, pending = [], {}, []  # code: (address, text, stall cycles)
+    lines = sass.splitlines()
+    for number, line in enumerate(lines):
+        label = LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        found = INSTRUCTION.search(line)
+        if not found:
+            continue
+        high = HIGH_WORD.match(lines[number + 1]) if number + 1 < len(lines) else None
+        stall = (int(high.group(1), 16) >> 41) & 0xF if high else 0
+        for name in pending:
+            labels[name] = len(code)
+        pending = []
+        code.append((int(found.group(1), 16), found.group(2), stall))
+    loops = []
+    for end, (_, text, _) in enumerate(code):
+        target = BRANCH.search(text)
+        if target and labels.get(target.group(1), end) < end:
+            body = code[labels[target.group(1)]:end + 1]
+            if any("HGMMA" in t or "MUFU.EX2" in t for _, t, _ in body):
+                loops.append(body)
+    for body in sorted(loops, key=len):
+        cycles, count = {}, {}
+        for _, text, stall in body:
+            words = text.split()
+            op = words[1] if words[0].startswith("@") else words[0]
+            cycles[op] = cycles.get(op, 0) + stall
+            count[op] = count.get(op, 0) + 1
+        top = sorted(cycles, key=cycles.get, reverse=True)[:10]
+        print(f"loop {body[0][0]:#06x}-{body[-1][0]:#06x}: {len(body)} instructions, "
+              f"{sum(s for _, _, s in body)} stall cycles; HGMMA {sum('HGMMA' in t for _, t, _ in body)}, "
+              f"MUFU.EX2 {sum('MUFU.EX2' in t for _, t, _ in body)}")
+        print("   " + ", ".join(f"{op} {count[op]}/{cycles[op]}" for op in top))
 
 
 if __name__ == "__main__":
