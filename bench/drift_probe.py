@@ -6,6 +6,9 @@ blocks of BLOCK_S for TOTAL_S, with nvidia-smi sampling the SM and memory clocks
 temperature and the clock event (throttle) reasons every 100 ms. Every REALLOC blocks the
 inputs are allocated anew, to tell a placement effect from a thermal one. Prints a line a
 block: time since start, implementation, TFLOP/s, the median of the samples inside it.
+With long blocks (--block 3) it also gives each one's clock and power at a sustained load
+(at long sequences both run at the board's power limit, where the clock, and so the speed,
+follow the energy a FLOP costs; bench/NOTES.md, "Where the rest is").
 
     python3 bench/drift_probe.py [--shape 128:2048:0] [--total 60] [--block 0.5] [--realloc 10]
 """
