@@ -11,6 +11,10 @@ namespace cufa {
 enum AttnMaskType { ATTN_MASK_NONE = 0, ATTN_MASK_BOOL = 1, ATTN_MASK_FP16 = 2,
                     ATTN_MASK_BF16 = 3, ATTN_MASK_FP32 = 4 };
 
+// A window side this large is unbounded (api._UNBOUNDED): no sequence the int32
+// params hold is that long.
+constexpr int kUnboundedWindow = 1 << 30;
+
 struct FwdParams {
   // Device addresses as integers: a struct of plain numbers can be bit_cast at
   // compile time, which is how the layout check reads field offsets.
