@@ -44,12 +44,15 @@ SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (192, 128), 128: (192, 80), 192: (128, 64), 256: (128, 80)}
 SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same today; bench/tune_sm90.py varies it)
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
-SM90_KV_STAGES = 2  # kStages in fwd_sm90.cu
+SM90_KV_STAGES = 2  # Sm90Smem::kStages in fwd_sm90.cu, where two fit (else one)
 # Sequences of middling length (mean query rows a sequence below SM90_LONG_MIN_SEQLEN, by
 # mask): 128-row tiles at d = 128. There a sequence's last 192-row tile is mostly empty
 # (512 rows: 576 computed) and fewer tiles fill the SMs unevenly: d = 128 N = 512 -5 %,
 # causal N = 1k -11 % on 192 rows, against +5-11 % from 2k up (NOTES.md step 34).
-SM90_MID_TILES = {128: (128, 128)}
+# d = 256 on 128-key blocks, as cuDNN's kernel: one K and one V buffer fit (the kernel
+# then waits for each product where it issues it), +3-5 % at N = 512 and causal 1k, -3 %
+# at 8k (NOTES.md step 52).
+SM90_MID_TILES = {128: (128, 128), 256: (128, 128)}
 SM90_LONG_MIN_SEQLEN = {"none": 1024, "window": 2048}
 # Short sequences (packed batches of them, and padded ones up to 1k rows at d <= 64),
 # causal or windowed: 64-row tiles, one consumer warpgroup, two CTAs per SM (half the
@@ -122,24 +125,29 @@ class FwdVariant:
         if self.family == "sm80":
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
         return (f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}, "
-                f"{str(self.hold_pv_wait).lower()}>")
+                f"{self.kv_stages}, {str(self.hold_pv_wait).lower()}>")
 
     @functools.cached_property  # read by every launch
     def smem_bytes(self):
         if self.family == "sm80":
             return (self.block_m + 2 * self.block_n) * self.head_dim * 2
-        return self._sm90_smem(self.q_stages)
+        return self._sm90_smem(self.q_stages, self.kv_stages)
 
-    def _sm90_smem(self, q_stages):
+    def _sm90_smem(self, q_stages, kv_stages):
         # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers and then,
         # 16-byte aligned, a 32-byte tile slot per Q stage
-        tiles = (q_stages * self.block_m + 2 * SM90_KV_STAGES * self.block_n) * self.head_dim * 2
-        return tiles + 1024 + 8 * (2 * q_stages + 4 * SM90_KV_STAGES) + 8 + 32 * q_stages
+        tiles = (q_stages * self.block_m + 2 * kv_stages * self.block_n) * self.head_dim * 2
+        return tiles + 1024 + 8 * (2 * q_stages + 4 * kv_stages) + 8 + 32 * q_stages
+
+    @functools.cached_property
+    def kv_stages(self):
+        """sm90: K/V ring depth, SM90_KV_STAGES where that fits beside one Q stage, else one."""
+        return SM90_KV_STAGES if self._sm90_smem(1, SM90_KV_STAGES) <= self.smem_limit else 1
 
     @functools.cached_property
     def q_stages(self):
         """sm90: two Q buffers where they fit (the next tile's Q loads during this one)."""
-        return 2 if self._sm90_smem(2) <= self.smem_limit else 1
+        return 2 if self._sm90_smem(2, self.kv_stages) <= self.smem_limit else 1
 
     @functools.cached_property
     def smem_limit(self):

@@ -28,7 +28,6 @@ namespace cufa {
 template <int kBlockM> constexpr int kConsumers = kBlockM / 64;
 template <int kBlockM> constexpr int kSm90Threads = 128 * (1 + kConsumers<kBlockM>);
 template <int kBlockM> constexpr int kCtasPerSm = kBlockM == 64 ? 2 : 1;
-constexpr int kStages = 2;             // K/V ring depth (3 measured no faster: NOTES.md)
 template <int kBlockM> constexpr int kProducerRegs = kBlockM == 192 ? 32 : 56;
 // 128 x 56 + 256 x 224 = 384 x 168, 128 x 32 + 384 x 160 = 512 x 128 and
 // 128 x 56 + 128 x 200 = 256 x 128: the launch allotments (at 152 the three consumers
@@ -174,10 +173,12 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
 //    then on their (g / kStages)-th phase; tile number n's Q likewise in Q stage
 //    n % kQStages (two where they fit, so the next tile's Q loads during this one), and
 //    the producer hands the consumers that tile in the slot tile() + 32 * s --
-template <int kBlockM_, int kHeadDim_, int kBlockN_, int kQStages_>
+template <int kBlockM_, int kHeadDim_, int kBlockN_, int kQStages_, int kStages_>
 struct Sm90Smem {
   static constexpr int kBlockM = kBlockM_, kHeadDim = kHeadDim_, kBlockN = kBlockN_;
-  static constexpr int kQStages = kQStages_;
+  // K/V ring depth: two stages (three measured no faster: NOTES.md), or one where two do
+  // not fit (d = 256's 128-key blocks: the loop then waits for each product, as cuDNN's)
+  static constexpr int kQStages = kQStages_, kStages = kStages_;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   // Offsets from q, the 1024-aligned base; stage s of K at k() + s * kKVBytes, stage s's
@@ -266,7 +267,7 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
   const int key0 = (w.n_block_max - 1 - it) * kBlockN;
   const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
   const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kKVBytes;
-  if (block_count >= kStages) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
+  if (block_count >= Smem::kStages) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
   // (map, row coordinate, last coordinate) of this block's K and V boxes
   const TensorMap *k_map = &maps.k, *v_map = &maps.v;
   int row = static_cast<int>(t.k_start) + key0, last = packed ? 0 : t.b;
@@ -278,7 +279,7 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
       last = row - shift;
       row = shift;
     } else {
-      if (block_count >= kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
+      if (block_count >= Smem::kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
       const TilePointers ptr = tile_pointers(p, t);
       load_panels<kBlockN, kHeadDim>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
                                      t.seqlen_k - key0, p.head_dim);
@@ -298,7 +299,7 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
     mbar_arrive_expect_bytes(sm.k_full() + 8 * stage, Smem::kKVBytes);
     tma_load_panels<kBlockN, kHeadDim>(k_dst, *k_map, sm.k_full() + 8 * stage, row, t.h_k, last);
   }
-  if (block_count >= kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
+  if (block_count >= Smem::kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
   if (elected) {
     mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kKVBytes);
     tma_load_panels<kBlockN, kHeadDim>(v_dst, *v_map, sm.v_full() + 8 * stage, row, t.h_k, last);
@@ -486,67 +487,101 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       auto turn_begin = [&] { if (!solo) take_turn(consumer); };
       auto turn_end = [&] { if (!solo) pass_turn(consumer); };
 
-      // Block 0: S only. Peeled, so that every product in the loop is issued
-      // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
-      {
-        const u32 stage = Smem::stage(block_count);
-        mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
+      if constexpr (Smem::kStages == 1) {
+        // One K and one V buffer (d = 256 on 128-key blocks, as cuDNN's kernel): each
+        // product is waited for where it is issued, so no scores are in flight beside P
+        // and O (64 + 32 + 128 registers a thread would not fit); the other consumer's
+        // products fill the matrix units meanwhile, and the producer loads K_{j+1} under
+        // this block's softmax and P V.
+        for (int it = 0; it < n_blocks; ++it) {
+          const int g = block_count + it;
+          mbar_wait(sm.k_full(), Smem::parity(g));
+          turn_begin();
+          float acc_s[1][kNTiles][4];
+          wgmma_fence();
+          issue_qk(acc_s, 0);
+          turn_end();
+          wgmma_wait<0>();
+          fence_registers(acc_s);
+          release_stage(sm.k_empty());
+          if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
+          float correction[1][2];
+          const bool rescale = scores_to_probs(acc_s, it, correction);
+          if (it > 0 && rescale) softmax.rescale_output(acc_o, correction);
+          pack_p<kDtype>(p_prev, acc_s);
+          mbar_wait(sm.v_full(), Smem::parity(g));
+          turn_begin();
+          wgmma_fence();
+          issue_pv(0);
+          turn_end();
+          wgmma_wait<0>();
+          fence_registers(acc_o);
+          release_stage(sm.v_empty());
+        }
+        block_count += n_blocks;
+      } else {
+        // Block 0: S only. Peeled, so that every product in the loop is issued
+        // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
+        {
+          const u32 stage = Smem::stage(block_count);
+          mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
+          turn_begin();
+          float acc_s[1][kNTiles][4];
+          wgmma_fence();
+          issue_qk(acc_s, stage);
+          turn_end();
+          wgmma_wait<0>();
+          fence_registers(acc_s);
+          release_stage(sm.k_empty() + 8 * stage);
+          if (!kStagedOutput<kHeadDim> && n_blocks == 1)
+            mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
+          float correction[1][2];
+          scores_to_probs(acc_s, 0, correction);
+          // O is still zero: rescaling it would be 0 * correction, which the compiler must
+          // keep (inf and NaN), ~100 instructions a tile at d = 128
+          pack_p<kDtype>(p_prev, acc_s);
+        }
+        // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
+        // together, and computes the exponentials of S_it while the P V product runs.
+        for (int it = 1; it < n_blocks; ++it) {
+          const int g = block_count + it;
+          const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
+          mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
+          mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
+          turn_begin();
+          float acc_s[1][kNTiles][4];
+          wgmma_fence();
+          issue_qk(acc_s, stage);
+          issue_pv(prev_stage);
+          turn_end();
+          wgmma_wait<1>();
+          fence_registers(acc_s);
+          release_stage(sm.k_empty() + 8 * stage);
+          if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
+          // (P is packed only after the P V wait: the registers of the previous P feed the
+          // product until it completes, and ptxas does not see that they are still in use.)
+          float correction[1][2];
+          const bool rescale = scores_to_probs(acc_s, it, correction);
+          if constexpr (kHoldPVWait)  // the exponentials under this warpgroup's own P V
+            hold_wait_below(softmax.row_sum[0][0], softmax.row_sum[0][1], sm.tile());
+          wgmma_wait<0>();
+          fence_registers(acc_o);
+          fence_registers(p_prev);
+          release_stage(sm.v_empty() + 8 * prev_stage);
+          rescale_and_pack(acc_s, correction, rescale);
+        }
+        // -- the last block's P V --
+        const int last = block_count + n_blocks - 1;
+        mbar_wait(sm.v_full() + 8 * Smem::stage(last), Smem::parity(last));
         turn_begin();
-        float acc_s[1][kNTiles][4];
         wgmma_fence();
-        issue_qk(acc_s, stage);
+        issue_pv(Smem::stage(last));
         turn_end();
-        wgmma_wait<0>();
-        fence_registers(acc_s);
-        release_stage(sm.k_empty() + 8 * stage);
-        if (!kStagedOutput<kHeadDim> && n_blocks == 1)
-          mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
-        float correction[1][2];
-        scores_to_probs(acc_s, 0, correction);
-        // O is still zero: rescaling it would be 0 * correction, which the compiler must
-        // keep (inf and NaN), ~100 instructions a tile at d = 128
-        pack_p<kDtype>(p_prev, acc_s);
-      }
-      // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
-      // together, and computes the exponentials of S_it while the P V product runs.
-      for (int it = 1; it < n_blocks; ++it) {
-        const int g = block_count + it;
-        const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
-        mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
-        mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
-        turn_begin();
-        float acc_s[1][kNTiles][4];
-        wgmma_fence();
-        issue_qk(acc_s, stage);
-        issue_pv(prev_stage);
-        turn_end();
-        wgmma_wait<1>();
-        fence_registers(acc_s);
-        release_stage(sm.k_empty() + 8 * stage);
-        if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
-        // (P is packed only after the P V wait: the registers of the previous P feed the
-        // product until it completes, and ptxas does not see that they are still in use.)
-        float correction[1][2];
-        const bool rescale = scores_to_probs(acc_s, it, correction);
-        if constexpr (kHoldPVWait)  // the exponentials under this warpgroup's own P V
-          hold_wait_below(softmax.row_sum[0][0], softmax.row_sum[0][1], sm.tile());
         wgmma_wait<0>();
         fence_registers(acc_o);
-        fence_registers(p_prev);
-        release_stage(sm.v_empty() + 8 * prev_stage);
-        rescale_and_pack(acc_s, correction, rescale);
+        release_stage(sm.v_empty() + 8 * Smem::stage(last));
+        block_count += n_blocks;
       }
-      // -- the last block's P V --
-      const int last = block_count + n_blocks - 1;
-      mbar_wait(sm.v_full() + 8 * Smem::stage(last), Smem::parity(last));
-      turn_begin();
-      wgmma_fence();
-      issue_pv(Smem::stage(last));
-      turn_end();
-      wgmma_wait<0>();
-      fence_registers(acc_o);
-      release_stage(sm.v_empty() + 8 * Smem::stage(last));
-      block_count += n_blocks;
     } else if (!kStagedOutput<kHeadDim>) {
       mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
@@ -572,7 +607,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
 // kHoldPVWait: the P V wait held below the softmax (hold_wait_below; the host picks it,
 // _compile.SM90_HOLD_PV_WAIT)
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
-          int kQStages, bool kHoldPVWait>
+          int kQStages, int kKVStages, bool kHoldPVWait>
 __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
@@ -583,13 +618,13 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
   static_assert(128 * kProducerRegs<kBlockM> + kConsumerThreads * kConsumerRegs<kBlockM> <=
                     65536 / kCtasPerSm<kBlockM>, "register split over the SM's file");
   extern __shared__ unsigned char smem_raw[];
-  const Sm90Smem<kBlockM, kHeadDim, kBlockN, kQStages> sm(smem_u32(smem_raw));
+  const Sm90Smem<kBlockM, kHeadDim, kBlockN, kQStages, kKVStages> sm(smem_u32(smem_raw));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kQStages; ++s) {
       mbar_init(sm.q_full() + 8 * s, 1);  // the producer's one arrival, plus the bytes its copies bring
       mbar_init(sm.q_empty() + 8 * s, kConsumerThreads);  // every consumer thread is done reading
     }
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kKVStages; ++s) {
       mbar_init(sm.k_full() + 8 * s, 1);
       mbar_init(sm.v_full() + 8 * s, 1);
       mbar_init(sm.k_empty() + 8 * s, kConsumers<kBlockM>);  // one thread a warpgroup

@@ -110,8 +110,13 @@ def test_each_tile_class_takes_its_table_or_the_next_longer(rows):
         hold = rows == "long" and not mods and hd == 64  # SM90_HOLD_PV_WAIT's tiles
         assert v.hold_pv_wait == hold, v.key
         assert v.key.endswith("_hold") == hold
-        assert (f", {v.block_m}, {v.block_n}, {v.q_stages}, {str(hold).lower()}>"
+        assert (f", {v.block_m}, {v.block_n}, {v.q_stages}, {v.kv_stages}, {str(hold).lower()}>"
                 in v.name_expression)
+        # one K/V stage only where two do not fit beside a Q stage (d = 256's 128-key blocks)
+        assert v.kv_stages == (1 if v._sm90_smem(1, 2) > v.smem_limit else 2), v.key
+        assert v.smem_bytes <= v.smem_limit, v.key
+    mid = _compile.fwd_variant("bf16", 256, "window", False, "sm90", rows="mid")
+    assert (mid.block_n, mid.q_stages, mid.kv_stages) == (128, 1, 1)
     assert _compile.fwd_variant("fp16", 64, "none", False, "sm80", rows=rows).block_m == 128
     # d = 128 really has three classes: 64 rows (causal), 128 and 192
     assert _compile.fwd_variant("fp16", 128, "window", False, "sm90", rows=rows).block_m == {
