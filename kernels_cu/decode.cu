@@ -244,7 +244,7 @@ __device__ __forceinline__ void decode_score_mods(float (&sc)[1][2][4], const De
     for (int e = 0; e < 4; ++e) {
       const int key = frag_col(key0, nt, e, lane), i = e >> 1;
       float x = sc[0][nt][e] * p.scale;
-      if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
+      if (p.softcap > 0.f) x = p.softcap * fast_tanh(x * p.softcap_inv);
       x -= lr.slope[i] * fabsf(static_cast<float>(lr.t[i] + diag - key));
       sc[0][nt][e] = x * CUFA_LOG2E;
     }

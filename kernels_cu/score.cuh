@@ -90,8 +90,9 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kMTiles][kNTiles][4]
       for (int e = 0; e < 4; ++e) {
         const int row = frag_row(row_base, mt, e, lane), key = frag_col(key0, nt, e, lane);
         float x = s[mt][nt][e] * p.scale;
-        if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.softcap_inv);
-        x -= m.alibi_slope * fabsf(static_cast<float>((i64)row + t.diag_offset - key));
+        if (p.softcap > 0.f) x = p.softcap * fast_tanh(x * p.softcap_inv);
+        if (m.alibi_slope != 0.f)  // (tile-uniform: most calls have no ALiBi)
+          x -= m.alibi_slope * fabsf(static_cast<float>((i64)row + t.diag_offset - key));
         if (p.attn_mask_type != ATTN_MASK_NONE && row < t.seqlen_q && key < t.seqlen_k)
           x += attn_mask_value(p, m.mask_offset + row * p.mask_row_stride + key * p.mask_col_stride);
         s[mt][nt][e] = x * CUFA_LOG2E;
