@@ -91,16 +91,18 @@ run)
 import datetime, json, os, statistics, sys
 rows = [json.loads(line) for line in open(os.path.join(sys.argv[1], "ab_fwd.jsonl"))]
 order = [line.split()[0] for line in open("_ab/ORDER")] + os.environ.get("PEERS", "").split()
-shapes = [k for k in rows[0] if k != "tree" and not k.endswith((":us", ":t"))]
+# every shape any process timed, in first-seen order (the SDPA peers skip softcap shapes)
+shapes = list(dict.fromkeys(k for r in rows for k in r
+                            if k != "tree" and not k.endswith((":us", ":t"))))
 print(f"TFLOP/s, median over rounds (max), ratio of medians to {order[0]}")
 print("d:N:causal".ljust(18), *[t.ljust(22) for t in order])
 for shape in shapes:
     base = statistics.median(r[shape] for r in rows if r["tree"] == order[0])
     cells = []
     for tree in order:
-        values = [r[shape] for r in rows if r["tree"] == tree]
-        cells.append(f"{statistics.median(values):6.1f} ({max(values):6.1f}) "
-                     f"{statistics.median(values) / base:4.2f}".ljust(22))
+        values = [r[shape] for r in rows if r["tree"] == tree and shape in r]
+        cells.append((f"{statistics.median(values):6.1f} ({max(values):6.1f}) "
+                      f"{statistics.median(values) / base:4.2f}" if values else "-").ljust(22))
     print(shape.ljust(18), *cells)
 # clocks: each process's samples of a shape, in run order (tree, TFLOP/s, SM MHz, W)
 clock_file = os.path.join(sys.argv[1], "clocks.csv")

@@ -2,6 +2,7 @@
 and the params layout check really catches a drifted struct. No GPU needed."""
 import itertools
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -133,6 +134,13 @@ def test_every_variant_compiles_without_spills(reports):
         assert 0 < regs <= 255 and size > 0, (key, arch)
     print(f"\n{len(reports)} compiles, registers {min(r[0] for _, _, r, _ in reports)}.."
           f"{max(r[0] for _, _, r, _ in reports)}")
+
+
+def test_kernels_unbounded_window_is_the_hosts():
+    # apply_mask's one-compare path keys on it: a window side the host sends as unbounded
+    # must read as unbounded in the kernels
+    m = re.search(r"constexpr int kUnboundedWindow = 1 << (\d+);", _compile.kernel_source("params.cuh"))
+    assert m and 1 << int(m.group(1)) == api._UNBOUNDED
 
 
 def test_head_dim_padding():
