@@ -33,14 +33,17 @@ if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability !
     > "$OUT/gpu_tests_sm80.txt" 2>&1
   tests_rc=$((tests_rc + $?))
   # The 64-row tiles of short packed batches (CUFA_SM90_BLOCK_M) on every forward test,
-  # dense ones included.
+  # dense ones included, and paged prefill's TMA boxes on them.
+  PAGED_PREFILL=tests/test_gpu_kvcache.py::test_varlen_paged_prefill_every_page_size
   CUFA_SM90_BLOCK_M=64 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_gpu_forward.py tests/test_gpu_varlen.py > "$OUT/gpu_tests_sm90_bm64.txt" 2>&1
+    tests/test_gpu_forward.py tests/test_gpu_varlen.py "$PAGED_PREFILL" \
+    > "$OUT/gpu_tests_sm90_bm64.txt" 2>&1
   tests_rc=$((tests_rc + $?))
   # and the 192-row tiles (d = 128 takes them from 1-2k query rows a sequence, which few
   # tests reach)
   CUFA_SM90_BLOCK_M=192 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_gpu_forward.py tests/test_gpu_varlen.py > "$OUT/gpu_tests_sm90_bm192.txt" 2>&1
+    tests/test_gpu_forward.py tests/test_gpu_varlen.py "$PAGED_PREFILL" \
+    > "$OUT/gpu_tests_sm90_bm192.txt" 2>&1
   tests_rc=$((tests_rc + $?))
 fi
 python3 -m cufa > "$OUT/check.txt" 2>&1

@@ -861,10 +861,10 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
     score_mods = softcap > 0 or alibi is not None or attn_mask is not None
     family = _compile.family_for(_compute_capability(q.device))
-    if paged is not None:  # rows through a page table: no TMA descriptor describes them
+    if paged is not None and 1 << paged["page_shift"] < _PAGED_TMA_MIN_ROWS:
         family = "sm80"
     variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
-                                     mask_kind, score_mods, family)
+                                     mask_kind, score_mods, family, paged)
     values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
         variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
     o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
@@ -900,14 +900,17 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
 
 
 def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,
-             family):
+             family, paged=None):
     """(kernel variant, _tma.Template or None) of a plan."""
     rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind)
     variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
                                    rows)
     if family != "sm90":
         return variant, None
-    tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
+    if paged is not None:
+        tma_template = _tma.template(q.dtype, _paged_tma_views(variant, q, k, v, d))
+    else:
+        tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
     if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
         variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80")
     return variant, tma_template
@@ -988,6 +991,27 @@ def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
             views.append(((x.shape[0], rows, heads, d),
                           (x.strides[0], row_stride, head_stride), box_rows))
     return tuple(views), tuple(tails)
+
+
+# Paged caches on the Hopper kernels: TMA boxes of whole rows inside a page, at least 8
+# rows (1 KB a panel: the 128-byte swizzle's period, so boxes stacked in a tile land as
+# one box of the tile would); smaller pages take the portable kernels.
+_PAGED_TMA_MIN_ROWS = 8
+
+
+def _paged_box_rows(page_size, block_n):
+    """Rows of a paged K/V box (fwd_sm90.cu, produce_paged_block): the page, or the largest
+    power of two up to 128 that divides block_n where that is fewer, so that the boxes of a
+    key block never cross a page."""
+    return min(page_size, block_n & -block_n, 128)
+
+
+def _paged_tma_views(variant, q, k, v, d):
+    """_tma.template's views of a packed q, (total, heads, d), and a paged k and v, (pages,
+    page_size, heads, d), each page a batch entry."""
+    box_rows = _paged_box_rows(k.shape[1], variant.block_n)
+    return (((1, q.shape[0], q.shape[1], d), (0,) + tuple(q.strides[:2]), variant.block_m),
+            (k.shape, tuple(k.strides[:3]), box_rows), (v.shape, tuple(v.strides[:3]), box_rows))
 
 
 def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,

@@ -254,6 +254,76 @@ __device__ __forceinline__ bool load_tile(u32 addr, const FwdParams& p, Tile& t)
   return t.b >= 0;
 }
 
+// -- a key block of a paged cache (block_table): boxes of whole rows inside one page by
+//    TMA, each from its page (the maps view K and V as (columns, page rows, heads, pages)
+//    in boxes of the page's rows, or of the largest power of two up to 128 dividing
+//    kBlockN where that is fewer: api._paged_box_rows; so no box crosses a page). The lanes look the boxes'
+//    pages up before the stage is free, so the lookup's latency hides under that wait.
+//    The sequence's last block is copied with cp.async instead, with zeros past the end:
+//    the rest of its last page is whatever the cache holds there (a stray NaN would turn
+//    P = 0 into NaN). --
+template <class Smem>
+__device__ __forceinline__ void produce_paged_block(const FwdParams& p, const TensorMaps& maps,
+                                                    const Smem& sm, const Tile& t, int key0,
+                                                    int block_count) {
+  constexpr int kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
+  constexpr int kBlockNShift = kBlockN % 128 == 0 ? 7 : kBlockN % 64 == 0 ? 6 : kBlockN % 32 == 0 ? 5 : 4;
+  const bool elected = threadIdx.x == 0;
+  const int lane = threadIdx.x % 32;
+  const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
+  const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kKVBytes;
+  const bool reused = block_count >= Smem::kStages;
+  if (key0 + kBlockN > t.seqlen_k) {
+    if (reused) {
+      mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
+      mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
+    }
+    const TilePointers ptr = tile_pointers(p, t);
+    const auto panels = [](int r, int c) { return panel_offset<kBlockN>(r, c); };
+    copy_rows_async<kBlockN, kHeadDim, 32>(
+        k_dst, [&](int r) { return paged_row(p, t, ptr.k, p.k_batch_stride, p.k_row_stride, key0 + r); },
+        ptr.k, t.seqlen_k - key0, p.head_dim, panels, lane);
+    copy_rows_async<kBlockN, kHeadDim, 32>(
+        v_dst, [&](int r) { return paged_row(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0 + r); },
+        ptr.v, t.seqlen_k - key0, p.head_dim, panels, lane);
+    cp_async_wait_all();
+    fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
+    __syncwarp();
+    if (elected) {
+      mbar_arrive(sm.k_full() + 8 * stage);
+      mbar_arrive(sm.v_full() + 8 * stage);
+    }
+    return;
+  }
+  const int box_shift = min(p.page_shift, kBlockNShift);
+  const int boxes = kBlockN >> box_shift;  // at most 16: pages of 8 rows and more take this path
+  int page = 0, page_row = 0;
+  if (lane < boxes) {
+    const int key = key0 + (lane << box_shift);
+    const int* pages = reinterpret_cast<const int*>(p.block_table) + t.b * p.block_table_batch_stride;
+    page = min(max(pages[key >> p.page_shift], 0), p.num_pages - 1);
+    page_row = key & ((1 << p.page_shift) - 1);
+  }
+  const auto load = [&](u32 dst, const TensorMap& map, u32 bar) {
+    if (elected) mbar_arrive_expect_bytes(bar, Smem::kKVBytes);
+    for (int box = 0; box < boxes; ++box) {
+      const int box_page = __shfl_sync(0xffffffffu, page, box);
+      const int box_row = __shfl_sync(0xffffffffu, page_row, box);
+      if (elected) {
+#pragma unroll
+        for (int panel = 0; panel < kHeadDim / 64; ++panel)
+          tma_load_4d(dst + panel * kBlockN * 128 + (box << box_shift) * 128, map, bar, panel * 64,
+                      box_row, t.h_k, box_page);
+      }
+    }
+  };
+  if (reused) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
+  load(k_dst, maps.k, sm.k_full() + 8 * stage);
+  if (reused) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
+  load(v_dst, maps.v, sm.v_full() + 8 * stage);
+  __syncwarp();
+}
+
 // -- the producer's K and V copies of key block `it` of a tile, the CTA's block number
 //    `block_count` --
 template <class Smem>
@@ -265,6 +335,10 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
   const bool packed = p.cu_seqlens_k != 0;
   const Tile& t = w.t;
   const int key0 = (w.n_block_max - 1 - it) * kBlockN;
+  if (p.block_table) {
+    produce_paged_block(p, maps, sm, t, key0, block_count);
+    return;
+  }
   const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
   const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kKVBytes;
   if (block_count >= Smem::kStages) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);

@@ -563,6 +563,52 @@ def test_varlen_with_block_table(rng, page_size, seqused):
                             label=f"paged varlen page {page_size} seq {b} ({e - s} x {n})")
 
 
+PAGED_PREFILL_OPTIONS = {
+    # head dim, dtype and options: Hopper key blocks of 128, 64 and 32 rows here (80, in
+    # boxes of 16 rows, under CUFA_SM90_BLOCK_M=192: bench/device_run.sh); d = 96 on the
+    # d = 128 tiles, its last 32 columns past the map's end
+    "d64": (64, "float16", dict(causal=True)),
+    "d128 bf16": (128, "bfloat16", dict(causal=True)),
+    "d96 window": (96, "float16", dict(causal=True, window_size=(100, 0))),
+    "d256": (256, "float16", {}),
+    "d256 softcap": (256, "bfloat16", dict(causal=True, softcap=20.0)),
+}
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 8, 16, 32, 64, 128, 256])
+@pytest.mark.parametrize("name", PAGED_PREFILL_OPTIONS)
+def test_varlen_paged_prefill_every_page_size(rng, page_size, name):
+    """Chunked prefill against a paged cache, every page size (Hopper: key blocks by TMA
+    boxes inside pages from 8 rows, the sequence's last block by cp.async): each
+    sequence's keys past its length hold NaN in its own pages, which must not reach the
+    output; lengths that end on a page, inside one, and on a key block's end."""
+    d, dtype, options = PAGED_PREFILL_OPTIONS[name]
+    lens_q = [37, 200, 0, 129, 64, 7]
+    lens_k = [300, 200, 5, 1000, 1024, 7]
+    batch, h, hk = len(lens_q), 4, 1
+    capacity = 1024
+    q = randn(rng, (1, sum(lens_q), h, d), dtype)[0]
+    k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), dtype) for _ in range(2))
+    for b, n in enumerate(lens_k):
+        k_cache[b, n:] = NAN
+        v_cache[b, n:] = NAN
+    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
+    k_pages, v_pages = (reference.to_paged(c, table, num_pages, fill=NAN)
+                        for c in (k_cache, v_cache))
+    out = torch.full_like(q, NAN)
+    res, lse = cufa.flash_attn_varlen_func(
+        q, k_pages, v_pages, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
+        return_lse=True, out=out, block_table=i32(table), **options)
+    starts = np.concatenate([[0], np.cumsum(lens_q)])
+    for b in range(batch):
+        s, e, n = starts[b], starts[b + 1], lens_k[b]
+        if e > s:
+            check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None],
+                            k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                            label=f"{name} pages of {page_size}: seq {b} ({e - s} x {n})",
+                            **options)
+
+
 PAGED_MIXED_CASES = {
     # heads (T = 16 // group query rows go to the decode kernel), lens_q, lens_k, options
     "GQA 8/2 causal": ((8, 2), [1, 2, 3, 4, 5, 0, 1, 4, 40], [90, 2, 700, 1, 33, 5, 0, 4, 300],

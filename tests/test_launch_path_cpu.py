@@ -250,6 +250,43 @@ def test_paged_packed_batch_sends_short_sequences_to_the_decode_kernel(device):
     assert record(device.launches[-1], _params.DECODE)["lse"] == 0  # no lse asked for
 
 
+@pytest.mark.parametrize("page, family", [(1, "sm80"), (4, "sm80"), (8, "sm90"), (16, "sm90"),
+                                          (256, "sm90")])
+def test_paged_prefill_takes_the_hopper_kernels_from_pages_of_8(device, monkeypatch, page,
+                                                                 family):
+    """A paged packed batch on sm_90: the wgmma kernels, K and V read by TMA boxes of
+    whole rows inside a page (the page, or the largest power of two dividing the key
+    block: 80 -> 16), no tail maps; pages under 8 rows: the portable kernels."""
+    made = []
+    template = _tma.template
+
+    def recording(dtype, views, tail_views=()):
+        made.append((views, tail_views))
+        return template(dtype, views, tail_views)
+    recording.cache_clear = template.cache_clear  # (the fixture clears it after the test)
+    monkeypatch.setattr(_tma, "template", recording)
+    total, h, hk, d = 300, 8, 2, 128
+    q, cache = view((total, h, d)), view((40, page, hk, d))
+    cu, table = view((5,), "int32"), view((4, 10), "int32")
+    cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, block_table=table, causal=True)
+    plan = next(p for p in api._plans.values() if getattr(p, "decode", None) is not None)
+    assert plan.variant.family == family
+    forward = device.launches[1]
+    assert record(forward)["kv_tail_maps"] == 0
+    assert record(forward)["block_table"] == table.ptr
+    if family == "sm80":
+        assert plan.tma_template is None and not made
+        return
+    assert map_addresses(forward) == [q.ptr, cache.ptr, cache.ptr, 0, 0]
+    (views, tails), = made
+    box = min(page, plan.variant.block_n & -plan.variant.block_n)
+    assert views[1] == views[2] == ((40, page, hk, d), cache.strides[:3], box) and tails == ()
+    assert views[0] == ((1, total, h, d), (0, h * d, d), plan.variant.block_m)
+    assert [api._paged_box_rows(p, n) for p, n in ((16, 80), (32, 80), (256, 80), (8, 128),
+                                                   (256, 128), (64, 64), (256, 32))] == [
+        16, 16, 16, 8, 128, 64, 32]
+
+
 def test_sdpa_mask_address(device):
     q = view((2, 4, 50, 64))
     mask = view((50, 70), "float32")
