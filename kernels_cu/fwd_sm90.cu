@@ -304,17 +304,17 @@ __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const Te
     page = min(max(pages[key >> p.page_shift], 0), p.num_pages - 1);
     page_row = key & ((1 << p.page_shift) - 1);
   }
+  // A box a lane, each lane issuing its own copies: one lane issuing them all, the
+  // pages passed to it by shuffles, read pages of 16 at 60-65 % of a contiguous cache's
+  // speed on an H100, against 85-92 % so (bench/NOTES.md)
   const auto load = [&](u32 dst, const TensorMap& map, u32 bar) {
     if (elected) mbar_arrive_expect_bytes(bar, Smem::kKVBytes);
-    for (int box = 0; box < boxes; ++box) {
-      const int box_page = __shfl_sync(0xffffffffu, page, box);
-      const int box_row = __shfl_sync(0xffffffffu, page_row, box);
-      if (elected) {
+    __syncwarp();  // the bytes expected before any box's land
+    if (lane < boxes) {
 #pragma unroll
-        for (int panel = 0; panel < kHeadDim / 64; ++panel)
-          tma_load_4d(dst + panel * kBlockN * 128 + (box << box_shift) * 128, map, bar, panel * 64,
-                      box_row, t.h_k, box_page);
-      }
+      for (int panel = 0; panel < kHeadDim / 64; ++panel)
+        tma_load_4d(dst + panel * kBlockN * 128 + (lane << box_shift) * 128, map, bar, panel * 64,
+                    page_row, t.h_k, page);
     }
   };
   if (reused) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
