@@ -134,6 +134,17 @@ def kvcache_cases(rng):
     qp = _t(rng, (sum(lens_q), 8, d), torch.float16)
     cufa.flash_attn_varlen_func(qp, pages, pages, cu_q, cu_k, 65, 96, causal=True,
                                 block_table=table)
+    # paged prefill on the Hopper kernels' TMA boxes (pages of 8 rows and up; the portable
+    # kernels elsewhere): ids outside the cache and a length past the capacity, clamped
+    for page, dp in ((8, 64), (64, 256), (256, 128)):
+        width = 512 // page
+        kv = _t(rng, (2 * width + 1, page, 2, dp), torch.float16)
+        ids = rng.permutation(2 * width).reshape(2, width)
+        ids[1, 1], ids[1, -1] = -3, 10**6
+        qf = _t(rng, (170, 8, dp), torch.float16)
+        cufa.flash_attn_varlen_func(qf, kv, kv, i32([0, 40, 170]), i32([0, 300, 10299]), 130,
+                                    9999, causal=True, block_table=i32(ids))
+        calls += 1
     # decode-sized sequences of a paged packed batch on the decode kernel, split over long
     # keys (2 sequences x 1 KV head: the splits' last merges), malformed lengths clamped
     big = _t(rng, (300, page, 1, d), torch.float16)
