@@ -106,7 +106,28 @@ def main():
                                                     causal=True, block_table=tab,
                                                     num_splits=splits)
 
-    cases = {"step (one call)": ("step", step, 0), "chunks alone": ("chunks", chunks, 0)}
+    side = torch.cuda.Stream()
+
+    def two_streams(decode_first):
+        dec = decodes(table_dec, lens_dec, 0)
+
+        def run():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            if decode_first:
+                with torch.cuda.stream(side):
+                    dec()
+                chunks()
+            else:
+                chunks()
+                with torch.cuda.stream(side):
+                    dec()
+            main.wait_stream(side)
+        return run
+
+    cases = {"step (one call)": ("step", step, 0), "chunks alone": ("chunks", chunks, 0),
+             "two streams, chunks launched first": ("step", two_streams(False), 0),
+             "two streams, decodes launched first": ("step", two_streams(True), 0)}
     for s in (int(x) for x in args.splits.split(",")):
         cases[f"decodes, splits {s or 'auto'}"] = ("decodes", decodes(table_dec, lens_dec, s), 0)
         cases[f"decodes longest first, splits {s or 'auto'}"] = (

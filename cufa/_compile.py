@@ -64,6 +64,13 @@ SM90_LONG_MIN_SEQLEN = {"none": 1024, "window": 2048}
 SM90_SHORT_TILES = {}
 SM90_SHORT_TILES_WINDOW = {64: (64, 128), 128: (64, 64)}
 SM90_SHORT_MAX_MEAN_SEQLEN = 512  # mean query rows per sequence up to which they are used
+# Chunked prefill (a packed batch whose sequences have at least twice as many keys as query
+# rows: a prompt's chunk after its cached prefix) from 128 query rows a sequence, head dims
+# above 64: the middle class. Measured on an H100, causal, 32/8 heads, fp16, 8-32
+# sequences (bench/probe_chunk_tiles.py, TFLOP/s, 64-row tiles -> 128-row): d = 128 128 x
+# 2k 480 -> 545, 256 x 1k 453 -> 502, 256 x 4k 517 -> 587, 512 x 4k 523 -> 597; but 64 x 4k
+# 487 -> 380. d = 64 keeps the short tiles (within +-3 % either way, 64 x 4k 382 -> 258).
+SM90_CHUNK_MIN_MEAN_SEQLEN = 128
 SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches: query rows up to which (d <= 64)
 # "64" / "128" / "192": force the short, middle or long tiles' table (tests, bench); a head
 # dim without tiles of that class gets the next longer class's
@@ -338,13 +345,15 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold)
 
 
-def sm90_rows(packed, total_q, batch, head_dim, mask):
+def sm90_rows(packed, total_q, batch, head_dim, mask, keys_per_sequence=0):
     """The sm90 tile class of a batch, by its mean query rows a sequence: "short" for
-    packed batches of at most SM90_SHORT_MAX_MEAN_SEQLEN, and padded ones at head dims
-    up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (step 24 of NOTES: +2-5 % there,
-    -15 % at d = 128); "long" from SM90_LONG_MIN_SEQLEN[mask] up; else "mid". (A class
-    without tiles for the head dim and mask takes the next longer's: fwd_variant.)
-    CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
+    packed batches of at most SM90_SHORT_MAX_MEAN_SEQLEN (but chunked prefill from
+    SM90_CHUNK_MIN_MEAN_SEQLEN at head dims above 64: keys_per_sequence, the mean keys a
+    sequence of a packed batch, or a paged one's capacity, at least twice the query rows),
+    and padded ones at head dims up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (step
+    24 of NOTES: +2-5 % there, -15 % at d = 128); "long" from SM90_LONG_MIN_SEQLEN[mask]
+    up; else "mid". (A class without tiles for the head dim and mask takes the next
+    longer's: fwd_variant.) CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
     forced = _overrides[SM90_ROWS_ENV]
     if forced:
         if forced not in SM90_ROW_CLASSES:
@@ -352,7 +361,10 @@ def sm90_rows(packed, total_q, batch, head_dim, mask):
                              f"got {forced!r}")
         return SM90_ROW_CLASSES[forced]
     if packed and total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch:
-        return "short"
+        chunks = (head_dim > 64 and total_q >= SM90_CHUNK_MIN_MEAN_SEQLEN * batch
+                  and keys_per_sequence * batch >= 2 * total_q)
+        if not chunks:
+            return "short"
     if not packed and head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN:
         return "short"
     per_sequence = total_q if not packed else total_q / batch

@@ -772,7 +772,7 @@ class _Mover:
                 or o is not None and o[1][0] != total_q
                 or not _movable(total_q, total_k, batch)
                 or self.rows_misaligned and max(total_q, total_k) > 1
-                or not self._same_tiles(total_q, batch)):
+                or not self._same_tiles(total_q, batch, total_k / max(batch, 1))):
             return None
         template = None
         if self.tma:
@@ -792,13 +792,14 @@ class _Mover:
                 return None
         return self._moved(batch, q[1][1], total_q, total_k, tuple(q[1]), template, None)
 
-    def _same_tiles(self, total_q, batch):
+    def _same_tiles(self, total_q, batch, keys_per_sequence=0):
         """Whether these sizes keep the base plan's tiles (sm90: the tile class of
         sm90_rows; the tile classes of a head dim may share tiles)."""
         variant = self.plan.variant
         if variant.family != "sm90":
             return True
-        rows = _compile.sm90_rows(self.packed, total_q, batch, self.d, variant.mask)
+        rows = _compile.sm90_rows(self.packed, total_q, batch, self.d, variant.mask,
+                                  keys_per_sequence)
         same = self.same_tiles.get(rows)
         if same is None:
             same = self.same_tiles[rows] = variant == _compile.fwd_variant(
@@ -863,8 +864,10 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     family = _compile.family_for(_compute_capability(q.device))
     if paged is not None and 1 << paged["page_shift"] < _PAGED_TMA_MIN_ROWS:
         family = "sm80"
+    # (packed: the mean keys a sequence, or a paged cache's capacity a sequence)
+    keys = (seqlen_k if paged is not None else seqlen_k / batch) if packed else 0
     variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
-                                     mask_kind, score_mods, family, paged)
+                                     mask_kind, score_mods, family, paged, keys)
     values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
         variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
     o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
@@ -900,9 +903,9 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
 
 
 def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,
-             family, paged=None):
+             family, paged=None, keys_per_sequence=0):
     """(kernel variant, _tma.Template or None) of a plan."""
-    rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind)
+    rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind, keys_per_sequence)
     variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
                                    rows)
     if family != "sm90":

@@ -80,6 +80,13 @@ def test_tile_class_follows_the_mean_sequence_length(setenv):
         assert rows(False, long_from, 3, 128, mask) == "long"
         assert rows(True, long_from * 3 - 1, 3, 128, mask) == "mid"  # packed: the mean
         assert rows(True, long_from * 3, 3, 128, mask) == "long"
+    # chunked prefill (keys at least twice the query rows) from 128 rows, above d = 64
+    chunk = _compile.SM90_CHUNK_MIN_MEAN_SEQLEN
+    assert rows(True, chunk * 8, 8, 128, "window", keys_per_sequence=2 * chunk) == "mid"
+    assert rows(True, chunk * 8, 8, 128, "window", keys_per_sequence=2 * chunk - 1) == "short"
+    assert rows(True, chunk * 8 - 1, 8, 128, "window", keys_per_sequence=4096) == "short"
+    assert rows(True, chunk * 8, 8, 64, "window", keys_per_sequence=4096) == "short"
+    assert rows(True, limit * 8, 8, 256, "window", keys_per_sequence=4096) == "mid"
     setenv(_compile.SM90_ROWS_ENV, "64")
     assert rows(False, 1 << 20, 1, 128, "none") == "short"
     setenv(_compile.SM90_ROWS_ENV, "128")
