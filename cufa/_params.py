@@ -43,7 +43,7 @@ DECODE_FIELDS = [
     ("block_table", _PTR), ("alibi_slopes", _PTR),
     ("k_new", _PTR), ("v_new", _PTR), ("q_source", _PTR), ("rotary_cos", _PTR),
     ("rotary_sin", _PTR), ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR), ("seqused_k", _PTR),
-    ("split_counters", _PTR),
+    ("split_counters", _PTR), ("decode_order", _PTR),
     ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
     ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
     ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
@@ -72,8 +72,10 @@ MERGE_FIELDS = [(n, _PTR) for n in ("out_a", "lse_a", "out_b", "lse_b", "out", "
 
 
 SCHEDULE_FIELDS = [(n, _PTR) for n in ("cu_seqlens_q", "scratch", "tile_list", "tile_count",
-                                       "tile_counter")] + [
-    (n, _I32) for n in ("batch", "total_q", "block_m", "num_buckets", "decode_rows")]
+                                       "tile_counter", "cu_seqlens_k", "seqused_k",
+                                       "decode_order")] + [
+    (n, _I32) for n in ("batch", "total_q", "block_m", "num_buckets", "decode_rows",
+                        "capacity", "key_shift")]
 
 
 class Record:

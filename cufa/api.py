@@ -267,8 +267,11 @@ def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale,
         plan.decode = kvcache.plan_packed_decode(
             q, k, v, o, alibi, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2], d=d,
             total_q=total_q, window=window, scale=scale, softcap=softcap)
+        capacity = paged["capacity"]
         plan.work_list = plan.work_list[:3] + (_params.SCHEDULE.with_fields(
-            plan.work_list[3], {"decode_rows": plan.decode.rows}),)
+            plan.work_list[3], {"decode_rows": plan.decode.rows, "capacity": capacity,
+                                "key_shift": max(0, capacity.bit_length() - 7)}),)
+        plan.scratch_bytes += 4 * batch  # the decode order, after the work list
         plan.decode.scratch_offset = -(-plan.scratch_bytes // 256) * 256
         plan.scratch_bytes = plan.decode.scratch_offset + plan.decode.scratch_bytes
     return plan
@@ -1066,7 +1069,7 @@ def _work_list_ints(max_tiles, num_buckets):
 def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scratch_ptr):
     """The plan's launches on `stream` (the device current); arguments as _execute's."""
     framework, device = plan.framework, plan.device
-    counter = tile_list = tile_count = 0
+    counter = tile_list = tile_count = order = 0
     cu_q = cu_k = used = table = 0
     scratch = None
     if packed:
@@ -1076,11 +1079,16 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
         ints = _work_list_ints(max_tiles, num_buckets)
         if scratch_ptr:
             tile_list = scratch_ptr
-        else:
-            scratch, tile_list = stream_workspace(framework, device, stream, 4 * (ints + 2))
+        else:  # (a paged batch: its decode order after them, kept by the decode launch,
+            # and that launch's partials: asked for at once, so its ask cannot move them)
+            scratch, tile_list = stream_workspace(framework, device, stream,
+                                                  4 * (ints + 2) if plan.decode is None
+                                                  else plan.scratch_bytes)
         tile_count = tile_list + 8 * max_tiles
         if plan.variant.persistent:
             counter = tile_list + 4 * ints
+        if plan.decode is not None:
+            order = tile_list + 4 * (ints + 2)
     elif plan.variant.persistent:
         if scratch_ptr:  # XLA's buffer, perhaps replayed from a graph: zeroed in the stream
             import cupy
@@ -1097,13 +1105,14 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
     if packed:
         driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
                       (_params.SCHEDULE.with_pointer_values(schedule_record, (
-                          cu_q, tile_count + 4, tile_list, tile_count, counter)),))
+                          cu_q, tile_count + 4, tile_list, tile_count, counter, cu_k, used,
+                          order)),))
     driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
                   plan.variant.smem_bytes, stream, args)
     if plan.decode is not None:
         from . import kvcache
         kvcache.launch_packed_decode(plan.decode, plan, stream, q, k, v, o_ptr, lse_ptr, alibi,
-                                     packed, scratch_ptr)
+                                     packed, scratch_ptr, order, plan.decode.scratch_offset)
     # (scratch, the counter's buffer, is held until the launches are queued: freed
     # earlier, another thread could be handed the same memory for work ordered before ours)
     del scratch

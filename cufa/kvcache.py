@@ -378,7 +378,7 @@ def _workspace(*sizes):
 
 
 def _launch_decode(record, launches, workspace, merge_in_launch, pointers, framework, device,
-                   stream, scratch_ptr):
+                   stream, scratch_ptr, reserved=0):
     """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
     record on `stream`. pointers(at, counters) -> the record's pointer values
     (DECODE_FIELDS' order), `at` mapping a workspace offset (-1: none) to its address: in
@@ -386,7 +386,8 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     counters' address, or 0. A split decode called eagerly merges its partials in its own
     launch where `merge_in_launch` (the stream's zeroed counters, one a unit) and the
     combine is not launched: a launch less of host time, which bounds these calls when
-    queued. Under jax.jit (whose replays must not depend on memory cufa keeps) and under
+    queued. reserved: bytes at the start of the stream's buffer that stay untouched (a
+    packed batch's work list and decode order, made by the launches before). Under jax.jit (whose replays must not depend on memory cufa keeps) and under
     graph capture (where the counters would need a memset node, and the combine kernel
     replays faster than the merge in the decode launch: bench/NOTES.md) decode_combine
     merges them."""
@@ -394,8 +395,9 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     # (one capture check a call: a driver call, ~1 us of a lent host's time)
     capturing = None if scratch_ptr or not merge_in_launch else api.stream_capturing(stream)
     if not scratch_ptr and workspace[0]:
-        held, base = api.stream_workspace(framework, device, stream, 4 * workspace[0],
-                                          capturing)
+        held, base = api.stream_workspace(framework, device, stream,
+                                          reserved + 4 * workspace[0], capturing)
+        base += reserved
     counters = counters_held = 0
     if merge_in_launch and not scratch_ptr and not capturing:
         x, y, z = launches[-2][2]  # (a split call's launches end: decode, combine)
@@ -464,16 +466,18 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
                         merge_in_launch=_merge_in_launch(kernel, d, num_splits, rows * group))
 
 
-def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr):
+def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr,
+                         order, reserved):
     """route's launches on `stream` after the forward's (api._launch's arguments): its
-    partials in XLA's scratch under jax.jit, else the stream's."""
+    partials in XLA's scratch under jax.jit, else in the stream's buffer past its first
+    `reserved` bytes; order: the schedule's decode order (sequences, most keys first)."""
     cu_q, cu_k, used, table = packed
     _, o_part, lse_part = route.workspace
     _launch_decode(route.params, route.launches, route.workspace, route.merge_in_launch,
                    lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
-        cu_q, cu_k, used, counters), plan.framework, plan.device, stream,
-        scratch_ptr and scratch_ptr + route.scratch_offset)
+        cu_q, cu_k, used, counters, order), plan.framework, plan.device, stream,
+        scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
 
 def _merge_in_launch(kernel, d, num_splits, unit_rows):
@@ -688,6 +692,6 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
                            lambda at, counters: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters), plan.framework,
+                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0), plan.framework,
                 plan.device, stream, scratch_ptr)
     return api.returned(plan, o, lse, plan.want_lse)

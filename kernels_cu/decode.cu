@@ -459,7 +459,9 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
   // -- which rows, keys and split --
   const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;
   const int h_k = blockIdx.y;
-  const CacheSeq s = cache_seq(p, blockIdx.z);
+  const int b = p.decode_order ? reinterpret_cast<const int*>(p.decode_order)[blockIdx.z] : blockIdx.z;
+  if (b < 0) return;
+  const CacheSeq s = cache_seq(p, b);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int rows = min(kDecodeRows, s.seqlen_q * p.group - m_block * kDecodeRows);
   // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes)

@@ -30,6 +30,9 @@ struct DecodeParams {
   // the partials in the decode launch (and zeroes its counter again); 0: decode_combine
   // merges them
   u64 split_counters;
+  // A packed batch: int32 (batch,), the sequence of each grid z (-1: none), most keys first
+  // (varlen_schedule's decode_order); 0: z is the sequence
+  u64 decode_order;
 
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride: a cache row, or a page

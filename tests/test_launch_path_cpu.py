@@ -245,6 +245,16 @@ def test_paged_packed_batch_sends_short_sequences_to_the_decode_kernel(device):
     assert (r["capacity"], r["max_pages"], r["page_shift"]) == (160, 10, 4)
     assert r["cache_seqlens"] == r["k_new"] == r["q_source"] == 0
     assert decode[1] == (r["num_m_blocks"] * r["num_splits"], hk, 4)  # grid
+    # the schedule orders the decode-sized sequences (most keys first) into a list after
+    # the work list and tile counter, which the decode kernel reads a sequence a grid z
+    plan = next(p for p in api._plans.values() if getattr(p, "decode", None) is not None)
+    _, max_tiles, num_buckets, _ = plan.work_list
+    s = record(schedule, _params.SCHEDULE)
+    ints = api._work_list_ints(max_tiles, num_buckets)
+    assert s["decode_order"] == r["decode_order"] == s["tile_list"] + 4 * (ints + 2)
+    assert (s["cu_seqlens_k"], s["seqused_k"]) == (cu.ptr, used.ptr)
+    assert (s["capacity"], s["key_shift"], s["decode_rows"]) == (160, 1, 4)
+    assert 4 * (ints + 2 + 4) <= plan.decode.scratch_offset <= plan.scratch_bytes
     o2 = cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, seqused_k=used,
                                      block_table=table, causal=True)
     assert record(device.launches[-1], _params.DECODE)["lse"] == 0  # no lse asked for
