@@ -386,11 +386,11 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     counters' address, or 0. A split decode called eagerly merges its partials in its own
     launch where `merge_in_launch` (the stream's zeroed counters, one a unit) and the
     combine is not launched: a launch less of host time, which bounds these calls when
-    queued. reserved: bytes at the start of the stream's buffer that stay untouched (a
-    packed batch's work list and decode order, made by the launches before). Under jax.jit (whose replays must not depend on memory cufa keeps) and under
+    queued. Under jax.jit (whose replays must not depend on memory cufa keeps) and under
     graph capture (where the counters would need a memset node, and the combine kernel
     replays faster than the merge in the decode launch: bench/NOTES.md) decode_combine
-    merges them."""
+    merges them. reserved: bytes at the start of the stream's buffer left untouched (a
+    packed batch's work list and decode order, made by the launches before)."""
     held, base = None, scratch_ptr
     # (one capture check a call: a driver call, ~1 us of a lent host's time)
     capturing = None if scratch_ptr or not merge_in_launch else api.stream_capturing(stream)

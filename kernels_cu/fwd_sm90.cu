@@ -257,17 +257,18 @@ __device__ __forceinline__ bool load_tile(u32 addr, const FwdParams& p, Tile& t)
 // -- a key block of a paged cache (block_table): boxes of whole rows inside one page by
 //    TMA, each from its page (the maps view K and V as (columns, page rows, heads, pages)
 //    in boxes of the page's rows, or of the largest power of two up to 128 dividing
-//    kBlockN where that is fewer: api._paged_box_rows; so no box crosses a page). The lanes look the boxes'
-//    pages up before the stage is free, so the lookup's latency hides under that wait.
-//    The sequence's last block is copied with cp.async instead, with zeros past the end:
-//    the rest of its last page is whatever the cache holds there (a stray NaN would turn
-//    P = 0 into NaN). --
+//    kBlockN where that is fewer: api._paged_box_rows; so no box crosses a page). The
+//    lanes look the boxes' pages up before the stage is free, so the lookup's latency
+//    hides under that wait. The sequence's last block is copied with cp.async instead,
+//    with zeros past the end: the rest of its last page is whatever the cache holds there
+//    (a stray NaN would turn P = 0 into NaN). --
 template <class Smem>
 __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const TensorMaps& maps,
                                                     const Smem& sm, const Tile& t, int key0,
                                                     int block_count) {
   constexpr int kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
-  constexpr int kBlockNShift = kBlockN % 128 == 0 ? 7 : kBlockN % 64 == 0 ? 6 : kBlockN % 32 == 0 ? 5 : 4;
+  constexpr int kBlockNShift =
+      kBlockN % 128 == 0 ? 7 : kBlockN % 64 == 0 ? 6 : kBlockN % 32 == 0 ? 5 : 4;
   const bool elected = threadIdx.x == 0;
   const int lane = threadIdx.x % 32;
   const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
