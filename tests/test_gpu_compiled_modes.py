@@ -56,6 +56,38 @@ def test_graph_replays_varlen_with_new_cu_seqlens():
         _close(lse, lse_ref, 0)
 
 
+def test_graph_replays_a_paged_serving_step_with_new_lengths_and_pages():
+    """One paged flash_attn_varlen_func call of prefill chunks (the Hopper kernels' page
+    boxes) and decodes (the decode kernel, most keys first), captured once and replayed
+    with new query and key lengths, page tables and mixes of the two kinds: the same out
+    and lse as the eager call, bit for bit."""
+    rng = np.random.default_rng(3)
+    b, pages, page, hk, h, d, width, total = 6, 200, 16, 2, 8, 128, 30, 400
+    k_pages, v_pages = (randn(rng, (pages, page, hk, d), "float16") for _ in range(2))
+    q = randn(rng, (1, total, h, d), "float16")[0]
+    cu_q = torch.zeros(b + 1, dtype=torch.int32, device="cuda")
+    cu_k = torch.zeros(b + 1, dtype=torch.int32, device="cuda")
+    table = torch.zeros(b, width, dtype=torch.int32, device="cuda")
+
+    def step():
+        return cufa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, total, width * page,
+                                           causal=True, block_table=table, return_lse=True)
+    graph, (out, lse) = capture_cuda_graph(step)
+    for lens_q, lens_k in (([1, 1, 200, 1, 150, 2], [30, 470, 260, 9, 480, 100]),
+                           ([300, 1, 1, 1, 1, 1], [310, 1, 480, 200, 64, 16]),
+                           ([0, 4, 17, 1, 1, 0], [0, 400, 17, 0, 123, 5])):
+        cu_q.copy_(torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32))
+        cu_k.copy_(torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32))
+        table.copy_(torch.randperm(pages, device="cuda")[:b * width].reshape(b, width).int())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, lse_ref = step()
+        rows = sum(lens_q)
+        assert torch.equal(out[:rows].view(torch.int16), o_ref[:rows].view(torch.int16))
+        assert torch.equal(lse[:, :rows], lse_ref[:, :rows])
+
+
 def test_graph_replays_kvcache_and_merge_with_new_lengths_and_pages():
     rng = np.random.default_rng(2)
     b, pages, page, hk, h, d = 3, 64, 16, 2, 8, 128

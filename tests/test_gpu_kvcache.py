@@ -609,6 +609,34 @@ def test_varlen_paged_prefill_every_page_size(rng, page_size, name):
                             **options)
 
 
+@pytest.mark.parametrize("page_size", [8, 16, 256])
+def test_varlen_paged_prefill_reads_kv_pages_interleaved(rng, page_size):
+    """K and V as views of one (num_pages, 2, page_size, nheads_k, d) cache (FlashInfer's
+    layout): pages twice as far apart as a page's rows, read through the maps' strides."""
+    lens_q, lens_k = [100, 9, 300], [400, 9, 777]
+    batch, h, hk, d, capacity = 3, 8, 2, 128, 1024
+    q = randn(rng, (1, sum(lens_q), h, d), "float16")[0]
+    k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), "float16") for _ in range(2))
+    for b, n in enumerate(lens_k):
+        k_cache[b, n:] = NAN
+        v_cache[b, n:] = NAN
+    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
+    kv = torch.stack([reference.to_paged(c, table, num_pages, fill=NAN)
+                      for c in (k_cache, v_cache)], dim=1)
+    k_pages, v_pages = kv[:, 0], kv[:, 1]
+    assert k_pages.stride(0) == 2 * page_size * hk * d
+    out = torch.full_like(q, NAN)
+    res, lse = cufa.flash_attn_varlen_func(
+        q, k_pages, v_pages, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
+        causal=True, return_lse=True, out=out, block_table=i32(table))
+    starts = np.concatenate([[0], np.cumsum(lens_q)])
+    for b in range(batch):
+        s, e, n = starts[b], starts[b + 1], lens_k[b]
+        check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None], k_cache[b:b + 1, :n],
+                        v_cache[b:b + 1, :n], causal=True,
+                        label=f"interleaved pages of {page_size}: seq {b} ({e - s} x {n})")
+
+
 PAGED_MIXED_CASES = {
     # heads (T = 16 // group query rows go to the decode kernel), lens_q, lens_k, options
     "GQA 8/2 causal": ((8, 2), [1, 2, 3, 4, 5, 0, 1, 4, 40], [90, 2, 700, 1, 33, 5, 0, 4, 300],
