@@ -219,6 +219,42 @@ def test_jax_jit_kvcache_append_with_donation():
     assert vc_host.shape == np.asarray(vc2).shape
 
 
+def test_jax_jit_runs_a_paged_serving_step():
+    """A paged packed batch under jax.jit: the work list, the decode order and the split
+    partials live in XLA's scratch; prefill chunks (page boxes) and decodes (the decode
+    kernel) give the eager call's bits, for new lengths and tables every call."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from cufa import _jax
+    if not _jax.available():
+        pytest.skip("this JAX has no buffer_callback")
+    rng = np.random.default_rng(9)
+    b, pages, page, hk, h, d, width, total = 5, 160, 16, 2, 8, 128, 30, 300
+
+    def f16(shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float16)
+
+    kc, vc = f16((pages, page, hk, d)), f16((pages, page, hk, d))
+
+    @jax.jit
+    def step(q, cu_q, cu_k, table):
+        return cufa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, total, width * page,
+                                           causal=True, block_table=table, return_lse=True)
+
+    for lens_q, lens_k in (([1, 200, 1, 2, 96], [470, 260, 9, 100, 400]),
+                           ([1, 1, 1, 1, 296], [480, 3, 0, 77, 296])):
+        q = f16((total, h, d))
+        cu_q = jnp.asarray(np.concatenate([[0], np.cumsum(lens_q)]), jnp.int32)
+        cu_k = jnp.asarray(np.concatenate([[0], np.cumsum(lens_k)]), jnp.int32)
+        table = jnp.asarray(rng.permutation(pages)[:b * width].reshape(b, width), jnp.int32)
+        o, lse = step(q, cu_q, cu_k, table)
+        o_ref, lse_ref = cufa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, total, width * page,
+                                                     causal=True, block_table=table,
+                                                     return_lse=True)
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_ref))
+
+
 def test_jax_jit_replays_with_new_values_every_call():
     """The callbacks are command_buffer_compatible: XLA may record the launches once and
     replay them from a CUDA graph without calling back into Python. Every call here gets
