@@ -136,9 +136,9 @@ def kvcache_cases(rng):
                                 block_table=table)
     # paged prefill on the Hopper kernels' TMA boxes (pages of 8 rows and up; the portable
     # kernels elsewhere): ids outside the cache and a length past the capacity, clamped
-    for page, dp in ((8, 64), (64, 256), (256, 128)):
-        width = 512 // page
-        kv = _t(rng, (2 * width + 1, page, 2, dp), torch.float16)
+    for page_rows, dp in ((8, 64), (64, 256), (256, 128)):
+        width = 512 // page_rows
+        kv = _t(rng, (2 * width + 1, page_rows, 2, dp), torch.float16)
         ids = rng.permutation(2 * width).reshape(2, width)
         ids[1, 1], ids[1, -1] = -3, 10**6
         qf = _t(rng, (170, 8, dp), torch.float16)
