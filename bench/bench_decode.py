@@ -305,6 +305,46 @@ def measure_copy(torch, reps=20):
     return 2 * COPY_BYTES / (ms * 1e-3) / TB
 
 
+def random_page_table(lens_k, page, rng):
+    """A block table (int32, sequences x most pages) over one cache whose pages are a
+    random permutation, each sequence holding the pages of its lens_k keys; and the cache's
+    page count."""
+    import numpy as np
+    pages_per = [-(-n // page) for n in lens_k]
+    ids = rng.permutation(sum(pages_per))
+    table = np.zeros((len(lens_k), max(pages_per)), np.int32)
+    at = 0
+    for b, n in enumerate(pages_per):
+        table[b, :n] = ids[at:at + n]
+        at += n
+    return table, sum(pages_per)
+
+
+SERVING_HEADS, SERVING_HEADS_K, SERVING_HEAD_DIM, SERVING_PAGE, SERVING_CHUNK = 32, 8, 128, 16, 512
+
+
+def serving_step_inputs(torch, rng):
+    """mixed_batch's arrays, drawn from rng: 4 prefill chunks of SERVING_CHUNK rows after
+    0-4k cached keys, then 124 one-row decodes of 1k-8k keys, in one paged cache. A dict:
+    prefix, lens_q, lens_k (lists), table (NumPy) and on the GPU q, k_pages, v_pages, cu_q,
+    cu_k, table_t; dev makes an int32 GPU tensor."""
+    import numpy as np
+    h, hk, d, page, chunk = (SERVING_HEADS, SERVING_HEADS_K, SERVING_HEAD_DIM, SERVING_PAGE,
+                             SERVING_CHUNK)
+    prefix = [int(x) for x in rng.integers(0, 4097, 4)]
+    lens_q = [chunk] * 4 + [1] * 124
+    lens_k = [p + chunk for p in prefix] + [int(x) for x in rng.integers(1024, 8193, 124)]
+    table, num_pages = random_page_table(lens_k, page, rng)
+    dev = (lambda x: torch.tensor(np.asarray(x), dtype=torch.int32, device="cuda"))
+    k_pages, v_pages = (torch.randn(num_pages, page, hk, d, device="cuda",
+                                    dtype=torch.float16) for _ in range(2))
+    return dict(prefix=prefix, lens_q=lens_q, lens_k=lens_k, table=table, dev=dev,
+                cu_q=dev(np.concatenate([[0], np.cumsum(lens_q)])),
+                cu_k=dev(np.concatenate([[0], np.cumsum(lens_k)])), k_pages=k_pages,
+                v_pages=v_pages, table_t=dev(table),
+                q=torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.float16))
+
+
 def mixed_batch(torch, rng, copy_tbps, reps=40):
     """The serving-shaped step: 4 prefill chunks of 512 tokens (each after 0-4k cached keys)
     and 124 decode requests (1k-8k cached keys), one paged cache (page 16), fp16, d = 128,
@@ -312,27 +352,13 @@ def mixed_batch(torch, rng, copy_tbps, reps=40):
     Its median time against max(FLOP floor, byte floor): FLOPs at the bf16/fp16 matmul
     rate measured in this run, bytes (the visible keys and values once, q and out) at the
     copy rate."""
-    import numpy as np
     import cufa
-    h, hk, d, page, chunk = 32, 8, 128, 16, 512
-    prefix = [int(x) for x in rng.integers(0, 4097, 4)]
-    lens_q = [chunk] * 4 + [1] * 124
-    lens_k = [p + chunk for p in prefix] + [int(x) for x in rng.integers(1024, 8193, 124)]
-    pages_per = [-(-n // page) for n in lens_k]
-    width = max(pages_per)
-    ids = rng.permutation(sum(pages_per))
-    table = np.zeros((len(lens_k), width), np.int32)
-    at = 0
-    for b, n in enumerate(pages_per):
-        table[b, :n] = ids[at:at + n]
-        at += n
-    dev = (lambda x: torch.tensor(np.asarray(x), dtype=torch.int32, device="cuda"))
-    cu_q = dev(np.concatenate([[0], np.cumsum(lens_q)]))
-    cu_k = dev(np.concatenate([[0], np.cumsum(lens_k)]))
-    k_pages, v_pages = (torch.randn(sum(pages_per), page, hk, d, device="cuda",
-                                    dtype=torch.float16) for _ in range(2))
-    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.float16)
-    table_t = dev(table)
+    h, hk, d, chunk = SERVING_HEADS, SERVING_HEADS_K, SERVING_HEAD_DIM, SERVING_CHUNK
+    s = serving_step_inputs(torch, rng)
+    prefix, lens_q, lens_k, q = s["prefix"], s["lens_q"], s["lens_k"], s["q"]
+    k_pages, v_pages, cu_q, cu_k, table_t = (s[n] for n in ("k_pages", "v_pages", "cu_q", "cu_k",
+                                                           "table_t"))
+    dev = s["dev"]
 
     def step(q):
         return cufa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lens_q),

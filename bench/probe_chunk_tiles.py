@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
+from bench_fwd import time_events  # noqa: E402  (this script's folder is on sys.path)
 from cufa import api, reference  # noqa: E402
 
 # (query rows a sequence, keys a sequence (prefix + chunk), sequences)
@@ -27,18 +28,9 @@ SHAPES = ((64, 4096, 32), (128, 2048, 32), (256, 1024, 32), (256, 4096, 16), (51
           (512, 4096, 8), (1024, 4096, 8), (512, 512, 32), (128, 128, 128))
 
 
-def times_us(fn, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
-    for a, b in pairs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) * 1e3 for a, b in pairs]
+def times_us(fn, reps):
+    """us of each of reps back-to-back calls (bench_fwd.time_events, after its warm-up)."""
+    return [ms * 1e3 for ms in time_events(torch, fn, [()], reps)]
 
 
 def main():
@@ -89,7 +81,7 @@ def main():
             else:
                 os.environ["CUFA_SM90_BLOCK_M"] = cls
             api.clear_plans()
-            samples[key] += times_us(cases[key][0])
+            samples[key] += times_us(cases[key][0], 10)
     os.environ.pop("CUFA_SM90_BLOCK_M", None)
     names = ["planner" if c is None else c for c in classes]
     print("| d | q rows | keys | seqs | layout | " + " | ".join(names) + " | (TFLOP/s) |")

@@ -21,9 +21,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
+from bench_fwd import time_events  # noqa: E402  (this script's folder is on sys.path)
+from bench_decode import SERVING_CHUNK as CHUNK, serving_step_inputs  # noqa: E402
 from cufa import api, kvcache  # noqa: E402
 
-H, HK, D, PAGE, CHUNK = 32, 8, 128, 16, 512
+HK, D = 8, 128
 _choose = kvcache.choose_num_splits
 _forced = [0]
 
@@ -36,17 +38,8 @@ kvcache.choose_num_splits = _choose_forced
 
 
 def times_us(fn, reps):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
-    for a, b in pairs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) * 1e3 for a, b in pairs]
+    """us of each of reps back-to-back calls (bench_fwd.time_events, after its warm-up)."""
+    return [ms * 1e3 for ms in time_events(torch, fn, [()], reps)]
 
 
 def main():
@@ -55,26 +48,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    rng = np.random.default_rng(0)
-    prefix = [int(x) for x in rng.integers(0, 4097, 4)]
-    dec_lens = [int(x) for x in rng.integers(1024, 8193, 124)]
-    lens_q = [CHUNK] * 4 + [1] * 124
-    lens_k = [p + CHUNK for p in prefix] + dec_lens
-    pages_per = [-(-n // PAGE) for n in lens_k]
-    width = max(pages_per)
-    ids = rng.permutation(sum(pages_per))
-    table = np.zeros((len(lens_k), width), np.int32)
-    at = 0
-    for b, n in enumerate(pages_per):
-        table[b, :n] = ids[at:at + n]
-        at += n
-    dev = (lambda x: torch.tensor(np.asarray(x), dtype=torch.int32, device="cuda"))
-    cu_q = dev(np.concatenate([[0], np.cumsum(lens_q)]))
-    cu_k = dev(np.concatenate([[0], np.cumsum(lens_k)]))
-    k_pages, v_pages = (torch.randn(sum(pages_per), PAGE, HK, D, device="cuda",
-                                    dtype=torch.float16) for _ in range(2))
-    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=torch.float16)
-    table_t = dev(table)
+    s = serving_step_inputs(torch, np.random.default_rng(0))
+    prefix, lens_q, lens_k, table, dev = (s[n] for n in ("prefix", "lens_q", "lens_k", "table",
+                                                         "dev"))
+    q, k_pages, v_pages, cu_q, cu_k, table_t = (s[n] for n in ("q", "k_pages", "v_pages", "cu_q",
+                                                               "cu_k", "table_t"))
+    dec_lens = lens_k[4:]
     rows = 4 * CHUNK
     cu_q4, cu_k4, table4 = cu_q[:5].clone(), cu_k[:5].clone(), table_t[:4].clone()
     table_dec, lens_dec = table_t[4:].clone(), dev(dec_lens)
