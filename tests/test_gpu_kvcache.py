@@ -29,6 +29,19 @@ def cu_seqlens(lens):
     return i32(np.concatenate([[0], np.cumsum(lens)]))
 
 
+def check_packed_sequences(out, lse, q, k_cache, v_cache, lens_q, lens_k, label, **kw):
+    """Each sequence b of a packed call's out (total, h, d) and lse (h, total) against the
+    reference over the first lens_k[b] keys of cache row b; sequences without query rows
+    are skipped."""
+    starts = np.concatenate([[0], np.cumsum(lens_q)])
+    for b, n in enumerate(lens_k):
+        s, e = starts[b], starts[b + 1]
+        if e > s:
+            check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None],
+                            k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                            label=f"{label}: seq {b} ({e - s} x {n})", **kw)
+
+
 # -- building a call ----------------------------------------------------------------------
 
 def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=64, capacity=160,
@@ -554,13 +567,8 @@ def test_varlen_with_block_table(rng, page_size, seqused):
         causal=True, return_lse=True, out=out, block_table=i32(table),
         seqused_k=i32(used) if seqused else None)
     assert res is out and lse.shape == (h, sum(lens_q))
-    starts = np.concatenate([[0], np.cumsum(lens_q)])
-    for b in range(batch):
-        s, e, n = starts[b], starts[b + 1], used[b]
-        if e > s:
-            check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None],
-                            k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True,
-                            label=f"paged varlen page {page_size} seq {b} ({e - s} x {n})")
+    check_packed_sequences(out, lse, q, k_cache, v_cache, lens_q, used,
+                           f"paged varlen page {page_size}", causal=True)
 
 
 PAGED_PREFILL_OPTIONS = {
@@ -599,14 +607,8 @@ def test_varlen_paged_prefill_every_page_size(rng, page_size, name):
     res, lse = cufa.flash_attn_varlen_func(
         q, k_pages, v_pages, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
         return_lse=True, out=out, block_table=i32(table), **options)
-    starts = np.concatenate([[0], np.cumsum(lens_q)])
-    for b in range(batch):
-        s, e, n = starts[b], starts[b + 1], lens_k[b]
-        if e > s:
-            check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None],
-                            k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
-                            label=f"{name} pages of {page_size}: seq {b} ({e - s} x {n})",
-                            **options)
+    check_packed_sequences(out, lse, q, k_cache, v_cache, lens_q, lens_k,
+                           f"{name} pages of {page_size}", **options)
 
 
 @pytest.mark.parametrize("page_size", [8, 16, 256])
@@ -629,12 +631,8 @@ def test_varlen_paged_prefill_reads_kv_pages_interleaved(rng, page_size):
     res, lse = cufa.flash_attn_varlen_func(
         q, k_pages, v_pages, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
         causal=True, return_lse=True, out=out, block_table=i32(table))
-    starts = np.concatenate([[0], np.cumsum(lens_q)])
-    for b in range(batch):
-        s, e, n = starts[b], starts[b + 1], lens_k[b]
-        check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None], k_cache[b:b + 1, :n],
-                        v_cache[b:b + 1, :n], causal=True,
-                        label=f"interleaved pages of {page_size}: seq {b} ({e - s} x {n})")
+    check_packed_sequences(out, lse, q, k_cache, v_cache, lens_q, lens_k,
+                           f"interleaved pages of {page_size}", causal=True)
 
 
 PAGED_MIXED_CASES = {
@@ -670,13 +668,7 @@ def test_varlen_paged_short_sequences_take_the_decode_kernel(rng, name):
     res, lse = cufa.flash_attn_varlen_func(
         q, k_pages, v_pages, cu_q, cu_seqlens(lens_k), max(lens_q), max(lens_k),
         return_lse=True, out=out, block_table=i32(table), **kw)
-    starts = np.concatenate([[0], np.cumsum(lens_q)])
-    for b in range(batch):
-        s, e, n = starts[b], starts[b + 1], lens_k[b]
-        if e > s:
-            check_attention(out[s:e][None], lse[:, s:e][None], q[s:e][None],
-                            k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
-                            label=f"{name}: seq {b} ({e - s} x {n})", **kw)
+    check_packed_sequences(out, lse, q, k_cache, v_cache, lens_q, lens_k, name, **kw)
 
 
 # -- device values: checked, or clamped ------------------------------------------------------

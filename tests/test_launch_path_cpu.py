@@ -292,6 +292,10 @@ def test_paged_prefill_takes_the_hopper_kernels_from_pages_of_8(device, monkeypa
     box = min(page, plan.variant.block_n & -plan.variant.block_n)
     assert views[1] == views[2] == ((40, page, hk, d), cache.strides[:3], box) and tails == ()
     assert views[0] == ((1, total, h, d), (0, h * d, d), plan.variant.block_m)
+
+
+def test_paged_boxes_never_cross_a_page():
+    """A paged box: the page, or the largest power of two dividing the key block."""
     assert [api._paged_box_rows(p, n) for p, n in ((16, 80), (32, 80), (256, 80), (8, 128),
                                                    (256, 128), (64, 64), (256, 32))] == [
         16, 16, 16, 8, 128, 64, 32]
