@@ -29,6 +29,20 @@ def cu_seqlens(lens):
     return i32(np.concatenate([[0], np.cumsum(lens)]))
 
 
+def paged_caches(rng, batch, capacity, heads_k, d, dtype, page_size, nan_past=None):
+    """Random caches (batch, capacity, heads_k, d), NaN from key nan_past[b] on in row b
+    where given, and their paged copies (pages of no sequence NaN): (k_cache, v_cache,
+    k_pages, v_pages, block_table as NumPy)."""
+    k_cache, v_cache = (randn(rng, (batch, capacity, heads_k, d), dtype) for _ in range(2))
+    for b, n in enumerate(nan_past or ()):
+        k_cache[b, n:] = NAN
+        v_cache[b, n:] = NAN
+    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
+    k_pages, v_pages = (reference.to_paged(c, table, num_pages, fill=NAN)
+                        for c in (k_cache, v_cache))
+    return k_cache, v_cache, k_pages, v_pages, table
+
+
 def check_packed_sequences(out, lse, q, k_cache, v_cache, lens_q, lens_k, label, **kw):
     """Each sequence b of a packed call's out (total, h, d) and lse (h, total) against the
     reference over the first lens_k[b] keys of cache row b; sequences without query rows
@@ -557,10 +571,8 @@ def test_varlen_with_block_table(rng, page_size, seqused):
     batch, capacity, h, hk, d = len(lens_q), 512, 8, 2, 64 if page_size == 16 else 128
     dtype = "float16" if page_size == 16 else "bfloat16"
     q = randn(rng, (1, sum(lens_q), h, d), dtype)[0]
-    k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), dtype) for _ in range(2))
-    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
-    k_pages, v_pages = (reference.to_paged(c, table, num_pages, fill=NAN)
-                        for c in (k_cache, v_cache))
+    k_cache, v_cache, k_pages, v_pages, table = paged_caches(rng, batch, capacity, hk, d, dtype,
+                                                             page_size)
     out = torch.full_like(q, NAN)
     res, lse = cufa.flash_attn_varlen_func(
         q, k_pages, v_pages, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
@@ -596,13 +608,8 @@ def test_varlen_paged_prefill_every_page_size(rng, page_size, name):
     batch, h, hk = len(lens_q), 4, 1
     capacity = 1024
     q = randn(rng, (1, sum(lens_q), h, d), dtype)[0]
-    k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), dtype) for _ in range(2))
-    for b, n in enumerate(lens_k):
-        k_cache[b, n:] = NAN
-        v_cache[b, n:] = NAN
-    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
-    k_pages, v_pages = (reference.to_paged(c, table, num_pages, fill=NAN)
-                        for c in (k_cache, v_cache))
+    k_cache, v_cache, k_pages, v_pages, table = paged_caches(rng, batch, capacity, hk, d, dtype,
+                                                             page_size, nan_past=lens_k)
     out = torch.full_like(q, NAN)
     res, lse = cufa.flash_attn_varlen_func(
         q, k_pages, v_pages, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
@@ -618,13 +625,9 @@ def test_varlen_paged_prefill_reads_kv_pages_interleaved(rng, page_size):
     lens_q, lens_k = [100, 9, 300], [400, 9, 777]
     batch, h, hk, d, capacity = 3, 8, 2, 128, 1024
     q = randn(rng, (1, sum(lens_q), h, d), "float16")[0]
-    k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), "float16") for _ in range(2))
-    for b, n in enumerate(lens_k):
-        k_cache[b, n:] = NAN
-        v_cache[b, n:] = NAN
-    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
-    kv = torch.stack([reference.to_paged(c, table, num_pages, fill=NAN)
-                      for c in (k_cache, v_cache)], dim=1)
+    k_cache, v_cache, *pages, table = paged_caches(rng, batch, capacity, hk, d, "float16",
+                                                   page_size, nan_past=lens_k)
+    kv = torch.stack(pages, dim=1)
     k_pages, v_pages = kv[:, 0], kv[:, 1]
     assert k_pages.stride(0) == 2 * page_size * hk * d
     out = torch.full_like(q, NAN)
@@ -656,10 +659,8 @@ def test_varlen_paged_short_sequences_take_the_decode_kernel(rng, name):
     batch, d, page_size = len(lens_q), 128, 16
     capacity = -(-max(lens_k) // page_size) * page_size
     q = randn(rng, (1, sum(lens_q), h, d), "float16")[0]
-    k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), "float16") for _ in range(2))
-    table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
-    k_pages, v_pages = (reference.to_paged(c, table, num_pages, fill=NAN)
-                        for c in (k_cache, v_cache))
+    k_cache, v_cache, k_pages, v_pages, table = paged_caches(rng, batch, capacity, hk, d,
+                                                             "float16", page_size)
     kw = dict(options)
     if kw.pop("alibi_slopes", False):
         kw["alibi_slopes"] = torch.from_numpy(rng.uniform(0, 1, h).astype(np.float32)).cuda()
