@@ -1172,6 +1172,19 @@ def stream_capturing(stream):
 _stream_is_capturing = None
 
 
+def stream_idle(stream):
+    """Whether `stream` has finished all the work queued on it (never asked under capture,
+    where the query is illegal)."""
+    global _stream_query
+    if _stream_query is None:
+        import cupy
+        _stream_query = cupy.cuda.runtime.streamQuery
+    return _stream_query(stream) == 0
+
+
+_stream_query = None
+
+
 _tile_counters = {}  # (device, stream, thread) -> (address, bytes)
 _split_counters = {}
 _workspaces = {}

@@ -535,17 +535,23 @@ def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
         "d256 3 splits"])
 def test_eager_merge_gives_the_bits_of_the_graph_merge(rng, monkeypatch, d, heads, seqlen_q,
                                                        num_splits, page_size):
-    """An eager split call whose merge one pass of the decode CTA covers merges in the
-    decode launch; a graph replay of it merges in decode_combine. Both sum in the same
-    order, so the bits agree."""
+    """An eager split call from an idle stream whose merge one pass of the decode CTA
+    covers merges in the decode launch; the same call behind queued work, and a graph
+    replay of it, merge in decode_combine. All sum in the same order, so the bits agree."""
     from cufa import api
     taken, counters = [], api.stream_split_counters
     monkeypatch.setattr(api, "stream_split_counters",
                         lambda *args: taken.append(args) or counters(*args))
     kw, _ = build(rng, batch=2, heads=heads, d=d, seqlen_q=seqlen_q, capacity=1024,
                   page_size=page_size, lens=[1000, 333], num_splits=num_splits)
+    torch.cuda.synchronize()
     eager_out, eager_lse = cufa.flash_attn_with_kvcache(**kw, return_softmax_lse=True)
     assert taken, "the eager call was to merge in its decode launch"
+    torch.cuda._sleep(1_000_000)  # (work queued ahead)
+    queued_out, queued_lse = cufa.flash_attn_with_kvcache(**kw, return_softmax_lse=True)
+    assert len(taken) == 1, "behind queued work decode_combine was to merge"
+    assert torch.equal(queued_out.view(torch.int16), eager_out.view(torch.int16))
+    assert torch.equal(queued_lse.view(torch.int32), eager_lse.view(torch.int32))
     out = torch.full_like(kw["q"], NAN)
     graph, (_, lse) = capture_cuda_graph(
         lambda: cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True))

@@ -17,6 +17,7 @@ class _Device:
     def __init__(self):
         self.launches, self.allocations, self.next = [], [], 1 << 20
         self.capturing = False
+        self.idle = True
 
     def allocate(self, framework, shape, dtype, device, stream, like=None):
         self.allocations.append((shape, dtype))
@@ -51,6 +52,7 @@ def device(monkeypatch):
     monkeypatch.setattr(api, "stream_split_counters",
                         lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS))
     monkeypatch.setattr(api, "stream_capturing", lambda stream: fake.capturing)
+    monkeypatch.setattr(api, "stream_idle", lambda stream: fake.idle)
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
     monkeypatch.setattr(api, "_compute_capability", lambda device: "90")
     monkeypatch.setattr(api, "_sm_count", lambda device: 132)
@@ -341,6 +343,13 @@ def test_kvcache_split_partials_in_the_stream_workspace(device):
     decode, combine = device.launches[done:]
     assert record(decode, _params.DECODE)["split_counters"] == 0
     assert record(decode, _params.DECODE)["combine_row_threads"] == 128
+    # behind queued work (the host's time hidden) decode_combine merges: less GPU time
+    device.idle, done = False, len(device.launches)
+    cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=4)
+    decode, combine = device.launches[done:]
+    assert record(decode, _params.DECODE)["split_counters"] == 0
+    assert record(combine, _params.DECODE)["num_splits"] == 4
+    device.idle = True
     # under graph capture decode_combine merges: no counters of cufa's in the graph
     device.capturing, done = True, len(device.launches)
     cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=4)
