@@ -363,8 +363,43 @@ def _split_count(num_splits, units, capacity, kernel, device, paged):
     if num_splits == 0:
         num_splits = choose_num_splits(units, capacity, api._sm_count(device),
                                        kernel.ctas_per_sm_on(_smem_per_sm(device)),
-                                       one_per_sm=not paged)
+                                       one_per_sm=not paged and _one_cta_keeps_up(device))
     return min(num_splits, MAX_SPLITS)
+
+
+# One decode CTA an SM (choose_num_splits' one_per_sm) keeps an SM's share of the memory
+# bandwidth busy only up to a point: on an H100 SXM (3.35 TB/s peak, 25 GB/s an SM) it
+# read the batch-1 and 8-sequence caches 2-8 % faster than two or three CTAs an SM; on an
+# H200 (4.8 TB/s, 36 GB/s an SM) 20-35 % slower (1 x 128k, 32 KV heads, d = 64: 370 us
+# against 269 with the slot-fill split, bench/NOTES.md). The line sits between the two.
+_ONE_CTA_MAX_BYTES_PER_SM = 30e9
+_keeps_up = {}
+
+
+def _one_cta_keeps_up(device):
+    """Whether the device's peak memory bandwidth an SM is low enough for one decode CTA
+    an SM to stream it (from its memory clock and bus width; unknown: yes)."""
+    keeps = _keeps_up.get(device)
+    if keeps is None:
+        keeps = _keeps_up[device] = (_peak_bytes_per_s(device) or 0) / api._sm_count(
+            device) <= _ONE_CTA_MAX_BYTES_PER_SM
+    return keeps
+
+
+def _peak_bytes_per_s(device):
+    """Peak DRAM bytes/s (double data rate x memory clock x bus width), or None where the
+    driver does not say."""
+    import cupy
+    try:
+        khz = cupy.cuda.runtime.deviceGetAttribute(_ATTR_MEMORY_CLOCK_KHZ, device)
+        bits = cupy.cuda.runtime.deviceGetAttribute(_ATTR_MEMORY_BUS_BITS, device)
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return None
+    return 2 * khz * 1e3 * bits / 8 if khz > 0 and bits > 0 else None
+
+
+# cudaDevAttrMemoryClockRate (kHz) and cudaDevAttrGlobalMemoryBusWidth (bits)
+_ATTR_MEMORY_CLOCK_KHZ, _ATTR_MEMORY_BUS_BITS = 36, 37
 
 
 def _workspace(*sizes):
@@ -524,7 +559,8 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
     """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
     only. Measured on an H100 with CUDA-graph replays, 5 interleaved rounds.
 
-    A contiguous cache (one_per_sm) with at most one unit an SM: one CTA an SM, the
+    A contiguous cache (one_per_sm, on a device whose bandwidth an SM one CTA keeps up
+    with: _one_cta_keeps_up) with at most one unit an SM: one CTA an SM, the
     largest power of two with units x splits <= sm_count, where that covers at least 90 %
     of the SMs. 128 CTAs read faster than 256 at every batch-1 and 8-sequence row: 1 x
     128k, 8 KV heads, d = 64: 16 splits 97.4 us against 32 splits 102.2; 8 x 16k: 2 splits

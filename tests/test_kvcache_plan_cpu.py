@@ -9,6 +9,8 @@ from cufa import _compile, _params, api, kvcache
 from cufa._interop import DeviceArray
 
 H100_SMS = 132
+H100_PEAK_BYTES_PER_S = 2 * 2619e6 * 5120 / 8   # H100 SXM: 3.35 TB/s
+H200_PEAK_BYTES_PER_S = 2 * 3201e6 * 6144 / 8   # H200: 4.9 TB/s
 
 
 def arr(shape, dtype="float16", strides=None, ptr=0x7f0000000000):
@@ -24,6 +26,8 @@ def planner(monkeypatch):
     monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: hash(kernel.key))
     monkeypatch.setattr(api, "_sm_count", lambda device: H100_SMS)
     monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
+    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
     monkeypatch.setattr(api, "_plans", {})
     captured = []
     monkeypatch.setattr(kvcache, "_run", lambda plan, *a: captured.append(plan) or plan)
@@ -157,6 +161,25 @@ def test_pages_of_256_read_whole_take_the_contiguous_rule(planner, heads_k, one_
     assert splits(256, cache_leftpad=arr((1,), "int32")) == slot_fill
     assert splits(256, window_size=(4096, 0)) == slot_fill
     assert splits(256, window_size=(-1, 0)) == one_per_sm  # a right bound keeps row 0
+
+
+@pytest.mark.parametrize("heads_k, one_per_sm, slot_fill", [(8, 16, 32), (32, 4, 8)])
+def test_one_cta_an_sm_only_where_it_keeps_up_with_the_memory(planner, monkeypatch, heads_k,
+                                                              one_per_sm, slot_fill):
+    """A contiguous batch-1 cache takes one CTA an SM on an H100's bandwidth an SM, the
+    slot-fill split on an H200's (one CTA an SM read 20-35 % slower there); a device
+    whose memory clock the driver does not give keeps the H100's rule."""
+    q, cache = arr((1, 1, 32, 128)), arr((1, 131072, heads_k, 128))
+    lens = arr((1,), "int32")
+
+    def splits(peak):
+        monkeypatch.setattr(kvcache, "_keeps_up", {})
+        monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: peak)
+        monkeypatch.setattr(api, "_plans", {})
+        return record(planner(q, cache, cache, cache_seqlens=lens))["num_splits"]
+    assert splits(H100_PEAK_BYTES_PER_S) == one_per_sm
+    assert splits(H200_PEAK_BYTES_PER_S) == slot_fill
+    assert splits(None) == one_per_sm
 
 
 def test_units_that_fit_the_cta_slots_run_unsplit_paged_or_not(planner):
