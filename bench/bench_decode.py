@@ -596,7 +596,7 @@ def main(argv=None):
             f"full, no mask. Median of {-(-args.reps // ROUNDS) * ROUNDS} calls in {ROUNDS} "
             f"interleaved rounds (random order), each block after {WARMUP} warm-ups and "
             f"{WARMUP_MS} ms, CUDA events, the calls queued behind a spinning kernel (host cost "
-            "hidden, as inside a model); caches under {ROTATE_BELOW // 2**20} MB rotate 2 "
+            f"hidden, as inside a model); caches under {ROTATE_BELOW // 2**20} MB rotate 2 "
             "input sets. cufa/flash and cufa/cuDNN: the peer's time over cufa's (contiguous).")
     why = unavailable(rows)
     na = "\n".join(f"- {LABELS[n]} n/a on {c} rows: {reason}" for n, (reason, c) in why.items())
