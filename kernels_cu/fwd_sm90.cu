@@ -254,6 +254,20 @@ __device__ __forceinline__ bool load_tile(u32 addr, const FwdParams& p, Tile& t)
   return t.b >= 0;
 }
 
+// -- a K and V stage the producer warp filled with cp.async (a sequence's last key
+//    block): once its copies have landed, fenced for the async proxy that wgmma reads
+//    through (they came through the generic one), lane 0 marks both full --
+template <class Smem>
+__device__ __forceinline__ void mark_copied_stage_full(const Smem& sm, u32 stage) {
+  cp_async_wait_all();
+  fence_proxy_async();
+  __syncwarp();
+  if (threadIdx.x == 0) {
+    mbar_arrive(sm.k_full() + 8 * stage);
+    mbar_arrive(sm.v_full() + 8 * stage);
+  }
+}
+
 // -- a key block of a paged cache (block_table): boxes of whole rows inside one page by
 //    TMA, each from its page (the maps view K and V as (columns, page rows, heads, pages)
 //    in boxes of the page's rows, or of the largest power of two up to 128 dividing
@@ -287,13 +301,7 @@ __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const Te
     copy_rows_async<kBlockN, kHeadDim, 32>(
         v_dst, [&](int r) { return paged_row(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0 + r); },
         ptr.v, t.seqlen_k - key0, p.head_dim, panels, lane);
-    cp_async_wait_all();
-    fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
-    __syncwarp();
-    if (elected) {
-      mbar_arrive(sm.k_full() + 8 * stage);
-      mbar_arrive(sm.v_full() + 8 * stage);
-    }
+    mark_copied_stage_full(sm, stage);
     return;
   }
   const int box_shift = min(p.page_shift, kBlockNShift);
@@ -360,13 +368,7 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
                                      t.seqlen_k - key0, p.head_dim);
       load_panels<kBlockN, kHeadDim>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
                                      t.seqlen_k - key0, p.head_dim);
-      cp_async_wait_all();
-      fence_proxy_async();  // generic-proxy writes, read by wgmma through the async proxy
-      __syncwarp();
-      if (elected) {
-        mbar_arrive(sm.k_full() + 8 * stage);
-        mbar_arrive(sm.v_full() + 8 * stage);
-      }
+      mark_copied_stage_full(sm, stage);
       return;
     }
   }
