@@ -54,6 +54,10 @@ SM90_KV_STAGES = 2  # Sm90Smem::kStages in fwd_sm90.cu, where two fit (else one)
 # at 8k (NOTES.md step 52).
 SM90_MID_TILES = {128: (128, 128), 256: (128, 128)}
 SM90_LONG_MIN_SEQLEN = {"none": 1024, "window": 2048}
+# d <= 64, causal or windowed: the long tiles differ from the middle class's only by the
+# held P V wait (SM90_HOLD_PV_WAIT), which costs 1.4-3 % at 2k-4k rows and is even from 8k
+# (NOTES.md step 56), so the long class starts there
+SM90_LONG_MIN_SEQLEN_D64_WINDOW = 8192
 # Short sequences (packed batches of them, and padded ones up to 1k rows at d <= 64),
 # causal or windowed: 64-row tiles, one consumer warpgroup, two CTAs per SM (half the
 # query-row rounding of 128-row tiles; NOTES.md step 24). Two CTAs share the SM's shared
@@ -352,7 +356,7 @@ def sm90_rows(packed, total_q, batch, head_dim, mask, keys_per_sequence=0):
     sequence of a packed batch, or a paged one's capacity, at least twice the query rows),
     and padded ones at head dims up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (step
     24 of NOTES: +2-5 % there, -15 % at d = 128); "long" from SM90_LONG_MIN_SEQLEN[mask]
-    up; else "mid". (A class without tiles for the head dim and mask takes the next
+    up (d <= 64 causal: SM90_LONG_MIN_SEQLEN_D64_WINDOW); else "mid". (A class without tiles for the head dim and mask takes the next
     longer's: fwd_variant.) CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
     forced = _overrides[SM90_ROWS_ENV]
     if forced:
@@ -368,7 +372,9 @@ def sm90_rows(packed, total_q, batch, head_dim, mask, keys_per_sequence=0):
     if not packed and head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN:
         return "short"
     per_sequence = total_q if not packed else total_q / batch
-    return "long" if per_sequence >= SM90_LONG_MIN_SEQLEN[mask] else "mid"
+    long_from = (SM90_LONG_MIN_SEQLEN_D64_WINDOW if head_dim <= 64 and mask == "window"
+                 else SM90_LONG_MIN_SEQLEN[mask])
+    return "long" if per_sequence >= long_from else "mid"
 
 
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"

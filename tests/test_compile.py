@@ -80,6 +80,15 @@ def test_tile_class_follows_the_mean_sequence_length(setenv):
         assert rows(False, long_from, 3, 128, mask) == "long"
         assert rows(True, long_from * 3 - 1, 3, 128, mask) == "mid"  # packed: the mean
         assert rows(True, long_from * 3, 3, 128, mask) == "long"
+    # d <= 64 causal: the long tiles (the held P V wait) from 8k rows
+    d64_long = _compile.SM90_LONG_MIN_SEQLEN_D64_WINDOW
+    assert rows(False, d64_long - 1, 1, 64, "window") == "mid"
+    assert rows(False, d64_long, 1, 64, "window") == "long"
+    assert rows(False, 2048, 1, 64, "none") == "long"  # (without a mask as before)
+    mid = _compile.fwd_variant("fp16", 64, "window", False, "sm90", "mid")
+    long = _compile.fwd_variant("fp16", 64, "window", False, "sm90", "long")
+    assert (mid.block_m, mid.block_n) == (long.block_m, long.block_n)
+    assert long.hold_pv_wait and not mid.hold_pv_wait
     # chunked prefill (keys at least twice the query rows) from 128 rows, above d = 64
     chunk = _compile.SM90_CHUNK_MIN_MEAN_SEQLEN
     assert rows(True, chunk * 8, 8, 128, "window", keys_per_sequence=2 * chunk) == "mid"
