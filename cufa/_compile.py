@@ -356,8 +356,9 @@ def sm90_rows(packed, total_q, batch, head_dim, mask, keys_per_sequence=0):
     sequence of a packed batch, or a paged one's capacity, at least twice the query rows),
     and padded ones at head dims up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (step
     24 of NOTES: +2-5 % there, -15 % at d = 128); "long" from SM90_LONG_MIN_SEQLEN[mask]
-    up (d <= 64 causal: SM90_LONG_MIN_SEQLEN_D64_WINDOW); else "mid". (A class without tiles for the head dim and mask takes the next
-    longer's: fwd_variant.) CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
+    up (d <= 64 causal: SM90_LONG_MIN_SEQLEN_D64_WINDOW); else "mid". (A class without
+    tiles for the head dim and mask takes the next longer's: fwd_variant.)
+    CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
     forced = _overrides[SM90_ROWS_ENV]
     if forced:
         if forced not in SM90_ROW_CLASSES:

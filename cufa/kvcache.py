@@ -370,8 +370,8 @@ def _split_count(num_splits, units, capacity, kernel, device, paged):
 # One decode CTA an SM (choose_num_splits' one_per_sm) keeps an SM's share of the memory
 # bandwidth busy only up to a point: on an H100 SXM (3.35 TB/s peak, 25 GB/s an SM) it
 # read the batch-1 and 8-sequence caches 2-8 % faster than two or three CTAs an SM; on an
-# H200 (4.8 TB/s, 36 GB/s an SM) 20-35 % slower (1 x 128k, 32 KV heads, d = 64: 370 us
-# against 269 with the slot-fill split, bench/NOTES.md). The line sits between the two.
+# H200 (4.8 TB/s, 36 GB/s an SM) 20-35 % slower (1 x 128k, 32 KV heads, d = 64: 368 us
+# against 257 with the slot-fill split, bench/NOTES.md). The line sits between the two.
 _ONE_CTA_MAX_BYTES_PER_SM = 30e9
 _keeps_up = {}
 
