@@ -209,10 +209,10 @@ def decode_shape(head_dim):
     return (4 if head_dim <= 128 else 2), (4 if head_dim <= 64 else 2)
 
 
-# Decode kernels with fewer stages and so more CTAs an SM, by padded head dim: the planner
-# takes one where it runs the work in one wave without splitting the keys while the
-# default shape would split (kvcache._kernel_and_splits).
-DECODE_MORE_CTAS_STAGES = {64: 3}
+# Decode kernels with less shared memory and so four CTAs an SM, (warps, stages) by padded
+# head dim: the planner takes one where it runs the work in one wave without splitting the
+# keys while the default shape would split (kvcache._kernel_and_splits).
+DECODE_MORE_CTAS = {64: (4, 3), 128: (2, 3)}
 
 
 @dataclass(frozen=True)
@@ -224,6 +224,7 @@ class DecodeKernel:
     head_dim: int = 0   # "decode" only: the padded head dim
     rows: int = 1       # "combine" only: rows a CTA (1, or 4: a warp a row)
     stages: int = 0     # "decode" only: cp.async stages a warp (0: decode_shape's)
+    warps: int = 0      # "decode" only: warps a CTA (0: decode_shape's)
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
 
@@ -234,7 +235,9 @@ class DecodeKernel:
     @property
     def key(self):
         if self.kind == "decode":
-            return f"decode_{self.dtype}_hd{self.head_dim}_s{self.shape[1]}"
+            warps, stages = self.shape
+            other = f"_w{warps}" if warps != decode_shape(self.head_dim)[0] else ""
+            return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}"
         if self.kind == "merge":
             return f"merge_{self.dtype}"
         if self.kind == "combine":
@@ -247,7 +250,8 @@ class DecodeKernel:
             return f"cufa::merge_states<{MERGE_DTYPES.index(self.dtype)}>"
         dt = DTYPES.index(self.dtype)
         if self.kind == "decode":
-            return f"cufa::decode_kernel<{dt}, {self.head_dim}, {self.shape[1]}>"
+            warps, stages = self.shape
+            return f"cufa::decode_kernel<{dt}, {self.head_dim}, {stages}, {warps}>"
         if self.kind == "combine":
             return f"cufa::decode_combine<{dt}, {self.rows}>"
         return f"cufa::decode_{self.kind}<{dt}>"
@@ -256,7 +260,7 @@ class DecodeKernel:
     def shape(self):
         """(warps, stages) of a "decode" kernel."""
         warps, stages = decode_shape(self.head_dim)
-        return warps, self.stages or stages
+        return self.warps or warps, self.stages or stages
 
     @property
     def threads(self):
@@ -291,10 +295,12 @@ def decode_kernel(dtype, head_dim):
 
 @functools.lru_cache(maxsize=None)
 def decode_kernel_with_more_ctas(dtype, head_dim):
-    """The DECODE_MORE_CTAS_STAGES shape for head_dim, or None."""
+    """The DECODE_MORE_CTAS shape for head_dim, or None."""
     d = padded_head_dim(head_dim)
-    stages = DECODE_MORE_CTAS_STAGES.get(d)
-    return DecodeKernel("decode", dtype, d, stages=stages) if stages else None
+    if d not in DECODE_MORE_CTAS:
+        return None
+    warps, stages = DECODE_MORE_CTAS[d]
+    return DecodeKernel("decode", dtype, d, stages=stages, warps=warps)
 
 
 def combine_row_threads(head_dim, num_splits):
@@ -314,8 +320,7 @@ def combine_kernel(dtype, head_dim, num_splits):
 
 def decode_variants():
     return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
-            + [DecodeKernel("decode", dt, hd, stages=stages) for dt in DTYPES
-               for hd, stages in DECODE_MORE_CTAS_STAGES.items()]
+            + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
             + [DecodeKernel("combine", dt, rows=rows) for dt in DTYPES for rows in (1, 4)]
             + [DecodeKernel("append", dt) for dt in DTYPES]
             + [DecodeKernel("merge", dt) for dt in MERGE_DTYPES])

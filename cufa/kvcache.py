@@ -344,11 +344,11 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
 
 def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
     """The decode kernel and split count for `units` CTAs (batch x KV heads x query
-    blocks). Where the default shape would split the keys but the shape with more CTAs an
-    SM (fewer stages) holds every unit in one wave, that one, unsplit: at d = 64, 64 x 4k
-    with 8 KV heads (512 units) took 199 -> 188 us with one token and 209 -> 189 with four
-    on an H100, with no combine. With several waves it measured 2-3 % slower, so it is not
-    the default."""
+    blocks). Where the default shape would split the keys but the shape with four CTAs an
+    SM (_compile.DECODE_MORE_CTAS) holds every unit in one wave, that one, unsplit: at
+    d = 64, 64 x 4k with 8 KV heads (512 units) took 199 -> 188 us with one token and
+    209 -> 189 with four on an H100, with no combine. With several waves it measured 2-3 %
+    slower, so it is not the default."""
     kernel = _compile.decode_kernel(dtype, d)
     splits = _split_count(num_splits, units, capacity, kernel, device, paged)
     if num_splits == 0 and splits > 1:

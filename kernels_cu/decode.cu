@@ -25,13 +25,14 @@ constexpr int kTileKeys = 16;    // keys a warp takes per step
 // Warps and cp.async stages per head dim: enough bytes in flight to keep HBM busy (three
 // CTAs share an H100 SM), within the 99 KB of shared memory that every GPU from sm_80 on
 // grants a CTA. A warp's 16-key stage of K and V is 16 KB at d = 256, hence two warps
-// above d = 128. kStagesWanted (0: these) gives d = 64 a three-stage shape, four CTAs an
-// SM, that the planner takes where it runs the work in one wave unsplit (measured slower
-// than four stages once there are several waves). Mirrored by decode_shape in
-// cufa/_compile.py.
-template <int kHeadDim, int kStagesWanted = 0>
+// above d = 128. kStagesWanted and kWarpsWanted (0: these) give d = 64 and 128 a shape
+// with four CTAs an SM (d = 64: three stages; d = 128: two warps of three stages), that
+// the planner takes where it runs the work in one wave unsplit (measured slower than the
+// default at d = 64 once there are several waves). Mirrored by decode_shape and
+// DECODE_MORE_CTAS in cufa/_compile.py.
+template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0>
 struct DecodeShape {
-  static constexpr int kWarps = kHeadDim <= 128 ? 4 : 2;
+  static constexpr int kWarps = kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = kStagesWanted ? kStagesWanted : kHeadDim <= 64 ? 4 : 2;
   // 16-key tiles a warp's softmax step folds in: two where two stages can be computing
@@ -263,12 +264,11 @@ __device__ __forceinline__ void decode_mask(float (&sc)[1][2][4], const LaneRows
 }
 
 // -- epilogue: merge the warps' states, then write the output (or this split's share) --
-template <int kDtype, int kHeadDim>
+template <int kDtype, int kHeadDim, class Shape>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
                                                     int m_block, int h_k, int split, float* s_out,
                                                     const float* s_max, const float* s_sum,
                                                     float scale_log2) {
-  using Shape = DecodeShape<kHeadDim>;
   constexpr int kChunks = kHeadDim / 8;
   for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += Shape::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
@@ -447,9 +447,10 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
 }
 
 // grid: (num_m_blocks * num_splits, nheads_k, batch)
-template <int kDtype, int kHeadDim, int kStages>
-__global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel(const DecodeParams p) {
-  using Shape = DecodeShape<kHeadDim, kStages>;
+template <int kDtype, int kHeadDim, int kStages, int kWarpCount>
+__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kThreads)
+    decode_kernel(const DecodeParams p) {
+  using Shape = DecodeShape<kHeadDim, kStages, kWarpCount>;
   constexpr int kWarps = Shape::kWarps;
   constexpr int kDTiles = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -620,7 +621,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_kernel
           make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
   }
   __syncthreads();
-  write_decode_output<kDtype, kHeadDim>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
+  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
                                         scale_log2);
   static_assert((kDecodeRows * kMaxSplits + Shape::kThreads * 8) * 4 <= kWarps * Shape::kWarpBytes,
                 "the merge's weights and partial sums fit the cache stages");

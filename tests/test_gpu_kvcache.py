@@ -196,6 +196,12 @@ CASES = {
     "bf16 d64 64 x 512 GQA 32/8 q4 causal paged 16": dict(
         dtype="bfloat16", batch=64, heads=(32, 8), capacity=512, seqlen_q=4, causal=True,
         page_size=16),
+    # and at d = 128 (d = 96 too): two warps of three stages, four CTAs an SM, unsplit
+    "fp16 d128 64 x 512 GQA 32/8 q1 append": dict(batch=64, heads=(32, 8), capacity=512, new=1,
+                                                  d=128),
+    "bf16 d96 64 x 512 GQA 32/8 q4 causal paged 16 softcap": dict(
+        dtype="bfloat16", batch=64, heads=(32, 8), capacity=512, seqlen_q=4, causal=True,
+        page_size=16, d=96, softcap=8.0),
     # paged
     "paged 1 append 1": dict(page_size=1, capacity=48, new=1),
     "paged 16 append 1 GQA 32/8": dict(page_size=16, heads=(32, 8), new=1),

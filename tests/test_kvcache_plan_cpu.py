@@ -48,7 +48,8 @@ def record(plan):
     (8, 16384, 8, 128, 2),      # 64 units: 128 CTAs
     (12, 16384, 8, 128, 4),     # 96 units: 73 % of the SMs at one an SM -> the slots' fill
     (30, 16384, 4, 128, 1),     # 120 units: 91 % of the SMs, unsplit
-    (64, 4096, 8, 128, 3),      # 512 CTAs: 1.3 waves; 3 splits make 3.9 (several waves: kept)
+    (64, 4096, 8, 128, 1),      # 512 units: one wave of the four-CTA shape, unsplit
+    (64, 4096, 8, 256, 3),      # 512 units, d = 256 (no four-CTA shape): 3 splits, 3.9 waves
     (8, 16384, 32, 64, 1),      # 256 units: one wave of the 396 slots unsplit
     (128, 2048, 8, 128, 1),     # 1024 CTAs: over two waves already
     (256, 1024, 32, 64, 1),
@@ -77,6 +78,7 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
         100 * 1024)) == min(8, 1 << (max(1, keys // 256).bit_length() - 1)) or expected == 1
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("batch, heads_k, seqlen_q, wider", [
     (64, 8, 1, True),     # 512 units: split 3 ways on 396 slots, one wave on 528
     (64, 8, 4, True),     # 4 tokens x 4 heads a KV head: still one 16-row block
@@ -85,14 +87,14 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     (32, 32, 1, False),   # 1024: unsplit already, several waves
     (1, 8, 1, False),     # batch 1: split either way
 ])
-def test_d64_takes_the_four_cta_shape_where_it_runs_unsplit(planner, batch, heads_k, seqlen_q,
-                                                             wider):
-    q = arr((batch, seqlen_q, 32, 64))
-    cache = arr((batch, 4096, heads_k, 64))
+def test_the_four_cta_shape_where_it_runs_unsplit(planner, d, batch, heads_k, seqlen_q, wider):
+    q = arr((batch, seqlen_q, 32, d))
+    cache = arr((batch, 4096, heads_k, d))
     plan = planner(q, cache, cache, cache_seqlens=arr((batch,), "int32"))
     decode = [entry for entry in plan.launches if entry[0] == "decode"][0]
-    more = _compile.decode_kernel_with_more_ctas("fp16", 64)
-    assert more.ctas_per_sm == 4 and _compile.decode_kernel("fp16", 64).ctas_per_sm == 3
+    more = _compile.decode_kernel_with_more_ctas("fp16", d)
+    assert more.ctas_per_sm == 4 and _compile.decode_kernel("fp16", d).ctas_per_sm == 3
+    assert decode[3] == more.threads if wider else decode[3] == 128
     assert (decode[4] == more.smem_bytes) == wider
     if wider:
         assert record(plan)["num_splits"] == 1
@@ -238,9 +240,10 @@ def test_variant_keys_are_readable_and_unique():
     keys = [v.key for v in _compile.decode_variants()]
     assert len(set(keys)) == len(keys)
     assert "decode_bf16_hd128_s2" in keys and "decode_fp16_hd64_s3" in keys
+    assert "decode_fp16_hd128_s3_w2" in keys
     assert "decode_append_bf16" in keys and "merge_fp32" in keys
     assert _compile.DecodeKernel("decode", "bf16", 64).name_expression == \
-        "cufa::decode_kernel<1, 64, 4>"
+        "cufa::decode_kernel<1, 64, 4, 4>"
 
 
 def test_decode_pointer_order_is_the_records():
