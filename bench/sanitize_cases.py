@@ -105,12 +105,13 @@ def kvcache_cases(rng):
                                              cache_seqlens=i32([0, 50, 94]), causal=True,
                                              num_splits=splits, return_softmax_lse=True)
                 calls += 1
-    # 512 CTAs at d = 64: the three-stage decode shape, four CTAs an SM, unsplit
+    # 512 CTAs at d = 64 and 128: the shapes with four CTAs an SM, unsplit
     # (kvcache._kernel_and_splits)
-    q = _t(rng, (64, 1, 8, 64), torch.float16)
-    cache = _t(rng, (64, 512, 8, 64), torch.float16)
-    cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=i32(rng.integers(0, 513, 64)))
-    calls += 1
+    for dm in (64, 128):
+        q = _t(rng, (64, 1, 8, dm), torch.float16)
+        cache = _t(rng, (64, 512, 8, dm), torch.float16)
+        cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=i32(rng.integers(0, 513, 64)))
+        calls += 1
     d, page = 128, 16
     pages = _t(rng, (20, page, 2, d), torch.float16)
     table = i32(rng.permutation(20)[:18].reshape(3, 6))
