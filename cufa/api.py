@@ -1081,9 +1081,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
             tile_list = scratch_ptr
         else:  # (a paged batch: its decode order after them, kept by the decode launch,
             # and that launch's partials: asked for at once, so its ask cannot move them)
-            scratch, tile_list = stream_workspace(framework, device, stream,
-                                                  4 * (ints + 2) if plan.decode is None
-                                                  else plan.scratch_bytes)
+            scratch, tile_list = stream_workspace(framework, device, stream, plan.scratch_bytes)
         tile_count = tile_list + 8 * max_tiles
         if plan.variant.persistent:
             counter = tile_list + 4 * ints
@@ -1162,27 +1160,25 @@ def stream_split_counters(framework, device, stream, nbytes):
 
 def stream_capturing(stream):
     """Whether `stream` is being captured into a CUDA graph."""
-    global _stream_is_capturing
-    if _stream_is_capturing is None:  # (looked up once: cupy.cuda's lookups cost ~1 us)
-        import cupy
-        _stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
-    return bool(_stream_is_capturing(stream))
-
-
-_stream_is_capturing = None
+    return bool(_runtime_function("streamIsCapturing")(stream))
 
 
 def stream_idle(stream):
     """Whether `stream` has finished all the work queued on it (never asked under capture,
     where the query is illegal)."""
-    global _stream_query
-    if _stream_query is None:
+    return _runtime_function("streamQuery")(stream) == 0
+
+
+def _runtime_function(name):
+    """cupy.cuda.runtime's `name`, looked up once (cupy.cuda's lookups cost ~1 us)."""
+    function = _runtime_functions.get(name)
+    if function is None:
         import cupy
-        _stream_query = cupy.cuda.runtime.streamQuery
-    return _stream_query(stream) == 0
+        function = _runtime_functions[name] = getattr(cupy.cuda.runtime, name)
+    return function
 
 
-_stream_query = None
+_runtime_functions = {}
 
 
 _tile_counters = {}  # (device, stream, thread) -> (address, bytes)
