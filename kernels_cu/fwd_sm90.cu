@@ -111,6 +111,14 @@ constexpr bool kLazyRescale = kHeadDim >= 128;
 template <int kHeadDim>
 constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
 
+// -- the first block a tile takes is its last: where no row of the tile sees its upper
+//    half (every other tile of a causal sequence on 64-row tiles and 128-key blocks, or
+//    a sequence ending there), only the lower half's Q K^T and exponentials are
+//    computed. At d = 64 the exponentials bound the loop, and on short causal rows such
+//    blocks are a fifth of all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
+template <int kBlockM, int kBlockN, bool kScoreMods>
+constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods;
+
 // row_base: the first of this warp's 16 rows in the sequence; row0: the tile's first
 template <int kDtype, int kBlockM, int kHeadDim, int kDTiles>
 __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles][4],
@@ -213,6 +221,7 @@ struct Sm90Smem {
 struct Sm90Work {
   Tile t;
   int row0, row_end, n_block_max, n_blocks;
+  int last_block_keys;  // keys of the last (highest) block some row of the tile sees
 };
 
 template <int kBlockM, int kMask, int kBlockN>
@@ -224,6 +233,7 @@ __device__ __forceinline__ Sm90Work sm90_work(const FwdParams& p, const Tile& t)
   const KeyRange keys = key_range<kMask>(p, t, w.row0, w.row_end);
   w.n_block_max = (keys.end + kBlockN - 1) / kBlockN;  // rows with no key: no blocks
   w.n_blocks = max(w.n_block_max - keys.begin / kBlockN, 0);
+  w.last_block_keys = keys.end - (w.n_block_max - 1) * kBlockN;
   return w;
 }
 
@@ -601,11 +611,28 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
         {
           const u32 stage = Smem::stage(block_count);
+          // (broadcast from lane 0, so that ptxas sees a uniform branch around the wgmma)
+          const bool half = kHalfFirstBlock<kBlockM, kBlockN, kScoreMods> &&
+                            __shfl_sync(0xffffffffu, 2 * w.last_block_keys <= kBlockN, 0);
+          float acc_s[1][kNTiles][4];
+          float(&lower)[1][kNTiles / 2][4] = *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s);
           mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
           turn_begin();
-          float acc_s[1][kNTiles][4];
           wgmma_fence();
-          issue_qk(acc_s, stage);
+          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+            if (half) {
+              const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
+#pragma unroll
+              for (int ks = 0; ks < kHeadDim / 16; ++ks)
+                wgmma_ss<kDtype>(lower, desc_add(q_stage_desc, kstep(ks, kBlockM)),
+                                 desc_add(k_stage_desc, kstep(ks, kBlockN)), ks > 0);
+              wgmma_commit();
+            } else {
+              issue_qk(acc_s, stage);
+            }
+          } else {
+            issue_qk(acc_s, stage);
+          }
           turn_end();
           wgmma_wait<0>();
           fence_registers(acc_s);
@@ -613,7 +640,26 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           if (!kStagedOutput<kHeadDim> && n_blocks == 1)
             mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
           float correction[1][2];
-          scores_to_probs(acc_s, 0, correction);
+          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+            if (half) {  // scores_to_probs on the lower half (no score mods here)
+              const int key0 = (w.n_block_max - 1) * kBlockN;
+              if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + kBlockN / 2))
+                apply_mask<kMask>(lower, p, t, row_base, key0, lane);
+              if constexpr (kLazyRescale<kHeadDim>)
+                softmax.update_lazy(lower, scale_log2, correction);
+              else
+                softmax.update(lower, scale_log2, correction);
+              fence_registers(lower);
+#pragma unroll
+              for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;  // P of the keys no row sees
+            } else {
+              scores_to_probs(acc_s, 0, correction);
+            }
+          } else {
+            scores_to_probs(acc_s, 0, correction);
+          }
           // O is still zero: rescaling it would be 0 * correction, which the compiler must
           // keep (inf and NaN), ~100 instructions a tile at d = 128
           pack_p<kDtype>(p_prev, acc_s);
