@@ -68,6 +68,23 @@ def test_random_shapes_and_masks(seed):
     check_attention(out, lse, q, k, v, label=label, **kw)
 
 
+# A tile's first (highest) key block with no row seeing its upper half is computed on its
+# lower half only (kHalfFirstBlock): every other 64-row tile of a causal sequence on
+# 128-key blocks, and sequences whose last block holds 1-64 keys; next to them, lengths
+# whose last block is just over half full.
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk,kw", [
+    (512, 512, {"causal": True}), (576, 576, {"causal": True}), (320, 320, {"causal": True}),
+    (200, 329, {"causal": True}), (300, 129, {}), (300, 192, {}), (77, 576, {}), (300, 193, {}),
+    (512, 512, {"window_size": (100, 0)}), (256, 640, {"window_size": (-1, 20)})])
+def test_first_block_upper_half_skipped(rng, d, sq, sk, kw):
+    q = randn(rng, (2, sq, 4, d), "float16")
+    k, v = (randn(rng, (2, sk, 2, d), "float16") for _ in range(2))
+    out = _poisoned_like(q)
+    _, lse = cufa.flash_attn_func(q, k, v, out=out, return_lse=True, **kw)
+    check_attention(out, lse, q, k, v, label=f"d={d} sq={sq} sk={sk} {kw}", **kw)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_packed_qkv_views(rng, dtype):
     """q, k, v sliced out of one (b, s, 3, h, d) buffer: strided, no copy."""
