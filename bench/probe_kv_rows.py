@@ -6,6 +6,9 @@ contiguous cache (keys, 8 KV heads, d) are read by 128 CTAs, each a rectangle of
 UNROLL 16-byte loads in flight each. HEADS = 1 is today's decode layout (a CTA a KV head
 and a split), 8 is whole rows. Caches rotate over three copies so L2 holds none of them.
 
+With sm_90, also the bulk-copy engine (cp.async.bulk, TMA without a tensor map) reading
+each CTA's contiguous share of whole rows, one thread a CTA, STAGES x CHUNK bytes in flight.
+
     python3 bench/probe_kv_rows.py [--keys 32768] [--d 64] [--rounds 5]
 """
 import argparse
@@ -15,13 +18,14 @@ import cupy
 SOURCE = r"""
 typedef unsigned long long u64;
 template <int kHeads, int kThreads, int kUnroll>
-__global__ void __launch_bounds__(kThreads) stream(const uint4* k, const uint4* v, int keys_per_cta,
+__global__ void __launch_bounds__(kThreads) stream(const uint4* k, const uint4* v, int keys, int keys_per_cta,
                                                    int heads_k, int chunks_a_head, unsigned* out) {
   const int groups = heads_k / kHeads;
   const int group = blockIdx.x % groups, split = blockIdx.x / groups;
   const int row_chunks = kHeads * chunks_a_head;
-  const long long n = (long long)keys_per_cta * row_chunks;
   const long long row0 = (long long)split * keys_per_cta;
+  const long long rows = min((long long)keys_per_cta, max(0ll, keys - row0));  // (the last split)
+  const long long n = rows * row_chunks;
   const long long stride = (long long)heads_k * chunks_a_head;
   unsigned acc = 0;
   for (long long base = threadIdx.x; base < n; base += (long long)kThreads * kUnroll) {
@@ -43,7 +47,46 @@ __global__ void __launch_bounds__(kThreads) stream(const uint4* k, const uint4* 
   }
   if (acc == 0x12345678u) out[0] = acc;  // (keeps the loads)
 }
+
+// The same bytes through the bulk-copy engine (TMA without a tensor map): one thread a CTA
+// copies its contiguous share of K and of V (whole rows) in kChunk-byte pieces into a ring
+// of kStages shared-memory stages, each piece announcing itself on its stage's mbarrier.
+template <int kStages, int kChunk>
+__global__ void __launch_bounds__(32) stream_bulk(const char* k, const char* v, long long bytes,
+                                                 long long bytes_per_cta) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ __align__(8) unsigned long long full[kStages];
+  if (threadIdx.x != 0) return;
+  const unsigned ring_at = (unsigned)__cvta_generic_to_shared(ring);
+  const unsigned bar_at = (unsigned)__cvta_generic_to_shared(full);
+  for (int s = 0; s < kStages; ++s)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_at + 8 * s));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const long long begin = (long long)blockIdx.x * bytes_per_cta;
+  const long long end = begin + bytes_per_cta < bytes ? begin + bytes_per_cta : bytes;
+  const int pieces = begin < end ? (int)((end - begin + kChunk - 1) / kChunk) : 0;
+  for (int i = 0; i < 2 * pieces + kStages; ++i) {
+    const int s = i % kStages;
+    if (i >= kStages) {  // the piece issued kStages ago into this stage has landed
+      const unsigned parity = ((i - kStages) / kStages) & 1;
+      asm volatile(
+          "{\n.reg .pred p;\nwait_%=:\n"
+          "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+          "@!p bra wait_%=;\n}" ::"r"(bar_at + 8 * s), "r"(parity) : "memory");
+    }
+    if (i >= 2 * pieces) continue;
+    const long long at = begin + (long long)(i / 2) * kChunk;
+    const unsigned n = (unsigned)(end - at < kChunk ? end - at : kChunk);
+    const char* src = (i % 2 ? v : k) + at;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_at + 8 * s), "r"(n)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(ring_at + s * kChunk), "l"(src), "r"(n), "r"(bar_at + 8 * s) : "memory");
+  }
+}
 """
+BULK = ((4, 16384), (8, 16384), (4, 32768), (6, 32768), (12, 16384))
 
 
 def main():
@@ -54,6 +97,7 @@ def main():
     ap.add_argument("--ctas", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-bulk", action="store_true", help="skip the bulk-copy (sm_90) rows")
     args = ap.parse_args()
     dev = cupy.cuda.Device()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(dev.id)['name'].decode()}")
@@ -67,11 +111,12 @@ def main():
     for heads in (1, 2, 4, 8):
         if args.heads_k % heads:
             continue
-        for threads, unroll in ((128, 8), (128, 16), (256, 8)):
+        for threads, unroll in ((128, 8), (128, 16), (256, 8), (256, 16), (512, 8)):
             name = f"stream<{heads},{threads},{unroll}>"
             variants.append((heads, threads, unroll, name))
+    bulk = [] if args.no_bulk else [(stages, chunk, f"stream_bulk<{stages},{chunk}>") for stages, chunk in BULK]
     mod = cupy.RawModule(code=SOURCE, options=("-std=c++17",),
-                         name_expressions=[v[3] for v in variants])
+                         name_expressions=[v[3] for v in variants] + [b[2] for b in bulk])
     fns = {v[3]: mod.get_function(v[3]) for v in variants}
     results = {v[3]: [] for v in variants}
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -85,7 +130,8 @@ def main():
             def launch(i):
                 k, v = caches[i % 3]
                 fn((splits * groups,), (threads,),
-                   (k, v, cupy.int32(keys_per_cta), cupy.int32(args.heads_k), cupy.int32(chunks), out))
+                   (k, v, cupy.int32(args.keys), cupy.int32(keys_per_cta), cupy.int32(args.heads_k),
+                    cupy.int32(chunks), out))
             for i in range(3):
                 launch(i)
             start.record()
@@ -94,13 +140,38 @@ def main():
             stop.record()
             stop.synchronize()
             results[name].append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / args.reps)
+    for stages, chunk, name in bulk:
+        fn = mod.get_function(name)
+        fn.max_dynamic_shared_size_bytes = stages * chunk
+        total = caches[0][0].nbytes
+        per_cta = -(-total // args.ctas // 16) * 16
+        times = []
+        for rnd in range(args.rounds):
+            def launch(i):
+                k, v = caches[i % 3]
+                fn((args.ctas,), (32,), (k, v, cupy.int64(total), cupy.int64(per_cta)),
+                   shared_mem=stages * chunk)
+            for i in range(3):
+                launch(i)
+            start.record()
+            for i in range(args.reps):
+                launch(i)
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / args.reps)
+        results[name] = times
     print(f"cache {nbytes / 2**20:.0f} MB (K and V), {args.keys} keys x {args.heads_k} heads x d {args.d}, "
           f"{args.ctas} CTAs; median of {args.rounds} rounds, {args.reps} launches each")
-    print("| heads a CTA | threads | loads in flight a thread | us | TB/s |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| heads a CTA | threads | loads in flight a thread | KB in flight a CTA | us | TB/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for heads, threads, unroll, name in variants:
         t = sorted(results[name])[len(results[name]) // 2]
-        print(f"| {heads} | {threads} | {2 * unroll} | {t:.1f} | {nbytes / t / 1e6:.2f} |")
+        print(f"| {heads} | {threads} | {2 * unroll} | {threads * 2 * unroll * 16 // 1024} | {t:.1f} "
+              f"| {nbytes / t / 1e6:.2f} |")
+    for stages, chunk, name in bulk:
+        t = sorted(results[name])[len(results[name]) // 2]
+        print(f"| whole rows, bulk copies | 1 | {stages} x {chunk // 1024} KB | {stages * chunk // 1024} | "
+              f"{t:.1f} | {nbytes / t / 1e6:.2f} |")
 
 
 if __name__ == "__main__":
