@@ -12,8 +12,13 @@ each CTA's contiguous share of whole rows, one thread a CTA, STAGES x CHUNK byte
     python3 bench/probe_kv_rows.py [--keys 32768] [--d 64] [--rounds 5]
 """
 import argparse
+import ctypes
+import os
+import sys
 
 import cupy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -85,8 +90,65 @@ __global__ void __launch_bounds__(32) stream_bulk(const char* k, const char* v, 
         ::"r"(ring_at + s * kChunk), "l"(src), "r"(n), "r"(bar_at + 8 * s) : "memory");
   }
 }
+
+// One head's stripe through tensor maps (what a decode kernel on TMA would read): one
+// thread a CTA copies its (KV head, key range) as boxes of kBoxRows keys x 64 columns
+// (kPanels boxes a tile), K and V alternating, into a ring of kStages stages.
+template <int kStages, int kBoxRows, int kPanels>
+__global__ void __launch_bounds__(32) stream_tma(const void* k_map, const void* v_map, int keys,
+                                                int keys_per_cta, int heads_k) {
+  extern __shared__ unsigned char tma_ring[];
+  __shared__ __align__(8) unsigned long long full[kStages];
+  if (threadIdx.x != 0) return;
+  constexpr unsigned kPiece = kPanels * kBoxRows * 128;
+  const unsigned raw = (unsigned)__cvta_generic_to_shared(tma_ring);
+  const unsigned ring_at = (raw + 1023) & ~1023u;  // the 128-byte swizzle's 1 KB period
+  const unsigned bar_at = (unsigned)__cvta_generic_to_shared(full);
+  for (int s = 0; s < kStages; ++s)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_at + 8 * s));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const int head = blockIdx.x % heads_k, split = blockIdx.x / heads_k;
+  const int key0 = split * keys_per_cta;
+  const int key_end = min(key0 + keys_per_cta, keys);
+  const int tiles = key0 < key_end ? (key_end - key0 + kBoxRows - 1) / kBoxRows : 0;
+  for (int i = 0; i < 2 * tiles + kStages; ++i) {
+    const int s = i % kStages;
+    if (i >= kStages) {
+      const unsigned parity = ((i - kStages) / kStages) & 1;
+      asm volatile(
+          "{\n.reg .pred p;\nwait_%=:\n"
+          "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+          "@!p bra wait_%=;\n}" ::"r"(bar_at + 8 * s), "r"(parity) : "memory");
+    }
+    if (i >= 2 * tiles) continue;
+    const void* map = i % 2 ? v_map : k_map;
+    const int row = key0 + (i / 2) * kBoxRows;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_at + 8 * s),
+                 "r"(kPiece) : "memory");
+    for (int panel = 0; panel < kPanels; ++panel)
+      asm volatile(
+          "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+          " [%0], [%1, {%3, %4, %5, %6}], [%2];"
+          ::"r"(ring_at + s * kPiece + panel * kBoxRows * 128), "l"(map), "r"(bar_at + 8 * s),
+          "r"(panel * 64), "r"(row), "r"(head), "r"(0) : "memory");
+  }
+}
 """
 BULK = ((4, 16384), (8, 16384), (4, 32768), (6, 32768), (12, 16384))
+TMA = ((8, 64), (16, 64), (8, 128), (16, 32), (32, 32))  # (stages, key rows a box)
+
+
+def _tensor_map(cache, keys, heads_k, d, box_rows):
+    """The cache's tensor map (cufa._tma's encoding: 64-column boxes, 128-byte swizzle) in
+    device memory."""
+    import numpy as np
+    from cufa import _tma
+    holder = ctypes.create_string_buffer(128 + 64)
+    addr = ctypes.addressof(holder) + (-ctypes.addressof(holder) % 64)
+    ok = _tma._encode_at(addr, "float16", cache.data.ptr, (1, keys, heads_k, d),
+                         (keys * heads_k * d, heads_k * d, d, 1), box_rows)
+    assert ok, "the driver would not encode the map"
+    return cupy.asarray(np.frombuffer(ctypes.string_at(addr, 128), dtype=np.uint8))
 
 
 def main():
@@ -115,8 +177,13 @@ def main():
             name = f"stream<{heads},{threads},{unroll}>"
             variants.append((heads, threads, unroll, name))
     bulk = [] if args.no_bulk else [(stages, chunk, f"stream_bulk<{stages},{chunk}>") for stages, chunk in BULK]
+    panels = args.d // 64
+    tma = [] if args.no_bulk or args.d % 64 else [
+        (stages, rows, f"stream_tma<{stages},{rows},{panels}>") for stages, rows in TMA
+        if stages * panels * rows * 128 + 1024 <= 227 * 1024]
     mod = cupy.RawModule(code=SOURCE, options=("-std=c++17",),
-                         name_expressions=[v[3] for v in variants] + [b[2] for b in bulk])
+                         name_expressions=[v[3] for v in variants] + [b[2] for b in bulk] +
+                         [t[2] for t in tma])
     fns = {v[3]: mod.get_function(v[3]) for v in variants}
     results = {v[3]: [] for v in variants}
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -160,6 +227,29 @@ def main():
             stop.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / args.reps)
         results[name] = times
+    for stages, rows, name in tma:
+        fn = mod.get_function(name)
+        smem = stages * panels * rows * 128 + 1024
+        fn.max_dynamic_shared_size_bytes = smem
+        maps = [tuple(_tensor_map(x, args.keys, args.heads_k, args.d, rows) for x in c) for c in caches]
+        splits = args.ctas // args.heads_k
+        keys_per_cta = -(-args.keys // splits)
+        times = []
+        for rnd in range(args.rounds):
+            def launch(i):
+                km, vm = maps[i % 3]
+                fn((splits * args.heads_k,), (32,),
+                   (km, vm, cupy.int32(args.keys), cupy.int32(keys_per_cta), cupy.int32(args.heads_k)),
+                   shared_mem=smem)
+            for i in range(3):
+                launch(i)
+            start.record()
+            for i in range(args.reps):
+                launch(i)
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / args.reps)
+        results[name] = times
     print(f"cache {nbytes / 2**20:.0f} MB (K and V), {args.keys} keys x {args.heads_k} heads x d {args.d}, "
           f"{args.ctas} CTAs; median of {args.rounds} rounds, {args.reps} launches each")
     print("| heads a CTA | threads | loads in flight a thread | KB in flight a CTA | us | TB/s |")
@@ -168,6 +258,10 @@ def main():
         t = sorted(results[name])[len(results[name]) // 2]
         print(f"| {heads} | {threads} | {2 * unroll} | {threads * 2 * unroll * 16 // 1024} | {t:.1f} "
               f"| {nbytes / t / 1e6:.2f} |")
+    for stages, rows, name in tma:
+        t = sorted(results[name])[len(results[name]) // 2]
+        kb = stages * panels * rows * 128 // 1024
+        print(f"| 1, tensor-map boxes of {rows} keys | 1 | {stages} boxes | {kb} | {t:.1f} | {nbytes / t / 1e6:.2f} |")
     for stages, chunk, name in bulk:
         t = sorted(results[name])[len(results[name]) // 2]
         print(f"| whole rows, bulk copies | 1 | {stages} x {chunk // 1024} KB | {stages * chunk // 1024} | "
