@@ -45,6 +45,13 @@ if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability !
     tests/test_gpu_forward.py tests/test_gpu_varlen.py "$PAGED_PREFILL" \
     > "$OUT/gpu_tests_sm90_bm192.txt" 2>&1
   tests_rc=$((tests_rc + $?))
+  # and the TMA decode kernel on every KV-cache call it can take, one and two units a CTA
+  for units in 1 2; do
+    CUFA_DECODE_TMA=$units python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_gpu_kvcache.py tests/test_gpu_compiled_modes.py \
+      > "$OUT/gpu_tests_decode_tma$units.txt" 2>&1
+    tests_rc=$((tests_rc + $?))
+  done
 fi
 python3 -m cufa > "$OUT/check.txt" 2>&1
 check_rc=$?

@@ -214,6 +214,28 @@ def decode_shape(head_dim):
 # keys while the default shape would split (kvcache._kernel_and_splits).
 DECODE_MORE_CTAS = {64: (4, 3), 128: (2, 3)}
 
+# The TMA decode kernel (decode_sm90.cu, sm_90): head dims, mbarrier stages of a 64-key K
+# and V box (16 KB at d = 64), and its threads (four consumer warps and a producer warp).
+# kvcache._tma_kernel says where it runs.
+DECODE_TMA_HEAD_DIMS = (64,)
+DECODE_TMA_STAGES = 4
+DECODE_TMA_THREADS = 160
+DECODE_TMA_BOX_KEYS = 64
+# CUFA_DECODE_TMA: 0 never takes the TMA decode kernel, 1 or 2 takes it wherever it can run
+# (that many units a CTA; 1 where the KV heads are odd), for tests and A/Bs; unset: the
+# planner's rule
+DECODE_TMA_ENV = "CUFA_DECODE_TMA"
+
+
+def decode_tma_forced():
+    """CUFA_DECODE_TMA as read (read_overrides): None, 0, 1 or 2."""
+    forced = _overrides.get(DECODE_TMA_ENV)
+    if not forced:
+        return None
+    if forced not in ("0", "1", "2"):
+        raise ValueError(f"{DECODE_TMA_ENV} must be 0, 1 or 2; got {forced!r}")
+    return int(forced)
+
 
 @dataclass(frozen=True)
 class DecodeKernel:
@@ -225,12 +247,13 @@ class DecodeKernel:
     rows: int = 1       # "combine" only: rows a CTA (1, or 4: a warp a row)
     stages: int = 0     # "decode" only: cp.async stages a warp (0: decode_shape's)
     warps: int = 0      # "decode" only: warps a CTA (0: decode_shape's)
+    units: int = 0      # "decode_tma" only: (sequence, KV head) units a CTA
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
 
     @property
     def source(self):
-        return "merge.cu" if self.kind == "merge" else "decode.cu"
+        return {"merge": "merge.cu", "decode_tma": "decode_sm90.cu"}.get(self.kind, "decode.cu")
 
     @property
     def key(self):
@@ -240,6 +263,8 @@ class DecodeKernel:
             return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}"
         if self.kind == "merge":
             return f"merge_{self.dtype}"
+        if self.kind == "decode_tma":
+            return f"decode_tma_{self.dtype}_hd{self.head_dim}_s{DECODE_TMA_STAGES}_u{self.units}"
         if self.kind == "combine":
             return f"decode_combine_r{self.rows}_{self.dtype}"
         return f"decode_{self.kind}_{self.dtype}"
@@ -252,6 +277,8 @@ class DecodeKernel:
         if self.kind == "decode":
             warps, stages = self.shape
             return f"cufa::decode_kernel<{dt}, {self.head_dim}, {stages}, {warps}>"
+        if self.kind == "decode_tma":
+            return f"cufa::decode_tma_kernel<{dt}, {DECODE_TMA_STAGES}, {self.units}>"
         if self.kind == "combine":
             return f"cufa::decode_combine<{dt}, {self.rows}>"
         return f"cufa::decode_{self.kind}<{dt}>"
@@ -264,11 +291,16 @@ class DecodeKernel:
 
     @property
     def threads(self):
+        if self.kind == "decode_tma":
+            return DECODE_TMA_THREADS
         return 32 * self.shape[0] if self.kind == "decode" else COMBINE_THREADS
 
     @property
     def smem_bytes(self):
         """Dynamic shared memory: Q, then each warp's K/V stages."""
+        if self.kind == "decode_tma":  # Q, its 1 KB alignment, the ring
+            return 1024 + DECODE_ROWS * self.head_dim * 2 + DECODE_TMA_STAGES * 2 * (
+                DECODE_TMA_BOX_KEYS * self.head_dim * 2)
         if self.kind != "decode":
             return 0
         warps, stages = self.shape
@@ -278,7 +310,7 @@ class DecodeKernel:
     def ctas_per_sm_on(self, smem_per_sm):
         """CTAs an SM holds, by shared memory (1 KB reserved per CTA); registers allow
         more."""
-        if self.kind != "decode":
+        if self.kind not in ("decode", "decode_tma"):
             return 1
         return max(1, min(16, smem_per_sm // (self.smem_bytes + 1024 + DECODE_STATIC_SMEM)))
 
@@ -303,6 +335,12 @@ def decode_kernel_with_more_ctas(dtype, head_dim):
     return DecodeKernel("decode", dtype, d, stages=stages, warps=warps)
 
 
+@functools.lru_cache(maxsize=None)
+def decode_tma_kernel(dtype, head_dim, units):
+    """The TMA decode kernel (sm_90) at a padded head dim of DECODE_TMA_HEAD_DIMS."""
+    return DecodeKernel("decode_tma", dtype, head_dim, units=units, archs=("sm_90",))
+
+
 def combine_row_threads(head_dim, num_splits):
     """decode_combine's threads a row for `num_splits` splits of rows of head_dim columns
     (DecodeParams.combine_row_threads): a warp while its lanes can have every split's read
@@ -321,6 +359,8 @@ def combine_kernel(dtype, head_dim, num_splits):
 def decode_variants():
     return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
+            + [decode_tma_kernel(dt, hd, units) for dt in DTYPES for hd in DECODE_TMA_HEAD_DIMS
+               for units in (1, 2)]
             + [DecodeKernel("combine", dt, rows=rows) for dt in DTYPES for rows in (1, 4)]
             + [DecodeKernel("append", dt) for dt in DTYPES]
             + [DecodeKernel("merge", dt) for dt in MERGE_DTYPES])
@@ -398,10 +438,11 @@ def family_for(compute_capability):
 
 
 def read_overrides():
-    """Read CUFA_KERNEL_FAMILY and CUFA_SM90_BLOCK_M from the environment: at import, and
-    again by api.clear_plans(). Plans are made with the values last read, not with
-    os.environ at each plan (two lookups cost a new signature's plan 2 us)."""
-    _overrides.update((name, os.environ.get(name)) for name in (FAMILY_ENV, SM90_ROWS_ENV))
+    """Read CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M and CUFA_DECODE_TMA from the environment:
+    at import, and again by api.clear_plans(). Plans are made with the values last read,
+    not with os.environ at each plan (two lookups cost a new signature's plan 2 us)."""
+    _overrides.update((name, os.environ.get(name))
+                      for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV))
 
 
 _overrides = {}

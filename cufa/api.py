@@ -627,8 +627,8 @@ _MAX_PLANS = 4096
 
 
 def _remember(key, plan):
-    """Plans use the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) as
-    last read: clear_plans() after changing them in a running process."""
+    """Plans use the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M,
+    CUFA_DECODE_TMA) as last read: clear_plans() after changing them in a running process."""
     if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: the oldest goes
         _plans.popitem(last=False)
     _plans[key] = plan
@@ -637,7 +637,8 @@ def _remember(key, plan):
 
 def clear_plans():
     """Forget every launch plan (the next call of each signature plans again) and read
-    the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M) afresh."""
+    the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA)
+    afresh."""
     _plans.clear()
     _layouts.clear()
     _jax.replays.clear()

@@ -6,7 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from . import _compile, _interop, _jax, _params, _torch_ops, api
+from . import _compile, _interop, _jax, _params, _tma, _torch_ops, api
 
 _ROTARY_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 _MERGE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -200,6 +200,7 @@ class _KvPlan:
     workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
                                         # and the rotated q (-1: not used)
     rotary: bool = False
+    maps: object = None        # the TMA decode kernel's K/V maps (_tma.Template), or None
     capacity: int = 0          # key positions a sequence can hold
     num_pages: int = 0
     seqlen_new: int = 0
@@ -325,9 +326,14 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     if rows:  # new keys to write, or q to rotate
         launches.append(_launch_entry(_compile.DecodeKernel("append", dt), q.device,
                                       (-(-rows // 4), 1, 1)))
+    tma = None
+    if seqlen_q and not paged:
+        tma = _tma_route(dt, d, q.dtype, kc, vc, batch * nheads_k * num_m_blocks, num_splits,
+                         nheads_k, q.device)
     if seqlen_q:
-        launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
-                                                         batch)))
+        units = tma[0].units if tma else 1
+        launches.append(_launch_entry(tma[0] if tma else kernel, q.device,
+                                      (num_m_blocks * num_splits, nheads_k // units, batch)))
         if num_splits > 1:
             launches.append(_combine_entry(dt, d, num_splits, batch * seqlen_q * nheads,
                                            q.device))
@@ -339,7 +345,51 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   merge_in_launch=_merge_in_launch(kernel, d, num_splits, seqlen_q * group))
+                   maps=tma[1] if tma else None,
+                   merge_in_launch=not tma and _merge_in_launch(kernel, d, num_splits,
+                                                                seqlen_q * group))
+
+
+def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, device):
+    """(the TMA decode kernel, its K/V maps' template) where it runs, else None. Measured
+    on an H100 against the cp.async kernel (graph replays, fp16, d = 64; bench/NOTES.md):
+    one unit a CTA where the one-CTA-an-SM split rule runs (1 x 128k 32/32 364 -> 352 us,
+    8 x 16k 32/8 98.4 -> 97.6, 1 x 32k ±1 %), two where the units outnumber the SMs up to
+    twice (8 x 16k 32/32, 256 units: 369 -> 358); more units read within ±2 % either way,
+    so they keep cp.async. Hopper only (the copy engine), and where one CTA an SM keeps
+    up with the memory (_one_cta_keeps_up: the H100's rule, the only one measured); a
+    contiguous cache whose strides a map can describe. CUFA_DECODE_TMA overrides the
+    rule (_compile.decode_tma_forced)."""
+    padded = _compile.padded_head_dim(d)
+    forced = _compile.decode_tma_forced()
+    if (padded not in _compile.DECODE_TMA_HEAD_DIMS or forced == 0
+            or not _tma_device(device, forced)):
+        return None
+    sms = api._sm_count(device)
+    if forced:
+        per_cta = forced if nheads_k % forced == 0 else 1
+    elif units * num_splits <= sms:
+        per_cta = 1
+    elif num_splits == 1 and units <= 2 * sms and nheads_k % 2 == 0:
+        per_cta = 2
+    else:
+        return None
+    shape, strides = kc.shape, kc.strides[:3]
+    if tuple(vc.strides[:3]) != tuple(strides):
+        return None
+    view = (tuple(shape), tuple(strides), _compile.DECODE_TMA_BOX_KEYS)
+    template = _tma.template(dtype_name, (view, view, view))
+    if template is None:
+        return None
+    return _compile.decode_tma_kernel(dtype, padded, per_cta), template
+
+
+def _tma_device(device, forced=None):
+    """Whether `device` runs the TMA decode kernel: Hopper's kernel family (not forced
+    to the portable one) where one decode CTA an SM keeps up with the memory, or where
+    CUFA_DECODE_TMA asks for it."""
+    return (_compile.family_for(api._compute_capability(device)) == "sm90"
+            and (bool(forced) or _one_cta_keeps_up(device)))
 
 
 def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
@@ -413,7 +463,7 @@ def _workspace(*sizes):
 
 
 def _launch_decode(record, launches, workspace, merge_in_launch, pointers, framework, device,
-                   stream, scratch_ptr, reserved=0, ask_idle=True):
+                   stream, scratch_ptr, reserved=0, ask_idle=True, maps=None):
     """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
     record on `stream`. pointers(at, counters) -> the record's pointer values
     (DECODE_FIELDS' order), `at` mapping a workspace offset (-1: none) to its address: in
@@ -429,7 +479,8 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     capture (where the counters would need a memset node, and the combine kernel replays
     faster than the merge in the decode launch: bench/NOTES.md) decode_combine merges them.
     reserved: bytes at the start of the stream's buffer left untouched (a packed batch's
-    work list and decode order, made by the launches before)."""
+    work list and decode order, made by the launches before). maps: the TMA decode
+    kernel's map template, pointed at the call's cache (the record's k and v)."""
     held, base = None, scratch_ptr
     # (one capture check a call: a driver call, ~1 us of a lent host's time)
     capturing = None if scratch_ptr or not merge_in_launch else api.stream_capturing(stream)
@@ -444,10 +495,14 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
         counters_held, counters = api.stream_split_counters(framework, device, stream,
                                                             4 * x * y * z)
         launches = launches[:-1]
-    params = _params.DECODE.with_pointer_values(
-        record, pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters))
-    for _, function, grid, threads, smem in launches:
-        api.driver_launch(function, grid, threads, smem, stream, (params,))
+    values = pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters)
+    params = _params.DECODE.with_pointer_values(record, values)
+    # (the maps' q slot holds k's map: the kernel reads k and v; values are DECODE_FIELDS'
+    # order, q, k, v first)
+    with_maps = (params, _tma.with_addresses(maps, values[1], values[1], values[2])) if maps else ()
+    for kind, function, grid, threads, smem in launches:
+        api.driver_launch(function, grid, threads, smem, stream,
+                          with_maps if kind == "decode_tma" else (params,))
     # (the buffers held until the launches are queued: freed earlier, another thread could
     # be handed the same memory for work ordered before ours)
     del held, counters_held
@@ -734,5 +789,5 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
                 q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0), plan.framework,
-                plan.device, stream, scratch_ptr)
+                plan.device, stream, scratch_ptr, maps=plan.maps)
     return api.returned(plan, o, lse, plan.want_lse)

@@ -26,6 +26,7 @@ def planner(monkeypatch):
     monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: hash(kernel.key))
     monkeypatch.setattr(api, "_sm_count", lambda device: H100_SMS)
     monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
+    monkeypatch.setattr(kvcache, "_tma_device", lambda device, forced=None: False)
     monkeypatch.setattr(kvcache, "_keeps_up", {})
     monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
     monkeypatch.setattr(api, "_plans", {})

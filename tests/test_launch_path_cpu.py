@@ -325,6 +325,72 @@ def test_kvcache_addresses(device):
     assert r["o"] == int(o.split("@")[1], 16) and r["lse"] == 0
 
 
+def _decode_route(device, batch, seqlen, nheads_k, d=64, nheads=32, **kw):
+    """The decode launch's (kind, grid, threads) of one call, and the launch."""
+    q, cache = view((batch, 1, nheads, d)), view((batch, seqlen, nheads_k, d))
+    done = len(device.launches)
+    cufa.flash_attn_with_kvcache(q, cache, kw.pop("v_cache", cache), cache_seqlens=seqlen, **kw)
+    plan = next(p for p in reversed(list(api._plans.values())) if isinstance(p, kvcache._KvPlan))
+    kind, _, grid, threads, smem = next(e for e in plan.launches if e[0].startswith("decode"))
+    return (kind, grid, threads), device.launches[done], plan
+
+
+@pytest.fixture
+def h100(device, monkeypatch):
+    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
+    return device
+
+
+def test_tma_decode_where_it_was_measured_faster(h100):
+    """The TMA decode kernel (Hopper, d <= 64, contiguous caches): one unit a CTA where one
+    CTA an SM streams a split, two where the units outnumber the SMs up to twice; its
+    launch carries the K/V maps pointed at the call's cache; elsewhere the cp.async kernel."""
+    route, launch, plan = _decode_route(h100, 1, 32768, 8)
+    assert route == ("decode_tma", (16, 8, 1), 160) and not plan.merge_in_launch
+    r = record(launch, _params.DECODE)
+    assert map_addresses(launch)[:3] == [r["k"], r["k"], r["v"]] and len(launch[2]) == 2
+    assert _decode_route(h100, 8, 16384, 32)[0] == ("decode_tma", (1, 16, 8), 160)  # 2 units
+    assert _decode_route(h100, 1, 32768, 8, d=40)[0][0] == "decode_tma"  # padded to 64
+    for shape, kw in (((64, 4096, 8), {}),           # 512 units: within +-2 %, cp.async
+                      ((8, 16384, 25), {"nheads": 25}),  # 200 units, odd heads: no pairs
+                      ((1, 32768, 8, 128), {}),      # d = 128: not yet
+                      ((8, 16384, 32), {"num_splits": 2})):  # 512 CTAs
+        assert _decode_route(h100, *shape, **kw)[0][0] == "decode", shape
+    other = view((1, 32768, 8, 64))
+    other.strides = (32768 * 8 * 64, 8 * 64, 64 * 2, 1)  # v strided unlike k
+    assert _decode_route(h100, 1, 32768, 8, v_cache=other)[0][0] == "decode"
+
+
+def test_tma_decode_only_on_the_h100_rule_and_the_hopper_family(h100, monkeypatch):
+    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 3201e6 * 6144 / 8)
+    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    assert _decode_route(h100, 1, 32768, 8)[0][0] == "decode"  # an H200: not measured
+    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
+    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    api.clear_plans()
+    monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, "sm80")
+    assert _decode_route(h100, 1, 32768, 8)[0][0] == "decode"  # the portable family forced
+
+
+@pytest.mark.parametrize("forced,route", [("0", ("decode", (16, 8, 1))),
+                                          ("1", ("decode_tma", (1, 32, 64))),
+                                          ("2", ("decode_tma", (1, 16, 64)))])
+def test_cufa_decode_tma_forces_the_route(h100, monkeypatch, forced, route):
+    """CUFA_DECODE_TMA: 0 never, 1 or 2 wherever the kernel can run (here 64 x 4k, 32 KV
+    heads, which the rule leaves to cp.async), with that many units a CTA."""
+    monkeypatch.setitem(_compile._overrides, _compile.DECODE_TMA_ENV, forced)
+    if forced == "0":
+        assert _decode_route(h100, 1, 32768, 8)[0][:2] == route
+    else:
+        assert _decode_route(h100, 64, 4096, 32)[0][:2] == route
+    monkeypatch.setitem(_compile._overrides, _compile.DECODE_TMA_ENV, "3")
+    api.clear_plans()
+    monkeypatch.setitem(_compile._overrides, _compile.DECODE_TMA_ENV, "3")
+    with pytest.raises(ValueError, match="CUFA_DECODE_TMA must be 0, 1 or 2"):
+        _decode_route(h100, 1, 32768, 8)
+
+
 def test_kvcache_split_partials_in_the_stream_workspace(device):
     q, cache = view((1, 1, 32, 128)), view((1, 32768, 8, 128))
     lens = view((1,), "int32")
@@ -527,7 +593,10 @@ def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
     base = outs[2].__cuda_array_interface__["data"][0]
     r = record(device.launches[-1], _params.DECODE)
     assert r["o_partial"] == base and r["lse_partial"] == base + 4 * plan.workspace[2]
-    assert [entry[0] for entry in plan.launches] == ["decode", "combine"]
+    # (2 units x 5 splits on a fake H100: the TMA kernel, its maps at XLA's cache buffers)
+    assert [entry[0] for entry in plan.launches] == ["decode_tma", "combine"]
+    cache_ptr = bufs[1].__cuda_array_interface__["data"][0]
+    assert map_addresses(device.launches[-2])[:3] == [cache_ptr, cache_ptr, bufs[2].__cuda_array_interface__["data"][0]]
     assert r["num_splits"] == 5 and device.allocations == [] and memsets == []
     # (merged by decode_combine, launched: no counters of cufa's in an XLA replay)
     assert r["split_counters"] == 0 and len(device.launches) == 2  # (the second run repeats)
