@@ -544,7 +544,10 @@ def test_eager_merge_gives_the_bits_of_the_graph_merge(rng, monkeypatch, d, head
     """An eager split call from an idle stream whose merge one pass of the decode CTA
     covers merges in the decode launch; the same call behind queued work, and a graph
     replay of it, merge in decode_combine. All sum in the same order, so the bits agree."""
-    from cufa import api
+    from cufa import _compile, api
+    # (the cp.async kernel's merge: the TMA kernel's calls merge in decode_combine only)
+    monkeypatch.setitem(_compile._overrides, _compile.DECODE_TMA_ENV, "0")
+    api._plans.clear()
     taken, counters = [], api.stream_split_counters
     monkeypatch.setattr(api, "stream_split_counters",
                         lambda *args: taken.append(args) or counters(*args))
