@@ -346,8 +346,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
                    maps=tma[1] if tma else None,
-                   merge_in_launch=not tma and _merge_in_launch(kernel, d, num_splits,
-                                                                seqlen_q * group))
+                   merge_in_launch=(not tma or tma[0].units == 1) and _merge_in_launch(
+                       tma[0] if tma else kernel, d, num_splits, seqlen_q * group))
 
 
 def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, device):

@@ -13,7 +13,8 @@
 // - kUnits (sequence, KV head) units a CTA, one after another (heads blockIdx.y,
 //   + gridDim.y): where the units outnumber the SMs, one stream a CTA over the cache reads
 //   faster than two (8 x 16k with 32 KV heads: 369 -> 358 us);
-// - splits cut 64-key boxes; the partials merge in decode_combine (no merge in the launch).
+// - splits cut 64-key boxes; their partials merge as decode_kernel's do (in the launch, by
+//   the last split to finish, for an eager call with one unit a CTA; else decode_combine).
 #include "decode.cu"
 #include "sm90.cuh"
 namespace cufa {
@@ -191,6 +192,9 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     __syncthreads();
     write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
                                                  scale_log2);
+    // (one unit a CTA: the split counters are indexed by the grid, as decode_kernel's)
+    if (kUnits == 1 && p.num_splits > 1 && p.split_counters)
+      merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);
     __syncthreads();  // the staging read before the next unit's copies overwrite the ring
     if (warp == kWarps && lane == 0) fence_proxy_async();  // generic writes, then TMA's
   }

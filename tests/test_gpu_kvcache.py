@@ -539,14 +539,15 @@ def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
     (256, (4, 2), 1, 3, None),    # a 64-thread decode CTA
 ], ids=["d64 3 splits", "d72 paged 5 splits", "d128 12 splits", "d64 paged 40 splits",
         "d256 3 splits"])
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["cp.async", "tma"])
 def test_eager_merge_gives_the_bits_of_the_graph_merge(rng, monkeypatch, d, heads, seqlen_q,
-                                                       num_splits, page_size):
+                                                       num_splits, page_size, tma):
     """An eager split call from an idle stream whose merge one pass of the decode CTA
     covers merges in the decode launch; the same call behind queued work, and a graph
     replay of it, merge in decode_combine. All sum in the same order, so the bits agree."""
     from cufa import _compile, api
-    # (the cp.async kernel's merge: the TMA kernel's calls merge in decode_combine only)
-    monkeypatch.setitem(_compile._overrides, _compile.DECODE_TMA_ENV, "0")
+    # both decode kernels where they run (the TMA one: contiguous d = 64 on Hopper)
+    monkeypatch.setitem(_compile._overrides, _compile.DECODE_TMA_ENV, tma)
     api._plans.clear()
     taken, counters = [], api.stream_split_counters
     monkeypatch.setattr(api, "stream_split_counters",

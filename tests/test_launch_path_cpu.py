@@ -347,10 +347,13 @@ def test_tma_decode_where_it_was_measured_faster(h100):
     CTA an SM streams a split, two where the units outnumber the SMs up to twice; its
     launch carries the K/V maps pointed at the call's cache; elsewhere the cp.async kernel."""
     route, launch, plan = _decode_route(h100, 1, 32768, 8)
-    assert route == ("decode_tma", (16, 8, 1), 160) and not plan.merge_in_launch
+    assert route == ("decode_tma", (16, 8, 1), 160)
     r = record(launch, _params.DECODE)
     assert map_addresses(launch)[:3] == [r["k"], r["k"], r["v"]] and len(launch[2]) == 2
-    assert _decode_route(h100, 8, 16384, 32)[0] == ("decode_tma", (1, 16, 8), 160)  # 2 units
+    # one unit a CTA: the splits merge in the launch as decode_kernel's (an idle stream)
+    assert plan.merge_in_launch and r["split_counters"] == _SPLIT_COUNTERS
+    route, _, plan = _decode_route(h100, 8, 16384, 32)
+    assert route == ("decode_tma", (1, 16, 8), 160) and not plan.merge_in_launch  # 2 units
     assert _decode_route(h100, 1, 32768, 8, d=40)[0][0] == "decode_tma"  # padded to 64
     for shape, kw in (((64, 4096, 8), {}),           # 512 units: within +-2 %, cp.async
                       ((8, 16384, 25), {"nheads": 25}),  # 200 units, odd heads: no pairs
