@@ -329,7 +329,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     tma = None
     if seqlen_q and not paged:
         tma = _tma_route(dt, d, q.dtype, kc, vc, batch * nheads_k * num_m_blocks, num_splits,
-                         nheads_k, q.device)
+                         nheads_k, capacity, q.device)
     if seqlen_q:
         units = tma[0].units if tma else 1
         launches.append(_launch_entry(tma[0] if tma else kernel, q.device,
@@ -350,13 +350,14 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                        tma[0] if tma else kernel, d, num_splits, seqlen_q * group))
 
 
-def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, device):
+def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, capacity, device):
     """(the TMA decode kernel, its K/V maps' template) where it runs, else None. Measured
     on an H100 against the cp.async kernel (graph replays, fp16, d = 64; bench/NOTES.md):
-    one unit a CTA where the one-CTA-an-SM split rule runs (1 x 128k 32/32 364 -> 352 us,
-    8 x 16k 32/8 98.4 -> 97.6, 1 x 32k ±1 %), two where the units outnumber the SMs up to
-    twice (8 x 16k 32/32, 256 units: 369 -> 358); more units read within ±2 % either way,
-    so they keep cp.async. Hopper only (the copy engine), and where one CTA an SM keeps
+    one unit a CTA where the one-CTA-an-SM split rule runs (1 x 128k 32/32 363 -> 346 us,
+    8 x 16k 32/8 98.5 -> 95.6), two where the units outnumber the SMs up to twice (8 x
+    16k 32/32, 256 units: 367 -> 357); more units read within ±2 % either way, and a CTA
+    streaming fewer than _TMA_MIN_KEYS keys (1 x 32k 32/8: 2048 a CTA, +0.4 %, where the
+    ring's fill and drain weigh more) as slow or slower, so those keep cp.async. Hopper only (the copy engine), and where one CTA an SM keeps
     up with the memory (_one_cta_keeps_up: the H100's rule, the only one measured); a
     contiguous cache whose strides a map can describe. CUFA_DECODE_TMA overrides the
     rule (_compile.decode_tma_forced)."""
@@ -366,6 +367,8 @@ def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, device
             or not _tma_device(device, forced)):
         return None
     sms = api._sm_count(device)
+    if not forced and capacity < _TMA_MIN_KEYS * num_splits:
+        return None
     if forced:
         per_cta = forced if nheads_k % forced == 0 else 1
     elif units * num_splits <= sms:
@@ -382,6 +385,9 @@ def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, device
     if template is None:
         return None
     return _compile.decode_tma_kernel(dtype, padded, per_cta), template
+
+
+_TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, at least
 
 
 def _tma_device(device, forced=None):

@@ -346,7 +346,7 @@ def test_tma_decode_where_it_was_measured_faster(h100):
     """The TMA decode kernel (Hopper, d <= 64, contiguous caches): one unit a CTA where one
     CTA an SM streams a split, two where the units outnumber the SMs up to twice; its
     launch carries the K/V maps pointed at the call's cache; elsewhere the cp.async kernel."""
-    route, launch, plan = _decode_route(h100, 1, 32768, 8)
+    route, launch, plan = _decode_route(h100, 1, 131072, 8)
     assert route == ("decode_tma", (16, 8, 1), 160)
     r = record(launch, _params.DECODE)
     assert map_addresses(launch)[:3] == [r["k"], r["k"], r["v"]] and len(launch[2]) == 2
@@ -354,26 +354,28 @@ def test_tma_decode_where_it_was_measured_faster(h100):
     assert plan.merge_in_launch and r["split_counters"] == _SPLIT_COUNTERS
     route, _, plan = _decode_route(h100, 8, 16384, 32)
     assert route == ("decode_tma", (1, 16, 8), 160) and not plan.merge_in_launch  # 2 units
-    assert _decode_route(h100, 1, 32768, 8, d=40)[0][0] == "decode_tma"  # padded to 64
+    assert _decode_route(h100, 1, 131072, 8, d=40)[0][0] == "decode_tma"  # padded to 64
+    assert _decode_route(h100, 1, 32768, 32)[0][0] == "decode_tma"  # 4 splits: 8192 keys a CTA
     for shape, kw in (((64, 4096, 8), {}),           # 512 units: within +-2 %, cp.async
+                      ((1, 32768, 8), {}),           # 16 splits: 2048 keys a CTA
                       ((8, 16384, 25), {"nheads": 25}),  # 200 units, odd heads: no pairs
                       ((1, 32768, 8, 128), {}),      # d = 128: not yet
                       ((8, 16384, 32), {"num_splits": 2})):  # 512 CTAs
         assert _decode_route(h100, *shape, **kw)[0][0] == "decode", shape
-    other = view((1, 32768, 8, 64))
-    other.strides = (32768 * 8 * 64, 8 * 64, 64 * 2, 1)  # v strided unlike k
-    assert _decode_route(h100, 1, 32768, 8, v_cache=other)[0][0] == "decode"
+    other = view((1, 131072, 8, 64))
+    other.strides = (131072 * 8 * 64, 8 * 64, 64 * 2, 1)  # v strided unlike k
+    assert _decode_route(h100, 1, 131072, 8, v_cache=other)[0][0] == "decode"
 
 
 def test_tma_decode_only_on_the_h100_rule_and_the_hopper_family(h100, monkeypatch):
     monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 3201e6 * 6144 / 8)
     monkeypatch.setattr(kvcache, "_keeps_up", {})
-    assert _decode_route(h100, 1, 32768, 8)[0][0] == "decode"  # an H200: not measured
+    assert _decode_route(h100, 1, 131072, 8)[0][0] == "decode"  # an H200: not measured
     monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
     monkeypatch.setattr(kvcache, "_keeps_up", {})
     api.clear_plans()
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, "sm80")
-    assert _decode_route(h100, 1, 32768, 8)[0][0] == "decode"  # the portable family forced
+    assert _decode_route(h100, 1, 131072, 8)[0][0] == "decode"  # the portable family forced
 
 
 @pytest.mark.parametrize("forced,route", [("0", ("decode", (16, 8, 1))),
@@ -570,7 +572,7 @@ def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
     jax = pytest.importorskip("jax")
     from cufa import _jax
     q = jax.ShapeDtypeStruct((2, 1, 8, 64), "float16")
-    cache = jax.ShapeDtypeStruct((2, 4096, 2, 64), "float16")
+    cache = jax.ShapeDtypeStruct((2, 32768, 2, 64), "float16")
     lens = jax.ShapeDtypeStruct((2,), "int32")
     lse = jax.ShapeDtypeStruct((2, 8, 1), "float32")
     plan = kvcache._plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
