@@ -145,6 +145,32 @@ def make_caches(torch, cfg, gen, rng):
     return sets
 
 
+def graph_replay_us(torch, fn, reps=20, warm=3):
+    """Median µs of one replay of a CUDA graph of fn() (captured after warm-up calls on a
+    side stream), from a CUDA event pair around each of `reps` replays: the probes' A/B
+    timing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warm):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, stop in events:
+        start.record()
+        graph.replay()
+        stop.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
+
+
 def capture_graphs(torch, fn, arg_sets):
     """One CUDA graph of fn(*args) per set, after a warm-up call on a side stream
     (compile and plan outside the capture, as PyTorch asks)."""

@@ -19,6 +19,7 @@ import cupy  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
+from bench_decode import graph_replay_us  # noqa: E402  (this script's folder is on sys.path)
 from cufa import kvcache  # noqa: E402
 
 CASES = ("as run", "combine dropped", "combine dropped, memset node")
@@ -27,36 +28,18 @@ _case = [CASES[0]]
 _counters = torch.zeros(64, dtype=torch.int32, device="cuda")
 
 
-def _patched(record, launches, workspace, pointers, framework, device, stream, scratch_ptr):
+def _patched(record, launches, workspace, merge_in_launch, pointers, framework, device, stream,
+             scratch_ptr, **kw):
     if _case[0] != CASES[0] and launches[-1][0] == "combine":
         launches = launches[:-1]
     if _case[0] == CASES[2]:
         cupy.cuda.runtime.memsetAsync(_counters.data_ptr(), 0, 256, stream)
-    return _launch_decode(record, launches, workspace, pointers, framework, device, stream,
-                          scratch_ptr)
+    return _launch_decode(record, launches, workspace, merge_in_launch, pointers, framework,
+                          device, stream, scratch_ptr, **kw)
 
 
 def graph_us(fn, reps=60):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(10):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        graph.replay()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
+    return graph_replay_us(torch, fn, reps)
 
 
 def main():

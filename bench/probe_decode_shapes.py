@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cufa  # noqa: E402
+from bench_decode import graph_replay_us  # noqa: E402  (this script's folder is on sys.path)
 from cufa import _compile, api, kvcache  # noqa: E402
 
 _plan_kernel = kvcache._kernel_and_splits
@@ -54,26 +55,7 @@ kvcache._kernel_and_splits = _patched
 
 
 def graph_us(fn, reps=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        graph.replay()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
+    return graph_replay_us(torch, fn, reps)
 
 
 def main():

@@ -21,32 +21,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cufa  # noqa: E402
+from bench_decode import graph_replay_us  # noqa: E402  (this script's folder is on sys.path)
 from cufa import _compile, api  # noqa: E402
 
 ROUTES = {"cp.async": "0", "tma": "1", "tma x2": "2", "planned": None}
 
 
 def graph_us(fn, reps=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        graph.replay()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
+    return graph_replay_us(torch, fn, reps)
 
 
 def route(forced):
@@ -94,7 +76,6 @@ def main():
                         for nm in list(ROUTES) + ["cudnn"])
         print(f"{shape} ({2 * k.numel() * 2 / 1e9:.2f} GB, routes agree to {worst:.1e}): {line}",
               flush=True)
-        del k, v, kt, vt
 
 
 if __name__ == "__main__":

@@ -138,6 +138,19 @@ BULK = ((4, 16384), (8, 16384), (4, 32768), (6, 32768), (12, 16384))
 TMA = ((8, 64), (16, 64), (8, 128), (16, 32), (32, 32))  # (stages, key rows a box)
 
 
+def launches_us(launch, reps):
+    """µs a launch of `reps` launch(i) back to back (after three), by one CUDA event pair."""
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for i in range(3):
+        launch(i)
+    start.record()
+    for i in range(reps):
+        launch(i)
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / reps
+
+
 def _tensor_map(cache, keys, heads_k, d, box_rows):
     """The cache's tensor map (cufa._tma's encoding: 64-column boxes, 128-byte swizzle) in
     device memory."""
@@ -186,7 +199,6 @@ def main():
                          [t[2] for t in tma])
     fns = {v[3]: mod.get_function(v[3]) for v in variants}
     results = {v[3]: [] for v in variants}
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     for rnd in range(args.rounds):
         for heads, threads, unroll, name in variants:
             groups = args.heads_k // heads
@@ -199,14 +211,7 @@ def main():
                 fn((splits * groups,), (threads,),
                    (k, v, cupy.int32(args.keys), cupy.int32(keys_per_cta), cupy.int32(args.heads_k),
                     cupy.int32(chunks), out))
-            for i in range(3):
-                launch(i)
-            start.record()
-            for i in range(args.reps):
-                launch(i)
-            stop.record()
-            stop.synchronize()
-            results[name].append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / args.reps)
+            results[name].append(launches_us(launch, args.reps))
     for stages, chunk, name in bulk:
         fn = mod.get_function(name)
         fn.max_dynamic_shared_size_bytes = stages * chunk
@@ -218,14 +223,7 @@ def main():
                 k, v = caches[i % 3]
                 fn((args.ctas,), (32,), (k, v, cupy.int64(total), cupy.int64(per_cta)),
                    shared_mem=stages * chunk)
-            for i in range(3):
-                launch(i)
-            start.record()
-            for i in range(args.reps):
-                launch(i)
-            stop.record()
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / args.reps)
+            times.append(launches_us(launch, args.reps))
         results[name] = times
     for stages, rows, name in tma:
         fn = mod.get_function(name)
@@ -241,14 +239,7 @@ def main():
                 fn((splits * args.heads_k,), (32,),
                    (km, vm, cupy.int32(args.keys), cupy.int32(keys_per_cta), cupy.int32(args.heads_k)),
                    shared_mem=smem)
-            for i in range(3):
-                launch(i)
-            start.record()
-            for i in range(args.reps):
-                launch(i)
-            stop.record()
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / args.reps)
+            times.append(launches_us(launch, args.reps))
         results[name] = times
     print(f"cache {nbytes / 2**20:.0f} MB (K and V), {args.keys} keys x {args.heads_k} heads x d {args.d}, "
           f"{args.ctas} CTAs; median of {args.rounds} rounds, {args.reps} launches each")

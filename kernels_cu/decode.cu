@@ -210,6 +210,21 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
   }
 }
 
+// -- Q: the CTA's 16 query rows (`rows` of them, zeros after) into sq, by cp.async from
+//    `threads` threads --
+template <int kHeadDim, int kThreads>
+__device__ __forceinline__ void load_q_rows(u32 sq, const DecodeParams& p, const CacheSeq& s,
+                                            int m_block, int h_k, int rows, int thread) {
+  const u16* q = reinterpret_cast<const u16*>(p.q);
+  copy_rows_async<kDecodeRows, kHeadDim, kThreads>(
+      sq, [&](int r) {
+        const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+        return q + s.b * p.q_batch_stride + (s.q_row0 + row.t) * p.q_row_stride +
+               row.h * p.q_head_stride;
+      },
+      q, rows, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); }, thread);
+}
+
 // What one lane needs of its two accumulator rows (lane / 4 and lane / 4 + 8).
 struct LaneRows {
   i64 lo[2], hi[2];  // visible keys [lo, hi] of each row
@@ -261,6 +276,59 @@ __device__ __forceinline__ void decode_mask(float (&sc)[1][2][4], const LaneRows
       const int key = frag_col(key0, nt, e, lane), i = e >> 1;
       if (key < lr.lo[i] || key > lr.hi[i]) sc[0][nt][e] = -CUFA_INF;
     }
+}
+
+// -- epilogue: each row's max and sum over the warps, then each warp's output rescaled to
+//    them, staged in s_out ([warp][row][kOStride] floats) for write_decode_output. Warps
+//    without a softmax state (has_state false: the TMA kernel's producer) meet the
+//    barriers only --
+template <int kWarps, int kOStride, int kDTiles>
+__device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softmax,
+                                                   const float (&acc_o)[1][kDTiles][4],
+                                                   bool has_state,
+                                                   float (&s_warp_max)[kWarps][kDecodeRows],
+                                                   float (&s_warp_sum)[kWarps][kDecodeRows],
+                                                   float* s_max, float* s_sum, float* s_out,
+                                                   float scale_log2) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (has_state) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float sum = quad_sum(softmax.row_sum[0][i]);
+      if ((lane & 3) == 0) {
+        s_warp_max[warp][(lane >> 2) + 8 * i] = softmax.row_max[0][i];
+        s_warp_sum[warp][(lane >> 2) + 8 * i] = sum;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kDecodeRows) {
+    const int r = threadIdx.x;
+    float mx = -CUFA_INF;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_warp_max[w][r]);
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+      if (s_warp_max[w][r] != -CUFA_INF)
+        sum += s_warp_sum[w][r] * fast_exp2((s_warp_max[w][r] - mx) * scale_log2);
+    s_max[r] = mx;
+    s_sum[r] = sum;
+  }
+  __syncthreads();
+  if (has_state) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = (lane >> 2) + 8 * i;
+      const float mine = softmax.row_max[0][i];
+      const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - s_max[r]) * scale_log2);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * kOStride + dt * 8 + 2 * (lane & 3)]) =
+            make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
+    }
+  }
+  __syncthreads();
 }
 
 // -- epilogue: merge the warps' states, then write the output (or this split's share) --
@@ -478,15 +546,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
 
   // -- Q: the CTA's 16 rows, zeros past the last --
   const u32 sq = smem_u32(smem);
-  const u16* q = reinterpret_cast<const u16*>(p.q);
-  copy_rows_async<kDecodeRows, kHeadDim, Shape::kThreads>(
-      sq, [&](int r) {
-        const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-        return q + s.b * p.q_batch_stride + (s.q_row0 + row.t) * p.q_row_stride +
-               row.h * p.q_head_stride;
-      },
-      q, rows, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); },
-      threadIdx.x);
+  load_q_rows<kHeadDim, Shape::kThreads>(sq, p, s, m_block, h_k, rows, threadIdx.x);
   cp_async_commit();
 
   // -- prologue: the first kStages - kStep tiles of this warp, a commit group each --
@@ -584,43 +644,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
     __syncwarp();  // every lane is done with these stages before they are refilled
   }
 
-  // -- merge the warps: each row's max and sum over the warps, then the outputs --
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float sum = quad_sum(softmax.row_sum[0][i]);
-    if ((lane & 3) == 0) {
-      s_warp_max[warp][(lane >> 2) + 8 * i] = softmax.row_max[0][i];
-      s_warp_sum[warp][(lane >> 2) + 8 * i] = sum;
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  if (threadIdx.x < kDecodeRows) {
-    const int r = threadIdx.x;
-    float mx = -CUFA_INF;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_warp_max[w][r]);
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      if (s_warp_max[w][r] != -CUFA_INF)
-        sum += s_warp_sum[w][r] * fast_exp2((s_warp_max[w][r] - mx) * scale_log2);
-    s_max[r] = mx;
-    s_sum[r] = sum;
-  }
-  __syncthreads();
+  cp_async_wait<0>();  // (the outputs are staged over the cache stages)
   float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = (lane >> 2) + 8 * i;
-    const float mine = softmax.row_max[0][i];
-    const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - s_max[r]) * scale_log2);
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-      *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * Shape::kOStride + dt * 8 + 2 * (lane & 3)]) =
-          make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
-  }
-  __syncthreads();
+  stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_max,
+                                              s_sum, s_out, scale_log2);
   write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
                                         scale_log2);
   static_assert((kDecodeRows * kMaxSplits + Shape::kThreads * 8) * 4 <= kWarps * Shape::kWarpBytes,

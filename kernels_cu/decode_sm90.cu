@@ -69,16 +69,8 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     const int box_begin = min(split * split_boxes, num_boxes);
     const int my_boxes = min(box_begin + split_boxes, num_boxes) - box_begin;
 
-    const u16* q = reinterpret_cast<const u16*>(p.q);
     if (warp < kWarps) {
-      copy_rows_async<kDecodeRows, kHeadDim, 128>(
-          sq, [&](int r) {
-            const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-            return q + s.b * p.q_batch_stride + (s.q_row0 + row.t) * p.q_row_stride +
-                   row.h * p.q_head_stride;
-          },
-          q, rows, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); },
-          threadIdx.x);
+      load_q_rows<kHeadDim, 32 * kWarps>(sq, p, s, m_block, h_k, rows, threadIdx.x);
       cp_async_commit();
       cp_async_wait<0>();
     }
@@ -151,45 +143,9 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     box_count += my_boxes;
 
     // -- merge the consumer warps, then write (decode_kernel's epilogue) --
-    if (warp < kWarps) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float sum = quad_sum(softmax.row_sum[0][i]);
-        if ((lane & 3) == 0) {
-          s_warp_max[warp][(lane >> 2) + 8 * i] = softmax.row_max[0][i];
-          s_warp_sum[warp][(lane >> 2) + 8 * i] = sum;
-        }
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < kDecodeRows) {
-      const int r = threadIdx.x;
-      float mx = -CUFA_INF;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_warp_max[w][r]);
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w)
-        if (s_warp_max[w][r] != -CUFA_INF)
-          sum += s_warp_sum[w][r] * fast_exp2((s_warp_max[w][r] - mx) * scale_log2);
-      s_max[r] = mx;
-      s_sum[r] = sum;
-    }
-    __syncthreads();
     float* s_out = reinterpret_cast<float*>(smem_raw + (ring - smem_u32(smem_raw)));
-    if (warp < kWarps) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = (lane >> 2) + 8 * i;
-        const float mine = softmax.row_max[0][i];
-        const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - s_max[r]) * scale_log2);
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt)
-          *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * Shape::kOStride + dt * 8 + 2 * (lane & 3)]) =
-              make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
-      }
-    }
-    __syncthreads();
+    stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, warp < kWarps, s_warp_max,
+                                                s_warp_sum, s_max, s_sum, s_out, scale_log2);
     write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
                                                  scale_log2);
     // (one unit a CTA: the split counters are indexed by the grid, as decode_kernel's)
