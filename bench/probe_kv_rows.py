@@ -53,6 +53,14 @@ __global__ void __launch_bounds__(kThreads) stream(const uint4* k, const uint4* 
   if (acc == 0x12345678u) out[0] = acc;  // (keeps the loads)
 }
 
+// Waits until the mbarrier at `bar` has completed the phase of this parity.
+__device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra wait_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+
 // The same bytes through the bulk-copy engine (TMA without a tensor map): one thread a CTA
 // copies its contiguous share of K and of V (whole rows) in kChunk-byte pieces into a ring
 // of kStages shared-memory stages, each piece announcing itself on its stage's mbarrier.
@@ -73,11 +81,7 @@ __global__ void __launch_bounds__(32) stream_bulk(const char* k, const char* v, 
   for (int i = 0; i < 2 * pieces + kStages; ++i) {
     const int s = i % kStages;
     if (i >= kStages) {  // the piece issued kStages ago into this stage has landed
-      const unsigned parity = ((i - kStages) / kStages) & 1;
-      asm volatile(
-          "{\n.reg .pred p;\nwait_%=:\n"
-          "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-          "@!p bra wait_%=;\n}" ::"r"(bar_at + 8 * s), "r"(parity) : "memory");
+      wait_parity(bar_at + 8 * s, ((i - kStages) / kStages) & 1);
     }
     if (i >= 2 * pieces) continue;
     const long long at = begin + (long long)(i / 2) * kChunk;
@@ -114,11 +118,7 @@ __global__ void __launch_bounds__(32) stream_tma(const void* k_map, const void* 
   for (int i = 0; i < 2 * tiles + kStages; ++i) {
     const int s = i % kStages;
     if (i >= kStages) {
-      const unsigned parity = ((i - kStages) / kStages) & 1;
-      asm volatile(
-          "{\n.reg .pred p;\nwait_%=:\n"
-          "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-          "@!p bra wait_%=;\n}" ::"r"(bar_at + 8 * s), "r"(parity) : "memory");
+      wait_parity(bar_at + 8 * s, ((i - kStages) / kStages) & 1);
     }
     if (i >= 2 * tiles) continue;
     const void* map = i % 2 ? v_map : k_map;

@@ -216,7 +216,7 @@ DECODE_MORE_CTAS = {64: (4, 3), 128: (2, 3)}
 
 # The TMA decode kernel (decode_sm90.cu, sm_90): head dims, mbarrier stages of a 64-key K
 # and V box (16 KB at d = 64), and its threads (four consumer warps and a producer warp).
-# kvcache._tma_kernel says where it runs.
+# kvcache._tma_route says where it runs.
 DECODE_TMA_HEAD_DIMS = (64,)
 DECODE_TMA_STAGES = 4
 DECODE_TMA_THREADS = 160

@@ -326,14 +326,13 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     if rows:  # new keys to write, or q to rotate
         launches.append(_launch_entry(_compile.DecodeKernel("append", dt), q.device,
                                       (-(-rows // 4), 1, 1)))
-    tma = None
+    maps = None  # (the TMA decode kernel's)
     if seqlen_q and not paged:
-        tma = _tma_route(dt, d, q.dtype, kc, vc, batch * nheads_k * num_m_blocks, num_splits,
-                         nheads_k, capacity, q.device)
+        kernel, maps = _tma_route(dt, d, q.dtype, kc, vc, batch * nheads_k * num_m_blocks,
+                                  num_splits, nheads_k, capacity, q.device) or (kernel, None)
     if seqlen_q:
-        units = tma[0].units if tma else 1
-        launches.append(_launch_entry(tma[0] if tma else kernel, q.device,
-                                      (num_m_blocks * num_splits, nheads_k // units, batch)))
+        launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits,
+                                                         nheads_k // max(kernel.units, 1), batch)))
         if num_splits > 1:
             launches.append(_combine_entry(dt, d, num_splits, batch * seqlen_q * nheads,
                                            q.device))
@@ -345,9 +344,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   maps=tma[1] if tma else None,
-                   merge_in_launch=(not tma or tma[0].units == 1) and _merge_in_launch(
-                       tma[0] if tma else kernel, d, num_splits, seqlen_q * group))
+                   maps=maps, merge_in_launch=kernel.units <= 1 and _merge_in_launch(
+                       kernel, d, num_splits, seqlen_q * group))
 
 
 def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, capacity, device):
@@ -357,18 +355,19 @@ def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, capaci
     8 x 16k 32/8 98.5 -> 95.6), two where the units outnumber the SMs up to twice (8 x
     16k 32/32, 256 units: 367 -> 357); more units read within ±2 % either way, and a CTA
     streaming fewer than _TMA_MIN_KEYS keys (1 x 32k 32/8: 2048 a CTA, +0.4 %, where the
-    ring's fill and drain weigh more) as slow or slower, so those keep cp.async. Hopper only (the copy engine), and where one CTA an SM keeps
-    up with the memory (_one_cta_keeps_up: the H100's rule, the only one measured); a
-    contiguous cache whose strides a map can describe. CUFA_DECODE_TMA overrides the
-    rule (_compile.decode_tma_forced)."""
+    ring's fill and drain weigh more) as slow or slower, so those keep cp.async. Hopper
+    only (the copy engine), and where one CTA an SM keeps up with the memory
+    (_one_cta_keeps_up: the H100's rule, the only one measured); a contiguous cache whose
+    strides a map can describe. CUFA_DECODE_TMA overrides the rule
+    (_compile.decode_tma_forced)."""
     padded = _compile.padded_head_dim(d)
     forced = _compile.decode_tma_forced()
     if (padded not in _compile.DECODE_TMA_HEAD_DIMS or forced == 0
             or not _tma_device(device, forced)):
         return None
-    sms = api._sm_count(device)
     if not forced and capacity < _TMA_MIN_KEYS * num_splits:
         return None
+    sms = api._sm_count(device)
     if forced:
         per_cta = forced if nheads_k % forced == 0 else 1
     elif units * num_splits <= sms:

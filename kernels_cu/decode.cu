@@ -278,6 +278,61 @@ __device__ __forceinline__ void decode_mask(float (&sc)[1][2][4], const LaneRows
     }
 }
 
+// -- accumulator fragments set to one value --
+template <int A, int B, int C>
+__device__ __forceinline__ void fill(float (&x)[A][B][C], float value) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j)
+#pragma unroll
+      for (int k = 0; k < C; ++k) x[i][j][k] = value;
+}
+
+// -- softcap or ALiBi: then the scores leave score mods in log2 units --
+__device__ __forceinline__ bool score_mods_on(const DecodeParams& p) {
+  return p.softcap > 0.f || p.alibi_slopes;
+}
+
+// -- what a warp needs to score a 16-key tile: its lanes' rows, and the keys every row of
+//    the CTA sees (tiles inside them need no mask) --
+struct TileScoring {
+  LaneRows lr;
+  int all_lo, all_hi;  // (visible_span's ints)
+};
+
+__device__ __forceinline__ TileScoring tile_scoring(const DecodeParams& p, const CacheSeq& s,
+                                                    int m_block, int h_k, int rows, int lane) {
+  TileScoring sc;
+  sc.lr = lane_rows(p, s, m_block, h_k, lane);
+  const int t_first = (m_block * kDecodeRows) / p.group;
+  const int t_last = (m_block * kDecodeRows + rows - 1) / p.group;
+  sc.all_lo = visible_span(p, s.seqlen_k, s.seqlen_q, t_last, t_last).begin;
+  sc.all_hi = visible_span(p, s.seqlen_k, s.seqlen_q, t_first, t_first).end;
+  return sc;
+}
+
+// -- S += Q K^T of the 16-key tile at k_tile (keys key0..), then score mods and mask --
+template <int kDtype, int kHeadDim>
+__device__ __forceinline__ void score_tile(float (&tile_s)[1][2][4], const LdmatrixAddr<kHeadDim>& q_frag,
+                                           u32 k_tile, const DecodeParams& p, const CacheSeq& s,
+                                           const TileScoring& sc, bool score_mods, int key0,
+                                           int lane) {
+  const LdmatrixAddr<kHeadDim> k_frag(k_tile, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  gemm_qk<kDtype>(tile_s, q_frag, k_frag);
+  if (score_mods) decode_score_mods(tile_s, p, s, sc.lr, key0, lane);
+  if (key0 < sc.all_lo || key0 + kTileKeys > sc.all_hi) decode_mask(tile_s, sc.lr, key0, lane);
+}
+
+// -- O += P V of the 16-key tile at v_tile --
+template <int kDtype, int kHeadDim, int kDTiles>
+__device__ __forceinline__ void accumulate_tile(float (&acc_o)[1][kDTiles][4],
+                                                const float (&tile_p)[1][2][4], u32 v_tile,
+                                                int lane) {
+  const LdmatrixAddr<kHeadDim> v_frag(v_tile, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  gemm_pv<kDtype>(acc_o, tile_p, v_frag);
+}
+
 // -- epilogue: each row's max and sum over the warps, then each warp's output rescaled to
 //    them, staged in s_out ([warp][row][kOStride] floats) for write_decode_output. Warps
 //    without a softmax state (has_state false: the TMA kernel's producer) meet the
@@ -577,21 +632,13 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
   cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed
   __syncthreads();
 
-  const LaneRows lr = lane_rows(p, s, m_block, h_k, lane);
-  const bool score_mods = p.softcap > 0.f || p.alibi_slopes;
+  const TileScoring scoring = tile_scoring(p, s, m_block, h_k, rows, lane);
+  const bool score_mods = score_mods_on(p);
   const float scale_log2 = score_mods ? 1.f : p.scale_log2;  // score mods leave log2 units
-  // keys every row of the CTA sees: tiles inside need no mask
-  const int t_first = (m_block * kDecodeRows) / p.group;
-  const int t_last = (m_block * kDecodeRows + rows - 1) / p.group;
-  const i64 all_lo = visible_span(p, s.seqlen_k, s.seqlen_q, t_last, t_last).begin;
-  const i64 all_hi = visible_span(p, s.seqlen_k, s.seqlen_q, t_first, t_first).end;
   const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
 
   float acc_o[1][kDTiles][4];
-#pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+  fill(acc_o, 0.f);
   OnlineSoftmax<1> softmax;
   softmax.init();
 
@@ -616,17 +663,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
     for (int u = 0; u < kStep; ++u) {
       float(&tile_s)[1][2][4] = *reinterpret_cast<float(*)[1][2][4]>(&acc_s[0][2 * u]);
       const bool present = u == 0 || i + u < my_tiles;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) tile_s[0][nt][e] = present ? 0.f : -CUFA_INF;
-      if (!present) continue;
-      const int key0 = tile_key0(i + u);
-      const LdmatrixAddr<kHeadDim> k_frag(stage_k(i + u), (lane & 7) + ((lane >> 4) << 3),
-                                          (lane >> 3) & 1);
-      gemm_qk<kDtype>(tile_s, q_frag, k_frag);
-      if (score_mods) decode_score_mods(tile_s, p, s, lr, key0, lane);
-      if (key0 < all_lo || key0 + kTileKeys > all_hi) decode_mask(tile_s, lr, key0, lane);
+      fill(tile_s, present ? 0.f : -CUFA_INF);
+      if (present)
+        score_tile<kDtype>(tile_s, q_frag, stage_k(i + u), p, s, scoring, score_mods,
+                           tile_key0(i + u), lane);
     }
 
     // -- update m_i and l_i once for the step, rescale acc, then acc += P V per tile --
@@ -637,9 +677,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
     for (int u = 0; u < kStep; ++u) {
       if (u > 0 && i + u >= my_tiles) continue;
       const float(&tile_p)[1][2][4] = *reinterpret_cast<const float(*)[1][2][4]>(&acc_s[0][2 * u]);
-      const LdmatrixAddr<kHeadDim> v_frag(stage_k(i + u) + Shape::kTileBytes,
-                                          (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-      gemm_pv<kDtype>(acc_o, tile_p, v_frag);
+      accumulate_tile<kDtype, kHeadDim>(acc_o, tile_p, stage_k(i + u) + Shape::kTileBytes, lane);
     }
     __syncwarp();  // every lane is done with these stages before they are refilled
   }

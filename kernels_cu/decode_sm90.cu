@@ -77,13 +77,10 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     __syncthreads();  // Q landed
 
     float acc_o[1][kDTiles][4];
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    fill(acc_o, 0.f);
     OnlineSoftmax<1> softmax;
     softmax.init();
-    const bool score_mods = p.softcap > 0.f || p.alibi_slopes;
+    const bool score_mods = score_mods_on(p);
     const float scale_log2 = score_mods ? 1.f : p.scale_log2;
 
     if (warp == kWarps) {  // -- the producer: one lane issues every box --
@@ -98,11 +95,7 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
         }
       }
     } else {  // -- a consumer warp: 16 keys of every box --
-      const LaneRows lr = lane_rows(p, s, m_block, h_k, lane);
-      const int t_first = (m_block * kDecodeRows) / p.group;
-      const int t_last = (m_block * kDecodeRows + rows - 1) / p.group;
-      const i64 all_lo = visible_span(p, s.seqlen_k, s.seqlen_q, t_last, t_last).begin;
-      const i64 all_hi = visible_span(p, s.seqlen_k, s.seqlen_q, t_first, t_first).end;
+      const TileScoring scoring = tile_scoring(p, s, m_block, h_k, rows, lane);
       const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
       for (int j = 0; j < my_boxes; ++j) {
         const int g = box_count + j, st = g % kStages;
@@ -122,19 +115,12 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
             __syncwarp();
           }
           float acc_s[1][2][4];
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
-          const LdmatrixAddr<kHeadDim> k_frag(k_tile, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-          gemm_qk<kDtype>(acc_s, q_frag, k_frag);
-          if (score_mods) decode_score_mods(acc_s, p, s, lr, key0, lane);
-          if (key0 < all_lo || key0 + kTileKeys > all_hi) decode_mask(acc_s, lr, key0, lane);
+          fill(acc_s, 0.f);
+          score_tile<kDtype>(acc_s, q_frag, k_tile, p, s, scoring, score_mods, key0, lane);
           float correction[1][2];
           softmax.update(acc_s, scale_log2, correction);
           softmax.rescale_output(acc_o, correction);
-          const LdmatrixAddr<kHeadDim> v_frag(v_tile, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-          gemm_pv<kDtype>(acc_o, acc_s, v_frag);
+          accumulate_tile<kDtype, kHeadDim>(acc_o, acc_s, v_tile, lane);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + 8 * st);

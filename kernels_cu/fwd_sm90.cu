@@ -237,6 +237,46 @@ __device__ __forceinline__ Sm90Work sm90_work(const FwdParams& p, const Tile& t)
   return w;
 }
 
+// -- descriptor offset (16-byte units) of k-step ks in a K-major tile of `rows` rows --
+__device__ __forceinline__ u32 kstep_offset(int ks, int rows) {
+  return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+}
+
+// -- S = Q K^T of one K stage, issued and committed: the block's first 8 * kTiles keys
+//    (all of them, or the lower half: kHalfFirstBlock) --
+template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kTiles>
+__device__ __forceinline__ void issue_qk_keys(float (&acc)[1][kTiles][4], u64 q_stage_desc,
+                                              u64 k_stage_desc) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    wgmma_ss<kDtype>(acc, desc_add(q_stage_desc, kstep_offset(ks, kBlockM)),
+                     desc_add(k_stage_desc, kstep_offset(ks, kBlockN)), ks > 0);
+  wgmma_commit();
+}
+
+// -- scores of the block at key0 -> probabilities, in place, over its first 8 * kTiles
+//    keys: score mods, the mask where the block needs it, the online softmax's update and
+//    the factor O must be rescaled by. Returns whether O needs rescaling (under a lazy max
+//    most blocks do not) --
+template <int kMask, bool kScoreMods, int kHeadDim, int kTiles, class Softmax>
+__device__ __forceinline__ bool scores_to_probs_keys(float (&acc)[1][kTiles][4], const FwdParams& p,
+                                                     const Tile& t, const TileMods& mods,
+                                                     const Sm90Work& w, int row_base, int key0,
+                                                     int lane, float scale_log2, Softmax& softmax,
+                                                     float (&correction)[1][2]) {
+  if (kScoreMods)
+    apply_score_mods(acc, p, t, mods, row_base, key0, lane);
+  if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + 8 * kTiles))
+    apply_mask<kMask>(acc, p, t, row_base, key0, lane);
+  bool rescale = true;
+  if constexpr (kLazyRescale<kHeadDim>)
+    rescale = softmax.update_lazy(acc, scale_log2, correction);
+  else
+    softmax.update(acc, scale_log2, correction);
+  fence_registers(acc);
+  return rescale;
+}
+
 // -- the producer looks each tile up once and hands it to the consumers through shared
 //    memory (32 bytes a Q stage; b = -1: the end of the list): a packed batch's tile
 //    takes two dependent global loads (list entry, then cu_seqlens), which the
@@ -486,9 +526,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
   const u64 q_desc = smem_desc(sm.q + consumer * 64 * 128, 16, 1024);
   const u64 k_desc = smem_desc(sm.k(), 16, 1024);
   const u64 v_desc = smem_desc(sm.v(), kBlockN * 128, 1024);
-  auto kstep = [](int ks, int rows) {  // descriptor offset (16-byte units) of k-step ks
-    return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
-  };
   constexpr u32 kStageStep = Smem::kKVBytes >> 4;
 
   int block_count = 0;
@@ -529,12 +566,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       const int n_blocks = w.n_blocks;
       const u64 q_stage_desc = desc_add(q_desc, q_stage * (Smem::kQBytes >> 4));
       auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
-        const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          wgmma_ss<kDtype>(acc_s, desc_add(q_stage_desc, kstep(ks, kBlockM)),
-                           desc_add(k_stage_desc, kstep(ks, kBlockN)), ks > 0);
-        wgmma_commit();
+        issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(acc_s, q_stage_desc,
+                                                          desc_add(k_desc, stage * kStageStep));
       };
       u32 p_prev[kNTiles / 2][4];
       auto issue_pv = [&](u32 stage) {
@@ -547,20 +580,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       // Scores of block `it` -> probabilities (in place), and the factor O must be
       // rescaled by; then, once the previous P V is complete, O rescaled and P packed as
       // the A operand of this block's product.
-      // (Returns whether O needs rescaling; under a lazy max most blocks do not.)
       auto scores_to_probs = [&](float (&acc_s)[1][kNTiles][4], int it, float (&correction)[1][2]) {
-        const int key0 = (w.n_block_max - 1 - it) * kBlockN;
-        if (kScoreMods)
-          apply_score_mods(acc_s, p, t, mods, row_base, key0, lane);
-        if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + kBlockN))
-          apply_mask<kMask>(acc_s, p, t, row_base, key0, lane);
-        bool rescale = true;
-        if constexpr (kLazyRescale<kHeadDim>)
-          rescale = softmax.update_lazy(acc_s, scale_log2, correction);
-        else
-          softmax.update(acc_s, scale_log2, correction);
-        fence_registers(acc_s);
-        return rescale;
+        return scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
+            acc_s, p, t, mods, w, row_base, (w.n_block_max - 1 - it) * kBlockN, lane, scale_log2,
+            softmax, correction);
       };
       auto rescale_and_pack = [&](const float (&acc_s)[1][kNTiles][4], const float (&correction)[1][2],
                                   bool rescale) {
@@ -620,16 +643,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           turn_begin();
           wgmma_fence();
           if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-            if (half) {
-              const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
-#pragma unroll
-              for (int ks = 0; ks < kHeadDim / 16; ++ks)
-                wgmma_ss<kDtype>(lower, desc_add(q_stage_desc, kstep(ks, kBlockM)),
-                                 desc_add(k_stage_desc, kstep(ks, kBlockN)), ks > 0);
-              wgmma_commit();
-            } else {
+            if (half)
+              issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(
+                  lower, q_stage_desc, desc_add(k_desc, stage * kStageStep));
+            else
               issue_qk(acc_s, stage);
-            }
           } else {
             issue_qk(acc_s, stage);
           }
@@ -641,15 +659,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
             mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
           float correction[1][2];
           if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-            if (half) {  // scores_to_probs on the lower half (no score mods here)
-              const int key0 = (w.n_block_max - 1) * kBlockN;
-              if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + kBlockN / 2))
-                apply_mask<kMask>(lower, p, t, row_base, key0, lane);
-              if constexpr (kLazyRescale<kHeadDim>)
-                softmax.update_lazy(lower, scale_log2, correction);
-              else
-                softmax.update(lower, scale_log2, correction);
-              fence_registers(lower);
+            if (half) {
+              scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
+                  lower, p, t, mods, w, row_base, (w.n_block_max - 1) * kBlockN, lane, scale_log2,
+                  softmax, correction);
 #pragma unroll
               for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
 #pragma unroll
