@@ -222,7 +222,7 @@ DECODE_TMA_STAGES = 4
 DECODE_TMA_THREADS = 160
 DECODE_TMA_BOX_KEYS = 64
 # CUFA_DECODE_TMA: 0 never takes the TMA decode kernel, 1 or 2 takes it wherever it can run
-# (that many units a CTA; 1 where the KV heads are odd), for tests and A/Bs; unset: the
+# (that many units a CTA; an odd batch's last CTAs take one), for tests and A/Bs; unset: the
 # planner's rule
 DECODE_TMA_ENV = "CUFA_DECODE_TMA"
 

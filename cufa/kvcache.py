@@ -329,10 +329,11 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     maps = None  # (the TMA decode kernel's)
     if seqlen_q and not paged:
         kernel, maps = _tma_route(dt, d, q.dtype, kc, vc, batch * nheads_k * num_m_blocks,
-                                  num_splits, nheads_k, capacity, q.device) or (kernel, None)
-    if seqlen_q:
-        launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits,
-                                                         nheads_k // max(kernel.units, 1), batch)))
+                                  num_splits, batch, capacity, q.device) or (kernel, None)
+    if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
+        per_cta = max(kernel.units, 1)
+        launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
+                                                         -(-batch // per_cta))))
         if num_splits > 1:
             launches.append(_combine_entry(dt, d, num_splits, batch * seqlen_q * nheads,
                                            q.device))
@@ -348,7 +349,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                        kernel, d, num_splits, seqlen_q * group))
 
 
-def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, capacity, device):
+def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, batch, capacity, device):
     """(the TMA decode kernel, its K/V maps' template) where it runs, else None. Measured
     on an H100 against the cp.async kernel (graph replays, fp16, d = 64; bench/NOTES.md):
     one unit a CTA where the one-CTA-an-SM split rule runs (1 x 128k 32/32 363 -> 346 us,
@@ -369,10 +370,10 @@ def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, nheads_k, capaci
         return None
     sms = api._sm_count(device)
     if forced:
-        per_cta = forced if nheads_k % forced == 0 else 1
+        per_cta = forced
     elif units * num_splits <= sms:
         per_cta = 1
-    elif num_splits == 1 and units <= 2 * sms and nheads_k % 2 == 0:
+    elif num_splits == 1 and units <= 2 * sms and batch % 2 == 0:
         per_cta = 2
     else:
         return None

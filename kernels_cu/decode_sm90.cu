@@ -10,9 +10,11 @@
 // - TMA fills zeros past the map's end, not past cache_seqlens, so a warp whose keys cross
 //   the sequence's end zeroes those V rows in shared memory (a NaN in an unused slot
 //   would make P = 0 times V NaN; their scores are masked);
-// - kUnits (sequence, KV head) units a CTA, one after another (heads blockIdx.y,
-//   + gridDim.y): where the units outnumber the SMs, one stream a CTA over the cache reads
-//   faster than two (8 x 16k with 32 KV heads: 369 -> 358 us);
+// - kUnits (sequence, KV head) units a CTA, one after another (sequences blockIdx.z,
+//   + gridDim.z): where the units outnumber the SMs, one stream a CTA over the cache reads
+//   faster than two. The CTAs that run at once take every KV head of their sequences, so
+//   together they read whole cache rows (all heads of a position), as the one-unit grid
+//   does; pairing heads h and h + H/2 instead had them read half rows;
 // - splits cut 64-key boxes; their partials merge as decode_kernel's do (in the launch, by
 //   the last split to finish, for an eager call with one unit a CTA; else decode_combine).
 #include "decode.cu"
@@ -27,8 +29,8 @@ struct TmaDecodeShape {
   static constexpr int kOStride = 64 + 4;
 };
 
-// kUnits: (sequence, KV head) units a CTA takes one after another (heads blockIdx.y,
-// + gridDim.y, ...): fewer concurrent streams over the cache
+// kUnits: (sequence, KV head) units a CTA takes one after another (sequences blockIdx.z,
+// + gridDim.z, ...): fewer concurrent streams over the cache
 template <int kDtype, int kStages, int kUnits>
 __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__ DecodeParams p,
                                                          const __grid_constant__ TensorMaps maps) {
@@ -57,8 +59,9 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
   int box_count = 0;  // boxes through the ring so far (their stages and phases)
   for (int unit = 0; unit < kUnits; ++unit) {
     const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;
-    const int h_k = blockIdx.y + unit * gridDim.y;
-    const int b = blockIdx.z;
+    const int h_k = blockIdx.y;
+    const int b = blockIdx.z + unit * gridDim.z;
+    if (b >= p.batch) break;  // (the grid rounds the sequences up to whole CTAs)
     const CacheSeq s = cache_seq(p, b);
     const int rows = min(kDecodeRows, s.seqlen_q * p.group - m_block * kDecodeRows);
     if (rows <= 0) continue;

@@ -353,12 +353,12 @@ def test_tma_decode_where_it_was_measured_faster(h100):
     # one unit a CTA: the splits merge in the launch as decode_kernel's (an idle stream)
     assert plan.merge_in_launch and r["split_counters"] == _SPLIT_COUNTERS
     route, _, plan = _decode_route(h100, 8, 16384, 32)
-    assert route == ("decode_tma", (1, 16, 8), 160) and not plan.merge_in_launch  # 2 units
+    assert route == ("decode_tma", (1, 32, 4), 160) and not plan.merge_in_launch  # 2 units
     assert _decode_route(h100, 1, 131072, 8, d=40)[0][0] == "decode_tma"  # padded to 64
     assert _decode_route(h100, 1, 32768, 32)[0][0] == "decode_tma"  # 4 splits: 8192 keys a CTA
     for shape, kw in (((64, 4096, 8), {}),           # 512 units: within +-2 %, cp.async
                       ((1, 32768, 8), {}),           # 16 splits: 2048 keys a CTA
-                      ((8, 16384, 25), {"nheads": 25}),  # 200 units, odd heads: no pairs
+                      ((7, 16384, 32), {}),          # 224 units, odd batch: no pairs
                       ((1, 32768, 8, 128), {}),      # d = 128: not yet
                       ((8, 16384, 32), {"num_splits": 2})):  # 512 CTAs
         assert _decode_route(h100, *shape, **kw)[0][0] == "decode", shape
@@ -380,7 +380,7 @@ def test_tma_decode_only_on_the_h100_rule_and_the_hopper_family(h100, monkeypatc
 
 @pytest.mark.parametrize("forced,route", [("0", ("decode", (16, 8, 1))),
                                           ("1", ("decode_tma", (1, 32, 64))),
-                                          ("2", ("decode_tma", (1, 16, 64)))])
+                                          ("2", ("decode_tma", (1, 32, 32)))])
 def test_cufa_decode_tma_forces_the_route(h100, monkeypatch, forced, route):
     """CUFA_DECODE_TMA: 0 never, 1 or 2 wherever the kernel can run (here 64 x 4k, 32 KV
     heads, which the rule leaves to cp.async), with that many units a CTA."""
