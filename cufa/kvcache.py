@@ -353,8 +353,10 @@ def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, batch, capacity,
     """(the TMA decode kernel, its K/V maps' template) where it runs, else None. Measured
     on an H100 against the cp.async kernel (graph replays, fp16, d = 64; bench/NOTES.md):
     one unit a CTA where the one-CTA-an-SM split rule runs (1 x 128k 32/32 363 -> 346 us,
-    8 x 16k 32/8 98.5 -> 95.6), two where the units outnumber the SMs up to twice (8 x
-    16k 32/32, 256 units: 367 -> 357); more units read within ±2 % either way, and a CTA
+    8 x 16k 32/8 98.5 -> 95.6), two where the units outnumber the SMs up to twice and the
+    batch is even (8 x 16k 32/32, 256 units: 367 -> 357 as heads h and h + H/2 of a
+    sequence; 357.7 -> 350.8 as sequences z and z + B/2 of a head, whose CTAs at once read
+    whole cache rows); more units read within ±2 % either way, and a CTA
     streaming fewer than _TMA_MIN_KEYS keys (1 x 32k 32/8: 2048 a CTA, +0.4 %, where the
     ring's fill and drain weigh more) as slow or slower, so those keep cp.async. Hopper
     only (the copy engine), and where one CTA an SM keeps up with the memory
