@@ -405,13 +405,23 @@ def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=Fals
     blocks). Where the default shape would split the keys but the shape with four CTAs an
     SM (_compile.DECODE_MORE_CTAS) holds every unit in one wave, that one, unsplit: at
     d = 64, 64 x 4k with 8 KV heads (512 units) took 199 -> 188 us with one token and
-    209 -> 189 with four on an H100, with no combine. With several waves it measured 2-3 %
-    slower, so it is not the default."""
+    209 -> 189 with four on an H100, with no combine. Also on a contiguous cache (or pages
+    of 256, which take its rules) whose units take more than two waves of the default
+    shape but at most two of this one (793 to 1056 units on an H100: 128 x 2k with 8 KV
+    heads, 1024 units, d = 128 360.8 ->
+    354.8 us, d = 64 188.8 -> 185.5, graph replays). With more waves it measured 0.5-3 %
+    slower (256 x 1k 8 KV heads d = 128 360.1 -> 362.4, 64 x 4k 32 KV heads 1392 -> 1411),
+    so it is not the default."""
     kernel = _compile.decode_kernel(dtype, d)
     splits = _split_count(num_splits, units, capacity, kernel, device, paged)
-    if num_splits == 0 and splits > 1:
-        wider = _compile.decode_kernel_with_more_ctas(dtype, d)
-        if wider is not None and _split_count(0, units, capacity, wider, device, paged) == 1:
+    wider = _compile.decode_kernel_with_more_ctas(dtype, d) if num_splits == 0 else None
+    if wider is not None and splits > 1:
+        if _split_count(0, units, capacity, wider, device, paged) == 1:
+            return wider, 1
+    elif wider is not None and not paged:
+        sms = api._sm_count(device)
+        smem = _smem_per_sm(device)
+        if 2 * sms * kernel.ctas_per_sm_on(smem) < units <= 2 * sms * wider.ctas_per_sm_on(smem):
             return wider, 1
     return kernel, splits
 

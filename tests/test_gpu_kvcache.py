@@ -202,6 +202,9 @@ CASES = {
     "bf16 d96 64 x 512 GQA 32/8 q4 causal paged 16 softcap": dict(
         dtype="bfloat16", batch=64, heads=(32, 8), capacity=512, seqlen_q=4, causal=True,
         page_size=16, d=96, softcap=8.0),
+    # 1024 units (over two waves of the default shape, within two of the four-CTA one)
+    "bf16 d128 128 x 80 GQA 32/8 q1 append": dict(dtype="bfloat16", batch=128, heads=(32, 8),
+                                                  capacity=80, new=2, d=128),
     # paged
     "paged 1 append 1": dict(page_size=1, capacity=48, new=1),
     "paged 16 append 1 GQA 32/8": dict(page_size=16, heads=(32, 8), new=1),

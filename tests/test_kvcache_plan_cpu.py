@@ -85,7 +85,11 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     (64, 8, 4, True),     # 4 tokens x 4 heads a KV head: still one 16-row block
     (60, 8, 1, True),     # 480: fills 91 % of the 528
     (48, 8, 1, False),    # 384: one wave of the default shape already
-    (32, 32, 1, False),   # 1024: unsplit already, several waves
+    (32, 32, 1, True),    # 1024: over two waves of the 396 slots, under two of the 528
+    (26, 32, 1, True),    # 832
+    (24, 32, 1, False),   # 768: two waves of the default shape
+    (34, 32, 1, False),   # 1088: over two waves of the 528 too
+    (64, 32, 1, False),   # 2048: several waves either way
     (1, 8, 1, False),     # batch 1: split either way
 ])
 def test_the_four_cta_shape_where_it_runs_unsplit(planner, d, batch, heads_k, seqlen_q, wider):
