@@ -8,10 +8,9 @@ an SM through splits on the four-CTA shape, or the eight-warp shape) closes it.
     python3 bench/probe_decode_shapes.py [--rounds 5] [--shapes 8x16384:32:64,...]
 
 A shape is BxN:HK:D (32 query heads, one query token, fp16). A variant is
-KERNEL/SPLITS: KERNEL default, more (_compile.DECODE_MORE_CTAS), or deep (8 warps x 4
-stages at d = 64, 6 x 4 at d = 128: 130 / 196 KB, one CTA an SM; compiles only with the
-decode.cu of branch next/decode-deep, whose static_assert allows it); SPLITS 0 is the
-planner's count for that kernel.
+KERNEL/SPLITS: KERNEL default or more (_compile.DECODE_MORE_CTAS); SPLITS 0 is the
+planner's count for that kernel ("default/0" is the planner's own choice of both). (The
+eight-warp shape it also timed lives on branch next/decode-deep.)
 """
 import argparse
 import os
@@ -35,9 +34,6 @@ _forced = [None]
 def _kernel(kind, d):
     if kind == "more":
         return _compile.decode_kernel_with_more_ctas("fp16", d)
-    if kind == "deep":
-        warps, stages = {64: (8, 4), 128: (6, 4)}[d]
-        return _compile.DecodeKernel("decode", "fp16", d, stages=stages, warps=warps)
     return _compile.decode_kernel("fp16", d)
 
 

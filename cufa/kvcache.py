@@ -328,7 +328,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                                       (-(-rows // 4), 1, 1)))
     maps = None  # (the TMA decode kernel's)
     if seqlen_q and not paged:
-        kernel, maps = _tma_route(dt, d, q.dtype, kc, vc, batch * nheads_k * num_m_blocks,
+        kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
         per_cta = max(kernel.units, 1)
@@ -349,7 +349,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                        kernel, d, num_splits, seqlen_q * group))
 
 
-def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, batch, capacity, device):
+def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device):
     """(the TMA decode kernel, its K/V maps' template) where it runs, else None. Measured
     on an H100 against the cp.async kernel (graph replays, fp16, d = 64; bench/NOTES.md):
     one unit a CTA where the one-CTA-an-SM split rule runs (1 x 128k 32/32 363 -> 346 us,
@@ -386,7 +386,7 @@ def _tma_route(dtype, d, dtype_name, kc, vc, units, num_splits, batch, capacity,
     template = _tma.template(dtype_name, (view, view, view))
     if template is None:
         return None
-    return _compile.decode_tma_kernel(dtype, padded, per_cta), template
+    return _compile.decode_tma_kernel(api._KERNEL_DTYPES[dtype_name], padded, per_cta), template
 
 
 _TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, at least
@@ -402,27 +402,30 @@ def _tma_device(device, forced=None):
 
 def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
     """The decode kernel and split count for `units` CTAs (batch x KV heads x query
-    blocks). Where the default shape would split the keys but the shape with four CTAs an
-    SM (_compile.DECODE_MORE_CTAS) holds every unit in one wave, that one, unsplit: at
-    d = 64, 64 x 4k with 8 KV heads (512 units) took 199 -> 188 us with one token and
-    209 -> 189 with four on an H100, with no combine. Also on a contiguous cache (or pages
-    of 256, which take its rules) whose units take more than two waves of the default
-    shape but at most two of this one (793 to 1056 units on an H100: 128 x 2k with 8 KV
-    heads, 1024 units, d = 128 360.8 ->
-    354.8 us, d = 64 188.8 -> 185.5, graph replays). With more waves it measured 0.5-3 %
-    slower (256 x 1k 8 KV heads d = 128 360.1 -> 362.4, 64 x 4k 32 KV heads 1392 -> 1411),
-    so it is not the default."""
+    blocks). The shape with four CTAs an SM (_compile.DECODE_MORE_CTAS), unsplit, where
+    num_splits is left to the planner and
+    - the default shape would split the keys but this one holds every unit in one wave: at
+      d = 64, 64 x 4k with 8 KV heads (512 units) took 199 -> 188 us with one token and
+      209 -> 189 with four on an H100, with no combine;
+    - or, on a contiguous cache (or pages of 256, which take its rules), the units take
+      more than two waves of the default shape but at most two of this one (793 to 1056
+      units on an H100: 128 x 2k with 8 KV heads, 1024 units, d = 128 360.8 -> 354.8 us,
+      d = 64 188.8 -> 185.5, graph replays).
+    With more waves it measured 0.5-3 % slower (256 x 1k 8 KV heads d = 128 360.1 ->
+    362.4, 64 x 4k 32 KV heads 1392 -> 1411), so it is not the default."""
     kernel = _compile.decode_kernel(dtype, d)
     splits = _split_count(num_splits, units, capacity, kernel, device, paged)
     wider = _compile.decode_kernel_with_more_ctas(dtype, d) if num_splits == 0 else None
-    if wider is not None and splits > 1:
-        if _split_count(0, units, capacity, wider, device, paged) == 1:
-            return wider, 1
-    elif wider is not None and not paged:
-        sms = api._sm_count(device)
-        smem = _smem_per_sm(device)
-        if 2 * sms * kernel.ctas_per_sm_on(smem) < units <= 2 * sms * wider.ctas_per_sm_on(smem):
-            return wider, 1
+    if wider is None:
+        return kernel, splits
+    if splits > 1:
+        one_wave = _split_count(0, units, capacity, wider, device, paged) == 1
+        return (wider, 1) if one_wave else (kernel, splits)
+    two_waves = 2 * api._sm_count(device)  # (times the CTAs an SM holds)
+    smem = _smem_per_sm(device)
+    if (not paged and two_waves * kernel.ctas_per_sm_on(smem) < units
+            <= two_waves * wider.ctas_per_sm_on(smem)):
+        return wider, 1
     return kernel, splits
 
 
