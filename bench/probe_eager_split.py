@@ -6,7 +6,10 @@ calls; fp16, 1 x 32k keys, 32/8 heads. Two caches rotate (64 MB at d = 64 outgro
 A second table: the same calls queued behind a spinning kernel (bench_fwd.queue_ahead),
 GPU us a call between an event before the first and one after the last: the host hidden.
 
-    python3 bench/probe_eager_split.py [--calls 400]
+A third (--profile): each call's kernels by the torch profiler, GPU us each and the span
+from the first kernel's start to the last one's end, the calls queued as above.
+
+    python3 bench/probe_eager_split.py [--calls 400] [--head-dims 64,128] [--profile]
 """
 import argparse
 import os
@@ -56,17 +59,53 @@ def queued_gpu(fn, sets, calls):
     return a.elapsed_time(b) / calls * 1e3 if issued_ms < 0.9 * lead_ms else None
 
 
+def profiled(fn, sets, calls=40):
+    """-> ({kernel name: median GPU us}, median us from a call's first kernel start to its
+    last kernel end), the calls queued behind a spin, one marker kernel between calls."""
+    for i in range(10):
+        fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
+    marker = torch.zeros(1, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        queue_ahead(torch, 2 + 0.2 * calls)
+        for i in range(calls):
+            marker.add_(1)
+            fn(*sets[i % len(sets)])
+        marker.add_(1)
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    calls_seen, current, times = [], None, {}
+    for start, end, name in kernels:
+        if "spin" in name.lower():
+            continue
+        if "add" in name.lower() and "elementwise" in name.lower():  # the marker
+            if current:
+                calls_seen.append(current)
+            current = []
+            continue
+        if current is not None:
+            current.append((start, end, name))
+            times.setdefault(name, []).append(end - start)
+    spans = sorted(c[-1][1] - c[0][0] for c in calls_seen if c)
+    med = {n[:48]: sorted(t)[len(t) // 2] for n, t in times.items()}
+    return med, spans[len(spans) // 2] if spans else float("nan")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=400)
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
+    profiles = []
     from torch.nn.attention import SDPBackend, sdpa_kernel
     sdpa = torch.nn.functional.scaled_dot_product_attention
     print("| d | sq | cufa eager (merge in launch): host / wall us | cufa eager, combine kernel "
           "| cufa graph replay wall | SDPA flash host / wall | SDPA cuDNN host / wall |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     queued = []
-    for d in (64, 128):
+    for d in (int(x) for x in args.head_dims.split(",")):
         for sq in (1, 4):
             sets = []
             for _ in range(2):
@@ -80,11 +119,14 @@ def main():
                 return cufa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
             row = [back_to_back(call, sets, args.calls)]
             gpu = [queued_gpu(call, sets, args.calls)]
+            prof = [profiled(call, sets)] if args.profile else []
             plans = [pl for key, pl in api._plans.items() if key[0] == "kvcache"]
             for pl in plans:
                 pl.merge_in_launch = False
             row.append(back_to_back(call, sets, args.calls))
             gpu.append(queued_gpu(call, sets, args.calls))
+            if args.profile:
+                prof.append(profiled(call, sets))
             for pl in plans:
                 pl.merge_in_launch = True
             graphs = []
@@ -97,17 +139,22 @@ def main():
                 graphs.append((g,))
             row.append(back_to_back(lambda g: g.replay(), graphs, args.calls))
             gpu.append(queued_gpu(lambda g: g.replay(), graphs, args.calls))
+            if args.profile:
+                prof.append(profiled(lambda g: g.replay(), graphs))
             bhsd = [tuple(x.transpose(1, 2) for x in s[:3]) for s in sets]
             for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
                 with sdpa_kernel(backend):
                     fn = lambda q, k, v: sdpa(q, k, v, enable_gqa=True)  # noqa: E731
                     row.append(back_to_back(fn, bhsd, args.calls))
                     gpu.append(queued_gpu(fn, bhsd, args.calls))
+                    if args.profile:
+                        prof.append(profiled(fn, bhsd))
             api.clear_plans()
             cells = [f"{h:.1f} / {w:.1f}" for h, w in row]
             cells[2] = f"{row[2][1]:.1f}"
             print(f"| {d} | {sq} | " + " | ".join(cells) + " |", flush=True)
             queued.append((d, sq, gpu))
+            profiles.append((d, sq, prof))
     # what moving 64 MB costs alone, against a 1 GB copy: the ramp and tail of any kernel
     # that size (two buffers rotate, as the caches do)
     big = [torch.empty(2**29, dtype=torch.float16, device="cuda") for _ in range(2)]
@@ -130,6 +177,15 @@ def main():
     for d, sq, gpu in queued:
         cells = ["n/a" if us is None else f"{us:.1f}" for us in gpu]
         print(f"| {d} | {sq} | " + " | ".join(cells) + " |")
+    if args.profile:
+        names = ["cufa eager (merge in launch)", "cufa eager, combine kernel", "cufa graph",
+                 "SDPA flash", "SDPA cuDNN"]
+        print("\nTorch profiler, calls queued: span of a call's kernels (us) and each kernel's "
+              "GPU us")
+        for d, sq, prof in profiles:
+            for name, (kernels, span) in zip(names, prof):
+                each = ", ".join(f"{k} {us:.1f}" for k, us in kernels.items())
+                print(f"d={d} sq={sq} {name}: span {span:.1f} | {each}")
 
 
 if __name__ == "__main__":

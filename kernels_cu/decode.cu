@@ -474,38 +474,75 @@ __device__ __forceinline__ void store8(u16* dst, const float (&acc)[8]) {
   *reinterpret_cast<uint4*>(dst) = packed;
 }
 
+// The count a unit's splits take: release of this CTA's partials (ordered before it by
+// the barrier the caller passed, as cooperative groups' grid barrier does) and, for the
+// last split, acquire of the others'. One atomic instead of a fence a thread, a fence
+// and an atomic: one memory latency less on the merge's path.
+__device__ __forceinline__ int count_split_done(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
 template <int kDtype, int kThreads>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const CacheSeq& s, int m_block,
                                               int h_k, int rows, float* scratch) {
+  constexpr int kEarly = 4;  // a thread's first splits of o_partial, loaded with the lse
   __shared__ int s_last;
-  __threadfence();  // this thread's partials, device-wide, before the count below
-  __syncthreads();  // (also: every reader of the output staging is done with `scratch`)
+  __syncthreads();  // every thread's partials written (and every reader of `scratch` done)
   if (threadIdx.x == 0) {
     int* counter = reinterpret_cast<int*>(p.split_counters) +
                    ((i64)blockIdx.z * gridDim.y + blockIdx.y) * p.num_m_blocks + m_block;
-    const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
+    const bool last = count_split_done(counter) == p.num_splits - 1;
     if (last) atomicExch(counter, 0);
     s_last = last;
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence();  // the other splits' partials, after their counts
   const int splits = p.num_splits, chunks = p.head_dim / 8;
   const int row_threads = p.combine_row_threads;  // the combine variant's: 32 or 128
   float* weight = scratch;                             // [kDecodeRows][kMaxSplits]
   float* partial = scratch + kDecodeRows * kMaxSplits;  // [kThreads][8]
   const float* lse_part = reinterpret_cast<const float*>(p.lse_partial);
+  // thread = (row and 8-column chunk, split group); groups of a pair are adjacent threads,
+  // and threads past the last whole pair (kThreads not a multiple of groups) sit out. The
+  // host takes this merge where one pass covers the pairs (kvcache._merge_in_launch).
+  const int pairs = rows * chunks, groups = row_threads / chunks;
+  const int pairs_a_pass = kThreads / groups, group = threadIdx.x % groups;
+  const bool in_pass = threadIdx.x < pairs_a_pass * groups;
+  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+  const float* o_part = reinterpret_cast<const float*>(p.o_partial);
+  auto pair_src = [&](int pair, DecodeRow& row) {
+    row = decode_row(p, s, m_block, h_k, pair / chunks);
+    return o_part + ((i64)(s.b * p.seqlen_q + row.t) * p.nheads + row.h) * p.head_dim + (pair % chunks) * 8;
+  };
+  // Every read of the first pass goes out before any is used: the thread's first kEarly
+  // splits of o_partial with the lse values below, one memory latency for both, as in
+  // decode_combine.
+  float4 early[kEarly][2];
+  if (in_pass && threadIdx.x / groups < pairs) {
+    DecodeRow row;
+    const float* src = pair_src(threadIdx.x / groups, row);
+#pragma unroll
+    for (int i = 0; i < kEarly; ++i) {
+      const int sp = group + i * groups;
+      if (sp < splits) {
+        early[i][0] = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o));
+        early[i][1] = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o) + 1);
+      }
+    }
+  }
   for (int idx = threadIdx.x; idx < rows * splits; idx += kThreads) {
-    const int r = idx / splits, sp = idx % splits;
-    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-    weight[r * kMaxSplits + sp] =
-        __ldcg(lse_part + ((i64)(sp * p.batch + s.b) * p.nheads + row.h) * p.seqlen_q + row.t);
+    const int rr = idx / splits, sp = idx % splits;
+    const DecodeRow lrow = decode_row(p, s, m_block, h_k, rr);
+    weight[rr * kMaxSplits + sp] =
+        __ldcg(lse_part + ((i64)(sp * p.batch + s.b) * p.nheads + lrow.h) * p.seqlen_q + lrow.t);
   }
   __syncthreads();
   // a warp a row: its lse values -> weights, and its lse
   const int lane = threadIdx.x % 32;
-  for (int r = threadIdx.x / 32; r < rows; r += kThreads / 32) {
-    float* w = weight + r * kMaxSplits;
+  for (int wr = threadIdx.x / 32; wr < rows; wr += kThreads / 32) {
+    float* w = weight + wr * kMaxSplits;
     float mx = -CUFA_INF;
     for (int part = 0; part < row_threads / 32; ++part) {
       const int sp = part * 32 + lane;
@@ -525,34 +562,28 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int sp = lane; sp < splits; sp += 32) w[sp] *= inv;
     if (lane == 0 && p.lse) {
-      const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-      reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
-                                      s.q_row0 + row.t] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
+      const DecodeRow lrow = decode_row(p, s, m_block, h_k, wr);
+      reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + lrow.h * p.lse_head_stride +
+                                      s.q_row0 + lrow.t] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
     }
   }
   __syncthreads();
-  // thread = (row and 8-column chunk, split group); groups of a pair are adjacent threads,
-  // and threads past the last whole pair (kThreads not a multiple of groups) sit out
-  const int pairs = rows * chunks, groups = row_threads / chunks;
-  const int pairs_a_pass = kThreads / groups, group = threadIdx.x % groups;
-  const bool in_pass = threadIdx.x < pairs_a_pass * groups;
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
-  const float* o_part = reinterpret_cast<const float*>(p.o_partial);
   for (int pass = 0; pass < pairs; pass += pairs_a_pass) {
     const int pair = pass + threadIdx.x / groups;
-    const int r = pair / chunks, c = pair % chunks;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     DecodeRow row{};
     if (in_pass && pair < pairs) {
-      row = decode_row(p, s, m_block, h_k, r);
-      const float* src = o_part + ((i64)(s.b * p.seqlen_q + row.t) * p.nheads + row.h) * p.head_dim + c * 8;
+      const float* src = pair_src(pair, row);
+      const float* w = weight + (pair / chunks) * kMaxSplits;
+      int sp = group;
+      if (pass == 0)
+#pragma unroll
+        for (int i = 0; i < kEarly; ++i, sp += groups)
+          if (sp < splits) add_weighted8(acc, w[sp], early[i][0], early[i][1]);
 #pragma unroll 4
-      for (int sp = group; sp < splits; sp += groups) {
-        const float w = weight[r * kMaxSplits + sp];
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o));
-        const float4 b = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o) + 1);
-        add_weighted8(acc, w, a, b);
-      }
+      for (; sp < splits; sp += groups)
+        add_weighted8(acc, w[sp], __ldcg(reinterpret_cast<const float4*>(src + sp * split_o)),
+                      __ldcg(reinterpret_cast<const float4*>(src + sp * split_o) + 1));
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) partial[threadIdx.x * 8 + i] = acc[i];
@@ -562,7 +593,8 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] += partial[(threadIdx.x + g) * 8 + i];
       store8<kDtype>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
-                         (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride + c * 8,
+                         (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride +
+                         (pair % chunks) * 8,
                      acc);
     }
     __syncthreads();  // partial is rewritten by the next pass
