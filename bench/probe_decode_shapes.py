@@ -8,7 +8,8 @@ an SM through splits on the four-CTA shape, or the eight-warp shape) closes it.
     python3 bench/probe_decode_shapes.py [--rounds 5] [--shapes 8x16384:32:64,...]
 
 A shape is BxN:HK:D (32 query heads, one query token, fp16). A variant is
-KERNEL/SPLITS: KERNEL default or more (_compile.DECODE_MORE_CTAS); SPLITS 0 is the
+KERNEL/SPLITS: KERNEL default, more (_compile.DECODE_MORE_CTAS) or wWsS (W warps of S
+cp.async stages each; over 99 KB of shared memory on sm_90 only); SPLITS 0 is the
 planner's count for that kernel ("default/0" is the planner's own choice of both). (The
 eight-warp shape it also timed lives on branch next/decode-deep.)
 """
@@ -34,6 +35,10 @@ _forced = [None]
 def _kernel(kind, d):
     if kind == "more":
         return _compile.decode_kernel_with_more_ctas("fp16", d)
+    if kind.startswith("w"):
+        warps, stages = (int(x) for x in kind[1:].split("s"))
+        return _compile.DecodeKernel("decode", "fp16", _compile.padded_head_dim(d), stages=stages,
+                                     warps=warps)
     return _compile.decode_kernel("fp16", d)
 
 

@@ -45,7 +45,11 @@ struct DecodeShape {
   static_assert(kDecodeRows * kOStride * 4 <= kWarpBytes,
                 "a warp's float outputs reuse its cache stages");
   static constexpr int kBytes = kQBytes + kWarps * kWarpBytes;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(kBytes <= 227 * 1024, "shared memory a CTA of sm_90");
+#else
   static_assert(kBytes <= 99 * 1024, "shared memory of sm_86/89");
+#endif
 };
 
 // -- where a sequence's keys live --
