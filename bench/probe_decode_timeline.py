@@ -32,6 +32,7 @@ MARK = ("if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 
         " % {max}][{i}] = t_; }}\n")  # noqa: E501
 ANCHORS = [  # (text in merge_if_last .. decode_kernel, mark index, before or after it)
     ("  if (!s_last) return;\n", 5, "after"),
+    # (older trees' merge_if_last: lse values in, weights done)
     ("  __syncthreads();\n  // a warp a row: its lse values -> weights, and its lse\n", 6, "after"),
     ("  for (int pass = 0; pass < pairs; pass += pairs_a_pass) {\n", 9, "before"),
     ("  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,\n", 8, "before"),
@@ -48,9 +49,11 @@ def instrument():
     head, body = src.split("\n", 1)
     start = body.index("__device__ __forceinline__ void merge_if_last(")
     start = body.rindex("template", 0, start)
-    kernel_end = body.index("// -- split-KV: each (batch, token, head) row's splits merged by their lse --")
+    kernel_end = body.rindex("template", 0, body.index("decode_combine(const DecodeParams p)"))
     kernel = body[start:kernel_end]
     for text, i, where in ANCHORS:
+        if i in (6, 9) and text not in kernel:
+            continue
         assert kernel.count(text) == 1, text
         mark = MARK.format(max=MAX_CTAS, i=i)
         kernel = kernel.replace(text, mark + text if where == "before" else text + mark)
@@ -156,9 +159,13 @@ def report(shape, merged, t):
     merging = t[:, 5] > 0
     if merging.any():
         m = merging
-        print(f"  the {m.sum()} merging CTAs, after the partials: knows it is last {pct(last[m] - written[m])}"
-              f" | lse in {pct(lse_in[m] - last[m])} | weights {pct(weights[m] - lse_in[m])} | "
-              f"exit {pct(end[m] - weights[m])}; their exits {pct(end[m])}")
+        steps = f"knows it is last {pct(last[m] - written[m])}"
+        if (t[m, 6] > 0).all():
+            steps += (f" | lse in {pct(lse_in[m] - last[m])} | weights {pct(weights[m] - lse_in[m])} | "
+                      f"exit {pct(end[m] - weights[m])}")
+        else:
+            steps += f" | merged {pct(end[m] - last[m])}"
+        print(f"  the {m.sum()} merging CTAs, after the partials: {steps}; their exits {pct(end[m])}")
     shared = [i for i in range(len(t)) if counts[int(sms[i])] > 1]
     if shared:
         print(f"  loop on shared SMs {pct(loop[shared])}, alone "

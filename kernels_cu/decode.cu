@@ -434,19 +434,20 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
   }
 }
 
-// -- split-KV merged in the launch (p.split_counters set): the last split of a (query
-//    block, KV head, sequence) to finish merges the unit's partials into the output, so
-//    the call needs no decode_combine launch. Its threads share out rows, columns and
-//    splits, so the reads are in flight together (a merge that read one split after
-//    another measured 3-15 us slower than the combine kernel: bench/NOTES.md). The
-//    counter is left zeroed for the next launch on the stream.
-//    The sums are decode_combine's, term for term and in its order (a row's weights as a
-//    warp's butterfly over 32 splits, the 32-split sums added in order above 32; its
-//    outputs as `groups` strided partial sums added in order), so an eager call gives
-//    the bits a graph or jax.jit replay of it gives. --
+// -- split-KV: each (batch, token, head) row's splits merged by their lse, by
+//    decode_combine or, for an eager call, in the decode launch (merge_if_last). Both run
+//    merge_split_row, so they add the same terms in the same order and an eager call gives
+//    the bits a graph or jax.jit replay of it gives.
+// The reads are few (splits x head_dim floats a row) but, done one split after another,
+// each waits a full memory latency: a row's threads share out the splits as well as the
+// columns, so its reads are in flight at once. kRows rows a 128-thread group: 1 (128
+// threads a row) for many splits; 4 (a warp a row) for a few, where a CTA a row would leave
+// most of its threads idle and make the combine launch a long queue of tiny CTAs (64
+// sequences x 4 tokens x 32 heads are 8192 rows). --
 constexpr int kMaxSplits = 128;  // MAX_SPLITS in cufa/kvcache.py
 constexpr int kCombineThreads = 128;
-static_assert(kMaxSplits <= kCombineThreads, "decode_combine: a row's lse values, one a thread");
+constexpr int kCombineEarly = 4;  // a thread's first splits of o_partial, loaded with the lse
+static_assert(kMaxSplits <= kCombineThreads, "a row's lse values, one a thread");
 
 template <bool kMax>
 __device__ __forceinline__ float warp_butterfly(float x) {
@@ -458,8 +459,32 @@ __device__ __forceinline__ float warp_butterfly(float x) {
   return x;
 }
 
-// acc += w * (a, b): one split's 8 columns into a partial sum. Shared by the two merges so
-// that they add the same terms in the same order.
+// A row of 128 threads meets on named barrier 1 (threads 0-127), so that a decode CTA with
+// a producer warp past them can merge a row without it.
+template <int kRows>
+__device__ __forceinline__ void row_sync() {
+  if constexpr (kRows == 1) asm volatile("bar.sync 1, %0;\n" ::"n"(kCombineThreads) : "memory");
+  else __syncwarp();
+}
+
+// max or sum over the threads of one row: a warp's shuffles, then (a CTA a row) the
+// warps' values through shared memory
+template <int kRows, bool kMax>
+__device__ __forceinline__ float row_reduce(float x, float* warp_value) {
+  x = warp_butterfly<kMax>(x);
+  if constexpr (kRows == 1) {
+    row_sync<1>();  // earlier readers of warp_value are done with it
+    if (threadIdx.x % 32 == 0) warp_value[threadIdx.x / 32] = x;
+    row_sync<1>();
+    x = warp_value[0];
+#pragma unroll
+    for (int w = 1; w < kCombineThreads / 32; ++w)
+      x = kMax ? fmaxf(x, warp_value[w]) : x + warp_value[w];
+  }
+  return x;
+}
+
+// acc += w * (a, b): one split's 8 columns into a partial sum
 __device__ __forceinline__ void add_weighted8(float (&acc)[8], float w, const float4& a,
                                               const float4& b) {
   if (w != 0.f) {  // an empty split's output may be anything, NaN included
@@ -478,20 +503,115 @@ __device__ __forceinline__ void store8(u16* dst, const float (&acc)[8]) {
   *reinterpret_cast<uint4*>(dst) = packed;
 }
 
-// The count a unit's splits take: release of this CTA's partials (ordered before it by
-// the barrier the caller passed, as cooperative groups' grid barrier does) and, for the
-// last split, acquire of the others'. One atomic instead of a fence a thread, a fence
-// and an atomic: one memory latency less on the merge's path.
+// A row (b, t, h) of o_partial's order, and what each of its threads reads before anything
+// else: one split's lse (a thread a split) and its first kCombineEarly splits of its
+// columns (thread = split group x 8-column chunk). L2 reads: in the decode launch the other
+// splits' SMs wrote them.
+struct SplitRow {
+  int b, t, h;
+  float lse;
+  float4 early[kCombineEarly][2];
+};
+
+template <int kRows>
+__device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b, int t, int h,
+                                                   int tid) {
+  constexpr int kRowThreads = kCombineThreads / kRows;
+  SplitRow in{b, t, h};
+  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial) +
+                          ((i64)b * p.nheads + h) * p.seqlen_q + t;
+  in.lse = tid < p.num_splits ? __ldcg(lse_part + tid * ((i64)p.batch * p.nheads * p.seqlen_q))
+                              : -CUFA_INF;
+  const int chunks = p.head_dim / 8, groups = kRowThreads / chunks;
+  const int chunk = tid % chunks, group = tid / chunks;
+  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+  const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
+                        (((i64)b * p.seqlen_q + t) * p.nheads + h) * p.head_dim + chunk * 8;
+#pragma unroll
+  for (int i = 0; i < kCombineEarly; ++i) {
+    const int sp = group + i * groups;
+    if (group < groups && sp < p.num_splits) {
+      in.early[i][0] = __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o));
+      in.early[i][1] = __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o) + 1);
+    }
+  }
+  return in;
+}
+
+// The row's weights exp(lse - max) / sum, its lse, then each thread's splits of its
+// columns weighted and summed in split order, the groups' sums added in group order.
+// weight: the row's [kMaxSplits]; partial: the row's [kRowThreads][8]; warp_value: [4].
+template <int kDtype, int kRows>
+__device__ __forceinline__ void merge_split_row(const DecodeParams& p, const SplitRow& in,
+                                                int q_row0, int tid, float* weight, float* partial,
+                                                float* warp_value) {
+  constexpr int kRowThreads = kCombineThreads / kRows;
+  const float mx = row_reduce<kRows, true>(in.lse, warp_value);
+  const float base = mx == -CUFA_INF ? 0.f : mx;
+  const float e = in.lse == -CUFA_INF ? 0.f : fast_exp2((in.lse - base) * CUFA_LOG2E);
+  const float sum = row_reduce<kRows, false>(e, warp_value);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  if (tid < p.num_splits) weight[tid] = e * inv;
+  if (tid == 0 && p.lse)
+    reinterpret_cast<float*>(p.lse)[in.b * p.lse_batch_stride + in.h * p.lse_head_stride + q_row0 + in.t] =
+        sum > 0.f ? base + logf(sum) : -CUFA_INF;
+  row_sync<kRows>();  // every weight of the row written
+
+  const int chunks = p.head_dim / 8, groups = kRowThreads / chunks;
+  const int chunk = tid % chunks, group = tid / chunks;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (group < groups) {
+#pragma unroll
+    for (int i = 0; i < kCombineEarly; ++i) {
+      const int sp = group + i * groups;
+      if (sp < p.num_splits) add_weighted8(acc, weight[sp], in.early[i][0], in.early[i][1]);
+    }
+    const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+    const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
+                          (((i64)in.b * p.seqlen_q + in.t) * p.nheads + in.h) * p.head_dim + chunk * 8;
+#pragma unroll 4
+    for (int sp = group + kCombineEarly * groups; sp < p.num_splits; sp += groups)
+      add_weighted8(acc, weight[sp], __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o)),
+                    __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o) + 1));
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) partial[tid * 8 + i] = acc[i];
+  row_sync<kRows>();
+  if (tid >= chunks) return;
+  for (int g = 1; g < groups; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += partial[(g * chunks + tid) * 8 + i];
+  store8<kDtype>(reinterpret_cast<u16*>(p.o) + in.b * p.o_batch_stride + (q_row0 + in.t) * p.o_row_stride +
+                     in.h * p.o_head_stride + tid * 8,
+                 acc);
+}
+
+// merge_if_last's scratch: weights, partial sums (a warp a row: 8 floats a thread of the
+// CTA; a row: 8 floats a thread of 0-127) and 4 warp values
+__host__ __device__ constexpr int merge_partial_threads(int threads) {
+  return threads > kCombineThreads ? threads : kCombineThreads;
+}
+__host__ __device__ constexpr int merge_scratch_bytes(int threads) {
+  return (kDecodeRows * kMaxSplits + merge_partial_threads(threads) * 8 + 4) * 4;
+}
+
+// The count a unit's splits take: release of this CTA's partials (ordered before it by the
+// barrier the caller passed, as cooperative groups' grid barrier does) and, for the last
+// split, acquire of the others'.
 __device__ __forceinline__ int count_split_done(int* counter) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
   return old;
 }
 
+// -- split-KV merged in the launch (p.split_counters set): the last split of a (query
+//    block, KV head, sequence) to finish merges the unit's rows as decode_combine would,
+//    a warp a row or (one row) threads 0-127, where the host saw that one pass of the CTA
+//    covers them (kvcache._merge_in_launch). The counter is left zeroed for the next
+//    launch on the stream. scratch: the CTA's cache stages. --
 template <int kDtype, int kThreads>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const CacheSeq& s, int m_block,
                                               int h_k, int rows, float* scratch) {
-  constexpr int kEarly = 4;  // a thread's first splits of o_partial, loaded with the lse
   __shared__ int s_last;
   __syncthreads();  // every thread's partials written (and every reader of `scratch` done)
   if (threadIdx.x == 0) {
@@ -503,105 +623,25 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
   }
   __syncthreads();
   if (!s_last) return;
-  const int splits = p.num_splits, chunks = p.head_dim / 8;
-  const int row_threads = p.combine_row_threads;  // the combine variant's: 32 or 128
-  float* weight = scratch;                             // [kDecodeRows][kMaxSplits]
-  float* partial = scratch + kDecodeRows * kMaxSplits;  // [kThreads][8]
-  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial);
-  // thread = (row and 8-column chunk, split group); groups of a pair are adjacent threads,
-  // and threads past the last whole pair (kThreads not a multiple of groups) sit out. The
-  // host takes this merge where one pass covers the pairs (kvcache._merge_in_launch).
-  const int pairs = rows * chunks, groups = row_threads / chunks;
-  const int pairs_a_pass = kThreads / groups, group = threadIdx.x % groups;
-  const bool in_pass = threadIdx.x < pairs_a_pass * groups;
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
-  const float* o_part = reinterpret_cast<const float*>(p.o_partial);
-  auto pair_src = [&](int pair, DecodeRow& row) {
-    row = decode_row(p, s, m_block, h_k, pair / chunks);
-    return o_part + ((i64)(s.b * p.seqlen_q + row.t) * p.nheads + row.h) * p.head_dim + (pair % chunks) * 8;
-  };
-  // Every read of the first pass goes out before any is used: the thread's first kEarly
-  // splits of o_partial with the lse values below, one memory latency for both, as in
-  // decode_combine.
-  float4 early[kEarly][2];
-  if (in_pass && threadIdx.x / groups < pairs) {
-    DecodeRow row;
-    const float* src = pair_src(threadIdx.x / groups, row);
-#pragma unroll
-    for (int i = 0; i < kEarly; ++i) {
-      const int sp = group + i * groups;
-      if (sp < splits) {
-        early[i][0] = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o));
-        early[i][1] = __ldcg(reinterpret_cast<const float4*>(src + sp * split_o) + 1);
-      }
+  float* weight = scratch;                              // [rows][kMaxSplits]
+  float* partial = scratch + kDecodeRows * kMaxSplits;  // [merge_partial_threads(kThreads)][8]
+  float* warp_value = partial + merge_partial_threads(kThreads) * 8;  // [4]
+  if (p.combine_row_threads == 32) {  // a warp a row
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r = warp; r < rows; r += kThreads / 32) {
+      const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+      const SplitRow in = load_split_row<4>(p, s.b, row.t, row.h, lane);
+      merge_split_row<kDtype, 4>(p, in, s.q_row0, lane, weight + r * kMaxSplits,
+                                 partial + warp * 32 * 8, warp_value);
     }
-  }
-  for (int idx = threadIdx.x; idx < rows * splits; idx += kThreads) {
-    const int rr = idx / splits, sp = idx % splits;
-    const DecodeRow lrow = decode_row(p, s, m_block, h_k, rr);
-    weight[rr * kMaxSplits + sp] =
-        __ldcg(lse_part + ((i64)(sp * p.batch + s.b) * p.nheads + lrow.h) * p.seqlen_q + lrow.t);
-  }
-  __syncthreads();
-  // a warp a row: its lse values -> weights, and its lse
-  const int lane = threadIdx.x % 32;
-  for (int wr = threadIdx.x / 32; wr < rows; wr += kThreads / 32) {
-    float* w = weight + wr * kMaxSplits;
-    float mx = -CUFA_INF;
-    for (int part = 0; part < row_threads / 32; ++part) {
-      const int sp = part * 32 + lane;
-      mx = fmaxf(mx, warp_butterfly<true>(sp < splits ? w[sp] : -CUFA_INF));
+  } else if constexpr (kThreads >= kCombineThreads) {  // a row on threads 0-127
+    if (threadIdx.x >= kCombineThreads) return;
+    for (int r = 0; r < rows; ++r) {
+      const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+      const SplitRow in = load_split_row<1>(p, s.b, row.t, row.h, threadIdx.x);
+      merge_split_row<kDtype, 1>(p, in, s.q_row0, threadIdx.x, weight, partial, warp_value);
+      row_sync<1>();  // the next row rewrites weight and partial
     }
-    const float base = mx == -CUFA_INF ? 0.f : mx;
-    float sum = 0.f;
-    for (int part = 0; part < row_threads / 32; ++part) {
-      const int sp = part * 32 + lane;
-      const float lse_sp = sp < splits ? w[sp] : -CUFA_INF;
-      const float e = lse_sp == -CUFA_INF ? 0.f : fast_exp2((lse_sp - base) * CUFA_LOG2E);
-      const float part_sum = warp_butterfly<false>(e);
-      sum = part == 0 ? part_sum : sum + part_sum;
-      if (sp < splits) w[sp] = e;
-    }
-    __syncwarp();
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int sp = lane; sp < splits; sp += 32) w[sp] *= inv;
-    if (lane == 0 && p.lse) {
-      const DecodeRow lrow = decode_row(p, s, m_block, h_k, wr);
-      reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + lrow.h * p.lse_head_stride +
-                                      s.q_row0 + lrow.t] = sum > 0.f ? base + logf(sum) : -CUFA_INF;
-    }
-  }
-  __syncthreads();
-  for (int pass = 0; pass < pairs; pass += pairs_a_pass) {
-    const int pair = pass + threadIdx.x / groups;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    DecodeRow row{};
-    if (in_pass && pair < pairs) {
-      const float* src = pair_src(pair, row);
-      const float* w = weight + (pair / chunks) * kMaxSplits;
-      int sp = group;
-      if (pass == 0)
-#pragma unroll
-        for (int i = 0; i < kEarly; ++i, sp += groups)
-          if (sp < splits) add_weighted8(acc, w[sp], early[i][0], early[i][1]);
-#pragma unroll 4
-      for (; sp < splits; sp += groups)
-        add_weighted8(acc, w[sp], __ldcg(reinterpret_cast<const float4*>(src + sp * split_o)),
-                      __ldcg(reinterpret_cast<const float4*>(src + sp * split_o) + 1));
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) partial[threadIdx.x * 8 + i] = acc[i];
-    __syncthreads();
-    if (in_pass && pair < pairs && group == 0) {
-      for (int g = 1; g < groups; ++g)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += partial[(threadIdx.x + g) * 8 + i];
-      store8<kDtype>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
-                         (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride +
-                         (pair % chunks) * 8,
-                     acc);
-    }
-    __syncthreads();  // partial is rewritten by the next pass
   }
 }
 
@@ -724,47 +764,18 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
                                               s_sum, s_out, scale_log2);
   write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
                                         scale_log2);
-  static_assert((kDecodeRows * kMaxSplits + Shape::kThreads * 8) * 4 <= kWarps * Shape::kWarpBytes,
+  static_assert(merge_scratch_bytes(Shape::kThreads) <= kWarps * Shape::kWarpBytes,
                 "the merge's weights and partial sums fit the cache stages");
   if (p.num_splits > 1 && p.split_counters)
     merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);
 }
 
-// -- split-KV: each (batch, token, head) row's splits merged by their lse --
-// The reads are few (splits x head_dim floats a row) but, done one split after another,
-// each waits a full memory latency: a row's threads share out the splits as well as the
-// columns, so its reads are in flight at once. kRows rows a CTA: 1 (128 threads a row)
-// for many splits; 4 (a warp a row) for a few, where a CTA a row would leave most of its
-// threads idle and make the launch a long queue of tiny CTAs (64 sequences x 4 tokens x
-// 32 heads are 8192 rows).
 
-// max or sum over the threads of one row: a warp's shuffles, then (a CTA a row) the
-// warps' values through shared memory
-template <int kRows, bool kMax>
-__device__ __forceinline__ float row_reduce(float x, float* warp_value) {
-  x = warp_butterfly<kMax>(x);
-  if constexpr (kRows == 1) {
-    __syncthreads();  // earlier readers of warp_value are done with it
-    if (threadIdx.x % 32 == 0) warp_value[threadIdx.x / 32] = x;
-    __syncthreads();
-    x = warp_value[0];
-#pragma unroll
-    for (int w = 1; w < kCombineThreads / 32; ++w)
-      x = kMax ? fmaxf(x, warp_value[w]) : x + warp_value[w];
-  }
-  return x;
-}
-
-template <int kRows>
-__device__ __forceinline__ void row_sync() {
-  if constexpr (kRows == 1) __syncthreads(); else __syncwarp();
-}
-
+// grid: ceil(batch * seqlen_q * nheads / kRows); kRows rows of 128 / kRows threads a CTA
 template <int kDtype, int kRows>
 __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
   static_assert(kRows == 1 || kRows == kCombineThreads / 32, "a CTA a row, or a warp a row");
   constexpr int kRowThreads = kCombineThreads / kRows;
-  constexpr int kEarly = 4;  // a thread's first splits of o_partial, loaded with the lse
   __shared__ float weight[kRows][kMaxSplits];
   __shared__ float partial[kCombineThreads * 8];
   __shared__ float warp_value[kCombineThreads / 32];
@@ -775,66 +786,16 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
   const int row = blockIdx.x * kRows + slot;
   if (row >= p.batch * p.seqlen_q * p.nheads) return;
   const int h = row % p.nheads, t = (row / p.nheads) % p.seqlen_q, b = row / (p.nheads * p.seqlen_q);
-  // Every load that needs nothing read from the device goes out first, together: the
-  // row's lse values (one a thread: a warp row has at most 32 splits) and the first
-  // kEarly splits of each thread's columns, so that the row waits about one memory
-  // latency, not one for cache_seq, one for the lse and one for the outputs. (Rows that
-  // cache_seq then skips read partials nobody wrote, inside the workspace, and drop them.)
-  const i64 lse_at = ((i64)b * p.nheads + h) * p.seqlen_q + t;
-  const i64 split_lse = (i64)p.batch * p.nheads * p.seqlen_q;
-  const float* lse_part = reinterpret_cast<const float*>(p.lse_partial) + lse_at;
-  const float my_lse = tid < p.num_splits ? lse_part[tid * split_lse] : -CUFA_INF;
-  // thread = (split group, 8-column chunk)
-  const int chunks = p.head_dim / 8, groups = kRowThreads / chunks;
-  const int chunk = tid % chunks, group = tid / chunks;
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
-  const float* o_part = reinterpret_cast<const float*>(p.o_partial) + (i64)row * p.head_dim + chunk * 8;
-  float4 early[kEarly][2];
-#pragma unroll
-  for (int i = 0; i < kEarly; ++i) {
-    const int sp = group + i * groups;
-    if (group < groups && sp < p.num_splits) {
-      early[i][0] = reinterpret_cast<const float4*>(o_part + sp * split_o)[0];
-      early[i][1] = reinterpret_cast<const float4*>(o_part + sp * split_o)[1];
-    }
-  }
+  // The row's reads go out before cache_seq's, so that it waits about one memory latency,
+  // not one for cache_seq, then one for the partials. (Rows that cache_seq then skips read
+  // partials nobody wrote, inside the workspace, and drop them.)
+  const SplitRow in = load_split_row<kRows>(p, b, t, h, tid);
   const CacheSeq s = cache_seq(p, b);
   // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes,
   // the same test as decode_kernel's)
   if (t >= s.seqlen_q || s.seqlen_q > p.seqlen_q) return;
-  const float mx = row_reduce<kRows, true>(my_lse, warp_value);
-  const float base = mx == -CUFA_INF ? 0.f : mx;
-  const float e = my_lse == -CUFA_INF ? 0.f : fast_exp2((my_lse - base) * CUFA_LOG2E);
-  const float sum = row_reduce<kRows, false>(e, warp_value);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  if (tid < p.num_splits) weight[slot][tid] = e * inv;
-  if (tid == 0 && p.lse)
-    reinterpret_cast<float*>(p.lse)[b * p.lse_batch_stride + h * p.lse_head_stride + s.q_row0 + t] =
-        sum > 0.f ? base + logf(sum) : -CUFA_INF;
-  row_sync<kRows>();  // every weight of the row written
-
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (group < groups) {
-#pragma unroll
-    for (int i = 0; i < kEarly; ++i) {
-      const int sp = group + i * groups;
-      if (sp < p.num_splits) add_weighted8(acc, weight[slot][sp], early[i][0], early[i][1]);
-    }
-#pragma unroll 4
-    for (int sp = group + kEarly * groups; sp < p.num_splits; sp += groups)
-      add_weighted8(acc, weight[slot][sp], reinterpret_cast<const float4*>(o_part + sp * split_o)[0],
-                    reinterpret_cast<const float4*>(o_part + sp * split_o)[1]);
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) partial[threadIdx.x * 8 + i] = acc[i];
-  row_sync<kRows>();
-  if (tid >= chunks) return;
-  for (int g = 1; g < groups; ++g)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] += partial[(slot * kRowThreads + g * chunks + tid) * 8 + i];
-  store8<kDtype>(reinterpret_cast<u16*>(p.o) + b * p.o_batch_stride + (s.q_row0 + t) * p.o_row_stride +
-                     h * p.o_head_stride + tid * 8,
-                 acc);
+  merge_split_row<kDtype, kRows>(p, in, s.q_row0, tid, weight[slot], partial + slot * kRowThreads * 8,
+                                 warp_value);
 }
 
 // -- rotary embedding of one row (d elements) from src to dst, at cache position pos --

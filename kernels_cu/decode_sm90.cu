@@ -38,6 +38,8 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
   constexpr u32 kBoxBytes = kBoxKeys * 128;
   constexpr u32 kStageBytes = 2 * kBoxBytes;  // K, then V
   using Shape = TmaDecodeShape;
+  static_assert(merge_scratch_bytes(Shape::kThreads) <= kStages * kStageBytes,
+                "the merge's weights and partial sums fit the ring");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long bars[2 * kStages];  // full, then empty
   __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
