@@ -1164,12 +1164,6 @@ def stream_capturing(stream):
     return bool(_runtime_function("streamIsCapturing")(stream))
 
 
-def stream_idle(stream):
-    """Whether `stream` has finished all the work queued on it (never asked under capture,
-    where the query is illegal)."""
-    return _runtime_function("streamQuery")(stream) == 0
-
-
 def _runtime_function(name):
     """cupy.cuda.runtime's `name`, looked up once (cupy.cuda's lookups cost ~1 us)."""
     function = _runtime_functions.get(name)

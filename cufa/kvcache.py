@@ -484,24 +484,21 @@ def _workspace(*sizes):
 
 
 def _launch_decode(record, launches, workspace, merge_in_launch, pointers, framework, device,
-                   stream, scratch_ptr, reserved=0, ask_idle=True, maps=None):
+                   stream, scratch_ptr, reserved=0, maps=None):
     """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
     record on `stream`. pointers(at, counters) -> the record's pointer values
     (DECODE_FIELDS' order), `at` mapping a workspace offset (-1: none) to its address: in
     XLA's scratch_ptr under jax.jit, else in the stream's buffer; counters: the split
     counters' address, or 0. A split decode called eagerly merges its partials in its own
-    launch where `merge_in_launch` (the stream's zeroed counters, one a unit) and the
-    combine is not launched, when the stream is idle: a launch less of host time, which
-    bounds such a call from an idle queue. Where work is still queued ahead, the host's
-    time is hidden and decode_combine costs the GPU less (an H100, 1 x 32k, 32/8, d = 64,
-    calls queued behind a spin: 32.8 us a call against 33.7); ask_idle False: merge in the
-    launch without asking (a packed batch, whose own launches are queued just before).
-    Under jax.jit (whose replays must not depend on memory cufa keeps) and under graph
-    capture (where the counters would need a memset node, and the combine kernel replays
-    faster than the merge in the decode launch: bench/NOTES.md) decode_combine merges them.
-    reserved: bytes at the start of the stream's buffer left untouched (a packed batch's
-    work list and decode order, made by the launches before). maps: the TMA decode
-    kernel's map template, pointed at the call's cache (the record's k and v)."""
+    launch where `merge_in_launch` (the stream's zeroed counters, one a unit), and the
+    combine is not launched: a launch less of host time, and of GPU time too (an H100,
+    1 x 32k, 32/8, d = 64: the launch's span 29.2 us against 26.8 + the combine's 2.6 and
+    its gap, bench/NOTES.md). Under jax.jit (whose replays must not depend on memory cufa
+    keeps) and under graph capture (where the counters would need a memset node)
+    decode_combine merges them. reserved: bytes at the start of the stream's buffer left
+    untouched (a packed batch's work list and decode order, made by the launches before).
+    maps: the TMA decode kernel's map template, pointed at the call's cache (the record's
+    k and v)."""
     held, base = None, scratch_ptr
     # (one capture check a call: a driver call, ~1 us of a lent host's time)
     capturing = None if scratch_ptr or not merge_in_launch else api.stream_capturing(stream)
@@ -510,8 +507,7 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
                                           reserved + 4 * workspace[0], capturing)
         base += reserved
     counters = counters_held = 0
-    if (merge_in_launch and not scratch_ptr and not capturing
-            and (not ask_idle or api.stream_idle(stream))):
+    if merge_in_launch and not scratch_ptr and not capturing:
         x, y, z = launches[-2][2]  # (a split call's launches end: decode, combine)
         counters_held, counters = api.stream_split_counters(framework, device, stream,
                                                             4 * x * y * z)
@@ -593,7 +589,7 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, sc
                    lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
         cu_q, cu_k, used, counters, order), plan.framework, plan.device, stream,
-        scratch_ptr and scratch_ptr + route.scratch_offset, reserved, ask_idle=False)
+        scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
 
 def _merge_in_launch(kernel, d, num_splits, unit_rows):
