@@ -10,7 +10,7 @@
 //   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; the chunks'
 //   normalized outputs merge by their lse, in decode_combine or, for an eager call whose
 //   merge one pass of the CTA covers, in the chunk that finishes last (merge_if_last: a
-//   launch less of host time; in a graph the combine node replays faster, NOTES.md).
+//   launch less, of host and of GPU time; bench/NOTES.md).
 // decode_append runs first when the call appends keys or applies rotary embedding.
 #include "common.cuh"
 #include "decode_params.cuh"
