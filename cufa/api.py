@@ -1153,8 +1153,8 @@ def stream_workspace(framework, device, stream, nbytes, capturing=None):
 def stream_split_counters(framework, device, stream, nbytes):
     """(owner, address) of nbytes of zeroed int32 counters for a split decode on `stream`,
     which the decode kernel leaves zeroed (as stream_tile_counter's). Not for a stream
-    under graph capture: there the graph's own would need a memset node, and a graph
-    replays decode_combine faster than a merge in the decode launch (bench/NOTES.md)."""
+    under graph capture: there the graph's own would need a memset node each replay, so
+    graphs keep decode_combine (bench/NOTES.md)."""
     return _stream_buffer(_split_counters, framework, device, stream, nbytes, zeroed=True,
                           capturing=False)
 
