@@ -3,8 +3,7 @@
 instrumented here, not in the library: thread 0 of each CTA records %globaltimer (ns,
 device-wide) at entry, once Q has landed (the first memory latency), after its key loop,
 after the warps' states are staged, after writing its partials, and at exit, and its SM id;
-a CTA that merges its unit's splits in the launch also once it knows it is the last, once
-the lse values are in and once the weights are. Calls are queued back to back
+a CTA that merges its unit's splits in the launch also once it knows it is the last. Calls are queued back to back
 (caches rotating past L2); the last call's records are read.
 
     python3 bench/probe_decode_timeline.py [--shapes 1x32768:8:64,1x131072:8:64] [--calls 50]
@@ -26,15 +25,12 @@ import cufa  # noqa: E402
 from cufa import _compile, api  # noqa: E402
 
 MAX_CTAS = 8192
-SLOTS = 16  # marks 0-9, the SM id in the last
+SLOTS = 16  # marks 0-5 and 8, the SM id in the last
 MARK = ("if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %%globaltimer;\""
         " : \"=l\"(t_)); cufa_timeline[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
         " % {max}][{i}] = t_; }}\n")  # noqa: E501
 ANCHORS = [  # (text in merge_if_last .. decode_kernel, mark index, before or after it)
     ("  if (!s_last) return;\n", 5, "after"),
-    # (older trees' merge_if_last: lse values in, weights done)
-    ("  __syncthreads();\n  // a warp a row: its lse values -> weights, and its lse\n", 6, "after"),
-    ("  for (int pass = 0; pass < pairs; pass += pairs_a_pass) {\n", 9, "before"),
     ("  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,\n", 8, "before"),
     ("  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;\n", 0, "before"),
     ("  cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed\n  __syncthreads();\n", 1, "after"),
@@ -52,8 +48,6 @@ def instrument():
     kernel_end = body.rindex("template", 0, body.index("decode_combine(const DecodeParams p)"))
     kernel = body[start:kernel_end]
     for text, i, where in ANCHORS:
-        if i in (6, 9) and text not in kernel:
-            continue
         assert kernel.count(text) == 1, text
         mark = MARK.format(max=MAX_CTAS, i=i)
         kernel = kernel.replace(text, mark + text if where == "before" else text + mark)
@@ -140,8 +134,8 @@ def main():
 
 def report(shape, merged, t):
     t0 = t[:, 0].min()
-    rel = (t[:, :10].astype(np.int64) - int(t0)) / 1e3
-    start, q, loop_end, written, end, last, lse_in, _, staged, weights = (rel[:, i] for i in range(10))
+    rel = (t[:, :9].astype(np.int64) - int(t0)) / 1e3
+    start, q, loop_end, written, end, last, _, _, staged = (rel[:, i] for i in range(9))
     loop = loop_end - q
     sms = t[:, SLOTS - 1]
     counts = np.bincount(sms.astype(np.int64))
@@ -159,13 +153,9 @@ def report(shape, merged, t):
     merging = t[:, 5] > 0
     if merging.any():
         m = merging
-        steps = f"knows it is last {pct(last[m] - written[m])}"
-        if (t[m, 6] > 0).all():
-            steps += (f" | lse in {pct(lse_in[m] - last[m])} | weights {pct(weights[m] - lse_in[m])} | "
-                      f"exit {pct(end[m] - weights[m])}")
-        else:
-            steps += f" | merged {pct(end[m] - last[m])}"
-        print(f"  the {m.sum()} merging CTAs, after the partials: {steps}; their exits {pct(end[m])}")
+        print(f"  the {m.sum()} merging CTAs, after the partials: knows it is last "
+              f"{pct(last[m] - written[m])} | merged {pct(end[m] - last[m])}; their exits "
+              f"{pct(end[m])}")
     shared = [i for i in range(len(t)) if counts[int(sms[i])] > 1]
     if shared:
         print(f"  loop on shared SMs {pct(loop[shared])}, alone "

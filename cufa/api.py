@@ -1161,19 +1161,14 @@ def stream_split_counters(framework, device, stream, nbytes):
 
 def stream_capturing(stream):
     """Whether `stream` is being captured into a CUDA graph."""
-    return bool(_runtime_function("streamIsCapturing")(stream))
-
-
-def _runtime_function(name):
-    """cupy.cuda.runtime's `name`, looked up once (cupy.cuda's lookups cost ~1 us)."""
-    function = _runtime_functions.get(name)
-    if function is None:
+    global _stream_is_capturing
+    if _stream_is_capturing is None:  # (looked up once: cupy.cuda's lookups cost ~1 us)
         import cupy
-        function = _runtime_functions[name] = getattr(cupy.cuda.runtime, name)
-    return function
+        _stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
+    return bool(_stream_is_capturing(stream))
 
 
-_runtime_functions = {}
+_stream_is_capturing = None
 
 
 _tile_counters = {}  # (device, stream, thread) -> (address, bytes)
