@@ -245,7 +245,8 @@ class DecodeKernel:
     dtype: str
     head_dim: int = 0   # "decode" only: the padded head dim
     rows: int = 1       # "combine" only: rows a CTA (1, or 4: a warp a row)
-    stages: int = 0     # "decode" only: cp.async stages a warp (0: decode_shape's)
+    stages: int = 0     # "decode": cp.async stages a warp (0: decode_shape's); "decode_tma":
+    #                     mbarrier stages of the CTA's ring (0: DECODE_TMA_STAGES)
     warps: int = 0      # "decode" only: warps a CTA (0: decode_shape's)
     units: int = 0      # "decode_tma" only: (sequence, KV head) units a CTA
     archs: tuple = ("sm_80", "sm_90")
@@ -264,7 +265,7 @@ class DecodeKernel:
         if self.kind == "merge":
             return f"merge_{self.dtype}"
         if self.kind == "decode_tma":
-            return f"decode_tma_{self.dtype}_hd{self.head_dim}_s{DECODE_TMA_STAGES}_u{self.units}"
+            return f"decode_tma_{self.dtype}_hd{self.head_dim}_s{self.tma_stages}_u{self.units}"
         if self.kind == "combine":
             return f"decode_combine_r{self.rows}_{self.dtype}"
         return f"decode_{self.kind}_{self.dtype}"
@@ -278,10 +279,15 @@ class DecodeKernel:
             warps, stages = self.shape
             return f"cufa::decode_kernel<{dt}, {self.head_dim}, {stages}, {warps}>"
         if self.kind == "decode_tma":
-            return f"cufa::decode_tma_kernel<{dt}, {DECODE_TMA_STAGES}, {self.units}>"
+            return f"cufa::decode_tma_kernel<{dt}, {self.tma_stages}, {self.units}>"
         if self.kind == "combine":
             return f"cufa::decode_combine<{dt}, {self.rows}>"
         return f"cufa::decode_{self.kind}<{dt}>"
+
+    @property
+    def tma_stages(self):
+        """The ring's stages of a "decode_tma" kernel."""
+        return self.stages or DECODE_TMA_STAGES
 
     @property
     def shape(self):
@@ -299,7 +305,7 @@ class DecodeKernel:
     def smem_bytes(self):
         """Dynamic shared memory: Q, then each warp's K/V stages."""
         if self.kind == "decode_tma":  # Q, its 1 KB alignment, the ring
-            return 1024 + DECODE_ROWS * self.head_dim * 2 + DECODE_TMA_STAGES * 2 * (
+            return 1024 + DECODE_ROWS * self.head_dim * 2 + self.tma_stages * 2 * (
                 DECODE_TMA_BOX_KEYS * self.head_dim * 2)
         if self.kind != "decode":
             return 0

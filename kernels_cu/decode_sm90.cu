@@ -74,12 +74,14 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     const int box_begin = min(split * split_boxes, num_boxes);
     const int my_boxes = min(box_begin + split_boxes, num_boxes) - box_begin;
 
+    // Q's latency overlaps the first boxes': the producer starts issuing at once, and only
+    // the consumer warps wait for Q (named barrier 2: threads 0-127)
     if (warp < kWarps) {
       load_q_rows<kHeadDim, 32 * kWarps>(sq, p, s, m_block, h_k, rows, threadIdx.x);
       cp_async_commit();
       cp_async_wait<0>();
+      asm volatile("bar.sync 2, %0;\n" ::"n"(32 * kWarps) : "memory");  // Q landed
     }
-    __syncthreads();  // Q landed
 
     float acc_o[1][kDTiles][4];
     fill(acc_o, 0.f);
