@@ -11,7 +11,7 @@ First written as a standalone kernel (bench/NOTES.md, KV cache: "A decode kernel
 TMA"); this is what chose kvcache._tma_route's rule.
 
     python3 bench/probe_decode_tma.py [--shapes 8x16384:32,...] [--rounds 4] [--stages 6,8]
-        [--dtype bf16] [--routes cp.async,tma]
+        [--dtype bf16] [--routes cp.async,tma] [--splits 0,32]
 """
 import argparse
 import os
@@ -67,10 +67,14 @@ def main():
     ap.add_argument("--stages", default="", help="comma list of TMA ring depths to time too")
     ap.add_argument("--routes", default=",".join(ROUTES), help="comma list of " + ", ".join(ROUTES))
     ap.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
+    ap.add_argument("--splits", default="0", help="comma list of num_splits each route takes "
+                    "(0: the planner's)")
     args = ap.parse_args()
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     routes = {name: ROUTES[name] for name in args.routes.split(",")}
     routes.update({f"tma s{n}": f"s{n}" for n in args.stages.split(",") if n})
+    routes = {(f"{name} n{ns}" if ns else name): (forced, ns) for name, forced in routes.items()
+              for ns in (int(x) for x in args.splits.split(","))}
     print(f"device: {torch.cuda.get_device_name()}, {args.dtype}; graph replay / queued us "
           "(ratio to the first route's)")
     for shape in args.shapes.split(","):
@@ -82,16 +86,17 @@ def main():
                 for _ in range(2 if 2 * b * n * hk * d * 2 < 100e6 else 1)]
         lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
         outs = {}
-        for name, forced in routes.items():
+        for name, (forced, ns) in routes.items():
             route(forced)
-            outs[name] = cufa.flash_attn_with_kvcache(q, *sets[0], cache_seqlens=lens).float()
+            outs[name] = cufa.flash_attn_with_kvcache(q, *sets[0], cache_seqlens=lens,
+                                                      num_splits=ns).float()
         first = next(iter(routes))
         worst = max((o - outs[first]).abs().max().item() for o in outs.values())
-        runs = list(routes.items()) + [("cudnn", "cudnn")]
+        runs = list(routes.items()) + [("cudnn", ("cudnn", 0))]
         times = {}
         for _ in range(args.rounds):
             random.shuffle(runs)
-            for name, forced in runs:
+            for name, (forced, ns) in runs:
                 if forced == "cudnn":
                     def fn(k, v):
                         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
@@ -101,8 +106,9 @@ def main():
                 else:
                     route(forced)
 
-                    def fn(k, v):
-                        return cufa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+                    def fn(k, v, ns=ns):
+                        return cufa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens,
+                                                           num_splits=ns)
                 g = graph_us(lambda: [fn(*c) for c in sets]) / len(sets)
                 times.setdefault(name, []).append((g, queued_us(fn, sets)))
         route(None)

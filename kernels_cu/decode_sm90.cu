@@ -50,6 +50,10 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
   const u32 sq = base;
   const u32 ring = base + 2048;  // after Q's 16 rows
   const u32 full = smem_u32(bars), empty = full + 8 * kStages;
+  if (threadIdx.x == 32 * kWarps) {  // the producer: its maps fetched while cache_seq loads
+    prefetch_tensor_map(maps.k);
+    prefetch_tensor_map(maps.v);
+  }
   if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
       mbar_init(full + 8 * st, 1);
