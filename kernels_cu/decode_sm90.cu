@@ -68,18 +68,40 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     const int h_k = blockIdx.y;
     const int b = blockIdx.z + unit * gridDim.z;
     if (b >= p.batch) break;  // (the grid rounds the sequences up to whole CTAs)
+    // A split takes every num_splits-th box (split, split + num_splits, ...), so box j's
+    // position needs no length: where the keys start at cache position 0 of row b, the
+    // producer issues the ring's first boxes while cache_seq still waits on the lengths
+    // (a memory latency the launch saved). Boxes past the sequence are consumed unused.
+    const int box_stride = p.num_splits;
+    const bool first_at_zero = unit == 0 && !p.cache_leftpad && !p.cache_batch_idx &&
+                               !p.cu_seqlens_q && p.window_left >= p.capacity &&
+                               p.seqlen_q * p.group > m_block * kDecodeRows;  // (rows > 0)
+    const int capacity_boxes = (p.capacity + kBoxKeys - 1) / kBoxKeys;
+    const int early_boxes = first_at_zero && split < capacity_boxes
+                                ? min(kStages, (capacity_boxes - 1 - split) / box_stride + 1)
+                                : 0;
+    const auto issue_box = [&](int j, int pos, int row) {
+      const int g = box_count + j, st = g % kStages;
+      if (g >= kStages) mbar_wait(empty + 8 * st, ((g / kStages) - 1) & 1);
+      mbar_arrive_expect_bytes(full + 8 * st, kStageBytes);
+      tma_load_4d(ring + st * kStageBytes, maps.k, full + 8 * st, 0, pos, h_k, row);
+      tma_load_4d(ring + st * kStageBytes + kBoxBytes, maps.v, full + 8 * st, 0, pos, h_k, row);
+    };
+    if (warp == kWarps && lane == 0)
+      for (int j = 0; j < early_boxes; ++j) issue_box(j, (split + j * box_stride) * kBoxKeys, b);
+
     const CacheSeq s = cache_seq(p, b);
     const int rows = min(kDecodeRows, s.seqlen_q * p.group - m_block * kDecodeRows);
-    if (rows <= 0) continue;
+    if (rows <= 0) continue;  // (never after early boxes: there rows > 0)
     const KeySpan span = visible_span(p, s.seqlen_k, s.seqlen_q, (m_block * kDecodeRows) / p.group,
                                       (m_block * kDecodeRows + rows - 1) / p.group);
     const int num_boxes = (span.end - span.begin + kBoxKeys - 1) / kBoxKeys;
-    const int split_boxes = (num_boxes + p.num_splits - 1) / p.num_splits;
-    const int box_begin = min(split * split_boxes, num_boxes);
-    const int my_boxes = min(box_begin + split_boxes, num_boxes) - box_begin;
+    const int my_boxes = max(0, (num_boxes - split + box_stride - 1) / box_stride);
+    const int ring_boxes = max(my_boxes, early_boxes);  // what the ring carries for this unit
+    const auto box_key0 = [&](int j) { return span.begin + (split + j * box_stride) * kBoxKeys; };
 
-    // Q's latency overlaps the first boxes': the producer starts issuing at once, and only
-    // the consumer warps wait for Q (named barrier 2: threads 0-127)
+    // Q's latency overlaps the first boxes': the producer goes on issuing, and only the
+    // consumer warps wait for Q (named barrier 2: threads 0-127)
     if (warp < kWarps) {
       load_q_rows<kHeadDim, 32 * kWarps>(sq, p, s, m_block, h_k, rows, threadIdx.x);
       cp_async_commit();
@@ -95,24 +117,16 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     const float scale_log2 = score_mods ? 1.f : p.scale_log2;
 
     if (warp == kWarps) {  // -- the producer: one lane issues every box --
-      if (lane == 0) {
-        for (int j = 0; j < my_boxes; ++j) {
-          const int g = box_count + j, st = g % kStages;
-          if (g >= kStages) mbar_wait(empty + 8 * st, ((g / kStages) - 1) & 1);
-          mbar_arrive_expect_bytes(full + 8 * st, kStageBytes);
-          const int pos = s.start + span.begin + (box_begin + j) * kBoxKeys;
-          tma_load_4d(ring + st * kStageBytes, maps.k, full + 8 * st, 0, pos, h_k, s.row);
-          tma_load_4d(ring + st * kStageBytes + kBoxBytes, maps.v, full + 8 * st, 0, pos, h_k, s.row);
-        }
-      }
+      if (lane == 0)
+        for (int j = early_boxes; j < my_boxes; ++j) issue_box(j, s.start + box_key0(j), s.row);
     } else {  // -- a consumer warp: 16 keys of every box --
       const TileScoring scoring = tile_scoring(p, s, m_block, h_k, rows, lane);
       const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
-      for (int j = 0; j < my_boxes; ++j) {
+      for (int j = 0; j < ring_boxes; ++j) {
         const int g = box_count + j, st = g % kStages;
         mbar_wait(full + 8 * st, (g / kStages) & 1);
-        const int key0 = span.begin + (box_begin + j) * kBoxKeys + warp * kTileKeys;
-        if (key0 < span.end) {
+        const int key0 = box_key0(j) + warp * kTileKeys;
+        if (j < my_boxes && key0 < span.end) {
           const u32 k_tile = ring + st * kStageBytes + warp * kTileKeys * 128;
           const u32 v_tile = k_tile + kBoxBytes;
           if (key0 + kTileKeys > s.seqlen_k) {  // V rows past the sequence: zeros
@@ -137,7 +151,7 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
         if (lane == 0) mbar_arrive(empty + 8 * st);
       }
     }
-    box_count += my_boxes;
+    box_count += ring_boxes;
 
     // -- merge the consumer warps, then write (decode_kernel's epilogue) --
     float* s_out = reinterpret_cast<float*>(smem_raw + (ring - smem_u32(smem_raw)));
