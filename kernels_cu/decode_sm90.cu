@@ -89,10 +89,19 @@ __global__ void __launch_bounds__(160, 1) decode_tma_kernel(const __grid_constan
     };
     if (warp == kWarps && lane == 0)
       for (int j = 0; j < early_boxes; ++j) issue_box(j, (split + j * box_stride) * kBoxKeys, b);
+    // Q's rows need no length either (no packed batch comes here: the host routes them to
+    // decode_kernel), so their copies go out before cache_seq's load is waited on
+    const int rows = min(kDecodeRows, p.seqlen_q * p.group - m_block * kDecodeRows);
+    if (rows <= 0) continue;  // (never after early boxes: there rows > 0)
+    if (warp < kWarps) {
+      CacheSeq q_seq{};
+      q_seq.b = b;
+      q_seq.seqlen_q = p.seqlen_q;
+      load_q_rows<kHeadDim, 32 * kWarps>(sq, p, q_seq, m_block, h_k, rows, threadIdx.x);
+      cp_async_commit();
+    }
 
     const CacheSeq s = cache_seq(p, b);
-    const int rows = min(kDecodeRows, s.seqlen_q * p.group - m_block * kDecodeRows);
-    if (rows <= 0) continue;  // (never after early boxes: there rows > 0)
     const KeySpan span = visible_span(p, s.seqlen_k, s.seqlen_q, (m_block * kDecodeRows) / p.group,
                                       (m_block * kDecodeRows + rows - 1) / p.group);
     const int num_boxes = (span.end - span.begin + kBoxKeys - 1) / kBoxKeys;
@@ -103,8 +112,6 @@ __global__ void __launch_bounds__(160, 1) decode_tma_kernel(const __grid_constan
     // Q's latency overlaps the first boxes': the producer goes on issuing, and only the
     // consumer warps wait for Q (named barrier 2: threads 0-127)
     if (warp < kWarps) {
-      load_q_rows<kHeadDim, 32 * kWarps>(sq, p, s, m_block, h_k, rows, threadIdx.x);
-      cp_async_commit();
       cp_async_wait<0>();
       asm volatile("bar.sync 2, %0;\n" ::"n"(32 * kWarps) : "memory");  // Q landed
     }
