@@ -122,20 +122,6 @@ __device__ __forceinline__ const u16* cache_row(const DecodeParams& p, const Cac
   return head + slot.block * batch_stride + slot.row * row_stride;
 }
 
-// -- the params struct read once by one warp, a 16-byte word a lane, so that its lines are
-//    in the SM's constant cache when the epilogue and the merge read fields the loop never
-//    did: else each first read there misses to L2 in a chain of dependent reads (an H100
-//    timeline measured the TMA kernel's epilogue at 1.5 us, bench/NOTES.md). p must be a
-//    __grid_constant__ param: a plain one whose address is taken is copied to local memory --
-__device__ __forceinline__ void warm_params(const DecodeParams& p, int lane) {
-  constexpr int kWords = sizeof(DecodeParams) / 16;
-  const unsigned* words = reinterpret_cast<const unsigned*>(&p);
-  unsigned seen = 0;
-  for (int i = lane; i < kWords; i += 32) seen ^= words[4 * i];
-  // (a use the compiler cannot drop: the reads would be dead code; batch is never < 0)
-  if (p.batch < 0 && seen == 1u) asm volatile("trap;");
-}
-
 // -- a query row of the CTA: (token, head of the KV head's group) --
 struct DecodeRow {
   int t, h;

@@ -89,7 +89,6 @@ __global__ void __launch_bounds__(160, 1) decode_tma_kernel(const __grid_constan
     };
     if (warp == kWarps && lane == 0)
       for (int j = 0; j < early_boxes; ++j) issue_box(j, (split + j * box_stride) * kBoxKeys, b);
-    if (warp == kWarps && unit == 0) warm_params(p, lane);
     // Q's rows need no length either (no packed batch comes here: the host routes them to
     // decode_kernel), so their copies go out before cache_seq's load is waited on
     const int rows = min(kDecodeRows, p.seqlen_q * p.group - m_block * kDecodeRows);
