@@ -412,7 +412,7 @@ __device__ __forceinline__ void read_posted2(const u64* src, u64& a, u64& b) {
   asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n" : "=l"(a), "=l"(b) : "l"(src)
                : "memory");
 }
-__device__ __forceinline__ unsigned posted_in(u64 word, u64 epoch) {
+__device__ __forceinline__ bool posted_in(u64 word, u64 epoch) {
   return (word >> 32) == (epoch & 0xffffffffu);
 }
 __device__ __forceinline__ float posted_value(u64 word) {
@@ -591,11 +591,9 @@ __device__ __forceinline__ SplitRow poll_split_row(const DecodeParams& p, int b,
   const u64* o_words = reinterpret_cast<const u64*>(p.o_partial) +
                        (((i64)b * p.seqlen_q + t) * p.nheads + h) * p.head_dim + chunk * 8;
   float lse = -CUFA_INF, o[kCombineEarly][8];
-  // (the checks are ands of bits, not &&: a branch on a word would wait for its read
-  // before the next read is issued, one memory latency each)
-  unsigned posted;
+  bool posted;
   do {  // every read issued before any is checked: one memory latency a round
-    posted = 1u;
+    posted = true;
     if (lane < p.num_splits) {
       const u64 word = read_posted1(lse_word);
       lse = posted_value(word);
@@ -611,7 +609,7 @@ __device__ __forceinline__ SplitRow poll_split_row(const DecodeParams& p, int b,
           read_posted2(o_words + sp * split_o + e, x, y);
           o[i][e] = posted_value(x);
           o[i][e + 1] = posted_value(y);
-          posted &= posted_in(x, p.split_epoch) & posted_in(y, p.split_epoch);
+          posted = posted && posted_in(x, p.split_epoch) && posted_in(y, p.split_epoch);
         }
       }
     }
