@@ -43,7 +43,7 @@ DECODE_FIELDS = [
     ("block_table", _PTR), ("alibi_slopes", _PTR),
     ("k_new", _PTR), ("v_new", _PTR), ("q_source", _PTR), ("rotary_cos", _PTR),
     ("rotary_sin", _PTR), ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR), ("seqused_k", _PTR),
-    ("split_counters", _PTR), ("decode_order", _PTR), ("split_epoch", _PTR),
+    ("split_counters", _PTR), ("decode_order", _PTR),
     ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
     ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
     ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),

@@ -1,7 +1,6 @@
 """The public attention functions: validate -> plan (variant, params, grid; cached per call
 signature) -> launch."""
 import collections
-import itertools
 import ctypes
 import math
 import threading
@@ -1160,28 +1159,6 @@ def stream_split_counters(framework, device, stream, nbytes):
                           capturing=False)
 
 
-def stream_split_mailbox(framework, device, stream, nbytes):
-    """(owner, address) of nbytes for a polled split merge's words on `stream`
-    (kvcache._merge_by_polling): zeroed when made and written by those launches alone, so
-    every word in it carries 0 or the epoch of a launch before the current one. Not for a
-    stream under graph capture (a replay would repeat its epoch)."""
-    return _stream_buffer(_split_mailboxes, framework, device, stream, nbytes, zeroed=True,
-                          capturing=False)
-
-
-def next_split_epoch():
-    """A polled split merge's epoch: 1 to 2^32 - 1, one a launch, process-wide, so no two
-    launches that may share a mailbox share one. When the count wraps, the mailboxes are
-    let go (not freed: launches still queued may use them, and a wrap takes 2^32 - 1
-    launches) and new zeroed ones are made, so no word left from 2^32 launches back can
-    pass for the current launch's."""
-    n = next(_epochs)
-    epoch = n % 0xFFFFFFFF + 1
-    if epoch == 1 and n:
-        _split_mailboxes.clear()
-    return epoch
-
-
 def stream_capturing(stream):
     """Whether `stream` is being captured into a CUDA graph."""
     global _stream_is_capturing
@@ -1196,8 +1173,6 @@ _stream_is_capturing = None
 
 _tile_counters = {}  # (device, stream, thread) -> (address, bytes)
 _split_counters = {}
-_split_mailboxes = {}
-_epochs = itertools.count()
 _workspaces = {}
 _buffer_growth = threading.Lock()
 

@@ -197,7 +197,6 @@ class _KvPlan:
     params: bytes = b""
     launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
     merge_in_launch: bool = False  # an eager split call may merge in its decode launch
-    polled_words: tuple = ()   # and if so by polling: its words of o and of lse (_merge_by_polling)
     workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
                                         # and the rotated q (-1: not used)
     rotary: bool = False
@@ -344,14 +343,10 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     workspace = _workspace(num_splits * rows * d if split else 0,
                            num_splits * rows if split else 0,
                            (rows * d + 1) // 2 if rotary else 0)
-    merge_in_launch = kernel.units <= 1 and _merge_in_launch(kernel, d, num_splits,
-                                                            seqlen_q * group)
-    polled = merge_in_launch and _merge_by_polling(
-        kernel, num_m_blocks * num_splits * nheads_k * batch, q.device)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   maps=maps, merge_in_launch=merge_in_launch,
-                   polled_words=(num_splits * rows * d, num_splits * rows) if polled else ())
+                   maps=maps, merge_in_launch=kernel.units <= 1 and _merge_in_launch(
+                       kernel, d, num_splits, seqlen_q * group))
 
 
 def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device):
@@ -361,10 +356,9 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
     8 x 16k 32/8 98.5 -> 95.6), two where the units outnumber the SMs up to twice and the
     batch is even (8 x 16k 32/32, 256 units: 367 -> 357 as heads h and h + H/2 of a
     sequence; 357.7 -> 350.8 as sequences z and z + B/2 of a head, whose CTAs at once read
-    whole cache rows); more units read within ±2 % either way, so those keep cp.async, as
-    does a CTA streaming fewer than _TMA_MIN_KEYS keys (unmeasured; 1 x 32k 32/8, 2048 a
-    CTA, read 2.5 % faster replayed and 4 % queued once the ring's first boxes went out
-    before the lengths landed). Hopper
+    whole cache rows); more units read within ±2 % either way, and a CTA
+    streaming fewer than _TMA_MIN_KEYS keys (1 x 32k 32/8: 2048 a CTA, +0.4 %, where the
+    ring's fill and drain weigh more) as slow or slower, so those keep cp.async. Hopper
     only (the copy engine), and where one CTA an SM keeps up with the memory
     (_one_cta_keeps_up: the H100's rule, the only one measured); a contiguous cache whose
     strides a map can describe. CUFA_DECODE_TMA overrides the rule
@@ -395,7 +389,7 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
     return _compile.decode_tma_kernel(api._KERNEL_DTYPES[dtype_name], padded, per_cta), template
 
 
-_TMA_MIN_KEYS = 2048  # cache positions a CTA of the TMA decode kernel streams, at least
+_TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, at least
 
 
 def _tma_device(device, forced=None):
@@ -490,7 +484,7 @@ def _workspace(*sizes):
 
 
 def _launch_decode(record, launches, workspace, merge_in_launch, pointers, framework, device,
-                   stream, scratch_ptr, reserved=0, maps=None, polled_words=()):
+                   stream, scratch_ptr, reserved=0, maps=None):
     """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
     record on `stream`. pointers(at, counters) -> the record's pointer values
     (DECODE_FIELDS' order), `at` mapping a workspace offset (-1: none) to its address: in
@@ -504,9 +498,7 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     decode_combine merges them. reserved: bytes at the start of the stream's buffer left
     untouched (a packed batch's work list and decode order, made by the launches before).
     maps: the TMA decode kernel's map template, pointed at the call's cache (the record's
-    k and v). polled_words: (words of o, of lse) where the merge in the launch polls
-    (_merge_by_polling): the partials then go to the stream's mailbox, as words stamped
-    with this launch's epoch, and no counters are used."""
+    k and v)."""
     held, base = None, scratch_ptr
     # (one capture check a call: a driver call, ~1 us of a lent host's time)
     capturing = None if scratch_ptr or not merge_in_launch else api.stream_capturing(stream)
@@ -514,20 +506,13 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
         held, base = api.stream_workspace(framework, device, stream,
                                           reserved + 4 * workspace[0], capturing)
         base += reserved
-    counters = counters_held = mailbox_held = mailbox = 0
+    counters = counters_held = 0
     if merge_in_launch and not scratch_ptr and not capturing:
-        if polled_words:
-            mailbox_held, mailbox = api.stream_split_mailbox(framework, device, stream,
-                                                             8 * sum(polled_words))
-        else:
-            x, y, z = launches[-2][2]  # (a split call's launches end: decode, combine)
-            counters_held, counters = api.stream_split_counters(framework, device, stream,
-                                                                4 * x * y * z)
+        x, y, z = launches[-2][2]  # (a split call's launches end: decode, combine)
+        counters_held, counters = api.stream_split_counters(framework, device, stream,
+                                                            4 * x * y * z)
         launches = launches[:-1]
     values = pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters)
-    # (o_partial and lse_partial are the 6th and 7th pointers, split_epoch the last)
-    values = ((*values[:5], mailbox, mailbox + 8 * polled_words[0], *values[7:],
-               api.next_split_epoch()) if mailbox else (*values, 0))
     params = _params.DECODE.with_pointer_values(record, values)
     # (the maps' q slot holds k's map: the kernel reads k and v; values are DECODE_FIELDS'
     # order, q, k, v first)
@@ -537,7 +522,7 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
                           with_maps if kind == "decode_tma" else (params,))
     # (the buffers held until the launches are queued: freed earlier, another thread could
     # be handed the same memory for work ordered before ours)
-    del held, counters_held, mailbox_held
+    del held, counters_held
 
 
 @dataclass
@@ -617,19 +602,6 @@ def _merge_in_launch(kernel, d, num_splits, unit_rows):
     rows = min(unit_rows, _compile.DECODE_ROWS)  # (0: no query rows, no decode launch)
     return (num_splits > 1 and rows > 0
             and rows * _compile.combine_row_threads(d, num_splits) <= kernel.threads)
-
-
-def _merge_by_polling(kernel, ctas, device):
-    """Whether a merge in the launch (_merge_in_launch) polls (merge_polled): the unit's
-    last split waits until every split's partials, posted as words stamped with the
-    launch's epoch, have landed, instead of the splits counting themselves done (a fence
-    and an atomic, then the reads: on an H100 at 1 x 32k, 32/8, d = 64, ~2.4 us after the
-    last partials, bench/NOTES.md). Only the TMA kernel has it, and only where every CTA
-    of the grid fits the GPU at once, so the splits a merging CTA waits for are running
-    (others on the GPU can delay them, never stop them: only the units' last splits wait).
-    Its merge is a warp a row, every split's reads of a row in flight at once
-    (combine_row_threads 32), as _merge_in_launch has made sure."""
-    return kernel.kind == "decode_tma" and kernel.units == 1 and ctas <= api._sm_count(device)
 
 
 def _combine_entry(dtype, d, num_splits, rows, device):
@@ -834,6 +806,5 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
                 q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0), plan.framework,
-                plan.device, stream, scratch_ptr, maps=plan.maps,
-                polled_words=plan.polled_words)
+                plan.device, stream, scratch_ptr, maps=plan.maps)
     return api.returned(plan, o, lse, plan.want_lse)

@@ -390,35 +390,6 @@ __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softm
   __syncthreads();
 }
 
-// -- merge_polled's words: a float and the launch's epoch in one 8-byte access, so a
-//    reader that sees the epoch sees the value, without a fence between them --
-__device__ __forceinline__ u64 posted_word(float x, u64 epoch) {
-  return (epoch << 32) | __float_as_uint(x);
-}
-__device__ __forceinline__ void post1(u64* dst, float x, u64 epoch) {
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(dst), "l"(posted_word(x, epoch))
-               : "memory");
-}
-__device__ __forceinline__ void post2(u64* dst, float x, float y, u64 epoch) {
-  asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %2};\n" ::"l"(dst),
-               "l"(posted_word(x, epoch)), "l"(posted_word(y, epoch)) : "memory");
-}
-__device__ __forceinline__ u64 read_posted1(const u64* src) {
-  u64 w;
-  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(w) : "l"(src) : "memory");
-  return w;
-}
-__device__ __forceinline__ void read_posted2(const u64* src, u64& a, u64& b) {
-  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n" : "=l"(a), "=l"(b) : "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ bool posted_in(u64 word, u64 epoch) {
-  return (word >> 32) == (epoch & 0xffffffffu);
-}
-__device__ __forceinline__ float posted_value(u64 word) {
-  return __uint_as_float(static_cast<u32>(word));
-}
-
 // -- epilogue: merge the warps' states, then write the output (or this split's share) --
 template <int kDtype, int kHeadDim, class Shape>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
@@ -438,16 +409,7 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
     const float sum = s_sum[r];
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // explicit 0: a row that saw no key
     const float lse = sum > 0.f ? (s_max[r] * scale_log2 + log2f(sum)) * CUFA_LN2 : -CUFA_INF;
-    if (p.num_splits > 1 && p.split_epoch) {  // words for merge_polled
-      const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
-      u64* dst = reinterpret_cast<u64*>(p.o_partial) + o_row * p.head_dim + c * 8;
-#pragma unroll
-      for (int e = 0; e < 8; e += 2) post2(dst + e, acc[e] * inv, acc[e + 1] * inv, p.split_epoch);
-      if (c == 0)
-        post1(reinterpret_cast<u64*>(p.lse_partial) +
-                  ((i64)(split * p.batch + s.b) * p.nheads + row.h) * p.seqlen_q + row.t,
-              lse, p.split_epoch);
-    } else if (p.num_splits > 1) {
+    if (p.num_splits > 1) {
       const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
       float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o_partial) +
                                               o_row * p.head_dim + c * 8);
@@ -576,53 +538,6 @@ __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b,
   return in;
 }
 
-// load_split_row for merge_polled, a warp a row: the same values, read from the posted
-// words, each read again until it carries this launch's epoch. The host takes this path
-// only where a warp's first kCombineEarly splits a column group are all of them.
-__device__ __forceinline__ SplitRow poll_split_row(const DecodeParams& p, int b, int t, int h,
-                                                   int lane) {
-  SplitRow in{b, t, h};
-  const u64* lse_word = reinterpret_cast<const u64*>(p.lse_partial) +
-                        ((i64)b * p.nheads + h) * p.seqlen_q + t +
-                        lane * ((i64)p.batch * p.nheads * p.seqlen_q);
-  const int chunks = p.head_dim / 8, groups = 32 / chunks;
-  const int chunk = lane % chunks, group = lane / chunks;
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
-  const u64* o_words = reinterpret_cast<const u64*>(p.o_partial) +
-                       (((i64)b * p.seqlen_q + t) * p.nheads + h) * p.head_dim + chunk * 8;
-  float lse = -CUFA_INF, o[kCombineEarly][8];
-  bool posted;
-  do {  // every read issued before any is checked: one memory latency a round
-    posted = true;
-    if (lane < p.num_splits) {
-      const u64 word = read_posted1(lse_word);
-      lse = posted_value(word);
-      posted = posted_in(word, p.split_epoch);
-    }
-#pragma unroll
-    for (int i = 0; i < kCombineEarly; ++i) {
-      const int sp = group + i * groups;
-      if (group < groups && sp < p.num_splits) {
-#pragma unroll
-        for (int e = 0; e < 8; e += 2) {
-          u64 x, y;
-          read_posted2(o_words + sp * split_o + e, x, y);
-          o[i][e] = posted_value(x);
-          o[i][e + 1] = posted_value(y);
-          posted = posted && posted_in(x, p.split_epoch) && posted_in(y, p.split_epoch);
-        }
-      }
-    }
-  } while (!posted);
-  in.lse = lse;
-#pragma unroll
-  for (int i = 0; i < kCombineEarly; ++i) {
-    in.early[i][0] = make_float4(o[i][0], o[i][1], o[i][2], o[i][3]);
-    in.early[i][1] = make_float4(o[i][4], o[i][5], o[i][6], o[i][7]);
-  }
-  return in;
-}
-
 // The row's weights exp(lse - max) / sum, its lse, then each thread's splits of its
 // columns weighted and summed in split order, the groups' sums added in group order.
 // weight: the row's [kMaxSplits]; partial: the row's [kRowThreads][8]; warp_value: [4].
@@ -727,29 +642,6 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
       merge_split_row<kDtype, 1>(p, in, s.q_row0, threadIdx.x, weight, partial, warp_value);
       row_sync<1>();  // the next row rewrites weight and partial
     }
-  }
-}
-
-// -- split-KV merged in the launch by polling (p.split_epoch set): the unit's last split
-//    waits until every split's posted words carry this launch's epoch, then merges its
-//    rows a warp a row, as merge_if_last does (the same function, the same bits). No
-//    counter: nothing to wait on between the last partials and the merge's reads but
-//    their own latency. The host takes it only where every CTA of the grid fits the GPU
-//    at once (kvcache._merge_by_polling), so the splits waited for are running. --
-template <int kDtype, int kThreads>
-__device__ __forceinline__ void merge_polled(const DecodeParams& p, const CacheSeq& s, int m_block,
-                                             int h_k, int rows, int split, float* scratch) {
-  if (split != p.num_splits - 1) return;
-  __syncthreads();  // every reader of `scratch` done
-  float* weight = scratch;                              // [rows][kMaxSplits]
-  float* partial = scratch + kDecodeRows * kMaxSplits;  // [merge_partial_threads(kThreads)][8]
-  float* warp_value = partial + merge_partial_threads(kThreads) * 8;  // (unused a warp a row)
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < rows; r += kThreads / 32) {
-    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-    const SplitRow in = poll_split_row(p, s.b, row.t, row.h, lane);
-    merge_split_row<kDtype, 4>(p, in, s.q_row0, lane, weight + r * kMaxSplits,
-                               partial + warp * 32 * 8, warp_value);
   }
 }
 

@@ -33,11 +33,6 @@ struct DecodeParams {
   // A packed batch: int32 (batch,), the sequence of each grid z (-1: none), most keys first
   // (varlen_schedule's decode_order); 0: z is the sequence
   u64 decode_order;
-  // Nonzero: the launch's epoch (low 32 bits), and o_partial / lse_partial hold 8-byte
-  // words, a float's bits in the low half and the epoch in the high half, in a buffer only
-  // such launches write: the unit's last split merges once every word it reads carries the
-  // epoch (merge_polled), without counters. (Set with the pointers: a per-launch value.)
-  u64 split_epoch;
 
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride: a cache row, or a page

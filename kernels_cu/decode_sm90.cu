@@ -32,7 +32,7 @@ struct TmaDecodeShape {
 // kUnits: (sequence, KV head) units a CTA takes one after another (sequences blockIdx.z,
 // + gridDim.z, ...): fewer concurrent streams over the cache
 template <int kDtype, int kStages, int kUnits>
-__global__ void __launch_bounds__(160, 1) decode_tma_kernel(const __grid_constant__ DecodeParams p,
+__global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__ DecodeParams p,
                                                          const __grid_constant__ TensorMaps maps) {
   constexpr int kHeadDim = 64, kWarps = 4, kBoxKeys = 64, kDTiles = kHeadDim / 8;
   constexpr u32 kBoxBytes = kBoxKeys * 128;
@@ -167,9 +167,7 @@ __global__ void __launch_bounds__(160, 1) decode_tma_kernel(const __grid_constan
     write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
                                                  scale_log2);
     // (one unit a CTA: the split counters are indexed by the grid, as decode_kernel's)
-    if (kUnits == 1 && p.num_splits > 1 && p.split_epoch)
-      merge_polled<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, split, s_out);
-    else if (kUnits == 1 && p.num_splits > 1 && p.split_counters)
+    if (kUnits == 1 && p.num_splits > 1 && p.split_counters)
       merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);
     __syncthreads();  // the staging read before the next unit's copies overwrite the ring
     if (warp == kWarps && lane == 0) fence_proxy_async();  // generic writes, then TMA's

@@ -252,13 +252,12 @@ def test_variant_keys_are_readable_and_unique():
 
 
 def test_decode_pointer_order_is_the_records():
-    # kvcache._run packs the pointers positionally, in this order (_launch_decode replaces
-    # o_partial and lse_partial by the mailbox where it polls, and appends split_epoch)
+    # kvcache._run packs the pointers positionally, in this order
     assert _params.DECODE.pointer_fields == (
         "q", "k", "v", "o", "lse", "o_partial", "lse_partial",
         "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
         "k_new", "v_new", "q_source", "rotary_cos", "rotary_sin", "cu_seqlens_q", "cu_seqlens_k",
-        "seqused_k", "split_counters", "decode_order", "split_epoch")
+        "seqused_k", "split_counters", "decode_order")
 
 
 @pytest.mark.parametrize("d, splits, rows", [

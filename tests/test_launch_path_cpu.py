@@ -23,10 +23,6 @@ class _Device:
         self.next += 1 << 20
         return f"array@{self.next:#x}", self.next
 
-    def mailbox(self, framework, device, stream, nbytes):
-        self.mailbox_bytes = nbytes
-        return None, _SPLIT_MAILBOX
-
     def launch(self, function, blocks, threads, smem, stream, args):
         self.launches.append((function, blocks, [bytes(a) for a in args], stream))
 
@@ -54,7 +50,6 @@ def device(monkeypatch):
                         lambda framework, device, stream, nbytes, capturing=None: (None, _WORKSPACE))
     monkeypatch.setattr(api, "stream_split_counters",
                         lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS))
-    monkeypatch.setattr(api, "stream_split_mailbox", fake.mailbox)
     monkeypatch.setattr(api, "stream_capturing", lambda stream: fake.capturing)
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
     monkeypatch.setattr(api, "_compute_capability", lambda device: "90")
@@ -72,7 +67,6 @@ def device(monkeypatch):
 _WORKSPACE = 0xD000_0000  # the per-stream split-KV workspace's (fake) address
 _COUNTERS = 0xC0          # the per-stream counters' (fake) address
 _SPLIT_COUNTERS = 0xE0    # the per-stream split-KV counters' (fake) address
-_SPLIT_MAILBOX = 0xB000_0000  # the per-stream polled merge's words' (fake) address
 
 
 def _clear_tma_caches():
@@ -354,15 +348,14 @@ def test_tma_decode_where_it_was_measured_faster(h100):
     assert route == ("decode_tma", (16, 8, 1), 160)
     r = record(launch, _params.DECODE)
     assert map_addresses(launch)[:3] == [r["k"], r["k"], r["v"]] and len(launch[2]) == 2
-    # one unit a CTA, 128 CTAs: the last split of each unit merges by polling
-    assert plan.merge_in_launch and plan.polled_words and r["split_counters"] == 0
+    # one unit a CTA: the splits merge in the launch as decode_kernel's
+    assert plan.merge_in_launch and r["split_counters"] == _SPLIT_COUNTERS
     route, _, plan = _decode_route(h100, 8, 16384, 32)
     assert route == ("decode_tma", (1, 32, 4), 160) and not plan.merge_in_launch  # 2 units
     assert _decode_route(h100, 1, 131072, 8, d=40)[0][0] == "decode_tma"  # padded to 64
     assert _decode_route(h100, 1, 32768, 32)[0][0] == "decode_tma"  # 4 splits: 8192 keys a CTA
-    assert _decode_route(h100, 1, 32768, 8)[0][0] == "decode_tma"  # 16 splits: 2048 keys a CTA
     for shape, kw in (((64, 4096, 8), {}),           # 512 units: within +-2 %, cp.async
-                      ((1, 16384, 8), {}),           # 16 splits: 1024 keys a CTA
+                      ((1, 32768, 8), {}),           # 16 splits: 2048 keys a CTA
                       ((7, 16384, 32), {}),          # 224 units, odd batch: no pairs
                       ((1, 32768, 8, 128), {}),      # d = 128: not yet
                       ((8, 16384, 32), {"num_splits": 2})):  # 512 CTAs
@@ -430,52 +423,6 @@ def test_kvcache_split_partials_in_the_stream_workspace(device):
     decode, combine = device.launches[done:]
     assert record(decode, _params.DECODE)["split_counters"] == 0
     assert record(combine, _params.DECODE)["num_splits"] == 4
-
-
-def test_polled_merge_where_the_tma_grid_fits_the_gpu(h100, monkeypatch):
-    """The TMA kernel's split merge polls (kvcache._merge_by_polling) where its grid fits
-    the SMs at once: the partials go to the stream's mailbox as stamped words (8 bytes a
-    value), each launch with an epoch of its own, and no combine is launched; not under
-    graph capture, nor where the grid is larger, nor for the cp.async kernel."""
-    b, n, hk, d, h = 1, 131072, 8, 64, 32
-    (kind, grid, _), launch, plan = _decode_route(h100, b, n, hk)
-    assert kind == "decode_tma" and grid == (16, 8, 1)
-    r = record(launch, _params.DECODE)
-    rows = b * h  # (batch, seqlen_q, nheads) rows of o
-    assert plan.polled_words == (16 * rows * d, 16 * rows)
-    assert r["o_partial"] == _SPLIT_MAILBOX and r["lse_partial"] == _SPLIT_MAILBOX + 8 * 16 * rows * d
-    assert h100.mailbox_bytes == 8 * (16 * rows * d + 16 * rows)
-    assert r["split_counters"] == 0 and r["split_epoch"] > 0
-    assert launch is h100.launches[-1] and len(plan.launches) == 2  # its combine: not launched
-    epochs = [record(_decode_route(h100, b, n, hk)[1], _params.DECODE)["split_epoch"]
-              for _ in range(3)]
-    assert epochs == sorted(set(epochs)) and epochs[0] > r["split_epoch"]
-    # captured: decode_combine, from the stream workspace; no epoch
-    h100.capturing, done = True, len(h100.launches)
-    _decode_route(h100, b, n, hk)
-    decode, combine = h100.launches[done:]
-    r = record(decode, _params.DECODE)
-    assert r["split_epoch"] == 0 and r["o_partial"] == _WORKSPACE
-    h100.capturing = False
-    # more CTAs than SMs (num_splits and the TMA kernel forced): the counters
-    api.clear_plans()  # (reads the environment's overrides again: ours after it)
-    monkeypatch.setitem(_compile._overrides, _compile.DECODE_TMA_ENV, "1")
-    (kind, grid, _), launch, plan = _decode_route(h100, b, n, hk, num_splits=32)
-    r = record(launch, _params.DECODE)
-    assert kind == "decode_tma" and not plan.polled_words and r["split_epoch"] == 0
-    assert r["split_counters"] == _SPLIT_COUNTERS or not plan.merge_in_launch
-    (kind, _, _), launch, plan = _decode_route(h100, b, n, hk, d=128)
-    assert kind == "decode" and not plan.polled_words
-    assert record(launch, _params.DECODE)["split_epoch"] == 0
-
-
-def test_split_epochs_wrap_past_zero_and_let_the_mailboxes_go(monkeypatch):
-    import itertools
-    monkeypatch.setattr(api, "_epochs", itertools.count(0xFFFFFFFF - 2))
-    monkeypatch.setitem(api._split_mailboxes, ("dev", "stream", 0), (0xB0, 64))
-    assert [api.next_split_epoch() for _ in range(2)] == [0xFFFFFFFE, 0xFFFFFFFF]
-    assert api._split_mailboxes  # (kept until the count wraps)
-    assert api.next_split_epoch() == 1 and not api._split_mailboxes
 
 
 def test_kvcache_append_without_query_rows_launches_the_append_alone(device):
