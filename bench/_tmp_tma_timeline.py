@@ -8,6 +8,9 @@ MAX, SLOTS = 4096, 16
 MARK = ("if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %%globaltimer;\""
         " : \"=l\"(t_)); cufa_tl[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
         " % 4096][{i}] = t_; }}\n")
+CLK = ("if (threadIdx.x == 0) {{ unsigned long long c_; asm volatile(\"mov.u64 %0, %%clock64;\""
+        " : \"=l\"(c_)); cufa_tl[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
+        " % 4096][{i}] = c_; }}\n")
 src = _compile.assembled_source("decode_sm90.cu")
 head, body = src.split("\n", 1)
 def put(text, i, where, count=1):
@@ -33,6 +36,13 @@ put("    __syncthreads();  // the staging read before the next unit's copies ove
 put("    const SplitRow in = poll_split_row(p, s.b, row.t, row.h, lane);\n", 5, "after")
 put("  if (!s_last) return;\n", 6, "after")
 put("    stage_warp_outputs<kWarps, Shape::kOStride>(", 7, "before")
+body = body.replace("    stage_warp_outputs<kWarps, Shape::kOStride>(", CLK.format(i=14) + "    stage_warp_outputs<kWarps, Shape::kOStride>(", 1)
+put("  __syncthreads();\n  if (threadIdx.x < kDecodeRows) {\n", 10, "after")
+put("  __syncthreads();\n  if (has_state) {\n#pragma unroll\n    for (int i = 0; i < 2; ++i) {\n      const int r = (lane >> 2) + 8 * i;\n", 11, "before")
+put("  }\n  __syncthreads();\n}\n\n// -- merge_polled's words", 12, "before")
+_t = "  }\n  __syncthreads();\n}\n\n// -- merge_polled's words"
+assert body.count(_t) == 1
+body = body.replace(_t, "  }\n  __syncthreads();\n" + MARK.format(i=13) + CLK.format(i=6) + "}\n\n// -- merge_polled's words")
 # declare the global before namespace use
 first = body.index("namespace cufa {")
 body = body[:first] + "namespace cufa { __device__ unsigned long long cufa_tl[4096][16]; }\n" + body[first:]
@@ -72,6 +82,9 @@ for mode in sys.argv[1:] or ["polled", "counter"]:
     rel = lambda i: (t[:, i].astype(np.int64) - int(t0)) / 1e3
     pct = lambda x: f"{np.min(x):.2f}/{np.median(x):.2f}/{np.max(x):.2f}"
     print(f"{mode}: {len(t)} CTAs; entry {pct(rel(0))} | Q {pct(rel(1)-rel(0))} | loop end {pct(rel(2))} | staged {pct(rel(7)-rel(2))} | written {pct(rel(3)-rel(7))} | end {pct(rel(4))}")
+    print(f"   barrier1 at {pct(rel(10)-rel(7))}, barrier2 at {pct(rel(11)-rel(7))}, before barrier3 {pct(rel(12)-rel(7))}, after {pct(rel(13)-rel(7))}")
+    cyc = (t[:, 6].astype(np.int64) - t[:, 14].astype(np.int64)) / ((t[:, 13].astype(np.int64) - t[:, 7].astype(np.int64)))
+    print(f"   SM clock over the staging: {pct(cyc)} GHz")
     if TWICE:
         print(f"   second stage+write pass {pct(rel(9) - rel(3))}")
     m = t[:, 5] > 0
