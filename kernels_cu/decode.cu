@@ -337,18 +337,27 @@ __device__ __forceinline__ void accumulate_tile(float (&acc_o)[1][kDTiles][4],
   gemm_pv<kDtype>(acc_o, tile_p, v_frag);
 }
 
-// -- epilogue: each row's max and sum over the warps, then each warp's output rescaled to
-//    them, staged in s_out ([warp][row][kOStride] floats) for write_decode_output. Warps
+// -- epilogue: each warp's row maxima and sums to shared memory, then each warp's output
+//    rescaled to its rows' max over the warps (every lane takes the warps' maxima itself:
+//    no pass of a few threads and a barrier between), staged in s_out
+//    ([warp][row][kOStride] floats) for write_decode_output, which forms the sums. Warps
 //    without a softmax state (has_state false: the TMA kernel's producer) meet the
 //    barriers only --
+template <int kWarps>
+__device__ __forceinline__ float warps_row_max(const float (&s_warp_max)[kWarps][kDecodeRows], int r) {
+  float mx = -CUFA_INF;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_warp_max[w][r]);
+  return mx;
+}
+
 template <int kWarps, int kOStride, int kDTiles>
 __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softmax,
                                                    const float (&acc_o)[1][kDTiles][4],
                                                    bool has_state,
                                                    float (&s_warp_max)[kWarps][kDecodeRows],
                                                    float (&s_warp_sum)[kWarps][kDecodeRows],
-                                                   float* s_max, float* s_sum, float* s_out,
-                                                   float scale_log2) {
+                                                   float* s_out, float scale_log2) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (has_state) {
 #pragma unroll
@@ -361,26 +370,13 @@ __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softm
     }
   }
   __syncthreads();
-  if (threadIdx.x < kDecodeRows) {
-    const int r = threadIdx.x;
-    float mx = -CUFA_INF;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_warp_max[w][r]);
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      if (s_warp_max[w][r] != -CUFA_INF)
-        sum += s_warp_sum[w][r] * fast_exp2((s_warp_max[w][r] - mx) * scale_log2);
-    s_max[r] = mx;
-    s_sum[r] = sum;
-  }
-  __syncthreads();
   if (has_state) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = (lane >> 2) + 8 * i;
       const float mine = softmax.row_max[0][i];
-      const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - s_max[r]) * scale_log2);
+      const float mx = warps_row_max(s_warp_max, r);
+      const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - mx) * scale_log2);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt)
         *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * kOStride + dt * 8 + 2 * (lane & 3)]) =
@@ -394,7 +390,8 @@ __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softm
 template <int kDtype, int kHeadDim, class Shape>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
                                                     int m_block, int h_k, int split, float* s_out,
-                                                    const float* s_max, const float* s_sum,
+                                                    const float (&s_warp_max)[Shape::kWarps][kDecodeRows],
+                                                    const float (&s_warp_sum)[Shape::kWarps][kDecodeRows],
                                                     float scale_log2) {
   constexpr int kChunks = kHeadDim / 8;
   for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += Shape::kThreads) {
@@ -406,9 +403,15 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
     for (int w = 0; w < Shape::kWarps; ++w)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] += s_out[(w * kDecodeRows + r) * Shape::kOStride + c * 8 + e];
-    const float sum = s_sum[r];
+    // the row's sum over the warps, each warp's rescaled to the row's max
+    const float mx = warps_row_max(s_warp_max, r);
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < Shape::kWarps; ++w)
+      if (s_warp_max[w][r] != -CUFA_INF)
+        sum += s_warp_sum[w][r] * fast_exp2((s_warp_max[w][r] - mx) * scale_log2);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // explicit 0: a row that saw no key
-    const float lse = sum > 0.f ? (s_max[r] * scale_log2 + log2f(sum)) * CUFA_LN2 : -CUFA_INF;
+    const float lse = sum > 0.f ? (mx * scale_log2 + log2f(sum)) * CUFA_LN2 : -CUFA_INF;
     if (p.num_splits > 1) {
       const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
       float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o_partial) +
@@ -654,7 +657,6 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
   constexpr int kDTiles = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
-  __shared__ float s_max[kDecodeRows], s_sum[kDecodeRows];
 
   // -- which rows, keys and split --
   const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;
@@ -760,10 +762,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
 
   cp_async_wait<0>();  // (the outputs are staged over the cache stages)
   float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
-  stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_max,
-                                              s_sum, s_out, scale_log2);
-  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
-                                        scale_log2);
+  stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_out,
+                                              scale_log2);
+  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,
+                                               s_warp_sum, scale_log2);
   static_assert(merge_scratch_bytes(Shape::kThreads) <= kWarps * Shape::kWarpBytes,
                 "the merge's weights and partial sums fit the cache stages");
   if (p.num_splits > 1 && p.split_counters)

@@ -43,7 +43,6 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long bars[2 * kStages];  // full, then empty
   __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
-  __shared__ float s_max[kDecodeRows], s_sum[kDecodeRows];
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;  // the swizzle's 1 KB period
@@ -163,9 +162,9 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     // -- merge the consumer warps, then write (decode_kernel's epilogue) --
     float* s_out = reinterpret_cast<float*>(smem_raw + (ring - smem_u32(smem_raw)));
     stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, warp < kWarps, s_warp_max,
-                                                s_warp_sum, s_max, s_sum, s_out, scale_log2);
-    write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,
-                                                 scale_log2);
+                                                s_warp_sum, s_out, scale_log2);
+    write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,
+                                                 s_warp_sum, scale_log2);
     // (one unit a CTA: the split counters are indexed by the grid, as decode_kernel's)
     if (kUnits == 1 && p.num_splits > 1 && p.split_counters)
       merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);
