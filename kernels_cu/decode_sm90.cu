@@ -31,6 +31,17 @@ struct TmaDecodeShape {
 
 // kUnits: (sequence, KV head) units a CTA takes one after another (sequences blockIdx.z,
 // + gridDim.z, ...): fewer concurrent streams over the cache
+constexpr int kChunkBoxes = 8;  // boxes a split takes in a row before the next split's
+
+// Of `boxes` boxes dealt to `splits` splits kChunkBoxes at a time, how many `split` takes
+// (at most `most`)
+__device__ __forceinline__ int split_boxes(int boxes, int split, int splits, int most) {
+  const int round = splits * kChunkBoxes;
+  const int taken = (boxes / round) * kChunkBoxes +
+                    min(max(boxes % round - split * kChunkBoxes, 0), kChunkBoxes);
+  return min(taken, most);
+}
+
 template <int kDtype, int kStages, int kUnits>
 __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__ DecodeParams p,
                                                          const __grid_constant__ TensorMaps maps) {
@@ -71,14 +82,14 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     // position needs no length: where the keys start at cache position 0 of row b, the
     // producer issues the ring's first boxes while cache_seq still waits on the lengths
     // (a memory latency the launch saved). Boxes past the sequence are consumed unused.
-    const int box_stride = p.num_splits;
+    const auto split_box = [&](int j) {  // the unit's box index of this split's j-th box
+      return ((j / kChunkBoxes) * p.num_splits + split) * kChunkBoxes + j % kChunkBoxes;
+    };
     const bool first_at_zero = unit == 0 && !p.cache_leftpad && !p.cache_batch_idx &&
                                !p.cu_seqlens_q && p.window_left >= p.capacity &&
                                p.seqlen_q * p.group > m_block * kDecodeRows;  // (rows > 0)
     const int capacity_boxes = (p.capacity + kBoxKeys - 1) / kBoxKeys;
-    const int early_boxes = first_at_zero && split < capacity_boxes
-                                ? min(kStages, (capacity_boxes - 1 - split) / box_stride + 1)
-                                : 0;
+    const int early_boxes = first_at_zero ? split_boxes(capacity_boxes, split, p.num_splits, kStages) : 0;
     const auto issue_box = [&](int j, int pos, int row) {
       const int g = box_count + j, st = g % kStages;
       if (g >= kStages) mbar_wait(empty + 8 * st, ((g / kStages) - 1) & 1);
@@ -87,7 +98,7 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
       tma_load_4d(ring + st * kStageBytes + kBoxBytes, maps.v, full + 8 * st, 0, pos, h_k, row);
     };
     if (warp == kWarps && lane == 0)
-      for (int j = 0; j < early_boxes; ++j) issue_box(j, (split + j * box_stride) * kBoxKeys, b);
+      for (int j = 0; j < early_boxes; ++j) issue_box(j, split_box(j) * kBoxKeys, b);
     // Q's rows need no length either (no packed batch comes here: the host routes them to
     // decode_kernel), so their copies go out before cache_seq's load is waited on
     const int rows = min(kDecodeRows, p.seqlen_q * p.group - m_block * kDecodeRows);
@@ -104,9 +115,9 @@ __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__
     const KeySpan span = visible_span(p, s.seqlen_k, s.seqlen_q, (m_block * kDecodeRows) / p.group,
                                       (m_block * kDecodeRows + rows - 1) / p.group);
     const int num_boxes = (span.end - span.begin + kBoxKeys - 1) / kBoxKeys;
-    const int my_boxes = max(0, (num_boxes - split + box_stride - 1) / box_stride);
+    const int my_boxes = split_boxes(num_boxes, split, p.num_splits, num_boxes);
     const int ring_boxes = max(my_boxes, early_boxes);  // what the ring carries for this unit
-    const auto box_key0 = [&](int j) { return span.begin + (split + j * box_stride) * kBoxKeys; };
+    const auto box_key0 = [&](int j) { return span.begin + split_box(j) * kBoxKeys; };
 
     // Q's latency overlaps the first boxes': the producer goes on issuing, and only the
     // consumer warps wait for Q (named barrier 2: threads 0-127)
