@@ -357,8 +357,8 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
     batch is even (8 x 16k 32/32, 256 units: 367 -> 357 as heads h and h + H/2 of a
     sequence; 357.7 -> 350.8 as sequences z and z + B/2 of a head, whose CTAs at once read
     whole cache rows); more units read within ±2 % either way, so those keep cp.async, as
-    does a CTA streaming fewer than _TMA_MIN_KEYS keys (unmeasured; 1 x 32k 32/8, 2048 a
-    CTA, reads 2-4 % faster since the ring's first boxes go out before the lengths land). Hopper
+    does a CTA streaming fewer than _TMA_MIN_KEYS keys (1 x 32k 32/8: 2048 a CTA, 2-3 %
+    slower, where the ring's fill and drain weigh more). Hopper
     only (the copy engine), and where one CTA an SM keeps up with the memory
     (_one_cta_keeps_up: the H100's rule, the only one measured); a contiguous cache whose
     strides a map can describe. CUFA_DECODE_TMA overrides the rule
@@ -389,7 +389,7 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
     return _compile.decode_tma_kernel(api._KERNEL_DTYPES[dtype_name], padded, per_cta), template
 
 
-_TMA_MIN_KEYS = 2048  # cache positions a CTA of the TMA decode kernel streams, at least
+_TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, at least
 
 
 def _tma_device(device, forced=None):

@@ -354,9 +354,8 @@ def test_tma_decode_where_it_was_measured_faster(h100):
     assert route == ("decode_tma", (1, 32, 4), 160) and not plan.merge_in_launch  # 2 units
     assert _decode_route(h100, 1, 131072, 8, d=40)[0][0] == "decode_tma"  # padded to 64
     assert _decode_route(h100, 1, 32768, 32)[0][0] == "decode_tma"  # 4 splits: 8192 keys a CTA
-    assert _decode_route(h100, 1, 32768, 8)[0][0] == "decode_tma"  # 16 splits: 2048 keys a CTA
     for shape, kw in (((64, 4096, 8), {}),           # 512 units: within +-2 %, cp.async
-                      ((1, 16384, 8), {}),           # 16 splits: 1024 keys a CTA
+                      ((1, 32768, 8), {}),           # 16 splits: 2048 keys a CTA
                       ((7, 16384, 32), {}),          # 224 units, odd batch: no pairs
                       ((1, 32768, 8, 128), {}),      # d = 128: not yet
                       ((8, 16384, 32), {"num_splits": 2})):  # 512 CTAs
