@@ -7,6 +7,10 @@ a CTA that merges its unit's splits in the launch also once it knows it is the l
 (caches rotating past L2); the last call's records are read.
 
     python3 bench/probe_decode_timeline.py [--shapes 1x32768:8:64,1x131072:8:64] [--calls 50]
+        [--kernel w4s8 | --tma]
+
+--tma instruments and forces the TMA decode kernel (decode_sm90.cu, d = 64, one unit a
+CTA) instead: Q landed is when its consumer warps pass their barrier for Q.
 
 Printed a shape: the spread of CTA starts, Q's latency, each CTA's loop time (min /
 median / max), the epilogue, the launch's span from first start to last exit, the CTAs
@@ -31,7 +35,7 @@ MARK = ("if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 
         " % {max}][{i}] = t_; }}\n")  # noqa: E501
 ANCHORS = [  # (text in merge_if_last .. decode_kernel, mark index, before or after it)
     ("  if (!s_last) return;\n", 5, "after"),
-    ("  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_max, s_sum,\n", 8, "before"),
+    ("  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,\n", 8, "before"),
     ("  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;\n", 0, "before"),
     ("  cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed\n  __syncthreads();\n", 1, "after"),
     ("  cp_async_wait<0>();  // (the outputs are staged over the cache stages)\n", 2, "after"),
@@ -71,6 +75,44 @@ def instrument():
     return modules
 
 
+TMA_ANCHORS = [  # (text in decode_sm90.cu's assembled source, mark index, before or after)
+    ("  if (!s_last) return;\n", 5, "after"),
+    ("  const u32 full = smem_u32(bars), empty = full + 8 * kStages;\n", 0, "after"),
+    ('      asm volatile("bar.sync 2, %0;\\n" ::"n"(32 * kWarps) : "memory");  // Q landed\n', 1, "after"),
+    ("    box_count += ring_boxes;\n", 2, "after"),
+    ("    write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,\n", 8, "before"),
+    ("    // (one unit a CTA: the split counters are indexed by the grid, as decode_kernel's)\n", 3, "before"),
+    ("    __syncthreads();  // the staging read before the next unit's copies overwrite the ring\n", 4, "before"),
+]
+
+
+def instrument_tma():
+    """instrument() for the TMA decode kernel (its source includes decode.cu's merge)."""
+    src = _compile.assembled_source("decode_sm90.cu")
+    head, body = src.split("\n", 1)
+    for text, i, where in TMA_ANCHORS:
+        assert body.count(text) == 1, text
+        mark = MARK.format(max=MAX_CTAS, i=i)
+        body = body.replace(text, mark + text if where == "before" else text + mark)
+    smid = ("if (threadIdx.x == 0) { unsigned s_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
+            f"cufa_timeline[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) % {MAX_CTAS}][{SLOTS - 1}] = s_; }}\n")
+    entry = "  const u32 full = smem_u32(bars), empty = full + 8 * kStages;\n"
+    body = body.replace(entry, entry + smid)
+    first_ns = body.index("namespace cufa {")
+    body = body[:first_ns] + f"__device__ unsigned long long cufa_timeline[{MAX_CTAS}][{SLOTS}];\n" + body[first_ns:]
+    _compile._source_cache["decode_sm90.cu"] = head + " timeline\n" + body
+    modules = []
+    original = _compile.raw_module
+
+    def keep(variant):
+        mod = original(variant)
+        if variant.source == "decode_sm90.cu":
+            modules.append(mod)
+        return mod
+    _compile.raw_module = keep
+    return modules
+
+
 def read_timeline(modules, ctas):
     import cupy
     out = []
@@ -87,8 +129,9 @@ def main():
     p.add_argument("--shapes", default="1x32768:8:64,1x131072:8:64")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--kernel", help="wWsS: the decode kernel of W warps of S stages, the planner's splits")
+    p.add_argument("--tma", action="store_true", help="the TMA decode kernel (forced), d = 64")
     args = p.parse_args()
-    modules = instrument()
+    modules = instrument_tma() if args.tma else instrument()
     if args.kernel:
         from cufa import kvcache
         warps, stages = (int(x) for x in args.kernel[1:].split("s"))
@@ -112,6 +155,8 @@ def main():
             sets.append((q, k, v, lens))
         for merge in (True, False):
             api.clear_plans()
+            if args.tma:  # (after clear_plans, which reads the environment's overrides again)
+                _compile._overrides[_compile.DECODE_TMA_ENV] = "1"
 
             def call(q, k, v, lens):
                 return cufa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)

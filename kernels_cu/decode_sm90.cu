@@ -15,8 +15,14 @@
 //   faster than two. The CTAs that run at once take every KV head of their sequences, so
 //   together they read whole cache rows (all heads of a position), as the one-unit grid
 //   does; pairing heads h and h + H/2 instead had them read half rows;
-// - splits cut 64-key boxes; their partials merge as decode_kernel's do (in the launch, by
-//   the last split to finish, for an eager call with one unit a CTA; else decode_combine).
+// - splits cut 64-key boxes (split_boxes); their partials merge as decode_kernel's do (in
+//   the launch, by the last split to finish, for an eager call with one unit a CTA; else
+//   decode_combine);
+// - the start waits on as little as it can: the producer prefetches its maps' descriptors
+//   and issues the ring's first boxes before cache_seq's lengths land (their positions
+//   need none), and Q's copies go out before the lengths too; only the consumer warps
+//   wait for Q, on a named barrier. (An H100 timeline: Q lands ~1.8 us after entry, with
+//   the ring's first boxes already in flight; bench/NOTES.md.)
 #include "decode.cu"
 #include "sm90.cuh"
 namespace cufa {
