@@ -33,80 +33,53 @@ SLOTS = 16  # marks 0-5 and 8, the SM id in the last
 MARK = ("if (threadIdx.x == 0) {{ unsigned long long t_; asm volatile(\"mov.u64 %0, %%globaltimer;\""
         " : \"=l\"(t_)); cufa_timeline[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)"
         " % {max}][{i}] = t_; }}\n")  # noqa: E501
-ANCHORS = [  # (text in merge_if_last .. decode_kernel, mark index, before or after it)
-    ("  if (!s_last) return;\n", 5, "after"),
-    ("  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,\n", 8, "before"),
-    ("  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;\n", 0, "before"),
-    ("  cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed\n  __syncthreads();\n", 1, "after"),
-    ("  cp_async_wait<0>();  // (the outputs are staged over the cache stages)\n", 2, "after"),
-    ("  if (p.num_splits > 1 && p.split_counters)\n    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);\n", 3, "before"),
-    ("  if (p.num_splits > 1 && p.split_counters)\n    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);\n", 4, "after"),
-]
+# (text in the assembled source, mark index, before or after it); the SM id goes after
+# the entry text
+ANCHORS = {
+    "decode.cu": ([
+        ("  if (!s_last) return;\n", 5, "after"),
+        ("  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,\n", 8, "before"),
+        ("  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;\n  const int h_k = blockIdx.y;\n  const int b = p.decode_order", 0, "before"),
+        ("  cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed\n  __syncthreads();\n", 1, "after"),
+        ("  cp_async_wait<0>();  // (the outputs are staged over the cache stages)\n", 2, "after"),
+        ("  if (p.num_splits > 1 && p.split_counters)\n    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);\n", 3, "before"),
+        ("  if (p.num_splits > 1 && p.split_counters)\n    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);\n", 4, "after"),
+    ], "    decode_kernel(const DecodeParams p) {\n"),
+    "decode_sm90.cu": ([  # (its source includes decode.cu's merge)
+        ("  if (!s_last) return;\n", 5, "after"),
+        ("  const u32 full = smem_u32(bars), empty = full + 8 * kStages;\n", 0, "after"),
+        ('      asm volatile("bar.sync 2, %0;\\n" ::"n"(32 * kWarps) : "memory");  // Q landed\n', 1, "after"),
+        ("    box_count += ring_boxes;\n", 2, "after"),
+        ("    write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,\n", 8, "before"),
+        ("    // (one unit a CTA: the split counters are indexed by the grid, as decode_kernel's)\n", 3, "before"),
+        ("    __syncthreads();  // the staging read before the next unit's copies overwrite the ring\n", 4, "before"),
+    ], "  const u32 full = smem_u32(bars), empty = full + 8 * kStages;\n"),
+}
 
 
-def instrument():
-    src = _compile.assembled_source("decode.cu")
+def instrument(filename="decode.cu"):
+    """Marks in the decode kernel of `filename` (decode.cu, or decode_sm90.cu: the TMA
+    one); -> the list its compiled modules are appended to."""
+    anchors, entry = ANCHORS[filename]
+    src = _compile.assembled_source(filename)
     head, body = src.split("\n", 1)
-    start = body.index("__device__ __forceinline__ void merge_if_last(")
-    start = body.rindex("template", 0, start)
-    kernel_end = body.rindex("template", 0, body.index("decode_combine(const DecodeParams p)"))
-    kernel = body[start:kernel_end]
-    for text, i, where in ANCHORS:
-        assert kernel.count(text) == 1, text
-        mark = MARK.format(max=MAX_CTAS, i=i)
-        kernel = kernel.replace(text, mark + text if where == "before" else text + mark)
-    smid = ("if (threadIdx.x == 0) { unsigned s_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
-            f"cufa_timeline[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) % {MAX_CTAS}][{SLOTS - 1}] = s_; }}\n")
-    entry = kernel.index("decode_kernel(const DecodeParams p) {\n") + len("decode_kernel(const DecodeParams p) {\n")
-    kernel = kernel[:entry] + smid + kernel[entry:]
-    glob = f"__device__ unsigned long long cufa_timeline[{MAX_CTAS}][{SLOTS}];\n"
-    first_ns = body.index("namespace cufa {")
-    body = body[:first_ns] + glob + body[first_ns:start] + kernel + body[kernel_end:]
-    _compile._source_cache["decode.cu"] = head + " timeline\n" + body
-    modules = []
-    original = _compile.raw_module
-
-    def keep(variant):
-        mod = original(variant)
-        if variant.source == "decode.cu":
-            modules.append(mod)
-        return mod
-    _compile.raw_module = keep
-    return modules
-
-
-TMA_ANCHORS = [  # (text in decode_sm90.cu's assembled source, mark index, before or after)
-    ("  if (!s_last) return;\n", 5, "after"),
-    ("  const u32 full = smem_u32(bars), empty = full + 8 * kStages;\n", 0, "after"),
-    ('      asm volatile("bar.sync 2, %0;\\n" ::"n"(32 * kWarps) : "memory");  // Q landed\n', 1, "after"),
-    ("    box_count += ring_boxes;\n", 2, "after"),
-    ("    write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,\n", 8, "before"),
-    ("    // (one unit a CTA: the split counters are indexed by the grid, as decode_kernel's)\n", 3, "before"),
-    ("    __syncthreads();  // the staging read before the next unit's copies overwrite the ring\n", 4, "before"),
-]
-
-
-def instrument_tma():
-    """instrument() for the TMA decode kernel (its source includes decode.cu's merge)."""
-    src = _compile.assembled_source("decode_sm90.cu")
-    head, body = src.split("\n", 1)
-    for text, i, where in TMA_ANCHORS:
+    for text, i, where in anchors:
         assert body.count(text) == 1, text
         mark = MARK.format(max=MAX_CTAS, i=i)
         body = body.replace(text, mark + text if where == "before" else text + mark)
     smid = ("if (threadIdx.x == 0) { unsigned s_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
             f"cufa_timeline[((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) % {MAX_CTAS}][{SLOTS - 1}] = s_; }}\n")
-    entry = "  const u32 full = smem_u32(bars), empty = full + 8 * kStages;\n"
+    assert body.count(entry) == 1, entry
     body = body.replace(entry, entry + smid)
     first_ns = body.index("namespace cufa {")
     body = body[:first_ns] + f"__device__ unsigned long long cufa_timeline[{MAX_CTAS}][{SLOTS}];\n" + body[first_ns:]
-    _compile._source_cache["decode_sm90.cu"] = head + " timeline\n" + body
+    _compile._source_cache[filename] = head + " timeline\n" + body
     modules = []
     original = _compile.raw_module
 
     def keep(variant):
         mod = original(variant)
-        if variant.source == "decode_sm90.cu":
+        if variant.source == filename:
             modules.append(mod)
         return mod
     _compile.raw_module = keep
@@ -131,7 +104,7 @@ def main():
     p.add_argument("--kernel", help="wWsS: the decode kernel of W warps of S stages, the planner's splits")
     p.add_argument("--tma", action="store_true", help="the TMA decode kernel (forced), d = 64")
     args = p.parse_args()
-    modules = instrument_tma() if args.tma else instrument()
+    modules = instrument("decode_sm90.cu" if args.tma else "decode.cu")
     if args.kernel:
         from cufa import kvcache
         warps, stages = (int(x) for x in args.kernel[1:].split("s"))
