@@ -35,14 +35,12 @@ struct TmaDecodeShape {
   static constexpr int kOStride = 64 + 4;
 };
 
-// kUnits: (sequence, KV head) units a CTA takes one after another (sequences blockIdx.z,
-// + gridDim.z, ...): fewer concurrent streams over the cache
-// How a unit's boxes are dealt to its splits: the first kHead of each split one by one
+// How a unit's boxes are dealt to its splits: the first `head` of each split one by one
 // (box j of split s: j * splits + s), so that their positions need no length and go out
 // before the lengths land; then the rest in one contiguous run a split, as one stream
 // reads best (dealt one by one throughout, 1 x 128k 32/32 read 2.6 % slower on an H100).
 struct SplitBoxes {
-  int head;              // boxes dealt one by one to each split (kStages)
+  int head;              // boxes dealt one by one to each split (the ring's stages)
   int count;             // this split's boxes
   int tail_first, splits, split;
   __device__ __forceinline__ int box(int j) const {  // the unit's box of this split's j-th
@@ -63,6 +61,8 @@ __device__ __forceinline__ SplitBoxes split_boxes(int boxes, int split, int spli
   return sb;
 }
 
+// kUnits: (sequence, KV head) units a CTA takes one after another (sequences blockIdx.z,
+// + gridDim.z, ...): fewer concurrent streams over the cache
 template <int kDtype, int kStages, int kUnits>
 __global__ void __launch_bounds__(160) decode_tma_kernel(const __grid_constant__ DecodeParams p,
                                                          const __grid_constant__ TensorMaps maps) {

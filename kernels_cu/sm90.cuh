@@ -86,12 +86,12 @@ __device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
 }
-// One box at (c0, c1, c2, c3) into shared memory; its bytes count on `bar` when they land.
 // Fetches a map's descriptor ahead of the first copy through it, which would wait for it.
 __device__ __forceinline__ void prefetch_tensor_map(const TensorMap& map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&map)) : "memory");
 }
 
+// One box at (c0, c1, c2, c3) into shared memory; its bytes count on `bar` when they land.
 __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 bar, int c0, int c1,
                                             int c2, int c3) {
   asm volatile(
