@@ -386,6 +386,17 @@ __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softm
   __syncthreads();
 }
 
+// -- 8 columns of an output row, packed to its dtype --
+template <int kDtype>
+__device__ __forceinline__ void store8(u16* dst, const float (&acc)[8]) {
+  uint4 packed;
+  packed.x = pack2<kDtype>(acc[0], acc[1]);
+  packed.y = pack2<kDtype>(acc[2], acc[3]);
+  packed.z = pack2<kDtype>(acc[4], acc[5]);
+  packed.w = pack2<kDtype>(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(dst) = packed;
+}
+
 // -- epilogue: merge the warps' states, then write the output (or this split's share) --
 template <int kDtype, int kHeadDim, class Shape>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
@@ -422,14 +433,11 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
         reinterpret_cast<float*>(p.lse_partial)[((i64)(split * p.batch + s.b) * p.nheads + row.h) *
                                                     p.seqlen_q + row.t] = lse;
     } else {
-      uint4 packed;
-      packed.x = pack2<kDtype>(acc[0] * inv, acc[1] * inv);
-      packed.y = pack2<kDtype>(acc[2] * inv, acc[3] * inv);
-      packed.z = pack2<kDtype>(acc[4] * inv, acc[5] * inv);
-      packed.w = pack2<kDtype>(acc[6] * inv, acc[7] * inv);
-      *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
-                                (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride +
-                                c * 8) = packed;
+      const float out[8] = {acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv,
+                            acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv};
+      store8<kDtype>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
+                         (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride + c * 8,
+                     out);
       if (c == 0 && p.lse)
         reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
                                         s.q_row0 + row.t] = lse;
@@ -494,16 +502,6 @@ __device__ __forceinline__ void add_weighted8(float (&acc)[8], float w, const fl
     acc[0] += w * a.x; acc[1] += w * a.y; acc[2] += w * a.z; acc[3] += w * a.w;
     acc[4] += w * b.x; acc[5] += w * b.y; acc[6] += w * b.z; acc[7] += w * b.w;
   }
-}
-
-template <int kDtype>
-__device__ __forceinline__ void store8(u16* dst, const float (&acc)[8]) {
-  uint4 packed;
-  packed.x = pack2<kDtype>(acc[0], acc[1]);
-  packed.y = pack2<kDtype>(acc[2], acc[3]);
-  packed.z = pack2<kDtype>(acc[4], acc[5]);
-  packed.w = pack2<kDtype>(acc[6], acc[7]);
-  *reinterpret_cast<uint4*>(dst) = packed;
 }
 
 // A row (b, t, h) of o_partial's order, and what each of its threads reads before anything
