@@ -40,7 +40,7 @@ ANCHORS = {
         ("  if (!s_last) return;\n", 5, "after"),
         ("  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,\n", 8, "before"),
         ("  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;\n  const int h_k = blockIdx.y;\n  const int b = p.decode_order", 0, "before"),
-        ("  cp_async_wait<kStages - kStep>();  // Q (the oldest group) has landed\n  __syncthreads();\n", 1, "after"),
+        ("  cp_async_wait<Shape::kTilesBeforeQ>();  // Q (the oldest group) has landed\n  __syncthreads();\n", 1, "after"),
         ("  cp_async_wait<0>();  // (the outputs are staged over the cache stages)\n", 2, "after"),
         ("  if (p.num_splits > 1 && p.split_counters)\n    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);\n", 3, "before"),
         ("  if (p.num_splits > 1 && p.split_counters)\n    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);\n", 4, "after"),
@@ -103,8 +103,15 @@ def main():
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--kernel", help="wWsS: the decode kernel of W warps of S stages, the planner's splits")
     p.add_argument("--tma", action="store_true", help="the TMA decode kernel (forced), d = 64")
+    p.add_argument("--before-q", type=int,
+                   help="ring tiles a warp issues before Q lands (DecodeShape::kTilesBeforeQ's cap)")
     args = p.parse_args()
     modules = instrument("decode_sm90.cu" if args.tma else "decode.cu")
+    if args.before_q is not None:
+        cap = "kStages - kStepTiles < 2 ? kStages - kStepTiles : 2;"
+        src = _compile._source_cache["decode.cu"]
+        assert src.count(cap) == 1, cap
+        _compile._source_cache["decode.cu"] = src.replace(cap, cap.replace("2", str(args.before_q)))
     if args.kernel:
         from cufa import kvcache
         warps, stages = (int(x) for x in args.kernel[1:].split("s"))
