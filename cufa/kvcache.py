@@ -416,17 +416,37 @@ def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=Fals
     kernel = _compile.decode_kernel(dtype, d)
     splits = _split_count(num_splits, units, capacity, kernel, device, paged)
     wider = _compile.decode_kernel_with_more_ctas(dtype, d) if num_splits == 0 else None
+    if splits > 1:
+        if wider is not None and _split_count(0, units, capacity, wider, device, paged) == 1:
+            return wider, 1
+        return _split_kernel(kernel, dtype, d, units * splits, device, paged), splits
     if wider is None:
         return kernel, splits
-    if splits > 1:
-        one_wave = _split_count(0, units, capacity, wider, device, paged) == 1
-        return (wider, 1) if one_wave else (kernel, splits)
     two_waves = 2 * api._sm_count(device)  # (times the CTAs an SM holds)
     smem = _smem_per_sm(device)
     if (not paged and two_waves * kernel.ctas_per_sm_on(smem) < units
             <= two_waves * wider.ctas_per_sm_on(smem)):
         return wider, 1
     return kernel, splits
+
+
+def _split_kernel(kernel, dtype, d, ctas, device, paged):
+    """The kernel of a split decode: the deeper ring (_compile.DECODE_DEEP_RING) where its
+    CTAs run one an SM on a device where that keeps up with the memory (contiguous caches
+    and pages of 256 read whole; Hopper, the only one measured), else `kernel`. With the
+    key loop split over every SM, more tiles in flight a warp shorten it: 1 x 32k, 8 KV
+    heads, d = 64 on an H100, one token fp16 31.7 -> 31.4 us, bf16 32.8 -> 31.9, four
+    tokens 34.7 -> 34.2 and 35.9 -> 35.0 (queued; NOTES)."""
+    deep = _compile.decode_kernel_deep_ring(dtype, d)
+    if deep is None or paged or ctas > api._sm_count(device) or not _deep_ring_device(device):
+        return kernel
+    return deep
+
+
+def _deep_ring_device(device):
+    """Hopper's kernel family where one decode CTA an SM keeps up with the memory."""
+    return (_compile.family_for(api._compute_capability(device)) == "sm90"
+            and _one_cta_keeps_up(device))
 
 
 def _split_count(num_splits, units, capacity, kernel, device, paged):
