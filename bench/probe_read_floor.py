@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """How close can a decode call over a small cache come to the copy bandwidth, timed as
-bench_decode.py times it? Against cufa and SDPA cuDNN on the same caches, a read-only
-kernel that streams the cache's K and V and does nothing else (the bulk-copy engine over
-whole rows, probe_kv_rows.py's best form; one CTA an SM), and an empty kernel: the launch
-and the event pair alone. Every column is a call between its own CUDA event pair, queued
+bench_decode.py times it? Against cufa and SDPA cuDNN on the same caches, read-only
+kernels that stream the cache's K and V and do nothing else (probe_kv_rows.py's: the
+bulk-copy engine over whole rows, tensor-map boxes of one KV head's stripe as the TMA
+decode kernel reads, per-thread loads of a stripe and of whole rows; 128 CTAs, one an SM),
+and an empty kernel: the launch and the event pair alone. Every column is a call between its own CUDA event pair, queued
 behind a spinning kernel (bench_fwd.time_events), rounds interleaved in random order, two
 cache sets rotated as bench_decode.py rotates caches under 100 MB.
 
@@ -50,15 +51,18 @@ def main():
     copy_tbps = bench_decode.measure_copy(torch)
     print(f"{torch.cuda.get_device_name()}: copy {copy_tbps:.2f} TB/s, {sms} SMs")
     read_name = f"stream_bulk<{STAGES},{CHUNK}>"
+    loads = {"stripe": (1, 256, 16), "rows": (8, 512, 16)}  # (heads a CTA, threads, loads)
+    load_names = {k: f"stream<{h},{t},{u}>" for k, (h, t, u) in loads.items()}
+    tma_names = {d: f"stream_tma<8,64,{d // 64}>" for d in (64, 128)}
     mod = cupy.RawModule(code=probe_kv_rows.SOURCE, options=("-std=c++17",),
-                         name_expressions=[read_name])
+                         name_expressions=[read_name, *load_names.values(), *tma_names.values()])
     read = mod.get_function(read_name)
     read.max_dynamic_shared_size_bytes = STAGES * CHUNK
     empty = cupy.RawKernel(EMPTY, "empty_kernel")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print("| cache | MB | empty launch | read only, 128 CTAs | read only, all SMs | cufa | "
-          "cufa graph | SDPA cuDNN |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| cache | MB | empty launch | whole rows, bulk copies | one head's stripe, tensor-map "
+          "boxes | one head's stripe, loads | whole rows, loads | cufa | cufa graph | SDPA cuDNN |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for b, n, hk, d in args.caches:
         h = 32
         sets = []
@@ -70,12 +74,31 @@ def main():
             sets.append((q, k, v, lens))
         nbytes = 2 * sets[0][1].numel() * 2
         views = [(cupy.asarray(k), cupy.asarray(v)) for _, k, v, _ in sets]
+        scratch = cupy.zeros(1, dtype=cupy.uint32)
 
         def read_call(ctas):
             per_cta = -(-nbytes // 2 // ctas // 16) * 16
             return lambda i: read((ctas,), (32,), (views[i][0], views[i][1],
                                                    cupy.int64(nbytes // 2), cupy.int64(per_cta)),
                                   shared_mem=STAGES * CHUNK)
+
+        def load_call(kind):
+            heads, threads, _ = loads[kind]
+            fn = mod.get_function(load_names[kind])
+            splits = 128 // (hk // heads)
+            return lambda i: fn((128,), (threads,), (
+                views[i][0], views[i][1], cupy.int32(b * n), cupy.int32(-(-b * n // splits)),
+                cupy.int32(hk), cupy.int32(d // 8), scratch))
+
+        def tma_call():
+            fn = mod.get_function(tma_names[d])
+            smem = 8 * (d // 64) * 64 * 128 + 1024
+            fn.max_dynamic_shared_size_bytes = smem
+            maps = [tuple(probe_kv_rows._tensor_map(x, b * n, hk, d, 64) for x in pair)
+                    for pair in views]
+            return lambda i: fn((128,), (32,), (maps[i][0], maps[i][1], cupy.int32(b * n),
+                                                cupy.int32(-(-b * n // (128 // hk))),
+                                                cupy.int32(hk)), shared_mem=smem)
 
         def cufa_call(q, k, v, lens):
             return cufa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
@@ -93,8 +116,10 @@ def main():
         index = [(0,), (1,)]
         timers = {
             "empty": lambda c: bench_fwd.time_events(torch, lambda i: empty((1,), (32,), ()), index, c),
-            "read128": lambda c: bench_fwd.time_events(torch, read_call(128), index, c),
-            "read_all": lambda c: bench_fwd.time_events(torch, read_call(sms), index, c),
+            "bulk_rows": lambda c: bench_fwd.time_events(torch, read_call(128), index, c),
+            "tma_stripe": lambda c: bench_fwd.time_events(torch, tma_call(), index, c),
+            "loads_stripe": lambda c: bench_fwd.time_events(torch, load_call("stripe"), index, c),
+            "loads_rows": lambda c: bench_fwd.time_events(torch, load_call("rows"), index, c),
             "cufa": lambda c: bench_fwd.time_events(torch, cufa_call, sets, c),
             "cufa_graph": lambda c: bench_fwd.time_events(torch, lambda g: g.replay(),
                                                           [(g,) for g in graphs], c),
