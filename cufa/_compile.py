@@ -337,24 +337,25 @@ def decode_kernel(dtype, head_dim):
     return DecodeKernel("decode", dtype, padded_head_dim(head_dim))
 
 
+def _decode_shape_of(shapes, dtype, head_dim):
+    """The decode kernel of shapes[padded head dim] ((warps, stages)), or None."""
+    d = padded_head_dim(head_dim)
+    if d not in shapes:
+        return None
+    warps, stages = shapes[d]
+    return DecodeKernel("decode", dtype, d, stages=stages, warps=warps)
+
+
 @functools.lru_cache(maxsize=None)
 def decode_kernel_with_more_ctas(dtype, head_dim):
     """The DECODE_MORE_CTAS shape for head_dim, or None."""
-    d = padded_head_dim(head_dim)
-    if d not in DECODE_MORE_CTAS:
-        return None
-    warps, stages = DECODE_MORE_CTAS[d]
-    return DecodeKernel("decode", dtype, d, stages=stages, warps=warps)
+    return _decode_shape_of(DECODE_MORE_CTAS, dtype, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
 def decode_kernel_deep_ring(dtype, head_dim):
     """The DECODE_DEEP_RING shape for head_dim, or None."""
-    d = padded_head_dim(head_dim)
-    if d not in DECODE_DEEP_RING:
-        return None
-    warps, stages = DECODE_DEEP_RING[d]
-    return DecodeKernel("decode", dtype, d, stages=stages, warps=warps)
+    return _decode_shape_of(DECODE_DEEP_RING, dtype, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
