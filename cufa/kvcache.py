@@ -393,11 +393,18 @@ _TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, 
 
 
 def _tma_device(device, forced=None):
-    """Whether `device` runs the TMA decode kernel: Hopper's kernel family (not forced
-    to the portable one) where one decode CTA an SM keeps up with the memory, or where
-    CUFA_DECODE_TMA asks for it."""
+    """Whether `device` runs the TMA decode kernel: where one CTA an SM keeps up on Hopper
+    (_hopper_one_cta), or on any Hopper where CUFA_DECODE_TMA asks for it."""
+    if forced:
+        return _compile.family_for(api._compute_capability(device)) == "sm90"
+    return _hopper_one_cta(device)
+
+
+def _hopper_one_cta(device):
+    """Hopper's kernel family (not forced to the portable one) where one decode CTA an SM
+    keeps up with the memory: where the TMA decode kernel and the deep ring run."""
     return (_compile.family_for(api._compute_capability(device)) == "sm90"
-            and (bool(forced) or _one_cta_keeps_up(device)))
+            and _one_cta_keeps_up(device))
 
 
 def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
@@ -438,15 +445,9 @@ def _split_kernel(kernel, dtype, d, ctas, device, paged):
     heads, d = 64 on an H100, one token fp16 31.7 -> 31.4 us, bf16 32.8 -> 31.9, four
     tokens 34.7 -> 34.2 and 35.9 -> 35.0 (queued; NOTES)."""
     deep = _compile.decode_kernel_deep_ring(dtype, d)
-    if deep is None or paged or ctas > api._sm_count(device) or not _deep_ring_device(device):
+    if deep is None or paged or ctas > api._sm_count(device) or not _hopper_one_cta(device):
         return kernel
     return deep
-
-
-def _deep_ring_device(device):
-    """Hopper's kernel family where one decode CTA an SM keeps up with the memory."""
-    return (_compile.family_for(api._compute_capability(device)) == "sm90"
-            and _one_cta_keeps_up(device))
 
 
 def _split_count(num_splits, units, capacity, kernel, device, paged):

@@ -27,7 +27,7 @@ def planner(monkeypatch):
     monkeypatch.setattr(api, "_sm_count", lambda device: H100_SMS)
     monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
     monkeypatch.setattr(kvcache, "_tma_device", lambda device, forced=None: False)
-    monkeypatch.setattr(kvcache, "_deep_ring_device", kvcache._one_cta_keeps_up)  # (Hopper)
+    monkeypatch.setattr(kvcache, "_hopper_one_cta", kvcache._one_cta_keeps_up)  # (Hopper)
     monkeypatch.setattr(kvcache, "_keeps_up", {})
     monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
     monkeypatch.setattr(api, "_plans", {})
