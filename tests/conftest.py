@@ -15,6 +15,15 @@ def _cuda_device_reason():
     return "" if n else "no CUDA device (0 devices)"
 
 
+def _torch_import_error():
+    """'' when torch imports, else why not."""
+    try:
+        import torch  # noqa: F401
+    except Exception as e:  # not installed, or a broken install
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
 NO_GPU = _cuda_device_reason()
 # JAX would otherwise reserve 75% of the GPU at import, starving PyTorch in the same process.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -23,6 +32,23 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 def pytest_report_header(config):
     import cufa
     return f"cufa {cufa.__version__} under test: {os.path.dirname(cufa.__file__)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A GPU test module skipped at import because torch does not import is an error where
+    there is a GPU: the GPU tests need torch, and a suite of skips would read as a pass."""
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and not NO_GPU and isinstance(collector, pytest.Module)
+            and collector.path.name.startswith("test_gpu_")):
+        # (asked only here, after the module's own import of torch: importing torch
+        # earlier would change when cufa registers its torch ops)
+        reason = _torch_import_error()
+        if reason:
+            report.outcome = "failed"
+            report.longrepr = (f"{collector.path.name}: a CUDA device is present but PyTorch "
+                               f"does not import ({reason}); the GPU tests need it")
 
 
 def pytest_collection_modifyitems(config, items):
