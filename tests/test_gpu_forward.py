@@ -161,19 +161,36 @@ def _check_sdpa(out, q, k, v, attn_mask=None, is_causal=False, scale=None):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("mask_shape", [None, (33, 47), (2, 1, 33, 47), (1, 4, 1, 47), (47,),
                                         (2, 4, 33, 47)])
-@pytest.mark.parametrize("mask_dtype", ["bool", "float"])
+@pytest.mark.parametrize("mask_dtype", ["bool", "float32", "float16", "bfloat16"])
 def test_sdpa_masks(rng, dtype, mask_shape, mask_dtype):
+    """Boolean and additive masks of every float dtype (the inputs' own, the other 16-bit
+    one, float32), with -inf entries, broadcast from every rank."""
     q, k, v = _sdpa_inputs(rng, dtype, 2, 4, 4, 33, 47, 64)
     mask = None
     if mask_shape is not None:
         if mask_dtype == "bool":
             mask = torch.from_numpy(rng.random(mask_shape) > 0.25).cuda()
         else:
-            mask = torch.from_numpy(rng.standard_normal(mask_shape).astype(np.float32) * 3)
-            mask = mask.to("cuda", torch.float32 if dtype == "bfloat16" else q.dtype)
+            values = rng.standard_normal(mask_shape) * 3
+            values[rng.random(mask_shape) < 0.1] = -np.inf
+            mask = torch.from_numpy(values).to("cuda", getattr(torch, mask_dtype))
     out = cufa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert out.shape == q.shape and out.is_contiguous()
     _check_sdpa(out, q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sdpa_additive_mask_views(rng, dtype):
+    """Additive masks of the inputs' dtype read through their strides: expanded (zero
+    strides on batch and heads) and a transposed (S, L) buffer (column stride L)."""
+    q, k, v = _sdpa_inputs(rng, dtype, 2, 4, 4, 33, 47, 64)
+    tdt = getattr(torch, dtype)
+    expanded = torch.from_numpy(rng.standard_normal((33, 47)) * 3).to("cuda", tdt).expand(
+        2, 4, 33, 47)
+    transposed = torch.from_numpy(rng.standard_normal((47, 33)) * 3).to("cuda", tdt).T
+    for mask in (expanded, transposed):
+        out = cufa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+        _check_sdpa(out, q, k, v, attn_mask=mask, is_causal=True)
 
 
 @pytest.mark.parametrize("L,S", [(33, 47), (47, 33), (1, 64), (128, 128)])
