@@ -749,3 +749,179 @@ def test_bad_values_without_the_check_stay_inside_the_arrays(rng):
             assert (buf[0] == 7).all() and (buf[-1] == 7).all(), f"{n}: guard region written"
         assert (out_buf[0] == 7).all() and (out_buf[-1] == 7).all(), "out: guard region written"
     run_case(rng, "a good call after the bad ones", page_size=16, new=1)
+
+
+# -- cache_leftpad on a paged cache ---------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("new, rotary", [(0, None), (3, None), (2, "interleaved"), (0, "half")],
+                         ids=["no append", "append 3", "append 2 rotary", "rotary q only"])
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["unsplit", "3 splits"])
+def test_cache_leftpad_on_a_paged_cache(rng, page_size, new, rotary, num_splits):
+    """Sequence b's keys start at cache position leftpad[b] of its pages: 0, inside the
+    first page, on a page's first row, and at the old keys' end (only new keys, or none:
+    0 and lse -inf). Pages of 256 read whole pages only without a leftpad, so with one
+    they take the per-key page lookup. NaN before each leftpad and past each sequence's
+    keys must not reach the output."""
+    capacity = max(2 * page_size, 128)
+    lens = [70, 100, capacity - 8, 40]
+    leftpad = [0, 17, page_size, 40]
+    run_case(rng, f"pages of {page_size} leftpad {leftpad}", page_size=page_size,
+             capacity=capacity, batch=4, lens=lens, leftpad=leftpad, new=new, seqlen_q=4,
+             causal=True, rotary=rotary, poison=True, num_splits=num_splits,
+             d=128 if page_size == 256 else 64)
+
+
+# -- appends without queries, calls without new keys ------------------------------------------
+
+@pytest.mark.parametrize("seqlen_q, new", [(0, 3), (2, 0), (0, 0)],
+                         ids=["0 query rows, 3 new keys", "k and v of 0 tokens",
+                              "0 query rows, 0 new keys"])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged 16"])
+def test_append_with_zero_query_rows_or_zero_new_keys(rng, seqlen_q, new, page_size):
+    """q of 0 rows (an append alone, as a chunked prefill writes its keys before
+    attending) and k, v of 0 tokens (an append of nothing): out and lse of q's 0 or 2
+    rows, the new keys (rotated) in their slots and every other cache byte unchanged."""
+    kw, slots = build(rng, seqlen_q=seqlen_q, new=new, page_size=page_size,
+                      rotary="interleaved", causal=True, lens=[0, 37, 100])
+    if not new:
+        kw["k"], kw["v"] = (randn(rng, (3, 0, 2, 64), "float16") for _ in range(2))
+    out, lse = call_and_check(kw, snapshot(kw), slots, f"q {seqlen_q} rows, {new} new keys")
+    assert out.shape == (3, seqlen_q, 8, 64) and lse.shape == (3, 8, seqlen_q)
+
+
+# -- bfloat16 CuPy arrays ------------------------------------------------------------------
+
+def cupy_bf16(t):
+    """A bfloat16 CuPy array on t's memory (CuPy takes bfloat16 through ml_dtypes; DLPack
+    hands it over as int16)."""
+    import cupy
+    import ml_dtypes
+    return cupy.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+
+
+def test_bfloat16_cupy_arrays_decode_and_append(rng):
+    """Every array of a paged append with rotary (tables in bfloat16), ALiBi and 3 splits
+    as CuPy arrays, the bfloat16 ones on the memory of torch tensors: the cache written
+    in place, out and lse against the reference."""
+    cupy = pytest.importorskip("cupy")
+    pytest.importorskip("ml_dtypes")
+    kw, slots = build(rng, dtype="bfloat16", page_size=16, new=2, seqlen_q=3, causal=True,
+                      rotary="half", alibi="heads", lens=[5, 0, 90])
+    before = snapshot(kw)
+    out = torch.full_like(kw["q"], NAN)
+    as_cupy = {n: cupy_bf16(x) if x.dtype == torch.bfloat16 else cupy.from_dlpack(x)
+               for n, x in kw.items() if isinstance(x, torch.Tensor)}
+    torch.cuda.synchronize()
+    res, lse = cufa.flash_attn_with_kvcache(**{**kw, **as_cupy}, out=cupy_bf16(out),
+                                            num_splits=3, return_softmax_lse=True)
+    cupy.cuda.get_current_stream().synchronize()
+    assert isinstance(res, cupy.ndarray) and res.dtype.name == "bfloat16"
+    assert res.data.ptr == out.data_ptr() and isinstance(lse, cupy.ndarray)
+    ref, lowp, k_after, v_after = kvcache_references(**{**kw, **before})
+    assert_pass_rule(out, torch.from_dlpack(lse), ref, lowp, torch.bfloat16, "cupy bf16")
+    for n, after in (("k_cache", k_after), ("v_cache", v_after)):
+        check_cache(kw[n], before[n], after, slots, f"cupy bf16: {n}")
+
+
+# -- merge_attention_states: in place, strided, NaN ------------------------------------------
+
+def merge_from_formula(o_a, lse_a, o_b, lse_b):
+    """docs/api.md's merge in float64 (NumPy; dense or packed layout): lse =
+    logaddexp(lse_a, lse_b), out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b, a part
+    with lse -inf weighing 0 unread (both: 0 and -inf), a NaN lse giving a NaN row."""
+    as_out = ((lambda x: x.T[..., None]) if o_a.ndim == 3
+              else (lambda x: x.transpose(0, 2, 1)[..., None]))
+    with np.errstate(invalid="ignore"):  # (NaN lse; -inf - -inf where both parts are empty)
+        lse = np.logaddexp(lse_a, lse_b)
+        out = np.zeros(o_a.shape)
+        for o, part in ((o_a, lse_a), (o_b, lse_b)):
+            unread = np.isneginf(part)
+            w = np.where(unread, 0.0, np.exp(part - lse))
+            out += as_out(w) * np.where(as_out(unread), 0.0, o)
+    return out, lse
+
+
+def merge_parts(rng, dtype, packed, special_rows=True):
+    """Random (out_a, lse_a, out_b, lse_b), dense (2, 29, 3, 72) or packed (29, 3, 72); with
+    special_rows, row 0 of part a has lse NaN, row 1 of part b NaN with part a -inf, row
+    2 both -inf and row 3 part a -inf; outputs no one reads are NaN."""
+    shape, lse_shape = ((29, 3, 72), (3, 29)) if packed else ((2, 29, 3, 72), (2, 3, 29))
+    o_a, o_b = (torch.from_numpy(rng.standard_normal(shape)).to("cuda", getattr(torch, dtype))
+                for _ in range(2))
+    lse_a, lse_b = (torch.from_numpy(rng.standard_normal(lse_shape) * 3).float().cuda()
+                    for _ in range(2))
+    if special_rows:
+        row = (lambda r: (slice(None), r) if packed else (slice(None), slice(None), r))
+        out_row = (lambda r: (r,) if packed else (slice(None), r))
+        lse_a[row(0)] = NAN
+        lse_b[row(1)], lse_a[row(1)], o_a[out_row(1)] = NAN, -math.inf, NAN
+        lse_a[row(2)] = lse_b[row(2)] = -math.inf
+        o_a[out_row(2)] = o_b[out_row(2)] = NAN
+        lse_a[row(3)], o_a[out_row(3)] = -math.inf, NAN
+    return o_a, lse_a, o_b, lse_b
+
+
+def check_merge(out, lse, expected, expected_lse, label):
+    """cufa's merged out and lse against the float64 merge: NaN rows NaN in both, -inf
+    rows 0 and -inf, the rest within 1 ulp of out's dtype (the merge rounds once) plus
+    float32 noise."""
+    got, got_lse, dtype = f64(out), f64(lse), out.dtype
+    nan_rows = np.isnan(expected_lse)
+    assert np.array_equal(np.isnan(got_lse), nan_rows), f"{label}: NaN lse rows differ"
+    assert np.array_equal(np.isnan(got), np.isnan(expected)), f"{label}: NaN out rows differ"
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(expected_lse)), (
+        f"{label}: -inf lse rows differ")
+    fin = ~np.isnan(expected)
+    err = np.abs(got[fin] - expected[fin])
+    bound = ulp(expected[fin], dtype) + 4e-6 * np.abs(expected[fin]).max()
+    assert (err <= bound).all(), (f"{label}: out max err {err.max():.3e} "
+                                  f"({(err / bound).max():.2f} x bound), mean {err.mean():.3e}")
+    fin = np.isfinite(expected_lse)
+    lerr = np.abs(got_lse[fin] - expected_lse[fin])
+    assert (lerr <= 1e-5 * (1 + np.abs(expected_lse[fin]))).all(), (
+        f"{label}: lse max err {lerr.max():.3e}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("into", ["out_a", "out_b"])
+def test_merge_into_one_of_its_inputs(rng, dtype, packed, into):
+    """out= is out_a or out_b (a merge in place), with NaN and -inf lse rows: each
+    element is read before it is written, and an unread part's NaN never gets in. NaN
+    lse gives a NaN row (docs/api.md)."""
+    parts = merge_parts(rng, dtype, packed)
+    expected, expected_lse = merge_from_formula(*(f64(x) for x in parts))
+    target = parts[0] if into == "out_a" else parts[2]
+    res, lse = cufa.merge_attention_states(*parts, out=target)
+    assert res is target
+    check_merge(res, lse, expected, expected_lse, f"{dtype} into {into}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_merge_strided_inputs_and_out(rng, dtype, packed):
+    """Every input a strided view: out_a transposed from a (heads, rows) buffer, out_b every
+    other column of a buffer twice as wide, lse_a transposed, lse_b every other row; out
+    with a row stride of d + 8 (its padding untouched), and out left to cufa."""
+    contiguous = merge_parts(rng, dtype, packed)
+    o_a, lse_a, o_b, lse_b = (x.clone() for x in contiguous)
+    rows_first = (lambda x: x.transpose(0, 1)) if packed else (lambda x: x.transpose(1, 2))
+    o_a = rows_first(rows_first(o_a).contiguous())
+    wide = torch.from_numpy(rng.standard_normal(o_b.shape[:-1] + (2 * o_b.shape[-1],))).to(o_b)
+    wide[..., ::2] = o_b
+    o_b = wide[..., ::2]
+    lse_a = lse_a.transpose(-1, -2).contiguous().transpose(-1, -2)
+    spread = torch.full(lse_b.shape[:-1] + (2 * lse_b.shape[-1],), 5.0, device="cuda")
+    spread[..., ::2] = lse_b
+    lse_b = spread[..., ::2]
+    assert not any(x.is_contiguous() for x in (o_a, o_b, lse_a, lse_b))
+    expected, expected_lse = merge_from_formula(*(f64(x) for x in contiguous))
+    d = o_a.shape[-1]
+    padded = torch.full(o_a.shape[:-1] + (d + 8,), 7.0, device="cuda", dtype=o_a.dtype)
+    res, lse = cufa.merge_attention_states(o_a, lse_a, o_b, lse_b, out=padded[..., :d])
+    check_merge(res, lse, expected, expected_lse, f"{dtype} strided, out= strided")
+    assert (padded[..., d:] == 7).all(), "out's padding columns written"
+    res, lse = cufa.merge_attention_states(o_a, lse_a, o_b, lse_b)
+    assert res.is_contiguous() and lse.is_contiguous()
+    check_merge(res, lse, expected, expected_lse, f"{dtype} strided, out allocated")
