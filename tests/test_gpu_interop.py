@@ -104,6 +104,76 @@ def test_out_of_another_framework_is_refused():
         cufa.flash_attn_func(q, q, q, out=cupy.empty((1, 16, 2, 64), cupy.float16))
 
 
+class _DLPackOnly:
+    """An array type of no framework cufa knows: the DLPack protocol alone, around a CuPy
+    array."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kw):
+        return self.array.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_any_dlpack_object_is_read_in_place(rng):
+    """Objects with only __dlpack__ / __dlpack_device__ are read through CuPy without a
+    copy and get CuPy arrays back: the dense call, and a merge of two halves of the keys."""
+    cupy = pytest.importorskip("cupy")
+    from cufa import _interop
+    q = randn(rng, (2, 77, 4, 64), "float16")
+    k, v = (randn(rng, (2, 90, 2, 64), "float16") for _ in range(2))
+    wrap = (lambda t: _DLPackOnly(cupy.from_dlpack(t)))
+    assert _interop.as_device_array(wrap(q), "q").ptr == q.data_ptr()
+    out, lse = cufa.flash_attn_func(wrap(q), wrap(k), wrap(v), causal=True, return_lse=True)
+    assert isinstance(out, cupy.ndarray) and isinstance(lse, cupy.ndarray)
+    check_attention(torch.from_dlpack(out), torch.from_dlpack(lse), q, k, v, causal=True)
+    halves = [cufa.flash_attn_func(wrap(q), wrap(k[:, keys]), wrap(v[:, keys]), return_lse=True)
+              for keys in (slice(0, 40), slice(40, 90))]
+    merged, merged_lse = cufa.merge_attention_states(
+        *(_DLPackOnly(x) for half in halves for x in half))
+    assert isinstance(merged, cupy.ndarray) and isinstance(merged_lse, cupy.ndarray)
+    check_attention(torch.from_dlpack(merged), torch.from_dlpack(merged_lse), q, k, v,
+                    label="merged halves")
+
+
+def test_bfloat16_cupy_arrays(rng):
+    """bfloat16 CuPy arrays (ml_dtypes' dtype; here on torch tensors' memory, handed over
+    as int16): the dense call with out= and lse, one with cufa allocating the output, and
+    SDPA with a bfloat16 additive mask; the output is a bfloat16 CuPy array."""
+    cupy = pytest.importorskip("cupy")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    def as_cupy(t):
+        return cupy.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+
+    def as_torch(a):
+        return torch.from_dlpack(a.view(cupy.int16)).view(torch.bfloat16)
+
+    q = randn(rng, (2, 77, 4, 64), "bfloat16")
+    k, v = (randn(rng, (2, 90, 2, 64), "bfloat16") for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    torch.cuda.synchronize()
+    res, lse = cufa.flash_attn_func(as_cupy(q), as_cupy(k), as_cupy(v), causal=True,
+                                    return_lse=True, out=as_cupy(out))
+    allocated = cufa.flash_attn_func(as_cupy(q), as_cupy(k), as_cupy(v), window_size=(20, 3))
+    qh, kh = q.transpose(1, 2), k.repeat_interleave(2, dim=2).transpose(1, 2)
+    vh = v.repeat_interleave(2, dim=2).transpose(1, 2)
+    mask = torch.from_numpy(rng.standard_normal((77, 90)) * 3).to("cuda", torch.bfloat16)
+    sdpa = cufa.scaled_dot_product_attention(as_cupy(qh), as_cupy(kh), as_cupy(vh),
+                                             attn_mask=as_cupy(mask))
+    cupy.cuda.get_current_stream().synchronize()
+    assert res.data.ptr == out.data_ptr()
+    for a in (res, allocated, sdpa):
+        assert isinstance(a, cupy.ndarray) and a.dtype.name == "bfloat16"
+    check_attention(out, torch.from_dlpack(lse), q, k, v, label="out=", causal=True)
+    check_attention(as_torch(allocated), None, q, k, v, label="window", window_size=(20, 3))
+    check_attention(as_torch(sdpa).transpose(1, 2), None, q, kh.transpose(1, 2),
+                    vh.transpose(1, 2), label="sdpa", attn_mask=mask, diag_offset=0)
+
+
 @pytest.fixture(scope="module")
 def jax():
     jax = pytest.importorskip("jax")

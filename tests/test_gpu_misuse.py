@@ -31,6 +31,7 @@ def _misuse_cases():
     vq, vk, vv = _randn(10, 4, 64), _randn(12, 2, 64), _randn(12, 2, 64)
     cu_q, cu_k = _ints([0, 4, 10]), _ints([0, 5, 12])
     hidden, packed = _randn(2, 33, 8), _randn(4, 8)
+    pages = _randn(6, 16, 2, 64)  # a paged cache: 6 pages of 16 rows, vk's heads and head dim
 
     def vl(**kw):
         args = dict(q=vq, k=vk, v=vv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6,
@@ -95,6 +96,14 @@ def _misuse_cases():
          "seqused_k must be (2,) int32"),
         ("max_seqlen_q negative", vl(max_seqlen_q=-1), ValueError,
          "max_seqlen_q must be an int >= 0"),
+        ("page id past the cache, checked",
+         vl(k=pages, v=pages, block_table=_ints([[0, 1, 2, 3], [4, 5, 6, 0]]),
+            check_cu_seqlens=True),
+         ValueError, "block_table[1, 2] = 6 is not a page of the cache (0 to 5)"),
+        ("page id negative, checked",
+         vl(k=pages, v=pages, block_table=_ints([[0, -1, 2, 3], [4, 5, 1, 0]]),
+            check_cu_seqlens=True),
+         ValueError, "block_table[0, 1] = -1 is not a page of the cache"),
         # unpad_input / pad_input
         ("unpad mask float", lambda: cufa.unpad_input(hidden, torch.ones(2, 33, device="cuda")),
          TypeError, "attention_mask must be bool or integer, got float32"),

@@ -1,0 +1,78 @@
+"""CPU: page ids are read where the caller asks for device values to be checked
+(flash_attn_varlen_func's check_cu_seqlens=True, flash_attn_with_kvcache's
+check_inputs=True), and an id outside the cache raises an error naming block_table
+before anything is launched; without the check the call goes ahead (the kernels clamp
+ids). The device is stubbed out: arrays are cufa's view type over host arrays."""
+import numpy as np
+import pytest
+
+import cufa
+from cufa import _compile, _interop, api, kvcache
+from cufa._interop import DeviceArray
+
+PAGES, PAGE, HK, D = 6, 16, 2, 64
+_addresses = iter(range(1 << 32, 1 << 40, 1 << 24))
+
+
+def view(values=None, shape=None, dtype="float16"):
+    """A view of a device array: of `values` (its host copy) or, for arrays whose values no
+    check reads, of `shape` alone."""
+    if values is not None:
+        values = np.asarray(values, dtype=np.int32)
+        shape, dtype = values.shape, "int32"
+    itemsize = 4 if dtype == "int32" else 2
+    return DeviceArray(values, "cupy", next(_addresses), tuple(shape),
+                       _interop.contiguous_strides(shape), dtype, 0, itemsize)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Plans without a GPU (an sm_80 device, kernels as fake handles); device values read
+    from the views' host arrays; launches recorded, not made."""
+    monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: 0xF00)
+    monkeypatch.setattr(api, "_compute_capability", lambda device: "80")
+    monkeypatch.setattr(api, "_sm_count", lambda device: 108)
+    monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: 164 * 1024)
+    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: None)
+    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_interop, "to_numpy", lambda x: x.obj)
+    calls = []
+    monkeypatch.setattr(api, "_execute", lambda *a, **kw: calls.append("varlen"))
+    monkeypatch.setattr(kvcache, "_run", lambda *a: calls.append("kvcache"))
+    api.clear_plans()
+    yield calls
+    api.clear_plans()
+
+
+def varlen(table, **kw):
+    q, pages = view(shape=(10, 4, D)), view(shape=(PAGES, PAGE, HK, D))
+    return cufa.flash_attn_varlen_func(q, pages, pages, view([0, 4, 10]), view([0, 20, 50]),
+                                       6, 30, block_table=view(table), **kw)
+
+
+def kvcache_call(table, **kw):
+    q, pages = view(shape=(2, 1, 8, D)), view(shape=(PAGES, PAGE, HK, D))
+    return cufa.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=view([10, 20]),
+                                        block_table=view(table), **kw)
+
+
+GOOD = [[3, 0, 5], [1, 2, 4]]
+BAD = [  # (table, the entry the error names)
+    ([[3, 0, 5], [1, 2, PAGES]], r"block_table\[1, 2\] = 6\b"),    # one past the last page
+    ([[3, -1, 5], [1, 2, 4]], r"block_table\[0, 1\] = -1\b"),
+    ([[3, 0, 5], [2**30, 2, 4]], r"block_table\[1, 0\] = 1073741824\b"),
+]
+
+
+@pytest.mark.parametrize("call, check", [(varlen, "check_cu_seqlens"),
+                                         (kvcache_call, "check_inputs")],
+                         ids=["flash_attn_varlen_func", "flash_attn_with_kvcache"])
+def test_page_ids_outside_the_cache_are_refused_when_checked(launched, call, check):
+    for table, entry in BAD:
+        with pytest.raises(ValueError, match=entry):
+            call(table, **{check: True})
+    assert launched == []
+    call(GOOD, **{check: True})
+    for table, _ in BAD:  # unchecked: launched, the ids clamped on the device
+        call(table)
+    assert len(launched) == 1 + len(BAD)
