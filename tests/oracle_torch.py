@@ -191,11 +191,9 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             for i in range(seqlen_new):  # written in place at cache_seqlens + i
                 k_cache[slot(b, lens[b] + i)] = k_new[i]
                 v_cache[slot(b, lens[b] + i)] = v[b, i]
-        positions = cache_keys(pads[b], lens[b], seqlen_new)
-        keys = torch.stack([k_cache[slot(b, p)] for p in positions]) if positions else \
-            k_cache.new_zeros((0,) + k_cache.shape[2:])
-        vals = torch.stack([v_cache[slot(b, p)] for p in positions]) if positions else \
-            v_cache.new_zeros((0,) + v_cache.shape[2:])
+        slots = [slot(b, p) for p in cache_keys(pads[b], lens[b], seqlen_new)]
+        rows, cols = (torch.tensor([x[n] for x in slots], dtype=torch.long) for n in (0, 1))
+        keys, vals = k_cache[rows, cols], v_cache[rows, cols]
         q_b = q[b]
         if rotary:
             q_b = rotate(q_b, rotary_cos, rotary_sin,
