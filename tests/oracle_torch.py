@@ -135,11 +135,12 @@ def rotate(x, cos, sin, positions, interleaved):
     return x
 
 
-def query_positions(cache_seqlen, seqlen_q, *, causal, window_size):
+def query_positions(cache_seqlen, seqlen_q, *, causal, window_size, capacity):
     """Rotary positions of the new queries: cache_seqlens + t when causal or windowed, else
-    all at cache_seqlens (flash-attn's rule)."""
+    all at cache_seqlens (flash-attn's rule). A window side counts only below the cache's
+    capacity: a wider one hides no key."""
     t = torch.arange(seqlen_q)
-    local = causal or tuple(window_size) != (-1, -1)
+    local = causal or any(0 <= side < capacity for side in window_size)
     return cache_seqlen + t if local else torch.full_like(t, cache_seqlen)
 
 
@@ -198,7 +199,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
         if rotary:
             q_b = rotate(q_b, rotary_cos, rotary_sin,
                          query_positions(lens[b], seqlen_q, causal=causal,
-                                         window_size=window_size), rotary_interleaved)
+                                         window_size=window_size, capacity=capacity), rotary_interleaved)
         slopes = None
         if alibi_slopes is not None:
             slopes = _slopes(alibi_slopes, batch, nheads)[b : b + 1]

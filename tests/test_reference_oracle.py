@@ -246,11 +246,6 @@ def test_kvcache_lens_as_int_none_and_no_query_rows(rng, layout):
     check_kvcache(rng, layout, seqlen_q=0, append=5, rotary="interleaved", leftpad=True)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "docs/api.md (as flash-attn's docstring) rotates q at cache_seqlens + t when the call "
-    "is windowed; cufa.reference (as flash-attn's C++, which first turns a window side >= "
-    "the cache's capacity into -1) rotates it at cache_seqlens when no side is below the "
-    "capacity. The two readings differ for a window as wide as the cache."))
 @pytest.mark.parametrize("window", [(CAPACITY, -1), (-1, CAPACITY + 5)], ids=str)
 def test_kvcache_rotary_with_a_window_as_wide_as_the_cache(rng, window):
     check_kvcache(rng, "contiguous", seqlen_q=3, append=2, rotary="halves", window_size=window)
@@ -295,14 +290,15 @@ def _alibi_unaligned(slopes, seqlen_q, seqlen_k, diag, _orig=oracle.alibi_bias):
     return _orig(slopes, seqlen_q, seqlen_k, 0)
 
 
-def _query_positions_plus_one(cache_seqlen, seqlen_q, *, causal, window_size,
+def _query_positions_plus_one(cache_seqlen, seqlen_q, *, causal, window_size, capacity,
                               _orig=oracle.query_positions):
-    return _orig(cache_seqlen, seqlen_q, causal=causal, window_size=window_size) + 1
+    return _orig(cache_seqlen, seqlen_q, causal=causal, window_size=window_size,
+                 capacity=capacity) + 1
 
 
-def _query_positions_never_local(cache_seqlen, seqlen_q, *, causal, window_size,
+def _query_positions_never_local(cache_seqlen, seqlen_q, *, causal, window_size, capacity,
                                  _orig=oracle.query_positions):
-    return _orig(cache_seqlen, seqlen_q, causal=False, window_size=(-1, -1))
+    return _orig(cache_seqlen, seqlen_q, causal=False, window_size=(-1, -1), capacity=capacity)
 
 
 def _rotate_other_pairs(x, cos, sin, positions, interleaved, _orig=oracle.rotate):
