@@ -337,7 +337,7 @@ def test_torch_compile_kvcache_op(append):
     assert_pass_rule(out, lse, ref, lowp, q.dtype, label)
     slots = _append_slots(lens, new, table, page)
     check_appended_cache(k_pages, before["k_cache"], k_after, slots, f"{label}: k_cache",
-                         rotated=True)
+                         rotated=append)
     check_appended_cache(v_pages, before["v_cache"], v_after, slots, f"{label}: v_cache")
 
 
@@ -467,15 +467,13 @@ def test_jax_jit_sdpa(jax):
         q = _jnp(rng, (2, 4, 33, 64), dtype)
         k, v = (_jnp(rng, (2, 4, 47, 64), dtype) for _ in range(2))
         if is_causal:
-            mask = jnp.asarray(rng.random((33, 47)) > 0.25)
-            scale = None
+            mask, scale = rng.random((33, 47)) > 0.25, None
         else:
-            mask = _jnp(rng, (1, 4, 33, 47), dtype) * 3
-            scale = 0.2
+            mask, scale = (rng.standard_normal((1, 4, 33, 47)) * 3).astype(np.float16), 0.2
         step = jax.jit(lambda q, k, v, m: cufa.scaled_dot_product_attention(
             q, k, v, attn_mask=m, is_causal=is_causal, scale=scale))
-        out = step(q, k, v, mask)
-        mask_t = _t(mask) if is_causal else _t(mask).float()
+        out = step(q, k, v, jnp.asarray(mask))
+        mask_t = torch.from_numpy(mask if is_causal else mask.astype(np.float32))
         check_attention(tr(_t(out)), None, tr(_t(q)), tr(_t(k)), tr(_t(v)), attn_mask=mask_t,
                         causal=is_causal, softmax_scale=scale, diag_offset=0,
                         label=f"{dtype} causal={is_causal}")
