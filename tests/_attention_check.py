@@ -151,3 +151,43 @@ def check_kvcache(out, lse, q, k_cache, v_cache, k=None, v=None, label="", **kw)
     ref, lowp, k_after, v_after = kvcache_references(q, k_cache, v_cache, k, v, **kw)
     assert_pass_rule(out, lse, ref, lowp, q.dtype, label)
     return k_after, v_after
+
+
+def _bits_and_values(x):
+    """A 16-bit float array (torch, JAX or NumPy) on the host: (its bit patterns as int16,
+    its values in float64)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().view(torch.int16).cpu().numpy(), f64(x)
+    x = np.asarray(x)
+    return x.view(np.int16), x.astype(np.float64)
+
+
+def check_appended_cache(after, before, expected, slots, label, rotated=False):
+    """A KV cache after an append (torch, JAX or NumPy, float16 or bfloat16): outside
+    `slots` (an index of the cache's first two axes, as reference.kvcache_gather writes
+    them: (rows or pages, positions)) bit for bit `before`; in them `expected` (the
+    reference's float64 cache after the append). An append is a copy, so without rotary
+    the new slots must hold the new keys exactly; rotated keys are computed in float32
+    and rounded once, so within 1 ulp of the cache's dtype."""
+    got_bits, got = _bits_and_values(after)
+    before_bits, _ = _bits_and_values(before)
+    assert got.shape == expected.shape, (label, got.shape, expected.shape)
+    written = np.zeros(got.shape[:2], dtype=bool)
+    written[slots] = True
+    changed = (got_bits != before_bits) & ~written[..., None, None]
+    assert not changed.any(), (
+        f"{label}: {int(changed.sum())} values outside the new tokens changed, the first at "
+        f"{tuple(int(i) for i in np.argwhere(changed)[0])}")
+    got, exp = got[written], expected[written]
+    assert not np.isnan(got).any(), f"{label}: NaN in the new slots"
+    err = np.abs(got - exp)
+    if not rotated:
+        assert (err == 0).all(), (f"{label}: {int((err > 0).sum())} new-slot values differ "
+                                  f"from the new keys (max err {err.max(initial=0):.3e})")
+        return
+    fi = torch.finfo(DTYPES[str(after.dtype).replace("torch.", "")])
+    mag = np.maximum(np.maximum(np.abs(got), np.abs(exp)), fi.tiny)
+    bound = np.exp2(np.floor(np.log2(mag))) * fi.eps + 2**-22 * np.abs(exp).max(initial=0)
+    assert (err <= bound).all(), (
+        f"{label}: new slots differ from the rotated new keys by up to "
+        f"{(err / bound).max():.2f} x 1 ulp (max err {err.max():.3e}, mean {err.mean():.3e})")

@@ -218,12 +218,14 @@ def test_torch_compile_fullgraph_runs():
 
     compiled = torch.compile(block, fullgraph=True)
     (out_c, post_c), (out_e, post_e) = compiled(q, k, v), block(q, k, v)
+    check_attention(out_c, None, q * 0.5, k, v, causal=True, alibi_slopes=slopes)
     torch.testing.assert_close(out_c, out_e, rtol=0, atol=0)   # the same kernel, bit for bit
     torch.testing.assert_close(post_c, post_e)                 # inductor fuses gelu + sum its own way
 
     sdpa = torch.compile(lambda a, b, c: cufa.scaled_dot_product_attention(a, b, c, is_causal=True),
                          fullgraph=True)
     qh = q.transpose(1, 2)
-    torch.testing.assert_close(sdpa(qh, qh, qh),
-                               cufa.scaled_dot_product_attention(qh, qh, qh, is_causal=True),
+    out_s = sdpa(qh, qh, qh)
+    check_attention(out_s.transpose(1, 2), None, q, q, q, causal=True, diag_offset=0)
+    torch.testing.assert_close(out_s, cufa.scaled_dot_product_attention(qh, qh, qh, is_causal=True),
                                rtol=0, atol=0)

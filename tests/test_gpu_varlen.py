@@ -138,8 +138,9 @@ def test_matches_padded_dense_call():
     lens = [100, 37, 128, 1]
     dense = randn(rng, (4, 128, 4, 64), "float16")
     packed = torch.cat([dense[b, :n] for b, n in enumerate(lens)])
-    out = cufa.flash_attn_varlen_func(packed, packed, packed, _cu(lens), _cu(lens), 128, 128,
-                                      causal=True)
+    out, lse = cufa.flash_attn_varlen_func(packed, packed, packed, _cu(lens), _cu(lens), 128,
+                                           128, causal=True, return_lse=True)
+    _check_each_sequence(out, lse, packed, packed, packed, lens, lens, causal=True)
     for b, n in enumerate(lens):
         ref = cufa.flash_attn_func(dense[b:b + 1, :n], dense[b:b + 1, :n], dense[b:b + 1, :n],
                                    causal=True)
