@@ -14,6 +14,7 @@
 # FWD_ARGS, VARLEN_ARGS, DECODE_ARGS (the shape subsets below, chosen so that `run` with two
 # trees and 3 rounds fits ~7 minutes on an H100, compiles included). Each round prints the
 # time so far; a run cut short keeps its files, and `table` prints what they hold.
+# ROUNDS=0 only compiles (one call), then WARMUP=0 times (the next call, same machine).
 set -eu
 FWD_ARGS=${FWD_ARGS:---dtypes fp16 --seqlens 512,2048,8192 --reps 24 --no-peers --no-memory --no-plot}
 VARLEN_ARGS=${VARLEN_ARGS:---reps 32 --no-peers}
