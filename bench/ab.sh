@@ -182,5 +182,5 @@ test)
   done
   exit $status ;;
 *)
-  sed -n 2,15p "$0" >&2; exit 2 ;;
+  sed -n 2,17p "$0" >&2; exit 2 ;;
 esac
