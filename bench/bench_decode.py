@@ -15,11 +15,12 @@ differ. "cufa graph" replays the contiguous call from a CUDA graph, as servers r
 decode steps. Decode reads the cache once, so the figure is KV bytes / time, TB/s (bytes
 = 2 * batch * N * heads_k * d * 2), beside the device's copy bandwidth measured in the
 same run (a 1 GiB device-to-device copy: bytes read + written / time). Timing as in
-bench_fwd.py: one CUDA event pair per call, median; every implementation in ROUNDS
-interleaved rounds in random order, each block after at least 30 ms of warm-up; caches
-under 100 MB are two input sets used in turn (the H100's L2 holds 50 MB). The last column
-times one call at a time (a sync after each, host cost included) for cufa and the SDPA
-peers, as a server that waits for each step sees it. Writes DIR/bench_decode.{json,md,png}.
+bench_fwd.py (bench/_timing.py): one CUDA event pair per queued call, median; every
+implementation in interleaved rounds in random order; caches under 100 MB are two input
+sets used in turn (the H100's L2 holds 50 MB). The last column times one call at a time (a
+sync after each, host cost included) for cufa and the SDPA peers, as a server that waits
+for each step sees it. Then the serving-shaped step (mixed_batch). Writes
+DIR/bench_decode.{json,md,png}.
 """
 import argparse
 import contextlib
@@ -29,12 +30,9 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this cufa
-
-import bench_fwd  # noqa: E402  (this script's folder is on sys.path)
-from bench_fwd import (ALONE_IMPLS, ROUNDS, TORCH_DTYPES, WARMUP, WARMUP_MS,  # noqa: E402
-                       _dtype_list, _fmt, _ints, progress, require_torch_cuda, run_rounds,
-                       time_alone, time_events, versions)
+import _timing as T  # this script's folder is on sys.path
+from _timing import (ROUNDS, TORCH_DTYPES, WARMUP, WARMUP_MS, fmt, progress, run_rounds,
+                     time_alone, time_events)
 
 SHAPES = ((1, 32768), (1, 131072), (8, 16384), (64, 4096), (128, 2048), (256, 1024))
 QUICK_SHAPES = ((1, 131072), (64, 4096), (256, 1024))
@@ -47,6 +45,7 @@ LABELS = {"cufa": "cufa", "cufa_paged16": "cufa pages 16", "cufa_paged256": "cuf
 CUFA_LAYOUTS = ("cufa", "cufa_paged16", "cufa_paged256")
 ROTATE_BELOW = 100 * 2**20      # caches smaller than this: 2 input sets (past the 50 MB L2)
 COPY_BYTES = 2**30
+ALONE_IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn")
 BIG_CACHE = 0.5e9               # rows held to the copy-bandwidth target
 TARGET_COPY, TARGET_BATCH1 = 0.85, 0.75
 TARGET_FLASH, TARGET_CUDNN = 1.0, 0.95
@@ -66,9 +65,9 @@ def _shape_list(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results", help="folder for bench_decode.{json,md,png}")
-    p.add_argument("--dtypes", type=_dtype_list, default="fp16,bf16",
+    p.add_argument("--dtypes", type=T.dtype_list, default="fp16,bf16",
                    help="comma list of fp16, bf16")
-    p.add_argument("--head-dims", type=_ints, default=(64, 128))
+    p.add_argument("--head-dims", type=T.int_list, default=(64, 128))
     p.add_argument("--quick", action="store_true",
                    help=f"shapes {QUICK_SHAPES}, heads 32/8, seqlen_q 1 only")
     p.add_argument("--shapes", type=_shape_list, default=None,
@@ -123,10 +122,27 @@ def estimate_s(args, impls=len(IMPLS), rate=2.5e12, setup_s=0.3):
 
 # -- inputs ----------------------------------------------------------------------------------
 
+def paged_layout(batch, capacity, page_size, rng):
+    """A block table (int32 (batch, capacity // page_size)) over a random permutation of
+    the pages, and the page count."""
+    pages = batch * (capacity // page_size)
+    return rng.permutation(pages).reshape(batch, -1).astype("int32"), pages
+
+
+def to_paged(torch, cache, table, num_pages):
+    """The contiguous cache (batch, capacity, heads, d) laid out in num_pages pages along
+    the block table."""
+    batch, capacity = cache.shape[:2]
+    page = capacity // table.shape[1]
+    pages = cache.new_empty((num_pages, page) + tuple(cache.shape[2:]))
+    ids = torch.as_tensor(table.reshape(-1), dtype=torch.long, device=cache.device)
+    pages[ids] = cache.reshape((-1, page) + tuple(cache.shape[2:]))
+    return pages
+
+
 def make_caches(torch, cfg, gen, rng):
     """Input sets: the contiguous cache, its paged copies (page size -> (k pages, v pages,
     block_table)), cache_seqlens = N. Two sets where the cache is under ROTATE_BELOW."""
-    from cufa import reference
     dt, _, hk, d, b, n = cfg
     dtype = getattr(torch, TORCH_DTYPES[dt])
     count = 2 if kv_bytes(b, n, hk, d) < ROTATE_BELOW else 1
@@ -136,70 +152,23 @@ def make_caches(torch, cfg, gen, rng):
                 for _ in range(2))
         paged = {}
         for ps in PAGE_SIZES:
-            table, num_pages = reference.paged_layout(b, n, ps, rng)
-            paged[ps] = (reference.to_paged(k, table, num_pages),
-                         reference.to_paged(v, table, num_pages),
+            table, num_pages = paged_layout(b, n, ps, rng)
+            paged[ps] = (to_paged(torch, k, table, num_pages),
+                         to_paged(torch, v, table, num_pages),
                          torch.tensor(table, dtype=torch.int32, device="cuda"))
         sets.append(dict(k=k, v=v, paged=paged,
                          lens=torch.full((b,), n, dtype=torch.int32, device="cuda")))
     return sets
 
 
-def graph_replay_us(torch, fn, reps=20, warm=3):
-    """Median µs of one replay of a CUDA graph of fn() (captured after warm-up calls on a
-    side stream), from a CUDA event pair around each of `reps` replays: the probes' A/B
-    timing."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warm):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(warm):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        graph.replay()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
-
-
-def capture_graphs(torch, fn, arg_sets):
-    """One CUDA graph of fn(*args) per set, after a warm-up call on a side stream
-    (compile and plan outside the capture, as PyTorch asks)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for args in arg_sets:
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graphs = []
-    for args in arg_sets:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(*args)
-        graphs.append(g)
-    torch.cuda.synchronize()
-    return graphs
-
-
 # -- one row -----------------------------------------------------------------------------------
 
 def load_impls(torch, no_peers):
-    """name -> handle, or a string saying why it is not available (bench_fwd's, the cufa
-    entry standing for the four cufa columns)."""
-    impls = bench_fwd.load_impls(torch, no_peers, jax=False)
-    cufa = impls.pop("cufa")
-    if not isinstance(cufa, str) and not hasattr(cufa, "flash_attn_with_kvcache"):
-        cufa = "this cufa has no flash_attn_with_kvcache"
-    return {**{name: cufa for name in IMPLS[:4]}, **impls}
+    """name -> handle, or a string saying why it is not available (the cufa module stands
+    for the four cufa columns)."""
+    cufa = T.load_cufa()
+    impls = {name: cufa for name in IMPLS[:4]}
+    return impls if no_peers else {**impls, **T.load_peers(torch)}
 
 
 def time_row(torch, impls, cfg, sq, sets, reps, gen):
@@ -238,7 +207,7 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen):
         if name == "cufa_graph":
             def timed(count):
                 if not graphs:     # captured inside measure(): a failure is a reason
-                    graphs.extend(capture_graphs(torch, call, cufa_args(name)))
+                    graphs.extend(T.capture_graphs(torch, call, cufa_args(name)))
                 return time_events(torch, lambda g: g.replay(), [(g,) for g in graphs], count)
             return timed
         return lambda count: time_events(torch, call, cufa_args(name), count)
@@ -321,16 +290,6 @@ def add_ratios(row, copy_tbps):
         row[key] = t[peer] / t["cufa"] if t.get("cufa") and t.get(peer) else None
 
 
-def measure_copy(torch, reps=20):
-    """Device-to-device copy of COPY_BYTES: (bytes read + written) / median time, TB/s."""
-    a = torch.empty(COPY_BYTES // 2, dtype=torch.float16, device="cuda")
-    b = torch.empty_like(a)
-    ms = statistics.median(time_events(torch, lambda x, y: y.copy_(x), [(a, b)], reps))
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * COPY_BYTES / (ms * 1e-3) / TB
-
-
 def random_page_table(lens_k, page, rng):
     """A block table (int32, sequences x most pages) over one cache whose pages are a
     random permutation, each sequence holding the pages of its lens_k keys; and the cache's
@@ -347,6 +306,7 @@ def random_page_table(lens_k, page, rng):
 
 
 SERVING_HEADS, SERVING_HEADS_K, SERVING_HEAD_DIM, SERVING_PAGE, SERVING_CHUNK = 32, 8, 128, 16, 512
+SERVING_SEED = 0  # its own draw: the same step whichever rows ran before it
 
 
 def serving_step_inputs(torch, rng):
@@ -405,10 +365,7 @@ def mixed_batch(torch, rng, copy_tbps, reps=40):
                                             block_table=table_decode)
     us = statistics.median(time_events(torch, step, [(q,)], reps)) * 1e3
     split_us = statistics.median(time_events(torch, two_calls, [(q,)], reps)) * 1e3
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    mm_tflops = 2 * 8192**3 / (statistics.median(time_events(
-        torch, lambda x: x @ x, [(a,)], 10)) * 1e-3) / 1e12
-    del a
+    mm_tflops = T.matmul_tflops(torch)
     pairs = sum(sq * (sk - sq) + sq * (sq + 1) / 2 for sq, sk in zip(lens_q, lens_k))
     flops = 4 * h * d * pairs
     moved = (sum(lens_k) * hk * d * 2 + 2 * sum(lens_q) * h * d) * 2
@@ -475,9 +432,9 @@ def markdown(rows, names):
             v = r["impls"].get(n, {})
             cells.append("n/a" if "us" not in v else
                          f"{v['us']:.1f} ({v['tbps']:.2f}, {v.get('frac_copy', 0):.0%})")
-        cells += [_fmt(r.get("ratio_vs_flash"), ".2f"), _fmt(r.get("ratio_vs_cudnn"), ".2f")]
+        cells += [fmt(r.get("ratio_vs_flash"), ".2f"), fmt(r.get("ratio_vs_cudnn"), ".2f")]
         single = r.get("one_at_a_time_us", {})
-        cells.append(" / ".join(_fmt(single.get(n), ".0f") for n in ALONE_IMPLS))
+        cells.append(" / ".join(fmt(single.get(n), ".0f") for n in ALONE_IMPLS))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -511,8 +468,8 @@ def summary_table(rows, names, judged):
         got = [r["impls"][n]["tbps"] for r in rows if "tbps" in r["impls"].get(n, {})]
         big = [r["impls"][n]["frac_copy"] for r in rows
                if r["kv_bytes"] >= BIG_CACHE and "frac_copy" in r["impls"].get(n, {})]
-        median = _fmt(statistics.median(got) if got else None, ".2f")
-        least = _fmt(100 * min(big) if big else None, ".0f")
+        median = fmt(statistics.median(got) if got else None, ".2f")
+        least = fmt(100 * min(big) if big else None, ".0f")
         lines.append(f"{LABELS[n]:<16} {len(got):>4} {median:>11}  {least}")
     lines += [f"{'met' if met else 'NOT met' if met is False else 'n/a'}: {text}"
               for text, met, _ in judged]
@@ -583,17 +540,17 @@ def main(argv=None):
                 print(case_name(r), f"KV {mb:.0f} MB sets={2 if mb * 2**20 < ROTATE_BELOW else 1}")
         print(f"{total} rows, about {estimate_s(args) / 60:.1f} min on an H100")
         return 0
-    torch = require_torch_cuda("bench_decode")
+    torch = T.require_torch_cuda("bench_decode")
     import numpy as np
     os.makedirs(args.out, exist_ok=True)
     impls = load_impls(torch, args.no_peers)
     names = [n for n in IMPLS if n in impls]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rng = np.random.default_rng(0)
-    copy_tbps = measure_copy(torch)
+    copy_tbps = T.copy_tbps(torch, COPY_BYTES)
     print(f"device-to-device copy: {copy_tbps:.2f} TB/s (read + written)", file=sys.stderr)
     if args.mixed_only:
-        print(mixed_markdown(mixed_batch(torch, rng, copy_tbps)))
+        print(mixed_markdown(mixed_batch(torch, np.random.default_rng(SERVING_SEED), copy_tbps)))
         return 0
     rows = []
     for cfg in cfgs:
@@ -612,8 +569,9 @@ def main(argv=None):
         del sets
         torch.cuda.empty_cache()
     progress(len(rows), total, "done")
-    sys.stderr.write("\n")
-    mixed = mixed_batch(torch, rng, copy_tbps)
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    mixed = mixed_batch(torch, np.random.default_rng(SERVING_SEED), copy_tbps)
 
     device = torch.cuda.get_device_name()
     judged = targets(rows, names)
@@ -631,7 +589,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "bench_decode.md"), "w") as f:
         f.write(report + "\n")
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "versions": versions(torch), "argv": sys.argv[1:] if argv is None else argv,
+            "versions": T.versions(torch), "argv": sys.argv[1:] if argv is None else argv,
             "reps": args.reps, "warmup": WARMUP, "warmup_ms": WARMUP_MS, "rounds": ROUNDS,
             "copy_tbps": copy_tbps, "copy_bytes": COPY_BYTES,
             "kv_bytes": "2 * batch * N * nheads_k * head_dim * 2",

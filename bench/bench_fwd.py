@@ -15,40 +15,28 @@ least 5 warm-up calls and 30 ms before each block), so a slow spell of the machi
 clocks left by the kernel before, fall on all of them rather than on whichever ran then. JAX is
 host-timed (wall clock to block_until_ready). Then cufa and the SDPA peers one call at a
 time (each call from an idle queue and waited for, wall clock: the host's cost counts, as
-for a lone call), median of ALONE_CALLS, in the table's last column. Writes
+for a lone call), in the table's last column. bench/_timing.py has the method. Writes
 DIR/bench_fwd.{json,md,png} and DIR/bench_fwd_bf16.png.
 """
 import argparse
 import datetime
 import json
-import math
 import os
-import random
 import statistics
 import sys
-import time
-import warnings
 from dataclasses import asdict, dataclass
 from functools import partial
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX would take 75% of the GPU
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this cufa
+import _timing as T  # this script's folder is on sys.path
 
 TOKENS, HIDDEN = 16384, 2048
 SEQLENS, QUICK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384), (1024, 4096, 16384)
 GQA = dict(head_dim=128, seqlen=4096, batch=4, nheads=32, nheads_k=8)
-WARMUP = 5
-ROUNDS = 4   # interleaved rounds per row, each in a random order (see the docstring)
-WARMUP_MS = 30  # at least this long of warm-up calls before each timed block
-ALONE_CALLS = 12  # one-call-at-a-time samples per implementation and row
 ALONE_IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn")
-ROTATE_BYTES = 256 * 2**20      # q,k,v bytes cycled per timing loop: 5x the H100's 50 MB L2
-MAX_SETS = 8
 MEM_SEQLENS = (1024, 4096, 16384)
 IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn", "jax_cudnn")
 LABELS = {"cufa": "cufa", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN",
           "jax_cudnn": "JAX cuDNN*"}
-TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -65,40 +53,27 @@ class Shape:
         return self.nheads_k != self.nheads
 
     def flops(self, causal):
-        full = 4 * self.batch * self.nheads * self.seqlen ** 2 * self.head_dim
-        return full / 2 if causal else full
+        return T.attention_flops(self.batch, self.nheads, self.seqlen, self.seqlen,
+                                 self.head_dim, causal)
 
     def qkv_bytes(self):
         return self.batch * self.seqlen * (self.nheads + 2 * self.nheads_k) * self.head_dim * 2
 
     def sets(self):
         """Input sets to rotate: enough that no set is still in L2 when it comes round again."""
-        return max(2, min(MAX_SETS, math.ceil(ROTATE_BYTES / self.qkv_bytes())))
+        return T.rotating_sets(self.qkv_bytes())
 
 
 # -- the sweep -------------------------------------------------------------------------------
 
-def _ints(text):
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _dtype_list(text):
-    """--dtypes: a comma list of fp16, bf16."""
-    dtypes = tuple(d.strip() for d in text.split(",") if d.strip())
-    bad = [d for d in dtypes if d not in TORCH_DTYPES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown {bad}; expected fp16 and/or bf16")
-    return dtypes
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results", help="folder for bench_fwd.{json,md,png}")
-    p.add_argument("--dtypes", type=_dtype_list, default="fp16,bf16",
+    p.add_argument("--dtypes", type=T.dtype_list, default="fp16,bf16",
                    help="comma list of fp16, bf16")
-    p.add_argument("--head-dims", type=_ints, default=(64, 128, 256))
-    p.add_argument("--seqlens", type=_ints, default=None, help=f"default {SEQLENS}")
-    p.add_argument("--causal", type=_ints, default=(0, 1), help='"0", "1" or "0,1"')
+    p.add_argument("--head-dims", type=T.int_list, default=(64, 128, 256))
+    p.add_argument("--seqlens", type=T.int_list, default=None, help=f"default {SEQLENS}")
+    p.add_argument("--causal", type=T.int_list, default=(0, 1), help='"0", "1" or "0,1"')
     p.add_argument("--quick", action="store_true", help=f"seqlens {QUICK_SEQLENS} only")
     p.add_argument("--reps", type=int, default=48,
                    help="timed calls per case (median), split over the rounds")
@@ -135,162 +110,14 @@ def case_name(r):
     return s + (f" GQA {r['nheads']}/{r['nheads_k']}" if r["nheads"] != r["nheads_k"] else "")
 
 
-def progress(i, total, label, width=30):
-    """A one-line bar on stderr, so stdout stays the report."""
-    done = int(width * i / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label:<50}")
-    sys.stderr.flush()
-
-
-# -- timing ----------------------------------------------------------------------------------
-
-def time_events(torch, fn, sets, reps):
-    """ms of each of reps calls of fn, one CUDA event pair each, rotating sets. Warm-up:
-    WARMUP calls and at least WARMUP_MS, since the GPU's clocks follow what ran before (the
-    same calls right after a lighter kernel measured up to 10 % faster). The timed calls are
-    issued behind a spinning kernel (queue_ahead), so the queue stays ahead of the GPU as
-    inside a model and each event pair brackets this call's GPU work, even for a call whose
-    host cost outlasts its kernels (there the queue would otherwise run dry and the pairs
-    read the host); time_alone is the view where the host's cost counts."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    i = 0
-    while i < WARMUP or (time.perf_counter() - start) * 1e3 < WARMUP_MS:
-        fn(*sets[i % len(sets)])
-        i += 1
-        if i % 4 == 0:
-            torch.cuda.synchronize()
-    lead_ms = max(QUEUE_AHEAD_MS, 0.3 * reps)
-    for _ in range(4):  # (a longer lead where issuing outlasted it: a slow spell of the host)
-        torch.cuda.synchronize()
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                 for _ in range(reps)]
-        queue_ahead(torch, lead_ms)
-        issue_start = time.perf_counter()
-        for i, (start, stop) in enumerate(pairs):
-            args = sets[i % len(sets)]
-            start.record()
-            fn(*args)
-            stop.record()
-        issue_ms = (time.perf_counter() - issue_start) * 1e3
-        torch.cuda.synchronize()
-        if issue_ms < 0.8 * lead_ms:
-            break
-        lead_ms = 2 * issue_ms
-    return [a.elapsed_time(b) for a, b in pairs]
-
-
-QUEUE_AHEAD_MS = 2.0
-_sleep_cycles_per_ms = None
-
-
-def queue_ahead(torch, ms):
-    """Queue a kernel that spins ~ms on one SM (torch.cuda._sleep), so the calls issued
-    next wait in the queue behind it: their host cost is hidden, as behind a model's other
-    layers. The spin rate is measured once."""
-    global _sleep_cycles_per_ms
-    if _sleep_cycles_per_ms is None:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        a.record()
-        torch.cuda._sleep(2_000_000)
-        b.record()
-        torch.cuda.synchronize()
-        _sleep_cycles_per_ms = 2_000_000 / max(a.elapsed_time(b), 1e-3)
-    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms))
-
-
-def time_alone(torch, fn, sets, calls):
-    """ms of each of `calls` calls of fn, each from an idle queue and waited for (wall
-    clock from the call to the sync after it): the host's cost counts, as for a lone call
-    in a server that waits for each step. Three calls first (plans, compiles)."""
-    for i in range(3):
-        fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    ms = []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        fn(*sets[i % len(sets)])
-        torch.cuda.synchronize()  # (so the next call starts from an idle queue too)
-        ms.append((time.perf_counter() - t0) * 1e3)
-    return ms
-
-
-def time_host(fn, sets, reps):
-    """JAX: ms of each call, wall clock from dispatch to block_until_ready (includes launch
-    latency)."""
-    for i in range(WARMUP):
-        fn(*sets[i % len(sets)]).block_until_ready()
-    ms = []
-    for i in range(reps):
-        args = sets[(WARMUP + i) % len(sets)]
-        t0 = time.perf_counter()
-        fn(*args).block_until_ready()
-        ms.append((time.perf_counter() - t0) * 1e3)
-    return ms
-
-
-def measure(timer, *timer_args):
-    """The ms list of timer(*timer_args), or {'na': reason}; PyTorch's 'why not'
-    warnings kept."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            return timer(*timer_args)
-        except Exception as e:  # unsupported shape, missing kernel, OOM: a reason, not a crash
-            why = " | ".join([f"{type(e).__name__}: {e}"] + [str(w.message) for w in caught[:2]])
-            return {"na": " ".join(why.split())[:400]}
-
-
-def run_rounds(timers, per_round, rounds=ROUNDS):
-    """Each timer (a function of a call count returning that many call times, or a string
-    saying why there is none) in `rounds` rounds of per_round calls, the timers in a fresh
-    random order each round (fixed seed): no implementation always follows the same one.
-    -> {name: list of ms, or {'na': reason}}; a timer that fails runs no further rounds."""
-    failed, samples = {}, {name: [] for name in timers}
-    order = random.Random(0)
-    for _ in range(rounds):
-        for name in order.sample(list(timers), len(timers)):
-            t = timers[name]
-            if name in failed:      # not available, or failed in an earlier round
-                continue
-            got = {"na": t} if isinstance(t, str) else measure(t, per_round)
-            if isinstance(got, dict):
-                failed[name] = got
-            else:
-                samples[name] += got
-    return {name: failed.get(name) or samples[name] for name in timers}
-
-
-def summarize(ms, shape, causal):
-    """{'ms' (median), 'ms_min', 'calls', 'tflops'} of a list of call times."""
-    median = statistics.median(ms)
-    return {"ms": median, "ms_min": min(ms), "calls": len(ms),
-            "tflops": shape.flops(causal) / median / 1e9}
-
-
 # -- implementations -------------------------------------------------------------------------
 
-def load_impls(torch, no_peers, jax=True):
-    """name -> module-ish handle, or a string saying why it is not available (JAX only
-    with jax=True)."""
-    impls = {}
-    try:
-        import cufa
-        impls["cufa"] = cufa
-    except Exception as e:
-        impls["cufa"] = f"import cufa failed: {type(e).__name__}: {e}"
+def load_impls(torch, no_peers):
+    """name -> module-ish handle, or a string saying why it is not available."""
+    impls = {"cufa": T.load_cufa()}
     if no_peers:
         return impls
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        impls["sdpa_flash"] = (sdpa_kernel, SDPBackend.FLASH_ATTENTION)
-        impls["sdpa_cudnn"] = (sdpa_kernel, SDPBackend.CUDNN_ATTENTION)
-    except (ImportError, AttributeError) as e:
-        impls.setdefault("sdpa_flash", f"torch.nn.attention unavailable: {e}")
-        impls.setdefault("sdpa_cudnn", f"torch.nn.attention unavailable: {e}")
-    if not jax:
-        return impls
+    impls.update(T.load_peers(torch))
     try:
         import jax
         gpus = jax.devices("gpu")
@@ -305,7 +132,7 @@ def load_impls(torch, no_peers, jax=True):
 def torch_inputs(torch, shape, gen):
     """shape.sets() random-normal (q, k, v) sets in (B, N, H, d) for cufa, and the same
     values contiguous in (B, H, N, d), the layout SDPA is documented and tuned for."""
-    dt = getattr(torch, TORCH_DTYPES[shape.dtype])
+    dt = getattr(torch, T.TORCH_DTYPES[shape.dtype])
     bnhd = [tuple(torch.randn(shape.batch, shape.seqlen, h, shape.head_dim, device="cuda",
                               dtype=dt, generator=gen)
                   for h in (shape.nheads, shape.nheads_k, shape.nheads_k))
@@ -324,8 +151,11 @@ def jax_inputs(jax, shape, rng):
     return [tuple(jax.device_put(x) for x in host) for _ in range(shape.sets())]
 
 
-def sdpa_kwargs(causal, gqa):
-    return {"is_causal": causal, **({"enable_gqa": True} if gqa else {})}
+def summarize(ms, shape, causal):
+    """{'ms' (median), 'ms_min', 'calls', 'tflops'} of a list of call times."""
+    median = statistics.median(ms)
+    return {"ms": median, "ms_min": min(ms), "calls": len(ms),
+            "tflops": T.tflops(shape.flops(causal), median)}
 
 
 def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
@@ -340,9 +170,9 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
             jax_fns[causal] = jax.jit(partial(jax.nn.dot_product_attention, is_causal=causal,
                                               implementation="cudnn"))
         torch.cuda.synchronize()
-        return time_host(jax_fns[causal], jax_sets, reps)
+        return T.time_host(jax_fns[causal], jax_sets, reps)
 
-    def timer(name, impl, causal, time_calls=time_events):
+    def timer(name, impl, causal, time_calls=T.time_events):
         """A function of a call count returning that many call times (time_calls: queued,
         time_events; one at a time, time_alone), or a reason."""
         if isinstance(impl, str):
@@ -353,7 +183,7 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
         if name.startswith("sdpa"):
             sdpa_kernel, backend = impl
             fn = partial(torch.nn.functional.scaled_dot_product_attention,
-                         **sdpa_kwargs(causal, shape.gqa))
+                         **T.sdpa_kwargs(causal, shape.gqa))
 
             def timed(n):
                 with sdpa_kernel(backend):  # entered once, outside the timed calls
@@ -361,18 +191,18 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
             return timed
         return lambda n: time_jax(impl, causal, n)
 
-    per_round = -(-reps // ROUNDS)
+    per_round = -(-reps // T.ROUNDS)
     rows = []
     for causal in causals:
         row = dict(asdict(shape), causal=causal, gqa=shape.gqa, sets=shape.sets(),
                    gflop=shape.flops(causal) / 1e9)
-        timed = run_rounds({name: timer(name, impl, causal) for name, impl in impls.items()},
+        timed = T.run_rounds({name: timer(name, impl, causal) for name, impl in impls.items()},
                            per_round)
         row["impls"] = {name: got if isinstance(got, dict) else summarize(got, shape, causal)
                         for name, got in timed.items()}
         # one call at a time (host cost counts), after the queued rounds, in one round
-        alone = run_rounds({name: timer(name, impls[name], causal, time_alone)
-                            for name in ALONE_IMPLS if name in impls}, ALONE_CALLS, rounds=1)
+        alone = T.run_rounds({name: timer(name, impls[name], causal, T.time_alone)
+                            for name in ALONE_IMPLS if name in impls}, T.ALONE_CALLS, rounds=1)
         row["one_at_a_time_us"] = {name: None if isinstance(got, dict)
                                    else statistics.median(got) * 1e3
                                    for name, got in alone.items()}
@@ -385,7 +215,8 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
                   file=sys.stderr)
         add_ratios(row)
         rows.append(row)
-    del bnhd, bhnd, jax_sets[:]
+    for inputs in (bnhd, bhnd, jax_sets):  # freed before the next shape's
+        inputs.clear()
     torch.cuda.empty_cache()
     return rows
 
@@ -399,7 +230,7 @@ def check_vs_flash(torch, impls, qkv, qkv_bhnd, causal, shape):
         out = impls["cufa"].flash_attn_func(*qkv, causal=causal)
         with sdpa_kernel(backend):
             ref = torch.nn.functional.scaled_dot_product_attention(
-                *qkv_bhnd, **sdpa_kwargs(causal, shape.gqa))
+                *qkv_bhnd, **T.sdpa_kwargs(causal, shape.gqa))
         return float((out.float() - ref.transpose(1, 2).float()).abs().max())
     except Exception:  # flash n/a for this shape: nothing to compare against
         return None
@@ -463,10 +294,6 @@ def memory_table(torch, impls, gen, seqlens=MEM_SEQLENS, b=1, h=16, d=128):
 
 # -- report ----------------------------------------------------------------------------------
 
-def _fmt(x, spec):
-    return "n/a" if x is None else format(x, spec)
-
-
 def markdown(rows, names):
     head = ["dtype", "d", "causal", "N", "B x H/Hkv"] + [LABELS[n] for n in names] \
         + ["cufa/flash", "cufa/cuDNN", "one at a time: cufa / flash / cuDNN us"]
@@ -474,10 +301,10 @@ def markdown(rows, names):
     for r in rows:
         cells = [r["dtype"], r["head_dim"], "yes" if r["causal"] else "no", r["seqlen"],
                  f"{r['batch']} x {r['nheads']}/{r['nheads_k']}"]
-        cells += [_fmt(r["impls"].get(n, {}).get("tflops"), ".0f") for n in names]
-        cells += [_fmt(r.get("ratio_vs_flash"), ".2f"), _fmt(r.get("ratio_vs_cudnn"), ".2f")]
+        cells += [T.fmt(r["impls"].get(n, {}).get("tflops"), ".0f") for n in names]
+        cells += [T.fmt(r.get("ratio_vs_flash"), ".2f"), T.fmt(r.get("ratio_vs_cudnn"), ".2f")]
         single = r.get("one_at_a_time_us", {})
-        cells.append(" / ".join(_fmt(single.get(n), ".0f") for n in ALONE_IMPLS))
+        cells.append(" / ".join(T.fmt(single.get(n), ".0f") for n in ALONE_IMPLS))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -513,13 +340,13 @@ def summary(rows):
 
 def memory_markdown(mem):
     def mb(x):  # bytes, None (not measured) or a reason such as "OOM"
-        return x if isinstance(x, str) else _fmt(None if x is None else x / 2**20, ".1f")
+        return x if isinstance(x, str) else T.fmt(None if x is None else x / 2**20, ".1f")
 
     lines = ["| fp16 d=128, B=1, H=16, N | out+lse O(N*d) MiB | cufa peak extra MiB | "
              "cufa/expected | math peak extra MiB |", "|" + " --- |" * 5]
     for r in mem:
         c = r["cufa_bytes"]
-        ratio = _fmt(c / r["expected_bytes"] if isinstance(c, int) else None, ".2f")
+        ratio = T.fmt(c / r["expected_bytes"] if isinstance(c, int) else None, ".2f")
         lines.append(f"| {r['seqlen']} | {mb(r['expected_bytes'])} | {mb(c)} | {ratio} | "
                      f"{mb(r['math_bytes'])} |")
     return "\n".join(lines)
@@ -572,27 +399,6 @@ def plot(rows, names, out_dir, device):
     return written
 
 
-def versions(torch):
-    v = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-         "cudnn": torch.backends.cudnn.version()}
-    for mod in ("cupy", "jax", "cufa"):
-        m = sys.modules.get(mod)
-        v[mod] = getattr(m, "__version__", None) if m else None
-    return v
-
-
-# -- main ------------------------------------------------------------------------------------
-
-def require_torch_cuda(script="bench_fwd"):
-    try:
-        import torch
-    except ImportError as e:
-        sys.exit(f"{script}: PyTorch is required ({e}); run on the GPU machine")
-    if not torch.cuda.is_available():
-        sys.exit(f"{script}: torch.cuda.is_available() is False: no usable CUDA device")
-    return torch
-
-
 def main(argv=None):
     args = parse_args(argv)
     shapes = sweep(args)
@@ -604,7 +410,7 @@ def main(argv=None):
         return 0
     if args.reps < 20:
         print(f"warning: --reps {args.reps} < 20; medians will be noisy", file=sys.stderr)
-    torch = require_torch_cuda()
+    torch = T.require_torch_cuda("bench_fwd")
     import numpy as np
     os.makedirs(args.out, exist_ok=True)
     impls = load_impls(torch, args.no_peers)
@@ -612,10 +418,11 @@ def main(argv=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     rng, jax_fns, rows = np.random.default_rng(0), {}, []
     for s in shapes:
-        progress(len(rows), len(cases), case_name(dict(asdict(s), causal=args.causal[0])))
+        T.progress(len(rows), len(cases), case_name(dict(asdict(s), causal=args.causal[0])))
         rows += time_shape(torch, impls, s, args.causal, args.reps, gen, rng, jax_fns)
-    progress(len(rows), len(cases), "done")
-    sys.stderr.write("\n")
+    T.progress(len(rows), len(cases), "done")
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
     mem = []
     if not args.no_memory:
         try:
@@ -627,8 +434,9 @@ def main(argv=None):
     summ, line = summary(rows)
     device = torch.cuda.get_device_name()
     head = (f"Attention forward, {device}, TFLOP/s (4*B*H*N^2*d, halved for causal); median of "
-            f"{-(-args.reps // ROUNDS) * ROUNDS} calls in {ROUNDS} interleaved rounds (random "
-            f"order) of {-(-args.reps // ROUNDS)} after {WARMUP} warm-ups and {WARMUP_MS} ms "
+            f"{-(-args.reps // T.ROUNDS) * T.ROUNDS} calls in {T.ROUNDS} interleaved rounds "
+            f"(random order) of {-(-args.reps // T.ROUNDS)} after {T.WARMUP} warm-ups and "
+            f"{T.WARMUP_MS} ms "
             "each, CUDA events (calls queued behind a spinning kernel), inputs "
             "rotated past L2. "
             "* JAX is host-timed (wall clock to block_until_ready).")
@@ -638,11 +446,11 @@ def main(argv=None):
     with open(os.path.join(args.out, "bench_fwd.md"), "w") as f:
         f.write(report + "\n")
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "versions": versions(torch), "argv": sys.argv[1:], "reps": args.reps,
-            "warmup": WARMUP, "rounds": ROUNDS,
+            "versions": T.versions(torch), "argv": sys.argv[1:] if argv is None else argv,
+            "reps": args.reps, "warmup": T.WARMUP, "rounds": T.ROUNDS,
             "timing": {"cufa/sdpa": "CUDA event pair per call, median",
                        "one_at_a_time_us": f"wall clock, call + sync from an idle queue, "
-                                           f"median of {ALONE_CALLS}",
+                                           f"median of {T.ALONE_CALLS}",
                        "jax_cudnn": "host wall clock to block_until_ready, median"},
             "flops": "4*B*H*Nq*Nk*d, halved for causal", "unavailable":
             {n: i for n, i in impls.items() if isinstance(i, str)}}

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Host time per call on a problem too small to keep the GPU busy: what launching costs
 from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once. "New
-signature" clears cufa's launch plans and TMA descriptor templates before each call, as
-a call with new sizes would (the plan of its layout at other sizes stays, as in a
-server: moved to the new sizes); "new layout" clears those plans too.
-Also a decode call against SDPA's, and, where JAX with buffer_callback is installed, a
-jitted cufa call against jax.nn.dot_product_attention.
+signature": every call has sizes no recent call had (a batch size out of a cycle of
+CYCLE, more than cufa keeps plans for), as a server's next packed batch or a new sequence
+length; "new layout": every call has a head count no recent call had, so nothing planned
+before applies. Also a decode call against SDPA's, and, where JAX with buffer_callback is
+installed, a jitted cufa call against jax.nn.dot_product_attention.
 
     python3 bench/host_overhead.py [--calls 1000] [--rounds 5] [--profile]
 
@@ -18,18 +18,16 @@ call. The CuPy rows take the same memory as CuPy arrays (the caller's stream is 
 CuPy's current stream).
 """
 import argparse
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _timing  # noqa: F401  (this script's folder is on sys.path; it finds cufa)
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import cufa
 
-import cufa  # noqa: E402
-from cufa import _tma, api  # noqa: E402
+CYCLE = 5000  # distinct sizes (or head counts) cycled: more than cufa's 4096 plans
 
 
 def per_call_us(fn, calls):
@@ -60,21 +58,41 @@ def main():
     def varlen():
         return cufa.flash_attn_varlen_func(*packed, cu, cu, 128, 128, causal=True)
 
-    def unplanned(fn):  # a new signature every call (a server's next packed batch): no
-        api._plans.clear()  # plan, and on Hopper no TMA descriptors for the new layout;
-        _tma.template.cache_clear()  # the plan of its layout at other sizes is there
-        return fn()
+    # New sizes and new layouts as views of one buffer, so no allocation is timed: a
+    # batch of 1..CYCLE sequences of 16 rows; 1..CYCLE heads of 16 rows; packed batches
+    # of 2 sequences and 2..CYCLE + 1 tokens.
+    turn = iter(range(1 << 62))
+    by_batch = torch.randn(CYCLE, 16, 2, 64, device="cuda", dtype=torch.float16)
+    by_heads = torch.randn(1, 16, CYCLE, 64, device="cuda", dtype=torch.float16)
+    by_tokens = torch.randn(CYCLE + 1, 2, 64, device="cuda", dtype=torch.float16)
+    packed_heads = torch.randn(32, CYCLE, 64, device="cuda", dtype=torch.float16)
+    cu_tokens = torch.tensor([[0, n // 2, n] for n in range(2, CYCLE + 2)], device="cuda",
+                             dtype=torch.int32)
+    cu_16 = torch.tensor([0, 16, 32], device="cuda", dtype=torch.int32)
 
-    def unlaid(fn):  # a new layout as well: no plan to move either
-        api._layouts.clear()
-        return unplanned(fn)
+    def new_sizes():
+        x = by_batch[:1 + next(turn) % CYCLE]
+        return cufa.flash_attn_func(x, x, x, causal=True)
+
+    def new_layout():
+        x = by_heads[:, :, :1 + next(turn) % CYCLE]
+        return cufa.flash_attn_func(x, x, x, causal=True)
+
+    def varlen_new_sizes():
+        i = next(turn) % CYCLE
+        x = by_tokens[:i + 2]
+        return cufa.flash_attn_varlen_func(x, x, x, cu_tokens[i], cu_tokens[i],
+                                           (i + 3) // 2, (i + 3) // 2, causal=True)
+
+    def varlen_new_layout():
+        x = packed_heads[:, :1 + next(turn) % CYCLE]
+        return cufa.flash_attn_varlen_func(x, x, x, cu_16, cu_16, 16, 16, causal=True)
 
     # Inputs at addresses the launch has not seen (more sets than its descriptor cache
     # holds), as a model's activations are: on Hopper each call then points a copy of
     # its layout's TMA descriptors at them.
     fresh = [tuple(torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16)
                    for _ in range(3)) for _ in range(2048)]
-    turn = iter(range(1 << 62))
 
     def new_addresses():
         qn, kn, vn = fresh[next(turn) % len(fresh)]
@@ -83,13 +101,11 @@ def main():
     cases = {
         "cufa.flash_attn_func": lambda: cufa.flash_attn_func(q, k, v, causal=True),
         "cufa.flash_attn_func, new input addresses": new_addresses,
-        "cufa.flash_attn_func, new signature": lambda: unplanned(
-            lambda: cufa.flash_attn_func(q, k, v, causal=True)),
-        "cufa.flash_attn_func, new layout": lambda: unlaid(
-            lambda: cufa.flash_attn_func(q, k, v, causal=True)),
+        "cufa.flash_attn_func, new signature": new_sizes,
+        "cufa.flash_attn_func, new layout": new_layout,
         "cufa.flash_attn_varlen_func (2 sequences)": varlen,
-        "cufa.flash_attn_varlen_func, new signature": lambda: unplanned(varlen),
-        "cufa.flash_attn_varlen_func, new layout": lambda: unlaid(varlen),
+        "cufa.flash_attn_varlen_func, new signature": varlen_new_sizes,
+        "cufa.flash_attn_varlen_func, new layout": varlen_new_layout,
         "cufa.scaled_dot_product_attention": lambda: cufa.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
     }
@@ -142,15 +158,15 @@ def jax_table(calls, rounds):
     try:
         import jax
         import jax.numpy as jnp
-        from cufa import _jax
     except ImportError as e:
         print(f"\n(JAX not timed: {e})")
         return
-    if not _jax.available():
+    try:
+        from jax.experimental.buffer_callback import buffer_callback
+    except ImportError:
         print(f"\n(JAX {jax.__version__} has no buffer_callback: cufa cannot run under jit)")
         return
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 64)), jnp.float16)
-    from jax.experimental.buffer_callback import buffer_callback
     fns = {"cufa.flash_attn_func under jax.jit": jax.jit(
                lambda q: cufa.flash_attn_func(q, q, q, causal=True)),
            "jax.nn.dot_product_attention under jax.jit": jax.jit(

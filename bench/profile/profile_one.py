@@ -1,15 +1,15 @@
 """One forward configuration, launched a few times: a target for ncu / compute-sanitizer.
 
-    ncu --kernel-name regex:fwd --launch-skip 2 --launch-count 1 python3 bench/profile_one.py --d 128
-    ... python3 bench/profile_one.py --varlen    # bench_varlen's 256 x 64..512 packed batch
-    ncu --kernel-name regex:fprop ... python3 bench/profile_one.py --peer cudnn  # the peer
+    ncu --kernel-name regex:fwd --launch-skip 2 --launch-count 1 python3 bench/profile/profile_one.py --d 128
+    ... python3 bench/profile/profile_one.py --varlen    # bench_varlen's 256 x 64..512 packed batch
+    ncu --kernel-name regex:fprop ... python3 bench/profile/profile_one.py --peer cudnn  # the peer
 """
 import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import _timing  # noqa: E402,F401  (finds the checkout's cufa when none is on the path)
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
@@ -27,7 +27,7 @@ args = parser.parse_args()
 
 if args.varlen:
     import numpy as np
-    from bench_varlen import BATCHES  # this script's folder is on sys.path
+    from bench_varlen import BATCHES
     batch, lo, hi, seed = BATCHES["256 x 64..512"]
     lens = np.random.default_rng(seed).integers(lo, hi + 1, batch)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")

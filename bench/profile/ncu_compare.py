@@ -3,7 +3,7 @@
 launch each (the third), a few counters that tell where the cycles go. Clocks are as ncu
 sets them, so cycles and ratios compare; durations do not compare with bench_fwd.py.
 
-    python3 bench/ncu_compare.py --shapes 64:512:1,256:512:1,128:512:0 [--out DIR]
+    python3 bench/profile/ncu_compare.py --shapes 64:512:1,256:512:1,128:512:0 [--out DIR]
 
 A shape is d:N:causal; 16k tokens a batch (B = 16384 / N) and H = 2048 / d, as bench_fwd.py.
 """

@@ -3,15 +3,15 @@
 call (queued, no sync), wall µs per call queued, the GPU time of each kernel (torch
 profiler), and cProfile's top functions for the first shape.
 
-    python3 bench/profile_decode.py [--calls 400] [--no-cprofile]
+    python3 bench/profile/profile_decode.py [--calls 400] [--no-cprofile]
 """
 import argparse
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import _timing  # noqa: E402,F401  (finds the checkout's cufa when none is on the path)
 import torch  # noqa: E402
 
 import cufa  # noqa: E402

@@ -2,8 +2,8 @@
 """Where a kernel's warps wait: the SASS lines with the most stall samples in an ncu
 report (collected with --section SourceCounters), with their share of all samples.
 
-    ncu --section SourceCounters --section WarpStateStats -o rep ... python3 bench/profile_one.py
-    python3 bench/ncu_stalls.py rep.ncu-rep [--top 30]
+    ncu --section SourceCounters --section WarpStateStats -o rep ... python3 bench/profile/profile_one.py
+    python3 bench/profile/ncu_stalls.py rep.ncu-rep [--top 30]
 """
 import argparse
 import csv

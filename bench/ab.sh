@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# A/B of cufa trees: this checkout's bench_fwd.py, bench_varlen.py and bench_decode.py, run
+# once per tree per round with PYTHONPATH=_ab/<tree> (the scripts use only cufa's public
+# API), the trees in a new random order each round, then one table per benchmark: each
+# row's time per tree (median over rounds), the spread between rounds, and the ratio to
+# the first tree given to prepare.
+#   here:        bash bench/ab.sh prepare OLD NEW [REV...]  # each rev's cufa, kernels_cu and
+#                                                          # tests into _ab/<short hash>/ (ignored)
+#   on the GPU:  bash bench/ab.sh run [fwd] [varlen] [decode]   # default all three; carry ["_ab"]
+#                bash bench/ab.sh test [pytest args]       # each tree's own GPU tests
+#                bash bench/ab.sh table [DIR]              # the tables again from a run's files
+# Environment: ROUNDS (3), OUT (/tmp/cufa-ab), WARMUP (1: compile each tree's kernels with
+# `python -m cufa warmup` before the rounds; 0: the first round compiles what it uses),
+# FWD_ARGS, VARLEN_ARGS, DECODE_ARGS (the shape subsets below, chosen so that `run` with two
+# trees and 3 rounds fits ~7 minutes on an H100, compiles included). Each round prints the
+# time so far; a run cut short keeps its files, and `table` prints what they hold.
+# ROUNDS=0 only compiles (one call), then WARMUP=0 times (the next call, same machine).
+set -eu
+FWD_ARGS=${FWD_ARGS:---dtypes fp16 --seqlens 512,2048,8192 --reps 24 --no-peers --no-memory --no-plot}
+VARLEN_ARGS=${VARLEN_ARGS:---reps 32 --no-peers}
+DECODE_ARGS=${DECODE_ARGS:---dtypes fp16 --shapes 1x32768,8x16384,64x4096 --reps 24 --no-peers --no-plot}
+OUT=${OUT:-/tmp/cufa-ab}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+
+trees() {  # the prepared trees, the baseline first
+  [ -f _ab/ORDER ] || { echo "no _ab/ORDER: run 'bash bench/ab.sh prepare OLD NEW' first" >&2; exit 2; }
+  cut -d' ' -f1 _ab/ORDER
+}
+
+table() {
+  python3 - "$1" <<'PY'
+import glob, json, os, statistics, sys
+
+out = sys.argv[1]
+order = [line.split()[0] for line in open("_ab/ORDER")] if os.path.exists("_ab/ORDER") else []
+
+
+def fwd_rows(data):
+    for r in data["rows"]:
+        name = (f"{r['dtype']} d={r['head_dim']} N={r['seqlen']} "
+                f"{'causal' if r['causal'] else 'full'}"
+                + (f" {r['nheads']}/{r['nheads_k']}" if r["nheads"] != r["nheads_k"] else ""))
+        if "ms" in r["impls"].get("cufa", {}):
+            yield name, r["impls"]["cufa"]["ms"] * 1e3
+
+
+def varlen_rows(data):
+    for r in data["rows"]:
+        name = f"{r['batch']} d={r['d']} {'causal' if r['causal'] else 'full'}"
+        for key, label in (("cufa_ms", "varlen"), ("padded_ms", "padded")):
+            if r.get(key):
+                yield f"{name} {label}", r[key] * 1e3
+
+
+def decode_rows(data):
+    for r in data["rows"]:
+        name = (f"{r['dtype']} d={r['head_dim']} {r['nheads']}/{r['nheads_k']} "
+                f"{r['batch']}x{r['seqlen']} sq={r['seqlen_q']}")
+        for impl, v in r["impls"].items():
+            if impl.startswith("cufa") and "us" in v:
+                yield f"{name} {impl[4:].lstrip('_') or 'contiguous'}", v["us"]
+    mixed = data.get("mixed") or {}
+    if "us" in mixed:
+        yield "serving step, one call", mixed["us"]
+        yield "serving step, two calls", mixed["two_calls_us"]
+
+
+READERS = {"fwd": fwd_rows, "varlen": varlen_rows, "decode": decode_rows}
+for bench, read in READERS.items():
+    files = sorted(glob.glob(os.path.join(out, bench, "*.*", f"bench_{bench}.json")))
+    if not files:
+        continue
+    times = {}  # row -> tree -> [us per round]
+    for f in files:
+        tree = os.path.basename(os.path.dirname(f)).rsplit(".", 1)[0]
+        for row, us in read(json.load(open(f))):
+            times.setdefault(row, {}).setdefault(tree, []).append(us)
+    seen = {t for per_tree in times.values() for t in per_tree}
+    names = [t for t in order if t in seen] + sorted(seen - set(order))
+    base = names[0]
+    width = max(len(r) for r in times) + 2
+    print(f"\n== bench_{bench}: us a call, median over rounds (spread: (max - min) / median "
+          f"over rounds); ratio: tree / {base}; * where the ratio is off 1 by more than the "
+          "larger spread")
+    print("row".ljust(width) + "".join(f"{t:>20}" for t in names)
+          + "".join(f"{t + '/' + base[:7]:>18}" for t in names[1:]))
+    ratios = {t: [] for t in names[1:]}
+    for row, per_tree in times.items():
+        cells, stats = [], {}
+        for t in names:
+            got = per_tree.get(t, [])
+            if got:
+                med = statistics.median(got)
+                spread = (max(got) - min(got)) / med
+                stats[t] = (med, spread)
+                cells.append(f"{med:10.1f} ({100 * spread:4.1f} %)")
+            else:
+                cells.append("-")
+        line = row.ljust(width) + "".join(f"{c:>20}" for c in cells)
+        for t in names[1:]:
+            if t in stats and base in stats:
+                ratio = stats[t][0] / stats[base][0]
+                ratios[t].append(ratio)
+                off = abs(ratio - 1) > max(stats[t][1], stats[base][1])
+                line += f"{ratio:17.3f}{'*' if off else ' '}"
+            else:
+                line += f"{'-':>18}"
+        print(line)
+    for t, rs in ratios.items():
+        if rs:
+            gmean = statistics.geometric_mean(rs)
+            print(f"{t} / {base}: {len(rs)} rows, geometric mean {gmean:.3f}, "
+                  f"range {min(rs):.3f}-{max(rs):.3f}, rounds a tree "
+                  f"{min(len(v.get(t, [])) for v in times.values())}")
+PY
+}
+
+case "${1:-}" in
+prepare)
+  shift
+  [ $# -ge 1 ] || { sed -n 7,8p "$0" >&2; exit 2; }
+  rm -rf _ab
+  mkdir -p _ab
+  for rev in "$@"; do
+    short=$(git rev-parse --short "$rev")
+    [ ! -d "_ab/$short" ] || { echo "$rev: tree $short given twice" >&2; exit 2; }
+    mkdir -p "_ab/$short"
+    paths=()
+    for p in cufa kernels_cu tests setup.cfg pyproject.toml; do
+      if git cat-file -e "$rev:$p" 2> /dev/null; then paths+=("$p"); fi
+    done
+    git archive "$rev" "${paths[@]}" | tar -x -C "_ab/$short"
+    echo "$short $rev" >> _ab/ORDER
+  done
+  cat _ab/ORDER ;;
+run)
+  shift
+  benches=("$@")
+  [ ${#benches[@]} -gt 0 ] || benches=(fwd varlen decode)
+  for b in "${benches[@]}"; do
+    case $b in fwd|varlen|decode) ;; *) echo "unknown benchmark $b: fwd, varlen or decode" >&2; exit 2 ;; esac
+  done
+  names=$(trees)
+  mkdir -p "$OUT"
+  start=$SECONDS
+  # each tree's kernels compiled before any timing (CuPy's disk cache keeps them)
+  if [ "${WARMUP:-1}" = 1 ]; then
+    for t in $names; do
+      PYTHONPATH=$PWD/_ab/$t python3 -m cufa warmup > "$OUT/warmup.$t.log" 2>&1 \
+        || echo "$t: warmup failed (see $OUT/warmup.$t.log); its first round compiles instead"
+    done
+    echo "warmup done at $((SECONDS - start)) s"
+  fi
+  failed=0
+  for round in $(seq "${ROUNDS:-3}"); do
+    for b in "${benches[@]}"; do
+      case $b in fwd) args=$FWD_ARGS ;; varlen) args=$VARLEN_ARGS ;; decode) args=$DECODE_ARGS ;; esac
+      for t in $(echo "$names" | shuf); do  # a new order each round: drift falls on every tree
+        dir=$OUT/$b/$t.$round
+        mkdir -p "$dir"
+        # shellcheck disable=SC2086  # the arguments are word lists
+        if ! PYTHONPATH=$PWD/_ab/$t python3 "bench/bench_$b.py" $args --out "$dir" \
+            > "$dir.log" 2>&1; then
+          echo "round $round bench_$b $t failed: tail of $dir.log"; tail -5 "$dir.log"; failed=1
+        fi
+      done
+    done
+    echo "round $round done at $((SECONDS - start)) s"
+  done
+  table "$OUT"
+  exit $failed ;;
+table)
+  table "${2:-$OUT}" ;;
+test)
+  shift
+  mkdir -p "$OUT"
+  status=0
+  for t in $(trees); do
+    (cd "_ab/$t" && PYTHONPATH=$PWD python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}") \
+      > "$OUT/$t.tests.log" 2>&1 || status=1
+    echo "$t tests: $(grep -E 'passed|failed|error|skipped' "$OUT/$t.tests.log" | tail -1)"
+  done
+  exit $status ;;
+*)
+  sed -n 2,17p "$0" >&2; exit 2 ;;
+esac
