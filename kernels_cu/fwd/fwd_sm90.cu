@@ -8,14 +8,14 @@
 // wgmma (S = Q K^T from shared memory, O += P V with P from registers) and write O (from
 // d = 128 through their Q stage). Two consumers take turns issuing their products (named
 // barriers), so one's softmax runs under the other's matrix work.
-#include "common.cuh"
+#include "../common/types.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
 #include "mask.cuh"
-#include "softmax.cuh"
+#include "../common/softmax.cuh"
 #include "score.cuh"
-#include "sm90.cuh"
-#include "wgmma_ops.cuh"
+#include "../common/sm90.cuh"
+#include "../common/wgmma_ops.cuh"
 
 namespace cufa {
 

@@ -5,7 +5,7 @@
 // A part with lse -inf saw no key and weighs 0 (its output is not read: it may hold
 // anything); two such parts give 0 and -inf. lse +inf, flash-attn 2's mark of a row
 // without keys, counts as -inf; a NaN lse makes the row NaN.
-#include "common.cuh"
+#include "../common/types.cuh"
 
 namespace cufa {
 

@@ -1,7 +1,7 @@
 #pragma once
 // Parameters of the KV-cache kernels (decode.cu), passed by value. The Python mirror is
 // cufa/_params.py (DECODE_FIELDS); every compile appends static_asserts generated from it.
-#include "common.cuh"
+#include "../common/types.cuh"
 
 namespace cufa {
 

@@ -2,7 +2,7 @@
 // Parameters of the forward kernel family, passed by value. The Python mirror is
 // cufa/_params.py; every compile appends static_asserts generated from it, so a
 // layout mismatch is a compile error, never a silent misread.
-#include "common.cuh"
+#include "../common/types.cuh"
 
 namespace cufa {
 

@@ -12,10 +12,10 @@
 //   merge one pass of the CTA covers, in the chunk that finishes last (merge_if_last: a
 //   launch less, of host and of GPU time; bench/NOTES.md).
 // decode_append runs first when the call appends keys or applies rotary embedding.
-#include "common.cuh"
-#include "decode_params.cuh"
-#include "softmax.cuh"
-#include "mma_tiles.cuh"
+#include "../common/types.cuh"
+#include "params.cuh"
+#include "../common/softmax.cuh"
+#include "../common/mma_tiles.cuh"
 
 namespace cufa {
 

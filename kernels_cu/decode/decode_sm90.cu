@@ -23,8 +23,8 @@
 //   need none), and Q's copies go out before the lengths too; only the consumer warps
 //   wait for Q, on a named barrier. (An H100 timeline: Q lands ~1.8 us after entry, with
 //   the ring's first boxes already in flight; bench/NOTES.md.)
-#include "decode.cu"
-#include "sm90.cuh"
+#include "decode_sm80.cu"
+#include "../common/sm90.cuh"
 namespace cufa {
 
 // The epilogue helpers' view of this kernel: four consumer warps (their softmax states

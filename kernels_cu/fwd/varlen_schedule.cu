@@ -7,7 +7,7 @@
 // after all sequences with more blocks. The order among sequences of equal length
 // follows atomics; every tile is computed independently, so results do not depend on it.
 // A paged batch's decode-sized sequences (the decode kernel's) are ordered too: by keys.
-#include "common.cuh"
+#include "../common/types.cuh"
 
 namespace cufa {
 
