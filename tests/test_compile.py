@@ -155,7 +155,7 @@ def test_every_variant_compiles_without_spills(reports):
 def test_kernels_unbounded_window_is_the_hosts():
     # apply_mask's one-compare path keys on it: a window side the host sends as unbounded
     # must read as unbounded in the kernels
-    m = re.search(r"constexpr int kUnboundedWindow = 1 << (\d+);", _compile.kernel_source("fwd/params.cuh"))
+    m = re.search(r"constexpr int kUnboundedWindow = 1 << (\d+);", _compile.kernel_source("fwd/mask.cuh"))
     assert m and 1 << int(m.group(1)) == api._UNBOUNDED
 
 
