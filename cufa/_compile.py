@@ -261,8 +261,8 @@ class DecodeKernel:
 
     @property
     def source(self):
-        return {"merge": "decode/merge.cu", "decode_tma": "decode/decode_sm90.cu"}.get(
-            self.kind, "decode/decode_sm80.cu")
+        name = {"decode": "decode_sm80", "decode_tma": "decode_sm90"}.get(self.kind, self.kind)
+        return f"decode/{name}.cu"
 
     @property
     def key(self):
