@@ -20,9 +20,9 @@ from pathlib import Path
 
 from . import _params
 
-DTYPES = ("fp16", "bf16")           # index = Dtype in common.cuh
-MASKS = ("none", "window")          # index = MaskKind in mask.cuh
-FAMILIES = ("sm80", "sm90")         # kernels_cu/fwd_<family>.cu
+DTYPES = ("fp16", "bf16")           # index = Dtype in common/types.cuh
+MASKS = ("none", "window")          # index = MaskKind in fwd/mask.cuh
+FAMILIES = ("sm80", "sm90")         # kernels_cu/fwd/fwd_<family>.cu
 MAX_HEAD_DIM = 256
 
 # sm80: mma.sync on any GPU from sm_80 on. Head dims padded to a multiple of 32;

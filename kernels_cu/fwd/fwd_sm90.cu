@@ -8,7 +8,7 @@
 // wgmma (S = Q K^T from shared memory, O += P V with P from registers) and write O (from
 // d = 128 through their Q stage). Two consumers take turns issuing their products (named
 // barriers), so one's softmax runs under the other's matrix work.
-#include "../common/types.cuh"
+#include "../common/sm80.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
 #include "mask.cuh"
