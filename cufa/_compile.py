@@ -120,7 +120,7 @@ class FwdVariant:
 
     @functools.cached_property
     def ctas_per_sm(self):
-        """sm90: CTAs resident on one SM (kCtasPerSm in fwd_sm90.cu)."""
+        """sm90: CTAs resident on one SM (kCtasPerSm in fwd/sm90_smem.cuh)."""
         return 2 if self.block_m == 64 else 1
 
     @property
@@ -181,7 +181,7 @@ class FwdVariant:
 
 @dataclass(frozen=True)
 class ScheduleKernel:
-    """varlen_schedule.cu: builds the work list of a packed batch (one CTA)."""
+    """fwd/varlen_schedule.cu: builds the work list of a packed batch (one CTA)."""
     key: str = "varlen_schedule"
     source: str = "fwd/varlen_schedule.cu"
     name_expression: str = "cufa::varlen_schedule"
