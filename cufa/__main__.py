@@ -260,8 +260,8 @@ def info():
     else:
         print(reason)
     print(f"kernel cache (CuPy, on disk): {_cache_dir()}")
-    print(f"kernel sources: {_compile.KERNEL_FILES} (fwd_sm80.cu sha256:"
-          f"{_compile.source_digest('fwd_sm80.cu')})")
+    print(f"kernel sources: {_compile.KERNEL_FILES} (fwd/fwd_sm80.cu sha256:"
+          f"{_compile.source_digest('fwd/fwd_sm80.cu')})")
     print(f"variants the library can launch: {len(_compile.all_variants())}")
     for key in _compile.compiled_keys():
         print(f"  compiled in this process: {key}")

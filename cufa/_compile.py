@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib.resources
 import os
+import posixpath
 import re
 import threading
 from dataclasses import dataclass
@@ -19,9 +20,9 @@ from pathlib import Path
 
 from . import _params
 
-DTYPES = ("fp16", "bf16")           # index = Dtype in common.cuh
-MASKS = ("none", "window")          # index = MaskKind in mask.cuh
-FAMILIES = ("sm80", "sm90")         # kernels_cu/fwd_<family>.cu
+DTYPES = ("fp16", "bf16")           # index = Dtype in common/types.cuh
+MASKS = ("none", "window")          # index = MaskKind in fwd/mask.cuh
+FAMILIES = ("sm80", "sm90")         # kernels_cu/fwd/fwd_<family>.cu
 MAX_HEAD_DIM = 256
 
 # sm80: mma.sync on any GPU from sm_80 on. Head dims padded to a multiple of 32;
@@ -105,7 +106,7 @@ class FwdVariant:
 
     @property
     def source(self):
-        return f"fwd_{self.family}.cu"
+        return f"fwd/fwd_{self.family}.cu"
 
     @functools.cached_property  # read by every launch
     def threads(self):
@@ -119,7 +120,7 @@ class FwdVariant:
 
     @functools.cached_property
     def ctas_per_sm(self):
-        """sm90: CTAs resident on one SM (kCtasPerSm in fwd_sm90.cu)."""
+        """sm90: CTAs resident on one SM (kCtasPerSm in fwd/sm90_smem.cuh)."""
         return 2 if self.block_m == 64 else 1
 
     @property
@@ -180,9 +181,9 @@ class FwdVariant:
 
 @dataclass(frozen=True)
 class ScheduleKernel:
-    """varlen_schedule.cu: builds the work list of a packed batch (one CTA)."""
+    """fwd/varlen_schedule.cu: builds the work list of a packed batch (one CTA)."""
     key: str = "varlen_schedule"
-    source: str = "varlen_schedule.cu"
+    source: str = "fwd/varlen_schedule.cu"
     name_expression: str = "cufa::varlen_schedule"
     threads: int = 1024
     smem_bytes: int = 0
@@ -260,7 +261,8 @@ class DecodeKernel:
 
     @property
     def source(self):
-        return {"merge": "merge.cu", "decode_tma": "decode_sm90.cu"}.get(self.kind, "decode.cu")
+        name = {"decode": "decode_sm80", "decode_tma": "decode_sm90"}.get(self.kind, self.kind)
+        return f"decode/{name}.cu"
 
     @property
     def key(self):
@@ -502,16 +504,26 @@ _source_cache = {}
 
 
 def kernel_source(name):
-    """The text of one kernel source file, e.g. "fwd_sm80.cu", read as text (not through
-    a file path, which a zipped install does not have)."""
-    return KERNEL_FILES.joinpath(name).read_text(encoding="utf-8")
+    """The text of one kernel source file, named by its path under kernels_cu/ with "/"
+    (e.g. "fwd/fwd_sm80.cu"), read as text (not through a file path, which a zipped install
+    does not have)."""
+    file = KERNEL_FILES
+    for part in name.split("/"):
+        file = file / part
+    return file.read_text(encoding="utf-8")
 
 
 def _inline(name, seen):
+    """`name` with its includes inlined, each resolved from the including file's folder as
+    the C preprocessor resolves a quoted include."""
     if name in seen:               # every header is #pragma once
         return ""
     seen.add(name)
-    return _INCLUDE.sub(lambda m: _inline(m.group(1), seen), kernel_source(name))
+    folder = posixpath.dirname(name)
+
+    def include(m):
+        return _inline(posixpath.normpath(posixpath.join(folder, m.group(1))), seen)
+    return _INCLUDE.sub(include, kernel_source(name))
 
 
 def assembled_source(filename):

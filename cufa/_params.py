@@ -1,6 +1,6 @@
-"""Python mirrors of the kernels' params structs, passed by value: ``FwdParams``
-(kernels_cu/params.cuh), ``DecodeParams`` (kernels_cu/decode_params.cuh), ``MergeParams``
-(merge.cu) and ``ScheduleParams`` (varlen_schedule.cu).
+"""Python mirrors of the kernels' params structs, passed by value: ``FwdParams`` and
+``ScheduleParams`` (kernels_cu/fwd/params.cuh), ``DecodeParams`` and ``MergeParams``
+(kernels_cu/decode/params.cuh).
 
 Each field list below is the single Python statement of its layout. Every compile
 appends ``static_assert``s generated from it (``layout_asserts``), so a struct that
@@ -170,13 +170,13 @@ SCHEDULE = Record("cufa::ScheduleParams", SCHEDULE_FIELDS)
 RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
            "struct MergeParams {": MERGE, "struct ScheduleParams {": SCHEDULE}
 
-# AttnMaskType in params.cuh
+# AttnMaskType in fwd/params.cuh
 ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)
 
 
 def layout_asserts(record):
     """C++ static_asserts pinning the size and every field offset to a Record
-    (``cufa::field_offset`` in params.cuh finds an offset at compile time)."""
+    (``cufa::field_offset`` in common/types.cuh finds an offset at compile time)."""
     struct_name, dtype = record.struct_name, record.dtype
     lines = [f"static_assert(sizeof({struct_name}) == {dtype.itemsize}, "
              f"\"{struct_name} size differs from cufa/_params.py\");"]

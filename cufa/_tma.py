@@ -1,4 +1,4 @@
-"""TMA tensor maps for the Hopper kernels (kernels_cu/sm90.cuh, ``TensorMaps``).
+"""TMA tensor maps for the Hopper kernels (kernels_cu/common/sm90.cuh, ``TensorMaps``).
 
 Each of q, k and v is described to the copy engine as a 4-D (columns, rows, heads, batch)
 tensor with its own strides, read in boxes of 64 columns (one 128-byte swizzled panel)
@@ -17,7 +17,7 @@ import functools
 import struct
 from dataclasses import dataclass
 
-MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, sm90.cuh)
+MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, common/sm90.cuh)
 _MAPS_BUFFER = ctypes.c_char * MAPS_BYTES  # a record's type as a launch argument
 PADS = [bytes(MAPS_BYTES - 128 * n) for n in range(6)]  # a record of n maps to MAPS_BYTES
 PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width

@@ -155,7 +155,7 @@ def test_every_variant_compiles_without_spills(reports):
 def test_kernels_unbounded_window_is_the_hosts():
     # apply_mask's one-compare path keys on it: a window side the host sends as unbounded
     # must read as unbounded in the kernels
-    m = re.search(r"constexpr int kUnboundedWindow = 1 << (\d+);", _compile.kernel_source("params.cuh"))
+    m = re.search(r"constexpr int kUnboundedWindow = 1 << (\d+);", _compile.kernel_source("fwd/mask.cuh"))
     assert m and 1 << int(m.group(1)) == api._UNBOUNDED
 
 
@@ -189,7 +189,7 @@ def test_wgmma_header_is_generated_from_the_script():
     assert module.HEADER.read_text() == module.generate(), "run python tools/gen_wgmma.py"
 
 
-@pytest.mark.parametrize("source", ["fwd_sm80.cu", "fwd_sm90.cu"])
+@pytest.mark.parametrize("source", ["fwd/fwd_sm80.cu", "fwd/fwd_sm90.cu"])
 def test_source_has_headers_inlined_and_digest(source):
     src = _compile.assembled_source(source)
     assert '#include "' not in src

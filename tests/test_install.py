@@ -20,16 +20,21 @@ def test_kernel_sources_load_from_a_zipped_install(tmp_path):
     with zipfile.ZipFile(site, "w") as z:
         for f in Path(cufa.__file__).parent.glob("*.py"):
             z.write(f, f"cufa/{f.name}")
-        for f in _compile.KERNEL_FILES.iterdir():
-            if f.name.endswith((".py", ".cu", ".cuh")):
-                z.writestr(f"cufa/kernels_cu/{f.name}", f.read_text())
+
+        def add(folder, name):  # the kernel sources, subfolders included
+            for f in folder.iterdir():
+                if f.is_dir():
+                    add(f, f"{name}/{f.name}")
+                elif f.name.endswith((".py", ".cu", ".cuh")):
+                    z.writestr(f"{name}/{f.name}", f.read_text())
+        add(_compile.KERNEL_FILES, "cufa/kernels_cu")
     code = ("import cufa, cufa._compile as c; assert 'site.zip' in cufa.__file__, cufa.__file__; "
-            "print(c.source_digest('fwd_sm90.cu'), c.source_digest('varlen_schedule.cu'))")
+            "print(c.source_digest('fwd/fwd_sm90.cu'), c.source_digest('fwd/varlen_schedule.cu'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(site)}, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [_compile.source_digest("fwd_sm90.cu"),
-                                _compile.source_digest("varlen_schedule.cu")]
+    assert r.stdout.split() == [_compile.source_digest("fwd/fwd_sm90.cu"),
+                                _compile.source_digest("fwd/varlen_schedule.cu")]
 
 
 def test_version():

@@ -44,7 +44,7 @@ def _tma_box(memory, dims, byte_strides, itemsize, coords, box):
 
 
 def test_tail_view_reads_the_sequence_end_and_zeros():
-    """The producer's coordinates for a packed batch's last key block (fwd_sm90.cu):
+    """The producer's coordinates for a packed batch's last key block (fwd/sm90_producer.cuh):
     the rows of the sequence, then zeros, never the next sequence's rows."""
     import numpy as np
     rows, heads, cols, block_n = 40, 2, 8, 16

@@ -1,4 +1,4 @@
-"""Writes kernels_cu/wgmma_ops.cuh: wrappers for the wgmma instruction shapes cufa uses.
+"""Writes kernels_cu/common/wgmma_ops.cuh: wrappers for the wgmma instruction shapes cufa uses.
 
 A wgmma with N columns takes N/2 accumulator registers as separate asm operands, which
 C++ cannot spell generically; this script writes them out once. Run it after changing
@@ -10,7 +10,7 @@ from pathlib import Path
 
 SS_N = (32, 64, 80, 128, 192)  # S = Q K^T: N = block_n
 RS_N = (64, 128, 192, 256)   # O += P V: N = padded head dim
-HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma_ops.cuh"
+HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_ops.cuh"
 
 
 def _acc_operands(n):
@@ -58,7 +58,7 @@ def generate():
         "//   wgmma_rs: A from registers, B from shared memory MN-major (O += P V).",
         "// accumulate = 0 overwrites d, 1 adds to it. Accumulators use the mma.sync C layout",
         "// per warp: d[0][n / 8][e] is row 16 * warp + lane / 4 + 8 * (e / 2), column n.",
-        '#include "common.cuh"',
+        '#include "types.cuh"',
         "",
         "namespace cufa {",
         "",

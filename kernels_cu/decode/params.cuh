@@ -1,7 +1,8 @@
 #pragma once
-// Parameters of the KV-cache kernels (decode.cu), passed by value. The Python mirror is
-// cufa/_params.py (DECODE_FIELDS); every compile appends static_asserts generated from it.
-#include "common.cuh"
+// Parameters of the KV-cache kernels (DecodeParams) and of merge_states (MergeParams),
+// passed by value. The Python mirror is cufa/_params.py (DECODE_FIELDS, MERGE_FIELDS);
+// every compile appends static_asserts generated from it.
+#include "../common/types.cuh"
 
 namespace cufa {
 
@@ -60,6 +61,19 @@ struct DecodeParams {
   int rotary_q_per_token;  // q token t at position cache_seqlens + t (causal / window), else + 0
 
   float scale, scale_log2, softcap, softcap_inv;
+};
+
+// merge_states (merge.cu). Strides in elements; outputs (batch, seqlen, nheads,
+// head_dim), lse (batch, nheads, seqlen) (a packed batch is batch 1).
+struct MergeParams {
+  u64 out_a, lse_a, out_b, lse_b, out, lse;
+  i64 out_a_batch_stride, out_a_row_stride, out_a_head_stride, out_a_col_stride;
+  i64 out_b_batch_stride, out_b_row_stride, out_b_head_stride, out_b_col_stride;
+  i64 out_batch_stride, out_row_stride, out_head_stride, out_col_stride;
+  i64 lse_a_batch_stride, lse_a_head_stride, lse_a_row_stride;
+  i64 lse_b_batch_stride, lse_b_head_stride, lse_b_row_stride;
+  i64 lse_batch_stride, lse_head_stride, lse_row_stride;
+  int batch, seqlen, nheads, head_dim;
 };
 
 }  // namespace cufa

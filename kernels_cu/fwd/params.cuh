@@ -1,8 +1,9 @@
 #pragma once
-// Parameters of the forward kernel family, passed by value. The Python mirror is
-// cufa/_params.py; every compile appends static_asserts generated from it, so a
-// layout mismatch is a compile error, never a silent misread.
-#include "common.cuh"
+// Parameters of the forward kernel family (FwdParams) and of the packed batch's work list
+// (ScheduleParams), passed by value. The Python mirror is cufa/_params.py; every compile
+// appends static_asserts generated from it, so a layout mismatch is a compile error,
+// never a silent misread.
+#include "../common/types.cuh"
 
 namespace cufa {
 
@@ -10,10 +11,6 @@ namespace cufa {
 // score-mods variants.
 enum AttnMaskType { ATTN_MASK_NONE = 0, ATTN_MASK_BOOL = 1, ATTN_MASK_FP16 = 2,
                     ATTN_MASK_BF16 = 3, ATTN_MASK_FP32 = 4 };
-
-// A window side this large is unbounded (api._UNBOUNDED): no sequence the int32
-// params hold is that long.
-constexpr int kUnboundedWindow = 1 << 30;
 
 struct FwdParams {
   // Device addresses as integers: a struct of plain numbers can be bit_cast at
@@ -67,6 +64,22 @@ struct FwdParams {
   float scale_log2;  // scale * log2(e): one FFMA per score before exp2
   float softcap;     // 0 = off
   float softcap_inv;
+};
+
+// varlen_schedule's, passed by value as one record (the host packs it once per plan and writes only the
+// pointers a call): ten separate kernel arguments cost the launch ten ctypes objects.
+// scratch: 3 * num_buckets ints; num_buckets > the largest possible block count.
+// tile_counter (or null): the persistent forward's tile counter (2 uint32), zeroed here
+// so the launch needs no memset of its own. decode_rows: sequences with at most this many
+// query rows get no tiles (the decode kernel takes them; 0 when it is not launched).
+// decode_order (or null): int (batch,), the decode kernel's sequences, most keys first
+// (key counts from cu_seqlens_k / seqused_k as the decode kernel reads them, capped at
+// capacity, in buckets of 2^key_shift keys), then -1 for the rest.
+struct ScheduleParams {
+  u64 cu_seqlens_q, scratch, tile_list, tile_count, tile_counter;  // int*, int2* for the list
+  u64 cu_seqlens_k, seqused_k, decode_order;
+  int batch, total_q, block_m, num_buckets, decode_rows;
+  int capacity, key_shift;
 };
 
 }  // namespace cufa

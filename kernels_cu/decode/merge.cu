@@ -5,22 +5,9 @@
 // A part with lse -inf saw no key and weighs 0 (its output is not read: it may hold
 // anything); two such parts give 0 and -inf. lse +inf, flash-attn 2's mark of a row
 // without keys, counts as -inf; a NaN lse makes the row NaN.
-#include "common.cuh"
+#include "params.cuh"
 
 namespace cufa {
-
-// Strides in elements; outputs (batch, seqlen, nheads, head_dim), lse (batch, nheads, seqlen)
-// (a packed batch is batch 1). Python mirror: cufa/_params.py (MERGE_FIELDS).
-struct MergeParams {
-  u64 out_a, lse_a, out_b, lse_b, out, lse;
-  i64 out_a_batch_stride, out_a_row_stride, out_a_head_stride, out_a_col_stride;
-  i64 out_b_batch_stride, out_b_row_stride, out_b_head_stride, out_b_col_stride;
-  i64 out_batch_stride, out_row_stride, out_head_stride, out_col_stride;
-  i64 lse_a_batch_stride, lse_a_head_stride, lse_a_row_stride;
-  i64 lse_b_batch_stride, lse_b_head_stride, lse_b_row_stride;
-  i64 lse_batch_stride, lse_head_stride, lse_row_stride;
-  int batch, seqlen, nheads, head_dim;
-};
 
 enum MergeDtype { MERGE_FP16 = 0, MERGE_BF16 = 1, MERGE_FP32 = 2 };
 

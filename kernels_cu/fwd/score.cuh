@@ -2,6 +2,7 @@
 // Score stages shared by the forward kernels, on the mma.sync accumulator layout
 // (wgmma accumulators use the same layout per warp): element e of tile (mt, nt)
 // is row 16 * mt + lane / 4 + 8 * (e / 2), column 8 * nt + 2 * (lane % 4) + e % 2.
+#include "../common/sm80.cuh"
 #include "params.cuh"
 #include "mask.cuh"
 

@@ -5,7 +5,7 @@
 //   wgmma_rs: A from registers, B from shared memory MN-major (O += P V).
 // accumulate = 0 overwrites d, 1 adds to it. Accumulators use the mma.sync C layout
 // per warp: d[0][n / 8][e] is row 16 * warp + lane / 4 + 8 * (e / 2), column n.
-#include "common.cuh"
+#include "types.cuh"
 
 namespace cufa {
 

@@ -2,7 +2,7 @@
 // Hopper building blocks (sm_90a): shared-memory matrix descriptors, wgmma ordering,
 // the 128-byte-swizzled tile layout the descriptors describe, mbarriers, named barriers
 // and per-warpgroup register budgets.
-#include "common.cuh"
+#include "sm80.cuh"
 
 namespace cufa {
 

@@ -7,25 +7,9 @@
 // after all sequences with more blocks. The order among sequences of equal length
 // follows atomics; every tile is computed independently, so results do not depend on it.
 // A paged batch's decode-sized sequences (the decode kernel's) are ordered too: by keys.
-#include "common.cuh"
+#include "params.cuh"
 
 namespace cufa {
-
-// Passed by value as one record (the host packs it once per plan and writes only the
-// pointers a call): ten separate kernel arguments cost the launch ten ctypes objects.
-// scratch: 3 * num_buckets ints; num_buckets > the largest possible block count.
-// tile_counter (or null): the persistent forward's tile counter (2 uint32), zeroed here
-// so the launch needs no memset of its own. decode_rows: sequences with at most this many
-// query rows get no tiles (the decode kernel takes them; 0 when it is not launched).
-// decode_order (or null): int (batch,), the decode kernel's sequences, most keys first
-// (key counts from cu_seqlens_k / seqused_k as the decode kernel reads them, capped at
-// capacity, in buckets of 2^key_shift keys), then -1 for the rest.
-struct ScheduleParams {
-  u64 cu_seqlens_q, scratch, tile_list, tile_count, tile_counter;  // int*, int2* for the list
-  u64 cu_seqlens_k, seqused_k, decode_order;
-  int batch, total_q, block_m, num_buckets, decode_rows;
-  int capacity, key_shift;
-};
 
 __device__ __forceinline__ int query_rows(const int* cu_seqlens_q, int b, int total_q) {
   const int q0 = min(max(cu_seqlens_q[b], 0), total_q);  // clamped as in get_tile

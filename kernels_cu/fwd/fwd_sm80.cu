@@ -2,13 +2,13 @@
 // runs on sm_80 and every later GPU. One CTA of 4 warps owns kBlockM query rows of
 // one (batch, head); it streams K/V blocks of kBlockN keys through shared memory,
 // from the last visible block to the first, so blocks that need masking come first.
-#include "common.cuh"
+#include "../common/sm80.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
 #include "mask.cuh"
-#include "softmax.cuh"
+#include "../common/softmax.cuh"
 #include "score.cuh"
-#include "mma_tiles.cuh"
+#include "../common/mma_tiles.cuh"
 
 namespace cufa {
 

@@ -1,7 +1,7 @@
 #pragma once
 // Online softmax over the mma.sync accumulator layout: each thread holds rows
 // g and g+8 of every 16-row tile (g = lane / 4), spread over the 4 lanes of a quad.
-#include "common.cuh"
+#include "types.cuh"
 
 namespace cufa {
 

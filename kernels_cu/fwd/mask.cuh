@@ -7,6 +7,10 @@ namespace cufa {
 
 enum MaskKind { MASK_NONE = 0, MASK_WINDOW = 1 };
 
+// A window side this large is unbounded (api._UNBOUNDED): no sequence the int32
+// params hold is that long.
+constexpr int kUnboundedWindow = 1 << 30;
+
 struct KeyRange {
   int begin, end;  // keys [begin, end) that some row of the query block sees
 };

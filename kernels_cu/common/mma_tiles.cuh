@@ -2,7 +2,7 @@
 // mma.sync building blocks shared by the sm_80 forward and the decode kernels: the
 // swizzled shared-memory tile, ldmatrix addressing, and the two products of a warp's
 // 16-row tiles (S = Q K^T, O += P V).
-#include "common.cuh"
+#include "sm80.cuh"
 
 namespace cufa {
 

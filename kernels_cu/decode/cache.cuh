@@ -1,0 +1,174 @@
+#pragma once
+// Where a decode CTA's rows and keys live: the CTA's query rows (a GQA group's heads x
+// new tokens, one mma tile), a sequence's place in a contiguous or paged cache, and the
+// cp.async loads of Q and of a warp's K/V tiles from it.
+#include "params.cuh"
+#include "../common/mma_tiles.cuh"
+
+namespace cufa {
+
+constexpr int kDecodeRows = 16;  // query rows per CTA: one mma tile
+constexpr int kTileKeys = 16;    // keys a warp takes per step
+
+// -- where a sequence's keys live --
+struct CacheSeq {
+  int b;
+  int seqlen_k;  // keys the queries attend to: cache_seqlens + seqlen_new - leftpad
+  int start;     // cache position of key 0 (cache_leftpad)
+  int end;       // cache position after the old keys: where the append writes
+  int row;       // cache row (contiguous cache)
+  const int* pages;  // block_table row (paged cache)
+  int seqlen_q;  // query rows: p.seqlen_q, or a packed sequence's own
+  int q_row0;    // row of query 0 in q and o (a packed batch's cu_seqlens_q; else 0)
+};
+
+// Every value read from the device is clamped, so malformed lengths or ids can make the
+// result wrong but never make an access leave the arrays.
+__device__ __forceinline__ CacheSeq cache_seq(const DecodeParams& p, int b) {
+  CacheSeq s;
+  s.b = b;
+  s.pages = reinterpret_cast<const int*>(p.block_table) + b * p.block_table_batch_stride;
+  if (p.cu_seqlens_q) {  // a packed batch: rows and keys from the offsets, no append
+    const int* cu_q = reinterpret_cast<const int*>(p.cu_seqlens_q);
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    s.q_row0 = min(max(cu_q[b], 0), p.total_q);
+    s.seqlen_q = min(max(cu_q[b + 1], s.q_row0), p.total_q) - s.q_row0;
+    const int keys = p.seqused_k ? reinterpret_cast<const int*>(p.seqused_k)[b]
+                                 : cu_k[b + 1] - cu_k[b];
+    s.start = p.block_table ? 0 : min(max(cu_k[b], 0), p.capacity);  // packed rows: row 0
+    s.end = s.start + min(max(keys, 0), p.capacity - s.start);
+    s.seqlen_k = s.end - s.start;
+    s.row = 0;
+    return s;
+  }
+  s.seqlen_q = p.seqlen_q;
+  s.q_row0 = 0;
+  const int cached = p.cache_seqlens ? reinterpret_cast<const int*>(p.cache_seqlens)[b]
+                                     : p.cache_seqlen_fixed;
+  s.end = min(max(cached, 0), p.capacity);
+  const int used_end = min(s.end + p.seqlen_new, p.capacity);
+  s.start = p.cache_leftpad ? min(max(reinterpret_cast<const int*>(p.cache_leftpad)[b], 0), used_end)
+                            : 0;
+  s.seqlen_k = used_end - s.start;
+  s.row = p.cache_batch_idx
+              ? min(max(reinterpret_cast<const int*>(p.cache_batch_idx)[b], 0), p.cache_rows - 1)
+              : b;
+  return s;
+}
+
+// Where cache position `pos` lives: a cache row (contiguous) or a page, and the row in it.
+struct CacheSlot {
+  i64 block;
+  int row;
+};
+
+// Position `pos` in page `page` (an id as the block table holds it: clamped to the cache).
+__device__ __forceinline__ CacheSlot page_slot(const DecodeParams& p, int page, int pos) {
+  return CacheSlot{min(max(page, 0), p.cache_rows - 1), pos & ((1 << p.page_shift) - 1)};
+}
+
+__device__ __forceinline__ CacheSlot cache_slot(const DecodeParams& p, const CacheSeq& s, int pos) {
+  if (p.block_table) return page_slot(p, s.pages[pos >> p.page_shift], pos);
+  return CacheSlot{s.row, pos};
+}
+
+// Cache position `pos` of one KV head (head: the cache's base plus the head's offset).
+__device__ __forceinline__ const u16* cache_row(const DecodeParams& p, const CacheSeq& s,
+                                                const u16* head, i64 batch_stride,
+                                                i64 row_stride, int pos) {
+  const CacheSlot slot = cache_slot(p, s, pos);
+  return head + slot.block * batch_stride + slot.row * row_stride;
+}
+
+// -- a query row of the CTA: (token, head of the KV head's group) --
+struct DecodeRow {
+  int t, h;
+  bool valid;
+};
+
+__device__ __forceinline__ DecodeRow decode_row(const DecodeParams& p, const CacheSeq& s,
+                                                int m_block, int h_k, int r) {
+  const int gr = m_block * kDecodeRows + r;
+  DecodeRow row;
+  row.valid = gr < s.seqlen_q * p.group;
+  row.t = gr / p.group;
+  row.h = h_k * p.group + gr % p.group;
+  return row;
+}
+
+// -- a paged cache's page ids, looked up a step before the copies that need them: lane l
+//    loads the page of the tile's row l % 16, and the copies take each row's page from a
+//    shuffle, instead of a dependent load in front of their cp.async. 0 where no page is
+//    read: a contiguous cache, rows past the sequence --
+__device__ __forceinline__ int tile_row_page(const DecodeParams& p, const CacheSeq& s, int key0,
+                                             int lane) {
+  const int r = lane % kTileKeys;
+  if (!p.block_table || r >= s.seqlen_k - key0) return 0;
+  return s.pages[(s.start + key0 + r) >> p.page_shift];
+}
+
+// -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
+//    columns past head_dim read as zeros. A paged cache's rows take their pages from
+//    row_page, this lane's tile_row_page (kPagesAhead), or look them up here --
+template <int kHeadDim, bool kPagesAhead>
+__device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
+                                             const CacheSeq& s, const u16* k_head,
+                                             const u16* v_head, int key0, int row_page, int lane) {
+  constexpr int kChunks = kHeadDim / 8;
+  const int rows_valid = s.seqlen_k - key0;
+  // A contiguous cache's tile is rows of one base: a row stride a chunk, not a slot lookup
+  // and two 64-bit products (ncu: our loop issued over twice cuDNN's instructions a byte).
+  // A paged tile inside one page (pages of 16 rows or more, a 16-aligned first key) is
+  // such a tile too, from its page: one lookup a tile, not one a row (pages of 256 1-2 %
+  // faster on an H100, pages of 16 within +-1.5 %).
+  const int pos0 = s.start + key0;
+  const bool one_page = p.page_shift >= 4 && (pos0 & (kTileKeys - 1)) == 0;
+  const bool paged = p.block_table != 0 && !one_page;
+  i64 block = s.row;
+  if (p.block_table && one_page)
+    block = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, 0)
+                                     : s.pages[pos0 >> p.page_shift], pos0).block;
+  const int row0 = p.block_table ? pos0 & ((1 << p.page_shift) - 1) : pos0;
+  const i64 first = paged ? 0 : block * p.k_batch_stride + (i64)row0 * p.k_row_stride;
+  const i64 first_v = paged ? 0 : block * p.v_batch_stride + (i64)row0 * p.v_row_stride;
+#pragma unroll
+  for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = r < rows_valid && c * 8 < p.head_dim;
+    const u16* k_src = k_head;  // any valid address: a zero-filling copy reads nothing
+    const u16* v_src = v_head;
+    if (valid && !paged) {
+      k_src += first + r * p.k_row_stride + c * 8;
+      v_src += first_v + r * p.v_row_stride + c * 8;
+    } else if (paged) {  // (the whole warp: the shuffle)
+      const int pos = s.start + key0 + r;
+      const CacheSlot slot = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r)
+                                                      : valid ? s.pages[pos >> p.page_shift] : 0,
+                                       pos);
+      if (valid) {
+        k_src += slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
+        v_src += slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
+      }
+    }
+    const u32 at = Swizzle<kHeadDim>::offset(r, c);
+    cp_async_16(sk + at, k_src, valid ? 16 : 0);
+    cp_async_16(sv + at, v_src, valid ? 16 : 0);
+  }
+}
+
+// -- Q: the CTA's 16 query rows (`rows` of them, zeros after) into sq, by cp.async from
+//    `threads` threads --
+template <int kHeadDim, int kThreads>
+__device__ __forceinline__ void load_q_rows(u32 sq, const DecodeParams& p, const CacheSeq& s,
+                                            int m_block, int h_k, int rows, int thread) {
+  const u16* q = reinterpret_cast<const u16*>(p.q);
+  copy_rows_async<kDecodeRows, kHeadDim, kThreads>(
+      sq, [&](int r) {
+        const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+        return q + s.b * p.q_batch_stride + (s.q_row0 + row.t) * p.q_row_stride +
+               row.h * p.q_head_stride;
+      },
+      q, rows, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); }, thread);
+}
+
+}  // namespace cufa

@@ -1,0 +1,183 @@
+// Attention of a few new query rows against a KV cache: decode, speculative decode, and
+// appends of new keys. Reading the cache is the whole cost, so the kernel is built to
+// keep HBM busy rather than the matrix units:
+// - the query rows that share a KV head (GQA group x new tokens) form the 16 rows of one
+//   mma tile, so each cache byte is read once per KV head, not once per query head;
+// - each warp (4, or 2 above d = 128) streams its own 16-key tiles through a ring of
+//   cp.async stages (no CTA-wide barrier in the loop); the warps' softmax states merge at
+//   the end;
+// - split-KV: the keys of one (sequence, KV head) are cut into num_splits chunks, each a
+//   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; the chunks'
+//   normalized outputs merge by their lse, in decode_combine or, for an eager call whose
+//   merge one pass of the CTA covers, in the chunk that finishes last (merge_if_last: a
+//   launch less, of host and of GPU time; bench/NOTES.md).
+// decode_append runs first when the call appends keys or applies rotary embedding.
+#include "cache.cuh"
+#include "score.cuh"
+#include "epilogue.cuh"
+#include "split_merge.cuh"
+
+namespace cufa {
+
+// Warps and cp.async stages per head dim: enough bytes in flight to keep HBM busy (three
+// CTAs share an H100 SM), within the 99 KB of shared memory that every GPU from sm_80 on
+// grants a CTA. A warp's 16-key stage of K and V is 16 KB at d = 256, hence two warps
+// above d = 128. kStagesWanted and kWarpsWanted (0: these) give d = 64 and 128 a shape
+// with four CTAs an SM (d = 64: three stages; d = 128: two warps of three stages), that
+// the planner takes where it runs the work in one wave unsplit (measured slower than the
+// default at d = 64 once there are several waves). Mirrored by decode_shape and
+// DECODE_MORE_CTAS in cufa/_compile.py.
+template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0>
+struct DecodeShape {
+  static constexpr int kWarps = kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : 2;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kStages = kStagesWanted ? kStagesWanted : kHeadDim <= 64 ? 4 : 2;
+  // 16-key tiles a warp's softmax step folds in: two where two stages can be computing
+  // while two are in flight, so the max, sum and output rescale run once per 32 keys
+  static constexpr int kStepTiles = kStages >= 4 ? 2 : 1;
+  // Ring tiles a warp issues before Q has landed; the rest of the ring goes out after. Q
+  // waits in the memory queues behind every copy issued with it: with 6 tiles a warp
+  // ahead (4 x 8 stages at 1 x 32k) Q landed after 3.6 us, with 2 after 2.0.
+  static constexpr int kTilesBeforeQ = kStages - kStepTiles < 2 ? kStages - kStepTiles : 2;
+  static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;
+  static constexpr int kWarpBytes = kStages * 2 * kTileBytes;  // K and V per stage
+  static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
+  static constexpr int kOStride = kHeadDim + 4;  // floats a row: rows 4 banks apart
+  static_assert(kDecodeRows * kOStride * 4 <= kWarpBytes,
+                "a warp's float outputs reuse its cache stages");
+  static constexpr int kBytes = kQBytes + kWarps * kWarpBytes;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(kBytes <= 227 * 1024, "shared memory a CTA of sm_90");
+#else
+  static_assert(kBytes <= 99 * 1024, "shared memory of sm_86/89");
+#endif
+};
+
+// grid: (num_m_blocks * num_splits, nheads_k, batch)
+template <int kDtype, int kHeadDim, int kStages, int kWarpCount>
+__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kThreads)
+    decode_kernel(const DecodeParams p) {
+  using Shape = DecodeShape<kHeadDim, kStages, kWarpCount>;
+  constexpr int kWarps = Shape::kWarps;
+  constexpr int kDTiles = kHeadDim / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
+
+  // -- which rows, keys and split --
+  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;
+  const int h_k = blockIdx.y;
+  const int b = p.decode_order ? reinterpret_cast<const int*>(p.decode_order)[blockIdx.z] : blockIdx.z;
+  if (b < 0) return;
+  const CacheSeq s = cache_seq(p, b);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int rows = min(kDecodeRows, s.seqlen_q * p.group - m_block * kDecodeRows);
+  // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes)
+  if (rows <= 0 || s.seqlen_q > p.seqlen_q) return;
+  const KeySpan span = visible_span(p, s.seqlen_k, s.seqlen_q, (m_block * kDecodeRows) / p.group,
+                                    (m_block * kDecodeRows + rows - 1) / p.group);
+  const int num_tiles = (span.end - span.begin + kTileKeys - 1) / kTileKeys;
+  const int split_tiles = (num_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = min(split * split_tiles, num_tiles);
+  const int tile_end = min(tile_begin + split_tiles, num_tiles);
+  // this warp's tiles: tile_begin + warp, + kWarps, ...
+  const int my_tiles = max(0, (tile_end - tile_begin - warp + kWarps - 1) / kWarps);
+
+  // -- Q: the CTA's 16 rows, zeros past the last --
+  const u32 sq = smem_u32(smem);
+  load_q_rows<kHeadDim, Shape::kThreads>(sq, p, s, m_block, h_k, rows, threadIdx.x);
+  cp_async_commit();
+
+  // -- prologue: the first kStages - kStep tiles of this warp, a commit group each --
+  constexpr int kStep = Shape::kStepTiles;
+  // Page ids a step ahead: pages of 16 and 256 read 1-2 % faster at d = 128 on an H100;
+  // at d = 64 (two tiles a step, more CTAs an SM) they read within +-2 %, as often
+  // slower, so it keeps the lookup at the copy (bench/NOTES.md).
+  constexpr bool kPagesAhead = kStep == 1;
+  const u32 stages = sq + Shape::kQBytes + warp * Shape::kWarpBytes;
+  const u16* k_head = reinterpret_cast<const u16*>(p.k) + h_k * p.k_head_stride;
+  const u16* v_head = reinterpret_cast<const u16*>(p.v) + h_k * p.v_head_stride;
+  const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
+  const auto stage_k = [&](int i) { return stages + (i % kStages) * 2 * Shape::kTileBytes; };
+  const auto ahead_pages = [&](int i) {
+    return kPagesAhead && i < my_tiles ? tile_row_page(p, s, tile_key0(i), lane) : 0;
+  };
+  const auto prologue_tile = [&](int i) {
+    if (i < my_tiles)
+      load_kv_tile<kHeadDim, kPagesAhead>(stage_k(i), stage_k(i) + Shape::kTileBytes, p, s,
+                                          k_head, v_head, tile_key0(i), ahead_pages(i), lane);
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < Shape::kTilesBeforeQ; ++i) prologue_tile(i);
+  // the page ids of the first step's copies (then each step loads the next step's)
+  int next_pages[kStep];
+#pragma unroll
+  for (int u = 0; u < kStep; ++u) next_pages[u] = ahead_pages(kStages - kStep + u);
+  cp_async_wait<Shape::kTilesBeforeQ>();  // Q (the oldest group) has landed
+  __syncthreads();
+#pragma unroll
+  for (int i = Shape::kTilesBeforeQ; i < kStages - kStep; ++i) prologue_tile(i);
+
+  const TileScoring scoring = tile_scoring(p, s, m_block, h_k, rows, lane);
+  const bool score_mods = score_mods_on(p);
+  const float scale_log2 = score_mods ? 1.f : p.scale_log2;  // score mods leave log2 units
+  const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
+
+  float acc_o[1][kDTiles][4];
+  fill(acc_o, 0.f);
+  OnlineSoftmax<1> softmax;
+  softmax.init();
+
+  for (int i = 0; i < my_tiles; i += kStep) {
+    // -- fetch the kStep tiles after the ones in flight, into the stages the last step
+    //    used, then wait for tiles i .. i + kStep - 1 --
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) {
+      const int ahead = i + kStages - kStep + u;
+      if (ahead < my_tiles)
+        load_kv_tile<kHeadDim, kPagesAhead>(stage_k(ahead), stage_k(ahead) + Shape::kTileBytes, p,
+                                            s, k_head, v_head, tile_key0(ahead), next_pages[u], lane);
+      cp_async_commit();
+      next_pages[u] = ahead_pages(ahead + kStep);
+    }
+    cp_async_wait<kStages - kStep>();
+    __syncwarp();
+
+    // -- compute qk of each tile (a tile past the warp's last scores -inf), score mods, mask --
+    float acc_s[1][2 * kStep][4];
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) {
+      float(&tile_s)[1][2][4] = *reinterpret_cast<float(*)[1][2][4]>(&acc_s[0][2 * u]);
+      const bool present = u == 0 || i + u < my_tiles;
+      fill(tile_s, present ? 0.f : -CUFA_INF);
+      if (present)
+        score_tile<kDtype>(tile_s, q_frag, stage_k(i + u), p, s, scoring, score_mods,
+                           tile_key0(i + u), lane);
+    }
+
+    // -- update m_i and l_i once for the step, rescale acc, then acc += P V per tile --
+    float correction[1][2];
+    softmax.update(acc_s, scale_log2, correction);
+    softmax.rescale_output(acc_o, correction);
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) {
+      if (u > 0 && i + u >= my_tiles) continue;
+      const float(&tile_p)[1][2][4] = *reinterpret_cast<const float(*)[1][2][4]>(&acc_s[0][2 * u]);
+      accumulate_tile<kDtype, kHeadDim>(acc_o, tile_p, stage_k(i + u) + Shape::kTileBytes, lane);
+    }
+    __syncwarp();  // every lane is done with these stages before they are refilled
+  }
+
+  cp_async_wait<0>();  // (the outputs are staged over the cache stages)
+  float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
+  stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_out,
+                                              scale_log2);
+  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,
+                                               s_warp_sum, scale_log2);
+  static_assert(merge_scratch_bytes(Shape::kThreads) <= kWarps * Shape::kWarpBytes,
+                "the merge's weights and partial sums fit the cache stages");
+  if (p.num_splits > 1 && p.split_counters)
+    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);
+}
+
+}  // namespace cufa

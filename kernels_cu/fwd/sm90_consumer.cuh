@@ -1,0 +1,348 @@
+#pragma once
+// The Hopper forward's consumer warpgroups: per key block S = Q K^T and O += P V on
+// wgmma, the online softmax between, software-pipelined; then the epilogue.
+#include "sm90_smem.cuh"
+#include "sm90_epilogue.cuh"
+#include "score.cuh"
+#include "../common/softmax.cuh"
+#include "../common/wgmma_ops.cuh"
+
+namespace cufa {
+
+// Two consumers take turns issuing; three (192-row tiles at d = 64) issue freely.
+template <int kBlockM> constexpr bool kTurns = kConsumers<kBlockM> == 2;
+constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
+
+// -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
+//    and pass_turn (an arrive on the other's), so the two never issue at once and each
+//    one's softmax overlaps the other's products. Consumer 1 passes once before its
+//    first turn, so consumer 0 goes first, and then after every turn, its last of a tile
+//    included: consumer 0 starts the next tile while 1 writes its output. Consumer 0
+//    takes one turn more at the end to balance the barrier --
+__device__ __forceinline__ void take_turn(int consumer) {
+  named_barrier_sync(kTurnBarrier + consumer, 256);
+}
+__device__ __forceinline__ void pass_turn(int consumer) {
+  named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
+}
+
+// -- P from the S accumulators into wgmma A fragments, 16 keys per fragment --
+template <int kDtype, int kNTiles>
+__device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    a[kk][0] = pack2<kDtype>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    a[kk][1] = pack2<kDtype>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    a[kk][2] = pack2<kDtype>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    a[kk][3] = pack2<kDtype>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+// -- lazy max (OnlineSoftmax::update_lazy) from d = 128: O's rescale is then skipped by
+//    most blocks, and it is 64 (d = 128) to 128 (d = 256) multiplies a thread a block --
+template <int kHeadDim>
+constexpr bool kLazyRescale = kHeadDim >= 128;
+
+// -- a row's block max and sum as two chains up to d = 128 (+1-4 % there); at d = 256 they
+//    measured up to 4 % slower on short causal rows --
+template <int kHeadDim>
+constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
+
+// -- the first block a tile takes is its last: where no row of the tile sees its upper
+//    half (every other tile of a causal sequence on 64-row tiles and 128-key blocks, or
+//    a sequence ending there), only the lower half's Q K^T and exponentials are
+//    computed. At d = 64 the exponentials bound the loop, and on short causal rows such
+//    blocks are a fifth of all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
+template <int kBlockM, int kBlockN, bool kScoreMods>
+constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods;
+
+// -- descriptor offset (16-byte units) of k-step ks in a K-major tile of `rows` rows --
+__device__ __forceinline__ u32 kstep_offset(int ks, int rows) {
+  return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+}
+
+// -- S = Q K^T of one K stage, issued and committed: the block's first 8 * kTiles keys
+//    (all of them, or the lower half: kHalfFirstBlock) --
+template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kTiles>
+__device__ __forceinline__ void issue_qk_keys(float (&acc)[1][kTiles][4], u64 q_stage_desc,
+                                              u64 k_stage_desc) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    wgmma_ss<kDtype>(acc, desc_add(q_stage_desc, kstep_offset(ks, kBlockM)),
+                     desc_add(k_stage_desc, kstep_offset(ks, kBlockN)), ks > 0);
+  wgmma_commit();
+}
+
+// -- scores of the block at key0 -> probabilities, in place, over its first 8 * kTiles
+//    keys: score mods, the mask where the block needs it, the online softmax's update and
+//    the factor O must be rescaled by. Returns whether O needs rescaling (under a lazy max
+//    most blocks do not) --
+template <int kMask, bool kScoreMods, int kHeadDim, int kTiles, class Softmax>
+__device__ __forceinline__ bool scores_to_probs_keys(float (&acc)[1][kTiles][4], const FwdParams& p,
+                                                     const Tile& t, const TileMods& mods,
+                                                     const Sm90Work& w, int row_base, int key0,
+                                                     int lane, float scale_log2, Softmax& softmax,
+                                                     float (&correction)[1][2]) {
+  if (kScoreMods)
+    apply_score_mods(acc, p, t, mods, row_base, key0, lane);
+  if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + 8 * kTiles))
+    apply_mask<kMask>(acc, p, t, row_base, key0, lane);
+  bool rescale = true;
+  if constexpr (kLazyRescale<kHeadDim>)
+    rescale = softmax.update_lazy(acc, scale_log2, correction);
+  else
+    softmax.update(acc, scale_log2, correction);
+  fence_registers(acc);
+  return rescale;
+}
+
+// -- a K or V stage is released by one thread a consumer warpgroup (as FA3's and cuDNN's
+//    consumers do; an arrival from all 128 measured slower on short causal rows, NOTES.md
+//    step 42): the warpgroup's wgmma has read it once any of its threads has waited for it --
+__device__ __forceinline__ void release_stage(u32 bar) {
+  if (threadIdx.x % 128 == 0) mbar_arrive(bar);
+}
+
+// -- a consumer with no rows in a tile still owes its arrivals on the tile's K/V
+//    stages: on each once it is full (so it never runs a phase ahead of the other) --
+template <class Smem>
+__device__ __forceinline__ void release_blocks(const Smem& sm, int n_blocks, int& block_count) {
+  for (int g = block_count; g < block_count + n_blocks; ++g) {
+    const u32 stage = Smem::stage(g), parity = Smem::parity(g);
+    mbar_wait(sm.k_full() + 8 * stage, parity);
+    release_stage(sm.k_empty() + 8 * stage);
+    mbar_wait(sm.v_full() + 8 * stage, parity);
+    release_stage(sm.v_empty() + 8 * stage);
+  }
+  block_count += n_blocks;
+}
+
+// -- a consumer warpgroup: 64 rows of every tile --
+template <int kDtype, int kMask, bool kScoreMods, bool kHoldPVWait, class Smem>
+__device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int consumer) {
+  constexpr int kBlockM = Smem::kBlockM, kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  const int lane = threadIdx.x % 32;
+  const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
+  // K-major Q and K: 8-row groups 1024 bytes apart; 16 columns (32 bytes) per k-step
+  // inside a panel. MN-major V: 64-column panels kBlockN * 128 bytes apart, 8-key
+  // groups 1024 bytes apart; 16 keys (2048 bytes) per k-step.
+  const u64 q_desc = smem_desc(sm.q + consumer * 64 * 128, 16, 1024);
+  const u64 k_desc = smem_desc(sm.k(), 16, 1024);
+  const u64 v_desc = smem_desc(sm.v(), kBlockN * 128, 1024);
+  constexpr u32 kStageStep = Smem::kKVBytes >> 4;
+
+  int block_count = 0;
+  bool took_turns = false;
+  for (int tile_count = 0;; ++tile_count) {
+    const u32 q_stage = Smem::q_stage(tile_count);
+    mbar_wait(sm.q_full() + 8 * q_stage, Smem::q_parity(tile_count));
+    Tile t;
+    if (!load_tile(sm.tile() + 32 * q_stage, p, t)) break;
+    Sm90Work w = sm90_work<kBlockM, kMask, kBlockN>(p, t);
+    // The key-block count drives the stage indices and so every wgmma descriptor. Read
+    // from shared memory, ptxas cannot tell it is the same across the warp; broadcast
+    // from lane 0, it is, and the descriptors stay in uniform registers (no R2UR moves
+    // and vector adds before each wgmma).
+    w.n_blocks = __shfl_sync(0xffffffffu, w.n_blocks, 0);
+    // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
+    // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
+    // head dim 256: with the extra branch ptxas spills there.)
+    const bool solo = !kTurns<kBlockM> || (kHeadDim < 256 && w.row0 + 64 >= w.row_end);
+    // A consumer whose 64 rows lie past the tile's end only releases the stages.
+    const bool idle = kTurns<kBlockM> ? solo && consumer == 1 : w.row0 + 64 * consumer >= w.row_end;
+    if (idle) {
+      mbar_arrive(sm.q_empty() + 8 * q_stage);
+      release_blocks(sm, w.n_blocks, block_count);
+      continue;
+    }
+    const int row_base = w.row0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
+    float acc_o[1][kDTiles][4];
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    OnlineSoftmax<1, kSoftmaxChains<kHeadDim>> softmax;
+    softmax.init();
+
+    if (w.n_blocks > 0) {
+      const TileMods mods = tile_mods<kScoreMods>(p, t);
+      const int n_blocks = w.n_blocks;
+      const u64 q_stage_desc = desc_add(q_desc, q_stage * (Smem::kQBytes >> 4));
+      auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
+        issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(acc_s, q_stage_desc,
+                                                          desc_add(k_desc, stage * kStageStep));
+      };
+      u32 p_prev[kNTiles / 2][4];
+      auto issue_pv = [&](u32 stage) {
+        const u64 v_stage_desc = desc_add(v_desc, stage * kStageStep);
+#pragma unroll
+        for (int kk = 0; kk < kNTiles / 2; ++kk)
+          wgmma_rs<kDtype>(acc_o, p_prev[kk], desc_add(v_stage_desc, kk * 16 * 128 >> 4), 1);
+        wgmma_commit();
+      };
+      // Scores of block `it` -> probabilities (in place), and the factor O must be
+      // rescaled by; then, once the previous P V is complete, O rescaled and P packed as
+      // the A operand of this block's product.
+      auto scores_to_probs = [&](float (&acc_s)[1][kNTiles][4], int it, float (&correction)[1][2]) {
+        return scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
+            acc_s, p, t, mods, w, row_base, (w.n_block_max - 1 - it) * kBlockN, lane, scale_log2,
+            softmax, correction);
+      };
+      auto rescale_and_pack = [&](const float (&acc_s)[1][kNTiles][4], const float (&correction)[1][2],
+                                  bool rescale) {
+        if (rescale) softmax.rescale_output(acc_o, correction);
+        pack_p<kDtype>(p_prev, acc_s);
+      };
+      if (!solo && !took_turns) {
+        if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
+        took_turns = true;
+      }
+      auto turn_begin = [&] { if (!solo) take_turn(consumer); };
+      auto turn_end = [&] { if (!solo) pass_turn(consumer); };
+
+      if constexpr (Smem::kStages == 1) {
+        // One K and one V buffer (d = 256 on 128-key blocks, as cuDNN's kernel): each
+        // product is waited for where it is issued, so no scores are in flight beside P
+        // and O (64 + 32 + 128 registers a thread would not fit); the other consumer's
+        // products fill the matrix units meanwhile, and the producer loads K_{j+1} under
+        // this block's softmax and P V.
+        for (int it = 0; it < n_blocks; ++it) {
+          const int g = block_count + it;
+          mbar_wait(sm.k_full(), Smem::parity(g));
+          turn_begin();
+          float acc_s[1][kNTiles][4];
+          wgmma_fence();
+          issue_qk(acc_s, 0);
+          turn_end();
+          wgmma_wait<0>();
+          fence_registers(acc_s);
+          release_stage(sm.k_empty());
+          if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
+          float correction[1][2];
+          const bool rescale = scores_to_probs(acc_s, it, correction);
+          if (it > 0 && rescale) softmax.rescale_output(acc_o, correction);
+          pack_p<kDtype>(p_prev, acc_s);
+          mbar_wait(sm.v_full(), Smem::parity(g));
+          turn_begin();
+          wgmma_fence();
+          issue_pv(0);
+          turn_end();
+          wgmma_wait<0>();
+          fence_registers(acc_o);
+          release_stage(sm.v_empty());
+        }
+        block_count += n_blocks;
+      } else {
+        // Block 0: S only. Peeled, so that every product in the loop is issued
+        // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
+        {
+          const u32 stage = Smem::stage(block_count);
+          // (broadcast from lane 0, so that ptxas sees a uniform branch around the wgmma)
+          const bool half = kHalfFirstBlock<kBlockM, kBlockN, kScoreMods> &&
+                            __shfl_sync(0xffffffffu, 2 * w.last_block_keys <= kBlockN, 0);
+          float acc_s[1][kNTiles][4];
+          float(&lower)[1][kNTiles / 2][4] = *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s);
+          mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
+          turn_begin();
+          wgmma_fence();
+          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+            if (half)
+              issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(
+                  lower, q_stage_desc, desc_add(k_desc, stage * kStageStep));
+            else
+              issue_qk(acc_s, stage);
+          } else {
+            issue_qk(acc_s, stage);
+          }
+          turn_end();
+          wgmma_wait<0>();
+          fence_registers(acc_s);
+          release_stage(sm.k_empty() + 8 * stage);
+          if (!kStagedOutput<kHeadDim> && n_blocks == 1)
+            mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
+          float correction[1][2];
+          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+            if (half) {
+              scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
+                  lower, p, t, mods, w, row_base, (w.n_block_max - 1) * kBlockN, lane, scale_log2,
+                  softmax, correction);
+#pragma unroll
+              for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;  // P of the keys no row sees
+            } else {
+              scores_to_probs(acc_s, 0, correction);
+            }
+          } else {
+            scores_to_probs(acc_s, 0, correction);
+          }
+          // O is still zero: rescaling it would be 0 * correction, which the compiler must
+          // keep (inf and NaN), ~100 instructions a tile at d = 128
+          pack_p<kDtype>(p_prev, acc_s);
+        }
+        // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
+        // together, and computes the exponentials of S_it while the P V product runs.
+        for (int it = 1; it < n_blocks; ++it) {
+          const int g = block_count + it;
+          const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
+          mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
+          mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
+          turn_begin();
+          float acc_s[1][kNTiles][4];
+          wgmma_fence();
+          issue_qk(acc_s, stage);
+          issue_pv(prev_stage);
+          turn_end();
+          wgmma_wait<1>();
+          fence_registers(acc_s);
+          release_stage(sm.k_empty() + 8 * stage);
+          if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
+          // (P is packed only after the P V wait: the registers of the previous P feed the
+          // product until it completes, and ptxas does not see that they are still in use.)
+          float correction[1][2];
+          const bool rescale = scores_to_probs(acc_s, it, correction);
+          if constexpr (kHoldPVWait)  // the exponentials under this warpgroup's own P V
+            hold_wait_below(softmax.row_sum[0][0], softmax.row_sum[0][1], sm.tile());
+          wgmma_wait<0>();
+          fence_registers(acc_o);
+          fence_registers(p_prev);
+          release_stage(sm.v_empty() + 8 * prev_stage);
+          rescale_and_pack(acc_s, correction, rescale);
+        }
+        // -- the last block's P V --
+        const int last = block_count + n_blocks - 1;
+        mbar_wait(sm.v_full() + 8 * Smem::stage(last), Smem::parity(last));
+        turn_begin();
+        wgmma_fence();
+        issue_pv(Smem::stage(last));
+        turn_end();
+        wgmma_wait<0>();
+        fence_registers(acc_o);
+        release_stage(sm.v_empty() + 8 * Smem::stage(last));
+        block_count += n_blocks;
+      }
+    } else if (!kStagedOutput<kHeadDim>) {
+      mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
+    }
+
+    float lse[1][2];
+    softmax.finalize(acc_o, lse, scale_log2);
+    const TilePointers ptr = tile_pointers(p, t);
+    if constexpr (kStagedOutput<kHeadDim>) {
+      write_output_staged<kDtype, kBlockM, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
+                                            sm.q + q_stage * Smem::kQBytes, w.row0, row_base,
+                                            lane);
+      // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
+      // and read through the generic one.
+      fence_proxy_async();
+      mbar_arrive(sm.q_empty() + 8 * q_stage);
+    } else {
+      write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
+    }
+  }
+  if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
+}
+
+}  // namespace cufa
