@@ -14,7 +14,7 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
-from . import _interop
+from . import _interop, _runtime
 
 
 def tracing(*xs):
@@ -197,7 +197,6 @@ def on_device(spec, ctx, outs, bufs):
     the views, the plan lookup and the records (api.clear_plans forgets them). They are
     kept apart from the plans: a function whose buffers move every run (new arguments)
     leaves a recording a run, and those must not push out plans."""
-    api = sys.modules["cufa.api"]  # (imported by now: the call that traced came through it)
     interfaces = [b.__cuda_array_interface__ for b in bufs] + \
         [b.__cuda_array_interface__ for b in outs]
     key = ("jax", spec.token, ctx.stream,
@@ -205,7 +204,7 @@ def on_device(spec, ctx, outs, bufs):
     replay = replays.get(key)
     if replay is not None:
         device, calls = replay
-        with api.caller_stream("cupy", device, ctx.stream):
+        with _runtime.caller_stream("cupy", device, ctx.stream):
             for fn, args, _ in calls:
                 fn(*args)
         return
@@ -222,7 +221,7 @@ def on_device(spec, ctx, outs, bufs):
     if spec.scratch:
         buffer = out_views.pop()
         scratch = (buffer.ptr, buffer.shape[0])
-    recording = api._recording
+    recording = _runtime.recording
     recording.calls, recording.replayable = [], True
     try:
         _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream, scratch)

@@ -1,14 +1,14 @@
 """The public attention functions: validate -> plan (variant, params, grid; cached per call
 signature) -> launch."""
 import collections
-import ctypes
 import math
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import _compile, _interop, _jax, _params, _tma, _torch_ops
+from . import _compile, _interop, _jax, _params, _runtime, _tma, _torch_ops
+from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, outputs, plans,
+                       remember, returned, stream_call, stream_tile_counter, stream_workspace)
 
 _KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 _ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
@@ -82,9 +82,9 @@ def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, sof
     arrays = (q, k, v, alibi_slopes, out)
     entries, addresses = _interop.signature(arrays, _DENSE_ARRAYS)
     key = ("dense", options) + entries
-    plan = _plans.get(key)
+    plan = plans.get(key)
     if plan is None:
-        plan = _remember(key, _dense_plan(arrays, entries, addresses, out, options))
+        plan = remember(key, _dense_plan(arrays, entries, addresses, out, options))
     q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr = addresses
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     lse_out=lse_out, stream=stream, scratch=scratch, like=q)
@@ -199,9 +199,9 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out)
     entries, ptrs = _interop.signature(arrays, _PACKED_ARRAYS)
     key = ("packed", options) + entries
-    plan = _plans.get(key)
+    plan = plans.get(key)
     if plan is None:
-        plan = _remember(key, _packed_plan(arrays, entries, ptrs, out, options))
+        plan = remember(key, _packed_plan(arrays, entries, ptrs, out, options))
     if check_cu_seqlens:
         views = _interop.views(arrays, _PACKED_ARRAYS, entries, ptrs, 5)
         q_, k_, _, cu_q, cu_k, used, _, table, _ = views
@@ -310,9 +310,9 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, str
     arrays = (query, key, value, attn_mask)
     entries, addresses = _interop.signature(arrays, _SDPA_ARRAYS)
     plan_key = ("sdpa", options) + entries
-    plan = _plans.get(plan_key)
+    plan = plans.get(plan_key)
     if plan is None:
-        plan = _remember(plan_key, _plan_sdpa(
+        plan = remember(plan_key, _plan_sdpa(
             *_interop.views(arrays, _SDPA_ARRAYS, entries, addresses, 3), *options))
     q_ptr, k_ptr, v_ptr, mask_ptr = addresses
     o_ptr = 0 if out is None else out.ptr
@@ -620,26 +620,11 @@ class _Plan:
 _LOG2_E = math.log2(math.e)
 _STRIDE_FIELDS = tuple((f"{x}_batch_stride", f"{x}_row_stride", f"{x}_head_stride")
                        for x in "qkvo")
-# ("entry", options) + _interop.signature key -> plan. Ordered: past _MAX_PLANS the
-# oldest goes, in O(1) (a dict's first item after many deletions is a scan away)
-_plans = collections.OrderedDict()
-_MAX_PLANS = 4096
-
-
-def _remember(key, plan):
-    """Plans use the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M,
-    CUFA_DECODE_TMA) as last read: clear_plans() after changing them in a running process."""
-    if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: the oldest goes
-        _plans.popitem(last=False)
-    _plans[key] = plan
-    return plan
-
-
 def clear_plans():
     """Forget every launch plan (the next call of each signature plans again) and read
     the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA)
     afresh."""
-    _plans.clear()
+    plans.clear()
     _layouts.clear()
     _jax.replays.clear()
     _compile.read_overrides()
@@ -667,7 +652,7 @@ def _remember_layout(layout, plan, views, entries, packed):
     if layout is not None and plan.variant is not None and plan.decode is None:
         mover = _Mover.of(plan, views, entries, packed)
         if mover is not None:
-            if len(_layouts) >= _MAX_PLANS:
+            if len(_layouts) >= MAX_PLANS:
                 _layouts.popitem(last=False)
             _layouts[layout] = mover
     return plan
@@ -702,7 +687,7 @@ class _Mover:
         """plan's mover, or None where the layout does not move (its cu_seqlens strided,
         or planned on the portable kernels where Hopper's could not describe it). The
         rest is read off the entries at the first move (a new layout pays no more)."""
-        if plan.variant.family != _compile.family_for(_compute_capability(plan.device)):
+        if plan.variant.family != _compile.family_for(_runtime.compute_capability(plan.device)):
             return None
         if packed and any(x is not None and x.strides != (1,) for x in views[3:6]):
             return None
@@ -865,7 +850,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         return _Plan(**outputs)
     mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
     score_mods = softcap > 0 or alibi is not None or attn_mask is not None
-    family = _compile.family_for(_compute_capability(q.device))
+    family = _compile.family_for(_runtime.compute_capability(q.device))
     if paged is not None and 1 << paged["page_shift"] < _PAGED_TMA_MIN_ROWS:
         family = "sm80"
     # (packed: the mean keys a sequence, or a paged cache's capacity a sequence)
@@ -951,7 +936,7 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     kv_bytes = (seqlen_k if seqlen_k > 1 else 1) * variant.head_dim * 4
     group_heads = _L2_BUDGET // kv_bytes
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
-        resident = _sm_count(device) * variant.ctas_per_sm
+        resident = _runtime.sm_count(device) * variant.ctas_per_sm
         num_blocks = min(num_blocks, resident)
         # and no more than the resident CTAs cover at once, so that a head's query blocks
         # run together and its K/V comes from DRAM once (short sequences: +2-8 % at 512
@@ -1027,38 +1012,13 @@ def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, pac
     current stream. q, k, v, o_ptr (out's), alibi, attn_mask: addresses; packed: the
     addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream, scratch:
     see dense; like: the caller's q (outputs')."""
-    scratch_ptr = _check_scratch(scratch, plan.scratch_bytes)
+    scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream, like)
         if plan.variant is not None:
             _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed,
                     scratch_ptr)
     return returned(plan, o, lse, return_lse)
-
-
-def outputs(plan, out, o_ptr, lse_out, want_lse, stream, like=None):
-    """(out, its address, lse, its address) of a call, inside caller_stream: the caller's
-    out= (or, under jax.jit, XLA's buffers out and lse_out) where given, else new arrays of
-    the caller's framework; without want_lse no lse at all (None, 0), which the kernels
-    skip: one allocation less a call. Plans of every entry point have the fields read.
-    like: the caller's q, whose shape, dtype and device every plan's out has."""
-    if out is None:
-        out, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
-                                       plan.device, stream, like)
-    if lse_out is not None:
-        return out, o_ptr, lse_out, lse_out.ptr
-    if not want_lse:
-        return out, o_ptr, None, 0
-    lse, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32", plan.device,
-                                     stream)
-    return out, o_ptr, lse, lse_ptr
-
-
-def returned(plan, out, lse, with_lse):
-    """What the caller gets back: out (and lse), as JAX arrays for a JAX caller."""
-    if plan.to_jax:
-        out, lse = _interop.to_jax(out), (_interop.to_jax(lse) if with_lse else None)
-    return (out, lse) if with_lse else out
 
 
 def _work_list_ints(max_tiles, num_buckets):
@@ -1117,188 +1077,6 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
     del scratch
 
 
-def _check_scratch(scratch, needed):
-    """scratch: None, or (address, bytes) of a caller-provided device buffer (XLA's, under
-    jax.jit); its address, or 0 for none."""
-    if scratch is None:
-        return 0
-    ptr, size = scratch
-    if size < needed:
-        raise RuntimeError(f"the scratch buffer traced for this jitted call has {size} bytes "
-                           f"but the launch needs {needed}: the device it runs on differs "
-                           "from the one it was traced for; trace it again there")
-    return ptr
-
-
-def stream_tile_counter(framework, device, stream):
-    """(owner, address) of the persistent kernel's tile counter (2 zeroed uint32s) for a
-    launch on `stream`. The kernel leaves its counter zeroed, and launches on one stream
-    run one after another, so each stream keeps one (zeroed when it is made) and a call
-    needs no memset. A stream being captured into a CUDA graph gets a counter of its own,
-    zeroed by a memset in the graph: a graph may be replayed on any stream, beside any
-    other work."""
-    return _stream_buffer(_tile_counters, framework, device, stream, 8, zeroed=True)
-
-
-def stream_workspace(framework, device, stream, nbytes, capturing=None):
-    """(owner, address) of at least nbytes of device memory for one call's scratch on
-    `stream` (a packed batch's work list, a decode's split-KV partials), kept per stream
-    as the tile counter is, so a call allocates nothing; from the caller's allocator under
-    graph capture. Launches on the stream run in order, so one call's kernels are done
-    with it before the next call's write it. capturing: as _stream_buffer's."""
-    return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False,
-                          capturing=capturing)
-
-
-def stream_split_counters(framework, device, stream, nbytes):
-    """(owner, address) of nbytes of zeroed int32 counters for a split decode on `stream`,
-    which the decode kernel leaves zeroed (as stream_tile_counter's). Not for a stream
-    under graph capture: there the graph's own would need a memset node each replay, so
-    graphs keep decode_combine (bench/NOTES.md)."""
-    return _stream_buffer(_split_counters, framework, device, stream, nbytes, zeroed=True,
-                          capturing=False)
-
-
-def stream_capturing(stream):
-    """Whether `stream` is being captured into a CUDA graph."""
-    global _stream_is_capturing
-    if _stream_is_capturing is None:  # (looked up once: cupy.cuda's lookups cost ~1 us)
-        import cupy
-        _stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
-    return bool(_stream_is_capturing(stream))
-
-
-_stream_is_capturing = None
-
-
-_tile_counters = {}  # (device, stream, thread) -> (address, bytes)
-_split_counters = {}
-_workspaces = {}
-_buffer_growth = threading.Lock()
-
-
-def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed, capturing=None):
-    """A buffer `stream` keeps in held_by, grown (to twice the size asked) when a call
-    needs more. The default streams' handles are shared across threads that may not share
-    the stream, so theirs are per thread too. capturing: whether `stream` is under graph
-    capture, where the caller knows it (None: asked here); captured, the call gets memory
-    of its own."""
-    _recording.replayable = False  # this memory is not XLA's: a jax.jit replay must not reuse it
-    if capturing is None:
-        capturing = stream_capturing(stream)
-    if capturing:
-        import cupy
-        owner, ptr = _interop.allocate(framework, (-(-nbytes // 4),), "int32", device, stream)
-        if zeroed:
-            cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
-        return owner, ptr
-    key = (device, stream, threading.get_ident() if stream <= 2 else 0)
-    held = held_by.get(key)
-    if held is None or held[1] < nbytes:
-        import cupy
-        runtime = cupy.cuda.runtime
-        with _buffer_growth:  # two threads on one stream must not free it twice
-            held = held_by.get(key)
-            if held is None or held[1] < nbytes:
-                if held is not None:  # launches queued on the stream may still use it
-                    runtime.streamSynchronize(stream)
-                    runtime.free(held[0])
-                ptr = runtime.malloc(2 * nbytes)
-                if zeroed:
-                    runtime.memsetAsync(ptr, 0, 2 * nbytes, stream)
-                held = held_by[key] = (ptr, 2 * nbytes)
-    return None, held[0]
-
-
-class caller_stream:
-    """Context: `device` current, with its context (for the driver calls); gives the
-    stream the caller's framework is issuing work on. When the device's context is current
-    already (the usual case) it switches nothing: a launch's host cost is what a small
-    model step waits on."""
-    __slots__ = ("framework", "device", "stream", "_switch")
-
-    def __init__(self, framework, device, stream=None):
-        """stream: a CUstream handle to use instead (XLA's, in a jax.jit callback)."""
-        self.framework, self.device, self.stream, self._switch = framework, device, stream, None
-
-    def __enter__(self):
-        driver = _driver()
-        if _contexts.get(self.device) != driver.ctxGetCurrent():
-            import cupy
-            self._switch = cupy.cuda.Device(self.device)
-            self._switch.__enter__()
-            if driver.ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls
-                cupy.cuda.runtime.free(0)    # need the device's context made current
-            _contexts[self.device] = driver.ctxGetCurrent()
-        if self.stream is not None:
-            return self.stream
-        return _interop.current_stream_ptr(self.framework, self.device)
-
-    def __exit__(self, *exc):
-        if self._switch is not None:
-            self._switch.__exit__(*exc)
-
-
-_contexts = {}  # device -> its context handle, as current during our launches
-
-
-def driver_launch(function, blocks, threads, smem_bytes, stream, args):
-    """Straight through the driver, each argument (a ctypes object) passed by address:
-    a fraction of the cost of CuPy's argument conversion for the records. blocks: a count
-    or an (x, y, z) grid."""
-    grid = (blocks, 1, 1) if isinstance(blocks, int) else blocks
-    pointers = _POINTER_ARRAYS[len(args)](*map(ctypes.addressof, args))
-    stream_call(_driver().launchKernel, function, *grid, threads, 1, 1, smem_bytes, stream,
-                ctypes.addressof(pointers), 0, keep=(pointers, args))
-
-
-_POINTER_ARRAYS = [ctypes.c_void_p * n for n in range(4)]  # kernel arguments: 1 or 2 records
-
-
-def stream_call(fn, *args, keep=None):
-    """fn(*args): a driver or runtime call that queues work on a stream. Inside a jax.jit
-    callback that _jax.on_device records, the call is also kept (with `keep`, the memory
-    its arguments point to) so that the next run with the same buffers repeats it."""
-    fn(*args)
-    calls = getattr(_recording, "calls", None)
-    if calls is not None:
-        calls.append((fn, args, keep))
-
-
-# _jax.on_device's recording: `calls` (a list) while one is made on this thread, and
-# `replayable`, cleared where a call takes memory only that one call holds.
-_recording = threading.local()
-
-
-def _driver():
-    global _driver_module
-    if _driver_module is None:
-        from cupy_backends.cuda.api import driver
-        _driver_module = driver
-    return _driver_module
-
-
-_driver_module = None
-
-
-_capabilities = {}
+# Heads of a padded batch scheduled together (_sizes)
 _L2_BUDGET = 25 * 2**20  # bytes of K/V per scheduling group: half of an H100's L2
 _MIN_GROUP_HEADS = 12
-_sm_counts = {}
-
-
-def _sm_count(device):
-    n = _sm_counts.get(device)
-    if n is None:
-        import cupy
-        n = _sm_counts[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-    return n
-
-
-
-def _compute_capability(device):
-    cc = _capabilities.get(device)
-    if cc is None:
-        import cupy
-        cc = _capabilities[device] = cupy.cuda.Device(device).compute_capability
-    return cc

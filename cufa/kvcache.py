@@ -6,7 +6,9 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from . import _compile, _interop, _jax, _params, _tma, _torch_ops, api
+from . import _compile, _interop, _jax, _params, _runtime, _tma, _torch_ops, api
+from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, plans, remember,
+                       returned, stream_capturing, stream_split_counters, stream_workspace)
 
 _ROTARY_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 _MERGE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -121,12 +123,12 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
     options = (window, scale, softcap, rotary_interleaved, num_splits, cache_seqlen, want_lse)
     entries, ptrs = _interop.signature(arrays, _ARRAYS)
     key = ("kvcache", options) + entries
-    plan = api._plans.get(key)
+    plan = plans.get(key)
     views = None
     if plan is None or check_inputs:
         views = _interop.views(arrays, _ARRAYS, entries, ptrs, 3)
     if plan is None:
-        plan = api._remember(key, _plan_kvcache(
+        plan = remember(key, _plan_kvcache(
             *views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
             interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
@@ -167,19 +169,19 @@ def merge(arrays, lse_out=None, stream=None):
     api.dense)."""
     entries, addresses = _interop.signature(arrays, _MERGE_ARRAYS)
     key = ("merge",) + entries
-    plan = api._plans.get(key)
+    plan = plans.get(key)
     oa, la, ob, lb, o_ptr = addresses
     if plan is None:
         views = _interop.views(arrays, _MERGE_ARRAYS, entries, addresses, 4)
-        plan = api._remember(key, _plan_merge(*views, arrays[-1]))
-    with api.caller_stream(plan.framework, plan.device, stream) as stream:
-        o, o_ptr, lse, lse_ptr = api.outputs(plan, arrays[-1], o_ptr, lse_out, True, stream,
+        plan = remember(key, _plan_merge(*views, arrays[-1]))
+    with caller_stream(plan.framework, plan.device, stream) as stream:
+        o, o_ptr, lse, lse_ptr = outputs(plan, arrays[-1], o_ptr, lse_out, True, stream,
                                              arrays[0])  # (out has out_a's shape and dtype)
         if plan.blocks:
             params = _params.MERGE.with_pointer_values(plan.params, (  # MERGE_FIELDS' order
                 oa, la, ob, lb, o_ptr, lse_ptr))
-            api.driver_launch(plan.function, plan.blocks, 128, 0, stream, (params,))
-    return api.returned(plan, o, lse, True)
+            driver_launch(plan.function, plan.blocks, 128, 0, stream, (params,))
+    return returned(plan, o, lse, True)
 
 
 # -- planning ------------------------------------------------------------------------------
@@ -370,7 +372,7 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
         return None
     if not forced and capacity < _TMA_MIN_KEYS * num_splits:
         return None
-    sms = api._sm_count(device)
+    sms = _runtime.sm_count(device)
     if forced:
         per_cta = forced
     elif units * num_splits <= sms:
@@ -396,14 +398,14 @@ def _tma_device(device, forced=None):
     """Whether `device` runs the TMA decode kernel: where one CTA an SM keeps up on Hopper
     (_hopper_one_cta), or on any Hopper where CUFA_DECODE_TMA asks for it."""
     if forced:
-        return _compile.family_for(api._compute_capability(device)) == "sm90"
+        return _compile.family_for(_runtime.compute_capability(device)) == "sm90"
     return _hopper_one_cta(device)
 
 
 def _hopper_one_cta(device):
     """Hopper's kernel family (not forced to the portable one) where one decode CTA an SM
     keeps up with the memory: where the TMA decode kernel and the deep ring run."""
-    return (_compile.family_for(api._compute_capability(device)) == "sm90"
+    return (_compile.family_for(_runtime.compute_capability(device)) == "sm90"
             and _one_cta_keeps_up(device))
 
 
@@ -429,8 +431,8 @@ def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=Fals
         return _split_kernel(kernel, dtype, d, units * splits, device, paged), splits
     if wider is None:
         return kernel, splits
-    two_waves = 2 * api._sm_count(device)  # (times the CTAs an SM holds)
-    smem = _smem_per_sm(device)
+    two_waves = 2 * _runtime.sm_count(device)  # (times the CTAs an SM holds)
+    smem = _runtime.smem_per_sm(device)
     if (not paged and two_waves * kernel.ctas_per_sm_on(smem) < units
             <= two_waves * wider.ctas_per_sm_on(smem)):
         return wider, 1
@@ -445,7 +447,7 @@ def _split_kernel(kernel, dtype, d, ctas, device, paged):
     heads, d = 64 on an H100, one token fp16 31.7 -> 31.4 us, bf16 32.8 -> 31.9, four
     tokens 34.7 -> 34.2 and 35.9 -> 35.0 (queued; NOTES)."""
     deep = _compile.decode_kernel_deep_ring(dtype, d)
-    if deep is None or paged or ctas > api._sm_count(device) or not _hopper_one_cta(device):
+    if deep is None or paged or ctas > _runtime.sm_count(device) or not _hopper_one_cta(device):
         return kernel
     return deep
 
@@ -453,8 +455,8 @@ def _split_kernel(kernel, dtype, d, ctas, device, paged):
 def _split_count(num_splits, units, capacity, kernel, device, paged):
     """num_splits as given (capped), or for 0 chosen from the shapes (choose_num_splits)."""
     if num_splits == 0:
-        num_splits = choose_num_splits(units, capacity, api._sm_count(device),
-                                       kernel.ctas_per_sm_on(_smem_per_sm(device)),
+        num_splits = choose_num_splits(units, capacity, _runtime.sm_count(device),
+                                       kernel.ctas_per_sm_on(_runtime.smem_per_sm(device)),
                                        one_per_sm=not paged and _one_cta_keeps_up(device))
     return min(num_splits, MAX_SPLITS)
 
@@ -473,25 +475,9 @@ def _one_cta_keeps_up(device):
     an SM to stream it (from its memory clock and bus width; unknown: yes)."""
     keeps = _keeps_up.get(device)
     if keeps is None:
-        keeps = _keeps_up[device] = (_peak_bytes_per_s(device) or 0) / api._sm_count(
+        keeps = _keeps_up[device] = (_runtime.peak_bytes_per_s(device) or 0) / _runtime.sm_count(
             device) <= _ONE_CTA_MAX_BYTES_PER_SM
     return keeps
-
-
-def _peak_bytes_per_s(device):
-    """Peak DRAM bytes/s (double data rate x memory clock x bus width), or None where the
-    driver does not say."""
-    import cupy
-    try:
-        khz = cupy.cuda.runtime.deviceGetAttribute(_ATTR_MEMORY_CLOCK_KHZ, device)
-        bits = cupy.cuda.runtime.deviceGetAttribute(_ATTR_MEMORY_BUS_BITS, device)
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return None
-    return 2 * khz * 1e3 * bits / 8 if khz > 0 and bits > 0 else None
-
-
-# cudaDevAttrMemoryClockRate (kHz) and cudaDevAttrGlobalMemoryBusWidth (bits)
-_ATTR_MEMORY_CLOCK_KHZ, _ATTR_MEMORY_BUS_BITS = 36, 37
 
 
 def _workspace(*sizes):
@@ -522,15 +508,15 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     k and v)."""
     held, base = None, scratch_ptr
     # (one capture check a call: a driver call, ~1 us of a lent host's time)
-    capturing = None if scratch_ptr or not merge_in_launch else api.stream_capturing(stream)
+    capturing = None if scratch_ptr or not merge_in_launch else stream_capturing(stream)
     if not scratch_ptr and workspace[0]:
-        held, base = api.stream_workspace(framework, device, stream,
+        held, base = stream_workspace(framework, device, stream,
                                           reserved + 4 * workspace[0], capturing)
         base += reserved
     counters = counters_held = 0
     if merge_in_launch and not scratch_ptr and not capturing:
         x, y, z = launches[-2][2]  # (a split call's launches end: decode, combine)
-        counters_held, counters = api.stream_split_counters(framework, device, stream,
+        counters_held, counters = stream_split_counters(framework, device, stream,
                                                             4 * x * y * z)
         launches = launches[:-1]
     values = pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters)
@@ -539,7 +525,7 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     # order, q, k, v first)
     with_maps = (params, _tma.with_addresses(maps, values[1], values[1], values[2])) if maps else ()
     for kind, function, grid, threads, smem in launches:
-        api.driver_launch(function, grid, threads, smem, stream,
+        driver_launch(function, grid, threads, smem, stream,
                           with_maps if kind == "decode_tma" else (params,))
     # (the buffers held until the launches are queued: freed earlier, another thread could
     # be handed the same memory for work ordered before ours)
@@ -633,18 +619,6 @@ def _combine_entry(dtype, d, num_splits, rows, device):
 def _launch_entry(kernel, device, grid):
     return (kernel.kind, _compile.function_pointer(kernel, device), grid, kernel.threads,
             kernel.smem_bytes)
-
-
-_smem_per_sms = {}
-
-
-def _smem_per_sm(device):
-    n = _smem_per_sms.get(device)
-    if n is None:
-        import cupy
-        n = _smem_per_sms[device] = cupy.cuda.Device(device).attributes[
-            "MaxSharedMemoryPerMultiprocessor"]
-    return n
 
 
 @functools.lru_cache(maxsize=1024)  # a loop over up to 128 counts; a new signature asks
@@ -815,10 +789,10 @@ class _MergePlan:
 
 def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
     """ptrs: the arrays' addresses in _ARRAYS order; q_array: the caller's q."""
-    scratch_ptr = api._check_scratch(scratch, plan.scratch_bytes)
+    scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
     q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
-    with api.caller_stream(plan.framework, plan.device, stream) as stream:
-        o, o_ptr, lse, lse_ptr = api.outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
+    with caller_stream(plan.framework, plan.device, stream) as stream:
+        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
                                              q_array)
         if plan.launches:
             _, o_part, lse_part, q_rot = plan.workspace
@@ -828,4 +802,4 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
                 q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0), plan.framework,
                 plan.device, stream, scratch_ptr, maps=plan.maps)
-    return api.returned(plan, o, lse, plan.want_lse)
+    return returned(plan, o, lse, plan.want_lse)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _params, api, kvcache
+from cufa import _compile, _params, _runtime, kvcache
 from cufa._interop import DeviceArray
 
 H100_SMS = 132
@@ -24,20 +24,21 @@ def arr(shape, dtype="float16", strides=None, ptr=0x7f0000000000):
 def planner(monkeypatch):
     """Plans without a GPU: kernels get fake handles, the device has 132 SMs."""
     monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: hash(kernel.key))
-    monkeypatch.setattr(api, "_sm_count", lambda device: H100_SMS)
-    monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: H100_SMS)
+    monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
     monkeypatch.setattr(kvcache, "_tma_device", lambda device, forced=None: False)
     monkeypatch.setattr(kvcache, "_hopper_one_cta", kvcache._one_cta_keeps_up)  # (Hopper)
     monkeypatch.setattr(kvcache, "_keeps_up", {})
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
-    monkeypatch.setattr(api, "_plans", {})
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
+    _runtime.plans.clear()
     captured = []
     monkeypatch.setattr(kvcache, "_run", lambda plan, *a: captured.append(plan) or plan)
 
     def plan(*args, **kw):
         cufa.flash_attn_with_kvcache(*args, **kw)
         return captured[-1]
-    return plan
+    yield plan
+    _runtime.plans.clear()
 
 
 def record(plan):
@@ -182,8 +183,8 @@ def test_one_cta_an_sm_only_where_it_keeps_up_with_the_memory(planner, monkeypat
 
     def splits(peak):
         monkeypatch.setattr(kvcache, "_keeps_up", {})
-        monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: peak)
-        monkeypatch.setattr(api, "_plans", {})
+        monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: peak)
+        _runtime.plans.clear()
         return record(planner(q, cache, cache, cache_seqlens=lens))["num_splits"]
     assert splits(H100_PEAK_BYTES_PER_S) == one_per_sm
     assert splits(H200_PEAK_BYTES_PER_S) == slot_fill
@@ -214,8 +215,8 @@ def test_split_ctas_one_an_sm_take_the_deep_ring_at_d64(planner, monkeypatch):
     pages, table = arr((128, 256, 8, 64)), arr((1, 128), "int32")
     assert decode(q, pages, block_table=table)[0][4] == deep.smem_bytes  # read whole
     monkeypatch.setattr(kvcache, "_keeps_up", {})
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: H200_PEAK_BYTES_PER_S)
-    monkeypatch.setattr(api, "_plans", {})
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H200_PEAK_BYTES_PER_S)
+    _runtime.plans.clear()
     assert decode(q, cache)[0][4] != deep.smem_bytes
 
 

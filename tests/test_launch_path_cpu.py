@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _interop, _params, _tma, api, kvcache
+from cufa import _compile, _interop, _params, _runtime, _tma, api, kvcache
 
 
 class _Device:
@@ -41,20 +41,20 @@ class _Stream:
 @pytest.fixture
 def device(monkeypatch):
     fake = _Device()
-    monkeypatch.setattr(api, "caller_stream", _Stream)
-    monkeypatch.setattr(api, "driver_launch", fake.launch)
+    for name, stand_in in (
+            ("caller_stream", _Stream), ("driver_launch", fake.launch),
+            ("stream_tile_counter", lambda framework, device, stream: (None, _COUNTERS)),
+            ("stream_workspace",
+             lambda framework, device, stream, nbytes, capturing=None: (None, _WORKSPACE)),
+            ("stream_split_counters",
+             lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS)),
+            ("stream_capturing", lambda stream: fake.capturing)):
+        _patch_launchers(monkeypatch, name, stand_in)
     monkeypatch.setattr(_interop, "allocate", fake.allocate)
-    monkeypatch.setattr(api, "stream_tile_counter",
-                        lambda framework, device, stream: (None, _COUNTERS))
-    monkeypatch.setattr(api, "stream_workspace",
-                        lambda framework, device, stream, nbytes, capturing=None: (None, _WORKSPACE))
-    monkeypatch.setattr(api, "stream_split_counters",
-                        lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS))
-    monkeypatch.setattr(api, "stream_capturing", lambda stream: fake.capturing)
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
-    monkeypatch.setattr(api, "_compute_capability", lambda device: "90")
-    monkeypatch.setattr(api, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: 228 * 1024)
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "90")
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: 228 * 1024)
     monkeypatch.setattr(_tma, "_encode_fn", lambda: _fake_encode)
     monkeypatch.setattr(_tma, "_replace_fn", lambda: _fake_replace)
     _clear_tma_caches()
@@ -62,6 +62,14 @@ def device(monkeypatch):
     yield fake
     api.clear_plans()
     _clear_tma_caches()
+
+
+def _patch_launchers(monkeypatch, name, value):
+    """`name` replaced where the launch path calls it (_runtime's function, bound by the
+    modules that launch)."""
+    for module in (_runtime, api, kvcache):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
 
 
 _WORKSPACE = 0xD000_0000  # the per-stream split-KV workspace's (fake) address
@@ -126,7 +134,7 @@ def test_dense_addresses_and_no_lse_unless_asked(device):
     r = record(device.launches[-1])
     assert r["lse"] == int(lse.split("@")[1], 16) and device.allocations[-1] == (
         (2, 4, 100), "float32")
-    assert len(api._plans) == 1            # return_lse is no part of the plan
+    assert len(_runtime.plans) == 1            # return_lse is no part of the plan
 
 
 def test_repeated_signature_reuses_the_plan_with_new_addresses(device):
@@ -138,9 +146,9 @@ def test_repeated_signature_reuses_the_plan_with_new_addresses(device):
         assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, v.ptr)
         # the layout's maps, encoded once, pointed at this call's arrays (no tail maps)
         assert map_addresses(device.launches[-1]) == [q.ptr, k.ptr, v.ptr, 0, 0]
-    assert len(api._plans) == 1 and _tma.template.cache_info().misses == 1
+    assert len(_runtime.plans) == 1 and _tma.template.cache_info().misses == 1
     cufa.flash_attn_func(q, k, v, softcap=5.0)  # new options: a new plan
-    assert len(api._plans) == 2
+    assert len(_runtime.plans) == 2
 
 
 def test_tma_addresses_written_in_python_or_moved_by_the_driver(device, monkeypatch):
@@ -247,7 +255,7 @@ def test_paged_packed_batch_sends_short_sequences_to_the_decode_kernel(device):
     assert decode[1] == (r["num_m_blocks"] * r["num_splits"], hk, 4)  # grid
     # the schedule orders the decode-sized sequences (most keys first) into a list after
     # the work list and tile counter, which the decode kernel reads a sequence a grid z
-    plan = next(p for p in api._plans.values() if getattr(p, "decode", None) is not None)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "decode", None) is not None)
     _, max_tiles, num_buckets, _ = plan.work_list
     s = record(schedule, _params.SCHEDULE)
     ints = api._work_list_ints(max_tiles, num_buckets)
@@ -279,7 +287,7 @@ def test_paged_prefill_takes_the_hopper_kernels_from_pages_of_8(device, monkeypa
     q, cache = view((total, h, d)), view((40, page, hk, d))
     cu, table = view((5,), "int32"), view((4, 10), "int32")
     cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, block_table=table, causal=True)
-    plan = next(p for p in api._plans.values() if getattr(p, "decode", None) is not None)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "decode", None) is not None)
     assert plan.variant.family == family
     forward = device.launches[1]
     assert record(forward)["kv_tail_maps"] == 0
@@ -328,7 +336,7 @@ def _decode_route(device, batch, seqlen, nheads_k, d=64, nheads=32, **kw):
     q, cache = view((batch, 1, nheads, d)), view((batch, seqlen, nheads_k, d))
     done = len(device.launches)
     cufa.flash_attn_with_kvcache(q, cache, kw.pop("v_cache", cache), cache_seqlens=seqlen, **kw)
-    plan = next(p for p in reversed(list(api._plans.values())) if isinstance(p, kvcache._KvPlan))
+    plan = next(p for p in reversed(list(_runtime.plans.values())) if isinstance(p, kvcache._KvPlan))
     kind, _, grid, threads, smem = next(e for e in plan.launches if e[0].startswith("decode"))
     return (kind, grid, threads), device.launches[done], plan
 
@@ -336,7 +344,7 @@ def _decode_route(device, batch, seqlen, nheads_k, d=64, nheads=32, **kw):
 @pytest.fixture
 def h100(device, monkeypatch):
     monkeypatch.setattr(kvcache, "_keeps_up", {})
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
     return device
 
 
@@ -366,10 +374,10 @@ def test_tma_decode_where_it_was_measured_faster(h100):
 
 
 def test_tma_decode_only_on_the_h100_rule_and_the_hopper_family(h100, monkeypatch):
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 3201e6 * 6144 / 8)
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 3201e6 * 6144 / 8)
     monkeypatch.setattr(kvcache, "_keeps_up", {})
     assert _decode_route(h100, 1, 131072, 8)[0][0] == "decode"  # an H200: not measured
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
     monkeypatch.setattr(kvcache, "_keeps_up", {})
     api.clear_plans()
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, "sm80")
@@ -450,11 +458,11 @@ def test_bad_input_still_named_before_any_launch(device):
         cufa.flash_attn_func(q, view((1, 10, 2, 128)), view((1, 10, 2, 128)))
     with pytest.raises(TypeError, match="q must be a CUDA array"):
         cufa.flash_attn_func(None, q, q)
-    assert device.launches == [] and api._plans == {}
+    assert device.launches == [] and _runtime.plans == {}
 
 
 def test_portable_kernels_and_empty_batches(device, monkeypatch):
-    monkeypatch.setattr(api, "_compute_capability", lambda device: "80")
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
     q = view((2, 40, 2, 64))
     cufa.flash_attn_func(q, q, q)
     r = record(device.launches[-1])
@@ -555,11 +563,11 @@ def test_jax_callback_takes_its_scratch_from_xla(device, memsets):
 
 
 def test_plans_beyond_the_limit_drop_the_oldest(device, monkeypatch):
-    monkeypatch.setattr(api, "_MAX_PLANS", 3)
+    monkeypatch.setattr(_runtime, "MAX_PLANS", 3)
     shapes = [(1, n, 2, 64) for n in (10, 11, 12, 13)]
     for shape in shapes:
         cufa.flash_attn_func(view(shape), view(shape), view(shape))
-    assert [key[2][1] for key in api._plans] == shapes[1:]  # q's shape in each key
+    assert [key[2][1] for key in _runtime.plans] == shapes[1:]  # q's shape in each key
 
 
 def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
@@ -676,8 +684,8 @@ def _dense_call():
 def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypatch):
     from cufa import _jax
     driver = _Driver()
-    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
-    monkeypatch.setattr(api, "_driver", lambda: driver)
+    _patch_launchers(monkeypatch, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(_runtime, "_driver", lambda: driver)
     monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
     planned = []
     real_plan = api._plan_dense
@@ -716,8 +724,8 @@ def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypa
 def test_jax_callback_that_failed_or_took_stream_memory_is_not_repeated(device, monkeypatch):
     from cufa import _jax
     driver = _Driver()
-    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
-    monkeypatch.setattr(api, "_driver", lambda: driver)
+    _patch_launchers(monkeypatch, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(_runtime, "_driver", lambda: driver)
     monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
@@ -728,11 +736,11 @@ def test_jax_callback_that_failed_or_took_stream_memory_is_not_repeated(device, 
     monkeypatch.setitem(_jax._RUNNERS, "flash_attn_func", fails)
     with pytest.raises(ValueError):
         _jax.on_device(spec, ctx, out, bufs)
-    assert api._recording.calls is None
+    assert _runtime.recording.calls is None
     assert not _jax.replays
 
-    def takes_stream_memory(*a, **kw):  # as api._stream_buffer does
-        api._recording.replayable = False
+    def takes_stream_memory(*a, **kw):  # as _runtime._stream_buffer does
+        _runtime.recording.replayable = False
     monkeypatch.setitem(_jax._RUNNERS, "flash_attn_func", takes_stream_memory)
     _jax.on_device(spec, ctx, out, bufs)
     assert not _jax.replays
@@ -742,20 +750,20 @@ def test_jax_recordings_of_moving_buffers_are_bounded(device, monkeypatch):
     """A jitted function whose buffers move every run leaves a recording a run: the oldest
     go, and the plans stay."""
     from cufa import _jax
-    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
-    monkeypatch.setattr(api, "_driver", lambda: _Driver())
+    _patch_launchers(monkeypatch, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(_runtime, "_driver", lambda: _Driver())
     monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
     monkeypatch.setattr(_jax, "_MAX_REPLAYS", 4)
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
     for i in range(10):
         _jax.on_device(spec, ctx, [_Buffer(0x9000_0000 + 0x100_0000 * i, (2, 100, 4, 64))], bufs)
-    assert len(_jax.replays) == 4 and len(api._plans) == 1
+    assert len(_jax.replays) == 4 and len(_runtime.plans) == 1
     assert [k[3][-1][0] for k in _jax.replays] == [0x9000_0000 + 0x100_0000 * i
                                                   for i in range(6, 10)]
 
 
-_real_driver_launch = api.driver_launch
+_real_driver_launch = _runtime.driver_launch
 
 
 def _strided(shape, strides, dtype="float16"):
@@ -765,7 +773,7 @@ def _strided(shape, strides, dtype="float16"):
 
 
 def _last_plan():
-    return next(reversed(api._plans.values()))
+    return next(reversed(_runtime.plans.values()))
 
 
 def _same_plan(a, b):
@@ -847,7 +855,7 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
                                                        causal=causal, out=out)
             call()
             moved = _last_plan()
-            api._plans.clear()
+            _runtime.plans.clear()
             api._layouts.clear()
             call()  # made from scratch
             _same_plan(moved, _last_plan())
@@ -876,7 +884,7 @@ def test_moved_plans_refuse_a_row_stride_allowed_under_one_row(device, monkeypat
     """A row stride that is no multiple of 8 passes under one row; the same layout at
     more rows is refused (planned again, which says why), packed and padded. (On sm_80
     devices: TMA refuses such layouts, so on sm_90 their plans never move.)"""
-    monkeypatch.setattr(api, "_compute_capability", lambda device: "80")
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
     one, kv = _strided((1, 4, 64), (260, 64, 1)), view((300, 4, 64))
     cu = view((2,), "int32")
     cufa.flash_attn_varlen_func(one, kv, kv, cu, cu, 1, 300)
