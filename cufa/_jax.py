@@ -14,7 +14,7 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
-from . import _interop, _runtime
+from . import _checks, _interop, _runtime
 
 
 def tracing(*xs):
@@ -108,17 +108,17 @@ def _scratch_bytes(entry, present, options):
     get = views.get
     if entry == "flash_attn_func":
         plan = api._plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None, None,
-                               *_checked_options(api, options))
+                               *_checked_options(options))
     elif entry == "flash_attn_varlen_func":
         plan = api._plan_packed(*(get(n) for n in api._PACKED_ARRAYS[:-1]), None, None,
-                                *_checked_options(api, options))
+                                *_checked_options(options))
     elif entry == "scaled_dot_product_attention":
         plan = api._plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
                               bool(options["is_causal"]),
-                              api._check_scale(options["scale"], "scale"),
+                              _checks.check_scale(options["scale"], "scale"),
                               bool(options["enable_gqa"]))
     else:  # flash_attn_with_kvcache
-        window, scale, softcap = _checked_options(api, options)
+        window, scale, softcap = _checked_options(options)
         plan = kvcache._plan_kvcache(
             *(get(n) for n in kvcache._ARRAYS[:-1]), None, None, options["cache_seqlen"],
             window=window, scale=scale, softcap=softcap,
@@ -127,8 +127,8 @@ def _scratch_bytes(entry, present, options):
     return plan.scratch_bytes
 
 
-def _checked_options(api, options):
-    return api._options(options["softmax_scale"], options["causal"], options["window_size"],
+def _checked_options(options):
+    return _checks.check_options(options["softmax_scale"], options["causal"], options["window_size"],
                         options["softcap"])
 
 

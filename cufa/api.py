@@ -4,22 +4,12 @@ import collections
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from . import _compile, _interop, _jax, _params, _runtime, _tma, _torch_ops
+from ._checks import (ATTN_MASK_TYPES, INT32_MAX, KERNEL_DTYPES, NO_WINDOW, UNBOUNDED,
+                      check_cu_values, check_dense, check_options, check_packed, check_page_ids,
+                      check_scale, check_sdpa, reject_unsupported)
 from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, outputs, plans,
                        remember, returned, stream_call, stream_tile_counter, stream_workspace)
-
-_KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
-_ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
-                    "bfloat16": _params.ATTN_MASK_BF16, "float32": _params.ATTN_MASK_FP32}
-_UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
-# The entry points' default window_size, this object: _options takes it unchecked (a
-# value-equal pair from the caller, or -1.0, goes through the checks).
-NO_WINDOW = (-1, -1)
-_DEFAULT_OPTIONS = (((_UNBOUNDED, _UNBOUNDED), None, 0.0), ((_UNBOUNDED, 0), None, 0.0))
-_INT32_MAX = 2**31 - 1
-
 
 # -- public API ------------------------------------------------------------------------
 
@@ -49,7 +39,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     key give 0 and lse -inf. The forward is deterministic; `deterministic` is accepted
     for compatibility.
     """
-    _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
     if _other_route(q):
         if _torch_ops.compiling(q):
             if out is not None:
@@ -78,7 +68,7 @@ def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, sof
     view, lse_out a view to write lse into, stream XLA's (a CUstream handle), and scratch
     (address, bytes) an XLA buffer of the plan's scratch_bytes: memory that stays valid
     when XLA replays the launches from a CUDA graph, as memory cufa allocated would not."""
-    options = _options(softmax_scale, causal, window_size, softcap)
+    options = check_options(softmax_scale, causal, window_size, softcap)
     arrays = (q, k, v, alibi_slopes, out)
     entries, addresses = _interop.signature(arrays, _DENSE_ARRAYS)
     key = ("dense", options) + entries
@@ -106,11 +96,8 @@ def _dense_plan(arrays, entries, addresses, out, options):
 
 
 def _plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
-    _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
-               batch_dim=0, seq_dim=1, head_dim=2)
+    check_dense(q, k, v, alibi, o, out)
     batch, seqlen_q, nheads, d = q.shape
-    _check_alibi(alibi, q, batch, nheads)
-    _check_out(out, o, q)
     return _plan(q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
                  nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale,
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None)
@@ -148,7 +135,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     it, malformed values cannot make the kernel read or write outside the tensors, but
     the result is undefined.
     """
-    _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
     for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
@@ -195,7 +182,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
            softmax_scale, causal, window_size, softcap, return_lse, check_cu_seqlens=False,
            lse_out=None, stream=None, scratch=None):
     """flash_attn_varlen_func on arrays or views (as dense)."""
-    options = _options(softmax_scale, causal, window_size, softcap)
+    options = check_options(softmax_scale, causal, window_size, softcap)
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out)
     entries, ptrs = _interop.signature(arrays, _PACKED_ARRAYS)
     key = ("packed", options) + entries
@@ -205,7 +192,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     if check_cu_seqlens:
         views = _interop.views(arrays, _PACKED_ARRAYS, entries, ptrs, 5)
         q_, k_, _, cu_q, cu_k, used, _, table, _ = views
-        _check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
+        check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
                          k_.shape[0] if table is None else None, used)
         if table is not None:
             check_page_ids(table, k_.shape[0])
@@ -231,30 +218,8 @@ def _packed_plan(arrays, entries, ptrs, out, options):
 
 
 def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, softcap):
-    paged = None
-    if table is None:
-        _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
-                   batch_dim=None, seq_dim=0, head_dim=1)
-    else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
-        if q.ndim != 3:
-            raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
-                             f"{q.shape}")
-        _check_qkv(_with_leading_one(q), k, v, ("q", "k", "v"),
-                   "(num_pages, page_size, nheads_k, headdim) with block_table",
-                   batch_dim=None, seq_dim=1, head_dim=2)
+    batch, paged = check_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out)
     total_q, nheads, d = q.shape
-    _check_cu_seqlens(cu_q, "cu_seqlens_q", q)
-    _check_cu_seqlens(cu_k, "cu_seqlens_k", q)
-    batch = cu_q.shape[0] - 1
-    if cu_k.shape[0] != batch + 1:
-        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
-                         f"{batch + 1}; both must be (batch + 1,)")
-    if table is not None:
-        paged = check_block_table(table, k, q, batch)
-    if used is not None:
-        check_int32_vector(used, "seqused_k", batch, q)
-    _check_alibi(alibi, q, batch, nheads)
-    _check_out(out, o, q)
     plan = _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=k.shape[-2], seqlen_q=total_q,
                  seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
@@ -290,7 +255,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Rows that see no key give 0 (PyTorch's math backend gives NaN there).
     """
-    _reject_unsupported(dropout_p, False, None)
+    reject_unsupported(dropout_p, False, None)
     if _torch_ops.compiling(query):
         return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -306,7 +271,7 @@ _SDPA_ARRAYS = ("query", "key", "value", "attn_mask")
 def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, stream=None,
          scratch=None):
     """scaled_dot_product_attention on arrays or views; out and stream as in dense."""
-    options = (bool(is_causal), _check_scale(scale, "scale"), bool(enable_gqa))
+    options = (bool(is_causal), check_scale(scale, "scale"), bool(enable_gqa))
     arrays = (query, key, value, attn_mask)
     entries, addresses = _interop.signature(arrays, _SDPA_ARRAYS)
     plan_key = ("sdpa", options) + entries
@@ -321,268 +286,13 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, str
 
 
 def _plan_sdpa(q, k, v, mask, is_causal, scale, enable_gqa):
-    _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
-               batch_dim=0, seq_dim=2, head_dim=1)
+    check_sdpa(q, k, v, mask, enable_gqa)
     batch, nheads, seqlen_q, d = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    if nheads_k != nheads and not enable_gqa:
-        raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
-                         "pass enable_gqa=True for grouped-query attention")
-    _check_attn_mask(mask, q, (batch, nheads, seqlen_q, seqlen_k))
     return _plan(q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale,
-                 bottom_right=False, window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED),
+                 bottom_right=False, window=(UNBOUNDED, 0 if is_causal else UNBOUNDED),
                  softcap=0.0, alibi=None, attn_mask=mask)
-
-
-# -- validation --------------------------------------------------------------------------
-
-# (comparisons rather than math.isnan / isfinite: torch.compile may pass these as symbolic
-# floats, which comparisons handle and math functions do not)
-def _reject_unsupported(dropout_p, return_probs, return_probs_name):
-    if not isinstance(dropout_p, (int, float)) or not dropout_p >= 0:
-        raise ValueError(f"dropout_p must be a number >= 0; got {dropout_p!r}")
-    if dropout_p > 0:
-        raise NotImplementedError("dropout_p > 0 is not supported: cufa's forward has no "
-                                  "dropout; pass dropout_p=0.0")
-    if return_probs:
-        raise NotImplementedError(f"{return_probs_name}=True is not supported: the attention "
-                                  "matrix is never materialized; use return_lse=True for "
-                                  "the log-sum-exp")
-
-
-def _check_dtype_device(x, name, ref, ref_name):
-    if x.dtype != ref.dtype:
-        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
-    if x.device != ref.device:
-        raise ValueError(f"{name} is on cuda:{x.device} but {ref_name} is on cuda:{ref.device}")
-
-
-def _check_loadable(x, name):
-    """The kernels move rows in 16-byte chunks: last dim contiguous, the rest aligned."""
-    shape, strides = x.shape, x.strides
-    if 0 in shape:  # nothing is read or written; frameworks report any strides here
-        return
-    if strides[-1] != 1 and shape[-1] > 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1); "
-                         f"got strides {strides}")
-    misaligned = x.ptr % 16
-    for s, n in zip(strides[:-1], shape):
-        if s % 8 and n > 1:
-            misaligned = True
-    if misaligned:
-        raise ValueError(f"{name} must have strides that are multiples of 8 elements and a "
-                         f"16-byte aligned start (the kernels load 16-byte chunks); got "
-                         f"strides {strides} and address {x.ptr:#x}")
-
-
-def _check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
-    """batch_dim None: packed rows, (total_rows, nheads, headdim), or paged k/v with q
-    seen through _with_leading_one (seq_dim 1)."""
-    qn, kn, vn = names
-    rank = 3 if batch_dim is None and seq_dim == 0 else 4
-    for x, n in ((q, qn), (k, kn), (v, vn)):
-        if x.ndim != rank:
-            raise ValueError(f"{n} must be {rank}-D {layout}; got shape {x.shape}")
-    if q.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"{qn} has dtype {q.dtype}; cufa supports float16 and bfloat16")
-    _check_dtype_device(k, kn, q, qn)
-    _check_dtype_device(v, vn, q, qn)
-    d = q.shape[-1]
-    if d % 8 or not 8 <= d <= _compile.MAX_HEAD_DIM:
-        raise ValueError(f"{qn} has head dim {d}; cufa supports multiples of 8 from 8 to "
-                         f"{_compile.MAX_HEAD_DIM}")
-    if k.shape[-1] != d:
-        raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {d}")
-    if v.shape != k.shape:
-        raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs equal "
-                         "key and value shapes (same head dim, length and heads)")
-    if batch_dim is not None and k.shape[batch_dim] != q.shape[batch_dim]:
-        raise ValueError(f"{kn} has batch {k.shape[batch_dim]} but {qn} has "
-                         f"{q.shape[batch_dim]}")
-    nheads, nheads_k = q.shape[head_dim], k.shape[head_dim]
-    if nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"{qn} has {nheads} heads, not a multiple of the {nheads_k} heads "
-                         f"of {kn}")
-    for x, n in ((q, qn), (k, kn), (v, vn)):
-        _check_loadable(x, n)
-    if max(q.shape[seq_dim], k.shape[seq_dim]) > _INT32_MAX // 2:
-        raise ValueError(f"sequence lengths up to {_INT32_MAX // 2} are supported; got "
-                         f"{qn} {q.shape[seq_dim]}, {kn} {k.shape[seq_dim]}")
-
-
-def _with_leading_one(x):
-    """x seen with a leading dimension of 1 (for checks shared with 4-D arrays)."""
-    return _interop.DeviceArray(x.obj, x.framework, x.ptr, (1,) + x.shape, (0,) + x.strides,
-                                x.dtype, x.device, x.itemsize)
-
-
-def check_int32_vector(x, name, length, q):
-    """An int32 (length,) array on q's device, contiguous (cu_seqlens-like arguments)."""
-    if x.dtype != "int32":
-        raise TypeError(f"{name} must be int32; got {x.dtype}")
-    if x.shape != (length,):
-        raise ValueError(f"{name} must be ({length},) int32; got shape {x.shape}")
-    if x.strides[0] != 1 and length > 1:
-        raise ValueError(f"{name} must be contiguous; got stride {x.strides[0]}")
-    if x.device != q.device:
-        raise ValueError(f"{name} is on cuda:{x.device} but q is on cuda:{q.device}")
-
-
-MAX_PAGE_SIZE = 256
-
-
-def check_block_table(table, cache, q, batch):
-    """A paged cache (num_pages, page_size, nheads_k, d) and its int32 (batch, max_pages)
-    page table -> {page_shift, num_pages, max_pages, capacity} for the params."""
-    if table.dtype != "int32":
-        raise TypeError(f"block_table must be int32; got {table.dtype}")
-    if table.ndim != 2 or table.shape[0] != batch:
-        raise ValueError(f"block_table must be 2-D ({batch}, max_pages_per_sequence); got shape "
-                         f"{table.shape}")
-    if table.strides[1] != 1 and table.shape[1] > 1:
-        raise ValueError(f"block_table must be contiguous in its last dimension; got strides "
-                         f"{table.strides}")
-    if table.device != q.device:
-        raise ValueError(f"block_table is on cuda:{table.device} but q is on cuda:{q.device}")
-    num_pages, page_size = cache.shape[0], cache.shape[1]
-    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
-        raise ValueError(f"the paged cache has pages of {page_size} rows (its dim 1); cufa "
-                         f"takes powers of two from 1 to {MAX_PAGE_SIZE}")
-    if num_pages < 1:
-        raise ValueError("the paged cache has no pages (its dim 0 is 0)")
-    capacity = table.shape[1] * page_size
-    if capacity > _INT32_MAX // 2:
-        raise ValueError(f"block_table addresses {capacity} keys per sequence; at most "
-                         f"{_INT32_MAX // 2} are supported")
-    return dict(page_shift=page_size.bit_length() - 1, num_pages=num_pages,
-                max_pages=table.shape[1], capacity=capacity, table_stride=table.strides[0])
-
-
-def check_page_ids(table, num_pages):
-    """Reads the page table (a device sync): every id within the cache."""
-    ids = _interop.to_numpy(table)
-    bad = (ids < 0) | (ids >= num_pages)
-    if bad.any():
-        b, j = (int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"block_table[{b}, {j}] = {int(ids[b, j])} is not a page of the cache "
-                         f"(0 to {num_pages - 1})")
-
-
-def _check_scale(scale, name):
-    """None (1 / sqrt(head dim), decided with the plan) or a float."""
-    if scale is None:
-        return None
-    if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0; got {scale!r}")
-    return float(scale)
-
-
-def _softcap(softcap):
-    if not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off); got {softcap!r}")
-    return float(softcap)
-
-
-def _options(softmax_scale, causal, window_size, softcap):
-    """(window, scale, softcap) of flash-attn's options, checked: what a plan depends on."""
-    if (window_size is NO_WINDOW and softmax_scale is None and type(softcap) is float
-            and softcap == 0.0):  # the defaults (the usual decode call): nothing to check
-        return _DEFAULT_OPTIONS[1 if causal else 0]
-    return (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
-            _softcap(softcap))
-
-
-def _window(window_size, causal):
-    """flash-attn's (left, right) with -1 = unbounded -> kernel bounds; causal caps right at 0."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}") from None
-    for side, n in ((left, "left"), (right, "right")):
-        if not isinstance(side, int) or isinstance(side, bool) or side < -1:
-            raise ValueError(f"window_size {n} must be an int >= -1 (-1 = unbounded); "
-                             f"got {side!r}")
-    left = _UNBOUNDED if left < 0 else min(left, _UNBOUNDED)
-    right = _UNBOUNDED if right < 0 else min(right, _UNBOUNDED)
-    if causal:
-        right = 0
-    return left, right
-
-
-def _check_alibi(a, q, batch, nheads):
-    if a is None:
-        return
-    if a.dtype != "float32":
-        raise TypeError(f"alibi_slopes must be float32; got {a.dtype}")
-    if a.device != q.device:
-        raise ValueError(f"alibi_slopes is on cuda:{a.device} but q is on cuda:{q.device}")
-    if a.shape not in ((nheads,), (batch, nheads)):
-        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}); "
-                         f"got {a.shape}")
-    if a.strides[-1] != 1 and nheads > 1:
-        raise ValueError(f"alibi_slopes must be contiguous over heads; got strides {a.strides}")
-
-
-def _check_attn_mask(m, q, full_shape):
-    if m is None:
-        return
-    if m.dtype not in _ATTN_MASK_TYPES:
-        raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32; got {m.dtype}")
-    if m.device != q.device:
-        raise ValueError(f"attn_mask is on cuda:{m.device} but query is on cuda:{q.device}")
-    if m.ndim > 4 or any(n not in (1, f) for n, f in zip(m.shape[::-1], full_shape[::-1])):
-        raise ValueError(f"attn_mask of shape {m.shape} is not broadcastable to "
-                         f"(batch, heads, L, S) = {full_shape}")
-
-
-def _check_cu_seqlens(c, name, q):
-    if c.dtype != "int32":
-        raise TypeError(f"{name} must be int32; got {c.dtype}")
-    if c.ndim != 1 or c.shape[0] < 1:
-        raise ValueError(f"{name} must be 1-D (batch + 1,); got shape {c.shape}")
-    if c.strides[0] != 1 and c.shape[0] > 1:
-        raise ValueError(f"{name} must be contiguous; got stride {c.strides[0]}")
-    if c.device != q.device:
-        raise ValueError(f"{name} is on cuda:{c.device} but q is on cuda:{q.device}")
-
-
-def _check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
-    """The checks that read values: one copy to the host (a device sync)."""
-    host = {n: _interop.to_numpy(x) for x, n in ((cu_q, name_q), (cu_k, name_k))}
-    for (n, c), total in zip(host.items(), (total_q, total_k)):
-        if c[0] != 0:
-            raise ValueError(f"{n} must start at 0; got {int(c[0])}")
-        if (c[1:] < c[:-1]).any():
-            i = int((c[1:] < c[:-1]).argmax())
-            raise ValueError(f"{n} must be non-decreasing; {n}[{i + 1}] = {int(c[i + 1])} < "
-                             f"{n}[{i}] = {int(c[i])}")
-        if total is not None and c[-1] != total:  # (None: keys in a paged cache)
-            raise ValueError(f"{n} ends at {int(c[-1])} but the tensor has {total} rows")
-    if used is not None:
-        u = _interop.to_numpy(used)
-        lens = host[name_k][1:] - host[name_k][:-1]
-        if (u < 0).any() or (u > lens).any():
-            i = int(((u < 0) | (u > lens)).argmax())
-            raise ValueError(f"seqused_k[{i}] = {int(u[i])} is outside [0, {int(lens[i])}], "
-                             f"the length of key sequence {i}")
-
-
-def _check_out(out, o, q, name="out"):
-    """out: the caller's array (or None); o: its view."""
-    if o is None:
-        return
-    if o.framework != q.framework:
-        raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
-    if _interop.is_jax(out):
-        raise TypeError(f"{name} is a JAX array, and JAX arrays are immutable; "
-                        "call without out= to get a new one")
-    if o.shape != q.shape or o.dtype != q.dtype:
-        raise ValueError(f"{name} must have q's shape {q.shape} and dtype {q.dtype}; got "
-                         f"{o.shape} {o.dtype}")
-    if o.device != q.device:
-        raise ValueError(f"{name} is on cuda:{o.device} but q is on cuda:{q.device}")
-    _check_loadable(o, name)
 
 
 # -- launch --------------------------------------------------------------------------------
@@ -660,7 +370,7 @@ def _remember_layout(layout, plan, views, entries, packed):
 
 def _movable(seqlen_q, seqlen_k, batch):
     """Sizes a moved plan takes; others (empty, too long) are planned, which says why."""
-    return 0 < min(seqlen_q, seqlen_k, batch) and max(seqlen_q, seqlen_k) <= _INT32_MAX // 2
+    return 0 < min(seqlen_q, seqlen_k, batch) and max(seqlen_q, seqlen_k) <= INT32_MAX // 2
 
 
 class _Shaped:
@@ -848,7 +558,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
                    lse_shape=lse_shape, to_jax=_interop.returns_jax(q))
     if not (batch and nheads and seqlen_q):
         return _Plan(**outputs)
-    mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
+    mask_kind = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
     score_mods = softcap > 0 or alibi is not None or attn_mask is not None
     family = _compile.family_for(_runtime.compute_capability(q.device))
     if paged is not None and 1 << paged["page_shift"] < _PAGED_TMA_MIN_ROWS:
@@ -877,7 +587,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         p["page_shift"], p["num_pages"] = paged["page_shift"], paged["num_pages"]
     if attn_mask is not None:
         full = (batch, nheads, seqlen_q, seqlen_k)
-        p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
+        p["attn_mask_type"] = ATTN_MASK_TYPES[attn_mask.dtype]
         (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
          p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
     return _Plan(**outputs, variant=variant, scratch_bytes=scratch_bytes,
@@ -895,7 +605,7 @@ def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, 
              family, paged=None, keys_per_sequence=0):
     """(kernel variant, _tma.Template or None) of a plan."""
     rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind, keys_per_sequence)
-    variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
+    variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
                                    rows)
     if family != "sm90":
         return variant, None
@@ -904,7 +614,7 @@ def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, 
     else:
         tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
     if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
-        variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80")
+        variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80")
     return variant, tma_template
 
 
@@ -927,7 +637,7 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     # up once); the device-built list says how many there are.
     max_tiles = seqlen_q // block_m + batch if packed else num_m_blocks * batch
     num_buckets = seqlen_q // block_m + 2  # packed: the schedule's counting sort
-    if max_tiles * nheads > _INT32_MAX:
+    if max_tiles * nheads > INT32_MAX:
         raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed the "
                          "grid limit")
     num_blocks = max_tiles * nheads

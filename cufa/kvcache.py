@@ -7,20 +7,20 @@ import numbers
 from dataclasses import dataclass
 
 from . import _compile, _interop, _jax, _params, _runtime, _tma, _torch_ops, api
+from ._checks import (KERNEL_DTYPES, MERGE_DTYPES, NO_WINDOW, ROTARY_DTYPES, UNBOUNDED,
+                      check_cache_values, check_kvcache, check_merge, check_num_splits,
+                      check_options)
 from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, plans, remember,
                        returned, stream_capturing, stream_split_counters, stream_workspace)
 
-_ROTARY_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
-_MERGE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 MAX_SPLITS = 128
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh what it adds
-_GRID_YZ_MAX = 65535
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
-                            causal=False, window_size=api.NO_WINDOW, softcap=0.0,
+                            causal=False, window_size=NO_WINDOW, softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, out=None, check_inputs=False):
     """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
@@ -115,10 +115,9 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
     """flash_attn_with_kvcache on arrays or views, in _ARRAYS order (out: the caller's out=
     or, under jax.jit, the output buffer's view); cache_seqlen: the int form of
     cache_seqlens, or None; lse_out, stream, scratch: as in api.dense (jax.jit)."""
-    window, scale, softcap = api._options(softmax_scale, causal, window_size, softcap)
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shapes); got "
-                         f"{num_splits!r}")
+    window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
+    if type(num_splits) is not int or num_splits < 0:  # (one test on the usual call)
+        check_num_splits(num_splits)
     want_lse = return_lse or lse_out is not None
     options = (window, scale, softcap, rotary_interleaved, num_splits, cache_seqlen, want_lse)
     entries, ptrs = _interop.signature(arrays, _ARRAYS)
@@ -132,7 +131,7 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
             *views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
             interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
-        _check_values(plan, views[7], views[9], views[10])
+        check_cache_values(plan, views[7], views[9], views[10])
     return _run(plan, ptrs, arrays[0], arrays[-1], lse_out, stream, scratch)
 
 
@@ -214,72 +213,13 @@ class _KvPlan:
         return 4 * self.workspace[0]
 
 
-def _check_cache(q, kc, vc, kn, vn, table, idx):
-    """The cache (and new keys) against q; returns (paged dict or None, capacity, cache_rows)."""
-    cache = ("(num_pages, page_size, nheads_k, headdim)" if table is not None
-             else "(batch_cache, seqlen_cache, nheads_k, headdim)")
-    # what flash_attn_func checks of q, k, v; the batch dims may differ (cache_batch_idx, pages)
-    api._check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
-                   f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
-                   batch_dim=None, seq_dim=1, head_dim=2)
-    batch, d, nheads_k = q.shape[0], q.shape[3], kc.shape[2]
-    if table is not None:
-        if idx is not None:
-            raise ValueError("cache_batch_idx does not apply to a paged cache: block_table "
-                             "already says where each sequence's keys live")
-        paged = api.check_block_table(table, kc, q, batch)
-        capacity, cache_rows = paged["capacity"], paged["num_pages"]
-    else:
-        paged, capacity, cache_rows = None, kc.shape[1], kc.shape[0]
-        if batch and kc.shape[0] == 0:
-            raise ValueError("k_cache has no rows (its dim 0 is 0)")
-        if idx is None and kc.shape[0] != batch:
-            raise ValueError(f"k_cache has batch {kc.shape[0]} but q has {batch}; pass "
-                             "cache_batch_idx to pick cache rows")
-    if (kn is None) != (vn is None):
-        raise ValueError("k and v must be given together (the new keys and their values)")
-    if kn is not None:
-        expected = (batch, kn.shape[1] if kn.ndim == 4 else -1, nheads_k, d)
-        for x, n in ((kn, "k"), (vn, "v")):
-            if x.ndim != 4 or x.shape != expected:
-                raise ValueError(f"{n} must be (batch, seqlen_new, nheads_k, headdim) = "
-                                 f"{expected}; got shape {x.shape}"
-                                 + (f" (head dim {x.shape[-1]} but the cache has {d})"
-                                    if x.ndim == 4 and x.shape[-1] != d else ""))
-            api._check_dtype_device(x, n, q, "q")
-            api._check_loadable(x, n)
-        if kn.shape[1] > capacity:
-            raise ValueError(f"k has {kn.shape[1]} new tokens but the cache holds at most "
-                             f"{capacity} per sequence")
-    return paged, capacity, cache_rows
-
-
 def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
                   fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
-    paged, capacity, cache_rows = _check_cache(q, kc, vc, kn, vn, table, idx)
+    paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro = check_kvcache(
+        q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out, fixed)
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
     seqlen_new = kn.shape[1] if kn is not None else 0
-    for x, n in ((seqlens, "cache_seqlens"), (idx, "cache_batch_idx"),
-                 (leftpad, "cache_leftpad")):
-        if x is not None:
-            api.check_int32_vector(x, n, batch, q)
-    if seqlens is None and fixed is None:
-        if kn is not None:
-            raise ValueError("cache_seqlens is required with k and v: it says where the new "
-                             "tokens go")
-        fixed = capacity
-    if fixed is not None and fixed + seqlen_new > capacity:
-        raise ValueError(f"cache_seqlens = {fixed} plus {seqlen_new} new tokens exceeds the "
-                         f"cache's {capacity} positions")
-    rotary_dim, seqlen_ro = _check_rotary(cos, sin, q, d, capacity)
-    api._check_alibi(alibi, q, batch, nheads)
-    api._check_out(out, o, q)
-    if batch > _GRID_YZ_MAX or nheads_k > _GRID_YZ_MAX:
-        raise ValueError(f"batch and nheads_k up to {_GRID_YZ_MAX} are supported; got "
-                         f"{batch}, {nheads_k}")
-    if max(batch * seqlen_q * nheads, batch * seqlen_new * nheads_k) * 4 > api._INT32_MAX:
-        raise ValueError("problem too large: more than 2^29 query or new-key rows")
     framework = "cupy" if q.framework == "dlpack" else q.framework
     outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
                    lse_shape=(batch, nheads, seqlen_q), want_lse=want_lse,
@@ -295,8 +235,8 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     # one lookup a tile and take the contiguous split rule: batch-1 and 8-sequence rows
     # 2-4.5 % faster on an H100. Pages of 16 read 1-19 % slower on it (NOTES).
     whole_pages = (paged is not None and paged["page_shift"] >= 8 and leftpad is None
-                   and window[0] >= api._UNBOUNDED)
-    kernel, num_splits = _kernel_and_splits(api._KERNEL_DTYPES[q.dtype], d, num_splits,
+                   and window[0] >= UNBOUNDED)
+    kernel, num_splits = _kernel_and_splits(KERNEL_DTYPES[q.dtype], d, num_splits,
                                             batch * nheads_k * num_m_blocks, capacity, q.device,
                                             paged=paged is not None and not whole_pages)
     rotary = rotary_dim > 0
@@ -305,7 +245,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
              capacity=capacity, cache_rows=cache_rows, num_splits=num_splits,
              combine_row_threads=_compile.combine_row_threads(d, num_splits),
              num_m_blocks=num_m_blocks, rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
-             rotary_dtype=_ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
+             rotary_dtype=ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity),
              lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
@@ -322,7 +262,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
         p["page_shift"], p["max_pages"] = paged["page_shift"], paged["max_pages"]
         p["block_table_batch_stride"] = paged["table_stride"]
 
-    dt = api._KERNEL_DTYPES[q.dtype]
+    dt = KERNEL_DTYPES[q.dtype]
     launches = []
     rows = batch * seqlen_new * nheads_k + (batch * seqlen_q * nheads if rotary else 0)
     if rows:  # new keys to write, or q to rotate
@@ -388,7 +328,7 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
     template = _tma.template(dtype_name, (view, view, view))
     if template is None:
         return None
-    return _compile.decode_tma_kernel(api._KERNEL_DTYPES[dtype_name], padded, per_cta), template
+    return _compile.decode_tma_kernel(KERNEL_DTYPES[dtype_name], padded, per_cta), template
 
 
 _TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, at least
@@ -556,12 +496,12 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
                        window, scale, softcap):
     """PackedDecode of validated views: q (total_q, nheads, d), k and v paged (pages,
     page_size, nheads_k, d), o the caller's out= view or None; paged from
-    api.check_block_table."""
+    check_block_table."""
     group = nheads // nheads_k
     rows = max(1, _compile.DECODE_ROWS // group)
     num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
     capacity = paged["capacity"]
-    kernel, num_splits = _kernel_and_splits(api._KERNEL_DTYPES[q.dtype], d, 0,
+    kernel, num_splits = _kernel_and_splits(KERNEL_DTYPES[q.dtype], d, 0,
                                             batch * nheads_k * num_m_blocks, capacity, q.device,
                                             paged=True)
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
@@ -669,87 +609,8 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
     return 1 << (best.bit_length() - 1) if units * best <= slots else best
 
 
-def _check_rotary(cos, sin, q, d, capacity):
-    """-> (rotary_dim, seqlen_ro); (0, 0) without rotary."""
-    if cos is None and sin is None:
-        return 0, 0
-    if cos is None or sin is None:
-        raise ValueError("rotary_cos and rotary_sin must be given together")
-    for x, n in ((cos, "rotary_cos"), (sin, "rotary_sin")):
-        if x.dtype not in _ROTARY_DTYPES or x.dtype not in (q.dtype, "float32"):
-            raise TypeError(f"{n} must have q's dtype ({q.dtype}) or float32; got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
-        if x.ndim != 2 or x.shape != cos.shape:
-            raise ValueError(f"{n} must be 2-D (seqlen_ro, rotary_dim / 2), the shape of "
-                             f"rotary_cos; got {x.shape}")
-        if x.shape[1] > 1 and x.strides[1] != 1 or x.shape[0] > 1 and x.strides[0] != x.shape[1]:
-            raise ValueError(f"{n} must be contiguous; got strides {x.strides}")
-    seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
-    if not 0 < rotary_dim <= d:
-        raise ValueError(f"rotary_cos gives rotary_dim {rotary_dim} (2 x its dim 1); it must be "
-                         f"from 2 to the head dim {d}")
-    if seqlen_ro < capacity:
-        raise ValueError(f"rotary_cos has {seqlen_ro} positions but the cache has {capacity}; "
-                         "it must cover every cache position")
-    return rotary_dim, seqlen_ro
-
-
-def _check_values(plan, seqlens, leftpad, table):
-    """check_inputs=True: the device values, read once (a sync)."""
-    lens = _interop.to_numpy(seqlens) if seqlens is not None else None
-    if lens is not None:
-        bad = (lens < 0) | (lens + plan.seqlen_new > plan.capacity)
-        if bad.any():
-            b = int(bad.argmax())
-            raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])}: with {plan.seqlen_new} new "
-                             f"tokens it must lie in [0, {plan.capacity - plan.seqlen_new}] (the "
-                             f"cache holds {plan.capacity} positions)")
-    if leftpad is not None:
-        pad = _interop.to_numpy(leftpad)
-        ends = (lens if lens is not None else plan.fixed_seqlen) + plan.seqlen_new
-        bad = (pad < 0) | (pad > ends)
-        if bad.any():
-            b = int(bad.argmax())
-            raise ValueError(f"cache_leftpad[{b}] = {int(pad[b])} lies outside [0, "
-                             f"cache_seqlens[{b}] + seqlen_new]")
-    if table is not None:
-        api.check_page_ids(table, plan.num_pages)
-
-
 def _plan_merge(oa, la, ob, lb, o, out):
-    for x, n in ((oa, "out_a"), (ob, "out_b")):
-        if x.dtype not in _MERGE_DTYPES:
-            raise TypeError(f"{n} must be float16, bfloat16 or float32; got {x.dtype}")
-        if x.ndim not in (3, 4):
-            raise ValueError(f"{n} must be (batch, seqlen, nheads, headdim) or packed "
-                             f"(total, nheads, headdim); got shape {x.shape}")
-    if ob.shape != oa.shape or ob.dtype != oa.dtype:
-        raise ValueError(f"out_b is {ob.shape} {ob.dtype} but out_a is {oa.shape} {oa.dtype}; "
-                         "they must match")
-    packed = oa.ndim == 3
-    rows, nheads = (oa.shape[0], oa.shape[1]) if packed else (oa.shape[1], oa.shape[2])
-    batch = 1 if packed else oa.shape[0]
-    lse_shape = (nheads, rows) if packed else (batch, nheads, rows)
-    for x, n in ((la, "lse_a"), (lb, "lse_b")):
-        if x.dtype != "float32":
-            raise TypeError(f"{n} must be float32; got {x.dtype}")
-        if x.shape != lse_shape:
-            raise ValueError(f"{n} must have shape {lse_shape} for outputs of shape "
-                             f"{oa.shape}; got {x.shape}")
-    for x, n in ((la, "lse_a"), (ob, "out_b"), (lb, "lse_b")):
-        if x.device != oa.device:
-            raise ValueError(f"{n} is on cuda:{x.device} but out_a is on cuda:{oa.device}")
-        if x.framework != oa.framework:
-            raise TypeError(f"{n} is a {x.framework} array but out_a is a {oa.framework} array")
-    if o is not None:
-        if _interop.is_jax(out):
-            raise TypeError("out is a JAX array, and JAX arrays are immutable; call without out=")
-        if o.shape != oa.shape or o.dtype != oa.dtype or o.device != oa.device:
-            raise ValueError(f"out must have out_a's shape {oa.shape} and dtype {oa.dtype} on "
-                             f"cuda:{oa.device}; got {o.shape} {o.dtype} on cuda:{o.device}")
-    if batch * rows * nheads * 4 > api._INT32_MAX:
-        raise ValueError("problem too large: more than 2^29 rows")
+    packed, batch, rows, nheads, lse_shape = check_merge(oa, la, ob, lb, o, out)
 
     def batched(strides):  # packed arrays have no batch dimension: its stride is 0
         return (0,) + tuple(strides) if packed else tuple(strides)
@@ -765,7 +626,7 @@ def _plan_merge(oa, la, ob, lb, o, out):
             p[f"{name}_{dim}_stride"] = s
     framework = "cupy" if oa.framework == "dlpack" else oa.framework
     count = batch * rows * nheads
-    kernel = _compile.DecodeKernel("merge", _MERGE_DTYPES[oa.dtype])
+    kernel = _compile.DecodeKernel("merge", MERGE_DTYPES[oa.dtype])
     return _MergePlan(framework, oa.device, oa.shape, oa.dtype, lse_shape,
                       _params.MERGE.pack(p),
                       _compile.function_pointer(kernel, oa.device) if count else 0,

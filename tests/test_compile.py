@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
-from cufa import _compile, _params, api
+from cufa import _checks, _compile, _params, api
 
 
 
@@ -156,7 +156,7 @@ def test_kernels_unbounded_window_is_the_hosts():
     # apply_mask's one-compare path keys on it: a window side the host sends as unbounded
     # must read as unbounded in the kernels
     m = re.search(r"constexpr int kUnboundedWindow = 1 << (\d+);", _compile.kernel_source("params.cuh"))
-    assert m and 1 << int(m.group(1)) == api._UNBOUNDED
+    assert m and 1 << int(m.group(1)) == _checks.UNBOUNDED
 
 
 def test_head_dim_padding():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import cufa
+from cufa import _checks
 from cufa._interop import DeviceArray
 
 
@@ -150,15 +151,15 @@ def test_flash_attn_varlen_func_rejects(case):
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_options_skip_the_checks_but_mean_what_the_checked_ones_do(causal):
     from cufa import api
-    default = api._options(None, causal, api.NO_WINDOW, 0.0)  # the fast path
-    assert default == api._options(None, causal, [-1, -1], 0.0)  # not the default object
-    assert default == api._options(None, causal, (-1, -1), 0) == (
-        (api._UNBOUNDED, 0 if causal else api._UNBOUNDED), None, 0.0)
+    default = _checks.check_options(None, causal, _checks.NO_WINDOW, 0.0)  # the fast path
+    assert default == _checks.check_options(None, causal, [-1, -1], 0.0)  # not the default object
+    assert default == _checks.check_options(None, causal, (-1, -1), 0) == (
+        (_checks.UNBOUNDED, 0 if causal else _checks.UNBOUNDED), None, 0.0)
     # value-equal to the default, but refused: only the default object skips the checks
     for window in ((-1.0, -1), (-1, -1.0), (True, -1)):
         with pytest.raises(ValueError, match="window_size"):
-            api._options(None, causal, window, 0.0)
+            _checks.check_options(None, causal, window, 0.0)
     with pytest.raises(ValueError, match="softcap"):
-        api._options(None, causal, api.NO_WINDOW, -0.5)
+        _checks.check_options(None, causal, _checks.NO_WINDOW, -0.5)
     with pytest.raises(ValueError, match="softmax_scale"):
-        api._options(0.0, causal, api.NO_WINDOW, 0.0)
+        _checks.check_options(0.0, causal, _checks.NO_WINDOW, 0.0)
