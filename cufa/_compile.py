@@ -53,11 +53,6 @@ SM90_KV_STAGES = 2  # Sm90Smem::kStages in fwd_sm90.cu, where two fit (else one)
 # then waits for each product where it issues it), +3-5 % at N = 512 and causal 1k, -3 %
 # at 8k (NOTES.md step 52).
 SM90_MID_TILES = {128: (128, 128), 256: (128, 128)}
-SM90_LONG_MIN_SEQLEN = {"none": 1024, "window": 2048}
-# d <= 64, causal or windowed: the long tiles differ from the middle class's only by the
-# held P V wait (SM90_HOLD_PV_WAIT), which costs 1.4-3 % at 2k-4k rows and is even from 8k
-# (NOTES.md step 56), so the long class starts there
-SM90_LONG_MIN_SEQLEN_D64_WINDOW = 8192
 # Short sequences (packed batches of them, and padded ones up to 1k rows at d <= 64),
 # causal or windowed: 64-row tiles, one consumer warpgroup, two CTAs per SM (half the
 # query-row rounding of 128-row tiles; NOTES.md step 24). Two CTAs share the SM's shared
@@ -67,15 +62,6 @@ SM90_LONG_MIN_SEQLEN_D64_WINDOW = 8192
 # (step 36: +12 % on the 256 x 64..512 batch, +4-9 % padded at 512 and 1k rows).
 SM90_SHORT_TILES = {}
 SM90_SHORT_TILES_WINDOW = {64: (64, 128), 128: (64, 64)}
-SM90_SHORT_MAX_MEAN_SEQLEN = 512  # mean query rows per sequence up to which they are used
-# Chunked prefill (a packed batch whose sequences have at least twice as many keys as query
-# rows: a prompt's chunk after its cached prefix) from 128 query rows a sequence, head dims
-# above 64: the middle class. Measured on an H100, causal, 32/8 heads, fp16, 8-32
-# sequences (bench/probe_chunk_tiles.py, TFLOP/s, 64-row tiles -> 128-row): d = 128 128 x
-# 2k 480 -> 545, 256 x 1k 453 -> 502, 256 x 4k 517 -> 587, 512 x 4k 523 -> 597; but 64 x 4k
-# 487 -> 380. d = 64 keeps the short tiles (within +-3 % either way, 64 x 4k 382 -> 258).
-SM90_CHUNK_MIN_MEAN_SEQLEN = 128
-SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches: query rows up to which (d <= 64)
 # "64" / "128" / "192": force the short, middle or long tiles' table (tests, bench); a head
 # dim without tiles of that class gets the next longer class's
 SM90_ROWS_ENV = "CUFA_SM90_BLOCK_M"
@@ -200,6 +186,7 @@ VARLEN_SCHEDULE = ScheduleKernel()
 DECODE_HEAD_DIMS = SM80_HEAD_DIMS
 DECODE_ROWS, DECODE_TILE_KEYS = 16, 16  # query rows a CTA, keys a warp's tile (decode.cu)
 COMBINE_THREADS = 128  # kCombineThreads in decode.cu; decode_append and merge_states take as many
+MAX_SPLITS = 128       # kMaxSplits in decode.cu: the splits of the keys the merge takes, at most
 DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at most
 MERGE_DTYPES = ("fp16", "bf16", "fp32")  # index = MergeDtype in merge.cu
 
@@ -364,21 +351,6 @@ def decode_tma_kernel(dtype, head_dim, units):
     return DecodeKernel("decode_tma", dtype, head_dim, units=units, archs=("sm_90",))
 
 
-def combine_row_threads(head_dim, num_splits):
-    """decode_combine's threads a row for `num_splits` splits of rows of head_dim columns
-    (DecodeParams.combine_row_threads): a warp while its lanes can have every split's read
-    of a row in flight at once (4 reads a lane, and a lane a split's lse), else the CTA.
-    The merge in the decode launch sums in the same order, so both give the same bits."""
-    lanes_a_split = -(-head_dim // 8)  # a lane takes 8 columns of a split's row
-    return 32 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else COMBINE_THREADS
-
-
-def combine_kernel(dtype, head_dim, num_splits):
-    """decode_combine for `num_splits` splits of rows of head_dim columns."""
-    return DecodeKernel("combine", dtype,
-                        rows=COMBINE_THREADS // combine_row_threads(head_dim, num_splits))
-
-
 def decode_variants():
     return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
@@ -416,35 +388,6 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
     hold = (family == "sm90" and rows == "long" and not score_mods
             and SM90_HOLD_PV_WAIT.get(hd) == (block_m, block_n))
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold)
-
-
-def sm90_rows(packed, total_q, batch, head_dim, mask, keys_per_sequence=0):
-    """The sm90 tile class of a batch, by its mean query rows a sequence: "short" for
-    packed batches of at most SM90_SHORT_MAX_MEAN_SEQLEN (but chunked prefill from
-    SM90_CHUNK_MIN_MEAN_SEQLEN at head dims above 64: keys_per_sequence, the mean keys a
-    sequence of a packed batch, or a paged one's capacity, at least twice the query rows),
-    and padded ones at head dims up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (step
-    24 of NOTES: +2-5 % there, -15 % at d = 128); "long" from SM90_LONG_MIN_SEQLEN[mask]
-    up (d <= 64 causal: SM90_LONG_MIN_SEQLEN_D64_WINDOW); else "mid". (A class without
-    tiles for the head dim and mask takes the next longer's: fwd_variant.)
-    CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
-    forced = _overrides[SM90_ROWS_ENV]
-    if forced:
-        if forced not in SM90_ROW_CLASSES:
-            raise ValueError(f"{SM90_ROWS_ENV} must be one of {', '.join(SM90_ROW_CLASSES)}; "
-                             f"got {forced!r}")
-        return SM90_ROW_CLASSES[forced]
-    if packed and total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch:
-        chunks = (head_dim > 64 and total_q >= SM90_CHUNK_MIN_MEAN_SEQLEN * batch
-                  and keys_per_sequence * batch >= 2 * total_q)
-        if not chunks:
-            return "short"
-    if not packed and head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN:
-        return "short"
-    per_sequence = total_q if not packed else total_q / batch
-    long_from = (SM90_LONG_MIN_SEQLEN_D64_WINDOW if head_dim <= 64 and mask == "window"
-                 else SM90_LONG_MIN_SEQLEN[mask])
-    return "long" if per_sequence >= long_from else "mid"
 
 
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"

@@ -4,7 +4,7 @@ import collections
 import math
 from dataclasses import dataclass
 
-from . import _compile, _interop, _jax, _params, _runtime, _tma, _torch_ops
+from . import _compile, _heuristics, _interop, _jax, _params, _runtime, _tma, _torch_ops
 from ._checks import (ATTN_MASK_TYPES, INT32_MAX, KERNEL_DTYPES, NO_WINDOW, UNBOUNDED,
                       check_cu_values, check_dense, check_options, check_packed, check_page_ids,
                       check_scale, check_sdpa, reject_unsupported)
@@ -497,8 +497,8 @@ class _Mover:
         variant = self.plan.variant
         if variant.family != "sm90":
             return True
-        rows = _compile.sm90_rows(self.packed, total_q, batch, self.d, variant.mask,
-                                  keys_per_sequence)
+        rows = _heuristics.sm90_rows(self.packed, total_q, batch, self.d, variant.mask,
+                                     keys_per_sequence)
         same = self.same_tiles.get(rows)
         if same is None:
             same = self.same_tiles[rows] = variant == _compile.fwd_variant(
@@ -604,7 +604,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
 def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,
              family, paged=None, keys_per_sequence=0):
     """(kernel variant, _tma.Template or None) of a plan."""
-    rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind, keys_per_sequence)
+    rows = _heuristics.sm90_rows(packed, seqlen_q, batch, d, mask_kind, keys_per_sequence)
     variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
                                    rows)
     if family != "sm90":
@@ -641,20 +641,13 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
         raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed the "
                          "grid limit")
     num_blocks = max_tiles * nheads
-    # Heads scheduled together (padded batches; a group's tiles are its heads' query
-    # blocks, last first, heads inner): as many as keep their K/V within half of L2.
-    kv_bytes = (seqlen_k if seqlen_k > 1 else 1) * variant.head_dim * 4
-    group_heads = _L2_BUDGET // kv_bytes
+    resident = None
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
         resident = _runtime.sm_count(device) * variant.ctas_per_sm
         num_blocks = min(num_blocks, resident)
-        # and no more than the resident CTAs cover at once, so that a head's query blocks
-        # run together and its K/V comes from DRAM once (short sequences: +2-8 % at 512
-        # rows, bench/NOTES.md step 35), though at least _MIN_GROUP_HEADS, whose K/V
-        # spread the CTAs' reads over L2 (4 heads' K/V under 132 CTAs read 10 % slower)
-        group_heads = min(group_heads, max(resident // num_m_blocks, _MIN_GROUP_HEADS))
     values = (0 if packed else nheads * seqlen_q, seqlen_q, batch, seqlen_q, seqlen_k,
-              num_m_blocks, max(1, min(batch * nheads, group_heads)))
+              num_m_blocks, _heuristics.heads_per_group(batch * nheads, seqlen_k,
+                                                        variant.head_dim, num_m_blocks, resident))
     # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
     scratch_bytes = (4 * (_work_list_ints(max_tiles, num_buckets) + 2) if packed
                      else 8 if variant.persistent else 0)
@@ -785,8 +778,3 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
     # (scratch, the counter's buffer, is held until the launches are queued: freed
     # earlier, another thread could be handed the same memory for work ordered before ours)
     del scratch
-
-
-# Heads of a padded batch scheduled together (_sizes)
-_L2_BUDGET = 25 * 2**20  # bytes of K/V per scheduling group: half of an H100's L2
-_MIN_GROUP_HEADS = 12

@@ -1,20 +1,16 @@
 """KV-cache inference: attention of new tokens against a cache (decode, speculative
 decode, appends; contiguous or paged; split-KV), and the merge of partial attention
 states. validate -> plan (cached per call signature) -> launch, as in api.py."""
-import functools
-import math
 import numbers
 from dataclasses import dataclass
 
-from . import _compile, _interop, _jax, _params, _runtime, _tma, _torch_ops, api
-from ._checks import (KERNEL_DTYPES, MERGE_DTYPES, NO_WINDOW, ROTARY_DTYPES, UNBOUNDED,
+from . import _compile, _heuristics, _interop, _jax, _params, _tma, _torch_ops, api
+from ._checks import (KERNEL_DTYPES, MERGE_DTYPES, NO_WINDOW, ROTARY_DTYPES,
                       check_cache_values, check_kvcache, check_merge, check_num_splits,
                       check_options)
 from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, plans, remember,
                        returned, stream_capturing, stream_split_counters, stream_workspace)
 
-MAX_SPLITS = 128
-_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh what it adds
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -231,19 +227,15 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
 
     group = nheads // nheads_k
     num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
-    # Pages of 256 whose tiles start on a page's row 0 (no leftpad, no left window) read
-    # one lookup a tile and take the contiguous split rule: batch-1 and 8-sequence rows
-    # 2-4.5 % faster on an H100. Pages of 16 read 1-19 % slower on it (NOTES).
-    whole_pages = (paged is not None and paged["page_shift"] >= 8 and leftpad is None
-                   and window[0] >= UNBOUNDED)
-    kernel, num_splits = _kernel_and_splits(KERNEL_DTYPES[q.dtype], d, num_splits,
-                                            batch * nheads_k * num_m_blocks, capacity, q.device,
-                                            paged=paged is not None and not whole_pages)
+    kernel, num_splits = _heuristics.decode_kernel_and_splits(
+        KERNEL_DTYPES[q.dtype], d, num_splits, batch * nheads_k * num_m_blocks, capacity,
+        q.device, paged=paged is not None and not _heuristics.pages_read_whole(
+            paged["page_shift"], leftpad is None, window[0]))
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
              capacity=capacity, cache_rows=cache_rows, num_splits=num_splits,
-             combine_row_threads=_compile.combine_row_threads(d, num_splits),
+             combine_row_threads=_heuristics.combine_row_threads(d, num_splits),
              num_m_blocks=num_m_blocks, rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
              rotary_dtype=ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
              rotary_interleaved=int(interleaved),
@@ -287,39 +279,15 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   maps=maps, merge_in_launch=kernel.units <= 1 and _merge_in_launch(
+                   maps=maps, merge_in_launch=kernel.units <= 1 and _heuristics.merge_in_launch(
                        kernel, d, num_splits, seqlen_q * group))
 
 
 def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device):
-    """(the TMA decode kernel, its K/V maps' template) where it runs, else None. Measured
-    on an H100 against the cp.async kernel (graph replays, fp16, d = 64; bench/NOTES.md):
-    one unit a CTA where the one-CTA-an-SM split rule runs (1 x 128k 32/32 363 -> 346 us,
-    8 x 16k 32/8 98.5 -> 95.6), two where the units outnumber the SMs up to twice and the
-    batch is even (8 x 16k 32/32, 256 units: 367 -> 357 as heads h and h + H/2 of a
-    sequence; 357.7 -> 350.8 as sequences z and z + B/2 of a head, whose CTAs at once read
-    whole cache rows); more units read within ±2 % either way, so those keep cp.async, as
-    does a CTA streaming fewer than _TMA_MIN_KEYS keys (1 x 32k 32/8: 2048 a CTA, 2-3 %
-    slower, where the ring's fill and drain weigh more). Hopper
-    only (the copy engine), and where one CTA an SM keeps up with the memory
-    (_one_cta_keeps_up: the H100's rule, the only one measured); a contiguous cache whose
-    strides a map can describe. CUFA_DECODE_TMA overrides the rule
-    (_compile.decode_tma_forced)."""
-    padded = _compile.padded_head_dim(d)
-    forced = _compile.decode_tma_forced()
-    if (padded not in _compile.DECODE_TMA_HEAD_DIMS or forced == 0
-            or not _tma_device(device, forced)):
-        return None
-    if not forced and capacity < _TMA_MIN_KEYS * num_splits:
-        return None
-    sms = _runtime.sm_count(device)
-    if forced:
-        per_cta = forced
-    elif units * num_splits <= sms:
-        per_cta = 1
-    elif num_splits == 1 and units <= 2 * sms and batch % 2 == 0:
-        per_cta = 2
-    else:
+    """(the TMA decode kernel, its K/V maps' template) where _heuristics.tma_units has it
+    run and a map can describe the cache (k's and v's strides alike), else None."""
+    per_cta = _heuristics.tma_units(d, units, num_splits, batch, capacity, device)
+    if per_cta is None:
         return None
     shape, strides = kc.shape, kc.strides[:3]
     if tuple(vc.strides[:3]) != tuple(strides):
@@ -328,96 +296,10 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
     template = _tma.template(dtype_name, (view, view, view))
     if template is None:
         return None
-    return _compile.decode_tma_kernel(KERNEL_DTYPES[dtype_name], padded, per_cta), template
+    return _compile.decode_tma_kernel(KERNEL_DTYPES[dtype_name], _compile.padded_head_dim(d),
+                                      per_cta), template
 
 
-_TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, at least
-
-
-def _tma_device(device, forced=None):
-    """Whether `device` runs the TMA decode kernel: where one CTA an SM keeps up on Hopper
-    (_hopper_one_cta), or on any Hopper where CUFA_DECODE_TMA asks for it."""
-    if forced:
-        return _compile.family_for(_runtime.compute_capability(device)) == "sm90"
-    return _hopper_one_cta(device)
-
-
-def _hopper_one_cta(device):
-    """Hopper's kernel family (not forced to the portable one) where one decode CTA an SM
-    keeps up with the memory: where the TMA decode kernel and the deep ring run."""
-    return (_compile.family_for(_runtime.compute_capability(device)) == "sm90"
-            and _one_cta_keeps_up(device))
-
-
-def _kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
-    """The decode kernel and split count for `units` CTAs (batch x KV heads x query
-    blocks). The shape with four CTAs an SM (_compile.DECODE_MORE_CTAS), unsplit, where
-    num_splits is left to the planner and
-    - the default shape would split the keys but this one holds every unit in one wave: at
-      d = 64, 64 x 4k with 8 KV heads (512 units) took 199 -> 188 us with one token and
-      209 -> 189 with four on an H100, with no combine;
-    - or, on a contiguous cache (or pages of 256, which take its rules), the units take
-      more than two waves of the default shape but at most two of this one (793 to 1056
-      units on an H100: 128 x 2k with 8 KV heads, 1024 units, d = 128 360.8 -> 354.8 us,
-      d = 64 188.8 -> 185.5, graph replays).
-    With more waves it measured 0.5-3 % slower (256 x 1k 8 KV heads d = 128 360.1 ->
-    362.4, 64 x 4k 32 KV heads 1392 -> 1411), so it is not the default."""
-    kernel = _compile.decode_kernel(dtype, d)
-    splits = _split_count(num_splits, units, capacity, kernel, device, paged)
-    wider = _compile.decode_kernel_with_more_ctas(dtype, d) if num_splits == 0 else None
-    if splits > 1:
-        if wider is not None and _split_count(0, units, capacity, wider, device, paged) == 1:
-            return wider, 1
-        return _split_kernel(kernel, dtype, d, units * splits, device, paged), splits
-    if wider is None:
-        return kernel, splits
-    two_waves = 2 * _runtime.sm_count(device)  # (times the CTAs an SM holds)
-    smem = _runtime.smem_per_sm(device)
-    if (not paged and two_waves * kernel.ctas_per_sm_on(smem) < units
-            <= two_waves * wider.ctas_per_sm_on(smem)):
-        return wider, 1
-    return kernel, splits
-
-
-def _split_kernel(kernel, dtype, d, ctas, device, paged):
-    """The kernel of a split decode: the deeper ring (_compile.DECODE_DEEP_RING) where its
-    CTAs run one an SM on a device where that keeps up with the memory (contiguous caches
-    and pages of 256 read whole; Hopper, the only one measured), else `kernel`. With the
-    key loop split over every SM, more tiles in flight a warp shorten it: 1 x 32k, 8 KV
-    heads, d = 64 on an H100, one token fp16 31.7 -> 31.4 us, bf16 32.8 -> 31.9, four
-    tokens 34.7 -> 34.2 and 35.9 -> 35.0 (queued; NOTES)."""
-    deep = _compile.decode_kernel_deep_ring(dtype, d)
-    if deep is None or paged or ctas > _runtime.sm_count(device) or not _hopper_one_cta(device):
-        return kernel
-    return deep
-
-
-def _split_count(num_splits, units, capacity, kernel, device, paged):
-    """num_splits as given (capped), or for 0 chosen from the shapes (choose_num_splits)."""
-    if num_splits == 0:
-        num_splits = choose_num_splits(units, capacity, _runtime.sm_count(device),
-                                       kernel.ctas_per_sm_on(_runtime.smem_per_sm(device)),
-                                       one_per_sm=not paged and _one_cta_keeps_up(device))
-    return min(num_splits, MAX_SPLITS)
-
-
-# One decode CTA an SM (choose_num_splits' one_per_sm) keeps an SM's share of the memory
-# bandwidth busy only up to a point: on an H100 SXM (3.35 TB/s peak, 25 GB/s an SM) it
-# read the batch-1 and 8-sequence caches 2-8 % faster than two or three CTAs an SM; on an
-# H200 (4.8 TB/s, 36 GB/s an SM) 20-35 % slower (1 x 128k, 32 KV heads, d = 64: 368 us
-# against 257 with the slot-fill split, bench/NOTES.md). The line sits between the two.
-_ONE_CTA_MAX_BYTES_PER_SM = 30e9
-_keeps_up = {}
-
-
-def _one_cta_keeps_up(device):
-    """Whether the device's peak memory bandwidth an SM is low enough for one decode CTA
-    an SM to stream it (from its memory clock and bus width; unknown: yes)."""
-    keeps = _keeps_up.get(device)
-    if keeps is None:
-        keeps = _keeps_up[device] = (_runtime.peak_bytes_per_s(device) or 0) / _runtime.sm_count(
-            device) <= _ONE_CTA_MAX_BYTES_PER_SM
-    return keeps
 
 
 def _workspace(*sizes):
@@ -501,15 +383,15 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
     rows = max(1, _compile.DECODE_ROWS // group)
     num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
     capacity = paged["capacity"]
-    kernel, num_splits = _kernel_and_splits(KERNEL_DTYPES[q.dtype], d, 0,
-                                            batch * nheads_k * num_m_blocks, capacity, q.device,
-                                            paged=True)
+    kernel, num_splits = _heuristics.decode_kernel_and_splits(
+        KERNEL_DTYPES[q.dtype], d, 0, batch * nheads_k * num_m_blocks, capacity, q.device,
+        paged=True)
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     p = dict(batch=batch, seqlen_q=rows, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
              page_shift=paged["page_shift"], max_pages=paged["max_pages"],
              block_table_batch_stride=paged["table_stride"], num_splits=num_splits,
-             combine_row_threads=_compile.combine_row_threads(d, num_splits),
+             combine_row_threads=_heuristics.combine_row_threads(d, num_splits),
              num_m_blocks=num_m_blocks, lse_batch_stride=0, lse_head_stride=total_q,
              q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
              o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
@@ -522,7 +404,7 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
     if partial_rows:
         launches.append(_combine_entry(kernel.dtype, d, num_splits, partial_rows, q.device))
     return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
-                        merge_in_launch=_merge_in_launch(kernel, d, num_splits, rows * group))
+                        merge_in_launch=_heuristics.merge_in_launch(kernel, d, num_splits, rows * group))
 
 
 def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr,
@@ -539,74 +421,14 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, sc
         scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
 
-def _merge_in_launch(kernel, d, num_splits, unit_rows):
-    """Whether an eager call may merge its splits in the decode launch (the last split of
-    each unit to finish): only where the decode CTA's threads cover the unit's merge in
-    one pass, decode_combine's threads a row for each of its rows (at most DECODE_ROWS).
-    Each pass more is about a memory latency more, in one CTA a unit while the others are
-    done: 4 passes measured 2-5 us slower a call than the combine kernel, and 16 passes
-    (1 x 128k, 4 tokens, 32/8) 10-25 %, where the launch saved is worth less (NOTES)."""
-    rows = min(unit_rows, _compile.DECODE_ROWS)  # (0: no query rows, no decode launch)
-    return (num_splits > 1 and rows > 0
-            and rows * _compile.combine_row_threads(d, num_splits) <= kernel.threads)
-
-
 def _combine_entry(dtype, d, num_splits, rows, device):
-    kernel = _compile.combine_kernel(dtype, d, num_splits)
+    kernel = _heuristics.combine_kernel(dtype, d, num_splits)
     return _launch_entry(kernel, device, (-(-rows // kernel.rows), 1, 1))
 
 
 def _launch_entry(kernel, device, grid):
     return (kernel.kind, _compile.function_pointer(kernel, device), grid, kernel.threads,
             kernel.smem_bytes)
-
-
-@functools.lru_cache(maxsize=1024)  # a loop over up to 128 counts; a new signature asks
-def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
-    """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
-    only. Measured on an H100 with CUDA-graph replays, 5 interleaved rounds.
-
-    A contiguous cache (one_per_sm, on a device whose bandwidth an SM one CTA keeps up
-    with: _one_cta_keeps_up) with at most one unit an SM: one CTA an SM, the
-    largest power of two with units x splits <= sm_count, where that covers at least 90 %
-    of the SMs. 128 CTAs read faster than 256 at every batch-1 and 8-sequence row: 1 x
-    128k, 8 KV heads, d = 64: 16 splits 97.4 us against 32 splits 102.2; 8 x 16k: 2 splits
-    96.1 against 4 101.8; 1 x 128k, 32 KV heads: 4 splits 351.5 against 8 376.7; d = 128
-    1 x 128k: 182.0 against 185.0. More units that still fit the CTA slots: unsplit (8 x
-    16k, 32 KV heads, d = 64: 359.5 us against 374.8 in 3 splits over 1.9 waves; paged
-    too: pages of 16 398 -> 376 us, of 256 385 -> 370).
-
-    Otherwise, and for paged caches with at most one unit an SM (one CTA an SM read pages
-    5-20 % slower, with the page ids loaded a step ahead too: 1 x 128k, 8 KV heads, d = 64,
-    pages of 16 108 -> 117 us, of 256 104 -> 123; since tiles inside one page read as
-    contiguous ones, pages of 256 take the rule above, _plan_kvcache): a last wave that
-    fills few of the SMs' CTA slots costs nearly as long as a full one (512 CTAs on 396
-    slots took 84 % of the copy bandwidth). Split while the CTAs make under two waves,
-    into the fewest splits whose waves fill at least 90 % of the slots they take (else the
-    best filling), each split with at least _MIN_KEYS_PER_SPLIT keys of the cache's
-    capacity; where those CTAs make one wave, the largest power of two not above that
-    count (powers of two read faster than their neighbours: 1 x 128k, 32 KV heads, 8
-    splits 380.7 us, 9 splits 434.0). Over several waves the fill decides."""
-    slots = sm_count * ctas_per_sm
-    if units == 0 or units >= 2 * slots:
-        return 1
-    most = max(1, min(max_keys // _MIN_KEYS_PER_SPLIT, MAX_SPLITS))
-    if one_per_sm and units <= sm_count:
-        per_sm = 1 << (min(sm_count // units, most).bit_length() - 1)
-        if 10 * units * per_sm >= 9 * sm_count:
-            return per_sm
-    if sm_count < units <= slots:
-        return 1
-    best, best_fill = 1, 0.0
-    for splits in range(1, most + 1):
-        waves = units * splits / slots
-        fill = waves / math.ceil(waves)
-        if fill >= 0.9:
-            best = splits
-            break
-        if fill > best_fill + 1e-9:
-            best, best_fill = splits, fill
-    return 1 << (best.bit_length() - 1) if units * best <= slots else best
 
 
 def _plan_merge(oa, la, ob, lb, o, out):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _params, _runtime, kvcache
+from cufa import _compile, _heuristics, _params, _runtime, kvcache
 from cufa._interop import DeviceArray
 
 H100_SMS = 132
@@ -26,9 +26,9 @@ def planner(monkeypatch):
     monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: hash(kernel.key))
     monkeypatch.setattr(_runtime, "sm_count", lambda device: H100_SMS)
     monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
-    monkeypatch.setattr(kvcache, "_tma_device", lambda device, forced=None: False)
-    monkeypatch.setattr(kvcache, "_hopper_one_cta", kvcache._one_cta_keeps_up)  # (Hopper)
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_heuristics, "tma_device", lambda device, forced=None: False)
+    monkeypatch.setattr(_heuristics, "hopper_one_cta", _heuristics.one_cta_keeps_up)  # (Hopper)
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
     _runtime.plans.clear()
     captured = []
@@ -68,7 +68,7 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     kinds = [entry[0] for entry in plan.launches]
     assert kinds == (["decode", "combine"] if expected > 1 else ["decode"])
     if expected > 1:  # a CTA a query row, or (few splits) a warp a row
-        per_cta = _compile.combine_kernel("fp16", d, expected).rows
+        per_cta = _heuristics.combine_kernel("fp16", d, expected).rows
         assert plan.launches[1][2] == (-(-batch * 32 // per_cta), 1, 1)
     assert plan.scratch_bytes == 4 * plan.workspace[0]
     grid = plan.launches[0][2]
@@ -77,7 +77,7 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     one_wave = batch * heads_k * expected <= slots
     assert expected & (expected - 1) == 0 or not one_wave  # one wave: a power of two
     # an sm_86 / sm_89 GPU (100 KB an SM) holds one CTA an SM: fewer splits (10 -> 8)
-    assert kvcache.choose_num_splits(8, keys, 84, _compile.decode_kernel("fp16", d).ctas_per_sm_on(
+    assert _heuristics.choose_num_splits(8, keys, 84, _compile.decode_kernel("fp16", d).ctas_per_sm_on(
         100 * 1024)) == min(8, 1 << (max(1, keys // 256).bit_length() - 1)) or expected == 1
 
 
@@ -115,7 +115,7 @@ def test_num_splits_argument_is_obeyed_and_capped(planner):
     q, cache = arr((2, 1, 8, 64)), arr((2, 4096, 8, 64))
     assert record(planner(q, cache, cache, num_splits=1))["num_splits"] == 1
     assert record(planner(q, cache, cache, num_splits=7))["num_splits"] == 7
-    assert record(planner(q, cache, cache, num_splits=1000))["num_splits"] == kvcache.MAX_SPLITS
+    assert record(planner(q, cache, cache, num_splits=1000))["num_splits"] == _compile.MAX_SPLITS
 
 
 def test_gqa_rows_and_query_blocks(planner):
@@ -182,7 +182,7 @@ def test_one_cta_an_sm_only_where_it_keeps_up_with_the_memory(planner, monkeypat
     lens = arr((1,), "int32")
 
     def splits(peak):
-        monkeypatch.setattr(kvcache, "_keeps_up", {})
+        monkeypatch.setattr(_heuristics, "_keeps_up", {})
         monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: peak)
         _runtime.plans.clear()
         return record(planner(q, cache, cache, cache_seqlens=lens))["num_splits"]
@@ -214,7 +214,7 @@ def test_split_ctas_one_an_sm_take_the_deep_ring_at_d64(planner, monkeypatch):
     assert decode(q, pages, block_table=table)[0][4] != deep.smem_bytes
     pages, table = arr((128, 256, 8, 64)), arr((1, 128), "int32")
     assert decode(q, pages, block_table=table)[0][4] == deep.smem_bytes  # read whole
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H200_PEAK_BYTES_PER_S)
     _runtime.plans.clear()
     assert decode(q, cache)[0][4] != deep.smem_bytes
@@ -299,7 +299,7 @@ def test_decode_pointer_order_is_the_records():
 def test_combine_takes_a_warp_a_row_while_one_round_of_reads_covers_the_splits(d, splits, rows):
     # a lane reads 8 columns; a warp's lanes hold 32 // (d / 8) splits at once, 4 reads
     # each, and a lane holds one split's lse
-    kernel = _compile.combine_kernel("bf16", d, splits)
+    kernel = _heuristics.combine_kernel("bf16", d, splits)
     assert kernel.rows == rows
     assert kernel.key == f"decode_combine_r{rows}_bf16"
     assert kernel.name_expression == f"cufa::decode_combine<1, {rows}>"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _interop, _params, _runtime, _tma, api, kvcache
+from cufa import _compile, _heuristics, _interop, _params, _runtime, _tma, api, kvcache
 
 
 class _Device:
@@ -343,7 +343,7 @@ def _decode_route(device, batch, seqlen, nheads_k, d=64, nheads=32, **kw):
 
 @pytest.fixture
 def h100(device, monkeypatch):
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
     return device
 
@@ -375,10 +375,10 @@ def test_tma_decode_where_it_was_measured_faster(h100):
 
 def test_tma_decode_only_on_the_h100_rule_and_the_hopper_family(h100, monkeypatch):
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 3201e6 * 6144 / 8)
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
     assert _decode_route(h100, 1, 131072, 8)[0][0] == "decode"  # an H200: not measured
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
     api.clear_plans()
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, "sm80")
     assert _decode_route(h100, 1, 131072, 8)[0][0] == "decode"  # the portable family forced
@@ -912,5 +912,5 @@ def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):
     groups, plan = heads_per_group(512, 64, causal=True)  # 64-row tiles, two CTAs an SM:
     # 8 blocks a head
     assert plan.variant.block_m == 64 and groups == 2 * 132 // 8
-    assert heads_per_group(4096, 128)[0] == api._MIN_GROUP_HEADS  # 22 blocks a head
-    assert heads_per_group(16384, 128)[0] == api._L2_BUDGET // (16384 * 128 * 4)  # L2 bound
+    assert heads_per_group(4096, 128)[0] == _heuristics.MIN_GROUP_HEADS  # 22 blocks a head
+    assert heads_per_group(16384, 128)[0] == _heuristics.L2_BUDGET // (16384 * 128 * 4)  # L2 bound
