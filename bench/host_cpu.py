@@ -18,9 +18,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cufa  # noqa: E402
-from cufa import _compile, _interop, _runtime, _tma, api, kvcache  # noqa: E402
+from cufa import _compile, _decode_plan, _fwd_plan, _interop, _runtime, _tma  # noqa: E402
 
-_LAUNCHERS = (_runtime, api, kvcache)
+_LAUNCHERS = (_runtime, _fwd_plan, _decode_plan)
 
 _KIND_BYTES = bytes(range(128))
 
@@ -105,7 +105,7 @@ def cases():
         return fn()
 
     def unlaid(fn):
-        api._layouts.clear()
+        _fwd_plan.layouts.clear()
         return unplanned(fn)
 
     return {

@@ -198,18 +198,18 @@ def decode_shape(head_dim):
 
 # Decode kernels with less shared memory and so four CTAs an SM, (warps, stages) by padded
 # head dim: the planner takes one where it runs the work in one wave without splitting the
-# keys while the default shape would split (kvcache._kernel_and_splits).
+# keys while the default shape would split (_heuristics.decode_kernel_and_splits).
 DECODE_MORE_CTAS = {64: (4, 3), 128: (2, 3)}
 
 # A deeper cp.async ring, (warps, stages) by padded head dim, for split decode CTAs that run
-# one an SM on Hopper (kvcache._split_kernel): 1 x 32k, 8 KV heads, d = 64 (2048 keys a
+# one an SM on Hopper (_heuristics.split_kernel): 1 x 32k, 8 KV heads, d = 64 (2048 keys a
 # CTA, under the TMA kernel's share) read 1-3 % faster on an H100 with 6 stages than with
 # 4 (bf16 2.7 %). 98 KB of shared memory: within what sm_86/89 grant, two CTAs an H100 SM.
 DECODE_DEEP_RING = {64: (4, 6)}
 
 # The TMA decode kernel (decode_sm90.cu, sm_90): head dims, mbarrier stages of a 64-key K
 # and V box (16 KB at d = 64), and its threads (four consumer warps and a producer warp).
-# kvcache._tma_route says where it runs.
+# _heuristics.tma_units says where it runs.
 DECODE_TMA_HEAD_DIMS = (64,)
 DECODE_TMA_STAGES = 4
 DECODE_TMA_THREADS = 160

@@ -8,9 +8,12 @@ bfloat16 needs no extra package); anything else with ``__dlpack__`` goes through
 import sys
 from dataclasses import dataclass
 
-from . import _torch_ops
-
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+
+
+def on_torch_tensor():
+    """Called where a torch tensor is viewed: cufa's __init__ sets it to register the
+    torch.compile ops (_torch_ops), which needs torch imported."""
 
 
 @dataclass
@@ -31,7 +34,7 @@ class DeviceArray:
 
 
 def _torch_view(x, name):
-    _torch_ops.register_if_torch_loaded()
+    on_torch_tensor()
     if not x.is_cuda:
         raise TypeError(f"{name} is a PyTorch tensor on {x.device}; cufa needs CUDA tensors")
     if x.requires_grad:
@@ -93,7 +96,7 @@ def optional_array(x, name):
 def signature(arrays, names):
     """(key, addresses): of each array (or None) what a launch plan depends on -- its
     kind (or torch dtype), shape, strides, then its dtype, device and 16-byte alignment
-    (shape and strides at 1 and 2 in every entry: api._layout_key) -- and its device
+    (shape and strides at 1 and 2 in every entry: _fwd_plan._layout_key) -- and its device
     address.
     Torch tensors and CuPy arrays are read directly, without a view object (a repeated
     call's host cost, bench/host_breakdown.py); anything else is viewed through
@@ -147,7 +150,7 @@ def views(arrays, names, entries, addresses, required):
             dtype, shape, strides, device, requires_grad, _ = entry
             described = _torch_dtype_names.get(dtype)
             if device >= 0 and not requires_grad and described is not None and x.is_cuda:
-                _torch_ops.register_if_torch_loaded()
+                on_torch_tensor()
                 out.append(DeviceArray(x, "torch", ptr, tuple(shape), strides, described[0],
                                        device, described[1]))
                 continue

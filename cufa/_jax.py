@@ -14,7 +14,7 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
-from . import _checks, _interop, _runtime
+from . import _checks, _decode_plan, _fwd_plan, _interop, _runtime
 
 
 def tracing(*xs):
@@ -98,7 +98,6 @@ def _scratch_bytes(entry, present, options):
     if jax.default_backend() != "gpu" or entry == "merge_attention_states":
         return 0
     import cupy
-    from . import api, kvcache
     device = cupy.cuda.runtime.getDevice()
     views = {}
     for n, x in present.items():
@@ -107,20 +106,20 @@ def _scratch_bytes(entry, present, options):
                                         itemsize)
     get = views.get
     if entry == "flash_attn_func":
-        plan = api._plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None, None,
-                               *_checked_options(options))
+        plan = _fwd_plan.plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None,
+                                    None, *_checked_options(options))
     elif entry == "flash_attn_varlen_func":
-        plan = api._plan_packed(*(get(n) for n in api._PACKED_ARRAYS[:-1]), None, None,
-                                *_checked_options(options))
+        plan = _fwd_plan.plan_packed(*(get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), None,
+                                     None, *_checked_options(options))
     elif entry == "scaled_dot_product_attention":
-        plan = api._plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
-                              bool(options["is_causal"]),
-                              _checks.check_scale(options["scale"], "scale"),
-                              bool(options["enable_gqa"]))
+        plan = _fwd_plan.plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
+                                   bool(options["is_causal"]),
+                                   _checks.check_scale(options["scale"], "scale"),
+                                   bool(options["enable_gqa"]))
     else:  # flash_attn_with_kvcache
         window, scale, softcap = _checked_options(options)
-        plan = kvcache._plan_kvcache(
-            *(get(n) for n in kvcache._ARRAYS[:-1]), None, None, options["cache_seqlen"],
+        plan = _decode_plan.plan_kvcache(
+            *(get(n) for n in _decode_plan.ARRAYS[:-1]), None, None, options["cache_seqlen"],
             window=window, scale=scale, softcap=softcap,
             interleaved=options["rotary_interleaved"], num_splits=options["num_splits"],
             want_lse=True)
@@ -265,37 +264,32 @@ def _view(cai, layout):
 
 
 def _run_dense(views, outs, options, stream, scratch):
-    from . import api
     lse = outs[1] if len(outs) > 1 else None
-    api.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0],
+    _fwd_plan.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0],
               **options, return_lse=lse is not None, lse_out=lse, stream=stream,
               scratch=scratch)
 
 
 def _run_packed(views, outs, options, stream, scratch):
-    from . import api
     lse = outs[1] if len(outs) > 1 else None
-    api.packed(*(views.get(n) for n in api._PACKED_ARRAYS[:-1]), outs[0], **options,
-               return_lse=lse is not None, lse_out=lse, stream=stream, scratch=scratch)
+    _fwd_plan.packed(*(views.get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), outs[0], **options,
+                     return_lse=lse is not None, lse_out=lse, stream=stream, scratch=scratch)
 
 
 def _run_sdpa(views, outs, options, stream, scratch):
-    from . import api
-    api.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
-             **options, stream=stream, scratch=scratch)
+    _fwd_plan.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
+                   **options, stream=stream, scratch=scratch)
 
 
 def _run_kvcache(views, outs, options, stream, scratch):
-    from . import kvcache
-    kvcache.with_kvcache(tuple(views.get(n) for n in kvcache._ARRAYS[:-1]) + (outs[0],),
-                         **options, return_lse=True, lse_out=outs[1], stream=stream,
-                         scratch=scratch)
+    _decode_plan.with_kvcache(tuple(views.get(n) for n in _decode_plan.ARRAYS[:-1]) + (outs[0],),
+                              **options, return_lse=True, lse_out=outs[1], stream=stream,
+                              scratch=scratch)
 
 
 def _run_merge(views, outs, options, stream, scratch):
-    from . import kvcache
-    kvcache.merge(tuple(views[n] for n in kvcache._MERGE_ARRAYS[:-1]) + (outs[0],),
-                  lse_out=outs[1], stream=stream)
+    _decode_plan.merge(tuple(views[n] for n in _decode_plan.MERGE_ARRAYS[:-1]) + (outs[0],),
+                       lse_out=outs[1], stream=stream)
 
 
 _RUNNERS = {"flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,

@@ -165,7 +165,7 @@ def _written_map(parts, shape, strides, box_rows):
                      batch - 1 if batch > 1 else 0, tail)
 
 
-# A moved plan's maps (api._Mover): a layout's map with only its batch, rows and batch
+# A moved plan's maps (_fwd_plan._Mover): a layout's map with only its batch, rows and batch
 # stride left to write, the rest (the kind's bytes, columns, heads, row and head
 # strides) packed once a layout.
 _MOVED_MAP = struct.Struct("<20sI4sH6sI4sI80s")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _heuristics, _params, _runtime, kvcache
+from cufa import _compile, _decode_plan, _heuristics, _params, _runtime
 from cufa._interop import DeviceArray
 
 H100_SMS = 132
@@ -32,7 +32,7 @@ def planner(monkeypatch):
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
     _runtime.plans.clear()
     captured = []
-    monkeypatch.setattr(kvcache, "_run", lambda plan, *a: captured.append(plan) or plan)
+    monkeypatch.setattr(_decode_plan, "_run", lambda plan, *a: captured.append(plan) or plan)
 
     def plan(*args, **kw):
         cufa.flash_attn_with_kvcache(*args, **kw)
@@ -283,7 +283,7 @@ def test_variant_keys_are_readable_and_unique():
 
 
 def test_decode_pointer_order_is_the_records():
-    # kvcache._run packs the pointers positionally, in this order
+    # _decode_plan._run packs the pointers positionally, in this order
     assert _params.DECODE.pointer_fields == (
         "q", "k", "v", "o", "lse", "o_partial", "lse_partial",
         "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",

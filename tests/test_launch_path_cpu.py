@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _heuristics, _interop, _params, _runtime, _tma, api, kvcache
+from cufa import (_compile, _decode_plan, _fwd_plan, _heuristics, _interop, _params, _runtime,
+                  _tma, api)
 
 
 class _Device:
@@ -67,7 +68,7 @@ def device(monkeypatch):
 def _patch_launchers(monkeypatch, name, value):
     """`name` replaced where the launch path calls it (_runtime's function, bound by the
     modules that launch)."""
-    for module in (_runtime, api, kvcache):
+    for module in (_runtime, _fwd_plan, _decode_plan):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, value)
 
@@ -258,7 +259,7 @@ def test_paged_packed_batch_sends_short_sequences_to_the_decode_kernel(device):
     plan = next(p for p in _runtime.plans.values() if getattr(p, "decode", None) is not None)
     _, max_tiles, num_buckets, _ = plan.work_list
     s = record(schedule, _params.SCHEDULE)
-    ints = api._work_list_ints(max_tiles, num_buckets)
+    ints = _fwd_plan._work_list_ints(max_tiles, num_buckets)
     assert s["decode_order"] == r["decode_order"] == s["tile_list"] + 4 * (ints + 2)
     assert (s["cu_seqlens_k"], s["seqused_k"]) == (cu.ptr, used.ptr)
     assert (s["capacity"], s["key_shift"], s["decode_rows"]) == (160, 1, 4)
@@ -304,7 +305,7 @@ def test_paged_prefill_takes_the_hopper_kernels_from_pages_of_8(device, monkeypa
 
 def test_paged_boxes_never_cross_a_page():
     """A paged box: the page, or the largest power of two dividing the key block."""
-    assert [api._paged_box_rows(p, n) for p, n in ((16, 80), (32, 80), (256, 80), (8, 128),
+    assert [_fwd_plan._paged_box_rows(p, n) for p, n in ((16, 80), (32, 80), (256, 80), (8, 128),
                                                    (256, 128), (64, 64), (256, 32))] == [
         16, 16, 16, 8, 128, 64, 32]
 
@@ -336,7 +337,7 @@ def _decode_route(device, batch, seqlen, nheads_k, d=64, nheads=32, **kw):
     q, cache = view((batch, 1, nheads, d)), view((batch, seqlen, nheads_k, d))
     done = len(device.launches)
     cufa.flash_attn_with_kvcache(q, cache, kw.pop("v_cache", cache), cache_seqlens=seqlen, **kw)
-    plan = next(p for p in reversed(list(_runtime.plans.values())) if isinstance(p, kvcache._KvPlan))
+    plan = next(p for p in reversed(list(_runtime.plans.values())) if isinstance(p, _decode_plan._KvPlan))
     kind, _, grid, threads, smem = next(e for e in plan.launches if e[0].startswith("decode"))
     return (kind, grid, threads), device.launches[done], plan
 
@@ -579,11 +580,11 @@ def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
     cache = jax.ShapeDtypeStruct((2, 32768, 2, 64), "float16")
     lens = jax.ShapeDtypeStruct((2,), "int32")
     lse = jax.ShapeDtypeStruct((2, 8, 1), "float32")
-    plan = kvcache._plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
-                                 None, None, None, None, view((2,), "int32"), None, None,
-                                 None, None, None, None, None, window=(1 << 30, 1 << 30),
-                                 scale=None, softcap=0.0, interleaved=True, num_splits=5,
-                                 want_lse=True)
+    plan = _decode_plan.plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
+                                     None, None, None, None, view((2,), "int32"), None, None,
+                                     None, None, None, None, None, window=(1 << 30, 1 << 30),
+                                     scale=None, softcap=0.0, interleaved=True, num_splits=5,
+                                     want_lse=True)
     assert plan.scratch_bytes == 4 * plan.workspace[0] > 0
     scratch = jax.ShapeDtypeStruct((plan.scratch_bytes,), "uint8")
     options = dict(cache_seqlen=None, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -688,8 +689,8 @@ def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypa
     monkeypatch.setattr(_runtime, "_driver", lambda: driver)
     monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
     planned = []
-    real_plan = api._plan_dense
-    monkeypatch.setattr(api, "_plan_dense", lambda *a: planned.append(1) or real_plan(*a))
+    real_plan = _fwd_plan.plan_dense
+    monkeypatch.setattr(_fwd_plan, "plan_dense", lambda *a: planned.append(1) or real_plan(*a))
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
     out = [_Buffer(0x9000_0000, (2, 100, 4, 64))]
@@ -808,7 +809,7 @@ def _model_driver(monkeypatch):
 @pytest.mark.parametrize("driver", ["model", "other"])
 def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, heads_first,
                                                                        driver, monkeypatch):
-    """Moved plans (api._Mover) equal the plans made by validation and planning, at sizes
+    """Moved plans (_fwd_plan._Mover) equal the plans made by validation and planning, at sizes
     that cross the tile classes (64-, 128- and 192-row tiles), for padded and packed
     batches, with and without out=, and a (B, H, N, d) storage whose head stride grows;
     with a driver whose maps _tma writes (moved maps written from a layout's pieces), and
@@ -818,7 +819,7 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
         _model_driver(monkeypatch)
     rng = random.Random(5)
     moved_plans = []
-    move = api._Mover._moved
+    move = _fwd_plan._Mover._moved
 
     def counted(mover, *args):
         plan = move(mover, *args)
@@ -828,7 +829,7 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
         return plan
     written = []
 
-    monkeypatch.setattr(api._Mover, "_moved", counted)
+    monkeypatch.setattr(_fwd_plan._Mover, "_moved", counted)
     for case in range(60):
         d, h, hk = rng.choice((64, 128, 72)), rng.choice((4, 8)), rng.choice((1, 2, 4))
         causal, dense, with_out = rng.random() < 0.5, rng.random() < 0.6, rng.random() < 0.3
@@ -856,7 +857,7 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
             call()
             moved = _last_plan()
             _runtime.plans.clear()
-            api._layouts.clear()
+            _fwd_plan.layouts.clear()
             call()  # made from scratch
             _same_plan(moved, _last_plan())
     assert written and all(written) == (driver == "model") and any(written) == all(written)
@@ -901,7 +902,7 @@ def test_moved_plans_refuse_a_row_stride_allowed_under_one_row(device, monkeypat
 def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):
     """Padded batches: a scheduling group holds at most the heads whose query blocks the
     resident CTAs cover at once (so each head's K/V is read from DRAM once), at least
-    _MIN_GROUP_HEADS, and never more than half of L2 holds (api._sizes)."""
+    _MIN_GROUP_HEADS, and never more than half of L2 holds (_fwd_plan._sizes)."""
     def heads_per_group(n, d, causal=False):
         q = view((16384 // n, n, 2048 // d, d))
         cufa.flash_attn_func(q, q, q, causal=causal)

@@ -1,129 +1,39 @@
-"""KV-cache inference: attention of new tokens against a cache (decode, speculative
-decode, appends; contiguous or paged; split-KV), and the merge of partial attention
-states. validate -> plan (cached per call signature) -> launch, as in api.py."""
-import numbers
+"""KV-cache plans: attention of new tokens against a cache (decode, speculative decode,
+appends; contiguous or paged; split-KV), the decode kernel's share of a paged packed batch,
+and the merge of partial attention states. Plans are made once per call signature and kept
+in _runtime.plans, as the forward's are."""
 from dataclasses import dataclass
 
-from . import _compile, _heuristics, _interop, _jax, _params, _tma, _torch_ops, api
-from ._checks import (KERNEL_DTYPES, MERGE_DTYPES, NO_WINDOW, ROTARY_DTYPES,
-                      check_cache_values, check_kvcache, check_merge, check_num_splits,
-                      check_options)
+from . import _compile, _heuristics, _interop, _params, _tma
+from ._checks import (KERNEL_DTYPES, MERGE_DTYPES, ROTARY_DTYPES, check_cache_values,
+                      check_kvcache, check_merge, check_num_splits, check_options)
 from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, plans, remember,
                        returned, stream_capturing, stream_split_counters, stream_workspace)
 
-
-
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
-                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
-                            cache_leftpad=None, block_table=None, softmax_scale=None,
-                            causal=False, window_size=NO_WINDOW, softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, out=None, check_inputs=False):
-    """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
-
-    q: (batch, seqlen_q, nheads, headdim). The cache is contiguous,
-    (batch_cache, seqlen_cache, nheads_k, headdim), or paged, (num_pages, page_size,
-    nheads_k, headdim) with block_table int32 (batch, max_pages): key position j of
-    sequence b is row j % page_size of page block_table[b, j // page_size]; page_size a
-    power of two from 1 to 256.
-
-    cache_seqlens: int32 (batch,) or an int, the keys in the cache before this call
-    (default: all of it). k, v (batch, seqlen_new, nheads_k, headdim), if given, are
-    written into the cache in place at positions cache_seqlens .. cache_seqlens +
-    seqlen_new - 1, and the queries attend to the old keys and the new ones. cache_batch_idx
-    int32 (batch,) picks the cache row of each sequence (contiguous cache);
-    cache_leftpad int32 (batch,) makes a sequence's keys start at that position.
-
-    Masks align bottom-right against seqlen_k = cache_seqlens + seqlen_new - leftpad, as
-    in flash_attn_func: query t sees key j iff j <= t + seqlen_k - seqlen_q (causal).
-    rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2), seqlen_ro >= the cache's
-    capacity, rotate q and the new k: new key i at position cache_seqlens + i; query t at
-    cache_seqlens + t when causal or windowed, else at cache_seqlens; rotary_interleaved
-    pairs features (2i, 2i+1), else (i, i + rotary_dim / 2).
-
-    num_splits: 0 picks a split of the keys from the shapes alone (never from device
-    values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
-    splits into n (at most 128). Returns out (batch, seqlen_q, nheads, headdim), and with
-    return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q). check_inputs=True
-    reads the device values first (one sync) and raises for page ids outside the cache,
-    lengths past its capacity and leftpads past the lengths; without it such values are
-    clamped in the kernels, so they never read or write outside the arrays.
-
-    JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
-    after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
-    Under jax.jit with the caches donated (donate_argnums), they are the same memory and
-    no copy is made; without donation, or eagerly, XLA copies each cache once per call.
-    """
-    fixed = None
-    if cache_seqlens is None or _is_integral(cache_seqlens):
-        if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and cache_seqlens < 0):
-            raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 array; got "
-                             f"{cache_seqlens!r}")
-        fixed, cache_seqlens = (None if cache_seqlens is None else int(cache_seqlens)), None
-    arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-              cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
-    if api._other_route(q):  # (the usual decode step's host time is what a small batch waits on)
-        if _torch_ops.compiling(q):
-            if out is not None or check_inputs:
-                raise NotImplementedError("out= and check_inputs=True are not supported "
-                                          "inside torch.compile")
-            o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
-                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
-                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                *window_size, softcap, bool(rotary_interleaved), alibi_slopes, num_splits)
-            return (o, lse) if return_softmax_lse else o
-        if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
-            if check_inputs:
-                raise ValueError("check_inputs=True is not supported for JAX arrays: under "
-                                 "jax.jit there are no device values to read")
-            options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
-                           window_size=window_size, softcap=softcap,
-                           rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
-            o, lse, *caches = _jax.call("flash_attn_with_kvcache", dict(zip(_ARRAYS, arrays)),
-                                        options, out=out)
-            return tuple([o] + ([lse] if return_softmax_lse else []) + caches) if caches else (
-                (o, lse) if return_softmax_lse else o)
-    return with_kvcache(arrays + (out,), cache_seqlen=fixed, softmax_scale=softmax_scale,
-                        causal=causal, window_size=window_size, softcap=softcap,
-                        rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
-                        return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
-
-
-_integral_types = {}  # type -> whether numbers.Integral (an ABC check each call costs more)
-
-
-def _is_integral(x):
-    kind = type(x)
-    known = _integral_types.get(kind)
-    if known is None:
-        known = _integral_types[kind] = isinstance(x, numbers.Integral)
-    return known
-
-
 # with_kvcache's arrays, in order (the first three required)
-_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
            "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "out")
 
 
 def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
                  rotary_interleaved, num_splits, return_lse, check_inputs=False, lse_out=None,
                  stream=None, scratch=None):
-    """flash_attn_with_kvcache on arrays or views, in _ARRAYS order (out: the caller's out=
+    """flash_attn_with_kvcache on arrays or views, in ARRAYS order (out: the caller's out=
     or, under jax.jit, the output buffer's view); cache_seqlen: the int form of
-    cache_seqlens, or None; lse_out, stream, scratch: as in api.dense (jax.jit)."""
+    cache_seqlens, or None; lse_out, stream, scratch: as in _fwd_plan.dense (jax.jit)."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
     if type(num_splits) is not int or num_splits < 0:  # (one test on the usual call)
         check_num_splits(num_splits)
     want_lse = return_lse or lse_out is not None
     options = (window, scale, softcap, rotary_interleaved, num_splits, cache_seqlen, want_lse)
-    entries, ptrs = _interop.signature(arrays, _ARRAYS)
+    entries, ptrs = _interop.signature(arrays, ARRAYS)
     key = ("kvcache", options) + entries
     plan = plans.get(key)
     views = None
     if plan is None or check_inputs:
-        views = _interop.views(arrays, _ARRAYS, entries, ptrs, 3)
+        views = _interop.views(arrays, ARRAYS, entries, ptrs, 3)
     if plan is None:
-        plan = remember(key, _plan_kvcache(
+        plan = remember(key, plan_kvcache(
             *views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
             interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
@@ -131,43 +41,19 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
     return _run(plan, ptrs, arrays[0], arrays[-1], lse_out, stream, scratch)
 
 
-def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
-    """The attention over the union of two disjoint key sets, from each part's output and
-    lse: lse = log(exp(lse_a) + exp(lse_b)), out = exp(lse_a - lse) out_a + exp(lse_b -
-    lse) out_b. This is how split-KV, prefix caching and attention spread over GPUs
-    combine their parts.
-
-    out_a, out_b: (batch, seqlen, nheads, headdim) with lse float32 (batch, nheads,
-    seqlen), as flash_attn_func returns them, or packed (total, nheads, headdim) with lse
-    (nheads, total), as flash_attn_varlen_func does; float16, bfloat16 or float32 (the
-    same for both), any strides. A part with lse -inf (no keys) weighs 0 and its output
-    is not read; two such parts give 0 and -inf. Returns (out, lse): out in the inputs'
-    dtype (written into `out` if given: same shape and dtype, any strides; it may be
-    out_a or out_b), lse float32.
-    """
-    arrays = dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
-    if _torch_ops.compiling(out_a):
-        if out is not None:
-            raise NotImplementedError("out= is not supported inside torch.compile")
-        return _torch_ops.op("merge")(out_a, lse_a, out_b, lse_b)
-    if _jax.tracing(*arrays.values()):
-        return _jax.call("merge_attention_states", arrays, {}, out=out)
-    return merge((out_a, lse_a, out_b, lse_b, out))
-
-
-_MERGE_ARRAYS = ("out_a", "lse_a", "out_b", "lse_b", "out")
+MERGE_ARRAYS = ("out_a", "lse_a", "out_b", "lse_b", "out")
 
 
 def merge(arrays, lse_out=None, stream=None):
-    """merge_attention_states on arrays or views, in _MERGE_ARRAYS order (out: the
+    """merge_attention_states on arrays or views, in MERGE_ARRAYS order (out: the
     caller's out= or, under jax.jit, the output buffer's view; lse_out, stream: as in
-    api.dense)."""
-    entries, addresses = _interop.signature(arrays, _MERGE_ARRAYS)
+    _fwd_plan.dense)."""
+    entries, addresses = _interop.signature(arrays, MERGE_ARRAYS)
     key = ("merge",) + entries
     plan = plans.get(key)
     oa, la, ob, lb, o_ptr = addresses
     if plan is None:
-        views = _interop.views(arrays, _MERGE_ARRAYS, entries, addresses, 4)
+        views = _interop.views(arrays, MERGE_ARRAYS, entries, addresses, 4)
         plan = remember(key, _plan_merge(*views, arrays[-1]))
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, arrays[-1], o_ptr, lse_out, True, stream,
@@ -181,9 +67,9 @@ def merge(arrays, lse_out=None, stream=None):
 
 # -- planning ------------------------------------------------------------------------------
 
-@dataclass  # not frozen (see api._Plan); never changed once made
+@dataclass  # not frozen (see _fwd_plan._Plan); never changed once made
 class _KvPlan:
-    """What a call needs besides the arrays' addresses (see api._Plan)."""
+    """What a call needs besides the arrays' addresses (see _fwd_plan._Plan)."""
     framework: str
     device: int
     out_shape: tuple
@@ -209,7 +95,7 @@ class _KvPlan:
         return 4 * self.workspace[0]
 
 
-def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
+def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
                   fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
     paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro = check_kvcache(
         q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out, fixed)
@@ -241,7 +127,7 @@ def _plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity),
              lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
-             **api.score_fields(window, scale, softcap, d, alibi))
+             **_params.score_fields(window, scale, softcap, d, alibi))
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
@@ -356,7 +242,7 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
 
 @dataclass
 class PackedDecode:
-    """The decode kernel's share of a packed batch over a paged cache (api._plan_packed):
+    """The decode kernel's share of a packed batch over a paged cache (_fwd_plan.plan_packed):
     every sequence of 1 to `rows` query rows, whose GQA group of heads then fills one
     16-row tile and reads each KV byte once, instead of a 64- or 128-row forward tile a
     query head. The forward kernel's work list leaves those sequences out."""
@@ -366,7 +252,7 @@ class PackedDecode:
     params: bytes
     workspace: tuple        # (float32s, offset of o_partial, of lse_partial; -1: none)
     merge_in_launch: bool = False  # an eager split call may merge in its decode launch
-    scratch_offset: int = 0  # where they start in jax.jit's scratch (set by api)
+    scratch_offset: int = 0  # where they start in jax.jit's scratch (set by _fwd_plan)
 
     @property
     def scratch_bytes(self):
@@ -395,9 +281,10 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
              num_m_blocks=num_m_blocks, lse_batch_stride=0, lse_head_stride=total_q,
              q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
              o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
-             **api.score_fields(window, scale, softcap, d, alibi))
-    for fields, x in zip(api._STRIDE_FIELDS[1:3], (k, v)):  # page stride as the batch stride
-        p.update(zip(fields, x.strides[:3]))
+             **_params.score_fields(window, scale, softcap, d, alibi))
+    for name, x in (("k", k), ("v", v)):  # page stride as the batch stride
+        (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
+         p[f"{name}_head_stride"]) = x.strides[:3]
     partial_rows = batch * rows * nheads if num_splits > 1 else 0
     workspace = _workspace(num_splits * partial_rows * d, num_splits * partial_rows)
     launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k, batch))]
@@ -409,7 +296,7 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
 
 def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr,
                          order, reserved):
-    """route's launches on `stream` after the forward's (api._launch's arguments): its
+    """route's launches on `stream` after the forward's (_fwd_plan._launch's arguments): its
     partials in XLA's scratch under jax.jit, else in the stream's buffer past its first
     `reserved` bytes; order: the schedule's decode order (sequences, most keys first)."""
     cu_q, cu_k, used, table = packed
@@ -455,7 +342,7 @@ def _plan_merge(oa, la, ob, lb, o, out):
                       -(-count // 4), _interop.returns_jax(oa))
 
 
-@dataclass  # not frozen (see api._Plan); never changed once made
+@dataclass  # not frozen (see _fwd_plan._Plan); never changed once made
 class _MergePlan:
     framework: str
     device: int
@@ -471,7 +358,7 @@ class _MergePlan:
 # -- launch --------------------------------------------------------------------------------
 
 def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
-    """ptrs: the arrays' addresses in _ARRAYS order; q_array: the caller's q."""
+    """ptrs: the arrays' addresses in ARRAYS order; q_array: the caller's q."""
     scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
     q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
     with caller_stream(plan.framework, plan.device, stream) as stream:
