@@ -201,12 +201,6 @@ def decode_shape(head_dim):
 # keys while the default shape would split (_heuristics.decode_kernel_and_splits).
 DECODE_MORE_CTAS = {64: (4, 3), 128: (2, 3)}
 
-# A deeper cp.async ring, (warps, stages) by padded head dim, for split decode CTAs that run
-# one an SM on Hopper (_heuristics.split_kernel): 1 x 32k, 8 KV heads, d = 64 (2048 keys a
-# CTA, under the TMA kernel's share) read 1-3 % faster on an H100 with 6 stages than with
-# 4 (bf16 2.7 %). 98 KB of shared memory: within what sm_86/89 grant, two CTAs an H100 SM.
-DECODE_DEEP_RING = {64: (4, 6)}
-
 # The TMA decode kernel (decode_sm90.cu, sm_90): head dims, mbarrier stages of a 64-key K
 # and V box (16 KB at d = 64), and its threads (four consumer warps and a producer warp).
 # _heuristics.tma_units says where it runs.
@@ -340,12 +334,6 @@ def decode_kernel_with_more_ctas(dtype, head_dim):
 
 
 @functools.lru_cache(maxsize=None)
-def decode_kernel_deep_ring(dtype, head_dim):
-    """The DECODE_DEEP_RING shape for head_dim, or None."""
-    return _decode_shape_of(DECODE_DEEP_RING, dtype, head_dim)
-
-
-@functools.lru_cache(maxsize=None)
 def decode_tma_kernel(dtype, head_dim, units):
     """The TMA decode kernel (sm_90) at a padded head dim of DECODE_TMA_HEAD_DIMS."""
     return DecodeKernel("decode_tma", dtype, head_dim, units=units, archs=("sm_90",))
@@ -354,7 +342,6 @@ def decode_tma_kernel(dtype, head_dim, units):
 def decode_variants():
     return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
-            + [decode_kernel_deep_ring(dt, hd) for dt in DTYPES for hd in DECODE_DEEP_RING]
             + [decode_tma_kernel(dt, hd, units) for dt in DTYPES for hd in DECODE_TMA_HEAD_DIMS
                for units in (1, 2)]
             + [DecodeKernel("combine", dt, rows=rows) for dt in DTYPES for rows in (1, 4)]

@@ -120,18 +120,11 @@ TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, a
 
 
 def tma_device(device, forced=None):
-    """Whether `device` runs the TMA decode kernel: where one CTA an SM keeps up on Hopper
-    (hopper_one_cta), or on any Hopper where CUFA_DECODE_TMA asks for it."""
-    if forced:
-        return _compile.family_for(_runtime.compute_capability(device)) == "sm90"
-    return hopper_one_cta(device)
-
-
-def hopper_one_cta(device):
-    """Hopper's kernel family (not forced to the portable one) where one decode CTA an SM
-    keeps up with the memory: where the TMA decode kernel and the deep ring run."""
-    return (_compile.family_for(_runtime.compute_capability(device)) == "sm90"
-            and one_cta_keeps_up(device))
+    """Whether `device` runs the TMA decode kernel: Hopper's kernel family (not forced to
+    the portable one) where one decode CTA an SM keeps up with the memory, or on any Hopper
+    where CUFA_DECODE_TMA asks for it."""
+    hopper = _compile.family_for(_runtime.compute_capability(device)) == "sm90"
+    return hopper and (bool(forced) or one_cta_keeps_up(device))
 
 
 def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
@@ -153,7 +146,7 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
     if splits > 1:
         if wider is not None and split_count(0, units, capacity, wider, device, paged) == 1:
             return wider, 1
-        return split_kernel(kernel, dtype, d, units * splits, device, paged), splits
+        return kernel, splits
     if wider is None:
         return kernel, splits
     two_waves = 2 * _runtime.sm_count(device)  # (times the CTAs an SM holds)
@@ -162,19 +155,6 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
             <= two_waves * wider.ctas_per_sm_on(smem)):
         return wider, 1
     return kernel, splits
-
-
-def split_kernel(kernel, dtype, d, ctas, device, paged):
-    """The kernel of a split decode: the deeper ring (_compile.DECODE_DEEP_RING) where its
-    CTAs run one an SM on a device where that keeps up with the memory (contiguous caches
-    and pages of 256 read whole; Hopper, the only one measured), else `kernel`. With the
-    key loop split over every SM, more tiles in flight a warp shorten it: 1 x 32k, 8 KV
-    heads, d = 64 on an H100, one token fp16 31.7 -> 31.4 us, bf16 32.8 -> 31.9, four
-    tokens 34.7 -> 34.2 and 35.9 -> 35.0 (queued; NOTES)."""
-    deep = _compile.decode_kernel_deep_ring(dtype, d)
-    if deep is None or paged or ctas > _runtime.sm_count(device) or not hopper_one_cta(device):
-        return kernel
-    return deep
 
 
 def split_count(num_splits, units, capacity, kernel, device, paged):

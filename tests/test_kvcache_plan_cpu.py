@@ -27,7 +27,6 @@ def planner(monkeypatch):
     monkeypatch.setattr(_runtime, "sm_count", lambda device: H100_SMS)
     monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
     monkeypatch.setattr(_heuristics, "tma_device", lambda device, forced=None: False)
-    monkeypatch.setattr(_heuristics, "hopper_one_cta", _heuristics.one_cta_keeps_up)  # (Hopper)
     monkeypatch.setattr(_heuristics, "_keeps_up", {})
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
     _runtime.plans.clear()
@@ -191,33 +190,17 @@ def test_one_cta_an_sm_only_where_it_keeps_up_with_the_memory(planner, monkeypat
     assert splits(None) == one_per_sm
 
 
-def test_split_ctas_one_an_sm_take_the_deep_ring_at_d64(planner, monkeypatch):
-    """1 x 32k, 8 KV heads, d = 64: 16 splits, a CTA an SM, on the ring of 6 stages; not on
-    pages of 16, at d = 128, unsplit, over more CTAs than SMs, nor on an H200's rule."""
-    deep = _compile.decode_kernel_deep_ring("fp16", 64)
-    assert deep.shape == (4, 6) and deep.ctas_per_sm == 2
-    lens = arr((1,), "int32")
-
-    def decode(q, k, **kw):
-        plan = planner(q, k, k, cache_seqlens=lens, **kw)
-        return [e for e in plan.launches if e[0] == "decode"][0], record(plan)["num_splits"]
-
+def test_split_ctas_one_an_sm_take_the_default_kernel(planner):
+    """1 x 32k, 8 KV heads, d = 64: 16 splits, a CTA an SM, on the default shape (its
+    four stages a warp), contiguous or on pages of 256 read whole."""
+    lens, default = arr((1,), "int32"), _compile.decode_kernel("fp16", 64)
     q, cache = arr((1, 1, 32, 64)), arr((1, 32768, 8, 64))
-    (_, _, grid, threads, smem), splits = decode(q, cache)
-    assert (splits, threads, smem) == (16, 128, deep.smem_bytes)
-    assert decode(q, cache, num_splits=8)[0][4] == deep.smem_bytes   # 64 CTAs
-    assert decode(q, cache, num_splits=32)[0][4] != deep.smem_bytes  # 256 CTAs
-    assert decode(q, cache, num_splits=1)[0][4] != deep.smem_bytes
-    assert decode(arr((1, 1, 32, 128)), arr((1, 32768, 8, 128)))[0][4] == \
-        _compile.decode_kernel("fp16", 128).smem_bytes
-    pages, table = arr((2048, 16, 8, 64)), arr((1, 2048), "int32")
-    assert decode(q, pages, block_table=table)[0][4] != deep.smem_bytes
     pages, table = arr((128, 256, 8, 64)), arr((1, 128), "int32")
-    assert decode(q, pages, block_table=table)[0][4] == deep.smem_bytes  # read whole
-    monkeypatch.setattr(_heuristics, "_keeps_up", {})
-    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H200_PEAK_BYTES_PER_S)
-    _runtime.plans.clear()
-    assert decode(q, cache)[0][4] != deep.smem_bytes
+    for k, kw in ((cache, {}), (pages, {"block_table": table})):
+        plan = planner(q, k, k, cache_seqlens=lens, **kw)
+        _, _, grid, threads, smem = [e for e in plan.launches if e[0] == "decode"][0]
+        assert (record(plan)["num_splits"], grid, threads, smem) == (
+            16, (16, 8, 1), default.threads, default.smem_bytes)
 
 
 def test_units_that_fit_the_cta_slots_run_unsplit_paged_or_not(planner):
@@ -276,7 +259,7 @@ def test_variant_keys_are_readable_and_unique():
     keys = [v.key for v in _compile.decode_variants()]
     assert len(set(keys)) == len(keys)
     assert "decode_bf16_hd128_s2" in keys and "decode_fp16_hd64_s3" in keys
-    assert "decode_fp16_hd128_s3_w2" in keys and "decode_bf16_hd64_s6" in keys
+    assert "decode_fp16_hd128_s3_w2" in keys
     assert "decode_append_bf16" in keys and "merge_fp32" in keys
     assert _compile.DecodeKernel("decode", "bf16", 64).name_expression == \
         "cufa::decode_kernel<1, 64, 4, 4>"
