@@ -35,42 +35,36 @@ SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
               160: (64, 64), 192: (64, 64), 224: (64, 64), 256: (64, 64)}
 SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 
-# sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64);
-# 192 query rows (three consumer warpgroups) at d <= 128 (NOTES.md steps 33, 34), 128 (two)
-# above. block_n: the widest that measured fastest (bench/tune_sm90.py, NOTES.md) with two
-# K/V stages next to Q in shared memory (227 KB) and, on 192-row tiles, the three
-# consumers' accumulators in 160 registers; narrower where score mods would spill.
+# sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64). Each
+# (block_m, block_n) fits its Q stage and two K/V stages in shared memory (227 KB) and, on
+# 192-row tiles, the three consumer warpgroups' accumulators in 160 registers; block_n is
+# the widest of those that read fastest (bench/tune_sm90.py). Tiles by class
+# (_heuristics.sm90_rows picks the class):
+# - long: 192 query rows (three consumer warpgroups) up to d = 128, 128 (two) above;
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (192, 128), 128: (192, 80), 192: (128, 64), 256: (128, 80)}
-SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same today; bench/tune_sm90.py varies it)
+SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same; bench/tune_sm90.py varies it)
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # Sm90Smem::kStages in fwd_sm90.cu, where two fit (else one)
-# Sequences of middling length (mean query rows a sequence below SM90_LONG_MIN_SEQLEN, by
-# mask): 128-row tiles at d = 128. There a sequence's last 192-row tile is mostly empty
-# (512 rows: 576 computed) and fewer tiles fill the SMs unevenly: d = 128 N = 512 -5 %,
-# causal N = 1k -11 % on 192 rows, against +5-11 % from 2k up (NOTES.md step 34).
-# d = 256 on 128-key blocks, as cuDNN's kernel: one K and one V buffer fit (the kernel
-# then waits for each product where it issues it), +3-5 % at N = 512 and causal 1k, -3 %
-# at 8k (NOTES.md step 52).
+# - mid: 128-row tiles at d = 128, where a sequence's last 192-row tile would be mostly
+#   empty and fewer tiles fill the SMs unevenly; at d = 256 128-key blocks (cuDNN's
+#   shape: one K and one V buffer fit, and the kernel waits for each product where it
+#   issues it);
 SM90_MID_TILES = {128: (128, 128), 256: (128, 128)}
-# Short sequences (packed batches of them, and padded ones up to 1k rows at d <= 64),
-# causal or windowed: 64-row tiles, one consumer warpgroup, two CTAs per SM (half the
-# query-row rounding of 128-row tiles; NOTES.md step 24). Two CTAs share the SM's shared
-# memory, so the key blocks are narrower. Measured faster than the longer tiles there:
-# d = 64 and d = 128 causal. Without a mask the longer tiles are: d = 128 on 128 rows (4 %:
-# 64-key blocks at d = 128 cost more per FLOP), d = 64 on the 192-row tiles of step 33
-# (step 36: +12 % on the 256 x 64..512 batch, +4-9 % padded at 512 and 1k rows).
+# - short, causal or windowed: 64-row tiles, one consumer warpgroup, two CTAs an SM (half
+#   the query-row rounding of 128-row tiles); the two CTAs share the SM's shared memory,
+#   so the key blocks are narrower. Without a mask the longer tiles read faster (at
+#   d = 128 64-key blocks cost more a FLOP), so there are none.
 SM90_SHORT_TILES = {}
 SM90_SHORT_TILES_WINDOW = {64: (64, 128), 128: (64, 64)}
 # "64" / "128" / "192": force the short, middle or long tiles' table (tests, bench); a head
 # dim without tiles of that class gets the next longer class's
 SM90_ROWS_ENV = "CUFA_SM90_BLOCK_M"
-# Long rows' tiles on which the P V wait is held below the exponentials, so that a
-# warpgroup's exponentials run under its own P V (hold_wait_below in sm90.cuh; ptxas
-# otherwise waits for P V before the first one). A/B at d = 64 on 192 x 128: 2k-16k +1-7 %,
-# but N = 512 -4 % and 2k causal -1-2 %, so not on the short and middle classes' tiles;
-# d = 128: -2 % at 4k, +3 % at 16k; d = 256 and 64-row tiles within noise. Score mods
-# spill with it (NOTES.md step 44).
+# Long tiles on which the P V wait is held below the exponentials, so that a warpgroup's
+# exponentials run under its own P V (hold_wait_below in sm90.cuh; ptxas otherwise waits
+# for P V before the first one): only d = 64's, the one shape where that reads faster on
+# long sequences (on short ones it reads slower, so the mid class keeps these tiles
+# without it). Score mods spill with it.
 SM90_HOLD_PV_WAIT = {64: (192, 128)}
 SM90_ROW_CLASSES = {"64": "short", "128": "mid", "192": "long"}
 
@@ -197,8 +191,7 @@ def decode_shape(head_dim):
 
 
 # Decode kernels with less shared memory and so four CTAs an SM, (warps, stages) by padded
-# head dim: the planner takes one where it runs the work in one wave without splitting the
-# keys while the default shape would split (_heuristics.decode_kernel_and_splits).
+# head dim; _heuristics.decode_kernel_and_splits says where they run.
 DECODE_MORE_CTAS = {64: (4, 3), 128: (2, 3)}
 
 # The TMA decode kernel (decode_sm90.cu, sm_90): head dims, mbarrier stages of a 64-key K
@@ -394,7 +387,7 @@ def family_for(compute_capability):
 def read_overrides():
     """Read CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M and CUFA_DECODE_TMA from the environment:
     at import, and again by api.clear_plans(). Plans are made with the values last read,
-    not with os.environ at each plan (two lookups cost a new signature's plan 2 us)."""
+    not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV))
 

@@ -206,20 +206,20 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     XLA's scratch_ptr under jax.jit, else in the stream's buffer; counters: the split
     counters' address, or 0. A split decode called eagerly merges its partials in its own
     launch where `merge_in_launch` (the stream's zeroed counters, one a unit), and the
-    combine is not launched: a launch less of host time, and of GPU time too (an H100,
-    1 x 32k, 32/8, d = 64: the launch's span 29.2 us against 26.8 + the combine's 2.6 and
-    its gap, bench/NOTES.md). Under jax.jit (whose replays must not depend on memory cufa
+    combine is not launched: a launch less of host time, and of GPU time too (one launch's
+    span is shorter than the decode's, the combine's and the gap between them). Under
+    jax.jit (whose replays must not depend on memory cufa
     keeps) and under graph capture (where the counters would need a memset node)
     decode_combine merges them. reserved: bytes at the start of the stream's buffer left
     untouched (a packed batch's work list and decode order, made by the launches before).
     maps: the TMA decode kernel's map template, pointed at the call's cache (the record's
     k and v)."""
     held, base = None, scratch_ptr
-    # (one capture check a call: a driver call, ~1 us of a lent host's time)
+    # (one capture check a call: it is a driver call)
     capturing = None if scratch_ptr or not merge_in_launch else stream_capturing(stream)
     if not scratch_ptr and workspace[0]:
-        held, base = stream_workspace(framework, device, stream,
-                                          reserved + 4 * workspace[0], capturing)
+        held, base = stream_workspace(framework, device, stream, reserved + 4 * workspace[0],
+                                      capturing)
         base += reserved
     counters = counters_held = 0
     if merge_in_launch and not scratch_ptr and not capturing:

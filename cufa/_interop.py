@@ -138,8 +138,8 @@ def stride_unit(entry, itemsize):
 def views(arrays, names, entries, addresses, required):
     """as_device_array of each array (the first `required`; the rest may be None) of a
     call whose signature() gave (entries, addresses): torch tensors and CuPy arrays are
-    viewed from what signature() read off them, not read again (three torch tensors' views
-    cost ~9 us of a lent host's time), where their entries show a CUDA array as_device_array
+    viewed from what signature() read off them, not read again (a torch tensor's reads are
+    the costly part of its view), where their entries show a CUDA array as_device_array
     would take; anything else through as_device_array, which says what is wrong."""
     out = []
     for i, (x, entry, ptr) in enumerate(zip(arrays, entries, addresses)):
@@ -202,8 +202,8 @@ def allocate(framework, shape, dtype, device, stream, like=None):
     current (callers are inside api.caller_stream): (native array, device address). A
     CuPy array is taken from the pool of the stream it is used on, as the pool reuses
     freed memory on that stream only (under jax.jit, XLA's stream is not CuPy's).
-    like: None, or an array of this shape, dtype and device; a torch tensor's
-    torch.empty_like costs a lent host ~1.7 us less than torch.empty (bench/NOTES.md)."""
+    like: None, or an array of this shape, dtype and device; for a torch tensor
+    torch.empty_like costs less host time than torch.empty."""
     if type(like) is _torch_tensor:
         native = _torch_empty_like(like, memory_format=_torch_contiguous)
         return native, native.data_ptr()

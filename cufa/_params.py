@@ -143,7 +143,7 @@ class Record:
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to
         `values`, in pointer_fields order, as a ctypes buffer to pass by address."""
-        buffer = self._buffer.from_buffer_copy(record)  # (create_string_buffer: +1 us)
+        buffer = self._buffer.from_buffer_copy(record)  # (create_string_buffer costs more)
         self._pointers.pack_into(buffer, 0, *values)
         return buffer
 

@@ -133,7 +133,7 @@ def stream_split_counters(framework, device, stream, nbytes):
 def stream_capturing(stream):
     """Whether `stream` is being captured into a CUDA graph."""
     global _stream_is_capturing
-    if _stream_is_capturing is None:  # (looked up once: cupy.cuda's lookups cost ~1 us)
+    if _stream_is_capturing is None:  # (looked up once: cupy.cuda's lookups are slow)
         import cupy
         _stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
     return bool(_stream_is_capturing(stream))

@@ -140,7 +140,7 @@ def _kind_template(dtype, views, tail_views):
 
 def new_shape_template(dtype, views, tail_views=()):
     """template(), for a shape not seen before (a plan moved to new sizes): the kind maps'
-    path without the cache's lookup and insertion (2 us of the 5), else template()."""
+    path without the cache's lookup and insertion, else template()."""
     return _kind_template(dtype, views, tail_views) or template(dtype, views, tail_views)
 
 
@@ -207,7 +207,7 @@ def with_addresses(template, q, k, v):
     pointers = (q, k, v, k, v) if template.has_tails else (q, k, v)
     if not template.address_words:
         return _moved_by_driver(template, pointers)
-    record = _MAPS_BUFFER.from_buffer_copy(template.record)  # (create_string_buffer: +1 us)
+    record = _MAPS_BUFFER.from_buffer_copy(template.record)  # (create_string_buffer costs more)
     for (offset, kept, shift), ptr in zip(template.address_words, pointers):
         _WORD.pack_into(record, offset, kept | ptr >> shift)
     return record
