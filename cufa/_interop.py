@@ -9,6 +9,12 @@ import sys
 from dataclasses import dataclass
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+# where an array lives that cufa cannot take: DLPack's device types, and torch's names
+_DL_DEVICES = {1: "CPU", 3: "pinned host (CUDA)", 4: "OpenCL", 7: "Vulkan", 8: "Metal",
+               9: "VPI", 10: "ROCm", 11: "pinned host (ROCm)", 14: "oneAPI", 15: "WebGPU",
+               16: "Hexagon", "cpu": "CPU", "mps": "Metal", "xpu": "oneAPI"}
+_FRAMEWORKS = {"numpy": "NumPy", "jax": "JAX", "jaxlib": "JAX", "torch": "PyTorch",
+               "cupy": "CuPy", "tensorflow": "TensorFlow", "mlx": "MLX", "paddle": "Paddle"}
 
 
 def on_torch_tensor():
@@ -36,7 +42,9 @@ class DeviceArray:
 def _torch_view(x, name):
     on_torch_tensor()
     if not x.is_cuda:
-        raise TypeError(f"{name} is a PyTorch tensor on {x.device}; cufa needs CUDA tensors")
+        device = x.device.type
+        raise TypeError(f"cufa needs CUDA device arrays; got a "
+                        f"{_DL_DEVICES.get(device, device)} (PyTorch) tensor for {name}")
     if x.requires_grad:
         raise NotImplementedError(
             f"{name} requires grad, but cufa has no backward pass yet: pass {name}.detach() "
@@ -83,14 +91,16 @@ def as_device_array(x, name):
                         f"__dlpack__); got {type(x).__module__}.{type(x).__name__}")
     device_type, _ = x.__dlpack_device__()
     if int(device_type) not in (_DL_CUDA, _DL_CUDA_MANAGED):
-        raise TypeError(f"{name} is not on a CUDA device (DLPack device type {int(device_type)}); "
-                        "cufa needs CUDA arrays")
+        device = _DL_DEVICES.get(int(device_type), f"DLPack device type {int(device_type)}")
+        raise TypeError(f"cufa needs CUDA device arrays; got a {device} ({_framework_name(x)}) "
+                        f"array for {name}")
     import cupy
     return _cupy_view(cupy.from_dlpack(x), x, "dlpack")
 
 
-def optional_array(x, name):
-    return None if x is None else as_device_array(x, name)
+def _framework_name(x):
+    module = type(x).__module__.split(".")[0]
+    return _FRAMEWORKS.get(module, module)
 
 
 def signature(arrays, names):
