@@ -5,7 +5,8 @@ addresses, through the same validation and plans as an eager call.
 
 Shapes, dtypes and options are static (part of the trace); array values (cu_seqlens,
 cache_seqlens, block tables) are not, so a jitted serving step recompiles only when
-shapes change. The KV-cache append writes into output buffers aliased to the caches
+shapes change. At trace time a call gets the checks an eager call makes of its shapes,
+dtypes and options; off JAX's CUDA backend it then stops with an error that says so. The KV-cache append writes into output buffers aliased to the caches
 (input_output_aliases): with the caches donated, no copy is made. jax.vmap and jax.grad
 raise errors that say what to do instead.
 """
@@ -67,6 +68,16 @@ def call(entry, arrays, options, out=None, lse=True):
                         "returned array")
     present = {n: jnp.asarray(x) if not hasattr(x, "dtype") else x
                for n, x in arrays.items() if x is not None}
+    on_cuda = cuda_backend()
+    if not on_cuda:  # a concrete array's device first, as an eager call checks it
+        for n, x in present.items():
+            if not isinstance(x, jax.core.Tracer):
+                _interop.as_device_array(x, n)
+    _check(entry, _traced_views(present, 0), options)
+    if not on_cuda:
+        raise RuntimeError(f"cufa.{entry} under jax.jit needs JAX's CUDA backend, and this "
+                           f"JAX runs on {jax.default_backend()!r}: run it on a CUDA GPU with "
+                           "JAX installed for CUDA (pip install 'jax[cuda13]')")
     results, aliases = _outputs(entry, present)
     if not lse and entry in ("flash_attn_func", "flash_attn_varlen_func"):
         results = results[:1]
@@ -90,21 +101,53 @@ def call(entry, arrays, options, out=None, lse=True):
     return outputs[:-1] if scratch else outputs
 
 
-def _scratch_bytes(entry, present, options):
-    """The device scratch the call's launch plan needs, planned at trace time from the
-    traced shapes (on the current CUDA device; a run on a device with other properties is
-    refused, not misread). 0 off GPU backends: the CPU tests trace without a device."""
+def cuda_backend():
+    """Whether JAX runs on its CUDA backend, where XLA hands the callback device buffers."""
     import jax
-    if jax.default_backend() != "gpu" or entry == "merge_attention_states":
-        return 0
-    import cupy
-    device = cupy.cuda.runtime.getDevice()
+    return jax.default_backend() == "gpu"
+
+
+def _traced_views(present, device):
+    """The arrays as views of the buffers XLA will hand over (traced layouts, any aligned
+    address), on `device`."""
     views = {}
     for n, x in present.items():
         shape, strides, dtype, itemsize = _layout(x)
         views[n] = _interop.DeviceArray(None, "cupy", 256, shape, strides, dtype, device,
                                         itemsize)
+    return views
+
+
+def _check(entry, views, options):
+    """The checks an eager call of `entry` makes of its options and arrays, at trace time:
+    a bad call fails here, with the eager call's error, not later inside XLA."""
     get = views.get
+    if entry == "scaled_dot_product_attention":
+        _checks.check_scale(options["scale"], "scale")
+        _checks.check_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
+                           bool(options["enable_gqa"]))
+    elif entry == "merge_attention_states":
+        _checks.check_merge(*(get(n) for n in _decode_plan.MERGE_ARRAYS[:-1]), None, None)
+    else:
+        _checked_options(options)
+        if entry == "flash_attn_func":
+            _checks.check_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None, None)
+        elif entry == "flash_attn_varlen_func":
+            _checks.check_packed(*(get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), None, None)
+        else:  # flash_attn_with_kvcache
+            _checks.check_num_splits(options["num_splits"])
+            _checks.check_kvcache(*(get(n) for n in _decode_plan.ARRAYS[:-1]), None, None,
+                                  options["cache_seqlen"])
+
+
+def _scratch_bytes(entry, present, options):
+    """The device scratch the call's launch plan needs, planned at trace time from the
+    traced shapes (on the current CUDA device; a run on a device with other properties is
+    refused, not misread)."""
+    if entry == "merge_attention_states":
+        return 0
+    import cupy
+    get = _traced_views(present, cupy.cuda.runtime.getDevice()).get
     if entry == "flash_attn_func":
         plan = _fwd_plan.plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None,
                                     None, *_checked_options(options))
@@ -127,8 +170,8 @@ def _scratch_bytes(entry, present, options):
 
 
 def _checked_options(options):
-    return _checks.check_options(options["softmax_scale"], options["causal"], options["window_size"],
-                        options["softcap"])
+    return _checks.check_options(options["softmax_scale"], options["causal"],
+                                 options["window_size"], options["softcap"])
 
 
 def _outputs(entry, a):
