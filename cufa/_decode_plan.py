@@ -12,7 +12,7 @@ from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, pla
 
 # with_kvcache's arrays, in order (the first three required)
 ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
-           "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "out")
+          "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "out")
 
 
 def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
@@ -57,7 +57,7 @@ def merge(arrays, lse_out=None, stream=None):
         plan = remember(key, _plan_merge(*views, arrays[-1]))
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, arrays[-1], o_ptr, lse_out, True, stream,
-                                             arrays[0])  # (out has out_a's shape and dtype)
+                                         arrays[0])  # (out has out_a's shape and dtype)
         if plan.blocks:
             params = _params.MERGE.with_pointer_values(plan.params, (  # MERGE_FIELDS' order
                 oa, la, ob, lb, o_ptr, lse_ptr))
@@ -96,7 +96,7 @@ class _KvPlan:
 
 
 def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
-                  fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
+                 fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
     paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro = check_kvcache(
         q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out, fixed)
     batch, seqlen_q, nheads, d = q.shape
@@ -186,8 +186,6 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
                                       per_cta), template
 
 
-
-
 def _workspace(*sizes):
     """One float32 buffer of parts of `sizes` floats, each on a 256-byte boundary:
     (floats in all, each part's offset or -1 for an empty one)."""
@@ -208,12 +206,11 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     launch where `merge_in_launch` (the stream's zeroed counters, one a unit), and the
     combine is not launched: a launch less of host time, and of GPU time too (one launch's
     span is shorter than the decode's, the combine's and the gap between them). Under
-    jax.jit (whose replays must not depend on memory cufa
-    keeps) and under graph capture (where the counters would need a memset node)
-    decode_combine merges them. reserved: bytes at the start of the stream's buffer left
-    untouched (a packed batch's work list and decode order, made by the launches before).
-    maps: the TMA decode kernel's map template, pointed at the call's cache (the record's
-    k and v)."""
+    jax.jit (whose replays must not depend on memory cufa keeps) and under graph capture
+    (where the counters would need a memset node) decode_combine merges them. reserved:
+    bytes at the start of the stream's buffer left untouched (a packed batch's work list
+    and decode order, made by the launches before). maps: the TMA decode kernel's map
+    template, pointed at the call's cache (the record's k and v)."""
     held, base = None, scratch_ptr
     # (one capture check a call: it is a driver call)
     capturing = None if scratch_ptr or not merge_in_launch else stream_capturing(stream)
@@ -225,7 +222,7 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     if merge_in_launch and not scratch_ptr and not capturing:
         x, y, z = launches[-2][2]  # (a split call's launches end: decode, combine)
         counters_held, counters = stream_split_counters(framework, device, stream,
-                                                            4 * x * y * z)
+                                                        4 * x * y * z)
         launches = launches[:-1]
     values = pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters)
     params = _params.DECODE.with_pointer_values(record, values)
@@ -234,7 +231,7 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     with_maps = (params, _tma.with_addresses(maps, values[1], values[1], values[2])) if maps else ()
     for kind, function, grid, threads, smem in launches:
         driver_launch(function, grid, threads, smem, stream,
-                          with_maps if kind == "decode_tma" else (params,))
+                      with_maps if kind == "decode_tma" else (params,))
     # (the buffers held until the launches are queued: freed earlier, another thread could
     # be handed the same memory for work ordered before ours)
     del held, counters_held
@@ -242,10 +239,10 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
 
 @dataclass
 class PackedDecode:
-    """The decode kernel's share of a packed batch over a paged cache (_fwd_plan.plan_packed):
-    every sequence of 1 to `rows` query rows, whose GQA group of heads then fills one
-    16-row tile and reads each KV byte once, instead of a 64- or 128-row forward tile a
-    query head. The forward kernel's work list leaves those sequences out."""
+    """The decode kernel's share of a packed batch over a paged cache
+    (_fwd_plan.plan_packed): every sequence of 1 to `rows` query rows, whose GQA group of
+    heads then fills one 16-row tile and reads each KV byte once, instead of a 64- or
+    128-row forward tile a query head. The forward kernel's work list leaves those sequences out."""
     rows: int
     launches: tuple         # (kind, CUfunction, grid, threads, smem): decode, then combine
                             # when split
@@ -291,7 +288,8 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
     if partial_rows:
         launches.append(_combine_entry(kernel.dtype, d, num_splits, partial_rows, q.device))
     return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
-                        merge_in_launch=_heuristics.merge_in_launch(kernel, d, num_splits, rows * group))
+                        merge_in_launch=_heuristics.merge_in_launch(kernel, d, num_splits,
+                                                                    rows * group))
 
 
 def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr,
@@ -363,7 +361,7 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
     q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
-                                             q_array)
+                                         q_array)
         if plan.launches:
             _, o_part, lse_part, q_rot = plan.workspace
             _launch_decode(plan.params, plan.launches, plan.workspace, plan.merge_in_launch,

@@ -58,7 +58,7 @@ def plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
 
 
 PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
-                  "block_table", "out")
+                 "block_table", "out")
 
 
 def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out, *,
@@ -76,7 +76,7 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
         views = _interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5)
         q_, k_, _, cu_q, cu_k, used, _, table, _ = views
         check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
-                         k_.shape[0] if table is None else None, used)
+                        k_.shape[0] if table is None else None, used)
         if table is not None:
             check_page_ids(table, k_.shape[0])
     q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, o_ptr = ptrs
@@ -264,7 +264,7 @@ class _Mover:
         strides = [None if e is None else [s // u for s in e[2]]
                    for e, u in zip(self.entries, self.units)]
         self.d, self.box_n, self.same_tiles = self.entries[0][1][-1], variant.block_n, {}
-        # a row stride the layout fixes but _check_loadable allows only under one row
+        # a row stride the layout fixes but check_loadable allows only under one row
         seq_dim = 0 if self.packed else 1
         self.rows_misaligned = any(x is not None and x[seq_dim] % 8 for x in strides)
         template = plan.tma_template
@@ -293,7 +293,7 @@ class _Mover:
         batch_strides = (q[2][0] // q_unit, k[2][0] // k_unit, v[2][0] // v_unit,
                          o[2][0] // o_unit if o is not None else seqlen_q * q[1][2] * self.d)
         if batch > 1 and any(s % 8 for s in batch_strides):
-            return None  # (_check_loadable refuses them: planned, which says so)
+            return None  # (check_loadable refuses them: planned, which says so)
         template = None
         if self.tma:
             if self.writers is None:

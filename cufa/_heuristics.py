@@ -40,7 +40,8 @@ def sm90_rows(packed, total_q, batch, head_dim, mask, keys_per_sequence=0):
 
     Example: a padded causal batch at d = 128 is "mid" with 1536 rows a sequence and
     "long" with 4096; 8 packed sequences of 2048 rows in all at d = 64 are "short"; the
-    same at d = 128, each a chunk of 256 rows after a prefix of 4096 keys, are "mid". CUFA_SM90_BLOCK_M (64, 128 or 192) forces a class, for any batch.
+    same at d = 128, each a chunk of 256 rows after a prefix of 4096 keys, are "mid".
+    CUFA_SM90_BLOCK_M (64, 128 or 192) forces a class, for any batch.
     """
     forced = _compile._overrides[_compile.SM90_ROWS_ENV]
     if forced:

@@ -5,10 +5,11 @@ addresses, through the same validation and plans as an eager call.
 
 Shapes, dtypes and options are static (part of the trace); array values (cu_seqlens,
 cache_seqlens, block tables) are not, so a jitted serving step recompiles only when
-shapes change. At trace time a call gets the checks an eager call makes of its shapes,
-dtypes and options; off JAX's CUDA backend it then stops with an error that says so. The KV-cache append writes into output buffers aliased to the caches
+shapes change. The KV-cache append writes into output buffers aliased to the caches
 (input_output_aliases): with the caches donated, no copy is made. jax.vmap and jax.grad
-raise errors that say what to do instead.
+raise errors that say what to do instead. At trace time a call gets the checks an eager
+call makes of its shapes, dtypes and options; off JAX's CUDA backend it then stops with an
+error that says so.
 """
 import collections
 import itertools

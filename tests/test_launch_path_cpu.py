@@ -337,7 +337,8 @@ def _decode_route(device, batch, seqlen, nheads_k, d=64, nheads=32, **kw):
     q, cache = view((batch, 1, nheads, d)), view((batch, seqlen, nheads_k, d))
     done = len(device.launches)
     cufa.flash_attn_with_kvcache(q, cache, kw.pop("v_cache", cache), cache_seqlens=seqlen, **kw)
-    plan = next(p for p in reversed(list(_runtime.plans.values())) if isinstance(p, _decode_plan._KvPlan))
+    plan = next(p for p in reversed(list(_runtime.plans.values()))
+                if isinstance(p, _decode_plan._KvPlan))
     kind, _, grid, threads, smem = next(e for e in plan.launches if e[0].startswith("decode"))
     return (kind, grid, threads), device.launches[done], plan
 

@@ -5,7 +5,9 @@ inside a function counts as much as one at the top."""
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "cufa"
+import cufa
+
+PACKAGE = Path(cufa.__file__).parent
 
 # Top to bottom: a module imports only modules in the layers after its own.
 LAYERS = (
