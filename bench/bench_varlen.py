@@ -17,6 +17,7 @@ calls), the median of
 between them costs no re-planning.
 """
 import argparse
+import collections
 import inspect
 import json
 import os
@@ -88,7 +89,7 @@ def main():
     parser.add_argument("--batches", default="long,short", help="long,short")
     parser.add_argument("--exp", default="base", help="experiments: " + ",".join(EXPERIMENTS))
     args = parser.parse_args()
-    from cufa import _compile, api
+    from cufa import _compile, _fwd_plan, _runtime
     tables = {name: dict(getattr(_compile, name))
               for name in ("SM90_TILES", "SM90_TILES_WINDOW", "SM90_MID_TILES",
                            "SM90_SHORT_TILES", "SM90_SHORT_TILES_WINDOW")}
@@ -103,7 +104,7 @@ def main():
             patch = EXPERIMENTS[exp].get(name, {})
             setattr(_compile, name, {} if patch is None else {**table, **patch})
         _compile.fwd_variant.cache_clear()  # it caches the variant picked from the tables
-        api._plans = plans.setdefault(exp, {})
+        _runtime.plans = _fwd_plan.plans = plans.setdefault(exp, collections.OrderedDict())
 
     os.makedirs(args.out, exist_ok=True)
     peer, peer_note = varlen_attn_peer()

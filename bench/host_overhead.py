@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
-from cufa import _tma, api  # noqa: E402
+from cufa import _fwd_plan, _runtime, _tma  # noqa: E402
 
 
 def per_call_us(fn, calls):
@@ -61,12 +61,12 @@ def main():
         return cufa.flash_attn_varlen_func(*packed, cu, cu, 128, 128, causal=True)
 
     def unplanned(fn):  # a new signature every call (a server's next packed batch): no
-        api._plans.clear()  # plan, and on Hopper no TMA descriptors for the new layout;
+        _runtime.plans.clear()  # plan, and on Hopper no TMA descriptors for the new layout;
         _tma.template.cache_clear()  # the plan of its layout at other sizes is there
         return fn()
 
     def unlaid(fn):  # a new layout as well: no plan to move either
-        api._layouts.clear()
+        _fwd_plan.layouts.clear()
         return unplanned(fn)
 
     # Inputs at addresses the launch has not seen (more sets than its descriptor cache

@@ -46,7 +46,7 @@ def configure(name):
     _compile.SM90_MID_TILES = {hd: t for hd, t in BASE_MID_TILES.items()
                                if hd not in tiles and hd not in window_tiles}
     _compile.fwd_variant.cache_clear()  # it caches the variant picked from the tables
-    api._plans.clear()  # plans hold the variant picked from the old tables
+    api.clear_plans()  # plans hold the variant picked from the old tables
 
 
 def run(shape_text, names, reps):
