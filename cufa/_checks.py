@@ -21,7 +21,7 @@ INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535     # the decode grid's y (KV heads) and z (batch)
 
 
-# -- options -------------------------------------------------------------------------------
+# -- arrays and options ----------------------------------------------------------------------
 
 # (comparisons rather than math.isnan / isfinite: torch.compile may pass these as symbolic
 # floats, which comparisons handle and math functions do not)
