@@ -18,7 +18,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cufa  # noqa: E402
-from cufa import _compile, _interop, _tma, api, kvcache  # noqa: E402
+from cufa import _compile, _decode_plan, _fwd_plan, _interop, _runtime, _tma  # noqa: E402
+
+_LAUNCHERS = (_runtime, _fwd_plan, _decode_plan)
 
 _KIND_BYTES = bytes(range(128))
 
@@ -58,17 +60,21 @@ def _allocate(framework, shape, dtype, device, stream, like=None):
 
 
 def mock_device():
-    api.caller_stream = _Stream
-    api.driver_launch = lambda *args: None
+    for name, stand_in in (
+            ("caller_stream", _Stream), ("driver_launch", lambda *args: None),
+            ("stream_tile_counter", lambda framework, device, stream: (None, 0xC0)),
+            ("stream_workspace",
+             lambda framework, device, stream, nbytes, capturing=None: (None, 0xD000_0000)),
+            ("stream_split_counters", lambda framework, device, stream, nbytes: (None, 0xE0)),
+            ("stream_capturing", lambda stream: False)):
+        for module in _LAUNCHERS:  # (the launch path binds _runtime's functions)
+            if hasattr(module, name):
+                setattr(module, name, stand_in)
     _interop.allocate = _allocate
-    api.stream_tile_counter = lambda framework, device, stream: (None, 0xC0)
-    api.stream_workspace = lambda framework, device, stream, nbytes, capturing=None: (None, 0xD000_0000)
-    api.stream_split_counters = lambda framework, device, stream, nbytes: (None, 0xE0)
-    api.stream_capturing = lambda stream: False
     _compile.function_pointer = lambda variant, device: 0xF00
-    api._compute_capability = lambda device: "90"
-    api._sm_count = lambda device: 132
-    kvcache._smem_per_sm = lambda device: 228 * 1024
+    _runtime.compute_capability = lambda device: "90"
+    _runtime.sm_count = lambda device: 132
+    _runtime.smem_per_sm = lambda device: 228 * 1024
     _tma._encode_fn = lambda: _encode
     _tma._replace_fn = lambda: _replace
 
@@ -94,12 +100,12 @@ def cases():
         return cufa.flash_attn_varlen_func(*packed, cu, cu, 128, 128, causal=True)
 
     def unplanned(fn):
-        api._plans.clear()
+        _runtime.plans.clear()
         _tma.template.cache_clear()
         return fn()
 
     def unlaid(fn):
-        api._layouts.clear()
+        _fwd_plan.layouts.clear()
         return unplanned(fn)
 
     return {

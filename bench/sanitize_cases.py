@@ -106,7 +106,7 @@ def kvcache_cases(rng):
                                              num_splits=splits, return_softmax_lse=True)
                 calls += 1
     # 512 CTAs at d = 64 and 128: the shapes with four CTAs an SM, unsplit
-    # (kvcache._kernel_and_splits)
+    # (_heuristics.decode_kernel_and_splits)
     for dm in (64, 128):
         q = _t(rng, (64, 1, 8, dm), torch.float16)
         cache = _t(rng, (64, 512, 8, dm), torch.float16)

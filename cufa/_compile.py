@@ -36,56 +36,36 @@ SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
               160: (64, 64), 192: (64, 64), 224: (64, 64), 256: (64, 64)}
 SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 
-# sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64);
-# 192 query rows (three consumer warpgroups) at d <= 128 (NOTES.md steps 33, 34), 128 (two)
-# above. block_n: the widest that measured fastest (bench/tune_sm90.py, NOTES.md) with two
-# K/V stages next to Q in shared memory (227 KB) and, on 192-row tiles, the three
-# consumers' accumulators in 160 registers; narrower where score mods would spill.
+# sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64). Each
+# (block_m, block_n) fits its Q stage and two K/V stages in shared memory (227 KB) and, on
+# 192-row tiles, the three consumer warpgroups' accumulators in 160 registers; block_n is
+# the widest of those that read fastest (bench/tune_sm90.py). Tiles by class
+# (_heuristics.sm90_rows picks the class):
+# - long: 192 query rows (three consumer warpgroups) up to d = 128, 128 (two) above;
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (192, 128), 128: (192, 80), 192: (128, 64), 256: (128, 80)}
-SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same today; bench/tune_sm90.py varies it)
+SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same; bench/tune_sm90.py varies it)
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # Sm90Smem::kStages in fwd_sm90.cu, where two fit (else one)
-# Sequences of middling length (mean query rows a sequence below SM90_LONG_MIN_SEQLEN, by
-# mask): 128-row tiles at d = 128. There a sequence's last 192-row tile is mostly empty
-# (512 rows: 576 computed) and fewer tiles fill the SMs unevenly: d = 128 N = 512 -5 %,
-# causal N = 1k -11 % on 192 rows, against +5-11 % from 2k up (NOTES.md step 34).
-# d = 256 on 128-key blocks, as cuDNN's kernel: one K and one V buffer fit (the kernel
-# then waits for each product where it issues it), +3-5 % at N = 512 and causal 1k, -3 %
-# at 8k (NOTES.md step 52).
+# - mid: 128-row tiles at d = 128, where a sequence's last 192-row tile would be mostly
+#   empty and fewer tiles fill the SMs unevenly; at d = 256 128-key blocks (cuDNN's
+#   shape: one K and one V buffer fit, and the kernel waits for each product where it
+#   issues it);
 SM90_MID_TILES = {128: (128, 128), 256: (128, 128)}
-SM90_LONG_MIN_SEQLEN = {"none": 1024, "window": 2048}
-# d <= 64, causal or windowed: the long tiles differ from the middle class's only by the
-# held P V wait (SM90_HOLD_PV_WAIT), which costs 1.4-3 % at 2k-4k rows and is even from 8k
-# (NOTES.md step 56), so the long class starts there
-SM90_LONG_MIN_SEQLEN_D64_WINDOW = 8192
-# Short sequences (packed batches of them, and padded ones up to 1k rows at d <= 64),
-# causal or windowed: 64-row tiles, one consumer warpgroup, two CTAs per SM (half the
-# query-row rounding of 128-row tiles; NOTES.md step 24). Two CTAs share the SM's shared
-# memory, so the key blocks are narrower. Measured faster than the longer tiles there:
-# d = 64 and d = 128 causal. Without a mask the longer tiles are: d = 128 on 128 rows (4 %:
-# 64-key blocks at d = 128 cost more per FLOP), d = 64 on the 192-row tiles of step 33
-# (step 36: +12 % on the 256 x 64..512 batch, +4-9 % padded at 512 and 1k rows).
+# - short, causal or windowed: 64-row tiles, one consumer warpgroup, two CTAs an SM (half
+#   the query-row rounding of 128-row tiles); the two CTAs share the SM's shared memory,
+#   so the key blocks are narrower. Without a mask the longer tiles read faster (at
+#   d = 128 64-key blocks cost more a FLOP), so there are none.
 SM90_SHORT_TILES = {}
 SM90_SHORT_TILES_WINDOW = {64: (64, 128), 128: (64, 64)}
-SM90_SHORT_MAX_MEAN_SEQLEN = 512  # mean query rows per sequence up to which they are used
-# Chunked prefill (a packed batch whose sequences have at least twice as many keys as query
-# rows: a prompt's chunk after its cached prefix) from 128 query rows a sequence, head dims
-# above 64: the middle class. Measured on an H100, causal, 32/8 heads, fp16, 8-32
-# sequences (bench/probe_chunk_tiles.py, TFLOP/s, 64-row tiles -> 128-row): d = 128 128 x
-# 2k 480 -> 545, 256 x 1k 453 -> 502, 256 x 4k 517 -> 587, 512 x 4k 523 -> 597; but 64 x 4k
-# 487 -> 380. d = 64 keeps the short tiles (within +-3 % either way, 64 x 4k 382 -> 258).
-SM90_CHUNK_MIN_MEAN_SEQLEN = 128
-SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches: query rows up to which (d <= 64)
 # "64" / "128" / "192": force the short, middle or long tiles' table (tests, bench); a head
 # dim without tiles of that class gets the next longer class's
 SM90_ROWS_ENV = "CUFA_SM90_BLOCK_M"
-# Long rows' tiles on which the P V wait is held below the exponentials, so that a
-# warpgroup's exponentials run under its own P V (hold_wait_below in sm90.cuh; ptxas
-# otherwise waits for P V before the first one). A/B at d = 64 on 192 x 128: 2k-16k +1-7 %,
-# but N = 512 -4 % and 2k causal -1-2 %, so not on the short and middle classes' tiles;
-# d = 128: -2 % at 4k, +3 % at 16k; d = 256 and 64-row tiles within noise. Score mods
-# spill with it (NOTES.md step 44).
+# Long tiles on which the P V wait is held below the exponentials, so that a warpgroup's
+# exponentials run under its own P V (hold_wait_below in sm90.cuh; ptxas otherwise waits
+# for P V before the first one): only d = 64's, the one shape where that reads faster on
+# long sequences (on short ones it reads slower, so the mid class keeps these tiles
+# without it). Score mods spill with it.
 SM90_HOLD_PV_WAIT = {64: (192, 128)}
 SM90_ROW_CLASSES = {"64": "short", "128": "mid", "192": "long"}
 
@@ -201,6 +181,7 @@ VARLEN_SCHEDULE = ScheduleKernel()
 DECODE_HEAD_DIMS = SM80_HEAD_DIMS
 DECODE_ROWS, DECODE_TILE_KEYS = 16, 16  # query rows a CTA, keys a warp's tile (decode.cu)
 COMBINE_THREADS = 128  # kCombineThreads in decode.cu; decode_append and merge_states take as many
+MAX_SPLITS = 128       # kMaxSplits in decode.cu: the splits of the keys the merge takes, at most
 DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at most
 MERGE_DTYPES = ("fp16", "bf16", "fp32")  # index = MergeDtype in merge.cu
 
@@ -211,19 +192,12 @@ def decode_shape(head_dim):
 
 
 # Decode kernels with less shared memory and so four CTAs an SM, (warps, stages) by padded
-# head dim: the planner takes one where it runs the work in one wave without splitting the
-# keys while the default shape would split (kvcache._kernel_and_splits).
+# head dim; _heuristics.decode_kernel_and_splits says where they run.
 DECODE_MORE_CTAS = {64: (4, 3), 128: (2, 3)}
-
-# A deeper cp.async ring, (warps, stages) by padded head dim, for split decode CTAs that run
-# one an SM on Hopper (kvcache._split_kernel): 1 x 32k, 8 KV heads, d = 64 (2048 keys a
-# CTA, under the TMA kernel's share) read 1-3 % faster on an H100 with 6 stages than with
-# 4 (bf16 2.7 %). 98 KB of shared memory: within what sm_86/89 grant, two CTAs an H100 SM.
-DECODE_DEEP_RING = {64: (4, 6)}
 
 # The TMA decode kernel (decode_sm90.cu, sm_90): head dims, mbarrier stages of a 64-key K
 # and V box (16 KB at d = 64), and its threads (four consumer warps and a producer warp).
-# kvcache._tma_route says where it runs.
+# _heuristics.tma_units says where it runs.
 DECODE_TMA_HEAD_DIMS = (64,)
 DECODE_TMA_STAGES = 4
 DECODE_TMA_THREADS = 160
@@ -355,36 +329,14 @@ def decode_kernel_with_more_ctas(dtype, head_dim):
 
 
 @functools.lru_cache(maxsize=None)
-def decode_kernel_deep_ring(dtype, head_dim):
-    """The DECODE_DEEP_RING shape for head_dim, or None."""
-    return _decode_shape_of(DECODE_DEEP_RING, dtype, head_dim)
-
-
-@functools.lru_cache(maxsize=None)
 def decode_tma_kernel(dtype, head_dim, units):
     """The TMA decode kernel (sm_90) at a padded head dim of DECODE_TMA_HEAD_DIMS."""
     return DecodeKernel("decode_tma", dtype, head_dim, units=units, archs=("sm_90",))
 
 
-def combine_row_threads(head_dim, num_splits):
-    """decode_combine's threads a row for `num_splits` splits of rows of head_dim columns
-    (DecodeParams.combine_row_threads): a warp while its lanes can have every split's read
-    of a row in flight at once (4 reads a lane, and a lane a split's lse), else the CTA.
-    The merge in the decode launch sums in the same order, so both give the same bits."""
-    lanes_a_split = -(-head_dim // 8)  # a lane takes 8 columns of a split's row
-    return 32 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else COMBINE_THREADS
-
-
-def combine_kernel(dtype, head_dim, num_splits):
-    """decode_combine for `num_splits` splits of rows of head_dim columns."""
-    return DecodeKernel("combine", dtype,
-                        rows=COMBINE_THREADS // combine_row_threads(head_dim, num_splits))
-
-
 def decode_variants():
     return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
-            + [decode_kernel_deep_ring(dt, hd) for dt in DTYPES for hd in DECODE_DEEP_RING]
             + [decode_tma_kernel(dt, hd, units) for dt in DTYPES for hd in DECODE_TMA_HEAD_DIMS
                for units in (1, 2)]
             + [DecodeKernel("combine", dt, rows=rows) for dt in DTYPES for rows in (1, 4)]
@@ -420,35 +372,6 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold)
 
 
-def sm90_rows(packed, total_q, batch, head_dim, mask, keys_per_sequence=0):
-    """The sm90 tile class of a batch, by its mean query rows a sequence: "short" for
-    packed batches of at most SM90_SHORT_MAX_MEAN_SEQLEN (but chunked prefill from
-    SM90_CHUNK_MIN_MEAN_SEQLEN at head dims above 64: keys_per_sequence, the mean keys a
-    sequence of a packed batch, or a paged one's capacity, at least twice the query rows),
-    and padded ones at head dims up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN (step
-    24 of NOTES: +2-5 % there, -15 % at d = 128); "long" from SM90_LONG_MIN_SEQLEN[mask]
-    up (d <= 64 causal: SM90_LONG_MIN_SEQLEN_D64_WINDOW); else "mid". (A class without
-    tiles for the head dim and mask takes the next longer's: fwd_variant.)
-    CUFA_SM90_BLOCK_M (64, 128 or 192) overrides, for any batch."""
-    forced = _overrides[SM90_ROWS_ENV]
-    if forced:
-        if forced not in SM90_ROW_CLASSES:
-            raise ValueError(f"{SM90_ROWS_ENV} must be one of {', '.join(SM90_ROW_CLASSES)}; "
-                             f"got {forced!r}")
-        return SM90_ROW_CLASSES[forced]
-    if packed and total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch:
-        chunks = (head_dim > 64 and total_q >= SM90_CHUNK_MIN_MEAN_SEQLEN * batch
-                  and keys_per_sequence * batch >= 2 * total_q)
-        if not chunks:
-            return "short"
-    if not packed and head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN:
-        return "short"
-    per_sequence = total_q if not packed else total_q / batch
-    long_from = (SM90_LONG_MIN_SEQLEN_D64_WINDOW if head_dim <= 64 and mask == "window"
-                 else SM90_LONG_MIN_SEQLEN[mask])
-    return "long" if per_sequence >= long_from else "mid"
-
-
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"
 
 
@@ -466,7 +389,7 @@ def family_for(compute_capability):
 def read_overrides():
     """Read CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M and CUFA_DECODE_TMA from the environment:
     at import, and again by api.clear_plans(). Plans are made with the values last read,
-    not with os.environ at each plan (two lookups cost a new signature's plan 2 us)."""
+    not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV))
 

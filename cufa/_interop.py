@@ -8,9 +8,18 @@ bfloat16 needs no extra package); anything else with ``__dlpack__`` goes through
 import sys
 from dataclasses import dataclass
 
-from . import _torch_ops
-
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+# where an array lives that cufa cannot take: DLPack's device types, and torch's names
+_DL_DEVICES = {1: "CPU", 3: "pinned host (CUDA)", 4: "OpenCL", 7: "Vulkan", 8: "Metal",
+               9: "VPI", 10: "ROCm", 11: "pinned host (ROCm)", 14: "oneAPI", 15: "WebGPU",
+               16: "Hexagon", "cpu": "CPU", "mps": "Metal", "xpu": "oneAPI"}
+_FRAMEWORKS = {"numpy": "NumPy", "jax": "JAX", "jaxlib": "JAX", "torch": "PyTorch",
+               "cupy": "CuPy", "tensorflow": "TensorFlow", "mlx": "MLX", "paddle": "Paddle"}
+
+
+def on_torch_tensor():
+    """Called where a torch tensor is viewed: cufa's __init__ sets it to register the
+    torch.compile ops (_torch_ops), which needs torch imported."""
 
 
 @dataclass
@@ -31,9 +40,11 @@ class DeviceArray:
 
 
 def _torch_view(x, name):
-    _torch_ops.register_if_torch_loaded()
+    on_torch_tensor()
     if not x.is_cuda:
-        raise TypeError(f"{name} is a PyTorch tensor on {x.device}; cufa needs CUDA tensors")
+        device = x.device.type
+        raise TypeError(f"cufa needs CUDA device arrays; got a "
+                        f"{_DL_DEVICES.get(device, device)} (PyTorch) tensor for {name}")
     if x.requires_grad:
         raise NotImplementedError(
             f"{name} requires grad, but cufa has no backward pass yet: pass {name}.detach() "
@@ -80,20 +91,22 @@ def as_device_array(x, name):
                         f"__dlpack__); got {type(x).__module__}.{type(x).__name__}")
     device_type, _ = x.__dlpack_device__()
     if int(device_type) not in (_DL_CUDA, _DL_CUDA_MANAGED):
-        raise TypeError(f"{name} is not on a CUDA device (DLPack device type {int(device_type)}); "
-                        "cufa needs CUDA arrays")
+        device = _DL_DEVICES.get(int(device_type), f"DLPack device type {int(device_type)}")
+        raise TypeError(f"cufa needs CUDA device arrays; got a {device} ({_framework_name(x)}) "
+                        f"array for {name}")
     import cupy
     return _cupy_view(cupy.from_dlpack(x), x, "dlpack")
 
 
-def optional_array(x, name):
-    return None if x is None else as_device_array(x, name)
+def _framework_name(x):
+    module = type(x).__module__.split(".")[0]
+    return _FRAMEWORKS.get(module, module)
 
 
 def signature(arrays, names):
     """(key, addresses): of each array (or None) what a launch plan depends on -- its
     kind (or torch dtype), shape, strides, then its dtype, device and 16-byte alignment
-    (shape and strides at 1 and 2 in every entry: api._layout_key) -- and its device
+    (shape and strides at 1 and 2 in every entry: _fwd_plan._layout_key) -- and its device
     address.
     Torch tensors and CuPy arrays are read directly, without a view object (a repeated
     call's host cost, bench/host_breakdown.py); anything else is viewed through
@@ -135,8 +148,8 @@ def stride_unit(entry, itemsize):
 def views(arrays, names, entries, addresses, required):
     """as_device_array of each array (the first `required`; the rest may be None) of a
     call whose signature() gave (entries, addresses): torch tensors and CuPy arrays are
-    viewed from what signature() read off them, not read again (three torch tensors' views
-    cost ~9 us of a lent host's time), where their entries show a CUDA array as_device_array
+    viewed from what signature() read off them, not read again (a torch tensor's reads are
+    the costly part of its view), where their entries show a CUDA array as_device_array
     would take; anything else through as_device_array, which says what is wrong."""
     out = []
     for i, (x, entry, ptr) in enumerate(zip(arrays, entries, addresses)):
@@ -147,7 +160,7 @@ def views(arrays, names, entries, addresses, required):
             dtype, shape, strides, device, requires_grad, _ = entry
             described = _torch_dtype_names.get(dtype)
             if device >= 0 and not requires_grad and described is not None and x.is_cuda:
-                _torch_ops.register_if_torch_loaded()
+                on_torch_tensor()
                 out.append(DeviceArray(x, "torch", ptr, tuple(shape), strides, described[0],
                                        device, described[1]))
                 continue
@@ -199,8 +212,8 @@ def allocate(framework, shape, dtype, device, stream, like=None):
     current (callers are inside api.caller_stream): (native array, device address). A
     CuPy array is taken from the pool of the stream it is used on, as the pool reuses
     freed memory on that stream only (under jax.jit, XLA's stream is not CuPy's).
-    like: None, or an array of this shape, dtype and device; a torch tensor's
-    torch.empty_like costs a lent host ~1.7 us less than torch.empty (bench/NOTES.md)."""
+    like: None, or an array of this shape, dtype and device; for a torch tensor
+    torch.empty_like costs less host time than torch.empty."""
     if type(like) is _torch_tensor:
         native = _torch_empty_like(like, memory_format=_torch_contiguous)
         return native, native.data_ptr()

@@ -7,14 +7,16 @@ Shapes, dtypes and options are static (part of the trace); array values (cu_seql
 cache_seqlens, block tables) are not, so a jitted serving step recompiles only when
 shapes change. The KV-cache append writes into output buffers aliased to the caches
 (input_output_aliases): with the caches donated, no copy is made. jax.vmap and jax.grad
-raise errors that say what to do instead.
+raise errors that say what to do instead. At trace time a call gets the checks an eager
+call makes of its shapes, dtypes and options; off JAX's CUDA backend it then stops with an
+error that says so.
 """
 import collections
 import itertools
 import sys
 from dataclasses import dataclass, field
 
-from . import _interop
+from . import _checks, _decode_plan, _fwd_plan, _interop, _runtime
 
 
 def tracing(*xs):
@@ -67,6 +69,16 @@ def call(entry, arrays, options, out=None, lse=True):
                         "returned array")
     present = {n: jnp.asarray(x) if not hasattr(x, "dtype") else x
                for n, x in arrays.items() if x is not None}
+    on_cuda = cuda_backend()
+    if not on_cuda:  # a concrete array's device first, as an eager call checks it
+        for n, x in present.items():
+            if not isinstance(x, jax.core.Tracer):
+                _interop.as_device_array(x, n)
+    _check(entry, _traced_views(present, 0), options)
+    if not on_cuda:
+        raise RuntimeError(f"cufa.{entry} under jax.jit needs JAX's CUDA backend, and this "
+                           f"JAX runs on {jax.default_backend()!r}: run it on a CUDA GPU with "
+                           "JAX installed for CUDA (pip install 'jax[cuda13]')")
     results, aliases = _outputs(entry, present)
     if not lse and entry in ("flash_attn_func", "flash_attn_varlen_func"):
         results = results[:1]
@@ -90,46 +102,77 @@ def call(entry, arrays, options, out=None, lse=True):
     return outputs[:-1] if scratch else outputs
 
 
-def _scratch_bytes(entry, present, options):
-    """The device scratch the call's launch plan needs, planned at trace time from the
-    traced shapes (on the current CUDA device; a run on a device with other properties is
-    refused, not misread). 0 off GPU backends: the CPU tests trace without a device."""
+def cuda_backend():
+    """Whether JAX runs on its CUDA backend, where XLA hands the callback device buffers."""
     import jax
-    if jax.default_backend() != "gpu" or entry == "merge_attention_states":
-        return 0
-    import cupy
-    from . import api, kvcache
-    device = cupy.cuda.runtime.getDevice()
+    return jax.default_backend() == "gpu"
+
+
+def _traced_views(present, device):
+    """The arrays as views of the buffers XLA will hand over (traced layouts, any aligned
+    address), on `device`."""
     views = {}
     for n, x in present.items():
         shape, strides, dtype, itemsize = _layout(x)
         views[n] = _interop.DeviceArray(None, "cupy", 256, shape, strides, dtype, device,
                                         itemsize)
+    return views
+
+
+def _check(entry, views, options):
+    """The checks an eager call of `entry` makes of its options and arrays, at trace time:
+    a bad call fails here, with the eager call's error, not later inside XLA."""
     get = views.get
+    if entry == "scaled_dot_product_attention":
+        _checks.check_scale(options["scale"], "scale")
+        _checks.check_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
+                           bool(options["enable_gqa"]))
+    elif entry == "merge_attention_states":
+        _checks.check_merge(*(get(n) for n in _decode_plan.MERGE_ARRAYS[:-1]), None, None)
+    else:
+        _checked_options(options)
+        if entry == "flash_attn_func":
+            _checks.check_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None, None)
+        elif entry == "flash_attn_varlen_func":
+            _checks.check_packed(*(get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), None, None)
+        else:  # flash_attn_with_kvcache
+            _checks.check_num_splits(options["num_splits"])
+            _checks.check_kvcache(*(get(n) for n in _decode_plan.ARRAYS[:-1]), None, None,
+                                  options["cache_seqlen"])
+
+
+def _scratch_bytes(entry, present, options):
+    """The device scratch the call's launch plan needs, planned at trace time from the
+    traced shapes (on the current CUDA device; a run on a device with other properties is
+    refused, not misread)."""
+    if entry == "merge_attention_states":
+        return 0
+    import cupy
+    get = _traced_views(present, cupy.cuda.runtime.getDevice()).get
     if entry == "flash_attn_func":
-        plan = api._plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None, None,
-                               *_checked_options(api, options))
+        plan = _fwd_plan.plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None,
+                                    None, *_checked_options(options))
     elif entry == "flash_attn_varlen_func":
-        plan = api._plan_packed(*(get(n) for n in api._PACKED_ARRAYS[:-1]), None, None,
-                                *_checked_options(api, options))
+        plan = _fwd_plan.plan_packed(*(get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), None,
+                                     None, *_checked_options(options))
     elif entry == "scaled_dot_product_attention":
-        plan = api._plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
-                              bool(options["is_causal"]),
-                              api._check_scale(options["scale"], "scale"),
-                              bool(options["enable_gqa"]))
+        plan = _fwd_plan.plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
+                                   bool(options["is_causal"]),
+                                   _checks.check_scale(options["scale"], "scale"),
+                                   bool(options["enable_gqa"]))
     else:  # flash_attn_with_kvcache
-        window, scale, softcap = _checked_options(api, options)
-        plan = kvcache._plan_kvcache(
-            *(get(n) for n in kvcache._ARRAYS[:-1]), None, None, options["cache_seqlen"],
+        window, scale, softcap = _checked_options(options)
+        plan = _decode_plan.plan_kvcache(
+            *(get(n) for n in _decode_plan.ARRAYS[:-1]), None, None, options["cache_seqlen"],
             window=window, scale=scale, softcap=softcap,
             interleaved=options["rotary_interleaved"], num_splits=options["num_splits"],
             want_lse=True)
     return plan.scratch_bytes
 
 
-def _checked_options(api, options):
-    return api._options(options["softmax_scale"], options["causal"], options["window_size"],
-                        options["softcap"])
+def _checked_options(options):
+    return _checks.check_options(options["softmax_scale"], options["causal"],
+                                 options["window_size"], options["softcap"])
 
 
 def _outputs(entry, a):
@@ -197,7 +240,6 @@ def on_device(spec, ctx, outs, bufs):
     the views, the plan lookup and the records (api.clear_plans forgets them). They are
     kept apart from the plans: a function whose buffers move every run (new arguments)
     leaves a recording a run, and those must not push out plans."""
-    api = sys.modules["cufa.api"]  # (imported by now: the call that traced came through it)
     interfaces = [b.__cuda_array_interface__ for b in bufs] + \
         [b.__cuda_array_interface__ for b in outs]
     key = ("jax", spec.token, ctx.stream,
@@ -205,7 +247,7 @@ def on_device(spec, ctx, outs, bufs):
     replay = replays.get(key)
     if replay is not None:
         device, calls = replay
-        with api.caller_stream("cupy", device, ctx.stream):
+        with _runtime.caller_stream("cupy", device, ctx.stream):
             for fn, args, _ in calls:
                 fn(*args)
         return
@@ -222,7 +264,7 @@ def on_device(spec, ctx, outs, bufs):
     if spec.scratch:
         buffer = out_views.pop()
         scratch = (buffer.ptr, buffer.shape[0])
-    recording = api._recording
+    recording = _runtime.recording
     recording.calls, recording.replayable = [], True
     try:
         _RUNNERS[spec.entry](views, out_views, spec.options, ctx.stream, scratch)
@@ -266,37 +308,32 @@ def _view(cai, layout):
 
 
 def _run_dense(views, outs, options, stream, scratch):
-    from . import api
     lse = outs[1] if len(outs) > 1 else None
-    api.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0],
+    _fwd_plan.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0],
               **options, return_lse=lse is not None, lse_out=lse, stream=stream,
               scratch=scratch)
 
 
 def _run_packed(views, outs, options, stream, scratch):
-    from . import api
     lse = outs[1] if len(outs) > 1 else None
-    api.packed(*(views.get(n) for n in api._PACKED_ARRAYS[:-1]), outs[0], **options,
-               return_lse=lse is not None, lse_out=lse, stream=stream, scratch=scratch)
+    _fwd_plan.packed(*(views.get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), outs[0], **options,
+                     return_lse=lse is not None, lse_out=lse, stream=stream, scratch=scratch)
 
 
 def _run_sdpa(views, outs, options, stream, scratch):
-    from . import api
-    api.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
-             **options, stream=stream, scratch=scratch)
+    _fwd_plan.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
+                   **options, stream=stream, scratch=scratch)
 
 
 def _run_kvcache(views, outs, options, stream, scratch):
-    from . import kvcache
-    kvcache.with_kvcache(tuple(views.get(n) for n in kvcache._ARRAYS[:-1]) + (outs[0],),
-                         **options, return_lse=True, lse_out=outs[1], stream=stream,
-                         scratch=scratch)
+    _decode_plan.with_kvcache(tuple(views.get(n) for n in _decode_plan.ARRAYS[:-1]) + (outs[0],),
+                              **options, return_lse=True, lse_out=outs[1], stream=stream,
+                              scratch=scratch)
 
 
 def _run_merge(views, outs, options, stream, scratch):
-    from . import kvcache
-    kvcache.merge(tuple(views[n] for n in kvcache._MERGE_ARRAYS[:-1]) + (outs[0],),
-                  lse_out=outs[1], stream=stream)
+    _decode_plan.merge(tuple(views[n] for n in _decode_plan.MERGE_ARRAYS[:-1]) + (outs[0],),
+                       lse_out=outs[1], stream=stream)
 
 
 _RUNNERS = {"flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,

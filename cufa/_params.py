@@ -7,6 +7,7 @@ appends ``static_assert``s generated from it (``layout_asserts``), so a struct t
 drifted from its mirror fails to compile instead of reading garbage.
 """
 import ctypes
+import math
 import struct
 
 import numpy as np
@@ -25,7 +26,7 @@ FWD_FIELDS = [
     ("mask_batch_stride", _I64), ("mask_head_stride", _I64),
     ("mask_row_stride", _I64), ("mask_col_stride", _I64),
     ("alibi_batch_stride", _I64), ("block_table_batch_stride", _I64),
-    # what a call's sizes set, one run of fields (api._Mover writes them with one pack)
+    # what a call's sizes set, one run of fields (_fwd_plan._Mover writes them with one pack)
     ("q_batch_stride", _I64), ("k_batch_stride", _I64), ("v_batch_stride", _I64),
     ("o_batch_stride", _I64), ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
     ("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32),
@@ -142,7 +143,7 @@ class Record:
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to
         `values`, in pointer_fields order, as a ctypes buffer to pass by address."""
-        buffer = self._buffer.from_buffer_copy(record)  # (create_string_buffer: +1 us)
+        buffer = self._buffer.from_buffer_copy(record)  # (create_string_buffer costs more)
         self._pointers.pack_into(buffer, 0, *values)
         return buffer
 
@@ -187,3 +188,16 @@ def layout_asserts(record):
                      f"decltype({struct_name}::{name})({marker})) == {offset}, "
                      f"\"{struct_name}::{name} offset differs from cufa/_params.py\");")
     return "\n".join(lines) + "\n"
+
+
+_LOG2_E = math.log2(math.e)
+
+
+def score_fields(window, scale, softcap, d, alibi):
+    """The mask and score fields that FwdParams and DecodeParams share."""
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return dict(window_left=window[0], window_right=window[1], scale=scale,
+                scale_log2=scale * _LOG2_E, softcap=softcap,
+                softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
+                alibi_batch_stride=alibi.strides[0] if alibi is not None and alibi.ndim == 2
+                else 0)

@@ -140,7 +140,7 @@ def _kind_template(dtype, views, tail_views):
 
 def new_shape_template(dtype, views, tail_views=()):
     """template(), for a shape not seen before (a plan moved to new sizes): the kind maps'
-    path without the cache's lookup and insertion (2 us of the 5), else template()."""
+    path without the cache's lookup and insertion, else template()."""
     return _kind_template(dtype, views, tail_views) or template(dtype, views, tail_views)
 
 
@@ -165,7 +165,7 @@ def _written_map(parts, shape, strides, box_rows):
                      batch - 1 if batch > 1 else 0, tail)
 
 
-# A moved plan's maps (api._Mover): a layout's map with only its batch, rows and batch
+# A moved plan's maps (_fwd_plan._Mover): a layout's map with only its batch, rows and batch
 # stride left to write, the rest (the kind's bytes, columns, heads, row and head
 # strides) packed once a layout.
 _MOVED_MAP = struct.Struct("<20sI4sH6sI4sI80s")
@@ -207,7 +207,7 @@ def with_addresses(template, q, k, v):
     pointers = (q, k, v, k, v) if template.has_tails else (q, k, v)
     if not template.address_words:
         return _moved_by_driver(template, pointers)
-    record = _MAPS_BUFFER.from_buffer_copy(template.record)  # (create_string_buffer: +1 us)
+    record = _MAPS_BUFFER.from_buffer_copy(template.record)  # (create_string_buffer costs more)
     for (offset, kept, shift), ptr in zip(template.address_words, pointers):
         _WORD.pack_into(record, offset, kept | ptr >> shift)
     return record

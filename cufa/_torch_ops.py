@@ -3,14 +3,17 @@
 torch.compile cannot look inside cufa (CuPy, raw pointers), so while it traces, the
 public functions hand torch tensors to ``torch.ops.cufa.*`` (flash_attn, flash_attn_varlen,
 sdpa, kvcache, kvcache_append, merge): opaque ops with fake implementations that only
-compute output shapes, symbolically under dynamic shapes. In eager mode nothing goes
-through here.
+compute output shapes, symbolically under dynamic shapes. When the compiled code runs,
+each op takes its tensors to the planners, as an eager call does (the public function has
+checked its other arguments while tracing). In eager mode nothing goes through here.
 
 Importing cufa never imports torch, and torch.compile cannot trace the registration
 itself, so the ops are registered when cufa is imported after torch, or else at the
 first eager call with torch tensors.
 """
 import sys
+
+from . import _decode_plan, _fwd_plan
 
 _ops = None
 
@@ -41,15 +44,13 @@ def _register():
     import torch
     from torch import Tensor
 
-    from . import api, kvcache
-
     @torch.library.custom_op("cufa::flash_attn", mutates_args=())
     def flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
                    causal: bool, window_left: int, window_right: int, softcap: float,
                    alibi_slopes: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=(window_left, window_right), softcap=softcap,
-                                   alibi_slopes=alibi_slopes, return_lse=True)
+        return _fwd_plan.dense(q, k, v, alibi_slopes, None, softmax_scale=softmax_scale,
+                               causal=causal, window_size=(window_left, window_right),
+                               softcap=softcap, return_lse=True)
 
     @flash_attn.register_fake
     def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
@@ -60,9 +61,8 @@ def _register():
     @torch.library.custom_op("cufa::sdpa", mutates_args=())
     def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
              is_causal: bool, scale: Optional[float], enable_gqa: bool) -> Tensor:
-        return api.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                                is_causal=is_causal, scale=scale,
-                                                enable_gqa=enable_gqa)
+        return _fwd_plan.sdpa(query, key, value, attn_mask, None, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
 
     @sdpa.register_fake
     def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
@@ -75,11 +75,10 @@ def _register():
                           window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                           seqused_k: Optional[Tensor],
                           block_table: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        return api.flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        return _fwd_plan.packed(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-            softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
-            block_table=block_table, return_lse=True)
+            softcap=softcap, return_lse=True)
 
     @flash_attn_varlen.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
@@ -90,11 +89,12 @@ def _register():
                      cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                      causal, window_left, window_right, softcap, rotary_interleaved,
                      alibi_slopes, num_splits):
-        return kvcache.flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-            cache_seqlens if cache_seqlens is not None else cache_seqlen, cache_batch_idx,
-            cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right),
-            softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse=True)
+        return _decode_plan.with_kvcache(
+            (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+             cache_leftpad, block_table, alibi_slopes, None), cache_seqlen=cache_seqlen,
+            softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+            softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
+            return_lse=True)
 
     def kvcache_fake(q, *rest):
         batch, seqlen_q, nheads, _ = q.shape
@@ -125,7 +125,7 @@ def _register():
     @torch.library.custom_op("cufa::merge", mutates_args=())
     def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
               lse_b: Tensor) -> Tuple[Tensor, Tensor]:
-        return kvcache.merge_attention_states(out_a, lse_a, out_b, lse_b)
+        return _decode_plan.merge((out_a, lse_a, out_b, lse_b, None))
 
     @merge.register_fake
     def _(out_a, lse_a, out_b, lse_b):

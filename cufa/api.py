@@ -1,27 +1,13 @@
-"""The public attention functions: validate -> plan (variant, params, grid; cached per call
-signature) -> launch."""
-import collections
-import ctypes
-import math
-import threading
-from dataclasses import dataclass
+"""The public functions: validate -> plan -> launch. Each takes the caller's arrays to the
+planner of its family (_fwd_plan, _decode_plan), or, while torch.compile or jax.jit
+traces the call, to that framework's front-end (_torch_ops, _jax)."""
+import numbers
 
-import numpy as np
+from . import _compile, _decode_plan, _fwd_plan, _interop, _jax, _runtime, _torch_ops
+from ._checks import NO_WINDOW, reject_unsupported
+from ._decode_plan import merge, with_kvcache
+from ._fwd_plan import dense, packed, sdpa
 
-from . import _compile, _interop, _jax, _params, _tma, _torch_ops
-
-_KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
-_ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
-                    "bfloat16": _params.ATTN_MASK_BF16, "float32": _params.ATTN_MASK_FP32}
-_UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
-# The entry points' default window_size, this object: _options takes it unchecked (a
-# value-equal pair from the caller, or -1.0, goes through the checks).
-NO_WINDOW = (-1, -1)
-_DEFAULT_OPTIONS = (((_UNBOUNDED, _UNBOUNDED), None, 0.0), ((_UNBOUNDED, 0), None, 0.0))
-_INT32_MAX = 2**31 - 1
-
-
-# -- public API ------------------------------------------------------------------------
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -49,7 +35,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     key give 0 and lse -inf. The forward is deterministic; `deterministic` is accepted
     for compatibility.
     """
-    _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
     if _other_route(q):
         if _torch_ops.compiling(q):
             if out is not None:
@@ -67,53 +53,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             return (o, *lse) if return_lse else o
     return dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, return_lse=return_lse)
-
-
-_DENSE_ARRAYS = ("q", "k", "v", "alibi_slopes", "out")
-
-
-def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, softcap,
-          return_lse, lse_out=None, stream=None, scratch=None):
-    """flash_attn_func on arrays or views. Under jax.jit: out is the output buffer's
-    view, lse_out a view to write lse into, stream XLA's (a CUstream handle), and scratch
-    (address, bytes) an XLA buffer of the plan's scratch_bytes: memory that stays valid
-    when XLA replays the launches from a CUDA graph, as memory cufa allocated would not."""
-    options = _options(softmax_scale, causal, window_size, softcap)
-    arrays = (q, k, v, alibi_slopes, out)
-    entries, addresses = _interop.signature(arrays, _DENSE_ARRAYS)
-    key = ("dense", options) + entries
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _remember(key, _dense_plan(arrays, entries, addresses, out, options))
-    q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr = addresses
-    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
-                    lse_out=lse_out, stream=stream, scratch=scratch, like=q)
-
-
-def _dense_plan(arrays, entries, addresses, out, options):
-    """A padded batch's plan: its layout's plan moved to the call's sizes (_Mover) where
-    there is one, else made."""
-    layout = None
-    if entries[3] is None:  # (ALiBi's plans are made)
-        layout = _layout_key(("dense", options), entries, 2, 1)
-        mover = _layouts.get(layout)
-        if mover is not None:
-            plan = mover.dense(*entries)
-            if plan is not None:
-                return plan
-    views = _interop.views(arrays, _DENSE_ARRAYS, entries, addresses, 3)
-    return _remember_layout(layout, _plan_dense(*views, out, *options), views, entries, False)
-
-
-def _plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
-    _check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
-               batch_dim=0, seq_dim=1, head_dim=2)
-    batch, seqlen_q, nheads, d = q.shape
-    _check_alibi(alibi, q, batch, nheads)
-    _check_out(out, o, q)
-    return _plan(q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
-                 nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale,
-                 bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -148,7 +87,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     it, malformed values cannot make the kernel read or write outside the tensors, but
     the result is undefined.
     """
-    _reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
     for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
@@ -187,96 +126,6 @@ def _other_route(q):
                                                  or _torch_ops.compiling(q))
 
 
-_PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
-                  "block_table", "out")
-
-
-def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out, *,
-           softmax_scale, causal, window_size, softcap, return_lse, check_cu_seqlens=False,
-           lse_out=None, stream=None, scratch=None):
-    """flash_attn_varlen_func on arrays or views (as dense)."""
-    options = _options(softmax_scale, causal, window_size, softcap)
-    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out)
-    entries, ptrs = _interop.signature(arrays, _PACKED_ARRAYS)
-    key = ("packed", options) + entries
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _remember(key, _packed_plan(arrays, entries, ptrs, out, options))
-    if check_cu_seqlens:
-        views = _interop.views(arrays, _PACKED_ARRAYS, entries, ptrs, 5)
-        q_, k_, _, cu_q, cu_k, used, _, table, _ = views
-        _check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
-                         k_.shape[0] if table is None else None, used)
-        if table is not None:
-            check_page_ids(table, k_.shape[0])
-    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, o_ptr = ptrs
-    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
-                    packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
-                    stream=stream, scratch=scratch, like=q)
-
-
-def _packed_plan(arrays, entries, ptrs, out, options):
-    """A packed batch's plan: its layout's plan moved to the call's sizes (_Mover) where
-    there is one (paged batches and ALiBi aside), else made."""
-    layout = None
-    if entries[6] is None and entries[7] is None:
-        layout = _layout_key(("packed", options), entries, 1, 0)
-        mover = _layouts.get(layout)
-        if mover is not None:
-            plan = mover.packed_batch(*entries)
-            if plan is not None:
-                return plan
-    views = _interop.views(arrays, _PACKED_ARRAYS, entries, ptrs, 5)
-    return _remember_layout(layout, _plan_packed(*views, out, *options), views, entries, True)
-
-
-def _plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, softcap):
-    paged = None
-    if table is None:
-        _check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
-                   batch_dim=None, seq_dim=0, head_dim=1)
-    else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
-        if q.ndim != 3:
-            raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
-                             f"{q.shape}")
-        _check_qkv(_with_leading_one(q), k, v, ("q", "k", "v"),
-                   "(num_pages, page_size, nheads_k, headdim) with block_table",
-                   batch_dim=None, seq_dim=1, head_dim=2)
-    total_q, nheads, d = q.shape
-    _check_cu_seqlens(cu_q, "cu_seqlens_q", q)
-    _check_cu_seqlens(cu_k, "cu_seqlens_k", q)
-    batch = cu_q.shape[0] - 1
-    if cu_k.shape[0] != batch + 1:
-        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
-                         f"{batch + 1}; both must be (batch + 1,)")
-    if table is not None:
-        paged = check_block_table(table, k, q, batch)
-    if used is not None:
-        check_int32_vector(used, "seqused_k", batch, q)
-    _check_alibi(alibi, q, batch, nheads)
-    _check_out(out, o, q)
-    plan = _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
-                 nheads_k=k.shape[-2], seqlen_q=total_q,
-                 seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
-                 bottom_right=True, window=window, softcap=softcap, alibi=alibi,
-                 attn_mask=None, packed=True, paged=paged)
-    if paged is not None and plan.variant is not None:
-        # Decode-sized sequences of a serving batch go to the decode kernel (one tile a
-        # GQA group, each KV byte read once); the forward's work list leaves them out.
-        from . import kvcache
-        plan.decode = kvcache.plan_packed_decode(
-            q, k, v, o, alibi, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2], d=d,
-            total_q=total_q, window=window, scale=scale, softcap=softcap)
-        capacity = paged["capacity"]
-        plan.work_list = plan.work_list[:3] + (_params.SCHEDULE.with_fields(
-            plan.work_list[3], {"decode_rows": plan.decode.rows, "capacity": capacity,
-                                "key_shift": max(0, capacity.bit_length() - 7)}),)
-        plan.scratch_bytes += 4 * batch  # the decode order, after the work list
-        plan.decode.scratch_offset = -(-plan.scratch_bytes // 256) * 256
-        plan.scratch_bytes = plan.decode.scratch_offset + plan.decode.scratch_bytes
-    return plan
-
-
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """PyTorch's ``scaled_dot_product_attention`` on the cufa kernels.
@@ -290,7 +139,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Rows that see no key give 0 (PyTorch's math backend gives NaN there).
     """
-    _reject_unsupported(dropout_p, False, None)
+    reject_unsupported(dropout_p, False, None)
     if _torch_ops.compiling(query):
         return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -300,1005 +149,123 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return sdpa(query, key, value, attn_mask, None, **options)
 
 
-_SDPA_ARRAYS = ("query", "key", "value", "attn_mask")
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=NO_WINDOW, softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, out=None, check_inputs=False):
+    """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
+
+    q: (batch, seqlen_q, nheads, headdim). The cache is contiguous,
+    (batch_cache, seqlen_cache, nheads_k, headdim), or paged, (num_pages, page_size,
+    nheads_k, headdim) with block_table int32 (batch, max_pages): key position j of
+    sequence b is row j % page_size of page block_table[b, j // page_size]; page_size a
+    power of two from 1 to 256.
+
+    cache_seqlens: int32 (batch,) or an int, the keys in the cache before this call
+    (default: all of it). k, v (batch, seqlen_new, nheads_k, headdim), if given, are
+    written into the cache in place at positions cache_seqlens .. cache_seqlens +
+    seqlen_new - 1, and the queries attend to the old keys and the new ones. cache_batch_idx
+    int32 (batch,) picks the cache row of each sequence (contiguous cache);
+    cache_leftpad int32 (batch,) makes a sequence's keys start at that position.
+
+    Masks align bottom-right against seqlen_k = cache_seqlens + seqlen_new - leftpad, as
+    in flash_attn_func: query t sees key j iff j <= t + seqlen_k - seqlen_q (causal).
+    rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2), seqlen_ro >= the cache's
+    capacity, rotate q and the new k: new key i at position cache_seqlens + i; query t at
+    cache_seqlens + t when causal or windowed, else at cache_seqlens; rotary_interleaved
+    pairs features (2i, 2i+1), else (i, i + rotary_dim / 2).
+
+    num_splits: 0 picks a split of the keys from the shapes alone (never from device
+    values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
+    splits into n (at most 128). Returns out (batch, seqlen_q, nheads, headdim), and with
+    return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q). check_inputs=True
+    reads the device values first (one sync) and raises for page ids outside the cache,
+    lengths past its capacity and leftpads past the lengths; without it such values are
+    clamped in the kernels, so they never read or write outside the arrays.
+
+    JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
+    after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
+    Under jax.jit with the caches donated (donate_argnums), they are the same memory and
+    no copy is made; without donation, or eagerly, XLA copies each cache once per call.
+    """
+    fixed = None
+    if cache_seqlens is None or _is_integral(cache_seqlens):
+        if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and cache_seqlens < 0):
+            raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 array; got "
+                             f"{cache_seqlens!r}")
+        fixed, cache_seqlens = (None if cache_seqlens is None else int(cache_seqlens)), None
+    arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+              cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
+    if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
+        if _torch_ops.compiling(q):
+            if out is not None or check_inputs:
+                raise NotImplementedError("out= and check_inputs=True are not supported "
+                                          "inside torch.compile")
+            o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
+                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
+                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                *window_size, softcap, bool(rotary_interleaved), alibi_slopes, num_splits)
+            return (o, lse) if return_softmax_lse else o
+        if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
+            if check_inputs:
+                raise ValueError("check_inputs=True is not supported for JAX arrays: under "
+                                 "jax.jit there are no device values to read")
+            options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap,
+                           rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
+            o, lse, *caches = _jax.call("flash_attn_with_kvcache",
+                                        dict(zip(_decode_plan.ARRAYS, arrays)), options,
+                                        out=out)
+            return tuple([o] + ([lse] if return_softmax_lse else []) + caches) if caches else (
+                (o, lse) if return_softmax_lse else o)
+    return with_kvcache(arrays + (out,), cache_seqlen=fixed, softmax_scale=softmax_scale,
+                        causal=causal, window_size=window_size, softcap=softcap,
+                        rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
+                        return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
 
 
-def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, stream=None,
-         scratch=None):
-    """scaled_dot_product_attention on arrays or views; out and stream as in dense."""
-    options = (bool(is_causal), _check_scale(scale, "scale"), bool(enable_gqa))
-    arrays = (query, key, value, attn_mask)
-    entries, addresses = _interop.signature(arrays, _SDPA_ARRAYS)
-    plan_key = ("sdpa", options) + entries
-    plan = _plans.get(plan_key)
-    if plan is None:
-        plan = _remember(plan_key, _plan_sdpa(
-            *_interop.views(arrays, _SDPA_ARRAYS, entries, addresses, 3), *options))
-    q_ptr, k_ptr, v_ptr, mask_ptr = addresses
-    o_ptr = 0 if out is None else out.ptr
-    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
-                    stream=stream, scratch=scratch, like=query)
+_integral_types = {}  # type -> whether numbers.Integral (an ABC check each call costs more)
 
 
-def _plan_sdpa(q, k, v, mask, is_causal, scale, enable_gqa):
-    _check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
-               batch_dim=0, seq_dim=2, head_dim=1)
-    batch, nheads, seqlen_q, d = q.shape
-    nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    if nheads_k != nheads and not enable_gqa:
-        raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
-                         "pass enable_gqa=True for grouped-query attention")
-    _check_attn_mask(mask, q, (batch, nheads, seqlen_q, seqlen_k))
-    return _plan(q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
-                 nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale,
-                 bottom_right=False, window=(_UNBOUNDED, 0 if is_causal else _UNBOUNDED),
-                 softcap=0.0, alibi=None, attn_mask=mask)
+def _is_integral(x):
+    kind = type(x)
+    known = _integral_types.get(kind)
+    if known is None:
+        known = _integral_types[kind] = isinstance(x, numbers.Integral)
+    return known
 
 
-# -- validation --------------------------------------------------------------------------
+def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
+    """The attention over the union of two disjoint key sets, from each part's output and
+    lse: lse = log(exp(lse_a) + exp(lse_b)), out = exp(lse_a - lse) out_a + exp(lse_b -
+    lse) out_b. This is how split-KV, prefix caching and attention spread over GPUs
+    combine their parts.
 
-# (comparisons rather than math.isnan / isfinite: torch.compile may pass these as symbolic
-# floats, which comparisons handle and math functions do not)
-def _reject_unsupported(dropout_p, return_probs, return_probs_name):
-    if not isinstance(dropout_p, (int, float)) or not dropout_p >= 0:
-        raise ValueError(f"dropout_p must be a number >= 0; got {dropout_p!r}")
-    if dropout_p > 0:
-        raise NotImplementedError("dropout_p > 0 is not supported: cufa's forward has no "
-                                  "dropout; pass dropout_p=0.0")
-    if return_probs:
-        raise NotImplementedError(f"{return_probs_name}=True is not supported: the attention "
-                                  "matrix is never materialized; use return_lse=True for "
-                                  "the log-sum-exp")
-
-
-def _check_dtype_device(x, name, ref, ref_name):
-    if x.dtype != ref.dtype:
-        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
-    if x.device != ref.device:
-        raise ValueError(f"{name} is on cuda:{x.device} but {ref_name} is on cuda:{ref.device}")
-
-
-def _check_loadable(x, name):
-    """The kernels move rows in 16-byte chunks: last dim contiguous, the rest aligned."""
-    shape, strides = x.shape, x.strides
-    if 0 in shape:  # nothing is read or written; frameworks report any strides here
-        return
-    if strides[-1] != 1 and shape[-1] > 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1); "
-                         f"got strides {strides}")
-    misaligned = x.ptr % 16
-    for s, n in zip(strides[:-1], shape):
-        if s % 8 and n > 1:
-            misaligned = True
-    if misaligned:
-        raise ValueError(f"{name} must have strides that are multiples of 8 elements and a "
-                         f"16-byte aligned start (the kernels load 16-byte chunks); got "
-                         f"strides {strides} and address {x.ptr:#x}")
-
-
-def _check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
-    """batch_dim None: packed rows, (total_rows, nheads, headdim), or paged k/v with q
-    seen through _with_leading_one (seq_dim 1)."""
-    qn, kn, vn = names
-    rank = 3 if batch_dim is None and seq_dim == 0 else 4
-    for x, n in ((q, qn), (k, kn), (v, vn)):
-        if x.ndim != rank:
-            raise ValueError(f"{n} must be {rank}-D {layout}; got shape {x.shape}")
-    if q.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"{qn} has dtype {q.dtype}; cufa supports float16 and bfloat16")
-    _check_dtype_device(k, kn, q, qn)
-    _check_dtype_device(v, vn, q, qn)
-    d = q.shape[-1]
-    if d % 8 or not 8 <= d <= _compile.MAX_HEAD_DIM:
-        raise ValueError(f"{qn} has head dim {d}; cufa supports multiples of 8 from 8 to "
-                         f"{_compile.MAX_HEAD_DIM}")
-    if k.shape[-1] != d:
-        raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {d}")
-    if v.shape != k.shape:
-        raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs equal "
-                         "key and value shapes (same head dim, length and heads)")
-    if batch_dim is not None and k.shape[batch_dim] != q.shape[batch_dim]:
-        raise ValueError(f"{kn} has batch {k.shape[batch_dim]} but {qn} has "
-                         f"{q.shape[batch_dim]}")
-    nheads, nheads_k = q.shape[head_dim], k.shape[head_dim]
-    if nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"{qn} has {nheads} heads, not a multiple of the {nheads_k} heads "
-                         f"of {kn}")
-    for x, n in ((q, qn), (k, kn), (v, vn)):
-        _check_loadable(x, n)
-    if max(q.shape[seq_dim], k.shape[seq_dim]) > _INT32_MAX // 2:
-        raise ValueError(f"sequence lengths up to {_INT32_MAX // 2} are supported; got "
-                         f"{qn} {q.shape[seq_dim]}, {kn} {k.shape[seq_dim]}")
-
-
-def _with_leading_one(x):
-    """x seen with a leading dimension of 1 (for checks shared with 4-D arrays)."""
-    return _interop.DeviceArray(x.obj, x.framework, x.ptr, (1,) + x.shape, (0,) + x.strides,
-                                x.dtype, x.device, x.itemsize)
-
-
-def check_int32_vector(x, name, length, q):
-    """An int32 (length,) array on q's device, contiguous (cu_seqlens-like arguments)."""
-    if x.dtype != "int32":
-        raise TypeError(f"{name} must be int32; got {x.dtype}")
-    if x.shape != (length,):
-        raise ValueError(f"{name} must be ({length},) int32; got shape {x.shape}")
-    if x.strides[0] != 1 and length > 1:
-        raise ValueError(f"{name} must be contiguous; got stride {x.strides[0]}")
-    if x.device != q.device:
-        raise ValueError(f"{name} is on cuda:{x.device} but q is on cuda:{q.device}")
-
-
-MAX_PAGE_SIZE = 256
-
-
-def check_block_table(table, cache, q, batch):
-    """A paged cache (num_pages, page_size, nheads_k, d) and its int32 (batch, max_pages)
-    page table -> {page_shift, num_pages, max_pages, capacity} for the params."""
-    if table.dtype != "int32":
-        raise TypeError(f"block_table must be int32; got {table.dtype}")
-    if table.ndim != 2 or table.shape[0] != batch:
-        raise ValueError(f"block_table must be 2-D ({batch}, max_pages_per_sequence); got shape "
-                         f"{table.shape}")
-    if table.strides[1] != 1 and table.shape[1] > 1:
-        raise ValueError(f"block_table must be contiguous in its last dimension; got strides "
-                         f"{table.strides}")
-    if table.device != q.device:
-        raise ValueError(f"block_table is on cuda:{table.device} but q is on cuda:{q.device}")
-    num_pages, page_size = cache.shape[0], cache.shape[1]
-    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
-        raise ValueError(f"the paged cache has pages of {page_size} rows (its dim 1); cufa "
-                         f"takes powers of two from 1 to {MAX_PAGE_SIZE}")
-    if num_pages < 1:
-        raise ValueError("the paged cache has no pages (its dim 0 is 0)")
-    capacity = table.shape[1] * page_size
-    if capacity > _INT32_MAX // 2:
-        raise ValueError(f"block_table addresses {capacity} keys per sequence; at most "
-                         f"{_INT32_MAX // 2} are supported")
-    return dict(page_shift=page_size.bit_length() - 1, num_pages=num_pages,
-                max_pages=table.shape[1], capacity=capacity, table_stride=table.strides[0])
-
-
-def check_page_ids(table, num_pages):
-    """Reads the page table (a device sync): every id within the cache."""
-    ids = _interop.to_numpy(table)
-    bad = (ids < 0) | (ids >= num_pages)
-    if bad.any():
-        b, j = (int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"block_table[{b}, {j}] = {int(ids[b, j])} is not a page of the cache "
-                         f"(0 to {num_pages - 1})")
-
-
-def _check_scale(scale, name):
-    """None (1 / sqrt(head dim), decided with the plan) or a float."""
-    if scale is None:
-        return None
-    if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0; got {scale!r}")
-    return float(scale)
-
-
-def _softcap(softcap):
-    if not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off); got {softcap!r}")
-    return float(softcap)
-
-
-def _options(softmax_scale, causal, window_size, softcap):
-    """(window, scale, softcap) of flash-attn's options, checked: what a plan depends on."""
-    if (window_size is NO_WINDOW and softmax_scale is None and type(softcap) is float
-            and softcap == 0.0):  # the defaults (the usual decode call): nothing to check
-        return _DEFAULT_OPTIONS[1 if causal else 0]
-    return (_window(window_size, causal), _check_scale(softmax_scale, "softmax_scale"),
-            _softcap(softcap))
-
-
-def _window(window_size, causal):
-    """flash-attn's (left, right) with -1 = unbounded -> kernel bounds; causal caps right at 0."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}") from None
-    for side, n in ((left, "left"), (right, "right")):
-        if not isinstance(side, int) or isinstance(side, bool) or side < -1:
-            raise ValueError(f"window_size {n} must be an int >= -1 (-1 = unbounded); "
-                             f"got {side!r}")
-    left = _UNBOUNDED if left < 0 else min(left, _UNBOUNDED)
-    right = _UNBOUNDED if right < 0 else min(right, _UNBOUNDED)
-    if causal:
-        right = 0
-    return left, right
-
-
-def _check_alibi(a, q, batch, nheads):
-    if a is None:
-        return
-    if a.dtype != "float32":
-        raise TypeError(f"alibi_slopes must be float32; got {a.dtype}")
-    if a.device != q.device:
-        raise ValueError(f"alibi_slopes is on cuda:{a.device} but q is on cuda:{q.device}")
-    if a.shape not in ((nheads,), (batch, nheads)):
-        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}); "
-                         f"got {a.shape}")
-    if a.strides[-1] != 1 and nheads > 1:
-        raise ValueError(f"alibi_slopes must be contiguous over heads; got strides {a.strides}")
-
-
-def _check_attn_mask(m, q, full_shape):
-    if m is None:
-        return
-    if m.dtype not in _ATTN_MASK_TYPES:
-        raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32; got {m.dtype}")
-    if m.device != q.device:
-        raise ValueError(f"attn_mask is on cuda:{m.device} but query is on cuda:{q.device}")
-    if m.ndim > 4 or any(n not in (1, f) for n, f in zip(m.shape[::-1], full_shape[::-1])):
-        raise ValueError(f"attn_mask of shape {m.shape} is not broadcastable to "
-                         f"(batch, heads, L, S) = {full_shape}")
-
-
-def _check_cu_seqlens(c, name, q):
-    if c.dtype != "int32":
-        raise TypeError(f"{name} must be int32; got {c.dtype}")
-    if c.ndim != 1 or c.shape[0] < 1:
-        raise ValueError(f"{name} must be 1-D (batch + 1,); got shape {c.shape}")
-    if c.strides[0] != 1 and c.shape[0] > 1:
-        raise ValueError(f"{name} must be contiguous; got stride {c.strides[0]}")
-    if c.device != q.device:
-        raise ValueError(f"{name} is on cuda:{c.device} but q is on cuda:{q.device}")
-
-
-def _check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
-    """The checks that read values: one copy to the host (a device sync)."""
-    host = {n: _interop.to_numpy(x) for x, n in ((cu_q, name_q), (cu_k, name_k))}
-    for (n, c), total in zip(host.items(), (total_q, total_k)):
-        if c[0] != 0:
-            raise ValueError(f"{n} must start at 0; got {int(c[0])}")
-        if (c[1:] < c[:-1]).any():
-            i = int((c[1:] < c[:-1]).argmax())
-            raise ValueError(f"{n} must be non-decreasing; {n}[{i + 1}] = {int(c[i + 1])} < "
-                             f"{n}[{i}] = {int(c[i])}")
-        if total is not None and c[-1] != total:  # (None: keys in a paged cache)
-            raise ValueError(f"{n} ends at {int(c[-1])} but the tensor has {total} rows")
-    if used is not None:
-        u = _interop.to_numpy(used)
-        lens = host[name_k][1:] - host[name_k][:-1]
-        if (u < 0).any() or (u > lens).any():
-            i = int(((u < 0) | (u > lens)).argmax())
-            raise ValueError(f"seqused_k[{i}] = {int(u[i])} is outside [0, {int(lens[i])}], "
-                             f"the length of key sequence {i}")
-
-
-def _check_out(out, o, q, name="out"):
-    """out: the caller's array (or None); o: its view."""
-    if o is None:
-        return
-    if o.framework != q.framework:
-        raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
-    if _interop.is_jax(out):
-        raise TypeError(f"{name} is a JAX array, and JAX arrays are immutable; "
-                        "call without out= to get a new one")
-    if o.shape != q.shape or o.dtype != q.dtype:
-        raise ValueError(f"{name} must have q's shape {q.shape} and dtype {q.dtype}; got "
-                         f"{o.shape} {o.dtype}")
-    if o.device != q.device:
-        raise ValueError(f"{name} is on cuda:{o.device} but q is on cuda:{q.device}")
-    _check_loadable(o, name)
-
-
-# -- launch --------------------------------------------------------------------------------
-
-def _broadcast_strides(m, full_shape):
-    """attn_mask strides over (batch, heads, L, S), 0 where the mask broadcasts."""
-    shape = (1,) * (4 - m.ndim) + m.shape
-    strides = (0,) * (4 - m.ndim) + m.strides
-    return tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(shape, full_shape, strides))
-
-
-@dataclass  # not frozen, which costs every field an object.__setattr__; never changed once made
-class _Plan:
-    """What a launch needs besides the arrays' addresses. It follows from the call's
-    signature alone (shapes, strides, dtypes, devices and alignment of the arrays, and the
-    options), so it is made once per signature; a repeated call then only allocates its
-    outputs, fills in the addresses and launches (bench/host_overhead.py)."""
-    framework: str          # of the outputs: "torch" or "cupy"
-    device: int
-    out_shape: tuple
-    dtype: str
-    lse_shape: tuple
-    variant: object = None  # None: an empty dimension, nothing to launch
-    function: int = 0       # the compiled kernel's CUfunction
-    params: bytes = b""     # the FwdParams record with every pointer 0
-    num_blocks: int = 0
-    tma_template: object = None  # _tma.Template: the TensorMaps record less its addresses
-    work_list: tuple = None  # packed batches: (the schedule kernel's CUfunction, max_tiles,
-                             # num_buckets, its ScheduleParams record with every pointer 0)
-    to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
-    scratch_bytes: int = 0  # device scratch a launch needs (packed work list, tile counter)
-    decode: object = None   # paged packed batches: kvcache.PackedDecode, the short sequences
-
-
-_LOG2_E = math.log2(math.e)
-_STRIDE_FIELDS = tuple((f"{x}_batch_stride", f"{x}_row_stride", f"{x}_head_stride")
-                       for x in "qkvo")
-# ("entry", options) + _interop.signature key -> plan. Ordered: past _MAX_PLANS the
-# oldest goes, in O(1) (a dict's first item after many deletions is a scan away)
-_plans = collections.OrderedDict()
-_MAX_PLANS = 4096
-
-
-def _remember(key, plan):
-    """Plans use the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M,
-    CUFA_DECODE_TMA) as last read: clear_plans() after changing them in a running process."""
-    if len(_plans) >= _MAX_PLANS:   # signatures that keep changing: the oldest goes
-        _plans.popitem(last=False)
-    _plans[key] = plan
-    return plan
+    out_a, out_b: (batch, seqlen, nheads, headdim) with lse float32 (batch, nheads,
+    seqlen), as flash_attn_func returns them, or packed (total, nheads, headdim) with lse
+    (nheads, total), as flash_attn_varlen_func does; float16, bfloat16 or float32 (the
+    same for both), any strides. A part with lse -inf (no keys) weighs 0 and its output
+    is not read; two such parts give 0 and -inf. Returns (out, lse): out in the inputs'
+    dtype (written into `out` if given: same shape and dtype, any strides; it may be
+    out_a or out_b), lse float32.
+    """
+    arrays = dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    if _torch_ops.compiling(out_a):
+        if out is not None:
+            raise NotImplementedError("out= is not supported inside torch.compile")
+        return _torch_ops.op("merge")(out_a, lse_a, out_b, lse_b)
+    if _jax.tracing(*arrays.values()):
+        return _jax.call("merge_attention_states", arrays, {}, out=out)
+    return merge((out_a, lse_a, out_b, lse_b, out))
 
 
 def clear_plans():
     """Forget every launch plan (the next call of each signature plans again) and read
     the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA)
     afresh."""
-    _plans.clear()
-    _layouts.clear()
+    _runtime.plans.clear()
+    _fwd_plan.layouts.clear()
     _jax.replays.clear()
     _compile.read_overrides()
-
-
-# -- plans moved to new sizes -------------------------------------------------------------
-# A server calls with new sizes nearly every step (a packed batch's token count, a padded
-# batch's length). A call whose arrays differ from a planned call's only in their sizes
-# (batch, sequence lengths and the batch strides that follow from them) gets that plan
-# moved to its sizes: the size checks and the size-dependent values (_sizes, the TMA maps),
-# not validation and planning from scratch (bench/NOTES.md, launch cost).
-_layouts = collections.OrderedDict()  # _layout_key -> the _Mover of a plan of that layout
-
-
-def _layout_key(head, entries, free_dims, free_strides):
-    """A call's signature (entries of _interop.signature) less its sizes: of each array
-    its kind, shape past the first free_dims, strides past the first free_strides, dtype,
-    device and alignment."""
-    return head + tuple([None if e is None else (e[0], e[1][free_dims:], e[2][free_strides:])
-                         + e[3:] for e in entries])
-
-
-def _remember_layout(layout, plan, views, entries, packed):
-    """plan as its layout's, when it has one and can move (paged batches do not)."""
-    if layout is not None and plan.variant is not None and plan.decode is None:
-        mover = _Mover.of(plan, views, entries, packed)
-        if mover is not None:
-            if len(_layouts) >= _MAX_PLANS:
-                _layouts.popitem(last=False)
-            _layouts[layout] = mover
-    return plan
-
-
-def _movable(seqlen_q, seqlen_k, batch):
-    """Sizes a moved plan takes; others (empty, too long) are planned, which says why."""
-    return 0 < min(seqlen_q, seqlen_k, batch) and max(seqlen_q, seqlen_k) <= _INT32_MAX // 2
-
-
-class _Shaped:
-    """Shape, strides (in elements) and dtype where _tma_template wants an array."""
-    __slots__ = ("shape", "strides", "dtype")
-
-    def __init__(self, shape, strides, dtype):
-        self.shape, self.strides, self.dtype = shape, strides, dtype
-
-
-class _Mover:
-    """A plan of one layout, and what moving it to other sizes needs that the layout
-    fixes, so that a move reads, checks and writes only the sizes: the batch, the
-    sequence lengths and the batch strides, taken from the call's signature entries (no
-    views), and the TMA maps written from per-layout pieces (_tma.moved_map). A move
-    makes what _plan would make (a CPU test compares them); None where the sizes change
-    the kernel variant or whether TMA describes the arrays, or a size check fails (the
-    call is then planned, which says what is wrong)."""
-    __slots__ = ("plan", "packed", "entries", "d", "units", "rows_misaligned", "same_tiles",
-                 "tma", "writers", "words", "box_n")
-
-    @classmethod
-    def of(cls, plan, views, entries, packed):
-        """plan's mover, or None where the layout does not move (its cu_seqlens strided,
-        or planned on the portable kernels where Hopper's could not describe it). The
-        rest is read off the entries at the first move (a new layout pays no more)."""
-        if plan.variant.family != _compile.family_for(_compute_capability(plan.device)):
-            return None
-        if packed and any(x is not None and x.strides != (1,) for x in views[3:6]):
-            return None
-        self = cls.__new__(cls)
-        self.plan, self.packed, self.units = plan, packed, None
-        self.entries = entries[:3] + entries[-1:]  # q, k, v, out (no references to arrays)
-        return self
-
-    def _prepare(self):
-        """What the layout fixes, from the base plan's entries (its first move)."""
-        plan, variant = self.plan, self.plan.variant
-        # (fp16 and bf16 only: every array of a plan has 2-byte elements)
-        self.units = tuple(1 if e is None else _interop.stride_unit(e, 2) for e in self.entries)
-        strides = [None if e is None else [s // u for s in e[2]]
-                   for e, u in zip(self.entries, self.units)]
-        self.d, self.box_n, self.same_tiles = self.entries[0][1][-1], variant.block_n, {}
-        # a row stride the layout fixes but _check_loadable allows only under one row
-        seq_dim = 0 if self.packed else 1
-        self.rows_misaligned = any(x is not None and x[seq_dim] % 8 for x in strides)
-        template = plan.tma_template
-        self.tma, self.writers, self.words = template is not None, None, None
-        # (a row stride 0, which a map takes under one row, is left to the general path)
-        if template is not None and template.address_words and (
-                not self.packed or template.has_tails) and all(
-                    x[seq_dim] for x in strides[:3]):
-            boxes = (variant.block_m,) + (variant.block_n,) * (4 if self.packed else 2)
-            self.writers = _tma.map_writers(template, plan.dtype, boxes)
-            self.words = template.address_words
-
-    def dense(self, q, k, v, alibi, o):
-        """The plan at the sizes of a padded batch's signature entries (o: out's or None)."""
-        if self.units is None:
-            self._prepare()
-        batch, seqlen_q = q[1][0], q[1][1]
-        seqlen_k = k[1][1]
-        if (k[1][0] != batch or v[1][0] != batch or v[1][1] != seqlen_k
-                or o is not None and (o[1][0] != batch or o[1][1] != seqlen_q)
-                or not _movable(seqlen_q, seqlen_k, batch)
-                or self.rows_misaligned and max(seqlen_q, seqlen_k) > 1
-                or not self._same_tiles(seqlen_q, batch)):
-            return None
-        q_unit, k_unit, v_unit, o_unit = self.units
-        batch_strides = (q[2][0] // q_unit, k[2][0] // k_unit, v[2][0] // v_unit,
-                         o[2][0] // o_unit if o is not None else seqlen_q * q[1][2] * self.d)
-        if batch > 1 and any(s % 8 for s in batch_strides):
-            return None  # (_check_loadable refuses them: planned, which says so)
-        template = None
-        if self.tma:
-            if self.writers is None:
-                template = self._general_template((q, k, v), 1, 2)
-            else:
-                (q_map, k_map, v_map), (q_stride, k_stride, v_stride) = (self.writers,
-                                                                         batch_strides[:3])
-                k_moved = _tma.moved_map(k_map, batch, seqlen_k, k_stride)
-                template = self._written((
-                    _tma.moved_map(q_map, batch, seqlen_q, q_stride), k_moved,
-                    k_moved if (v_map, v_stride) == (k_map, k_stride)
-                    else _tma.moved_map(v_map, batch, seqlen_k, v_stride)), False)
-            if template is None:
-                return None
-        return self._moved(batch, q[1][2], seqlen_q, seqlen_k, tuple(q[1]), template,
-                           batch_strides)
-
-    def packed_batch(self, q, k, v, cu_q, cu_k, used, alibi, table, o):
-        """The plan at the sizes of a packed batch's signature entries."""
-        if self.units is None:
-            self._prepare()
-        total_q, total_k, batch = q[1][0], k[1][0], cu_q[1][0] - 1
-        if (v[1][0] != total_k or cu_k[1][0] != batch + 1
-                or used is not None and used[1][0] != batch
-                or o is not None and o[1][0] != total_q
-                or not _movable(total_q, total_k, batch)
-                or self.rows_misaligned and max(total_q, total_k) > 1
-                or not self._same_tiles(total_q, batch, total_k / max(batch, 1))):
-            return None
-        template = None
-        if self.tma:
-            if self.writers is None:
-                template = self._general_template((q, k, v), 0, 1)
-            else:
-                q_map, k_map, v_map, k_tail, v_tail = self.writers
-                k_moved = _tma.moved_map(k_map, 1, total_k, 0)
-                k_tail_moved = _tma.moved_map(k_tail, total_k, self.box_n,
-                                              k[2][0] // self.units[1])
-                template = self._written((
-                    _tma.moved_map(q_map, 1, total_q, 0), k_moved,
-                    k_moved if v_map == k_map else _tma.moved_map(v_map, 1, total_k, 0),
-                    k_tail_moved, k_tail_moved if v_tail == k_tail else _tma.moved_map(
-                        v_tail, total_k, self.box_n, v[2][0] // self.units[2])), True)
-            if template is None:
-                return None
-        return self._moved(batch, q[1][1], total_q, total_k, tuple(q[1]), template, None)
-
-    def _same_tiles(self, total_q, batch, keys_per_sequence=0):
-        """Whether these sizes keep the base plan's tiles (sm90: the tile class of
-        sm90_rows; the tile classes of a head dim may share tiles)."""
-        variant = self.plan.variant
-        if variant.family != "sm90":
-            return True
-        rows = _compile.sm90_rows(self.packed, total_q, batch, self.d, variant.mask,
-                                  keys_per_sequence)
-        same = self.same_tiles.get(rows)
-        if same is None:
-            same = self.same_tiles[rows] = variant == _compile.fwd_variant(
-                variant.dtype, self.d, variant.mask, variant.score_mods, "sm90", rows)
-        return same
-
-    def _written(self, maps, has_tails):
-        """The Template of maps written by _tma.moved_map; None if it refused one."""
-        if None in maps:
-            return None
-        return _tma.Template(b"".join(maps) + _tma.PADS[len(maps)], has_tails, self.words)
-
-    def _general_template(self, entries, seq_dim, head_dim):
-        """The TMA maps through _tma's general path (its kind maps not written in Python
-        on this driver); None where it refuses them, or the tails, which base has."""
-        dtype = self.plan.dtype
-        q, k, v = (_Shaped(tuple(e[1]), tuple(s // unit for s in e[2]), dtype)
-                   for e, unit in zip(entries, self.units))
-        template = _tma_template(self.plan.variant, q, k, v, seq_dim, head_dim, self.d,
-                                 self.packed, _tma.new_shape_template)
-        if template is None or template.has_tails != self.plan.tma_template.has_tails:
-            return None
-        return template
-
-    def _moved(self, batch, nheads, seqlen_q, seqlen_k, out_shape, tma_template,
-               batch_strides):
-        """The plan at these sizes, its maps made: _sizes and the records' size fields."""
-        base, packed = self.plan, self.packed
-        values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
-            base.variant, batch, nheads, seqlen_q, seqlen_k, packed, base.device)
-        plan = _Plan.__new__(_Plan)  # a copy of base (copy.copy takes 3 us more)
-        plan.__dict__.update(base.__dict__)
-        plan.out_shape = out_shape
-        plan.num_blocks, plan.scratch_bytes, plan.tma_template = (num_blocks, scratch_bytes,
-                                                                  tma_template)
-        if packed:
-            plan.lse_shape = (nheads, seqlen_q)
-            plan.params = _set_sizes(base.params, values)
-            plan.work_list = (base.work_list[0], max_tiles, num_buckets, _set_schedule_sizes(
-                base.work_list[3], (batch, seqlen_q, num_buckets)))
-        else:  # the batch strides follow the sizes; the row and head strides are the layout's
-            plan.lse_shape = (batch, nheads, seqlen_q)
-            plan.params = _set_batch_strides_and_sizes(base.params, batch_strides + values)
-        return plan
-
-
-def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
-          bottom_right, window, softcap, alibi, attn_mask, packed=False, paged=None):
-    """The variant, launch shape and params of validated arrays. Padded batches: q/k/v/o
-    carry a batch dimension (0). Packed batches: rows of all sequences are stacked,
-    seqlen_q/k are the total rows, and lse is (nheads, total_q). out: the caller's out=
-    view, or None for a new contiguous output. paged: check_block_table's dict when k/v are
-    a paged cache (seqlen_k is then its capacity a sequence)."""
-    framework = "cupy" if q.framework == "dlpack" else q.framework
-    lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
-    outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
-                   lse_shape=lse_shape, to_jax=_interop.returns_jax(q))
-    if not (batch and nheads and seqlen_q):
-        return _Plan(**outputs)
-    mask_kind = "none" if window == (_UNBOUNDED, _UNBOUNDED) else "window"
-    score_mods = softcap > 0 or alibi is not None or attn_mask is not None
-    family = _compile.family_for(_compute_capability(q.device))
-    if paged is not None and 1 << paged["page_shift"] < _PAGED_TMA_MIN_ROWS:
-        family = "sm80"
-    # (packed: the mean keys a sequence, or a paged cache's capacity a sequence)
-    keys = (seqlen_k if paged is not None else seqlen_k / batch) if packed else 0
-    variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
-                                     mask_kind, score_mods, family, paged, keys)
-    values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
-        variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
-    o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
-    p = dict(
-        nheads=nheads, nheads_k=nheads_k, head_dim=d,
-        kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
-        bottom_right=int(bottom_right), **dict(zip(_SIZE_FIELDS, values)),
-        **score_fields(window, scale, softcap, d, alibi))
-    for (batch_field, row_field, head_field), strides in zip(
-            _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
-        p[batch_field] = 0 if packed else strides[0]
-        p[row_field] = strides[seq_dim]
-        p[head_field] = strides[head_dim]
-    if paged is not None:  # k, v: (pages, page_size, nheads_k, d); batch stride = page stride
-        for fields, x in zip(_STRIDE_FIELDS[1:3], (k, v)):
-            p.update(zip(fields, x.strides[:3]))
-        p["block_table_batch_stride"] = paged["table_stride"]
-        p["page_shift"], p["num_pages"] = paged["page_shift"], paged["num_pages"]
-    if attn_mask is not None:
-        full = (batch, nheads, seqlen_q, seqlen_k)
-        p["attn_mask_type"] = _ATTN_MASK_TYPES[attn_mask.dtype]
-        (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
-         p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
-    return _Plan(**outputs, variant=variant, scratch_bytes=scratch_bytes,
-                 function=_compile.function_pointer(variant, q.device),
-                 params=_params.FWD.pack(p), num_blocks=num_blocks,
-                 tma_template=tma_template,
-                 work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
-                            max_tiles, num_buckets, _params.SCHEDULE.pack(dict(
-                                batch=batch, total_q=seqlen_q, block_m=variant.block_m,
-                                num_buckets=num_buckets)))
-                 if packed else None)
-
-
-def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,
-             family, paged=None, keys_per_sequence=0):
-    """(kernel variant, _tma.Template or None) of a plan."""
-    rows = _compile.sm90_rows(packed, seqlen_q, batch, d, mask_kind, keys_per_sequence)
-    variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
-                                   rows)
-    if family != "sm90":
-        return variant, None
-    if paged is not None:
-        tma_template = _tma.template(q.dtype, _paged_tma_views(variant, q, k, v, d))
-    else:
-        tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
-    if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
-        variant = _compile.fwd_variant(_KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80")
-    return variant, tma_template
-
-
-# FwdParams fields that follow from a plan's sizes, in _sizes' order
-_SIZE_FIELDS = ("lse_batch_stride", "lse_head_stride", "batch", "seqlen_q", "seqlen_k",
-                "num_m_blocks", "heads_per_group")
-_BATCH_STRIDE_FIELDS = tuple(fields[0] for fields in _STRIDE_FIELDS)  # q, k, v, o
-_set_sizes = _params.FWD.setter(_SIZE_FIELDS)  # (one run of FwdParams: one pack)
-_set_batch_strides_and_sizes = _params.FWD.setter(_BATCH_STRIDE_FIELDS + _SIZE_FIELDS)
-_set_schedule_sizes = _params.SCHEDULE.setter(("batch", "total_q", "num_buckets"))
-
-
-def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
-    """The launch values of a plan that follow from its sizes (batch, heads, sequence
-    lengths) and tiles, shared by _plan and _Mover so that a moved plan is the plan:
-    (values of _SIZE_FIELDS, num_blocks, max_tiles, num_buckets, scratch_bytes)."""
-    block_m = variant.block_m
-    num_m_blocks = -(-seqlen_q // block_m)
-    # Packed batches: at most total_q / block_m + batch real tiles (each sequence rounds
-    # up once); the device-built list says how many there are.
-    max_tiles = seqlen_q // block_m + batch if packed else num_m_blocks * batch
-    num_buckets = seqlen_q // block_m + 2  # packed: the schedule's counting sort
-    if max_tiles * nheads > _INT32_MAX:
-        raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed the "
-                         "grid limit")
-    num_blocks = max_tiles * nheads
-    # Heads scheduled together (padded batches; a group's tiles are its heads' query
-    # blocks, last first, heads inner): as many as keep their K/V within half of L2.
-    kv_bytes = (seqlen_k if seqlen_k > 1 else 1) * variant.head_dim * 4
-    group_heads = _L2_BUDGET // kv_bytes
-    if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
-        resident = _sm_count(device) * variant.ctas_per_sm
-        num_blocks = min(num_blocks, resident)
-        # and no more than the resident CTAs cover at once, so that a head's query blocks
-        # run together and its K/V comes from DRAM once (short sequences: +2-8 % at 512
-        # rows, bench/NOTES.md step 35), though at least _MIN_GROUP_HEADS, whose K/V
-        # spread the CTAs' reads over L2 (4 heads' K/V under 132 CTAs read 10 % slower)
-        group_heads = min(group_heads, max(resident // num_m_blocks, _MIN_GROUP_HEADS))
-    values = (0 if packed else nheads * seqlen_q, seqlen_q, batch, seqlen_q, seqlen_k,
-              num_m_blocks, max(1, min(batch * nheads, group_heads)))
-    # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
-    scratch_bytes = (4 * (_work_list_ints(max_tiles, num_buckets) + 2) if packed
-                     else 8 if variant.persistent else 0)
-    return values, num_blocks, max_tiles, num_buckets, scratch_bytes
-
-
-def score_fields(window, scale, softcap, d, alibi):
-    """The mask and score fields that FwdParams and DecodeParams share."""
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return dict(window_left=window[0], window_right=window[1], scale=scale,
-                scale_log2=scale * _LOG2_E, softcap=softcap,
-                softcap_inv=1.0 / softcap if softcap > 0 else 0.0,
-                alibi_batch_stride=alibi.strides[0] if alibi is not None and alibi.ndim == 2
-                else 0)
-
-
-def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.template):
-    """q, k, v (and for packed batches the k/v tails) made into a _tma.Template by `make`
-    (_tma.template, cached per layout; a moved plan's new shape: _tma.new_shape_template);
-    None if the copy engine cannot describe them."""
-    return make(q.dtype, *_tma_views(variant, q, k, v, seq_dim, head_dim, d, packed))
-
-
-def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
-    """q, k, v (and for packed batches the k/v tails) as (batch, rows, heads, columns)
-    views of _tma.template: (views, tail views)."""
-    views, tails = [], []
-    for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
-        rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
-                                                x.strides[seq_dim], x.strides[head_dim])
-        if packed:
-            views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
-            if x is not q:
-                tails.append(_tma.tail_view(rows, heads, d, row_stride, head_stride, box_rows))
-        else:
-            views.append(((x.shape[0], rows, heads, d),
-                          (x.strides[0], row_stride, head_stride), box_rows))
-    return tuple(views), tuple(tails)
-
-
-# Paged caches on the Hopper kernels: TMA boxes of whole rows inside a page, at least 8
-# rows (1 KB a panel: the 128-byte swizzle's period, so boxes stacked in a tile land as
-# one box of the tile would); smaller pages take the portable kernels.
-_PAGED_TMA_MIN_ROWS = 8
-
-
-def _paged_box_rows(page_size, block_n):
-    """Rows of a paged K/V box (fwd_sm90.cu, produce_paged_block): the page, or the largest
-    power of two up to 128 that divides block_n where that is fewer, so that the boxes of a
-    key block never cross a page."""
-    return min(page_size, block_n & -block_n, 128)
-
-
-def _paged_tma_views(variant, q, k, v, d):
-    """_tma.template's views of a packed q, (total, heads, d), and a paged k and v, (pages,
-    page_size, heads, d), each page a batch entry."""
-    box_rows = _paged_box_rows(k.shape[1], variant.block_n)
-    return (((1, q.shape[0], q.shape[1], d), (0,) + tuple(q.strides[:2]), variant.block_m),
-            (k.shape, tuple(k.strides[:3]), box_rows), (v.shape, tuple(v.strides[:3]), box_rows))
-
-
-def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,
-             lse_out=None, stream=None, scratch=None, like=None):
-    """Allocate the outputs (unless out=, or lse_out) and launch the plan on the caller's
-    current stream. q, k, v, o_ptr (out's), alibi, attn_mask: addresses; packed: the
-    addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream, scratch:
-    see dense; like: the caller's q (outputs')."""
-    scratch_ptr = _check_scratch(scratch, plan.scratch_bytes)
-    with caller_stream(plan.framework, plan.device, stream) as stream:
-        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream, like)
-        if plan.variant is not None:
-            _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed,
-                    scratch_ptr)
-    return returned(plan, o, lse, return_lse)
-
-
-def outputs(plan, out, o_ptr, lse_out, want_lse, stream, like=None):
-    """(out, its address, lse, its address) of a call, inside caller_stream: the caller's
-    out= (or, under jax.jit, XLA's buffers out and lse_out) where given, else new arrays of
-    the caller's framework; without want_lse no lse at all (None, 0), which the kernels
-    skip: one allocation less a call. Plans of every entry point have the fields read.
-    like: the caller's q, whose shape, dtype and device every plan's out has."""
-    if out is None:
-        out, o_ptr = _interop.allocate(plan.framework, plan.out_shape, plan.dtype,
-                                       plan.device, stream, like)
-    if lse_out is not None:
-        return out, o_ptr, lse_out, lse_out.ptr
-    if not want_lse:
-        return out, o_ptr, None, 0
-    lse, lse_ptr = _interop.allocate(plan.framework, plan.lse_shape, "float32", plan.device,
-                                     stream)
-    return out, o_ptr, lse, lse_ptr
-
-
-def returned(plan, out, lse, with_lse):
-    """What the caller gets back: out (and lse), as JAX arrays for a JAX caller."""
-    if plan.to_jax:
-        out, lse = _interop.to_jax(out), (_interop.to_jax(lse) if with_lse else None)
-    return (out, lse) if with_lse else out
-
-
-def _work_list_ints(max_tiles, num_buckets):
-    """A packed batch's int32 scratch before its tile counter: the int2 work list (8-byte
-    aligned, first), its length, and the counting sort's 3 x num_buckets counters."""
-    return 2 * max_tiles + 1 + 3 * num_buckets
-
-
-def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scratch_ptr):
-    """The plan's launches on `stream` (the device current); arguments as _execute's."""
-    framework, device = plan.framework, plan.device
-    counter = tile_list = tile_count = order = 0
-    cu_q = cu_k = used = table = 0
-    scratch = None
-    if packed:
-        cu_q, cu_k, used, table = packed
-        schedule, max_tiles, num_buckets, schedule_record = plan.work_list
-        # the work list, then the tile counter (2 ints, which the schedule kernel zeroes)
-        ints = _work_list_ints(max_tiles, num_buckets)
-        if scratch_ptr:
-            tile_list = scratch_ptr
-        else:  # (a paged batch: its decode order after them, kept by the decode launch,
-            # and that launch's partials: asked for at once, so its ask cannot move them)
-            scratch, tile_list = stream_workspace(framework, device, stream, plan.scratch_bytes)
-        tile_count = tile_list + 8 * max_tiles
-        if plan.variant.persistent:
-            counter = tile_list + 4 * ints
-        if plan.decode is not None:
-            order = tile_list + 4 * (ints + 2)
-    elif plan.variant.persistent:
-        if scratch_ptr:  # XLA's buffer, perhaps replayed from a graph: zeroed in the stream
-            import cupy
-            counter = scratch_ptr
-            stream_call(cupy.cuda.runtime.memsetAsync, counter, 0, 8, stream)
-        else:
-            scratch, counter = stream_tile_counter(framework, device, stream)
-    params = _params.FWD.with_pointer_values(plan.params, (
-        q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
-        counter, table))
-    args = (params,)
-    if plan.tma_template is not None:
-        args = (params, _tma.with_addresses(plan.tma_template, q, k, v))
-    if packed:
-        driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
-                      (_params.SCHEDULE.with_pointer_values(schedule_record, (
-                          cu_q, tile_count + 4, tile_list, tile_count, counter, cu_k, used,
-                          order)),))
-    driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
-                  plan.variant.smem_bytes, stream, args)
-    if plan.decode is not None:
-        from . import kvcache
-        kvcache.launch_packed_decode(plan.decode, plan, stream, q, k, v, o_ptr, lse_ptr, alibi,
-                                     packed, scratch_ptr, order, plan.decode.scratch_offset)
-    # (scratch, the counter's buffer, is held until the launches are queued: freed
-    # earlier, another thread could be handed the same memory for work ordered before ours)
-    del scratch
-
-
-def _check_scratch(scratch, needed):
-    """scratch: None, or (address, bytes) of a caller-provided device buffer (XLA's, under
-    jax.jit); its address, or 0 for none."""
-    if scratch is None:
-        return 0
-    ptr, size = scratch
-    if size < needed:
-        raise RuntimeError(f"the scratch buffer traced for this jitted call has {size} bytes "
-                           f"but the launch needs {needed}: the device it runs on differs "
-                           "from the one it was traced for; trace it again there")
-    return ptr
-
-
-def stream_tile_counter(framework, device, stream):
-    """(owner, address) of the persistent kernel's tile counter (2 zeroed uint32s) for a
-    launch on `stream`. The kernel leaves its counter zeroed, and launches on one stream
-    run one after another, so each stream keeps one (zeroed when it is made) and a call
-    needs no memset. A stream being captured into a CUDA graph gets a counter of its own,
-    zeroed by a memset in the graph: a graph may be replayed on any stream, beside any
-    other work."""
-    return _stream_buffer(_tile_counters, framework, device, stream, 8, zeroed=True)
-
-
-def stream_workspace(framework, device, stream, nbytes, capturing=None):
-    """(owner, address) of at least nbytes of device memory for one call's scratch on
-    `stream` (a packed batch's work list, a decode's split-KV partials), kept per stream
-    as the tile counter is, so a call allocates nothing; from the caller's allocator under
-    graph capture. Launches on the stream run in order, so one call's kernels are done
-    with it before the next call's write it. capturing: as _stream_buffer's."""
-    return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False,
-                          capturing=capturing)
-
-
-def stream_split_counters(framework, device, stream, nbytes):
-    """(owner, address) of nbytes of zeroed int32 counters for a split decode on `stream`,
-    which the decode kernel leaves zeroed (as stream_tile_counter's). Not for a stream
-    under graph capture: there the graph's own would need a memset node each replay, so
-    graphs keep decode_combine (bench/NOTES.md)."""
-    return _stream_buffer(_split_counters, framework, device, stream, nbytes, zeroed=True,
-                          capturing=False)
-
-
-def stream_capturing(stream):
-    """Whether `stream` is being captured into a CUDA graph."""
-    global _stream_is_capturing
-    if _stream_is_capturing is None:  # (looked up once: cupy.cuda's lookups cost ~1 us)
-        import cupy
-        _stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
-    return bool(_stream_is_capturing(stream))
-
-
-_stream_is_capturing = None
-
-
-_tile_counters = {}  # (device, stream, thread) -> (address, bytes)
-_split_counters = {}
-_workspaces = {}
-_buffer_growth = threading.Lock()
-
-
-def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed, capturing=None):
-    """A buffer `stream` keeps in held_by, grown (to twice the size asked) when a call
-    needs more. The default streams' handles are shared across threads that may not share
-    the stream, so theirs are per thread too. capturing: whether `stream` is under graph
-    capture, where the caller knows it (None: asked here); captured, the call gets memory
-    of its own."""
-    _recording.replayable = False  # this memory is not XLA's: a jax.jit replay must not reuse it
-    if capturing is None:
-        capturing = stream_capturing(stream)
-    if capturing:
-        import cupy
-        owner, ptr = _interop.allocate(framework, (-(-nbytes // 4),), "int32", device, stream)
-        if zeroed:
-            cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
-        return owner, ptr
-    key = (device, stream, threading.get_ident() if stream <= 2 else 0)
-    held = held_by.get(key)
-    if held is None or held[1] < nbytes:
-        import cupy
-        runtime = cupy.cuda.runtime
-        with _buffer_growth:  # two threads on one stream must not free it twice
-            held = held_by.get(key)
-            if held is None or held[1] < nbytes:
-                if held is not None:  # launches queued on the stream may still use it
-                    runtime.streamSynchronize(stream)
-                    runtime.free(held[0])
-                ptr = runtime.malloc(2 * nbytes)
-                if zeroed:
-                    runtime.memsetAsync(ptr, 0, 2 * nbytes, stream)
-                held = held_by[key] = (ptr, 2 * nbytes)
-    return None, held[0]
-
-
-class caller_stream:
-    """Context: `device` current, with its context (for the driver calls); gives the
-    stream the caller's framework is issuing work on. When the device's context is current
-    already (the usual case) it switches nothing: a launch's host cost is what a small
-    model step waits on."""
-    __slots__ = ("framework", "device", "stream", "_switch")
-
-    def __init__(self, framework, device, stream=None):
-        """stream: a CUstream handle to use instead (XLA's, in a jax.jit callback)."""
-        self.framework, self.device, self.stream, self._switch = framework, device, stream, None
-
-    def __enter__(self):
-        driver = _driver()
-        if _contexts.get(self.device) != driver.ctxGetCurrent():
-            import cupy
-            self._switch = cupy.cuda.Device(self.device)
-            self._switch.__enter__()
-            if driver.ctxGetCurrent() == 0:  # a thread new to CUDA: the driver calls
-                cupy.cuda.runtime.free(0)    # need the device's context made current
-            _contexts[self.device] = driver.ctxGetCurrent()
-        if self.stream is not None:
-            return self.stream
-        return _interop.current_stream_ptr(self.framework, self.device)
-
-    def __exit__(self, *exc):
-        if self._switch is not None:
-            self._switch.__exit__(*exc)
-
-
-_contexts = {}  # device -> its context handle, as current during our launches
-
-
-def driver_launch(function, blocks, threads, smem_bytes, stream, args):
-    """Straight through the driver, each argument (a ctypes object) passed by address:
-    a fraction of the cost of CuPy's argument conversion for the records. blocks: a count
-    or an (x, y, z) grid."""
-    grid = (blocks, 1, 1) if isinstance(blocks, int) else blocks
-    pointers = _POINTER_ARRAYS[len(args)](*map(ctypes.addressof, args))
-    stream_call(_driver().launchKernel, function, *grid, threads, 1, 1, smem_bytes, stream,
-                ctypes.addressof(pointers), 0, keep=(pointers, args))
-
-
-_POINTER_ARRAYS = [ctypes.c_void_p * n for n in range(4)]  # kernel arguments: 1 or 2 records
-
-
-def stream_call(fn, *args, keep=None):
-    """fn(*args): a driver or runtime call that queues work on a stream. Inside a jax.jit
-    callback that _jax.on_device records, the call is also kept (with `keep`, the memory
-    its arguments point to) so that the next run with the same buffers repeats it."""
-    fn(*args)
-    calls = getattr(_recording, "calls", None)
-    if calls is not None:
-        calls.append((fn, args, keep))
-
-
-# _jax.on_device's recording: `calls` (a list) while one is made on this thread, and
-# `replayable`, cleared where a call takes memory only that one call holds.
-_recording = threading.local()
-
-
-def _driver():
-    global _driver_module
-    if _driver_module is None:
-        from cupy_backends.cuda.api import driver
-        _driver_module = driver
-    return _driver_module
-
-
-_driver_module = None
-
-
-_capabilities = {}
-_L2_BUDGET = 25 * 2**20  # bytes of K/V per scheduling group: half of an H100's L2
-_MIN_GROUP_HEADS = 12
-_sm_counts = {}
-
-
-def _sm_count(device):
-    n = _sm_counts.get(device)
-    if n is None:
-        import cupy
-        n = _sm_counts[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-    return n
-
-
-
-def _compute_capability(device):
-    cc = _capabilities.get(device)
-    if cc is None:
-        import cupy
-        cc = _capabilities[device] = cupy.cuda.Device(device).compute_capability
-    return cc

@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
-from cufa import _compile, _params, api
+from cufa import _checks, _compile, _heuristics, _params, api
 
 
 
@@ -64,24 +64,24 @@ def setenv(monkeypatch):
 
 def test_tile_class_follows_the_mean_sequence_length(setenv):
     setenv(_compile.SM90_ROWS_ENV, None)
-    rows = _compile.sm90_rows
-    limit = _compile.SM90_SHORT_MAX_MEAN_SEQLEN
+    rows = _heuristics.sm90_rows
+    limit = _heuristics.SM90_SHORT_MAX_MEAN_SEQLEN
     assert rows(True, limit * 10, 10, 128, "none") == "short"
     assert rows(True, limit * 10 + 1, 10, 128, "none") == "mid"
-    dense = _compile.SM90_SHORT_DENSE_MAX_SEQLEN  # padded: d <= 64 and short only
+    dense = _heuristics.SM90_SHORT_DENSE_MAX_SEQLEN  # padded: d <= 64 and short only
     assert rows(False, dense, 10, 64, "none") == "short"
     assert rows(False, dense + 1, 10, 64, "none") == "long"
     # (no 64-row tiles without a mask: d = 64 short batches take the long ones, step 36)
     assert _compile.fwd_variant("fp16", 64, "none", False, "sm90", "short").block_m == 192
     assert _compile.fwd_variant("fp16", 64, "window", False, "sm90", "short").block_m == 64
     assert rows(False, 64, 10, 128, "none") == "mid"
-    for mask, long_from in _compile.SM90_LONG_MIN_SEQLEN.items():
+    for mask, long_from in _heuristics.SM90_LONG_MIN_SEQLEN.items():
         assert rows(False, long_from - 1, 3, 128, mask) == "mid"
         assert rows(False, long_from, 3, 128, mask) == "long"
         assert rows(True, long_from * 3 - 1, 3, 128, mask) == "mid"  # packed: the mean
         assert rows(True, long_from * 3, 3, 128, mask) == "long"
     # d <= 64 causal: the long tiles (the held P V wait) from 8k rows
-    d64_long = _compile.SM90_LONG_MIN_SEQLEN_D64_WINDOW
+    d64_long = _heuristics.SM90_LONG_MIN_SEQLEN_D64_WINDOW
     assert rows(False, d64_long - 1, 1, 64, "window") == "mid"
     assert rows(False, d64_long, 1, 64, "window") == "long"
     assert rows(False, 2048, 1, 64, "none") == "long"  # (without a mask as before)
@@ -90,7 +90,7 @@ def test_tile_class_follows_the_mean_sequence_length(setenv):
     assert (mid.block_m, mid.block_n) == (long.block_m, long.block_n)
     assert long.hold_pv_wait and not mid.hold_pv_wait
     # chunked prefill (keys at least twice the query rows) from 128 rows, above d = 64
-    chunk = _compile.SM90_CHUNK_MIN_MEAN_SEQLEN
+    chunk = _heuristics.SM90_CHUNK_MIN_MEAN_SEQLEN
     assert rows(True, chunk * 8, 8, 128, "window", keys_per_sequence=2 * chunk) == "mid"
     assert rows(True, chunk * 8, 8, 128, "window", keys_per_sequence=2 * chunk - 1) == "short"
     assert rows(True, chunk * 8 - 1, 8, 128, "window", keys_per_sequence=4096) == "short"
@@ -156,7 +156,7 @@ def test_kernels_unbounded_window_is_the_hosts():
     # apply_mask's one-compare path keys on it: a window side the host sends as unbounded
     # must read as unbounded in the kernels
     m = re.search(r"constexpr int kUnboundedWindow = 1 << (\d+);", _compile.kernel_source("fwd/mask.cuh"))
-    assert m and 1 << int(m.group(1)) == api._UNBOUNDED
+    assert m and 1 << int(m.group(1)) == _checks.UNBOUNDED
 
 
 def test_head_dim_padding():

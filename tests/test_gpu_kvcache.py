@@ -549,12 +549,12 @@ def test_eager_merge_gives_the_bits_of_the_graph_merge(rng, monkeypatch, d, head
     decode launch, from an idle stream and behind queued work alike (the counters the
     kernel leaves zeroed serve the next call); a graph replay of it merges in
     decode_combine. Both sum in the same order, so the bits agree."""
-    from cufa import _compile, api
+    from cufa import _compile, _decode_plan, _runtime
     # both decode kernels where they run (the TMA one: contiguous d = 64 on Hopper)
     monkeypatch.setitem(_compile._overrides, _compile.DECODE_TMA_ENV, tma)
-    api._plans.clear()
-    taken, counters = [], api.stream_split_counters
-    monkeypatch.setattr(api, "stream_split_counters",
+    _runtime.plans.clear()
+    taken, counters = [], _runtime.stream_split_counters
+    monkeypatch.setattr(_decode_plan, "stream_split_counters",
                         lambda *args: taken.append(args) or counters(*args))
     kw, _ = build(rng, batch=2, heads=heads, d=d, seqlen_q=seqlen_q, capacity=1024,
                   page_size=page_size, lens=[1000, 333], num_splits=num_splits)

@@ -5,7 +5,9 @@ on traced arrays, its output shapes and dtypes, the aliasing of an appended cach
 is static (shapes, options) and what is not (cu_seqlens, cache_seqlens values), and the
 errors for jax.vmap, jax.grad and out= -- on JAX's CPU backend. The launch itself
 (`_jax.on_device`) is swapped for a function that reads the same buffers with NumPy and
-writes the reference's answer; the GPU tests run the real one. Skipped without JAX.
+writes the reference's answer; the GPU tests run the real one. Without that stand-in, a
+jitted call on the CPU backend gets the eager call's checks at trace time, then an error
+naming the backend. Skipped without JAX.
 """
 import numpy as np
 import pytest
@@ -15,13 +17,17 @@ import jax.numpy as jnp  # noqa: E402
 
 import cufa  # noqa: E402
 from cufa import _jax, reference  # noqa: E402
+from cufa._interop import DeviceArray  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _jax.available(), reason="this JAX has no buffer_callback")
 
 
 @pytest.fixture
 def numpy_device(monkeypatch):
-    """Replaces the launch: each run's Call goes into the returned list."""
+    """Replaces the device: JAX's CPU backend passes for its CUDA one, no scratch is
+    planned, and each run's Call goes into the returned list."""
+    monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
+    monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
     runs = []
 
     def on_device(spec, ctx, outs, bufs):
@@ -226,3 +232,82 @@ def test_eager_kvcache_append_on_jax_arrays_returns_the_caches_too(numpy_device,
     close(kc2[0, 3], np.asarray(new[0, 0], np.float64), 1e-3)
     close(kc2[0, :3], np.asarray(kc[0, :3], np.float64), 0)
     assert numpy_device[-1].options["cache_seqlen"] == 3
+
+
+# -- without a CUDA backend: the eager checks at trace time, then the backend's error -------
+
+def _view(x):
+    """A device view of x's shape and dtype, row-major, as the eager call would see it."""
+    shape, strides, dtype, itemsize = _jax._layout(x)
+    return DeviceArray(None, "cupy", 1 << 20, shape, strides, dtype, 0, itemsize)
+
+
+def _raised(fn, *args):
+    with pytest.raises(Exception) as info:
+        fn(*args)
+    return info.type, str(info.value)
+
+
+f16, f32, i32 = jnp.float16, jnp.float32, jnp.int32
+TRACE_CASES = [
+    # (id, the call, its arrays: the eager call on views of them must fail the same way)
+    ("q float32", lambda q, k, v: cufa.flash_attn_func(q, k, v),
+     [((2, 7, 4, 32), f32), ((2, 9, 2, 32), f32), ((2, 9, 2, 32), f32)]),
+    ("q rank 3", lambda q, k, v: cufa.flash_attn_func(q, k, v, causal=True),
+     [((7, 4, 32), f16), ((2, 9, 2, 32), f16), ((2, 9, 2, 32), f16)]),
+    ("head dim 40 against 32", lambda q, k, v: cufa.flash_attn_func(q, k, v),
+     [((2, 7, 4, 40), f16), ((2, 9, 2, 32), f16), ((2, 9, 2, 32), f16)]),
+    ("window", lambda q, k, v: cufa.flash_attn_func(q, k, v, window_size=(-2, 0)),
+     [((2, 7, 4, 32), f16), ((2, 9, 2, 32), f16), ((2, 9, 2, 32), f16)]),
+    ("varlen cu float32", lambda q, k, cu: cufa.flash_attn_varlen_func(
+        q, k, k, cu, cu, 7, 9), [((7, 4, 32), f16), ((9, 2, 32), f16), ((3,), f32)]),
+    ("sdpa heads", lambda q, k, v: cufa.scaled_dot_product_attention(q, k, v),
+     [((1, 4, 5, 16), f16), ((1, 2, 5, 16), f16), ((1, 2, 5, 16), f16)]),
+    ("kvcache splits", lambda q, c, n: cufa.flash_attn_with_kvcache(
+        q, c, c, cache_seqlens=n, num_splits=-1),
+     [((2, 1, 4, 32), f16), ((2, 16, 2, 32), f16), ((2,), i32)]),
+    ("kvcache lengths", lambda q, c, n: cufa.flash_attn_with_kvcache(q, c, c, cache_seqlens=n),
+     [((2, 1, 4, 32), f16), ((2, 16, 2, 32), f16), ((3,), i32)]),
+    ("merge lse", lambda oa, la, ob, lb: cufa.merge_attention_states(oa, la, ob, lb),
+     [((1, 3, 2, 8), f32), ((1, 2, 3), f16), ((1, 3, 2, 8), f32), ((1, 2, 3), f32)]),
+]
+
+
+@pytest.mark.parametrize("case", TRACE_CASES, ids=[c[0] for c in TRACE_CASES])
+def test_jit_without_cuda_checks_as_eager_at_trace_time(case, rng):
+    """A bad call fails while jax.jit traces it, with the error the eager call gives for the
+    same shapes, dtypes and options (not later, inside XLA)."""
+    assert jax.default_backend() != "gpu"
+    _, call, specs = case
+    arrays = [randn(rng, shape, dtype) if dtype != i32 else jnp.zeros(shape, i32)
+              for shape, dtype in specs]
+    traced = _raised(jax.jit(call), *arrays)
+    assert traced == _raised(call, *(_view(x) for x in arrays))
+    assert traced[0] in (TypeError, ValueError)
+    with pytest.raises(traced[0]):
+        jax.make_jaxpr(call)(*arrays)  # while tracing: before anything runs
+
+
+@pytest.mark.parametrize("call, specs", [
+    (lambda q, k, v: cufa.flash_attn_func(q, k, v, causal=True),
+     [((2, 7, 4, 32), f16), ((2, 9, 2, 32), f16), ((2, 9, 2, 32), f16)]),
+    (lambda oa, la, ob, lb: cufa.merge_attention_states(oa, la, ob, lb),
+     [((1, 3, 2, 8), f32), ((1, 2, 3), f32), ((1, 3, 2, 8), f32), ((1, 2, 3), f32)]),
+])
+def test_jit_without_cuda_names_the_backend(call, specs, rng):
+    arrays = [randn(rng, shape, dtype) for shape, dtype in specs]
+    with pytest.raises(RuntimeError, match="under jax.jit needs JAX's CUDA backend, and this "
+                                           "JAX runs on 'cpu'"):
+        jax.make_jaxpr(call)(*arrays)
+
+
+def test_eager_jax_arrays_on_the_cpu_are_named(rng):
+    """Eagerly, a CPU JAX array is refused as any host array is, on the route an append
+    takes through a callback too."""
+    q, kc, new = randn(rng, (1, 1, 2, 16)), randn(rng, (1, 8, 1, 16)), randn(rng, (1, 1, 1, 16))
+    for call in (lambda: cufa.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=3),
+                 lambda: cufa.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=3),
+                 lambda: cufa.flash_attn_func(q, q, q)):
+        with pytest.raises(TypeError, match=r"cufa needs CUDA device arrays; got a CPU \(JAX\) "
+                                            "array for q"):
+            call()

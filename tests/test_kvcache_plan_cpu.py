@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _params, api, kvcache
+from cufa import _compile, _decode_plan, _heuristics, _params, _runtime
 from cufa._interop import DeviceArray
 
 H100_SMS = 132
@@ -24,20 +24,20 @@ def arr(shape, dtype="float16", strides=None, ptr=0x7f0000000000):
 def planner(monkeypatch):
     """Plans without a GPU: kernels get fake handles, the device has 132 SMs."""
     monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: hash(kernel.key))
-    monkeypatch.setattr(api, "_sm_count", lambda device: H100_SMS)
-    monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
-    monkeypatch.setattr(kvcache, "_tma_device", lambda device, forced=None: False)
-    monkeypatch.setattr(kvcache, "_hopper_one_cta", kvcache._one_cta_keeps_up)  # (Hopper)
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
-    monkeypatch.setattr(api, "_plans", {})
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: H100_SMS)
+    monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
+    monkeypatch.setattr(_heuristics, "tma_device", lambda device, forced=None: False)
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
+    _runtime.plans.clear()
     captured = []
-    monkeypatch.setattr(kvcache, "_run", lambda plan, *a: captured.append(plan) or plan)
+    monkeypatch.setattr(_decode_plan, "_run", lambda plan, *a: captured.append(plan) or plan)
 
     def plan(*args, **kw):
         cufa.flash_attn_with_kvcache(*args, **kw)
         return captured[-1]
-    return plan
+    yield plan
+    _runtime.plans.clear()
 
 
 def record(plan):
@@ -67,7 +67,7 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     kinds = [entry[0] for entry in plan.launches]
     assert kinds == (["decode", "combine"] if expected > 1 else ["decode"])
     if expected > 1:  # a CTA a query row, or (few splits) a warp a row
-        per_cta = _compile.combine_kernel("fp16", d, expected).rows
+        per_cta = _heuristics.combine_kernel("fp16", d, expected).rows
         assert plan.launches[1][2] == (-(-batch * 32 // per_cta), 1, 1)
     assert plan.scratch_bytes == 4 * plan.workspace[0]
     grid = plan.launches[0][2]
@@ -76,7 +76,7 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
     one_wave = batch * heads_k * expected <= slots
     assert expected & (expected - 1) == 0 or not one_wave  # one wave: a power of two
     # an sm_86 / sm_89 GPU (100 KB an SM) holds one CTA an SM: fewer splits (10 -> 8)
-    assert kvcache.choose_num_splits(8, keys, 84, _compile.decode_kernel("fp16", d).ctas_per_sm_on(
+    assert _heuristics.choose_num_splits(8, keys, 84, _compile.decode_kernel("fp16", d).ctas_per_sm_on(
         100 * 1024)) == min(8, 1 << (max(1, keys // 256).bit_length() - 1)) or expected == 1
 
 
@@ -114,7 +114,7 @@ def test_num_splits_argument_is_obeyed_and_capped(planner):
     q, cache = arr((2, 1, 8, 64)), arr((2, 4096, 8, 64))
     assert record(planner(q, cache, cache, num_splits=1))["num_splits"] == 1
     assert record(planner(q, cache, cache, num_splits=7))["num_splits"] == 7
-    assert record(planner(q, cache, cache, num_splits=1000))["num_splits"] == kvcache.MAX_SPLITS
+    assert record(planner(q, cache, cache, num_splits=1000))["num_splits"] == _compile.MAX_SPLITS
 
 
 def test_gqa_rows_and_query_blocks(planner):
@@ -181,42 +181,26 @@ def test_one_cta_an_sm_only_where_it_keeps_up_with_the_memory(planner, monkeypat
     lens = arr((1,), "int32")
 
     def splits(peak):
-        monkeypatch.setattr(kvcache, "_keeps_up", {})
-        monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: peak)
-        monkeypatch.setattr(api, "_plans", {})
+        monkeypatch.setattr(_heuristics, "_keeps_up", {})
+        monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: peak)
+        _runtime.plans.clear()
         return record(planner(q, cache, cache, cache_seqlens=lens))["num_splits"]
     assert splits(H100_PEAK_BYTES_PER_S) == one_per_sm
     assert splits(H200_PEAK_BYTES_PER_S) == slot_fill
     assert splits(None) == one_per_sm
 
 
-def test_split_ctas_one_an_sm_take_the_deep_ring_at_d64(planner, monkeypatch):
-    """1 x 32k, 8 KV heads, d = 64: 16 splits, a CTA an SM, on the ring of 6 stages; not on
-    pages of 16, at d = 128, unsplit, over more CTAs than SMs, nor on an H200's rule."""
-    deep = _compile.decode_kernel_deep_ring("fp16", 64)
-    assert deep.shape == (4, 6) and deep.ctas_per_sm == 2
-    lens = arr((1,), "int32")
-
-    def decode(q, k, **kw):
-        plan = planner(q, k, k, cache_seqlens=lens, **kw)
-        return [e for e in plan.launches if e[0] == "decode"][0], record(plan)["num_splits"]
-
+def test_split_ctas_one_an_sm_take_the_default_kernel(planner):
+    """1 x 32k, 8 KV heads, d = 64: 16 splits, a CTA an SM, on the default shape (its
+    four stages a warp), contiguous or on pages of 256 read whole."""
+    lens, default = arr((1,), "int32"), _compile.decode_kernel("fp16", 64)
     q, cache = arr((1, 1, 32, 64)), arr((1, 32768, 8, 64))
-    (_, _, grid, threads, smem), splits = decode(q, cache)
-    assert (splits, threads, smem) == (16, 128, deep.smem_bytes)
-    assert decode(q, cache, num_splits=8)[0][4] == deep.smem_bytes   # 64 CTAs
-    assert decode(q, cache, num_splits=32)[0][4] != deep.smem_bytes  # 256 CTAs
-    assert decode(q, cache, num_splits=1)[0][4] != deep.smem_bytes
-    assert decode(arr((1, 1, 32, 128)), arr((1, 32768, 8, 128)))[0][4] == \
-        _compile.decode_kernel("fp16", 128).smem_bytes
-    pages, table = arr((2048, 16, 8, 64)), arr((1, 2048), "int32")
-    assert decode(q, pages, block_table=table)[0][4] != deep.smem_bytes
     pages, table = arr((128, 256, 8, 64)), arr((1, 128), "int32")
-    assert decode(q, pages, block_table=table)[0][4] == deep.smem_bytes  # read whole
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: H200_PEAK_BYTES_PER_S)
-    monkeypatch.setattr(api, "_plans", {})
-    assert decode(q, cache)[0][4] != deep.smem_bytes
+    for k, kw in ((cache, {}), (pages, {"block_table": table})):
+        plan = planner(q, k, k, cache_seqlens=lens, **kw)
+        _, _, grid, threads, smem = [e for e in plan.launches if e[0] == "decode"][0]
+        assert (record(plan)["num_splits"], grid, threads, smem) == (
+            16, (16, 8, 1), default.threads, default.smem_bytes)
 
 
 def test_units_that_fit_the_cta_slots_run_unsplit_paged_or_not(planner):
@@ -275,14 +259,14 @@ def test_variant_keys_are_readable_and_unique():
     keys = [v.key for v in _compile.decode_variants()]
     assert len(set(keys)) == len(keys)
     assert "decode_bf16_hd128_s2" in keys and "decode_fp16_hd64_s3" in keys
-    assert "decode_fp16_hd128_s3_w2" in keys and "decode_bf16_hd64_s6" in keys
+    assert "decode_fp16_hd128_s3_w2" in keys
     assert "decode_append_bf16" in keys and "merge_fp32" in keys
     assert _compile.DecodeKernel("decode", "bf16", 64).name_expression == \
         "cufa::decode_kernel<1, 64, 4, 4>"
 
 
 def test_decode_pointer_order_is_the_records():
-    # kvcache._run packs the pointers positionally, in this order
+    # _decode_plan._run packs the pointers positionally, in this order
     assert _params.DECODE.pointer_fields == (
         "q", "k", "v", "o", "lse", "o_partial", "lse_partial",
         "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
@@ -298,7 +282,7 @@ def test_decode_pointer_order_is_the_records():
 def test_combine_takes_a_warp_a_row_while_one_round_of_reads_covers_the_splits(d, splits, rows):
     # a lane reads 8 columns; a warp's lanes hold 32 // (d / 8) splits at once, 4 reads
     # each, and a lane holds one split's lse
-    kernel = _compile.combine_kernel("bf16", d, splits)
+    kernel = _heuristics.combine_kernel("bf16", d, splits)
     assert kernel.rows == rows
     assert kernel.key == f"decode_combine_r{rows}_bf16"
     assert kernel.name_expression == f"cufa::decode_combine<1, {rows}>"

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _interop, _params, _tma, api, kvcache
+from cufa import (_compile, _decode_plan, _fwd_plan, _heuristics, _interop, _params, _runtime,
+                  _tma, api)
 
 
 class _Device:
@@ -41,20 +42,20 @@ class _Stream:
 @pytest.fixture
 def device(monkeypatch):
     fake = _Device()
-    monkeypatch.setattr(api, "caller_stream", _Stream)
-    monkeypatch.setattr(api, "driver_launch", fake.launch)
+    for name, stand_in in (
+            ("caller_stream", _Stream), ("driver_launch", fake.launch),
+            ("stream_tile_counter", lambda framework, device, stream: (None, _COUNTERS)),
+            ("stream_workspace",
+             lambda framework, device, stream, nbytes, capturing=None: (None, _WORKSPACE)),
+            ("stream_split_counters",
+             lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS)),
+            ("stream_capturing", lambda stream: fake.capturing)):
+        _patch_launchers(monkeypatch, name, stand_in)
     monkeypatch.setattr(_interop, "allocate", fake.allocate)
-    monkeypatch.setattr(api, "stream_tile_counter",
-                        lambda framework, device, stream: (None, _COUNTERS))
-    monkeypatch.setattr(api, "stream_workspace",
-                        lambda framework, device, stream, nbytes, capturing=None: (None, _WORKSPACE))
-    monkeypatch.setattr(api, "stream_split_counters",
-                        lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS))
-    monkeypatch.setattr(api, "stream_capturing", lambda stream: fake.capturing)
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
-    monkeypatch.setattr(api, "_compute_capability", lambda device: "90")
-    monkeypatch.setattr(api, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: 228 * 1024)
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "90")
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: 228 * 1024)
     monkeypatch.setattr(_tma, "_encode_fn", lambda: _fake_encode)
     monkeypatch.setattr(_tma, "_replace_fn", lambda: _fake_replace)
     _clear_tma_caches()
@@ -62,6 +63,14 @@ def device(monkeypatch):
     yield fake
     api.clear_plans()
     _clear_tma_caches()
+
+
+def _patch_launchers(monkeypatch, name, value):
+    """`name` replaced where the launch path calls it (_runtime's function, bound by the
+    modules that launch)."""
+    for module in (_runtime, _fwd_plan, _decode_plan):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
 
 
 _WORKSPACE = 0xD000_0000  # the per-stream split-KV workspace's (fake) address
@@ -126,7 +135,7 @@ def test_dense_addresses_and_no_lse_unless_asked(device):
     r = record(device.launches[-1])
     assert r["lse"] == int(lse.split("@")[1], 16) and device.allocations[-1] == (
         (2, 4, 100), "float32")
-    assert len(api._plans) == 1            # return_lse is no part of the plan
+    assert len(_runtime.plans) == 1            # return_lse is no part of the plan
 
 
 def test_repeated_signature_reuses_the_plan_with_new_addresses(device):
@@ -138,9 +147,9 @@ def test_repeated_signature_reuses_the_plan_with_new_addresses(device):
         assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, v.ptr)
         # the layout's maps, encoded once, pointed at this call's arrays (no tail maps)
         assert map_addresses(device.launches[-1]) == [q.ptr, k.ptr, v.ptr, 0, 0]
-    assert len(api._plans) == 1 and _tma.template.cache_info().misses == 1
+    assert len(_runtime.plans) == 1 and _tma.template.cache_info().misses == 1
     cufa.flash_attn_func(q, k, v, softcap=5.0)  # new options: a new plan
-    assert len(api._plans) == 2
+    assert len(_runtime.plans) == 2
 
 
 def test_tma_addresses_written_in_python_or_moved_by_the_driver(device, monkeypatch):
@@ -247,10 +256,10 @@ def test_paged_packed_batch_sends_short_sequences_to_the_decode_kernel(device):
     assert decode[1] == (r["num_m_blocks"] * r["num_splits"], hk, 4)  # grid
     # the schedule orders the decode-sized sequences (most keys first) into a list after
     # the work list and tile counter, which the decode kernel reads a sequence a grid z
-    plan = next(p for p in api._plans.values() if getattr(p, "decode", None) is not None)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "decode", None) is not None)
     _, max_tiles, num_buckets, _ = plan.work_list
     s = record(schedule, _params.SCHEDULE)
-    ints = api._work_list_ints(max_tiles, num_buckets)
+    ints = _fwd_plan._work_list_ints(max_tiles, num_buckets)
     assert s["decode_order"] == r["decode_order"] == s["tile_list"] + 4 * (ints + 2)
     assert (s["cu_seqlens_k"], s["seqused_k"]) == (cu.ptr, used.ptr)
     assert (s["capacity"], s["key_shift"], s["decode_rows"]) == (160, 1, 4)
@@ -279,7 +288,7 @@ def test_paged_prefill_takes_the_hopper_kernels_from_pages_of_8(device, monkeypa
     q, cache = view((total, h, d)), view((40, page, hk, d))
     cu, table = view((5,), "int32"), view((4, 10), "int32")
     cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, block_table=table, causal=True)
-    plan = next(p for p in api._plans.values() if getattr(p, "decode", None) is not None)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "decode", None) is not None)
     assert plan.variant.family == family
     forward = device.launches[1]
     assert record(forward)["kv_tail_maps"] == 0
@@ -296,7 +305,7 @@ def test_paged_prefill_takes_the_hopper_kernels_from_pages_of_8(device, monkeypa
 
 def test_paged_boxes_never_cross_a_page():
     """A paged box: the page, or the largest power of two dividing the key block."""
-    assert [api._paged_box_rows(p, n) for p, n in ((16, 80), (32, 80), (256, 80), (8, 128),
+    assert [_fwd_plan._paged_box_rows(p, n) for p, n in ((16, 80), (32, 80), (256, 80), (8, 128),
                                                    (256, 128), (64, 64), (256, 32))] == [
         16, 16, 16, 8, 128, 64, 32]
 
@@ -328,15 +337,16 @@ def _decode_route(device, batch, seqlen, nheads_k, d=64, nheads=32, **kw):
     q, cache = view((batch, 1, nheads, d)), view((batch, seqlen, nheads_k, d))
     done = len(device.launches)
     cufa.flash_attn_with_kvcache(q, cache, kw.pop("v_cache", cache), cache_seqlens=seqlen, **kw)
-    plan = next(p for p in reversed(list(api._plans.values())) if isinstance(p, kvcache._KvPlan))
+    plan = next(p for p in reversed(list(_runtime.plans.values()))
+                if isinstance(p, _decode_plan._KvPlan))
     kind, _, grid, threads, smem = next(e for e in plan.launches if e[0].startswith("decode"))
     return (kind, grid, threads), device.launches[done], plan
 
 
 @pytest.fixture
 def h100(device, monkeypatch):
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
     return device
 
 
@@ -366,11 +376,11 @@ def test_tma_decode_where_it_was_measured_faster(h100):
 
 
 def test_tma_decode_only_on_the_h100_rule_and_the_hopper_family(h100, monkeypatch):
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 3201e6 * 6144 / 8)
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 3201e6 * 6144 / 8)
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
     assert _decode_route(h100, 1, 131072, 8)[0][0] == "decode"  # an H200: not measured
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 2 * 2619e6 * 5120 / 8)
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
     api.clear_plans()
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, "sm80")
     assert _decode_route(h100, 1, 131072, 8)[0][0] == "decode"  # the portable family forced
@@ -450,11 +460,11 @@ def test_bad_input_still_named_before_any_launch(device):
         cufa.flash_attn_func(q, view((1, 10, 2, 128)), view((1, 10, 2, 128)))
     with pytest.raises(TypeError, match="q must be a CUDA array"):
         cufa.flash_attn_func(None, q, q)
-    assert device.launches == [] and api._plans == {}
+    assert device.launches == [] and _runtime.plans == {}
 
 
 def test_portable_kernels_and_empty_batches(device, monkeypatch):
-    monkeypatch.setattr(api, "_compute_capability", lambda device: "80")
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
     q = view((2, 40, 2, 64))
     cufa.flash_attn_func(q, q, q)
     r = record(device.launches[-1])
@@ -555,11 +565,11 @@ def test_jax_callback_takes_its_scratch_from_xla(device, memsets):
 
 
 def test_plans_beyond_the_limit_drop_the_oldest(device, monkeypatch):
-    monkeypatch.setattr(api, "_MAX_PLANS", 3)
+    monkeypatch.setattr(_runtime, "MAX_PLANS", 3)
     shapes = [(1, n, 2, 64) for n in (10, 11, 12, 13)]
     for shape in shapes:
         cufa.flash_attn_func(view(shape), view(shape), view(shape))
-    assert [key[2][1] for key in api._plans] == shapes[1:]  # q's shape in each key
+    assert [key[2][1] for key in _runtime.plans] == shapes[1:]  # q's shape in each key
 
 
 def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
@@ -571,11 +581,11 @@ def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
     cache = jax.ShapeDtypeStruct((2, 32768, 2, 64), "float16")
     lens = jax.ShapeDtypeStruct((2,), "int32")
     lse = jax.ShapeDtypeStruct((2, 8, 1), "float32")
-    plan = kvcache._plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
-                                 None, None, None, None, view((2,), "int32"), None, None,
-                                 None, None, None, None, None, window=(1 << 30, 1 << 30),
-                                 scale=None, softcap=0.0, interleaved=True, num_splits=5,
-                                 want_lse=True)
+    plan = _decode_plan.plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
+                                     None, None, None, None, view((2,), "int32"), None, None,
+                                     None, None, None, None, None, window=(1 << 30, 1 << 30),
+                                     scale=None, softcap=0.0, interleaved=True, num_splits=5,
+                                     want_lse=True)
     assert plan.scratch_bytes == 4 * plan.workspace[0] > 0
     scratch = jax.ShapeDtypeStruct((plan.scratch_bytes,), "uint8")
     options = dict(cache_seqlen=None, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -676,12 +686,12 @@ def _dense_call():
 def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypatch):
     from cufa import _jax
     driver = _Driver()
-    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
-    monkeypatch.setattr(api, "_driver", lambda: driver)
+    _patch_launchers(monkeypatch, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(_runtime, "_driver", lambda: driver)
     monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
     planned = []
-    real_plan = api._plan_dense
-    monkeypatch.setattr(api, "_plan_dense", lambda *a: planned.append(1) or real_plan(*a))
+    real_plan = _fwd_plan.plan_dense
+    monkeypatch.setattr(_fwd_plan, "plan_dense", lambda *a: planned.append(1) or real_plan(*a))
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
     out = [_Buffer(0x9000_0000, (2, 100, 4, 64))]
@@ -716,8 +726,8 @@ def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypa
 def test_jax_callback_that_failed_or_took_stream_memory_is_not_repeated(device, monkeypatch):
     from cufa import _jax
     driver = _Driver()
-    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
-    monkeypatch.setattr(api, "_driver", lambda: driver)
+    _patch_launchers(monkeypatch, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(_runtime, "_driver", lambda: driver)
     monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
@@ -728,11 +738,11 @@ def test_jax_callback_that_failed_or_took_stream_memory_is_not_repeated(device, 
     monkeypatch.setitem(_jax._RUNNERS, "flash_attn_func", fails)
     with pytest.raises(ValueError):
         _jax.on_device(spec, ctx, out, bufs)
-    assert api._recording.calls is None
+    assert _runtime.recording.calls is None
     assert not _jax.replays
 
-    def takes_stream_memory(*a, **kw):  # as api._stream_buffer does
-        api._recording.replayable = False
+    def takes_stream_memory(*a, **kw):  # as _runtime._stream_buffer does
+        _runtime.recording.replayable = False
     monkeypatch.setitem(_jax._RUNNERS, "flash_attn_func", takes_stream_memory)
     _jax.on_device(spec, ctx, out, bufs)
     assert not _jax.replays
@@ -742,20 +752,20 @@ def test_jax_recordings_of_moving_buffers_are_bounded(device, monkeypatch):
     """A jitted function whose buffers move every run leaves a recording a run: the oldest
     go, and the plans stay."""
     from cufa import _jax
-    monkeypatch.setattr(api, "driver_launch", _real_driver_launch)
-    monkeypatch.setattr(api, "_driver", lambda: _Driver())
+    _patch_launchers(monkeypatch, "driver_launch", _real_driver_launch)
+    monkeypatch.setattr(_runtime, "_driver", lambda: _Driver())
     monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
     monkeypatch.setattr(_jax, "_MAX_REPLAYS", 4)
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
     for i in range(10):
         _jax.on_device(spec, ctx, [_Buffer(0x9000_0000 + 0x100_0000 * i, (2, 100, 4, 64))], bufs)
-    assert len(_jax.replays) == 4 and len(api._plans) == 1
+    assert len(_jax.replays) == 4 and len(_runtime.plans) == 1
     assert [k[3][-1][0] for k in _jax.replays] == [0x9000_0000 + 0x100_0000 * i
                                                   for i in range(6, 10)]
 
 
-_real_driver_launch = api.driver_launch
+_real_driver_launch = _runtime.driver_launch
 
 
 def _strided(shape, strides, dtype="float16"):
@@ -765,7 +775,7 @@ def _strided(shape, strides, dtype="float16"):
 
 
 def _last_plan():
-    return next(reversed(api._plans.values()))
+    return next(reversed(_runtime.plans.values()))
 
 
 def _same_plan(a, b):
@@ -800,7 +810,7 @@ def _model_driver(monkeypatch):
 @pytest.mark.parametrize("driver", ["model", "other"])
 def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, heads_first,
                                                                        driver, monkeypatch):
-    """Moved plans (api._Mover) equal the plans made by validation and planning, at sizes
+    """Moved plans (_fwd_plan._Mover) equal the plans made by validation and planning, at sizes
     that cross the tile classes (64-, 128- and 192-row tiles), for padded and packed
     batches, with and without out=, and a (B, H, N, d) storage whose head stride grows;
     with a driver whose maps _tma writes (moved maps written from a layout's pieces), and
@@ -810,7 +820,7 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
         _model_driver(monkeypatch)
     rng = random.Random(5)
     moved_plans = []
-    move = api._Mover._moved
+    move = _fwd_plan._Mover._moved
 
     def counted(mover, *args):
         plan = move(mover, *args)
@@ -820,7 +830,7 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
         return plan
     written = []
 
-    monkeypatch.setattr(api._Mover, "_moved", counted)
+    monkeypatch.setattr(_fwd_plan._Mover, "_moved", counted)
     for case in range(60):
         d, h, hk = rng.choice((64, 128, 72)), rng.choice((4, 8)), rng.choice((1, 2, 4))
         causal, dense, with_out = rng.random() < 0.5, rng.random() < 0.6, rng.random() < 0.3
@@ -847,8 +857,8 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
                                                        causal=causal, out=out)
             call()
             moved = _last_plan()
-            api._plans.clear()
-            api._layouts.clear()
+            _runtime.plans.clear()
+            _fwd_plan.layouts.clear()
             call()  # made from scratch
             _same_plan(moved, _last_plan())
     assert written and all(written) == (driver == "model") and any(written) == all(written)
@@ -876,7 +886,7 @@ def test_moved_plans_refuse_a_row_stride_allowed_under_one_row(device, monkeypat
     """A row stride that is no multiple of 8 passes under one row; the same layout at
     more rows is refused (planned again, which says why), packed and padded. (On sm_80
     devices: TMA refuses such layouts, so on sm_90 their plans never move.)"""
-    monkeypatch.setattr(api, "_compute_capability", lambda device: "80")
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
     one, kv = _strided((1, 4, 64), (260, 64, 1)), view((300, 4, 64))
     cu = view((2,), "int32")
     cufa.flash_attn_varlen_func(one, kv, kv, cu, cu, 1, 300)
@@ -893,7 +903,7 @@ def test_moved_plans_refuse_a_row_stride_allowed_under_one_row(device, monkeypat
 def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):
     """Padded batches: a scheduling group holds at most the heads whose query blocks the
     resident CTAs cover at once (so each head's K/V is read from DRAM once), at least
-    _MIN_GROUP_HEADS, and never more than half of L2 holds (api._sizes)."""
+    _MIN_GROUP_HEADS, and never more than half of L2 holds (_fwd_plan._sizes)."""
     def heads_per_group(n, d, causal=False):
         q = view((16384 // n, n, 2048 // d, d))
         cufa.flash_attn_func(q, q, q, causal=causal)
@@ -904,5 +914,5 @@ def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):
     groups, plan = heads_per_group(512, 64, causal=True)  # 64-row tiles, two CTAs an SM:
     # 8 blocks a head
     assert plan.variant.block_m == 64 and groups == 2 * 132 // 8
-    assert heads_per_group(4096, 128)[0] == api._MIN_GROUP_HEADS  # 22 blocks a head
-    assert heads_per_group(16384, 128)[0] == api._L2_BUDGET // (16384 * 128 * 4)  # L2 bound
+    assert heads_per_group(4096, 128)[0] == _heuristics.MIN_GROUP_HEADS  # 22 blocks a head
+    assert heads_per_group(16384, 128)[0] == _heuristics.L2_BUDGET // (16384 * 128 * 4)  # L2 bound

@@ -4,10 +4,13 @@ Arrays are described by cufa's own view type (pointer, shape, strides, dtype, de
 which the public functions accept as they accept framework arrays; so every check
 runs here without a GPU.
 """
+import re
+
 import numpy as np
 import pytest
 
 import cufa
+from cufa import _checks
 from cufa._interop import DeviceArray
 
 
@@ -70,7 +73,9 @@ FLASH_CASES = [
     ("out framework", (q0, k0, v0), dict(out=arr((2, 33, 4, 64), framework="torch")), TypeError,
      "out is a torch array but q is a cupy array"),
     ("q host numpy", (np.zeros((2, 33, 4, 64), np.float16), k0, v0), {}, TypeError,
-     "q is not on a CUDA device"),
+     "cufa needs CUDA device arrays; got a CPU (NumPy) array for q"),
+    ("v host numpy", (q0, k0, np.zeros((2, 47, 2, 64), np.float16)), {}, TypeError,
+     "cufa needs CUDA device arrays; got a CPU (NumPy) array for v"),
     ("q a list", ([[1.0]], k0, v0), {}, TypeError, "q must be a CUDA array"),
 ]
 
@@ -108,6 +113,38 @@ def test_sdpa_rejects(case):
     _, args, kwargs, exc, msg = case
     with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)")):
         cufa.scaled_dot_product_attention(*args, **kwargs)
+
+
+HOST_CASES = [
+    # (id, framework module, call on its CPU arrays -> raises, message)
+    ("numpy kvcache", "numpy", lambda np_: cufa.flash_attn_with_kvcache(
+        arr((2, 1, 4, 64)), np_.zeros((2, 64, 2, 64), np_.float16), arr((2, 64, 2, 64))),
+     "got a CPU (NumPy) array for k_cache"),
+    ("numpy merge", "numpy", lambda np_: cufa.merge_attention_states(
+        q0, arr((2, 4, 33), "float32"), q0, np_.zeros((2, 4, 33), np_.float32)),
+     "got a CPU (NumPy) array for lse_b"),
+    ("torch", "torch", lambda torch: cufa.flash_attn_func(
+        *(torch.zeros(2, 33, 4, 64, dtype=torch.float16) for _ in range(3))),
+     "got a CPU (PyTorch) tensor for q"),
+    ("torch varlen", "torch", lambda torch: cufa.flash_attn_varlen_func(
+        arr((10, 4, 64)), arr((12, 2, 64)), arr((12, 2, 64)),
+        torch.zeros(3, dtype=torch.int32), arr((3,), "int32"), 6, 7),
+     "got a CPU (PyTorch) tensor for cu_seqlens_q"),
+    ("jax", "jax.numpy", lambda jnp: cufa.flash_attn_func(
+        *(jnp.zeros((2, 33, 4, 64), jnp.float16) for _ in range(3))),
+     "got a CPU (JAX) array for q"),
+    ("jax sdpa", "jax.numpy", lambda jnp: cufa.scaled_dot_product_attention(
+        *(jnp.zeros((2, 4, 33, 64), jnp.float16) for _ in range(3))),
+     "got a CPU (JAX) array for query"),
+]
+
+
+@pytest.mark.parametrize("case", HOST_CASES, ids=[c[0] for c in HOST_CASES])
+def test_host_arrays_are_refused_naming_device_framework_and_argument(case):
+    _, module, call, msg = case
+    framework = pytest.importorskip(module)
+    with pytest.raises(TypeError, match="cufa needs CUDA device arrays; " + re.escape(msg)):
+        call(framework)
 
 
 def test_import_is_light():
@@ -149,16 +186,15 @@ def test_flash_attn_varlen_func_rejects(case):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_options_skip_the_checks_but_mean_what_the_checked_ones_do(causal):
-    from cufa import api
-    default = api._options(None, causal, api.NO_WINDOW, 0.0)  # the fast path
-    assert default == api._options(None, causal, [-1, -1], 0.0)  # not the default object
-    assert default == api._options(None, causal, (-1, -1), 0) == (
-        (api._UNBOUNDED, 0 if causal else api._UNBOUNDED), None, 0.0)
+    default = _checks.check_options(None, causal, _checks.NO_WINDOW, 0.0)  # the fast path
+    assert default == _checks.check_options(None, causal, [-1, -1], 0.0)  # not the default object
+    assert default == _checks.check_options(None, causal, (-1, -1), 0) == (
+        (_checks.UNBOUNDED, 0 if causal else _checks.UNBOUNDED), None, 0.0)
     # value-equal to the default, but refused: only the default object skips the checks
     for window in ((-1.0, -1), (-1, -1.0), (True, -1)):
         with pytest.raises(ValueError, match="window_size"):
-            api._options(None, causal, window, 0.0)
+            _checks.check_options(None, causal, window, 0.0)
     with pytest.raises(ValueError, match="softcap"):
-        api._options(None, causal, api.NO_WINDOW, -0.5)
+        _checks.check_options(None, causal, _checks.NO_WINDOW, -0.5)
     with pytest.raises(ValueError, match="softmax_scale"):
-        api._options(0.0, causal, api.NO_WINDOW, 0.0)
+        _checks.check_options(0.0, causal, _checks.NO_WINDOW, 0.0)

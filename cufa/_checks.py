@@ -1,0 +1,488 @@
+"""Argument validation: every error names the argument and what was expected. The
+planners call these on views of the caller's arrays (_interop.DeviceArray) before they plan
+a new call signature; the jax.jit route calls the entry points' checks at trace time."""
+import math
+
+import numpy as np
+
+from . import _compile, _interop, _params
+
+KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
+                   "bfloat16": _params.ATTN_MASK_BF16, "float32": _params.ATTN_MASK_FP32}
+ROTARY_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
+MERGE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
+# The entry points' default window_size, this object: check_options takes it unchecked (a
+# value-equal pair from the caller, or -1.0, goes through the checks).
+NO_WINDOW = (-1, -1)
+_DEFAULT_OPTIONS = (((UNBOUNDED, UNBOUNDED), None, 0.0), ((UNBOUNDED, 0), None, 0.0))
+INT32_MAX = 2**31 - 1
+GRID_YZ_MAX = 65535     # the decode grid's y (KV heads) and z (batch)
+
+
+# -- arrays and options ----------------------------------------------------------------------
+
+# (comparisons rather than math.isnan / isfinite: torch.compile may pass these as symbolic
+# floats, which comparisons handle and math functions do not)
+def reject_unsupported(dropout_p, return_probs, return_probs_name):
+    if not isinstance(dropout_p, (int, float)) or not dropout_p >= 0:
+        raise ValueError(f"dropout_p must be a number >= 0; got {dropout_p!r}")
+    if dropout_p > 0:
+        raise NotImplementedError("dropout_p > 0 is not supported: cufa's forward has no "
+                                  "dropout; pass dropout_p=0.0")
+    if return_probs:
+        raise NotImplementedError(f"{return_probs_name}=True is not supported: the attention "
+                                  "matrix is never materialized; use return_lse=True for "
+                                  "the log-sum-exp")
+
+
+def check_dtype_device(x, name, ref, ref_name):
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on cuda:{x.device} but {ref_name} is on cuda:{ref.device}")
+
+
+def check_loadable(x, name):
+    """The kernels move rows in 16-byte chunks: last dim contiguous, the rest aligned."""
+    shape, strides = x.shape, x.strides
+    if 0 in shape:  # nothing is read or written; frameworks report any strides here
+        return
+    if strides[-1] != 1 and shape[-1] > 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1); "
+                         f"got strides {strides}")
+    misaligned = x.ptr % 16
+    for s, n in zip(strides[:-1], shape):
+        if s % 8 and n > 1:
+            misaligned = True
+    if misaligned:
+        raise ValueError(f"{name} must have strides that are multiples of 8 elements and a "
+                         f"16-byte aligned start (the kernels load 16-byte chunks); got "
+                         f"strides {strides} and address {x.ptr:#x}")
+
+
+def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
+    """batch_dim None: packed rows, (total_rows, nheads, headdim), or paged k/v with q
+    seen through with_leading_one (seq_dim 1)."""
+    qn, kn, vn = names
+    rank = 3 if batch_dim is None and seq_dim == 0 else 4
+    for x, n in ((q, qn), (k, kn), (v, vn)):
+        if x.ndim != rank:
+            raise ValueError(f"{n} must be {rank}-D {layout}; got shape {x.shape}")
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{qn} has dtype {q.dtype}; cufa supports float16 and bfloat16")
+    check_dtype_device(k, kn, q, qn)
+    check_dtype_device(v, vn, q, qn)
+    d = q.shape[-1]
+    if d % 8 or not 8 <= d <= _compile.MAX_HEAD_DIM:
+        raise ValueError(f"{qn} has head dim {d}; cufa supports multiples of 8 from 8 to "
+                         f"{_compile.MAX_HEAD_DIM}")
+    if k.shape[-1] != d:
+        raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {d}")
+    if v.shape != k.shape:
+        raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs equal "
+                         "key and value shapes (same head dim, length and heads)")
+    if batch_dim is not None and k.shape[batch_dim] != q.shape[batch_dim]:
+        raise ValueError(f"{kn} has batch {k.shape[batch_dim]} but {qn} has "
+                         f"{q.shape[batch_dim]}")
+    nheads, nheads_k = q.shape[head_dim], k.shape[head_dim]
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"{qn} has {nheads} heads, not a multiple of the {nheads_k} heads "
+                         f"of {kn}")
+    for x, n in ((q, qn), (k, kn), (v, vn)):
+        check_loadable(x, n)
+    if max(q.shape[seq_dim], k.shape[seq_dim]) > INT32_MAX // 2:
+        raise ValueError(f"sequence lengths up to {INT32_MAX // 2} are supported; got "
+                         f"{qn} {q.shape[seq_dim]}, {kn} {k.shape[seq_dim]}")
+
+
+def with_leading_one(x):
+    """x seen with a leading dimension of 1 (for checks shared with 4-D arrays)."""
+    return _interop.DeviceArray(x.obj, x.framework, x.ptr, (1,) + x.shape, (0,) + x.strides,
+                                x.dtype, x.device, x.itemsize)
+
+
+def check_int32_vector(x, name, length, q):
+    """An int32 (length,) array on q's device, contiguous (cu_seqlens-like arguments)."""
+    if x.dtype != "int32":
+        raise TypeError(f"{name} must be int32; got {x.dtype}")
+    if x.shape != (length,):
+        raise ValueError(f"{name} must be ({length},) int32; got shape {x.shape}")
+    if x.strides[0] != 1 and length > 1:
+        raise ValueError(f"{name} must be contiguous; got stride {x.strides[0]}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on cuda:{x.device} but q is on cuda:{q.device}")
+
+
+MAX_PAGE_SIZE = 256
+
+
+def check_block_table(table, cache, q, batch):
+    """A paged cache (num_pages, page_size, nheads_k, d) and its int32 (batch, max_pages)
+    page table -> {page_shift, num_pages, max_pages, capacity} for the params."""
+    if table.dtype != "int32":
+        raise TypeError(f"block_table must be int32; got {table.dtype}")
+    if table.ndim != 2 or table.shape[0] != batch:
+        raise ValueError(f"block_table must be 2-D ({batch}, max_pages_per_sequence); got shape "
+                         f"{table.shape}")
+    if table.strides[1] != 1 and table.shape[1] > 1:
+        raise ValueError(f"block_table must be contiguous in its last dimension; got strides "
+                         f"{table.strides}")
+    if table.device != q.device:
+        raise ValueError(f"block_table is on cuda:{table.device} but q is on cuda:{q.device}")
+    num_pages, page_size = cache.shape[0], cache.shape[1]
+    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(f"the paged cache has pages of {page_size} rows (its dim 1); cufa "
+                         f"takes powers of two from 1 to {MAX_PAGE_SIZE}")
+    if num_pages < 1:
+        raise ValueError("the paged cache has no pages (its dim 0 is 0)")
+    capacity = table.shape[1] * page_size
+    if capacity > INT32_MAX // 2:
+        raise ValueError(f"block_table addresses {capacity} keys per sequence; at most "
+                         f"{INT32_MAX // 2} are supported")
+    return dict(page_shift=page_size.bit_length() - 1, num_pages=num_pages,
+                max_pages=table.shape[1], capacity=capacity, table_stride=table.strides[0])
+
+
+def check_page_ids(table, num_pages):
+    """Reads the page table (a device sync): every id within the cache."""
+    ids = _interop.to_numpy(table)
+    bad = (ids < 0) | (ids >= num_pages)
+    if bad.any():
+        b, j = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(ids[b, j])} is not a page of the cache "
+                         f"(0 to {num_pages - 1})")
+
+
+def check_scale(scale, name):
+    """None (1 / sqrt(head dim), decided with the plan) or a float."""
+    if scale is None:
+        return None
+    if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0; got {scale!r}")
+    return float(scale)
+
+
+def check_softcap(softcap):
+    if not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off); got {softcap!r}")
+    return float(softcap)
+
+
+def check_options(softmax_scale, causal, window_size, softcap):
+    """(window, scale, softcap) of flash-attn's options, checked: what a plan depends on."""
+    if (window_size is NO_WINDOW and softmax_scale is None and type(softcap) is float
+            and softcap == 0.0):  # the defaults (the usual decode call): nothing to check
+        return _DEFAULT_OPTIONS[1 if causal else 0]
+    return (check_window(window_size, causal), check_scale(softmax_scale, "softmax_scale"),
+            check_softcap(softcap))
+
+
+def check_window(window_size, causal):
+    """flash-attn's (left, right) with -1 = unbounded -> kernel bounds; causal caps right at 0."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}") from None
+    for side, n in ((left, "left"), (right, "right")):
+        if not isinstance(side, int) or isinstance(side, bool) or side < -1:
+            raise ValueError(f"window_size {n} must be an int >= -1 (-1 = unbounded); "
+                             f"got {side!r}")
+    left = UNBOUNDED if left < 0 else min(left, UNBOUNDED)
+    right = UNBOUNDED if right < 0 else min(right, UNBOUNDED)
+    if causal:
+        right = 0
+    return left, right
+
+
+def check_alibi(a, q, batch, nheads):
+    if a is None:
+        return
+    if a.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32; got {a.dtype}")
+    if a.device != q.device:
+        raise ValueError(f"alibi_slopes is on cuda:{a.device} but q is on cuda:{q.device}")
+    if a.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}); "
+                         f"got {a.shape}")
+    if a.strides[-1] != 1 and nheads > 1:
+        raise ValueError(f"alibi_slopes must be contiguous over heads; got strides {a.strides}")
+
+
+def check_attn_mask(m, q, full_shape):
+    if m is None:
+        return
+    if m.dtype not in ATTN_MASK_TYPES:
+        raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32; got {m.dtype}")
+    if m.device != q.device:
+        raise ValueError(f"attn_mask is on cuda:{m.device} but query is on cuda:{q.device}")
+    if m.ndim > 4 or any(n not in (1, f) for n, f in zip(m.shape[::-1], full_shape[::-1])):
+        raise ValueError(f"attn_mask of shape {m.shape} is not broadcastable to "
+                         f"(batch, heads, L, S) = {full_shape}")
+
+
+def check_cu_seqlens(c, name, q):
+    if c.dtype != "int32":
+        raise TypeError(f"{name} must be int32; got {c.dtype}")
+    if c.ndim != 1 or c.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D (batch + 1,); got shape {c.shape}")
+    if c.strides[0] != 1 and c.shape[0] > 1:
+        raise ValueError(f"{name} must be contiguous; got stride {c.strides[0]}")
+    if c.device != q.device:
+        raise ValueError(f"{name} is on cuda:{c.device} but q is on cuda:{q.device}")
+
+
+def check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
+    """The checks that read values: one copy to the host (a device sync)."""
+    host = {n: _interop.to_numpy(x) for x, n in ((cu_q, name_q), (cu_k, name_k))}
+    for (n, c), total in zip(host.items(), (total_q, total_k)):
+        if c[0] != 0:
+            raise ValueError(f"{n} must start at 0; got {int(c[0])}")
+        if (c[1:] < c[:-1]).any():
+            i = int((c[1:] < c[:-1]).argmax())
+            raise ValueError(f"{n} must be non-decreasing; {n}[{i + 1}] = {int(c[i + 1])} < "
+                             f"{n}[{i}] = {int(c[i])}")
+        if total is not None and c[-1] != total:  # (None: keys in a paged cache)
+            raise ValueError(f"{n} ends at {int(c[-1])} but the tensor has {total} rows")
+    if used is not None:
+        u = _interop.to_numpy(used)
+        lens = host[name_k][1:] - host[name_k][:-1]
+        if (u < 0).any() or (u > lens).any():
+            i = int(((u < 0) | (u > lens)).argmax())
+            raise ValueError(f"seqused_k[{i}] = {int(u[i])} is outside [0, {int(lens[i])}], "
+                             f"the length of key sequence {i}")
+
+
+def check_out(out, o, q, name="out"):
+    """out: the caller's array (or None); o: its view."""
+    if o is None:
+        return
+    if o.framework != q.framework:
+        raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
+    if _interop.is_jax(out):
+        raise TypeError(f"{name} is a JAX array, and JAX arrays are immutable; "
+                        "call without out= to get a new one")
+    if o.shape != q.shape or o.dtype != q.dtype:
+        raise ValueError(f"{name} must have q's shape {q.shape} and dtype {q.dtype}; got "
+                         f"{o.shape} {o.dtype}")
+    if o.device != q.device:
+        raise ValueError(f"{name} is on cuda:{o.device} but q is on cuda:{q.device}")
+    check_loadable(o, name)
+
+
+# -- KV cache --------------------------------------------------------------------------------
+
+def check_cache(q, kc, vc, kn, vn, table, idx):
+    """The cache (and new keys) against q; returns (paged dict or None, capacity, cache_rows)."""
+    cache = ("(num_pages, page_size, nheads_k, headdim)" if table is not None
+             else "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    # what flash_attn_func checks of q, k, v; the batch dims may differ (cache_batch_idx, pages)
+    check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
+                   f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
+                   batch_dim=None, seq_dim=1, head_dim=2)
+    batch, d, nheads_k = q.shape[0], q.shape[3], kc.shape[2]
+    if table is not None:
+        if idx is not None:
+            raise ValueError("cache_batch_idx does not apply to a paged cache: block_table "
+                             "already says where each sequence's keys live")
+        paged = check_block_table(table, kc, q, batch)
+        capacity, cache_rows = paged["capacity"], paged["num_pages"]
+    else:
+        paged, capacity, cache_rows = None, kc.shape[1], kc.shape[0]
+        if batch and kc.shape[0] == 0:
+            raise ValueError("k_cache has no rows (its dim 0 is 0)")
+        if idx is None and kc.shape[0] != batch:
+            raise ValueError(f"k_cache has batch {kc.shape[0]} but q has {batch}; pass "
+                             "cache_batch_idx to pick cache rows")
+    if (kn is None) != (vn is None):
+        raise ValueError("k and v must be given together (the new keys and their values)")
+    if kn is not None:
+        expected = (batch, kn.shape[1] if kn.ndim == 4 else -1, nheads_k, d)
+        for x, n in ((kn, "k"), (vn, "v")):
+            if x.ndim != 4 or x.shape != expected:
+                raise ValueError(f"{n} must be (batch, seqlen_new, nheads_k, headdim) = "
+                                 f"{expected}; got shape {x.shape}"
+                                 + (f" (head dim {x.shape[-1]} but the cache has {d})"
+                                    if x.ndim == 4 and x.shape[-1] != d else ""))
+            check_dtype_device(x, n, q, "q")
+            check_loadable(x, n)
+        if kn.shape[1] > capacity:
+            raise ValueError(f"k has {kn.shape[1]} new tokens but the cache holds at most "
+                             f"{capacity} per sequence")
+    return paged, capacity, cache_rows
+
+
+def check_rotary(cos, sin, q, d, capacity):
+    """-> (rotary_dim, seqlen_ro); (0, 0) without rotary."""
+    if cos is None and sin is None:
+        return 0, 0
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    for x, n in ((cos, "rotary_cos"), (sin, "rotary_sin")):
+        if x.dtype not in ROTARY_DTYPES or x.dtype not in (q.dtype, "float32"):
+            raise TypeError(f"{n} must have q's dtype ({q.dtype}) or float32; got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
+        if x.ndim != 2 or x.shape != cos.shape:
+            raise ValueError(f"{n} must be 2-D (seqlen_ro, rotary_dim / 2), the shape of "
+                             f"rotary_cos; got {x.shape}")
+        if x.shape[1] > 1 and x.strides[1] != 1 or x.shape[0] > 1 and x.strides[0] != x.shape[1]:
+            raise ValueError(f"{n} must be contiguous; got strides {x.strides}")
+    seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
+    if not 0 < rotary_dim <= d:
+        raise ValueError(f"rotary_cos gives rotary_dim {rotary_dim} (2 x its dim 1); it must be "
+                         f"from 2 to the head dim {d}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos has {seqlen_ro} positions but the cache has {capacity}; "
+                         "it must cover every cache position")
+    return rotary_dim, seqlen_ro
+
+
+def check_cache_values(plan, seqlens, leftpad, table):
+    """check_inputs=True: the device values, read once (a sync)."""
+    lens = _interop.to_numpy(seqlens) if seqlens is not None else None
+    if lens is not None:
+        bad = (lens < 0) | (lens + plan.seqlen_new > plan.capacity)
+        if bad.any():
+            b = int(bad.argmax())
+            raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])}: with {plan.seqlen_new} new "
+                             f"tokens it must lie in [0, {plan.capacity - plan.seqlen_new}] (the "
+                             f"cache holds {plan.capacity} positions)")
+    if leftpad is not None:
+        pad = _interop.to_numpy(leftpad)
+        ends = (lens if lens is not None else plan.fixed_seqlen) + plan.seqlen_new
+        bad = (pad < 0) | (pad > ends)
+        if bad.any():
+            b = int(bad.argmax())
+            raise ValueError(f"cache_leftpad[{b}] = {int(pad[b])} lies outside [0, "
+                             f"cache_seqlens[{b}] + seqlen_new]")
+    if table is not None:
+        check_page_ids(table, plan.num_pages)
+
+
+# -- each entry point's arrays -------------------------------------------------------------
+
+def check_dense(q, k, v, alibi, o, out):
+    """flash_attn_func's arrays (o: out's view, or None)."""
+    check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
+              batch_dim=0, seq_dim=1, head_dim=2)
+    batch, _, nheads, _ = q.shape
+    check_alibi(alibi, q, batch, nheads)
+    check_out(out, o, q)
+
+
+def check_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out):
+    """flash_attn_varlen_func's arrays -> (batch, check_block_table's dict or None)."""
+    paged = None
+    if table is None:
+        check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
+                  batch_dim=None, seq_dim=0, head_dim=1)
+    else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
+        if q.ndim != 3:
+            raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
+                             f"{q.shape}")
+        check_qkv(with_leading_one(q), k, v, ("q", "k", "v"),
+                  "(num_pages, page_size, nheads_k, headdim) with block_table",
+                  batch_dim=None, seq_dim=1, head_dim=2)
+    nheads = q.shape[1]
+    check_cu_seqlens(cu_q, "cu_seqlens_q", q)
+    check_cu_seqlens(cu_k, "cu_seqlens_k", q)
+    batch = cu_q.shape[0] - 1
+    if cu_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
+                         f"{batch + 1}; both must be (batch + 1,)")
+    if table is not None:
+        paged = check_block_table(table, k, q, batch)
+    if used is not None:
+        check_int32_vector(used, "seqused_k", batch, q)
+    check_alibi(alibi, q, batch, nheads)
+    check_out(out, o, q)
+    return batch, paged
+
+
+def check_sdpa(q, k, v, mask, enable_gqa):
+    """scaled_dot_product_attention's arrays."""
+    check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
+              batch_dim=0, seq_dim=2, head_dim=1)
+    batch, nheads, seqlen_q, _ = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    if nheads_k != nheads and not enable_gqa:
+        raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    check_attn_mask(mask, q, (batch, nheads, seqlen_q, seqlen_k))
+
+
+def check_num_splits(num_splits):
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shapes); got "
+                         f"{num_splits!r}")
+
+
+def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
+                  fixed):
+    """flash_attn_with_kvcache's arrays (fixed: the int form of cache_seqlens, or None) ->
+    (paged dict or None, capacity, cache_rows, fixed: the whole capacity where no lengths
+    were given, rotary_dim, seqlen_ro)."""
+    paged, capacity, cache_rows = check_cache(q, kc, vc, kn, vn, table, idx)
+    batch, seqlen_q, nheads, d = q.shape
+    nheads_k = kc.shape[2]
+    seqlen_new = kn.shape[1] if kn is not None else 0
+    for x, n in ((seqlens, "cache_seqlens"), (idx, "cache_batch_idx"),
+                 (leftpad, "cache_leftpad")):
+        if x is not None:
+            check_int32_vector(x, n, batch, q)
+    if seqlens is None and fixed is None:
+        if kn is not None:
+            raise ValueError("cache_seqlens is required with k and v: it says where the new "
+                             "tokens go")
+        fixed = capacity
+    if fixed is not None and fixed + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens = {fixed} plus {seqlen_new} new tokens exceeds the "
+                         f"cache's {capacity} positions")
+    rotary_dim, seqlen_ro = check_rotary(cos, sin, q, d, capacity)
+    check_alibi(alibi, q, batch, nheads)
+    check_out(out, o, q)
+    if batch > GRID_YZ_MAX or nheads_k > GRID_YZ_MAX:
+        raise ValueError(f"batch and nheads_k up to {GRID_YZ_MAX} are supported; got "
+                         f"{batch}, {nheads_k}")
+    if max(batch * seqlen_q * nheads, batch * seqlen_new * nheads_k) * 4 > INT32_MAX:
+        raise ValueError("problem too large: more than 2^29 query or new-key rows")
+    return paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro
+
+
+def check_merge(oa, la, ob, lb, o, out):
+    """merge_attention_states' arrays -> (packed, batch, rows, nheads, lse_shape)."""
+    for x, n in ((oa, "out_a"), (ob, "out_b")):
+        if x.dtype not in MERGE_DTYPES:
+            raise TypeError(f"{n} must be float16, bfloat16 or float32; got {x.dtype}")
+        if x.ndim not in (3, 4):
+            raise ValueError(f"{n} must be (batch, seqlen, nheads, headdim) or packed "
+                             f"(total, nheads, headdim); got shape {x.shape}")
+    if ob.shape != oa.shape or ob.dtype != oa.dtype:
+        raise ValueError(f"out_b is {ob.shape} {ob.dtype} but out_a is {oa.shape} {oa.dtype}; "
+                         "they must match")
+    packed = oa.ndim == 3
+    rows, nheads = (oa.shape[0], oa.shape[1]) if packed else (oa.shape[1], oa.shape[2])
+    batch = 1 if packed else oa.shape[0]
+    lse_shape = (nheads, rows) if packed else (batch, nheads, rows)
+    for x, n in ((la, "lse_a"), (lb, "lse_b")):
+        if x.dtype != "float32":
+            raise TypeError(f"{n} must be float32; got {x.dtype}")
+        if x.shape != lse_shape:
+            raise ValueError(f"{n} must have shape {lse_shape} for outputs of shape "
+                             f"{oa.shape}; got {x.shape}")
+    for x, n in ((la, "lse_a"), (ob, "out_b"), (lb, "lse_b")):
+        if x.device != oa.device:
+            raise ValueError(f"{n} is on cuda:{x.device} but out_a is on cuda:{oa.device}")
+        if x.framework != oa.framework:
+            raise TypeError(f"{n} is a {x.framework} array but out_a is a {oa.framework} array")
+    if o is not None:
+        if _interop.is_jax(out):
+            raise TypeError("out is a JAX array, and JAX arrays are immutable; call without out=")
+        if o.shape != oa.shape or o.dtype != oa.dtype or o.device != oa.device:
+            raise ValueError(f"out must have out_a's shape {oa.shape} and dtype {oa.dtype} on "
+                             f"cuda:{oa.device}; got {o.shape} {o.dtype} on cuda:{o.device}")
+    if batch * rows * nheads * 4 > INT32_MAX:
+        raise ValueError("problem too large: more than 2^29 rows")
+    return packed, batch, rows, nheads, lse_shape

@@ -1,0 +1,373 @@
+"""KV-cache plans: attention of new tokens against a cache (decode, speculative decode,
+appends; contiguous or paged; split-KV), the decode kernel's share of a paged packed batch,
+and the merge of partial attention states. Plans are made once per call signature and kept
+in _runtime.plans, as the forward's are."""
+from dataclasses import dataclass
+
+from . import _compile, _heuristics, _interop, _params, _tma
+from ._checks import (KERNEL_DTYPES, MERGE_DTYPES, ROTARY_DTYPES, check_cache_values,
+                      check_kvcache, check_merge, check_num_splits, check_options)
+from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, plans, remember,
+                       returned, stream_capturing, stream_split_counters, stream_workspace)
+
+# with_kvcache's arrays, in order (the first three required)
+ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+          "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "out")
+
+
+def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
+                 rotary_interleaved, num_splits, return_lse, check_inputs=False, lse_out=None,
+                 stream=None, scratch=None):
+    """flash_attn_with_kvcache on arrays or views, in ARRAYS order (out: the caller's out=
+    or, under jax.jit, the output buffer's view); cache_seqlen: the int form of
+    cache_seqlens, or None; lse_out, stream, scratch: as in _fwd_plan.dense (jax.jit)."""
+    window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
+    if type(num_splits) is not int or num_splits < 0:  # (one test on the usual call)
+        check_num_splits(num_splits)
+    want_lse = return_lse or lse_out is not None
+    options = (window, scale, softcap, rotary_interleaved, num_splits, cache_seqlen, want_lse)
+    entries, ptrs = _interop.signature(arrays, ARRAYS)
+    key = ("kvcache", options) + entries
+    plan = plans.get(key)
+    views = None
+    if plan is None or check_inputs:
+        views = _interop.views(arrays, ARRAYS, entries, ptrs, 3)
+    if plan is None:
+        plan = remember(key, plan_kvcache(
+            *views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
+            interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
+    if check_inputs:
+        check_cache_values(plan, views[7], views[9], views[10])
+    return _run(plan, ptrs, arrays[0], arrays[-1], lse_out, stream, scratch)
+
+
+MERGE_ARRAYS = ("out_a", "lse_a", "out_b", "lse_b", "out")
+
+
+def merge(arrays, lse_out=None, stream=None):
+    """merge_attention_states on arrays or views, in MERGE_ARRAYS order (out: the
+    caller's out= or, under jax.jit, the output buffer's view; lse_out, stream: as in
+    _fwd_plan.dense)."""
+    entries, addresses = _interop.signature(arrays, MERGE_ARRAYS)
+    key = ("merge",) + entries
+    plan = plans.get(key)
+    oa, la, ob, lb, o_ptr = addresses
+    if plan is None:
+        views = _interop.views(arrays, MERGE_ARRAYS, entries, addresses, 4)
+        plan = remember(key, _plan_merge(*views, arrays[-1]))
+    with caller_stream(plan.framework, plan.device, stream) as stream:
+        o, o_ptr, lse, lse_ptr = outputs(plan, arrays[-1], o_ptr, lse_out, True, stream,
+                                         arrays[0])  # (out has out_a's shape and dtype)
+        if plan.blocks:
+            params = _params.MERGE.with_pointer_values(plan.params, (  # MERGE_FIELDS' order
+                oa, la, ob, lb, o_ptr, lse_ptr))
+            driver_launch(plan.function, plan.blocks, 128, 0, stream, (params,))
+    return returned(plan, o, lse, True)
+
+
+# -- planning ------------------------------------------------------------------------------
+
+@dataclass  # not frozen (see _fwd_plan._Plan); never changed once made
+class _KvPlan:
+    """What a call needs besides the arrays' addresses (see _fwd_plan._Plan)."""
+    framework: str
+    device: int
+    out_shape: tuple
+    dtype: str
+    lse_shape: tuple
+    want_lse: bool
+    to_jax: bool               # the caller passed JAX arrays: outputs go back as JAX arrays
+    params: bytes = b""
+    launches: tuple = ()       # (kind, CUfunction, grid, threads, smem) in order
+    merge_in_launch: bool = False  # an eager split call may merge in its decode launch
+    workspace: tuple = (0, -1, -1, -1)  # float32s in all; offsets of o_partial, lse_partial
+                                        # and the rotated q (-1: not used)
+    rotary: bool = False
+    maps: object = None        # the TMA decode kernel's K/V maps (_tma.Template), or None
+    capacity: int = 0          # key positions a sequence can hold
+    num_pages: int = 0
+    seqlen_new: int = 0
+    fixed_seqlen: object = None
+
+    @property
+    def scratch_bytes(self):
+        """The workspace's bytes (jax.jit's scratch)."""
+        return 4 * self.workspace[0]
+
+
+def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
+                 fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
+    paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro = check_kvcache(
+        q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out, fixed)
+    batch, seqlen_q, nheads, d = q.shape
+    nheads_k = kc.shape[2]
+    seqlen_new = kn.shape[1] if kn is not None else 0
+    framework = "cupy" if q.framework == "dlpack" else q.framework
+    outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
+                   lse_shape=(batch, nheads, seqlen_q), want_lse=want_lse,
+                   to_jax=_interop.returns_jax(q))
+    extra = dict(capacity=capacity, num_pages=paged["num_pages"] if paged else 0,
+                 seqlen_new=seqlen_new, fixed_seqlen=fixed)
+    if batch == 0 or nheads == 0:
+        return _KvPlan(**outputs, **extra)
+
+    group = nheads // nheads_k
+    num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
+    kernel, num_splits = _heuristics.decode_kernel_and_splits(
+        KERNEL_DTYPES[q.dtype], d, num_splits, batch * nheads_k * num_m_blocks, capacity,
+        q.device, paged=paged is not None and not _heuristics.pages_read_whole(
+            paged["page_shift"], leftpad is None, window[0]))
+    rotary = rotary_dim > 0
+    p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
+             head_dim=d, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
+             capacity=capacity, cache_rows=cache_rows, num_splits=num_splits,
+             combine_row_threads=_heuristics.combine_row_threads(d, num_splits),
+             num_m_blocks=num_m_blocks, rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
+             rotary_dtype=ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
+             rotary_interleaved=int(interleaved),
+             rotary_q_per_token=int(min(window) < capacity),
+             lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
+             **_params.score_fields(window, scale, softcap, d, alibi))
+    q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
+    o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
+    for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
+                          ("o", o_strides), ("q_source", q.strides if rotary else (0, 0, 0)),
+                          ("k_new", kn.strides if kn is not None else (0, 0, 0)),
+                          ("v_new", vn.strides if vn is not None else (0, 0, 0))):
+        (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
+         p[f"{name}_head_stride"]) = strides[:3]
+    if paged:
+        p["page_shift"], p["max_pages"] = paged["page_shift"], paged["max_pages"]
+        p["block_table_batch_stride"] = paged["table_stride"]
+
+    dt = KERNEL_DTYPES[q.dtype]
+    launches = []
+    rows = batch * seqlen_new * nheads_k + (batch * seqlen_q * nheads if rotary else 0)
+    if rows:  # new keys to write, or q to rotate
+        launches.append(_launch_entry(_compile.DecodeKernel("append", dt), q.device,
+                                      (-(-rows // 4), 1, 1)))
+    maps = None  # (the TMA decode kernel's)
+    if seqlen_q and not paged:
+        kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
+                                  num_splits, batch, capacity, q.device) or (kernel, None)
+    if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
+        per_cta = max(kernel.units, 1)
+        launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
+                                                         -(-batch // per_cta))))
+        if num_splits > 1:
+            launches.append(_combine_entry(dt, d, num_splits, batch * seqlen_q * nheads,
+                                           q.device))
+    # the splits' outputs and lse, then the rotated q (16-byte rows)
+    rows = batch * seqlen_q * nheads
+    split = num_splits > 1 and seqlen_q
+    workspace = _workspace(num_splits * rows * d if split else 0,
+                           num_splits * rows if split else 0,
+                           (rows * d + 1) // 2 if rotary else 0)
+    return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
+                   launches=tuple(launches), workspace=workspace, rotary=rotary,
+                   maps=maps, merge_in_launch=kernel.units <= 1 and _heuristics.merge_in_launch(
+                       kernel, d, num_splits, seqlen_q * group))
+
+
+def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device):
+    """(the TMA decode kernel, its K/V maps' template) where _heuristics.tma_units has it
+    run and a map can describe the cache (k's and v's strides alike), else None."""
+    per_cta = _heuristics.tma_units(d, units, num_splits, batch, capacity, device)
+    if per_cta is None:
+        return None
+    shape, strides = kc.shape, kc.strides[:3]
+    if tuple(vc.strides[:3]) != tuple(strides):
+        return None
+    view = (tuple(shape), tuple(strides), _compile.DECODE_TMA_BOX_KEYS)
+    template = _tma.template(dtype_name, (view, view, view))
+    if template is None:
+        return None
+    return _compile.decode_tma_kernel(KERNEL_DTYPES[dtype_name], _compile.padded_head_dim(d),
+                                      per_cta), template
+
+
+def _workspace(*sizes):
+    """One float32 buffer of parts of `sizes` floats, each on a 256-byte boundary:
+    (floats in all, each part's offset or -1 for an empty one)."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total if n else -1)
+        total += -(-n // 64) * 64
+    return (total, *offsets)
+
+
+def _launch_decode(record, launches, workspace, merge_in_launch, pointers, framework, device,
+                   stream, scratch_ptr, reserved=0, maps=None):
+    """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
+    record on `stream`. pointers(at, counters) -> the record's pointer values
+    (DECODE_FIELDS' order), `at` mapping a workspace offset (-1: none) to its address: in
+    XLA's scratch_ptr under jax.jit, else in the stream's buffer; counters: the split
+    counters' address, or 0. A split decode called eagerly merges its partials in its own
+    launch where `merge_in_launch` (the stream's zeroed counters, one a unit), and the
+    combine is not launched: a launch less of host time, and of GPU time too (one launch's
+    span is shorter than the decode's, the combine's and the gap between them). Under
+    jax.jit (whose replays must not depend on memory cufa keeps) and under graph capture
+    (where the counters would need a memset node) decode_combine merges them. reserved:
+    bytes at the start of the stream's buffer left untouched (a packed batch's work list
+    and decode order, made by the launches before). maps: the TMA decode kernel's map
+    template, pointed at the call's cache (the record's k and v)."""
+    held, base = None, scratch_ptr
+    # (one capture check a call: it is a driver call)
+    capturing = None if scratch_ptr or not merge_in_launch else stream_capturing(stream)
+    if not scratch_ptr and workspace[0]:
+        held, base = stream_workspace(framework, device, stream, reserved + 4 * workspace[0],
+                                      capturing)
+        base += reserved
+    counters = counters_held = 0
+    if merge_in_launch and not scratch_ptr and not capturing:
+        x, y, z = launches[-2][2]  # (a split call's launches end: decode, combine)
+        counters_held, counters = stream_split_counters(framework, device, stream,
+                                                        4 * x * y * z)
+        launches = launches[:-1]
+    values = pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters)
+    params = _params.DECODE.with_pointer_values(record, values)
+    # (the maps' q slot holds k's map: the kernel reads k and v; values are DECODE_FIELDS'
+    # order, q, k, v first)
+    with_maps = (params, _tma.with_addresses(maps, values[1], values[1], values[2])) if maps else ()
+    for kind, function, grid, threads, smem in launches:
+        driver_launch(function, grid, threads, smem, stream,
+                      with_maps if kind == "decode_tma" else (params,))
+    # (the buffers held until the launches are queued: freed earlier, another thread could
+    # be handed the same memory for work ordered before ours)
+    del held, counters_held
+
+
+@dataclass
+class PackedDecode:
+    """The decode kernel's share of a packed batch over a paged cache
+    (_fwd_plan.plan_packed): every sequence of 1 to `rows` query rows, whose GQA group of
+    heads then fills one 16-row tile and reads each KV byte once, instead of a 64- or
+    128-row forward tile a query head. The forward kernel's work list leaves those sequences out."""
+    rows: int
+    launches: tuple         # (kind, CUfunction, grid, threads, smem): decode, then combine
+                            # when split
+    params: bytes
+    workspace: tuple        # (float32s, offset of o_partial, of lse_partial; -1: none)
+    merge_in_launch: bool = False  # an eager split call may merge in its decode launch
+    scratch_offset: int = 0  # where they start in jax.jit's scratch (set by _fwd_plan)
+
+    @property
+    def scratch_bytes(self):
+        """The workspace's bytes (jax.jit's scratch)."""
+        return 4 * self.workspace[0]
+
+
+def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, total_q,
+                       window, scale, softcap):
+    """PackedDecode of validated views: q (total_q, nheads, d), k and v paged (pages,
+    page_size, nheads_k, d), o the caller's out= view or None; paged from
+    check_block_table."""
+    group = nheads // nheads_k
+    rows = max(1, _compile.DECODE_ROWS // group)
+    num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
+    capacity = paged["capacity"]
+    kernel, num_splits = _heuristics.decode_kernel_and_splits(
+        KERNEL_DTYPES[q.dtype], d, 0, batch * nheads_k * num_m_blocks, capacity, q.device,
+        paged=True)
+    o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
+    p = dict(batch=batch, seqlen_q=rows, nheads=nheads, nheads_k=nheads_k, group=group,
+             head_dim=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
+             page_shift=paged["page_shift"], max_pages=paged["max_pages"],
+             block_table_batch_stride=paged["table_stride"], num_splits=num_splits,
+             combine_row_threads=_heuristics.combine_row_threads(d, num_splits),
+             num_m_blocks=num_m_blocks, lse_batch_stride=0, lse_head_stride=total_q,
+             q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
+             o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
+             **_params.score_fields(window, scale, softcap, d, alibi))
+    for name, x in (("k", k), ("v", v)):  # page stride as the batch stride
+        (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
+         p[f"{name}_head_stride"]) = x.strides[:3]
+    partial_rows = batch * rows * nheads if num_splits > 1 else 0
+    workspace = _workspace(num_splits * partial_rows * d, num_splits * partial_rows)
+    launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k, batch))]
+    if partial_rows:
+        launches.append(_combine_entry(kernel.dtype, d, num_splits, partial_rows, q.device))
+    return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
+                        merge_in_launch=_heuristics.merge_in_launch(kernel, d, num_splits,
+                                                                    rows * group))
+
+
+def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr,
+                         order, reserved):
+    """route's launches on `stream` after the forward's (_fwd_plan._launch's arguments): its
+    partials in XLA's scratch under jax.jit, else in the stream's buffer past its first
+    `reserved` bytes; order: the schedule's decode order (sequences, most keys first)."""
+    cu_q, cu_k, used, table = packed
+    _, o_part, lse_part = route.workspace
+    _launch_decode(route.params, route.launches, route.workspace, route.merge_in_launch,
+                   lambda at, counters: (
+        q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
+        cu_q, cu_k, used, counters, order), plan.framework, plan.device, stream,
+        scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
+
+
+def _combine_entry(dtype, d, num_splits, rows, device):
+    kernel = _heuristics.combine_kernel(dtype, d, num_splits)
+    return _launch_entry(kernel, device, (-(-rows // kernel.rows), 1, 1))
+
+
+def _launch_entry(kernel, device, grid):
+    return (kernel.kind, _compile.function_pointer(kernel, device), grid, kernel.threads,
+            kernel.smem_bytes)
+
+
+def _plan_merge(oa, la, ob, lb, o, out):
+    packed, batch, rows, nheads, lse_shape = check_merge(oa, la, ob, lb, o, out)
+
+    def batched(strides):  # packed arrays have no batch dimension: its stride is 0
+        return (0,) + tuple(strides) if packed else tuple(strides)
+
+    p = dict(batch=batch, seqlen=rows, nheads=nheads, head_dim=oa.shape[-1])
+    o_strides = o.strides if o is not None else _interop.contiguous_strides(oa.shape)
+    for name, strides in (("out_a", oa.strides), ("out_b", ob.strides), ("out", o_strides)):
+        for dim, s in zip(("batch", "row", "head", "col"), batched(strides)):
+            p[f"{name}_{dim}_stride"] = s
+    for name, strides in (("lse_a", la.strides), ("lse_b", lb.strides),
+                          ("lse", _interop.contiguous_strides(lse_shape))):
+        for dim, s in zip(("batch", "head", "row"), batched(strides)):
+            p[f"{name}_{dim}_stride"] = s
+    framework = "cupy" if oa.framework == "dlpack" else oa.framework
+    count = batch * rows * nheads
+    kernel = _compile.DecodeKernel("merge", MERGE_DTYPES[oa.dtype])
+    return _MergePlan(framework, oa.device, oa.shape, oa.dtype, lse_shape,
+                      _params.MERGE.pack(p),
+                      _compile.function_pointer(kernel, oa.device) if count else 0,
+                      -(-count // 4), _interop.returns_jax(oa))
+
+
+@dataclass  # not frozen (see _fwd_plan._Plan); never changed once made
+class _MergePlan:
+    framework: str
+    device: int
+    out_shape: tuple
+    dtype: str
+    lse_shape: tuple
+    params: bytes
+    function: int
+    blocks: int
+    to_jax: bool
+
+
+# -- launch --------------------------------------------------------------------------------
+
+def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
+    """ptrs: the arrays' addresses in ARRAYS order; q_array: the caller's q."""
+    scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
+    q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
+    with caller_stream(plan.framework, plan.device, stream) as stream:
+        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
+                                         q_array)
+        if plan.launches:
+            _, o_part, lse_part, q_rot = plan.workspace
+            _launch_decode(plan.params, plan.launches, plan.workspace, plan.merge_in_launch,
+                           lambda at, counters: (
+                at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
+                at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
+                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0), plan.framework,
+                plan.device, stream, scratch_ptr, maps=plan.maps)
+    return returned(plan, o, lse, plan.want_lse)

@@ -1,0 +1,620 @@
+"""Forward plans: flash_attn_func's (padded batches), flash_attn_varlen_func's (packed,
+and paged) and scaled_dot_product_attention's. A plan (variant, params record, grid, TMA
+maps) is made once per call signature and kept in _runtime.plans; a known layout's plan is
+moved to new sizes (_Mover); a call then fills in its addresses and launches."""
+import collections
+from dataclasses import dataclass
+
+from . import _compile, _decode_plan, _heuristics, _interop, _params, _runtime, _tma
+from ._checks import (ATTN_MASK_TYPES, INT32_MAX, KERNEL_DTYPES, UNBOUNDED, check_cu_values,
+                      check_dense, check_options, check_packed, check_page_ids, check_scale,
+                      check_sdpa)
+from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, outputs, plans,
+                       remember, returned, stream_call, stream_tile_counter, stream_workspace)
+
+
+_DENSE_ARRAYS = ("q", "k", "v", "alibi_slopes", "out")
+
+
+def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, softcap,
+          return_lse, lse_out=None, stream=None, scratch=None):
+    """flash_attn_func on arrays or views. Under jax.jit: out is the output buffer's
+    view, lse_out a view to write lse into, stream XLA's (a CUstream handle), and scratch
+    (address, bytes) an XLA buffer of the plan's scratch_bytes: memory that stays valid
+    when XLA replays the launches from a CUDA graph, as memory cufa allocated would not."""
+    options = check_options(softmax_scale, causal, window_size, softcap)
+    arrays = (q, k, v, alibi_slopes, out)
+    entries, addresses = _interop.signature(arrays, _DENSE_ARRAYS)
+    key = ("dense", options) + entries
+    plan = plans.get(key)
+    if plan is None:
+        plan = remember(key, _dense_plan(arrays, entries, addresses, out, options))
+    q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr = addresses
+    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
+                    lse_out=lse_out, stream=stream, scratch=scratch, like=q)
+
+
+def _dense_plan(arrays, entries, addresses, out, options):
+    """A padded batch's plan: its layout's plan moved to the call's sizes (_Mover) where
+    there is one, else made."""
+    layout = None
+    if entries[3] is None:  # (ALiBi's plans are made)
+        layout = _layout_key(("dense", options), entries, 2, 1)
+        mover = layouts.get(layout)
+        if mover is not None:
+            plan = mover.dense(*entries)
+            if plan is not None:
+                return plan
+    views = _interop.views(arrays, _DENSE_ARRAYS, entries, addresses, 3)
+    return _remember_layout(layout, plan_dense(*views, out, *options), views, entries, False)
+
+
+def plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
+    check_dense(q, k, v, alibi, o, out)
+    batch, seqlen_q, nheads, d = q.shape
+    return _plan(q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
+                 nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale,
+                 bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None)
+
+
+PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
+                 "block_table", "out")
+
+
+def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out, *,
+           softmax_scale, causal, window_size, softcap, return_lse, check_cu_seqlens=False,
+           lse_out=None, stream=None, scratch=None):
+    """flash_attn_varlen_func on arrays or views (as dense)."""
+    options = check_options(softmax_scale, causal, window_size, softcap)
+    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out)
+    entries, ptrs = _interop.signature(arrays, PACKED_ARRAYS)
+    key = ("packed", options) + entries
+    plan = plans.get(key)
+    if plan is None:
+        plan = remember(key, _packed_plan(arrays, entries, ptrs, out, options))
+    if check_cu_seqlens:
+        views = _interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5)
+        q_, k_, _, cu_q, cu_k, used, _, table, _ = views
+        check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
+                        k_.shape[0] if table is None else None, used)
+        if table is not None:
+            check_page_ids(table, k_.shape[0])
+    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, o_ptr = ptrs
+    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
+                    packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
+                    stream=stream, scratch=scratch, like=q)
+
+
+def _packed_plan(arrays, entries, ptrs, out, options):
+    """A packed batch's plan: its layout's plan moved to the call's sizes (_Mover) where
+    there is one (paged batches and ALiBi aside), else made."""
+    layout = None
+    if entries[6] is None and entries[7] is None:
+        layout = _layout_key(("packed", options), entries, 1, 0)
+        mover = layouts.get(layout)
+        if mover is not None:
+            plan = mover.packed_batch(*entries)
+            if plan is not None:
+                return plan
+    views = _interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5)
+    return _remember_layout(layout, plan_packed(*views, out, *options), views, entries, True)
+
+
+def plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, softcap):
+    batch, paged = check_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out)
+    total_q, nheads, d = q.shape
+    plan = _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
+                 nheads_k=k.shape[-2], seqlen_q=total_q,
+                 seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
+                 bottom_right=True, window=window, softcap=softcap, alibi=alibi,
+                 attn_mask=None, packed=True, paged=paged)
+    if paged is not None and plan.variant is not None:
+        # Decode-sized sequences of a serving batch go to the decode kernel (one tile a
+        # GQA group, each KV byte read once); the forward's work list leaves them out.
+        plan.decode = _decode_plan.plan_packed_decode(
+            q, k, v, o, alibi, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2], d=d,
+            total_q=total_q, window=window, scale=scale, softcap=softcap)
+        capacity = paged["capacity"]
+        plan.work_list = plan.work_list[:3] + (_params.SCHEDULE.with_fields(
+            plan.work_list[3], {"decode_rows": plan.decode.rows, "capacity": capacity,
+                                "key_shift": max(0, capacity.bit_length() - 7)}),)
+        plan.scratch_bytes += 4 * batch  # the decode order, after the work list
+        plan.decode.scratch_offset = -(-plan.scratch_bytes // 256) * 256
+        plan.scratch_bytes = plan.decode.scratch_offset + plan.decode.scratch_bytes
+    return plan
+
+
+_SDPA_ARRAYS = ("query", "key", "value", "attn_mask")
+
+
+def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, stream=None,
+         scratch=None):
+    """scaled_dot_product_attention on arrays or views; out and stream as in dense."""
+    options = (bool(is_causal), check_scale(scale, "scale"), bool(enable_gqa))
+    arrays = (query, key, value, attn_mask)
+    entries, addresses = _interop.signature(arrays, _SDPA_ARRAYS)
+    plan_key = ("sdpa", options) + entries
+    plan = plans.get(plan_key)
+    if plan is None:
+        plan = remember(plan_key, plan_sdpa(
+            *_interop.views(arrays, _SDPA_ARRAYS, entries, addresses, 3), *options))
+    q_ptr, k_ptr, v_ptr, mask_ptr = addresses
+    o_ptr = 0 if out is None else out.ptr
+    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
+                    stream=stream, scratch=scratch, like=query)
+
+
+def plan_sdpa(q, k, v, mask, is_causal, scale, enable_gqa):
+    check_sdpa(q, k, v, mask, enable_gqa)
+    batch, nheads, seqlen_q, d = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    return _plan(q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
+                 nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale,
+                 bottom_right=False, window=(UNBOUNDED, 0 if is_causal else UNBOUNDED),
+                 softcap=0.0, alibi=None, attn_mask=mask)
+
+
+# -- launch --------------------------------------------------------------------------------
+
+def _broadcast_strides(m, full_shape):
+    """attn_mask strides over (batch, heads, L, S), 0 where the mask broadcasts."""
+    shape = (1,) * (4 - m.ndim) + m.shape
+    strides = (0,) * (4 - m.ndim) + m.strides
+    return tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(shape, full_shape, strides))
+
+
+@dataclass  # not frozen, which costs every field an object.__setattr__; never changed once made
+class _Plan:
+    """What a launch needs besides the arrays' addresses. It follows from the call's
+    signature alone (shapes, strides, dtypes, devices and alignment of the arrays, and the
+    options), so it is made once per signature; a repeated call then only allocates its
+    outputs, fills in the addresses and launches (bench/host_overhead.py)."""
+    framework: str          # of the outputs: "torch" or "cupy"
+    device: int
+    out_shape: tuple
+    dtype: str
+    lse_shape: tuple
+    variant: object = None  # None: an empty dimension, nothing to launch
+    function: int = 0       # the compiled kernel's CUfunction
+    params: bytes = b""     # the FwdParams record with every pointer 0
+    num_blocks: int = 0
+    tma_template: object = None  # _tma.Template: the TensorMaps record less its addresses
+    work_list: tuple = None  # packed batches: (the schedule kernel's CUfunction, max_tiles,
+                             # num_buckets, its ScheduleParams record with every pointer 0)
+    to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
+    scratch_bytes: int = 0  # device scratch a launch needs (packed work list, tile counter)
+    decode: object = None   # paged packed batches: _decode_plan.PackedDecode, the short sequences
+
+
+_STRIDE_FIELDS = tuple((f"{x}_batch_stride", f"{x}_row_stride", f"{x}_head_stride")
+                       for x in "qkvo")
+
+
+# -- plans moved to new sizes -------------------------------------------------------------
+# A server calls with new sizes nearly every step (a packed batch's token count, a padded
+# batch's length). A call whose arrays differ from a planned call's only in their sizes
+# (batch, sequence lengths and the batch strides that follow from them) gets that plan
+# moved to its sizes: the size checks and the size-dependent values (_sizes, the TMA maps),
+# not validation and planning from scratch.
+layouts = collections.OrderedDict()  # _layout_key -> the _Mover of a plan of that layout
+
+
+def _layout_key(head, entries, free_dims, free_strides):
+    """A call's signature (entries of _interop.signature) less its sizes: of each array
+    its kind, shape past the first free_dims, strides past the first free_strides, dtype,
+    device and alignment."""
+    return head + tuple([None if e is None else (e[0], e[1][free_dims:], e[2][free_strides:])
+                         + e[3:] for e in entries])
+
+
+def _remember_layout(layout, plan, views, entries, packed):
+    """plan as its layout's, when it has one and can move (paged batches do not)."""
+    if layout is not None and plan.variant is not None and plan.decode is None:
+        mover = _Mover.of(plan, views, entries, packed)
+        if mover is not None:
+            if len(layouts) >= MAX_PLANS:
+                layouts.popitem(last=False)
+            layouts[layout] = mover
+    return plan
+
+
+def _movable(seqlen_q, seqlen_k, batch):
+    """Sizes a moved plan takes; others (empty, too long) are planned, which says why."""
+    return 0 < min(seqlen_q, seqlen_k, batch) and max(seqlen_q, seqlen_k) <= INT32_MAX // 2
+
+
+class _Shaped:
+    """Shape, strides (in elements) and dtype where _tma_template wants an array."""
+    __slots__ = ("shape", "strides", "dtype")
+
+    def __init__(self, shape, strides, dtype):
+        self.shape, self.strides, self.dtype = shape, strides, dtype
+
+
+class _Mover:
+    """A plan of one layout, and what moving it to other sizes needs that the layout
+    fixes, so that a move reads, checks and writes only the sizes: the batch, the
+    sequence lengths and the batch strides, taken from the call's signature entries (no
+    views), and the TMA maps written from per-layout pieces (_tma.moved_map). A move
+    makes what _plan would make (a CPU test compares them); None where the sizes change
+    the kernel variant or whether TMA describes the arrays, or a size check fails (the
+    call is then planned, which says what is wrong)."""
+    __slots__ = ("plan", "packed", "entries", "d", "units", "rows_misaligned", "same_tiles",
+                 "tma", "writers", "words", "box_n")
+
+    @classmethod
+    def of(cls, plan, views, entries, packed):
+        """plan's mover, or None where the layout does not move (its cu_seqlens strided,
+        or planned on the portable kernels where Hopper's could not describe it). The
+        rest is read off the entries at the first move (a new layout pays no more)."""
+        if plan.variant.family != _compile.family_for(_runtime.compute_capability(plan.device)):
+            return None
+        if packed and any(x is not None and x.strides != (1,) for x in views[3:6]):
+            return None
+        self = cls.__new__(cls)
+        self.plan, self.packed, self.units = plan, packed, None
+        self.entries = entries[:3] + entries[-1:]  # q, k, v, out (no references to arrays)
+        return self
+
+    def _prepare(self):
+        """What the layout fixes, from the base plan's entries (its first move)."""
+        plan, variant = self.plan, self.plan.variant
+        # (fp16 and bf16 only: every array of a plan has 2-byte elements)
+        self.units = tuple(1 if e is None else _interop.stride_unit(e, 2) for e in self.entries)
+        strides = [None if e is None else [s // u for s in e[2]]
+                   for e, u in zip(self.entries, self.units)]
+        self.d, self.box_n, self.same_tiles = self.entries[0][1][-1], variant.block_n, {}
+        # a row stride the layout fixes but check_loadable allows only under one row
+        seq_dim = 0 if self.packed else 1
+        self.rows_misaligned = any(x is not None and x[seq_dim] % 8 for x in strides)
+        template = plan.tma_template
+        self.tma, self.writers, self.words = template is not None, None, None
+        # (a row stride 0, which a map takes under one row, is left to the general path)
+        if template is not None and template.address_words and (
+                not self.packed or template.has_tails) and all(
+                    x[seq_dim] for x in strides[:3]):
+            boxes = (variant.block_m,) + (variant.block_n,) * (4 if self.packed else 2)
+            self.writers = _tma.map_writers(template, plan.dtype, boxes)
+            self.words = template.address_words
+
+    def dense(self, q, k, v, alibi, o):
+        """The plan at the sizes of a padded batch's signature entries (o: out's or None)."""
+        if self.units is None:
+            self._prepare()
+        batch, seqlen_q = q[1][0], q[1][1]
+        seqlen_k = k[1][1]
+        if (k[1][0] != batch or v[1][0] != batch or v[1][1] != seqlen_k
+                or o is not None and (o[1][0] != batch or o[1][1] != seqlen_q)
+                or not _movable(seqlen_q, seqlen_k, batch)
+                or self.rows_misaligned and max(seqlen_q, seqlen_k) > 1
+                or not self._same_tiles(seqlen_q, batch)):
+            return None
+        q_unit, k_unit, v_unit, o_unit = self.units
+        batch_strides = (q[2][0] // q_unit, k[2][0] // k_unit, v[2][0] // v_unit,
+                         o[2][0] // o_unit if o is not None else seqlen_q * q[1][2] * self.d)
+        if batch > 1 and any(s % 8 for s in batch_strides):
+            return None  # (check_loadable refuses them: planned, which says so)
+        template = None
+        if self.tma:
+            if self.writers is None:
+                template = self._general_template((q, k, v), 1, 2)
+            else:
+                (q_map, k_map, v_map), (q_stride, k_stride, v_stride) = (self.writers,
+                                                                         batch_strides[:3])
+                k_moved = _tma.moved_map(k_map, batch, seqlen_k, k_stride)
+                template = self._written((
+                    _tma.moved_map(q_map, batch, seqlen_q, q_stride), k_moved,
+                    k_moved if (v_map, v_stride) == (k_map, k_stride)
+                    else _tma.moved_map(v_map, batch, seqlen_k, v_stride)), False)
+            if template is None:
+                return None
+        return self._moved(batch, q[1][2], seqlen_q, seqlen_k, tuple(q[1]), template,
+                           batch_strides)
+
+    def packed_batch(self, q, k, v, cu_q, cu_k, used, alibi, table, o):
+        """The plan at the sizes of a packed batch's signature entries."""
+        if self.units is None:
+            self._prepare()
+        total_q, total_k, batch = q[1][0], k[1][0], cu_q[1][0] - 1
+        if (v[1][0] != total_k or cu_k[1][0] != batch + 1
+                or used is not None and used[1][0] != batch
+                or o is not None and o[1][0] != total_q
+                or not _movable(total_q, total_k, batch)
+                or self.rows_misaligned and max(total_q, total_k) > 1
+                or not self._same_tiles(total_q, batch, total_k / max(batch, 1))):
+            return None
+        template = None
+        if self.tma:
+            if self.writers is None:
+                template = self._general_template((q, k, v), 0, 1)
+            else:
+                q_map, k_map, v_map, k_tail, v_tail = self.writers
+                k_moved = _tma.moved_map(k_map, 1, total_k, 0)
+                k_tail_moved = _tma.moved_map(k_tail, total_k, self.box_n,
+                                              k[2][0] // self.units[1])
+                template = self._written((
+                    _tma.moved_map(q_map, 1, total_q, 0), k_moved,
+                    k_moved if v_map == k_map else _tma.moved_map(v_map, 1, total_k, 0),
+                    k_tail_moved, k_tail_moved if v_tail == k_tail else _tma.moved_map(
+                        v_tail, total_k, self.box_n, v[2][0] // self.units[2])), True)
+            if template is None:
+                return None
+        return self._moved(batch, q[1][1], total_q, total_k, tuple(q[1]), template, None)
+
+    def _same_tiles(self, total_q, batch, keys_per_sequence=0):
+        """Whether these sizes keep the base plan's tiles (sm90: the tile class of
+        sm90_rows; the tile classes of a head dim may share tiles)."""
+        variant = self.plan.variant
+        if variant.family != "sm90":
+            return True
+        rows = _heuristics.sm90_rows(self.packed, total_q, batch, self.d, variant.mask,
+                                     keys_per_sequence)
+        same = self.same_tiles.get(rows)
+        if same is None:
+            same = self.same_tiles[rows] = variant == _compile.fwd_variant(
+                variant.dtype, self.d, variant.mask, variant.score_mods, "sm90", rows)
+        return same
+
+    def _written(self, maps, has_tails):
+        """The Template of maps written by _tma.moved_map; None if it refused one."""
+        if None in maps:
+            return None
+        return _tma.Template(b"".join(maps) + _tma.PADS[len(maps)], has_tails, self.words)
+
+    def _general_template(self, entries, seq_dim, head_dim):
+        """The TMA maps through _tma's general path (its kind maps not written in Python
+        on this driver); None where it refuses them, or the tails, which base has."""
+        dtype = self.plan.dtype
+        q, k, v = (_Shaped(tuple(e[1]), tuple(s // unit for s in e[2]), dtype)
+                   for e, unit in zip(entries, self.units))
+        template = _tma_template(self.plan.variant, q, k, v, seq_dim, head_dim, self.d,
+                                 self.packed, _tma.new_shape_template)
+        if template is None or template.has_tails != self.plan.tma_template.has_tails:
+            return None
+        return template
+
+    def _moved(self, batch, nheads, seqlen_q, seqlen_k, out_shape, tma_template,
+               batch_strides):
+        """The plan at these sizes, its maps made: _sizes and the records' size fields."""
+        base, packed = self.plan, self.packed
+        values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
+            base.variant, batch, nheads, seqlen_q, seqlen_k, packed, base.device)
+        plan = _Plan.__new__(_Plan)  # a copy of base (cheaper than copy.copy)
+        plan.__dict__.update(base.__dict__)
+        plan.out_shape = out_shape
+        plan.num_blocks, plan.scratch_bytes, plan.tma_template = (num_blocks, scratch_bytes,
+                                                                  tma_template)
+        if packed:
+            plan.lse_shape = (nheads, seqlen_q)
+            plan.params = _set_sizes(base.params, values)
+            plan.work_list = (base.work_list[0], max_tiles, num_buckets, _set_schedule_sizes(
+                base.work_list[3], (batch, seqlen_q, num_buckets)))
+        else:  # the batch strides follow the sizes; the row and head strides are the layout's
+            plan.lse_shape = (batch, nheads, seqlen_q)
+            plan.params = _set_batch_strides_and_sizes(base.params, batch_strides + values)
+        return plan
+
+
+def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
+          bottom_right, window, softcap, alibi, attn_mask, packed=False, paged=None):
+    """The variant, launch shape and params of validated arrays. Padded batches: q/k/v/o
+    carry a batch dimension (0). Packed batches: rows of all sequences are stacked,
+    seqlen_q/k are the total rows, and lse is (nheads, total_q). out: the caller's out=
+    view, or None for a new contiguous output. paged: check_block_table's dict when k/v are
+    a paged cache (seqlen_k is then its capacity a sequence)."""
+    framework = "cupy" if q.framework == "dlpack" else q.framework
+    lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
+    outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
+                   lse_shape=lse_shape, to_jax=_interop.returns_jax(q))
+    if not (batch and nheads and seqlen_q):
+        return _Plan(**outputs)
+    mask_kind = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
+    score_mods = softcap > 0 or alibi is not None or attn_mask is not None
+    family = _compile.family_for(_runtime.compute_capability(q.device))
+    if paged is not None and 1 << paged["page_shift"] < _PAGED_TMA_MIN_ROWS:
+        family = "sm80"
+    # (packed: the mean keys a sequence, or a paged cache's capacity a sequence)
+    keys = (seqlen_k if paged is not None else seqlen_k / batch) if packed else 0
+    variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
+                                     mask_kind, score_mods, family, paged, keys)
+    values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
+        variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
+    o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
+    p = dict(
+        nheads=nheads, nheads_k=nheads_k, head_dim=d,
+        kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
+        bottom_right=int(bottom_right), **dict(zip(_SIZE_FIELDS, values)),
+        **_params.score_fields(window, scale, softcap, d, alibi))
+    for (batch_field, row_field, head_field), strides in zip(
+            _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
+        p[batch_field] = 0 if packed else strides[0]
+        p[row_field] = strides[seq_dim]
+        p[head_field] = strides[head_dim]
+    if paged is not None:  # k, v: (pages, page_size, nheads_k, d); batch stride = page stride
+        for fields, x in zip(_STRIDE_FIELDS[1:3], (k, v)):
+            p.update(zip(fields, x.strides[:3]))
+        p["block_table_batch_stride"] = paged["table_stride"]
+        p["page_shift"], p["num_pages"] = paged["page_shift"], paged["num_pages"]
+    if attn_mask is not None:
+        full = (batch, nheads, seqlen_q, seqlen_k)
+        p["attn_mask_type"] = ATTN_MASK_TYPES[attn_mask.dtype]
+        (p["mask_batch_stride"], p["mask_head_stride"], p["mask_row_stride"],
+         p["mask_col_stride"]) = _broadcast_strides(attn_mask, full)
+    return _Plan(**outputs, variant=variant, scratch_bytes=scratch_bytes,
+                 function=_compile.function_pointer(variant, q.device),
+                 params=_params.FWD.pack(p), num_blocks=num_blocks,
+                 tma_template=tma_template,
+                 work_list=(_compile.function_pointer(_compile.VARLEN_SCHEDULE, q.device),
+                            max_tiles, num_buckets, _params.SCHEDULE.pack(dict(
+                                batch=batch, total_q=seqlen_q, block_m=variant.block_m,
+                                num_buckets=num_buckets)))
+                 if packed else None)
+
+
+def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,
+             family, paged=None, keys_per_sequence=0):
+    """(kernel variant, _tma.Template or None) of a plan."""
+    rows = _heuristics.sm90_rows(packed, seqlen_q, batch, d, mask_kind, keys_per_sequence)
+    variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
+                                   rows)
+    if family != "sm90":
+        return variant, None
+    if paged is not None:
+        tma_template = _tma.template(q.dtype, _paged_tma_views(variant, q, k, v, d))
+    else:
+        tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
+    if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
+        variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80")
+    return variant, tma_template
+
+
+# FwdParams fields that follow from a plan's sizes, in _sizes' order
+_SIZE_FIELDS = ("lse_batch_stride", "lse_head_stride", "batch", "seqlen_q", "seqlen_k",
+                "num_m_blocks", "heads_per_group")
+_BATCH_STRIDE_FIELDS = tuple(fields[0] for fields in _STRIDE_FIELDS)  # q, k, v, o
+_set_sizes = _params.FWD.setter(_SIZE_FIELDS)  # (one run of FwdParams: one pack)
+_set_batch_strides_and_sizes = _params.FWD.setter(_BATCH_STRIDE_FIELDS + _SIZE_FIELDS)
+_set_schedule_sizes = _params.SCHEDULE.setter(("batch", "total_q", "num_buckets"))
+
+
+def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
+    """The launch values of a plan that follow from its sizes (batch, heads, sequence
+    lengths) and tiles, shared by _plan and _Mover so that a moved plan is the plan:
+    (values of _SIZE_FIELDS, num_blocks, max_tiles, num_buckets, scratch_bytes)."""
+    block_m = variant.block_m
+    num_m_blocks = -(-seqlen_q // block_m)
+    # Packed batches: at most total_q / block_m + batch real tiles (each sequence rounds
+    # up once); the device-built list says how many there are.
+    max_tiles = seqlen_q // block_m + batch if packed else num_m_blocks * batch
+    num_buckets = seqlen_q // block_m + 2  # packed: the schedule's counting sort
+    if max_tiles * nheads > INT32_MAX:
+        raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed the "
+                         "grid limit")
+    num_blocks = max_tiles * nheads
+    resident = None
+    if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
+        resident = _runtime.sm_count(device) * variant.ctas_per_sm
+        num_blocks = min(num_blocks, resident)
+    values = (0 if packed else nheads * seqlen_q, seqlen_q, batch, seqlen_q, seqlen_k,
+              num_m_blocks, _heuristics.heads_per_group(batch * nheads, seqlen_k,
+                                                        variant.head_dim, num_m_blocks, resident))
+    # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
+    scratch_bytes = (4 * (_work_list_ints(max_tiles, num_buckets) + 2) if packed
+                     else 8 if variant.persistent else 0)
+    return values, num_blocks, max_tiles, num_buckets, scratch_bytes
+
+
+def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.template):
+    """q, k, v (and for packed batches the k/v tails) made into a _tma.Template by `make`
+    (_tma.template, cached per layout; a moved plan's new shape: _tma.new_shape_template);
+    None if the copy engine cannot describe them."""
+    return make(q.dtype, *_tma_views(variant, q, k, v, seq_dim, head_dim, d, packed))
+
+
+def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
+    """q, k, v (and for packed batches the k/v tails) as (batch, rows, heads, columns)
+    views of _tma.template: (views, tail views)."""
+    views, tails = [], []
+    for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
+        rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
+                                                x.strides[seq_dim], x.strides[head_dim])
+        if packed:
+            views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
+            if x is not q:
+                tails.append(_tma.tail_view(rows, heads, d, row_stride, head_stride, box_rows))
+        else:
+            views.append(((x.shape[0], rows, heads, d),
+                          (x.strides[0], row_stride, head_stride), box_rows))
+    return tuple(views), tuple(tails)
+
+
+# Paged caches on the Hopper kernels: TMA boxes of whole rows inside a page, at least 8
+# rows (1 KB a panel: the 128-byte swizzle's period, so boxes stacked in a tile land as
+# one box of the tile would); smaller pages take the portable kernels.
+_PAGED_TMA_MIN_ROWS = 8
+
+
+def _paged_box_rows(page_size, block_n):
+    """Rows of a paged K/V box (fwd_sm90.cu, produce_paged_block): the page, or the largest
+    power of two up to 128 that divides block_n where that is fewer, so that the boxes of a
+    key block never cross a page."""
+    return min(page_size, block_n & -block_n, 128)
+
+
+def _paged_tma_views(variant, q, k, v, d):
+    """_tma.template's views of a packed q, (total, heads, d), and a paged k and v, (pages,
+    page_size, heads, d), each page a batch entry."""
+    box_rows = _paged_box_rows(k.shape[1], variant.block_n)
+    return (((1, q.shape[0], q.shape[1], d), (0,) + tuple(q.strides[:2]), variant.block_m),
+            (k.shape, tuple(k.strides[:3]), box_rows), (v.shape, tuple(v.strides[:3]), box_rows))
+
+
+def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,
+             lse_out=None, stream=None, scratch=None, like=None):
+    """Allocate the outputs (unless out=, or lse_out) and launch the plan on the caller's
+    current stream. q, k, v, o_ptr (out's), alibi, attn_mask: addresses; packed: the
+    addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream, scratch:
+    see dense; like: the caller's q (outputs')."""
+    scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
+    with caller_stream(plan.framework, plan.device, stream) as stream:
+        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream, like)
+        if plan.variant is not None:
+            _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed,
+                    scratch_ptr)
+    return returned(plan, o, lse, return_lse)
+
+
+def _work_list_ints(max_tiles, num_buckets):
+    """A packed batch's int32 scratch before its tile counter: the int2 work list (8-byte
+    aligned, first), its length, and the counting sort's 3 x num_buckets counters."""
+    return 2 * max_tiles + 1 + 3 * num_buckets
+
+
+def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scratch_ptr):
+    """The plan's launches on `stream` (the device current); arguments as _execute's."""
+    framework, device = plan.framework, plan.device
+    counter = tile_list = tile_count = order = 0
+    cu_q = cu_k = used = table = 0
+    scratch = None
+    if packed:
+        cu_q, cu_k, used, table = packed
+        schedule, max_tiles, num_buckets, schedule_record = plan.work_list
+        # the work list, then the tile counter (2 ints, which the schedule kernel zeroes)
+        ints = _work_list_ints(max_tiles, num_buckets)
+        if scratch_ptr:
+            tile_list = scratch_ptr
+        else:  # (a paged batch: its decode order after them, kept by the decode launch,
+            # and that launch's partials: asked for at once, so its ask cannot move them)
+            scratch, tile_list = stream_workspace(framework, device, stream, plan.scratch_bytes)
+        tile_count = tile_list + 8 * max_tiles
+        if plan.variant.persistent:
+            counter = tile_list + 4 * ints
+        if plan.decode is not None:
+            order = tile_list + 4 * (ints + 2)
+    elif plan.variant.persistent:
+        if scratch_ptr:  # XLA's buffer, perhaps replayed from a graph: zeroed in the stream
+            import cupy
+            counter = scratch_ptr
+            stream_call(cupy.cuda.runtime.memsetAsync, counter, 0, 8, stream)
+        else:
+            scratch, counter = stream_tile_counter(framework, device, stream)
+    params = _params.FWD.with_pointer_values(plan.params, (
+        q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
+        counter, table))
+    args = (params,)
+    if plan.tma_template is not None:
+        args = (params, _tma.with_addresses(plan.tma_template, q, k, v))
+    if packed:
+        driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
+                      (_params.SCHEDULE.with_pointer_values(schedule_record, (
+                          cu_q, tile_count + 4, tile_list, tile_count, counter, cu_k, used,
+                          order)),))
+    driver_launch(plan.function, plan.num_blocks, plan.variant.threads,
+                  plan.variant.smem_bytes, stream, args)
+    if plan.decode is not None:
+        _decode_plan.launch_packed_decode(plan.decode, plan, stream, q, k, v, o_ptr, lse_ptr,
+                                          alibi, packed, scratch_ptr, order,
+                                          plan.decode.scratch_offset)
+    # (scratch, the counter's buffer, is held until the launches are queued: freed
+    # earlier, another thread could be handed the same memory for work ordered before ours)
+    del scratch

@@ -1,0 +1,296 @@
+"""Every tuning rule: which tile class, kernel variant and split count a call takes, and
+how its work is grouped. Each rule is stated with one worked example; the examples use an
+H100 SXM (132 SMs, 228 KB of shared memory an SM, 3.35 TB/s). The measurements behind the
+rules are in bench/NOTES.md and docs/benchmarks.md; the variants the rules choose among
+are _compile's catalog."""
+import functools
+import math
+
+from . import _checks, _compile, _runtime
+
+# -- forward (sm90): the tile class of a batch ---------------------------------------------------
+# Three classes, by the mean query rows a sequence: "short" (64-row tiles, two CTAs an SM:
+# half the row rounding of a 128-row tile), "mid" (128-row tiles) and "long" (192-row
+# tiles, three consumer warpgroups, where the last tile's rounding is a small share of a
+# long sequence). A class without tiles for a head dim and mask takes the next longer's
+# (_compile.fwd_variant).
+
+SM90_SHORT_MAX_MEAN_SEQLEN = 512    # packed batches: short up to this mean
+SM90_SHORT_DENSE_MAX_SEQLEN = 1024  # padded batches at head dims up to 64: short up to this
+SM90_CHUNK_MIN_MEAN_SEQLEN = 128    # chunked prefill at head dims above 64: mid from this mean
+SM90_LONG_MIN_SEQLEN = {"none": 1024, "window": 2048}  # long from this mean, by mask
+# Head dims up to 64 with a causal or local mask: the long tiles there are the mid class's
+# with the P V wait held below the exponentials (_compile.SM90_HOLD_PV_WAIT), which pays
+# only on long sequences, so the long class starts later.
+SM90_LONG_MIN_SEQLEN_D64_WINDOW = 8192
+
+
+def sm90_rows(packed, total_q, batch, head_dim, mask, keys_per_sequence=0):
+    """The sm90 tile class of a batch of `batch` sequences and total_q query rows.
+
+    - Packed batches with a mean of at most SM90_SHORT_MAX_MEAN_SEQLEN rows: "short";
+      but chunked prefill (each sequence has at least twice as many keys as query rows,
+      keys_per_sequence being the mean keys, or a paged cache's capacity) from
+      SM90_CHUNK_MIN_MEAN_SEQLEN rows at head dims above 64 goes on by length, since a
+      chunk's tile reads many key blocks and the wider tiles do more work a block.
+    - Padded batches at head dims up to 64 with at most SM90_SHORT_DENSE_MAX_SEQLEN rows:
+      "short".
+    - Otherwise "long" from SM90_LONG_MIN_SEQLEN[mask] rows a sequence (head dims up to 64
+      with a mask: SM90_LONG_MIN_SEQLEN_D64_WINDOW), else "mid".
+
+    Example: a padded causal batch at d = 128 is "mid" with 1536 rows a sequence and
+    "long" with 4096; 8 packed sequences of 2048 rows in all at d = 64 are "short"; the
+    same at d = 128, each a chunk of 256 rows after a prefix of 4096 keys, are "mid".
+    CUFA_SM90_BLOCK_M (64, 128 or 192) forces a class, for any batch.
+    """
+    forced = _compile._overrides[_compile.SM90_ROWS_ENV]
+    if forced:
+        if forced not in _compile.SM90_ROW_CLASSES:
+            raise ValueError(f"{_compile.SM90_ROWS_ENV} must be one of "
+                             f"{', '.join(_compile.SM90_ROW_CLASSES)}; got {forced!r}")
+        return _compile.SM90_ROW_CLASSES[forced]
+    if packed and total_q <= SM90_SHORT_MAX_MEAN_SEQLEN * batch:
+        chunks = (head_dim > 64 and total_q >= SM90_CHUNK_MIN_MEAN_SEQLEN * batch
+                  and keys_per_sequence * batch >= 2 * total_q)
+        if not chunks:
+            return "short"
+    if not packed and head_dim <= 64 and total_q <= SM90_SHORT_DENSE_MAX_SEQLEN:
+        return "short"
+    per_sequence = total_q if not packed else total_q / batch
+    long_from = (SM90_LONG_MIN_SEQLEN_D64_WINDOW if head_dim <= 64 and mask == "window"
+                 else SM90_LONG_MIN_SEQLEN[mask])
+    return "long" if per_sequence >= long_from else "mid"
+
+
+# -- forward: heads scheduled together --------------------------------------------------------
+
+L2_BUDGET = 25 * 2**20  # bytes of K/V a scheduling group: half of an H100's L2
+MIN_GROUP_HEADS = 12
+
+
+def heads_per_group(heads, seqlen_k, head_dim, num_m_blocks, resident_ctas=None):
+    """The heads of a padded batch scheduled together (a group's tiles are its heads' query
+    blocks, last first, heads inner): as many as keep their K/V within L2_BUDGET. On a
+    persistent kernel (resident_ctas: its CTAs on the SMs at once) also no more than the
+    resident CTAs cover at once, so that a head's query blocks run together and its K/V
+    comes from DRAM once; but at least MIN_GROUP_HEADS, whose K/V spread the CTAs' reads
+    over more of L2. heads: batch x heads, the most there are.
+
+    Example: d = 128, 512 keys, 128-row tiles (4 query blocks a head, one CTA on each of
+    132 SMs): L2 holds 100 heads' K/V, the CTAs cover 132 // 4 = 33 heads: 33 a group.
+    """
+    group_heads = L2_BUDGET // ((seqlen_k if seqlen_k > 1 else 1) * head_dim * 4)
+    if resident_ctas is not None:
+        group_heads = min(group_heads, max(resident_ctas // num_m_blocks, MIN_GROUP_HEADS))
+    return max(1, min(heads, group_heads))
+
+
+# -- decode: one CTA an SM -----------------------------------------------------------------------
+
+# One decode CTA an SM streams an SM's share of the memory bandwidth only up to a point:
+# at most this many bytes a second an SM, the line between the H100 (where one CTA an SM
+# reads fastest) and the H200 (where it reads slower than two or three).
+ONE_CTA_MAX_BYTES_PER_SM = 30e9
+_keeps_up = {}
+
+
+def one_cta_keeps_up(device):
+    """Whether the device's peak memory bandwidth an SM (from its memory clock and bus
+    width; unknown: yes) is at most ONE_CTA_MAX_BYTES_PER_SM.
+
+    Example: an H100 SXM, 3.35 TB/s over 132 SMs, 25 GB/s an SM: yes; an H200, 4.8 TB/s
+    over 132 SMs, 36 GB/s an SM: no.
+    """
+    keeps = _keeps_up.get(device)
+    if keeps is None:
+        keeps = _keeps_up[device] = (_runtime.peak_bytes_per_s(device) or 0) / _runtime.sm_count(
+            device) <= ONE_CTA_MAX_BYTES_PER_SM
+    return keeps
+
+
+# -- decode: the split count ---------------------------------------------------------------------
+
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh what it adds
+
+
+@functools.lru_cache(maxsize=1024)  # a loop over up to 128 counts; a new signature asks
+def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
+    """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
+    only (never from device values, so a CUDA graph can replay a call with new lengths).
+
+    - One CTA an SM (one_per_sm: a contiguous cache, or pages read whole, on a device
+      where one_cta_keeps_up) with at most one unit an SM: the largest power of two with
+      units x splits <= sm_count, where that covers at least 90 % of the SMs.
+    - Units that fit the CTA slots (more than the SMs, at most sm_count x ctas_per_sm):
+      unsplit.
+    - Otherwise, while the CTAs make under two waves: the fewest splits whose waves fill
+      at least 90 % of the slots they take (else the best filling), each split with at
+      least MIN_KEYS_PER_SPLIT keys of max_keys (the cache's capacity), since a last wave
+      that fills few slots costs nearly as long as a full one; where those CTAs make one
+      wave, the largest power of two not above that count. From two waves up: unsplit.
+
+    Example, 132 SMs, 3 CTAs an SM (396 slots): 1 x 128k keys with 8 KV heads (8 units)
+    splits 16 ways contiguous (128 CTAs, one an SM), 32 ways paged (45 splits fill 91 %
+    of the slots in one wave; the power of two below is 32); 8 x 16k with 32 KV heads (256
+    units) runs unsplit.
+    """
+    slots = sm_count * ctas_per_sm
+    if units == 0 or units >= 2 * slots:
+        return 1
+    most = max(1, min(max_keys // MIN_KEYS_PER_SPLIT, _compile.MAX_SPLITS))
+    if one_per_sm and units <= sm_count:
+        per_sm = 1 << (min(sm_count // units, most).bit_length() - 1)
+        if 10 * units * per_sm >= 9 * sm_count:
+            return per_sm
+    if sm_count < units <= slots:
+        return 1
+    best, best_fill = 1, 0.0
+    for splits in range(1, most + 1):
+        waves = units * splits / slots
+        fill = waves / math.ceil(waves)
+        if fill >= 0.9:
+            best = splits
+            break
+        if fill > best_fill + 1e-9:
+            best, best_fill = splits, fill
+    return 1 << (best.bit_length() - 1) if units * best <= slots else best
+
+
+def split_count(num_splits, units, capacity, kernel, device, paged):
+    """num_splits as given (capped at _compile.MAX_SPLITS), or for 0 choose_num_splits'
+    count for `kernel`'s CTAs an SM on `device`."""
+    if num_splits == 0:
+        num_splits = choose_num_splits(units, capacity, _runtime.sm_count(device),
+                                       kernel.ctas_per_sm_on(_runtime.smem_per_sm(device)),
+                                       one_per_sm=not paged and one_cta_keeps_up(device))
+    return min(num_splits, _compile.MAX_SPLITS)
+
+
+def pages_read_whole(page_shift, no_leftpad, window_left):
+    """Whether a paged cache takes a contiguous cache's split rule: pages of 256 keys whose
+    tiles start on a page's row 0 (no leftpad, no left window bound) read one page id a
+    tile, as fast as a contiguous cache; smaller pages read a page id every few rows.
+
+    Example: pages of 256 with causal masking: yes; with a window (4096, 0) or a leftpad,
+    or pages of 16: no.
+    """
+    return page_shift >= 8 and no_leftpad and window_left >= _checks.UNBOUNDED
+
+
+# -- decode: the kernel --------------------------------------------------------------------------
+
+def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
+    """The decode kernel and split count for `units` CTAs (batch x KV heads x query
+    blocks): the default shape (_compile.decode_kernel) and split_count's count, but the
+    shape with four CTAs an SM (_compile.DECODE_MORE_CTAS), unsplit, where num_splits is
+    left to the planner and
+    - the default shape would split the keys while this one holds every unit in one wave
+      (no split and no merge); or
+    - on a contiguous cache (or pages read whole), the units take more than two waves of
+      the default shape but at most two of this one.
+    Over more waves than that it reads slower, so it is not the default.
+
+    Example, d = 64, 132 SMs (default 3 CTAs an SM, 396 slots; four-CTA shape 528): 64 x
+    4k with 8 KV heads (512 units) would split 3 ways on the default shape and runs
+    unsplit on the four-CTA one; 128 x 2k with 8 KV heads (1024 units: over 792, at most
+    1056) runs on the four-CTA shape too; 256 x 1k (2048 units) on the default shape.
+    """
+    kernel = _compile.decode_kernel(dtype, d)
+    splits = split_count(num_splits, units, capacity, kernel, device, paged)
+    wider = _compile.decode_kernel_with_more_ctas(dtype, d) if num_splits == 0 else None
+    if splits > 1:
+        if wider is not None and split_count(0, units, capacity, wider, device, paged) == 1:
+            return wider, 1
+        return kernel, splits
+    if wider is None:
+        return kernel, splits
+    two_waves = 2 * _runtime.sm_count(device)  # (times the CTAs an SM holds)
+    smem = _runtime.smem_per_sm(device)
+    if (not paged and two_waves * kernel.ctas_per_sm_on(smem) < units
+            <= two_waves * wider.ctas_per_sm_on(smem)):
+        return wider, 1
+    return kernel, splits
+
+
+TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, at least
+
+
+def tma_device(device, forced=None):
+    """Whether `device` runs the TMA decode kernel: Hopper's kernel family (not forced to
+    the portable one) where one decode CTA an SM keeps up with the memory, or on any Hopper
+    where CUFA_DECODE_TMA asks for it."""
+    hopper = _compile.family_for(_runtime.compute_capability(device)) == "sm90"
+    return hopper and (bool(forced) or one_cta_keeps_up(device))
+
+
+def tma_units(d, units, num_splits, batch, capacity, device):
+    """The (sequence, KV head) units a CTA of the TMA decode kernel takes, or None where
+    the cp.async kernel runs. The TMA kernel runs at the head dims it has
+    (_compile.DECODE_TMA_HEAD_DIMS) on a tma_device, where each CTA streams at least
+    TMA_MIN_KEYS cache positions (fewer, and the ring's fill and drain weigh more):
+    - one unit a CTA where the CTAs fit the SMs, one an SM (the split rule of
+      choose_num_splits);
+    - two units a CTA where the units, unsplit, outnumber the SMs at most twice and the
+      batch is even (a CTA takes sequences z and z + batch / 2 of one head, so the CTAs
+      running at once read whole cache rows).
+    Elsewhere the two kernels read alike. (The planner also needs k's and v's strides to
+    match, for one map.) CUFA_DECODE_TMA (_compile.decode_tma_forced) overrides: 0 never,
+    1 or 2 units a CTA wherever the kernel can run.
+
+    Example, d = 64 on an H100: 1 x 128k with 8 KV heads (8 units x 16 splits, 8192 keys a
+    CTA): one unit a CTA; 8 x 16k with 32 KV heads (256 units, unsplit): two; 1 x 32k with
+    8 KV heads (16 splits, 2048 keys a CTA): the cp.async kernel.
+    """
+    padded = _compile.padded_head_dim(d)
+    forced = _compile.decode_tma_forced()
+    if (padded not in _compile.DECODE_TMA_HEAD_DIMS or forced == 0
+            or not tma_device(device, forced)):
+        return None
+    if not forced and capacity < TMA_MIN_KEYS * num_splits:
+        return None
+    sms = _runtime.sm_count(device)
+    if forced:
+        return forced
+    if units * num_splits <= sms:
+        return 1
+    if num_splits == 1 and units <= 2 * sms and batch % 2 == 0:
+        return 2
+    return None
+
+
+# -- decode: merging the splits ------------------------------------------------------------------
+
+def combine_row_threads(head_dim, num_splits):
+    """decode_combine's threads a row (DecodeParams.combine_row_threads): a warp while its
+    lanes can have every split's read of a row in flight at once (a lane reads 8 columns
+    of a split, 4 reads in flight, and holds one split's lse), else the CTA's. The merge in
+    the decode launch sums in the same order, so both give the same bits.
+
+    Example: d = 128 (16 lanes a split's row, 2 splits a warp x 4 reads): a warp a row up
+    to 8 splits, the CTA's 128 threads from 9.
+    """
+    lanes_a_split = -(-head_dim // 8)  # a lane takes 8 columns of a split's row
+    return 32 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else _compile.COMBINE_THREADS
+
+
+def combine_kernel(dtype, head_dim, num_splits):
+    """decode_combine for `num_splits` splits of rows of head_dim columns."""
+    return _compile.DecodeKernel(
+        "combine", dtype, rows=_compile.COMBINE_THREADS // combine_row_threads(head_dim,
+                                                                               num_splits))
+
+
+def merge_in_launch(kernel, d, num_splits, unit_rows):
+    """Whether an eager split call merges its splits in the decode launch (the last split
+    of each unit to finish merges them; no combine launch): only where the decode CTA's
+    threads cover the unit's rows (at most _compile.DECODE_ROWS) in one pass at
+    combine_row_threads a row. Each pass more adds a memory latency to the one CTA a unit
+    that merges while the others are done, which costs more than the launch saved.
+
+    Example: d = 64, 16 splits, one token with 4 query heads a KV head (4 rows): 4 x 32
+    threads = the decode CTA's 128, one pass: merged in the launch; d = 128, 16 splits:
+    4 x 128 > 128, so decode_combine merges.
+    """
+    rows = min(unit_rows, _compile.DECODE_ROWS)  # (0: no query rows, no decode launch)
+    return (num_splits > 1 and rows > 0
+            and rows * combine_row_threads(d, num_splits) <= kernel.threads)
