@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _compile, _interop, api, kvcache
+from cufa import _compile, _decode_plan, _fwd_plan, _heuristics, _interop, _runtime, api
 from cufa._interop import DeviceArray
 
 PAGES, PAGE, HK, D = 6, 16, 2, 64
@@ -30,15 +30,15 @@ def launched(monkeypatch):
     """Plans without a GPU (an sm_80 device, kernels as fake handles); device values read
     from the views' host arrays; launches recorded, not made."""
     monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: 0xF00)
-    monkeypatch.setattr(api, "_compute_capability", lambda device: "80")
-    monkeypatch.setattr(api, "_sm_count", lambda device: 108)
-    monkeypatch.setattr(kvcache, "_smem_per_sm", lambda device: 164 * 1024)
-    monkeypatch.setattr(kvcache, "_peak_bytes_per_s", lambda device: None)
-    monkeypatch.setattr(kvcache, "_keeps_up", {})
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: 108)
+    monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: 164 * 1024)
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: None)
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
     monkeypatch.setattr(_interop, "to_numpy", lambda x: x.obj)
     calls = []
-    monkeypatch.setattr(api, "_execute", lambda *a, **kw: calls.append("varlen"))
-    monkeypatch.setattr(kvcache, "_run", lambda *a: calls.append("kvcache"))
+    monkeypatch.setattr(_fwd_plan, "_execute", lambda *a, **kw: calls.append("varlen"))
+    monkeypatch.setattr(_decode_plan, "_run", lambda *a: calls.append("kvcache"))
     api.clear_plans()
     yield calls
     api.clear_plans()
