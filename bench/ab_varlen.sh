@@ -7,7 +7,8 @@
 #   on the GPU: bash bench/ab_varlen.sh run                    # (device tool: carry ["_ab"])
 #               bash bench/ab_varlen.sh test [pytest args]     # each tree's own GPU tests
 #                                                              # (SANITIZE=1: and the KV-cache
-#                                                              # cases under compute-sanitizer)
+#                                                              # cases under compute-sanitizer,
+#                                                              # tests/stress/sanitize_cases.py)
 # ROUNDS (3), REPS (30) and BATCHES (short) from the environment; with BENCH=decode,
 # DECODE_ARGS (default: --shapes 1x32768,1x131072,64x4096 --dtypes fp16 --no-peers); with
 # BENCH=fwd, FWD_SHAPES (d:N:causal[:bf16],...; default: ab_fwd_probe.py's) and PEERS
@@ -38,10 +39,13 @@ test)
       > "$OUT/$name.tests.log" 2>&1 || status=1
     echo "$name tests: $(grep -E 'passed|failed|error|skipped' "$OUT/$name.tests.log" | tail -1)"
     if [ "${SANITIZE:-0}" = 1 ]; then
+      cases=tests/stress/sanitize_cases.py
+      [ -e "$tree/$cases" ] || cases=bench/sanitize_cases.py  # a tree from before the move
       for tool in memcheck racecheck; do
         (cd "$tree" && PYTHONPATH=$PWD compute-sanitizer --tool $tool --error-exitcode 3 \
-          python3 bench/sanitize_cases.py --kvcache-only) > "$OUT/$name.$tool.log" 2>&1 || status=1
-        echo "$name $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$name.$tool.log")"
+          python3 "$cases" --kvcache-only) > "$OUT/$name.$tool.log" 2>&1 || status=1
+        echo "$name $tool: $(grep -E 'sanitize cases|ERROR SUMMARY|RACECHECK SUMMARY' \
+          "$OUT/$name.$tool.log" | tr '\n' ' ')"
       done
     fi
   done
