@@ -176,7 +176,7 @@ def check_merge(out, lse, parts, label=""):
     err = np.abs(got - expected)
     bound = fi.eps * np.maximum(np.abs(expected), fi.tiny) + 4e-6 * np.abs(expected).max(initial=0)
     assert (err <= bound).all(), (
-        f"{label}: merged out max err {err.max(initial=0):.3e} ({(err / bound).max():.2f} x bound), "
+        f"{label}: merged out max err {err.max():.3e} ({(err / bound).max():.2f} x bound), "
         f"mean {err.mean():.3e}")
     fin = ~empty
     lerr = np.abs(got_lse[fin] - expected_lse[fin])

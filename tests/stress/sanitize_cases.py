@@ -53,7 +53,8 @@ class Tally:
             verify(*args, label=label, **kw)
         except AssertionError as e:
             self.failed += 1
-            print(f"FAILED {label}: {e}", flush=True)
+            message = str(e) if str(e).startswith(label) else f"{label}: {e}"
+            print(f"FAILED {message}", flush=True)
 
 
 def _t(rng, shape, dtype):
