@@ -1,5 +1,6 @@
-"""Small launches of every kernel variant at odd sizes, each checked against the float64
-reference: the workload that tests/stress/sanitize.sh runs under compute-sanitizer.
+"""Small launches of every kernel variant at odd sizes, each call's values checked.
+
+tests/stress/sanitize.sh runs this under compute-sanitizer's memcheck and racecheck.
 
     python3 tests/stress/sanitize_cases.py                  # every call
     python3 tests/stress/sanitize_cases.py --kvcache-only   # the KV-cache, paged and merge calls
@@ -18,6 +19,7 @@ on the CPU here, so that only cufa's kernels run under the sanitizer. A sequence
 malformed lengths or page ids has no defined result; the other sequences of its call are
 checked. The last line counts calls and checks; the exit status is 1 if a check failed.
 """
+import argparse
 import os
 import sys
 
@@ -107,11 +109,15 @@ def check_packed(out, lse, q, seq_keys, lens_q, *, label, **kw):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kvcache-only", action="store_true",
+                        help="only the KV-cache, paged and merge calls")
+    args = parser.parse_args()
     rng = np.random.default_rng(0)
     capability = torch.cuda.get_device_capability()
     family = _compile.family_for(capability[0] * 10 + capability[1])
     tally = Tally()
-    if sys.argv[1:] == ["--kvcache-only"]:
+    if args.kvcache_only:
         kvcache_cases(rng, tally)
         what = " (KV-cache only)"
     else:
