@@ -17,6 +17,10 @@ import torch
 from cufa import reference
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# Where the low-precision reference runs its two products. The sanitizer workload
+# (tests/stress/sanitize_cases.py) sets "cpu", so that only cufa's kernels, and no cuBLAS
+# kernel, run under compute-sanitizer.
+LOWP_DEVICE = "cuda"
 
 
 def randn(rng, shape, dtype, scale=1.0, layout="bshd"):
@@ -38,12 +42,12 @@ def f64(t):
 
 
 def lowp_attention(q, k, v, **kw):
-    """Naive attention with Q K^T and P V in the inputs' dtype (torch, on the GPU)."""
+    """Naive attention with Q K^T and P V in the inputs' dtype (torch, on LOWP_DEVICE)."""
     qh, kh, vh, scale, visible, attn_mask, diag = reference._prepare(
         f64(q), f64(k), f64(v), kw.get("softmax_scale"), kw.get("causal", False),
         kw.get("window_size", (-1, -1)), kw.get("attn_mask"), kw.get("diag_offset"))
     dt = q.dtype
-    to = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to("cuda", dt))
+    to = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(LOWP_DEVICE, dt))
     s = (to(qh) @ to(kh).transpose(-1, -2)).double().cpu().numpy()
     rows, cols = np.arange(qh.shape[2]), np.arange(kh.shape[2])
     s = reference._score_mods(s, rows, cols, scale=scale, softcap=kw.get("softcap", 0.0),
@@ -138,7 +142,7 @@ def kvcache_references(q, k_cache, v_cache, k=None, v=None, **kw):
     o_ref, lse_ref, k_after, v_after = reference.kvcache_attention(*args, **kw)
 
     def attend_lowp(qb, kb, vb, **attn_kw):
-        to = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to("cuda", q.dtype))
+        to = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(LOWP_DEVICE, q.dtype))
         return lowp_attention(to(qb), to(kb), to(vb), **attn_kw)
 
     lowp = reference.kvcache_attention(*args, **kw, attend=attend_lowp)[:2]
@@ -191,3 +195,30 @@ def check_appended_cache(after, before, expected, slots, label, rotated=False):
     assert (err <= bound).all(), (
         f"{label}: new slots differ from the rotated new keys by up to "
         f"{(err / bound).max():.2f} x 1 ulp (max err {err.max():.3e}, mean {err.mean():.3e})")
+
+
+def check_merge(out, lse, parts, label=""):
+    """merge_attention_states' out and lse against reference.merge_states of parts (out_a,
+    lse_a, out_b, lse_b as they were before the call): out within one rounding to its
+    dtype plus 4e-6 of the largest output (the kernel weighs and sums in float32), lse
+    within 1e-5 relative; rows where neither part saw a key exactly 0 with lse -inf."""
+    expected, expected_lse = reference.merge_states(*(host(x) for x in parts))
+    got, got_lse = f64(out), f64(lse)
+    assert got.shape == expected.shape and got_lse.shape == expected_lse.shape, (
+        f"{label}: shapes {got.shape} {got_lse.shape}, expected {expected.shape} "
+        f"{expected_lse.shape}")
+    assert not np.isnan(got).any(), f"{label}: NaN in the merged output"
+    empty = np.isneginf(expected_lse)
+    assert np.array_equal(np.isneginf(got_lse), empty), f"{label}: -inf lse rows differ"
+    rows = empty.T if got.ndim == 3 else empty.transpose(0, 2, 1)  # lse laid out as out
+    assert (got[rows] == 0).all(), f"{label}: rows where neither part saw a key are not 0"
+    fi = torch.finfo(out.dtype)
+    err = np.abs(got - expected)
+    bound = fi.eps * np.maximum(np.abs(expected), fi.tiny) + 4e-6 * np.abs(expected).max(initial=0)
+    assert (err <= bound).all(), (
+        f"{label}: merged out max err {err.max():.3e} ({(err / bound).max():.2f} x bound), "
+        f"mean {err.mean():.3e}")
+    fin = ~empty
+    lerr = np.abs(got_lse[fin] - expected_lse[fin])
+    assert (lerr <= 1e-5 * (1 + np.abs(expected_lse[fin]))).all(), (
+        f"{label}: lse max err {lerr.max(initial=0):.3e}")
