@@ -285,3 +285,26 @@ def test_back_to_back_calls_share_the_self_resetting_tile_counter(rng):
     for out, q, k, v, causal in calls:
         check_attention(out, None, q, k, v, label=f"{tuple(q.shape)} causal={causal}",
                         causal=causal)
+
+
+@pytest.mark.parametrize("family", ["default", "sm80"])
+@pytest.mark.parametrize("sq,sk,window,d", [
+    (257, 2, (-1, 18), 24), (191, 7, (-1, 37), 176), (300, 40, (-1, 41), 64),
+    (129, 1, (-1, 200), 128), (257, 2, (3, 18), 64)])
+def test_right_window_wider_than_the_keys(rng, monkeypatch, family, sq, sk, window, d):
+    """seqlen_q > seqlen_k and a right side longer than seqlen_k: the rows before the
+    diagonal enters still see keys up to diagonal + right (bottom-right alignment), and
+    the earlier rows none; the one-compare mask path once cut right to seqlen_k."""
+    if family == "sm80":
+        monkeypatch.setenv("CUFA_KERNEL_FAMILY", "sm80")
+    cufa.api.clear_plans()   # plans read the family override when they are made
+    try:
+        q = randn(rng, (2, sq, 4, d), "float16")
+        k, v = (randn(rng, (2, sk, 2, d), "float16") for _ in range(2))
+        out = _poisoned_like(q)
+        _, lse = cufa.flash_attn_func(q, k, v, out=out, window_size=window, return_lse=True)
+    finally:
+        monkeypatch.undo()
+        cufa.api.clear_plans()
+    check_attention(out, lse, q, k, v, label=f"sq={sq} sk={sk} window={window}",
+                    window_size=window)

@@ -18,7 +18,10 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], cons
                                            const Tile& t, int row_base, int key0, int lane) {
   const int first_key = frag_col(key0, 0, 0, lane);
   if (kMask == MASK_NONE || p.window_left >= kUnboundedWindow) {
-    const int right = min(p.window_right, t.seqlen_k);
+    // Not clamped to seqlen_k: rows before the diagonal enters (seqlen_q > seqlen_k) see
+    // keys up to diagonal + right even when right > seqlen_k. The host caps it at
+    // kUnboundedWindow, so seqlen_k - right cannot leave int32.
+    const int right = p.window_right;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
