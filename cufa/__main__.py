@@ -5,7 +5,8 @@ a short timing table; without one, says so and runs the CPU reference on a small
 info: device, architecture, CuPy / CUDA / NVRTC versions, cache location, compiled variants.
 warmup: compile every variant into the on-disk kernel cache that calls use, for this GPU
 or, with --arch sm_90, for a GPU that is not here (no GPU needed): a second warmup, or a
-first call on such a GPU, then compiles nothing.
+first call on such a GPU, then compiles nothing. --only GLOB keeps the variants whose key
+matches; --list prints their keys and compiles nothing.
 """
 import argparse
 import ctypes
@@ -22,9 +23,10 @@ from . import __version__, _compile, api, reference
 
 # cufa is not on a package index: the hint names what works from a checkout, or from the
 # wheel `python -m build` writes into dist/.
-INSTALL_HINT = (f"install cufa with a CUDA extra: pip install -e '.[cuda13]' in a checkout, or "
-                f"python -m build there, then pip install "
-                f"'dist/cufa-{__version__}-py3-none-any.whl[cuda13]' ([cuda12] for a CUDA 12 driver)")
+INSTALL_HINT = ("install cufa with a CUDA extra: pip install -e '.[cuda13]' in a checkout, or "
+                "python -m build there, then pip install "
+                f"'dist/cufa-{__version__}-py3-none-any.whl[cuda13]' ([cuda12] for a CUDA 12 "
+                "driver)")
 
 
 def _gpu_status():
