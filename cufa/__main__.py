@@ -5,7 +5,8 @@ a short timing table; without one, says so and runs the CPU reference on a small
 info: device, architecture, CuPy / CUDA / NVRTC versions, cache location, compiled variants.
 warmup: compile every variant into the on-disk kernel cache that calls use, for this GPU
 or, with --arch sm_90, for a GPU that is not here (no GPU needed): a second warmup, or a
-first call on such a GPU, then compiles nothing.
+first call on such a GPU, then compiles nothing. --only GLOB keeps the variants whose key
+matches; --list prints their keys and compiles nothing.
 """
 import argparse
 import ctypes
@@ -18,9 +19,14 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
-from . import _compile, api, reference
+from . import __version__, _compile, api, reference
 
-INSTALL_HINT = "pip install 'cufa[cuda13]' (or 'cufa[cuda12]')"
+# cufa is not on a package index: the hint names what works from a checkout, or from the
+# wheel `python -m build` writes into dist/.
+INSTALL_HINT = ("install cufa with a CUDA extra: pip install -e '.[cuda13]' in a checkout, or "
+                "python -m build there, then pip install "
+                f"'dist/cufa-{__version__}-py3-none-any.whl[cuda13]' ([cuda12] for a CUDA 12 "
+                "driver)")
 
 
 def _gpu_status():
@@ -63,8 +69,13 @@ def _cache_dir():
 
 
 def _progress(i, total, label, width=30):
+    """A bar redrawn in place, on a terminal only: in a log file it would be one line of
+    `total` carriage-return segments. Ends its line at the last step."""
+    if not sys.stdout.isatty():
+        return
     done = int(width * i / total)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label:<60}")
+    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label:<60}"
+                     + ("\n" if i == total else ""))
     sys.stdout.flush()
 
 
@@ -112,6 +123,7 @@ def _gpu_check():
              for mask in _compile.MASKS for mods in (False, True)]
     f64 = (lambda x: cupy.asnumpy(x.astype(np.float32)).astype(np.float64))
     failures = 0
+    print(f"checking {len(cases)} dense variants against the float64 reference", flush=True)
     for i, (fam, dt, d, mask, mods) in enumerate(cases, 1):
         _progress(i, len(cases), f"{fam} {dt} d={d} {mask}{' +mods' if mods else ''}")
         os.environ["CUFA_KERNEL_FAMILY"] = fam
@@ -150,7 +162,7 @@ def _gpu_check():
     for page_size, splits in ((None, 1), (None, 0), (16, 5)):  # the KV-cache kernels
         cases.append(("decode", page_size, splits))
         failures += not _decode_check(rng, f64, page_size, splits)
-    print(f"\nself-check: {len(cases) - failures}/{len(cases)} kernel families match the reference")
+    print(f"self-check: {len(cases) - failures}/{len(cases)} kernel families match the reference")
     return failures == 0
 
 
@@ -275,9 +287,11 @@ def _parse_arch(text, supported):
     return cc if cc in supported else None
 
 
-def warmup(arch=None, only="*"):
+def warmup(arch=None, only="*", list_only=False):
     """Compile every variant that runs on the GPU (or on `arch`) into CuPy's on-disk cache,
-    the one calls read: afterwards a call compiles nothing, nor does a second warmup."""
+    the one calls read: afterwards a call compiles nothing, nor does a second warmup.
+    `only` keeps the variants whose key matches that glob; `list_only` prints their keys
+    and compiles nothing."""
     try:
         from cupy.cuda import compiler, nvrtc
         nvrtc_version = ".".join(map(str, nvrtc.getVersion()))
@@ -299,19 +313,28 @@ def warmup(arch=None, only="*"):
                   f"later, and NVRTC {nvrtc_version} here supports "
                   f"{', '.join(f'sm_{a}' for a in supported)}", file=sys.stderr)
             return 2
-    variants = [v for v in _compile.all_variants()
-                if _compile.runs_on(v, cc) and fnmatch.fnmatch(v.key, only)]
+    runnable = [v for v in _compile.all_variants() if _compile.runs_on(v, cc)]
+    variants = [v for v in runnable if fnmatch.fnmatch(v.key, only)]
+    if not variants:
+        print(f"--only {only}: matches none of the {len(runnable)} variants for sm_{cc}; "
+              f"list their keys with: python -m cufa warmup --arch sm_{cc} --list",
+              file=sys.stderr)
+        return 2
+    if list_only:
+        print("\n".join(v.key for v in variants))
+        return 0
     cache = _cache_dir()
     before = _cubins(cache)
     times = {}
     t_all = time.perf_counter()
+    print(f"compiling {len(variants)} variants for sm_{cc}, {os.cpu_count()} at a time",
+          flush=True)
     # NVRTC releases the GIL: one compile per core
     with _compile.arch_flags_without_a_device(), ThreadPoolExecutor(os.cpu_count()) as pool:
         jobs = {pool.submit(_timed, _compile.compile_into_cache, v, cc): v for v in variants}
         for i, job in enumerate(as_completed(jobs), 1):
             times[jobs[job].key] = job.result()
             _progress(i, len(variants), jobs[job].key)
-    print()
     for v in variants:
         print(f"  {times[v.key]:7.2f} s  {v.key}")
     compiled = len(_cubins(cache) - before)
@@ -333,17 +356,28 @@ def _cubins(folder):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m cufa", description=__doc__.split("\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="check", choices=("check", "info", "warmup"))
-    parser.add_argument("--arch", help="warmup only: fill the cache for a GPU of this "
-                        "architecture (sm_80 or later, e.g. sm_90) instead of this one; no "
-                        "GPU needed")
-    parser.add_argument("--only", default="*", metavar="GLOB",
-                        help="warmup only: the variants whose key matches, e.g. 'fwd_*_bf16_*'")
-    args = parser.parse_args(argv)
-    if args.command == "info":
+    parser.add_argument("--version", action="version", version=f"cufa {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{check,info,warmup}")
+    commands.add_parser("check", help="(the default) every kernel family against the float64 "
+                        "reference, then timings; without a GPU, the CPU reference")
+    commands.add_parser("info", help="device, CuPy / CUDA / NVRTC versions, kernel cache")
+    warm = commands.add_parser("warmup", help="compile every variant into the kernel cache")
+    warm.add_argument("--arch", help="fill the cache for a GPU of this architecture (sm_80 or "
+                      "later, e.g. sm_90) instead of this one; no GPU needed")
+    warm.add_argument("--only", default="*", metavar="GLOB",
+                      help="the variants whose key matches, e.g. 'fwd_*_bf16_*'")
+    warm.add_argument("--list", action="store_true",
+                      help="print the keys of the variants it would compile; compile nothing")
+    # parse_known_args, to say which command the stray options were given to
+    args, stray = parser.parse_known_args(argv)
+    command = args.command or "check"
+    if stray:
+        parser.error(f"{command} takes no {' '.join(stray)} "
+                     f"(see python -m cufa {command} --help)")
+    if command == "info":
         return info()
-    if args.command == "warmup":
-        return warmup(args.arch, args.only)
+    if command == "warmup":
+        return warmup(args.arch, args.only, args.list)
     return check()
 
 

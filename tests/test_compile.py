@@ -1,9 +1,12 @@
 """CPU: every kernel variant compiles with NVRTC for sm_80 and sm_90 without spills,
 and the params layout check really catches a drifted struct. No GPU needed."""
+import hashlib
 import itertools
+import json
 import os
 import re
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,11 +26,34 @@ def _compile_one(args):
         "\n".join(warnings)
 
 
+def _report_file(job):
+    """Where a compile's report is kept, under CUFA_TEST_COMPILE_CACHE: .ci/run sets it for
+    one run, in which this file runs twice on the same sources (the checkout's, then the
+    installed package's). A report depends only on the assembled source (every header
+    inlined), the name expression, the arch and the NVRTC release, so the second run
+    assembles each source from its own files and reads the first run's report."""
+    from cupy.cuda import nvrtc
+    variant, arch = job
+    key = "\0".join([_compile.assembled_source(variant.source), variant.name_expression, arch,
+                     str(nvrtc.getVersion())])
+    name = hashlib.sha256(key.encode()).hexdigest() + ".json"
+    return Path(os.environ["CUFA_TEST_COMPILE_CACHE"]) / name
+
+
 @pytest.fixture(scope="module")
 def reports():
     jobs = [(v, a) for v in _compile.all_variants() for a in v.archs]
+    kept = {}  # job -> its report's file, with CUFA_TEST_COMPILE_CACHE set
+    if os.environ.get("CUFA_TEST_COMPILE_CACHE"):
+        kept = {job: _report_file(job) for job in jobs}
+    todo = [job for job in jobs if job not in kept or not kept[job].exists()]
     with ProcessPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        return list(pool.map(_compile_one, jobs))
+        fresh = dict(zip(todo, pool.map(_compile_one, todo)))
+    for job in todo:
+        if job in kept:
+            kept[job].parent.mkdir(parents=True, exist_ok=True)
+            kept[job].write_text(json.dumps(fresh[job]))
+    return [fresh[job] if job in fresh else json.loads(kept[job].read_text()) for job in jobs]
 
 
 def test_variant_list_is_complete_and_keys_unique():
