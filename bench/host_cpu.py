@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The launch path's Python cost on a machine without a GPU: the device layer replaced by
 stand-ins (a launch records nothing, an allocation returns a fake address, the driver's
-TMA encode writes a map where bench/NOTES.md's layout model says the H100's driver keeps
+TMA encode writes a map where docs/decisions.md's layout model says the H100's driver keeps
 dims, strides and the address), arrays by DeviceArray views. It times what
 bench/host_overhead.py times on the device (repeated call, new sizes of a known layout,
 a new layout, packed), minus what the frameworks and the driver cost there. The lent

@@ -39,12 +39,12 @@ SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 # sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64). Each
 # (block_m, block_n) fits its Q stage and two K/V stages in shared memory (227 KB) and, on
 # 192-row tiles, the three consumer warpgroups' accumulators in 160 registers; block_n is
-# the widest of those that read fastest (bench/tune_sm90.py). Tiles by class
+# the widest of those that read fastest (docs/decisions.md). Tiles by class
 # (_heuristics.sm90_rows picks the class):
 # - long: 192 query rows (three consumer warpgroups) up to d = 128, 128 (two) above;
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_TILES = {64: (192, 128), 128: (192, 80), 192: (128, 64), 256: (128, 80)}
-SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same; bench/tune_sm90.py varies it)
+SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same; docs/decisions.md)
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # Sm90Smem::kStages in fwd_sm90.cu, where two fit (else one)
 # - mid: 128-row tiles at d = 128, where a sequence's last 192-row tile would be mostly

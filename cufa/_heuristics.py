@@ -1,7 +1,7 @@
 """Every tuning rule: which tile class, kernel variant and split count a call takes, and
 how its work is grouped. Each rule is stated with one worked example; the examples use an
 H100 SXM (132 SMs, 228 KB of shared memory an SM, 3.35 TB/s). The measurements behind the
-rules are in bench/NOTES.md and docs/benchmarks.md; the variants the rules choose among
+rules are in docs/decisions.md and docs/benchmarks.md; the variants the rules choose among
 are _compile's catalog."""
 import functools
 import math

@@ -109,7 +109,7 @@ def signature(arrays, names):
     (shape and strides at 1 and 2 in every entry: _fwd_plan._layout_key) -- and its device
     address.
     Torch tensors and CuPy arrays are read directly, without a view object (a repeated
-    call's host cost, bench/host_breakdown.py); anything else is viewed through
+    call's host cost, docs/decisions.md); anything else is viewed through
     as_device_array, which checks it. Not checked here: a plan is made only after its
     arrays passed validation, so a key that finds one describes valid arrays."""
     key, addresses = [], []

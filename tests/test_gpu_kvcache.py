@@ -271,7 +271,7 @@ def test_random_calls(seed):
 
 
 def random_spec(rng):
-    """A random flash_attn_with_kvcache case (build's arguments); bench/fuzz.py draws
+    """A random flash_attn_with_kvcache case (build's arguments); tests/stress/fuzz.py draws
     from it too."""
     pick = (lambda options: options[int(rng.integers(len(options)))])
     page_size = pick([None, None, 1, 16, 64, 256])

@@ -168,7 +168,7 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u3
 // ptxas places the wait for an in-flight wgmma as early as it may, above independent
 // work: the P V wait went above the whole softmax, so a warpgroup's exponentials never ran
 // under its own product. A shared-memory store that depends on the row sums and never
-// runs (sums are >= 0) holds the wait below them (NOTES.md steps 27 and 44).
+// runs (sums are >= 0) holds the wait below them (docs/decisions.md steps 27 and 44).
 __device__ __forceinline__ void hold_wait_below(float a, float b, u32 smem) {
   asm volatile(
       "{\n.reg .pred p, q;\n"

@@ -17,7 +17,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // kChains: a row's block max and sum run as that many independent chains, joined at the
 // end. One chain of 16-64 dependent adds is latency the scheduler cannot fill while the
 // SM's other warps wait on their products (sm90 forward at d <= 128: ncu's "wait" stalls
-// 1.58 an instruction against cuDNN's 0.91; NOTES.md step 43).
+// 1.58 an instruction against cuDNN's 0.91; docs/decisions.md step 43).
 template <int kMTiles, int kChains = 1>
 struct OnlineSoftmax {
   float row_max[kMTiles][2];  // raw score units; -inf until the row sees a key

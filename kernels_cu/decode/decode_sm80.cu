@@ -10,7 +10,7 @@
 //   CTA, when there are too few (sequence, KV head) pairs to fill the GPU; the chunks'
 //   normalized outputs merge by their lse, in decode_combine or, for an eager call whose
 //   merge one pass of the CTA covers, in the chunk that finishes last (merge_if_last: a
-//   launch less, of host and of GPU time; bench/NOTES.md).
+//   launch less, of host and of GPU time; docs/decisions.md).
 // decode_append runs first when the call appends keys or applies rotary embedding.
 #include "cache.cuh"
 #include "score.cuh"
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
   constexpr int kStep = Shape::kStepTiles;
   // Page ids a step ahead: pages of 16 and 256 read 1-2 % faster at d = 128 on an H100;
   // at d = 64 (two tiles a step, more CTAs an SM) they read within +-2 %, as often
-  // slower, so it keeps the lookup at the copy (bench/NOTES.md).
+  // slower, so it keeps the lookup at the copy (docs/decisions.md).
   constexpr bool kPagesAhead = kStep == 1;
   const u32 stages = sq + Shape::kQBytes + warp * Shape::kWarpBytes;
   const u16* k_head = reinterpret_cast<const u16*>(p.k) + h_k * p.k_head_stride;

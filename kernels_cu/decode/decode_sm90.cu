@@ -1,6 +1,6 @@
 // The decode kernel with its K/V tiles by TMA (sm_90, head dim 64, contiguous caches): on
 // an H100 it reads the large caches 1-3.5 % faster than decode_kernel's per-thread
-// cp.async (bench/NOTES.md: the copy engine reads one KV head's stripe at 3.1 TB/s where
+// cp.async (docs/decisions.md: the copy engine reads one KV head's stripe at 3.1 TB/s where
 // per-thread loads read 3.0). The math is decode_kernel's, through the same headers;
 // what changes is where the bytes come from:
 // - one producer lane issues a 64-key box of K and one of V a stage (the maps view the
@@ -22,7 +22,7 @@
 //   and issues the ring's first boxes before cache_seq's lengths land (their positions
 //   need none), and Q's copies go out before the lengths too; only the consumer warps
 //   wait for Q, on a named barrier. (An H100 timeline: Q lands ~1.8 us after entry, with
-//   the ring's first boxes already in flight; bench/NOTES.md.)
+//   the ring's first boxes already in flight; docs/decisions.md.)
 #include "cache.cuh"
 #include "score.cuh"
 #include "epilogue.cuh"

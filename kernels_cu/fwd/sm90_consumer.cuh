@@ -97,7 +97,7 @@ __device__ __forceinline__ bool scores_to_probs_keys(float (&acc)[1][kTiles][4],
 }
 
 // -- a K or V stage is released by one thread a consumer warpgroup (as FA3's and cuDNN's
-//    consumers do; an arrival from all 128 measured slower on short causal rows, NOTES.md
+//    consumers do; an arrival from all 128 measured slower on short causal rows, docs/decisions.md
 //    step 42): the warpgroup's wgmma has read it once any of its threads has waited for it --
 __device__ __forceinline__ void release_stage(u32 bar) {
   if (threadIdx.x % 128 == 0) mbar_arrive(bar);

@@ -85,7 +85,7 @@ __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const Te
   }
   // A box a lane, each lane issuing its own copies: one lane issuing them all, the
   // pages passed to it by shuffles, read pages of 16 at 60-65 % of a contiguous cache's
-  // speed on an H100, against 85-92 % so (bench/NOTES.md)
+  // speed on an H100, against 85-92 % so (docs/decisions.md)
   const auto load = [&](u32 dst, const TensorMap& map, u32 bar) {
     if (elected) mbar_arrive_expect_bytes(bar, Smem::kKVBytes);
     __syncwarp();  // the bytes expected before any box's land

@@ -10,7 +10,7 @@ namespace cufa {
 
 // Three shapes: 128-row tiles, two consumers, one CTA per SM (d > 64); 192-row tiles,
 // three consumers, one CTA per SM (d = 64, whose loop is short on matrix work per
-// exponential: a third warpgroup keeps the matrix units fed, +3-12 % in NOTES.md step
+// exponential: a third warpgroup keeps the matrix units fed, +3-12 % in docs/decisions.md step
 // 33); or 64-row tiles, one consumer, two CTAs per SM (short sequences, whose tiles are
 // mostly partial: half the rounding of query rows, and the SM's two CTAs hide each
 // other's per-tile latency the way the turns do for two consumers).
@@ -31,7 +31,7 @@ template <int kBlockM> constexpr int kConsumerRegs = kBlockM == 64 ? 200 : kBloc
 template <int kBlockM_, int kHeadDim_, int kBlockN_, int kQStages_, int kStages_>
 struct Sm90Smem {
   static constexpr int kBlockM = kBlockM_, kHeadDim = kHeadDim_, kBlockN = kBlockN_;
-  // K/V ring depth: two stages (three measured no faster: NOTES.md), or one where two do
+  // K/V ring depth: two stages (three measured no faster: docs/decisions.md), or one where two do
   // not fit (d = 256's 128-key blocks: the loop then waits for each product, as cuDNN's)
   static constexpr int kQStages = kQStages_, kStages = kStages_;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;

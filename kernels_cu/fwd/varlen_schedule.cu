@@ -27,7 +27,7 @@ constexpr int kKeyBuckets = 128;  // the host picks key_shift so capacity >> key
 
 // Longest decode first: under a thousand (sequence, KV head) CTAs of 1-8k keys each, the
 // ones left running at the end are then the short ones (the serving step's decodes on an
-// H100: 836 -> 785 us, bench/NOTES.md). Sequences of equal bucket follow atomics.
+// H100: 836 -> 785 us, docs/decisions.md). Sequences of equal bucket follow atomics.
 __device__ void order_decodes(const ScheduleParams& p) {
   __shared__ int count[kKeyBuckets], first[kKeyBuckets], decodes;
   const int* cu_q = reinterpret_cast<const int*>(p.cu_seqlens_q);
