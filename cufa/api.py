@@ -233,7 +233,9 @@ def _is_integral(x):
     kind = type(x)
     known = _integral_types.get(kind)
     if known is None:
-        known = _integral_types[kind] = isinstance(x, numbers.Integral)
+        known = isinstance(x, numbers.Integral)
+        if not _torch_ops.compiling(x):  # traced, the insert would become a guard: a recompile
+            _integral_types[kind] = known
     return known
 
 
