@@ -41,8 +41,9 @@ def imports_of(path):
                 base = "cufa" + ("." + node.module if node.module else "")
             else:
                 raise AssertionError(f"{path.name}:{node.lineno}: an import from above cufa")
-            if base == "cufa":  # from cufa import x / from . import x: x is a module
-                names = [f"cufa.{alias.name}" for alias in node.names]
+            if base == "cufa":  # from cufa import x: a module, or a name of __init__
+                names = [f"cufa.{alias.name}" if (PACKAGE / f"{alias.name}.py").exists()
+                         else "cufa" for alias in node.names]
             else:
                 names = [base]
         else:
