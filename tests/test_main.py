@@ -129,8 +129,8 @@ def test_without_cupy_the_hint_names_commands_that_work():
     assert r.returncode == 0, r.stderr
     text = r.stdout + r.stderr
     assert "check exits 0" in text and "info exits 0" in text and "warmup exits 1" in text
-    for command in ("CuPy is not installed", "CuPy/NVRTC unavailable", "NVRTC unavailable"):
-        line = next(l for l in text.splitlines() if l.startswith(command))
+    for start in ("CuPy is not installed", "CuPy/NVRTC unavailable", "NVRTC unavailable"):
+        line = next(line for line in text.splitlines() if line.startswith(start))
         assert "pip install -e '.[cuda13]'" in line and "python -m build" in line, line
         assert f"pip install 'dist/cufa-{cufa.__version__}-py3-none-any.whl[cuda13]'" in line
         assert "'cufa[" not in line   # cufa is on no package index
