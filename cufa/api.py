@@ -182,11 +182,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     power of two from 1 to 256.
 
     cache_seqlens: int32 (batch,) or an int (any integer held on the host: a NumPy integer,
-    a 0-d CPU tensor), the keys in the cache before this call (default: all of it). k, v (batch, seqlen_new, nheads_k, headdim), if given, are
-    written into the cache in place at positions cache_seqlens .. cache_seqlens +
-    seqlen_new - 1, and the queries attend to the old keys and the new ones. cache_batch_idx
-    int32 (batch,) picks the cache row of each sequence (contiguous cache);
-    cache_leftpad int32 (batch,) makes a sequence's keys start at that position.
+    a 0-d CPU tensor), the keys in the cache before this call (default: all of it). k, v
+    (batch, seqlen_new, nheads_k, headdim), if given, are written into the cache in place
+    at positions cache_seqlens .. cache_seqlens + seqlen_new - 1, and the queries attend
+    to the old keys and the new ones. cache_batch_idx int32 (batch,) picks the cache row
+    of each sequence (contiguous cache); cache_leftpad int32 (batch,) makes a sequence's
+    keys start at that position.
 
     Masks align bottom-right against seqlen_k = cache_seqlens + seqlen_new - leftpad, as
     in flash_attn_func: query t sees key j iff j <= t + seqlen_k - seqlen_q (causal).

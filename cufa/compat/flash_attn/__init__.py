@@ -8,7 +8,7 @@ The seven public functions take flash-attn 2's arguments, defaults and return sh
 modules of those names (see flash_attn_interface for what differs by design). Needs
 PyTorch, as flash-attn does; ``import cufa`` alone does not import it.
 """
-from . import bert_padding, flash_attn_interface, layers
+from . import bert_padding, flash_attn_interface, layers  # noqa: F401 (flash-attn's modules)
 from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func,
                                    flash_attn_qkvpacked_func, flash_attn_varlen_func,
                                    flash_attn_varlen_kvpacked_func,
