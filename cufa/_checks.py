@@ -2,6 +2,7 @@
 planners call these on views of the caller's arrays (_interop.DeviceArray) before they plan
 a new call signature; the jax.jit route calls the entry points' checks at trace time."""
 import math
+import operator
 
 import numpy as np
 
@@ -25,16 +26,34 @@ GRID_YZ_MAX = 65535     # the decode grid's y (KV heads) and z (batch)
 
 # (comparisons rather than math.isnan / isfinite: torch.compile may pass these as symbolic
 # floats, which comparisons handle and math functions do not)
-def reject_unsupported(dropout_p, return_probs, return_probs_name):
+def reject_unsupported(dropout_p):
     if not isinstance(dropout_p, (int, float)) or not dropout_p >= 0:
         raise ValueError(f"dropout_p must be a number >= 0; got {dropout_p!r}")
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 is not supported: cufa's forward has no "
                                   "dropout; pass dropout_p=0.0")
-    if return_probs:
-        raise NotImplementedError(f"{return_probs_name}=True is not supported: the attention "
-                                  "matrix is never materialized; use return_lse=True for "
-                                  "the log-sum-exp")
+
+
+def as_index(x, name, minimum, expected):
+    """x, an integer held on the host (a Python int, a NumPy integer, a 0-d integer CPU
+    tensor or array), as a Python int >= minimum, through operator.index as flash-attn
+    takes sizes and windows. Bools are refused, and so are device scalars: reading one
+    would make the host wait for the device."""
+    if type(x) is not int:
+        device = _interop.device_scalar(x)
+        if device is not None:  # (never repr'd: that too would read it)
+            raise ValueError(f"{name} is a {device}, and reading its value would make the host "
+                             f"wait for the device; pass {expected} as a Python int or a CPU "
+                             "tensor")
+        try:
+            if isinstance(x, bool) or str(getattr(x, "dtype", "")).endswith("bool"):
+                raise TypeError
+            x = operator.index(x)
+        except TypeError:
+            raise ValueError(f"{name} must be {expected}; got {x!r}") from None
+    if x < minimum:
+        raise ValueError(f"{name} must be {expected}; got {x!r}")
+    return x
 
 
 def check_dtype_device(x, name, ref, ref_name):
@@ -179,16 +198,22 @@ def check_options(softmax_scale, causal, window_size, softcap):
             check_softcap(softcap))
 
 
-def check_window(window_size, causal):
-    """flash-attn's (left, right) with -1 = unbounded -> kernel bounds; causal caps right at 0."""
+def window_ints(window_size):
+    """flash-attn's (left, right) as two Python ints >= -1 (entries may be any integer
+    as_index takes, as flash-attn's own tests pass 0-d CPU tensors)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}") from None
-    for side, n in ((left, "left"), (right, "right")):
-        if not isinstance(side, int) or isinstance(side, bool) or side < -1:
-            raise ValueError(f"window_size {n} must be an int >= -1 (-1 = unbounded); "
-                             f"got {side!r}")
+    if type(left) is not int or type(right) is not int or left < -1 or right < -1:
+        left, right = (as_index(side, f"window_size {n}", -1, "an int >= -1 (-1 = unbounded)")
+                       for side, n in ((left, "left"), (right, "right")))
+    return left, right
+
+
+def check_window(window_size, causal):
+    """flash-attn's (left, right) with -1 = unbounded -> kernel bounds; causal caps right at 0."""
+    left, right = window_ints(window_size)
     left = UNBOUNDED if left < 0 else min(left, UNBOUNDED)
     right = UNBOUNDED if right < 0 else min(right, UNBOUNDED)
     if causal:
@@ -414,9 +439,8 @@ def check_sdpa(q, k, v, mask, enable_gqa):
 
 
 def check_num_splits(num_splits):
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = chosen from the shapes); got "
-                         f"{num_splits!r}")
+    """num_splits as a Python int >= 0 (any integer as_index takes)."""
+    return as_index(num_splits, "num_splits", 0, "an int >= 0 (0 = chosen from the shapes)")
 
 
 def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,

@@ -98,6 +98,31 @@ def as_device_array(x, name):
     return _cupy_view(cupy.from_dlpack(x), x, "dlpack")
 
 
+def device_scalar(x):
+    """What x is (e.g. "PyTorch array on CUDA") where it is an array off the host, whose
+    value the host cannot read without waiting for the device; None for host values."""
+    module = type(x).__module__.split(".")[0]
+    if module in ("builtins", "numpy"):
+        return None
+    if module == "cupy":
+        return "CuPy array on CUDA"
+    if module == "torch":  # (read as torch.compile can trace it)
+        device = x.device.type
+        return None if device == "cpu" else f"PyTorch tensor on {device.upper()}"
+    where = getattr(x, "__dlpack_device__", None)
+    if where is None:
+        return None
+    try:
+        device_type = int(where()[0])
+    except Exception:  # (a traced value, say: operator.index then says what is wrong)
+        return None
+    if device_type == 1:
+        return None
+    where = ("CUDA" if device_type in (_DL_CUDA, _DL_CUDA_MANAGED)
+             else _DL_DEVICES.get(device_type, f"DLPack device type {device_type}"))
+    return f"{_framework_name(x)} array on {where}"
+
+
 def _framework_name(x):
     module = type(x).__module__.split(".")[0]
     return _FRAMEWORKS.get(module, module)
@@ -288,6 +313,13 @@ def returns_jax(like):
 def to_jax(native):
     import jax.dlpack
     return jax.dlpack.from_dlpack(native)
+
+
+def empty_of(like):
+    """An empty (0,) array of `like`'s framework, dtype and device (a torch tensor of its
+    own: a view would share `like`'s autograd history)."""
+    new_empty = getattr(like, "new_empty", None)
+    return new_empty((0,)) if new_empty is not None else like[:0].reshape(0)
 
 
 def to_caller(native, like):

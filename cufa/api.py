@@ -4,7 +4,7 @@ traces the call, to that framework's front-end (_torch_ops, _jax)."""
 import numbers
 
 from . import _compile, _decode_plan, _fwd_plan, _interop, _jax, _runtime, _torch_ops
-from ._checks import NO_WINDOW, reject_unsupported
+from ._checks import NO_WINDOW, as_index, check_num_splits, reject_unsupported, window_ints
 from ._decode_plan import merge, with_kvcache
 from ._fwd_plan import dense, packed, sdpa
 
@@ -32,27 +32,32 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     Returns out shaped like q (in `out` if given), and with return_lse=True also
     lse (batch, nheads, seqlen_q) float32 = log sum_j exp(score_ij). Rows that see no
-    key give 0 and lse -inf. The forward is deterministic; `deterministic` is accepted
-    for compatibility.
+    key give 0 and lse -inf. return_attn_probs=True returns (out, lse, S_dmask) as
+    flash-attn does without dropout, S_dmask an empty (0,) array of q's framework and
+    dtype (the probabilities are never materialized). The forward is deterministic;
+    `deterministic` is accepted for compatibility. Window entries may be any integer
+    held on the host (NumPy integers, 0-d CPU tensors).
     """
-    reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    reject_unsupported(dropout_p)
+    return_lse = return_lse or return_attn_probs
     if _other_route(q):
         if _torch_ops.compiling(q):
             if out is not None:
                 raise NotImplementedError("out= is not supported inside torch.compile")
-            left, right = window_size
-            o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal, left, right,
-                                                 softcap, alibi_slopes)
-            return (o, lse) if return_lse else o
+            o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal,
+                                                 *window_ints(window_size), softcap,
+                                                 alibi_slopes)
+            return _returned(o, lse, return_lse, return_attn_probs)
         if _jax.tracing(q, k, v, alibi_slopes):
             o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v,
                                                         alibi_slopes=alibi_slopes),
                                 dict(softmax_scale=softmax_scale, causal=causal,
-                                     window_size=window_size, softcap=softcap),
+                                     window_size=window_ints(window_size), softcap=softcap),
                                 out=out, lse=return_lse)
-            return (o, *lse) if return_lse else o
-    return dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
-                 window_size=window_size, softcap=softcap, return_lse=return_lse)
+            return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
+    result = dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
+                   window_size=window_size, softcap=softcap, return_lse=return_lse)
+    return _returned(*result, True, True) if return_attn_probs else result
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -86,11 +91,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     0, non-decreasing, last equal to the rows, seqused_k within the key lengths. Without
     it, malformed values cannot make the kernel read or write outside the tensors, but
     the result is undefined.
+
+    return_attn_probs=True returns (out, lse, S_dmask) as in flash_attn_func.
     """
-    reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
-    for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
-        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-            raise ValueError(f"{n} must be an int >= 0; got {m!r}")
+    reject_unsupported(dropout_p)
+    if not (type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and max_seqlen_q >= 0 <= max_seqlen_k):  # (as_index: other integers, or the error)
+        max_seqlen_q, max_seqlen_k = (as_index(m, n, 0, "an int >= 0") for m, n in (
+            (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
+    return_lse = return_lse or return_attn_probs
     if _other_route(q):
         if _torch_ops.compiling(q):
             if out is not None:
@@ -101,8 +110,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                  "code")
             o, lse = _torch_ops.op("flash_attn_varlen")(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, *window_size, softcap, alibi_slopes, seqused_k, block_table)
-            return (o, lse) if return_lse else o
+                causal, *window_ints(window_size), softcap, alibi_slopes, seqused_k, block_table)
+            return _returned(o, lse, return_lse, return_attn_probs)
         arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table)
         if _jax.tracing(*arrays.values()):
@@ -110,12 +119,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
                                  "function does not have; check them outside jax.jit")
             o, *lse = _jax.call("flash_attn_varlen_func", arrays, dict(
-                softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                softmax_scale=softmax_scale, causal=causal, window_size=window_ints(window_size),
                 softcap=softcap), out=out, lse=return_lse)
-            return (o, *lse) if return_lse else o
-    return packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out,
-                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                  softcap=softcap, return_lse=return_lse, check_cu_seqlens=check_cu_seqlens)
+            return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
+    result = packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table,
+                    out, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    softcap=softcap, return_lse=return_lse, check_cu_seqlens=check_cu_seqlens)
+    return _returned(*result, True, True) if return_attn_probs else result
+
+
+def _returned(o, lse, return_lse, return_attn_probs):
+    """What flash_attn_func and flash_attn_varlen_func return: flash-attn's (out, lse,
+    S_dmask) with return_attn_probs, S_dmask empty as flash-attn's is without dropout."""
+    if return_attn_probs:
+        return o, lse, _interop.empty_of(o)
+    return (o, lse) if return_lse else o
 
 
 def _other_route(q):
@@ -139,7 +157,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Rows that see no key give 0 (PyTorch's math backend gives NaN there).
     """
-    reject_unsupported(dropout_p, False, None)
+    reject_unsupported(dropout_p)
     if _torch_ops.compiling(query):
         return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -163,12 +181,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     sequence b is row j % page_size of page block_table[b, j // page_size]; page_size a
     power of two from 1 to 256.
 
-    cache_seqlens: int32 (batch,) or an int, the keys in the cache before this call
-    (default: all of it). k, v (batch, seqlen_new, nheads_k, headdim), if given, are
-    written into the cache in place at positions cache_seqlens .. cache_seqlens +
-    seqlen_new - 1, and the queries attend to the old keys and the new ones. cache_batch_idx
-    int32 (batch,) picks the cache row of each sequence (contiguous cache);
-    cache_leftpad int32 (batch,) makes a sequence's keys start at that position.
+    cache_seqlens: int32 (batch,) or an int (any integer held on the host: a NumPy integer,
+    a 0-d CPU tensor), the keys in the cache before this call (default: all of it). k, v
+    (batch, seqlen_new, nheads_k, headdim), if given, are written into the cache in place
+    at positions cache_seqlens .. cache_seqlens + seqlen_new - 1, and the queries attend
+    to the old keys and the new ones. cache_batch_idx int32 (batch,) picks the cache row
+    of each sequence (contiguous cache); cache_leftpad int32 (batch,) makes a sequence's
+    keys start at that position.
 
     Masks align bottom-right against seqlen_k = cache_seqlens + seqlen_new - leftpad, as
     in flash_attn_func: query t sees key j iff j <= t + seqlen_k - seqlen_q (causal).
@@ -191,11 +210,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     no copy is made; without donation, or eagerly, XLA copies each cache once per call.
     """
     fixed = None
-    if cache_seqlens is None or _is_integral(cache_seqlens):
-        if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and cache_seqlens < 0):
-            raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 array; got "
-                             f"{cache_seqlens!r}")
-        fixed, cache_seqlens = (None if cache_seqlens is None else int(cache_seqlens)), None
+    if cache_seqlens is None or _is_integral(cache_seqlens) or getattr(
+            cache_seqlens, "ndim", None) == 0:  # (an int, or a 0-d array: one length for all)
+        fixed, cache_seqlens = (None if cache_seqlens is None else as_index(
+            cache_seqlens, "cache_seqlens", 0, "an int >= 0 or an int32 (batch,) array")), None
+    if type(num_splits) is not int:
+        num_splits = check_num_splits(num_splits)
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
               cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
     if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
@@ -206,14 +226,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                *window_size, softcap, bool(rotary_interleaved), alibi_slopes, num_splits)
+                *window_ints(window_size), softcap, bool(rotary_interleaved), alibi_slopes,
+                num_splits)
             return (o, lse) if return_softmax_lse else o
         if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
             if check_inputs:
                 raise ValueError("check_inputs=True is not supported for JAX arrays: under "
                                  "jax.jit there are no device values to read")
             options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
-                           window_size=window_size, softcap=softcap,
+                           window_size=window_ints(window_size), softcap=softcap,
                            rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
             o, lse, *caches = _jax.call("flash_attn_with_kvcache",
                                         dict(zip(_decode_plan.ARRAYS, arrays)), options,

@@ -145,6 +145,22 @@ def test_options_are_static_in_the_callback(numpy_device, rng):
     assert spec.options["window_size"] == (2, 1) and spec.options["softcap"] == 5.0
 
 
+def test_host_integer_windows_and_attn_probs_under_jit(numpy_device, rng):
+    q = randn(rng, (1, 5, 2, 16))
+    o, lse, s = jax.jit(lambda q: cufa.flash_attn_func(
+        q, q, q, window_size=(np.int64(2), np.array(1)), return_attn_probs=True))(q)
+    window = numpy_device[-1].options["window_size"]
+    assert window == (2, 1) and {type(w) for w in window} == {int}  # ints in the static options
+    assert s.shape == (0,) and s.dtype == q.dtype and lse.shape == (1, 2, 5)
+    o_ref, lse_ref = reference.attention(*(np.asarray(q, np.float64),) * 3, window_size=(2, 1))
+    close(o, o_ref)
+    close(lse, lse_ref, 1e-3)
+    qp, cu = randn(rng, (9, 2, 16)), jnp.array([0, 4, 9], jnp.int32)
+    o, lse, s = jax.jit(lambda q, cu: cufa.flash_attn_varlen_func(
+        q, q, q, cu, cu, np.int32(5), np.int32(5), return_attn_probs=True))(qp, cu)
+    assert o.shape == (9, 2, 16) and lse.shape == (2, 9) and s.shape == (0,)
+
+
 def test_varlen_lengths_are_values_not_shapes(numpy_device, rng):
     q, k = randn(rng, (20, 2, 32)), randn(rng, (24, 2, 32))
     traces = []

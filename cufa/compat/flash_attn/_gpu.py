@@ -1,0 +1,190 @@
+"""flash-attn's raw entry points on cufa -- ``flash_attn_gpu``, its CUDA extension: fwd,
+varlen_fwd, fwd_kvcache, bwd and varlen_bwd, with their positional signatures -- and the
+translations of flash-attn's conventions that every compat function shares. The backward
+entry points check their `generator` slot as flash-attn does, then raise
+NotImplementedError: cufa has no backward pass yet."""
+import functools
+import numbers
+
+import torch
+
+import cufa
+from cufa._checks import MAX_PAGE_SIZE, as_index
+
+
+class FlashAttnValueError(ValueError, RuntimeError):
+    """A cufa ValueError that is also the RuntimeError flash-attn raises for such input
+    (its checks are TORCH_CHECKs), so that code catching either catches it."""
+
+
+class FlashAttnTypeError(TypeError, RuntimeError):
+    """A cufa TypeError that is also flash-attn's RuntimeError (see FlashAttnValueError)."""
+
+
+def runtime_errors(fn):
+    """fn, raising its ValueErrors and TypeErrors as FlashAttnValueError and
+    FlashAttnTypeError (same message and traceback)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, RuntimeError):
+                raise
+            kind = FlashAttnValueError if isinstance(e, ValueError) else FlashAttnTypeError
+            raise kind(*e.args).with_traceback(e.__traceback__) from None
+    return call
+
+
+def detached(x):
+    """x without its autograd history (cufa refuses inputs that require grad)."""
+    return x.detach() if x is not None and x.requires_grad else x
+
+
+def cufa_pages(k_cache, v_cache, block_table):
+    """A paged cache as cufa takes it. flash-attn's pages hold a multiple of 256 rows and
+    cufa's a power of two up to 256, so a page of 256 x m rows is seen as m pages of 256
+    (views of the same memory) and each page id p of block_table as p m .. p m + m - 1 (a
+    small op on the device: no sync, and a CUDA graph captures it). Other caches are
+    passed on as they are, for cufa to take or to say what it takes."""
+    rows = k_cache.shape[1]
+    if block_table is None or rows <= MAX_PAGE_SIZE or rows % MAX_PAGE_SIZE:
+        return k_cache, v_cache, block_table
+    m = rows // MAX_PAGE_SIZE
+    caches = []
+    for cache in (k_cache, v_cache):
+        pages, _, heads, d = cache.shape
+        page_stride, row_stride, head_stride, col_stride = cache.stride()
+        if page_stride != rows * row_stride:  # (sub-pages a single stride cannot reach)
+            return k_cache, v_cache, block_table
+        caches.append(cache.as_strided((pages * m, MAX_PAGE_SIZE, heads, d), (
+            MAX_PAGE_SIZE * row_stride, row_stride, head_stride, col_stride)))
+    parts = torch.arange(m, dtype=block_table.dtype, device=block_table.device)
+    return caches[0], caches[1], (block_table.unsqueeze(-1) * m + parts).flatten(1)
+
+
+def check_block_table_capacity(cache_seqlens, k, block_table, page_rows):
+    """Raise, as flash-attn does, where a paged cache's longest sequence with its new keys
+    passes the positions block_table addresses. flash-attn reads max(cache_seqlens) for
+    it, a device sync, and so does this, except while a CUDA graph is being captured:
+    there reading would break the capture, and cufa clamps the lengths instead (no access
+    outside the cache; cufa.flash_attn_with_kvcache never reads them unless asked by
+    check_inputs=True)."""
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.ndim == 1:
+        if capturing(cache_seqlens):
+            return
+        longest = int(cache_seqlens.max()) if cache_seqlens.numel() else 0
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        longest = int(cache_seqlens)
+    else:  # None (the whole cache), or a form cufa checks itself
+        return
+    new = 0 if k is None else k.shape[1]
+    capacity = block_table.shape[1] * page_rows
+    if longest + new > capacity:
+        raise RuntimeError(
+            f"paged KV cache: max(cache_seqlens){' + seqlen_new' if new else ''} = "
+            f"{longest + new} exceeds the {capacity} positions block_table addresses "
+            f"({block_table.shape[1]} pages of {page_rows}); give block_table more columns")
+
+
+def capturing(x):
+    """Whether x is a CUDA tensor and a CUDA graph is being captured on the current stream."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, out=None):
+    """flash_attn_with_kvcache with flash-attn's paged caches and its block_table check."""
+    if block_table is not None:
+        check_block_table_capacity(cache_seqlens, k, block_table, k_cache.shape[1])
+        k_cache, v_cache, block_table = cufa_pages(k_cache, v_cache, block_table)
+    return cufa.flash_attn_with_kvcache(
+        detached(q), k_cache, v_cache, detached(k), detached(v), rotary_cos, rotary_sin,
+        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+        window_size, softcap, rotary_interleaved, detached(alibi_slopes), num_splits,
+        return_softmax_lse, out=out)
+
+
+def _no_generator(gen):
+    if gen is not None:
+        raise RuntimeError("generator: the `generator` argument is no longer supported and "
+                           "must be None (the slot keeps the arguments' positions)")
+
+
+def _softmax_needs_dropout(return_softmax, p_dropout):
+    if return_softmax and not p_dropout > 0:
+        raise RuntimeError("return_softmax=True needs p_dropout > 0: without dropout the "
+                           "attention matrix is not returned")
+
+
+def _no_softmax_no_rng(q):
+    """fwd's S_dmask and rng_state without dropout: empty, and two unused int64s."""
+    return [q.new_empty((0,)), torch.empty(2, dtype=torch.int64, device=q.device)]
+
+
+@runtime_errors
+def fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, window_size_left,
+        window_size_right, softcap, return_softmax, gen_):
+    """[out, softmax_lse, S_dmask, rng_state] of (batch, seqlen, nheads, headdim) q, k, v."""
+    _no_generator(gen_)
+    _softmax_needs_dropout(return_softmax, p_dropout)
+    out, lse = cufa.flash_attn_func(
+        detached(q), detached(k), detached(v), p_dropout, softmax_scale, is_causal,
+        (window_size_left, window_size_right), softcap, detached(alibi_slopes_),
+        return_lse=True, out=out_)
+    return [out, lse] + _no_softmax_no_rng(q)
+
+
+@runtime_errors
+def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k_, block_table_,
+               alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors,
+               is_causal, window_size_left, window_size_right, softcap, return_softmax, gen_,
+               num_splits=0):
+    """[out, softmax_lse, S_dmask, rng_state] of a packed batch (total, nheads, headdim), k
+    and v a paged cache with block_table_."""
+    _no_generator(gen_)
+    _softmax_needs_dropout(return_softmax, p_dropout)
+    if leftpad_k_ is not None:
+        raise NotImplementedError("leftpad_k is not supported: cufa's packed forward has no "
+                                  "left padding of the keys (flash_attn_with_kvcache has "
+                                  "cache_leftpad)")
+    if block_table_ is not None and as_index(num_splits, "num_splits", 0, "an int >= 0") > 1:
+        raise RuntimeError("num_splits > 1 is not supported for varlen paged KV: pass 0 or 1")
+    k, v, block_table = cufa_pages(k, v, block_table_)
+    if zero_tensors:  # (flash-attn zeroes out, then writes the sequences' rows)
+        out_ = torch.zeros_like(q) if out_ is None else out_.zero_()
+    out, lse = cufa.flash_attn_varlen_func(
+        detached(q), detached(k), detached(v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, p_dropout, softmax_scale, is_causal, (window_size_left, window_size_right),
+        softcap, detached(alibi_slopes_), return_lse=True, out=out_, seqused_k=seqused_k,
+        block_table=block_table)
+    return [out, lse] + _no_softmax_no_rng(q)
+
+
+@runtime_errors
+def fwd_kvcache(q, kcache, vcache, k_, v_, seqlens_k_, rotary_cos_, rotary_sin_,
+                cache_batch_idx_, leftpad_k_, block_table_, alibi_slopes_, out_, softmax_scale,
+                is_causal, window_size_left, window_size_right, softcap, is_rotary_interleaved,
+                num_splits):
+    """[out, softmax_lse] of new queries against a KV cache, appending k_ and v_."""
+    return list(kvcache(q, kcache, vcache, k_, v_, rotary_cos_, rotary_sin_, seqlens_k_,
+                        cache_batch_idx_, leftpad_k_, block_table_, softmax_scale, is_causal,
+                        (window_size_left, window_size_right), softcap, is_rotary_interleaved,
+                        alibi_slopes_, num_splits, True, out=out_))
+
+
+def bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout, softmax_scale,
+        is_causal, window_size_left, window_size_right, softcap, deterministic, gen_, rng_state):
+    """flash-attn's backward: not in cufa yet."""
+    _no_generator(gen_)
+    raise NotImplementedError("flash_attn_gpu.bwd: cufa has no backward pass yet")
+
+
+def varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
+               alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors,
+               is_causal, window_size_left, window_size_right, softcap, deterministic, gen_,
+               rng_state):
+    """flash-attn's packed backward: not in cufa yet."""
+    _no_generator(gen_)
+    raise NotImplementedError("flash_attn_gpu.varlen_bwd: cufa has no backward pass yet")

@@ -1,0 +1,2 @@
+"""flash-attn 2's ``layers``: ``rotary.apply_rotary_emb``."""
+from . import rotary  # noqa: F401 (flash_attn.layers.rotary, as an attribute too)
