@@ -4,14 +4,15 @@ traces the call, to that framework's front-end (_torch_ops, _jax)."""
 import numbers
 
 from . import _compile, _decode_plan, _fwd_plan, _interop, _jax, _runtime, _torch_ops
-from ._checks import NO_WINDOW, reject_unsupported
+from ._checks import NO_WINDOW, reject_unsupported, sink_without_grad
 from ._decode_plan import merge, with_kvcache
 from ._fwd_plan import dense, packed, sdpa
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, return_lse=False, out=None):
+                    return_attn_probs=False, *, return_lse=False, out=None,
+                    learnable_sink=None):
     """Exact attention ``softmax(q k^T * scale + mask) v``, flash-attn 2 conventions.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
@@ -30,36 +31,45 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     scaled score s by ``softcap * tanh(s / softcap)``. alibi_slopes, float32 (nheads,) or
     (batch, nheads), adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
 
+    learnable_sink, float32, float16 or bfloat16 (nheads,): query head h's sink logit
+    (gpt-oss), one more term exp(sink_h) in every row's softmax denominator that adds no
+    value; taken as it is, never scaled, capped or masked.
+
     Returns out shaped like q (in `out` if given), and with return_lse=True also
-    lse (batch, nheads, seqlen_q) float32 = log sum_j exp(score_ij). Rows that see no
-    key give 0 and lse -inf. The forward is deterministic; `deterministic` is accepted
-    for compatibility.
+    lse (batch, nheads, seqlen_q) float32 = log(sum_j exp(score_ij) [+ exp(sink_h)]). Rows
+    that see no key give 0 and lse -inf (lse = sink_h with a sink). The forward is
+    deterministic; `deterministic` is accepted for compatibility.
     """
     reject_unsupported(dropout_p, return_attn_probs, "return_attn_probs")
+    if learnable_sink is not None:
+        learnable_sink = sink_without_grad(learnable_sink)
     if _other_route(q):
         if _torch_ops.compiling(q):
             if out is not None:
                 raise NotImplementedError("out= is not supported inside torch.compile")
             left, right = window_size
             o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal, left, right,
-                                                 softcap, alibi_slopes)
+                                                 softcap, alibi_slopes, learnable_sink)
             return (o, lse) if return_lse else o
-        if _jax.tracing(q, k, v, alibi_slopes):
+        if _jax.tracing(q, k, v, alibi_slopes, learnable_sink):
             o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v,
-                                                        alibi_slopes=alibi_slopes),
+                                                        alibi_slopes=alibi_slopes,
+                                                        learnable_sink=learnable_sink),
                                 dict(softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, softcap=softcap),
                                 out=out, lse=return_lse)
             return (o, *lse) if return_lse else o
     return dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
-                 window_size=window_size, softcap=softcap, return_lse=return_lse)
+                 window_size=window_size, softcap=softcap, return_lse=return_lse,
+                 learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW,
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, return_lse=False, out=None,
-                           seqused_k=None, check_cu_seqlens=False, block_table=None):
+                           seqused_k=None, check_cu_seqlens=False, block_table=None,
+                           learnable_sink=None):
     """Attention over a packed batch of variable-length sequences (flash-attn 2 conventions).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim): the rows of all
@@ -68,7 +78,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     apply per sequence exactly as in flash_attn_func (causal aligned bottom-right per
     sequence). seqused_k, int32 (batch,), uses only the first seqused_k[b] keys of
     sequence b. Zero-length sequences and sequences without keys are legal (their rows
-    give 0 and lse -inf). lse is float32 (nheads, total_q).
+    give 0 and lse -inf, or lse = sink_h with learnable_sink, as in flash_attn_func). lse
+    is float32 (nheads, total_q).
 
     max_seqlen_q / max_seqlen_k are accepted for compatibility and may exceed the true
     maxima; the work list is built on the GPU from cu_seqlens, so they are not needed.
@@ -91,6 +102,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{n} must be an int >= 0; got {m!r}")
+    if learnable_sink is not None:
+        learnable_sink = sink_without_grad(learnable_sink)
     if _other_route(q):
         if _torch_ops.compiling(q):
             if out is not None:
@@ -101,10 +114,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                  "code")
             o, lse = _torch_ops.op("flash_attn_varlen")(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, *window_size, softcap, alibi_slopes, seqused_k, block_table)
+                causal, *window_size, softcap, alibi_slopes, seqused_k, block_table,
+                learnable_sink)
             return (o, lse) if return_lse else o
         arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table)
+                      seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
+                      learnable_sink=learnable_sink)
         if _jax.tracing(*arrays.values()):
             if check_cu_seqlens:
                 raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
@@ -115,7 +130,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             return (o, *lse) if return_lse else o
     return packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out,
                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                  softcap=softcap, return_lse=return_lse, check_cu_seqlens=check_cu_seqlens)
+                  softcap=softcap, return_lse=return_lse, learnable_sink=learnable_sink,
+                  check_cu_seqlens=check_cu_seqlens)
 
 
 def _other_route(q):
@@ -127,7 +143,8 @@ def _other_route(q):
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 learnable_sink=None):
     """PyTorch's ``scaled_dot_product_attention`` on the cufa kernels.
 
     query: (batch, heads, L, E); key, value: (batch, heads_k, S, E); fp16 or bf16.
@@ -137,16 +154,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     float32), broadcastable to (batch, heads, L, S); it is read tile by tile inside the
     kernel, never expanded. is_causal and attn_mask may be combined.
 
+    learnable_sink: as in flash_attn_func, one logit a query head (heads,).
+
     Rows that see no key give 0 (PyTorch's math backend gives NaN there).
     """
     reject_unsupported(dropout_p, False, None)
+    if learnable_sink is not None:
+        learnable_sink = sink_without_grad(learnable_sink)
     if _torch_ops.compiling(query):
-        return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                     learnable_sink)
     options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    if _jax.tracing(query, key, value, attn_mask):
+    if _jax.tracing(query, key, value, attn_mask, learnable_sink):
         return _jax.call("scaled_dot_product_attention", dict(
-            query=query, key=key, value=value, attn_mask=attn_mask), options)[0]
-    return sdpa(query, key, value, attn_mask, None, **options)
+            query=query, key=key, value=value, attn_mask=attn_mask,
+            learnable_sink=learnable_sink), options)[0]
+    return sdpa(query, key, value, attn_mask, None, **options, learnable_sink=learnable_sink)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -154,7 +177,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=NO_WINDOW, softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, out=None, check_inputs=False):
+                            return_softmax_lse=False, *, out=None, check_inputs=False,
+                            learnable_sink=None):
     """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
 
     q: (batch, seqlen_q, nheads, headdim). The cache is contiguous,
@@ -179,8 +203,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     num_splits: 0 picks a split of the keys from the shapes alone (never from device
     values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
-    splits into n (at most 128). Returns out (batch, seqlen_q, nheads, headdim), and with
-    return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q). check_inputs=True
+    splits into n (at most 128); learnable_sink (nheads,), as in flash_attn_func, enters
+    each row once, in the merge of the splits. Returns out (batch, seqlen_q, nheads,
+    headdim), and with return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q). check_inputs=True
     reads the device values first (one sync) and raises for page ids outside the cache,
     lengths past its capacity and leftpads past the lengths; without it such values are
     clamped in the kernels, so they never read or write outside the arrays.
@@ -191,13 +216,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     no copy is made; without donation, or eagerly, XLA copies each cache once per call.
     """
     fixed = None
+    if learnable_sink is not None:
+        learnable_sink = sink_without_grad(learnable_sink)
     if cache_seqlens is None or _is_integral(cache_seqlens):
         if isinstance(cache_seqlens, bool) or (cache_seqlens is not None and cache_seqlens < 0):
             raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 array; got "
                              f"{cache_seqlens!r}")
         fixed, cache_seqlens = (None if cache_seqlens is None else int(cache_seqlens)), None
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-              cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
+              cache_leftpad, block_table, alibi_slopes, learnable_sink)  # in ARRAYS' order
     if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
         if _torch_ops.compiling(q):
             if out is not None or check_inputs:
@@ -206,7 +233,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                *window_size, softcap, bool(rotary_interleaved), alibi_slopes, num_splits)
+                *window_size, softcap, bool(rotary_interleaved), alibi_slopes, num_splits,
+                learnable_sink)
             return (o, lse) if return_softmax_lse else o
         if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
             if check_inputs:
