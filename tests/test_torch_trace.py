@@ -112,7 +112,7 @@ def test_decode_without_append_is_the_op_that_mutates_nothing():
 def test_learnable_sink_is_an_optional_tensor_of_every_op():
     """A sink goes into each op as one more tensor argument (a parameter of the model, its
     values not specialized on); a parameter that requires grad is refused while tracing
-    with autograd on, as eagerly."""
+    with autograd on, as eagerly, and detached under no_grad."""
     meta = dict(dtype=torch.float16, device="meta")
     sink = torch.empty(4, dtype=torch.float32, device="meta")
 
@@ -143,3 +143,7 @@ def test_learnable_sink_is_an_optional_tensor_of_every_op():
                       fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="learnable_sink requires grad"):
         g(args[0], param)
+    with torch.no_grad():  # (inference: the parameter detached, in the graph)
+        code = _traced_graph(lambda q, s: cufa.flash_attn_func(q, q, q, learnable_sink=s),
+                             args[0], param)
+    assert "torch.ops.cufa.flash_attn" in code
