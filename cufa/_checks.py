@@ -224,6 +224,9 @@ def check_sink(s, q, nheads, q_name="q"):
                          f"{q_name}; got {s.shape}")
     if s.strides[0] != 1 and nheads > 1:
         raise ValueError(f"learnable_sink must be contiguous; got stride {s.strides[0]}")
+    if s.ptr % s.itemsize:
+        raise ValueError(f"learnable_sink must start at a multiple of its {s.itemsize}-byte "
+                         f"elements; got address {s.ptr:#x}")
     if s.device != q.device:
         raise ValueError(f"learnable_sink is on cuda:{s.device} but {q_name} is on "
                          f"cuda:{q.device}")

@@ -196,6 +196,8 @@ SINK_CASES = [
     ("per KV head", arr((2,), "bfloat16"), ValueError, "learnable_sink must have shape (4,)"),
     ("strided", arr((4,), "float32", strides=(2,)), ValueError,
      "learnable_sink must be contiguous; got stride 2"),
+    ("misaligned", arr((4,), "float32", ptr=0x7f0000000002), ValueError,
+     "learnable_sink must start at a multiple of its 4-byte elements"),
     ("other device", arr((4,), "float16", device=1), ValueError,
      "learnable_sink is on cuda:1 but (q|query) is on cuda:0"),
     ("host", np.zeros(4, np.float32), TypeError,
