@@ -210,14 +210,11 @@ def check_alibi(a, q, batch, nheads):
         raise ValueError(f"alibi_slopes must be contiguous over heads; got strides {a.strides}")
 
 
-SINK_DTYPES = _params.SINK_DTYPES
-
-
 def check_sink(s, q, nheads, q_name="q"):
     """learnable_sink: float32, float16 or bfloat16 (nheads,), one logit a query head."""
     if s is None:
         return
-    if s.dtype not in SINK_DTYPES:
+    if s.dtype not in _params.SINK_DTYPES:
         raise TypeError(f"learnable_sink must be float32, float16 or bfloat16; got {s.dtype}")
     if s.shape != (nheads,):
         raise ValueError(f"learnable_sink must have shape ({nheads},), one logit a query head of "

@@ -81,7 +81,8 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
                         k_.shape[0] if table is None else None, used)
         if table is not None:
             check_page_ids(table, k_.shape[0])
-    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, sink_ptr, o_ptr = ptrs
+    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, sink_ptr, o_ptr = (
+        ptrs)
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     sink=sink_ptr, packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
                     stream=stream, scratch=scratch, like=q)

@@ -205,10 +205,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
     splits into n (at most 128); learnable_sink (nheads,), as in flash_attn_func, enters
     each row once, in the merge of the splits. Returns out (batch, seqlen_q, nheads,
-    headdim), and with return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q). check_inputs=True
-    reads the device values first (one sync) and raises for page ids outside the cache,
-    lengths past its capacity and leftpads past the lengths; without it such values are
-    clamped in the kernels, so they never read or write outside the arrays.
+    headdim), and with return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q).
+    check_inputs=True reads the device values first (one sync) and raises for page ids
+    outside the cache, lengths past its capacity and leftpads past the lengths; without it
+    such values are clamped in the kernels, so they never read or write outside the arrays.
 
     JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
     after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.

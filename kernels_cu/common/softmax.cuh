@@ -30,11 +30,12 @@ __device__ __forceinline__ float load_sink(u64 sinks, int dtype, int h) {
 // -- a row's normalization: max m and sum = sum_j exp2(s_j - m) of its scores (log2 units;
 //    sum 0: the row saw no key), and its sink (natural log; -inf: none) -> out = acc * inv
 //    and lse. With M = max(m, sink in log2 units) neither exponential overflows:
-//      inv = exp2(m - M) / den,  lse = (M + log2 den) ln 2,  den = sum exp2(m - M) + exp2(sink - M).
-//    den >= 1 (one of its terms is sum >= 1 times exp2(0), or exp2(0)), where the
-//    one-instruction rcp and lg2 are within 2 ulp; the IEEE ones cost ~30 instructions a
-//    row. Without a sink, M = m and den = sum, the plain softmax's. A row that saw no key
-//    gets inv 0 and lse = sink --
+//      den = sum exp2(m - M) + exp2(sink - M),  inv = exp2(m - M) / den,
+//      lse = (M + log2 den) ln 2.
+//    den >= 1 (M is m, and a row that saw a key has sum >= 1: its max scores exp2(0); or M
+//    is the sink, whose term is exp2(0)), where the one-instruction rcp and lg2 are within
+//    2 ulp; the IEEE ones cost ~30 instructions a row. Without a sink, M = m and den = sum,
+//    the plain softmax's. A row that saw no key gets inv 0 and lse = sink --
 struct RowScale {
   float inv, lse;
 };
