@@ -184,8 +184,7 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen):
     qs = [torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=gen) for _ in sets]
     sdpa_kw = {"enable_gqa": True} if h != hk else {}
     graphs = []
-
-    sink = torch.randn(h, device="cuda", generator=gen)
+    sink = torch.randn(h, device="cuda", generator=gen) if "cufa_sink" in impls else None
 
     def cufa_args(name):
         """(q, k, v, cache_seqlens, block_table) per set, for the layout of `name`."""
