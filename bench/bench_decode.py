@@ -3,7 +3,7 @@
 PyTorch SDPA (flash, cuDNN), one run.
 
     python3 bench/bench_decode.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128]
-        [--shapes 1x32768,64x4096] [--reps 40] [--no-peers] [--no-plot] [--list]
+        [--shapes 1x32768,64x4096] [--reps 40] [--no-peers] [--sink] [--no-plot] [--list]
 
 Rows: dtype x heads (32 over 8, 32 over 32) x head dim x (batch, cache length N) in
 (1, 32k), (1, 128k), (8, 16k), (64, 4k), (128, 2k), (256, 1k) x seqlen_q 1 and 4, every
@@ -19,8 +19,10 @@ bench_fwd.py (bench/_timing.py): one CUDA event pair per queued call, median; ev
 implementation in interleaved rounds in random order; caches under 100 MB are two input
 sets used in turn (the H100's L2 holds 50 MB). The last column times one call at a time (a
 sync after each, host cost included) for cufa and the SDPA peers, as a server that waits
-for each step sees it. Then the serving-shaped step (mixed_batch). Writes
-DIR/bench_decode.{json,md,png}.
+for each step sees it. Then the serving-shaped step (mixed_batch). --sink also times the
+contiguous call with a float32 learnable_sink (nheads,) in the same rounds ("cufa sink";
+batch 1 rows split the keys, so the sink's merge is timed too) and reports its time over
+the call's without one. Writes DIR/bench_decode.{json,md,png}.
 """
 import argparse
 import contextlib
@@ -39,9 +41,11 @@ QUICK_SHAPES = ((1, 131072), (64, 4096), (256, 1024))
 HEADS = ((32, 8), (32, 32))
 SEQLENS_Q = (1, 4)
 PAGE_SIZES = (16, 256)
-IMPLS = ("cufa", "cufa_paged16", "cufa_paged256", "cufa_graph", "sdpa_flash", "sdpa_cudnn")
+IMPLS = ("cufa", "cufa_paged16", "cufa_paged256", "cufa_graph", "cufa_sink", "sdpa_flash",
+         "sdpa_cudnn")
 LABELS = {"cufa": "cufa", "cufa_paged16": "cufa pages 16", "cufa_paged256": "cufa pages 256",
-          "cufa_graph": "cufa graph", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN"}
+          "cufa_graph": "cufa graph", "cufa_sink": "cufa sink", "sdpa_flash": "SDPA flash",
+          "sdpa_cudnn": "SDPA cuDNN"}
 CUFA_LAYOUTS = ("cufa", "cufa_paged16", "cufa_paged256")
 ROTATE_BELOW = 100 * 2**20      # caches smaller than this: 2 input sets (past the 50 MB L2)
 COPY_BYTES = 2**30
@@ -76,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=40,
                    help="timed calls per implementation and row (median), split over the rounds")
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
+    p.add_argument("--sink", action="store_true",
+                   help="also time cufa with a learnable sink (the 'cufa sink' column)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--list", action="store_true", help="print the rows and exit (no GPU)")
     p.add_argument("--mixed-only", action="store_true",
@@ -163,11 +169,11 @@ def make_caches(torch, cfg, gen, rng):
 
 # -- one row -----------------------------------------------------------------------------------
 
-def load_impls(torch, no_peers):
+def load_impls(torch, no_peers, sink=False):
     """name -> handle, or a string saying why it is not available (the cufa module stands
-    for the four cufa columns)."""
+    for the cufa columns)."""
     cufa = T.load_cufa()
-    impls = {name: cufa for name in IMPLS[:4]}
+    impls = {name: cufa for name in IMPLS[:4] + (("cufa_sink",) if sink else ())}
     return impls if no_peers else {**impls, **T.load_peers(torch)}
 
 
@@ -178,10 +184,11 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen):
     qs = [torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=gen) for _ in sets]
     sdpa_kw = {"enable_gqa": True} if h != hk else {}
     graphs = []
+    sink = torch.randn(h, device="cuda", generator=gen) if "cufa_sink" in impls else None
 
     def cufa_args(name):
         """(q, k, v, cache_seqlens, block_table) per set, for the layout of `name`."""
-        if name in ("cufa", "cufa_graph"):
+        if name in ("cufa", "cufa_graph", "cufa_sink"):
             return [(q, s["k"], s["v"], s["lens"], None) for q, s in zip(qs, sets)]
         kp, vp, table = zip(*(s["paged"][int(name[len("cufa_paged"):])] for s in sets))
         return [(q, kp[i], vp[i], s["lens"], table[i]) for i, (q, s) in enumerate(zip(qs, sets))]
@@ -202,7 +209,9 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen):
             return timed
 
         def call(q, k, v, lens, table):
-            return impl.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table)
+            return impl.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                                learnable_sink=sink if name == "cufa_sink"
+                                                else None)
 
         if name == "cufa_graph":
             def timed(count):
@@ -288,6 +297,8 @@ def add_ratios(row, copy_tbps):
     t = {k: v.get("us") for k, v in row["impls"].items()}
     for peer, key in (("sdpa_flash", "ratio_vs_flash"), ("sdpa_cudnn", "ratio_vs_cudnn")):
         row[key] = t[peer] / t["cufa"] if t.get("cufa") and t.get(peer) else None
+    if "cufa_sink" in t:  # the sink's cost: its median time over cufa's, less 1
+        row["sink_cost"] = t["cufa_sink"] / t["cufa"] - 1 if t["cufa"] and t["cufa_sink"] else None
 
 
 def random_page_table(lens_k, page, rng):
@@ -460,6 +471,17 @@ def unavailable(rows):
     return why
 
 
+def sink_summary(rows):
+    """What the sink costs over the rows (--sink): its time over cufa's without one."""
+    costs = sorted((r["sink_cost"], case_name(r)) for r in rows if r.get("sink_cost") is not None)
+    if not costs:
+        return None
+    median = statistics.median(c for c, _ in costs)
+    return (f"learnable sink: cufa with a sink over cufa without, {len(costs)} rows: median "
+            f"{median:+.1%}, from {costs[0][0]:+.1%} ({costs[0][1]}) to {costs[-1][0]:+.1%} "
+            f"({costs[-1][1]}); rows over +2 %: {sum(c > 0.02 for c, _ in costs)}")
+
+
 def summary_table(rows, names, judged):
     """A few lines to read last: per implementation its rows, median TB/s and the least
     fraction of copy bandwidth over big caches; then the targets."""
@@ -543,7 +565,7 @@ def main(argv=None):
     torch = T.require_torch_cuda("bench_decode")
     import numpy as np
     os.makedirs(args.out, exist_ok=True)
-    impls = load_impls(torch, args.no_peers)
+    impls = load_impls(torch, args.no_peers, args.sink)
     names = [n for n in IMPLS if n in impls]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rng = np.random.default_rng(0)
@@ -584,8 +606,10 @@ def main(argv=None):
             "input sets. cufa/flash and cufa/cuDNN: the peer's time over cufa's (contiguous).")
     why = unavailable(rows)
     na = "\n".join(f"- {LABELS[n]} n/a on {c} rows: {reason}" for n, (reason, c) in why.items())
+    sink_line = sink_summary(rows)
     report = "\n\n".join([head, markdown(rows, names), mixed_markdown(mixed),
-                           "Targets:\n\n" + targets_markdown(judged)] + ([na] if na else []))
+                           "Targets:\n\n" + targets_markdown(judged)] + ([na] if na else [])
+                         + ([sink_line] if sink_line else []))
     with open(os.path.join(args.out, "bench_decode.md"), "w") as f:
         f.write(report + "\n")
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -2,7 +2,7 @@
 """Attention forward: cufa against PyTorch SDPA (flash, cuDNN) and JAX cuDNN, one run.
 
     python3 bench/bench_fwd.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128,256]
-        [--seqlens 512,1024,...] [--causal 0,1] [--reps 48] [--no-peers] [--no-plot]
+        [--seqlens 512,1024,...] [--causal 0,1] [--reps 48] [--no-peers] [--sink] [--no-plot]
         [--no-memory] [--list]
 
 Shapes: 16,384 tokens per batch (batch = 16384 // N), heads = 2048 // headdim, plus one GQA
@@ -15,8 +15,10 @@ least 5 warm-up calls and 30 ms before each block), so a slow spell of the machi
 clocks left by the kernel before, fall on all of them rather than on whichever ran then. JAX is
 host-timed (wall clock to block_until_ready). Then cufa and the SDPA peers one call at a
 time (each call from an idle queue and waited for, wall clock: the host's cost counts, as
-for a lone call), in the table's last column. bench/_timing.py has the method. Writes
-DIR/bench_fwd.{json,md,png} and DIR/bench_fwd_bf16.png.
+for a lone call), in the table's last column. bench/_timing.py has the method. --sink also
+times cufa with a float32 learnable_sink (nheads,) on the same inputs, in the same rounds
+("cufa sink"), and reports what the sink costs: its time over cufa's without one, a row
+at a time. Writes DIR/bench_fwd.{json,md,png} and DIR/bench_fwd_bf16.png.
 """
 import argparse
 import datetime
@@ -34,9 +36,9 @@ SEQLENS, QUICK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384), (1024, 4096, 1638
 GQA = dict(head_dim=128, seqlen=4096, batch=4, nheads=32, nheads_k=8)
 ALONE_IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn")
 MEM_SEQLENS = (1024, 4096, 16384)
-IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn", "jax_cudnn")
-LABELS = {"cufa": "cufa", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN",
-          "jax_cudnn": "JAX cuDNN*"}
+IMPLS = ("cufa", "cufa_sink", "sdpa_flash", "sdpa_cudnn", "jax_cudnn")
+LABELS = {"cufa": "cufa", "cufa_sink": "cufa sink", "sdpa_flash": "SDPA flash",
+          "sdpa_cudnn": "SDPA cuDNN", "jax_cudnn": "JAX cuDNN*"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=48,
                    help="timed calls per case (median), split over the rounds")
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
+    p.add_argument("--sink", action="store_true",
+                   help="also time cufa with a learnable sink (the 'cufa sink' column)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
@@ -112,9 +116,11 @@ def case_name(r):
 
 # -- implementations -------------------------------------------------------------------------
 
-def load_impls(torch, no_peers):
+def load_impls(torch, no_peers, sink=False):
     """name -> module-ish handle, or a string saying why it is not available."""
     impls = {"cufa": T.load_cufa()}
+    if sink:
+        impls["cufa_sink"] = impls["cufa"]
     if no_peers:
         return impls
     impls.update(T.load_peers(torch))
@@ -177,8 +183,10 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
         time_events; one at a time, time_alone), or a reason."""
         if isinstance(impl, str):
             return impl
-        if name == "cufa":
-            fn = partial(impl.flash_attn_func, causal=causal)
+        if name.startswith("cufa"):
+            sink = (torch.randn(shape.nheads, device="cuda", generator=gen)
+                    if name == "cufa_sink" else None)
+            fn = partial(impl.flash_attn_func, causal=causal, learnable_sink=sink)
             return lambda n: time_calls(torch, fn, bnhd, n)
         if name.startswith("sdpa"):
             sdpa_kernel, backend = impl
@@ -240,6 +248,8 @@ def add_ratios(row):
     t = {k: v.get("tflops") for k, v in row["impls"].items()}
     for peer, key in (("sdpa_flash", "ratio_vs_flash"), ("sdpa_cudnn", "ratio_vs_cudnn")):
         row[key] = t["cufa"] / t[peer] if t.get("cufa") and t.get(peer) else None
+    if "cufa_sink" in t:  # the sink's cost: its median time over cufa's, less 1
+        row["sink_cost"] = t["cufa"] / t["cufa_sink"] - 1 if t["cufa"] and t["cufa_sink"] else None
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -321,6 +331,17 @@ def alone_summary(rows):
             f"counts), SDPA cuDNN's time over cufa's over {len(ratios)} rows: "
             f"{ratios[0]:.2f}-{ratios[-1]:.2f}, median {statistics.median(ratios):.2f}; "
             f"cufa as fast or faster on {sum(x >= 1 for x in ratios)}")
+
+
+def sink_summary(rows):
+    """What the sink costs over the rows (--sink): its time over cufa's without one."""
+    costs = sorted((r["sink_cost"], case_name(r)) for r in rows if r.get("sink_cost") is not None)
+    if not costs:
+        return None
+    median = statistics.median(c for c, _ in costs)
+    return (f"learnable sink: cufa with a sink over cufa without, {len(costs)} rows: median "
+            f"{median:+.1%}, from {costs[0][0]:+.1%} ({costs[0][1]}) to {costs[-1][0]:+.1%} "
+            f"({costs[-1][1]}); rows over +2 %: {sum(c > 0.02 for c, _ in costs)}")
 
 
 def summary(rows):
@@ -413,7 +434,7 @@ def main(argv=None):
     torch = T.require_torch_cuda("bench_fwd")
     import numpy as np
     os.makedirs(args.out, exist_ok=True)
-    impls = load_impls(torch, args.no_peers)
+    impls = load_impls(torch, args.no_peers, args.sink)
     names = [n for n in IMPLS if n in impls]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rng, jax_fns, rows = np.random.default_rng(0), {}, []
@@ -440,7 +461,9 @@ def main(argv=None):
             "each, CUDA events (calls queued behind a spinning kernel), inputs "
             "rotated past L2. "
             "* JAX is host-timed (wall clock to block_until_ready).")
+    sink_line = sink_summary(rows)
     report = "\n\n".join([head, table, line, alone_summary(rows)]
+                           + ([sink_line] if sink_line else [])
                            + ([memory_markdown(mem)] if mem else []))
     print(report)
     with open(os.path.join(args.out, "bench_fwd.md"), "w") as f:

@@ -235,6 +235,41 @@ def check_alibi(a, q, batch, nheads):
         raise ValueError(f"alibi_slopes must be contiguous over heads; got strides {a.strides}")
 
 
+def check_sink(s, q, nheads, q_name="q"):
+    """learnable_sink: float32, float16 or bfloat16 (nheads,), one logit a query head."""
+    if s is None:
+        return
+    if s.dtype not in _params.SINK_DTYPES:
+        raise TypeError(f"learnable_sink must be float32, float16 or bfloat16; got {s.dtype}")
+    if s.shape != (nheads,):
+        raise ValueError(f"learnable_sink must have shape ({nheads},), one logit a query head of "
+                         f"{q_name}; got {s.shape}")
+    if s.strides[0] != 1 and nheads > 1:
+        raise ValueError(f"learnable_sink must be contiguous; got stride {s.strides[0]}")
+    if s.ptr % s.itemsize:
+        raise ValueError(f"learnable_sink must start at a multiple of its {s.itemsize}-byte "
+                         f"elements; got address {s.ptr:#x}")
+    if s.device != q.device:
+        raise ValueError(f"learnable_sink is on cuda:{s.device} but {q_name} is on "
+                         f"cuda:{q.device}")
+
+
+def sink_without_grad(sink):
+    """A torch learnable_sink that requires grad (an nn.Parameter): detached where autograd
+    records nothing (torch.no_grad, inference_mode), so inference passes the parameter as it
+    is; refused where it records, since cufa has no backward pass yet and the sink's
+    gradient would be lost without a word."""
+    if getattr(sink, "requires_grad", False):  # (torch tensors have the attribute)
+        import torch
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "learnable_sink requires grad, but cufa has no backward pass yet: pass "
+                "learnable_sink.detach(), or call under torch.no_grad() or "
+                "torch.inference_mode()")
+        return sink.detach()
+    return sink
+
+
 def check_attn_mask(m, q, full_shape):
     if m is None:
         return
@@ -388,16 +423,17 @@ def check_cache_values(plan, seqlens, leftpad, table):
 
 # -- each entry point's arrays -------------------------------------------------------------
 
-def check_dense(q, k, v, alibi, o, out):
+def check_dense(q, k, v, alibi, sink, o, out):
     """flash_attn_func's arrays (o: out's view, or None)."""
     check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
               batch_dim=0, seq_dim=1, head_dim=2)
     batch, _, nheads, _ = q.shape
     check_alibi(alibi, q, batch, nheads)
+    check_sink(sink, q, nheads)
     check_out(out, o, q)
 
 
-def check_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out):
+def check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out):
     """flash_attn_varlen_func's arrays -> (batch, check_block_table's dict or None)."""
     paged = None
     if table is None:
@@ -422,11 +458,12 @@ def check_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out):
     if used is not None:
         check_int32_vector(used, "seqused_k", batch, q)
     check_alibi(alibi, q, batch, nheads)
+    check_sink(sink, q, nheads)
     check_out(out, o, q)
     return batch, paged
 
 
-def check_sdpa(q, k, v, mask, enable_gqa):
+def check_sdpa(q, k, v, mask, sink, enable_gqa):
     """scaled_dot_product_attention's arrays."""
     check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
               batch_dim=0, seq_dim=2, head_dim=1)
@@ -436,6 +473,7 @@ def check_sdpa(q, k, v, mask, enable_gqa):
         raise ValueError(f"key has {nheads_k} heads but query has {nheads}; "
                          "pass enable_gqa=True for grouped-query attention")
     check_attn_mask(mask, q, (batch, nheads, seqlen_q, seqlen_k))
+    check_sink(sink, q, nheads, "query")
 
 
 def check_num_splits(num_splits):
@@ -443,8 +481,8 @@ def check_num_splits(num_splits):
     return as_index(num_splits, "num_splits", 0, "an int >= 0 (0 = chosen from the shapes)")
 
 
-def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
-                  fixed):
+def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o,
+                  out, fixed):
     """flash_attn_with_kvcache's arrays (fixed: the int form of cache_seqlens, or None) ->
     (paged dict or None, capacity, cache_rows, fixed: the whole capacity where no lengths
     were given, rotary_dim, seqlen_ro)."""
@@ -466,6 +504,7 @@ def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                          f"cache's {capacity} positions")
     rotary_dim, seqlen_ro = check_rotary(cos, sin, q, d, capacity)
     check_alibi(alibi, q, batch, nheads)
+    check_sink(sink, q, nheads)
     check_out(out, o, q)
     if batch > GRID_YZ_MAX or nheads_k > GRID_YZ_MAX:
         raise ValueError(f"batch and nheads_k up to {GRID_YZ_MAX} are supported; got "

@@ -12,7 +12,8 @@ from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, pla
 
 # with_kvcache's arrays, in order (the first three required)
 ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
-          "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "out")
+          "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "learnable_sink",
+          "out")
 
 
 def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
@@ -95,10 +96,10 @@ class _KvPlan:
         return 4 * self.workspace[0]
 
 
-def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out,
-                 fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
+def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o,
+                 out, fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
     paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro = check_kvcache(
-        q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o, out, fixed)
+        q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o, out, fixed)
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
     seqlen_new = kn.shape[1] if kn is not None else 0
@@ -125,7 +126,7 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
              num_m_blocks=num_m_blocks, rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
              rotary_dtype=ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
              rotary_interleaved=int(interleaved),
-             rotary_q_per_token=int(min(window) < capacity),
+             rotary_q_per_token=int(min(window) < capacity), sink_dtype=_sink_dtype(sink),
              lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
              **_params.score_fields(window, scale, softcap, d, alibi))
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
@@ -167,6 +168,11 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
                    maps=maps, merge_in_launch=kernel.units <= 1 and _heuristics.merge_in_launch(
                        kernel, d, num_splits, seqlen_q * group))
+
+
+def _sink_dtype(sink):
+    """DecodeParams' sink_dtype of the learnable sink's view (or None)."""
+    return _params.SINK_DTYPES[sink.dtype] if sink is not None else 0
 
 
 def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device):
@@ -257,11 +263,11 @@ class PackedDecode:
         return 4 * self.workspace[0]
 
 
-def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, total_q,
+def plan_packed_decode(q, k, v, o, alibi, sink, paged, *, batch, nheads, nheads_k, d, total_q,
                        window, scale, softcap):
     """PackedDecode of validated views: q (total_q, nheads, d), k and v paged (pages,
-    page_size, nheads_k, d), o the caller's out= view or None; paged from
-    check_block_table."""
+    page_size, nheads_k, d), o the caller's out= view or None, sink the learnable sink's or
+    None; paged from check_block_table."""
     group = nheads // nheads_k
     rows = max(1, _compile.DECODE_ROWS // group)
     num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
@@ -276,6 +282,7 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
              block_table_batch_stride=paged["table_stride"], num_splits=num_splits,
              combine_row_threads=_heuristics.combine_row_threads(d, num_splits),
              num_m_blocks=num_m_blocks, lse_batch_stride=0, lse_head_stride=total_q,
+             sink_dtype=_sink_dtype(sink),
              q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
              o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
              **_params.score_fields(window, scale, softcap, d, alibi))
@@ -292,7 +299,7 @@ def plan_packed_decode(q, k, v, o, alibi, paged, *, batch, nheads, nheads_k, d, 
                                                                     rows * group))
 
 
-def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, scratch_ptr,
+def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, sink, packed, scratch_ptr,
                          order, reserved):
     """route's launches on `stream` after the forward's (_fwd_plan._launch's arguments): its
     partials in XLA's scratch under jax.jit, else in the stream's buffer past its first
@@ -302,7 +309,7 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, packed, sc
     _launch_decode(route.params, route.launches, route.workspace, route.merge_in_launch,
                    lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
-        cu_q, cu_k, used, counters, order), plan.framework, plan.device, stream,
+        cu_q, cu_k, used, counters, order, sink), plan.framework, plan.device, stream,
         scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
 
@@ -358,7 +365,7 @@ class _MergePlan:
 def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
     """ptrs: the arrays' addresses in ARRAYS order; q_array: the caller's q."""
     scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
-    q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, o_ptr = ptrs
+    q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o_ptr = ptrs
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
                                          q_array)
@@ -368,6 +375,6 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
                            lambda at, counters: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0), plan.framework,
+                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0, sink), plan.framework,
                 plan.device, stream, scratch_ptr, maps=plan.maps)
     return returned(plan, o, lse, plan.want_lse)

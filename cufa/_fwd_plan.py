@@ -13,25 +13,25 @@ from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, o
                        remember, returned, stream_call, stream_tile_counter, stream_workspace)
 
 
-_DENSE_ARRAYS = ("q", "k", "v", "alibi_slopes", "out")
+_DENSE_ARRAYS = ("q", "k", "v", "alibi_slopes", "learnable_sink", "out")
 
 
 def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, softcap,
-          return_lse, lse_out=None, stream=None, scratch=None):
+          return_lse, learnable_sink=None, lse_out=None, stream=None, scratch=None):
     """flash_attn_func on arrays or views. Under jax.jit: out is the output buffer's
     view, lse_out a view to write lse into, stream XLA's (a CUstream handle), and scratch
     (address, bytes) an XLA buffer of the plan's scratch_bytes: memory that stays valid
     when XLA replays the launches from a CUDA graph, as memory cufa allocated would not."""
     options = check_options(softmax_scale, causal, window_size, softcap)
-    arrays = (q, k, v, alibi_slopes, out)
+    arrays = (q, k, v, alibi_slopes, learnable_sink, out)
     entries, addresses = _interop.signature(arrays, _DENSE_ARRAYS)
     key = ("dense", options) + entries
     plan = plans.get(key)
     if plan is None:
         plan = remember(key, _dense_plan(arrays, entries, addresses, out, options))
-    q_ptr, k_ptr, v_ptr, alibi_ptr, o_ptr = addresses
+    q_ptr, k_ptr, v_ptr, alibi_ptr, sink_ptr, o_ptr = addresses
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
-                    lse_out=lse_out, stream=stream, scratch=scratch, like=q)
+                    sink=sink_ptr, lse_out=lse_out, stream=stream, scratch=scratch, like=q)
 
 
 def _dense_plan(arrays, entries, addresses, out, options):
@@ -39,7 +39,7 @@ def _dense_plan(arrays, entries, addresses, out, options):
     there is one, else made."""
     layout = None
     if entries[3] is None:  # (ALiBi's plans are made)
-        layout = _layout_key(("dense", options), entries, 2, 1)
+        layout = _layout_key(("dense", options, entries[4]), entries, 2, 1)
         mover = layouts.get(layout)
         if mover is not None:
             plan = mover.dense(*entries)
@@ -49,24 +49,26 @@ def _dense_plan(arrays, entries, addresses, out, options):
     return _remember_layout(layout, plan_dense(*views, out, *options), views, entries, False)
 
 
-def plan_dense(q, k, v, alibi, o, out, window, scale, softcap):
-    check_dense(q, k, v, alibi, o, out)
+def plan_dense(q, k, v, alibi, sink, o, out, window, scale, softcap):
+    check_dense(q, k, v, alibi, sink, o, out)
     batch, seqlen_q, nheads, d = q.shape
     return _plan(q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
                  nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale,
-                 bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None)
+                 bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None,
+                 sink=sink)
 
 
 PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
-                 "block_table", "out")
+                 "block_table", "learnable_sink", "out")
 
 
 def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out, *,
-           softmax_scale, causal, window_size, softcap, return_lse, check_cu_seqlens=False,
-           lse_out=None, stream=None, scratch=None):
+           softmax_scale, causal, window_size, softcap, return_lse, learnable_sink=None,
+           check_cu_seqlens=False, lse_out=None, stream=None, scratch=None):
     """flash_attn_varlen_func on arrays or views (as dense)."""
     options = check_options(softmax_scale, causal, window_size, softcap)
-    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out)
+    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table,
+              learnable_sink, out)
     entries, ptrs = _interop.signature(arrays, PACKED_ARRAYS)
     key = ("packed", options) + entries
     plan = plans.get(key)
@@ -74,14 +76,15 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
         plan = remember(key, _packed_plan(arrays, entries, ptrs, out, options))
     if check_cu_seqlens:
         views = _interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5)
-        q_, k_, _, cu_q, cu_k, used, _, table, _ = views
+        q_, k_, _, cu_q, cu_k, used, _, table, _, _ = views
         check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
                         k_.shape[0] if table is None else None, used)
         if table is not None:
             check_page_ids(table, k_.shape[0])
-    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, o_ptr = ptrs
+    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, sink_ptr, o_ptr = (
+        ptrs)
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
-                    packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
+                    sink=sink_ptr, packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
                     stream=stream, scratch=scratch, like=q)
 
 
@@ -90,7 +93,7 @@ def _packed_plan(arrays, entries, ptrs, out, options):
     there is one (paged batches and ALiBi aside), else made."""
     layout = None
     if entries[6] is None and entries[7] is None:
-        layout = _layout_key(("packed", options), entries, 1, 0)
+        layout = _layout_key(("packed", options, entries[8]), entries, 1, 0)
         mover = layouts.get(layout)
         if mover is not None:
             plan = mover.packed_batch(*entries)
@@ -100,19 +103,19 @@ def _packed_plan(arrays, entries, ptrs, out, options):
     return _remember_layout(layout, plan_packed(*views, out, *options), views, entries, True)
 
 
-def plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, softcap):
-    batch, paged = check_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out)
+def plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out, window, scale, softcap):
+    batch, paged = check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out)
     total_q, nheads, d = q.shape
     plan = _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=k.shape[-2], seqlen_q=total_q,
                  seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi,
-                 attn_mask=None, packed=True, paged=paged)
+                 attn_mask=None, packed=True, paged=paged, sink=sink)
     if paged is not None and plan.variant is not None:
         # Decode-sized sequences of a serving batch go to the decode kernel (one tile a
         # GQA group, each KV byte read once); the forward's work list leaves them out.
         plan.decode = _decode_plan.plan_packed_decode(
-            q, k, v, o, alibi, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2], d=d,
+            q, k, v, o, alibi, sink, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2], d=d,
             total_q=total_q, window=window, scale=scale, softcap=softcap)
         capacity = paged["capacity"]
         plan.work_list = plan.work_list[:3] + (_params.SCHEDULE.with_fields(
@@ -124,34 +127,34 @@ def plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, o, out, window, scale, 
     return plan
 
 
-_SDPA_ARRAYS = ("query", "key", "value", "attn_mask")
+_SDPA_ARRAYS = ("query", "key", "value", "attn_mask", "learnable_sink")
 
 
-def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa, stream=None,
-         scratch=None):
+def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa,
+         learnable_sink=None, stream=None, scratch=None):
     """scaled_dot_product_attention on arrays or views; out and stream as in dense."""
     options = (bool(is_causal), check_scale(scale, "scale"), bool(enable_gqa))
-    arrays = (query, key, value, attn_mask)
+    arrays = (query, key, value, attn_mask, learnable_sink)
     entries, addresses = _interop.signature(arrays, _SDPA_ARRAYS)
     plan_key = ("sdpa", options) + entries
     plan = plans.get(plan_key)
     if plan is None:
         plan = remember(plan_key, plan_sdpa(
             *_interop.views(arrays, _SDPA_ARRAYS, entries, addresses, 3), *options))
-    q_ptr, k_ptr, v_ptr, mask_ptr = addresses
+    q_ptr, k_ptr, v_ptr, mask_ptr, sink_ptr = addresses
     o_ptr = 0 if out is None else out.ptr
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
-                    stream=stream, scratch=scratch, like=query)
+                    sink=sink_ptr, stream=stream, scratch=scratch, like=query)
 
 
-def plan_sdpa(q, k, v, mask, is_causal, scale, enable_gqa):
-    check_sdpa(q, k, v, mask, enable_gqa)
+def plan_sdpa(q, k, v, mask, sink, is_causal, scale, enable_gqa):
+    check_sdpa(q, k, v, mask, sink, enable_gqa)
     batch, nheads, seqlen_q, d = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     return _plan(q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale,
                  bottom_right=False, window=(UNBOUNDED, 0 if is_causal else UNBOUNDED),
-                 softcap=0.0, alibi=None, attn_mask=mask)
+                 softcap=0.0, alibi=None, attn_mask=mask, sink=sink)
 
 
 # -- launch --------------------------------------------------------------------------------
@@ -277,7 +280,7 @@ class _Mover:
             self.writers = _tma.map_writers(template, plan.dtype, boxes)
             self.words = template.address_words
 
-    def dense(self, q, k, v, alibi, o):
+    def dense(self, q, k, v, alibi, sink, o):
         """The plan at the sizes of a padded batch's signature entries (o: out's or None)."""
         if self.units is None:
             self._prepare()
@@ -311,7 +314,7 @@ class _Mover:
         return self._moved(batch, q[1][2], seqlen_q, seqlen_k, tuple(q[1]), template,
                            batch_strides)
 
-    def packed_batch(self, q, k, v, cu_q, cu_k, used, alibi, table, o):
+    def packed_batch(self, q, k, v, cu_q, cu_k, used, alibi, table, sink, o):
         """The plan at the sizes of a packed batch's signature entries."""
         if self.units is None:
             self._prepare()
@@ -396,12 +399,14 @@ class _Mover:
 
 
 def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
-          bottom_right, window, softcap, alibi, attn_mask, packed=False, paged=None):
+          bottom_right, window, softcap, alibi, attn_mask, packed=False, paged=None,
+          sink=None):
     """The variant, launch shape and params of validated arrays. Padded batches: q/k/v/o
     carry a batch dimension (0). Packed batches: rows of all sequences are stacked,
     seqlen_q/k are the total rows, and lse is (nheads, total_q). out: the caller's out=
     view, or None for a new contiguous output. paged: check_block_table's dict when k/v are
-    a paged cache (seqlen_k is then its capacity a sequence)."""
+    a paged cache (seqlen_k is then its capacity a sequence). sink: the learnable sink's
+    view or None (its address comes with each call)."""
     framework = "cupy" if q.framework == "dlpack" else q.framework
     lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
     outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
@@ -424,6 +429,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         nheads=nheads, nheads_k=nheads_k, head_dim=d,
         kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
         bottom_right=int(bottom_right), **dict(zip(_SIZE_FIELDS, values)),
+        sink_dtype=_params.SINK_DTYPES[sink.dtype] if sink is not None else 0,
         **_params.score_fields(window, scale, softcap, d, alibi))
     for (batch_field, row_field, head_field), strides in zip(
             _STRIDE_FIELDS, (q.strides, k.strides, v.strides, o_strides)):
@@ -549,17 +555,17 @@ def _paged_tma_views(variant, q, k, v, d):
             (k.shape, tuple(k.strides[:3]), box_rows), (v.shape, tuple(v.strides[:3]), box_rows))
 
 
-def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, packed=None,
-             lse_out=None, stream=None, scratch=None, like=None):
+def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, sink=0,
+             packed=None, lse_out=None, stream=None, scratch=None, like=None):
     """Allocate the outputs (unless out=, or lse_out) and launch the plan on the caller's
-    current stream. q, k, v, o_ptr (out's), alibi, attn_mask: addresses; packed: the
+    current stream. q, k, v, o_ptr (out's), alibi, attn_mask, sink: addresses; packed: the
     addresses of (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table); stream, scratch:
     see dense; like: the caller's q (outputs')."""
     scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream, like)
         if plan.variant is not None:
-            _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed,
+            _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packed,
                     scratch_ptr)
     return returned(plan, o, lse, return_lse)
 
@@ -570,7 +576,8 @@ def _work_list_ints(max_tiles, num_buckets):
     return 2 * max_tiles + 1 + 3 * num_buckets
 
 
-def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scratch_ptr):
+def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packed,
+            scratch_ptr):
     """The plan's launches on `stream` (the device current); arguments as _execute's."""
     framework, device = plan.framework, plan.device
     counter = tile_list = tile_count = order = 0
@@ -600,7 +607,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
             scratch, counter = stream_tile_counter(framework, device, stream)
     params = _params.FWD.with_pointer_values(plan.params, (
         q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
-        counter, table))
+        counter, table, sink))
     args = (params,)
     if plan.tma_template is not None:
         args = (params, _tma.with_addresses(plan.tma_template, q, k, v))
@@ -613,7 +620,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, packed, scr
                   plan.variant.smem_bytes, stream, args)
     if plan.decode is not None:
         _decode_plan.launch_packed_decode(plan.decode, plan, stream, q, k, v, o_ptr, lse_ptr,
-                                          alibi, packed, scratch_ptr, order,
+                                          alibi, sink, packed, scratch_ptr, order,
                                           plan.decode.scratch_offset)
     # (scratch, the counter's buffer, is held until the launches are queued: freed
     # earlier, another thread could be handed the same memory for work ordered before ours)

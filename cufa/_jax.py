@@ -126,13 +126,14 @@ def _check(entry, views, options):
     if entry == "scaled_dot_product_attention":
         _checks.check_scale(options["scale"], "scale")
         _checks.check_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
-                           bool(options["enable_gqa"]))
+                           get("learnable_sink"), bool(options["enable_gqa"]))
     elif entry == "merge_attention_states":
         _checks.check_merge(*(get(n) for n in _decode_plan.MERGE_ARRAYS[:-1]), None, None)
     else:
         _checked_options(options)
         if entry == "flash_attn_func":
-            _checks.check_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None, None)
+            _checks.check_dense(get("q"), get("k"), get("v"), get("alibi_slopes"),
+                                get("learnable_sink"), None, None)
         elif entry == "flash_attn_varlen_func":
             _checks.check_packed(*(get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), None, None)
         else:  # flash_attn_with_kvcache
@@ -150,14 +151,15 @@ def _scratch_bytes(entry, present, options):
     import cupy
     get = _traced_views(present, cupy.cuda.runtime.getDevice()).get
     if entry == "flash_attn_func":
-        plan = _fwd_plan.plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"), None,
-                                    None, *_checked_options(options))
+        plan = _fwd_plan.plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"),
+                                    get("learnable_sink"), None, None,
+                                    *_checked_options(options))
     elif entry == "flash_attn_varlen_func":
         plan = _fwd_plan.plan_packed(*(get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), None,
                                      None, *_checked_options(options))
     elif entry == "scaled_dot_product_attention":
         plan = _fwd_plan.plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
-                                   bool(options["is_causal"]),
+                                   get("learnable_sink"), bool(options["is_causal"]),
                                    _checks.check_scale(options["scale"], "scale"),
                                    bool(options["enable_gqa"]))
     else:  # flash_attn_with_kvcache
@@ -310,19 +312,22 @@ def _view(cai, layout):
 def _run_dense(views, outs, options, stream, scratch):
     lse = outs[1] if len(outs) > 1 else None
     _fwd_plan.dense(views["q"], views["k"], views["v"], views.get("alibi_slopes"), outs[0],
-              **options, return_lse=lse is not None, lse_out=lse, stream=stream,
-              scratch=scratch)
+                    **options, return_lse=lse is not None,
+                    learnable_sink=views.get("learnable_sink"), lse_out=lse, stream=stream,
+                    scratch=scratch)
 
 
 def _run_packed(views, outs, options, stream, scratch):
     lse = outs[1] if len(outs) > 1 else None
-    _fwd_plan.packed(*(views.get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), outs[0], **options,
-                     return_lse=lse is not None, lse_out=lse, stream=stream, scratch=scratch)
+    *arrays, sink = (views.get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1])
+    _fwd_plan.packed(*arrays, outs[0], **options, return_lse=lse is not None,
+                     learnable_sink=sink, lse_out=lse, stream=stream, scratch=scratch)
 
 
 def _run_sdpa(views, outs, options, stream, scratch):
     _fwd_plan.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
-                   **options, stream=stream, scratch=scratch)
+                   **options, learnable_sink=views.get("learnable_sink"), stream=stream,
+                   scratch=scratch)
 
 
 def _run_kvcache(views, outs, options, stream, scratch):

@@ -19,6 +19,7 @@ FWD_FIELDS = [
     ("attn_mask", _PTR), ("alibi_slopes", _PTR),
     ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR), ("seqused_k", _PTR),
     ("tile_list", _PTR), ("tile_count", _PTR), ("tile_counter", _PTR), ("block_table", _PTR),
+    ("learnable_sink", _PTR),
     ("q_row_stride", _I64), ("q_head_stride", _I64),
     ("k_row_stride", _I64), ("k_head_stride", _I64),
     ("v_row_stride", _I64), ("v_head_stride", _I64),
@@ -33,7 +34,7 @@ FWD_FIELDS = [
     ("num_m_blocks", _I32), ("heads_per_group", _I32),
     ("nheads", _I32), ("nheads_k", _I32), ("head_dim", _I32), ("kv_tail_maps", _I32),
     ("bottom_right", _I32), ("window_left", _I32), ("window_right", _I32),
-    ("attn_mask_type", _I32), ("page_shift", _I32), ("num_pages", _I32),
+    ("attn_mask_type", _I32), ("page_shift", _I32), ("num_pages", _I32), ("sink_dtype", _I32),
     ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),
 ]
 
@@ -44,7 +45,7 @@ DECODE_FIELDS = [
     ("block_table", _PTR), ("alibi_slopes", _PTR),
     ("k_new", _PTR), ("v_new", _PTR), ("q_source", _PTR), ("rotary_cos", _PTR),
     ("rotary_sin", _PTR), ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR), ("seqused_k", _PTR),
-    ("split_counters", _PTR), ("decode_order", _PTR),
+    ("split_counters", _PTR), ("decode_order", _PTR), ("learnable_sink", _PTR),
     ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
     ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
     ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
@@ -60,7 +61,7 @@ DECODE_FIELDS = [
     ("num_splits", _I32), ("num_m_blocks", _I32), ("combine_row_threads", _I32),
     ("window_left", _I32), ("window_right", _I32),
     ("rotary_dim", _I32), ("seqlen_ro", _I32), ("rotary_dtype", _I32),
-    ("rotary_interleaved", _I32), ("rotary_q_per_token", _I32),
+    ("rotary_interleaved", _I32), ("rotary_q_per_token", _I32), ("sink_dtype", _I32),
     ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),
 ]
 
@@ -173,6 +174,8 @@ RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
 
 # AttnMaskType in fwd/params.cuh
 ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)
+# SinkDtype in common/softmax.cuh: learnable_sink's dtype, read by the kernels
+SINK_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def layout_asserts(record):

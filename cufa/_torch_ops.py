@@ -47,25 +47,27 @@ def _register():
     @torch.library.custom_op("cufa::flash_attn", mutates_args=())
     def flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
                    causal: bool, window_left: int, window_right: int, softcap: float,
-                   alibi_slopes: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                   alibi_slopes: Optional[Tensor],
+                   learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.dense(q, k, v, alibi_slopes, None, softmax_scale=softmax_scale,
                                causal=causal, window_size=(window_left, window_right),
-                               softcap=softcap, return_lse=True)
+                               softcap=softcap, return_lse=True, learnable_sink=learnable_sink)
 
     @flash_attn.register_fake
-    def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    def _(q, k, v, *rest):
         batch, seqlen_q, nheads, _ = q.shape
         return (q.new_empty(q.shape),
                 q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
     @torch.library.custom_op("cufa::sdpa", mutates_args=())
     def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
-             is_causal: bool, scale: Optional[float], enable_gqa: bool) -> Tensor:
+             is_causal: bool, scale: Optional[float], enable_gqa: bool,
+             learnable_sink: Optional[Tensor]) -> Tensor:
         return _fwd_plan.sdpa(query, key, value, attn_mask, None, is_causal=is_causal,
-                              scale=scale, enable_gqa=enable_gqa)
+                              scale=scale, enable_gqa=enable_gqa, learnable_sink=learnable_sink)
 
     @sdpa.register_fake
-    def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    def _(query, *rest):
         return query.new_empty(query.shape)
 
     @torch.library.custom_op("cufa::flash_attn_varlen", mutates_args=())
@@ -73,12 +75,12 @@ def _register():
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           softmax_scale: Optional[float], causal: bool, window_left: int,
                           window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                          seqused_k: Optional[Tensor],
-                          block_table: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                          seqused_k: Optional[Tensor], block_table: Optional[Tensor],
+                          learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.packed(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-            softcap=softcap, return_lse=True)
+            softcap=softcap, return_lse=True, learnable_sink=learnable_sink)
 
     @flash_attn_varlen.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
@@ -88,10 +90,11 @@ def _register():
     def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                      causal, window_left, window_right, softcap, rotary_interleaved,
-                     alibi_slopes, num_splits):
+                     alibi_slopes, num_splits, learnable_sink):
         return _decode_plan.with_kvcache(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-             cache_leftpad, block_table, alibi_slopes, None), cache_seqlen=cache_seqlen,
+             cache_leftpad, block_table, alibi_slopes, learnable_sink, None),
+            cache_seqlen=cache_seqlen,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
             softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
             return_lse=True)
@@ -113,12 +116,13 @@ def _register():
                        cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
                        softmax_scale: Optional[float], causal: bool, window_left: int,
                        window_right: int, softcap: float, rotary_interleaved: bool,
-                       alibi_slopes: Optional[Tensor],
-                       num_splits: int) -> Tuple[Tensor, Tensor]:
+                       alibi_slopes: Optional[Tensor], num_splits: int,
+                       learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
             return kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                 cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
                                 block_table, softmax_scale, causal, window_left, window_right,
-                                softcap, rotary_interleaved, alibi_slopes, num_splits)
+                                softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                learnable_sink)
         kvcache_op.register_fake(kvcache_fake)
         ops[name] = kvcache_op
 

@@ -4,14 +4,16 @@ traces the call, to that framework's front-end (_torch_ops, _jax)."""
 import numbers
 
 from . import _compile, _decode_plan, _fwd_plan, _interop, _jax, _runtime, _torch_ops
-from ._checks import NO_WINDOW, as_index, check_num_splits, reject_unsupported, window_ints
+from ._checks import (NO_WINDOW, as_index, check_num_splits, reject_unsupported,
+                      sink_without_grad, window_ints)
 from ._decode_plan import merge, with_kvcache
 from ._fwd_plan import dense, packed, sdpa
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, return_lse=False, out=None):
+                    return_attn_probs=False, *, return_lse=False, out=None,
+                    learnable_sink=None):
     """Exact attention ``softmax(q k^T * scale + mask) v``, flash-attn 2 conventions.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
@@ -30,33 +32,41 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     scaled score s by ``softcap * tanh(s / softcap)``. alibi_slopes, float32 (nheads,) or
     (batch, nheads), adds ``-slope * |i + seqlen_k - seqlen_q - j|``.
 
+    learnable_sink, float32, float16 or bfloat16 (nheads,): query head h's sink logit
+    (gpt-oss), one more term exp(sink_h) in every row's softmax denominator that adds no
+    value; taken as it is, never scaled, capped or masked.
+
     Returns out shaped like q (in `out` if given), and with return_lse=True also
-    lse (batch, nheads, seqlen_q) float32 = log sum_j exp(score_ij). Rows that see no
-    key give 0 and lse -inf. return_attn_probs=True returns (out, lse, S_dmask) as
-    flash-attn does without dropout, S_dmask an empty (0,) array of q's framework and
-    dtype (the probabilities are never materialized). The forward is deterministic;
-    `deterministic` is accepted for compatibility. Window entries may be any integer
-    held on the host (NumPy integers, 0-d CPU tensors).
+    lse (batch, nheads, seqlen_q) float32 = log(sum_j exp(score_ij) [+ exp(sink_h)]). Rows
+    that see no key give 0 and lse -inf (lse = sink_h with a sink). return_attn_probs=True
+    returns (out, lse, S_dmask) as flash-attn does without dropout, S_dmask an empty (0,)
+    array of q's framework and dtype (the probabilities are never materialized). The
+    forward is deterministic; `deterministic` is accepted for compatibility. Window
+    entries may be any integer held on the host (NumPy integers, 0-d CPU tensors).
     """
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs
+    if learnable_sink is not None:
+        learnable_sink = sink_without_grad(learnable_sink)
     if _other_route(q):
         if _torch_ops.compiling(q):
             if out is not None:
                 raise NotImplementedError("out= is not supported inside torch.compile")
             o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal,
                                                  *window_ints(window_size), softcap,
-                                                 alibi_slopes)
+                                                 alibi_slopes, learnable_sink)
             return _returned(o, lse, return_lse, return_attn_probs)
-        if _jax.tracing(q, k, v, alibi_slopes):
+        if _jax.tracing(q, k, v, alibi_slopes, learnable_sink):
             o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v,
-                                                        alibi_slopes=alibi_slopes),
+                                                        alibi_slopes=alibi_slopes,
+                                                        learnable_sink=learnable_sink),
                                 dict(softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_ints(window_size), softcap=softcap),
                                 out=out, lse=return_lse)
             return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
     result = dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
-                   window_size=window_size, softcap=softcap, return_lse=return_lse)
+                   window_size=window_size, softcap=softcap, return_lse=return_lse,
+                   learnable_sink=learnable_sink)
     return _returned(*result, True, True) if return_attn_probs else result
 
 
@@ -64,7 +74,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW,
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, return_lse=False, out=None,
-                           seqused_k=None, check_cu_seqlens=False, block_table=None):
+                           seqused_k=None, check_cu_seqlens=False, block_table=None,
+                           learnable_sink=None):
     """Attention over a packed batch of variable-length sequences (flash-attn 2 conventions).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim): the rows of all
@@ -73,7 +84,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     apply per sequence exactly as in flash_attn_func (causal aligned bottom-right per
     sequence). seqused_k, int32 (batch,), uses only the first seqused_k[b] keys of
     sequence b. Zero-length sequences and sequences without keys are legal (their rows
-    give 0 and lse -inf). lse is float32 (nheads, total_q).
+    give 0 and lse -inf, or lse = sink_h with learnable_sink, as in flash_attn_func). lse
+    is float32 (nheads, total_q).
 
     max_seqlen_q / max_seqlen_k are accepted for compatibility and may exceed the true
     maxima; the work list is built on the GPU from cu_seqlens, so they are not needed.
@@ -100,6 +112,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q, max_seqlen_k = (as_index(m, n, 0, "an int >= 0") for m, n in (
             (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
     return_lse = return_lse or return_attn_probs
+    if learnable_sink is not None:
+        learnable_sink = sink_without_grad(learnable_sink)
     if _other_route(q):
         if _torch_ops.compiling(q):
             if out is not None:
@@ -110,10 +124,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                  "code")
             o, lse = _torch_ops.op("flash_attn_varlen")(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, *window_ints(window_size), softcap, alibi_slopes, seqused_k, block_table)
+                causal, *window_ints(window_size), softcap, alibi_slopes, seqused_k, block_table,
+                learnable_sink)
             return _returned(o, lse, return_lse, return_attn_probs)
         arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table)
+                      seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
+                      learnable_sink=learnable_sink)
         if _jax.tracing(*arrays.values()):
             if check_cu_seqlens:
                 raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
@@ -124,7 +140,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
     result = packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table,
                     out, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                    softcap=softcap, return_lse=return_lse, check_cu_seqlens=check_cu_seqlens)
+                    softcap=softcap, return_lse=return_lse, learnable_sink=learnable_sink,
+                    check_cu_seqlens=check_cu_seqlens)
     return _returned(*result, True, True) if return_attn_probs else result
 
 
@@ -145,7 +162,8 @@ def _other_route(q):
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 learnable_sink=None):
     """PyTorch's ``scaled_dot_product_attention`` on the cufa kernels.
 
     query: (batch, heads, L, E); key, value: (batch, heads_k, S, E); fp16 or bf16.
@@ -155,16 +173,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     float32), broadcastable to (batch, heads, L, S); it is read tile by tile inside the
     kernel, never expanded. is_causal and attn_mask may be combined.
 
+    learnable_sink: as in flash_attn_func, one logit a query head (heads,).
+
     Rows that see no key give 0 (PyTorch's math backend gives NaN there).
     """
     reject_unsupported(dropout_p)
+    if learnable_sink is not None:
+        learnable_sink = sink_without_grad(learnable_sink)
     if _torch_ops.compiling(query):
-        return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                     learnable_sink)
     options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    if _jax.tracing(query, key, value, attn_mask):
+    if _jax.tracing(query, key, value, attn_mask, learnable_sink):
         return _jax.call("scaled_dot_product_attention", dict(
-            query=query, key=key, value=value, attn_mask=attn_mask), options)[0]
-    return sdpa(query, key, value, attn_mask, None, **options)
+            query=query, key=key, value=value, attn_mask=attn_mask,
+            learnable_sink=learnable_sink), options)[0]
+    return sdpa(query, key, value, attn_mask, None, **options, learnable_sink=learnable_sink)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -172,7 +196,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=NO_WINDOW, softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, out=None, check_inputs=False):
+                            return_softmax_lse=False, *, out=None, check_inputs=False,
+                            learnable_sink=None):
     """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
 
     q: (batch, seqlen_q, nheads, headdim). The cache is contiguous,
@@ -198,11 +223,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     num_splits: 0 picks a split of the keys from the shapes alone (never from device
     values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
-    splits into n (at most 128). Returns out (batch, seqlen_q, nheads, headdim), and with
-    return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q). check_inputs=True
-    reads the device values first (one sync) and raises for page ids outside the cache,
-    lengths past its capacity and leftpads past the lengths; without it such values are
-    clamped in the kernels, so they never read or write outside the arrays.
+    splits into n (at most 128); learnable_sink (nheads,), as in flash_attn_func, enters
+    each row once, in the merge of the splits. Returns out (batch, seqlen_q, nheads,
+    headdim), and with return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q).
+    check_inputs=True reads the device values first (one sync) and raises for page ids
+    outside the cache, lengths past its capacity and leftpads past the lengths; without it
+    such values are clamped in the kernels, so they never read or write outside the arrays.
 
     JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
     after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
@@ -210,6 +236,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     no copy is made; without donation, or eagerly, XLA copies each cache once per call.
     """
     fixed = None
+    if learnable_sink is not None:
+        learnable_sink = sink_without_grad(learnable_sink)
     if cache_seqlens is None or _is_integral(cache_seqlens) or getattr(
             cache_seqlens, "ndim", None) == 0:  # (an int, or a 0-d array: one length for all)
         fixed, cache_seqlens = (None if cache_seqlens is None else as_index(
@@ -217,7 +245,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-              cache_leftpad, block_table, alibi_slopes)  # in _ARRAYS' order
+              cache_leftpad, block_table, alibi_slopes, learnable_sink)  # in ARRAYS' order
     if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
         if _torch_ops.compiling(q):
             if out is not None or check_inputs:
@@ -227,7 +255,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                 *window_ints(window_size), softcap, bool(rotary_interleaved), alibi_slopes,
-                num_splits)
+                num_splits, learnable_sink)
             return (o, lse) if return_softmax_lse else o
         if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
             if check_inputs:

@@ -12,6 +12,12 @@ lse -inf. Score pipeline, in this order (as in the kernels):
 diag_offset is seqlen_k - seqlen_q for flash-attn's bottom-right alignment (the default)
 and 0 for PyTorch SDPA's top-left alignment.
 
+learnable_sink (nheads,), as gpt-oss writes it: head h's sink is appended to every row
+of its scores as one more logit column, taken as it is (no scale, cap, bias or mask);
+the softmax runs over the row and the column is dropped, so it takes a share of the
+denominator and adds no value. The lse includes it; a row that sees no key gives 0 and
+lse = sink.
+
 KV cache (flash_attn_with_kvcache): kvcache_attention appends, rotates and gathers each
 sequence's keys (kvcache_gather), then runs attention() per sequence; merge_states
 combines two partial results; paged_layout / to_paged / from_paged move a contiguous
@@ -80,19 +86,31 @@ def _prepare(q, k, v, softmax_scale, causal, window_size, attn_mask, diag_offset
     return qh, kh, vh, scale, visible, attn_mask, diag_offset
 
 
+def with_sink_column(s, learnable_sink):
+    """Scores (batch, nheads, rows, keys) with head h's sink appended to each row as one
+    more column (gpt-oss's formulation); s itself without a sink."""
+    if learnable_sink is None:
+        return s
+    sink = np.asarray(learnable_sink, dtype=np.float64).reshape(1, -1, 1, 1)
+    return np.concatenate([s, np.broadcast_to(sink, s.shape[:-1] + (1,))], axis=-1)
+
+
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, attn_mask=None, diag_offset=None):
-    """Naive attention: the full (seqlen_q, seqlen_k) score matrix, then softmax."""
+              alibi_slopes=None, attn_mask=None, diag_offset=None, learnable_sink=None):
+    """Naive attention: the full (seqlen_q, seqlen_k) score matrix (and the sink column),
+    then softmax."""
     qh, kh, vh, scale, visible, attn_mask, diag_offset = _prepare(
         q, k, v, softmax_scale, causal, window_size, attn_mask, diag_offset)
     rows, cols = np.arange(qh.shape[2]), np.arange(kh.shape[2])
     s = _score_mods(qh @ kh.transpose(0, 1, 3, 2), rows, cols, scale=scale, softcap=softcap,
                     alibi_slopes=alibi_slopes, attn_mask=attn_mask, visible=visible,
                     diag_offset=diag_offset)
+    s = with_sink_column(s, learnable_sink)
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
     m_safe = np.where(np.isneginf(m), 0.0, m)
     p = np.exp(s - m_safe)
     l = p.sum(axis=-1, keepdims=True)
+    p = p[..., :len(cols)]  # (the sink's column dropped: it adds no value)
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(l == 0, 0.0, (p @ vh) / l)
         lse = np.where(l == 0, -np.inf, m_safe + np.log(l))[..., 0]
@@ -101,15 +119,20 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 
 def attention_tiled(q, k, v, *, block_m=64, block_n=64, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_mask=None,
-                    diag_offset=None):
+                    diag_offset=None, learnable_sink=None):
     """The FlashAttention algorithm: Q row blocks, K/V column blocks, running max m and
-    sum l, partial output rescaled whenever the max grows, one division at the end."""
+    sum l, partial output rescaled whenever the max grows, one division at the end, where
+    the sink joins the denominator (as the kernels' finalize: M = max(m, sink), so that
+    neither exponential overflows)."""
     qh, kh, vh, scale, visible, attn_mask, diag_offset = _prepare(
         q, k, v, softmax_scale, causal, window_size, attn_mask, diag_offset)
     batch, nheads, seqlen_q, d = qh.shape
     seqlen_k = kh.shape[2]
     out = np.zeros_like(qh)
     lse = np.empty((batch, nheads, seqlen_q))
+    sink = np.full(nheads, -np.inf) if learnable_sink is None else np.asarray(
+        learnable_sink, dtype=np.float64)
+    sink = sink.reshape(1, nheads, 1, 1)
     for r0 in range(0, seqlen_q, block_m):
         rows = np.arange(r0, min(r0 + block_m, seqlen_q))
         q_blk = qh[:, :, rows]
@@ -131,18 +154,22 @@ def attention_tiled(q, k, v, *, block_m=64, block_n=64, softmax_scale=None, caus
             # -- update output accumulator --
             acc = acc * correction + p @ vh[:, :, cols]
             m_i = m_new
+        # -- finalize: the sink joins the denominator --
+        m_fin = np.maximum(m_i, sink)
+        m_safe = np.where(np.isneginf(m_fin), 0.0, m_fin)
+        l_fin = l_i * np.exp(m_i - m_safe) + np.exp(sink - m_safe)
+        acc = acc * np.exp(m_i - m_safe)
         with np.errstate(divide="ignore", invalid="ignore"):
-            out[:, :, rows] = np.where(l_i == 0, 0.0, acc / l_i)
-            m_safe = np.where(np.isneginf(m_i), 0.0, m_i)
-            lse[:, :, rows] = np.where(l_i == 0, -np.inf, m_safe + np.log(l_i))[..., 0]
+            out[:, :, rows] = np.where(l_i == 0, 0.0, acc / l_fin)
+            lse[:, :, rows] = np.where(l_fin == 0, -np.inf, m_safe + np.log(l_fin))[..., 0]
     return out.transpose(0, 2, 1, 3), lse
 
 
-def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None):
+def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, learnable_sink=None):
     """PyTorch SDPA conventions: (batch, heads, L, E), top-left causal. Returns out only."""
     tr = (lambda x: np.asarray(x).transpose(0, 2, 1, 3))
     out, _ = attention(tr(query), tr(key), tr(value), softmax_scale=scale, causal=is_causal,
-                       attn_mask=attn_mask, diag_offset=0)
+                       attn_mask=attn_mask, diag_offset=0, learnable_sink=learnable_sink)
     return out.transpose(0, 2, 1, 3)
 
 
@@ -257,12 +284,13 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                       block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                       softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                      return_softmax_lse=False, *, attend=attention):
+                      return_softmax_lse=False, *, learnable_sink=None, attend=attention):
     """flash_attn_with_kvcache in float64 (arguments as NumPy arrays; cache_seqlens an
     array or an int). Each sequence b is attention(q[b], its keys) with masks and ALiBi
     aligned bottom-right against seqlen_k(b) = cache_seqlens[b] + seqlen_new - leftpad[b],
-    key index 0 at the leftpad. num_splits and return_softmax_lse are accepted for the
-    same call signature and change nothing. attend: the per-sequence attention, called as
+    key index 0 at the leftpad, and the learnable sink. num_splits and return_softmax_lse
+    are accepted for the same call signature and change nothing (the sink enters each row
+    once, however the keys are split). attend: the per-sequence attention, called as
     attention() is (the GPU tests pass a low-precision one). Returns (out (batch,
     seqlen_q, nheads, d), lse (batch, nheads, seqlen_q), k_cache_after, v_cache_after)."""
     g = kvcache_gather(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
@@ -271,8 +299,8 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
     outs, lses = [], []
     for b, (keys, values) in enumerate(zip(g.keys, g.values)):
         o, lse = attend(g.q[b:b + 1], keys, values, softmax_scale=softmax_scale,
-                           causal=causal, window_size=window_size, softcap=softcap,
-                           alibi_slopes=alibi_row(alibi_slopes, b))
+                        causal=causal, window_size=window_size, softcap=softcap,
+                        alibi_slopes=alibi_row(alibi_slopes, b), learnable_sink=learnable_sink)
         outs.append(o)
         lses.append(lse)
     return np.concatenate(outs), np.concatenate(lses), g.k_cache, g.v_cache

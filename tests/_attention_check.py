@@ -53,12 +53,13 @@ def lowp_attention(q, k, v, **kw):
     s = reference._score_mods(s, rows, cols, scale=scale, softcap=kw.get("softcap", 0.0),
                               alibi_slopes=kw.get("alibi_slopes"), attn_mask=attn_mask,
                               visible=visible, diag_offset=diag)
+    s = reference.with_sink_column(s, kw.get("learnable_sink"))
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
     m = np.where(np.isneginf(m), 0.0, m)
     p = np.exp(s - m)
     l = p.sum(-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p_norm = np.where(l == 0, 0.0, p / l)
+        p_norm = np.where(l == 0, 0.0, p / l)[..., :len(cols)]  # (the sink adds no value)
         lse = np.where(l == 0, -np.inf, m + np.log(l))[..., 0]
     out = (to(p_norm) @ to(vh)).double().cpu().numpy()
     return out.transpose(0, 2, 1, 3), lse

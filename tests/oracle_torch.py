@@ -8,6 +8,9 @@ Where docs/api.md is silent, flash-attn 2's documented convention is followed:
   x0' = x0 cos - x1 sin, x1' = x0 sin + x1 cos; the keys written into the cache are the
   rotated ones.
 - SDPA: a row whose mask lets no key take part gives 0 (as every other entry point).
+- learnable_sink: the sink-free attention's (out, lse), then the sink added to the
+  denominator (add_sink); split-KV attends each part of the keys sink-free, merges the
+  parts and adds the sink once. (cufa.reference appends a logit column instead.)
 
 The rules are small module-level functions and one constant (SCORE_STEPS), so that a
 test can patch one of them and check that the comparison with the reference then fails.
@@ -20,6 +23,34 @@ NEG_INF = -math.inf
 
 # docs/api.md: the scaled score is capped first, ALiBi is added "after the softcap".
 SCORE_STEPS = ("softcap", "alibi")
+
+# docs/api.md: the parts of a split attention are merged sink-free, and the sink is added
+# once, after the merge.
+SINK_AFTER_MERGE = True
+
+
+def sink_logit(learnable_sink, scale):
+    """docs/api.md: the sink is a logit as it is; softmax_scale, softcap and ALiBi apply to
+    the scores only."""
+    return torch.as_tensor(learnable_sink, dtype=torch.float64)
+
+
+def add_sink(out, lse, sink):
+    """A sink-free attention's out (batch, seqlen_q, nheads, d) and lse (batch, nheads,
+    seqlen_q) with the sink (nheads,) in every row's denominator: lse' = log(exp(lse) +
+    exp(sink)), out' = exp(lse - lse') out (a row without keys: 0 and lse' = sink)."""
+    sink = sink[None, :, None].expand_as(lse)
+    new = torch.logaddexp(lse, sink)
+    w = torch.exp(lse - torch.where(torch.isneginf(new), 0.0, new))
+    return w.transpose(1, 2)[..., None] * out, new
+
+
+def key_splits(seqlen_k, num_splits):
+    """Boolean masks of the keys of each split: num_splits runs of ceil(seqlen_k /
+    num_splits) keys (the last ones possibly empty)."""
+    per = max(1, -(-seqlen_k // num_splits))
+    split = torch.arange(seqlen_k) // per
+    return [split == n for n in range(num_splits)]
 
 
 def kv_head(h, nheads, nheads_k):
@@ -62,6 +93,22 @@ def _softmax_attend(s, v):
     return out, lse
 
 
+def _attend_with_sink(s, v, learnable_sink, scale, num_splits=1):
+    """_softmax_attend over num_splits parts of the keys, merged, with the sink added once
+    (SINK_AFTER_MERGE) or to every part."""
+    sink = None if learnable_sink is None else sink_logit(learnable_sink, scale)
+    parts = [_softmax_attend(s.masked_fill(~keys, NEG_INF), v)
+             for keys in key_splits(s.shape[-1], num_splits)]
+    if sink is not None and not SINK_AFTER_MERGE:
+        parts = [add_sink(o, lse, sink) for o, lse in parts]
+    out, lse = parts[0]
+    for o, part_lse in parts[1:]:
+        out, lse = merge_attention_states(out, lse, o, part_lse)
+    if sink is not None and SINK_AFTER_MERGE:
+        out, lse = add_sink(out, lse, sink)
+    return out, lse
+
+
 def _gqa(k, nheads):
     nheads_k = k.shape[2]
     if nheads % nheads_k:
@@ -77,9 +124,10 @@ def _slopes(alibi_slopes, batch, nheads):
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-              softcap=0.0, alibi_slopes=None):
+              softcap=0.0, alibi_slopes=None, learnable_sink=None, num_splits=1):
     """flash_attn_func: q (batch, seqlen_q, nheads, d), k, v (batch, seqlen_k, nheads_k, d)
-    -> out (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q)."""
+    -> out (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q); the keys attended
+    in num_splits parts, merged."""
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k = k.shape[1]
     diag = seqlen_k - seqlen_q
@@ -92,10 +140,11 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         if step == "alibi" and alibi_slopes is not None:
             s = s + alibi_bias(_slopes(alibi_slopes, batch, nheads), seqlen_q, seqlen_k, diag)
     keep = visible(seqlen_q, seqlen_k, causal=causal, window_size=window_size, diag=diag)
-    return _softmax_attend(s.masked_fill(~keep, NEG_INF), v)
+    return _attend_with_sink(s.masked_fill(~keep, NEG_INF), v, learnable_sink, scale, num_splits)
 
 
-def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+         learnable_sink=None):
     """PyTorch's scaled_dot_product_attention: (batch, heads, L, E), causal top-left, a
     boolean mask (True takes part) or an additive one, broadcast to (batch, heads, L, S).
     Returns (out (batch, heads, L, E), lse (batch, heads, L))."""
@@ -113,7 +162,7 @@ def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_
     if is_causal:
         keep = visible(seqlen_q, seqlen_k, causal=True, window_size=(-1, -1), diag=0)
         s = s.masked_fill(~keep, NEG_INF)
-    out, lse = _softmax_attend(s, v)
+    out, lse = _attend_with_sink(s, v, learnable_sink, scale)
     return out.transpose(1, 2), lse
 
 
@@ -158,9 +207,9 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                       block_table=None, softmax_scale=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                      alibi_slopes=None):
+                      alibi_slopes=None, learnable_sink=None, num_splits=1):
     """flash_attn_with_kvcache -> (out, lse, k_cache after, v_cache after); the given caches
-    are not modified."""
+    are not modified. Each sequence's keys are attended in num_splits parts (split-KV)."""
     batch, seqlen_q, nheads, d = q.shape
     seqlen_new = 0 if k is None else k.shape[1]
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
@@ -205,7 +254,8 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             slopes = _slopes(alibi_slopes, batch, nheads)[b : b + 1]
         o, lse = attention(q_b[None], keys[None], vals[None], softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap,
-                           alibi_slopes=slopes)
+                           alibi_slopes=slopes, learnable_sink=learnable_sink,
+                           num_splits=num_splits)
         outs.append(o[0])
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses), k_cache, v_cache

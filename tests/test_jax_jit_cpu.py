@@ -50,7 +50,7 @@ def _window(options):
 
 def _dense(a, options):
     return reference.attention(a["q"], a["k"], a["v"], alibi_slopes=a.get("alibi_slopes"),
-                               **_window(options))
+                               learnable_sink=a.get("learnable_sink"), **_window(options))
 
 
 def _packed(a, options):
@@ -62,7 +62,8 @@ def _packed(a, options):
         qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         if qe > qs:
             o, l_ = reference.attention(a["q"][None, qs:qe], a["k"][None, ks:ke],
-                                        a["v"][None, ks:ke], **_window(options))
+                                        a["v"][None, ks:ke], **_window(options),
+                                        learnable_sink=a.get("learnable_sink"))
             out[qs:qe], lse[:, qs:qe] = o[0], l_[0]
     return out, lse
 
@@ -70,7 +71,8 @@ def _packed(a, options):
 def _sdpa(a, options):
     t = (lambda x: x.transpose(0, 2, 1, 3))
     o, _ = reference.attention(t(a["query"]), t(a["key"]), t(a["value"]),
-                               causal=options["is_causal"], diag_offset=0)
+                               causal=options["is_causal"], diag_offset=0,
+                               learnable_sink=a.get("learnable_sink"))
     return (t(o),)
 
 
@@ -85,8 +87,9 @@ def _kvcache(a, options):
     for b, n in enumerate(lens):
         if new:
             kc[b, n:n + new], vc[b, n:n + new] = a["k"][b], a["v"][b]
-        out[b:b + 1], lse[b:b + 1] = reference.attention(q[b:b + 1], kc[b:b + 1, :n + new],
-                                                         vc[b:b + 1, :n + new], **_window(options))
+        out[b:b + 1], lse[b:b + 1] = reference.attention(
+            q[b:b + 1], kc[b:b + 1, :n + new], vc[b:b + 1, :n + new], **_window(options),
+            learnable_sink=a.get("learnable_sink"))
     return (out, lse) + ((kc, vc) if new else ())
 
 
@@ -224,6 +227,49 @@ def test_merge_and_sdpa_under_jit(numpy_device, rng):
     assert o.shape == q.shape and o.dtype == q.dtype
 
 
+def test_learnable_sink_is_an_array_argument_of_every_entry_point(numpy_device, rng):
+    """The sink goes to the callback as one more buffer (its values not static: a new sink
+    does not trace again), in float32 or the 16-bit dtypes."""
+    traces = []
+    q, k = randn(rng, (2, 7, 4, 32)), randn(rng, (2, 9, 2, 32))
+
+    @jax.jit
+    def dense(q, k, sink):
+        traces.append(1)
+        return cufa.flash_attn_func(q, k, k, causal=True, learnable_sink=sink, return_lse=True)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.bfloat16):
+        sink = randn(rng, (4,), dtype)
+        o, lse = dense(q, k, sink)
+        o_ref, lse_ref = reference.attention(*(np.asarray(x, np.float64) for x in (q, k, k)),
+                                             causal=True,
+                                             learnable_sink=np.asarray(sink, np.float64))
+        close(o, o_ref)
+        close(lse, lse_ref, 1e-3)
+        assert "learnable_sink" in numpy_device[-1].names
+    assert len(traces) == 2  # float32, then bfloat16 once
+    sink = randn(rng, (4,), jnp.float32)
+    sink64 = np.asarray(sink, np.float64)
+    cu = jnp.asarray([0, 3, 7], jnp.int32)
+    o, lse = jax.jit(lambda q, k, cu, s: cufa.flash_attn_varlen_func(
+        q, k, k, cu, cu, 4, 4, learnable_sink=s, return_lse=True))(q[0], k[0, :7], cu, sink)
+    for b, (s0, s1) in enumerate(((0, 3), (3, 7))):
+        o_ref, lse_ref = reference.attention(*(np.asarray(x[None, s0:s1], np.float64)
+                                               for x in (q[0], k[0], k[0])),
+                                             learnable_sink=sink64)
+        close(o[s0:s1], o_ref[0])
+        close(lse[:, s0:s1], lse_ref[0], 1e-3)
+    qd = randn(rng, (2, 1, 4, 32))
+    o = jax.jit(lambda q, c, s: cufa.flash_attn_with_kvcache(
+        q, c, c, cache_seqlens=5, learnable_sink=s))(qd, k, sink)
+    close(o, reference.kvcache_attention(*(np.asarray(x, np.float64) for x in (qd, k, k)),
+                                         cache_seqlens=5, learnable_sink=sink64)[0])
+    qs = randn(rng, (1, 4, 5, 16))
+    o = jax.jit(lambda q, s: cufa.scaled_dot_product_attention(
+        q, q, q, is_causal=True, learnable_sink=s))(qs, sink)
+    q64 = np.asarray(qs, np.float64)
+    close(o, reference.sdpa(q64, q64, q64, is_causal=True, learnable_sink=sink64))
+
+
 def test_vmap_grad_and_out_raise_clear_errors(numpy_device, rng):
     q = randn(rng, (3, 1, 5, 2, 16))
     with pytest.raises(NotImplementedError, match="fold the mapped axis into the batch"):
@@ -286,6 +332,14 @@ TRACE_CASES = [
      [((2, 1, 4, 32), f16), ((2, 16, 2, 32), f16), ((3,), i32)]),
     ("merge lse", lambda oa, la, ob, lb: cufa.merge_attention_states(oa, la, ob, lb),
      [((1, 3, 2, 8), f32), ((1, 2, 3), f16), ((1, 3, 2, 8), f32), ((1, 2, 3), f32)]),
+    ("sink shape", lambda q, k, s: cufa.flash_attn_func(q, k, k, learnable_sink=s),
+     [((2, 7, 4, 32), f16), ((2, 9, 2, 32), f16), ((2,), f32)]),
+    ("sink int32", lambda q, c, s: cufa.flash_attn_with_kvcache(q, c, c, learnable_sink=s),
+     [((2, 1, 4, 32), f16), ((2, 16, 2, 32), f16), ((4,), i32)]),
+    ("varlen sink 2-D", lambda q, cu, s: cufa.flash_attn_varlen_func(
+        q, q, q, cu, cu, 7, 7, learnable_sink=s), [((7, 4, 32), f16), ((3,), i32), ((1, 4), f32)]),
+    ("sdpa sink shape", lambda q, s: cufa.scaled_dot_product_attention(q, q, q, learnable_sink=s),
+     [((1, 4, 5, 16), f16), ((5,), f16)]),
 ]
 
 

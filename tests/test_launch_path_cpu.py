@@ -583,7 +583,8 @@ def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
     lse = jax.ShapeDtypeStruct((2, 8, 1), "float32")
     plan = _decode_plan.plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
                                      None, None, None, None, view((2,), "int32"), None, None,
-                                     None, None, None, None, None, window=(1 << 30, 1 << 30),
+                                     None, None, None, None, None, None,
+                                     window=(1 << 30, 1 << 30),
                                      scale=None, softcap=0.0, interleaved=True, num_splits=5,
                                      want_lse=True)
     assert plan.scratch_bytes == 4 * plan.workspace[0] > 0
@@ -916,3 +917,87 @@ def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):
     assert plan.variant.block_m == 64 and groups == 2 * 132 // 8
     assert heads_per_group(4096, 128)[0] == _heuristics.MIN_GROUP_HEADS  # 22 blocks a head
     assert heads_per_group(16384, 128)[0] == _heuristics.L2_BUDGET // (16384 * 128 * 4)  # L2 bound
+
+
+# -- learnable sink ------------------------------------------------------------------------
+
+def test_sink_presence_and_dtype_are_the_plans_its_address_the_calls(device):
+    """A sink's presence and dtype are part of the call signature (a plan each); its
+    address is filled in per call, as every array's, and its dtype goes to the kernel
+    (no conversion launch)."""
+    q, k = view((2, 100, 4, 64)), view((2, 130, 2, 64))
+    cufa.flash_attn_func(q, k, k, causal=True)
+    r = record(device.launches[-1])
+    assert (r["learnable_sink"], r["sink_dtype"]) == (0, 0)
+    for dtype, code in (("float32", 0), ("bfloat16", 2), ("float16", 1), ("float32", 0)):
+        sink = view((4,), dtype)
+        cufa.flash_attn_func(q, k, k, causal=True, learnable_sink=sink)
+        r = record(device.launches[-1])
+        assert (r["learnable_sink"], r["sink_dtype"]) == (sink.ptr, code)
+        assert len(device.launches[-1][2]) == 2  # the record and the TMA maps: nothing else
+    assert len(_runtime.plans) == 4 and len(device.launches) == 5
+    assert len(device.allocations) == 5  # outputs only: no sink converted on the host
+
+
+def test_moved_plans_keep_the_sink_and_check_its_shape(device, monkeypatch):
+    """A new size of a layout with a sink moves that layout's plan (the sink's dtype kept,
+    its address the call's); a layout never takes a plan of another sink (none, another
+    dtype or shape), whose checks then run."""
+    planned = []
+    real_plan = _fwd_plan.plan_dense
+    monkeypatch.setattr(_fwd_plan, "plan_dense", lambda *a: planned.append(1) or real_plan(*a))
+    sink = view((4,), "bfloat16")
+    for n in (100, 300, 1000):
+        q = view((2, n, 4, 64))
+        cufa.flash_attn_func(q, q, q, learnable_sink=sink)
+        r = record(device.launches[-1])
+        assert (r["learnable_sink"], r["sink_dtype"], r["seqlen_q"]) == (sink.ptr, 2, n)
+    assert len(planned) == 1  # then moved
+    q = view((2, 77, 4, 64))
+    cufa.flash_attn_func(q, q, q)  # no sink: a layout of its own
+    assert record(device.launches[-1])["learnable_sink"] == 0 and len(planned) == 2
+    for bad in (view((5,), "bfloat16"), view((3,), "bfloat16")):
+        with pytest.raises(ValueError, match=r"learnable_sink must have shape \(4,\)"):
+            cufa.flash_attn_func(view((2, 64, 4, 64)), q, q, learnable_sink=bad)
+    cu, total = view((3,), "int32"), view((500, 4, 64))
+    sink32 = view((4,), "float32")
+    for rows in (500, 900):
+        x = view((rows, 4, 64))
+        cufa.flash_attn_varlen_func(x, x, x, cu, cu, rows, rows, learnable_sink=sink32)
+        r = record(device.launches[-1])
+        assert (r["learnable_sink"], r["sink_dtype"], r["seqlen_q"]) == (sink32.ptr, 0, rows)
+    with pytest.raises(ValueError, match=r"learnable_sink must have shape \(4,\)"):
+        cufa.flash_attn_varlen_func(total, total, total, cu, cu, 9, 9,
+                                    learnable_sink=view((2,), "float32"))
+
+
+def test_sink_reaches_every_launch_that_normalizes_a_row(device):
+    """The forward's record, the decode kernel's of a paged packed batch (its short
+    sequences), the KV-cache decode's (split or not: the merge in the launch or the
+    combine reads the same record) and SDPA's."""
+    total, h, hk, d, page = 300, 8, 2, 128, 16
+    q, cache = view((total, h, d)), view((40, page, hk, d))
+    cu, table = view((5,), "int32"), view((4, 10), "int32")
+    sink = view((h,), "float16")
+    cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, block_table=table,
+                                causal=True, learnable_sink=sink)
+    schedule, forward, decode = device.launches
+    assert record(forward)["learnable_sink"] == sink.ptr
+    r = record(decode, _params.DECODE)
+    assert (r["learnable_sink"], r["sink_dtype"]) == (sink.ptr, 1)
+    qd, lens = view((1, 1, 32, 128)), view((1,), "int32")
+    kv = view((1, 32768, 8, 128))
+    sink = view((32,), "bfloat16")
+    for splits in (1, 4, 16):  # unsplit; merged in the launch; by decode_combine
+        done = len(device.launches)
+        cufa.flash_attn_with_kvcache(qd, kv, kv, cache_seqlens=lens, num_splits=splits,
+                                     learnable_sink=sink)
+        for launch in device.launches[done:]:
+            r = record(launch, _params.DECODE)
+            assert (r["learnable_sink"], r["sink_dtype"], r["num_splits"]) == (sink.ptr, 2,
+                                                                              splits)
+    assert len(device.launches) - done == 2  # (16 splits: the combine launch too)
+    query, key = view((2, 4, 50, 64)), view((2, 2, 70, 64))
+    sink = view((4,), "float32")
+    cufa.scaled_dot_product_attention(query, key, key, enable_gqa=True, learnable_sink=sink)
+    assert record(device.launches[-1])["learnable_sink"] == sink.ptr

@@ -112,3 +112,83 @@ def test_sdpa_layout(rng):
     o, _ = reference.attention(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), causal=True,
                                diag_offset=0)
     np.testing.assert_allclose(out, o.transpose(0, 2, 1, 3))
+
+
+# -- learnable sink ------------------------------------------------------------------------
+
+SINKS = {  # per head (4 heads): mixed signs, one that dominates every row, none at all
+    "mixed": np.array([0.5, -1.25, 2.0, 0.0]),
+    "huge": np.array([300.0, -300.0, 1e4, -1e4]),
+    "-inf": np.array([-np.inf, 1.0, -np.inf, -2.0]),
+}
+
+
+@pytest.mark.parametrize("sink", list(SINKS))
+@pytest.mark.parametrize("mask", MASKS[:8], ids=lambda m: ",".join(sorted(m)) or "dense")
+@pytest.mark.parametrize("sq,sk", [(1, 1), (9, 1), (37, 61), (100, 3), (5, 0)])
+def test_tiled_sink_matches_the_sink_column(rng, mask, sq, sk, sink):
+    """The kernels' finalize (M = max(m, sink)) against gpt-oss's extra logit column."""
+    q, k, v = _inputs(rng, 2, sq, sk, 4, 2, 24)
+    o_ref, lse_ref = reference.attention(q, k, v, learnable_sink=SINKS[sink], **mask)
+    o, lse = reference.attention_tiled(q, k, v, block_m=16, block_n=24,
+                                       learnable_sink=SINKS[sink], **mask)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    np.testing.assert_allclose(o, o_ref, atol=1e-12, rtol=1e-10)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1))])
+def test_sink_matches_textbook(rng, causal, window):
+    """out_i = sum_j exp(s_ij - m) v_j / (exp(sink_h - m) + sum_j exp(s_ij - m)), written
+    out row by row; the sink is never scaled (softmax_scale 0.3 here)."""
+    q, k, v = _inputs(rng, 1, 6, 9, 4, 2, 8)
+    sink = np.array([0.7, -0.4, 3.0, -2.5])
+    o, lse = reference.attention(q, k, v, causal=causal, window_size=window, softmax_scale=0.3,
+                                 learnable_sink=sink)
+    vis = reference.visible_keys(6, 9, causal=causal, window_size=window)
+    for h in range(4):
+        hk = h // 2
+        for i in range(6):
+            s = [0.3 * float(q[0, i, h] @ k[0, j, hk]) if vis[i, j] else -math.inf
+                 for j in range(9)]
+            m = max(s + [sink[h]])
+            w = [math.exp(x - m) for x in s]
+            den = math.exp(sink[h] - m) + sum(w)
+            row = sum(wj * v[0, j, hk] for j, wj in enumerate(w)) / den
+            np.testing.assert_allclose(o[0, i, h], row, atol=1e-12)
+            assert lse[0, h, i] == pytest.approx(m + math.log(den), abs=1e-12)
+
+
+def test_sink_rows_without_keys_give_zero_and_the_sink(rng):
+    # bottom-right causal with more queries than keys: the first 4 rows see nothing
+    q, k, v = _inputs(rng, 2, 7, 3, 4, 4, 8)
+    sink = np.array([1.5, -np.inf, -30.0, 40.0])
+    o, lse = reference.attention(q, k, v, causal=True, learnable_sink=sink)
+    assert np.all(o[:, :4] == 0)
+    np.testing.assert_array_equal(lse[:, :, :4], np.broadcast_to(sink[None, :, None], (2, 4, 4)))
+    # no keys at all; and a sink of -inf is no sink
+    o, lse = reference.attention(q, k[:, :0], v[:, :0], learnable_sink=sink)
+    assert np.all(o == 0) and np.array_equal(lse[0, :, 0], sink)
+    o_none, lse_none = reference.attention(q, k, v, causal=True)
+    o_inf, lse_inf = reference.attention(q, k, v, causal=True, learnable_sink=np.full(4, -np.inf))
+    np.testing.assert_array_equal(o_inf, o_none)
+    np.testing.assert_array_equal(lse_inf, lse_none)
+
+
+def test_sdpa_and_kvcache_take_the_sink(rng):
+    sink = np.array([0.3, 1.1, -0.6])
+    q, k, v = (rng.standard_normal((2, 3, n, 8)) for n in (5, 7, 7))
+    out = reference.sdpa(q, k, v, is_causal=True, learnable_sink=sink)
+    o, _ = reference.attention(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), causal=True,
+                               diag_offset=0, learnable_sink=sink)
+    np.testing.assert_allclose(out, o.transpose(0, 2, 1, 3))
+    q = rng.standard_normal((2, 1, 3, 8))
+    cache = rng.standard_normal((2, 10, 3, 8))
+    o, lse, _, _ = reference.kvcache_attention(q, cache, cache, cache_seqlens=np.array([6, 0]),
+                                               learnable_sink=sink)
+    o_6, lse_6 = reference.attention(q[:1], cache[:1, :6], cache[:1, :6], learnable_sink=sink)
+    np.testing.assert_allclose(o[:1], o_6)
+    np.testing.assert_allclose(lse[:1], lse_6)
+    assert np.all(o[1] == 0) and np.array_equal(lse[1, :, 0], sink)  # an empty cache

@@ -1,8 +1,9 @@
 """CPU: cufa.reference against a second oracle (tests/oracle_torch.py), written in PyTorch
 from docs/api.md alone, on fresh random inputs: every score step and their combinations
 (softcap, ALiBi, window, causal, bottom-right alignment, GQA), SDPA's masks, the KV cache
-(append, leftpad, cache_batch_idx, pages, rotary) and the merge. Then mutants of the
-oracle's rules, each of which these comparisons must reject."""
+(append, leftpad, cache_batch_idx, pages, rotary), the learnable sink (under split-KV too)
+and the merge. Then mutants of the oracle's rules, each of which these comparisons must
+reject."""
 import math
 
 import numpy as np
@@ -58,19 +59,32 @@ SHAPES = [  # (seqlen_q, seqlen_k, nheads, nheads_k)
 WINDOWS = [(-1, -1), (3, 0), (0, 2), (2, 5), (-1, 1), (4, -1), (0, 0)]
 
 
+def sink_values(rng, nheads, kind):
+    """A learnable sink (nheads,): "normal" draws, "huge" ones (+-1e4, which take all the
+    mass or none), or None."""
+    if kind is None:
+        return None
+    if kind == "huge":
+        return rng.choice([-1e4, 1e4, 40.0, -40.0], nheads)
+    return 2 * rng.standard_normal(nheads)
+
+
 def check_attention(rng, seqlen_q, seqlen_k, nheads, nheads_k, *, batch=2, d=10, alibi=None,
-                    **kw):
-    """One flash_attn_func case; alibi: None, "heads" ((nheads,) slopes) or "batch"."""
+                    sink=None, num_splits=1, **kw):
+    """One flash_attn_func case; alibi: None, "heads" ((nheads,) slopes) or "batch"; sink:
+    sink_values' kind; num_splits: the oracle attends the keys in that many parts."""
     q = 2 * rng.standard_normal((batch, seqlen_q, nheads, d))  # scores large enough to cap
     k, v = (rng.standard_normal((batch, seqlen_k, nheads_k, d)) for _ in range(2))
     if alibi is not None:
         kw["alibi_slopes"] = rng.uniform(0.05, 1.0, (nheads,) if alibi == "heads"
                                          else (batch, nheads))
+    kw["learnable_sink"] = sink_values(rng, nheads, sink)
     o, lse = reference.attention(q, k, v, **kw)
-    o_want, lse_want = oracle.attention(t(q), t(k), t(v), **{
-        n: t(x) if n == "alibi_slopes" else x for n, x in kw.items()})
-    what = (f"sq={seqlen_q} sk={seqlen_k} h={nheads}/{nheads_k} alibi={alibi} "
-            f"{ {n: x for n, x in kw.items() if n != 'alibi_slopes'} }")
+    o_want, lse_want = oracle.attention(t(q), t(k), t(v), num_splits=num_splits, **{
+        n: t(x) if n in ("alibi_slopes", "learnable_sink") else x for n, x in kw.items()})
+    what = (f"sq={seqlen_q} sk={seqlen_k} h={nheads}/{nheads_k} alibi={alibi} sink={sink} "
+            f"splits={num_splits} "
+            f"{ {n: x for n, x in kw.items() if n not in ('alibi_slopes', 'learnable_sink')} }")
     assert_close(o, o_want, "out " + what)
     assert_close(lse, lse_want, "lse " + what)
 
@@ -84,6 +98,19 @@ def test_attention_matches_the_oracle(rng, softcap, alibi, window, causal):
         scale = None if n % 2 else 0.37
         check_attention(rng, *shape, softcap=softcap, alibi=alibi, window_size=window,
                         causal=causal, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("sink", ["normal", "huge"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 0)),
+                                           (True, (2, 5))], ids=str)
+def test_attention_with_a_sink_matches_the_oracle(rng, causal, window, sink, num_splits):
+    """The reference's logit column against the oracle's sink added once to the merge of
+    num_splits sink-free parts of the keys (GQA, softcap, ALiBi, rows without keys)."""
+    for n, shape in enumerate(SHAPES):
+        check_attention(rng, *shape, sink=sink, num_splits=num_splits, window_size=window,
+                        causal=causal, softcap=(0.0, 2.5)[n % 2], alibi=(None, "heads")[n % 3 == 0],
+                        softmax_scale=(None, 0.37)[n % 2])
 
 
 def test_the_oracle_draws_the_documented_masks():
@@ -115,22 +142,26 @@ def sdpa_mask(rng, kind, batch, nheads, seqlen_q, seqlen_k):
 
 
 def check_sdpa(rng, seqlen_q, seqlen_k, nheads, nheads_k, *, kind, is_causal, scale=None,
-               batch=2, d=12):
+               batch=2, d=12, sink=None):
     query = rng.standard_normal((batch, nheads, seqlen_q, d))
     key, value = (rng.standard_normal((batch, nheads_k, seqlen_k, d)) for _ in range(2))
     mask = sdpa_mask(rng, kind, batch, nheads, seqlen_q, seqlen_k)
-    out = reference.sdpa(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale)
+    learnable_sink = sink_values(rng, nheads, sink)
+    out = reference.sdpa(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale,
+                         learnable_sink=learnable_sink)
     want, _ = oracle.sdpa(t(query), t(key), t(value), attn_mask=t(mask), is_causal=is_causal,
-                          scale=scale, enable_gqa=True)
+                          scale=scale, enable_gqa=True, learnable_sink=t(learnable_sink))
     assert_close(out, want, f"sdpa L={seqlen_q} S={seqlen_k} h={nheads}/{nheads_k} {kind} "
-                 f"causal={is_causal} scale={scale}")
+                 f"causal={is_causal} scale={scale} sink={sink}")
 
 
+@pytest.mark.parametrize("sink", [None, "normal"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("kind", SDPA_MASKS)
-def test_sdpa_matches_the_oracle(rng, kind, is_causal):
+def test_sdpa_matches_the_oracle(rng, kind, is_causal, sink):
     for n, shape in enumerate(SHAPES[:7]):
-        check_sdpa(rng, *shape, kind=kind, is_causal=is_causal, scale=None if n % 2 else 0.45)
+        check_sdpa(rng, *shape, kind=kind, is_causal=is_causal, scale=None if n % 2 else 0.45,
+                   sink=sink)
 
 
 @pytest.mark.parametrize("kind", SDPA_MASKS)
@@ -191,10 +222,12 @@ def rotary_table(rng, seqlen_ro, rotary_dim):
 
 
 def check_kvcache(rng, layout, *, seqlen_q, append, rotary=None, rotary_dim=D, leftpad=False,
-                  lens=None, alibi=None, **kw):
+                  lens=None, alibi=None, sink=None, num_splits=1, **kw):
     """One flash_attn_with_kvcache case against the oracle: out, lse and both caches after
     the append. lens: the cache_seqlens (an array, an int or None); by default the first
-    sequence's cache is empty, the last one is filled to capacity by the append."""
+    sequence's cache is empty, the last one is filled to capacity by the append. sink:
+    sink_values' kind; num_splits: the oracle's split of each sequence's keys (the
+    reference takes and ignores it)."""
     k_cache, v_cache, extra = cache_layout(rng, layout)
     kw.update(extra)
     q = 2 * rng.standard_normal((BATCH, seqlen_q, NHEADS, D))
@@ -214,15 +247,18 @@ def check_kvcache(rng, layout, *, seqlen_q, append, rotary=None, rotary_dim=D, l
     if alibi is not None:
         kw["alibi_slopes"] = rng.uniform(0.05, 1.0, (NHEADS,) if alibi == "heads"
                                          else (BATCH, NHEADS))
-    o, lse, kc, vc = reference.kvcache_attention(q, k_cache, v_cache, k, v, **kw)
+    if sink is not None:
+        kw["learnable_sink"] = sink_values(rng, NHEADS, sink)
+    o, lse, kc, vc = reference.kvcache_attention(q, k_cache, v_cache, k, v,
+                                                 num_splits=num_splits, **kw)
     o_w, lse_w, kc_w, vc_w = oracle.kvcache_attention(
-        t(q), t(k_cache), t(v_cache), t(k), t(v),
+        t(q), t(k_cache), t(v_cache), t(k), t(v), num_splits=num_splits,
         **{n: x if isinstance(x, (bool, float, int, tuple)) else t(x) for n, x in kw.items()})
     pads = kw.get("cache_leftpad")
     what = (f"{layout} seqlen_q={seqlen_q} append={append} rotary={rotary}/{rotary_dim} "
             f"leftpad={None if pads is None else pads.tolist()} "
             f"lens={np.asarray(lens).tolist()} causal={kw.get('causal')} "
-            f"window={kw.get('window_size')} alibi={alibi}")
+            f"window={kw.get('window_size')} alibi={alibi} sink={sink} splits={num_splits}")
     assert_close(o, o_w, "out " + what)
     assert_close(lse, lse_w, "lse " + what)
     assert_close(kc, kc_w, "k_cache after " + what)
@@ -244,6 +280,17 @@ def test_kvcache_lens_as_int_none_and_no_query_rows(rng, layout):
     check_kvcache(rng, layout, seqlen_q=2, append=3, lens=7, causal=True, rotary="halves")
     check_kvcache(rng, layout, seqlen_q=3, append=0, lens=None, window_size=(4, 2))
     check_kvcache(rng, layout, seqlen_q=0, append=5, rotary="interleaved", leftpad=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+@pytest.mark.parametrize("layout", ["contiguous", "pages of 4"])
+def test_kvcache_with_a_sink_and_splits_matches_the_oracle(rng, layout, num_splits):
+    """Split-KV's exactness: the oracle attends each sequence's keys in num_splits parts,
+    merges them and adds the sink once; the reference never splits. Sequences with an
+    empty cache (rows without keys) included."""
+    for n, mask in enumerate(KV_MASKS):
+        check_kvcache(rng, layout, seqlen_q=(1, 3, 4)[n % 3], append=(0, 2)[n % 2],
+                      sink=("normal", "huge")[n % 2], num_splits=num_splits, **mask)
 
 
 @pytest.mark.parametrize("window", [(CAPACITY, -1), (-1, CAPACITY + 5)], ids=str)
@@ -341,6 +388,12 @@ MUTANTS = {  # name: (what to patch in the oracle, the wrong rule, a case that u
                                 _kvcache_case(rotary="halves")),
     "rotary pairs swapped": ("rotate", _rotate_other_pairs, _kvcache_case(rotary="halves")),
     "rotation backwards": ("rotate", _rotate_backwards, _kvcache_case(rotary="interleaved")),
+    "sink added to every split": ("SINK_AFTER_MERGE", False,
+                                  _kvcache_case(sink="normal", num_splits=3)),
+    "sink scaled by softmax_scale": ("sink_logit", lambda sink, scale: scale * torch.as_tensor(
+        sink, dtype=torch.float64), _attention_case(sink="normal", softmax_scale=0.4)),
+    "sink ignored": ("sink_logit", lambda sink, scale: torch.full(
+        (len(sink),), oracle.NEG_INF, dtype=torch.float64), _attention_case(sink="normal")),
 }
 
 

@@ -107,3 +107,43 @@ def test_decode_without_append_is_the_op_that_mutates_nothing():
     code = _traced_graph(lambda q, c, n: cufa.flash_attn_with_kvcache(q, c, c, cache_seqlens=n),
                          q, cache, lens)
     assert "torch.ops.cufa.kvcache.default" in code and "kvcache_append" not in code
+
+
+def test_learnable_sink_is_an_optional_tensor_of_every_op():
+    """A sink goes into each op as one more tensor argument (a parameter of the model, its
+    values not specialized on); a parameter that requires grad is refused while tracing
+    with autograd on, as eagerly, and detached under no_grad."""
+    meta = dict(dtype=torch.float16, device="meta")
+    sink = torch.empty(4, dtype=torch.float32, device="meta")
+
+    def f(q, k, cu, q1, cache, lens, sink):
+        o, lse = cufa.flash_attn_func(q, k, k, causal=True, learnable_sink=sink,
+                                      return_lse=True)
+        ov = cufa.flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 64, 80, learnable_sink=sink)
+        od = cufa.flash_attn_with_kvcache(q1, cache, cache, cache_seqlens=lens,
+                                          learnable_sink=sink)
+        os_ = cufa.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                k.transpose(1, 2), enable_gqa=True,
+                                                learnable_sink=sink)
+        return o, lse, ov, od, os_
+    args = (torch.empty(2, 64, 4, 32, **meta), torch.empty(2, 80, 2, 32, **meta),
+            torch.empty(3, dtype=torch.int32, device="meta"), torch.empty(2, 1, 4, 32, **meta),
+            torch.empty(2, 128, 2, 32, **meta), torch.empty(2, dtype=torch.int32, device="meta"),
+            sink)
+    code = _traced_graph(f, *args)
+    calls = [line for line in code.splitlines() if "torch.ops.cufa." in line]
+    assert len(calls) == 4
+    for op in ("flash_attn", "flash_attn_varlen", "kvcache", "sdpa"):
+        (call,) = [c for c in calls if f"torch.ops.cufa.{op}.default(" in c]
+        assert "l_sink_" in call.split("=", 1)[1], call  # the sink passed to the op
+    param = torch.nn.Parameter(torch.empty(4, device="meta"))
+    _torch_ops.register_if_torch_loaded()
+    torch._dynamo.reset()
+    g = torch.compile(lambda q, s: cufa.flash_attn_func(q, q, q, learnable_sink=s),
+                      fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="learnable_sink requires grad"):
+        g(args[0], param)
+    with torch.no_grad():  # (inference: the parameter detached, in the graph)
+        code = _traced_graph(lambda q, s: cufa.flash_attn_func(q, q, q, learnable_sink=s),
+                             args[0], param)
+    assert "torch.ops.cufa.flash_attn" in code

@@ -17,7 +17,8 @@ from cufa._interop import DeviceArray
 def arr(shape, dtype="float16", strides=None, device=0, ptr=0x7f0000000000, framework="cupy"):
     if strides is None:
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "bool": 1, "int32": 4, "int64": 8}[dtype]
+    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "bool": 1, "int32": 4, "int64": 8,
+                "float64": 8}[dtype]
     return DeviceArray(None, framework, ptr, tuple(shape), tuple(strides), dtype, device, itemsize)
 
 
@@ -182,6 +183,65 @@ def test_flash_attn_varlen_func_rejects(case):
     kw.update(changes)
     with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)")):
         cufa.flash_attn_varlen_func(**kw)
+
+
+# learnable_sink on every entry point (4 query heads): (id, sink, exception, message)
+SINK_CASES = [
+    ("int32", arr((4,), "int32"), TypeError,
+     "learnable_sink must be float32, float16 or bfloat16; got int32"),
+    ("float64", arr((4,), "float64"), TypeError, "learnable_sink must be float32"),
+    ("too short", arr((3,), "float32"), ValueError,
+     "learnable_sink must have shape (4,), one logit a query head"),
+    ("2-D", arr((1, 4), "float32"), ValueError, "learnable_sink must have shape (4,)"),
+    ("per KV head", arr((2,), "bfloat16"), ValueError, "learnable_sink must have shape (4,)"),
+    ("strided", arr((4,), "float32", strides=(2,)), ValueError,
+     "learnable_sink must be contiguous; got stride 2"),
+    ("misaligned", arr((4,), "float32", ptr=0x7f0000000002), ValueError,
+     "learnable_sink must start at a multiple of its 4-byte elements"),
+    ("other device", arr((4,), "float16", device=1), ValueError,
+     "learnable_sink is on cuda:1 but (q|query) is on cuda:0"),
+    ("host", np.zeros(4, np.float32), TypeError,
+     "cufa needs CUDA device arrays; got a CPU (NumPy) array for learnable_sink"),
+]
+SINK_CALLS = {
+    "flash_attn_func": lambda sink: cufa.flash_attn_func(*qkv(), learnable_sink=sink),
+    "varlen": lambda sink: cufa.flash_attn_varlen_func(
+        arr((10, 4, 64)), arr((12, 2, 64)), arr((12, 2, 64)), arr((3,), "int32"),
+        arr((3,), "int32"), 6, 7, learnable_sink=sink),
+    "paged varlen": lambda sink: cufa.flash_attn_varlen_func(
+        arr((10, 4, 64)), arr((8, 16, 2, 64)), arr((8, 16, 2, 64)), arr((3,), "int32"),
+        arr((3,), "int32"), 6, 7, block_table=arr((2, 4), "int32"), learnable_sink=sink),
+    "kvcache": lambda sink: cufa.flash_attn_with_kvcache(
+        arr((2, 1, 4, 64)), arr((2, 64, 2, 64)), arr((2, 64, 2, 64)), num_splits=3,
+        learnable_sink=sink),
+    "sdpa": lambda sink: cufa.scaled_dot_product_attention(*sdpa_qkv(hk=2), enable_gqa=True,
+                                                           learnable_sink=sink),
+}
+
+
+@pytest.mark.parametrize("entry", list(SINK_CALLS))
+@pytest.mark.parametrize("case", SINK_CASES, ids=[c[0] for c in SINK_CASES])
+def test_learnable_sink_rejects(case, entry):
+    _, sink, exc, msg = case
+    with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)").replace(
+            r"\(q|query\)", "(q|query)")):
+        SINK_CALLS[entry](sink)
+
+
+@pytest.mark.parametrize("entry", list(SINK_CALLS))
+def test_a_sink_that_requires_grad_is_refused_while_autograd_records(entry):
+    """cufa has no backward pass yet: a sink whose gradient autograd would want is refused,
+    naming it; under no_grad or inference_mode the parameter is taken as it is (detached),
+    and the checks go on (here: it lives on the host)."""
+    torch = pytest.importorskip("torch")
+    sink = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="learnable_sink requires grad, but cufa has "
+                                                  "no backward pass yet"):
+        SINK_CALLS[entry](sink)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), pytest.raises(TypeError, match=r"got a CPU \(PyTorch\) tensor for "
+                                                    "learnable_sink"):
+            SINK_CALLS[entry](sink)
 
 
 @pytest.mark.parametrize("causal", [False, True])

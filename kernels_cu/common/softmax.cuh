@@ -14,6 +14,40 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// -- learnable sink: one logit a query head, in natural-log units, that joins every row's
+//    softmax denominator and adds no value. Params hold its address (0: none) and its
+//    dtype, read here, so the host converts nothing. SinkDtype mirrors cufa/_params.py --
+enum SinkDtype { SINK_FP32 = 0, SINK_FP16 = 1, SINK_BF16 = 2 };
+
+// Query head h's sink; -inf where there is none (which then changes nothing below)
+__device__ __forceinline__ float load_sink(u64 sinks, int dtype, int h) {
+  if (!sinks) return -CUFA_INF;
+  if (dtype == SINK_FP32) return reinterpret_cast<const float*>(sinks)[h];
+  const u16 x = reinterpret_cast<const u16*>(sinks)[h];
+  return dtype == SINK_FP16 ? fp16_to_float(x) : bf16_to_float(x);
+}
+
+// -- a row's normalization: max m and sum = sum_j exp2(s_j - m) of its scores (log2 units;
+//    sum 0: the row saw no key), and its sink (natural log; -inf: none) -> out = acc * inv
+//    and lse. With M = max(m, sink in log2 units) neither exponential overflows:
+//      den = sum exp2(m - M) + exp2(sink - M),  inv = exp2(m - M) / den,
+//      lse = (M + log2 den) ln 2.
+//    den >= 1 (M is m, and a row that saw a key has sum >= 1: its max scores exp2(0); or M
+//    is the sink, whose term is exp2(0)), where the one-instruction rcp and lg2 are within
+//    2 ulp; the IEEE ones cost ~30 instructions a row. Without a sink, M = m and den = sum,
+//    the plain softmax's. A row that saw no key gets inv 0 and lse = sink --
+struct RowScale {
+  float inv, lse;
+};
+__device__ __forceinline__ RowScale sink_row_scale(float m, float sum, float sink) {
+  if (sum == 0.f) return RowScale{0.f, sink};
+  const float sink_log2 = sink * CUFA_LOG2E;
+  const float mx = fmaxf(m, sink_log2);
+  const float factor = fast_exp2(m - mx);
+  const float den = sum * factor + fast_exp2(sink_log2 - mx);
+  return RowScale{factor * fast_rcp(den), (mx + fast_log2(den)) * CUFA_LN2};
+}
+
 // kChains: a row's block max and sum run as that many independent chains, joined at the
 // end. One chain of 16-64 dependent adds is latency the scheduler cannot fill while the
 // SM's other warps wait on their products (sm90 forward at d <= 128: ncu's "wait" stalls
@@ -135,13 +169,12 @@ struct OnlineSoftmax {
         for (int e = 0; e < 4; ++e) o[mt][dt][e] *= correction[mt][e >> 1];
   }
 
-  // Divides the output by the row sum and returns lse = max*scale + ln(sum). A row that
-  // saw a key has sum >= 1 (its max scores exp2(0) = 1), so one-instruction reciprocal and
-  // log2 (rcp/lg2.approx, <= 2 ulp there) serve; the IEEE ones cost ~30 instructions a row.
-  // A row that saw no key (sum 0) gets output 0 and lse -inf; NaN passes through.
+  // Divides the output by the row's denominator and returns its lse (natural log), the
+  // sink in both (sink_row_scale; -inf: none). A row that saw no key (sum 0) gets output 0
+  // and lse = sink (-inf without one); NaN passes through.
   template <int kDTiles>
   __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float (&lse)[kMTiles][2],
-                                           float scale_log2) {
+                                           float scale_log2, float sink) {
     float inv[kMTiles][2];
     bool any_empty = false;
 #pragma unroll
@@ -149,10 +182,10 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(row_sum[mt][h]);
-        const bool empty = sum == 0.f;
-        any_empty |= empty;
-        inv[mt][h] = empty ? 0.f : fast_rcp(sum);
-        lse[mt][h] = empty ? -CUFA_INF : (row_max[mt][h] * scale_log2 + fast_log2(sum)) * CUFA_LN2;
+        any_empty |= sum == 0.f;
+        const RowScale r = sink_row_scale(row_max[mt][h] * scale_log2, sum, sink);
+        inv[mt][h] = r.inv;
+        lse[mt][h] = r.lse;
       }
     // Empty rows need explicit zeros (P = 0 times a NaN in a masked-out V row would leave
     // NaN), a select per element; behind a warp vote, rows with keys skip it.

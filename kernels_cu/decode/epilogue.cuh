@@ -90,8 +90,11 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
     for (int w = 0; w < Shape::kWarps; ++w)
       if (s_warp_max[w][r] != -CUFA_INF)
         sum += s_warp_sum[w][r] * fast_exp2((s_warp_max[w][r] - mx) * scale_log2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // explicit 0: a row that saw no key
-    const float lse = sum > 0.f ? (mx * scale_log2 + log2f(sum)) * CUFA_LN2 : -CUFA_INF;
+    // (a split's share is sink-free: the merge of the splits adds the sink once)
+    const RowScale n = sink_row_scale(
+        mx * scale_log2, sum,
+        p.num_splits > 1 ? -CUFA_INF : load_sink(p.learnable_sink, p.sink_dtype, row.h));
+    const float inv = n.inv, lse = n.lse;  // inv 0: a row that saw no key gets explicit zeros
     if (p.num_splits > 1) {
       const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
       float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o_partial) +

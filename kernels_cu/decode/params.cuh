@@ -34,6 +34,9 @@ struct DecodeParams {
   // A packed batch: int32 (batch,), the sequence of each grid z (-1: none), most keys first
   // (varlen_schedule's decode_order); 0: z is the sequence
   u64 decode_order;
+  // float32, fp16 or bf16 (nheads,) or 0: query head h's learnable sink (FwdParams'), added
+  // once a row: by the epilogue unsplit, else by the merge of the splits
+  u64 learnable_sink;
 
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride: a cache row, or a page
@@ -59,6 +62,7 @@ struct DecodeParams {
   int rotary_dtype;        // of cos/sin: 0 fp16, 1 bf16, 2 fp32
   int rotary_interleaved;  // pairs (2i, 2i+1); else (i, i + rotary_dim / 2)
   int rotary_q_per_token;  // q token t at position cache_seqlens + t (causal / window), else + 0
+  int sink_dtype;          // of learnable_sink: SinkDtype (common/softmax.cuh)
 
   float scale, scale_log2, softcap, softcap_inv;
 };

@@ -100,17 +100,21 @@ __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b,
 }
 
 // The row's weights exp(lse - max) / sum, its lse, then each thread's splits of its
-// columns weighted and summed in split order, the groups' sums added in group order.
+// columns weighted and summed in split order, the groups' sums added in group order. The
+// splits' shares are sink-free; the row's learnable sink enters here, once: a part of
+// output 0 and lse = sink (its term exp(sink - max) in the sum, its max in the max; -inf
+// without a sink, which then adds 0).
 // weight: the row's [kMaxSplits]; partial: the row's [kRowThreads][8]; warp_value: [4].
 template <int kDtype, int kRows>
 __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const SplitRow& in,
                                                 int q_row0, int tid, float* weight, float* partial,
                                                 float* warp_value) {
   constexpr int kRowThreads = kCombineThreads / kRows;
-  const float mx = row_reduce<kRows, true>(in.lse, warp_value);
+  const float sink = load_sink(p.learnable_sink, p.sink_dtype, in.h);
+  const float mx = fmaxf(row_reduce<kRows, true>(in.lse, warp_value), sink);
   const float base = mx == -CUFA_INF ? 0.f : mx;
   const float e = in.lse == -CUFA_INF ? 0.f : fast_exp2((in.lse - base) * CUFA_LOG2E);
-  const float sum = row_reduce<kRows, false>(e, warp_value);
+  const float sum = row_reduce<kRows, false>(e, warp_value) + fast_exp2((sink - base) * CUFA_LOG2E);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   if (tid < p.num_splits) weight[tid] = e * inv;
   if (tid == 0 && p.lse)

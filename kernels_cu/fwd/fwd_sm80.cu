@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   }
 
   float lse[kMTiles][2];
-  softmax.finalize(acc_o, lse, scale_log2);
+  softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
   write_output<kDtype, kHeadDim>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o, ptr.lse, row0, warp_row0,
                                  lane);
 }

@@ -30,6 +30,9 @@ struct FwdParams {
   // 0 when K/V are plain rows. Key j of sequence b is row j % page_size of page
   // block_table[b][j / page_size]; k/v_batch_stride is then the page stride.
   u64 block_table;
+  // float32, fp16 or bf16 (nheads,) (sink_dtype: common/softmax.cuh's SinkDtype): query
+  // head h's learnable sink, a logit in every row's softmax denominator; 0 if none
+  u64 learnable_sink;
 
   // Strides in elements; 64-bit because a tensor may exceed 2^31 elements.
   i64 q_row_stride, q_head_stride;
@@ -59,6 +62,7 @@ struct FwdParams {
   int attn_mask_type;
   int page_shift;  // log2(page_size), paged K/V only
   int num_pages;   // pages in the cache: page ids are clamped to it
+  int sink_dtype;
 
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e): one FFMA per score before exp2

@@ -328,7 +328,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     }
 
     float lse[1][2];
-    softmax.finalize(acc_o, lse, scale_log2);
+    softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
     const TilePointers ptr = tile_pointers(p, t);
     if constexpr (kStagedOutput<kHeadDim>) {
       write_output_staged<kDtype, kBlockM, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
