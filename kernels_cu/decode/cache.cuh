@@ -167,13 +167,13 @@ __device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const D
                                                          int row_page, int lane) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kLaneChunks = kTileKeys * kChunks / 32;
-  constexpr int kBatch = kLaneChunks < 4 ? kLaneChunks : 4;
+  constexpr int kBatch = kLaneChunks % 4 == 0 ? 4 : 2;  // (whole batches: no stack frame)
   const int rows_valid = s.seqlen_k - key0;
 #pragma unroll
   for (int first = 0; first < kLaneChunks; first += kBatch) {
     uint4 kx[kBatch], vx[kBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch && first + j < kLaneChunks; ++j) {
+    for (int j = 0; j < kBatch; ++j) {
       const int idx = lane + 32 * (first + j), r = idx / kChunks, c = idx % kChunks;
       const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r) : 0;  // (whole warp)
       const bool valid = r < rows_valid;
@@ -191,7 +191,7 @@ __device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const D
       vx[j] = load8_elementwise(v_src, cols);
     }
 #pragma unroll
-    for (int j = 0; j < kBatch && first + j < kLaneChunks; ++j) {
+    for (int j = 0; j < kBatch; ++j) {
       const int idx = lane + 32 * (first + j);
       const u32 at = Swizzle<kHeadDim>::offset(idx / kChunks, idx % kChunks);
       st_shared_16(sk + at, kx[j]);
