@@ -37,13 +37,14 @@ __device__ __forceinline__ void store8_elementwise(u16* dst, const uint4& x, int
 
 // copy_rows_async's tile (chunk (row, c) at byte offset(row, c); rows past rows_valid and
 // columns past head_dim as zeros) by plain loads. A thread loads kBatch chunks, then stores
-// them: that many chunks' loads in flight, at 4 registers a chunk. row_ptr(r) is called for
-// valid rows only.
+// them: that many chunks' loads in flight, at 4 registers a chunk (2 chunks above d = 128,
+// whose accumulators leave fewer: 4 spill the forward's at d = 256 on sm_90). row_ptr(r)
+// is called for valid rows only.
 template <int kRows, int kHeadDim, int kThreads, typename RowPtr, typename Offset>
 __device__ __forceinline__ void copy_rows_elementwise(u32 smem, RowPtr row_ptr, int rows_valid,
                                                       int head_dim, Offset offset, int thread) {
   constexpr int kChunks = kHeadDim / 8;
-  constexpr int kBatch = 4;
+  constexpr int kBatch = kHeadDim > 128 ? 2 : 4;
 #pragma unroll 1
   for (int first = thread; first < kRows * kChunks; first += kBatch * kThreads) {
     uint4 x[kBatch];
@@ -60,5 +61,33 @@ __device__ __forceinline__ void copy_rows_elementwise(u32 smem, RowPtr row_ptr, 
     }
   }
 }
+
+// A thread's chunks of a kRows x kHeadDim tile (as copy_rows_elementwise lays them out),
+// held in registers from their loads to their stores: the loads issued before a product
+// land under it.
+template <int kRows, int kHeadDim, int kThreads>
+struct TileInFlight {
+  static constexpr int kChunks = kRows * (kHeadDim / 8) / kThreads;  // a thread's
+  static_assert(kChunks * kThreads == kRows * (kHeadDim / 8), "whole chunks a thread");
+  uint4 x[kChunks];
+
+  template <typename RowPtr>
+  __device__ __forceinline__ void load(RowPtr row_ptr, int rows_valid, int head_dim, int thread) {
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int idx = thread + j * kThreads, r = idx / (kHeadDim / 8), c = idx % (kHeadDim / 8);
+      const bool valid = r < rows_valid;
+      x[j] = load8_elementwise(valid ? row_ptr(r) + c * 8 : nullptr, valid ? head_dim - c * 8 : 0);
+    }
+  }
+  template <typename Offset>
+  __device__ __forceinline__ void store(u32 smem, Offset offset, int thread) const {
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int idx = thread + j * kThreads;
+      st_shared_16(smem + offset(idx / (kHeadDim / 8), idx % (kHeadDim / 8)), x[j]);
+    }
+  }
+};
 
 }  // namespace cufa

@@ -52,6 +52,28 @@ __device__ __forceinline__ void load_kv_block(u32 smem, const FwdParams& p, cons
                                                threadIdx.x);
 }
 
+// -- the element-wise variant's V block in registers from its loads (issue, before the QK
+//    product) to its stores (land, after it), so that the loads' latency hides under the
+//    product as cp.async's does. Where a thread's chunks of a block take at most 32
+//    registers (d <= 128); above, and for K (held under softmax and P V it spills at
+//    d = 64 and 128), a block is loaded and stored in one go --
+template <int kHeadDim, int kBlockN>
+struct VInFlight {
+  TileInFlight<kBlockN, kHeadDim, kThreads> tile;
+  static constexpr bool kFits = TileInFlight<kBlockN, kHeadDim, kThreads>::kChunks <= 8;
+
+  __device__ __forceinline__ void issue(const FwdParams& p, const Tile& t, const u16* head,
+                                        i64 batch_stride, i64 row_stride, int key0) {
+    tile.load([&](int r) {
+      return p.block_table ? paged_row(p, t, head, batch_stride, row_stride, key0 + r)
+                           : head + (key0 + r) * row_stride;
+    }, t.seqlen_k - key0, p.head_dim, threadIdx.x);
+  }
+  __device__ __forceinline__ void land(u32 smem) const {
+    tile.store(smem, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); }, threadIdx.x);
+  }
+};
+
 // -- epilogue: O through this warp's rows of sQ (only this warp read them), then 16-byte
 //    stores (kElementIO: a store an element) --
 template <int kDtype, int kHeadDim, bool kElementIO, int kMTiles, int kDTiles>
@@ -154,6 +176,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
     load_kv_block<kBlockN, kHeadDim, kElementIO>(sk, p, t, ptr.k, p.k_batch_stride,
                                                  p.k_row_stride, nb * kBlockN);
     cp_async_commit();
+    constexpr bool kInFlight = kElementIO && VInFlight<kHeadDim, kBlockN>::kFits;
+    VInFlight<kHeadDim, kBlockN> in_flight;
 
     for (; nb >= n_block_min; --nb) {
       const int key0 = nb * kBlockN;
@@ -168,9 +192,13 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       // -- K_nb has landed and every warp is done with V_{nb+1}: fetch V_nb under the QK product --
       cp_async_wait<0>();
       __syncthreads();
-      load_kv_block<kBlockN, kHeadDim, kElementIO>(sv, p, t, ptr.v, p.v_batch_stride,
-                                                   p.v_row_stride, key0);
-      cp_async_commit();
+      if constexpr (kInFlight) {
+        in_flight.issue(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0);
+      } else {
+        load_kv_block<kBlockN, kHeadDim, kElementIO>(sv, p, t, ptr.v, p.v_batch_stride,
+                                                     p.v_row_stride, key0);
+        cp_async_commit();
+      }
 
       // -- compute qk, then score mods and mask --
       gemm_qk<kDtype>(acc_s, q_frag, k_frag);
@@ -178,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
         apply_score_mods(acc_s, p, t, mods, row0 + warp_row0, key0, lane);
       if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
         apply_mask<kMask>(acc_s, p, t, row0 + warp_row0, key0, lane);
+      if constexpr (kInFlight) in_flight.land(sv);
 
       // -- V_nb has landed and every warp is done with K_nb: fetch K_{nb-1} under softmax and PV --
       cp_async_wait<0>();
