@@ -108,13 +108,62 @@ __device__ __forceinline__ int tile_row_page(const DecodeParams& p, const CacheS
   return s.pages[(s.start + key0 + r) >> p.page_shift];
 }
 
+// -- load_kv_tile's tile by plain loads (the element-wise I/O variant): a lane's chunks of
+//    K and V, kBatch of each in flight, stored before this returns. Each row's slot is
+//    looked up (its page from row_page's lane r with kPagesAhead) --
+template <int kHeadDim, bool kPagesAhead>
+__device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const DecodeParams& p,
+                                                         const CacheSeq& s, const u16* k_head,
+                                                         const u16* v_head, int key0,
+                                                         int row_page, int lane) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kLaneChunks = kTileKeys * kChunks / 32;
+  constexpr int kBatch = kLaneChunks % 4 == 0 ? 4 : 2;  // (whole batches: no stack frame)
+  const int rows_valid = s.seqlen_k - key0;
+#pragma unroll
+  for (int first = 0; first < kLaneChunks; first += kBatch) {
+    uint4 kx[kBatch], vx[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int idx = lane + 32 * (first + j), r = idx / kChunks, c = idx % kChunks;
+      const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r) : 0;  // (whole warp)
+      const bool valid = r < rows_valid;
+      const u16 *k_src = nullptr, *v_src = nullptr;
+      if (valid) {
+        const int pos = s.start + key0 + r;
+        const CacheSlot slot =
+            !p.block_table ? CacheSlot{s.row, pos}
+                           : page_slot(p, kPagesAhead ? page : s.pages[pos >> p.page_shift], pos);
+        k_src = k_head + slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
+        v_src = v_head + slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
+      }
+      const int cols = valid ? p.head_dim - c * 8 : 0;
+      kx[j] = load8_elementwise(k_src, cols);
+      vx[j] = load8_elementwise(v_src, cols);
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int idx = lane + 32 * (first + j);
+      const u32 at = Swizzle<kHeadDim>::offset(idx / kChunks, idx % kChunks);
+      st_shared_16(sk + at, kx[j]);
+      st_shared_16(sv + at, vx[j]);
+    }
+  }
+}
+
 // -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
 //    columns past head_dim read as zeros. A paged cache's rows take their pages from
-//    row_page, this lane's tile_row_page (kPagesAhead), or look them up here --
-template <int kHeadDim, bool kPagesAhead>
+//    row_page, this lane's tile_row_page (kPagesAhead), or look them up here. By cp.async
+//    (kElementIO: plain loads, load_kv_tile_elementwise) --
+template <int kHeadDim, bool kPagesAhead, bool kElementIO = false>
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
                                              const CacheSeq& s, const u16* k_head,
                                              const u16* v_head, int key0, int row_page, int lane) {
+  if constexpr (kElementIO) {
+    load_kv_tile_elementwise<kHeadDim, kPagesAhead>(sk, sv, p, s, k_head, v_head, key0,
+                                                    row_page, lane);
+    return;
+  }
   constexpr int kChunks = kHeadDim / 8;
   const int rows_valid = s.seqlen_k - key0;
   // A contiguous cache's tile is rows of one base: a row stride a chunk, not a slot lookup
@@ -154,49 +203,6 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
     const u32 at = Swizzle<kHeadDim>::offset(r, c);
     cp_async_16(sk + at, k_src, valid ? 16 : 0);
     cp_async_16(sv + at, v_src, valid ? 16 : 0);
-  }
-}
-
-// -- the same by plain loads (the element-wise I/O variant): a lane's chunks of K and V,
-//    kBatch of each in flight, stored before this returns. Each row's slot is looked up
-//    (its page from row_page's lane r with kPagesAhead) --
-template <int kHeadDim, bool kPagesAhead>
-__device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const DecodeParams& p,
-                                                         const CacheSeq& s, const u16* k_head,
-                                                         const u16* v_head, int key0,
-                                                         int row_page, int lane) {
-  constexpr int kChunks = kHeadDim / 8;
-  constexpr int kLaneChunks = kTileKeys * kChunks / 32;
-  constexpr int kBatch = kLaneChunks % 4 == 0 ? 4 : 2;  // (whole batches: no stack frame)
-  const int rows_valid = s.seqlen_k - key0;
-#pragma unroll
-  for (int first = 0; first < kLaneChunks; first += kBatch) {
-    uint4 kx[kBatch], vx[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int idx = lane + 32 * (first + j), r = idx / kChunks, c = idx % kChunks;
-      const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r) : 0;  // (whole warp)
-      const bool valid = r < rows_valid;
-      const u16 *k_src = nullptr, *v_src = nullptr;
-      if (valid) {
-        const int pos = s.start + key0 + r;
-        const CacheSlot slot =
-            !p.block_table ? CacheSlot{s.row, pos}
-                           : page_slot(p, kPagesAhead ? page : s.pages[pos >> p.page_shift], pos);
-        k_src = k_head + slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
-        v_src = v_head + slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
-      }
-      const int cols = valid ? p.head_dim - c * 8 : 0;
-      kx[j] = load8_elementwise(k_src, cols);
-      vx[j] = load8_elementwise(v_src, cols);
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int idx = lane + 32 * (first + j);
-      const u32 at = Swizzle<kHeadDim>::offset(idx / kChunks, idx % kChunks);
-      st_shared_16(sk + at, kx[j]);
-      st_shared_16(sv + at, vx[j]);
-    }
   }
 }
 

@@ -103,17 +103,11 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
   const auto ahead_pages = [&](int i) {
     return kPagesAhead && i < my_tiles ? tile_row_page(p, s, tile_key0(i), lane) : 0;
   };
-  const auto load_tile = [&](int i, int pages) {
-    if constexpr (kElementIO)
-      load_kv_tile_elementwise<kHeadDim, kPagesAhead>(stage_k(i), stage_k(i) + Shape::kTileBytes,
-                                                      p, s, k_head, v_head, tile_key0(i), pages,
-                                                      lane);
-    else
-      load_kv_tile<kHeadDim, kPagesAhead>(stage_k(i), stage_k(i) + Shape::kTileBytes, p, s,
-                                          k_head, v_head, tile_key0(i), pages, lane);
-  };
   const auto prologue_tile = [&](int i) {
-    if (i < my_tiles) load_tile(i, ahead_pages(i));
+    if (i < my_tiles)
+      load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(i), stage_k(i) + Shape::kTileBytes,
+                                                      p, s, k_head, v_head, tile_key0(i),
+                                                      ahead_pages(i), lane);
     cp_async_commit();
   };
 #pragma unroll
@@ -143,7 +137,11 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
 #pragma unroll
     for (int u = 0; u < kStep; ++u) {
       const int ahead = i + kStages - kStep + u;
-      if (ahead < my_tiles) load_tile(ahead, next_pages[u]);
+      if (ahead < my_tiles)
+        load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(ahead),
+                                                        stage_k(ahead) + Shape::kTileBytes, p, s,
+                                                        k_head, v_head, tile_key0(ahead),
+                                                        next_pages[u], lane);
       cp_async_commit();
       next_pages[u] = ahead_pages(ahead + kStep);
     }

@@ -83,12 +83,12 @@ __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b,
                           ((i64)b * p.nheads + h) * p.seqlen_q + t;
   in.lse = tid < p.num_splits ? __ldcg(lse_part + tid * ((i64)p.batch * p.nheads * p.seqlen_q))
                               : -CUFA_INF;
-  const int cols = partial_cols<kElementIO>(p.head_dim);
-  const int chunks = cols / 8, groups = kRowThreads / chunks;
+  const int chunks = partial_cols<kElementIO>(p.head_dim) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * cols;
+  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim);
   const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
-                        (((i64)b * p.seqlen_q + t) * p.nheads + h) * cols + chunk * 8;
+                        (((i64)b * p.seqlen_q + t) * p.nheads + h) *
+                            partial_cols<kElementIO>(p.head_dim) + chunk * 8;
 #pragma unroll
   for (int i = 0; i < kCombineEarly; ++i) {
     const int sp = group + i * groups;
@@ -119,8 +119,7 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
         sum > 0.f ? base + logf(sum) : -CUFA_INF;
   row_sync<kRows>();  // every weight of the row written
 
-  const int cols = partial_cols<kElementIO>(p.head_dim);
-  const int chunks = cols / 8, groups = kRowThreads / chunks;
+  const int chunks = partial_cols<kElementIO>(p.head_dim) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (group < groups) {
@@ -129,9 +128,11 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
       const int sp = group + i * groups;
       if (sp < p.num_splits) add_weighted8(acc, weight[sp], in.early[i][0], in.early[i][1]);
     }
-    const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * cols;
+    const i64 split_o =
+        (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim);
     const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
-                          (((i64)in.b * p.seqlen_q + in.t) * p.nheads + in.h) * cols + chunk * 8;
+                          (((i64)in.b * p.seqlen_q + in.t) * p.nheads + in.h) *
+                              partial_cols<kElementIO>(p.head_dim) + chunk * 8;
 #pragma unroll 4
     for (int sp = group + kCombineEarly * groups; sp < p.num_splits; sp += groups)
       add_weighted8(acc, weight[sp], __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o)),
@@ -196,7 +197,7 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
       const DecodeRow row = decode_row(p, s, m_block, h_k, r);
       const SplitRow in = load_split_row<4, kElementIO>(p, s.b, row.t, row.h, lane);
       merge_split_row<kDtype, 4, kElementIO>(p, in, s.q_row0, lane, weight + r * kMaxSplits,
-                                 partial + warp * 32 * 8, warp_value);
+                                             partial + warp * 32 * 8, warp_value);
     }
   } else if constexpr (kThreads >= kCombineThreads) {  // a row on threads 0-127
     if (threadIdx.x >= kCombineThreads) return;
