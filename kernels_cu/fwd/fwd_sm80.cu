@@ -122,7 +122,8 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
 }
 
 // kElementIO: the element-wise I/O variant (common/element_io.cuh), for any head dim and
-// any strides; loads block the thread until they land, where cp.async runs under the products.
+// any strides. Its loads of Q and K (and of V above d = 128) wait for memory where cp.async's
+// run under the products; V's at d <= 128 land under the QK product (VInFlight).
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
           bool kElementIO = false>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
