@@ -3,7 +3,8 @@
 PyTorch SDPA (flash, cuDNN), one run.
 
     python3 bench/bench_decode.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128]
-        [--shapes 1x32768,64x4096] [--reps 40] [--no-peers] [--sink] [--no-plot] [--list]
+        [--shapes 1x32768,64x4096] [--reps 40] [--unaligned] [--no-peers] [--sink] [--no-plot]
+        [--list]
 
 Rows: dtype x heads (32 over 8, 32 over 32) x head dim x (batch, cache length N) in
 (1, 32k), (1, 128k), (8, 16k), (64, 4k), (128, 2k), (256, 1k) x seqlen_q 1 and 4, every
@@ -12,7 +13,13 @@ cufa reads the contiguous cache (batch, N, heads_k, d) and paged copies of it (p
 16 and 256 rows, in random order); SDPA reads q as a (batch, heads, seqlen_q, d) view and
 the contiguous cache as (batch, heads_k, N, d) views, enable_gqa=True when the heads
 differ. "cufa graph" replays the contiguous call from a CUDA graph, as servers replay
-decode steps. Decode reads the cache once, so the figure is KV bytes / time, TB/s (bytes
+decode steps. Head dims from 1 to 256: those that are no multiple of 8 run cufa's
+element-wise I/O kernels; --unaligned makes q and the contiguous cache slices at element
+offset 1 of rows one element longer (strides no multiple of 8, a start 2 bytes off 16),
+which take them at any head dim (the paged copies stay aligned). So the cost of an odd head
+dim is the rows d = 59 against 64, 111 against 112 and 128 (TB/s counts the bytes of the
+true head dim), and that of the element-wise kernels alone a run with --unaligned against
+one without. Decode reads the cache once, so the figure is KV bytes / time, TB/s (bytes
 = 2 * batch * N * heads_k * d * 2), beside the device's copy bandwidth measured in the
 same run (a 1 GiB device-to-device copy: bytes read + written / time). Timing as in
 bench_fwd.py (bench/_timing.py): one CUDA event pair per queued call, median; every
@@ -79,6 +86,9 @@ def parse_args(argv=None):
                         "(heads, head dims and query tokens as chosen otherwise)")
     p.add_argument("--reps", type=int, default=40,
                    help="timed calls per implementation and row (median), split over the rounds")
+    p.add_argument("--unaligned", action="store_true",
+                   help="q and the contiguous cache as slices at an odd offset (cufa's "
+                        "element-wise kernels)")
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
     p.add_argument("--sink", action="store_true",
                    help="also time cufa with a learnable sink (the 'cufa sink' column)")
@@ -87,8 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--mixed-only", action="store_true",
                    help="time the serving-shaped mixed step alone (printed, no files)")
     args = p.parse_args(argv)
-    if any(d <= 0 or d % 8 or d > 256 for d in args.head_dims):
-        p.error("--head-dims must be multiples of 8 up to 256")
+    if any(not 1 <= d <= 256 for d in args.head_dims):
+        p.error("--head-dims must be from 1 to 256")
     if args.reps < 1:
         p.error("--reps must be >= 1")
     return args
@@ -111,8 +121,8 @@ def kv_bytes(batch, n, nheads_k, head_dim):
 
 
 def case_name(r):
-    return (f"{r['dtype']} d={r['head_dim']} {r['nheads']}/{r['nheads_k']} "
-            f"B={r['batch']} N={r['seqlen']} sq={r['seqlen_q']}")
+    return (f"{r['dtype']} d={r['head_dim']}{' unaligned' if r.get('unaligned') else ''} "
+            f"{r['nheads']}/{r['nheads_k']} B={r['batch']} N={r['seqlen']} sq={r['seqlen_q']}")
 
 
 def estimate_s(args, impls=len(IMPLS), rate=2.5e12, setup_s=0.3):
@@ -146,16 +156,18 @@ def to_paged(torch, cache, table, num_pages):
     return pages
 
 
-def make_caches(torch, cfg, gen, rng):
-    """Input sets: the contiguous cache, its paged copies (page size -> (k pages, v pages,
-    block_table)), cache_seqlens = N. Two sets where the cache is under ROTATE_BELOW."""
+def make_caches(torch, cfg, gen, rng, unaligned=False):
+    """Input sets: the contiguous cache (unaligned: a slice at element offset 1 of rows d + 1
+    long), its paged copies (page size -> (k pages, v pages, block_table)), cache_seqlens =
+    N. Two sets where the cache is under ROTATE_BELOW."""
     dt, _, hk, d, b, n = cfg
     dtype = getattr(torch, TORCH_DTYPES[dt])
     count = 2 if kv_bytes(b, n, hk, d) < ROTATE_BELOW else 1
+    extra = 1 if unaligned else 0
     sets = []
     for _ in range(count):
-        k, v = (torch.randn(b, n, hk, d, device="cuda", dtype=dtype, generator=gen)
-                for _ in range(2))
+        k, v = (torch.randn(b, n, hk, d + extra, device="cuda", dtype=dtype,
+                            generator=gen)[..., extra:] for _ in range(2))
         paged = {}
         for ps in PAGE_SIZES:
             table, num_pages = paged_layout(b, n, ps, rng)
@@ -177,11 +189,13 @@ def load_impls(torch, no_peers, sink=False):
     return impls if no_peers else {**impls, **T.load_peers(torch)}
 
 
-def time_row(torch, impls, cfg, sq, sets, reps, gen):
+def time_row(torch, impls, cfg, sq, sets, reps, gen, unaligned=False):
     """All implementations on the same caches, interleaved; -> the row."""
     dt, h, hk, d, b, n = cfg
     dtype = getattr(torch, TORCH_DTYPES[dt])
-    qs = [torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=gen) for _ in sets]
+    extra = 1 if unaligned else 0
+    qs = [torch.randn(b, sq, h, d + extra, device="cuda", dtype=dtype, generator=gen)[..., extra:]
+          for _ in sets]
     sdpa_kw = {"enable_gqa": True} if h != hk else {}
     graphs = []
     sink = torch.randn(h, device="cuda", generator=gen) if "cufa_sink" in impls else None
@@ -224,7 +238,7 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen):
     per_round = -(-reps // ROUNDS)
     timed = run_rounds({name: timer(name, impl) for name, impl in impls.items()}, per_round)
     row = dict(dtype=dt, head_dim=d, nheads=h, nheads_k=hk, batch=b, seqlen=n, seqlen_q=sq,
-               kv_bytes=kv_bytes(b, n, hk, d), sets=len(sets), impls={})
+               kv_bytes=kv_bytes(b, n, hk, d), sets=len(sets), unaligned=unaligned, impls={})
     for name, got in timed.items():
         if isinstance(got, dict):
             row["impls"][name] = got
@@ -437,7 +451,8 @@ def markdown(rows, names):
         + ["cufa/flash", "cufa/cuDNN", "one at a time: cufa / flash / cuDNN us"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cells = [r["dtype"], r["head_dim"], f"{r['nheads']}/{r['nheads_k']}",
+        cells = [r["dtype"], f"{r['head_dim']}{' unaligned' if r.get('unaligned') else ''}",
+                 f"{r['nheads']}/{r['nheads_k']}",
                  f"{r['batch']} x {r['seqlen']}", r["seqlen_q"], f"{r['kv_bytes'] / 2**20:.0f}"]
         for n in names:
             v = r["impls"].get(n, {})
@@ -557,7 +572,7 @@ def main(argv=None):
             dt, h, hk, d, b, n = cfg
             for sq in seqlens_q(args):
                 r = dict(dtype=dt, head_dim=d, nheads=h, nheads_k=hk, batch=b, seqlen=n,
-                         seqlen_q=sq)
+                         seqlen_q=sq, unaligned=args.unaligned)
                 mb = kv_bytes(b, n, hk, d) / 2**20
                 print(case_name(r), f"KV {mb:.0f} MB sets={2 if mb * 2**20 < ROTATE_BELOW else 1}")
         print(f"{total} rows, about {estimate_s(args) / 60:.1f} min on an H100")
@@ -576,12 +591,13 @@ def main(argv=None):
         return 0
     rows = []
     for cfg in cfgs:
-        sets = make_caches(torch, cfg, gen, rng)
+        sets = make_caches(torch, cfg, gen, rng, args.unaligned)
         for sq in seqlens_q(args):
             dt, h, hk, d, b, n = cfg
             progress(len(rows), total, case_name(dict(dtype=dt, head_dim=d, nheads=h, nheads_k=hk,
-                                                      batch=b, seqlen=n, seqlen_q=sq)))
-            row = time_row(torch, impls, cfg, sq, sets, args.reps, gen)
+                                                      batch=b, seqlen=n, seqlen_q=sq,
+                                                      unaligned=args.unaligned)))
+            row = time_row(torch, impls, cfg, sq, sets, args.reps, gen, args.unaligned)
             add_ratios(row, copy_tbps)
             worst = max((row["max_abs_diff"] or {}).values(), default=0.0)
             if not worst < 0.05:

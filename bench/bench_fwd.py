@@ -2,13 +2,19 @@
 """Attention forward: cufa against PyTorch SDPA (flash, cuDNN) and JAX cuDNN, one run.
 
     python3 bench/bench_fwd.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128,256]
-        [--seqlens 512,1024,...] [--causal 0,1] [--reps 48] [--no-peers] [--sink] [--no-plot]
-        [--no-memory] [--list]
+        [--seqlens 512,1024,...] [--causal 0,1] [--reps 48] [--unaligned] [--no-peers] [--sink]
+        [--no-plot] [--no-memory] [--list]
 
-Shapes: 16,384 tokens per batch (batch = 16384 // N), heads = 2048 // headdim, plus one GQA
-shape (d=128, N=4096, batch 4, 32 query / 8 kv heads). TFLOP/s = 4*B*H*N^2*d, halved for
-causal. GPU-side implementations are timed with one pair of CUDA events per call, the calls
-queued behind a spinning kernel so the host's cost stays hidden (`queue_ahead`), median of
+Shapes: 16,384 tokens per batch (batch = 16384 // N), heads = 2048 // headdim (the head dim
+rounded up to a multiple of 8, so that d = 59 and 64 have the same heads), plus one GQA
+shape (d=128, N=4096, batch 4, 32 query / 8 kv heads). Head dims that are no multiple of 8
+run cufa's element-wise I/O kernels; --unaligned hands cufa slices at element offset 1 of
+rows one element longer (strides no multiple of 8, a start 2 bytes off 16), which take
+them at any head dim (the peers read the same values contiguous). So the cost of an odd
+head dim is the rows d = 59 against 64, 111 against 112 and 128, and that of the
+element-wise kernels alone a run with --unaligned against one without. TFLOP/s =
+4*B*H*N^2*d, halved for causal. GPU-side implementations are timed with one pair of CUDA
+events per call, the calls queued behind a spinning kernel so the host's cost stays hidden (`queue_ahead`), median of
 --reps, rotating among input sets that together exceed the 50 MB L2. The calls of a row are
 taken in 4 interleaved rounds (the implementations in a fresh random order each round, at
 least 5 warm-up calls and 30 ms before each block), so a slow spell of the machine, or the
@@ -79,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"seqlens {QUICK_SEQLENS} only")
     p.add_argument("--reps", type=int, default=48,
                    help="timed calls per case (median), split over the rounds")
+    p.add_argument("--unaligned", action="store_true",
+                   help="cufa's q, k, v as slices at an odd offset (its element-wise kernels)")
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
     p.add_argument("--sink", action="store_true",
                    help="also time cufa with a learnable sink (the 'cufa sink' column)")
@@ -92,8 +100,8 @@ def parse_args(argv=None):
         args.seqlens = tuple(n for n in args.seqlens if n in QUICK_SEQLENS)
     if any(n <= 0 or TOKENS % n for n in args.seqlens):
         p.error(f"--seqlens must divide {TOKENS}")
-    if any(d <= 0 or d % 8 or d > 256 or HIDDEN % d for d in args.head_dims):
-        p.error(f"--head-dims must be multiples of 8 up to 256 that divide {HIDDEN}")
+    if any(not 1 <= d <= 256 for d in args.head_dims):
+        p.error("--head-dims must be from 1 to 256")
     args.causal = tuple(bool(c) for c in args.causal)
     if args.reps < 1:
         p.error("--reps must be >= 1")
@@ -102,15 +110,21 @@ def parse_args(argv=None):
 
 def sweep(args):
     """The shapes to time (each for every causal value), GQA last."""
-    shapes = [Shape(dt, d, n, TOKENS // n, HIDDEN // d, HIDDEN // d)
+    shapes = [Shape(dt, d, n, TOKENS // n, heads(d), heads(d))
               for dt in args.dtypes for d in args.head_dims for n in args.seqlens]
     if GQA["head_dim"] in args.head_dims and GQA["seqlen"] in args.seqlens:
         shapes += [Shape(dt, **GQA) for dt in args.dtypes]
     return shapes
 
 
+def heads(head_dim):
+    """Heads of a head dim's rows: HIDDEN over the head dim rounded up to a multiple of 8."""
+    return max(1, HIDDEN // (-(-head_dim // 8) * 8))
+
+
 def case_name(r):
     s = f"{r['dtype']} d={r['head_dim']} N={r['seqlen']} {'causal' if r['causal'] else 'full'}"
+    s += " unaligned" if r.get("unaligned") else ""
     return s + (f" GQA {r['nheads']}/{r['nheads_k']}" if r["nheads"] != r["nheads_k"] else "")
 
 
@@ -135,12 +149,14 @@ def load_impls(torch, no_peers, sink=False):
     return impls
 
 
-def torch_inputs(torch, shape, gen):
-    """shape.sets() random-normal (q, k, v) sets in (B, N, H, d) for cufa, and the same
-    values contiguous in (B, H, N, d), the layout SDPA is documented and tuned for."""
+def torch_inputs(torch, shape, gen, unaligned=False):
+    """shape.sets() random-normal (q, k, v) sets in (B, N, H, d) for cufa (unaligned: each a
+    slice at element offset 1 of rows d + 1 long), and the same values contiguous in
+    (B, H, N, d), the layout SDPA is documented and tuned for."""
     dt = getattr(torch, T.TORCH_DTYPES[shape.dtype])
-    bnhd = [tuple(torch.randn(shape.batch, shape.seqlen, h, shape.head_dim, device="cuda",
-                              dtype=dt, generator=gen)
+    extra = 1 if unaligned else 0
+    bnhd = [tuple(torch.randn(shape.batch, shape.seqlen, h, shape.head_dim + extra,
+                              device="cuda", dtype=dt, generator=gen)[..., extra:]
                   for h in (shape.nheads, shape.nheads_k, shape.nheads_k))
             for _ in range(shape.sets())]
     bhnd = [tuple(x.transpose(1, 2).contiguous() for x in s) for s in bnhd]
@@ -164,9 +180,9 @@ def summarize(ms, shape, causal):
             "tflops": T.tflops(shape.flops(causal), median)}
 
 
-def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
+def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns, unaligned=False):
     """One row per causal value; all implementations on the same inputs, back to back."""
-    bnhd, bhnd = torch_inputs(torch, shape, gen)
+    bnhd, bhnd = torch_inputs(torch, shape, gen, unaligned)
     jax_sets = []
 
     def time_jax(jax, causal, reps):
@@ -203,7 +219,7 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns):
     rows = []
     for causal in causals:
         row = dict(asdict(shape), causal=causal, gqa=shape.gqa, sets=shape.sets(),
-                   gflop=shape.flops(causal) / 1e9)
+                   gflop=shape.flops(causal) / 1e9, unaligned=unaligned)
         timed = T.run_rounds({name: timer(name, impl, causal) for name, impl in impls.items()},
                            per_round)
         row["impls"] = {name: got if isinstance(got, dict) else summarize(got, shape, causal)
@@ -309,7 +325,8 @@ def markdown(rows, names):
         + ["cufa/flash", "cufa/cuDNN", "one at a time: cufa / flash / cuDNN us"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cells = [r["dtype"], r["head_dim"], "yes" if r["causal"] else "no", r["seqlen"],
+        cells = [r["dtype"], f"{r['head_dim']}{' unaligned' if r.get('unaligned') else ''}",
+                 "yes" if r["causal"] else "no", r["seqlen"],
                  f"{r['batch']} x {r['nheads']}/{r['nheads_k']}"]
         cells += [T.fmt(r["impls"].get(n, {}).get("tflops"), ".0f") for n in names]
         cells += [T.fmt(r.get("ratio_vs_flash"), ".2f"), T.fmt(r.get("ratio_vs_cudnn"), ".2f")]
@@ -426,7 +443,8 @@ def main(argv=None):
     cases = [(s, c) for s in shapes for c in args.causal]
     if args.list:
         for s, c in cases:
-            print(case_name(dict(asdict(s), causal=c)), f"B={s.batch} sets={s.sets()}")
+            print(case_name(dict(asdict(s), causal=c, unaligned=args.unaligned)),
+                  f"B={s.batch} H={s.nheads} sets={s.sets()}")
         print(f"{len(cases)} cases")
         return 0
     if args.reps < 20:
@@ -440,7 +458,8 @@ def main(argv=None):
     rng, jax_fns, rows = np.random.default_rng(0), {}, []
     for s in shapes:
         T.progress(len(rows), len(cases), case_name(dict(asdict(s), causal=args.causal[0])))
-        rows += time_shape(torch, impls, s, args.causal, args.reps, gen, rng, jax_fns)
+        rows += time_shape(torch, impls, s, args.causal, args.reps, gen, rng, jax_fns,
+                           args.unaligned)
     T.progress(len(rows), len(cases), "done")
     if sys.stderr.isatty():
         sys.stderr.write("\n")

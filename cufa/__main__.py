@@ -121,6 +121,9 @@ def _gpu_check():
     dims = {"sm80": _compile.SM80_HEAD_DIMS, "sm90": _compile.SM90_HEAD_DIMS}
     cases = [(fam, dt, d, mask, mods) for fam in families for dt in dtypes for d in dims[fam]
              for mask in _compile.MASKS for mods in (False, True)]
+    # the element-wise I/O variants (one a padded head dim, for every mask and mods): a head
+    # dim 3 below each padded one, no multiple of 8
+    cases += [("sm80", dt, d - 3, "window", True) for dt in dtypes for d in dims["sm80"]]
     f64 = (lambda x: cupy.asnumpy(x.astype(np.float32)).astype(np.float64))
     failures = 0
     print(f"checking {len(cases)} dense variants against the float64 reference", flush=True)
@@ -159,19 +162,19 @@ def _gpu_check():
         failures += not ok
     os.environ.pop("CUFA_KERNEL_FAMILY")
     api.clear_plans()
-    for page_size, splits in ((None, 1), (None, 0), (16, 5)):  # the KV-cache kernels
-        cases.append(("decode", page_size, splits))
-        failures += not _decode_check(rng, f64, page_size, splits)
+    for page_size, splits, d in ((None, 1, 64), (None, 0, 64), (16, 5, 64), (16, 3, 59)):
+        cases.append(("decode", page_size, splits, d))  # the KV-cache kernels
+        failures += not _decode_check(rng, f64, page_size, splits, d)
     print(f"self-check: {len(cases) - failures}/{len(cases)} kernel families match the reference")
     return failures == 0
 
 
-def _decode_check(rng, f64, page_size, num_splits):
+def _decode_check(rng, f64, page_size, num_splits, d):
     """flash_attn_with_kvcache appending 2 tokens to a cache of 3 sequences (GQA 8/2),
     contiguous or paged, against the reference over the cache it should leave."""
     import cupy
     import cufa
-    b, cap, h, hk, d, new = 3, 256, 8, 2, 64, 2
+    b, cap, h, hk, new = 3, 256, 8, 2, 2
     lens = np.array([200, 0, 77], dtype=np.int32)
     q = _random((b, 2, h, d), "float16", rng)
     k_new, v_new = (_random((b, new, hk, d), "float16", rng) for _ in range(2))
@@ -197,7 +200,8 @@ def _decode_check(rng, f64, page_size, num_splits):
         o_ref, lse_ref = reference.attention(f64(q[i:i + 1]), k_ref[i:i + 1, :n + new],
                                              v_ref[i:i + 1, :n + new], causal=True)
         ok &= _matches(f64(o[i:i + 1]), cupy.asnumpy(lse[i:i + 1]), o_ref, lse_ref, "float16",
-                       f"decode page_size={page_size} num_splits={num_splits} sequence {i}")
+                       f"decode d={d} page_size={page_size} num_splits={num_splits} "
+                       f"sequence {i}")
     return ok
 
 

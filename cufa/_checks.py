@@ -63,27 +63,36 @@ def check_dtype_device(x, name, ref, ref_name):
         raise ValueError(f"{name} is on cuda:{x.device} but {ref_name} is on cuda:{ref.device}")
 
 
+def chunk_aligned(shape, strides, ptr):
+    """Whether the kernels may move an array's rows of 16-bit elements in 16-byte chunks
+    (cp.async, TMA, 16-byte stores): a last dim (the head dim) that is a multiple of 8,
+    strides that are multiples of 8 elements, a 16-byte aligned start. A dimension of one
+    element (its stride never used) or an empty array (nothing moved) counts as aligned.
+    Calls with an array that is not take the element-wise I/O kernels (_compile)."""
+    if 0 in shape:
+        return True
+    if shape[-1] % 8 or ptr % 16:
+        return False
+    for s, n in zip(strides[:-1], shape):
+        if s % 8 and n > 1:
+            return False
+    return True
+
+
 def check_loadable(x, name):
-    """The kernels move rows in 16-byte chunks: last dim contiguous, the rest aligned."""
+    """The kernels read rows with a contiguous last dim; -> chunk_aligned(x)."""
     shape, strides = x.shape, x.strides
     if 0 in shape:  # nothing is read or written; frameworks report any strides here
-        return
+        return True
     if strides[-1] != 1 and shape[-1] > 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride 1); "
                          f"got strides {strides}")
-    misaligned = x.ptr % 16
-    for s, n in zip(strides[:-1], shape):
-        if s % 8 and n > 1:
-            misaligned = True
-    if misaligned:
-        raise ValueError(f"{name} must have strides that are multiples of 8 elements and a "
-                         f"16-byte aligned start (the kernels load 16-byte chunks); got "
-                         f"strides {strides} and address {x.ptr:#x}")
+    return chunk_aligned(shape, strides, x.ptr)
 
 
 def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
     """batch_dim None: packed rows, (total_rows, nheads, headdim), or paged k/v with q
-    seen through with_leading_one (seq_dim 1)."""
+    seen through with_leading_one (seq_dim 1). -> whether q, k and v are chunk_aligned."""
     qn, kn, vn = names
     rank = 3 if batch_dim is None and seq_dim == 0 else 4
     for x, n in ((q, qn), (k, kn), (v, vn)):
@@ -94,8 +103,8 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
     check_dtype_device(k, kn, q, qn)
     check_dtype_device(v, vn, q, qn)
     d = q.shape[-1]
-    if d % 8 or not 8 <= d <= _compile.MAX_HEAD_DIM:
-        raise ValueError(f"{qn} has head dim {d}; cufa supports multiples of 8 from 8 to "
+    if not 1 <= d <= _compile.MAX_HEAD_DIM:
+        raise ValueError(f"{qn} has head dim {d}; cufa supports head dims from 1 to "
                          f"{_compile.MAX_HEAD_DIM}")
     if k.shape[-1] != d:
         raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {d}")
@@ -109,11 +118,11 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
     if nheads_k == 0 or nheads % nheads_k:
         raise ValueError(f"{qn} has {nheads} heads, not a multiple of the {nheads_k} heads "
                          f"of {kn}")
-    for x, n in ((q, qn), (k, kn), (v, vn)):
-        check_loadable(x, n)
+    aligned = [check_loadable(x, n) for x, n in ((q, qn), (k, kn), (v, vn))]
     if max(q.shape[seq_dim], k.shape[seq_dim]) > INT32_MAX // 2:
         raise ValueError(f"sequence lengths up to {INT32_MAX // 2} are supported; got "
                          f"{qn} {q.shape[seq_dim]}, {kn} {k.shape[seq_dim]}")
+    return all(aligned)
 
 
 def with_leading_one(x):
@@ -315,9 +324,10 @@ def check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
 
 
 def check_out(out, o, q, name="out"):
-    """out: the caller's array (or None); o: its view."""
+    """out: the caller's array (or None); o: its view. -> whether the output is
+    chunk_aligned (a new one, contiguous, is where its head dim is a multiple of 8)."""
     if o is None:
-        return
+        return q.shape[-1] % 8 == 0
     if o.framework != q.framework:
         raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
     if _interop.is_jax(out):
@@ -328,19 +338,21 @@ def check_out(out, o, q, name="out"):
                          f"{o.shape} {o.dtype}")
     if o.device != q.device:
         raise ValueError(f"{name} is on cuda:{o.device} but q is on cuda:{q.device}")
-    check_loadable(o, name)
+    return check_loadable(o, name)
 
 
 # -- KV cache --------------------------------------------------------------------------------
 
 def check_cache(q, kc, vc, kn, vn, table, idx):
-    """The cache (and new keys) against q; returns (paged dict or None, capacity, cache_rows)."""
+    """The cache (and new keys) against q; returns (paged dict or None, capacity, cache_rows,
+    whether q and the cache are chunk_aligned). The new keys are written into the cache an
+    element at a time (decode_append): their alignment does not count."""
     cache = ("(num_pages, page_size, nheads_k, headdim)" if table is not None
              else "(batch_cache, seqlen_cache, nheads_k, headdim)")
     # what flash_attn_func checks of q, k, v; the batch dims may differ (cache_batch_idx, pages)
-    check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
-                   f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
-                   batch_dim=None, seq_dim=1, head_dim=2)
+    aligned = check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
+                        f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
+                        batch_dim=None, seq_dim=1, head_dim=2)
     batch, d, nheads_k = q.shape[0], q.shape[3], kc.shape[2]
     if table is not None:
         if idx is not None:
@@ -370,7 +382,7 @@ def check_cache(q, kc, vc, kn, vn, table, idx):
         if kn.shape[1] > capacity:
             raise ValueError(f"k has {kn.shape[1]} new tokens but the cache holds at most "
                              f"{capacity} per sequence")
-    return paged, capacity, cache_rows
+    return paged, capacity, cache_rows, aligned
 
 
 def check_rotary(cos, sin, q, d, capacity):
@@ -424,28 +436,30 @@ def check_cache_values(plan, seqlens, leftpad, table):
 # -- each entry point's arrays -------------------------------------------------------------
 
 def check_dense(q, k, v, alibi, sink, o, out):
-    """flash_attn_func's arrays (o: out's view, or None)."""
-    check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
-              batch_dim=0, seq_dim=1, head_dim=2)
+    """flash_attn_func's arrays (o: out's view, or None) -> whether q, k, v and the output
+    are chunk_aligned."""
+    aligned = check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
+                        batch_dim=0, seq_dim=1, head_dim=2)
     batch, _, nheads, _ = q.shape
     check_alibi(alibi, q, batch, nheads)
     check_sink(sink, q, nheads)
-    check_out(out, o, q)
+    return check_out(out, o, q) and aligned
 
 
 def check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out):
-    """flash_attn_varlen_func's arrays -> (batch, check_block_table's dict or None)."""
+    """flash_attn_varlen_func's arrays -> (batch, check_block_table's dict or None, whether
+    q, k, v and the output are chunk_aligned)."""
     paged = None
     if table is None:
-        check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
-                  batch_dim=None, seq_dim=0, head_dim=1)
+        aligned = check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
+                            batch_dim=None, seq_dim=0, head_dim=1)
     else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
         if q.ndim != 3:
             raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
                              f"{q.shape}")
-        check_qkv(with_leading_one(q), k, v, ("q", "k", "v"),
-                  "(num_pages, page_size, nheads_k, headdim) with block_table",
-                  batch_dim=None, seq_dim=1, head_dim=2)
+        aligned = check_qkv(with_leading_one(q), k, v, ("q", "k", "v"),
+                            "(num_pages, page_size, nheads_k, headdim) with block_table",
+                            batch_dim=None, seq_dim=1, head_dim=2)
     nheads = q.shape[1]
     check_cu_seqlens(cu_q, "cu_seqlens_q", q)
     check_cu_seqlens(cu_k, "cu_seqlens_k", q)
@@ -459,14 +473,15 @@ def check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out):
         check_int32_vector(used, "seqused_k", batch, q)
     check_alibi(alibi, q, batch, nheads)
     check_sink(sink, q, nheads)
-    check_out(out, o, q)
-    return batch, paged
+    aligned = check_out(out, o, q) and aligned
+    return batch, paged, aligned
 
 
 def check_sdpa(q, k, v, mask, sink, enable_gqa):
-    """scaled_dot_product_attention's arrays."""
-    check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
-              batch_dim=0, seq_dim=2, head_dim=1)
+    """scaled_dot_product_attention's arrays -> whether they and the (new, contiguous)
+    output are chunk_aligned."""
+    aligned = check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
+                        batch_dim=0, seq_dim=2, head_dim=1)
     batch, nheads, seqlen_q, _ = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     if nheads_k != nheads and not enable_gqa:
@@ -474,6 +489,7 @@ def check_sdpa(q, k, v, mask, sink, enable_gqa):
                          "pass enable_gqa=True for grouped-query attention")
     check_attn_mask(mask, q, (batch, nheads, seqlen_q, seqlen_k))
     check_sink(sink, q, nheads, "query")
+    return aligned and q.shape[-1] % 8 == 0
 
 
 def check_num_splits(num_splits):
@@ -485,8 +501,9 @@ def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
                   out, fixed):
     """flash_attn_with_kvcache's arrays (fixed: the int form of cache_seqlens, or None) ->
     (paged dict or None, capacity, cache_rows, fixed: the whole capacity where no lengths
-    were given, rotary_dim, seqlen_ro)."""
-    paged, capacity, cache_rows = check_cache(q, kc, vc, kn, vn, table, idx)
+    were given, rotary_dim, seqlen_ro, whether q, the cache and the output are
+    chunk_aligned)."""
+    paged, capacity, cache_rows, aligned = check_cache(q, kc, vc, kn, vn, table, idx)
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
     seqlen_new = kn.shape[1] if kn is not None else 0
@@ -505,13 +522,13 @@ def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     rotary_dim, seqlen_ro = check_rotary(cos, sin, q, d, capacity)
     check_alibi(alibi, q, batch, nheads)
     check_sink(sink, q, nheads)
-    check_out(out, o, q)
+    aligned = check_out(out, o, q) and aligned
     if batch > GRID_YZ_MAX or nheads_k > GRID_YZ_MAX:
         raise ValueError(f"batch and nheads_k up to {GRID_YZ_MAX} are supported; got "
                          f"{batch}, {nheads_k}")
     if max(batch * seqlen_q * nheads, batch * seqlen_new * nheads_k) * 4 > INT32_MAX:
         raise ValueError("problem too large: more than 2^29 query or new-key rows")
-    return paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro
+    return paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro, aligned
 
 
 def check_merge(oa, la, ob, lb, o, out):

@@ -35,6 +35,11 @@ SM80_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
               160: (64, 64), 192: (64, 64), 224: (64, 64), 256: (64, 64)}
 SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
+# Element-wise I/O (kElementIO in fwd/fwd_sm80.cu and decode/decode_sm80.cu): rows moved an
+# element at a time, for calls with an array that cp.async and TMA cannot move in 16-byte
+# chunks (any head dim from 1 to 256, any strides: _checks.chunk_aligned). One variant per
+# dtype and padded head dim: the forward's has the window mask and the score mods, both
+# general at run time (an unbounded window, no mods), on the score-mods tiles.
 
 # sm90: wgmma on Hopper (sm_90a). Head dims padded to whole 128-byte panels (64). Each
 # (block_m, block_n) fits its Q stage and two K/V stages in shared memory (227 KB) and, on
@@ -83,6 +88,7 @@ class FwdVariant:
     block_m: int
     block_n: int
     hold_pv_wait: bool = False  # sm90: SM90_HOLD_PV_WAIT
+    element_io: bool = False    # sm80: rows moved an element at a time (ELEMENT_IO)
 
     @property
     def source(self):
@@ -107,15 +113,17 @@ class FwdVariant:
     def key(self):
         mods = "_mods" if self.score_mods else ""
         hold = "_hold" if self.hold_pv_wait else ""
+        elem = "_elem" if self.element_io else ""
         return (f"fwd_{self.family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}{hold}")
+                f"_bn{self.block_n}_{self.mask}{mods}{hold}{elem}")
 
     @property
     def name_expression(self):
         args = (f"{DTYPES.index(self.dtype)}, {self.head_dim}, {MASKS.index(self.mask)}, "
                 f"{str(self.score_mods).lower()}")
         if self.family == "sm80":
-            return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}>"
+            elem = ", true" if self.element_io else ""
+            return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}{elem}>"
         return (f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}, "
                 f"{self.kv_stages}, {str(self.hold_pv_wait).lower()}>")
 
@@ -230,6 +238,7 @@ class DecodeKernel:
     #                     mbarrier stages of the CTA's ring (0: DECODE_TMA_STAGES)
     warps: int = 0      # "decode" only: warps a CTA (0: decode_shape's)
     units: int = 0      # "decode_tma" only: (sequence, KV head) units a CTA
+    element_io: bool = False  # "decode", "combine": the element-wise I/O variant
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
 
@@ -240,16 +249,17 @@ class DecodeKernel:
 
     @property
     def key(self):
+        elem = "_elem" if self.element_io else ""
         if self.kind == "decode":
             warps, stages = self.shape
             other = f"_w{warps}" if warps != decode_shape(self.head_dim)[0] else ""
-            return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}"
+            return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}"
         if self.kind == "merge":
             return f"merge_{self.dtype}"
         if self.kind == "decode_tma":
             return f"decode_tma_{self.dtype}_hd{self.head_dim}_s{self.tma_stages}_u{self.units}"
         if self.kind == "combine":
-            return f"decode_combine_r{self.rows}_{self.dtype}"
+            return f"decode_combine_r{self.rows}_{self.dtype}{elem}"
         return f"decode_{self.kind}_{self.dtype}"
 
     @property
@@ -257,13 +267,14 @@ class DecodeKernel:
         if self.kind == "merge":
             return f"cufa::merge_states<{MERGE_DTYPES.index(self.dtype)}>"
         dt = DTYPES.index(self.dtype)
+        elem = ", true" if self.element_io else ""
         if self.kind == "decode":
             warps, stages = self.shape
-            return f"cufa::decode_kernel<{dt}, {self.head_dim}, {stages}, {warps}>"
+            return f"cufa::decode_kernel<{dt}, {self.head_dim}, {stages}, {warps}{elem}>"
         if self.kind == "decode_tma":
             return f"cufa::decode_tma_kernel<{dt}, {self.tma_stages}, {self.units}>"
         if self.kind == "combine":
-            return f"cufa::decode_combine<{dt}, {self.rows}>"
+            return f"cufa::decode_combine<{dt}, {self.rows}{elem}>"
         return f"cufa::decode_{self.kind}<{dt}>"
 
     @property
@@ -309,8 +320,8 @@ class DecodeKernel:
 
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature asks
-def decode_kernel(dtype, head_dim):
-    return DecodeKernel("decode", dtype, padded_head_dim(head_dim))
+def decode_kernel(dtype, head_dim, element_io=False):
+    return DecodeKernel("decode", dtype, padded_head_dim(head_dim), element_io=element_io)
 
 
 def _decode_shape_of(shapes, dtype, head_dim):
@@ -339,7 +350,9 @@ def decode_variants():
             + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
             + [decode_tma_kernel(dt, hd, units) for dt in DTYPES for hd in DECODE_TMA_HEAD_DIMS
                for units in (1, 2)]
-            + [DecodeKernel("combine", dt, rows=rows) for dt in DTYPES for rows in (1, 4)]
+            + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+            + [DecodeKernel("combine", dt, rows=rows, element_io=elem) for dt in DTYPES
+               for rows in (1, 4) for elem in (False, True)]
             + [DecodeKernel("append", dt) for dt in DTYPES]
             + [DecodeKernel("merge", dt) for dt in MERGE_DTYPES])
 
@@ -370,6 +383,14 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
     hold = (family == "sm90" and rows == "long" and not score_mods
             and SM90_HOLD_PV_WAIT.get(hd) == (block_m, block_n))
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold)
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_element_io_variant(dtype, head_dim):
+    """The forward's element-wise I/O variant for a head dim (sm80 family, any GPU)."""
+    hd = padded_head_dim(head_dim)
+    block_m, block_n = SM80_TILES_SCORE_MODS[hd]
+    return FwdVariant("sm80", dtype, hd, "window", True, block_m, block_n, element_io=True)
 
 
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"
@@ -406,6 +427,7 @@ def all_variants():
                 for rows in SM90_ROW_CLASSES.values() for dt in DTYPES for hd in dims
                 for mask in MASKS
                 for mods in (False, True)]
+    variants += [fwd_element_io_variant(dt, hd) for dt in DTYPES for hd in SM80_HEAD_DIMS]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

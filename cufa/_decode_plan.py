@@ -98,7 +98,7 @@ class _KvPlan:
 
 def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o,
                  out, fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
-    paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro = check_kvcache(
+    paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro, aligned = check_kvcache(
         q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o, out, fixed)
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
@@ -117,7 +117,7 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
     kernel, num_splits = _heuristics.decode_kernel_and_splits(
         KERNEL_DTYPES[q.dtype], d, num_splits, batch * nheads_k * num_m_blocks, capacity,
         q.device, paged=paged is not None and not _heuristics.pages_read_whole(
-            paged["page_shift"], leftpad is None, window[0]))
+            paged["page_shift"], leftpad is None, window[0]), element_io=not aligned)
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
@@ -148,7 +148,7 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
         launches.append(_launch_entry(_compile.DecodeKernel("append", dt), q.device,
                                       (-(-rows // 4), 1, 1)))
     maps = None  # (the TMA decode kernel's)
-    if seqlen_q and not paged:
+    if seqlen_q and not paged and aligned:
         kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
@@ -156,12 +156,12 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
         launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
                                                          -(-batch // per_cta))))
         if num_splits > 1:
-            launches.append(_combine_entry(dt, d, num_splits, batch * seqlen_q * nheads,
+            launches.append(_combine_entry(kernel, d, num_splits, batch * seqlen_q * nheads,
                                            q.device))
     # the splits' outputs and lse, then the rotated q (16-byte rows)
     rows = batch * seqlen_q * nheads
     split = num_splits > 1 and seqlen_q
-    workspace = _workspace(num_splits * rows * d if split else 0,
+    workspace = _workspace(num_splits * rows * _partial_cols(d) if split else 0,
                            num_splits * rows if split else 0,
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
@@ -190,6 +190,12 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
         return None
     return _compile.decode_tma_kernel(KERNEL_DTYPES[dtype_name], _compile.padded_head_dim(d),
                                       per_cta), template
+
+
+def _partial_cols(d):
+    """Floats a row of a split's partial output: whole 8-column chunks (partial_cols in
+    decode/epilogue.cuh)."""
+    return -(-d // 8) * 8
 
 
 def _workspace(*sizes):
@@ -264,17 +270,18 @@ class PackedDecode:
 
 
 def plan_packed_decode(q, k, v, o, alibi, sink, paged, *, batch, nheads, nheads_k, d, total_q,
-                       window, scale, softcap):
+                       window, scale, softcap, aligned=True):
     """PackedDecode of validated views: q (total_q, nheads, d), k and v paged (pages,
     page_size, nheads_k, d), o the caller's out= view or None, sink the learnable sink's or
-    None; paged from check_block_table."""
+    None; paged from check_block_table; aligned: whether the arrays are chunk-aligned (else
+    the element-wise I/O kernel)."""
     group = nheads // nheads_k
     rows = max(1, _compile.DECODE_ROWS // group)
     num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
     capacity = paged["capacity"]
     kernel, num_splits = _heuristics.decode_kernel_and_splits(
         KERNEL_DTYPES[q.dtype], d, 0, batch * nheads_k * num_m_blocks, capacity, q.device,
-        paged=True)
+        paged=True, element_io=not aligned)
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     p = dict(batch=batch, seqlen_q=rows, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
@@ -290,10 +297,11 @@ def plan_packed_decode(q, k, v, o, alibi, sink, paged, *, batch, nheads, nheads_
         (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
          p[f"{name}_head_stride"]) = x.strides[:3]
     partial_rows = batch * rows * nheads if num_splits > 1 else 0
-    workspace = _workspace(num_splits * partial_rows * d, num_splits * partial_rows)
+    workspace = _workspace(num_splits * partial_rows * _partial_cols(d),
+                           num_splits * partial_rows)
     launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k, batch))]
     if partial_rows:
-        launches.append(_combine_entry(kernel.dtype, d, num_splits, partial_rows, q.device))
+        launches.append(_combine_entry(kernel, d, num_splits, partial_rows, q.device))
     return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
                         merge_in_launch=_heuristics.merge_in_launch(kernel, d, num_splits,
                                                                     rows * group))
@@ -313,8 +321,9 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, sink, pack
         scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
 
-def _combine_entry(dtype, d, num_splits, rows, device):
-    kernel = _heuristics.combine_kernel(dtype, d, num_splits)
+def _combine_entry(decode, d, num_splits, rows, device):
+    """decode_combine's launch for the partials of the `decode` kernel."""
+    kernel = _heuristics.combine_kernel(decode.dtype, d, num_splits, decode.element_io)
     return _launch_entry(kernel, device, (-(-rows // kernel.rows), 1, 1))
 
 

@@ -50,12 +50,12 @@ def _dense_plan(arrays, entries, addresses, out, options):
 
 
 def plan_dense(q, k, v, alibi, sink, o, out, window, scale, softcap):
-    check_dense(q, k, v, alibi, sink, o, out)
+    aligned = check_dense(q, k, v, alibi, sink, o, out)
     batch, seqlen_q, nheads, d = q.shape
     return _plan(q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
                  nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale,
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None,
-                 sink=sink)
+                 sink=sink, aligned=aligned)
 
 
 PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
@@ -104,19 +104,19 @@ def _packed_plan(arrays, entries, ptrs, out, options):
 
 
 def plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out, window, scale, softcap):
-    batch, paged = check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out)
+    batch, paged, aligned = check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out)
     total_q, nheads, d = q.shape
     plan = _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=k.shape[-2], seqlen_q=total_q,
                  seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi,
-                 attn_mask=None, packed=True, paged=paged, sink=sink)
+                 attn_mask=None, packed=True, paged=paged, sink=sink, aligned=aligned)
     if paged is not None and plan.variant is not None:
         # Decode-sized sequences of a serving batch go to the decode kernel (one tile a
         # GQA group, each KV byte read once); the forward's work list leaves them out.
         plan.decode = _decode_plan.plan_packed_decode(
-            q, k, v, o, alibi, sink, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2], d=d,
-            total_q=total_q, window=window, scale=scale, softcap=softcap)
+            q, k, v, o, alibi, sink, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2],
+            d=d, total_q=total_q, window=window, scale=scale, softcap=softcap, aligned=aligned)
         capacity = paged["capacity"]
         plan.work_list = plan.work_list[:3] + (_params.SCHEDULE.with_fields(
             plan.work_list[3], {"decode_rows": plan.decode.rows, "capacity": capacity,
@@ -148,13 +148,13 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa,
 
 
 def plan_sdpa(q, k, v, mask, sink, is_causal, scale, enable_gqa):
-    check_sdpa(q, k, v, mask, sink, enable_gqa)
+    aligned = check_sdpa(q, k, v, mask, sink, enable_gqa)
     batch, nheads, seqlen_q, d = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     return _plan(q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, scale=scale,
                  bottom_right=False, window=(UNBOUNDED, 0 if is_causal else UNBOUNDED),
-                 softcap=0.0, alibi=None, attn_mask=mask, sink=sink)
+                 softcap=0.0, alibi=None, attn_mask=mask, sink=sink, aligned=aligned)
 
 
 # -- launch --------------------------------------------------------------------------------
@@ -240,10 +240,11 @@ class _Mover:
     sequence lengths and the batch strides, taken from the call's signature entries (no
     views), and the TMA maps written from per-layout pieces (_tma.moved_map). A move
     makes what _plan would make (a CPU test compares them); None where the sizes change
-    the kernel variant or whether TMA describes the arrays, or a size check fails (the
-    call is then planned, which says what is wrong)."""
-    __slots__ = ("plan", "packed", "entries", "d", "units", "rows_misaligned", "same_tiles",
-                 "tma", "writers", "words", "box_n")
+    the kernel variant (a tile class, or whether the arrays are chunk-aligned) or whether
+    TMA describes the arrays, or a size check fails (the call is then planned, which says
+    what is wrong)."""
+    __slots__ = ("plan", "packed", "entries", "d", "units", "layout_aligned", "rows_aligned",
+                 "same_tiles", "tma", "writers", "words", "box_n")
 
     @classmethod
     def of(cls, plan, views, entries, packed):
@@ -267,9 +268,13 @@ class _Mover:
         strides = [None if e is None else [s // u for s in e[2]]
                    for e, u in zip(self.entries, self.units)]
         self.d, self.box_n, self.same_tiles = self.entries[0][1][-1], variant.block_n, {}
-        # a row stride the layout fixes but check_loadable allows only under one row
+        # _checks.chunk_aligned of the arrays but for the sizes: the layout's part (head dim,
+        # start, head stride), and each array's row stride, which counts above one row
         seq_dim = 0 if self.packed else 1
-        self.rows_misaligned = any(x is not None and x[seq_dim] % 8 for x in strides)
+        self.layout_aligned = self.d % 8 == 0 and all(
+            e is None or e[-1] == 0 and (e[1][-2] <= 1 or x[-2] % 8 == 0)
+            for e, x in zip(self.entries, strides))
+        self.rows_aligned = tuple(x is None or x[seq_dim] % 8 == 0 for x in strides)
         template = plan.tma_template
         self.tma, self.writers, self.words = template is not None, None, None
         # (a row stride 0, which a map takes under one row, is left to the general path)
@@ -289,14 +294,15 @@ class _Mover:
         if (k[1][0] != batch or v[1][0] != batch or v[1][1] != seqlen_k
                 or o is not None and (o[1][0] != batch or o[1][1] != seqlen_q)
                 or not _movable(seqlen_q, seqlen_k, batch)
-                or self.rows_misaligned and max(seqlen_q, seqlen_k) > 1
                 or not self._same_tiles(seqlen_q, batch)):
             return None
         q_unit, k_unit, v_unit, o_unit = self.units
         batch_strides = (q[2][0] // q_unit, k[2][0] // k_unit, v[2][0] // v_unit,
                          o[2][0] // o_unit if o is not None else seqlen_q * q[1][2] * self.d)
-        if batch > 1 and any(s % 8 for s in batch_strides):
-            return None  # (check_loadable refuses them: planned, which says so)
+        aligned = self._aligned(seqlen_q, seqlen_k) and (
+            batch <= 1 or not any(s % 8 for s in batch_strides))
+        if aligned == self.plan.variant.element_io:
+            return None
         template = None
         if self.tma:
             if self.writers is None:
@@ -323,7 +329,7 @@ class _Mover:
                 or used is not None and used[1][0] != batch
                 or o is not None and o[1][0] != total_q
                 or not _movable(total_q, total_k, batch)
-                or self.rows_misaligned and max(total_q, total_k) > 1
+                or self._aligned(total_q, total_k) == self.plan.variant.element_io
                 or not self._same_tiles(total_q, batch, total_k / max(batch, 1))):
             return None
         template = None
@@ -343,6 +349,11 @@ class _Mover:
             if template is None:
                 return None
         return self._moved(batch, q[1][1], total_q, total_k, tuple(q[1]), template, None)
+
+    def _aligned(self, rows_q, rows_k):
+        """Whether the arrays are chunk-aligned at these row counts, batch strides aside."""
+        return self.layout_aligned and all(aligned or rows <= 1 for aligned, rows in zip(
+            self.rows_aligned, (rows_q, rows_k, rows_k, rows_q)))
 
     def _same_tiles(self, total_q, batch, keys_per_sequence=0):
         """Whether these sizes keep the base plan's tiles (sm90: the tile class of
@@ -400,13 +411,14 @@ class _Mover:
 
 def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
           bottom_right, window, softcap, alibi, attn_mask, packed=False, paged=None,
-          sink=None):
+          sink=None, aligned=True):
     """The variant, launch shape and params of validated arrays. Padded batches: q/k/v/o
     carry a batch dimension (0). Packed batches: rows of all sequences are stacked,
     seqlen_q/k are the total rows, and lse is (nheads, total_q). out: the caller's out=
     view, or None for a new contiguous output. paged: check_block_table's dict when k/v are
     a paged cache (seqlen_k is then its capacity a sequence). sink: the learnable sink's
-    view or None (its address comes with each call)."""
+    view or None (its address comes with each call). aligned: whether every array is
+    _checks.chunk_aligned (else the element-wise I/O variant runs, on any GPU)."""
     framework = "cupy" if q.framework == "dlpack" else q.framework
     lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
     outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
@@ -420,8 +432,11 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         family = "sm80"
     # (packed: the mean keys a sequence, or a paged cache's capacity a sequence)
     keys = (seqlen_k if paged is not None else seqlen_k / batch) if packed else 0
-    variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
-                                     mask_kind, score_mods, family, paged, keys)
+    if aligned:
+        variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
+                                         mask_kind, score_mods, family, paged, keys)
+    else:
+        variant, tma_template = _compile.fwd_element_io_variant(KERNEL_DTYPES[q.dtype], d), None
     values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
         variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
     o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)

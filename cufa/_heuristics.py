@@ -179,9 +179,11 @@ def pages_read_whole(page_shift, no_leftpad, window_left):
 
 # -- decode: the kernel --------------------------------------------------------------------------
 
-def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False):
+def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False,
+                             element_io=False):
     """The decode kernel and split count for `units` CTAs (batch x KV heads x query
-    blocks): the default shape (_compile.decode_kernel) and split_count's count, but the
+    blocks): the default shape (_compile.decode_kernel; element_io: its element-wise I/O
+    variant, the one shape there is) and split_count's count, but the
     shape with four CTAs an SM (_compile.DECODE_MORE_CTAS), unsplit, where num_splits is
     left to the planner and
     - the default shape would split the keys while this one holds every unit in one wave
@@ -195,9 +197,10 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
     unsplit on the four-CTA one; 128 x 2k with 8 KV heads (1024 units: over 792, at most
     1056) runs on the four-CTA shape too; 256 x 1k (2048 units) on the default shape.
     """
-    kernel = _compile.decode_kernel(dtype, d)
+    kernel = _compile.decode_kernel(dtype, d, element_io)
     splits = split_count(num_splits, units, capacity, kernel, device, paged)
-    wider = _compile.decode_kernel_with_more_ctas(dtype, d) if num_splits == 0 else None
+    wider = (_compile.decode_kernel_with_more_ctas(dtype, d)
+             if num_splits == 0 and not element_io else None)
     if splits > 1:
         if wider is not None and split_count(0, units, capacity, wider, device, paged) == 1:
             return wider, 1
@@ -273,11 +276,13 @@ def combine_row_threads(head_dim, num_splits):
     return 32 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else _compile.COMBINE_THREADS
 
 
-def combine_kernel(dtype, head_dim, num_splits):
-    """decode_combine for `num_splits` splits of rows of head_dim columns."""
+def combine_kernel(dtype, head_dim, num_splits, element_io=False):
+    """decode_combine for `num_splits` splits of rows of head_dim columns (element_io: the
+    partials of the element-wise I/O decode kernel)."""
     return _compile.DecodeKernel(
         "combine", dtype, rows=_compile.COMBINE_THREADS // combine_row_threads(head_dim,
-                                                                               num_splits))
+                                                                               num_splits),
+        element_io=element_io)
 
 
 def merge_in_launch(kernel, d, num_splits, unit_rows):

@@ -17,9 +17,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """Exact attention ``softmax(q k^T * scale + mask) v``, flash-attn 2 conventions.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
-    fp16 or bf16 CUDA arrays (PyTorch, CuPy, JAX or any ``__dlpack__`` object), headdim a
-    multiple of 8 up to 256, nheads divisible by nheads_k (MQA/GQA). Any strides with a
-    contiguous last dimension (multiples of 8 elements).
+    fp16 or bf16 CUDA arrays (PyTorch, CuPy, JAX or any ``__dlpack__`` object), headdim
+    from 1 to 256, nheads divisible by nheads_k (MQA/GQA). Any strides with a contiguous
+    last dimension. The fast path is a headdim that is a multiple of 8 with every array
+    (out= included) on strides that are multiples of 8 elements from a 16-byte aligned
+    start: rows move in 16-byte copies. Any other call runs kernels that move the rows
+    an element at a time, in place (no padded copies), on every GPU (on Hopper the
+    portable mma.sync ones), at a cost bench/bench_fwd.py measures (docs/benchmarks.md).
 
     Masks are aligned to the bottom-right corner when seqlen_q != seqlen_k: query i sees
     key j iff ``j <= i + seqlen_k - seqlen_q`` (causal). For seqlen_q=2, seqlen_k=5::
@@ -79,7 +83,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Attention over a packed batch of variable-length sequences (flash-attn 2 conventions).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim): the rows of all
-    sequences stacked. cu_seqlens_q/k: int32 (batch + 1,), starting at 0, non-decreasing,
+    sequences stacked; head dims and strides as in flash_attn_func. cu_seqlens_q/k: int32 (batch + 1,), starting at 0, non-decreasing,
     ending at total_q/total_k; sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]. Masks
     apply per sequence exactly as in flash_attn_func (causal aligned bottom-right per
     sequence). seqused_k, int32 (batch,), uses only the first seqused_k[b] keys of
@@ -204,7 +208,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (batch_cache, seqlen_cache, nheads_k, headdim), or paged, (num_pages, page_size,
     nheads_k, headdim) with block_table int32 (batch, max_pages): key position j of
     sequence b is row j % page_size of page block_table[b, j // page_size]; page_size a
-    power of two from 1 to 256.
+    power of two from 1 to 256. Head dims and strides as in flash_attn_func: q, the cache
+    and out= on the 16-byte path, else the element-wise kernels (bench/bench_decode.py
+    measures them); the new k and v are copied in an element at a time either way.
 
     cache_seqlens: int32 (batch,) or an int (any integer held on the host: a NumPy integer,
     a 0-d CPU tensor), the keys in the cache before this call (default: all of it). k, v

@@ -25,8 +25,16 @@ LOWP_DEVICE = "cuda"
 
 def randn(rng, shape, dtype, scale=1.0, layout="bshd"):
     """A CUDA tensor of logical shape (b, s, h, d) stored in `layout`:
-    bshd (contiguous), bhsd (a transposed view) or padded (row stride d + 8)."""
+    bshd (contiguous), bhsd (a transposed view), padded (row stride d + 8), odd (a slice
+    at element offset 1 of rows d + 1 long: strides that are no multiple of 8 and a start
+    2 bytes off 16) or shifted (contiguous, its start 2 bytes off 16)."""
     b, s, h, d = shape
+    if layout == "odd":
+        x = torch.from_numpy(rng.standard_normal((b, s, h, d + 1), dtype=np.float32) * scale)
+        return x.to("cuda", DTYPES[dtype])[..., 1:]
+    if layout == "shifted":
+        x = torch.from_numpy(rng.standard_normal(b * s * h * d + 1, dtype=np.float32) * scale)
+        return x.to("cuda", DTYPES[dtype])[1:].view(shape)
     if layout == "bhsd":
         x = torch.from_numpy(rng.standard_normal((b, h, s, d), dtype=np.float32) * scale)
         return x.to("cuda", DTYPES[dtype]).transpose(1, 2)

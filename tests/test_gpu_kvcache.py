@@ -540,8 +540,10 @@ def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
     (128, (4, 4), 1, 12, None),   # decode_combine's CTA a row
     (64, (4, 4), 1, 40, 16),      # more splits than a warp's lanes
     (256, (4, 2), 1, 3, None),    # a 64-thread decode CTA
+    (59, (8, 2), 1, 3, None),     # the element-wise I/O kernels: partial rows of 64 floats
+    (111, (4, 4), 1, 12, 16),     # the same, decode_combine's CTA a row
 ], ids=["d64 3 splits", "d72 paged 5 splits", "d128 12 splits", "d64 paged 40 splits",
-        "d256 3 splits"])
+        "d256 3 splits", "d59 3 splits", "d111 paged 12 splits"])
 @pytest.mark.parametrize("tma", ["0", "1"], ids=["cp.async", "tma"])
 def test_eager_merge_gives_the_bits_of_the_graph_merge(rng, monkeypatch, d, heads, seqlen_q,
                                                        num_splits, page_size, tma):
@@ -842,11 +844,11 @@ def merge_from_formula(o_a, lse_a, o_b, lse_b):
     return out, lse
 
 
-def merge_parts(rng, dtype, packed, special_rows=True):
-    """Random (out_a, lse_a, out_b, lse_b), dense (2, 29, 3, 72) or packed (29, 3, 72); with
+def merge_parts(rng, dtype, packed, special_rows=True, d=72):
+    """Random (out_a, lse_a, out_b, lse_b), dense (2, 29, 3, d) or packed (29, 3, d); with
     special_rows, row 0 of part a has lse NaN, row 1 of part b NaN with part a -inf, row
     2 both -inf and row 3 part a -inf; outputs no one reads are NaN."""
-    shape, lse_shape = ((29, 3, 72), (3, 29)) if packed else ((2, 29, 3, 72), (2, 3, 29))
+    shape, lse_shape = ((29, 3, d), (3, 29)) if packed else ((2, 29, 3, d), (2, 3, 29))
     o_a, o_b = (torch.from_numpy(rng.standard_normal(shape)).to("cuda", getattr(torch, dtype))
                 for _ in range(2))
     lse_a, lse_b = (torch.from_numpy(rng.standard_normal(lse_shape) * 3).float().cuda()

@@ -877,28 +877,57 @@ def test_moved_plans_still_refuse_bad_sizes(device):
         cufa.flash_attn_func(q, k, view((2, 301, 4, 64)))
     with pytest.raises(ValueError, match="out must have q's shape"):
         cufa.flash_attn_func(q, k, k, out=view((2, 299, 4, 64)))
-    bad = _strided((3, 300, 4, 64), (300 * 256 + 4, 256, 64, 1))  # batch stride not 8-aligned
-    with pytest.raises(ValueError, match="multiples of 8"):
-        cufa.flash_attn_func(bad, bad, bad)
     empty = view((2, 0, 4, 64))
     assert cufa.flash_attn_func(empty, k, k).startswith("array@")  # planned: nothing to launch
 
-def test_moved_plans_refuse_a_row_stride_allowed_under_one_row(device, monkeypatch):
-    """A row stride that is no multiple of 8 passes under one row; the same layout at
-    more rows is refused (planned again, which says why), packed and padded. (On sm_80
-    devices: TMA refuses such layouts, so on sm_90 their plans never move.)"""
+
+def _planned_again_alike(first, second):
+    """second's plan after first's (moved from it, or made): it equals the plan second
+    makes from scratch; -> whether it takes the element-wise I/O variant."""
+    first()
+    second()
+    plan = _last_plan()
+    _runtime.plans.clear()
+    _fwd_plan.layouts.clear()
+    second()
+    _same_plan(plan, _last_plan())
+    return plan.variant.element_io
+
+
+def test_moved_plans_follow_the_alignment_of_their_sizes(device, monkeypatch):
+    """A row stride that is no multiple of 8 is chunk-aligned under one row only, a batch
+    stride under one sequence only: a plan moved to sizes that change its arrays'
+    alignment is made again, with the variant the alignment asks for (the element-wise
+    I/O one, or back to the 16-byte one); a head dim of 59 moves as any layout does. (On
+    sm_80 devices: on sm_90 the element-wise plans are the portable family's, which never
+    move.)"""
     monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
-    one, kv = _strided((1, 4, 64), (260, 64, 1)), view((300, 4, 64))
-    cu = view((2,), "int32")
-    cufa.flash_attn_varlen_func(one, kv, kv, cu, cu, 1, 300)
-    with pytest.raises(ValueError, match="multiples of 8"):
-        cufa.flash_attn_varlen_func(_strided((300, 4, 64), (260, 64, 1)), kv, kv, cu, cu,
-                                    300, 300)
-    one = _strided((1, 1, 4, 64), (260, 260, 64, 1))  # padded: the row stride of one row
-    cufa.flash_attn_func(one, view((1, 300, 4, 64)), view((1, 300, 4, 64)))
-    with pytest.raises(ValueError, match="multiples of 8"):
-        cufa.flash_attn_func(_strided((1, 300, 4, 64), (300 * 260, 260, 64, 1)),
-                             view((1, 300, 4, 64)), view((1, 300, 4, 64)))
+    moves = []
+    move = _fwd_plan._Mover._moved
+    monkeypatch.setattr(_fwd_plan._Mover, "_moved",
+                        lambda mover, *args: moves.append(1) or move(mover, *args))
+    kv, cu = view((300, 4, 64)), view((2,), "int32")
+
+    def packed(rows):
+        q = _strided((rows, 4, 64), (260, 64, 1))
+        return lambda: cufa.flash_attn_varlen_func(q, kv, kv, cu, cu, rows, 300)
+    assert _planned_again_alike(packed(1), packed(300))
+    assert not _planned_again_alike(packed(300), packed(1))
+
+    def padded(batch, rows, batch_stride, row_stride=256):
+        q = _strided((batch, rows, 4, 64), (batch_stride, row_stride, 64, 1))
+        k = view((batch, 300, 4, 64))
+        return lambda: cufa.flash_attn_func(q, k, k)
+    assert _planned_again_alike(padded(1, 1, 260, 260), padded(1, 300, 300 * 260, 260))
+    odd_batch = 300 * 256 + 4
+    assert _planned_again_alike(padded(1, 300, odd_batch), padded(3, 300, odd_batch))
+    assert not _planned_again_alike(padded(3, 300, odd_batch), padded(1, 300, odd_batch))
+    assert not moves  # (each of those was made again)
+
+    def odd(batch, rows):
+        q, k = view((batch, rows, 4, 59)), view((batch, 2 * rows, 2, 59))
+        return lambda: cufa.flash_attn_func(q, k, k, causal=True)
+    assert _planned_again_alike(odd(2, 300), odd(3, 100)) and moves
 
 
 def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):

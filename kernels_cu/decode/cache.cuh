@@ -4,6 +4,7 @@
 // cp.async loads of Q and of a warp's K/V tiles from it.
 #include "params.cuh"
 #include "../common/mma_tiles.cuh"
+#include "../common/element_io.cuh"
 
 namespace cufa {
 
@@ -107,13 +108,62 @@ __device__ __forceinline__ int tile_row_page(const DecodeParams& p, const CacheS
   return s.pages[(s.start + key0 + r) >> p.page_shift];
 }
 
+// -- load_kv_tile's tile by plain loads (the element-wise I/O variant): a lane's chunks of
+//    K and V, kBatch of each in flight, stored before this returns. Each row's slot is
+//    looked up (its page from row_page's lane r with kPagesAhead) --
+template <int kHeadDim, bool kPagesAhead>
+__device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const DecodeParams& p,
+                                                         const CacheSeq& s, const u16* k_head,
+                                                         const u16* v_head, int key0,
+                                                         int row_page, int lane) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kLaneChunks = kTileKeys * kChunks / 32;
+  constexpr int kBatch = kLaneChunks % 4 == 0 ? 4 : 2;  // (whole batches: no stack frame)
+  const int rows_valid = s.seqlen_k - key0;
+#pragma unroll
+  for (int first = 0; first < kLaneChunks; first += kBatch) {
+    uint4 kx[kBatch], vx[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int idx = lane + 32 * (first + j), r = idx / kChunks, c = idx % kChunks;
+      const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r) : 0;  // (whole warp)
+      const bool valid = r < rows_valid;
+      const u16 *k_src = nullptr, *v_src = nullptr;
+      if (valid) {
+        const int pos = s.start + key0 + r;
+        const CacheSlot slot =
+            !p.block_table ? CacheSlot{s.row, pos}
+                           : page_slot(p, kPagesAhead ? page : s.pages[pos >> p.page_shift], pos);
+        k_src = k_head + slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
+        v_src = v_head + slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
+      }
+      const int cols = valid ? p.head_dim - c * 8 : 0;
+      kx[j] = load8_elementwise(k_src, cols);
+      vx[j] = load8_elementwise(v_src, cols);
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int idx = lane + 32 * (first + j);
+      const u32 at = Swizzle<kHeadDim>::offset(idx / kChunks, idx % kChunks);
+      st_shared_16(sk + at, kx[j]);
+      st_shared_16(sv + at, vx[j]);
+    }
+  }
+}
+
 // -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
 //    columns past head_dim read as zeros. A paged cache's rows take their pages from
-//    row_page, this lane's tile_row_page (kPagesAhead), or look them up here --
-template <int kHeadDim, bool kPagesAhead>
+//    row_page, this lane's tile_row_page (kPagesAhead), or look them up here. By cp.async
+//    (kElementIO: plain loads, load_kv_tile_elementwise) --
+template <int kHeadDim, bool kPagesAhead, bool kElementIO = false>
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
                                              const CacheSeq& s, const u16* k_head,
                                              const u16* v_head, int key0, int row_page, int lane) {
+  if constexpr (kElementIO) {
+    load_kv_tile_elementwise<kHeadDim, kPagesAhead>(sk, sv, p, s, k_head, v_head, key0,
+                                                    row_page, lane);
+    return;
+  }
   constexpr int kChunks = kHeadDim / 8;
   const int rows_valid = s.seqlen_k - key0;
   // A contiguous cache's tile is rows of one base: a row stride a chunk, not a slot lookup
@@ -156,19 +206,24 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
   }
 }
 
-// -- Q: the CTA's 16 query rows (`rows` of them, zeros after) into sq, by cp.async from
-//    `threads` threads --
-template <int kHeadDim, int kThreads>
+// -- Q: the CTA's 16 query rows (`rows` of them, zeros after) into sq, by cp.async
+//    (kElementIO: plain loads) from `threads` threads --
+template <int kHeadDim, int kThreads, bool kElementIO = false>
 __device__ __forceinline__ void load_q_rows(u32 sq, const DecodeParams& p, const CacheSeq& s,
                                             int m_block, int h_k, int rows, int thread) {
   const u16* q = reinterpret_cast<const u16*>(p.q);
-  copy_rows_async<kDecodeRows, kHeadDim, kThreads>(
-      sq, [&](int r) {
-        const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-        return q + s.b * p.q_batch_stride + (s.q_row0 + row.t) * p.q_row_stride +
-               row.h * p.q_head_stride;
-      },
-      q, rows, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); }, thread);
+  const auto row_ptr = [&](int r) {
+    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+    return q + s.b * p.q_batch_stride + (s.q_row0 + row.t) * p.q_row_stride +
+           row.h * p.q_head_stride;
+  };
+  const auto offset = [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); };
+  if constexpr (kElementIO)
+    copy_rows_elementwise<kDecodeRows, kHeadDim, kThreads>(sq, row_ptr, rows, p.head_dim, offset,
+                                                           thread);
+  else
+    copy_rows_async<kDecodeRows, kHeadDim, kThreads>(sq, row_ptr, q, rows, p.head_dim, offset,
+                                                     thread);
 }
 
 }  // namespace cufa

@@ -4,8 +4,9 @@
 
 namespace cufa {
 
-// grid: ceil(batch * seqlen_q * nheads / kRows); kRows rows of 128 / kRows threads a CTA
-template <int kDtype, int kRows>
+// grid: ceil(batch * seqlen_q * nheads / kRows); kRows rows of 128 / kRows threads a CTA.
+// kElementIO: the partials of the element-wise decode variant, stored an element at a time
+template <int kDtype, int kRows, bool kElementIO = false>
 __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodeParams p) {
   static_assert(kRows == 1 || kRows == kCombineThreads / 32, "a CTA a row, or a warp a row");
   constexpr int kRowThreads = kCombineThreads / kRows;
@@ -22,13 +23,13 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine(const DecodePa
   // The row's reads go out before cache_seq's, so that it waits about one memory latency,
   // not one for cache_seq, then one for the partials. (Rows that cache_seq then skips read
   // partials nobody wrote, inside the workspace, and drop them.)
-  const SplitRow in = load_split_row<kRows>(p, b, t, h, tid);
+  const SplitRow in = load_split_row<kRows, kElementIO>(p, b, t, h, tid);
   const CacheSeq s = cache_seq(p, b);
   // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes,
   // the same test as decode_kernel's)
   if (t >= s.seqlen_q || s.seqlen_q > p.seqlen_q) return;
-  merge_split_row<kDtype, kRows>(p, in, s.q_row0, tid, weight[slot], partial + slot * kRowThreads * 8,
-                                 warp_value);
+  merge_split_row<kDtype, kRows, kElementIO>(p, in, s.q_row0, tid, weight[slot],
+                                             partial + slot * kRowThreads * 8, warp_value);
 }
 
 }  // namespace cufa

@@ -53,8 +53,10 @@ struct DecodeShape {
 #endif
 };
 
-// grid: (num_m_blocks * num_splits, nheads_k, batch)
-template <int kDtype, int kHeadDim, int kStages, int kWarpCount>
+// grid: (num_m_blocks * num_splits, nheads_k, batch). kElementIO: the element-wise I/O
+// variant (common/element_io.cuh), for any head dim and any strides: a warp's tile loads
+// block it until they land, where cp.async keeps kStages tiles in flight.
+template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false>
 __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kThreads)
     decode_kernel(const DecodeParams p) {
   using Shape = DecodeShape<kHeadDim, kStages, kWarpCount>;
@@ -84,7 +86,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
 
   // -- Q: the CTA's 16 rows, zeros past the last --
   const u32 sq = smem_u32(smem);
-  load_q_rows<kHeadDim, Shape::kThreads>(sq, p, s, m_block, h_k, rows, threadIdx.x);
+  load_q_rows<kHeadDim, Shape::kThreads, kElementIO>(sq, p, s, m_block, h_k, rows, threadIdx.x);
   cp_async_commit();
 
   // -- prologue: the first kStages - kStep tiles of this warp, a commit group each --
@@ -103,8 +105,9 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
   };
   const auto prologue_tile = [&](int i) {
     if (i < my_tiles)
-      load_kv_tile<kHeadDim, kPagesAhead>(stage_k(i), stage_k(i) + Shape::kTileBytes, p, s,
-                                          k_head, v_head, tile_key0(i), ahead_pages(i), lane);
+      load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(i), stage_k(i) + Shape::kTileBytes,
+                                                      p, s, k_head, v_head, tile_key0(i),
+                                                      ahead_pages(i), lane);
     cp_async_commit();
   };
 #pragma unroll
@@ -135,8 +138,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
     for (int u = 0; u < kStep; ++u) {
       const int ahead = i + kStages - kStep + u;
       if (ahead < my_tiles)
-        load_kv_tile<kHeadDim, kPagesAhead>(stage_k(ahead), stage_k(ahead) + Shape::kTileBytes, p,
-                                            s, k_head, v_head, tile_key0(ahead), next_pages[u], lane);
+        load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(ahead),
+                                                        stage_k(ahead) + Shape::kTileBytes, p, s,
+                                                        k_head, v_head, tile_key0(ahead),
+                                                        next_pages[u], lane);
       cp_async_commit();
       next_pages[u] = ahead_pages(ahead + kStep);
     }
@@ -172,12 +177,12 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
   float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
   stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_out,
                                               scale_log2);
-  write_decode_output<kDtype, kHeadDim, Shape>(p, s, m_block, h_k, split, s_out, s_warp_max,
-                                               s_warp_sum, scale_log2);
+  write_decode_output<kDtype, kHeadDim, Shape, kElementIO>(p, s, m_block, h_k, split, s_out,
+                                                           s_warp_max, s_warp_sum, scale_log2);
   static_assert(merge_scratch_bytes(Shape::kThreads) <= kWarps * Shape::kWarpBytes,
                 "the merge's weights and partial sums fit the cache stages");
   if (p.num_splits > 1 && p.split_counters)
-    merge_if_last<kDtype, Shape::kThreads>(p, s, m_block, h_k, rows, s_out);
+    merge_if_last<kDtype, Shape::kThreads, kElementIO>(p, s, m_block, h_k, rows, s_out);
 }
 
 }  // namespace cufa

@@ -57,17 +57,39 @@ __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softm
 
 // -- 8 columns of an output row, packed to its dtype --
 template <int kDtype>
-__device__ __forceinline__ void store8(u16* dst, const float (&acc)[8]) {
+__device__ __forceinline__ uint4 pack8(const float (&acc)[8]) {
   uint4 packed;
   packed.x = pack2<kDtype>(acc[0], acc[1]);
   packed.y = pack2<kDtype>(acc[2], acc[3]);
   packed.z = pack2<kDtype>(acc[4], acc[5]);
   packed.w = pack2<kDtype>(acc[6], acc[7]);
-  *reinterpret_cast<uint4*>(dst) = packed;
+  return packed;
+}
+template <int kDtype>
+__device__ __forceinline__ void store8(u16* dst, const float (&acc)[8]) {
+  *reinterpret_cast<uint4*>(dst) = pack8<kDtype>(acc);
+}
+
+// -- the element-wise I/O variants: the first `cols` of those columns, a store an element
+//    (else store8) --
+template <int kDtype, bool kElementIO>
+__device__ __forceinline__ void store_cols(u16* dst, const float (&acc)[8], int cols) {
+  if constexpr (kElementIO)
+    store8_elementwise(dst, pack8<kDtype>(acc), cols);
+  else
+    store8<kDtype>(dst, acc);
+}
+
+// Floats a row of o_partial (split-KV): head_dim, in the element-wise I/O variants rounded
+// up to whole 8-column chunks, so that a chunk's float4 accesses stay aligned (the columns
+// past head_dim are written and never stored)
+template <bool kElementIO>
+__device__ __forceinline__ int partial_cols(int head_dim) {
+  return kElementIO ? (head_dim + 7) & ~7 : head_dim;
 }
 
 // -- epilogue: merge the warps' states, then write the output (or this split's share) --
-template <int kDtype, int kHeadDim, class Shape>
+template <int kDtype, int kHeadDim, class Shape, bool kElementIO = false>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
                                                     int m_block, int h_k, int split, float* s_out,
                                                     const float (&s_warp_max)[Shape::kWarps][kDecodeRows],
@@ -98,7 +120,7 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
     if (p.num_splits > 1) {
       const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
       float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o_partial) +
-                                              o_row * p.head_dim + c * 8);
+                                              o_row * partial_cols<kElementIO>(p.head_dim) + c * 8);
       dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
       dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
       if (c == 0)
@@ -107,9 +129,10 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
     } else {
       const float out[8] = {acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv,
                             acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv};
-      store8<kDtype>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
-                         (s.q_row0 + row.t) * p.o_row_stride + row.h * p.o_head_stride + c * 8,
-                     out);
+      store_cols<kDtype, kElementIO>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
+                                         (s.q_row0 + row.t) * p.o_row_stride +
+                                         row.h * p.o_head_stride + c * 8,
+                                     out, p.head_dim - c * 8);
       if (c == 0 && p.lse)
         reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
                                         s.q_row0 + row.t] = lse;

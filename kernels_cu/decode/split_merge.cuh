@@ -74,7 +74,7 @@ struct SplitRow {
   float4 early[kCombineEarly][2];
 };
 
-template <int kRows>
+template <int kRows, bool kElementIO = false>
 __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b, int t, int h,
                                                    int tid) {
   constexpr int kRowThreads = kCombineThreads / kRows;
@@ -83,11 +83,12 @@ __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b,
                           ((i64)b * p.nheads + h) * p.seqlen_q + t;
   in.lse = tid < p.num_splits ? __ldcg(lse_part + tid * ((i64)p.batch * p.nheads * p.seqlen_q))
                               : -CUFA_INF;
-  const int chunks = p.head_dim / 8, groups = kRowThreads / chunks;
+  const int chunks = partial_cols<kElementIO>(p.head_dim) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim);
   const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
-                        (((i64)b * p.seqlen_q + t) * p.nheads + h) * p.head_dim + chunk * 8;
+                        (((i64)b * p.seqlen_q + t) * p.nheads + h) *
+                            partial_cols<kElementIO>(p.head_dim) + chunk * 8;
 #pragma unroll
   for (int i = 0; i < kCombineEarly; ++i) {
     const int sp = group + i * groups;
@@ -105,7 +106,7 @@ __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b,
 // output 0 and lse = sink (its term exp(sink - max) in the sum, its max in the max; -inf
 // without a sink, which then adds 0).
 // weight: the row's [kMaxSplits]; partial: the row's [kRowThreads][8]; warp_value: [4].
-template <int kDtype, int kRows>
+template <int kDtype, int kRows, bool kElementIO = false>
 __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const SplitRow& in,
                                                 int q_row0, int tid, float* weight, float* partial,
                                                 float* warp_value) {
@@ -122,7 +123,7 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
         sum > 0.f ? base + logf(sum) : -CUFA_INF;
   row_sync<kRows>();  // every weight of the row written
 
-  const int chunks = p.head_dim / 8, groups = kRowThreads / chunks;
+  const int chunks = partial_cols<kElementIO>(p.head_dim) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (group < groups) {
@@ -131,9 +132,11 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
       const int sp = group + i * groups;
       if (sp < p.num_splits) add_weighted8(acc, weight[sp], in.early[i][0], in.early[i][1]);
     }
-    const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * p.head_dim;
+    const i64 split_o =
+        (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim);
     const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
-                          (((i64)in.b * p.seqlen_q + in.t) * p.nheads + in.h) * p.head_dim + chunk * 8;
+                          (((i64)in.b * p.seqlen_q + in.t) * p.nheads + in.h) *
+                              partial_cols<kElementIO>(p.head_dim) + chunk * 8;
 #pragma unroll 4
     for (int sp = group + kCombineEarly * groups; sp < p.num_splits; sp += groups)
       add_weighted8(acc, weight[sp], __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o)),
@@ -146,9 +149,10 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
   for (int g = 1; g < groups; ++g)
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] += partial[(g * chunks + tid) * 8 + i];
-  store8<kDtype>(reinterpret_cast<u16*>(p.o) + in.b * p.o_batch_stride + (q_row0 + in.t) * p.o_row_stride +
-                     in.h * p.o_head_stride + tid * 8,
-                 acc);
+  store_cols<kDtype, kElementIO>(reinterpret_cast<u16*>(p.o) + in.b * p.o_batch_stride +
+                                     (q_row0 + in.t) * p.o_row_stride + in.h * p.o_head_stride +
+                                     tid * 8,
+                                 acc, p.head_dim - tid * 8);
 }
 
 // merge_if_last's scratch: weights, partial sums (a warp a row: 8 floats a thread of the
@@ -174,7 +178,7 @@ __device__ __forceinline__ int count_split_done(int* counter) {
 //    a warp a row or (one row) threads 0-127, where the host saw that one pass of the CTA
 //    covers them (kvcache._merge_in_launch). The counter is left zeroed for the next
 //    launch on the stream. scratch: the CTA's cache stages. --
-template <int kDtype, int kThreads>
+template <int kDtype, int kThreads, bool kElementIO = false>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const CacheSeq& s, int m_block,
                                               int h_k, int rows, float* scratch) {
   __shared__ int s_last;
@@ -195,16 +199,17 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r = warp; r < rows; r += kThreads / 32) {
       const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-      const SplitRow in = load_split_row<4>(p, s.b, row.t, row.h, lane);
-      merge_split_row<kDtype, 4>(p, in, s.q_row0, lane, weight + r * kMaxSplits,
-                                 partial + warp * 32 * 8, warp_value);
+      const SplitRow in = load_split_row<4, kElementIO>(p, s.b, row.t, row.h, lane);
+      merge_split_row<kDtype, 4, kElementIO>(p, in, s.q_row0, lane, weight + r * kMaxSplits,
+                                             partial + warp * 32 * 8, warp_value);
     }
   } else if constexpr (kThreads >= kCombineThreads) {  // a row on threads 0-127
     if (threadIdx.x >= kCombineThreads) return;
     for (int r = 0; r < rows; ++r) {
       const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-      const SplitRow in = load_split_row<1>(p, s.b, row.t, row.h, threadIdx.x);
-      merge_split_row<kDtype, 1>(p, in, s.q_row0, threadIdx.x, weight, partial, warp_value);
+      const SplitRow in = load_split_row<1, kElementIO>(p, s.b, row.t, row.h, threadIdx.x);
+      merge_split_row<kDtype, 1, kElementIO>(p, in, s.q_row0, threadIdx.x, weight, partial,
+                                             warp_value);
       row_sync<1>();  // the next row rewrites weight and partial
     }
   }

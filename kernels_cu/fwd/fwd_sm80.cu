@@ -3,6 +3,7 @@
 // one (batch, head); it streams K/V blocks of kBlockN keys through shared memory,
 // from the last visible block to the first, so blocks that need masking come first.
 #include "../common/sm80.cuh"
+#include "../common/element_io.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
 #include "mask.cuh"
@@ -15,32 +16,67 @@ namespace cufa {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 
-// -- load a tile: rows past `rows_valid` and columns past `head_dim` read as zeros --
-template <int kRows, int kHeadDim>
+// -- load a tile: rows past `rows_valid` and columns past `head_dim` read as zeros (by
+//    cp.async; kElementIO: by plain loads, stored before this returns) --
+template <int kRows, int kHeadDim, bool kElementIO>
 __device__ __forceinline__ void load_tile(u32 smem, const u16* gmem, i64 row_stride, int rows_valid,
                                           int head_dim) {
-  copy_tile_async<kRows, kHeadDim, kThreads>(smem, gmem, row_stride, rows_valid, head_dim,
-                                             [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); });
+  if constexpr (kElementIO)
+    copy_rows_elementwise<kRows, kHeadDim, kThreads>(
+        smem, [=](int r) { return gmem + r * row_stride; }, rows_valid, head_dim,
+        [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); }, threadIdx.x);
+  else
+    copy_tile_async<kRows, kHeadDim, kThreads>(
+        smem, gmem, row_stride, rows_valid, head_dim,
+        [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); });
 }
 
 // -- load keys [key0, key0 + kRows) of K or V (head: the sequence's row 0 of this head) --
-template <int kRows, int kHeadDim>
+template <int kRows, int kHeadDim, bool kElementIO>
 __device__ __forceinline__ void load_kv_block(u32 smem, const FwdParams& p, const Tile& t,
                                               const u16* head, i64 batch_stride, i64 row_stride,
                                               int key0) {
   const int rows_valid = t.seqlen_k - key0;
   if (!p.block_table) {
-    load_tile<kRows, kHeadDim>(smem, head + key0 * row_stride, row_stride, rows_valid, p.head_dim);
+    load_tile<kRows, kHeadDim, kElementIO>(smem, head + key0 * row_stride, row_stride, rows_valid,
+                                           p.head_dim);
     return;
   }
-  copy_rows_async<kRows, kHeadDim, kThreads>(
-      smem, [&](int r) { return paged_row(p, t, head, batch_stride, row_stride, key0 + r); }, head,
-      rows_valid, p.head_dim, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); },
-      threadIdx.x);
+  const auto row = [&](int r) { return paged_row(p, t, head, batch_stride, row_stride, key0 + r); };
+  const auto offset = [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); };
+  if constexpr (kElementIO)
+    copy_rows_elementwise<kRows, kHeadDim, kThreads>(smem, row, rows_valid, p.head_dim, offset,
+                                                     threadIdx.x);
+  else
+    copy_rows_async<kRows, kHeadDim, kThreads>(smem, row, head, rows_valid, p.head_dim, offset,
+                                               threadIdx.x);
 }
 
-// -- epilogue: O through this warp's rows of sQ (only this warp read them), then 16-byte stores --
-template <int kDtype, int kHeadDim, int kMTiles, int kDTiles>
+// -- the element-wise variant's V block in registers from its loads (issue, before the QK
+//    product) to its stores (land, after it), so that the loads' latency hides under the
+//    product as cp.async's does. Where a thread's chunks of a block take at most 32
+//    registers (d <= 128); above, and for K (held under softmax and P V it spills at
+//    d = 64 and 128), a block is loaded and stored in one go --
+template <int kHeadDim, int kBlockN>
+struct VInFlight {
+  TileInFlight<kBlockN, kHeadDim, kThreads> tile;
+  static constexpr bool kFits = TileInFlight<kBlockN, kHeadDim, kThreads>::kChunks <= 8;
+
+  __device__ __forceinline__ void issue(const FwdParams& p, const Tile& t, const u16* head,
+                                        i64 batch_stride, i64 row_stride, int key0) {
+    tile.load([&](int r) {
+      return p.block_table ? paged_row(p, t, head, batch_stride, row_stride, key0 + r)
+                           : head + (key0 + r) * row_stride;
+    }, t.seqlen_k - key0, p.head_dim, threadIdx.x);
+  }
+  __device__ __forceinline__ void land(u32 smem) const {
+    tile.store(smem, [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); }, threadIdx.x);
+  }
+};
+
+// -- epilogue: O through this warp's rows of sQ (only this warp read them), then 16-byte
+//    stores (kElementIO: a store an element) --
+template <int kDtype, int kHeadDim, bool kElementIO, int kMTiles, int kDTiles>
 __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4],
                                              const float (&lse)[kMTiles][2], const FwdParams& p,
                                              int seqlen_q, u16* s_stage, u16* o_ptr, float* lse_ptr,
@@ -64,9 +100,15 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
     const int row = row0 + warp_row0 + r;
-    if (row < seqlen_q && c * 8 < p.head_dim)
-      *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + c * 8) =
+    if (row < seqlen_q && c * 8 < p.head_dim) {
+      const uint4 x =
           *reinterpret_cast<const uint4*>(stage + Swizzle<kHeadDim>::offset(warp_row0 + r, c));
+      u16* dst = o_ptr + row * p.o_row_stride + c * 8;
+      if constexpr (kElementIO)
+        store8_elementwise(dst, x, p.head_dim - c * 8);
+      else
+        *reinterpret_cast<uint4*>(dst) = x;
+    }
   }
   if ((lane & 3) == 0 && p.lse) {  // no lse buffer when the caller did not ask for lse
 #pragma unroll
@@ -79,7 +121,11 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
   }
 }
 
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN>
+// kElementIO: the element-wise I/O variant (common/element_io.cuh), for any head dim and
+// any strides. Its loads of Q and K (and of V above d = 128) wait for memory where cp.async's
+// run under the products; V's at d <= 128 land under the QK product (VInFlight).
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
+          bool kElementIO = false>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   constexpr int kMTiles = kBlockM / (16 * kWarps);
   constexpr int kNTiles = kBlockN / 8;
@@ -125,11 +171,14 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
     const LdmatrixAddr<kHeadDim> q_frag(sq + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
     const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
     const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-    load_tile<kBlockM, kHeadDim>(sq, q_ptr, p.q_row_stride, t.seqlen_q - row0, p.head_dim);
+    load_tile<kBlockM, kHeadDim, kElementIO>(sq, q_ptr, p.q_row_stride, t.seqlen_q - row0,
+                                             p.head_dim);
     int nb = n_block_max - 1;
-    load_kv_block<kBlockN, kHeadDim>(sk, p, t, ptr.k, p.k_batch_stride, p.k_row_stride,
-                                     nb * kBlockN);
+    load_kv_block<kBlockN, kHeadDim, kElementIO>(sk, p, t, ptr.k, p.k_batch_stride,
+                                                 p.k_row_stride, nb * kBlockN);
     cp_async_commit();
+    constexpr bool kInFlight = kElementIO && VInFlight<kHeadDim, kBlockN>::kFits;
+    VInFlight<kHeadDim, kBlockN> in_flight;
 
     for (; nb >= n_block_min; --nb) {
       const int key0 = nb * kBlockN;
@@ -144,8 +193,13 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       // -- K_nb has landed and every warp is done with V_{nb+1}: fetch V_nb under the QK product --
       cp_async_wait<0>();
       __syncthreads();
-      load_kv_block<kBlockN, kHeadDim>(sv, p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0);
-      cp_async_commit();
+      if constexpr (kInFlight) {
+        in_flight.issue(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0);
+      } else {
+        load_kv_block<kBlockN, kHeadDim, kElementIO>(sv, p, t, ptr.v, p.v_batch_stride,
+                                                     p.v_row_stride, key0);
+        cp_async_commit();
+      }
 
       // -- compute qk, then score mods and mask --
       gemm_qk<kDtype>(acc_s, q_frag, k_frag);
@@ -153,13 +207,14 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
         apply_score_mods(acc_s, p, t, mods, row0 + warp_row0, key0, lane);
       if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
         apply_mask<kMask>(acc_s, p, t, row0 + warp_row0, key0, lane);
+      if constexpr (kInFlight) in_flight.land(sv);
 
       // -- V_nb has landed and every warp is done with K_nb: fetch K_{nb-1} under softmax and PV --
       cp_async_wait<0>();
       __syncthreads();
       if (nb > n_block_min) {
-        load_kv_block<kBlockN, kHeadDim>(sk, p, t, ptr.k, p.k_batch_stride, p.k_row_stride,
-                                         key0 - kBlockN);
+        load_kv_block<kBlockN, kHeadDim, kElementIO>(sk, p, t, ptr.k, p.k_batch_stride,
+                                                     p.k_row_stride, key0 - kBlockN);
         cp_async_commit();
       }
 
@@ -173,8 +228,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   float lse[kMTiles][2];
   softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
-  write_output<kDtype, kHeadDim>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o, ptr.lse, row0, warp_row0,
-                                 lane);
+  write_output<kDtype, kHeadDim, kElementIO>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o, ptr.lse,
+                                             row0, warp_row0, lane);
 }
 
 }  // namespace cufa
