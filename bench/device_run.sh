@@ -28,13 +28,17 @@ done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
   > "$LOGS/nvidia-smi.txt" 2>&1
 python3 -m cufa info > "$LOGS/info.txt" 2>&1
+# Every variant compiled once, on all cores, before the tests: six processes would each
+# compile what they need, at the same time.
+python3 -m cufa warmup > "$LOGS/warmup.txt" 2>&1
 # The families run side by side (one GPU, several processes): run one after another they
-# take longer than one 600 s call on an H100.
+# take longer than one 600 s call on an H100. Each stops at FAMILY_LIMIT seconds, so that
+# the logs come back from a call that has a limit of its own.
 family() {  # family NAME [ENV=VALUE...] -- pytest paths...
   local name=$1; shift
   local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
-  env "${envs[@]}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@" \
-    > "$LOGS/gpu_tests_$name.txt" 2>&1
+  env "${envs[@]}" timeout -k 10 "${FAMILY_LIMIT:-420}" python3 -m pytest -q -m gpu \
+    -p no:cacheprovider --durations=5 "$@" > "$LOGS/gpu_tests_$name.txt" 2>&1
   echo $? > "$LOGS/rc_$name"
 }
 family default -- "${@:-tests}" &
@@ -70,10 +74,11 @@ if [ $host = 1 ]; then
   python3 bench/host_overhead.py > "$LOGS/host_overhead.txt" 2>&1
 fi
 
-echo "== device"; cat "$LOGS/nvidia-smi.txt"; head -4 "$LOGS/info.txt"
+echo "== device"; cat "$LOGS/nvidia-smi.txt"; head -4 "$LOGS/info.txt"; tail -1 "$LOGS/warmup.txt"
 echo "== GPU tests (rc=$tests_rc)"
 for f in "$LOGS"/gpu_tests*.txt; do
-  echo "-- $(basename "$f")"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -15
+  echo "-- $(basename "$f") (rc=$(cat "$LOGS/rc_$(basename "$f" .txt | sed s/gpu_tests_//)"))"
+  grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -15
 done
 echo "== self-check (rc=$check_rc)"; grep -E "FAIL|self-check|^\|" "$LOGS/check.txt" | tail -20
 if [ $bench = 1 ]; then echo "== bench"; tail -40 "$LOGS/bench.txt"; fi
