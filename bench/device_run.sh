@@ -33,12 +33,15 @@ python3 -m cufa info > "$LOGS/info.txt" 2>&1
 python3 -m cufa warmup > "$LOGS/warmup.txt" 2>&1
 # The families run side by side (one GPU, several processes): run one after another they
 # take longer than one 600 s call on an H100. Each stops at FAMILY_LIMIT seconds, so that
-# the logs come back from a call that has a limit of its own.
+# the logs come back from a call that has a limit of its own. FAMILIES (names) runs some of
+# them; WORKERS spreads each over that many pytest-xdist processes.
 family() {  # family NAME [ENV=VALUE...] -- pytest paths...
   local name=$1; shift
   local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  case " ${FAMILIES:-default sm80 bm64 bm192 tma1 tma2} " in *" $name "*) ;; *) return ;; esac
   env "${envs[@]}" timeout -k 10 "${FAMILY_LIMIT:-420}" python3 -m pytest -q -m gpu \
-    -p no:cacheprovider --durations=5 "$@" > "$LOGS/gpu_tests_$name.txt" 2>&1
+    -p no:cacheprovider --durations=5 ${WORKERS:+-n $WORKERS} "$@" \
+    > "$LOGS/gpu_tests_$name.txt" 2>&1
   echo $? > "$LOGS/rc_$name"
 }
 family default -- "${@:-tests}" &
