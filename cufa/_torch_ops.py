@@ -38,6 +38,13 @@ def op(name):
     return _ops[name]
 
 
+def _detached(sink):
+    """The sink as the ops' bodies pass it on: the caller's checks (sink_without_grad) let a
+    parameter that requires grad through only where autograd records nothing, and the
+    compiled graph may hand the op the parameter itself rather than its detached view."""
+    return None if sink is None else sink.detach()
+
+
 def _register():
     from typing import Optional, Tuple
 
@@ -51,7 +58,8 @@ def _register():
                    learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.dense(q, k, v, alibi_slopes, None, softmax_scale=softmax_scale,
                                causal=causal, window_size=(window_left, window_right),
-                               softcap=softcap, return_lse=True, learnable_sink=learnable_sink)
+                               softcap=softcap, return_lse=True,
+                               learnable_sink=_detached(learnable_sink))
 
     @flash_attn.register_fake
     def _(q, k, v, *rest):
@@ -64,7 +72,8 @@ def _register():
              is_causal: bool, scale: Optional[float], enable_gqa: bool,
              learnable_sink: Optional[Tensor]) -> Tensor:
         return _fwd_plan.sdpa(query, key, value, attn_mask, None, is_causal=is_causal,
-                              scale=scale, enable_gqa=enable_gqa, learnable_sink=learnable_sink)
+                              scale=scale, enable_gqa=enable_gqa,
+                              learnable_sink=_detached(learnable_sink))
 
     @sdpa.register_fake
     def _(query, *rest):
@@ -80,7 +89,7 @@ def _register():
         return _fwd_plan.packed(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-            softcap=softcap, return_lse=True, learnable_sink=learnable_sink)
+            softcap=softcap, return_lse=True, learnable_sink=_detached(learnable_sink))
 
     @flash_attn_varlen.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
@@ -93,7 +102,7 @@ def _register():
                      alibi_slopes, num_splits, learnable_sink):
         return _decode_plan.with_kvcache(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-             cache_leftpad, block_table, alibi_slopes, learnable_sink, None),
+             cache_leftpad, block_table, alibi_slopes, _detached(learnable_sink), None),
             cache_seqlen=cache_seqlen,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
             softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,

@@ -310,7 +310,8 @@ def decode_kernel(request, monkeypatch):
 def test_decode_splits_add_the_sink_once(rng, decode_kernel, dtype, sink_dtype, name):
     """num_splits 1, 2, 3 and 0 (the planner's): each against the reference (a cache of 0
     keys among them: out 0, lse = sink), and each split call the unsplit one's result
-    within the merge's float32 rounding (the sink enters once, in the merge). Both decode
+    within one rounding of the output at the row's scale, lse within float32 rounding (the
+    sink enters once, in the merge). Both decode
     kernels (the TMA one where it runs: contiguous d = 64 on Hopper)."""
     d, heads, seqlen_q, page_size, options = DECODE_CASES[name]
     lens = [1500, 0, 37, 2048 - seqlen_q, 700]
@@ -330,15 +331,18 @@ def test_decode_splits_add_the_sink_once(rng, decode_kernel, dtype, sink_dtype, 
         check_rows_without_keys(out[1:2], lse[1:2], kw["learnable_sink"],
                                 np.ones((1,) + tuple(lse.shape[1:]), bool))
         results[splits] = (out, lse)
+    # Bits differ: each part rounds its probabilities to 16 bits against its own max. So a
+    # split call is held to one rounding of the output at its row's scale.
     one, one_lse = (f64(x) for x in results[1])
     eps = float(torch.finfo(kw["q"].dtype).eps)
+    row_scale = np.abs(one).max(axis=-1, keepdims=True)
     for splits in (2, 3, 0):
         out, lse = (f64(x) for x in results[splits])
         err = np.abs(out - one)
-        bound = eps * np.abs(one) + 4e-6 * np.abs(one).max()
+        bound = eps * row_scale + 4e-6 * np.abs(one).max()
         assert (err <= bound).all(), (
             f"{name} splits={splits}: out differs from unsplit by {(err / bound).max():.2f} x "
-            f"one rounding (max err {err.max():.3e})")
+            f"one rounding at the row's scale (max err {err.max():.3e})")
         np.testing.assert_allclose(lse, one_lse, rtol=1e-5, atol=1e-5,
                                    err_msg=f"{name} splits={splits}: lse")
 
@@ -476,8 +480,8 @@ def test_jax_jit_and_eager(jax, rng):
     tq, tk, tsink = _t(q), _t(k), _t(sink)
     check_attention(o, lse, tq, tk, tk, causal=True, learnable_sink=tsink, label="jit dense")
     starts = np.concatenate([[0], np.cumsum(lens_q)])
-    check_sequences(ov, lse_v, tq[0], [tk[:, s:e] for s, e in zip(starts, starts[1:])],
-                    [tk[:, s:e] for s, e in zip(starts, starts[1:])], lens_q, tsink,
+    check_sequences(ov, lse_v, tq[0], [tk[:1, s:e] for s, e in zip(starts, starts[1:])],
+                    [tk[:1, s:e] for s, e in zip(starts, starts[1:])], lens_q, tsink,
                     "jit varlen")
     q1, cache = _t(args[4]), _t(args[5])
     check_kvcache(od, lse_d, q1, cache, cache, cache_seqlens=i32([700, 0]),
