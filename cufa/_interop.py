@@ -60,6 +60,15 @@ def _torch_view(x, name):
 _torch_dtype_names = {}
 
 
+def know_torch(torch):
+    """Keep torch's tensor type and allocators for the fast checks. Also done when the
+    torch.compile ops are registered, before any trace: a trace that read these as None
+    would be guarded on None, and recompiled once the first call had set them."""
+    global _torch_tensor, _torch_empty_like, _torch_contiguous
+    _torch_tensor, _torch_empty_like = torch.Tensor, torch.empty_like
+    _torch_contiguous = torch.contiguous_format
+
+
 def _cupy_view(x, obj, framework):
     itemsize = x.dtype.itemsize
     return DeviceArray(obj, framework, x.data.ptr, tuple(x.shape),
@@ -73,10 +82,7 @@ def as_device_array(x, name):
         return x
     module = type(x).__module__.split(".")[0]
     if module == "torch":
-        global _torch_tensor, _torch_empty_like, _torch_contiguous
-        torch = sys.modules["torch"]
-        _torch_tensor, _torch_empty_like = torch.Tensor, torch.empty_like
-        _torch_contiguous = torch.contiguous_format
+        know_torch(sys.modules["torch"])
         return _torch_view(x, name)
     if module == "cupy":
         global _cupy_array

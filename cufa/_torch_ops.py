@@ -13,7 +13,7 @@ first eager call with torch tensors.
 """
 import sys
 
-from . import _decode_plan, _fwd_plan
+from . import _decode_plan, _fwd_plan, _interop
 
 _ops = None
 
@@ -27,6 +27,7 @@ def compiling(x):
 def register_if_torch_loaded():
     global _ops
     if _ops is None and "torch" in sys.modules:
+        _interop.know_torch(sys.modules["torch"])
         _ops = _register()
 
 

@@ -147,3 +147,14 @@ def test_learnable_sink_is_an_optional_tensor_of_every_op():
         code = _traced_graph(lambda q, s: cufa.flash_attn_func(q, q, q, learnable_sink=s),
                              args[0], param)
     assert "torch.ops.cufa.flash_attn" in code
+
+
+def test_torch_is_known_before_the_first_trace():
+    """A trace reads _interop's torch tensor type (api._other_route); were it still unset
+    there, the graph would be guarded on None and recompiled once the first real call had
+    set it. Importing cufa after torch sets it, in a fresh process."""
+    import subprocess
+    import sys
+    code = ("import torch, cufa; from cufa import _interop; "
+            "assert _interop._torch_tensor is torch.Tensor")
+    subprocess.run([sys.executable, "-c", code], check=True)
