@@ -280,6 +280,18 @@ def sdpa_kwargs(causal, gqa):
     return {"is_causal": causal, **({"enable_gqa": True} if gqa else {})}
 
 
+def sink_summary(rows, case_name):
+    """What the sink costs over the rows (--sink): its time over cufa's without one, a row
+    at a time (case_name(row) names a row)."""
+    costs = sorted((r["sink_cost"], case_name(r)) for r in rows if r.get("sink_cost") is not None)
+    if not costs:
+        return None
+    median = statistics.median(c for c, _ in costs)
+    return (f"learnable sink: cufa with a sink over cufa without, {len(costs)} rows: median "
+            f"{median:+.1%}, from {costs[0][0]:+.1%} ({costs[0][1]}) to {costs[-1][0]:+.1%} "
+            f"({costs[-1][1]}); rows over +2 %: {sum(c > 0.02 for c, _ in costs)}")
+
+
 def copy_tbps(torch, nbytes=2**30, reps=20):
     """The device's copy bandwidth: a device-to-device copy of nbytes, (bytes read +
     written) / median time, TB/s."""

@@ -486,17 +486,6 @@ def unavailable(rows):
     return why
 
 
-def sink_summary(rows):
-    """What the sink costs over the rows (--sink): its time over cufa's without one."""
-    costs = sorted((r["sink_cost"], case_name(r)) for r in rows if r.get("sink_cost") is not None)
-    if not costs:
-        return None
-    median = statistics.median(c for c, _ in costs)
-    return (f"learnable sink: cufa with a sink over cufa without, {len(costs)} rows: median "
-            f"{median:+.1%}, from {costs[0][0]:+.1%} ({costs[0][1]}) to {costs[-1][0]:+.1%} "
-            f"({costs[-1][1]}); rows over +2 %: {sum(c > 0.02 for c, _ in costs)}")
-
-
 def summary_table(rows, names, judged):
     """A few lines to read last: per implementation its rows, median TB/s and the least
     fraction of copy bandwidth over big caches; then the targets."""
@@ -622,7 +611,7 @@ def main(argv=None):
             "input sets. cufa/flash and cufa/cuDNN: the peer's time over cufa's (contiguous).")
     why = unavailable(rows)
     na = "\n".join(f"- {LABELS[n]} n/a on {c} rows: {reason}" for n, (reason, c) in why.items())
-    sink_line = sink_summary(rows)
+    sink_line = T.sink_summary(rows, case_name)
     report = "\n\n".join([head, markdown(rows, names), mixed_markdown(mixed),
                            "Targets:\n\n" + targets_markdown(judged)] + ([na] if na else [])
                          + ([sink_line] if sink_line else []))

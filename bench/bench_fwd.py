@@ -350,17 +350,6 @@ def alone_summary(rows):
             f"cufa as fast or faster on {sum(x >= 1 for x in ratios)}")
 
 
-def sink_summary(rows):
-    """What the sink costs over the rows (--sink): its time over cufa's without one."""
-    costs = sorted((r["sink_cost"], case_name(r)) for r in rows if r.get("sink_cost") is not None)
-    if not costs:
-        return None
-    median = statistics.median(c for c, _ in costs)
-    return (f"learnable sink: cufa with a sink over cufa without, {len(costs)} rows: median "
-            f"{median:+.1%}, from {costs[0][0]:+.1%} ({costs[0][1]}) to {costs[-1][0]:+.1%} "
-            f"({costs[-1][1]}); rows over +2 %: {sum(c > 0.02 for c, _ in costs)}")
-
-
 def summary(rows):
     ratios = [(r["ratio_vs_flash"], r) for r in rows if r.get("ratio_vs_flash") is not None]
     if not ratios:
@@ -480,7 +469,7 @@ def main(argv=None):
             "each, CUDA events (calls queued behind a spinning kernel), inputs "
             "rotated past L2. "
             "* JAX is host-timed (wall clock to block_until_ready).")
-    sink_line = sink_summary(rows)
+    sink_line = T.sink_summary(rows, case_name)
     report = "\n\n".join([head, table, line, alone_summary(rows)]
                            + ([sink_line] if sink_line else [])
                            + ([memory_markdown(mem)] if mem else []))
