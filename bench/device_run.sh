@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: installs nothing; device info, the GPU tests (every kernel
-# family at once), the self-check, (with --bench) the forward benchmark, (with --decode) the KV-cache decode
-# benchmark and (with --host) the launch-cost table; full logs in $OUT/logs.tgz, a short summary
-# last.
-#   bash bench/device_run.sh [--bench] [--decode] [--host] [pytest args...]
+# family at once), the self-check, (with --bench) the forward benchmark, (with --decode)
+# the KV-cache decode benchmark and (with --host) the launch-cost table; full logs in
+# $OUT/logs.tgz, a short summary last.
+#   [WORKERS=2] [FAMILIES="default sm80"] bash bench/device_run.sh [--bench] [--decode] [--host]
+#       [pytest args...]
 # BENCH_ARGS / DECODE_ARGS: extra arguments for bench_fwd.py / bench_decode.py.
 set -u
 # Logs are written to a scratch folder and come back as one archive, $OUT/logs.tgz (the
@@ -13,6 +14,9 @@ LOGS=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX would otherwise take 75% of the GPU
+# The float64 references' BLAS would start a thread a core in each of a dozen processes;
+# WORKERS=2 with one thread each runs every family in about 3 minutes on an H100.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 bench=0
 decode=0
 host=0
