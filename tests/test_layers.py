@@ -98,3 +98,18 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     source.write_text("import os\nfrom . import _compile\n\ndef f():\n    from . import api\n"
                       "    import cupy\n    from cufa._runtime import plans\n")
     assert imports_of(source) == {"_compile": 2, "api": 5, "_runtime": 7}
+
+
+def test_compat_modules_import_no_package_above_them():
+    """cufa.compat's modules import cufa's public layers and their own siblings by name; a
+    `from . import x` in a module other than its package's __init__ names that package, whose
+    __init__ imports the module: a cycle."""
+    wrong = []
+    for path in sorted((PACKAGE / "compat").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if (isinstance(node, ast.ImportFrom) and node.level and not node.module
+                    and path.name != "__init__.py"):
+                wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+            if isinstance(node, ast.ImportFrom) and node.level > 1:
+                wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} (from above)")
+    assert not wrong, "imports of a package from below it: " + ", ".join(wrong)

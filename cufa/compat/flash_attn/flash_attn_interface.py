@@ -15,7 +15,9 @@ import torch
 import cufa
 from cufa._checks import NO_WINDOW
 
-from . import _gpu as flash_attn_gpu
+# (by its full name: `from . import _gpu` names this package, whose __init__ imports this
+# module, and the import graph would read as a cycle)
+import cufa.compat.flash_attn._gpu as flash_attn_gpu
 from ._gpu import runtime_errors
 
 USE_TRITON_ROCM = False  # (flash-attn's switch to its ROCm Triton kernels)
