@@ -50,9 +50,9 @@ constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
 
 // -- the first block a tile takes is its last: where no row of the tile sees its upper
 //    half (every other tile of a causal sequence on 64-row tiles and 128-key blocks, or
-//    a sequence ending there), only the lower half's Q K^T and exponentials are
-//    computed. At d = 64 the exponentials bound the loop, and on short causal rows such
-//    blocks are a fifth of all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
+//    a sequence ending there), only the lower half's exponentials are computed. At d = 64
+//    the exponentials bound the loop, and on short causal rows such blocks are a fifth of
+//    all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
 template <int kBlockM, int kBlockN, bool kScoreMods>
 constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods;
 
@@ -61,8 +61,7 @@ __device__ __forceinline__ u32 kstep_offset(int ks, int rows) {
   return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
 }
 
-// -- S = Q K^T of one K stage, issued and committed: the block's first 8 * kTiles keys
-//    (all of them, or the lower half: kHalfFirstBlock) --
+// -- S = Q K^T of one K stage, issued and committed --
 template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kTiles>
 __device__ __forceinline__ void issue_qk_keys(float (&acc)[1][kTiles][4], u64 q_stage_desc,
                                               u64 k_stage_desc) {
@@ -239,7 +238,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
         {
           const u32 stage = Smem::stage(block_count);
-          // (broadcast from lane 0, so that ptxas sees a uniform branch around the wgmma)
+          // (broadcast from lane 0, so that ptxas sees a uniform branch)
           const bool half = kHalfFirstBlock<kBlockM, kBlockN, kScoreMods> &&
                             __shfl_sync(0xffffffffu, 2 * w.last_block_keys <= kBlockN, 0);
           float acc_s[1][kNTiles][4];
@@ -247,15 +246,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
           turn_begin();
           wgmma_fence();
-          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-            if (half)
-              issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(
-                  lower, q_stage_desc, desc_add(k_desc, stage * kStageStep));
-            else
-              issue_qk(acc_s, stage);
-          } else {
-            issue_qk(acc_s, stage);
-          }
+          // Q K^T of the whole block even where half of it is used: two products on a
+          // branch (one per width) left ptxas short of registers for the wgmma pipeline
+          // in some variants (d = 128 on 128 rows, d = 64 on 64), where it then
+          // serialized every product of the kernel (ptxas C7511; test_compile checks).
+          issue_qk(acc_s, stage);
           turn_end();
           wgmma_wait<0>();
           fence_registers(acc_s);
