@@ -33,6 +33,14 @@ import glob, json, os, statistics, sys
 
 out = sys.argv[1]
 order = [line.split()[0] for line in open("_ab/ORDER")] if os.path.exists("_ab/ORDER") else []
+# The rule for a kernel, tile, route or launch change (docs/benchmarks.md): a row is slower
+# where the tree's time is over the baseline's by more than 3 % and by more than the larger
+# of the two trees' spreads over the rounds
+SLOWER = 1.03
+if os.path.exists("_ab/ORDER"):
+    print("trees (the first is the baseline):")
+    for line in open("_ab/ORDER"):
+        print("  " + line.rstrip())
 
 
 def fwd_rows(data):
@@ -65,26 +73,51 @@ def decode_rows(data):
         yield "serving step, two calls", mixed["two_calls_us"]
 
 
+def reasons(data):
+    """Why cufa has no time in a results file's rows (the benchmarks' "na" entries)."""
+    for r in data["rows"]:
+        for impl, v in r.get("impls", {}).items():
+            if impl.startswith("cufa") and isinstance(v, dict) and "na" in v:
+                yield v["na"]
+
+
 READERS = {"fwd": fwd_rows, "varlen": varlen_rows, "decode": decode_rows}
+missing = 0
 for bench, read in READERS.items():
     files = sorted(glob.glob(os.path.join(out, bench, "*.*", f"bench_{bench}.json")))
     if not files:
         continue
     times = {}  # row -> tree -> [us per round]
+    why = {}    # tree -> a reason a row went untimed
     for f in files:
         tree = os.path.basename(os.path.dirname(f)).rsplit(".", 1)[0]
-        for row, us in read(json.load(open(f))):
+        data = json.load(open(f))
+        for row, us in read(data):
             times.setdefault(row, {}).setdefault(tree, []).append(us)
+        for reason in reasons(data):
+            why.setdefault(tree, reason)
     seen = {t for per_tree in times.values() for t in per_tree}
+    # A tree that timed nothing (or fewer rows than the others) is said, not dropped: a
+    # tree whose API lacks an argument the script passes would otherwise vanish from the
+    # table without a word
+    for t in order + sorted(set(why) - set(order)):
+        rows_of_t = sum(1 for per_tree in times.values() if t in per_tree)
+        if rows_of_t < len(times):
+            missing += 1
+            print(f"\n!! bench_{bench}: tree {t} has {rows_of_t} of {len(times)} rows"
+                  + (f"; first reason: {why[t]}" if t in why else ""))
     names = [t for t in order if t in seen] + sorted(seen - set(order))
     base = names[0]
     width = max(len(r) for r in times) + 2
-    print(f"\n== bench_{bench}: us a call, median over rounds (spread: (max - min) / median "
-          f"over rounds); ratio: tree / {base}; * where the ratio is off 1 by more than the "
-          "larger spread")
+    meta = json.load(open(files[0]))["meta"]
+    print(f"\n== bench_{bench} on {meta.get('device', '?')}: us a call, median over rounds "
+          f"(spread: (max - min) / median over rounds); ratio: tree / {base}; * where the "
+          "ratio is off 1 by more than the larger spread; SLOWER / faster where it is also "
+          f"off by more than {SLOWER - 1:.0%}")
     print("row".ljust(width) + "".join(f"{t:>20}" for t in names)
           + "".join(f"{t + '/' + base[:7]:>18}" for t in names[1:]))
     ratios = {t: [] for t in names[1:]}
+    slower = {t: [] for t in names[1:]}
     for row, per_tree in times.items():
         cells, stats = [], {}
         for t in names:
@@ -101,8 +134,15 @@ for bench, read in READERS.items():
             if t in stats and base in stats:
                 ratio = stats[t][0] / stats[base][0]
                 ratios[t].append(ratio)
-                off = abs(ratio - 1) > max(stats[t][1], stats[base][1])
-                line += f"{ratio:17.3f}{'*' if off else ' '}"
+                spread = max(stats[t][1], stats[base][1])
+                off = abs(ratio - 1) > spread
+                mark = "*" if off else " "
+                if off and ratio > SLOWER:
+                    mark = "* SLOWER"
+                    slower[t].append(f"{row} {ratio:.3f}")
+                elif off and ratio < 2 - SLOWER:
+                    mark = "* faster"
+                line += f"{ratio:17.3f}{mark:<9}"
             else:
                 line += f"{'-':>18}"
         print(line)
@@ -111,7 +151,9 @@ for bench, read in READERS.items():
             gmean = statistics.geometric_mean(rs)
             print(f"{t} / {base}: {len(rs)} rows, geometric mean {gmean:.3f}, "
                   f"range {min(rs):.3f}-{max(rs):.3f}, rounds a tree "
-                  f"{min(len(v.get(t, [])) for v in times.values())}")
+                  f"{min(len(v.get(t, [])) for v in times.values())}; "
+                  f"{len(slower[t])} rows SLOWER" + "".join(f"\n  SLOWER {x}" for x in slower[t]))
+sys.exit(1 if missing else 0)
 PY
 }
 
@@ -130,7 +172,7 @@ prepare)
       if git cat-file -e "$rev:$p" 2> /dev/null; then paths+=("$p"); fi
     done
     git archive "$rev" "${paths[@]}" | tar -x -C "_ab/$short"
-    echo "$short $rev" >> _ab/ORDER
+    echo "$short $rev $(git log -1 --format='%cs %s' "$rev")" >> _ab/ORDER
   done
   cat _ab/ORDER ;;
 run)

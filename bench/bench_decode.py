@@ -222,10 +222,12 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen, unaligned=False):
                     return time_events(torch, fn, bhsd, count)
             return timed
 
+        # (learnable_sink only where asked: bench/ab.sh times trees from before it)
+        sink_kw = {"learnable_sink": sink} if name == "cufa_sink" else {}
+
         def call(q, k, v, lens, table):
             return impl.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
-                                                learnable_sink=sink if name == "cufa_sink"
-                                                else None)
+                                                **sink_kw)
 
         if name == "cufa_graph":
             def timed(count):

@@ -200,9 +200,10 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns, unaligned=
         if isinstance(impl, str):
             return impl
         if name.startswith("cufa"):
-            sink = (torch.randn(shape.nheads, device="cuda", generator=gen)
-                    if name == "cufa_sink" else None)
-            fn = partial(impl.flash_attn_func, causal=causal, learnable_sink=sink)
+            # (learnable_sink only where asked: bench/ab.sh times trees from before it)
+            sink = ({"learnable_sink": torch.randn(shape.nheads, device="cuda", generator=gen)}
+                    if name == "cufa_sink" else {})
+            fn = partial(impl.flash_attn_func, causal=causal, **sink)
             return lambda n: time_calls(torch, fn, bnhd, n)
         if name.startswith("sdpa"):
             sdpa_kernel, backend = impl
