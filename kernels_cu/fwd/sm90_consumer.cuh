@@ -250,7 +250,15 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           // branch (one per width) left ptxas short of registers for the wgmma pipeline
           // in some variants (d = 128 on 128 rows, d = 64 on 64), where it then
           // serialized every product of the kernel (ptxas C7511; test_compile checks).
-          issue_qk(acc_s, stage);
+          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+            float(&upper)[1][kNTiles / 2][4] = *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s[0][kNTiles / 2][0]);
+            const u64 kd = desc_add(k_desc, stage * kStageStep);
+            issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(lower, q_stage_desc, kd);
+            if (!half)
+              issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(upper, q_stage_desc, desc_add(kd, (kBlockN / 2) * 128 >> 4));
+          } else {
+            issue_qk(acc_s, stage);
+          }
           turn_end();
           wgmma_wait<0>();
           fence_registers(acc_s);
