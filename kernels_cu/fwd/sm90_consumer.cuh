@@ -50,9 +50,9 @@ constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
 
 // -- the first block a tile takes is its last: where no row of the tile sees its upper
 //    half (every other tile of a causal sequence on 64-row tiles and 128-key blocks, or
-//    a sequence ending there), only the lower half's exponentials are computed. At d = 64
-//    the exponentials bound the loop, and on short causal rows such blocks are a fifth of
-//    all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
+//    a sequence ending there), only the lower half's Q K^T and exponentials are
+//    computed. At d = 64 the exponentials bound the loop, and on short causal rows such
+//    blocks are a fifth of all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
 template <int kBlockM, int kBlockN, bool kScoreMods>
 constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods;
 
@@ -61,7 +61,8 @@ __device__ __forceinline__ u32 kstep_offset(int ks, int rows) {
   return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
 }
 
-// -- S = Q K^T of one K stage, issued and committed --
+// -- S = Q K^T of one K stage, issued and committed: the first 8 * kTiles keys from
+//    k_stage_desc (all of the block's, or half: kHalfFirstBlock) --
 template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kTiles>
 __device__ __forceinline__ void issue_qk_keys(float (&acc)[1][kTiles][4], u64 q_stage_desc,
                                               u64 k_stage_desc) {
@@ -243,19 +244,22 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
                             __shfl_sync(0xffffffffu, 2 * w.last_block_keys <= kBlockN, 0);
           float acc_s[1][kNTiles][4];
           float(&lower)[1][kNTiles / 2][4] = *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s);
+          float(&upper)[1][kNTiles / 2][4] =
+              *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s[0][kNTiles / 2][0]);
           mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
           turn_begin();
           wgmma_fence();
-          // Q K^T of the whole block even where half of it is used: two products on a
-          // branch (one per width) left ptxas short of registers for the wgmma pipeline
-          // in some variants (d = 128 on 128 rows, d = 64 on 64), where it then
-          // serialized every product of the kernel (ptxas C7511; test_compile checks).
+          // The lower half's keys always, the upper half's only where a row sees them.
+          // (Choosing between the whole block's product and the lower half's, each on its
+          // branch, left ptxas short of registers for the wgmma pipeline at d = 128 on
+          // 128 rows and d = 64 on 64: it serialized every product of those kernels,
+          // 15-20 % on short rows; ptxas says C7511, which test_compile fails on.)
           if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-            float(&upper)[1][kNTiles / 2][4] = *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s[0][kNTiles / 2][0]);
-            const u64 kd = desc_add(k_desc, stage * kStageStep);
-            issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(lower, q_stage_desc, kd);
-            if (!half)
-              issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(upper, q_stage_desc, desc_add(kd, (kBlockN / 2) * 128 >> 4));
+            const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
+            issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(lower, q_stage_desc, k_stage_desc);
+            if (!half)  // (64 rows of a K-major panel lie 64 * 128 bytes on)
+              issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(
+                  upper, q_stage_desc, desc_add(k_stage_desc, (kBlockN / 2) * 128 >> 4));
           } else {
             issue_qk(acc_s, stage);
           }
