@@ -11,14 +11,16 @@
 #                bash bench/ab.sh table [DIR]              # the tables again from a run's files
 # Environment: ROUNDS (3), OUT (/tmp/cufa-ab), WARMUP (1: compile each tree's kernels with
 # `python -m cufa warmup` before the rounds; 0: the first round compiles what it uses),
-# FWD_ARGS, VARLEN_ARGS, DECODE_ARGS (the shape subsets below, chosen so that `run` with two
-# trees and 3 rounds fits ~7 minutes on an H100, compiles included). Each round prints the
-# time so far; a run cut short keeps its files, and `table` prints what they hold.
+# FWD_ARGS, VARLEN_ARGS, DECODE_ARGS (default: each script's whole grid, cufa only; two
+# trees take ~5 min for `run fwd varlen` and ~7 min for `run decode` on an H200, so the
+# A/B rule's run is two calls on one warm machine). Each round prints the time so far; a
+# run cut short keeps its files, and `table` prints what they hold. The A/B rule (a row
+# over the baseline by more than 3 % and its spread is SLOWER): docs/benchmarks.md.
 # ROUNDS=0 only compiles (one call), then WARMUP=0 times (the next call, same machine).
 set -eu
-FWD_ARGS=${FWD_ARGS:---dtypes fp16 --seqlens 512,2048,8192 --reps 24 --no-peers --no-memory --no-plot}
+FWD_ARGS=${FWD_ARGS:---reps 24 --no-peers --no-memory --no-plot}
 VARLEN_ARGS=${VARLEN_ARGS:---reps 32 --no-peers}
-DECODE_ARGS=${DECODE_ARGS:---dtypes fp16 --shapes 1x32768,8x16384,64x4096 --reps 24 --no-peers --no-plot}
+DECODE_ARGS=${DECODE_ARGS:---reps 24 --no-peers --no-plot}
 OUT=${OUT:-/tmp/cufa-ab}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
@@ -224,5 +226,5 @@ test)
   done
   exit $status ;;
 *)
-  sed -n 2,17p "$0" >&2; exit 2 ;;
+  sed -n 2,19p "$0" >&2; exit 2 ;;
 esac
