@@ -356,8 +356,9 @@ SPLIT_CASES = {
 
 @pytest.mark.parametrize("name", SPLIT_CASES)
 def test_num_splits_agree(rng, name):
-    """num_splits 2, 7, 0 (heuristic) against num_splits=1, to fp32-accumulation noise
-    (2 ulps of the output's dtype at its largest value), and each against the reference."""
+    """num_splits 2, 7, 0 (heuristic) against num_splits=1, row by row to fp32-accumulation
+    noise (2 ulps of the output's dtype at the row's largest value), and each against the
+    reference."""
     spec = dict(SPLIT_CASES[name])
     splits = spec.pop("splits", (1, 2, 7, 0))
     kw, slots = build(rng, **spec)
@@ -371,9 +372,11 @@ def test_num_splits_agree(rng, name):
     o1, lse1 = results[1]
     eps = torch.finfo(kw["q"].dtype).eps
     for n, (o, lse) in results.items():
-        diff, bound = np.abs(o - o1), 2 * eps * np.abs(o1).max()
-        assert diff.max() <= bound, (f"{name}: num_splits={n} vs 1: max diff {diff.max():.3e} > "
-                                     f"{bound:.3e} (mean {diff.mean():.3e})")
+        diff, bound = np.abs(o - o1).max(-1), 2 * eps * np.abs(o1).max(-1)
+        worst = np.unravel_index(int(np.argmax(diff - bound)), diff.shape)
+        assert (diff <= bound).all(), (
+            f"{name}: num_splits={n} vs 1: {int((diff > bound).sum())} rows over 2 ulps of "
+            f"their largest value; row {worst}: {diff[worst]:.3e} > {bound[worst]:.3e}")
         assert np.array_equal(np.isneginf(lse), np.isneginf(lse1))
         fin = np.isfinite(lse1)
         ldiff = np.abs(lse[fin] - lse1[fin])
