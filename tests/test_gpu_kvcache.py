@@ -61,7 +61,7 @@ def check_packed_sequences(out, lse, q, k_cache, v_cache, lens_q, lens_k, label,
 def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=64, capacity=160,
           page_size=None, new=0, lens=None, batch_idx=False, leftpad=None, rotary=None,
           rotary_dim=None, rotary_fp32=False, alibi=None, q_layout="bshd", cache_layout="bshd",
-          poison=False, **call_kw):
+          poison=False, sink=None, **call_kw):
     """Random inputs of one flash_attn_with_kvcache call -> (its keyword arguments, the
     cache slots the append writes as an index (cache rows or pages, positions)).
 
@@ -69,9 +69,11 @@ def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=64, capa
     (random, leaving room for the new tokens and for q's rotary positions). page_size:
     a paged cache in random page order with 3 spare pages of NaN. rotary: "interleaved"
     or "half", over rotary_dim features (default d), tables in q's dtype or float32.
-    alibi: "heads" (nheads,) or "batch" (batch, nheads). poison: NaN in every cache slot
-    that is not one of a sequence's keys (before the leftpad, from cache_seqlens on,
-    rows no sequence uses), the new slots included: the append overwrites those.
+    alibi: "heads" (nheads,) or "batch" (batch, nheads). sink: a learnable_sink (nheads,)
+    of this dtype ("float32", "float16" or "bfloat16"), draws of scale 2. poison: NaN in
+    every cache slot that is not one of a sequence's keys (before the leftpad, from
+    cache_seqlens on, rows no sequence uses), the new slots included: the append
+    overwrites those.
     """
     h, hk = heads
     q = randn(rng, (batch, seqlen_q, h, d), dtype, layout=q_layout)
@@ -106,6 +108,9 @@ def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=64, capa
     if alibi:
         shape = (h,) if alibi == "heads" else (batch, h)
         kw["alibi_slopes"] = torch.from_numpy(rng.uniform(0, 1, shape).astype(np.float32)).cuda()
+    if sink:
+        kw["learnable_sink"] = torch.from_numpy(2 * rng.standard_normal(h)).to(
+            "cuda", getattr(torch, sink))
     if poison:
         keep = torch.zeros(rows, capacity, dtype=torch.bool, device="cuda")
         for b in range(batch):
@@ -282,11 +287,17 @@ def random_spec(rng):
     capacity = -(-max(capacity, seqlen_q, new) // step) * step
     batch = int(rng.integers(1, 6))
     spec = dict(dtype=pick(["float16", "bfloat16"]), batch=batch, seqlen_q=seqlen_q,
-                heads=pick([(32, 8), (8, 1), (4, 4), (6, 2)]), d=pick([40, 64, 72, 96, 128, 256]),
+                heads=pick([(32, 8), (8, 1), (4, 4), (6, 2)]),
+                d=pick([40, 64, 72, 96, 128, 256, 3, 59, 111, 250]),  # (element-wise I/O: odd)
                 capacity=capacity, page_size=page_size, new=new,
                 causal=bool(rng.random() < 0.5), num_splits=pick([0, 0, 1, 3]))
+    if rng.random() < 0.3:  # a side of -1 with the other set, and right sides past the keys
+        spec["window_size"] = pick([
+            (int(rng.integers(0, 100)), int(rng.integers(-1, 10))),
+            (-1, int(rng.integers(0, 10))), (-1, int(rng.integers(capacity, capacity + 50))),
+            (int(rng.integers(0, 100)), -1)])
     if rng.random() < 0.3:
-        spec["window_size"] = (int(rng.integers(0, 100)), int(rng.integers(-1, 10)))
+        spec["sink"] = pick(["float32", "float16", "bfloat16"])
     if rng.random() < 0.3:
         spec["softcap"] = 8.0
     if rng.random() < 0.3:

@@ -10,11 +10,13 @@ packed batches (flash_attn_varlen_func, with empty sequences, seqused_k, and pag
 through block_table), SDPA with masks, KV-cache calls (contiguous and paged caches,
 appends, rotary, leftpad, cache_batch_idx, splits: tests/test_gpu_kvcache.py's random
 cases, with leftpad on paged caches too) and merges of attention states (strided parts,
-parts without keys, out= aliasing a part). fp16 and bf16, head dims 8..256, lengths
-0..600 (odd ones on purpose), GQA, every mask kind and score mod, strided layouts. out=,
-where a call takes it, is filled with NaN before the call; keys a call must not read hold
-NaN. Outputs are checked with the GPU tests' pass rule (tests/_attention_check.py), merges
-against the float64 formula.
+parts without keys, out= aliasing a part). fp16 and bf16, any head dim 1..256 (half of
+the cases a multiple of 8), lengths 0..600 (odd ones on purpose), GQA, every mask kind and
+score mod, windows with -1 on either side (right sides past the keys too), learnable
+sinks in each dtype, strided layouts and unaligned ones (strides no multiple of 8, a start
+2 bytes off 16: the element-wise I/O kernels). out=, where a call takes it, is filled
+with NaN before the call; keys a call must not read hold NaN. Outputs are checked with
+the GPU tests' pass rule (tests/_attention_check.py), merges against the float64 formula.
 
 --dry-run draws the cases and counts them by kind without launching anything, so the
 drawing can be checked on a machine without a GPU. The summary (--out) names the tree
@@ -55,8 +57,12 @@ TAGS = (
     "varlen seqused_k", "varlen block_table", "varlen block_table + seqused_k",
     "varlen block_table, k and v interleaved in one cache",
     "dense out=", "varlen out=", "kvcache out=", "merge out=", "merge out= is a part",
-    "merge strided", "causal", "window", "softcap", "alibi",
+    "merge strided", "causal", "window", "window (-1, right)", "window (left, -1)",
+    "softcap", "alibi", "learnable_sink", "head dim not a multiple of 8", "unaligned layout",
+    "learnable_sink + rotary", "learnable_sink + leftpad", "learnable_sink + cache_batch_idx",
+    "learnable_sink + seqused_k", "learnable_sink + head dim not a multiple of 8",
 )
+SINK_DTYPES = ("float32", "float16", "bfloat16")
 REPLAY = "python3 tests/stress/fuzz.py --seed {seed} --case {case}"
 
 
@@ -71,16 +77,24 @@ def draw_masks(rng):
     if rng.random() < 0.5:
         m["causal"] = True
     w = int(rng.integers(0, 4))
-    if w:
+    if w:  # w = 1: (left, -1); 2: (-1, right), right often past every key; 3: both drawn
+        right = int(rng.integers(-1, 40)) if rng.random() < 0.5 else int(rng.integers(0, 700))
         m["window_size"] = (int(rng.integers(-1, 80)) if w != 2 else -1,
-                            int(rng.integers(-1, 40)) if w != 1 else -1)
+                            right if w != 1 else -1)
     if rng.random() < 0.3:
         m["softcap"] = pick(rng, (1.0, 5.0, 50.0))
     if rng.random() < 0.3:
         m["alibi"] = pick(rng, ("heads", "batch"))
     if rng.random() < 0.3:
         m["softmax_scale"] = float(rng.uniform(0.01, 1.0))
+    if rng.random() < 0.3:
+        m["sink"] = pick(rng, SINK_DTYPES)
     return m
+
+
+def draw_head_dim(rng):
+    """Half the cases a multiple of 8 (the 16-byte kernels), half any head dim 1..256."""
+    return 8 * int(rng.integers(1, 33)) if rng.random() < 0.5 else int(rng.integers(1, 257))
 
 
 def draw(rng):
@@ -100,11 +114,12 @@ def draw(rng):
                     layout=pick(rng, ("contiguous", "transposed", "padded")),
                     out=pick(rng, (None, "new", "out_a", "out_b")))
     h_k = pick(rng, (1, 2, 4))
-    s = dict(kind=kind, dtype=pick(rng, list(DTYPES)), d=8 * int(rng.integers(1, 33)),
+    s = dict(kind=kind, dtype=pick(rng, list(DTYPES)), d=draw_head_dim(rng),
              heads=(h_k * pick(rng, (1, 2, 3)), h_k))
     if kind == "dense":
         s.update(batch=int(rng.integers(1, 4)), sq=pick(rng, LENGTHS[1:]),
-                 sk=pick(rng, LENGTHS[1:]), layout=pick(rng, ("bshd", "bhsd", "padded")),
+                 sk=pick(rng, LENGTHS[1:]),
+                 layout=pick(rng, ("bshd", "bhsd", "padded", "odd", "shifted")),
                  masks=draw_masks(rng), out=bool(rng.random() < 0.5),
                  lse=bool(rng.random() < 0.7))
     elif kind == "varlen":
@@ -112,7 +127,7 @@ def draw(rng):
         lens_k = [pick(rng, LENGTHS) for _ in range(b)]
         s.update(lens_q=[pick(rng, LENGTHS) for _ in range(b)], lens_k=lens_k,
                  masks=draw_masks(rng), out=bool(rng.random() < 0.5),
-                 lse=bool(rng.random() < 0.7))
+                 lse=bool(rng.random() < 0.7), layout=pick(rng, ("bshd", "odd")))
         if rng.random() < 0.3:
             s["seqused_k"] = [int(rng.integers(0, n + 1)) for n in lens_k]
         if rng.random() < 0.3:
@@ -127,11 +142,26 @@ def draw(rng):
                     shape[axis] = 1
             mask = dict(shape=shape, additive=bool(rng.random() < 0.5))
         s.update(batch=b, sq=sq, sk=sk, mask=mask, causal=bool(rng.random() < 0.5))
+        if rng.random() < 0.3:
+            s["sink"] = pick(rng, SINK_DTYPES)
     return s
+
+
+# the sink beside what else a call takes: the tags that say so
+SINK_WITH = {"kvcache rotary": "rotary", "kvcache leftpad": "leftpad",
+             "kvcache cache_batch_idx": "cache_batch_idx", "varlen seqused_k": "seqused_k",
+             "head dim not a multiple of 8": "head dim not a multiple of 8"}
 
 
 def tags(s):
     """The counts (TAGS) a case adds to."""
+    t = kind_tags(s)
+    if "learnable_sink" in t:
+        t += [f"learnable_sink + {SINK_WITH[name]}" for name in t if name in SINK_WITH]
+    return t
+
+
+def kind_tags(s):
     kind = s["kind"]
     t = [kind]
     if kind == "kvcache":
@@ -143,9 +173,10 @@ def tags(s):
             ("kvcache leftpad, paged", k.get("leftpad") and k["page_size"]),
             ("kvcache num_splits > 1", k["num_splits"] > 1),
             ("kvcache cache_batch_idx", k.get("batch_idx")),
-            ("causal", k["causal"]), ("window", "window_size" in k),
-            ("softcap", "softcap" in k), ("alibi", "alibi" in k)) if on]
-        return t
+            ("causal", k["causal"]), ("softcap", "softcap" in k), ("alibi", "alibi" in k),
+            ("learnable_sink", k.get("sink")), ("head dim not a multiple of 8", k["d"] % 8))
+              if on]
+        return t + window_tags(k.get("window_size"))
     if kind == "merge":
         return t + [name for name, on in (
             ("merge out=", s["out"]), ("merge out= is a part", s["out"] in ("out_a", "out_b")),
@@ -160,20 +191,37 @@ def tags(s):
         t.append(f"{kind} out=")
     m = s.get("masks", {})
     t += [name for name, on in (
-        ("causal", m.get("causal") or s.get("causal")), ("window", "window_size" in m),
-        ("softcap", "softcap" in m), ("alibi", "alibi" in m)) if on]
-    return t
+        ("causal", m.get("causal") or s.get("causal")), ("softcap", "softcap" in m),
+        ("alibi", "alibi" in m), ("learnable_sink", m.get("sink") or s.get("sink")),
+        ("head dim not a multiple of 8", s["d"] % 8),
+        ("unaligned layout", s.get("layout") in ("odd", "shifted"))) if on]
+    return t + window_tags(m.get("window_size"))
+
+
+def window_tags(window):
+    if window is None:
+        return []
+    left, right = window
+    return ["window"] + (["window (-1, right)"] if left < 0 <= right else []) + (
+        ["window (left, -1)"] if right < 0 <= left else [])
 
 
 # -- running a case ---------------------------------------------------------------------------
 
 def mask_kwargs(masks, rng, h, batch):
-    """The call's keyword arguments from draw_masks' (alibi slopes made here)."""
-    kw = {n: v for n, v in masks.items() if n != "alibi"}
+    """The call's keyword arguments from draw_masks' (alibi slopes and the sink made here)."""
+    kw = {n: v for n, v in masks.items() if n not in ("alibi", "sink")}
     if "alibi" in masks:
         shape = (h,) if masks["alibi"] == "heads" else (batch, h)
         kw["alibi_slopes"] = torch.from_numpy(rng.uniform(0, 2, shape).astype(np.float32)).cuda()
+    if "sink" in masks:
+        kw["learnable_sink"] = make_sink(rng, h, masks["sink"])
     return kw
+
+
+def make_sink(rng, h, dtype):
+    """A learnable_sink (h,) of draws of scale 2 (comparable to the rows' lse)."""
+    return torch.from_numpy(2 * rng.standard_normal(h)).to("cuda", getattr(torch, dtype))
 
 
 def poisoned_like(x):
@@ -199,7 +247,8 @@ def run_varlen(s, rng, label):
     lens_q, lens_k = s["lens_q"], s["lens_k"]
     b = len(lens_q)
     keys = s.get("seqused_k", lens_k)
-    q = randn(rng, (1, sum(lens_q), h, d), dtype)[0]
+    layout = s.get("layout", "bshd")
+    q = randn(rng, (1, sum(lens_q), h, d), dtype, layout=layout)[0]
     extra = {}
     page = s.get("page_size")
     if page:
@@ -218,7 +267,8 @@ def run_varlen(s, rng, label):
         def seq_keys(i):
             return k_seq[i:i + 1, :keys[i]], v_seq[i:i + 1, :keys[i]]
     else:
-        k_arg, v_arg = (randn(rng, (1, sum(lens_k), hk, d), dtype)[0] for _ in range(2))
+        k_arg, v_arg = (randn(rng, (1, sum(lens_k), hk, d), dtype, layout=layout)[0]
+                        for _ in range(2))
         ck = np.concatenate([[0], np.cumsum(lens_k)])
         for x in (k_arg, v_arg):
             for i, n in enumerate(keys):
@@ -256,11 +306,12 @@ def run_sdpa(s, rng, label):
         mask = torch.from_numpy(rng.random(s["mask"]["shape"]) > 0.2).cuda()
         if s["mask"]["additive"]:
             mask = torch.where(mask, 0.0, -5.0).to(torch.float32)
+    sink = {"learnable_sink": make_sink(rng, h, s["sink"])} if s.get("sink") else {}
     out = cufa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s["causal"],
-                                            enable_gqa=True)
+                                            enable_gqa=True, **sink)
     tr = (lambda x: x.transpose(1, 2))
     check_attention(tr(out), None, tr(q), tr(k), tr(v), attn_mask=mask, causal=s["causal"],
-                    diag_offset=0, label=label)
+                    diag_offset=0, label=label, **sink)
 
 
 def run_kvcache(s, rng, label):
