@@ -17,7 +17,7 @@ from cufa.compat.flash_attn.bert_padding import pad_input, unpad_input  # noqa: 
 from cufa.compat.flash_attn.flash_attn_interface import _flash_attn_varlen_forward  # noqa: E402
 from cufa.compat.flash_attn.layers.rotary import apply_rotary_emb  # noqa: E402
 from _attention_check import (  # noqa: E402
-    DTYPES, capture_cuda_graph, check_attention, check_kvcache, f64)
+    DTYPES, capture_cuda_graph, check_appended_cache, check_attention, check_kvcache, f64)
 
 HEAD_DIMS = [40, 59, 64, 111, 128]  # 59 and 111: not multiples of 8, as flash-attn tests
 
@@ -174,15 +174,17 @@ def test_kvcache_with_flash_attns_pages_of_512(rng, rotary):
                                                   return_softmax_lse=True, **kw)
     kw["block_table"] = table_np
     k_after, _ = check_kvcache(out, lse, q, *before, k, v, label=f"pages of 512 {rotary}", **kw)
-    if rotary:  # the appended keys are apply_rotary_emb's, as flash-attn's test checks
-        rotated = apply_rotary_emb(k, kw["rotary_cos"], kw["rotary_sin"], seqlen_offsets=lens,
-                                   interleaved=rotary == "interleaved")
-        for b, n in enumerate(lens.tolist()):
-            for i in range(2):
-                got = k_pages[table_np[b, (n + i) // 512], (n + i) % 512]
-                torch.testing.assert_close(got, rotated[b, i], rtol=1e-3, atol=1e-3)
-    else:
-        np.testing.assert_array_equal(f64(k_pages), k_after)
+    # the appended keys against the reference's (rotated in float64), the rest untouched
+    positions = lens.cpu().numpy()[:, None] + np.arange(2)[None, :]
+    slots = (table_np[np.arange(batch)[:, None], positions // 512].ravel(),
+             (positions % 512).ravel())
+    check_appended_cache(k_pages, before[0], k_after, slots, f"pages of 512 {rotary}",
+                         rotated=bool(rotary))
+    if rotary:  # compat's apply_rotary_emb (flash-attn's own test's oracle) agrees with it
+        rotated = f64(apply_rotary_emb(k, kw["rotary_cos"], kw["rotary_sin"],
+                                       seqlen_offsets=lens, interleaved=rotary == "interleaved"))
+        expected = k_after[slots].reshape(rotated.shape)
+        assert np.abs(rotated - expected).max() <= 2 ** -9 * np.abs(expected).max(), rotary
 
 
 def test_varlen_with_flash_attns_pages_of_512(rng):

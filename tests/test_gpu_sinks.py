@@ -16,6 +16,7 @@ from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
     assert_pass_rule, capture_cuda_graph, check_attention, check_kvcache, f64, lowp_attention,
     randn)
+import test_gpu_kvcache  # noqa: E402
 
 NAN = float("nan")
 SINK_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -130,8 +131,9 @@ def test_a_sink_of_minus_infinity_is_no_sink(rng, family):
     k, v = (randn(rng, (2, 90, 4, 128), "bfloat16") for _ in range(2))
     none = torch.full((4,), -float("inf"), device="cuda")
     o, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True, learnable_sink=none)
+    check_attention(o, lse, q, k, v, causal=True, label="sink -inf: the plain attention")
     o_plain, lse_plain = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
-    assert torch.equal(o.view(torch.int16), o_plain.view(torch.int16))
+    assert torch.equal(o.view(torch.int16), o_plain.view(torch.int16))  # and its very bits
     assert torch.equal(lse, lse_plain)
 
 
@@ -429,6 +431,7 @@ def test_a_sink_that_requires_grad(rng):
         cufa.flash_attn_func(q, q, q, learnable_sink=sink)
     with torch.no_grad():
         out = cufa.flash_attn_func(q, q, q, learnable_sink=sink)
+    check_attention(out, None, q, q, q, learnable_sink=sink.detach(), label="under no_grad")
     assert torch.equal(out, cufa.flash_attn_func(q, q, q, learnable_sink=sink.detach()))
 
 
@@ -506,3 +509,55 @@ def test_cupy_arrays(rng):
                     learnable_sink=t(sink), label="cupy dense")
     check_kvcache(t(out_d), t(lse_d), t(q)[:, :1], t(cache), t(cache), cache_seqlens=t(lens),
                   learnable_sink=t(sink), label="cupy decode")
+
+
+# -- the sink beside every other argument of the cache and packed paths --
+
+SINK_COMBOS = {
+    "rotary interleaved, append": dict(rotary="interleaved", new=2, seqlen_q=2, causal=True),
+    "rotary half, float32 tables, paged": dict(rotary="half", rotary_fp32=True, new=1,
+                                               page_size=16, causal=True),
+    "cache_leftpad": dict(leftpad=[0, 5, 30], lens=[40, 60, 100], seqlen_q=3, causal=True),
+    "cache_leftpad, paged, append": dict(leftpad=[3, 0, 17], lens=[40, 1, 100], new=2,
+                                         page_size=16, seqlen_q=2, causal=True),
+    "cache_batch_idx, append": dict(batch_idx=True, new=1),
+    "head dim 59, rotary, append": dict(d=59, rotary="interleaved", rotary_dim=58, new=1,
+                                        causal=True),
+    "head dim 111, num_splits 3": dict(d=111, num_splits=3, capacity=600, seqlen_q=4,
+                                       causal=True),
+    "head dim 250, window (-1, 3)": dict(d=250, seqlen_q=5, window_size=(-1, 3), new=2),
+}
+
+
+@pytest.mark.parametrize("name", SINK_COMBOS)
+@pytest.mark.parametrize("sink_dtype", ["float32", "bfloat16"])
+def test_sink_beside_every_kvcache_argument(rng, name, sink_dtype):
+    """The sink with rotary, cache_leftpad, cache_batch_idx, an append, odd head dims
+    (the element-wise kernels), splits and a window open on the left: out and lse against
+    the reference, the cache after the append likewise."""
+    test_gpu_kvcache.run_case(rng, f"{name}, sink {sink_dtype}", sink=sink_dtype,
+                              **SINK_COMBOS[name])
+
+
+@pytest.mark.parametrize("d", [59, 128])
+def test_sink_with_seqused_k(rng, family, d):
+    """Packed sequences attending to their first seqused_k keys (NaN past them), one with
+    none (out 0, lse = the sink), with a sink and a causal mask."""
+    lens_q, lens_k, used = [5, 3, 77, 130], [90, 7, 200, 130], [50, 0, 200, 1]
+    h, hk = 6, 2
+    q = randn(rng, (1, sum(lens_q), h, d), "bfloat16")[0]
+    k, v = (randn(rng, (1, sum(lens_k), hk, d), "bfloat16")[0] for _ in range(2))
+    ck = np.concatenate([[0], np.cumsum(lens_k)])
+    for x in (k, v):
+        for i, n in enumerate(used):
+            x[ck[i] + n:ck[i + 1]] = NAN
+    sink = make_sink(rng, h, "float16")
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k),
+                                           max(lens_q), max(lens_k), seqused_k=i32(used),
+                                           causal=True, learnable_sink=sink, return_lse=True)
+    cq = np.concatenate([[0], np.cumsum(lens_q)])
+    for i in range(len(lens_q)):
+        rows, keys = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i] + used[i])
+        check_attention(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None],
+                        v[keys][None], causal=True, learnable_sink=sink,
+                        label=f"d {d} {family} sequence {i} ({used[i]} keys used)")

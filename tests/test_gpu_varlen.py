@@ -7,6 +7,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 import cufa  # noqa: E402
+from cufa import reference  # noqa: E402
 from _attention_check import DTYPES, check_attention, randn  # noqa: E402
 
 LENGTHS = [0, 1, 2, 7, 64, 65, 127, 128, 129, 200, 300, 513]
@@ -42,8 +43,10 @@ def test_random_packed_batches(seed):
     kw = {}
     if rng.random() < 0.5:
         kw["causal"] = True
-    if rng.random() < 0.3:
-        kw["window_size"] = (int(rng.integers(0, 100)), int(rng.integers(-1, 20)))
+    if rng.random() < 0.3:  # both sides, -1 on either, right sides past every key
+        kw["window_size"] = [(int(rng.integers(0, 100)), int(rng.integers(-1, 20))),
+                             (-1, int(rng.integers(0, 20))), (-1, int(rng.integers(0, 600))),
+                             (int(rng.integers(0, 100)), -1)][int(rng.integers(4))]
     if rng.random() < 0.3:
         kw["softcap"] = 10.0
     alibi = None
@@ -199,3 +202,51 @@ def test_bad_cu_seqlens_are_refused():
     torch.cuda.synchronize()
     out = cufa.flash_attn_varlen_func(q, q, q, good, good, 6, 6)
     check_attention(out[:4][None], None, q[:4][None], q[:4][None], q[:4][None])
+
+
+@pytest.mark.parametrize("family", ["default", "sm80"])
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "pages of 16"])
+def test_right_window_wider_than_the_keys_packed(rng, monkeypatch, family, paged):
+    """The fuzz's window bug (nine of its ten cases packed): sequences with more query
+    rows than keys and a window (-1, right) whose right side passes the keys, with
+    seqused_k (NaN past the used keys) and paged keys; each sequence against the
+    reference on its used keys."""
+    lens_q, lens_k, used = [257, 191, 40, 129, 3], [2, 7, 300, 1, 16], [2, 5, 40, 1, 0]
+    h, hk, d, window = 4, 2, 64, (-1, 41)
+    q = randn(rng, (1, sum(lens_q), h, d), "float16")[0]
+    ck = np.concatenate([[0], np.cumsum(lens_k)])
+    extra = dict(seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"))
+    if paged:
+        page = 16
+        capacity = page * -(-max(lens_k) // page)
+        k_seq, v_seq = (randn(rng, (len(lens_k), capacity, hk, d), "float16") for _ in range(2))
+        for x in (k_seq, v_seq):
+            for i, n in enumerate(used):
+                x[i, n:] = float("nan")
+        table, num_pages = reference.paged_layout(len(lens_k), capacity, page, rng)
+        k, v = (reference.to_paged(x, table, num_pages, fill=float("nan"))
+                for x in (k_seq, v_seq))
+        extra["block_table"] = torch.tensor(table, dtype=torch.int32, device="cuda")
+        keys = [(k_seq[i, :n], v_seq[i, :n]) for i, n in enumerate(used)]
+    else:
+        k, v = (randn(rng, (1, sum(lens_k), hk, d), "float16")[0] for _ in range(2))
+        for x in (k, v):
+            for i, n in enumerate(used):
+                x[ck[i] + n:ck[i + 1]] = float("nan")
+        keys = [(k[ck[i]:ck[i] + n], v[ck[i]:ck[i] + n]) for i, n in enumerate(used)]
+    if family == "sm80":
+        monkeypatch.setenv("CUFA_KERNEL_FAMILY", "sm80")
+    cufa.api.clear_plans()
+    try:
+        out = torch.full_like(q, float("nan"))
+        _, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q),
+                                             max(lens_k), window_size=window, out=out,
+                                             return_lse=True, **extra)
+    finally:
+        monkeypatch.undo()
+        cufa.api.clear_plans()
+    cq = np.concatenate([[0], np.cumsum(lens_q)])
+    for i, (kb, vb) in enumerate(keys):
+        rows = slice(cq[i], cq[i + 1])
+        check_attention(out[rows][None], lse[:, rows][None], q[rows][None], kb[None], vb[None],
+                        window_size=window, label=f"{family} paged={paged} sequence {i}")
