@@ -21,7 +21,9 @@ the GPU tests' pass rule (tests/_attention_check.py), merges against the float64
 --dry-run draws the cases and counts them by kind without launching anything, so the
 drawing can be checked on a machine without a GPU. The summary (--out) names the tree
 (CUFA_TREE from the environment, else `git describe`), the device, the seed, the minutes,
-the cases by kind and each failure with the command that replays it.
+the cases by kind and each failure with the command that replays it. (The GPU machine's
+copy of a checkout can carry an older .git than its files: there, give CUFA_TREE the
+commit as this side names it, written into the command.)
 """
 import argparse
 import os
