@@ -15,18 +15,10 @@ torch = pytest.importorskip("torch")
 import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
-    assert_pass_rule, capture_cuda_graph, check_attention, check_kvcache, f64, kvcache_references,
-    randn)
+    assert_pass_rule, capture_cuda_graph, check_appended_cache, check_attention, check_kvcache,
+    check_merge, cu_seqlens, f64, i32, kvcache_references, randn)
 
 NAN = float("nan")
-
-
-def i32(values):
-    return torch.tensor(np.asarray(values), dtype=torch.int32, device="cuda")
-
-
-def cu_seqlens(lens):
-    return i32(np.concatenate([[0], np.cumsum(lens)]))
 
 
 def paged_caches(rng, batch, capacity, heads_k, d, dtype, page_size, nan_past=None):
@@ -134,36 +126,6 @@ def snapshot(kw):
     return {n: kw[n].clone() for n in ("k_cache", "v_cache")}
 
 
-def ulp(x, dtype):
-    """The spacing of dtype's numbers at |x| (the subnormal spacing below the normal range)."""
-    fi = torch.finfo(dtype)
-    return np.exp2(np.floor(np.log2(np.maximum(np.abs(x), fi.tiny)))) * fi.eps
-
-
-def check_cache(cache, before, expected, slots, label):
-    """cache after the call: bit-identical to `before` outside the appended slots; in them,
-    `expected` (the reference's float64 cache) to within 1 ulp of the cache's dtype (the
-    rotation runs in float32, then rounds once)."""
-    written = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
-    written[tuple(torch.as_tensor(np.array(s), dtype=torch.long, device=cache.device) for s in slots)] = True
-    changed = (cache.view(torch.int16) != before.view(torch.int16)) & ~written[..., None, None]
-    if changed.any():
-        first = tuple(int(i) for i in changed.nonzero()[0])
-        raise AssertionError(f"{label}: {int(changed.sum())} values outside the new tokens "
-                             f"changed, the first at {first}: {before[first].item()} -> "
-                             f"{cache[first].item()}")
-    if not len(slots[0]):
-        return
-    got = f64(cache[written])
-    exp = expected[written.cpu().numpy()]
-    bound = ulp(np.maximum(np.abs(got), np.abs(exp)), cache.dtype) + 2**-22 * np.abs(exp).max()
-    err = np.abs(got - exp)
-    assert not np.isnan(got).any(), f"{label}: NaN in the new slots"
-    assert (err <= bound).all(), (
-        f"{label}: new slots differ from the (rotated) new keys by up to "
-        f"{(err / bound).max():.2f} x 1 ulp (max err {err.max():.3e}, mean {err.mean():.3e})")
-
-
 def call_and_check(kw, before, slots, label, refs=None, **extra):
     """One call, out poisoned with NaN; out and lse against the references (computed here
     unless given: kvcache_references of the call before it), then the cache."""
@@ -174,7 +136,8 @@ def call_and_check(kw, before, slots, label, refs=None, **extra):
     ref, lowp, k_after, v_after = refs or kvcache_references(**{**kw, **before})
     assert_pass_rule(out, lse, ref, lowp, kw["q"].dtype, label)
     for n, after in (("k_cache", k_after), ("v_cache", v_after)):
-        check_cache(kw[n], before[n], after, slots, f"{label}: {n}")
+        check_appended_cache(kw[n], before[n], after, slots, f"{label}: {n}",
+                             rotated="rotary_cos" in kw)
     return out, lse
 
 
@@ -494,19 +457,9 @@ def test_merge_rows_with_empty_parts(rng, dtype, packed):
     o_a[out_at(2)] = o_b[out_at(2)] = NAN
     lse_a[at(3)], lse_b[at(3)] = 30.0, -30.0              # row 3: part b weighs e^-60
     lse_a[at(4)], o_a[out_at(4)] = math.inf, NAN         # row 4: +inf, flash-attn 2's "no key"
-    expected, expected_lse = reference.merge_states(f64(o_a), f64(lse_a), f64(o_b), f64(lse_b))
     got, got_lse = cufa.merge_attention_states(o_a, lse_a, o_b, lse_b)
-    got, got_lse = f64(got), f64(got_lse)
-    assert got.dtype == np.float64 and not np.isnan(got).any(), "NaN in merged output"
-    assert np.array_equal(np.isneginf(got_lse), np.isneginf(expected_lse))
-    assert (got[out_at(2)] == 0).all() and np.isneginf(got_lse[at(2)]).all()
-    err = np.abs(got - expected)
-    bound = ulp(expected, tdt) + 4e-6 * np.abs(expected).max()
-    assert (err <= bound).all(), (f"{dtype}: merged out max err {err.max():.3e} "
-                                  f"({(err / bound).max():.2f} x bound), mean {err.mean():.3e}")
-    fin = np.isfinite(expected_lse)
-    lerr = np.abs(got_lse[fin] - expected_lse[fin])
-    assert (lerr <= 1e-5 * (1 + np.abs(expected_lse[fin]))).all(), f"lse max err {lerr.max():.3e}"
+    check_merge(got, got_lse, (o_a, lse_a, o_b, lse_b), dtype)
+    assert (f64(got)[out_at(2)] == 0).all() and torch.isneginf(got_lse[at(2)]).all()
 
 
 # -- CUDA graphs ---------------------------------------------------------------------------
@@ -544,8 +497,9 @@ def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
             slots = (np.arange(batch)[:, None], positions)
         slots = tuple(s.ravel() for s in slots)
         k_after, v_after = check_kvcache(out, lse, label=label, **{**kw, **before})
-        check_cache(kw["k_cache"], before["k_cache"], k_after, slots, f"{label}: k_cache")
-        check_cache(kw["v_cache"], before["v_cache"], v_after, slots, f"{label}: v_cache")
+        for n, after in (("k_cache", k_after), ("v_cache", v_after)):
+            check_appended_cache(kw[n], before[n], after, slots, f"{label}: {n}",
+                                 rotated="rotary_cos" in kw)
 
 
 @pytest.mark.parametrize("d, heads, seqlen_q, num_splits, page_size", [
@@ -837,26 +791,10 @@ def test_bfloat16_cupy_arrays_decode_and_append(rng):
     ref, lowp, k_after, v_after = kvcache_references(**{**kw, **before})
     assert_pass_rule(out, torch.from_dlpack(lse), ref, lowp, torch.bfloat16, "cupy bf16")
     for n, after in (("k_cache", k_after), ("v_cache", v_after)):
-        check_cache(kw[n], before[n], after, slots, f"cupy bf16: {n}")
+        check_appended_cache(kw[n], before[n], after, slots, f"cupy bf16: {n}", rotated=True)
 
 
 # -- merge_attention_states: in place, strided, NaN ------------------------------------------
-
-def merge_from_formula(o_a, lse_a, o_b, lse_b):
-    """docs/api.md's merge in float64 (NumPy; dense or packed layout): lse =
-    logaddexp(lse_a, lse_b), out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b, a part
-    with lse -inf weighing 0 unread (both: 0 and -inf), a NaN lse giving a NaN row."""
-    as_out = ((lambda x: x.T[..., None]) if o_a.ndim == 3
-              else (lambda x: x.transpose(0, 2, 1)[..., None]))
-    with np.errstate(invalid="ignore"):  # (NaN lse; -inf - -inf where both parts are empty)
-        lse = np.logaddexp(lse_a, lse_b)
-        out = np.zeros(o_a.shape)
-        for o, part in ((o_a, lse_a), (o_b, lse_b)):
-            unread = np.isneginf(part)
-            w = np.where(unread, 0.0, np.exp(part - lse))
-            out += as_out(w) * np.where(as_out(unread), 0.0, o)
-    return out, lse
-
 
 def merge_parts(rng, dtype, packed, special_rows=True, d=72):
     """Random (out_a, lse_a, out_b, lse_b), dense (2, 29, 3, d) or packed (29, 3, d); with
@@ -878,27 +816,6 @@ def merge_parts(rng, dtype, packed, special_rows=True, d=72):
     return o_a, lse_a, o_b, lse_b
 
 
-def check_merge(out, lse, expected, expected_lse, label):
-    """cufa's merged out and lse against the float64 merge: NaN rows NaN in both, -inf
-    rows 0 and -inf, the rest within 1 ulp of out's dtype (the merge rounds once) plus
-    float32 noise."""
-    got, got_lse, dtype = f64(out), f64(lse), out.dtype
-    nan_rows = np.isnan(expected_lse)
-    assert np.array_equal(np.isnan(got_lse), nan_rows), f"{label}: NaN lse rows differ"
-    assert np.array_equal(np.isnan(got), np.isnan(expected)), f"{label}: NaN out rows differ"
-    assert np.array_equal(np.isneginf(got_lse), np.isneginf(expected_lse)), (
-        f"{label}: -inf lse rows differ")
-    fin = ~np.isnan(expected)
-    err = np.abs(got[fin] - expected[fin])
-    bound = ulp(expected[fin], dtype) + 4e-6 * np.abs(expected[fin]).max()
-    assert (err <= bound).all(), (f"{label}: out max err {err.max():.3e} "
-                                  f"({(err / bound).max():.2f} x bound), mean {err.mean():.3e}")
-    fin = np.isfinite(expected_lse)
-    lerr = np.abs(got_lse[fin] - expected_lse[fin])
-    assert (lerr <= 1e-5 * (1 + np.abs(expected_lse[fin]))).all(), (
-        f"{label}: lse max err {lerr.max():.3e}")
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("into", ["out_a", "out_b"])
@@ -907,11 +824,11 @@ def test_merge_into_one_of_its_inputs(rng, dtype, packed, into):
     element is read before it is written, and an unread part's NaN never gets in. NaN
     lse gives a NaN row (docs/api.md)."""
     parts = merge_parts(rng, dtype, packed)
-    expected, expected_lse = merge_from_formula(*(f64(x) for x in parts))
+    before = tuple(x.clone() for x in parts)
     target = parts[0] if into == "out_a" else parts[2]
     res, lse = cufa.merge_attention_states(*parts, out=target)
     assert res is target
-    check_merge(res, lse, expected, expected_lse, f"{dtype} into {into}")
+    check_merge(res, lse, before, f"{dtype} into {into}")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -932,12 +849,11 @@ def test_merge_strided_inputs_and_out(rng, dtype, packed):
     spread[..., ::2] = lse_b
     lse_b = spread[..., ::2]
     assert not any(x.is_contiguous() for x in (o_a, o_b, lse_a, lse_b))
-    expected, expected_lse = merge_from_formula(*(f64(x) for x in contiguous))
     d = o_a.shape[-1]
     padded = torch.full(o_a.shape[:-1] + (d + 8,), 7.0, device="cuda", dtype=o_a.dtype)
     res, lse = cufa.merge_attention_states(o_a, lse_a, o_b, lse_b, out=padded[..., :d])
-    check_merge(res, lse, expected, expected_lse, f"{dtype} strided, out= strided")
+    check_merge(res, lse, contiguous, f"{dtype} strided, out= strided")
     assert (padded[..., d:] == 7).all(), "out's padding columns written"
     res, lse = cufa.merge_attention_states(o_a, lse_a, o_b, lse_b)
     assert res.is_contiguous() and lse.is_contiguous()
-    check_merge(res, lse, expected, expected_lse, f"{dtype} strided, out allocated")
+    check_merge(res, lse, contiguous, f"{dtype} strided, out allocated")

@@ -10,8 +10,9 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 import cufa  # noqa: E402
-from _attention_check import check_attention, check_kvcache, kvcache_references, randn  # noqa: E402
-from test_gpu_kvcache import build, check_cache, snapshot  # noqa: E402
+from _attention_check import (  # noqa: E402
+    check_appended_cache, check_attention, check_kvcache, kvcache_references, randn)
+from test_gpu_kvcache import build, snapshot  # noqa: E402
 from test_pass_rule_cpu import MUTATIONS  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def test_check_cache_rejects_a_wrong_cache(rng):
     cufa.flash_attn_with_kvcache(**kw)
     _, _, k_after, _ = kvcache_references(**{**kw, **before})
     cache = kw["k_cache"]
-    check_cache(cache, before["k_cache"], k_after, slots, "as written")
+    check_appended_cache(cache, before["k_cache"], k_after, slots, "as written", rotated=True)
     page, row = (int(s[-1]) for s in slots)   # the last new key of the last sequence
     unused = int(np.setdiff1d(np.arange(cache.shape[0]), kw["block_table"].cpu().numpy())[0])
     corruptions = {
@@ -60,4 +61,4 @@ def test_check_cache_rejects_a_wrong_cache(rng):
         bad = cache.clone()
         corrupt(bad)
         with pytest.raises(AssertionError):
-            check_cache(bad, before["k_cache"], k_after, slots, name)
+            check_appended_cache(bad, before["k_cache"], k_after, slots, name, rotated=True)

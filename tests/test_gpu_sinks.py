@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
-    assert_pass_rule, capture_cuda_graph, check_attention, check_kvcache, f64, lowp_attention,
-    randn)
+    assert_pass_rule, capture_cuda_graph, check_attention, check_kvcache, cu_seqlens, f64, i32,
+    lowp_attention, randn)
 import test_gpu_kvcache  # noqa: E402
 
 NAN = float("nan")
@@ -34,14 +34,6 @@ def make_sink(rng, nheads, dtype="float32", kind="normal"):
     else:
         values = 2 * rng.standard_normal(nheads)
     return torch.tensor(values, dtype=SINK_DTYPES[dtype], device="cuda")
-
-
-def i32(values):
-    return torch.tensor(np.asarray(values), dtype=torch.int32, device="cuda")
-
-
-def cu_seqlens(lens):
-    return i32(np.concatenate([[0], np.cumsum(lens)]))
 
 
 @pytest.fixture(params=["default", "sm80"])

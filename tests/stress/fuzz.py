@@ -42,9 +42,9 @@ import torch  # noqa: E402
 
 import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
-from _attention_check import DTYPES, check_attention, check_merge, randn  # noqa: E402
+from _attention_check import (  # noqa: E402
+    DTYPES, check_attention, check_merge, cu_seqlens, i32, randn)
 import test_gpu_kvcache  # noqa: E402
-from test_gpu_kvcache import cu_seqlens, i32  # noqa: E402
 
 NAN = float("nan")
 LENGTHS = (0, 1, 2, 7, 31, 64, 65, 127, 128, 129, 191, 257, 600)

@@ -34,7 +34,8 @@ import torch  # noqa: E402
 import cufa  # noqa: E402
 from cufa import _compile, reference  # noqa: E402
 import _attention_check  # noqa: E402
-from _attention_check import check_attention, check_kvcache, check_merge, f64  # noqa: E402
+from _attention_check import (  # noqa: E402
+    check_attention, check_kvcache, check_merge, cu_seqlens, f64, i32)
 
 _attention_check.LOWP_DEVICE = "cpu"
 DIMS = {"sm80": (32, 64, 96, 128, 160, 192, 224, 256), "sm90": (64, 128, 192, 256)}
@@ -61,14 +62,6 @@ class Tally:
 
 def _t(rng, shape, dtype):
     return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to("cuda", dtype)
-
-
-def i32(x):
-    return torch.tensor(np.asarray(x), dtype=torch.int32, device="cuda")
-
-
-def cu(lens):
-    return i32(np.concatenate([[0], np.cumsum(lens)]))
 
 
 def check_cache(cache, expected, label, rows=None):
@@ -157,7 +150,7 @@ def forward_cases(rng, tally, family):
     for causal in (False, True):
         q = _t(rng, (sum(lens_q), 4, 64), torch.float16)
         k, v = (_t(rng, (sum(lens_k), 1, 64), torch.float16) for _ in range(2))
-        out = cufa.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), 129, 129,
+        out = cufa.flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), 129, 129,
                                           causal=causal, seqused_k=i32(used))
         tally.check(f"varlen seqused_k causal={causal}", check_packed, out, None, q,
                     lambda b: tuple(x[starts_k[b]:starts_k[b] + used[b]][None] for x in (k, v)),
@@ -231,7 +224,7 @@ def kvcache_cases(rng, tally):
                 cache_seqlens=i32([96, 96]), block_table=i32(bad_table[1:]))
     lens_q, lens_k = [0, 7, 65], [5, 0, 96]
     qp = _t(rng, (sum(lens_q), 8, d), torch.float16)
-    out = cufa.flash_attn_varlen_func(qp, pages, pages, cu(lens_q), cu(lens_k), 65, 96,
+    out = cufa.flash_attn_varlen_func(qp, pages, pages, cu_seqlens(lens_q), cu_seqlens(lens_k), 65, 96,
                                       causal=True, block_table=i32(table))
     keys = reference.from_paged(pages, table)
     tally.check("paged varlen", check_packed, out, None, qp,
@@ -259,7 +252,7 @@ def kvcache_cases(rng, tally):
     keys = reference.from_paged(big, big_table)
     for lens_k, defined in (([2400, 1700], (0, 1)), ([-3, 1700], (1,)), ([5000, 1700], (1,))):
         qd = _t(rng, (3, 8, d), torch.float16)
-        out, lse = cufa.flash_attn_varlen_func(qd, big, big, i32([0, 1, 3]), cu(lens_k), 2, 2400,
+        out, lse = cufa.flash_attn_varlen_func(qd, big, big, i32([0, 1, 3]), cu_seqlens(lens_k), 2, 2400,
                                                causal=True, block_table=i32(big_table),
                                                return_lse=True)
         tally.check(f"paged decode-sized, keys {lens_k}", check_packed, out, lse, qd,
