@@ -3,7 +3,7 @@
 CUDA kernels compiled at run time with NVRTC (through CuPy); inputs and outputs are
 the caller's own arrays (PyTorch, CuPy, JAX, any ``__dlpack__`` object), zero-copy.
 """
-from . import _interop, _torch_ops
+from . import _interop, _torch_ops, reference
 from ._compile import all_variants
 from .api import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                   merge_attention_states, scaled_dot_product_attention)
@@ -18,4 +18,4 @@ __version__ = "0.1.0"
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention",
            "flash_attn_with_kvcache", "merge_attention_states", "unpad_input", "pad_input",
-           "all_variants", "__version__"]
+           "all_variants", "reference", "__version__"]

@@ -5,13 +5,24 @@ import numpy as np
 import pytest
 
 
+def no_device_reason(error, driver_library):
+    """Why the GPU tests skip, from the error that asking for the device count raised and
+    the driver library found (ctypes.util.find_library("cuda"), or None). Without a driver
+    CUDA says its "driver version is insufficient", which reads as an old driver to fix;
+    say that there is none."""
+    if driver_library is None and "InsufficientDriver" in f"{type(error).__name__} {error}":
+        return "no CUDA device (no NVIDIA driver on this machine)"
+    return f"no CUDA device ({type(error).__name__}: {error})"
+
+
 def _cuda_device_reason():
     """'' when a CUDA device is usable, else why not."""
     try:
         import cupy
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no CuPy, no driver, no device
-        return f"no CUDA device ({type(e).__name__}: {e})"
+        import ctypes.util
+        return no_device_reason(e, ctypes.util.find_library("cuda"))
     return "" if n else "no CUDA device (0 devices)"
 
 

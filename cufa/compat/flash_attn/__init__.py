@@ -8,11 +8,18 @@ The seven public functions take flash-attn 2's arguments, defaults and return sh
 modules of those names (see flash_attn_interface for what differs by design). Needs
 PyTorch, as flash-attn does; ``import cufa`` alone does not import it.
 """
-from . import bert_padding, flash_attn_interface, layers  # noqa: F401 (flash-attn's modules)
-from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func,
-                                   flash_attn_qkvpacked_func, flash_attn_varlen_func,
-                                   flash_attn_varlen_kvpacked_func,
-                                   flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
+try:
+    import torch  # noqa: F401
+except ImportError as e:  # say what is missing, not where the first torch name failed
+    raise ImportError(
+        "cufa.compat.flash_attn needs PyTorch, as flash-attn does (`import cufa` alone does "
+        "not): pip install torch (for CPU-only machines, the CPU build: pip install torch "
+        "--index-url https://download.pytorch.org/whl/cpu)") from e
+
+from . import bert_padding, flash_attn_interface, layers  # noqa: E402,F401 (flash-attn's modules)
+from .flash_attn_interface import (  # noqa: E402
+    flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 
 __version__ = "2.8.4"  # the flash-attn release whose interface this follows
 
