@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Attention forward: cufa against PyTorch SDPA (flash, cuDNN) and JAX cuDNN, one run.
+"""Attention forward: cufa against FlashAttention-4, PyTorch SDPA (flash, cuDNN) and JAX
+cuDNN, one run.
 
     python3 bench/bench_fwd.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128,256]
         [--seqlens 512,1024,...] [--causal 0,1] [--reps 48] [--unaligned] [--no-peers] [--sink]
@@ -24,7 +25,11 @@ time (each call from an idle queue and waited for, wall clock: the host's cost c
 for a lone call), in the table's last column. bench/_timing.py has the method. --sink also
 times cufa with a float32 learnable_sink (nheads,) on the same inputs, in the same rounds
 ("cufa sink"), and reports what the sink costs: its time over cufa's without one, a row
-at a time. Writes DIR/bench_fwd.{json,md,png} and DIR/bench_fwd_bf16.png.
+at a time. FlashAttention-4 (`flash_attn.cute`, its Hopper forward) is a column wherever it
+imports (bench/fa4.sh brings it to a GPU machine without a network); its first call of a
+shape compiles, inside the warm-up calls. The last lines say where cufa leads: its TFLOP/s
+over the better of SDPA cuDNN and FA4, row by row. Writes DIR/bench_fwd.{json,md,png} and
+DIR/bench_fwd_bf16.png.
 """
 import argparse
 import datetime
@@ -42,9 +47,11 @@ SEQLENS, QUICK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384), (1024, 4096, 1638
 GQA = dict(head_dim=128, seqlen=4096, batch=4, nheads=32, nheads_k=8)
 ALONE_IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn")
 MEM_SEQLENS = (1024, 4096, 16384)
-IMPLS = ("cufa", "cufa_sink", "sdpa_flash", "sdpa_cudnn", "jax_cudnn")
-LABELS = {"cufa": "cufa", "cufa_sink": "cufa sink", "sdpa_flash": "SDPA flash",
+IMPLS = ("cufa", "cufa_sink", "fa4", "sdpa_flash", "sdpa_cudnn", "jax_cudnn")
+LABELS = {"cufa": "cufa", "cufa_sink": "cufa sink", "fa4": "FA4", "sdpa_flash": "SDPA flash",
           "sdpa_cudnn": "SDPA cuDNN", "jax_cudnn": "JAX cuDNN*"}
+# the peers cufa is to lead on every row (issue 56): the better of them, row by row
+LEAD_PEERS = ("sdpa_cudnn", "fa4")
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,7 @@ def load_impls(torch, no_peers, sink=False):
     if no_peers:
         return impls
     impls.update(T.load_peers(torch))
+    impls["fa4"] = load_fa4()
     try:
         import jax
         gpus = jax.devices("gpu")
@@ -147,6 +155,15 @@ def load_impls(torch, no_peers, sink=False):
     except Exception as e:  # jax without CUDA plugin raises RuntimeError on devices("gpu")
         impls["jax_cudnn"] = f"JAX has no GPU backend: {type(e).__name__}: {e}"
     return impls
+
+
+def load_fa4():
+    """FlashAttention-4's flash_attn_func (flash_attn.cute), or why it is not there."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # not installed, or its CuTe DSL runtime missing
+        return f"flash_attn.cute does not import ({type(e).__name__}: {e}); bench/fa4.sh"
+    return flash_attn_func
 
 
 def torch_inputs(torch, shape, gen, unaligned=False):
@@ -214,6 +231,14 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns, unaligned=
                 with sdpa_kernel(backend):  # entered once, outside the timed calls
                     return time_calls(torch, fn, bhnd, n)
             return timed
+        if name == "fa4":
+            if unaligned:
+                return "FA4 takes 16-byte aligned rows only (--unaligned)"
+
+            def fa4(q, k, v):  # ((out, lse) in the releases seen; out alone taken too)
+                got = impl(q, k, v, causal=causal)
+                return got[0] if isinstance(got, tuple) else got
+            return lambda n: time_calls(torch, fa4, bnhd, n)
         return lambda n: time_jax(impl, causal, n)
 
     per_round = -(-reps // T.ROUNDS)
@@ -263,8 +288,12 @@ def check_vs_flash(torch, impls, qkv, qkv_bhnd, causal, shape):
 
 def add_ratios(row):
     t = {k: v.get("tflops") for k, v in row["impls"].items()}
-    for peer, key in (("sdpa_flash", "ratio_vs_flash"), ("sdpa_cudnn", "ratio_vs_cudnn")):
+    for peer, key in (("sdpa_flash", "ratio_vs_flash"), ("sdpa_cudnn", "ratio_vs_cudnn"),
+                      ("fa4", "ratio_vs_fa4")):
         row[key] = t["cufa"] / t[peer] if t.get("cufa") and t.get(peer) else None
+    # over the better of the peers cufa is to lead, where at least one of them ran
+    best = max((t[p] for p in LEAD_PEERS if t.get(p)), default=None)
+    row["ratio_vs_best_peer"] = t["cufa"] / best if t.get("cufa") and best else None
     if "cufa_sink" in t:  # the sink's cost: its median time over cufa's, less 1
         row["sink_cost"] = t["cufa"] / t["cufa_sink"] - 1 if t["cufa"] and t["cufa_sink"] else None
 
@@ -322,8 +351,10 @@ def memory_table(torch, impls, gen, seqlens=MEM_SEQLENS, b=1, h=16, d=128):
 # -- report ----------------------------------------------------------------------------------
 
 def markdown(rows, names):
+    fa4 = "fa4" in names
     head = ["dtype", "d", "causal", "N", "B x H/Hkv"] + [LABELS[n] for n in names] \
-        + ["cufa/flash", "cufa/cuDNN", "one at a time: cufa / flash / cuDNN us"]
+        + ["cufa/flash", "cufa/cuDNN"] + (["cufa/FA4"] if fa4 else []) \
+        + ["one at a time: cufa / flash / cuDNN us"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [r["dtype"], f"{r['head_dim']}{' unaligned' if r.get('unaligned') else ''}",
@@ -331,6 +362,7 @@ def markdown(rows, names):
                  f"{r['batch']} x {r['nheads']}/{r['nheads_k']}"]
         cells += [T.fmt(r["impls"].get(n, {}).get("tflops"), ".0f") for n in names]
         cells += [T.fmt(r.get("ratio_vs_flash"), ".2f"), T.fmt(r.get("ratio_vs_cudnn"), ".2f")]
+        cells += [T.fmt(r.get("ratio_vs_fa4"), ".2f")] if fa4 else []
         single = r.get("one_at_a_time_us", {})
         cells.append(" / ".join(T.fmt(single.get(n), ".0f") for n in ALONE_IMPLS))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -349,6 +381,30 @@ def alone_summary(rows):
             f"counts), SDPA cuDNN's time over cufa's over {len(ratios)} rows: "
             f"{ratios[0]:.2f}-{ratios[-1]:.2f}, median {statistics.median(ratios):.2f}; "
             f"cufa as fast or faster on {sum(x >= 1 for x in ratios)}")
+
+
+def lead_summary(rows):
+    """Where cufa stands against the peers it is to lead (LEAD_PEERS): per peer, the range
+    and median of cufa's ratio over the rows it ran; then over the better of them, row by
+    row, with the rows below 1.0 named. Target (issue 56): every row >= 1.0 against each,
+    the median >= 1.05 against the better."""
+    lines = []
+    for peer, key in (("sdpa_cudnn", "ratio_vs_cudnn"), ("fa4", "ratio_vs_fa4")):
+        got = sorted(r[key] for r in rows if r.get(key) is not None)
+        if got:
+            lines.append(f"cufa/{LABELS[peer]} over {len(got)} rows: {got[0]:.2f}-{got[-1]:.2f}, "
+                         f"median {statistics.median(got):.2f}, rows >= 1.0: "
+                         f"{sum(x >= 1 for x in got)}")
+    best = [(r["ratio_vs_best_peer"], case_name(r)) for r in rows
+            if r.get("ratio_vs_best_peer") is not None]
+    if not best:
+        return "\n".join(lines) or "no peer to lead ran"
+    below = sorted(b for b in best if b[0] < 1)
+    median = statistics.median(x for x, _ in best)
+    lines.append(f"cufa over the better of {' and '.join(LABELS[p] for p in LEAD_PEERS)} on "
+                 f"each row, {len(best)} rows: median {median:.2f} (target 1.05), below 1.0 on "
+                 f"{len(below)}" + "".join(f"\n  {x:.2f} {name}" for x, name in below))
+    return "\n".join(lines)
 
 
 def summary(rows):
@@ -471,7 +527,7 @@ def main(argv=None):
             "rotated past L2. "
             "* JAX is host-timed (wall clock to block_until_ready).")
     sink_line = T.sink_summary(rows, case_name)
-    report = "\n\n".join([head, table, line, alone_summary(rows)]
+    report = "\n\n".join([head, table, line, lead_summary(rows), alone_summary(rows)]
                            + ([sink_line] if sink_line else [])
                            + ([memory_markdown(mem)] if mem else []))
     print(report)
