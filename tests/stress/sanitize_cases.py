@@ -6,11 +6,14 @@ tests/stress/sanitize.sh runs this under compute-sanitizer's memcheck and racech
     python3 tests/stress/sanitize_cases.py --kvcache-only   # the KV-cache, paged and merge calls
 
 One call per (dtype, head dim family, mask kind, score mods) at sequence lengths 1, 7,
-65 and 129 (never a multiple of a tile), packed batches with empty sequences and
-sequences without keys, SDPA with broadcast boolean and additive masks, and the KV-cache
-kernels: every decode variant (contiguous and paged, split and not, with appends, rotary
-and leftpad), malformed lengths and page ids (clamped, never an access outside), merges
-and paged packed batches (their decode-sized sequences on the decode kernel, split).
+65 and 129 (never a multiple of a tile), the element-wise I/O variants (a head dim off
+every padded one, unaligned arrays) of the forward and decode kernels, learnable sinks of
+each dtype on the dense, packed and decode paths (split too), packed batches with empty
+sequences and sequences without keys, SDPA with broadcast boolean and additive masks, and
+the KV-cache kernels: every decode variant (contiguous and paged, split and not, with
+appends, rotary and leftpad), malformed lengths and page ids (clamped, never an access
+outside), merges and paged packed batches (their decode-sized sequences on the decode
+kernel, split).
 
 Every call's out (and lse where it returns one, and the caches after an append) is
 checked with the GPU tests' pass rule (tests/_attention_check.py) against the float64
@@ -39,6 +42,7 @@ from _attention_check import (  # noqa: E402
 
 _attention_check.LOWP_DEVICE = "cpu"
 DIMS = {"sm80": (32, 64, 96, 128, 160, 192, 224, 256), "sm90": (64, 128, 192, 256)}
+SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NAN = float("nan")
 
 
@@ -62,6 +66,16 @@ class Tally:
 
 def _t(rng, shape, dtype):
     return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to("cuda", dtype)
+
+
+def _odd(rng, shape, dtype):
+    """shape's values as a slice at element offset 1 of rows one longer: strides no
+    multiple of 8 and a start 2 bytes off 16 (the element-wise I/O kernels take it)."""
+    return _t(rng, shape[:-1] + (shape[-1] + 1,), dtype)[..., 1:]
+
+
+def _sink(rng, heads, dtype):
+    return torch.from_numpy(2 * rng.standard_normal(heads)).to("cuda", dtype)
 
 
 def check_cache(cache, expected, label, rows=None):
@@ -143,6 +157,24 @@ def forward_cases(rng, tally, family):
                         res, lse = res if want_lse else (res, None)
                         tally.check(f"{dtype} d={d} causal={causal} mods={mods} {sq}x{sk}",
                                     check_attention, res, lse, q, k, v, **kw)
+    # the element-wise I/O variants: a head dim 3 under every padded one, unaligned arrays,
+    # a sink of each dtype in turn
+    for i, (dtype, d) in enumerate((dt, d) for dt in (torch.float16, torch.bfloat16)
+                                   for d in _compile.SM80_HEAD_DIMS):
+        q, k, v = _odd(rng, (2, 65, 4, d - 3), dtype), *(_odd(rng, (2, 129, 2, d - 3), dtype)
+                                                         for _ in range(2))
+        kw = dict(causal=bool(i % 2), learnable_sink=_sink(rng, 4, SINK_DTYPES[i % 3]))
+        out, lse = cufa.flash_attn_func(q, k, v, return_lse=True, **kw)
+        tally.check(f"element-wise {dtype} d={d - 3} causal={kw['causal']} sink "
+                    f"{kw['learnable_sink'].dtype}", check_attention, out, lse, q, k, v, **kw)
+    # sinks on the device's own family's dense kernels (one per sink dtype), and packed
+    for i, sink_dtype in enumerate(SINK_DTYPES):
+        d = DIMS[family][i % len(DIMS[family])]
+        q, k, v = _t(rng, (2, 65, 4, d), torch.bfloat16), *(_t(rng, (2, 129, 2, d), torch.bfloat16)
+                                                           for _ in range(2))
+        kw = dict(causal=i != 1, learnable_sink=_sink(rng, 4, sink_dtype))
+        out, lse = cufa.flash_attn_func(q, k, v, return_lse=True, **kw)
+        tally.check(f"sink {sink_dtype} d={d}", check_attention, out, lse, q, k, v, **kw)
     # packed batches: empty sequences, sequences without keys, seqused_k
     lens_q, lens_k = [0, 1, 7, 65, 129, 0], [3, 0, 7, 129, 65, 1]
     used = [2, 0, 7, 100, 65, 1]
@@ -150,11 +182,13 @@ def forward_cases(rng, tally, family):
     for causal in (False, True):
         q = _t(rng, (sum(lens_q), 4, 64), torch.float16)
         k, v = (_t(rng, (sum(lens_k), 1, 64), torch.float16) for _ in range(2))
+        sink = {"learnable_sink": _sink(rng, 4, torch.float32)} if causal else {}
         out = cufa.flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), 129, 129,
-                                          causal=causal, seqused_k=i32(used))
-        tally.check(f"varlen seqused_k causal={causal}", check_packed, out, None, q,
+                                          causal=causal, seqused_k=i32(used), **sink)
+        tally.check(f"varlen seqused_k causal={causal}{' sink' if sink else ''}", check_packed,
+                    out, None, q,
                     lambda b: tuple(x[starts_k[b]:starts_k[b] + used[b]][None] for x in (k, v)),
-                    lens_q, causal=causal)
+                    lens_q, causal=causal, **sink)
     # SDPA: broadcast boolean and additive masks at odd sizes
     for mask_dtype in (torch.bool, torch.float16):
         q = _t(rng, (2, 4, 65, 64), torch.float16)
@@ -182,6 +216,21 @@ def kvcache_cases(rng, tally):
                                                         return_softmax_lse=True)
                 tally.check(f"decode {dtype} d={d} splits={splits}", check_call, out, lse, q,
                             *before, new, new, after=(cache, v_cache), **kw)
+    # the element-wise decode variants (a head dim 3 under every padded one, the cache
+    # unaligned), with an append, a sink and splits
+    for i, d in enumerate(_compile.DECODE_HEAD_DIMS):
+        dd = d - 3
+        q = _odd(rng, (3, 2, 8, dd), torch.float16)
+        cache, v_cache = _odd(rng, (3, 97, 2, dd), torch.float16), _odd(rng, (3, 97, 2, dd),
+                                                                        torch.float16)
+        new = _t(rng, (3, 1, 2, dd), torch.float16)
+        before = cache.clone(), v_cache.clone()
+        kw = dict(cache_seqlens=i32([0, 50, 95]), causal=True, num_splits=1 + 2 * (i % 2),
+                  learnable_sink=_sink(rng, 8, SINK_DTYPES[i % 3]))
+        out, lse = cufa.flash_attn_with_kvcache(q, cache, v_cache, new, new, **kw,
+                                                return_softmax_lse=True)
+        tally.check(f"decode element-wise d={dd} splits={kw['num_splits']} sink", check_call,
+                    out, lse, q, *before, new, new, after=(cache, v_cache), **kw)
     # 512 CTAs at d = 64 and 128: the shapes with four CTAs an SM, unsplit
     # (_heuristics.decode_kernel_and_splits)
     for dm in (64, 128):
