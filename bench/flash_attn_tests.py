@@ -238,12 +238,32 @@ def outcome(report):
     longrepr = report.longrepr
     if report.skipped and isinstance(longrepr, tuple):  # (path, line, "Skipped: reason")
         message = longrepr[2]
+        if message.strip().rstrip(":") == "Skipped":  # pytest.skip() without a reason
+            message = f"Skipped (no reason given): {skip_site(*longrepr[:2])}"
     else:
         crash = getattr(longrepr, "reprcrash", None)
         message = getattr(crash, "message", None) or str(longrepr or "")
     lines = message.strip().splitlines()
     return dict(nodeid=report.nodeid, outcome=report.outcome,
                 message=lines[0][:300] if lines else "")
+
+
+def skip_site(path, lineno):
+    """Where a reasonless pytest.skip() was called: the condition above it and the call, as
+    `line N: if ...: pytest.skip()` (flash-attn's file skips so where a reference would
+    run out of memory, or a combination it does not test)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return f"{Path(path).name}:{lineno}"
+    near = [i for i in (lineno - 1, lineno, lineno - 2) if 0 <= i < len(lines)
+            and "skip" in lines[i]]
+    if not near:
+        return f"{Path(path).name}:{lineno}"
+    at = near[0]
+    cond = next((lines[i].strip() for i in range(at - 1, max(at - 4, -1), -1)
+                 if lines[i].strip().startswith(("if ", "elif "))), "")
+    return f"line {at + 1}: {cond + ' ' if cond else ''}{lines[at].strip()}"
 
 
 def outcomes(records):
@@ -268,9 +288,22 @@ def outcomes(records):
     return results
 
 
-def report(args, counts, results, removed, summary, device):
+def tree_name():
+    """The cufa tree under test: CUFA_TREE (give it on a GPU machine whose copy of the
+    checkout may carry an older .git), else `git describe`."""
+    if os.environ.get("CUFA_TREE"):
+        return os.environ["CUFA_TREE"]
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git here; pass CUFA_TREE)"
+
+
+def report(args, counts, results, removed, summary, device, tree=None):
     """The results file's markdown."""
     lines = [f"# flash-attn's tests against cufa ({device})", "",
+             f"cufa tree: {tree or tree_name()}; device: {device}.", "",
              f"flash-attn `tests/test_flash_attn.py` at commit `{args.commit}`, run through "
              "`cufa.compat.flash_attn` by `bench/flash_attn_tests.py` (its docstring has the "
              "rules):", "",
@@ -365,7 +398,7 @@ def main():
         counts = json.loads(counts_file.read_text()) if counts_file.exists() else {}
         records = ([json.loads(line) for line in results_file.read_text().splitlines()]
                    if results_file.exists() else [])
-    text = report(args, counts, outcomes(records), removed, summary, device_name())
+    text = report(args, counts, outcomes(records), removed, summary, device_name(), tree_name())
     (out / "flash_attn_tests.md").write_text(text, encoding="utf-8")
     print(f"wrote {out / 'flash_attn_tests.md'}")
     return status
