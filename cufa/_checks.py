@@ -6,13 +6,14 @@ import operator
 
 import numpy as np
 
-from . import _compile, _interop, _params
+from . import _compile, _dtypes, _interop, _params
 
-KERNEL_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
-ATTN_MASK_TYPES = {"bool": _params.ATTN_MASK_BOOL, "float16": _params.ATTN_MASK_FP16,
-                   "bfloat16": _params.ATTN_MASK_BF16, "float32": _params.ATTN_MASK_FP32}
-ROTARY_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
-MERGE_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+# views of _dtypes' table, by dtype name: the variant key of the kernels' dtypes (q, k, v,
+# the caches), of merge_attention_states' parts; the codes of attn_mask and rotary tables
+KERNEL_DTYPES = {name: _dtypes.BY_NAME[name].key for name in _dtypes.codes("kernel")}
+MERGE_DTYPES = {name: _dtypes.BY_NAME[name].key for name in _dtypes.codes("merge")}
+ATTN_MASK_TYPES = _dtypes.codes("attn_mask")
+ROTARY_DTYPES = _dtypes.codes("rotary")
 UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
 # The entry points' default window_size, this object: check_options takes it unchecked (a
 # value-equal pair from the caller, or -1.0, goes through the checks).

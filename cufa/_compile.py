@@ -18,9 +18,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _params
+from . import _dtypes, _params
 
-DTYPES = ("fp16", "bf16")           # index = Dtype in common/types.cuh
+DTYPES = _dtypes.keys_by_code("kernel")  # ("fp16", "bf16"): index = Dtype in common/types.cuh
 MASKS = ("none", "window")          # index = MaskKind in fwd/mask.cuh
 FAMILIES = ("sm80", "sm90")         # kernels_cu/fwd/fwd_<family>.cu
 MAX_HEAD_DIM = 256
@@ -94,6 +94,11 @@ class FwdVariant:
     def source(self):
         return f"fwd/fwd_{self.family}.cu"
 
+    @functools.cached_property
+    def elem_bytes(self):
+        """Bytes an element of q, k, v and out."""
+        return _dtypes.size_of(self.dtype)
+
     @functools.cached_property  # read by every launch
     def threads(self):
         # sm90: a producer warpgroup and one consumer warpgroup per 64 rows
@@ -130,13 +135,14 @@ class FwdVariant:
     @functools.cached_property  # read by every launch
     def smem_bytes(self):
         if self.family == "sm80":
-            return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+            return (self.block_m + 2 * self.block_n) * self.head_dim * self.elem_bytes
         return self._sm90_smem(self.q_stages, self.kv_stages)
 
     def _sm90_smem(self, q_stages, kv_stages):
         # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers and then,
         # 16-byte aligned, a 32-byte tile slot per Q stage
-        tiles = (q_stages * self.block_m + 2 * kv_stages * self.block_n) * self.head_dim * 2
+        tiles = (q_stages * self.block_m + 2 * kv_stages * self.block_n) * self.head_dim * \
+            self.elem_bytes
         return tiles + 1024 + 8 * (2 * q_stages + 4 * kv_stages) + 8 + 32 * q_stages
 
     @functools.cached_property
@@ -191,7 +197,7 @@ DECODE_ROWS, DECODE_TILE_KEYS = 16, 16  # query rows a CTA, keys a warp's tile (
 COMBINE_THREADS = 128  # kCombineThreads in decode.cu; decode_append and merge_states take as many
 MAX_SPLITS = 128       # kMaxSplits in decode.cu: the splits of the keys the merge takes, at most
 DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at most
-MERGE_DTYPES = ("fp16", "bf16", "fp32")  # index = MergeDtype in merge.cu
+MERGE_DTYPES = _dtypes.keys_by_code("merge")  # index = MergeDtype in decode/merge.cu
 
 
 def decode_shape(head_dim):
@@ -226,90 +232,25 @@ def decode_tma_forced():
     return int(forced)
 
 
-@dataclass(frozen=True)
-class DecodeKernel:
-    """decode.cu's kernels: "decode" (attention against the cache), "combine" (merges the
-    splits of split-KV), "append" (new keys into the cache, rotary); merge.cu's "merge"."""
-    kind: str
-    dtype: str
-    head_dim: int = 0   # "decode" only: the padded head dim
-    rows: int = 1       # "combine" only: rows a CTA (1, or 4: a warp a row)
-    stages: int = 0     # "decode": cp.async stages a warp (0: decode_shape's); "decode_tma":
-    #                     mbarrier stages of the CTA's ring (0: DECODE_TMA_STAGES)
-    warps: int = 0      # "decode" only: warps a CTA (0: decode_shape's)
-    units: int = 0      # "decode_tma" only: (sequence, KV head) units a CTA
-    element_io: bool = False  # "decode", "combine": the element-wise I/O variant
-    archs: tuple = ("sm_80", "sm_90")
-    options: tuple = NVRTC_OPTIONS
+class _CacheKernel:
+    """What the KV-cache family's kernels (decode/) share; a kernel without shared memory
+    of its own (combine, append, merge) runs COMBINE_THREADS threads, one CTA an SM."""
+    archs = ("sm_80", "sm_90")
+    options = NVRTC_OPTIONS
+    threads = COMBINE_THREADS
+    smem_bytes = 0
+    units = 0  # (sequence, KV head) units a CTA takes: the TMA decode kernel's; 0: one
+    element_io = False  # rows moved an element at a time (the decode and combine kernels')
 
     @property
-    def source(self):
-        name = {"decode": "decode_sm80", "decode_tma": "decode_sm90"}.get(self.kind, self.kind)
-        return f"decode/{name}.cu"
-
-    @property
-    def key(self):
-        elem = "_elem" if self.element_io else ""
-        if self.kind == "decode":
-            warps, stages = self.shape
-            other = f"_w{warps}" if warps != decode_shape(self.head_dim)[0] else ""
-            return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}"
-        if self.kind == "merge":
-            return f"merge_{self.dtype}"
-        if self.kind == "decode_tma":
-            return f"decode_tma_{self.dtype}_hd{self.head_dim}_s{self.tma_stages}_u{self.units}"
-        if self.kind == "combine":
-            return f"decode_combine_r{self.rows}_{self.dtype}{elem}"
-        return f"decode_{self.kind}_{self.dtype}"
-
-    @property
-    def name_expression(self):
-        if self.kind == "merge":
-            return f"cufa::merge_states<{MERGE_DTYPES.index(self.dtype)}>"
-        dt = DTYPES.index(self.dtype)
-        elem = ", true" if self.element_io else ""
-        if self.kind == "decode":
-            warps, stages = self.shape
-            return f"cufa::decode_kernel<{dt}, {self.head_dim}, {stages}, {warps}{elem}>"
-        if self.kind == "decode_tma":
-            return f"cufa::decode_tma_kernel<{dt}, {self.tma_stages}, {self.units}>"
-        if self.kind == "combine":
-            return f"cufa::decode_combine<{dt}, {self.rows}{elem}>"
-        return f"cufa::decode_{self.kind}<{dt}>"
-
-    @property
-    def tma_stages(self):
-        """The ring's stages of a "decode_tma" kernel."""
-        return self.stages or DECODE_TMA_STAGES
-
-    @property
-    def shape(self):
-        """(warps, stages) of a "decode" kernel."""
-        warps, stages = decode_shape(self.head_dim)
-        return self.warps or warps, self.stages or stages
-
-    @property
-    def threads(self):
-        if self.kind == "decode_tma":
-            return DECODE_TMA_THREADS
-        return 32 * self.shape[0] if self.kind == "decode" else COMBINE_THREADS
-
-    @property
-    def smem_bytes(self):
-        """Dynamic shared memory: Q, then each warp's K/V stages."""
-        if self.kind == "decode_tma":  # Q, its 1 KB alignment, the ring
-            return 1024 + DECODE_ROWS * self.head_dim * 2 + self.tma_stages * 2 * (
-                DECODE_TMA_BOX_KEYS * self.head_dim * 2)
-        if self.kind != "decode":
-            return 0
-        warps, stages = self.shape
-        tile = DECODE_TILE_KEYS * self.head_dim * 2
-        return DECODE_ROWS * self.head_dim * 2 + warps * stages * 2 * tile
+    def elem_bytes(self):
+        """Bytes an element of the arrays it reads and writes (q, the caches, out)."""
+        return _dtypes.size_of(self.dtype)
 
     def ctas_per_sm_on(self, smem_per_sm):
         """CTAs an SM holds, by shared memory (1 KB reserved per CTA); registers allow
         more."""
-        if self.kind not in ("decode", "decode_tma"):
+        if not self.smem_bytes:
             return 1
         return max(1, min(16, smem_per_sm // (self.smem_bytes + 1024 + DECODE_STATIC_SMEM)))
 
@@ -319,9 +260,139 @@ class DecodeKernel:
         return self.ctas_per_sm_on(SM90_SMEM_PER_SM)
 
 
+@dataclass(frozen=True)
+class DecodeVariant(_CacheKernel):
+    """decode/decode_sm80.cu's decode_kernel: a CTA's query rows against the cache, each
+    warp streaming its share of the keys through cp.async stages."""
+    dtype: str
+    head_dim: int             # the padded head dim
+    stages: int = 0           # cp.async stages a warp (0: decode_shape's)
+    warps: int = 0            # warps a CTA (0: decode_shape's)
+    element_io: bool = False  # the element-wise I/O variant
+    kind = "decode"
+    source = "decode/decode_sm80.cu"
+
+    @property
+    def shape(self):
+        """(warps, stages)."""
+        warps, stages = decode_shape(self.head_dim)
+        return self.warps or warps, self.stages or stages
+
+    @property
+    def key(self):
+        warps, stages = self.shape
+        other = f"_w{warps}" if warps != decode_shape(self.head_dim)[0] else ""
+        elem = "_elem" if self.element_io else ""
+        return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}"
+
+    @property
+    def name_expression(self):
+        warps, stages = self.shape
+        elem = ", true" if self.element_io else ""
+        return (f"cufa::decode_kernel<{DTYPES.index(self.dtype)}, {self.head_dim}, {stages}, "
+                f"{warps}{elem}>")
+
+    @property
+    def threads(self):
+        return 32 * self.shape[0]
+
+    @property
+    def smem_bytes(self):
+        """Dynamic shared memory: Q, then each warp's K/V stages."""
+        warps, stages = self.shape
+        row = self.head_dim * self.elem_bytes
+        return DECODE_ROWS * row + warps * stages * 2 * DECODE_TILE_KEYS * row
+
+
+@dataclass(frozen=True)
+class DecodeTmaVariant(_CacheKernel):
+    """decode/decode_sm90.cu's decode_tma_kernel (sm_90): a producer warp's TMA boxes of
+    DECODE_TMA_BOX_KEYS keys in a ring of mbarrier stages, for `units` (sequence, KV head)
+    units a CTA."""
+    dtype: str
+    head_dim: int
+    units: int
+    stages: int = 0           # the ring's stages (0: DECODE_TMA_STAGES)
+    kind = "decode_tma"
+    source = "decode/decode_sm90.cu"
+    archs = ("sm_90",)
+    threads = DECODE_TMA_THREADS
+
+    @property
+    def tma_stages(self):
+        return self.stages or DECODE_TMA_STAGES
+
+    @property
+    def key(self):
+        return f"decode_tma_{self.dtype}_hd{self.head_dim}_s{self.tma_stages}_u{self.units}"
+
+    @property
+    def name_expression(self):
+        return (f"cufa::decode_tma_kernel<{DTYPES.index(self.dtype)}, {self.tma_stages}, "
+                f"{self.units}>")
+
+    @property
+    def smem_bytes(self):
+        """Q, its 1 KB alignment, the ring of K and V boxes."""
+        row = self.head_dim * self.elem_bytes
+        return 1024 + DECODE_ROWS * row + self.tma_stages * 2 * DECODE_TMA_BOX_KEYS * row
+
+
+@dataclass(frozen=True)
+class CombineVariant(_CacheKernel):
+    """decode/combine.cu's decode_combine: merges the splits of split-KV, `rows` rows a CTA
+    (1, or 4: a warp a row)."""
+    dtype: str
+    rows: int = 1
+    element_io: bool = False  # the partials of the element-wise I/O decode kernel
+    kind = "combine"
+    source = "decode/combine.cu"
+
+    @property
+    def key(self):
+        return f"decode_combine_r{self.rows}_{self.dtype}{'_elem' if self.element_io else ''}"
+
+    @property
+    def name_expression(self):
+        elem = ", true" if self.element_io else ""
+        return f"cufa::decode_combine<{DTYPES.index(self.dtype)}, {self.rows}{elem}>"
+
+
+@dataclass(frozen=True)
+class AppendVariant(_CacheKernel):
+    """decode/append.cu's decode_append: new keys and values into the cache, rotary."""
+    dtype: str
+    kind = "append"
+    source = "decode/append.cu"
+
+    @property
+    def key(self):
+        return f"decode_append_{self.dtype}"
+
+    @property
+    def name_expression(self):
+        return f"cufa::decode_append<{DTYPES.index(self.dtype)}>"
+
+
+@dataclass(frozen=True)
+class MergeVariant(_CacheKernel):
+    """decode/merge.cu's merge_states (merge_attention_states), parts in MERGE_DTYPES."""
+    dtype: str
+    kind = "merge"
+    source = "decode/merge.cu"
+
+    @property
+    def key(self):
+        return f"merge_{self.dtype}"
+
+    @property
+    def name_expression(self):
+        return f"cufa::merge_states<{MERGE_DTYPES.index(self.dtype)}>"
+
+
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature asks
 def decode_kernel(dtype, head_dim, element_io=False):
-    return DecodeKernel("decode", dtype, padded_head_dim(head_dim), element_io=element_io)
+    return DecodeVariant(dtype, padded_head_dim(head_dim), element_io=element_io)
 
 
 def _decode_shape_of(shapes, dtype, head_dim):
@@ -330,7 +401,7 @@ def _decode_shape_of(shapes, dtype, head_dim):
     if d not in shapes:
         return None
     warps, stages = shapes[d]
-    return DecodeKernel("decode", dtype, d, stages=stages, warps=warps)
+    return DecodeVariant(dtype, d, stages=stages, warps=warps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -342,19 +413,19 @@ def decode_kernel_with_more_ctas(dtype, head_dim):
 @functools.lru_cache(maxsize=None)
 def decode_tma_kernel(dtype, head_dim, units):
     """The TMA decode kernel (sm_90) at a padded head dim of DECODE_TMA_HEAD_DIMS."""
-    return DecodeKernel("decode_tma", dtype, head_dim, units=units, archs=("sm_90",))
+    return DecodeTmaVariant(dtype, head_dim, units)
 
 
 def decode_variants():
-    return ([DecodeKernel("decode", dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+    return ([DecodeVariant(dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
             + [decode_tma_kernel(dt, hd, units) for dt in DTYPES for hd in DECODE_TMA_HEAD_DIMS
                for units in (1, 2)]
             + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
-            + [DecodeKernel("combine", dt, rows=rows, element_io=elem) for dt in DTYPES
+            + [CombineVariant(dt, rows=rows, element_io=elem) for dt in DTYPES
                for rows in (1, 4) for elem in (False, True)]
-            + [DecodeKernel("append", dt) for dt in DTYPES]
-            + [DecodeKernel("merge", dt) for dt in MERGE_DTYPES])
+            + [AppendVariant(dt) for dt in DTYPES]
+            + [MergeVariant(dt) for dt in MERGE_DTYPES])
 
 
 def padded_head_dim(head_dim, family="sm80"):

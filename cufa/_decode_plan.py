@@ -145,7 +145,7 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
     launches = []
     rows = batch * seqlen_new * nheads_k + (batch * seqlen_q * nheads if rotary else 0)
     if rows:  # new keys to write, or q to rotate
-        launches.append(_launch_entry(_compile.DecodeKernel("append", dt), q.device,
+        launches.append(_launch_entry(_compile.AppendVariant(dt), q.device,
                                       (-(-rows // 4), 1, 1)))
     maps = None  # (the TMA decode kernel's)
     if seqlen_q and not paged and aligned:
@@ -349,7 +349,7 @@ def _plan_merge(oa, la, ob, lb, o, out):
             p[f"{name}_{dim}_stride"] = s
     framework = "cupy" if oa.framework == "dlpack" else oa.framework
     count = batch * rows * nheads
-    kernel = _compile.DecodeKernel("merge", MERGE_DTYPES[oa.dtype])
+    kernel = _compile.MergeVariant(MERGE_DTYPES[oa.dtype])
     return _MergePlan(framework, oa.device, oa.shape, oa.dtype, lse_shape,
                       _params.MERGE.pack(p),
                       _compile.function_pointer(kernel, oa.device) if count else 0,

@@ -279,10 +279,8 @@ def combine_row_threads(head_dim, num_splits):
 def combine_kernel(dtype, head_dim, num_splits, element_io=False):
     """decode_combine for `num_splits` splits of rows of head_dim columns (element_io: the
     partials of the element-wise I/O decode kernel)."""
-    return _compile.DecodeKernel(
-        "combine", dtype, rows=_compile.COMBINE_THREADS // combine_row_threads(head_dim,
-                                                                               num_splits),
-        element_io=element_io)
+    rows = _compile.COMBINE_THREADS // combine_row_threads(head_dim, num_splits)
+    return _compile.CombineVariant(dtype, rows=rows, element_io=element_io)
 
 
 def merge_in_launch(kernel, d, num_splits, unit_rows):

@@ -12,6 +12,8 @@ import struct
 
 import numpy as np
 
+from . import _dtypes
+
 _PTR, _I64, _I32, _F32 = np.uint64, np.int64, np.int32, np.float32
 
 FWD_FIELDS = [
@@ -173,9 +175,9 @@ RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
            "struct MergeParams {": MERGE, "struct ScheduleParams {": SCHEDULE}
 
 # AttnMaskType in fwd/params.cuh
-ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_FP16, ATTN_MASK_BF16, ATTN_MASK_FP32 = range(5)
+ATTN_MASK_NONE = 0  # (a mask's dtype gives the other codes: _dtypes.TABLE's attn_mask)
 # SinkDtype in common/softmax.cuh: learnable_sink's dtype, read by the kernels
-SINK_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+SINK_DTYPES = _dtypes.codes("sink")
 
 
 def layout_asserts(record):

@@ -79,9 +79,9 @@ def representative_variants():
         C.decode_kernel("bf16", 59, element_io=True),
         C.decode_kernel_with_more_ctas("fp16", 64),
         C.decode_tma_kernel("bf16", 64, 2),
-        C.DecodeKernel("combine", "fp16", rows=4),
-        C.DecodeKernel("append", "bf16"),
-        C.DecodeKernel("merge", "fp32"),
+        C.CombineVariant("fp16", rows=4),
+        C.AppendVariant("bf16"),
+        C.MergeVariant("fp32"),
     ]
 
 

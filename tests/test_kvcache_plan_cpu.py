@@ -261,7 +261,7 @@ def test_variant_keys_are_readable_and_unique():
     assert "decode_bf16_hd128_s2" in keys and "decode_fp16_hd64_s3" in keys
     assert "decode_fp16_hd128_s3_w2" in keys
     assert "decode_append_bf16" in keys and "merge_fp32" in keys
-    assert _compile.DecodeKernel("decode", "bf16", 64).name_expression == \
+    assert _compile.DecodeVariant("bf16", 64).name_expression == \
         "cufa::decode_kernel<1, 64, 4, 4>"
 
 

@@ -23,6 +23,7 @@ LAYERS = (
     ("_runtime",),                       # device facts, plans, stream buffers, the launch
     ("padding", "reference"),            # public leaves
     ("_params", "_tma", "_interop"),     # leaves
+    ("_dtypes",),                        # the element types' one table
 )
 _LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 
