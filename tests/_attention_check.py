@@ -28,26 +28,44 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 LOWP_DEVICE = "cuda"
 
 
+def _torch_dtype(dtype):
+    """A torch dtype from its name ("float16") or itself."""
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+def make_sink(rng, nheads, dtype="float32", kind="normal"):
+    """A learnable_sink (nheads,) on the GPU in `dtype` (a name or a torch dtype): "normal"
+    draws of scale 2 (comparable to the rows' lse), or "huge" ones that take all of a row's
+    mass or none (+-1e4, +-60) beside ordinary ones."""
+    if kind == "huge":
+        values = rng.choice([1e4, -1e4, 60.0, -60.0, 0.5], nheads)
+    else:
+        values = 2 * rng.standard_normal(nheads)
+    return torch.tensor(values, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                        device="cuda")
+
+
 def randn(rng, shape, dtype, scale=1.0, layout="bshd"):
-    """A CUDA tensor of logical shape (b, s, h, d) stored in `layout`:
+    """A CUDA tensor of logical shape (b, s, h, d) (dtype: a name or a torch dtype) stored in
+    `layout`:
     bshd (contiguous), bhsd (a transposed view), padded (row stride d + 8), odd (a slice
     at element offset 1 of rows d + 1 long: strides that are no multiple of 8 and a start
     2 bytes off 16) or shifted (contiguous, its start 2 bytes off 16)."""
     b, s, h, d = shape
     if layout == "odd":
         x = torch.from_numpy(rng.standard_normal((b, s, h, d + 1), dtype=np.float32) * scale)
-        return x.to("cuda", DTYPES[dtype])[..., 1:]
+        return x.to("cuda", _torch_dtype(dtype))[..., 1:]
     if layout == "shifted":
         x = torch.from_numpy(rng.standard_normal(b * s * h * d + 1, dtype=np.float32) * scale)
-        return x.to("cuda", DTYPES[dtype])[1:].view(shape)
+        return x.to("cuda", _torch_dtype(dtype))[1:].view(shape)
     if layout == "bhsd":
         x = torch.from_numpy(rng.standard_normal((b, h, s, d), dtype=np.float32) * scale)
-        return x.to("cuda", DTYPES[dtype]).transpose(1, 2)
+        return x.to("cuda", _torch_dtype(dtype)).transpose(1, 2)
     if layout == "padded":
         x = torch.from_numpy(rng.standard_normal((b, s, h, d + 8), dtype=np.float32) * scale)
-        return x.to("cuda", DTYPES[dtype])[..., :d]
+        return x.to("cuda", _torch_dtype(dtype))[..., :d]
     x = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * scale)
-    return x.to("cuda", DTYPES[dtype])
+    return x.to("cuda", _torch_dtype(dtype))
 
 
 def f64(t):
@@ -137,13 +155,16 @@ def row_bound(o_ref, lowps, dtype, roundings=ROW_ROUNDINGS):
     overflowed take eps x their largest value as its error."""
     eps = float(torch.finfo(dtype).eps)
     scale = _row_max(o_ref)
-    err_lp = np.zeros_like(scale)
-    for o_lp in lowps:
-        with np.errstate(invalid="ignore"):
-            e = _row_max(o_lp - o_ref)
-        err_lp = np.maximum(err_lp, np.where(np.isfinite(e), e, eps * scale))
+    with np.errstate(invalid="ignore"):
+        err_lp = _largest_error([_row_max(o_lp - o_ref) for o_lp in lowps], eps * scale)
     bound = np.maximum(2 * err_lp + roundings * eps * scale, MIN_ROUNDINGS * eps * scale)
     return bound + ABS_FLOOR, err_lp
+
+
+def _largest_error(errors, overflowed):
+    """Each row's largest of the low-precision references' errors, `overflowed` (per row)
+    standing in for an error that is not finite (a reference that overflowed there)."""
+    return np.maximum.reduce([np.where(np.isfinite(e), e, overflowed) for e in errors])
 
 
 def _worst_row(ratio, label, what, err, bound, err_lp=None):
@@ -181,13 +202,10 @@ def assert_pass_rule(out, lse, ref, lowp, dtype, label, roundings=ROW_ROUNDINGS,
         assert np.array_equal(np.isneginf(lse), empty), f"{label}: -inf lse rows differ"
         assert np.all(o[empty.transpose(0, 2, 1)] == 0), f"{label}: rows with no key not 0"
         fin = ~empty
-        lerr_lp = np.zeros(lse_ref.shape)
-        for _, lse_lp in lowps:
-            with np.errstate(invalid="ignore"):
-                e = np.where(fin, np.abs(lse_lp - lse_ref), 0.0)
-            lerr_lp = np.maximum(lerr_lp, np.where(
-                np.isfinite(e), e, float(torch.finfo(torch.float32).eps) * np.abs(lse_ref)))
         with np.errstate(invalid="ignore"):
+            lerr_lp = _largest_error(
+                [np.where(fin, np.abs(lse_lp - lse_ref), 0.0) for _, lse_lp in lowps],
+                float(torch.finfo(torch.float32).eps) * np.abs(lse_ref))
             lerr = np.where(fin, np.abs(lse - lse_ref), 0.0)
         # lse is float32: a value of magnitude L carries about eps * L per rounding (the
         # max, its scaling, the log), which for huge scores exceeds the absolute 1e-4

@@ -16,7 +16,7 @@ import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
     assert_pass_rule, capture_cuda_graph, check_appended_cache, check_attention, check_kvcache,
-    check_merge, cu_seqlens, f64, i32, kvcache_references, randn)
+    check_merge, cu_seqlens, f64, i32, kvcache_references, make_sink, randn)
 
 NAN = float("nan")
 
@@ -101,8 +101,7 @@ def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=64, capa
         shape = (h,) if alibi == "heads" else (batch, h)
         kw["alibi_slopes"] = torch.from_numpy(rng.uniform(0, 1, shape).astype(np.float32)).cuda()
     if sink:
-        kw["learnable_sink"] = torch.from_numpy(2 * rng.standard_normal(h)).to(
-            "cuda", getattr(torch, sink))
+        kw["learnable_sink"] = make_sink(rng, h, sink)
     if poison:
         keep = torch.zeros(rows, capacity, dtype=torch.bool, device="cuda")
         for b in range(batch):

@@ -15,25 +15,13 @@ import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
     assert_pass_rule, capture_cuda_graph, check_attention, check_kvcache, cu_seqlens, f64, i32,
-    lowp_attention, randn)
+    lowp_attention, make_sink, randn)
 import test_gpu_kvcache  # noqa: E402
 
 NAN = float("nan")
-SINK_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (q's dtype, the sink's): each sink dtype with each input dtype at least once
 DTYPE_PAIRS = [("float16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
                ("bfloat16", "float32")]
-
-
-def make_sink(rng, nheads, dtype="float32", kind="normal"):
-    """A sink (nheads,) on the GPU: "normal" draws of scale 2 (comparable to the rows' lse),
-    or "huge" ones that take all of a row's mass or none (+-1e4, +-60) beside ordinary
-    ones."""
-    if kind == "huge":
-        values = rng.choice([1e4, -1e4, 60.0, -60.0, 0.5], nheads)
-    else:
-        values = 2 * rng.standard_normal(nheads)
-    return torch.tensor(values, dtype=SINK_DTYPES[dtype], device="cuda")
 
 
 @pytest.fixture(params=["default", "sm80"])

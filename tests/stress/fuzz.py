@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
-    DTYPES, check_attention, check_merge, cu_seqlens, i32, randn)
+    DTYPES, check_attention, check_merge, cu_seqlens, i32, make_sink, randn)
 import test_gpu_kvcache  # noqa: E402
 
 NAN = float("nan")
@@ -219,11 +219,6 @@ def mask_kwargs(masks, rng, h, batch):
     if "sink" in masks:
         kw["learnable_sink"] = make_sink(rng, h, masks["sink"])
     return kw
-
-
-def make_sink(rng, h, dtype):
-    """A learnable_sink (h,) of draws of scale 2 (comparable to the rows' lse)."""
-    return torch.from_numpy(2 * rng.standard_normal(h)).to("cuda", getattr(torch, dtype))
 
 
 def poisoned_like(x):

@@ -38,7 +38,7 @@ import cufa  # noqa: E402
 from cufa import _compile, reference  # noqa: E402
 import _attention_check  # noqa: E402
 from _attention_check import (  # noqa: E402
-    check_attention, check_kvcache, check_merge, cu_seqlens, f64, i32)
+    check_attention, check_kvcache, check_merge, cu_seqlens, f64, i32, make_sink, randn)
 
 _attention_check.LOWP_DEVICE = "cpu"
 DIMS = {"sm80": (32, 64, 96, 128, 160, 192, 224, 256), "sm90": (64, 128, 192, 256)}
@@ -66,16 +66,6 @@ class Tally:
 
 def _t(rng, shape, dtype):
     return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to("cuda", dtype)
-
-
-def _odd(rng, shape, dtype):
-    """shape's values as a slice at element offset 1 of rows one longer: strides no
-    multiple of 8 and a start 2 bytes off 16 (the element-wise I/O kernels take it)."""
-    return _t(rng, shape[:-1] + (shape[-1] + 1,), dtype)[..., 1:]
-
-
-def _sink(rng, heads, dtype):
-    return torch.from_numpy(2 * rng.standard_normal(heads)).to("cuda", dtype)
 
 
 def check_cache(cache, expected, label, rows=None):
@@ -161,9 +151,9 @@ def forward_cases(rng, tally, family):
     # a sink of each dtype in turn
     for i, (dtype, d) in enumerate((dt, d) for dt in (torch.float16, torch.bfloat16)
                                    for d in _compile.SM80_HEAD_DIMS):
-        q, k, v = _odd(rng, (2, 65, 4, d - 3), dtype), *(_odd(rng, (2, 129, 2, d - 3), dtype)
-                                                         for _ in range(2))
-        kw = dict(causal=bool(i % 2), learnable_sink=_sink(rng, 4, SINK_DTYPES[i % 3]))
+        q = randn(rng, (2, 65, 4, d - 3), dtype, layout="odd")
+        k, v = (randn(rng, (2, 129, 2, d - 3), dtype, layout="odd") for _ in range(2))
+        kw = dict(causal=bool(i % 2), learnable_sink=make_sink(rng, 4, SINK_DTYPES[i % 3]))
         out, lse = cufa.flash_attn_func(q, k, v, return_lse=True, **kw)
         tally.check(f"element-wise {dtype} d={d - 3} causal={kw['causal']} sink "
                     f"{kw['learnable_sink'].dtype}", check_attention, out, lse, q, k, v, **kw)
@@ -172,7 +162,7 @@ def forward_cases(rng, tally, family):
         d = DIMS[family][i % len(DIMS[family])]
         q, k, v = _t(rng, (2, 65, 4, d), torch.bfloat16), *(_t(rng, (2, 129, 2, d), torch.bfloat16)
                                                            for _ in range(2))
-        kw = dict(causal=i != 1, learnable_sink=_sink(rng, 4, sink_dtype))
+        kw = dict(causal=i != 1, learnable_sink=make_sink(rng, 4, sink_dtype))
         out, lse = cufa.flash_attn_func(q, k, v, return_lse=True, **kw)
         tally.check(f"sink {sink_dtype} d={d}", check_attention, out, lse, q, k, v, **kw)
     # packed batches: empty sequences, sequences without keys, seqused_k
@@ -182,7 +172,7 @@ def forward_cases(rng, tally, family):
     for causal in (False, True):
         q = _t(rng, (sum(lens_q), 4, 64), torch.float16)
         k, v = (_t(rng, (sum(lens_k), 1, 64), torch.float16) for _ in range(2))
-        sink = {"learnable_sink": _sink(rng, 4, torch.float32)} if causal else {}
+        sink = {"learnable_sink": make_sink(rng, 4, torch.float32)} if causal else {}
         out = cufa.flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), 129, 129,
                                           causal=causal, seqused_k=i32(used), **sink)
         tally.check(f"varlen seqused_k causal={causal}{' sink' if sink else ''}", check_packed,
@@ -220,13 +210,13 @@ def kvcache_cases(rng, tally):
     # unaligned), with an append, a sink and splits
     for i, d in enumerate(_compile.DECODE_HEAD_DIMS):
         dd = d - 3
-        q = _odd(rng, (3, 2, 8, dd), torch.float16)
-        cache, v_cache = _odd(rng, (3, 97, 2, dd), torch.float16), _odd(rng, (3, 97, 2, dd),
-                                                                        torch.float16)
+        q = randn(rng, (3, 2, 8, dd), torch.float16, layout="odd")
+        cache, v_cache = (randn(rng, (3, 97, 2, dd), torch.float16, layout="odd")
+                          for _ in range(2))
         new = _t(rng, (3, 1, 2, dd), torch.float16)
         before = cache.clone(), v_cache.clone()
         kw = dict(cache_seqlens=i32([0, 50, 95]), causal=True, num_splits=1 + 2 * (i % 2),
-                  learnable_sink=_sink(rng, 8, SINK_DTYPES[i % 3]))
+                  learnable_sink=make_sink(rng, 8, SINK_DTYPES[i % 3]))
         out, lse = cufa.flash_attn_with_kvcache(q, cache, v_cache, new, new, **kw,
                                                 return_softmax_lse=True)
         tally.check(f"decode element-wise d={dd} splits={kw['num_splits']} sink", check_call,
