@@ -114,3 +114,33 @@ def test_compat_modules_import_no_package_above_them():
             if isinstance(node, ast.ImportFrom) and node.level > 1:
                 wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} (from above)")
     assert not wrong, "imports of a package from below it: " + ", ".join(wrong)
+
+
+def test_integrations_call_only_the_public_names():
+    """cufa.integrations sits on top, like compat: its modules import `cufa` (the public
+    names) and nothing private, so an integration never depends on a planner's shape."""
+    wrong = []
+    for path in sorted((PACKAGE / "integrations").rglob("*.py")):
+        for module, line in imports_of(path).items():
+            if module != "__init__":
+                wrong.append(f"{path.relative_to(PACKAGE)}:{line} imports cufa.{module}")
+    assert not wrong, ", ".join(wrong)
+
+
+def test_every_subpackage_ships():
+    """A folder of cufa with an __init__.py is listed in setup.cfg's packages, or the wheel
+    leaves it out without a word."""
+    listed = set()
+    lines = (PACKAGE.parent / "setup.cfg").read_text().splitlines() if (
+        PACKAGE.parent / "setup.cfg").exists() else []
+    if not lines:
+        import pytest
+        pytest.skip("no setup.cfg beside the package (an installed cufa)")
+    start = lines.index("packages =") + 1
+    for line in lines[start:]:
+        if not line.startswith("    "):
+            break
+        listed.add(line.strip())
+    found = {"cufa." + ".".join(p.parent.relative_to(PACKAGE).parts) if p.parent != PACKAGE
+             else "cufa" for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"not in setup.cfg's packages: {sorted(found - listed)}"

@@ -1,0 +1,261 @@
+"""Shared by the transformers integration's tests (CPU: tests/test_transformers_cpu.py, with
+the float64 reference standing in for the kernels; GPU: tests/test_gpu_transformers.py):
+tiny random-weight configs of real model families, built here (no downloads), padded and
+packed batches, and the per-position logit comparison.
+
+The rule for logits (the issue's): the model on sdpa (eager where the family needs it) in
+float32 is the reference; the same weights in 16-bit on sdpa/eager measure what one
+low-precision run moves each position's logits by; cufa's model may move them at most 2x
+that, plus a floor of a few roundings of the position's largest logit (a position whose
+16-bit error is small by luck)."""
+import types
+
+import numpy as np
+import torch
+
+from cufa import reference
+
+# family -> (config class name, the reference attention, extra config fields)
+FAMILIES = {
+    "llama": ("LlamaConfig", "sdpa", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral": ("MistralConfig", "sdpa", dict(num_attention_heads=4, num_key_value_heads=2,
+                                              sliding_window=24)),
+    "qwen2": ("Qwen2Config", "sdpa", dict(num_attention_heads=7, num_key_value_heads=1,
+                                          hidden_size=56 * 2)),
+    "gemma2": ("Gemma2Config", "eager", dict(num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=32, sliding_window=24,
+                                             query_pre_attn_scalar=64,
+                                             attn_logit_softcapping=2.0,
+                                             final_logit_softcapping=30.0)),
+    "gpt_oss": ("GptOssConfig", "eager", dict(num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=32, sliding_window=24,
+                                              num_local_experts=4, num_experts_per_tok=2,
+                                              intermediate_size=64)),
+    # a head dim that is not a multiple of 8: cufa's element-wise kernels
+    "llama_hd20": ("LlamaConfig", "sdpa", dict(num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=20)),
+}
+
+
+def tiny_config(family):
+    import transformers
+    name, _, extra = FAMILIES[family]
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  max_position_embeddings=256, tie_word_embeddings=False)
+    fields.update(extra)
+    config = getattr(transformers, name)(**fields)
+    if hasattr(config, "layer_types") and config.layer_types is not None:
+        # both kinds of layer in two layers: sliding first, then full
+        kinds = ("sliding_attention", "full_attention")
+        if getattr(config, "sliding_window", None):
+            config.layer_types = [kinds[i % 2] for i in range(config.num_hidden_layers)]
+    return config
+
+
+def reference_attention(family):
+    return FAMILIES[family][1]
+
+
+def build(family, attn_implementation, dtype, device, seed=0, std=0.15):
+    """The family's tiny model with seeded random weights (the same for every dtype and
+    attention implementation), in eval mode."""
+    import transformers
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation, dtype=torch.float32)
+    # Every weight drawn (some families start a few at 0), large enough that attention is
+    # peaked (a window one key off, a missing softcap or a default scale moves the logits
+    # past the bound); gpt-oss's sinks at the scale of a score, so that they matter.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 1.0 if name.endswith("sinks") else std)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def left_padded(batch, seqlen, pads, vocab=128, seed=1, device="cpu"):
+    """input_ids (batch, seqlen) and a 2-D attention mask with pads[b] leading zeros."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, seqlen), generator=g)
+    mask = torch.ones(batch, seqlen, dtype=torch.long)
+    for b, p in enumerate(pads):
+        mask[b, :p] = 0
+        ids[b, :p] = 0
+    return ids.to(device), mask.to(device)
+
+
+def right_padded(batch, seqlen, pads, vocab=128, seed=2, device="cpu"):
+    ids, mask = left_padded(batch, seqlen, pads, vocab, seed, device)
+    return ids.flip(1), mask.flip(1)
+
+
+def packed(lengths, vocab=128, seed=3, device="cpu"):
+    """One row of several sequences back to back: input_ids and position_ids (1, total)
+    with the positions restarting at each sequence."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return ids.to(device), positions.to(device)
+
+
+def position_errors(logits, ref):
+    """max |logits - ref| at each (batch, position): float64 (batch, seqlen)."""
+    return (logits.double() - ref.double()).abs().amax(-1).cpu().numpy()
+
+
+def assert_logits_close(cufa_logits, lowp_logits, ref_logits, dtype, real, label,
+                        roundings=4.0):
+    """cufa's logits within 2x the 16-bit reference model's error of the float32 one,
+    plus `roundings` roundings of the position's largest logit, at every real position
+    (real: boolean (batch, seqlen); padding positions carry no meaning)."""
+    eps = float(torch.finfo(dtype).eps)
+    err = position_errors(cufa_logits, ref_logits)
+    err_lp = position_errors(lowp_logits, ref_logits)
+    scale = ref_logits.double().abs().amax(-1).cpu().numpy()
+    bound = 2 * err_lp + roundings * eps * scale + 1e-6
+    real = np.asarray(real.cpu() if isinstance(real, torch.Tensor) else real, dtype=bool)
+    ratio = np.where(real, err / bound, 0.0)
+    worst = np.unravel_index(int(ratio.argmax()), ratio.shape)
+    assert ratio.max() <= 1, (
+        f"{label}: logits over the bound at {int((ratio > 1).sum())} of {int(real.sum())} "
+        f"positions; worst {tuple(int(i) for i in worst)}: err {err[worst]:.3e} > bound "
+        f"{bound[worst]:.3e} ({ratio[worst]:.2f} x), the 16-bit model's err "
+        f"{err_lp[worst]:.3e}")
+    return float(ratio.max())
+
+
+# -- the float64 reference as the kernels (CPU tests) -------------------------------------
+
+def _np(x):
+    return None if x is None else x.detach().double().cpu().numpy()
+
+
+def _back(out, like):
+    return torch.from_numpy(np.ascontiguousarray(out)).to(like.dtype).to(like.device)
+
+
+def _sink(options):
+    return _np(options.pop("learnable_sink", None))
+
+
+def reference_kernels(calls=None):
+    """A stand-in for the cufa module with the float64 reference behind its four entry
+    points, recording each call's entry point in `calls` (a list) when given."""
+    def note(name):
+        if calls is not None:
+            calls.append(name)
+
+    def flash_attn_func(q, k, v, **options):
+        note("flash_attn_func")
+        sink = _sink(options)
+        out, _ = reference.attention(_np(q), _np(k), _np(v), learnable_sink=sink, **options)
+        return _back(out, q)
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options):
+        note("flash_attn_varlen_func")
+        sink = _sink(options)
+        out = np.zeros(q.shape)
+        cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+        assert max_q == max(np.diff(cu_q), default=0), (max_q, cu_q)
+        assert max_k == max(np.diff(cu_k), default=0), (max_k, cu_k)
+        for b in range(len(cu_q) - 1):
+            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            o, _ = reference.attention(_np(q[rq])[None], _np(k[rk])[None], _np(v[rk])[None],
+                                       learnable_sink=sink, **options)
+            out[rq] = o[0]
+        return _back(out, q)
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_leftpad=None,
+                                **options):
+        note("flash_attn_with_kvcache")
+        sink = _sink(options)
+        out, *_ = reference.kvcache_attention(
+            _np(q), _np(k_cache), _np(v_cache), cache_seqlens=cache_seqlens.cpu().numpy(),
+            cache_leftpad=None if cache_leftpad is None else cache_leftpad.cpu().numpy(),
+            learnable_sink=sink, **options)
+        return _back(out, q)
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, scale=None,
+                                     enable_gqa=False, learnable_sink=None):
+        note("scaled_dot_product_attention")
+        mask = attn_mask.cpu().numpy() if attn_mask.dtype == torch.bool else _np(attn_mask)
+        out = reference.sdpa(_np(query), _np(key), _np(value), attn_mask=mask, scale=scale,
+                             learnable_sink=_np(learnable_sink))
+        return _back(out, query)
+
+    return types.SimpleNamespace(
+        flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
+        flash_attn_with_kvcache=flash_attn_with_kvcache,
+        scaled_dot_product_attention=scaled_dot_product_attention)
+
+
+# -- scenarios, each run on the three models (float32 reference, 16-bit reference, cufa) ---
+
+def _models(family, dtype, device):
+    ref = reference_attention(family)
+    return (build(family, ref, torch.float32, device), build(family, ref, dtype, device),
+            build(family, "cufa", dtype, device))
+
+
+def check_prefill(family, dtype, device, batch_kind, label=""):
+    """One forward of a batch: 'left', 'right' (padding), 'none' (no padding, no mask) or
+    'packed' (sequences back to back in one row, no cache). Returns the worst ratio."""
+    models = _models(family, dtype, device)
+    kwargs, real = {}, None
+    if batch_kind == "packed":
+        ids, positions = packed([7, 30, 1, 19], device=device)
+        kwargs = dict(position_ids=positions, use_cache=False)
+        real = torch.ones_like(ids, dtype=torch.bool)
+    elif batch_kind == "none":
+        ids, _ = left_padded(2, 37, [0, 0], device=device)
+        real = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        make = left_padded if batch_kind == "left" else right_padded
+        ids, mask = make(3, 41, [0, 6, 29], device=device)
+        kwargs = dict(attention_mask=mask)
+        real = mask.bool()
+    with torch.no_grad():
+        ref, lowp, got = (m(input_ids=ids, **kwargs).logits for m in models)
+    return assert_logits_close(got, lowp, ref, dtype, real,
+                               f"{label}{family} {batch_kind} prefill")
+
+
+def check_generation(family, dtype, device, cache="dynamic", new_tokens=32, label="",
+                     compiled=False):
+    """Greedy generation of a left-padded batch on cufa (a prefill, then decode steps on
+    the cache); each step's logits against the reference models' one forward over the
+    whole generated sequence (teacher forcing, so near-tied logits cannot make the
+    references follow another path). compiled: a static cache's decode steps under
+    torch.compile, as generate() does by itself on a GPU (else it is told not to)."""
+    ref32, lowp, model = _models(family, dtype, device)
+    ids, mask = left_padded(3, 30, [0, 4, 13], device=device)
+    options = dict(max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                   return_dict_in_generate=True, pad_token_id=0)
+    if cache == "static":
+        options["cache_implementation"] = "static"
+        options["disable_compile"] = not compiled
+    with torch.no_grad():
+        run = model.generate(input_ids=ids, attention_mask=mask, **options)
+        steps = torch.stack(run.logits, 1)   # (batch, new_tokens, vocab)
+        full = run.sequences
+        full_mask = torch.cat([mask, torch.ones_like(full[:, ids.shape[1]:])], 1)
+        window = slice(ids.shape[1] - 1, full.shape[1] - 1)
+        ref = ref32(input_ids=full, attention_mask=full_mask).logits[:, window]
+        low = lowp(input_ids=full, attention_mask=full_mask).logits[:, window]
+    real = torch.ones(steps.shape[:2], dtype=torch.bool)
+    return assert_logits_close(steps, low, ref, dtype, real,
+                               f"{label}{family} {cache}-cache generation")
+
+
+def recording(kernels, calls):
+    """kernels (the cufa module) behind wrappers that note each entry point called."""
+    def wrap(name):
+        fn = getattr(kernels, name)
+
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+    names = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+             "scaled_dot_product_attention")
+    return types.SimpleNamespace(**{n: wrap(n) for n in names})

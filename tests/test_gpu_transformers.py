@@ -1,0 +1,63 @@
+"""GPU: cufa as a transformers attention backend on the kernels: tiny random-weight models
+of six families (GQA, MQA, sliding windows, softcap, sinks, a head dim of 20) built in the
+test, their logits per position against the same weights on sdpa/eager in float32, held to
+2x the 16-bit sdpa/eager model's own error (tests/_transformers_check.py); padded, packed
+and unpadded prefill, 32 greedy tokens on the dynamic and the static cache, eager and
+under torch.compile (what generate() does by itself with a static cache on a GPU)."""
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face transformers is not installed (pip install "
+    "transformers): the integration's tests need it")
+
+import cufa  # noqa: E402
+import _transformers_check as tc  # noqa: E402
+import cufa.integrations.transformers as hf  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    hf.register()
+    made = []
+    monkeypatch.setattr(hf, "_kernels", tc.recording(cufa, made))
+    return made
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", list(tc.FAMILIES))
+@pytest.mark.parametrize("batch_kind", ["left", "right", "none", "packed"])
+def test_prefill(calls, family, batch_kind, dtype):
+    tc.check_prefill(family, dtype, "cuda", batch_kind)
+    assert calls and "scaled_dot_product_attention" not in calls
+
+
+@pytest.mark.parametrize("family", list(tc.FAMILIES))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation(calls, family, cache):
+    tc.check_generation(family, torch.bfloat16, "cuda", cache, new_tokens=32)
+    layers = tc.tiny_config(family).num_hidden_layers
+    assert set(calls[layers:]) == {"flash_attn_with_kvcache"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_generation_compiled_on_the_static_cache(calls, family):
+    torch._dynamo.reset()
+    tc.check_generation(family, torch.bfloat16, "cuda", "static", new_tokens=32,
+                        compiled=True)
+
+
+def test_a_4d_mask_from_the_caller(calls):
+    ref32, lowp, model = (tc.build("llama", impl, dt, "cuda") for impl, dt in (
+        ("sdpa", torch.float32), ("sdpa", torch.bfloat16), ("cufa", torch.bfloat16)))
+    ids, _ = tc.left_padded(2, 67, [0, 0], device="cuda")
+    keep = torch.rand(2, 1, 67, 67, generator=torch.Generator().manual_seed(5)) > 0.3
+    keep = (keep | torch.eye(67, dtype=torch.bool)).cuda()
+    with torch.no_grad():
+        out = [m(input_ids=ids, attention_mask=keep).logits for m in (ref32, lowp, model)]
+    assert set(calls) == {"scaled_dot_product_attention"}
+    tc.assert_logits_close(out[2], out[1], out[0], torch.bfloat16,
+                           torch.ones(2, 67, dtype=torch.bool), "a boolean 4-D mask")
