@@ -45,9 +45,15 @@ def test_generation(calls, family, cache):
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
 def test_generation_compiled_on_the_static_cache(calls, family):
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()
+    counters.clear()
     tc.check_generation(family, torch.bfloat16, "cuda", "static", new_tokens=32,
                         compiled=True)
+    # the steps reuse one compiled forward: a length read from the plan would recompile
+    # every step, up to dynamo's limit of 8
+    graphs = counters["stats"]["unique_graphs"]
+    assert 0 < graphs < 8, f"{graphs} graphs compiled for 31 decode steps"
 
 
 def test_a_4d_mask_from_the_caller(calls):
