@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 CUFA_TREE
 seeds=${FUZZ_SEEDS:-41 42 43 44}
 minutes=${FUZZ_MINUTES:-3}
-families=${FAMILIES:-default bm64 bm192 sm80 tma1 tma2}
+families=${FAMILIES-default bm64 bm192 sm80 tma1 tma2}  # (FAMILIES="": the fuzz alone)
 limit=${STRESS_LIMIT:-540}
 start=$SECONDS
 python3 -m cufa warmup > "$LOGS/warmup.txt" 2>&1  # (each process would compile alike)
@@ -45,6 +45,7 @@ wait
   echo "- tree: $CUFA_TREE"
   echo "- device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
   echo "- command: FUZZ_SEEDS=\"$seeds\" FUZZ_MINUTES=$minutes FAMILIES=\"$families\"" \
+    "STRESS_LIMIT=$limit" \
     "bash tests/stress/record.sh ($((SECONDS - start)) s, everything side by side)"
   echo
   echo "## compute-sanitizer"
