@@ -8,6 +8,7 @@ float32 is the reference; the same weights in 16-bit on sdpa/eager measure what 
 low-precision run moves each position's logits by; cufa's model may move them at most 2x
 that, plus a floor of a few roundings of the position's largest logit (a position whose
 16-bit error is small by luck)."""
+import copy
 import types
 
 import numpy as np
@@ -31,6 +32,9 @@ FAMILIES = {
                                               head_dim=32, sliding_window=24,
                                               num_local_experts=4, num_experts_per_tok=2,
                                               intermediate_size=64)),
+    "gemma3": ("Gemma3TextConfig", "eager", dict(num_attention_heads=4, num_key_value_heads=1,
+                                                 head_dim=32, sliding_window=24,
+                                                 query_pre_attn_scalar=48)),
     # a head dim that is not a multiple of 8: cufa's element-wise kernels
     "llama_hd20": ("LlamaConfig", "sdpa", dict(num_attention_heads=4, num_key_value_heads=2,
                                                head_dim=20)),
@@ -198,14 +202,26 @@ def _models(family, dtype, device):
 
 
 def check_prefill(family, dtype, device, batch_kind, label=""):
-    """One forward of a batch: 'left', 'right' (padding), 'none' (no padding, no mask) or
-    'packed' (sequences back to back in one row, no cache). Returns the worst ratio."""
+    """One forward of a batch: 'left', 'right' (padding), 'left_short' (left padding, at
+    most 16 tokens: the decode-sized route), 'holes' (padding inside a sequence), 'none'
+    (no padding, no mask) or 'packed' (sequences back to back, two rows, no cache).
+    Returns the worst ratio."""
     models = _models(family, dtype, device)
     kwargs, real = {}, None
     if batch_kind == "packed":
-        ids, positions = packed([7, 30, 1, 19], device=device)
+        rows = [packed([7, 30, 1, 19], device=device), packed([40, 17], seed=4, device=device)]
+        ids, positions = (torch.cat(x) for x in zip(*rows))
         kwargs = dict(position_ids=positions, use_cache=False)
         real = torch.ones_like(ids, dtype=torch.bool)
+    elif batch_kind in ("left_short", "holes"):
+        short = batch_kind == "left_short"
+        ids, mask = left_padded(3, 13 if short else 41, [0, 5, 9] if short else [0, 0, 0],
+                                device=device)
+        if not short:
+            mask[0, 8:20] = 0
+            mask[2, 30:31] = 0
+        kwargs = dict(attention_mask=mask)
+        real = mask.bool()
     elif batch_kind == "none":
         ids, _ = left_padded(2, 37, [0, 0], device=device)
         real = torch.ones_like(ids, dtype=torch.bool)
@@ -218,6 +234,79 @@ def check_prefill(family, dtype, device, batch_kind, label=""):
         ref, lowp, got = (m(input_ids=ids, **kwargs).logits for m in models)
     return assert_logits_close(got, lowp, ref, dtype, real,
                                f"{label}{family} {batch_kind} prefill")
+
+
+def check_flattened_kwargs(family, dtype, device, label=""):
+    """Packed rows described by flash-attn's keyword arguments (cu_seq_lens_q/k,
+    max_length_q/k, as transformers' DataCollatorWithFlattening passes them) on a model
+    that keeps a cache, where transformers builds no packed mask: cufa must take the
+    sequences from the arguments. Reference: the same rows on sdpa/eager without a cache
+    (transformers' packed mask)."""
+    ref32, lowp, model = _models(family, dtype, device)
+    lengths = [7, 30, 1, 19]
+    ids, positions = packed(lengths, device=device)
+    cu = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int32, device=device)
+    flat = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                max_length_k=max(lengths))
+    with torch.no_grad():
+        ref, low = (m(input_ids=ids, position_ids=positions, use_cache=False).logits
+                    for m in (ref32, lowp))
+        got = model(input_ids=ids, position_ids=positions, use_cache=True, **flat).logits
+    return assert_logits_close(got, low, ref, dtype, torch.ones_like(ids, dtype=torch.bool),
+                               f"{label}{family} flattened rows by cu_seq_lens")
+
+
+def check_chunked_prefill(family, dtype, device, label=""):
+    """A left-padded prompt fed in two chunks on one dynamic cache (the second chunk's 23
+    queries attend to the cache and themselves), against one forward over the whole."""
+    ref32, lowp, model = _models(family, dtype, device)
+    ids, mask = left_padded(3, 48, [0, 4, 13], device=device)
+    with torch.no_grad():
+        ref, low = (m(input_ids=ids, attention_mask=mask).logits[:, 25:] for m in (ref32, lowp))
+        first = model(input_ids=ids[:, :25], attention_mask=mask[:, :25], use_cache=True)
+        got = model(input_ids=ids[:, 25:], attention_mask=mask,
+                    past_key_values=first.past_key_values, use_cache=True).logits
+    return assert_logits_close(got, low, ref, dtype, mask[:, 25:].bool(),
+                               f"{label}{family} chunked prefill")
+
+
+def check_encoder_decoder(dtype, device, encoder_padding=True, label=""):
+    """A tiny Bart (encoder, decoder, cross-attention): a right-padded encoder batch (or no
+    encoder mask) and 9 decoder tokens; then 12 greedy tokens, each step's logits against
+    the reference models' one forward with the generated decoder tokens."""
+    import transformers
+    config = transformers.BartConfig(
+        vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+        decoder_ffn_dim=96, max_position_embeddings=128, pad_token_id=0,
+        decoder_start_token_id=2, forced_eos_token_id=None)
+    models = []
+    for impl, dt in (("sdpa", torch.float32), ("sdpa", dtype), ("cufa", dtype)):
+        torch.manual_seed(0)
+        m = transformers.BartForConditionalGeneration(copy.deepcopy(config))  # (one each:
+        # set_attn_implementation writes the config)
+        m.set_attn_implementation(impl)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0.0, 0.15)
+        models.append(m.to(device=device, dtype=dt).eval())
+    ids, mask = right_padded(3, 33, [0, 7, 20], device=device)
+    enc = dict(attention_mask=mask) if encoder_padding else {}
+    dec = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(6)).to(device)
+    with torch.no_grad():
+        ref, low, got = (m(input_ids=ids, decoder_input_ids=dec, **enc).logits for m in models)
+        ratio = assert_logits_close(got, low, ref, dtype, torch.ones(3, 9, dtype=torch.bool),
+                                    f"{label}bart forward")
+        run = models[2].generate(input_ids=ids, max_new_tokens=12, do_sample=False,
+                                 num_beams=1, output_logits=True,
+                                 return_dict_in_generate=True, **enc)
+        steps = torch.stack(run.logits, 1)
+        tokens = run.sequences[:, :-1]
+        ref, low = (m(input_ids=ids, decoder_input_ids=tokens, **enc).logits
+                    for m in models[:2])
+    return max(ratio, assert_logits_close(steps, low, ref, dtype,
+                                          torch.ones(steps.shape[:2], dtype=torch.bool),
+                                          f"{label}bart generation"))
 
 
 def check_generation(family, dtype, device, cache="dynamic", new_tokens=32, label="",

@@ -1,9 +1,11 @@
 """GPU: cufa as a transformers attention backend on the kernels: tiny random-weight models
-of six families (GQA, MQA, sliding windows, softcap, sinks, a head dim of 20) built in the
-test, their logits per position against the same weights on sdpa/eager in float32, held to
-2x the 16-bit sdpa/eager model's own error (tests/_transformers_check.py); padded, packed
-and unpadded prefill, 32 greedy tokens on the dynamic and the static cache, eager and
-under torch.compile (what generate() does by itself with a static cache on a GPU)."""
+of seven families (GQA, MQA, sliding windows, softcap, sinks, local and global layers, a
+head dim of 20) built in the test, their logits per position against the same weights on
+sdpa/eager in float32, held to 2x the 16-bit sdpa/eager model's own error
+(tests/_transformers_check.py); padded, packed and unpadded prefill, chunked prefill on a
+cache, an encoder-decoder (cross-attention), 32 greedy tokens on the dynamic and the static
+cache, eager and under torch.compile (what generate() does by itself with a static cache on
+a GPU)."""
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -29,10 +31,33 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", list(tc.FAMILIES))
-@pytest.mark.parametrize("batch_kind", ["left", "right", "none", "packed"])
+@pytest.mark.parametrize("batch_kind", ["left", "right", "left_short", "none", "packed"])
 def test_prefill(calls, family, batch_kind, dtype):
     tc.check_prefill(family, dtype, "cuda", batch_kind)
     assert calls and "scaled_dot_product_attention" not in calls
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_padding_inside_a_sequence(calls, family):
+    tc.check_prefill(family, torch.bfloat16, "cuda", "holes")  # (mistral: the 4-D mask)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_chunked_prefill_on_a_cache(calls, family):
+    tc.check_chunked_prefill(family, torch.bfloat16, "cuda")
+    assert set(calls) == {"flash_attn_varlen_func"}
+
+
+@pytest.mark.parametrize("encoder_padding", [True, False], ids=["padded", "unpadded"])
+def test_encoder_decoder(calls, encoder_padding):
+    tc.check_encoder_decoder(torch.bfloat16, "cuda", encoder_padding)
+    assert "scaled_dot_product_attention" not in calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_rows_from_flash_attn_keyword_arguments(calls, family):
+    tc.check_flattened_kwargs(family, torch.bfloat16, "cuda")
+    assert set(calls) == {"flash_attn_varlen_func"}
 
 
 @pytest.mark.parametrize("family", list(tc.FAMILIES))

@@ -30,7 +30,8 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("family", list(tc.FAMILIES))
 @pytest.mark.parametrize("batch_kind,route", [
     ("left", "flash_attn_varlen_func"), ("right", "flash_attn_varlen_func"),
-    ("none", "flash_attn_func"), ("packed", None)])
+    ("left_short", "flash_attn_with_kvcache"), ("none", "flash_attn_func"),
+    ("packed", None)])
 def test_prefill_matches_the_reference_model(calls, family, batch_kind, route):
     tc.check_prefill(family, DT, "cpu", batch_kind)
     if batch_kind == "packed":  # (gpt-oss builds no packed mask: its eager one neither)
@@ -38,7 +39,7 @@ def test_prefill_matches_the_reference_model(calls, family, batch_kind, route):
     assert set(calls) == {route}
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "llama_hd20"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "gemma3", "llama_hd20"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generation_decodes_on_the_cache_kernels(calls, family, cache):
     tc.check_generation(family, DT, "cpu", cache, new_tokens=12)
@@ -46,6 +47,12 @@ def test_generation_decodes_on_the_cache_kernels(calls, family, cache):
     assert calls[:layers] == ["flash_attn_varlen_func"] * layers  # the left-padded prompt
     assert set(calls[layers:]) == {"flash_attn_with_kvcache"}      # then every step
     assert len(calls) == 12 * layers
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_rows_from_flash_attn_keyword_arguments(calls, family):
+    tc.check_flattened_kwargs(family, DT, "cpu")
+    assert set(calls) == {"flash_attn_varlen_func"}
 
 
 def test_fp16_too(calls):
@@ -122,7 +129,7 @@ def _mask_args(**kw):
 def test_mask_plans_padding_once():
     left = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
     plan = hf.mask(**_mask_args(attention_mask=left))
-    assert plan.padding == "left" and plan.leftpad.tolist() == [0, 2]
+    assert plan.padding == "run" and plan.leftpad.tolist() == [0, 2]
     assert plan.key_lens.tolist() == [5, 5] and plan.window == (-1, 0)
     holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     plan = hf.mask(**_mask_args(attention_mask=holes))
@@ -133,7 +140,7 @@ def test_mask_plans_padding_once():
     # a decode step of a static cache: 3 of 8 key columns hold tokens
     plan = hf.mask(**_mask_args(q_length=1, kv_length=8, q_offset=2,
                                 attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]])))
-    assert plan.num_keys == 3 and plan.padding == "left" and plan.gather is None
+    assert plan.num_keys == 3 and plan.padding == "run" and plan.gather is None
 
 
 def test_mask_falls_back_to_a_4d_mask():
@@ -145,6 +152,98 @@ def test_mask_falls_back_to_a_4d_mask():
     # a padding mask that does not line up with the keys (prefix tuning) also goes 4-D
     m = hf.mask(**_mask_args(attention_mask=torch.ones(2, 7, dtype=torch.bool), kv_length=7))
     assert isinstance(m, torch.Tensor) and m.shape == (2, 1, 5, 7)
+
+
+@pytest.mark.parametrize("encoder_mask", ["none", "right", "left", "holes"])
+@pytest.mark.parametrize("q_length", [5, 23])
+def test_cross_attention_sees_every_encoder_key(calls, encoder_mask, q_length):
+    """Keys that are not the queries' own (an encoder's): every real key, whatever the
+    lengths, through the plan the mask entry makes (as create_bidirectional_mask asks)."""
+    import types
+    import numpy as np
+    from cufa import reference
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, q_length, 16, generator=g).to(DT)
+    k, v = (torch.randn(2, 2, 20, 16, generator=g).to(DT) for _ in range(2))
+    keep = torch.ones(2, 20, dtype=torch.bool)
+    if encoder_mask == "right":
+        keep[1, 13:] = False
+    elif encoder_mask == "left":
+        keep[1, :6] = False
+    elif encoder_mask == "holes":
+        keep[0, 3:9] = False
+    plan = hf.mask(**_mask_args(q_length=q_length, kv_length=20,
+                                mask_function=masking_utils.bidirectional_mask_function,
+                                attention_mask=None if encoder_mask == "none" else keep))
+    assert isinstance(plan, hf.KeyPlan) and plan.num_keys == 20
+    module = types.SimpleNamespace(training=False, is_causal=False, modules=lambda: [])
+    out, _ = hf.attention(module, q, k, v, plan)
+    for b in range(2):
+        tr = (lambda x: x[b:b + 1].transpose(1, 2).double().numpy())
+        ref, _ = reference.attention(tr(q), tr(k)[:, keep[b].numpy()],
+                                     tr(v)[:, keep[b].numpy()])
+        np.testing.assert_allclose(out[b:b + 1].double().numpy(), ref, atol=2e-2, rtol=0)
+    assert "scaled_dot_product_attention" not in calls
+
+
+def test_encoder_decoder_model(calls):
+    tc.check_encoder_decoder(DT, "cpu", encoder_padding=True)
+    assert "scaled_dot_product_attention" not in calls
+    calls.clear()
+    tc.check_encoder_decoder(DT, "cpu", encoder_padding=False)
+    assert "scaled_dot_product_attention" not in calls
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_chunked_prefill_on_a_cache(calls, family):
+    tc.check_chunked_prefill(family, DT, "cpu")
+    assert set(calls) == {"flash_attn_varlen_func"}
+
+
+def test_padding_inside_a_sequence(calls):
+    tc.check_prefill("llama", DT, "cpu", "holes")    # causal: the gathered tokens
+    assert set(calls) == {"flash_attn_varlen_func"}
+    calls.clear()
+    tc.check_prefill("mistral", DT, "cpu", "holes")  # a window counts columns: 4-D mask
+    assert set(calls) == {"scaled_dot_product_attention"}
+    with pytest.raises(NotImplementedError, match="softcap"):
+        tc.check_prefill("gemma2", DT, "cpu", "holes")
+
+
+def test_compiled_forward_without_padding(calls):
+    """torch.compile of the whole model (dynamo alone here): a batch without a padding
+    mask gets its plan inside the compiled forward, softcap and all."""
+    torch._dynamo.reset()
+    ref32, lowp, model = (tc.build("gemma2", impl, dt, "cpu") for impl, dt in (
+        ("eager", torch.float32), ("eager", DT), ("cufa", DT)))
+    ids, _ = tc.left_padded(2, 37, [0, 0])
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        out = [m(input_ids=ids).logits for m in (ref32, lowp, compiled)]
+    tc.assert_logits_close(out[2], out[1], out[0], DT, torch.ones(2, 37, dtype=torch.bool),
+                           "compiled gemma2")
+    assert "scaled_dot_product_attention" not in calls
+
+
+def test_a_2d_mask_handed_to_the_layer(calls):
+    """A layer called with the padding mask itself (as flash-attn's path takes it) reads
+    it as padding, causal."""
+    import types
+    import numpy as np
+    from cufa import reference
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 4, 30, 16, generator=g).to(DT) for _ in range(3))
+    keep = torch.ones(2, 30, dtype=torch.bool)
+    keep[1, :11] = False
+    module = types.SimpleNamespace(training=False, is_causal=True, modules=lambda: [])
+    out, _ = hf.attention(module, q, k, v, keep)
+    tr = (lambda x: x[1:, :, 11:].transpose(1, 2).double().numpy())
+    ref, _ = reference.attention(tr(q), tr(k), tr(v), causal=True)
+    np.testing.assert_allclose(out[1:, 11:].double().numpy(), ref, atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="2-D mask must be"):
+        hf.attention(module, q, k, v, keep[:, :20])
+    with pytest.raises(ValueError, match="4-D mask"):
+        hf.attention(module, q, k, v, keep[None])
 
 
 def test_packed_rows_of_a_batch():

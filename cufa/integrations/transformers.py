@@ -74,8 +74,9 @@ class KeyPlan:
     window: (left, right) in cufa's convention (-1: unbounded; causal is right = 0), keys
     j of query i (both as absolute positions) with i - left <= j <= i + right. num_keys:
     the key columns that hold tokens (a static cache's tensors are longer); the queries
-    are the last q_length of them. padding: None, "left" (key_lens/leftpad: each
-    sequence's keys are columns leftpad .. num_keys - 1) or "gather" (the real rows).
+    are the last q_length of them (for self-attention). padding: None, "run" (each
+    sequence's keys are one run of columns, leftpad .. key_lens - 1: left padding, or any
+    one run for keys that are not the queries' own) or "gather" (the real rows).
     packed: (cu_seqlens, max_seqlen) of packed sequences in the flattened rows.
     """
     window: tuple
@@ -84,7 +85,7 @@ class KeyPlan:
     batch: int
     columns: int                # the 2-D padding mask's: kv_offset + num_keys
     padding: str = None
-    key_lens: object = None     # int32 (batch,): num_keys for every sequence (decode steps)
+    key_lens: object = None     # int32 (batch,): each sequence's key end (decode steps)
     leftpad: object = None      # int32 (batch,)
     gather: object = None       # _Gathered
     packed: tuple = None
@@ -183,7 +184,9 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         return attention_mask
     found = describe(mask_function)
     plan = None
-    if found is not None and not _compiling():
+    # Inside torch.compile a padding mask would need its values read (a sync, and shapes
+    # from data): only a batch without one gets a plan there.
+    if found is not None and (attention_mask is None or not _compiling()):
         plan = _key_plan(found, batch_size, q_length, kv_length, q_offset, kv_offset,
                          attention_mask, kwargs.get("device", "cpu"))
     if plan is not None:
@@ -191,7 +194,8 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     return masking_utils.sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-        allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=kwargs.get("use_vmap", False), device=kwargs.get("device", "cpu"))
+        allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+        use_vmap=kwargs.get("use_vmap", False), device=kwargs.get("device", "cpu"))
 
 
 def _compiling():
@@ -202,12 +206,21 @@ def _key_plan(found, batch, q_length, kv_length, q_offset, kv_offset, attention_
     """The KeyPlan of a recognized pattern; None where the offsets or the padding mask do
     not line up with the keys as this module reads them (the 4-D mask then)."""
     window, packed = found
-    # The queries are the last q_length of the keys that hold tokens: key column c is
-    # position kv_offset + c, query row t position q_offset + t (a static cache's key
-    # tensors run on past the last query: those columns are empty).
-    num_keys = int(q_offset) + q_length - kv_offset
-    if not q_length <= num_keys <= kv_length:
-        return None
+    if isinstance(q_offset, torch.Tensor) and _compiling():
+        return None  # (a static cache's offset is a tensor: its value is data there)
+    q_offset = int(q_offset)
+    cross = window == (-1, -1) and q_offset == 0 and kv_offset == 0 and kv_length != q_length
+    if cross:
+        # Keys that are not the queries' own (cross-attention to an encoder, a prefix):
+        # with no window, which key a query sits beside does not matter; all keys count.
+        num_keys = kv_length
+    else:
+        # The queries are the last q_length of the keys that hold tokens: key column c is
+        # position kv_offset + c, query row t position q_offset + t (a static cache's key
+        # tensors run on past the last query: those columns are empty).
+        num_keys = q_offset + q_length - kv_offset
+        if not q_length <= num_keys <= kv_length:
+            return None
     plan = KeyPlan(window=window, num_keys=num_keys, q_length=q_length, batch=batch,
                    columns=kv_offset + num_keys)
     if q_length <= DECODE_QUERIES:  # (a tensor: a compiled decode step reads no length)
@@ -225,22 +238,33 @@ def _key_plan(found, batch, q_length, kv_length, q_offset, kv_offset, attention_
     keys = attention_mask[:, kv_offset:].to(torch.bool)
     lens = keys.sum(1, dtype=torch.int32)
     columns = torch.arange(num_keys, device=keys.device)
+    first = torch.where(lens > 0, keys.to(torch.int8).argmax(1).to(torch.int32), 0)
+    run = (columns >= first[:, None]) & (columns < (first + lens)[:, None])
     left = (keys == (columns >= (num_keys - lens)[:, None])).all()
-    every, left = torch.stack([keys.all(), left]).tolist()  # (one sync a forward)
+    # (one sync a forward)
+    every, left, one_run = torch.stack([keys.all(), left, (keys == run).all()]).tolist()
     if every:
         return plan
-    if left:
-        plan.padding = "left"
-        plan.leftpad = num_keys - lens
+    if not one_run and window != (-1, -1) and window != (-1, 0):
+        # A window over gathered tokens would count real tokens, where transformers' masks
+        # count columns: a gap inside a sequence changes which keys it keeps.
+        return None
+    if left or cross and one_run:  # (cross: no window, so any one run is as good)
+        plan.padding = "run"
+        plan.leftpad = first
+        if plan.key_lens is not None:
+            plan.key_lens = first + lens
     else:
         plan.padding = "gather"
     if plan.padding == "gather" or q_length > DECODE_QUERIES:
-        plan.gather = _gathered(keys, lens, q_length)
+        plan.gather = _gathered(keys, lens, q_length, cross)
     return plan
 
 
-def _gathered(keys, key_lens, q_length):
-    queries = keys[:, keys.shape[1] - q_length:]
+def _gathered(keys, key_lens, q_length, cross):
+    """cross: the queries are not among the keys (every query row is real)."""
+    queries = (torch.ones(keys.shape[0], q_length, dtype=torch.bool, device=keys.device)
+               if cross else keys[:, keys.shape[1] - q_length:])
     query_lens = queries.sum(1, dtype=torch.int32)
     cu_q = torch.nn.functional.pad(query_lens.cumsum(0, dtype=torch.int32), (1, 0))
     cu_k = torch.nn.functional.pad(key_lens.cumsum(0, dtype=torch.int32), (1, 0))
@@ -268,7 +292,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     key and value (batch, heads_k, kv, head_dim); -> ((batch, q, heads, head_dim), None)."""
     _refuse_unsupported(module, query, key, value, dropout, kwargs)
     target = _kernel_dtype(query, module)
-    if query.dtype != target:  # (PEFT keeps norms in float32; the kernels read 16-bit)
+    if any(x.dtype != target for x in (query, key, value)):  # (PEFT keeps norms in float32)
         query, key, value = (x.to(target) for x in (query, key, value))
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
     if v_head_dim != head_dim:  # (e.g. MLA: cufa takes one head dim, as flash-attn does)
@@ -277,11 +301,11 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
                                       f"{head_dim}: use {FALLBACK}")
         value = torch.nn.functional.pad(value, (0, head_dim - v_head_dim))
     options = dict(softmax_scale=scaling, softcap=softcap or 0.0, learnable_sink=s_aux)
-    if isinstance(attention_mask, torch.Tensor):
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
         out = _masked(query, key, value, attention_mask, options)
-    else:
-        plan = attention_mask if attention_mask is not None else _plan_from_arguments(
-            module, query, key, sliding_window, is_causal)
+    else:  # (a 2-D mask: a layer called with the padding mask itself, as flash-attn takes it)
+        plan = attention_mask if isinstance(attention_mask, KeyPlan) else _plan_from_arguments(
+            module, query, key, sliding_window, is_causal, attention_mask)
         out = _run(plan, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                    options, kwargs)
     if v_head_dim != head_dim:
@@ -312,24 +336,28 @@ def _kernel_dtype(query, module):
         if isinstance(layer, torch.nn.Linear) and weight.dtype in (torch.float16,
                                                                    torch.bfloat16):
             return weight.dtype
+    dtype = getattr(getattr(module, "config", None), "dtype", None)  # (quantized weights)
+    if dtype in (torch.float16, torch.bfloat16):
+        return dtype
     raise TypeError(f"cufa computes in float16 or bfloat16; this model's attention runs in "
                     f"{query.dtype}: load it with dtype=torch.bfloat16 (or float16), or use "
                     f"{FALLBACK}")
 
 
-def _plan_from_arguments(module, query, key, sliding_window, is_causal):
-    """A call that bypassed the mask registry (attention_mask None): the layer's own
-    arguments say the pattern; every key holds a token."""
+def _plan_from_arguments(module, query, key, sliding_window, is_causal, padding=None):
+    """A call that bypassed the mask registry (no mask, or a 2-D padding mask of its own):
+    the layer's own arguments say the pattern, the keys end with the queries."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = (-1, 0 if causal else -1)
     if sliding_window:  # (transformers' overlays: causal j > i - w, else |i - j| <= w)
         window = _intersect(window, (sliding_window - 1, -1) if causal else
                             (sliding_window, sliding_window))
-    plan = KeyPlan(window=window, num_keys=key.shape[2], q_length=query.shape[2],
-                   batch=query.shape[0], columns=key.shape[2])
-    if plan.q_length <= DECODE_QUERIES:
-        plan.key_lens = torch.full((plan.batch,), plan.num_keys, dtype=torch.int32,
-                                   device=query.device)
+    batch, q_length, kv_length = query.shape[0], query.shape[2], key.shape[2]
+    plan = _key_plan((window, None), batch, q_length, kv_length, kv_length - q_length, 0,
+                     padding, query.device)
+    if plan is None:
+        raise ValueError(f"the attention mask has shape {tuple(padding.shape)}; a 2-D mask "
+                         f"must be (batch, keys) = ({batch}, {kv_length})")
     return plan
 
 
@@ -348,12 +376,17 @@ def _run(plan, q, k, v, options, kwargs):
             (cu_q, max_q), (cu_k, max_k) = plan.packed, plan.packed
         else:
             cu_q, cu_k, max_q, max_k = _cu_seq_lens(kwargs)
+            if k.shape[1] != q_length:
+                raise ValueError(f"cu_seq_lens_q/k describe packed rows of the queries, but "
+                                 f"this layer has {k.shape[1]} keys for {q_length} queries "
+                                 "(a cache that holds earlier tokens): run packed rows "
+                                 "without a cache (use_cache=False)")
         rows = batch * q_length
         out = _kernels.flash_attn_varlen_func(
             q.reshape(rows, *q.shape[2:]), k.reshape(rows, *k.shape[2:]),
             v.reshape(rows, *v.shape[2:]), cu_q, cu_k, max_q, max_k, **common)
         return out.view(q.shape)
-    if plan.padding == "gather" or plan.padding == "left" and q_length > DECODE_QUERIES:
+    if plan.padding == "gather" or plan.padding == "run" and q_length > DECODE_QUERIES:
         g = plan.gather
         out = _kernels.flash_attn_varlen_func(q[g.q_rows], k[g.k_rows], v[g.k_rows], g.cu_q,
                                               g.cu_k, g.max_q, g.max_k, **common)
@@ -380,6 +413,10 @@ def _cu_seq_lens(kwargs):
 
 def _masked(query, key, value, attention_mask, options):
     """A 4-D mask (batch or 1, heads or 1, q, kv), boolean or additive: cufa's SDPA."""
+    if attention_mask.ndim != 4:
+        raise ValueError(f"the attention mask has shape {tuple(attention_mask.shape)}; cufa "
+                         "takes a 2-D padding mask (batch, keys) or a 4-D mask (batch, heads, "
+                         "queries, keys)")
     if options["softcap"]:
         raise NotImplementedError(f"softcap with a 4-D attention mask: cufa's SDPA has no "
                                   f"softcap; use {FALLBACK} or eager")
