@@ -18,6 +18,9 @@ the softmax runs over the row and the column is dropped, so it takes a share of 
 denominator and adds no value. The lse includes it; a row that sees no key gives 0 and
 lse = sink.
 
+attention_backward: the gradients of attention()'s output (dq, dk, dv; the sink's and an
+additive mask's), from the whole score matrix, for the backward kernels' tests.
+
 KV cache (flash_attn_with_kvcache): kvcache_attention appends, rotates and gathers each
 sequence's keys (kvcache_gather), then runs attention() per sequence; merge_states
 combines two partial results; paged_layout / to_paged / from_paged move a contiguous
@@ -115,6 +118,80 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         out = np.where(l == 0, 0.0, (p @ vh) / l)
         lse = np.where(l == 0, -np.inf, m_safe + np.log(l))[..., 0]
     return out.transpose(0, 2, 1, 3), lse
+
+
+@dataclass
+class AttentionGrads:
+    """attention()'s gradients: dq, dk, dv in the inputs' layouts (dk, dv summed over the
+    query heads that share a KV head); dsink (nheads,) or None; dmask in the additive
+    float mask's own shape (summed over its broadcast dimensions) or None."""
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dsink: object = None
+    dmask: object = None
+
+
+def attention_backward(q, k, v, dout, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, attn_mask=None, diag_offset=None,
+                       learnable_sink=None):
+    """The gradients of sum(attention(q, k, v, ...)[0] * dout) in float64, from the whole
+    score matrix, as the backward kernels must give them (same arguments as attention()).
+
+        P = softmax over [scores, sink] (the sink's column dropped), O = P V
+        dV = P^T dO;  dP = dO V^T;  D = rowsum(dO * O);  dS = P * (dP - D)
+        dsink[h] = -sum over rows of P_sink * D    (the sink adds no value)
+        dmask = dS (an additive mask; a boolean one has none)
+        through softcap: dS * (1 - tanh(s / cap)^2);  dQ = scale dS K;  dK = scale dS^T Q
+
+    ALiBi's bias and the masks are constants. A row that sees no key (and no sink) has
+    P = 0: zero gradients from it."""
+    qh, kh, vh, scale, visible, mask_b, diag_offset = _prepare(
+        q, k, v, softmax_scale, causal, window_size, attn_mask, diag_offset)
+    batch, nheads, seqlen_q, _ = qh.shape
+    nheads_k, seqlen_k = np.shape(k)[2], kh.shape[2]
+    rows, cols = np.arange(seqlen_q), np.arange(seqlen_k)
+    dots = qh @ kh.transpose(0, 1, 3, 2)
+    s = with_sink_column(_score_mods(dots, rows, cols, scale=scale, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, attn_mask=mask_b,
+                                     visible=visible, diag_offset=diag_offset),
+                         learnable_sink)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    m = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p_all = np.where(l == 0, 0.0, e / l)
+    p = p_all[..., :seqlen_k]
+    do = np.asarray(dout, dtype=np.float64).transpose(0, 2, 1, 3)
+    o = p @ vh
+    dvh = p.transpose(0, 1, 3, 2) @ do
+    dp = do @ vh.transpose(0, 1, 3, 2)
+    big_d = (do * o).sum(axis=-1, keepdims=True)
+    ds = p * (dp - big_d)
+    dsink = None
+    if learnable_sink is not None:
+        dsink = -(p_all[..., seqlen_k] * big_d[..., 0]).sum(axis=(0, 2))
+    dmask = None
+    if attn_mask is not None and np.asarray(attn_mask).dtype != bool:
+        dmask = _sum_to_shape(ds, np.shape(attn_mask))
+    if softcap:
+        ds = ds * (1.0 - np.tanh(dots * scale / softcap) ** 2)
+    dqh = scale * ds @ kh
+    dkh = scale * ds.transpose(0, 1, 3, 2) @ qh
+
+    def per_kv_head(x):  # (batch, nheads, seqlen_k, d) -> (batch, seqlen_k, nheads_k, d)
+        x = x.reshape(batch, nheads_k, nheads // nheads_k, seqlen_k, x.shape[-1]).sum(axis=2)
+        return x.transpose(0, 2, 1, 3)
+    return AttentionGrads(dq=dqh.transpose(0, 2, 1, 3), dk=per_kv_head(dkh),
+                          dv=per_kv_head(dvh), dsink=dsink, dmask=dmask)
+
+
+def _sum_to_shape(x, shape):
+    """x summed over the dimensions a tensor of `shape` was broadcast along to reach it."""
+    x = x.sum(axis=tuple(range(x.ndim - len(shape)))) if x.ndim > len(shape) else x
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
 
 
 def attention_tiled(q, k, v, *, block_m=64, block_n=64, softmax_scale=None, causal=False,
