@@ -99,13 +99,26 @@ def with_sink_column(s, learnable_sink):
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, attn_mask=None, diag_offset=None, learnable_sink=None):
+              alibi_slopes=None, attn_mask=None, diag_offset=None, learnable_sink=None,
+              qv=None):
     """Naive attention: the full (seqlen_q, seqlen_k) score matrix (and the sink column),
-    then softmax."""
+    then softmax. v may have a head dim of its own (out takes it). qv (batch, seqlen_q,
+    nheads, v's head dim), FlashAttention-3's form of MLA's absorbed queries: the scores
+    gain qv . v (q . k + qv . v, then the scale; by default 1 / sqrt(q's + qv's head
+    dims))."""
+    if qv is not None and softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(np.shape(q)[-1] + np.shape(qv)[-1])
     qh, kh, vh, scale, visible, attn_mask, diag_offset = _prepare(
         q, k, v, softmax_scale, causal, window_size, attn_mask, diag_offset)
     rows, cols = np.arange(qh.shape[2]), np.arange(kh.shape[2])
-    s = _score_mods(qh @ kh.transpose(0, 1, 3, 2), rows, cols, scale=scale, softcap=softcap,
+    dots = qh @ kh.transpose(0, 1, 3, 2)
+    if qv is not None:
+        if np.shape(qv) != qh.shape[:1] + qh.shape[2:3] + qh.shape[1:2] + vh.shape[3:]:
+            raise ValueError(f"qv must be (batch, seqlen_q, nheads, v's head dim); got "
+                             f"{np.shape(qv)}")
+        dots = dots + np.asarray(qv, dtype=np.float64).transpose(0, 2, 1, 3) @ vh.transpose(
+            0, 1, 3, 2)
+    s = _score_mods(dots, rows, cols, scale=scale, softcap=softcap,
                     alibi_slopes=alibi_slopes, attn_mask=attn_mask, visible=visible,
                     diag_offset=diag_offset)
     s = with_sink_column(s, learnable_sink)
@@ -361,23 +374,28 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                       block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                       softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                      return_softmax_lse=False, *, learnable_sink=None, attend=attention):
+                      return_softmax_lse=False, *, learnable_sink=None, qv=None,
+                      attend=attention):
     """flash_attn_with_kvcache in float64 (arguments as NumPy arrays; cache_seqlens an
     array or an int). Each sequence b is attention(q[b], its keys) with masks and ALiBi
     aligned bottom-right against seqlen_k(b) = cache_seqlens[b] + seqlen_new - leftpad[b],
     key index 0 at the leftpad, and the learnable sink. num_splits and return_softmax_lse
     are accepted for the same call signature and change nothing (the sink enters each row
     once, however the keys are split). attend: the per-sequence attention, called as
-    attention() is (the GPU tests pass a low-precision one). Returns (out (batch,
-    seqlen_q, nheads, d), lse (batch, nheads, seqlen_q), k_cache_after, v_cache_after)."""
+    attention() is (the GPU tests pass a low-precision one). qv: as in attention() (MLA
+    decode in FlashAttention-3's form: k_cache the rotary part k_pe, v_cache the latent
+    c_kv, q the rotary queries, qv the absorbed ones). Returns (out (batch, seqlen_q,
+    nheads, v's head dim), lse (batch, nheads, seqlen_q), k_cache_after, v_cache_after)."""
     g = kvcache_gather(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, causal, window_size,
                        rotary_interleaved)
     outs, lses = [], []
     for b, (keys, values) in enumerate(zip(g.keys, g.values)):
+        extra = {} if qv is None else {"qv": np.asarray(qv, dtype=np.float64)[b:b + 1]}
         o, lse = attend(g.q[b:b + 1], keys, values, softmax_scale=softmax_scale,
                         causal=causal, window_size=window_size, softcap=softcap,
-                        alibi_slopes=alibi_row(alibi_slopes, b), learnable_sink=learnable_sink)
+                        alibi_slopes=alibi_row(alibi_slopes, b), learnable_sink=learnable_sink,
+                        **extra)
         outs.append(o)
         lses.append(lse)
     return np.concatenate(outs), np.concatenate(lses), g.k_cache, g.v_cache

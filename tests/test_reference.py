@@ -1,5 +1,6 @@
 """CPU: the NumPy reference — tiled online softmax against the naive version, and the
-naive version against a per-row textbook softmax."""
+naive version against a per-row textbook softmax; a value head dim of its own and MLA's
+absorbed queries (qv)."""
 import math
 
 import numpy as np
@@ -192,3 +193,44 @@ def test_sdpa_and_kvcache_take_the_sink(rng):
     np.testing.assert_allclose(o[:1], o_6)
     np.testing.assert_allclose(lse[:1], lse_6)
     assert np.all(o[1] == 0) and np.array_equal(lse[1, :, 0], sink)  # an empty cache
+
+
+# -- a value head dim of its own, and MLA's absorbed queries (qv) -----------------------------
+
+def test_value_head_dim_of_its_own():
+    """192/128 (DeepSeek's prefill): out takes v's head dim, the scale q's."""
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((2, 9, 4, 12)), rng.standard_normal((2, 11, 2, 12))
+    v = rng.standard_normal((2, 11, 2, 8))
+    out, lse = reference.attention(q, k, v, causal=True)
+    assert out.shape == (2, 9, 4, 8)
+    for b, h in ((0, 0), (1, 3)):
+        s = q[b, :, h] @ k[b, :, h // 2].T / np.sqrt(12)
+        s[np.triu_indices(9, 11 - 9 + 1, 11)] = -np.inf
+        p = np.exp(s - s.max(1, keepdims=True))
+        np.testing.assert_allclose(out[b, :, h], p @ v[b, :, h // 2] / p.sum(1, keepdims=True))
+
+
+def test_qv_is_attention_over_the_concatenated_dims():
+    """MLA decode in FlashAttention-3's form: scores q . k_pe + qv . c_kv, values c_kv;
+    the same as plain attention of [q, qv] over [k_pe, c_kv], with the scale of the
+    concatenated head dim."""
+    rng = np.random.default_rng(6)
+    b, sq, h, sk, d_pe, d_c = 2, 3, 8, 13, 4, 16
+    q, qv = rng.standard_normal((b, sq, h, d_pe)), rng.standard_normal((b, sq, h, d_c))
+    k_pe, c_kv = rng.standard_normal((b, sk, 1, d_pe)), rng.standard_normal((b, sk, 1, d_c))
+    out, lse = reference.attention(q, k_pe, c_kv, qv=qv, causal=True)
+    want, want_lse = reference.attention(np.concatenate([q, qv], -1),
+                                         np.concatenate([k_pe, c_kv], -1), c_kv, causal=True)
+    np.testing.assert_allclose(out, want)
+    np.testing.assert_allclose(lse, want_lse)
+    # through the KV cache: contiguous, with lengths of their own
+    lens = np.array([5, 13])
+    got, got_lse, *_ = reference.kvcache_attention(q, k_pe, c_kv, cache_seqlens=lens, qv=qv,
+                                                   causal=True)
+    for i in range(b):
+        o, l = reference.attention(q[i:i + 1], k_pe[i:i + 1, :lens[i]], c_kv[i:i + 1, :lens[i]],
+                                   qv=qv[i:i + 1], causal=True)
+        np.testing.assert_allclose(got[i:i + 1], o)
+    with pytest.raises(ValueError, match="qv must be"):
+        reference.attention(q, k_pe, c_kv, qv=qv[..., :5])

@@ -126,3 +126,4 @@ def test_gradients_match_torch_autograd(mask, causal):
                                    rtol=1e-9, err_msg=f"d{n}")
     if mask == "float":
         np.testing.assert_allclose(grads.dmask, leaf.grad.numpy(), atol=1e-10, rtol=1e-9)
+
