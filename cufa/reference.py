@@ -263,6 +263,29 @@ def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, learnab
     return out.transpose(0, 2, 1, 3)
 
 
+# -- fp8 (e4m3) ------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+
+
+def round_to_e4m3(x):
+    """x rounded to the nearest float8 e4m3fn value (ties to even), after clamping to
+    +-448 (e4m3fn has no infinity: the kernels clamp before they convert). 3 mantissa
+    bits, exponents -6..8, subnormals down to 2^-9; NaN stays NaN."""
+    x = np.clip(np.asarray(x, dtype=np.float64), -E4M3_MAX, E4M3_MAX)
+    a = np.abs(x)
+    with np.errstate(divide="ignore"):
+        e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    step = 2.0 ** (np.maximum(e, -6) - 3)    # below 2^-6 the subnormals' fixed step
+    return np.copysign(np.round(a / step) * step, x)
+
+
+def quantize_e4m3(x, descale):
+    """What an fp8 cache stores for x with its descale: round_to_e4m3(x / descale), as
+    values (float64); the key it stands for is that times descale."""
+    return round_to_e4m3(np.asarray(x, dtype=np.float64) / descale)
+
+
 # -- KV cache ----------------------------------------------------------------------------
 
 def apply_rotary(x, cos, sin, positions, interleaved=True):
@@ -309,12 +332,15 @@ class KvGather:
 def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                    cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                    block_table=None, causal=False, window_size=(-1, -1),
-                   rotary_interleaved=True):
+                   rotary_interleaved=True, k_descale=None, v_descale=None):
     """The append (rotary on the new keys, written at cache_seqlens[b] + i) and the gather
     of each sequence's keys, cache positions [leftpad[b], cache_seqlens[b] + seqlen_new).
     q is rotated at cache_seqlens[b] + t when the mask is local (causal, or a window side
-    below the cache's capacity), else at cache_seqlens[b]. Strict: any value a correct
-    call could not have raises ValueError."""
+    below the cache's capacity), else at cache_seqlens[b]. k_descale / v_descale (batch,
+    nheads_k), or one value for all: an fp8 cache, holding e4m3 values; the new keys are
+    stored as quantize_e4m3(k, descale) and the gathered keys are the stored values times
+    descale (sequence b's row). Strict: any value a correct call could not have raises
+    ValueError."""
     q = np.asarray(q, dtype=np.float64)
     k_cache, v_cache = (np.array(c, dtype=np.float64) for c in (k_cache, v_cache))
     batch, seqlen_q = q.shape[:2]
@@ -358,15 +384,22 @@ def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         if k is not None:
             k = apply_rotary(k, rotary_cos, rotary_sin, new_pos, rotary_interleaved)
+    nheads_k = k_cache.shape[2]
+    k_scale, v_scale = (None if x is None else np.broadcast_to(
+        np.asarray(x, dtype=np.float64).reshape(-1, nheads_k) if np.size(x) > 1 else
+        np.asarray(x, dtype=np.float64).reshape(1, 1), (batch, nheads_k))[:, None, :, None]
+        for x in (k_descale, v_descale))
     for b in range(batch):
         if seqlen_new:
             at = where(b, new_pos[b])
-            k_cache[at], v_cache[at] = np.asarray(k[b]), np.asarray(v[b])
+            k_cache[at], v_cache[at] = (
+                np.asarray(x[b]) if scale is None else quantize_e4m3(x[b], scale[b])
+                for x, scale in ((k, k_scale), (v, v_scale)))
     keys, values = [], []
     for b in range(batch):
         at = where(b, np.arange(pad[b], ends[b]))
-        keys.append(k_cache[at][None])
-        values.append(v_cache[at][None])
+        keys.append(k_cache[at][None] * (1.0 if k_scale is None else k_scale[b]))
+        values.append(v_cache[at][None] * (1.0 if v_scale is None else v_scale[b]))
     return KvGather(q, keys, values, k_cache, v_cache)
 
 
@@ -375,7 +408,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                       block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                       softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                       return_softmax_lse=False, *, learnable_sink=None, qv=None,
-                      attend=attention):
+                      k_descale=None, v_descale=None, attend=attention):
     """flash_attn_with_kvcache in float64 (arguments as NumPy arrays; cache_seqlens an
     array or an int). Each sequence b is attention(q[b], its keys) with masks and ALiBi
     aligned bottom-right against seqlen_k(b) = cache_seqlens[b] + seqlen_new - leftpad[b],
@@ -384,11 +417,12 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
     once, however the keys are split). attend: the per-sequence attention, called as
     attention() is (the GPU tests pass a low-precision one). qv: as in attention() (MLA
     decode in FlashAttention-3's form: k_cache the rotary part k_pe, v_cache the latent
-    c_kv, q the rotary queries, qv the absorbed ones). Returns (out (batch, seqlen_q,
+    c_kv, q the rotary queries, qv the absorbed ones). k_descale, v_descale: an fp8 cache
+    (kvcache_gather). Returns (out (batch, seqlen_q,
     nheads, v's head dim), lse (batch, nheads, seqlen_q), k_cache_after, v_cache_after)."""
     g = kvcache_gather(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, causal, window_size,
-                       rotary_interleaved)
+                       rotary_interleaved, k_descale, v_descale)
     outs, lses = [], []
     for b, (keys, values) in enumerate(zip(g.keys, g.values)):
         extra = {} if qv is None else {"qv": np.asarray(qv, dtype=np.float64)[b:b + 1]}

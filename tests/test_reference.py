@@ -234,3 +234,62 @@ def test_qv_is_attention_over_the_concatenated_dims():
         np.testing.assert_allclose(got[i:i + 1], o)
     with pytest.raises(ValueError, match="qv must be"):
         reference.attention(q, k_pe, c_kv, qv=qv[..., :5])
+
+
+# -- fp8 e4m3 -----------------------------------------------------------------------------------
+
+def test_round_to_e4m3_matches_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (JAX's) is not installed")
+    # every e4m3 value, the midpoints between neighbours (ties to even), and a spread
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    finite = np.unique(codes[np.isfinite(codes)])
+    mids = (finite[1:] + finite[:-1]) / 2
+    spread = np.random.default_rng(9).standard_normal(20000) * np.logspace(-4, 2.6, 20000)
+    mids = mids.astype(np.float32)  # (exact; ml_dtypes converts from float32, so the
+    # neighbours of a midpoint are float32 ones)
+    for x in (finite, mids, spread.astype(np.float32), np.nextafter(mids, np.float32(0)),
+              np.nextafter(mids, np.float32(1000))):
+        clamped = np.clip(x, -448, 448).astype(np.float32)   # (ml_dtypes gives NaN past it)
+        want = clamped.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        np.testing.assert_array_equal(reference.round_to_e4m3(x), want)
+    assert reference.round_to_e4m3(1000.0) == 448.0 and reference.round_to_e4m3(-1e9) == -448.0
+
+
+def test_quantize_e4m3_error_is_half_a_step():
+    x = np.random.default_rng(10).standard_normal(5000) * 3
+    descale = 0.05
+    back = reference.quantize_e4m3(x, descale) * descale
+    rel = np.abs(back - x) / np.maximum(np.abs(x), 2.0 ** -6 * descale)
+    assert rel.max() <= 2.0 ** -4 + 1e-12   # half of e4m3's 2^-3 step, relative
+
+
+def test_kvcache_with_an_fp8_cache():
+    """An e4m3 cache with per-(sequence, KV head) descales: appended keys are stored
+    quantized, attention reads stored values times the descale; equal to plain attention
+    over the dequantized keys."""
+    rng = np.random.default_rng(12)
+    b, h, hk, d, cap = 2, 4, 2, 8, 16
+    q = rng.standard_normal((b, 1, h, d))
+    kd, vd = rng.uniform(0.01, 0.1, (b, hk)), rng.uniform(0.01, 0.1, (b, hk))
+    k_c = reference.quantize_e4m3(rng.standard_normal((b, cap, hk, d)), kd[:, None, :, None])
+    v_c = reference.quantize_e4m3(rng.standard_normal((b, cap, hk, d)), vd[:, None, :, None])
+    k_new, v_new = rng.standard_normal((b, 2, hk, d)), rng.standard_normal((b, 2, hk, d))
+    lens = np.array([3, 9])
+    out, _, k_after, v_after = reference.kvcache_attention(
+        q, k_c, v_c, k=k_new, v=v_new, cache_seqlens=lens, causal=True, k_descale=kd,
+        v_descale=vd)
+    for i in range(b):
+        stored = k_after[i, lens[i]:lens[i] + 2]
+        np.testing.assert_array_equal(stored,
+                                      reference.quantize_e4m3(k_new[i], kd[i][None, :, None]))
+        keys = k_after[i:i + 1, :lens[i] + 2] * kd[i][None, None, :, None]
+        vals = v_after[i:i + 1, :lens[i] + 2] * vd[i][None, None, :, None]
+        o, _ = reference.attention(q[i:i + 1], keys, vals, causal=True)
+        np.testing.assert_allclose(out[i:i + 1], o)
+    # one scale for all (vLLM's k_scale), a (1,) array
+    one, _, *_ = reference.kvcache_attention(q, k_c, v_c, cache_seqlens=lens,
+                                             k_descale=np.array([0.05]), v_descale=0.05)
+    two, _, *_ = reference.kvcache_attention(q, k_c, v_c, cache_seqlens=lens,
+                                             k_descale=np.full((b, hk), 0.05),
+                                             v_descale=np.full((b, hk), 0.05))
+    np.testing.assert_array_equal(one, two)
