@@ -13,23 +13,27 @@ its mask registry (``AttentionMaskInterface``). Nothing else needs to be install
 layers) once a forward through the mask registry. cufa's entry reads what transformers
 describes there — the mask function (causal or not, a sliding window, packed sequences),
 the 2-D padding mask, the cache's offsets — and turns it into a ``KeyPlan``: the window in
-cufa's convention, how many key columns hold tokens, and where padding sits (left padding
-as each sequence's first key; other padding as the rows to gather). The layers then call
-the kernels with no host work beyond picking one:
+cufa's convention, how many key columns hold tokens, and where padding sits (one run of
+real keys a sequence as its first and last key; other padding as the rows to gather). The
+layers then call the kernels with no host work beyond picking one:
 
 - no padding: ``flash_attn_func``; a decode step (at most ``DECODE_QUERIES`` new tokens)
   ``flash_attn_with_kvcache`` over transformers' cache tensors, read in place;
 - left padding (what ``generate`` uses): decode steps as above with ``cache_leftpad``, no
   copy; prefill through ``flash_attn_varlen_func`` on the gathered tokens;
 - any other padding: ``flash_attn_varlen_func`` on the gathered tokens (gathered a layer,
-  as flash-attn's transformers path does; the output is scattered back, zeros at padding);
+  as flash-attn's transformers path does; the output is scattered back, zeros at padding),
+  except a gap inside a sequence under a sliding window (a window counts columns);
+- cross-attention (keys that are not the queries' own, as an encoder's): every key, an
+  encoder mask's real keys read in place on decode steps where they are one run;
 - packed sequences (``position_ids`` that restart, no padding; transformers detects them
   when the model runs without a KV cache, as for its sdpa backend), and flash-attn's
   ``cu_seq_lens_q/k`` keyword arguments: ``flash_attn_varlen_func`` on the rows as they are;
 - a mask function cufa does not recognize (an image-token overlay, chunked attention, a
   custom ``and_mask_function``), a 4-D mask passed by the caller (boolean or additive
-  float), or a call inside ``torch.compile``: the mask is made as for transformers' sdpa
-  backend (batch, 1, q, kv) and read tile by tile by ``cufa.scaled_dot_product_attention``.
+  float), or a padding mask inside ``torch.compile(model)``: the mask is made as for
+  transformers' sdpa backend (batch, 1, q, kv) and read tile by tile by
+  ``cufa.scaled_dot_product_attention``.
 
 Each layer's own arguments go to the kernels: ``scaling``, ``softcap`` (Gemma 2),
 ``s_aux`` as ``learnable_sink`` (gpt-oss), GQA/MQA heads, any head dim cufa takes (1-256).
@@ -38,7 +42,6 @@ dropout in training mode, a backward pass (cufa has none yet: run under ``torch.
 or ``torch.inference_mode()``), ``softcap`` together with a 4-D mask.
 """
 import dataclasses
-import math
 
 try:
     import torch
@@ -323,7 +326,7 @@ def _refuse_unsupported(module, query, key, value, dropout, kwargs):
             f"torch.inference_mode() (generate() does), or train with {FALLBACK}")
     if kwargs.get("output_attentions"):
         raise NotImplementedError("cufa never forms the attention weights "
-                                  f"(output_attentions=True): use attn_implementation=\"eager\"")
+                                  '(output_attentions=True): use attn_implementation="eager"')
 
 
 def _kernel_dtype(query, module):
