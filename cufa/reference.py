@@ -98,6 +98,15 @@ def with_sink_column(s, learnable_sink):
     return np.concatenate([s, np.broadcast_to(sink, s.shape[:-1] + (1,))], axis=-1)
 
 
+def _exp_rows(s):
+    """Scores (..., columns) -> (each row's max, 0 where the row is all -inf; exp(s - max);
+    the rows' sums): the softmax's parts, safe for rows that see nothing."""
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(s - m_safe)
+    return m_safe, e, e.sum(axis=-1, keepdims=True)
+
+
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, attn_mask=None, diag_offset=None, learnable_sink=None,
               qv=None):
@@ -121,11 +130,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     s = _score_mods(dots, rows, cols, scale=scale, softcap=softcap,
                     alibi_slopes=alibi_slopes, attn_mask=attn_mask, visible=visible,
                     diag_offset=diag_offset)
-    s = with_sink_column(s, learnable_sink)
-    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
-    m_safe = np.where(np.isneginf(m), 0.0, m)
-    p = np.exp(s - m_safe)
-    l = p.sum(axis=-1, keepdims=True)
+    m_safe, p, l = _exp_rows(with_sink_column(s, learnable_sink))
     p = p[..., :len(cols)]  # (the sink's column dropped: it adds no value)
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(l == 0, 0.0, (p @ vh) / l)
@@ -169,10 +174,7 @@ def attention_backward(q, k, v, dout, *, softmax_scale=None, causal=False, windo
                                      alibi_slopes=alibi_slopes, attn_mask=mask_b,
                                      visible=visible, diag_offset=diag_offset),
                          learnable_sink)
-    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
-    m = np.where(np.isneginf(m), 0.0, m)
-    e = np.exp(s - m)
-    l = e.sum(axis=-1, keepdims=True)
+    _, e, l = _exp_rows(s)
     with np.errstate(divide="ignore", invalid="ignore"):
         p_all = np.where(l == 0, 0.0, e / l)
     p = p_all[..., :seqlen_k]

@@ -142,21 +142,19 @@ def _sink(options):
     return _np(options.pop("learnable_sink", None))
 
 
+ENTRY_POINTS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+                "scaled_dot_product_attention")
+
+
 def reference_kernels(calls=None):
     """A stand-in for the cufa module with the float64 reference behind its four entry
     points, recording each call's entry point in `calls` (a list) when given."""
-    def note(name):
-        if calls is not None:
-            calls.append(name)
-
     def flash_attn_func(q, k, v, **options):
-        note("flash_attn_func")
         sink = _sink(options)
         out, _ = reference.attention(_np(q), _np(k), _np(v), learnable_sink=sink, **options)
         return _back(out, q)
 
     def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options):
-        note("flash_attn_varlen_func")
         sink = _sink(options)
         out = np.zeros(q.shape)
         cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
@@ -171,7 +169,6 @@ def reference_kernels(calls=None):
 
     def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_leftpad=None,
                                 **options):
-        note("flash_attn_with_kvcache")
         sink = _sink(options)
         out, *_ = reference.kvcache_attention(
             _np(q), _np(k_cache), _np(v_cache), cache_seqlens=cache_seqlens.cpu().numpy(),
@@ -181,16 +178,16 @@ def reference_kernels(calls=None):
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, scale=None,
                                      enable_gqa=False, learnable_sink=None):
-        note("scaled_dot_product_attention")
         mask = attn_mask.cpu().numpy() if attn_mask.dtype == torch.bool else _np(attn_mask)
         out = reference.sdpa(_np(query), _np(key), _np(value), attn_mask=mask, scale=scale,
                              learnable_sink=_np(learnable_sink))
         return _back(out, query)
 
-    return types.SimpleNamespace(
+    kernels = types.SimpleNamespace(
         flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
         flash_attn_with_kvcache=flash_attn_with_kvcache,
         scaled_dot_product_attention=scaled_dot_product_attention)
+    return kernels if calls is None else recording(kernels, calls)
 
 
 # -- scenarios, each run on the three models (float32 reference, 16-bit reference, cufa) ---
@@ -336,15 +333,19 @@ def check_generation(family, dtype, device, cache="dynamic", new_tokens=32, labe
                                f"{label}{family} {cache}-cache generation")
 
 
-def recording(kernels, calls):
-    """kernels (the cufa module) behind wrappers that note each entry point called."""
+def wrapped(kernels, before):
+    """kernels (the cufa module or a stand-in) with before(name, kwargs) called ahead of
+    each entry point (it may change the keyword arguments)."""
     def wrap(name):
         fn = getattr(kernels, name)
 
         def call(*args, **kwargs):
-            calls.append(name)
+            before(name, kwargs)
             return fn(*args, **kwargs)
         return call
-    names = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-             "scaled_dot_product_attention")
-    return types.SimpleNamespace(**{n: wrap(n) for n in names})
+    return types.SimpleNamespace(**{n: wrap(n) for n in ENTRY_POINTS})
+
+
+def recording(kernels, calls):
+    """kernels behind wrappers that note each entry point called in `calls`."""
+    return wrapped(kernels, lambda name, kwargs: calls.append(name))

@@ -243,9 +243,11 @@ def _key_plan(found, batch, q_length, kv_length, q_offset, kv_offset, attention_
     columns = torch.arange(num_keys, device=keys.device)
     first = torch.where(lens > 0, keys.to(torch.int8).argmax(1).to(torch.int32), 0)
     run = (columns >= first[:, None]) & (columns < (first + lens)[:, None])
-    left = (keys == (columns >= (num_keys - lens)[:, None])).all()
+    ends_last = ((first + lens == num_keys) | (lens == 0)).all()  # (with one run: left padding)
     # (one sync a forward)
-    every, left, one_run = torch.stack([keys.all(), left, (keys == run).all()]).tolist()
+    every, one_run, ends_last = torch.stack([keys.all(), (keys == run).all(),
+                                             ends_last]).tolist()
+    left = one_run and ends_last
     if every:
         return plan
     if not one_run and window != (-1, -1) and window != (-1, 0):
@@ -374,11 +376,12 @@ def _run(plan, q, k, v, options, kwargs):
                          f"keys; this layer has {q_length} queries and {k.shape[1]} keys")
     causal, window = plan.causal, (plan.window[0], -1 if plan.causal else plan.window[1])
     common = dict(causal=causal, window_size=window, **options)
-    if plan.packed is not None or _cu_seq_lens(kwargs) is not None:
+    flattened = _cu_seq_lens(kwargs) if plan.packed is None else None
+    if plan.packed is not None or flattened is not None:
         if plan.packed is not None:
             (cu_q, max_q), (cu_k, max_k) = plan.packed, plan.packed
         else:
-            cu_q, cu_k, max_q, max_k = _cu_seq_lens(kwargs)
+            cu_q, cu_k, max_q, max_k = flattened
             if k.shape[1] != q_length:
                 raise ValueError(f"cu_seq_lens_q/k describe packed rows of the queries, but "
                                  f"this layer has {k.shape[1]} keys for {q_length} queries "
