@@ -491,7 +491,7 @@ def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, 
 
 # FwdParams fields that follow from a plan's sizes, in _sizes' order
 _SIZE_FIELDS = ("lse_batch_stride", "lse_head_stride", "batch", "seqlen_q", "seqlen_k",
-                "num_m_blocks", "heads_per_group")
+                "num_m_blocks", "heads_per_group", "tail_group_head")
 _BATCH_STRIDE_FIELDS = tuple(fields[0] for fields in _STRIDE_FIELDS)  # q, k, v, o
 _set_sizes = _params.FWD.setter(_SIZE_FIELDS)  # (one run of FwdParams: one pack)
 _set_batch_strides_and_sizes = _params.FWD.setter(_BATCH_STRIDE_FIELDS + _SIZE_FIELDS)
@@ -516,9 +516,12 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
         resident = _runtime.sm_count(device) * variant.ctas_per_sm
         num_blocks = min(num_blocks, resident)
+    group_heads = _heuristics.heads_per_group(batch * nheads, seqlen_k, variant.head_dim,
+                                              num_m_blocks, resident)
+    tail_head = _heuristics.tail_group_head(batch * nheads, group_heads, num_m_blocks, resident,
+                                            masked=variant.mask == "window")
     values = (0 if packed else nheads * seqlen_q, seqlen_q, batch, seqlen_q, seqlen_k,
-              num_m_blocks, _heuristics.heads_per_group(batch * nheads, seqlen_k,
-                                                        variant.head_dim, num_m_blocks, resident))
+              num_m_blocks, group_heads, tail_head)
     # packed: the work list's int32s (see _launch) and the 2-int tile counter after them
     scratch_bytes = (4 * (_work_list_ints(max_tiles, num_buckets) + 2) if packed
                      else 8 if variant.persistent else 0)

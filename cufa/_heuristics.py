@@ -85,6 +85,33 @@ def heads_per_group(heads, seqlen_k, head_dim, num_m_blocks, resident_ctas=None)
     return max(1, min(heads, group_heads))
 
 
+# A causal launch's last group holds at least TAIL_BALANCE tiles a CTA: its heaviest
+# tile costs twice the mean, so the group's work a CTA is then at least that tile, and
+# the CTAs that draw those finish with the rest (bench/probe_groups.py on an H200,
+# d = 256 causal 8k: groups of 3, 3, 3, 3, 3 and 1 heads 590 TFLOP/s, two of 8 634).
+TAIL_BALANCE = 2
+
+
+def tail_group_head(heads, group_heads, num_m_blocks, resident_ctas=None, masked=False):
+    """The first of `heads` (batch x heads) in the launch's last scheduling group, which
+    holds every head from there on: the heads_per_group groups, with the last one that
+    falls short of a group's heads as the tail. A persistent launch under a causal or
+    local mask (masked) gets a tail group of at least TAIL_BALANCE x resident_ctas /
+    num_m_blocks heads (all of them where there are fewer): its tiles cost from 1 to
+    num_m_blocks key blocks, and the CTAs that draw the heaviest must not be left
+    running alone at the end. Without a mask the tiles cost alike: the groups as they are.
+
+    Example: d = 256, 2 x 8 heads of 8k causal on 128-row tiles (64 a head), groups of 3
+    (L2), 132 CTAs: the tail needs 5 heads, so groups of 3, 3, 3 and 7 (tail from head 9)
+    rather than 3, 3, 3, 3, 3 and 1.
+    """
+    tail_min = 0
+    if masked and resident_ctas is not None:
+        tail_min = math.ceil(TAIL_BALANCE * resident_ctas / max(num_m_blocks, 1))
+    full_groups = max(heads - tail_min, 0) // group_heads
+    return full_groups * group_heads
+
+
 # -- decode: one CTA an SM -----------------------------------------------------------------------
 
 # One decode CTA an SM streams an SM's share of the memory bandwidth only up to a point:

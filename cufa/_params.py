@@ -33,7 +33,7 @@ FWD_FIELDS = [
     ("q_batch_stride", _I64), ("k_batch_stride", _I64), ("v_batch_stride", _I64),
     ("o_batch_stride", _I64), ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
     ("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32),
-    ("num_m_blocks", _I32), ("heads_per_group", _I32),
+    ("num_m_blocks", _I32), ("heads_per_group", _I32), ("tail_group_head", _I32),
     ("nheads", _I32), ("nheads_k", _I32), ("head_dim", _I32), ("kv_tail_maps", _I32),
     ("bottom_right", _I32), ("window_left", _I32), ("window_right", _I32),
     ("attn_mask_type", _I32), ("page_shift", _I32), ("num_pages", _I32), ("sink_dtype", _I32),

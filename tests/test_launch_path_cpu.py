@@ -948,6 +948,62 @@ def test_head_groups_of_short_sequences_fit_the_resident_ctas(device):
     assert heads_per_group(16384, 128)[0] == _heuristics.L2_BUDGET // (16384 * 128 * 4)  # L2 bound
 
 
+def _padded_tile_order(bh_count, num_m_blocks, heads_per_group, tail_group_head):
+    """block_info.cuh's get_tile for padded batches, in Python: (pair, query block) of
+    each tile number, in launch order."""
+    tail_tiles = tail_group_head * num_m_blocks
+    order = []
+    for block in range(bh_count * num_m_blocks):
+        head0, group_heads, in_group = tail_group_head, bh_count - tail_group_head, block - tail_tiles
+        if block < tail_tiles:
+            group_tiles = heads_per_group * num_m_blocks
+            head0, group_heads = block // group_tiles * heads_per_group, heads_per_group
+            in_group = block % group_tiles
+        order.append((head0 + in_group % group_heads, num_m_blocks - 1 - in_group // group_heads))
+    return order
+
+
+@pytest.mark.parametrize("heads,m_blocks,group", [(16, 64, 3), (32, 32, 6), (8, 128, 1),
+                                                  (512, 4, 44), (7, 5, 7), (1, 1, 1), (5, 3, 2)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_padded_tiles_each_once_in_groups_with_a_balanced_tail(heads, m_blocks, group, masked):
+    """Every (pair, query block) once; each group's tiles heaviest first; the tail group
+    starts at a group boundary and, under a mask on a persistent launch, holds at least
+    TAIL_BALANCE tiles a CTA (or every head); without a mask it is the last partial group,
+    as before the tail rule."""
+    resident = 132
+    tail = _heuristics.tail_group_head(heads, group, m_blocks, resident, masked=masked)
+    order = _padded_tile_order(heads, m_blocks, group, tail)
+    assert sorted(order) == [(bh, m) for bh in range(heads) for m in range(m_blocks)]
+    assert tail % group == 0 and 0 <= tail <= heads
+    if masked:
+        assert (heads - tail) * m_blocks >= min(heads * m_blocks,
+                                                _heuristics.TAIL_BALANCE * resident)
+        assert tail == 0 or (heads - tail - group) * m_blocks < _heuristics.TAIL_BALANCE * resident
+    else:
+        assert tail == heads // group * group
+    starts = list(range(0, tail, group)) + [tail]
+    for lo, hi in zip(starts, starts[1:] + [heads]):
+        tiles = [m for bh, m in order if lo <= bh < hi]
+        assert tiles == sorted(tiles, reverse=True)  # heaviest (last query block) first
+        assert order[lo * m_blocks:hi * m_blocks] == [(bh, m) for bh, m in order if lo <= bh < hi]
+    assert _heuristics.tail_group_head(heads, group, m_blocks, None, masked=True) == \
+        heads // group * group  # not persistent: as before
+
+
+def test_causal_plan_sets_the_tail_group(device):
+    """The plan writes tail_group_head beside heads_per_group: d = 256 causal 8k, 2 x 8
+    heads on 128-row tiles: groups of 3 by L2, the tail from pair 9 (7 pairs, 448 tiles
+    for 132 CTAs); without the mask the last partial group, from pair 15."""
+    q = view((2, 8192, 8, 256))
+    fields = []
+    for causal in (True, False):
+        cufa.flash_attn_func(q, q, q, causal=causal)
+        r = np.frombuffer(_last_plan().params, dtype=_params.FWD.dtype)[0]
+        fields.append((int(r["heads_per_group"]), int(r["tail_group_head"])))
+    assert fields == [(3, 9), (3, 15)]
+
+
 # -- learnable sink ------------------------------------------------------------------------
 
 def test_sink_presence_and_dtype_are_the_plans_its_address_the_calls(device):

@@ -16,8 +16,11 @@ __device__ __forceinline__ void set_diag_offset(const FwdParams& p, Tile& t) {
 }
 
 // Tile number `block` of the launch (false past the last one). Padded batches: index =
-// ((batch, head), reversed query block): the query blocks of one head run together, so
-// its K/V stay in L2, heaviest (last, under a causal mask) first. Packed (varlen)
+// ((batch, head) group, reversed query block, head in the group): the query blocks of a
+// group's heads run together, so their K/V stay in L2, heaviest (last, under a causal
+// mask) first. Groups hold heads_per_group pairs but the last, from tail_group_head on,
+// which holds the rest: under a causal mask enough to end the launch balanced
+// (_heuristics.tail_group_head). Packed (varlen)
 // batches: index = (list entry, head); the list, built on the device by varlen_schedule,
 // holds (sequence, query block) pairs longest sequences and last query blocks first, and
 // only real tiles: no block is spent on padding. Sequence bounds are clamped to the
@@ -48,10 +51,16 @@ __device__ __forceinline__ bool get_tile(const FwdParams& p, int block, Tile& t)
   } else {
     const int bh_count = p.batch * p.nheads;
     if (block / p.num_m_blocks >= bh_count) return false;
-    const int group_tiles = p.heads_per_group * p.num_m_blocks;
-    const int group = block / group_tiles, in_group = block % group_tiles;
-    const int group_heads = min(p.heads_per_group, bh_count - group * p.heads_per_group);
-    const int bh = group * p.heads_per_group + in_group % group_heads;
+    const int tail_tiles = p.tail_group_head * p.num_m_blocks;  // the tiles before the last group
+    int head0 = p.tail_group_head, group_heads = bh_count - p.tail_group_head,
+        in_group = block - tail_tiles;
+    if (block < tail_tiles) {
+      const int group_tiles = p.heads_per_group * p.num_m_blocks;
+      head0 = block / group_tiles * p.heads_per_group;
+      group_heads = p.heads_per_group;
+      in_group = block % group_tiles;
+    }
+    const int bh = head0 + in_group % group_heads;
     t.m_block = p.num_m_blocks - 1 - in_group / group_heads;
     t.b = bh / p.nheads;
     t.h = bh % p.nheads;

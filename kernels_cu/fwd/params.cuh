@@ -44,13 +44,14 @@ struct FwdParams {
   i64 block_table_batch_stride;
 
   // What a call's sizes set, in one run of fields from the batch strides to
-  // heads_per_group: a plan moved to new sizes writes them with one pack (api._Mover).
+  // tail_group_head: a plan moved to new sizes writes them with one pack (api._Mover).
   i64 q_batch_stride, k_batch_stride, v_batch_stride, o_batch_stride;
   i64 lse_batch_stride, lse_head_stride;
   int batch;
   int seqlen_q, seqlen_k;  // packed batches: total rows of q and of k
   int num_m_blocks;        // padded batches
-  int heads_per_group;     // padded batches: (batch, head) pairs scheduled together
+  int heads_per_group;     // padded batches: (batch, head) pairs scheduled together,
+  int tail_group_head;     // but the last group's, from this pair on (block_info.cuh)
 
   int nheads, nheads_k, head_dim;
   int kv_tail_maps;                  // sm90, packed: TensorMaps::k_tail/v_tail are valid
