@@ -233,7 +233,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           fence_registers(acc_o);
           release_stage(sm.v_empty());
         }
-        block_count += n_blocks;
       } else {
         // Block 0: S only. Peeled, so that every product in the loop is issued
         // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
@@ -289,47 +288,47 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           // keep (inf and NaN), ~100 instructions a tile at d = 128
           pack_p<kDtype>(p_prev, acc_s);
         }
-        // Software pipeline: iteration `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}
-        // together, and computes the exponentials of S_it while the P V product runs.
-        for (int it = 1; it < n_blocks; ++it) {
+        // Then step `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1} together and
+        // computes the exponentials of S_it while the P V product runs; the last step
+        // (it = n_blocks, `last`, a constant where the step is inlined) has only the P V. It is
+        // peeled, as block 0 is, so that every product in the loop is issued unconditionally.
+        // (Block 0 as a first step of the same lambda: ptxas serialized the wgmma of the
+        // kHalfFirstBlock kernels, C7511.)
+        auto step = [&](bool last, int it) {
           const int g = block_count + it;
           const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
-          mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
+          if (!last) mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
           mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
           turn_begin();
           float acc_s[1][kNTiles][4];
           wgmma_fence();
-          issue_qk(acc_s, stage);
+          if (!last) issue_qk(acc_s, stage);
           issue_pv(prev_stage);
           turn_end();
-          wgmma_wait<1>();
-          fence_registers(acc_s);
-          release_stage(sm.k_empty() + 8 * stage);
-          if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
-          // (P is packed only after the P V wait: the registers of the previous P feed the
-          // product until it completes, and ptxas does not see that they are still in use.)
           float correction[1][2];
-          const bool rescale = scores_to_probs(acc_s, it, correction);
-          if constexpr (kHoldPVWait)  // the exponentials under this warpgroup's own P V
-            hold_wait_below(softmax.row_sum[0][0], softmax.row_sum[0][1], sm.tile());
+          bool rescale = false;
+          if (!last) {
+            wgmma_wait<1>();
+            fence_registers(acc_s);
+            release_stage(sm.k_empty() + 8 * stage);
+            if (!kStagedOutput<kHeadDim> && it == n_blocks - 1)
+              mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
+            rescale = scores_to_probs(acc_s, it, correction);
+            if constexpr (kHoldPVWait)  // the exponentials under this warpgroup's own P V
+              hold_wait_below(softmax.row_sum[0][0], softmax.row_sum[0][1], sm.tile());
+          }
           wgmma_wait<0>();
           fence_registers(acc_o);
-          fence_registers(p_prev);
+          // (P is packed only after the P V wait: the registers of the previous P feed the
+          // product until it completes, and ptxas does not see that they are still in use.)
+          if (!last) fence_registers(p_prev);
           release_stage(sm.v_empty() + 8 * prev_stage);
-          rescale_and_pack(acc_s, correction, rescale);
-        }
-        // -- the last block's P V --
-        const int last = block_count + n_blocks - 1;
-        mbar_wait(sm.v_full() + 8 * Smem::stage(last), Smem::parity(last));
-        turn_begin();
-        wgmma_fence();
-        issue_pv(Smem::stage(last));
-        turn_end();
-        wgmma_wait<0>();
-        fence_registers(acc_o);
-        release_stage(sm.v_empty() + 8 * Smem::stage(last));
-        block_count += n_blocks;
+          if (!last) rescale_and_pack(acc_s, correction, rescale);
+        };
+        for (int it = 1; it < n_blocks; ++it) step(false, it);
+        step(true, n_blocks);
       }
+      block_count += n_blocks;
     } else if (!kStagedOutput<kHeadDim>) {
       mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
