@@ -87,8 +87,9 @@ def heads_per_group(heads, seqlen_k, head_dim, num_m_blocks, resident_ctas=None)
 
 # A causal launch's last group holds at least TAIL_BALANCE tiles a CTA: its heaviest
 # tile costs twice the mean, so the group's work a CTA is then at least that tile, and
-# the CTAs that draw those finish with the rest (bench/probe_groups.py on an H200,
-# d = 256 causal 8k: groups of 3, 3, 3, 3, 3 and 1 heads 590 TFLOP/s, two of 8 634).
+# the CTAs that draw those finish with the rest (bench/results/ab_h200_tail_group.md; on
+# an H200, d = 256 causal 8k: groups of 3, 3, 3, 3, 3 and 1 heads 590 TFLOP/s, two of 8
+# 634; 3 or 4 tiles a CTA no faster than 2).
 TAIL_BALANCE = 2
 
 
