@@ -29,7 +29,10 @@ sync after each, host cost included) for cufa and the SDPA peers, as a server th
 for each step sees it. Then the serving-shaped step (mixed_batch). --sink also times the
 contiguous call with a float32 learnable_sink (nheads,) in the same rounds ("cufa sink";
 batch 1 rows split the keys, so the sink's merge is timed too) and reports its time over
-the call's without one. Writes DIR/bench_decode.{json,md,png}.
+the call's without one. --fp8 also times the same cache in float8_e4m3fn (contiguous, and
+paged as above; per-(batch, KV head) descales) in the same rounds: "cufa fp8" columns, whose
+TB/s count the fp8 bytes (half the 16-bit cache's), and the fp8 call's speed over cufa's
+16-bit one and over SDPA cuDNN's. Writes DIR/bench_decode.{json,md,png}.
 """
 import argparse
 import contextlib
@@ -48,11 +51,13 @@ QUICK_SHAPES = ((1, 131072), (64, 4096), (256, 1024))
 HEADS = ((32, 8), (32, 32))
 SEQLENS_Q = (1, 4)
 PAGE_SIZES = (16, 256)
-IMPLS = ("cufa", "cufa_paged16", "cufa_paged256", "cufa_graph", "cufa_sink", "sdpa_flash",
-         "sdpa_cudnn")
+IMPLS = ("cufa", "cufa_paged16", "cufa_paged256", "cufa_graph", "cufa_sink", "cufa_fp8",
+         "cufa_fp8_paged16", "cufa_fp8_paged256", "sdpa_flash", "sdpa_cudnn")
 LABELS = {"cufa": "cufa", "cufa_paged16": "cufa pages 16", "cufa_paged256": "cufa pages 256",
-          "cufa_graph": "cufa graph", "cufa_sink": "cufa sink", "sdpa_flash": "SDPA flash",
-          "sdpa_cudnn": "SDPA cuDNN"}
+          "cufa_graph": "cufa graph", "cufa_sink": "cufa sink", "cufa_fp8": "cufa fp8",
+          "cufa_fp8_paged16": "cufa fp8 pages 16", "cufa_fp8_paged256": "cufa fp8 pages 256",
+          "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN"}
+FP8_IMPLS = ("cufa_fp8", "cufa_fp8_paged16", "cufa_fp8_paged256")
 CUFA_LAYOUTS = ("cufa", "cufa_paged16", "cufa_paged256")
 ROTATE_BELOW = 100 * 2**20      # caches smaller than this: 2 input sets (past the 50 MB L2)
 COPY_BYTES = 2**30
@@ -92,6 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
     p.add_argument("--sink", action="store_true",
                    help="also time cufa with a learnable sink (the 'cufa sink' column)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time the cache in float8_e4m3fn (the 'cufa fp8' columns)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--list", action="store_true", help="print the rows and exit (no GPU)")
     p.add_argument("--mixed-only", action="store_true",
@@ -156,10 +163,12 @@ def to_paged(torch, cache, table, num_pages):
     return pages
 
 
-def make_caches(torch, cfg, gen, rng, unaligned=False):
+def make_caches(torch, cfg, gen, rng, unaligned=False, fp8=False):
     """Input sets: the contiguous cache (unaligned: a slice at element offset 1 of rows d + 1
     long), its paged copies (page size -> (k pages, v pages, block_table)), cache_seqlens =
-    N. Two sets where the cache is under ROTATE_BELOW."""
+    N. Two sets where the cache is under ROTATE_BELOW. fp8: also the cache in e4m3 (the
+    16-bit values rounded; "k8", "v8", paged copies "paged8" along the same tables) and
+    descales (batch, nheads_k) of 1."""
     dt, _, hk, d, b, n = cfg
     dtype = getattr(torch, TORCH_DTYPES[dt])
     count = 2 if kv_bytes(b, n, hk, d) < ROTATE_BELOW else 1
@@ -174,18 +183,25 @@ def make_caches(torch, cfg, gen, rng, unaligned=False):
             paged[ps] = (to_paged(torch, k, table, num_pages),
                          to_paged(torch, v, table, num_pages),
                          torch.tensor(table, dtype=torch.int32, device="cuda"))
-        sets.append(dict(k=k, v=v, paged=paged,
-                         lens=torch.full((b,), n, dtype=torch.int32, device="cuda")))
+        s = dict(k=k, v=v, paged=paged, lens=torch.full((b,), n, dtype=torch.int32, device="cuda"))
+        if fp8:
+            s["k8"], s["v8"] = (x.to(torch.float8_e4m3fn) for x in (k, v))
+            s["paged8"] = {ps: tuple(to_paged(torch, x.view(torch.uint8), table, kp.shape[0])
+                                     .view(torch.float8_e4m3fn) for x in (s["k8"], s["v8"]))
+                           + (table,) for ps, (kp, _, table) in paged.items()}
+            s["descale"] = torch.ones((b, hk), dtype=torch.float32, device="cuda")
+        sets.append(s)
     return sets
 
 
 # -- one row -----------------------------------------------------------------------------------
 
-def load_impls(torch, no_peers, sink=False):
+def load_impls(torch, no_peers, sink=False, fp8=False):
     """name -> handle, or a string saying why it is not available (the cufa module stands
     for the cufa columns)."""
     cufa = T.load_cufa()
-    impls = {name: cufa for name in IMPLS[:4] + (("cufa_sink",) if sink else ())}
+    impls = {name: cufa for name in IMPLS[:4] + (("cufa_sink",) if sink else ())
+             + (FP8_IMPLS if fp8 else ())}
     return impls if no_peers else {**impls, **T.load_peers(torch)}
 
 
@@ -204,6 +220,12 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen, unaligned=False):
         """(q, k, v, cache_seqlens, block_table) per set, for the layout of `name`."""
         if name in ("cufa", "cufa_graph", "cufa_sink"):
             return [(q, s["k"], s["v"], s["lens"], None) for q, s in zip(qs, sets)]
+        if name == "cufa_fp8":
+            return [(q, s["k8"], s["v8"], s["lens"], None) for q, s in zip(qs, sets)]
+        if name.startswith("cufa_fp8_paged"):
+            ps = int(name[len("cufa_fp8_paged"):])
+            return [(q,) + s["paged8"][ps][:2] + (s["lens"], s["paged8"][ps][2])
+                    for q, s in zip(qs, sets)]
         kp, vp, table = zip(*(s["paged"][int(name[len("cufa_paged"):])] for s in sets))
         return [(q, kp[i], vp[i], s["lens"], table[i]) for i, (q, s) in enumerate(zip(qs, sets))]
 
@@ -222,8 +244,11 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen, unaligned=False):
                     return time_events(torch, fn, bhsd, count)
             return timed
 
-        # (learnable_sink only where asked: bench/ab.sh times trees from before it)
+        # (learnable_sink and the descales only where asked: bench/ab.sh times trees from
+        # before them)
         sink_kw = {"learnable_sink": sink} if name == "cufa_sink" else {}
+        if name in FP8_IMPLS:
+            sink_kw = {"k_descale": sets[0]["descale"], "v_descale": sets[0]["descale"]}
 
         def call(q, k, v, lens, table):
             return impl.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
@@ -246,8 +271,9 @@ def time_row(torch, impls, cfg, sq, sets, reps, gen, unaligned=False):
             row["impls"][name] = got
             continue
         ms = statistics.median(got)
+        nbytes = row["kv_bytes"] // 2 if name in FP8_IMPLS else row["kv_bytes"]
         row["impls"][name] = {"us": ms * 1e3, "us_min": min(got) * 1e3, "calls": len(got),
-                              "tbps": row["kv_bytes"] / (ms * 1e-3) / TB}
+                              "tbps": nbytes / (ms * 1e-3) / TB}
     row["one_at_a_time_us"] = one_at_a_time(torch, impls, cufa_args("cufa"), qs, sets, sdpa_kw)
     row["max_abs_diff"] = check_outputs(torch, impls, qs[0], sets[0], sdpa_kw)
     del graphs[:]
@@ -293,6 +319,12 @@ def check_outputs(torch, impls, q, s, sdpa_kw):
         kp, vp, table = s["paged"][ps]
         out = cufa.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=s["lens"], block_table=table)
         diffs[f"paged{ps}"] = float((out.float() - base).abs().max())
+    if "k8" in s:  # the fp8 cache against the 16-bit call on its own (dequantized) values
+        out = cufa.flash_attn_with_kvcache(q, s["k8"], s["v8"], cache_seqlens=s["lens"],
+                                           k_descale=s["descale"], v_descale=s["descale"])
+        same = cufa.flash_attn_with_kvcache(q, s["k8"].to(q.dtype), s["v8"].to(q.dtype),
+                                            cache_seqlens=s["lens"])
+        diffs["fp8"] = float((out.float() - same.float()).abs().max())
     if isinstance(impls.get("sdpa_flash"), tuple):
         sdpa_kernel, backend = impls["sdpa_flash"]
         try:
@@ -313,8 +345,31 @@ def add_ratios(row, copy_tbps):
     t = {k: v.get("us") for k, v in row["impls"].items()}
     for peer, key in (("sdpa_flash", "ratio_vs_flash"), ("sdpa_cudnn", "ratio_vs_cudnn")):
         row[key] = t[peer] / t["cufa"] if t.get("cufa") and t.get(peer) else None
+    if t.get("cufa_fp8"):  # the fp8 cache's speed over the 16-bit cache's and over cuDNN's
+        row["fp8_speedup"] = t["cufa"] / t["cufa_fp8"] if t.get("cufa") else None
+        row["fp8_vs_cudnn"] = t["sdpa_cudnn"] / t["cufa_fp8"] if t.get("sdpa_cudnn") else None
     if "cufa_sink" in t:  # the sink's cost: its median time over cufa's, less 1
         row["sink_cost"] = t["cufa_sink"] / t["cufa"] - 1 if t["cufa"] and t["cufa_sink"] else None
+
+
+FP8_BIG_CACHE = 0.25e9  # fp8 bytes of the rows held to the copy-bandwidth target (issue 60)
+
+
+def fp8_summary(rows):
+    """--fp8: the fp8 cache's speed over the 16-bit cache's and over SDPA cuDNN's, and the
+    fraction of the copy bandwidth its big rows read at (None without fp8 columns)."""
+    def span(values):
+        values = sorted(v for v in values if v)
+        return (f"{values[0]:.2f}-{values[-1]:.2f} (median {statistics.median(values):.2f})"
+                if values else "n/a")
+    if not any("cufa_fp8" in r["impls"] for r in rows):
+        return None
+    big = [r["impls"]["cufa_fp8"].get("frac_copy") for r in rows
+           if r["kv_bytes"] / 2 >= FP8_BIG_CACHE and "cufa_fp8" in r["impls"]]
+    return (f"fp8 cache (contiguous): cufa fp8 over cufa 16-bit {span(r.get('fp8_speedup') for r in rows)}; "
+            f"over SDPA cuDNN (16-bit cache) {span(r.get('fp8_vs_cudnn') for r in rows)}; "
+            f"rows with >= {FP8_BIG_CACHE / 1e9:.2f} GB of fp8 cache at "
+            f"{span(big)} of the copy bandwidth")
 
 
 def random_page_table(lens_k, page, rng):
@@ -571,7 +626,7 @@ def main(argv=None):
     torch = T.require_torch_cuda("bench_decode")
     import numpy as np
     os.makedirs(args.out, exist_ok=True)
-    impls = load_impls(torch, args.no_peers, args.sink)
+    impls = load_impls(torch, args.no_peers, args.sink, args.fp8)
     names = [n for n in IMPLS if n in impls]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rng = np.random.default_rng(0)
@@ -582,7 +637,7 @@ def main(argv=None):
         return 0
     rows = []
     for cfg in cfgs:
-        sets = make_caches(torch, cfg, gen, rng, args.unaligned)
+        sets = make_caches(torch, cfg, gen, rng, args.unaligned, args.fp8)
         for sq in seqlens_q(args):
             dt, h, hk, d, b, n = cfg
             progress(len(rows), total, case_name(dict(dtype=dt, head_dim=d, nheads=h, nheads_k=hk,
@@ -614,6 +669,9 @@ def main(argv=None):
     why = unavailable(rows)
     na = "\n".join(f"- {LABELS[n]} n/a on {c} rows: {reason}" for n, (reason, c) in why.items())
     sink_line = T.sink_summary(rows, case_name)
+    fp8_line = fp8_summary(rows)
+    if fp8_line:
+        sink_line = "\n\n".join(x for x in (sink_line, fp8_line) if x)
     report = "\n\n".join([head, markdown(rows, names), mixed_markdown(mixed),
                            "Targets:\n\n" + targets_markdown(judged)] + ([na] if na else [])
                          + ([sink_line] if sink_line else []))

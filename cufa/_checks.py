@@ -14,6 +14,7 @@ KERNEL_DTYPES = {name: _dtypes.BY_NAME[name].key for name in _dtypes.codes("kern
 MERGE_DTYPES = {name: _dtypes.BY_NAME[name].key for name in _dtypes.codes("merge")}
 ATTN_MASK_TYPES = _dtypes.codes("attn_mask")
 ROTARY_DTYPES = _dtypes.codes("rotary")
+FP8_CACHE = "float8_e4m3fn"  # the dtype of an fp8 KV cache (flash_attn_with_kvcache)
 UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
 # The entry points' default window_size, this object: check_options takes it unchecked (a
 # value-equal pair from the caller, or -1.0, goes through the checks).
@@ -344,16 +345,72 @@ def check_out(out, o, q, name="out"):
 
 # -- KV cache --------------------------------------------------------------------------------
 
+def _fp8_cache(q, kc, vc):
+    """Whether the cache is e4m3 (FP8_CACHE), after checking that k_cache and v_cache agree
+    and that q is 16-bit."""
+    for x, n in ((kc, "k_cache"), (vc, "v_cache"), (q, "q")):
+        if x.dtype.startswith("float8") and x.dtype != FP8_CACHE:
+            raise TypeError(f"{n} has dtype {x.dtype}, which cufa does not support: fp8 KV "
+                            f"caches are {FP8_CACHE} (e4m3)")
+    if q.dtype == FP8_CACHE:
+        raise NotImplementedError("q in float8_e4m3fn (the fp8 forward) is not supported yet; "
+                                  "pass q in float16 or bfloat16 (an fp8 cache is)")
+    fp8 = kc.dtype == FP8_CACHE
+    if fp8 != (vc.dtype == FP8_CACHE):
+        raise TypeError(f"k_cache has dtype {kc.dtype} but v_cache has {vc.dtype}: an fp8 "
+                        f"cache holds both in {FP8_CACHE}")
+    return fp8
+
+
+def _fp8_aligned(x):
+    """An e4m3 cache's rows in 16-byte chunks: a head dim and strides that are multiples
+    of 16 elements, a 16-byte aligned start (as chunk_aligned for 16-bit rows)."""
+    if 0 in x.shape:
+        return True
+    return (x.shape[-1] % 16 == 0 and x.ptr % 16 == 0
+            and all(s % 16 == 0 or n == 1 for s, n in zip(x.strides[:-1], x.shape)))
+
+
+def check_descales(kd, vd, kc, q, batch, nheads_k, fp8):
+    """k_descale, v_descale: float32 (batch, nheads_k), or one scale ((1,) or 0-d), on q's
+    device; only with an fp8 cache."""
+    for x, n in ((kd, "k_descale"), (vd, "v_descale")):
+        if x is None:
+            continue
+        if not fp8:
+            raise TypeError(f"{n} applies to {FP8_CACHE} caches; k_cache has dtype {kc.dtype}")
+        if x.dtype != "float32":
+            raise TypeError(f"{n} must be float32; got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
+        if x.shape not in ((batch, nheads_k), (1,), ()):
+            raise ValueError(f"{n} must be float32 (batch, nheads_k) = ({batch}, {nheads_k}), "
+                             f"or (1,) or 0-d for one scale; got shape {x.shape}")
+
+
 def check_cache(q, kc, vc, kn, vn, table, idx):
     """The cache (and new keys) against q; returns (paged dict or None, capacity, cache_rows,
     whether q and the cache are chunk_aligned). The new keys are written into the cache an
-    element at a time (decode_append): their alignment does not count."""
+    element at a time (decode_append): their alignment does not count. An fp8 (e4m3)
+    cache is checked as a cache of q's dtype would be, and must be 16-byte aligned (so
+    must q and out: no element-wise variant reads it)."""
     cache = ("(num_pages, page_size, nheads_k, headdim)" if table is not None
              else "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    fp8 = _fp8_cache(q, kc, vc)
+    if fp8:
+        if not (_fp8_aligned(kc) and _fp8_aligned(vc)):
+            raise NotImplementedError(
+                f"an fp8 cache is read in 16-byte chunks: its head dim and strides must be "
+                f"multiples of 16 and its start 16-byte aligned; got k_cache {kc.shape} with "
+                f"strides {kc.strides}, v_cache {vc.shape} with strides {vc.strides}")
+        kc, vc = (_interop.DeviceArray(x.obj, x.framework, x.ptr, x.shape, x.strides, q.dtype,
+                                       x.device, q.itemsize) for x in (kc, vc))
     # what flash_attn_func checks of q, k, v; the batch dims may differ (cache_batch_idx, pages)
     aligned = check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
                         f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
                         batch_dim=None, seq_dim=1, head_dim=2)
+    if fp8:
+        aligned = chunk_aligned(q.shape, q.strides, q.ptr)
     batch, d, nheads_k = q.shape[0], q.shape[3], kc.shape[2]
     if table is not None:
         if idx is not None:
@@ -498,8 +555,8 @@ def check_num_splits(num_splits):
     return as_index(num_splits, "num_splits", 0, "an int >= 0 (0 = chosen from the shapes)")
 
 
-def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o,
-                  out, fixed):
+def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd,
+                  vd, o, out, fixed):
     """flash_attn_with_kvcache's arrays (fixed: the int form of cache_seqlens, or None) ->
     (paged dict or None, capacity, cache_rows, fixed: the whole capacity where no lengths
     were given, rotary_dim, seqlen_ro, whether q, the cache and the output are
@@ -524,6 +581,10 @@ def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     check_alibi(alibi, q, batch, nheads)
     check_sink(sink, q, nheads)
     aligned = check_out(out, o, q) and aligned
+    check_descales(kd, vd, kc, q, batch, nheads_k, kc.dtype == FP8_CACHE)
+    if kc.dtype == FP8_CACHE and not aligned:
+        raise NotImplementedError("with an fp8 cache, q and out must be 16-byte aligned rows "
+                                  "(a head dim and strides that are multiples of 8)")
     if batch > GRID_YZ_MAX or nheads_k > GRID_YZ_MAX:
         raise ValueError(f"batch and nheads_k up to {GRID_YZ_MAX} are supported; got "
                          f"{batch}, {nheads_k}")

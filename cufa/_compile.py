@@ -269,6 +269,7 @@ class DecodeVariant(_CacheKernel):
     stages: int = 0           # cp.async stages a warp (0: decode_shape's)
     warps: int = 0            # warps a CTA (0: decode_shape's)
     element_io: bool = False  # the element-wise I/O variant
+    fp8_cache: bool = False   # the cache holds e4m3 (q and out stay dtype)
     kind = "decode"
     source = "decode/decode_sm80.cu"
 
@@ -283,14 +284,15 @@ class DecodeVariant(_CacheKernel):
         warps, stages = self.shape
         other = f"_w{warps}" if warps != decode_shape(self.head_dim)[0] else ""
         elem = "_elem" if self.element_io else ""
-        return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}"
+        fp8 = "_e4m3" if self.fp8_cache else ""
+        return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}{fp8}"
 
     @property
     def name_expression(self):
         warps, stages = self.shape
-        elem = ", true" if self.element_io else ""
+        flags = (", false, true" if self.fp8_cache else ", true" if self.element_io else "")
         return (f"cufa::decode_kernel<{DTYPES.index(self.dtype)}, {self.head_dim}, {stages}, "
-                f"{warps}{elem}>")
+                f"{warps}{flags}>")
 
     @property
     def threads(self):
@@ -298,10 +300,15 @@ class DecodeVariant(_CacheKernel):
 
     @property
     def smem_bytes(self):
-        """Dynamic shared memory: Q, then each warp's K/V stages."""
+        """Dynamic shared memory: Q, then each warp's K/V stages (an e4m3 cache: stages of
+        e4m3 rows, then the step's tiles as 16-bit ones, DecodeShape::kConvertedBytes)."""
         warps, stages = self.shape
         row = self.head_dim * self.elem_bytes
-        return DECODE_ROWS * row + warps * stages * 2 * DECODE_TILE_KEYS * row
+        if not self.fp8_cache:
+            return DECODE_ROWS * row + warps * stages * 2 * DECODE_TILE_KEYS * row
+        step_tiles = 2 if stages >= 4 else 1
+        return DECODE_ROWS * row + warps * (stages * 2 * DECODE_TILE_KEYS * self.head_dim
+                                            + step_tiles * 2 * DECODE_TILE_KEYS * row)
 
 
 @dataclass(frozen=True)
@@ -360,18 +367,21 @@ class CombineVariant(_CacheKernel):
 
 @dataclass(frozen=True)
 class AppendVariant(_CacheKernel):
-    """decode/append.cu's decode_append: new keys and values into the cache, rotary."""
+    """decode/append.cu's decode_append: new keys and values into the cache, rotary
+    (fp8_cache: quantized into an e4m3 cache)."""
     dtype: str
+    fp8_cache: bool = False
     kind = "append"
     source = "decode/append.cu"
 
     @property
     def key(self):
-        return f"decode_append_{self.dtype}"
+        return f"decode_append_{self.dtype}" + ("_e4m3" if self.fp8_cache else "")
 
     @property
     def name_expression(self):
-        return f"cufa::decode_append<{DTYPES.index(self.dtype)}>"
+        fp8 = ", true" if self.fp8_cache else ""
+        return f"cufa::decode_append<{DTYPES.index(self.dtype)}{fp8}>"
 
 
 @dataclass(frozen=True)
@@ -391,8 +401,9 @@ class MergeVariant(_CacheKernel):
 
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature asks
-def decode_kernel(dtype, head_dim, element_io=False):
-    return DecodeVariant(dtype, padded_head_dim(head_dim), element_io=element_io)
+def decode_kernel(dtype, head_dim, element_io=False, fp8_cache=False):
+    return DecodeVariant(dtype, padded_head_dim(head_dim), element_io=element_io,
+                         fp8_cache=fp8_cache)
 
 
 def _decode_shape_of(shapes, dtype, head_dim):
@@ -422,9 +433,10 @@ def decode_variants():
             + [decode_tma_kernel(dt, hd, units) for dt in DTYPES for hd in DECODE_TMA_HEAD_DIMS
                for units in (1, 2)]
             + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+            + [decode_kernel(dt, hd, fp8_cache=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [CombineVariant(dt, rows=rows, element_io=elem) for dt in DTYPES
                for rows in (1, 4) for elem in (False, True)]
-            + [AppendVariant(dt) for dt in DTYPES]
+            + [AppendVariant(dt, fp8) for dt in DTYPES for fp8 in (False, True)]
             + [MergeVariant(dt) for dt in MERGE_DTYPES])
 
 

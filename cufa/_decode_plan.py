@@ -5,7 +5,7 @@ in _runtime.plans, as the forward's are."""
 from dataclasses import dataclass
 
 from . import _compile, _heuristics, _interop, _params, _tma
-from ._checks import (KERNEL_DTYPES, MERGE_DTYPES, ROTARY_DTYPES, check_cache_values,
+from ._checks import (FP8_CACHE, KERNEL_DTYPES, MERGE_DTYPES, ROTARY_DTYPES, check_cache_values,
                       check_kvcache, check_merge, check_num_splits, check_options)
 from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, plans, remember,
                        returned, stream_capturing, stream_split_counters, stream_workspace)
@@ -13,7 +13,7 @@ from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, pla
 # with_kvcache's arrays, in order (the first three required)
 ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
           "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "learnable_sink",
-          "out")
+          "k_descale", "v_descale", "out")
 
 
 def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
@@ -96,10 +96,12 @@ class _KvPlan:
         return 4 * self.workspace[0]
 
 
-def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o,
-                 out, fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
+def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd, vd,
+                 o, out, fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
     paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro, aligned = check_kvcache(
-        q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o, out, fixed)
+        q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd, vd, o, out,
+        fixed)
+    fp8 = kc.dtype == FP8_CACHE
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
     seqlen_new = kn.shape[1] if kn is not None else 0
@@ -117,7 +119,8 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
     kernel, num_splits = _heuristics.decode_kernel_and_splits(
         KERNEL_DTYPES[q.dtype], d, num_splits, batch * nheads_k * num_m_blocks, capacity,
         q.device, paged=paged is not None and not _heuristics.pages_read_whole(
-            paged["page_shift"], leftpad is None, window[0]), element_io=not aligned)
+            paged["page_shift"], leftpad is None, window[0]), element_io=not aligned,
+        fp8_cache=fp8)
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
@@ -128,7 +131,7 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity), sink_dtype=_sink_dtype(sink),
              lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
-             **_params.score_fields(window, scale, softcap, d, alibi))
+             **_descale_strides(kd, vd), **_params.score_fields(window, scale, softcap, d, alibi))
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
@@ -145,10 +148,10 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
     launches = []
     rows = batch * seqlen_new * nheads_k + (batch * seqlen_q * nheads if rotary else 0)
     if rows:  # new keys to write, or q to rotate
-        launches.append(_launch_entry(_compile.AppendVariant(dt), q.device,
+        launches.append(_launch_entry(_compile.AppendVariant(dt, fp8), q.device,
                                       (-(-rows // 4), 1, 1)))
-    maps = None  # (the TMA decode kernel's)
-    if seqlen_q and not paged and aligned:
+    maps = None  # (the TMA decode kernel's; it reads 16-bit caches)
+    if seqlen_q and not paged and aligned and not fp8:
         kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
@@ -168,6 +171,15 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
                    maps=maps, merge_in_launch=kernel.units <= 1 and _heuristics.merge_in_launch(
                        kernel, d, num_splits, seqlen_q * group))
+
+
+def _descale_strides(kd, vd):
+    """DecodeParams' descale strides of (batch, nheads_k) descales; 0 for one a tensor."""
+    p = {}
+    for name, x in (("k", kd), ("v", vd)):
+        b, h = x.strides[:2] if x is not None and x.ndim == 2 else (0, 0)
+        p[f"{name}_descale_batch_stride"], p[f"{name}_descale_head_stride"] = b, h
+    return p
 
 
 def _sink_dtype(sink):
@@ -317,7 +329,7 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, sink, pack
     _launch_decode(route.params, route.launches, route.workspace, route.merge_in_launch,
                    lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
-        cu_q, cu_k, used, counters, order, sink), plan.framework, plan.device, stream,
+        cu_q, cu_k, used, counters, order, sink, 0, 0), plan.framework, plan.device, stream,
         scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
 
@@ -374,7 +386,7 @@ class _MergePlan:
 def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
     """ptrs: the arrays' addresses in ARRAYS order; q_array: the caller's q."""
     scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
-    q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, o_ptr = ptrs
+    q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd, vd, o_ptr = ptrs
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
                                          q_array)
@@ -384,6 +396,6 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
                            lambda at, counters: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0, sink), plan.framework,
+                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0, sink, kd, vd), plan.framework,
                 plan.device, stream, scratch_ptr, maps=plan.maps)
     return returned(plan, o, lse, plan.want_lse)

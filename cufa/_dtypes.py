@@ -22,6 +22,7 @@ TABLE = (
     Dtype("bfloat16", 2, key="bf16", kernel=1, merge=1, rotary=1, sink=2, attn_mask=3),
     Dtype("float32", 4, key="fp32", merge=2, rotary=2, sink=0, attn_mask=4),
     Dtype("bool", 1, attn_mask=1),
+    Dtype("float8_e4m3fn", 1, key="e4m3"),  # KV caches (flash_attn_with_kvcache)
 )
 BY_NAME = {d.name: d for d in TABLE}
 BY_KEY = {d.key: d for d in TABLE if d.key}

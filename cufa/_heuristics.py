@@ -208,10 +208,11 @@ def pages_read_whole(page_shift, no_leftpad, window_left):
 # -- decode: the kernel --------------------------------------------------------------------------
 
 def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False,
-                             element_io=False):
+                             element_io=False, fp8_cache=False):
     """The decode kernel and split count for `units` CTAs (batch x KV heads x query
     blocks): the default shape (_compile.decode_kernel; element_io: its element-wise I/O
-    variant, the one shape there is) and split_count's count, but the
+    variant, fp8_cache: its e4m3-cache variant, the one shape each has) and split_count's
+    count, but the
     shape with four CTAs an SM (_compile.DECODE_MORE_CTAS), unsplit, where num_splits is
     left to the planner and
     - the default shape would split the keys while this one holds every unit in one wave
@@ -225,10 +226,10 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
     unsplit on the four-CTA one; 128 x 2k with 8 KV heads (1024 units: over 792, at most
     1056) runs on the four-CTA shape too; 256 x 1k (2048 units) on the default shape.
     """
-    kernel = _compile.decode_kernel(dtype, d, element_io)
+    kernel = _compile.decode_kernel(dtype, d, element_io, fp8_cache)
     splits = split_count(num_splits, units, capacity, kernel, device, paged)
     wider = (_compile.decode_kernel_with_more_ctas(dtype, d)
-             if num_splits == 0 and not element_io else None)
+             if num_splits == 0 and not element_io and not fp8_cache else None)
     if splits > 1:
         if wider is not None and split_count(0, units, capacity, wider, device, paged) == 1:
             return wider, 1

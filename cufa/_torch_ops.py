@@ -103,7 +103,8 @@ def _register():
                      alibi_slopes, num_splits, learnable_sink):
         return _decode_plan.with_kvcache(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-             cache_leftpad, block_table, alibi_slopes, _detached(learnable_sink), None),
+             cache_leftpad, block_table, alibi_slopes, _detached(learnable_sink), None, None,
+             None),
             cache_seqlen=cache_seqlen,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
             softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,

@@ -201,7 +201,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=NO_WINDOW, softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, out=None, check_inputs=False,
-                            learnable_sink=None):
+                            learnable_sink=None, k_descale=None, v_descale=None):
     """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
 
     q: (batch, seqlen_q, nheads, headdim). The cache is contiguous,
@@ -236,6 +236,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     outside the cache, lengths past its capacity and leftpads past the lengths; without it
     such values are clamped in the kernels, so they never read or write outside the arrays.
 
+    An fp8 cache: k_cache and v_cache in float8_e4m3fn (PyTorch), contiguous or paged,
+    with a head dim and strides that are multiples of 16; q (and the new k, v) stay
+    float16 or bfloat16, and out is q's dtype. k_descale, v_descale: float32 (batch,
+    nheads_k), or (1,) / 0-d for one scale a tensor (default 1): the cache's key is its
+    e4m3 value times k_descale[b, h] (FlashAttention-3's names). The decode kernel turns
+    the e4m3 tiles into q's dtype in shared memory. New k, v are quantized as they are
+    appended: round_to_e4m3(clamp(k / k_descale, -448, 448)) (rotated first, and rounded
+    to q's dtype, where rotary is on). JAX arrays and torch.compile do not take an fp8
+    cache yet.
+
     JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
     after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
     Under jax.jit with the caches donated (donate_argnums), they are the same memory and
@@ -251,8 +261,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-              cache_leftpad, block_table, alibi_slopes, learnable_sink)  # in ARRAYS' order
+              cache_leftpad, block_table, alibi_slopes, learnable_sink, k_descale,
+              v_descale)  # in ARRAYS' order
     if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
+        if _torch_ops.compiling(q) or _interop.is_jax(q) or _jax.tracing(*arrays):
+            _no_fp8_cache_here(k_cache, k_descale, v_descale)
         if _torch_ops.compiling(q):
             if out is not None or check_inputs:
                 raise NotImplementedError("out= and check_inputs=True are not supported "
@@ -279,6 +292,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         causal=causal, window_size=window_size, softcap=softcap,
                         rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
                         return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
+
+
+def _no_fp8_cache_here(k_cache, k_descale, v_descale):
+    """torch.compile and JAX do not take fp8 caches yet: a clear error, not a wrong route."""
+    if (k_descale is not None or v_descale is not None
+            or "float8" in str(getattr(k_cache, "dtype", ""))):
+        raise NotImplementedError("fp8 caches (and k_descale, v_descale) are taken from eager "
+                                  "PyTorch calls only so far, not under torch.compile or "
+                                  "from JAX")
 
 
 _integral_types = {}  # type -> whether numbers.Integral (an ABC check each call costs more)

@@ -92,7 +92,7 @@ def test_every_array_a_kernel_moves_counts():
 
     def kvcache(q=q1, cache=cache, new=None, out=None):
         return _checks.check_kvcache(q, cache, cache, new, new, None, None, lens, None, None,
-                                     None, None, None, out, out, None)[-1]
+                                     None, None, None, None, None, out, out, None)[-1]
     assert kvcache() and kvcache(new=sliced((2, 1, 2, 64)))
     assert not kvcache(q=sliced((2, 1, 4, 64)))
     assert not kvcache(cache=sliced((2, 64, 2, 64)))

@@ -583,7 +583,7 @@ def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
     lse = jax.ShapeDtypeStruct((2, 8, 1), "float32")
     plan = _decode_plan.plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
                                      None, None, None, None, view((2,), "int32"), None, None,
-                                     None, None, None, None, None, None,
+                                     None, None, None, None, None, None, None, None,
                                      window=(1 << 30, 1 << 30),
                                      scale=None, softcap=0.0, interleaved=True, num_splits=5,
                                      want_lse=True)

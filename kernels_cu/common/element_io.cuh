@@ -14,6 +14,15 @@ __device__ __forceinline__ void st_shared_16(u32 dst, const uint4& x) {
                : "memory");
 }
 
+__device__ __forceinline__ uint4 ld_shared_16(u32 src) {
+  uint4 x;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+               : "r"(src)
+               : "memory");
+  return x;
+}
+
 // Eight elements from src; those from `cols` on (all when cols <= 0) read as zeros, and
 // nothing is read for them.
 __device__ __forceinline__ uint4 load8_elementwise(const u16* src, int cols) {

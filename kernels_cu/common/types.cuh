@@ -38,6 +38,49 @@ __device__ __forceinline__ float bf16_to_float(u16 h) {
   return __uint_as_float(static_cast<u32>(h) << 16);
 }
 
+// -- e4m3 (float8_e4m3fn: 1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no inf) --
+typedef unsigned char u8;
+constexpr float kE4m3Max = 448.f;
+
+// Four e4m3 bytes -> four 16-bit values of dtype DT (two registers, byte 0 in lo's low
+// half), each exactly the e4m3 value over e4m3_to_half_scale() (the kernels fold the factor
+// into their descales), on any GPU (sm_89's cvt would need a second kernel for sm_80).
+// fp16: the byte's exponent and mantissa bits moved into place (the subnormals too: an
+// e4m3 subnormal is an fp16 one, at 2^-17 and up, and an fp16 product of it stays far
+// above float32's subnormals). bf16 the same way would sit at 2^-120, where products
+// fall below float32's normals, so bf16 goes through those fp16 values, converted
+// exactly. (e4m3fn's NaN code reads as 480, a finite value.)
+__device__ constexpr float e4m3_to_half_scale() { return 0x1p8f; }
+template <int DT>
+__device__ __forceinline__ void e4m3x4_to_half(u32 x, u32& lo, u32& hi) {
+  u32 a, b;  // bytes 0, 1 (2, 3) into the high bytes of the two 16-bit halves
+  asm("prmt.b32 %0, %1, %2, 0x1404;" : "=r"(a) : "r"(x), "r"(0u));
+  asm("prmt.b32 %0, %1, %2, 0x3424;" : "=r"(b) : "r"(x), "r"(0u));
+  lo = (a & 0x80008000u) | ((a >> 1) & 0x3f803f80u);  // fp16: sign, exponent and mantissa
+  hi = (b & 0x80008000u) | ((b >> 1) & 0x3f803f80u);
+  if constexpr (DT == BF16) {
+    lo = pack2<BF16>(fp16_to_float(static_cast<u16>(lo)), fp16_to_float(static_cast<u16>(lo >> 16)));
+    hi = pack2<BF16>(fp16_to_float(static_cast<u16>(hi)), fp16_to_float(static_cast<u16>(hi >> 16)));
+  }
+}
+
+// A float to e4m3, rounded to nearest even and saturated to +-448 (a NaN stays NaN).
+__device__ __forceinline__ u8 float_to_e4m3(float x) {
+  const u32 sign = (__float_as_uint(x) >> 24) & 0x80u;
+  const float a = fabsf(x);
+  if (!(a == a)) return static_cast<u8>(sign | 0x7fu);
+  u32 code = 0x7eu;  // from 448 up: 448
+  if (a < 0x1p-6f) {  // subnormal: steps of 2^-9 (the 8th is 2^-6, code 8)
+    code = static_cast<u32>(__float2int_rn(a * 0x1p9f));
+  } else if (a < kE4m3Max) {
+    const int e = static_cast<int>(__float_as_uint(a) >> 23) - 127;      // -6 .. 8
+    const float step = __uint_as_float(static_cast<u32>(127 + 3 - e) << 23);  // 2^(3 - e)
+    const int m = __float2int_rn(a * step) - 8;                          // 0 .. 8
+    code = min(static_cast<u32>(((e + 7) << 3) + m), 0x7eu);  // (m = 8 carries up)
+  }
+  return static_cast<u8>(sign | code);
+}
+
 // exp2 on the special-function unit; exp2(-inf) = 0, which masking relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

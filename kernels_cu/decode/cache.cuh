@@ -74,12 +74,30 @@ __device__ __forceinline__ CacheSlot cache_slot(const DecodeParams& p, const Cac
 }
 
 // Cache position `pos` of one KV head (head: the cache's base plus the head's offset).
-__device__ __forceinline__ const u16* cache_row(const DecodeParams& p, const CacheSeq& s,
-                                                const u16* head, i64 batch_stride,
-                                                i64 row_stride, int pos) {
+template <class Elem>
+__device__ __forceinline__ const Elem* cache_row(const DecodeParams& p, const CacheSeq& s,
+                                                 const Elem* head, i64 batch_stride,
+                                                 i64 row_stride, int pos) {
   const CacheSlot slot = cache_slot(p, s, pos);
   return head + slot.block * batch_stride + slot.row * row_stride;
 }
+
+// -- an e4m3 cache's scale of sequence b's KV head h_k (DecodeParams::k_descale) --
+__device__ __forceinline__ float cache_descale(u64 descale, i64 batch_stride, i64 head_stride,
+                                               int b, int h_k) {
+  return descale ? reinterpret_cast<const float*>(descale)[b * batch_stride + h_k * head_stride]
+                 : 1.f;
+}
+
+// -- the cache's element: u16 (q's dtype), or u8 for an e4m3 cache --
+template <bool kFp8>
+struct CacheElem {
+  using type = u16;
+};
+template <>
+struct CacheElem<true> {
+  using type = u8;
+};
 
 // -- a query row of the CTA: (token, head of the KV head's group) --
 struct DecodeRow {
@@ -154,17 +172,25 @@ __device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const D
 // -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
 //    columns past head_dim read as zeros. A paged cache's rows take their pages from
 //    row_page, this lane's tile_row_page (kPagesAhead), or look them up here. By cp.async
-//    (kElementIO: plain loads, load_kv_tile_elementwise) --
-template <int kHeadDim, bool kPagesAhead, bool kElementIO = false>
+//    (kElementIO: plain loads, load_kv_tile_elementwise). Elem: u16, or u8 for an e4m3
+//    cache, whose rows land unswizzled (kv_stage_offset) for e4m3_tile_to_half --
+template <class Elem, int kHeadDim>
+__device__ __forceinline__ u32 kv_stage_offset(int r, int c) {
+  if constexpr (sizeof(Elem) == 2) return Swizzle<kHeadDim>::offset(r, c);
+  return static_cast<u32>((r * (kHeadDim / 16) + c) * 16);
+}
+
+template <int kHeadDim, bool kPagesAhead, bool kElementIO = false, class Elem = u16>
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
-                                             const CacheSeq& s, const u16* k_head,
-                                             const u16* v_head, int key0, int row_page, int lane) {
+                                             const CacheSeq& s, const Elem* k_head,
+                                             const Elem* v_head, int key0, int row_page, int lane) {
   if constexpr (kElementIO) {
     load_kv_tile_elementwise<kHeadDim, kPagesAhead>(sk, sv, p, s, k_head, v_head, key0,
                                                     row_page, lane);
     return;
   }
-  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kChunkElems = 16 / sizeof(Elem);
+  constexpr int kChunks = kHeadDim / kChunkElems;
   const int rows_valid = s.seqlen_k - key0;
   // A contiguous cache's tile is rows of one base: a row stride a chunk, not a slot lookup
   // and two 64-bit products (ncu: our loop issued over twice cuDNN's instructions a byte).
@@ -184,25 +210,46 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
 #pragma unroll
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r < rows_valid && c * 8 < p.head_dim;
-    const u16* k_src = k_head;  // any valid address: a zero-filling copy reads nothing
-    const u16* v_src = v_head;
+    const bool valid = r < rows_valid && c * kChunkElems < p.head_dim;
+    const Elem* k_src = k_head;  // any valid address: a zero-filling copy reads nothing
+    const Elem* v_src = v_head;
     if (valid && !paged) {
-      k_src += first + r * p.k_row_stride + c * 8;
-      v_src += first_v + r * p.v_row_stride + c * 8;
+      k_src += first + r * p.k_row_stride + c * kChunkElems;
+      v_src += first_v + r * p.v_row_stride + c * kChunkElems;
     } else if (paged) {  // (the whole warp: the shuffle)
       const int pos = s.start + key0 + r;
       const CacheSlot slot = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r)
                                                       : valid ? s.pages[pos >> p.page_shift] : 0,
                                        pos);
       if (valid) {
-        k_src += slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * 8;
-        v_src += slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * 8;
+        k_src += slot.block * p.k_batch_stride + slot.row * p.k_row_stride + c * kChunkElems;
+        v_src += slot.block * p.v_batch_stride + slot.row * p.v_row_stride + c * kChunkElems;
       }
     }
-    const u32 at = Swizzle<kHeadDim>::offset(r, c);
+    const u32 at = kv_stage_offset<Elem, kHeadDim>(r, c);
     cp_async_16(sk + at, k_src, valid ? 16 : 0);
     cp_async_16(sv + at, v_src, valid ? 16 : 0);
+  }
+}
+
+// -- a warp's 16-key e4m3 tile (its stage, rows of kHeadDim bytes) to 16-bit values of
+//    dtype kDtype in the swizzled layout the 16-bit stages have (at `dst`), each the
+//    cache value over e4m3_to_half_scale() (the caller's descale holds the factor). Each lane
+//    turns 16 bytes into two 16-byte chunks --
+template <int kDtype, int kHeadDim>
+__device__ __forceinline__ void e4m3_tile_to_half(u32 src, u32 dst, int lane) {
+  constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks of an e4m3 row
+#pragma unroll
+  for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const uint4 x = ld_shared_16(src + idx * 16);
+    uint4 lo, hi;
+    e4m3x4_to_half<kDtype>(x.x, lo.x, lo.y);
+    e4m3x4_to_half<kDtype>(x.y, lo.z, lo.w);
+    e4m3x4_to_half<kDtype>(x.z, hi.x, hi.y);
+    e4m3x4_to_half<kDtype>(x.w, hi.z, hi.w);
+    st_shared_16(dst + Swizzle<kHeadDim>::offset(r, 2 * c), lo);
+    st_shared_16(dst + Swizzle<kHeadDim>::offset(r, 2 * c + 1), hi);
   }
 }
 

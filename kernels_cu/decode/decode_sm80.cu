@@ -26,8 +26,10 @@ namespace cufa {
 // with four CTAs an SM (d = 64: three stages; d = 128: two warps of three stages), that
 // the planner takes where it runs the work in one wave unsplit (measured slower than the
 // default at d = 64 once there are several waves). Mirrored by decode_shape and
-// DECODE_MORE_CTAS in cufa/_compile.py.
-template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0>
+// DECODE_MORE_CTAS in cufa/_compile.py. kFp8: an e4m3 cache, whose stages hold half the
+// bytes; each warp turns its step's tiles into 16-bit ones (kStepTiles of K and of V)
+// beside them, in the same shared memory as the 16-bit shape.
+template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0, bool kFp8 = false>
 struct DecodeShape {
   static constexpr int kWarps = kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = 32 * kWarps;
@@ -39,8 +41,10 @@ struct DecodeShape {
   // waits in the memory queues behind every copy issued with it: with 6 tiles a warp
   // ahead (4 x 8 stages at 1 x 32k) Q landed after 3.6 us, with 2 after 2.0.
   static constexpr int kTilesBeforeQ = kStages - kStepTiles < 2 ? kStages - kStepTiles : 2;
-  static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;
-  static constexpr int kWarpBytes = kStages * 2 * kTileBytes;  // K and V per stage
+  static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;         // a 16-bit tile
+  static constexpr int kStageTileBytes = kFp8 ? kTileBytes / 2 : kTileBytes;  // as loaded
+  static constexpr int kConvertedBytes = kFp8 ? kStepTiles * 2 * kTileBytes : 0;
+  static constexpr int kWarpBytes = kStages * 2 * kStageTileBytes + kConvertedBytes;
   static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
   static constexpr int kOStride = kHeadDim + 4;  // floats a row: rows 4 banks apart
   static_assert(kDecodeRows * kOStride * 4 <= kWarpBytes,
@@ -55,11 +59,16 @@ struct DecodeShape {
 
 // grid: (num_m_blocks * num_splits, nheads_k, batch). kElementIO: the element-wise I/O
 // variant (common/element_io.cuh), for any head dim and any strides: a warp's tile loads
-// block it until they land, where cp.async keeps kStages tiles in flight.
-template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false>
-__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kThreads)
+// block it until they land, where cp.async keeps kStages tiles in flight. kFp8: the cache
+// holds e4m3 (q stays kDtype): its tiles are turned into kDtype values in shared memory
+// (e4m3_tile_to_half), the descales folded into the scores and the output.
+template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false,
+          bool kFp8 = false>
+__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kThreads)
     decode_kernel(const DecodeParams p) {
-  using Shape = DecodeShape<kHeadDim, kStages, kWarpCount>;
+  static_assert(!(kElementIO && kFp8), "an e4m3 cache takes the 16-byte path");
+  using Shape = DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>;
+  using Elem = typename CacheElem<kFp8>::type;
   constexpr int kWarps = Shape::kWarps;
   constexpr int kDTiles = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -96,16 +105,22 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
   // slower, so it keeps the lookup at the copy (docs/decisions.md).
   constexpr bool kPagesAhead = kStep == 1;
   const u32 stages = sq + Shape::kQBytes + warp * Shape::kWarpBytes;
-  const u16* k_head = reinterpret_cast<const u16*>(p.k) + h_k * p.k_head_stride;
-  const u16* v_head = reinterpret_cast<const u16*>(p.v) + h_k * p.v_head_stride;
+  const Elem* k_head = reinterpret_cast<const Elem*>(p.k) + h_k * p.k_head_stride;
+  const Elem* v_head = reinterpret_cast<const Elem*>(p.v) + h_k * p.v_head_stride;
   const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
-  const auto stage_k = [&](int i) { return stages + (i % kStages) * 2 * Shape::kTileBytes; };
+  const auto stage_k = [&](int i) { return stages + (i % kStages) * 2 * Shape::kStageTileBytes; };
+  // the 16-bit K and V of the step's tile u: the stage's own (16-bit cache), or its
+  // conversion after the warp's stages (e4m3)
+  const auto tile_k = [&](int i, int u) {
+    return kFp8 ? stages + kStages * 2 * Shape::kStageTileBytes + u * 2 * Shape::kTileBytes
+                : stage_k(i);
+  };
   const auto ahead_pages = [&](int i) {
     return kPagesAhead && i < my_tiles ? tile_row_page(p, s, tile_key0(i), lane) : 0;
   };
   const auto prologue_tile = [&](int i) {
     if (i < my_tiles)
-      load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(i), stage_k(i) + Shape::kTileBytes,
+      load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(i), stage_k(i) + Shape::kStageTileBytes,
                                                       p, s, k_head, v_head, tile_key0(i),
                                                       ahead_pages(i), lane);
     cp_async_commit();
@@ -126,6 +141,11 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
   const float scale_log2 = score_mods ? 1.f : p.scale_log2;  // score mods leave log2 units
   const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
 
+  // an e4m3 cache: the converted keys and values are the cache's over e4m3_to_half_scale()
+  const float k_scale = kFp8 ? cache_descale(p.k_descale, p.k_descale_batch_stride,
+                                             p.k_descale_head_stride, s.b, h_k) *
+                                   e4m3_to_half_scale()
+                             : 1.f;
   float acc_o[1][kDTiles][4];
   fill(acc_o, 0.f);
   OnlineSoftmax<1> softmax;
@@ -139,14 +159,24 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
       const int ahead = i + kStages - kStep + u;
       if (ahead < my_tiles)
         load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(ahead),
-                                                        stage_k(ahead) + Shape::kTileBytes, p, s,
-                                                        k_head, v_head, tile_key0(ahead),
+                                                        stage_k(ahead) + Shape::kStageTileBytes, p,
+                                                        s, k_head, v_head, tile_key0(ahead),
                                                         next_pages[u], lane);
       cp_async_commit();
       next_pages[u] = ahead_pages(ahead + kStep);
     }
     cp_async_wait<kStages - kStep>();
     __syncwarp();
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int u = 0; u < kStep; ++u) {
+        if (u > 0 && i + u >= my_tiles) continue;
+        e4m3_tile_to_half<kDtype, kHeadDim>(stage_k(i + u), tile_k(i + u, u), lane);
+        e4m3_tile_to_half<kDtype, kHeadDim>(stage_k(i + u) + Shape::kStageTileBytes,
+                                            tile_k(i + u, u) + Shape::kTileBytes, lane);
+      }
+      __syncwarp();
+    }
 
     // -- compute qk of each tile (a tile past the warp's last scores -inf), score mods, mask --
     float acc_s[1][2 * kStep][4];
@@ -156,8 +186,8 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
       const bool present = u == 0 || i + u < my_tiles;
       fill(tile_s, present ? 0.f : -CUFA_INF);
       if (present)
-        score_tile<kDtype>(tile_s, q_frag, stage_k(i + u), p, s, scoring, score_mods,
-                           tile_key0(i + u), lane);
+        score_tile<kDtype, kHeadDim, kFp8>(tile_s, q_frag, tile_k(i + u, u), p, s, scoring,
+                                           score_mods, tile_key0(i + u), lane, k_scale);
     }
 
     // -- update m_i and l_i once for the step, rescale acc, then acc += P V per tile --
@@ -168,11 +198,20 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount>::kT
     for (int u = 0; u < kStep; ++u) {
       if (u > 0 && i + u >= my_tiles) continue;
       const float(&tile_p)[1][2][4] = *reinterpret_cast<const float(*)[1][2][4]>(&acc_s[0][2 * u]);
-      accumulate_tile<kDtype, kHeadDim>(acc_o, tile_p, stage_k(i + u) + Shape::kTileBytes, lane);
+      accumulate_tile<kDtype, kHeadDim>(acc_o, tile_p, tile_k(i + u, u) + Shape::kTileBytes, lane);
     }
     __syncwarp();  // every lane is done with these stages before they are refilled
   }
 
+  if constexpr (kFp8) {
+    const float v_scale = cache_descale(p.v_descale, p.v_descale_batch_stride,
+                                        p.v_descale_head_stride, s.b, h_k) *
+                          e4m3_to_half_scale();
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] *= v_scale;
+  }
   cp_async_wait<0>();  // (the outputs are staged over the cache stages)
   float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
   stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_out,

@@ -37,6 +37,9 @@ struct DecodeParams {
   // float32, fp16 or bf16 (nheads,) or 0: query head h's learnable sink (FwdParams'), added
   // once a row: by the epilogue unsplit, else by the merge of the splits
   u64 learnable_sink;
+  // An e4m3 cache (the fp8 variants): float32 scales, a key of the cache is its e4m3 value
+  // times k_descale[b][h_k] (v's alike; strides 0 for one scale a tensor); 0: 1
+  u64 k_descale, v_descale;
 
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride: a cache row, or a page
@@ -47,6 +50,7 @@ struct DecodeParams {
   i64 v_new_batch_stride, v_new_row_stride, v_new_head_stride;
   i64 q_source_batch_stride, q_source_row_stride, q_source_head_stride;
   i64 lse_batch_stride, lse_head_stride;  // lse's row stride is 1
+  i64 k_descale_batch_stride, k_descale_head_stride, v_descale_batch_stride, v_descale_head_stride;
 
   int batch, seqlen_q, nheads, nheads_k, group, head_dim;  // group = nheads / nheads_k
   int total_q;             // a packed batch's q rows (cu_seqlens_q values are clamped to it)

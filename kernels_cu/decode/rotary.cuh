@@ -36,4 +36,28 @@ __device__ __forceinline__ void rotate_row(const DecodeParams& p, const u16* src
   for (int i = p.rotary_dim + lane; i < p.head_dim; i += 32) dst[i] = src[i];  // (all without rotary)
 }
 
+// -- the same into an e4m3 cache row: each value rounded to kDtype as rotate_row stores it,
+//    then divided by the row's descale, saturated to +-448 and rounded to e4m3 --
+template <int kDtype>
+__device__ __forceinline__ u8 to_e4m3(float x, float descale) {
+  const float half = kDtype == FP16 ? fp16_to_float(to_half<kDtype>(x)) : bf16_to_float(to_half<kDtype>(x));
+  return float_to_e4m3(fminf(fmaxf(half / descale, -kE4m3Max), kE4m3Max));
+}
+
+template <int kDtype>
+__device__ __forceinline__ void rotate_row_e4m3(const DecodeParams& p, const u16* src, u8* dst,
+                                                int pos, float descale, int lane) {
+  const int half = p.rotary_dim / 2;
+  const i64 at = (i64)min(max(pos, 0), p.seqlen_ro - 1) * half;
+  for (int i = lane; i < half; i += 32) {
+    const int a = p.rotary_interleaved ? 2 * i : i, b = p.rotary_interleaved ? 2 * i + 1 : i + half;
+    const float c = rotary_value(p, p.rotary_cos, at + i), s = rotary_value(p, p.rotary_sin, at + i);
+    const float x0 = load_half<kDtype>(src, a), x1 = load_half<kDtype>(src, b);
+    dst[a] = to_e4m3<kDtype>(x0 * c - x1 * s, descale);
+    dst[b] = to_e4m3<kDtype>(x0 * s + x1 * c, descale);
+  }
+  for (int i = p.rotary_dim + lane; i < p.head_dim; i += 32)
+    dst[i] = to_e4m3<kDtype>(load_half<kDtype>(src, i), descale);
+}
+
 }  // namespace cufa

@@ -108,14 +108,21 @@ __device__ __forceinline__ TileScoring tile_scoring(const DecodeParams& p, const
   return sc;
 }
 
-// -- S += Q K^T of the 16-key tile at k_tile (keys key0..), then score mods and mask --
-template <int kDtype, int kHeadDim>
+// -- S += Q K^T of the 16-key tile at k_tile (keys key0..), times k_scale where the keys
+//    are scaled (kScaledKeys: an e4m3 cache's descale), then score mods and mask --
+template <int kDtype, int kHeadDim, bool kScaledKeys = false>
 __device__ __forceinline__ void score_tile(float (&tile_s)[1][2][4], const LdmatrixAddr<kHeadDim>& q_frag,
                                            u32 k_tile, const DecodeParams& p, const CacheSeq& s,
                                            const TileScoring& sc, bool score_mods, int key0,
-                                           int lane) {
+                                           int lane, float k_scale = 1.f) {
   const LdmatrixAddr<kHeadDim> k_frag(k_tile, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
   gemm_qk<kDtype>(tile_s, q_frag, k_frag);
+  if constexpr (kScaledKeys) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile_s[0][nt][e] *= k_scale;
+  }
   if (score_mods) decode_score_mods(tile_s, p, s, sc.lr, key0, lane);
   if (key0 < sc.all_lo || key0 + kTileKeys > sc.all_hi) decode_mask(tile_s, sc.lr, key0, lane);
 }

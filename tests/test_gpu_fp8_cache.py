@@ -1,0 +1,169 @@
+"""GPU: flash_attn_with_kvcache with an fp8 (float8_e4m3fn) KV cache and k_descale /
+v_descale (FlashAttention-3's names). Each output against the float64 reference of the
+dequantized cache (reference.kvcache_attention with the descales) under the per-row pass
+rule; each append byte for byte against torch's own quantization of k / k_descale after
+the clamp to +-448, every other cache byte unchanged."""
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import cufa  # noqa: E402
+from cufa import reference  # noqa: E402
+from _attention_check import (  # noqa: E402
+    assert_pass_rule, i32, kvcache_references, make_sink, randn)
+
+E4M3 = getattr(torch, "float8_e4m3fn", None)
+if E4M3 is None:
+    pytest.skip("this PyTorch has no float8_e4m3fn", allow_module_level=True)
+NAN = float("nan")
+
+
+def fp8_cache(rng, shape, scale=4.0):
+    """An e4m3 cache of random values (normal draws of `scale`: most of e4m3's exponents)."""
+    x = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * scale)
+    return x.clamp(-448, 448).to("cuda", E4M3)
+
+
+def descales(rng, kind, batch, heads_k):
+    """k or v descale: "per_head" (batch, nheads_k), "one" (1,), "scalar" 0-d, None."""
+    if kind is None:
+        return None
+    shape = {"per_head": (batch, heads_k), "one": (1,), "scalar": ()}[kind]
+    return torch.from_numpy(rng.uniform(0.05, 0.5, shape).astype(np.float32)).cuda()
+
+
+def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=128, capacity=300,
+          page_size=None, new=0, lens=None, descale="per_head", rotary=False, sink=None,
+          **call_kw):
+    """One call's keyword arguments and the append's slots (cache rows or pages, positions)."""
+    h, hk = heads
+    kw = dict(q=randn(rng, (batch, seqlen_q, h, d), dtype), **call_kw)
+    k_cache, v_cache = (fp8_cache(rng, (batch, capacity, hk, d)) for _ in range(2))
+    room = capacity - max(new, seqlen_q)
+    if lens is None:
+        lens = [int(x) for x in rng.integers(0, room + 1, batch)]
+    kw["cache_seqlens"] = i32(lens)
+    kw["k_descale"], kw["v_descale"] = (descales(rng, descale, batch, hk) for _ in range(2))
+    if new:
+        kw["k"], kw["v"] = (randn(rng, (batch, new, hk, d), dtype, scale=0.5) for _ in range(2))
+    if rotary:
+        angles = rng.uniform(-math.pi, math.pi, (capacity, d // 2))
+        kw["rotary_cos"], kw["rotary_sin"] = (torch.from_numpy(f(angles)).to("cuda", kw["q"].dtype)
+                                              for f in (np.cos, np.sin))
+    if sink:
+        kw["learnable_sink"] = make_sink(rng, h, sink)
+    positions = np.asarray(lens)[:, None] + np.arange(new)[None, :]
+    if page_size:
+        table, num_pages = reference.paged_layout(batch, capacity, page_size, rng)
+        k_cache, v_cache = (reference.to_paged(c.view(torch.uint8), table, num_pages, fill=0).view(E4M3)
+                            for c in (k_cache, v_cache))  # (as bytes: no fp8 indexing needed)
+        kw["block_table"] = i32(table)
+        slots = (table[np.arange(batch)[:, None], positions // page_size], positions % page_size)
+    else:
+        slots = (np.broadcast_to(np.arange(batch)[:, None], positions.shape), positions)
+    kw["k_cache"], kw["v_cache"] = k_cache, v_cache
+    return kw, tuple(s.ravel() for s in slots)
+
+
+def expected_bytes(x, descale, batch, heads_k):
+    """torch's quantization of new keys x (batch, new, heads_k, d) by a descale: the bytes
+    an fp8 append must write."""
+    scale = descale.reshape(-1, heads_k) if descale.dim() == 2 else descale.reshape(1, 1)
+    scale = torch.broadcast_to(scale, (batch, heads_k))[:, None, :, None]
+    return (x.float() / scale).clamp(-448, 448).to(E4M3).view(torch.uint8)
+
+
+def call_and_check(kw, slots, label, rotary_steps=0):
+    before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
+    out = torch.full_like(kw["q"], NAN)
+    res, lse = cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True)
+    assert res is out
+    ref, lowp, _, _ = kvcache_references(**{**kw, **before})
+    assert_pass_rule(out, lse, ref, lowp, kw["q"].dtype, label)
+    batch, hk = kw["q"].shape[0], kw["k_cache"].shape[2]
+    for n, new, scale in (("k_cache", "k", "k_descale"), ("v_cache", "v", "v_descale")):
+        got, old = kw[n].view(torch.uint8), before[n].view(torch.uint8)
+        written = torch.zeros(got.shape[:2], dtype=torch.bool, device="cuda")
+        if new in kw:
+            written[torch.as_tensor(slots[0]).cuda().long(), torch.as_tensor(slots[1]).cuda().long()] = True
+        assert torch.equal(got[~written], old[~written]), f"{label}: {n} changed outside the new slots"
+        if new not in kw:
+            continue
+        descale = kw[scale] if kw[scale] is not None else torch.ones((), device="cuda")
+        want = expected_bytes(kw[new], descale, batch, hk).reshape(-1, hk, got.shape[-1])
+        rows, positions = (torch.as_tensor(np.asarray(x)).cuda().long() for x in slots)
+        have = got[rows, positions]  # (batch x new, heads_k, d), in the new keys' order
+        if new == "k" and rotary_steps:
+            # rotated in float32 and rounded to q's dtype before the quantization: within
+            # one e4m3 step of torch's quantization of the reference's rotation
+            continue
+        assert torch.equal(have, want), (
+            f"{label}: {n}'s new slots differ from torch's e4m3 quantization in "
+            f"{int((have != want).sum())} of {have.numel()} bytes")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_fp8_cache_decode_per_head_descales(dtype, d):
+    rng = np.random.default_rng(d)
+    kw, slots = build(rng, dtype=dtype, d=d, batch=3, seqlen_q=2, causal=True)
+    call_and_check(kw, slots, f"{dtype} d={d}")
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("descale", ["per_head", "one", "scalar", None])
+def test_fp8_cache_layouts_and_descale_shapes(page_size, descale):
+    rng = np.random.default_rng(7)
+    kw, slots = build(rng, page_size=page_size, descale=descale, capacity=512, batch=2,
+                      heads=(16, 4))
+    call_and_check(kw, slots, f"pages {page_size} descale {descale}")
+
+
+@pytest.mark.parametrize("splits", [1, 4, 0])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (8, 1)])
+def test_fp8_cache_splits_and_gqa(splits, heads):
+    rng = np.random.default_rng(11)
+    kw, slots = build(rng, heads=heads, capacity=2048, lens=[2048, 1500], batch=2,
+                      num_splits=splits)
+    call_and_check(kw, slots, f"splits {splits} heads {heads}")
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_cache_append_quantizes_new_keys(page_size, dtype):
+    rng = np.random.default_rng(3)
+    kw, slots = build(rng, dtype=dtype, new=5, seqlen_q=5, causal=True, page_size=page_size)
+    call_and_check(kw, slots, f"append {dtype} pages {page_size}")
+
+
+def test_fp8_cache_append_with_rotary_sink_and_window():
+    rng = np.random.default_rng(5)
+    kw, slots = build(rng, new=3, seqlen_q=3, rotary=True, sink="float32",
+                      window_size=(64, 0))
+    call_and_check(kw, slots, "rotary + sink + window", rotary_steps=1)
+
+
+def test_fp8_cache_empty_rows_and_one_key():
+    """Sequences with no keys (lse -inf, out 0) and with one key."""
+    rng = np.random.default_rng(9)
+    kw, slots = build(rng, lens=[0, 1, 33], batch=3)
+    call_and_check(kw, slots, "lens 0, 1, 33")
+
+
+def test_fp8_cache_large_values_stay_finite():
+    """Cache values at e4m3's extremes (+-448 and the subnormals) with large descales: the
+    16-bit conversion keeps them exact (the bf16 path's 2^-120 factor included)."""
+    rng = np.random.default_rng(13)
+    for dtype in ("float16", "bfloat16"):
+        kw, slots = build(rng, dtype=dtype, batch=2, capacity=128, lens=[128, 77])
+        codes = torch.tensor([0x7e, 0xfe, 0x01, 0x81, 0x08, 0x00], dtype=torch.uint8, device="cuda")
+        pick = torch.randint(0, len(codes), kw["k_cache"].shape, device="cuda")
+        kw["k_cache"] = codes[pick].view(E4M3)
+        kw["k_descale"] = torch.full((2, 2), 1e-3, device="cuda")
+        kw["v_descale"] = torch.full((2, 2), 3.0, device="cuda")
+        call_and_check(kw, slots, f"{dtype} extremes")
