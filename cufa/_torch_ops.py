@@ -100,11 +100,11 @@ def _register():
     def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                      causal, window_left, window_right, softcap, rotary_interleaved,
-                     alibi_slopes, num_splits, learnable_sink):
+                     alibi_slopes, num_splits, learnable_sink, k_descale, v_descale):
         return _decode_plan.with_kvcache(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-             cache_leftpad, block_table, alibi_slopes, _detached(learnable_sink), None, None,
-             None),
+             cache_leftpad, block_table, alibi_slopes, _detached(learnable_sink), k_descale,
+             v_descale, None),
             cache_seqlen=cache_seqlen,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
             softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
@@ -128,12 +128,13 @@ def _register():
                        softmax_scale: Optional[float], causal: bool, window_left: int,
                        window_right: int, softcap: float, rotary_interleaved: bool,
                        alibi_slopes: Optional[Tensor], num_splits: int,
-                       learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                       learnable_sink: Optional[Tensor], k_descale: Optional[Tensor],
+                       v_descale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
             return kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                 cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
                                 block_table, softmax_scale, causal, window_left, window_right,
                                 softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                learnable_sink)
+                                learnable_sink, k_descale, v_descale)
         kvcache_op.register_fake(kvcache_fake)
         ops[name] = kvcache_op
 

@@ -243,8 +243,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     e4m3 value times k_descale[b, h] (FlashAttention-3's names). The decode kernel turns
     the e4m3 tiles into q's dtype in shared memory. New k, v are quantized as they are
     appended: round_to_e4m3(clamp(k / k_descale, -448, 448)) (rotated first, and rounded
-    to q's dtype, where rotary is on). JAX arrays and torch.compile do not take an fp8
-    cache yet.
+    to q's dtype, where rotary is on). JAX arrays do not take an fp8 cache yet.
 
     JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
     after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
@@ -264,7 +263,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
               cache_leftpad, block_table, alibi_slopes, learnable_sink, k_descale,
               v_descale)  # in ARRAYS' order
     if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
-        if _torch_ops.compiling(q) or _interop.is_jax(q) or _jax.tracing(*arrays):
+        if not _torch_ops.compiling(q) and (_interop.is_jax(q) or _jax.tracing(*arrays)):
             _no_fp8_cache_here(k_cache, k_descale, v_descale)
         if _torch_ops.compiling(q):
             if out is not None or check_inputs:
@@ -274,7 +273,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                 *window_ints(window_size), softcap, bool(rotary_interleaved), alibi_slopes,
-                num_splits, learnable_sink)
+                num_splits, learnable_sink, k_descale, v_descale)
             return (o, lse) if return_softmax_lse else o
         if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
             if check_inputs:
@@ -295,12 +294,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 
 def _no_fp8_cache_here(k_cache, k_descale, v_descale):
-    """torch.compile and JAX do not take fp8 caches yet: a clear error, not a wrong route."""
+    """JAX does not take fp8 caches yet: a clear error, not a wrong route."""
     if (k_descale is not None or v_descale is not None
             or "float8" in str(getattr(k_cache, "dtype", ""))):
-        raise NotImplementedError("fp8 caches (and k_descale, v_descale) are taken from eager "
-                                  "PyTorch calls only so far, not under torch.compile or "
-                                  "from JAX")
+        raise NotImplementedError("fp8 caches (and k_descale, v_descale) are taken from "
+                                  "PyTorch (eager and torch.compile) only so far, not from "
+                                  "JAX")
 
 
 _integral_types = {}  # type -> whether numbers.Integral (an ABC check each call costs more)

@@ -158,3 +158,20 @@ def test_torch_is_known_before_the_first_trace():
     code = ("import torch, cufa; from cufa import _interop; "
             "assert _interop._torch_tensor is torch.Tensor")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fp8_cache_and_descales_trace_into_the_kvcache_op():
+    """An fp8 cache traces as a 16-bit one does, its descales one more pair of tensor
+    arguments of the op (with the append: the op that mutates the caches)."""
+    q = torch.empty(2, 1, 8, 64, dtype=torch.bfloat16, device="meta")
+    cache = torch.empty(2, 256, 2, 64, dtype=torch.float8_e4m3fn, device="meta")
+    new = torch.empty(2, 1, 2, 64, dtype=torch.bfloat16, device="meta")
+    lens = torch.empty(2, dtype=torch.int32, device="meta")
+    k_scale, v_scale = (torch.empty(2, 2, dtype=torch.float32, device="meta") for _ in range(2))
+
+    def f(q, c, k, n, ks, vs):
+        return cufa.flash_attn_with_kvcache(q, c, c, k, k, cache_seqlens=n, k_descale=ks,
+                                           v_descale=vs)
+    code = _traced_graph(f, q, cache, new, lens, k_scale, v_scale)
+    (call,) = [line for line in code.splitlines() if "torch.ops.cufa.kvcache_append" in line]
+    assert call.split("(", 1)[1].rstrip(");").split(";")[0].endswith("l_ks_, l_vs_)"), call

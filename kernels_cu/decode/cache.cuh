@@ -239,7 +239,9 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
 template <int kDtype, int kHeadDim>
 __device__ __forceinline__ void e4m3_tile_to_half(u32 src, u32 dst, int lane) {
   constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks of an e4m3 row
-#pragma unroll
+  // (a chunk at a time: unrolled, ptxas held every chunk's registers at once and spilled
+  // the d = 96 to 160 kernels on sm_80)
+#pragma unroll 1
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
     const uint4 x = ld_shared_16(src + idx * 16);

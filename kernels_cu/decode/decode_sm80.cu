@@ -64,7 +64,7 @@ struct DecodeShape {
 // (e4m3_tile_to_half), the descales folded into the scores and the output.
 template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false,
           bool kFp8 = false>
-__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kThreads)
+__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kThreads, kFp8 ? 1 : 0)
     decode_kernel(const DecodeParams p) {
   static_assert(!(kElementIO && kFp8), "an e4m3 cache takes the 16-byte path");
   using Shape = DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>;
