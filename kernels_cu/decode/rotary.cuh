@@ -21,23 +21,35 @@ __device__ __forceinline__ float rotary_value(const DecodeParams& p, u64 table, 
   return p.rotary_dtype == FP16 ? fp16_to_float(h) : bf16_to_float(h);
 }
 
-template <int kDtype>
-__device__ __forceinline__ void rotate_row(const DecodeParams& p, const u16* src, u16* dst, int pos,
-                                           int lane) {
+// -- rotary embedding of the row src (d elements) at cache position pos: each rotated value
+//    goes to store_rotated(i, x), each feature past rotary_dim (all without rotary) to
+//    store_kept(i) --
+template <int kDtype, class StoreRotated, class StoreKept>
+__device__ __forceinline__ void rotate_row_into(const DecodeParams& p, const u16* src, int pos,
+                                                int lane, StoreRotated store_rotated,
+                                                StoreKept store_kept) {
   const int half = p.rotary_dim / 2;
   const i64 at = (i64)min(max(pos, 0), p.seqlen_ro - 1) * half;
   for (int i = lane; i < half; i += 32) {
     const int a = p.rotary_interleaved ? 2 * i : i, b = p.rotary_interleaved ? 2 * i + 1 : i + half;
     const float c = rotary_value(p, p.rotary_cos, at + i), s = rotary_value(p, p.rotary_sin, at + i);
     const float x0 = load_half<kDtype>(src, a), x1 = load_half<kDtype>(src, b);
-    dst[a] = to_half<kDtype>(x0 * c - x1 * s);
-    dst[b] = to_half<kDtype>(x0 * s + x1 * c);
+    store_rotated(a, x0 * c - x1 * s);
+    store_rotated(b, x0 * s + x1 * c);
   }
-  for (int i = p.rotary_dim + lane; i < p.head_dim; i += 32) dst[i] = src[i];  // (all without rotary)
+  for (int i = p.rotary_dim + lane; i < p.head_dim; i += 32) store_kept(i);
 }
 
-// -- the same into an e4m3 cache row: each value rounded to kDtype as rotate_row stores it,
-//    then divided by the row's descale, saturated to +-448 and rounded to e4m3 --
+// -- into a row of kDtype: rotated values rounded, the rest copied --
+template <int kDtype>
+__device__ __forceinline__ void rotate_row(const DecodeParams& p, const u16* src, u16* dst, int pos,
+                                           int lane) {
+  rotate_row_into<kDtype>(p, src, pos, lane, [&](int i, float x) { dst[i] = to_half<kDtype>(x); },
+                          [&](int i) { dst[i] = src[i]; });
+}
+
+// -- into an e4m3 cache row: each value rounded to kDtype as rotate_row stores it, then
+//    divided by the row's descale, saturated to +-448 and rounded to e4m3 --
 template <int kDtype>
 __device__ __forceinline__ u8 to_e4m3(float x, float descale) {
   const float half = kDtype == FP16 ? fp16_to_float(to_half<kDtype>(x)) : bf16_to_float(to_half<kDtype>(x));
@@ -47,17 +59,9 @@ __device__ __forceinline__ u8 to_e4m3(float x, float descale) {
 template <int kDtype>
 __device__ __forceinline__ void rotate_row_e4m3(const DecodeParams& p, const u16* src, u8* dst,
                                                 int pos, float descale, int lane) {
-  const int half = p.rotary_dim / 2;
-  const i64 at = (i64)min(max(pos, 0), p.seqlen_ro - 1) * half;
-  for (int i = lane; i < half; i += 32) {
-    const int a = p.rotary_interleaved ? 2 * i : i, b = p.rotary_interleaved ? 2 * i + 1 : i + half;
-    const float c = rotary_value(p, p.rotary_cos, at + i), s = rotary_value(p, p.rotary_sin, at + i);
-    const float x0 = load_half<kDtype>(src, a), x1 = load_half<kDtype>(src, b);
-    dst[a] = to_e4m3<kDtype>(x0 * c - x1 * s, descale);
-    dst[b] = to_e4m3<kDtype>(x0 * s + x1 * c, descale);
-  }
-  for (int i = p.rotary_dim + lane; i < p.head_dim; i += 32)
-    dst[i] = to_e4m3<kDtype>(load_half<kDtype>(src, i), descale);
+  rotate_row_into<kDtype>(
+      p, src, pos, lane, [&](int i, float x) { dst[i] = to_e4m3<kDtype>(x, descale); },
+      [&](int i) { dst[i] = to_e4m3<kDtype>(load_half<kDtype>(src, i), descale); });
 }
 
 }  // namespace cufa
