@@ -19,7 +19,7 @@ SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "float8_e4m3fn":
 def arr(shape, dtype="float16", strides=None, ptr=0x7f0000000000, device=0):
     if strides is None:
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    return DeviceArray(None, "cupy", ptr, tuple(shape), tuple(strides), dtype, device,
+    return DeviceArray(None, "torch", ptr, tuple(shape), tuple(strides), dtype, device,
                        SIZES[dtype])
 
 
@@ -89,6 +89,9 @@ def test_fp8_append_quantizes_in_the_append_kernel(planner):  # noqa: F811
      NotImplementedError, ["multiples of 16"]),
     (dict(k=arr((2, 1, 2, 128), "float8_e4m3fn"), v=arr((2, 1, 2, 128), "float8_e4m3fn")),
      TypeError, ["k has dtype float8_e4m3fn", "float16"]),
+    (dict(cache=DeviceArray(None, "dlpack", 0x7f0000000000, (2, 256, 2, 128),
+                            (65536, 256, 128, 1), "float8_e4m3fn", 0, 1)),
+     NotImplementedError, ["PyTorch", "JAX"]),
 ])
 def test_fp8_cache_bad_arguments(kw, error, words, planner):  # noqa: F811
     q, kc, vc, rest = call(**{n: kw.pop(n) for n in ("q", "cache", "v_cache") if n in kw})
