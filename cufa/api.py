@@ -236,7 +236,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     outside the cache, lengths past its capacity and leftpads past the lengths; without it
     such values are clamped in the kernels, so they never read or write outside the arrays.
 
-    An fp8 cache: k_cache and v_cache in float8_e4m3fn (PyTorch), contiguous or paged,
+    An fp8 cache: k_cache and v_cache in float8_e4m3fn (PyTorch's, or CuPy arrays of
+    ml_dtypes' float8_e4m3fn), contiguous or paged,
     with a head dim and strides that are multiples of 16; q (and the new k, v) stay
     float16 or bfloat16, and out is q's dtype. k_descale, v_descale: float32 (batch,
     nheads_k), or (1,) / 0-d for one scale a tensor (default 1): the cache's key is its
@@ -297,8 +298,8 @@ def _no_fp8_cache_here(k_cache, k_descale, v_descale):
     if (k_descale is not None or v_descale is not None
             or "float8" in str(getattr(k_cache, "dtype", ""))):
         raise NotImplementedError("fp8 caches (and k_descale, v_descale) are taken from "
-                                  "PyTorch (eager and torch.compile) only so far, not from "
-                                  "JAX")
+                                  "PyTorch (eager and torch.compile) and CuPy only so far, "
+                                  "not from JAX")
 
 
 _integral_types = {}  # type -> whether numbers.Integral (an ABC check each call costs more)

@@ -91,7 +91,7 @@ def test_fp8_append_quantizes_in_the_append_kernel(planner):  # noqa: F811
      TypeError, ["k has dtype float8_e4m3fn", "float16"]),
     (dict(cache=DeviceArray(None, "dlpack", 0x7f0000000000, (2, 256, 2, 128),
                             (65536, 256, 128, 1), "float8_e4m3fn", 0, 1)),
-     NotImplementedError, ["PyTorch", "JAX"]),
+     NotImplementedError, ["PyTorch", "CuPy", "JAX"]),
 ])
 def test_fp8_cache_bad_arguments(kw, error, words, planner):  # noqa: F811
     q, kc, vc, rest = call(**{n: kw.pop(n) for n in ("q", "cache", "v_cache") if n in kw})

@@ -180,3 +180,19 @@ def test_fp8_cache_large_values_stay_finite():
         kw["k_descale"] = torch.full((2, 2), 1e-3, device="cuda")
         kw["v_descale"] = torch.full((2, 2), 3.0, device="cuda")
         call_and_check(kw, slots, f"{dtype} extremes")
+
+
+def test_fp8_cache_from_cupy():
+    """CuPy arrays of ml_dtypes' float8_e4m3fn (views of the torch cache's bytes) read as
+    the torch cache does; out comes back as a CuPy array."""
+    cupy = pytest.importorskip("cupy")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(19)
+    kw, slots = build(rng, dtype="float16", batch=2, capacity=256)
+    want = cufa.flash_attn_with_kvcache(**kw)
+    as_cupy = {n: cupy.from_dlpack(kw[n]) for n in ("q", "cache_seqlens", "k_descale", "v_descale")}
+    for n in ("k_cache", "v_cache"):
+        as_cupy[n] = cupy.from_dlpack(kw[n].view(torch.uint8)).view(ml_dtypes.float8_e4m3fn)
+    got = cufa.flash_attn_with_kvcache(**{**kw, **as_cupy})
+    assert isinstance(got, cupy.ndarray)
+    assert torch.equal(torch.from_dlpack(got), want)  # the same kernel on the same bytes
