@@ -264,6 +264,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
               cache_leftpad, block_table, alibi_slopes, learnable_sink, k_descale,
               v_descale)  # in ARRAYS' order
     if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
+        if _interop.is_jax(q):  # (a traced q is a JAX type too)
+            _no_fp8_cache_here(k_cache, k_descale, v_descale)
         if _torch_ops.compiling(q):
             if out is not None or check_inputs:
                 raise NotImplementedError("out= and check_inputs=True are not supported "
@@ -275,7 +277,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 num_splits, learnable_sink, k_descale, v_descale)
             return (o, lse) if return_softmax_lse else o
         if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
-            _no_fp8_cache_here(k_cache, k_descale, v_descale)
             if check_inputs:
                 raise ValueError("check_inputs=True is not supported for JAX arrays: under "
                                  "jax.jit there are no device values to read")

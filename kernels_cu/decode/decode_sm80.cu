@@ -50,6 +50,15 @@ struct DecodeShape {
   static_assert(kDecodeRows * kOStride * 4 <= kWarpBytes,
                 "a warp's float outputs reuse its cache stages");
   static constexpr int kBytes = kQBytes + kWarps * kWarpBytes;
+  // The e4m3 kernels' launch bounds (0: none, the 16-bit kernels'): one CTA an SM at
+  // least, or ptxas holds them to 128 registers and spills at d = 96-160 on sm_80; on
+  // sm_90 four at d = 96, which they fit in 128 registers without spilling, so that
+  // registers allow the CTAs shared memory does (the planner counts those).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr int kMinCtas = kFp8 ? (kHeadDim == 96 ? 4 : 1) : 0;
+#else
+  static constexpr int kMinCtas = kFp8 ? 1 : 0;
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(kBytes <= 227 * 1024, "shared memory a CTA of sm_90");
 #else
@@ -64,7 +73,8 @@ struct DecodeShape {
 // (e4m3_tile_to_half), the descales folded into the scores and the output.
 template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false,
           bool kFp8 = false>
-__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kThreads, kFp8 ? 1 : 0)
+__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kThreads,
+                                  DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kMinCtas)
     decode_kernel(const DecodeParams p) {
   static_assert(!(kElementIO && kFp8), "an e4m3 cache takes the 16-byte path");
   using Shape = DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>;

@@ -49,11 +49,12 @@ __device__ __forceinline__ void rotate_row(const DecodeParams& p, const u16* src
 }
 
 // -- into an e4m3 cache row: each value rounded to kDtype as rotate_row stores it, then
-//    divided by the row's descale, saturated to +-448 and rounded to e4m3 --
+//    divided by the row's descale and rounded to e4m3, saturated to +-448 (float_to_e4m3:
+//    a NaN stays NaN, as torch's clamp and cast keep it) --
 template <int kDtype>
 __device__ __forceinline__ u8 to_e4m3(float x, float descale) {
   const float half = kDtype == FP16 ? fp16_to_float(to_half<kDtype>(x)) : bf16_to_float(to_half<kDtype>(x));
-  return float_to_e4m3(fminf(fmaxf(half / descale, -kE4m3Max), kE4m3Max));
+  return float_to_e4m3(half / descale);
 }
 
 template <int kDtype>
