@@ -65,6 +65,7 @@ ALONE_IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn")
 BIG_CACHE = 0.5e9               # rows held to the copy-bandwidth target
 TARGET_COPY, TARGET_BATCH1 = 0.85, 0.75
 TARGET_FLASH, TARGET_CUDNN = 1.0, 0.95
+TARGET_FP8_SPEEDUP, TARGET_FP8_CUDNN = 1.8, 1.7  # --fp8: over the 16-bit cache's calls
 TB = 1e12
 
 
@@ -352,7 +353,7 @@ def add_ratios(row, copy_tbps):
         row["sink_cost"] = t["cufa_sink"] / t["cufa"] - 1 if t["cufa"] and t["cufa_sink"] else None
 
 
-FP8_BIG_CACHE = 0.25e9  # fp8 bytes of the rows held to the copy-bandwidth target (issue 60)
+FP8_BIG_CACHE = 0.25e9  # fp8 bytes from which a row is held to the copy-bandwidth target
 
 
 def fp8_summary(rows):
@@ -493,6 +494,18 @@ def targets(rows, names):
     if "sdpa_cudnn" in names:
         judge(f"every contiguous row >= {TARGET_CUDNN:.2f}x SDPA cuDNN",
               [(r["ratio_vs_cudnn"], r) for r in rows], TARGET_CUDNN)
+    for name in (n for n in FP8_IMPLS if n in names):
+        frac = (lambda r: r["impls"].get(name, {}).get("frac_copy"))
+        judge(f"{LABELS[name]}: every fp8 cache >= {FP8_BIG_CACHE / 1e9:.2f} GB at >= "
+              f"{TARGET_COPY:.0%} of copy bandwidth",
+              [(frac(r), r) for r in rows if r["kv_bytes"] / 2 >= FP8_BIG_CACHE], TARGET_COPY)
+    if "cufa_fp8" in names:
+        big = [r for r in rows if r["kv_bytes"] / 2 >= FP8_BIG_CACHE]
+        judge(f"cufa fp8: those rows >= {TARGET_FP8_SPEEDUP:.1f}x cufa's 16-bit cache",
+              [(r.get("fp8_speedup"), r) for r in big], TARGET_FP8_SPEEDUP)
+        if "sdpa_cudnn" in names:
+            judge(f"cufa fp8: those rows >= {TARGET_FP8_CUDNN:.1f}x SDPA cuDNN's 16-bit cache",
+                  [(r.get("fp8_vs_cudnn"), r) for r in big], TARGET_FP8_CUDNN)
     for name in CUFA_LAYOUTS:
         frac = (lambda r: r["impls"].get(name, {}).get("frac_copy"))
         judge(f"{LABELS[name]}: every cache >= {BIG_CACHE / 1e9:.1f} GB at >= "
