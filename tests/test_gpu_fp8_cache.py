@@ -209,16 +209,17 @@ def test_fp8_cache_large_values_stay_finite():
 
 
 def test_fp8_cache_from_cupy():
-    """CuPy arrays of ml_dtypes' float8_e4m3fn (views of the torch cache's bytes) read as
-    the torch cache does; out comes back as a CuPy array."""
+    """CuPy arrays of ml_dtypes' float8_e4m3fn (views of the torch cache's bytes): out, a
+    CuPy array, against the float64 reference of the dequantized cache (pass rule)."""
     cupy = pytest.importorskip("cupy")
     ml_dtypes = pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(19)
-    kw, slots = build(rng, dtype="float16", batch=2, capacity=256)
-    want = cufa.flash_attn_with_kvcache(**kw)
+    kw, _ = build(rng, dtype="float16", batch=2, capacity=256)
     as_cupy = {n: cupy.from_dlpack(kw[n]) for n in ("q", "cache_seqlens", "k_descale", "v_descale")}
     for n in ("k_cache", "v_cache"):
         as_cupy[n] = cupy.from_dlpack(kw[n].view(torch.uint8)).view(ml_dtypes.float8_e4m3fn)
-    got = cufa.flash_attn_with_kvcache(**{**kw, **as_cupy})
+    got, lse = cufa.flash_attn_with_kvcache(**{**kw, **as_cupy}, return_softmax_lse=True)
     assert isinstance(got, cupy.ndarray)
-    assert torch.equal(torch.from_dlpack(got), want)  # the same kernel on the same bytes
+    ref, lowp, _, _ = kvcache_references(**kw)
+    assert_pass_rule(torch.from_dlpack(got), torch.from_dlpack(lse), ref, lowp, kw["q"].dtype,
+                     "CuPy fp8 cache")
