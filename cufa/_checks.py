@@ -496,9 +496,10 @@ def check_cache_values(plan, seqlens, leftpad, table):
 
 # -- each entry point's arrays -------------------------------------------------------------
 
-def check_dense(q, k, v, alibi, sink, o, out):
-    """flash_attn_func's arrays (o: out's view, or None) -> whether q, k, v and the output
-    are chunk_aligned."""
+def check_dense(a, out):
+    """flash_attn_func's arrays (a: an _arrays.Dense of views, its out the view of the
+    caller's out=) -> whether q, k, v and the output are chunk_aligned."""
+    q, k, v, alibi, sink, o = a.q, a.k, a.v, a.alibi_slopes, a.learnable_sink, a.out
     aligned = check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
                         batch_dim=0, seq_dim=1, head_dim=2)
     batch, _, nheads, _ = q.shape
@@ -507,9 +508,11 @@ def check_dense(q, k, v, alibi, sink, o, out):
     return check_out(out, o, q) and aligned
 
 
-def check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out):
-    """flash_attn_varlen_func's arrays -> (batch, check_block_table's dict or None, whether
-    q, k, v and the output are chunk_aligned)."""
+def check_packed(a, out):
+    """flash_attn_varlen_func's arrays (an _arrays.Packed of views) -> (batch,
+    check_block_table's dict or None, whether q, k, v and the output are chunk_aligned)."""
+    q, k, v, cu_q, cu_k, used = a.q, a.k, a.v, a.cu_seqlens_q, a.cu_seqlens_k, a.seqused_k
+    alibi, table, sink, o = a.alibi_slopes, a.block_table, a.learnable_sink, a.out
     paged = None
     if table is None:
         aligned = check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
@@ -538,9 +541,10 @@ def check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out):
     return batch, paged, aligned
 
 
-def check_sdpa(q, k, v, mask, sink, enable_gqa):
-    """scaled_dot_product_attention's arrays -> whether they and the (new, contiguous)
-    output are chunk_aligned."""
+def check_sdpa(a, enable_gqa):
+    """scaled_dot_product_attention's arrays (an _arrays.Sdpa of views) -> whether they and
+    the (new, contiguous) output are chunk_aligned."""
+    q, k, v, mask, sink = a.query, a.key, a.value, a.attn_mask, a.learnable_sink
     aligned = check_qkv(q, k, v, ("query", "key", "value"), "(batch, heads, L, E)",
                         batch_dim=0, seq_dim=2, head_dim=1)
     batch, nheads, seqlen_q, _ = q.shape
@@ -558,12 +562,13 @@ def check_num_splits(num_splits):
     return as_index(num_splits, "num_splits", 0, "an int >= 0 (0 = chosen from the shapes)")
 
 
-def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd,
-                  vd, o, out, fixed):
-    """flash_attn_with_kvcache's arrays (fixed: the int form of cache_seqlens, or None) ->
-    (paged dict or None, capacity, cache_rows, fixed: the whole capacity where no lengths
-    were given, rotary_dim, seqlen_ro, whether q, the cache and the output are
-    chunk_aligned)."""
+def check_kvcache(a, out, fixed):
+    """flash_attn_with_kvcache's arrays (a: an _arrays.KvCache of views; out: the caller's
+    out=; fixed: the int form of cache_seqlens, or None) -> (paged dict or None, capacity,
+    cache_rows, fixed: the whole capacity where no lengths were given, rotary_dim,
+    seqlen_ro, whether q, the cache and the output are chunk_aligned)."""
+    q, kc, vc, kn, vn, o = a.q, a.k_cache, a.v_cache, a.k, a.v, a.out
+    seqlens, idx, leftpad, table = a.cache_seqlens, a.cache_batch_idx, a.cache_leftpad, a.block_table
     paged, capacity, cache_rows, aligned = check_cache(q, kc, vc, kn, vn, table, idx)
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
@@ -580,11 +585,11 @@ def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     if fixed is not None and fixed + seqlen_new > capacity:
         raise ValueError(f"cache_seqlens = {fixed} plus {seqlen_new} new tokens exceeds the "
                          f"cache's {capacity} positions")
-    rotary_dim, seqlen_ro = check_rotary(cos, sin, q, d, capacity)
-    check_alibi(alibi, q, batch, nheads)
-    check_sink(sink, q, nheads)
+    rotary_dim, seqlen_ro = check_rotary(a.rotary_cos, a.rotary_sin, q, d, capacity)
+    check_alibi(a.alibi_slopes, q, batch, nheads)
+    check_sink(a.learnable_sink, q, nheads)
     aligned = check_out(out, o, q) and aligned
-    check_descales(kd, vd, kc, q, batch, nheads_k, kc.dtype == FP8_CACHE)
+    check_descales(a.k_descale, a.v_descale, kc, q, batch, nheads_k, kc.dtype == FP8_CACHE)
     if kc.dtype == FP8_CACHE and not aligned:
         raise NotImplementedError("with an fp8 cache, q and out must be 16-byte aligned rows "
                                   "(a head dim and strides that are multiples of 8)")
@@ -596,8 +601,10 @@ def check_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, ali
     return paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro, aligned
 
 
-def check_merge(oa, la, ob, lb, o, out):
-    """merge_attention_states' arrays -> (packed, batch, rows, nheads, lse_shape)."""
+def check_merge(a, out):
+    """merge_attention_states' arrays (an _arrays.Merge of views) -> (packed, batch, rows,
+    nheads, lse_shape)."""
+    oa, la, ob, lb, o = a.out_a, a.lse_a, a.out_b, a.lse_b, a.out
     for x, n in ((oa, "out_a"), (ob, "out_b")):
         if x.dtype not in MERGE_DTYPES:
             raise TypeError(f"{n} must be float16, bfloat16 or float32; got {x.dtype}")

@@ -4,16 +4,14 @@ and the merge of partial attention states. Plans are made once per call signatur
 in _runtime.plans, as the forward's are."""
 from dataclasses import dataclass
 
-from . import _compile, _heuristics, _interop, _params, _tma
+from . import _arrays, _compile, _heuristics, _interop, _params, _tma
 from ._checks import (FP8_CACHE, KERNEL_DTYPES, MERGE_DTYPES, ROTARY_DTYPES, check_cache_values,
                       check_kvcache, check_merge, check_num_splits, check_options)
 from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, plans, remember,
                        returned, stream_capturing, stream_split_counters, stream_workspace)
 
 # with_kvcache's arrays, in order (the first three required)
-ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
-          "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "learnable_sink",
-          "k_descale", "v_descale", "out")
+ARRAYS = _arrays.KvCache._fields
 
 
 def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, softcap,
@@ -32,17 +30,17 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
     plan = plans.get(key)
     views = None
     if plan is None or check_inputs:
-        views = _interop.views(arrays, ARRAYS, entries, ptrs, 3)
+        views = _arrays.KvCache._make(_interop.views(arrays, ARRAYS, entries, ptrs, 3))
     if plan is None:
         plan = remember(key, plan_kvcache(
-            *views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
+            views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
             interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
-        check_cache_values(plan, views[7], views[9], views[10])
+        check_cache_values(plan, views.cache_seqlens, views.cache_leftpad, views.block_table)
     return _run(plan, ptrs, arrays[0], arrays[-1], lse_out, stream, scratch)
 
 
-MERGE_ARRAYS = ("out_a", "lse_a", "out_b", "lse_b", "out")
+MERGE_ARRAYS = _arrays.Merge._fields
 
 
 def merge(arrays, lse_out=None, stream=None):
@@ -55,7 +53,7 @@ def merge(arrays, lse_out=None, stream=None):
     oa, la, ob, lb, o_ptr = addresses
     if plan is None:
         views = _interop.views(arrays, MERGE_ARRAYS, entries, addresses, 4)
-        plan = remember(key, _plan_merge(*views, arrays[-1]))
+        plan = remember(key, _plan_merge(_arrays.Merge._make(views), arrays[-1]))
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, arrays[-1], o_ptr, lse_out, True, stream,
                                          arrays[0])  # (out has out_a's shape and dtype)
@@ -96,11 +94,13 @@ class _KvPlan:
         return 4 * self.workspace[0]
 
 
-def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd, vd,
-                 o, out, fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
+def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_splits, want_lse):
+    """The plan of a call's views (a: an _arrays.KvCache), the caller's out= and the int
+    form of cache_seqlens (or None)."""
     paged, capacity, cache_rows, fixed, rotary_dim, seqlen_ro, aligned = check_kvcache(
-        q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd, vd, o, out,
-        fixed)
+        a, out, fixed)
+    q, kc, vc, kn, vn, o = a.q, a.k_cache, a.v_cache, a.k, a.v, a.out
+    cos, alibi, sink, leftpad = a.rotary_cos, a.alibi_slopes, a.learnable_sink, a.cache_leftpad
     fp8 = kc.dtype == FP8_CACHE
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
@@ -131,7 +131,8 @@ def plan_kvcache(q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alib
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity), sink_dtype=_sink_dtype(sink),
              lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
-             **_descale_strides(kd, vd), **_params.score_fields(window, scale, softcap, d, alibi))
+             **_descale_strides(a.k_descale, a.v_descale),
+             **_params.score_fields(window, scale, softcap, d, alibi))
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
@@ -344,8 +345,9 @@ def _launch_entry(kernel, device, grid):
             kernel.smem_bytes)
 
 
-def _plan_merge(oa, la, ob, lb, o, out):
-    packed, batch, rows, nheads, lse_shape = check_merge(oa, la, ob, lb, o, out)
+def _plan_merge(a, out):
+    packed, batch, rows, nheads, lse_shape = check_merge(a, out)
+    oa, la, ob, lb, o = a.out_a, a.lse_a, a.out_b, a.lse_b, a.out
 
     def batched(strides):  # packed arrays have no batch dimension: its stride is 0
         return (0,) + tuple(strides) if packed else tuple(strides)

@@ -5,7 +5,7 @@ moved to new sizes (_Mover); a call then fills in its addresses and launches."""
 import collections
 from dataclasses import dataclass
 
-from . import _compile, _decode_plan, _heuristics, _interop, _params, _runtime, _tma
+from . import _arrays, _compile, _decode_plan, _heuristics, _interop, _params, _runtime, _tma
 from ._checks import (ATTN_MASK_TYPES, INT32_MAX, KERNEL_DTYPES, UNBOUNDED, check_cu_values,
                       check_dense, check_options, check_packed, check_page_ids, check_scale,
                       check_sdpa)
@@ -13,7 +13,7 @@ from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, o
                        remember, returned, stream_call, stream_tile_counter, stream_workspace)
 
 
-_DENSE_ARRAYS = ("q", "k", "v", "alibi_slopes", "learnable_sink", "out")
+_DENSE_ARRAYS = _arrays.Dense._fields
 
 
 def dense(q, k, v, alibi_slopes, out, *, softmax_scale, causal, window_size, softcap,
@@ -45,21 +45,22 @@ def _dense_plan(arrays, entries, addresses, out, options):
             plan = mover.dense(*entries)
             if plan is not None:
                 return plan
-    views = _interop.views(arrays, _DENSE_ARRAYS, entries, addresses, 3)
-    return _remember_layout(layout, plan_dense(*views, out, *options), views, entries, False)
+    views = _arrays.Dense._make(_interop.views(arrays, _DENSE_ARRAYS, entries, addresses, 3))
+    return _remember_layout(layout, plan_dense(views, out, *options), views, entries, False)
 
 
-def plan_dense(q, k, v, alibi, sink, o, out, window, scale, softcap):
-    aligned = check_dense(q, k, v, alibi, sink, o, out)
+def plan_dense(a, out, window, scale, softcap):
+    """The plan of a padded batch's views (a: an _arrays.Dense) and the caller's out=."""
+    aligned = check_dense(a, out)
+    q, k = a.q, a.k
     batch, seqlen_q, nheads, d = q.shape
-    return _plan(q, k, v, o, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
+    return _plan(q, k, a.v, a.out, seq_dim=1, head_dim=2, batch=batch, nheads=nheads,
                  nheads_k=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1], d=d, scale=scale,
-                 bottom_right=True, window=window, softcap=softcap, alibi=alibi, attn_mask=None,
-                 sink=sink, aligned=aligned)
+                 bottom_right=True, window=window, softcap=softcap, alibi=a.alibi_slopes,
+                 attn_mask=None, sink=a.learnable_sink, aligned=aligned)
 
 
-PACKED_ARRAYS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes",
-                 "block_table", "learnable_sink", "out")
+PACKED_ARRAYS = _arrays.Packed._fields
 
 
 def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out, *,
@@ -75,12 +76,12 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     if plan is None:
         plan = remember(key, _packed_plan(arrays, entries, ptrs, out, options))
     if check_cu_seqlens:
-        views = _interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5)
-        q_, k_, _, cu_q, cu_k, used, _, table, _, _ = views
-        check_cu_values(cu_q, "cu_seqlens_q", q_.shape[0], cu_k, "cu_seqlens_k",
-                        k_.shape[0] if table is None else None, used)
-        if table is not None:
-            check_page_ids(table, k_.shape[0])
+        a = _arrays.Packed._make(_interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5))
+        check_cu_values(a.cu_seqlens_q, "cu_seqlens_q", a.q.shape[0], a.cu_seqlens_k,
+                        "cu_seqlens_k", a.k.shape[0] if a.block_table is None else None,
+                        a.seqused_k)
+        if a.block_table is not None:
+            check_page_ids(a.block_table, a.k.shape[0])
     q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, sink_ptr, o_ptr = (
         ptrs)
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
@@ -99,12 +100,14 @@ def _packed_plan(arrays, entries, ptrs, out, options):
             plan = mover.packed_batch(*entries)
             if plan is not None:
                 return plan
-    views = _interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5)
-    return _remember_layout(layout, plan_packed(*views, out, *options), views, entries, True)
+    views = _arrays.Packed._make(_interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5))
+    return _remember_layout(layout, plan_packed(views, out, *options), views, entries, True)
 
 
-def plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out, window, scale, softcap):
-    batch, paged, aligned = check_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out)
+def plan_packed(a, out, window, scale, softcap):
+    """The plan of a packed batch's views (a: an _arrays.Packed) and the caller's out=."""
+    batch, paged, aligned = check_packed(a, out)
+    q, k, v, o, alibi, sink = a.q, a.k, a.v, a.out, a.alibi_slopes, a.learnable_sink
     total_q, nheads, d = q.shape
     plan = _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=k.shape[-2], seqlen_q=total_q,
@@ -127,7 +130,7 @@ def plan_packed(q, k, v, cu_q, cu_k, used, alibi, table, sink, o, out, window, s
     return plan
 
 
-_SDPA_ARRAYS = ("query", "key", "value", "attn_mask", "learnable_sink")
+_SDPA_ARRAYS = _arrays.Sdpa._fields
 
 
 def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa,
@@ -140,15 +143,18 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa,
     plan = plans.get(plan_key)
     if plan is None:
         plan = remember(plan_key, plan_sdpa(
-            *_interop.views(arrays, _SDPA_ARRAYS, entries, addresses, 3), *options))
+            _arrays.Sdpa._make(_interop.views(arrays, _SDPA_ARRAYS, entries, addresses, 3)),
+            *options))
     q_ptr, k_ptr, v_ptr, mask_ptr, sink_ptr = addresses
     o_ptr = 0 if out is None else out.ptr
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
                     sink=sink_ptr, stream=stream, scratch=scratch, like=query)
 
 
-def plan_sdpa(q, k, v, mask, sink, is_causal, scale, enable_gqa):
-    aligned = check_sdpa(q, k, v, mask, sink, enable_gqa)
+def plan_sdpa(a, is_causal, scale, enable_gqa):
+    """The plan of a call's views (a: an _arrays.Sdpa)."""
+    aligned = check_sdpa(a, enable_gqa)
+    q, k, v, mask, sink = a.query, a.key, a.value, a.attn_mask, a.learnable_sink
     batch, nheads, seqlen_q, d = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     return _plan(q, k, v, None, seq_dim=2, head_dim=1, batch=batch, nheads=nheads,
@@ -253,7 +259,8 @@ class _Mover:
         rest is read off the entries at the first move (a new layout pays no more)."""
         if plan.variant.family != _compile.family_for(_runtime.compute_capability(plan.device)):
             return None
-        if packed and any(x is not None and x.strides != (1,) for x in views[3:6]):
+        if packed and any(x is not None and x.strides != (1,)
+                          for x in (views.cu_seqlens_q, views.cu_seqlens_k, views.seqused_k)):
             return None
         self = cls.__new__(cls)
         self.plan, self.packed, self.units = plan, packed, None

@@ -16,7 +16,7 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
-from . import _checks, _decode_plan, _fwd_plan, _interop, _runtime
+from . import _arrays, _checks, _decode_plan, _fwd_plan, _interop, _runtime
 
 
 def tracing(*xs):
@@ -122,24 +122,21 @@ def _traced_views(present, device):
 def _check(entry, views, options):
     """The checks an eager call of `entry` makes of its options and arrays, at trace time:
     a bad call fails here, with the eager call's error, not later inside XLA."""
-    get = views.get
+    a = _named(entry, views.get)
     if entry == "scaled_dot_product_attention":
         _checks.check_scale(options["scale"], "scale")
-        _checks.check_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
-                           get("learnable_sink"), bool(options["enable_gqa"]))
+        _checks.check_sdpa(a, bool(options["enable_gqa"]))
     elif entry == "merge_attention_states":
-        _checks.check_merge(*(get(n) for n in _decode_plan.MERGE_ARRAYS[:-1]), None, None)
+        _checks.check_merge(a, None)
     else:
         _checked_options(options)
         if entry == "flash_attn_func":
-            _checks.check_dense(get("q"), get("k"), get("v"), get("alibi_slopes"),
-                                get("learnable_sink"), None, None)
+            _checks.check_dense(a, None)
         elif entry == "flash_attn_varlen_func":
-            _checks.check_packed(*(get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), None, None)
+            _checks.check_packed(a, None)
         else:  # flash_attn_with_kvcache
             _checks.check_num_splits(options["num_splits"])
-            _checks.check_kvcache(*(get(n) for n in _decode_plan.ARRAYS[:-1]), None, None,
-                                  options["cache_seqlen"])
+            _checks.check_kvcache(a, None, options["cache_seqlen"])
 
 
 def _scratch_bytes(entry, present, options):
@@ -149,27 +146,33 @@ def _scratch_bytes(entry, present, options):
     if entry == "merge_attention_states":
         return 0
     import cupy
-    get = _traced_views(present, cupy.cuda.runtime.getDevice()).get
+    a = _named(entry, _traced_views(present, cupy.cuda.runtime.getDevice()).get)
     if entry == "flash_attn_func":
-        plan = _fwd_plan.plan_dense(get("q"), get("k"), get("v"), get("alibi_slopes"),
-                                    get("learnable_sink"), None, None,
-                                    *_checked_options(options))
+        plan = _fwd_plan.plan_dense(a, None, *_checked_options(options))
     elif entry == "flash_attn_varlen_func":
-        plan = _fwd_plan.plan_packed(*(get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1]), None,
-                                     None, *_checked_options(options))
+        plan = _fwd_plan.plan_packed(a, None, *_checked_options(options))
     elif entry == "scaled_dot_product_attention":
-        plan = _fwd_plan.plan_sdpa(get("query"), get("key"), get("value"), get("attn_mask"),
-                                   get("learnable_sink"), bool(options["is_causal"]),
+        plan = _fwd_plan.plan_sdpa(a, bool(options["is_causal"]),
                                    _checks.check_scale(options["scale"], "scale"),
                                    bool(options["enable_gqa"]))
     else:  # flash_attn_with_kvcache
         window, scale, softcap = _checked_options(options)
         plan = _decode_plan.plan_kvcache(
-            *(get(n) for n in _decode_plan.ARRAYS[:-1]), None, None, options["cache_seqlen"],
-            window=window, scale=scale, softcap=softcap,
+            a, None, options["cache_seqlen"], window=window, scale=scale, softcap=softcap,
             interleaved=options["rotary_interleaved"], num_splits=options["num_splits"],
             want_lse=True)
     return plan.scratch_bytes
+
+
+_RECORDS = {"flash_attn_func": _arrays.Dense, "flash_attn_varlen_func": _arrays.Packed,
+            "scaled_dot_product_attention": _arrays.Sdpa,
+            "flash_attn_with_kvcache": _arrays.KvCache, "merge_attention_states": _arrays.Merge}
+
+
+def _named(entry, get):
+    """`entry`'s traced views as its _arrays record (out left out: XLA's buffer)."""
+    record = _RECORDS[entry]
+    return record(**{n: get(n) for n in record._fields if n != "out"})
 
 
 def _checked_options(options):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _checks, _compile, _decode_plan, _interop, _params, _runtime
+from cufa import _arrays, _checks, _compile, _decode_plan, _interop, _params, _runtime
 from test_launch_path_cpu import _last_plan, device, h100, record, view  # noqa: F401
 
 _addresses = iter(range(1 << 41, 1 << 42, 1 << 24))
@@ -57,7 +57,7 @@ def test_chunk_aligned():
 @pytest.mark.parametrize("d", [1, 3, 59, 111, 200, 255, 256])
 def test_any_head_dim_is_accepted(d):
     q, k = view((2, 5, 4, d)), view((2, 7, 2, d))
-    assert _checks.check_dense(q, k, k, None, None, None, None) == (d % 8 == 0)
+    assert _checks.check_dense(_arrays.Dense(q, k, k), None) == (d % 8 == 0)
 
 
 def test_head_dims_outside_1_to_256_and_strided_last_dims_are_named():
@@ -65,10 +65,10 @@ def test_head_dims_outside_1_to_256_and_strided_last_dims_are_named():
         q = view((2, 5, 4, d))
         with pytest.raises(ValueError, match=f"q has head dim {d}; cufa supports head dims "
                                              "from 1 to 256"):
-            _checks.check_dense(q, q, q, None, None, None, None)
+            _checks.check_dense(_arrays.Dense(q, q, q), None)
     q = strided((2, 5, 4, 59), (5 * 4 * 118, 4 * 118, 118, 2))
     with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
-        _checks.check_dense(q, view((2, 5, 4, 59)), view((2, 5, 4, 59)), None, None, None, None)
+        _checks.check_dense(_arrays.Dense(q, view((2, 5, 4, 59)), view((2, 5, 4, 59))), None)
 
 
 def test_every_array_a_kernel_moves_counts():
@@ -76,23 +76,22 @@ def test_every_array_a_kernel_moves_counts():
     multiple of 8); of a KV-cache call q, the cache and out=, not the new keys (written into
     the cache an element at a time)."""
     q, kv = view((2, 5, 4, 64)), view((2, 9, 2, 64))
-    assert _checks.check_dense(q, kv, kv, None, None, None, None)
+    assert _checks.check_dense(_arrays.Dense(q, kv, kv), None)
     for i in range(4):
         arrays = [q, kv, kv, None]
         arrays[i] = sliced(arrays[i].shape if i < 3 else q.shape)
-        assert not _checks.check_dense(*arrays[:3], None, None, arrays[3], arrays[3]), i
+        assert not _checks.check_dense(_arrays.Dense(*arrays[:3], out=arrays[3]), arrays[3]), i
     packed, cu = view((9, 4, 64)), view((3,), "int32")
     out = sliced((9, 4, 64))
-    assert _checks.check_packed(packed, packed, packed, cu, cu, None, None, None, None, None, None)[2]
-    assert not _checks.check_packed(packed, packed, packed, cu, cu, None, None, None, None, out, out)[2]
-    assert not _checks.check_sdpa(view((2, 4, 5, 59)), view((2, 4, 5, 59)),
-                                  view((2, 4, 5, 59)), None, None, False)
+    assert _checks.check_packed(_arrays.Packed(packed, packed, packed, cu, cu), None)[2]
+    assert not _checks.check_packed(_arrays.Packed(packed, packed, packed, cu, cu, out=out), out)[2]
+    assert not _checks.check_sdpa(_arrays.Sdpa(*(view((2, 4, 5, 59)) for _ in range(3))), False)
     q1, cache = view((2, 1, 4, 64)), view((2, 64, 2, 64))
     lens = view((2,), "int32")
 
     def kvcache(q=q1, cache=cache, new=None, out=None):
-        return _checks.check_kvcache(q, cache, cache, new, new, None, None, lens, None, None,
-                                     None, None, None, None, None, out, out, None)[-1]
+        return _checks.check_kvcache(_arrays.KvCache(q, cache, cache, new, new, cache_seqlens=lens,
+                                                     out=out), out, None)[-1]
     assert kvcache() and kvcache(new=sliced((2, 1, 2, 64)))
     assert not kvcache(q=sliced((2, 1, 4, 64)))
     assert not kvcache(cache=sliced((2, 64, 2, 64)))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import (_compile, _decode_plan, _fwd_plan, _heuristics, _interop, _params, _runtime,
+from cufa import (_arrays, _compile, _decode_plan, _fwd_plan, _heuristics, _interop, _params, _runtime,
                   _tma, api)
 
 
@@ -581,10 +581,10 @@ def test_jax_split_decode_keeps_its_partials_in_xla_scratch(device, memsets):
     cache = jax.ShapeDtypeStruct((2, 32768, 2, 64), "float16")
     lens = jax.ShapeDtypeStruct((2,), "int32")
     lse = jax.ShapeDtypeStruct((2, 8, 1), "float32")
-    plan = _decode_plan.plan_kvcache(*(view(x.shape, str(x.dtype)) for x in (q, cache, cache)),
-                                     None, None, None, None, view((2,), "int32"), None, None,
-                                     None, None, None, None, None, None, None, None,
-                                     window=(1 << 30, 1 << 30),
+    plan = _decode_plan.plan_kvcache(_arrays.KvCache(*(view(x.shape, str(x.dtype))
+                                                       for x in (q, cache, cache)),
+                                                     cache_seqlens=view((2,), "int32")),
+                                     None, None, window=(1 << 30, 1 << 30),
                                      scale=None, softcap=0.0, interleaved=True, num_splits=5,
                                      want_lse=True)
     assert plan.scratch_bytes == 4 * plan.workspace[0] > 0

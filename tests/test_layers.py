@@ -22,7 +22,7 @@ LAYERS = (
     ("_compile",),                       # variant catalog, sources, NVRTC, caches
     ("_runtime",),                       # device facts, plans, stream buffers, the launch
     ("padding", "reference"),            # public leaves
-    ("_params", "_tma", "_interop"),     # leaves
+    ("_params", "_tma", "_interop", "_arrays"),  # leaves (_arrays: the entry points' records)
     ("_dtypes",),                        # the element types' one table
 )
 _LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
