@@ -200,9 +200,21 @@ DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at 
 MERGE_DTYPES = _dtypes.keys_by_code("merge")  # index = MergeDtype in decode/merge.cu
 
 
-def decode_shape(head_dim):
+def decode_shape(head_dim, fp8_cache=False):
     """(warps, cp.async stages per warp) of the decode kernel (DecodeShape in decode.cu)."""
-    return (4 if head_dim <= 128 else 2), (4 if head_dim <= 64 else 2)
+    stages = 4 if head_dim <= 64 else 2
+    if fp8_cache:
+        stages = DECODE_FP8_STAGES.get(head_dim, stages)
+    return (4 if head_dim <= 128 else 2), stages
+
+
+# An e4m3 cache's stages a warp, by padded head dim. Its tiles are a little over half the
+# bytes (E4m3Tile), so the 16-bit stages would leave shared memory for more CTAs than the
+# registers hold (ptxas, sm_90: 106-156 registers a thread at d = 32-128 with four warps,
+# 188-234 at d = 160-256 with two: 3-5 CTAs an SM); these fill the shared memory of the
+# CTAs the registers allow with stages, bytes in flight, and keep the planner's count
+# (ctas_per_sm_on, by shared memory) the registers' (d = 256: one over).
+DECODE_FP8_STAGES = {32: 8, 64: 5, 96: 4, 128: 3, 160: 3, 192: 3, 224: 3}
 
 
 # Decode kernels with less shared memory and so four CTAs an SM, (warps, stages) by padded
@@ -276,7 +288,7 @@ class DecodeVariant(_CacheKernel):
     @property
     def shape(self):
         """(warps, stages)."""
-        warps, stages = decode_shape(self.head_dim)
+        warps, stages = decode_shape(self.head_dim, self.fp8_cache)
         return self.warps or warps, self.stages or stages
 
     @property
@@ -300,15 +312,12 @@ class DecodeVariant(_CacheKernel):
 
     @property
     def smem_bytes(self):
-        """Dynamic shared memory: Q, then each warp's K/V stages (an e4m3 cache: stages of
-        e4m3 rows, then the step's tiles as 16-bit ones, DecodeShape::kConvertedBytes)."""
+        """Dynamic shared memory: Q, then each warp's K/V stages (an e4m3 cache's rows: a
+        byte a value and a 16-byte pad, to an odd number of 16-byte chunks, E4m3Tile)."""
         warps, stages = self.shape
         row = self.head_dim * self.elem_bytes
-        if not self.fp8_cache:
-            return DECODE_ROWS * row + warps * stages * 2 * DECODE_TILE_KEYS * row
-        step_tiles = 2 if stages >= 4 else 1
-        return DECODE_ROWS * row + warps * (stages * 2 * DECODE_TILE_KEYS * self.head_dim
-                                            + step_tiles * 2 * DECODE_TILE_KEYS * row)
+        cache_row = ((self.head_dim // 16) | 1) * 16 if self.fp8_cache else row
+        return DECODE_ROWS * row + warps * stages * 2 * DECODE_TILE_KEYS * cache_row
 
 
 @dataclass(frozen=True)

@@ -42,14 +42,26 @@ def test_fp8_cache_takes_the_e4m3_decode_variant(planner):  # noqa: F811
     assert plan.maps is None  # never the TMA kernel, which reads 16-bit caches
 
 
-def test_fp8_variants_keep_the_16_bit_shared_memory():
+# CTAs an sm_90 SM holds by the e4m3 decode kernels' registers (ptxas -v, 106-234 a
+# thread): the stages (DECODE_FP8_STAGES) fill the rest of their shared memory
+FP8_CTAS_BY_REGISTERS = {32: 4, 64: 4, 96: 3, 128: 3, 160: 5, 192: 4, 224: 4, 256: 4}
+
+
+def test_fp8_variants_fill_the_shared_memory_of_the_ctas_registers_allow():
     for dt in _compile.DTYPES:
         for hd in _compile.DECODE_HEAD_DIMS:
             fp8, plain = (_compile.decode_kernel(dt, hd, fp8_cache=f) for f in (True, False))
-            assert fp8.smem_bytes == plain.smem_bytes and fp8.shape == plain.shape
+            warps, stages = fp8.shape
+            assert warps == plain.shape[0] and stages >= plain.shape[1]
+            padded_row = ((hd // 16) | 1) * 16  # E4m3Tile: an odd number of 16-byte chunks
+            assert fp8.smem_bytes == 16 * hd * 2 + warps * stages * 2 * 16 * padded_row
+            ctas = fp8.ctas_per_sm_on(_compile.SM90_SMEM_PER_SM)
+            # at most one CTA over what the registers hold (d = 256), never fewer
+            assert FP8_CTAS_BY_REGISTERS[hd] <= ctas <= FP8_CTAS_BY_REGISTERS[hd] + 1, hd
             assert fp8.key.endswith("_e4m3") and fp8.name_expression.endswith("false, true>")
+            assert f", {stages}, {warps}, false, true>" in fp8.name_expression
     assert {v.key for v in _compile.all_variants()} >= {
-        f"decode_{dt}_hd{hd}_s{_compile.decode_shape(hd)[1]}_e4m3"
+        f"decode_{dt}_hd{hd}_s{_compile.decode_shape(hd, True)[1]}_e4m3"
         for dt in _compile.DTYPES for hd in _compile.DECODE_HEAD_DIMS}
 
 
@@ -128,11 +140,17 @@ def float_to_e4m3(x):
     return sign | code
 
 
-def e4m3_to_half_bits(code):
-    """types.cuh's e4m3x4_to_half for one byte: the fp16 pattern (its value is the e4m3
-    value over e4m3_to_half_scale(), 2^8; bf16 takes that value through float32, exactly)."""
-    a = code << 8
-    return (a & 0x8000) | ((a >> 1) & 0x3F80)
+def e4m3x4_to_pairs(x, bf16):
+    """types.cuh's e4m3x4_to_pairs: four e4m3 bytes (a 32-bit word) to the 16-bit patterns
+    of bytes 0, 2 (`even`) and 1, 3 (`odd`), low half first; bf16's before its fma by
+    2^112 (done here in float64: exact, as the kernel's bf16 fma is on these values)."""
+    if not bf16:
+        even = ((x << 8) & 0x80008000) | ((x << 7) & 0x3F803F80)
+        odd = (x & 0x80008000) | ((x >> 1) & 0x3F803F80)
+    else:
+        even = ((x << 8) & 0x80008000) | ((x << 4) & 0x07F007F0)
+        odd = (x & 0x80008000) | ((x >> 4) & 0x07F007F0)
+    return [h & 0xFFFF for w in (even, odd) for h in (w, w >> 16)]  # bytes 0, 2, 1, 3
 
 
 def test_float_to_e4m3_matches_ml_dtypes():
@@ -149,13 +167,23 @@ def test_float_to_e4m3_matches_ml_dtypes():
     assert np.array_equal(got, want), xs[got != want][:5]
 
 
-def test_e4m3_to_half_is_exact_up_to_the_scale():
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_e4m3_to_pairs_is_exact_up_to_the_scale(bf16):
+    """Every e4m3 code in each of a word's four byte places lands, in its pair's half,
+    as the e4m3 value over 2^8 (bf16: over 2^120 before the kernel's fma by 2^112)."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    codes = [c for c in range(256) if c & 0x7F != 0x7F]  # (not the NaN codes)
-    want = np.array(codes, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    bits = np.array([e4m3_to_half_bits(c) for c in codes], dtype=np.uint16)
-    got = bits.view(np.float16).astype(np.float64)
-    assert np.array_equal(got * 2.0 ** 8, want)
-    # the bf16 kernels' values: those, through float32, to bfloat16 -- exact too
-    as_bf16 = got.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-    assert np.array_equal(as_bf16, got) and (np.abs(got[got != 0]) >= 2.0 ** -17).all()
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint32)  # no NaN
+    want = codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    half = ml_dtypes.bfloat16 if bf16 else np.float16
+    lift = 2.0 ** 112 if bf16 else 1.0
+    rng = np.random.default_rng(1)
+    for place in range(4):  # the code in byte `place`, random codes in the other three
+        others = rng.integers(0, 256, (len(codes), 4)).astype(np.uint32)
+        others[:, place] = codes
+        words = others[:, 0] | others[:, 1] << 8 | others[:, 2] << 16 | others[:, 3] << 24
+        halves = np.array([e4m3x4_to_pairs(int(w), bf16) for w in words], dtype=np.uint16)
+        got = halves[:, (0, 2, 1, 3)[place]].view(half).astype(np.float64) * lift
+        assert np.array_equal(got * 2.0 ** 8, want), place
+        # the fp16 / lifted bf16 values are normal: products with q stay far from float32's
+        # subnormals
+        assert (np.abs(got[got != 0]) >= 2.0 ** -17).all()

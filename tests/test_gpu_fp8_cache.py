@@ -208,6 +208,23 @@ def test_fp8_cache_large_values_stay_finite():
         call_and_check(kw, slots, f"{dtype} extremes")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_cache_subnormal_codes_are_values(dtype):
+    """Caches of e4m3 subnormals alone (and zeros), scaled up to unit size by their
+    descales: a conversion that flushed them (bf16 arithmetic on its 2^-120 values) would
+    leave scores of 0 and outputs of 0, far outside the pass rule."""
+    rng = np.random.default_rng(17)
+    kw, slots = build(rng, dtype=dtype, batch=2, capacity=128, lens=[128, 45])
+    codes = torch.tensor([0x00, 0x01, 0x02, 0x03, 0x05, 0x07, 0x81, 0x84, 0x86, 0x87],
+                         dtype=torch.uint8, device="cuda")
+    for name in ("k_cache", "v_cache"):
+        pick = torch.randint(0, len(codes), kw[name].shape, device="cuda")
+        kw[name] = codes[pick].view(E4M3)
+    kw["k_descale"] = torch.full((2, 2), 2.0 ** 7, device="cuda")  # keys up to 1.75
+    kw["v_descale"] = torch.full((2, 2), 2.0 ** 9, device="cuda")  # values up to 7
+    call_and_check(kw, slots, f"{dtype} subnormals")
+
+
 def test_fp8_cache_from_cupy():
     """CuPy arrays of ml_dtypes' float8_e4m3fn (views of the torch cache's bytes): out, a
     CuPy array, against the float64 reference of the dequantized cache (pass rule)."""

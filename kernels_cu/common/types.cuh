@@ -42,25 +42,29 @@ __device__ __forceinline__ float bf16_to_float(u16 h) {
 typedef unsigned char u8;
 constexpr float kE4m3Max = 448.f;
 
-// Four e4m3 bytes -> four 16-bit values of dtype DT (two registers, byte 0 in lo's low
-// half), each exactly the e4m3 value over e4m3_to_half_scale() (the kernels fold the factor
-// into their descales), on any GPU (sm_89's cvt would need a second kernel for sm_80).
-// fp16: the byte's exponent and mantissa bits moved into place (the subnormals too: an
-// e4m3 subnormal is an fp16 one, at 2^-17 and up, and an fp16 product of it stays far
-// above float32's subnormals). bf16 the same way would sit at 2^-120, where products
-// fall below float32's normals, so bf16 goes through those fp16 values, converted
-// exactly. (e4m3fn's NaN code reads as 480, a finite value.)
+// Four e4m3 bytes -> four 16-bit values of dtype DT in two registers: bytes 0 and 2 in
+// `even` (byte 0 in its low half), bytes 1 and 3 in `odd`, the pairing that takes shifts
+// and masks alone (no byte permute); the e4m3 mma fragments (decode/e4m3_frags.cuh) are
+// laid out for it. Each value is exactly the e4m3 value over e4m3_to_half_scale() (the
+// kernels fold the factor into their descales), on any GPU (sm_89's cvt would need a
+// second kernel for sm_80). fp16: the byte's exponent and mantissa bits moved into place
+// (an e4m3 subnormal is an fp16 one, at 2^-17 and up, and an fp16 product of it stays far
+// above float32's subnormals). bf16: the same bits under bf16's exponent sit at 2^-120
+// times the value (where products would fall below float32's normals), so one bf16x2
+// fma by 2^112 lifts them to the fp16 scale, exactly: bf16 arithmetic keeps subnormals.
+// (e4m3fn's NaN code reads as 480, a finite value.)
 __device__ constexpr float e4m3_to_half_scale() { return 0x1p8f; }
 template <int DT>
-__device__ __forceinline__ void e4m3x4_to_half(u32 x, u32& lo, u32& hi) {
-  u32 a, b;  // bytes 0, 1 (2, 3) into the high bytes of the two 16-bit halves
-  asm("prmt.b32 %0, %1, %2, 0x1404;" : "=r"(a) : "r"(x), "r"(0u));
-  asm("prmt.b32 %0, %1, %2, 0x3424;" : "=r"(b) : "r"(x), "r"(0u));
-  lo = (a & 0x80008000u) | ((a >> 1) & 0x3f803f80u);  // fp16: sign, exponent and mantissa
-  hi = (b & 0x80008000u) | ((b >> 1) & 0x3f803f80u);
-  if constexpr (DT == BF16) {
-    lo = pack2<BF16>(fp16_to_float(static_cast<u16>(lo)), fp16_to_float(static_cast<u16>(lo >> 16)));
-    hi = pack2<BF16>(fp16_to_float(static_cast<u16>(hi)), fp16_to_float(static_cast<u16>(hi >> 16)));
+__device__ __forceinline__ void e4m3x4_to_pairs(u32 x, u32& even, u32& odd) {
+  if constexpr (DT == FP16) {
+    even = ((x << 8) & 0x80008000u) | ((x << 7) & 0x3f803f80u);
+    odd = (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
+  } else {
+    const u32 lift = 0x77807780u, minus_zero = 0x80008000u;  // bf16 2^112, -0 (keeps -0)
+    const u32 e = ((x << 8) & 0x80008000u) | ((x << 4) & 0x07f007f0u);
+    const u32 o = (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u);
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(even) : "r"(e), "r"(lift), "r"(minus_zero));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(odd) : "r"(o), "r"(lift), "r"(minus_zero));
   }
 }
 

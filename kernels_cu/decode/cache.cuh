@@ -169,15 +169,27 @@ __device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const D
   }
 }
 
+// -- a warp's 16-key e4m3 tile in its stage (e4m3_mma.cuh reads it): rows of kHeadDim
+//    bytes, each padded to an odd number of 16-byte chunks, so that the 8 rows an ldmatrix
+//    phase reads at one chunk land in 8 different bank groups at every head dim --
+template <int kHeadDim>
+struct E4m3Tile {
+  static constexpr int kRowChunks = (kHeadDim / 16) | 1;
+  static constexpr int kBytes = kTileKeys * kRowChunks * 16;
+  __device__ __forceinline__ static u32 offset(int row, int chunk) {
+    return static_cast<u32>((row * kRowChunks + chunk) * 16);
+  }
+};
+
 // -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
 //    columns past head_dim read as zeros. A paged cache's rows take their pages from
 //    row_page, this lane's tile_row_page (kPagesAhead), or look them up here. By cp.async
-//    (kElementIO: plain loads, load_kv_tile_elementwise). Elem: u16, or u8 for an e4m3
-//    cache, whose rows land unswizzled (kv_stage_offset) for e4m3_tile_to_half --
+//    (kElementIO: plain loads, load_kv_tile_elementwise). Elem: u16 (a swizzled tile), or
+//    u8 for an e4m3 cache (an E4m3Tile) --
 template <class Elem, int kHeadDim>
 __device__ __forceinline__ u32 kv_stage_offset(int r, int c) {
   if constexpr (sizeof(Elem) == 2) return Swizzle<kHeadDim>::offset(r, c);
-  return static_cast<u32>((r * (kHeadDim / 16) + c) * 16);
+  return E4m3Tile<kHeadDim>::offset(r, c);
 }
 
 template <int kHeadDim, bool kPagesAhead, bool kElementIO = false, class Elem = u16>
@@ -229,29 +241,6 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
     const u32 at = kv_stage_offset<Elem, kHeadDim>(r, c);
     cp_async_16(sk + at, k_src, valid ? 16 : 0);
     cp_async_16(sv + at, v_src, valid ? 16 : 0);
-  }
-}
-
-// -- a warp's 16-key e4m3 tile (its stage, rows of kHeadDim bytes) to 16-bit values of
-//    dtype kDtype in the swizzled layout the 16-bit stages have (at `dst`), each the
-//    cache value over e4m3_to_half_scale() (the caller's descale holds the factor). Each lane
-//    turns 16 bytes into two 16-byte chunks --
-template <int kDtype, int kHeadDim>
-__device__ __forceinline__ void e4m3_tile_to_half(u32 src, u32 dst, int lane) {
-  constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks of an e4m3 row
-  // (a chunk at a time: unrolled, ptxas held every chunk's registers at once and spilled
-  // the d = 96 to 160 kernels on sm_80)
-#pragma unroll 1
-  for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const uint4 x = ld_shared_16(src + idx * 16);
-    uint4 lo, hi;
-    e4m3x4_to_half<kDtype>(x.x, lo.x, lo.y);
-    e4m3x4_to_half<kDtype>(x.y, lo.z, lo.w);
-    e4m3x4_to_half<kDtype>(x.z, hi.x, hi.y);
-    e4m3x4_to_half<kDtype>(x.w, hi.z, hi.w);
-    st_shared_16(dst + Swizzle<kHeadDim>::offset(r, 2 * c), lo);
-    st_shared_16(dst + Swizzle<kHeadDim>::offset(r, 2 * c + 1), hi);
   }
 }
 

@@ -26,9 +26,9 @@ namespace cufa {
 // with four CTAs an SM (d = 64: three stages; d = 128: two warps of three stages), that
 // the planner takes where it runs the work in one wave unsplit (measured slower than the
 // default at d = 64 once there are several waves). Mirrored by decode_shape and
-// DECODE_MORE_CTAS in cufa/_compile.py. kFp8: an e4m3 cache, whose stages hold half the
-// bytes; each warp turns its step's tiles into 16-bit ones (kStepTiles of K and of V)
-// beside them, in the same shared memory as the 16-bit shape.
+// DECODE_MORE_CTAS in cufa/_compile.py. kFp8: an e4m3 cache, whose stages (E4m3Tile:
+// rows of kHeadDim bytes and a 16-byte pad) hold a little over half the bytes, read
+// straight into mma fragments (e4m3_mma.cuh).
 template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0, bool kFp8 = false>
 struct DecodeShape {
   static constexpr int kWarps = kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : 2;
@@ -42,23 +42,17 @@ struct DecodeShape {
   // ahead (4 x 8 stages at 1 x 32k) Q landed after 3.6 us, with 2 after 2.0.
   static constexpr int kTilesBeforeQ = kStages - kStepTiles < 2 ? kStages - kStepTiles : 2;
   static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;         // a 16-bit tile
-  static constexpr int kStageTileBytes = kFp8 ? kTileBytes / 2 : kTileBytes;  // as loaded
-  static constexpr int kConvertedBytes = kFp8 ? kStepTiles * 2 * kTileBytes : 0;
-  static constexpr int kWarpBytes = kStages * 2 * kStageTileBytes + kConvertedBytes;
+  static constexpr int kStageTileBytes = kFp8 ? E4m3Tile<kHeadDim>::kBytes : kTileBytes;
+  static constexpr int kWarpBytes = kStages * 2 * kStageTileBytes;
   static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
   static constexpr int kOStride = kHeadDim + 4;  // floats a row: rows 4 banks apart
   static_assert(kDecodeRows * kOStride * 4 <= kWarpBytes,
                 "a warp's float outputs reuse its cache stages");
   static constexpr int kBytes = kQBytes + kWarps * kWarpBytes;
-  // The e4m3 kernels' launch bounds (0: none, the 16-bit kernels'): one CTA an SM at
-  // least, or ptxas holds them to 128 registers and spills at d = 96-160 on sm_80; on
-  // sm_90 four at d = 96, which they fit in 128 registers without spilling, so that
-  // registers allow the CTAs shared memory does (the planner counts those).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static constexpr int kMinCtas = kFp8 ? (kHeadDim == 96 ? 4 : 1) : 0;
-#else
+  // launch bounds (0: none): the e4m3 kernels ask for one CTA an SM, so that ptxas takes
+  // the registers they need (unbounded, it held them to 128 and spilled at d = 128 on
+  // sm_80); DECODE_FP8_STAGES sizes their stages to the CTAs those registers allow
   static constexpr int kMinCtas = kFp8 ? 1 : 0;
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(kBytes <= 227 * 1024, "shared memory a CTA of sm_90");
 #else
@@ -69,8 +63,8 @@ struct DecodeShape {
 // grid: (num_m_blocks * num_splits, nheads_k, batch). kElementIO: the element-wise I/O
 // variant (common/element_io.cuh), for any head dim and any strides: a warp's tile loads
 // block it until they land, where cp.async keeps kStages tiles in flight. kFp8: the cache
-// holds e4m3 (q stays kDtype): its tiles are turned into kDtype values in shared memory
-// (e4m3_tile_to_half), the descales folded into the scores and the output.
+// holds e4m3 (q stays kDtype): its tiles go from the stages into mma fragments as kDtype
+// values (e4m3_mma.cuh), the descales folded into the scores and the output.
 template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false,
           bool kFp8 = false>
 __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kThreads,
@@ -119,12 +113,6 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp
   const Elem* v_head = reinterpret_cast<const Elem*>(p.v) + h_k * p.v_head_stride;
   const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
   const auto stage_k = [&](int i) { return stages + (i % kStages) * 2 * Shape::kStageTileBytes; };
-  // the 16-bit K and V of the step's tile u: the stage's own (16-bit cache), or its
-  // conversion after the warp's stages (e4m3)
-  const auto tile_k = [&](int i, int u) {
-    return kFp8 ? stages + kStages * 2 * Shape::kStageTileBytes + u * 2 * Shape::kTileBytes
-                : stage_k(i);
-  };
   const auto ahead_pages = [&](int i) {
     return kPagesAhead && i < my_tiles ? tile_row_page(p, s, tile_key0(i), lane) : 0;
   };
@@ -143,6 +131,10 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp
   for (int u = 0; u < kStep; ++u) next_pages[u] = ahead_pages(kStages - kStep + u);
   cp_async_wait<Shape::kTilesBeforeQ>();  // Q (the oldest group) has landed
   __syncthreads();
+  if constexpr (kFp8) {
+    order_q_for_e4m3_keys<kHeadDim, Shape::kThreads>(sq, threadIdx.x);
+    __syncthreads();
+  }
 #pragma unroll
   for (int i = Shape::kTilesBeforeQ; i < kStages - kStep; ++i) prologue_tile(i);
 
@@ -177,16 +169,6 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp
     }
     cp_async_wait<kStages - kStep>();
     __syncwarp();
-    if constexpr (kFp8) {
-#pragma unroll
-      for (int u = 0; u < kStep; ++u) {
-        if (u > 0 && i + u >= my_tiles) continue;
-        e4m3_tile_to_half<kDtype, kHeadDim>(stage_k(i + u), tile_k(i + u, u), lane);
-        e4m3_tile_to_half<kDtype, kHeadDim>(stage_k(i + u) + Shape::kStageTileBytes,
-                                            tile_k(i + u, u) + Shape::kTileBytes, lane);
-      }
-      __syncwarp();
-    }
 
     // -- compute qk of each tile (a tile past the warp's last scores -inf), score mods, mask --
     float acc_s[1][2 * kStep][4];
@@ -196,7 +178,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp
       const bool present = u == 0 || i + u < my_tiles;
       fill(tile_s, present ? 0.f : -CUFA_INF);
       if (present)
-        score_tile<kDtype, kHeadDim, kFp8>(tile_s, q_frag, tile_k(i + u, u), p, s, scoring,
+        score_tile<kDtype, kHeadDim, kFp8>(tile_s, q_frag, stage_k(i + u), p, s, scoring,
                                            score_mods, tile_key0(i + u), lane, k_scale);
     }
 
@@ -208,7 +190,8 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp
     for (int u = 0; u < kStep; ++u) {
       if (u > 0 && i + u >= my_tiles) continue;
       const float(&tile_p)[1][2][4] = *reinterpret_cast<const float(*)[1][2][4]>(&acc_s[0][2 * u]);
-      accumulate_tile<kDtype, kHeadDim>(acc_o, tile_p, tile_k(i + u, u) + Shape::kTileBytes, lane);
+      accumulate_tile<kDtype, kHeadDim, kFp8>(acc_o, tile_p, stage_k(i + u) + Shape::kStageTileBytes,
+                                              lane);
     }
     __syncwarp();  // every lane is done with these stages before they are refilled
   }
@@ -224,7 +207,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp
   }
   cp_async_wait<0>();  // (the outputs are staged over the cache stages)
   float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
-  stage_warp_outputs<kWarps, Shape::kOStride>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_out,
+  stage_warp_outputs<kWarps, Shape::kOStride, kFp8>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_out,
                                               scale_log2);
   write_decode_output<kDtype, kHeadDim, Shape, kElementIO>(p, s, m_block, h_k, split, s_out,
                                                            s_warp_max, s_warp_sum, scale_log2);

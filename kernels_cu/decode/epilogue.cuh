@@ -11,7 +11,8 @@ namespace cufa {
 //    no pass of a few threads and a barrier between), staged in s_out
 //    ([warp][row][kOStride] floats) for write_decode_output, which forms the sums. Warps
 //    without a softmax state (has_state false: the TMA kernel's producer) meet the
-//    barriers only --
+//    barriers only. kE4m3Columns: the output tiles hold gemm_pv_e4m3's dims (tile 2c the
+//    even dims of the 16-dim chunk c, 2c + 1 the odd ones), written back in order --
 template <int kWarps>
 __device__ __forceinline__ float warps_row_max(const float (&s_warp_max)[kWarps][kDecodeRows], int r) {
   float mx = -CUFA_INF;
@@ -20,7 +21,7 @@ __device__ __forceinline__ float warps_row_max(const float (&s_warp_max)[kWarps]
   return mx;
 }
 
-template <int kWarps, int kOStride, int kDTiles>
+template <int kWarps, int kOStride, bool kE4m3Columns = false, int kDTiles>
 __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softmax,
                                                    const float (&acc_o)[1][kDTiles][4],
                                                    bool has_state,
@@ -46,10 +47,19 @@ __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softm
       const float mine = softmax.row_max[0][i];
       const float mx = warps_row_max(s_warp_max, r);
       const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - mx) * scale_log2);
+      float* row = &s_out[(warp * kDecodeRows + r) * kOStride];
+      if constexpr (kE4m3Columns) {  // (a lane holds dims 16c + 4t .. 16c + 4t + 3)
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt)
-        *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * kOStride + dt * 8 + 2 * (lane & 3)]) =
-            make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
+        for (int c = 0; c < kDTiles / 2; ++c)
+          *reinterpret_cast<float4*>(&row[c * 16 + 4 * (lane & 3)]) =
+              make_float4(acc_o[0][2 * c][2 * i] * factor, acc_o[0][2 * c + 1][2 * i] * factor,
+                          acc_o[0][2 * c][2 * i + 1] * factor, acc_o[0][2 * c + 1][2 * i + 1] * factor);
+      } else {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+          *reinterpret_cast<float2*>(&row[dt * 8 + 2 * (lane & 3)]) =
+              make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
+      }
     }
   }
   __syncthreads();
