@@ -47,17 +47,16 @@ __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softm
       const float mine = softmax.row_max[0][i];
       const float mx = warps_row_max(s_warp_max, r);
       const float factor = mine == -CUFA_INF ? 0.f : fast_exp2((mine - mx) * scale_log2);
-      float* row = &s_out[(warp * kDecodeRows + r) * kOStride];
       if constexpr (kE4m3Columns) {  // (a lane holds dims 16c + 4t .. 16c + 4t + 3)
 #pragma unroll
         for (int c = 0; c < kDTiles / 2; ++c)
-          *reinterpret_cast<float4*>(&row[c * 16 + 4 * (lane & 3)]) =
+          *reinterpret_cast<float4*>(&s_out[(warp * kDecodeRows + r) * kOStride + c * 16 + 4 * (lane & 3)]) =
               make_float4(acc_o[0][2 * c][2 * i] * factor, acc_o[0][2 * c + 1][2 * i] * factor,
                           acc_o[0][2 * c][2 * i + 1] * factor, acc_o[0][2 * c + 1][2 * i + 1] * factor);
       } else {
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt)
-          *reinterpret_cast<float2*>(&row[dt * 8 + 2 * (lane & 3)]) =
+          *reinterpret_cast<float2*>(&s_out[(warp * kDecodeRows + r) * kOStride + dt * 8 + 2 * (lane & 3)]) =
               make_float2(acc_o[0][dt][2 * i] * factor, acc_o[0][dt][2 * i + 1] * factor);
       }
     }
