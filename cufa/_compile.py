@@ -200,21 +200,11 @@ DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at 
 MERGE_DTYPES = _dtypes.keys_by_code("merge")  # index = MergeDtype in decode/merge.cu
 
 
-def decode_shape(head_dim, fp8_cache=False):
-    """(warps, cp.async stages per warp) of the decode kernel (DecodeShape in decode.cu)."""
-    stages = 4 if head_dim <= 64 else 2
-    if fp8_cache:
-        stages = DECODE_FP8_STAGES.get(head_dim, stages)
-    return (4 if head_dim <= 128 else 2), stages
-
-
-# An e4m3 cache's stages a warp, by padded head dim. Its tiles are a little over half the
-# bytes (E4m3Tile), so the 16-bit stages would leave shared memory for more CTAs than the
-# registers hold (ptxas, sm_90: 106-156 registers a thread at d = 32-128 with four warps,
-# 188-234 at d = 160-256 with two: 3-5 CTAs an SM); these fill the shared memory of the
-# CTAs the registers allow with stages, bytes in flight, and keep the planner's count
-# (ctas_per_sm_on, by shared memory) the registers' (d = 256: one over).
-DECODE_FP8_STAGES = {32: 8, 64: 5, 96: 4, 128: 3, 160: 3, 192: 3, 224: 3}
+def decode_shape(head_dim):
+    """(warps, cp.async stages per warp) of the decode kernel (DecodeShape in decode.cu),
+    an e4m3 cache's too: on an H200 its d = 64 and 128 kernels read no faster with more
+    stages (4-8 and 2-5 tried), though shared memory would hold them."""
+    return (4 if head_dim <= 128 else 2), (4 if head_dim <= 64 else 2)
 
 
 # Decode kernels with less shared memory and so four CTAs an SM, (warps, stages) by padded
@@ -261,7 +251,8 @@ class _CacheKernel:
 
     def ctas_per_sm_on(self, smem_per_sm):
         """CTAs an SM holds, by shared memory (1 KB reserved per CTA); registers allow
-        more."""
+        more, but for the e4m3 decode kernels (3-4 at d = 64-128, where this counts 5:
+        stages that made the two agree read no faster on an H200)."""
         if not self.smem_bytes:
             return 1
         return max(1, min(16, smem_per_sm // (self.smem_bytes + 1024 + DECODE_STATIC_SMEM)))
@@ -288,7 +279,7 @@ class DecodeVariant(_CacheKernel):
     @property
     def shape(self):
         """(warps, stages)."""
-        warps, stages = decode_shape(self.head_dim, self.fp8_cache)
+        warps, stages = decode_shape(self.head_dim)
         return self.warps or warps, self.stages or stages
 
     @property

@@ -42,26 +42,18 @@ def test_fp8_cache_takes_the_e4m3_decode_variant(planner):  # noqa: F811
     assert plan.maps is None  # never the TMA kernel, which reads 16-bit caches
 
 
-# CTAs an sm_90 SM holds by the e4m3 decode kernels' registers (ptxas -v, 106-234 a
-# thread): the stages (DECODE_FP8_STAGES) fill the rest of their shared memory
-FP8_CTAS_BY_REGISTERS = {32: 4, 64: 4, 96: 3, 128: 3, 160: 5, 192: 4, 224: 4, 256: 4}
-
-
-def test_fp8_variants_fill_the_shared_memory_of_the_ctas_registers_allow():
+def test_fp8_variants_take_the_16_bit_shape_with_padded_rows():
     for dt in _compile.DTYPES:
         for hd in _compile.DECODE_HEAD_DIMS:
             fp8, plain = (_compile.decode_kernel(dt, hd, fp8_cache=f) for f in (True, False))
             warps, stages = fp8.shape
-            assert warps == plain.shape[0] and stages >= plain.shape[1]
+            assert fp8.shape == plain.shape
             padded_row = ((hd // 16) | 1) * 16  # E4m3Tile: an odd number of 16-byte chunks
             assert fp8.smem_bytes == 16 * hd * 2 + warps * stages * 2 * 16 * padded_row
-            ctas = fp8.ctas_per_sm_on(_compile.SM90_SMEM_PER_SM)
-            # at most one CTA over what the registers hold (d = 256), never fewer
-            assert FP8_CTAS_BY_REGISTERS[hd] <= ctas <= FP8_CTAS_BY_REGISTERS[hd] + 1, hd
+            assert fp8.smem_bytes < plain.smem_bytes
             assert fp8.key.endswith("_e4m3") and fp8.name_expression.endswith("false, true>")
-            assert f", {stages}, {warps}, false, true>" in fp8.name_expression
     assert {v.key for v in _compile.all_variants()} >= {
-        f"decode_{dt}_hd{hd}_s{_compile.decode_shape(hd, True)[1]}_e4m3"
+        f"decode_{dt}_hd{hd}_s{_compile.decode_shape(hd)[1]}_e4m3"
         for dt in _compile.DTYPES for hd in _compile.DECODE_HEAD_DIMS}
 
 

@@ -51,7 +51,7 @@ struct DecodeShape {
   static constexpr int kBytes = kQBytes + kWarps * kWarpBytes;
   // launch bounds (0: none): the e4m3 kernels ask for one CTA an SM, so that ptxas takes
   // the registers they need (unbounded, it held them to 128 and spilled at d = 128 on
-  // sm_80); DECODE_FP8_STAGES sizes their stages to the CTAs those registers allow
+  // sm_80)
   static constexpr int kMinCtas = kFp8 ? 1 : 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(kBytes <= 227 * 1024, "shared memory a CTA of sm_90");
