@@ -28,6 +28,8 @@ class Packed(NamedTuple):
     alibi_slopes: Any = None
     block_table: Any = None
     learnable_sink: Any = None
+    k_descale: Any = None
+    v_descale: Any = None
     out: Any = None
 
 

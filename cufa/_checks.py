@@ -345,10 +345,10 @@ def check_out(out, o, q, name="out"):
 
 # -- KV cache --------------------------------------------------------------------------------
 
-def _fp8_cache(q, kc, vc):
+def _fp8_cache(q, kc, vc, names=("k_cache", "v_cache")):
     """Whether the cache is e4m3 (FP8_CACHE), after checking that k_cache and v_cache agree
-    and that q is 16-bit."""
-    for x, n in ((kc, "k_cache"), (vc, "v_cache"), (q, "q")):
+    and that q is 16-bit (names: the cache arguments')."""
+    for x, n in ((kc, names[0]), (vc, names[1]), (q, "q")):
         if x.dtype.startswith("float8") and x.dtype != FP8_CACHE:
             raise TypeError(f"{n} has dtype {x.dtype}, which cufa does not support: fp8 KV "
                             f"caches are {FP8_CACHE} (e4m3)")
@@ -357,8 +357,8 @@ def _fp8_cache(q, kc, vc):
                                   "pass q in float16 or bfloat16 (an fp8 cache is)")
     fp8 = kc.dtype == FP8_CACHE
     if fp8 != (vc.dtype == FP8_CACHE):
-        raise TypeError(f"k_cache has dtype {kc.dtype} but v_cache has {vc.dtype}: an fp8 "
-                        f"cache holds both in {FP8_CACHE}")
+        raise TypeError(f"{names[0]} has dtype {kc.dtype} but {names[1]} has {vc.dtype}: an "
+                        f"fp8 cache holds both in {FP8_CACHE}")
     return fp8
 
 
@@ -371,14 +371,14 @@ def _fp8_aligned(x):
             and all(s % 16 == 0 or n == 1 for s, n in zip(x.strides[:-1], x.shape)))
 
 
-def check_descales(kd, vd, kc, q, batch, nheads_k, fp8):
+def check_descales(kd, vd, kc, q, batch, nheads_k, fp8, cache="k_cache"):
     """k_descale, v_descale: float32 (batch, nheads_k), or one scale ((1,) or 0-d), on q's
-    device; only with an fp8 cache."""
+    device; only with an fp8 cache (cache: its argument's name)."""
     for x, n in ((kd, "k_descale"), (vd, "v_descale")):
         if x is None:
             continue
         if not fp8:
-            raise TypeError(f"{n} applies to {FP8_CACHE} caches; k_cache has dtype {kc.dtype}")
+            raise TypeError(f"{n} applies to {FP8_CACHE} caches; {cache} has dtype {kc.dtype}")
         if x.dtype != "float32":
             raise TypeError(f"{n} must be float32; got {x.dtype}")
         if x.device != q.device:
@@ -514,6 +514,18 @@ def check_packed(a, out):
     q, k, v, cu_q, cu_k, used = a.q, a.k, a.v, a.cu_seqlens_q, a.cu_seqlens_k, a.seqused_k
     alibi, table, sink, o = a.alibi_slopes, a.block_table, a.learnable_sink, a.out
     paged = None
+    fp8 = _fp8_cache(q, k, v, ("k", "v"))
+    if fp8:  # an e4m3 paged cache, checked as one of q's dtype would be
+        if table is None:
+            raise NotImplementedError(f"k and v in {FP8_CACHE} are taken as a paged KV cache "
+                                      "(with block_table); pass contiguous k, v in q's dtype")
+        if not (_fp8_aligned(k) and _fp8_aligned(v)):
+            raise NotImplementedError(
+                f"an fp8 cache is read in 16-byte chunks: its head dim and strides must be "
+                f"multiples of 16 and its start 16-byte aligned; got k {k.shape} with strides "
+                f"{k.strides}, v {v.shape} with strides {v.strides}")
+        k, v = (_interop.DeviceArray(x.obj, x.framework, x.ptr, x.shape, x.strides, q.dtype,
+                                     x.device, q.itemsize) for x in (k, v))
     if table is None:
         aligned = check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
                             batch_dim=None, seq_dim=0, head_dim=1)
@@ -537,6 +549,9 @@ def check_packed(a, out):
         check_int32_vector(used, "seqused_k", batch, q)
     check_alibi(alibi, q, batch, nheads)
     check_sink(sink, q, nheads)
+    check_descales(a.k_descale, a.v_descale, a.k, q, batch, k.shape[-2], fp8, "k")
+    if fp8:
+        aligned = chunk_aligned(q.shape, q.strides, q.ptr)
     aligned = check_out(out, o, q) and aligned
     return batch, paged, aligned
 

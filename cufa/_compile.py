@@ -89,6 +89,7 @@ class FwdVariant:
     block_n: int
     hold_pv_wait: bool = False  # sm90: SM90_HOLD_PV_WAIT
     element_io: bool = False    # sm80: rows moved an element at a time (ELEMENT_IO)
+    e4m3_kv: bool = False       # sm80: K and V from an e4m3 cache (q and out stay dtype)
 
     @property
     def source(self):
@@ -119,15 +120,16 @@ class FwdVariant:
         mods = "_mods" if self.score_mods else ""
         hold = "_hold" if self.hold_pv_wait else ""
         elem = "_elem" if self.element_io else ""
+        e4m3 = "_e4m3kv" if self.e4m3_kv else ""
         return (f"fwd_{self.family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}{hold}{elem}")
+                f"_bn{self.block_n}_{self.mask}{mods}{hold}{elem}{e4m3}")
 
     @property
     def name_expression(self):
         args = (f"{DTYPES.index(self.dtype)}, {self.head_dim}, {MASKS.index(self.mask)}, "
                 f"{str(self.score_mods).lower()}")
         if self.family == "sm80":
-            elem = ", true" if self.element_io else ""
+            elem = ", false, true" if self.e4m3_kv else ", true" if self.element_io else ""
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}{elem}>"
         return (f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}, "
                 f"{self.kv_stages}, {str(self.hold_pv_wait).lower()}>")
@@ -135,7 +137,11 @@ class FwdVariant:
     @functools.cached_property  # read by every launch
     def smem_bytes(self):
         if self.family == "sm80":
-            return (self.block_m + 2 * self.block_n) * self.head_dim * self.elem_bytes
+            # (e4m3 K/V: rows of a byte a value and a 16-byte pad to an odd number of
+            # 16-byte chunks, E4m3Tile)
+            kv_row = (((self.head_dim // 16) | 1) * 16 if self.e4m3_kv
+                      else self.head_dim * self.elem_bytes)
+            return self.block_m * self.head_dim * self.elem_bytes + 2 * self.block_n * kv_row
         return self._sm90_smem(self.q_stages, self.kv_stages)
 
     def _sm90_smem(self, q_stages, kv_stages):
@@ -448,9 +454,12 @@ def padded_head_dim(head_dim, family="sm80"):
 
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature calls it
-def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
+def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e4m3_kv=False):
     """rows: the sm90 tile class of the batch (sm90_rows): "short" takes the 64-row
-    tiles, "mid" the middle ones, where the head dim has them, else the next longer."""
+    tiles, "mid" the middle ones, where the head dim has them, else the next longer.
+    e4m3_kv: K and V from an e4m3 cache, on the sm80 family's kernel (any GPU)."""
+    if e4m3_kv:
+        family = "sm80"
     hd = padded_head_dim(head_dim, family)
     short_tiles = SM90_SHORT_TILES_WINDOW if mask == "window" else SM90_SHORT_TILES
     if family == "sm80":
@@ -465,7 +474,8 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long"):
         block_m, block_n = (SM90_TILES_WINDOW if mask == "window" else SM90_TILES)[hd]
     hold = (family == "sm90" and rows == "long" and not score_mods
             and SM90_HOLD_PV_WAIT.get(hd) == (block_m, block_n))
-    return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold)
+    return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold,
+                      e4m3_kv=e4m3_kv)
 
 
 @functools.lru_cache(maxsize=None)
@@ -511,6 +521,8 @@ def all_variants():
                 for mask in MASKS
                 for mods in (False, True)]
     variants += [fwd_element_io_variant(dt, hd) for dt in DTYPES for hd in SM80_HEAD_DIMS]
+    variants += [fwd_variant(dt, hd, mask, mods, e4m3_kv=True) for dt in DTYPES
+                 for hd in SM80_HEAD_DIMS for mask in MASKS for mods in (False, True)]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

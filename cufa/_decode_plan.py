@@ -131,7 +131,7 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity), sink_dtype=_sink_dtype(sink),
              lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
-             **_descale_strides(a.k_descale, a.v_descale),
+             **descale_strides(a.k_descale, a.v_descale),
              **_params.score_fields(window, scale, softcap, d, alibi))
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
@@ -174,7 +174,7 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
                        kernel, d, num_splits, seqlen_q * group))
 
 
-def _descale_strides(kd, vd):
+def descale_strides(kd, vd):
     """DecodeParams' descale strides of (batch, nheads_k) descales; 0 for one a tensor."""
     p = {}
     for name, x in (("k", kd), ("v", vd)):
@@ -283,18 +283,19 @@ class PackedDecode:
 
 
 def plan_packed_decode(q, k, v, o, alibi, sink, paged, *, batch, nheads, nheads_k, d, total_q,
-                       window, scale, softcap, aligned=True):
+                       window, scale, softcap, aligned=True, descales=None):
     """PackedDecode of validated views: q (total_q, nheads, d), k and v paged (pages,
     page_size, nheads_k, d), o the caller's out= view or None, sink the learnable sink's or
     None; paged from check_block_table; aligned: whether the arrays are chunk-aligned (else
-    the element-wise I/O kernel)."""
+    the element-wise I/O kernel); descales: (k_descale, v_descale) views where k and v are
+    an e4m3 cache, else None."""
     group = nheads // nheads_k
     rows = max(1, _compile.DECODE_ROWS // group)
     num_m_blocks = -(-rows * group // _compile.DECODE_ROWS)
     capacity = paged["capacity"]
     kernel, num_splits = _heuristics.decode_kernel_and_splits(
         KERNEL_DTYPES[q.dtype], d, 0, batch * nheads_k * num_m_blocks, capacity, q.device,
-        paged=True, element_io=not aligned)
+        paged=True, element_io=not aligned, fp8_cache=descales is not None)
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     p = dict(batch=batch, seqlen_q=rows, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
@@ -305,7 +306,8 @@ def plan_packed_decode(q, k, v, o, alibi, sink, paged, *, batch, nheads, nheads_
              sink_dtype=_sink_dtype(sink),
              q_batch_stride=0, q_row_stride=q.strides[0], q_head_stride=q.strides[1],
              o_batch_stride=0, o_row_stride=o_strides[0], o_head_stride=o_strides[1],
-             **_params.score_fields(window, scale, softcap, d, alibi))
+             **_params.score_fields(window, scale, softcap, d, alibi),
+             **(descale_strides(*descales) if descales is not None else {}))
     for name, x in (("k", k), ("v", v)):  # page stride as the batch stride
         (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
          p[f"{name}_head_stride"]) = x.strides[:3]
@@ -325,12 +327,13 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, sink, pack
     """route's launches on `stream` after the forward's (_fwd_plan._launch's arguments): its
     partials in XLA's scratch under jax.jit, else in the stream's buffer past its first
     `reserved` bytes; order: the schedule's decode order (sequences, most keys first)."""
-    cu_q, cu_k, used, table = packed
+    cu_q, cu_k, used, table, k_descale, v_descale = packed
     _, o_part, lse_part = route.workspace
     _launch_decode(route.params, route.launches, route.workspace, route.merge_in_launch,
                    lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
-        cu_q, cu_k, used, counters, order, sink, 0, 0), plan.framework, plan.device, stream,
+        cu_q, cu_k, used, counters, order, sink, k_descale, v_descale), plan.framework,
+                   plan.device, stream,
         scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
 

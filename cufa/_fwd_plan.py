@@ -6,9 +6,9 @@ import collections
 from dataclasses import dataclass
 
 from . import _arrays, _compile, _decode_plan, _heuristics, _interop, _params, _runtime, _tma
-from ._checks import (ATTN_MASK_TYPES, INT32_MAX, KERNEL_DTYPES, UNBOUNDED, check_cu_values,
-                      check_dense, check_options, check_packed, check_page_ids, check_scale,
-                      check_sdpa)
+from ._checks import (ATTN_MASK_TYPES, FP8_CACHE, INT32_MAX, KERNEL_DTYPES, UNBOUNDED,
+                      check_cu_values, check_dense, check_options, check_packed, check_page_ids,
+                      check_scale, check_sdpa)
 from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, outputs, plans,
                        remember, returned, stream_call, stream_tile_counter, stream_workspace)
 
@@ -65,11 +65,12 @@ PACKED_ARRAYS = _arrays.Packed._fields
 
 def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, out, *,
            softmax_scale, causal, window_size, softcap, return_lse, learnable_sink=None,
-           check_cu_seqlens=False, lse_out=None, stream=None, scratch=None):
+           k_descale=None, v_descale=None, check_cu_seqlens=False, lse_out=None, stream=None,
+           scratch=None):
     """flash_attn_varlen_func on arrays or views (as dense)."""
     options = check_options(softmax_scale, causal, window_size, softcap)
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table,
-              learnable_sink, out)
+              learnable_sink, k_descale, v_descale, out)
     entries, ptrs = _interop.signature(arrays, PACKED_ARRAYS)
     key = ("packed", options) + entries
     plan = plans.get(key)
@@ -82,10 +83,11 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
                         a.seqused_k)
         if a.block_table is not None:
             check_page_ids(a.block_table, a.k.shape[0])
-    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, sink_ptr, o_ptr = (
-        ptrs)
+    (q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, sink_ptr,
+     k_descale_ptr, v_descale_ptr, o_ptr) = ptrs
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
-                    sink=sink_ptr, packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr), lse_out=lse_out,
+                    sink=sink_ptr, packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr, k_descale_ptr,
+                                           v_descale_ptr), lse_out=lse_out,
                     stream=stream, scratch=scratch, like=q)
 
 
@@ -109,17 +111,20 @@ def plan_packed(a, out, window, scale, softcap):
     batch, paged, aligned = check_packed(a, out)
     q, k, v, o, alibi, sink = a.q, a.k, a.v, a.out, a.alibi_slopes, a.learnable_sink
     total_q, nheads, d = q.shape
+    descales = (a.k_descale, a.v_descale) if k.dtype == FP8_CACHE else None
     plan = _plan(q, k, v, o, seq_dim=0, head_dim=1, batch=batch, nheads=nheads,
                  nheads_k=k.shape[-2], seqlen_q=total_q,
                  seqlen_k=k.shape[0] if paged is None else paged["capacity"], d=d, scale=scale,
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi,
-                 attn_mask=None, packed=True, paged=paged, sink=sink, aligned=aligned)
+                 attn_mask=None, packed=True, paged=paged, sink=sink, aligned=aligned,
+                 descales=descales)
     if paged is not None and plan.variant is not None:
         # Decode-sized sequences of a serving batch go to the decode kernel (one tile a
         # GQA group, each KV byte read once); the forward's work list leaves them out.
         plan.decode = _decode_plan.plan_packed_decode(
             q, k, v, o, alibi, sink, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2],
-            d=d, total_q=total_q, window=window, scale=scale, softcap=softcap, aligned=aligned)
+            d=d, total_q=total_q, window=window, scale=scale, softcap=softcap, aligned=aligned,
+            descales=descales)
         capacity = paged["capacity"]
         plan.work_list = plan.work_list[:3] + (_params.SCHEDULE.with_fields(
             plan.work_list[3], {"decode_rows": plan.decode.rows, "capacity": capacity,
@@ -327,7 +332,8 @@ class _Mover:
         return self._moved(batch, q[1][2], seqlen_q, seqlen_k, tuple(q[1]), template,
                            batch_strides)
 
-    def packed_batch(self, q, k, v, cu_q, cu_k, used, alibi, table, sink, o):
+    def packed_batch(self, q, k, v, cu_q, cu_k, used, alibi, table, sink, k_descale, v_descale,
+                     o):
         """The plan at the sizes of a packed batch's signature entries."""
         if self.units is None:
             self._prepare()
@@ -418,14 +424,15 @@ class _Mover:
 
 def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q, seqlen_k, d, scale,
           bottom_right, window, softcap, alibi, attn_mask, packed=False, paged=None,
-          sink=None, aligned=True):
+          sink=None, aligned=True, descales=None):
     """The variant, launch shape and params of validated arrays. Padded batches: q/k/v/o
     carry a batch dimension (0). Packed batches: rows of all sequences are stacked,
     seqlen_q/k are the total rows, and lse is (nheads, total_q). out: the caller's out=
     view, or None for a new contiguous output. paged: check_block_table's dict when k/v are
     a paged cache (seqlen_k is then its capacity a sequence). sink: the learnable sink's
     view or None (its address comes with each call). aligned: whether every array is
-    _checks.chunk_aligned (else the element-wise I/O variant runs, on any GPU)."""
+    _checks.chunk_aligned (else the element-wise I/O variant runs, on any GPU). descales:
+    (k_descale, v_descale) views (either may be None) where k and v are an e4m3 cache."""
     framework = "cupy" if q.framework == "dlpack" else q.framework
     lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
     outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
@@ -439,7 +446,10 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         family = "sm80"
     # (packed: the mean keys a sequence, or a paged cache's capacity a sequence)
     keys = (seqlen_k if paged is not None else seqlen_k / batch) if packed else 0
-    if aligned:
+    if descales is not None:  # the e4m3 K/V variant (the sm80 family's, on any GPU)
+        variant, tma_template = _compile.fwd_variant(
+            KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, e4m3_kv=True), None
+    elif aligned:
         variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
                                          mask_kind, score_mods, family, paged, keys)
     else:
@@ -463,6 +473,11 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
             p.update(zip(fields, x.strides[:3]))
         p["block_table_batch_stride"] = paged["table_stride"]
         p["page_shift"], p["num_pages"] = paged["page_shift"], paged["num_pages"]
+    if descales is not None:  # (e4m3 rows move as 16-bit units: strides in those, halved)
+        for fields in _STRIDE_FIELDS[1:3]:
+            for field in fields:
+                p[field] //= 2
+        p.update(_decode_plan.descale_strides(*descales))
     if attn_mask is not None:
         full = (batch, nheads, seqlen_q, seqlen_k)
         p["attn_mask_type"] = ATTN_MASK_TYPES[attn_mask.dtype]
@@ -501,6 +516,7 @@ _SIZE_FIELDS = ("lse_batch_stride", "lse_head_stride", "batch", "seqlen_q", "seq
                 "num_m_blocks", "heads_per_group", "tail_group_head")
 _BATCH_STRIDE_FIELDS = tuple(fields[0] for fields in _STRIDE_FIELDS)  # q, k, v, o
 _set_sizes = _params.FWD.setter(_SIZE_FIELDS)  # (one run of FwdParams: one pack)
+_set_descales = _params.FWD.setter(("k_descale", "v_descale"))  # (past the leading pointers)
 _set_batch_strides_and_sizes = _params.FWD.setter(_BATCH_STRIDE_FIELDS + _SIZE_FIELDS)
 _set_schedule_sizes = _params.SCHEDULE.setter(("batch", "total_q", "num_buckets"))
 
@@ -607,9 +623,10 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packe
     framework, device = plan.framework, plan.device
     counter = tile_list = tile_count = order = 0
     cu_q = cu_k = used = table = 0
+    descales = (0, 0)
     scratch = None
     if packed:
-        cu_q, cu_k, used, table = packed
+        cu_q, cu_k, used, table, *descales = packed
         schedule, max_tiles, num_buckets, schedule_record = plan.work_list
         # the work list, then the tile counter (2 ints, which the schedule kernel zeroes)
         ints = _work_list_ints(max_tiles, num_buckets)
@@ -630,7 +647,10 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packe
             stream_call(cupy.cuda.runtime.memsetAsync, counter, 0, 8, stream)
         else:
             scratch, counter = stream_tile_counter(framework, device, stream)
-    params = _params.FWD.with_pointer_values(plan.params, (
+    record = plan.params
+    if plan.variant.e4m3_kv:
+        record = _set_descales(record, descales)
+    params = _params.FWD.with_pointer_values(record, (
         q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
         counter, table, sink))
     args = (params,)

@@ -322,9 +322,10 @@ def _run_dense(views, outs, options, stream, scratch):
 
 def _run_packed(views, outs, options, stream, scratch):
     lse = outs[1] if len(outs) > 1 else None
-    *arrays, sink = (views.get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1])
+    *arrays, sink, k_descale, v_descale = (views.get(n) for n in _fwd_plan.PACKED_ARRAYS[:-1])
     _fwd_plan.packed(*arrays, outs[0], **options, return_lse=lse is not None,
-                     learnable_sink=sink, lse_out=lse, stream=stream, scratch=scratch)
+                     learnable_sink=sink, k_descale=k_descale, v_descale=v_descale, lse_out=lse,
+                     stream=stream, scratch=scratch)
 
 
 def _run_sdpa(views, outs, options, stream, scratch):

@@ -7,6 +7,7 @@ appends ``static_assert``s generated from it (``layout_asserts``), so a struct t
 drifted from its mirror fails to compile instead of reading garbage.
 """
 import ctypes
+import itertools
 import math
 import struct
 
@@ -38,6 +39,10 @@ FWD_FIELDS = [
     ("bottom_right", _I32), ("window_left", _I32), ("window_right", _I32),
     ("attn_mask_type", _I32), ("page_shift", _I32), ("num_pages", _I32), ("sink_dtype", _I32),
     ("scale", _F32), ("scale_log2", _F32), ("softcap", _F32), ("softcap_inv", _F32),
+    # an e4m3 K/V cache's scales (last: the other fields keep their offsets)
+    ("k_descale", _PTR), ("v_descale", _PTR),
+    ("k_descale_batch_stride", _I64), ("k_descale_head_stride", _I64),
+    ("v_descale_batch_stride", _I64), ("v_descale_head_stride", _I64),
 ]
 
 DECODE_FIELDS = [
@@ -93,7 +98,9 @@ class Record:
         self.struct_name = struct_name
         self.dtype = np.dtype(fields, align=True)
         self.names = frozenset(self.dtype.names)
-        self.pointer_fields = tuple(name for name, kind in fields if kind is _PTR)
+        # (the leading run: pointers after it, FwdParams' descales, are set by name)
+        self.pointer_fields = tuple(itertools.takewhile(lambda f: f[1] is _PTR, fields))
+        self.pointer_fields = tuple(name for name, _ in self.pointer_fields)
         assert all(self.dtype.fields[n][1] == 8 * i for i, n in enumerate(self.pointer_fields))
         self._pointers = struct.Struct(f"<{len(self.pointer_fields)}Q")
         self._buffer = ctypes.c_char * self.dtype.itemsize

@@ -86,11 +86,13 @@ def _register():
                           softmax_scale: Optional[float], causal: bool, window_left: int,
                           window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                           seqused_k: Optional[Tensor], block_table: Optional[Tensor],
-                          learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                          learnable_sink: Optional[Tensor], k_descale: Optional[Tensor],
+                          v_descale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.packed(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-            softcap=softcap, return_lse=True, learnable_sink=_detached(learnable_sink))
+            softcap=softcap, return_lse=True, learnable_sink=_detached(learnable_sink),
+            k_descale=k_descale, v_descale=v_descale)
 
     @flash_attn_varlen.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):

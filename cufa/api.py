@@ -79,7 +79,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, return_lse=False, out=None,
                            seqused_k=None, check_cu_seqlens=False, block_table=None,
-                           learnable_sink=None):
+                           learnable_sink=None, k_descale=None, v_descale=None):
     """Attention over a packed batch of variable-length sequences (flash-attn 2 conventions).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim): the rows of all
@@ -101,6 +101,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     has seqused_k[b] keys if given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b], at most
     max_pages * page_size. Paged batches run on the mma.sync kernels (sm80 family);
     their sequences of 1 to 16 // (nheads // nheads_k) query rows on the decode kernel.
+    A paged cache in float8_e4m3fn (PyTorch's, or CuPy arrays of ml_dtypes'), with
+    k_descale, v_descale as in flash_attn_with_kvcache, is read the same way (q and out stay
+    16-bit; the e4m3 bytes turn into q's dtype as they enter the matrix units).
 
     Free checks (no device sync): dtype, shape and device of cu_seqlens and seqused_k.
     check_cu_seqlens=True also reads the values (one device-to-host copy, a sync): first
@@ -129,11 +132,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             o, lse = _torch_ops.op("flash_attn_varlen")(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 causal, *window_ints(window_size), softcap, alibi_slopes, seqused_k, block_table,
-                learnable_sink)
+                learnable_sink, k_descale, v_descale)
             return _returned(o, lse, return_lse, return_attn_probs)
         arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
-                      learnable_sink=learnable_sink)
+                      learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
+        if _interop.is_jax(q) and (k_descale is not None or v_descale is not None or any(
+                "float8" in str(getattr(x, "dtype", "")) for x in (k, v))):
+            raise NotImplementedError("fp8 caches in flash_attn_varlen_func are taken from "
+                                      "PyTorch and CuPy arrays, not yet from JAX")
         if _jax.tracing(*arrays.values()):
             if check_cu_seqlens:
                 raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
@@ -145,7 +152,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     result = packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table,
                     out, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, return_lse=return_lse, learnable_sink=learnable_sink,
-                    check_cu_seqlens=check_cu_seqlens)
+                    k_descale=k_descale, v_descale=v_descale, check_cu_seqlens=check_cu_seqlens)
     return _returned(*result, True, True) if return_attn_probs else result
 
 

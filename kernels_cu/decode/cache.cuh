@@ -5,6 +5,7 @@
 #include "params.cuh"
 #include "../common/mma_tiles.cuh"
 #include "../common/element_io.cuh"
+#include "../common/e4m3_mma.cuh"
 
 namespace cufa {
 
@@ -80,13 +81,6 @@ __device__ __forceinline__ const Elem* cache_row(const DecodeParams& p, const Ca
                                                  i64 row_stride, int pos) {
   const CacheSlot slot = cache_slot(p, s, pos);
   return head + slot.block * batch_stride + slot.row * row_stride;
-}
-
-// -- an e4m3 cache's scale of sequence b's KV head h_k (DecodeParams::k_descale) --
-__device__ __forceinline__ float cache_descale(u64 descale, i64 batch_stride, i64 head_stride,
-                                               int b, int h_k) {
-  return descale ? reinterpret_cast<const float*>(descale)[b * batch_stride + h_k * head_stride]
-                 : 1.f;
 }
 
 // -- the cache's element: u16 (q's dtype), or u8 for an e4m3 cache --
@@ -169,23 +163,11 @@ __device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const D
   }
 }
 
-// -- a warp's 16-key e4m3 tile in its stage (e4m3_mma.cuh reads it): rows of kHeadDim
-//    bytes, each padded to an odd number of 16-byte chunks, so that the 8 rows an ldmatrix
-//    phase reads at one chunk land in 8 different bank groups at every head dim --
-template <int kHeadDim>
-struct E4m3Tile {
-  static constexpr int kRowChunks = (kHeadDim / 16) | 1;
-  static constexpr int kBytes = kTileKeys * kRowChunks * 16;
-  __device__ __forceinline__ static u32 offset(int row, int chunk) {
-    return static_cast<u32>((row * kRowChunks + chunk) * 16);
-  }
-};
-
 // -- load one warp's 16-key tile of K and V into its stage: rows past the sequence and
 //    columns past head_dim read as zeros. A paged cache's rows take their pages from
 //    row_page, this lane's tile_row_page (kPagesAhead), or look them up here. By cp.async
 //    (kElementIO: plain loads, load_kv_tile_elementwise). Elem: u16 (a swizzled tile), or
-//    u8 for an e4m3 cache (an E4m3Tile) --
+//    u8 for an e4m3 cache (E4m3Tile rows) --
 template <class Elem, int kHeadDim>
 __device__ __forceinline__ u32 kv_stage_offset(int r, int c) {
   if constexpr (sizeof(Elem) == 2) return Swizzle<kHeadDim>::offset(r, c);

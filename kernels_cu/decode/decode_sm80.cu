@@ -28,7 +28,7 @@ namespace cufa {
 // default at d = 64 once there are several waves). Mirrored by decode_shape and
 // DECODE_MORE_CTAS in cufa/_compile.py. kFp8: an e4m3 cache, whose stages (E4m3Tile:
 // rows of kHeadDim bytes and a 16-byte pad) hold a little over half the bytes, read
-// straight into mma fragments (e4m3_mma.cuh).
+// straight into mma fragments (common/e4m3_mma.cuh).
 template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0, bool kFp8 = false>
 struct DecodeShape {
   static constexpr int kWarps = kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : 2;
@@ -42,7 +42,7 @@ struct DecodeShape {
   // ahead (4 x 8 stages at 1 x 32k) Q landed after 3.6 us, with 2 after 2.0.
   static constexpr int kTilesBeforeQ = kStages - kStepTiles < 2 ? kStages - kStepTiles : 2;
   static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;         // a 16-bit tile
-  static constexpr int kStageTileBytes = kFp8 ? E4m3Tile<kHeadDim>::kBytes : kTileBytes;
+  static constexpr int kStageTileBytes = kFp8 ? kTileKeys * E4m3Tile<kHeadDim>::kRowBytes : kTileBytes;
   static constexpr int kWarpBytes = kStages * 2 * kStageTileBytes;
   static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
   static constexpr int kOStride = kHeadDim + 4;  // floats a row: rows 4 banks apart
@@ -64,7 +64,7 @@ struct DecodeShape {
 // variant (common/element_io.cuh), for any head dim and any strides: a warp's tile loads
 // block it until they land, where cp.async keeps kStages tiles in flight. kFp8: the cache
 // holds e4m3 (q stays kDtype): its tiles go from the stages into mma fragments as kDtype
-// values (e4m3_mma.cuh), the descales folded into the scores and the output.
+// values (common/e4m3_mma.cuh), the descales folded into the scores and the output.
 template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false,
           bool kFp8 = false>
 __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kThreads,
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp
   cp_async_wait<Shape::kTilesBeforeQ>();  // Q (the oldest group) has landed
   __syncthreads();
   if constexpr (kFp8) {
-    order_q_for_e4m3_keys<kHeadDim, Shape::kThreads>(sq, threadIdx.x);
+    order_q_for_e4m3_keys<kDecodeRows, kHeadDim, Shape::kThreads>(sq, threadIdx.x);
     __syncthreads();
   }
 #pragma unroll

@@ -50,9 +50,11 @@ __device__ __forceinline__ void stage_warp_outputs(const OnlineSoftmax<1>& softm
       if constexpr (kE4m3Columns) {  // (a lane holds dims 16c + 4t .. 16c + 4t + 3)
 #pragma unroll
         for (int c = 0; c < kDTiles / 2; ++c)
+        {
+          const float4 x = e4m3_output_dims(acc_o, 0, c, i);
           *reinterpret_cast<float4*>(&s_out[(warp * kDecodeRows + r) * kOStride + c * 16 + 4 * (lane & 3)]) =
-              make_float4(acc_o[0][2 * c][2 * i] * factor, acc_o[0][2 * c + 1][2 * i] * factor,
-                          acc_o[0][2 * c][2 * i + 1] * factor, acc_o[0][2 * c + 1][2 * i + 1] * factor);
+              make_float4(x.x * factor, x.y * factor, x.z * factor, x.w * factor);
+        }
       } else {
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt)

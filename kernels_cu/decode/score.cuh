@@ -2,7 +2,6 @@
 // A warp's 16-key tile: S = Q K^T, score mods (scale, softcap, ALiBi), the window and
 // the sequence's end as a mask, and O += P V; the keys a CTA's rows see.
 #include "cache.cuh"
-#include "e4m3_mma.cuh"
 
 namespace cufa {
 
@@ -110,7 +109,7 @@ __device__ __forceinline__ TileScoring tile_scoring(const DecodeParams& p, const
 }
 
 // -- S += Q K^T of the 16-key tile at k_tile (keys key0..): a 16-bit tile, or an e4m3
-//    one (kE4m3: an E4m3Tile, Q in order_q_for_e4m3_keys's order) whose scores are then
+//    one (kE4m3: E4m3Tile rows, Q in order_q_for_e4m3_keys's order) whose scores are then
 //    times k_scale (its descale); then score mods and mask --
 template <int kDtype, int kHeadDim, bool kE4m3 = false>
 __device__ __forceinline__ void score_tile(float (&tile_s)[1][2][4], const LdmatrixAddr<kHeadDim>& q_frag,
@@ -131,7 +130,7 @@ __device__ __forceinline__ void score_tile(float (&tile_s)[1][2][4], const Ldmat
   if (key0 < sc.all_lo || key0 + kTileKeys > sc.all_hi) decode_mask(tile_s, sc.lr, key0, lane);
 }
 
-// -- O += P V of the 16-key tile at v_tile (kE4m3: an E4m3Tile, whose output tiles hold
+// -- O += P V of the 16-key tile at v_tile (kE4m3: E4m3Tile rows, whose output tiles hold
 //    gemm_pv_e4m3's dims) --
 template <int kDtype, int kHeadDim, bool kE4m3 = false, int kDTiles>
 __device__ __forceinline__ void accumulate_tile(float (&acc_o)[1][kDTiles][4],

@@ -10,6 +10,7 @@
 #include "../common/softmax.cuh"
 #include "score.cuh"
 #include "../common/mma_tiles.cuh"
+#include "../common/e4m3_mma.cuh"
 
 namespace cufa {
 
@@ -31,12 +32,26 @@ __device__ __forceinline__ void load_tile(u32 smem, const u16* gmem, i64 row_str
         [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); });
 }
 
-// -- load keys [key0, key0 + kRows) of K or V (head: the sequence's row 0 of this head) --
-template <int kRows, int kHeadDim, bool kElementIO>
+// -- load keys [key0, key0 + kRows) of K or V (head: the sequence's row 0 of this head).
+//    kE4m3: an e4m3 cache, whose rows of kHeadDim bytes move as kHeadDim / 2 16-bit
+//    elements (the host gives its strides in those) into E4m3Tile rows --
+template <int kRows, int kHeadDim, bool kElementIO, bool kE4m3 = false>
 __device__ __forceinline__ void load_kv_block(u32 smem, const FwdParams& p, const Tile& t,
                                               const u16* head, i64 batch_stride, i64 row_stride,
                                               int key0) {
   const int rows_valid = t.seqlen_k - key0;
+  if constexpr (kE4m3) {
+    static_assert(!kElementIO, "an e4m3 cache takes the 16-byte path");
+    const auto offset = [](int r, int c) { return E4m3Tile<kHeadDim>::offset(r, c); };
+    if (!p.block_table)
+      copy_tile_async<kRows, kHeadDim / 2, kThreads>(smem, head + key0 * row_stride, row_stride,
+                                                     rows_valid, p.head_dim / 2, offset);
+    else
+      copy_rows_async<kRows, kHeadDim / 2, kThreads>(
+          smem, [&](int r) { return paged_row(p, t, head, batch_stride, row_stride, key0 + r); },
+          head, rows_valid, p.head_dim / 2, offset, threadIdx.x);
+    return;
+  }
   if (!p.block_table) {
     load_tile<kRows, kHeadDim, kElementIO>(smem, head + key0 * row_stride, row_stride, rows_valid,
                                            p.head_dim);
@@ -75,24 +90,41 @@ struct VInFlight {
 };
 
 // -- epilogue: O through this warp's rows of sQ (only this warp read them), then 16-byte
-//    stores (kElementIO: a store an element) --
-template <int kDtype, int kHeadDim, bool kElementIO, int kMTiles, int kDTiles>
+//    stores (kElementIO: a store an element). kE4m3Columns: the output tiles hold
+//    gemm_pv_e4m3's dims, written back in order --
+template <int kDtype, int kHeadDim, bool kElementIO, bool kE4m3Columns = false, int kMTiles,
+          int kDTiles>
 __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4],
                                              const float (&lse)[kMTiles][2], const FwdParams& p,
                                              int seqlen_q, u16* s_stage, u16* o_ptr, float* lse_ptr,
                                              int row0,
                                              int warp_row0, int lane) {
   unsigned char* stage = reinterpret_cast<unsigned char*>(s_stage);
+  if constexpr (kE4m3Columns) {  // (a lane holds dims 16c + 4t .. + 3: half a chunk)
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
+      for (int c = 0; c < kDTiles / 2; ++c)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
-        *reinterpret_cast<u32*>(stage + Swizzle<kHeadDim>::offset(r, dt) + 4 * (lane & 3)) =
-            pack2<kDtype>(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
-      }
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp_row0 + mt * 16 + (lane >> 2) + 8 * h, t = lane & 3;
+          const float4 x = e4m3_output_dims(o, mt, c, h);
+          *reinterpret_cast<uint2*>(stage + Swizzle<kHeadDim>::offset(r, 2 * c + (t >> 1)) +
+                                    8 * (t & 1)) =
+              make_uint2(pack2<kDtype>(x.x, x.y), pack2<kDtype>(x.z, x.w));
+        }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
+          *reinterpret_cast<u32*>(stage + Swizzle<kHeadDim>::offset(r, dt) + 4 * (lane & 3)) =
+              pack2<kDtype>(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
+        }
+  }
   __syncwarp();
   constexpr int kChunks = kHeadDim / 8;
 #pragma unroll
@@ -124,18 +156,23 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
 // kElementIO: the element-wise I/O variant (common/element_io.cuh), for any head dim and
 // any strides. Its loads of Q and K (and of V above d = 128) wait for memory where cp.async's
 // run under the products; V's at d <= 128 land under the QK product (VInFlight).
+// kE4m3: K and V from an e4m3 cache (q and out stay kDtype): E4m3Tile rows in shared
+// memory, read into mma fragments as kDtype values (common/e4m3_mma.cuh), k_descale folded
+// into the scores, v_descale into the output.
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
-          bool kElementIO = false>
+          bool kElementIO = false, bool kE4m3 = false>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   constexpr int kMTiles = kBlockM / (16 * kWarps);
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   static_assert(kMTiles * 16 * kWarps == kBlockM && kNTiles % 2 == 0, "tile shape");
+  static_assert(!(kElementIO && kE4m3), "an e4m3 cache takes the 16-byte path");
 
   extern __shared__ __align__(128) unsigned char smem[];
   u16* sQ = reinterpret_cast<u16*>(smem);
   u16* sK = sQ + kBlockM * kHeadDim;
-  u16* sV = sK + kBlockN * kHeadDim;
+  // (an e4m3 block: kBlockN rows of E4m3Tile<kHeadDim>::kRowBytes, as 16-bit units)
+  u16* sV = sK + (kE4m3 ? kBlockN * E4m3Tile<kHeadDim>::kRowBytes / 2 : kBlockN * kHeadDim);
 
   // -- which tile --
   Tile t;
@@ -150,6 +187,11 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   const TileMods mods = tile_mods<kScoreMods>(p, t);
   const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
+  // an e4m3 cache: the fragments' keys are the cache's over e4m3_to_half_scale()
+  const float k_scale = kE4m3 ? cache_descale(p.k_descale, p.k_descale_batch_stride,
+                                              p.k_descale_head_stride, t.b, t.h_k) *
+                                    e4m3_to_half_scale()
+                              : 1.f;
 
   float acc_o[kMTiles][kDTiles][4];
 #pragma unroll
@@ -173,9 +215,15 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
     const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
     load_tile<kBlockM, kHeadDim, kElementIO>(sq, q_ptr, p.q_row_stride, t.seqlen_q - row0,
                                              p.head_dim);
+    if constexpr (kE4m3) {  // Q in the keys' dim order before any product reads it
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      order_q_for_e4m3_keys<kBlockM, kHeadDim, kThreads>(sq, threadIdx.x);
+    }
     int nb = n_block_max - 1;
-    load_kv_block<kBlockN, kHeadDim, kElementIO>(sk, p, t, ptr.k, p.k_batch_stride,
-                                                 p.k_row_stride, nb * kBlockN);
+    load_kv_block<kBlockN, kHeadDim, kElementIO, kE4m3>(sk, p, t, ptr.k, p.k_batch_stride,
+                                                        p.k_row_stride, nb * kBlockN);
     cp_async_commit();
     constexpr bool kInFlight = kElementIO && VInFlight<kHeadDim, kBlockN>::kFits;
     VInFlight<kHeadDim, kBlockN> in_flight;
@@ -196,13 +244,23 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       if constexpr (kInFlight) {
         in_flight.issue(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0);
       } else {
-        load_kv_block<kBlockN, kHeadDim, kElementIO>(sv, p, t, ptr.v, p.v_batch_stride,
-                                                     p.v_row_stride, key0);
+        load_kv_block<kBlockN, kHeadDim, kElementIO, kE4m3>(sv, p, t, ptr.v, p.v_batch_stride,
+                                                            p.v_row_stride, key0);
         cp_async_commit();
       }
 
       // -- compute qk, then score mods and mask --
-      gemm_qk<kDtype>(acc_s, q_frag, k_frag);
+      if constexpr (kE4m3) {
+        gemm_qk_e4m3<kDtype, kHeadDim>(acc_s, q_frag, sk, lane);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= k_scale;
+      } else {
+        gemm_qk<kDtype>(acc_s, q_frag, k_frag);
+      }
       if (kScoreMods)
         apply_score_mods(acc_s, p, t, mods, row0 + warp_row0, key0, lane);
       if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
@@ -213,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       cp_async_wait<0>();
       __syncthreads();
       if (nb > n_block_min) {
-        load_kv_block<kBlockN, kHeadDim, kElementIO>(sk, p, t, ptr.k, p.k_batch_stride,
-                                                     p.k_row_stride, key0 - kBlockN);
+        load_kv_block<kBlockN, kHeadDim, kElementIO, kE4m3>(sk, p, t, ptr.k, p.k_batch_stride,
+                                                            p.k_row_stride, key0 - kBlockN);
         cp_async_commit();
       }
 
@@ -222,14 +280,28 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       float correction[kMTiles][2];
       softmax.update(acc_s, scale_log2, correction);
       softmax.rescale_output(acc_o, correction);
-      gemm_pv<kDtype>(acc_o, acc_s, v_frag);
+      if constexpr (kE4m3)
+        gemm_pv_e4m3<kDtype, kHeadDim>(acc_o, acc_s, sv, lane);
+      else
+        gemm_pv<kDtype>(acc_o, acc_s, v_frag);
     }
+  }
+  if constexpr (kE4m3) {
+    const float v_scale = cache_descale(p.v_descale, p.v_descale_batch_stride,
+                                        p.v_descale_head_stride, t.b, t.h_k) *
+                          e4m3_to_half_scale();
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= v_scale;
   }
 
   float lse[kMTiles][2];
   softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
-  write_output<kDtype, kHeadDim, kElementIO>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o, ptr.lse,
-                                             row0, warp_row0, lane);
+  write_output<kDtype, kHeadDim, kElementIO, kE4m3>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o,
+                                                    ptr.lse, row0, warp_row0, lane);
 }
 
 }  // namespace cufa

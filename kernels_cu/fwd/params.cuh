@@ -69,6 +69,14 @@ struct FwdParams {
   float scale_log2;  // scale * log2(e): one FFMA per score before exp2
   float softcap;     // 0 = off
   float softcap_inv;
+
+  // An e4m3 K/V cache (the kE4m3 variants): float32 scales of (sequence, KV head), 0 for
+  // none; key j of KV head h_k is its e4m3 value times k_descale[b, h_k] (strides 0: one
+  // scale). Last, so that the other fields keep their offsets (the sm90 kernels' TMA
+  // descriptors, passed after the struct, move by 64 bytes).
+  u64 k_descale, v_descale;
+  i64 k_descale_batch_stride, k_descale_head_stride;
+  i64 v_descale_batch_stride, v_descale_head_stride;
 };
 
 // varlen_schedule's, passed by value as one record (the host packs it once per plan and writes only the
