@@ -1,4 +1,4 @@
-"""The e4m3 decode's fragment layouts (decode/e4m3_mma.cuh), lane by lane, in NumPy: the
+"""The e4m3 fragment layouts (common/e4m3_mma.cuh), lane by lane, in NumPy: the
 shared-memory tiles as bytes, ldmatrix and mma.m16n8k16 as the PTX manual lays out their
 fragments, the kernel's index arithmetic step for step. A wrong byte order, permute
 selector or column map shows here as a wrong product, without a GPU."""
@@ -19,7 +19,7 @@ def swizzle_offset(head_dim, row, chunk):  # common/mma_tiles.cuh's Swizzle (16-
     return (row * chunks + (chunk ^ swz)) * 16
 
 
-def e4m3_offset(head_dim, row, chunk):  # decode/cache.cuh's E4m3Tile
+def e4m3_offset(head_dim, row, chunk):  # common/e4m3_mma.cuh's E4m3Tile
     return (row * ((head_dim // 16) | 1) + chunk) * 16
 
 
@@ -81,8 +81,14 @@ def pack_half2(lo, hi):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
-def test_e4m3_fragments_give_q_k_and_p_v(head_dim):
-    rng = np.random.default_rng(head_dim)
+@pytest.mark.parametrize("rows, keys", [(16, 16), (32, 64), (64, 32)],
+                         ids=["decode", "fwd 2x8 tiles", "fwd 4x4 tiles"])
+def test_e4m3_fragments_give_q_k_and_p_v(head_dim, rows, keys):
+    """One warp's kMTiles = rows / 16 row tiles against kNTiles = keys / 8 key tiles: the
+    decode kernel's shape (16, 16) and the forward's (its warps' row slices)."""
+    ROWS, KEYS = rows, keys
+    m_tiles, n_tiles = rows // 16, keys // 8
+    rng = np.random.default_rng(head_dim + rows + keys)
     q = rng.standard_normal((ROWS, head_dim)).astype(np.float16)
     k8, v8 = (rng.standard_normal((KEYS, head_dim)).astype(E4M3) for _ in range(2))
     scale = 2.0 ** 8  # e4m3_to_half_scale(): the fragments hold the values over it
@@ -112,53 +118,70 @@ def test_e4m3_fragments_give_q_k_and_p_v(head_dim):
             sq[second:second + 16] = b"".join(x.to_bytes(4, "little") for x in hi)
 
     # -- gemm_qk_e4m3 --
-    s = [np.zeros((2, 4)) for _ in range(32)]
+    row_bytes = ((head_dim // 16) | 1) * 16
+    s = [np.zeros((m_tiles, n_tiles, 4)) for _ in range(32)]
     k_lane = [e4m3_offset(head_dim, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1) for lane in range(32)]
     for kp in range(head_dim // 32):
-        b = ldmatrix_x4(sk, [a + kp * 32 for a in k_lane])
+        b = [ldmatrix_x4(sk, [a + np_ * 16 * row_bytes + kp * 32 for a in k_lane])
+             for np_ in range(n_tiles // 2)]
         for h in range(2):
-            a = ldmatrix_x4(sq, [swizzle_offset(head_dim, lane & 15, 2 * (2 * kp + h) + (lane >> 4))
-                                 for lane in range(32)])
-            for nt, m in ((0, h), (1, 2 + h)):
-                even_odd = [pairs(b[lane][m]) for lane in range(32)]
-                c = [s[lane][nt] for lane in range(32)]
-                mma(c, a, [e for e, _ in even_odd], [o for _, o in even_odd])
+            a = [ldmatrix_x4(sq, [swizzle_offset(head_dim, mt * 16 + (lane & 15),
+                                                 2 * (2 * kp + h) + (lane >> 4)) for lane in range(32)])
+                 for mt in range(m_tiles)]
+            for np_ in range(n_tiles // 2):
+                for nt, m in ((2 * np_, h), (2 * np_ + 1, 2 + h)):
+                    even_odd = [pairs(b[np_][lane][m]) for lane in range(32)]
+                    for mt in range(m_tiles):
+                        c = [s[lane][mt, nt] for lane in range(32)]
+                        mma(c, a[mt], [e for e, _ in even_odd], [o for _, o in even_odd])
     got_s = np.zeros((ROWS, KEYS))
     for lane in range(32):
         g, t = lane // 4, lane % 4
-        for nt in range(2):
-            got_s[g, 8 * nt + 2 * t:8 * nt + 2 * t + 2] = s[lane][nt][0:2]
-            got_s[g + 8, 8 * nt + 2 * t:8 * nt + 2 * t + 2] = s[lane][nt][2:4]
+        for mt in range(m_tiles):
+            for nt in range(n_tiles):
+                r = 16 * mt + g
+                got_s[r, 8 * nt + 2 * t:8 * nt + 2 * t + 2] = s[lane][mt, nt, 0:2]
+                got_s[r + 8, 8 * nt + 2 * t:8 * nt + 2 * t + 2] = s[lane][mt, nt, 2:4]
     want_s = q.astype(np.float64) @ k8.astype(np.float64).T / scale
     np.testing.assert_allclose(got_s, want_s, rtol=1e-12, atol=1e-12)
 
     # -- gemm_pv_e4m3, P = some fp16 weights in the S accumulators' layout --
     p = rng.uniform(0, 1, (ROWS, KEYS)).astype(np.float16)
-    a = [[0] * 4 for _ in range(32)]
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        a[lane] = [pack_half2(p[g, 2 * t], p[g, 2 * t + 1]), pack_half2(p[g + 8, 2 * t], p[g + 8, 2 * t + 1]),
-                   pack_half2(p[g, 8 + 2 * t], p[g, 9 + 2 * t]), pack_half2(p[g + 8, 8 + 2 * t], p[g + 8, 9 + 2 * t])]
-    o = [np.zeros((head_dim // 8, 4)) for _ in range(32)]
+    o = [np.zeros((m_tiles, head_dim // 8, 4)) for _ in range(32)]
     v_lane = [e4m3_offset(head_dim, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4) for lane in range(32)]
-    for cp in range(head_dim // 32):
-        b = ldmatrix_x4(sv, [x + cp * 32 for x in v_lane], trans=True)
-        for h in range(2):
-            c = 2 * cp + h
-            for tile, selector in ((2 * c, 0x6240), (2 * c + 1, 0x7351)):
-                even_odd = [pairs(byte_perm(b[lane][2 * h], b[lane][2 * h + 1], selector)) for lane in range(32)]
-                acc = [o[lane][tile] for lane in range(32)]
-                mma(acc, a, [e for e, _ in even_odd], [x for _, x in even_odd])
+    for ks in range(n_tiles // 2):
+        a = [[[0] * 4 for _ in range(32)] for _ in range(m_tiles)]
+        for mt in range(m_tiles):
+            for lane in range(32):
+                g, t, k0 = 16 * mt + lane // 4, lane % 4, 16 * ks
+                a[mt][lane] = [pack_half2(p[g, k0 + 2 * t], p[g, k0 + 2 * t + 1]),
+                               pack_half2(p[g + 8, k0 + 2 * t], p[g + 8, k0 + 2 * t + 1]),
+                               pack_half2(p[g, k0 + 8 + 2 * t], p[g, k0 + 9 + 2 * t]),
+                               pack_half2(p[g + 8, k0 + 8 + 2 * t], p[g + 8, k0 + 9 + 2 * t])]
+        for cp in range(head_dim // 32):
+            b = ldmatrix_x4(sv, [x + ks * 16 * row_bytes + cp * 32 for x in v_lane], trans=True)
+            for h in range(2):
+                c = 2 * cp + h
+                for tile, selector in ((2 * c, 0x6240), (2 * c + 1, 0x7351)):
+                    even_odd = [pairs(byte_perm(b[lane][2 * h], b[lane][2 * h + 1], selector))
+                                for lane in range(32)]
+                    for mt in range(m_tiles):
+                        acc = [o[lane][mt, tile] for lane in range(32)]
+                        mma(acc, a[mt], [e for e, _ in even_odd], [x for _, x in even_odd])
 
-    # -- stage_warp_outputs' kE4m3Columns: lane t of row g holds dims 16c + 4t .. + 3 --
+    # -- e4m3_output_dims: lane t of row g holds dims 16c + 4t .. + 3; the forward's
+    #    write_output puts them at chunk 2c + t / 2, 4 (t % 2) elements in --
     got_o = np.zeros((ROWS, head_dim))
     for lane in range(32):
         g, t = lane // 4, lane % 4
-        for i, row in ((0, g), (1, g + 8)):
-            for c in range(head_dim // 16):
-                got_o[row, 16 * c + 4 * t:16 * c + 4 * t + 4] = [
-                    o[lane][2 * c][2 * i], o[lane][2 * c + 1][2 * i],
-                    o[lane][2 * c][2 * i + 1], o[lane][2 * c + 1][2 * i + 1]]
+        for mt in range(m_tiles):
+            for i, row in ((0, 16 * mt + g), (1, 16 * mt + g + 8)):
+                for c in range(head_dim // 16):
+                    first = 8 * (2 * c + (t >> 1)) + 4 * (t & 1)
+                    assert first == 16 * c + 4 * t
+                    got_o[row, first:first + 4] = [
+                        o[lane][mt, 2 * c, 2 * i], o[lane][mt, 2 * c + 1, 2 * i],
+                        o[lane][mt, 2 * c, 2 * i + 1], o[lane][mt, 2 * c + 1, 2 * i + 1]]
     want_o = p.astype(np.float64) @ v8.astype(np.float64) / scale
     np.testing.assert_allclose(got_o, want_o, rtol=1e-12, atol=1e-12)
 

@@ -1,0 +1,112 @@
+"""CPU: flash_attn_varlen_func over an fp8 (float8_e4m3fn) paged cache -- the launches the
+planner makes (the schedule, the forward's e4m3 K/V variant on the mma.sync kernels with
+the cache's strides in 16-bit units and the descales' addresses and strides, the e4m3
+decode kernel for the short sequences) and every bad argument's error before any launch."""
+import itertools
+
+import numpy as np
+import pytest
+
+import cufa
+from cufa import _interop, _params, _runtime
+from test_launch_path_cpu import device, record  # noqa: F401  (the fixture)
+
+_addresses = itertools.count(0x7E00_0000_0000, 1 << 24)
+_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "float8_e4m3fn": 1,
+          "float8_e5m2": 1}
+
+
+def view(shape, dtype="float16"):
+    return _interop.DeviceArray(None, "cupy", next(_addresses), tuple(shape),
+                                _interop.contiguous_strides(shape), dtype, 0, _SIZES[dtype])
+
+
+def batch(h=8, hk=2, d=128, page=16, cache_dtype="float8_e4m3fn"):
+    """q of 300 rows over 4 sequences, a paged cache of 40 pages, cu_seqlens, a table."""
+    return (view((300, h, d)), view((40, page, hk, d), cache_dtype), view((5,), "int32"),
+            view((4, 10), "int32"))
+
+
+def test_fp8_paged_batch_takes_the_e4m3_forward_and_decode_kernels(device):  # noqa: F811
+    q, cache, cu, table = batch()
+    k_scale, v_scale = view((4, 2), "float32"), view((), "float32")
+    cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, block_table=table, causal=True,
+                                k_descale=k_scale, v_descale=v_scale)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "decode", None) is not None)
+    assert plan.variant.e4m3_kv and plan.variant.family == "sm80" and plan.tma_template is None
+    assert plan.variant.key.endswith("_e4m3kv")
+    _, forward, decode = device.launches[:3]
+    r = record(forward)
+    assert (r["k"], r["v"], r["block_table"]) == (cache.ptr, cache.ptr, table.ptr)
+    # e4m3 rows move as 16-bit units: (40, 16, 2, 128) bytes -> page, row, head strides / 2
+    assert (r["k_batch_stride"], r["k_row_stride"], r["k_head_stride"]) == (2048, 128, 64)
+    assert (r["v_batch_stride"], r["v_row_stride"], r["v_head_stride"]) == (2048, 128, 64)
+    assert (r["k_descale"], r["v_descale"]) == (k_scale.ptr, v_scale.ptr)
+    assert (r["k_descale_batch_stride"], r["k_descale_head_stride"]) == (2, 1)
+    assert (r["v_descale_batch_stride"], r["v_descale_head_stride"]) == (0, 0)
+    assert r["head_dim"] == 128
+    # the decode kernel's share: its e4m3 variant, byte strides, the same descales
+    assert plan.decode.launches[0][0] == "decode"
+    d = record(decode, _params.DECODE)
+    assert (d["k_batch_stride"], d["k_row_stride"], d["k_head_stride"]) == (4096, 256, 128)
+    assert (d["k_descale"], d["v_descale"]) == (k_scale.ptr, v_scale.ptr)
+    assert (d["k_descale_batch_stride"], d["k_descale_head_stride"]) == (2, 1)
+
+
+def test_the_same_batch_in_16_bits_keeps_its_kernels(device):  # noqa: F811
+    q, cache, cu, table = batch(cache_dtype="float16")
+    cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 64, block_table=table, causal=True)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "decode", None) is not None)
+    assert not plan.variant.e4m3_kv
+    r = record(device.launches[1])
+    assert (r["k_batch_stride"], r["k_descale"], r["k_descale_batch_stride"]) == (4096, 0, 0)
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("no block_table", NotImplementedError, ["float8_e4m3fn", "block_table"]),
+    ("16-bit v", TypeError, ["k has dtype float8_e4m3fn but v has float16"]),
+    ("descale of a 16-bit cache", TypeError, ["k_descale applies to float8_e4m3fn", "k has dtype float16"]),
+    ("fp8 q", NotImplementedError, ["q in float8_e4m3fn"]),
+    ("e5m2", TypeError, ["float8_e5m2", "e4m3"]),
+    ("descale shape", ValueError, ["k_descale must be float32 (batch, nheads_k) = (4, 2)"]),
+    ("descale dtype", TypeError, ["v_descale must be float32"]),
+    ("head dim 40", NotImplementedError, ["multiples of 16"]),
+])
+def test_fp8_paged_batch_bad_arguments(device, case, error, words):  # noqa: F811
+    q, cache, cu, table = batch()
+    k = v = cache
+    kw = dict(block_table=table)
+    if case == "no block_table":
+        k = v = view((300, 2, 128), "float8_e4m3fn")
+        kw = {}
+    elif case == "16-bit v":
+        v = view(cache.shape)
+    elif case == "descale of a 16-bit cache":
+        k = v = view(cache.shape)
+        kw["k_descale"] = view((4, 2), "float32")
+    elif case == "fp8 q":
+        q = view(q.shape, "float8_e4m3fn")
+    elif case == "e5m2":
+        k = v = view(cache.shape, "float8_e5m2")
+    elif case == "descale shape":
+        kw["k_descale"] = view((2, 4), "float32")
+    elif case == "descale dtype":
+        kw["v_descale"] = view((4, 2), "float16")
+    elif case == "head dim 40":
+        q, k = view((300, 8, 40)), view((40, 16, 2, 40), "float8_e4m3fn")
+        v = k
+    with pytest.raises(error) as info:
+        cufa.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, **kw)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert not device.launches
+
+
+def test_jax_arrays_with_an_fp8_cache_are_refused_clearly():
+    jnp = pytest.importorskip("jax.numpy")
+    q = jnp.zeros((8, 2, 32), jnp.float16)
+    cache = jnp.zeros((4, 16, 1, 32), jnp.float8_e4m3fn)
+    cu = jnp.asarray(np.array([0, 8], np.int32))
+    with pytest.raises(NotImplementedError, match="not yet from JAX"):
+        cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 8, 8,
+                                    block_table=jnp.zeros((1, 4), jnp.int32))
