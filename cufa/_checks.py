@@ -553,6 +553,9 @@ def check_packed(a, out):
     if fp8:
         aligned = chunk_aligned(q.shape, q.strides, q.ptr)
     aligned = check_out(out, o, q) and aligned
+    if fp8 and not aligned:
+        raise NotImplementedError("with an fp8 cache, q and out must be 16-byte aligned rows "
+                                  "(a head dim and strides that are multiples of 8)")
     return batch, paged, aligned
 
 

@@ -71,6 +71,7 @@ def test_the_same_batch_in_16_bits_keeps_its_kernels(device):  # noqa: F811
     ("descale shape", ValueError, ["k_descale must be float32 (batch, nheads_k) = (4, 2)"]),
     ("descale dtype", TypeError, ["v_descale must be float32"]),
     ("head dim 40", NotImplementedError, ["multiples of 16"]),
+    ("q unaligned", NotImplementedError, ["q and out must be 16-byte aligned"]),
 ])
 def test_fp8_paged_batch_bad_arguments(device, case, error, words):  # noqa: F811
     q, cache, cu, table = batch()
@@ -92,6 +93,8 @@ def test_fp8_paged_batch_bad_arguments(device, case, error, words):  # noqa: F81
         kw["k_descale"] = view((2, 4), "float32")
     elif case == "descale dtype":
         kw["v_descale"] = view((4, 2), "float16")
+    elif case == "q unaligned":
+        q = _interop.DeviceArray(None, "cupy", q.ptr, q.shape, (8 * 129, 129, 1), "float16", 0, 2)
     elif case == "head dim 40":
         q, k = view((300, 8, 40)), view((40, 16, 2, 40), "float8_e4m3fn")
         v = k
