@@ -278,8 +278,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # (JAX arrays go through XLA's buffers when they are traced, when the call writes
         # new keys into a cache (the updated cache is an output), and for an fp8 cache,
         # which DLPack importers do not all take)
-        if _jax.tracing(*arrays) or (_interop.is_jax(q) and (
-                k is not None or "float8" in str(getattr(k_cache, "dtype", "")))):
+        if _jax.tracing(*arrays) or (_interop.is_jax(q) and (k is not None or any(
+                _interop.is_jax(c) and "float8" in str(c.dtype) for c in (k_cache, v_cache)))):
             if check_inputs:
                 raise ValueError("check_inputs=True is not supported for JAX arrays: under "
                                  "jax.jit there are no device values to read")

@@ -391,12 +391,19 @@ def test_eager_jax_arrays_on_the_cpu_are_named(rng):
 
 def test_fp8_cache_is_one_callback_eager_and_under_jit(monkeypatch, rng):
     """A jnp.float8_e4m3fn cache runs as one buffer callback, traced and eager alike (not
-    through DLPack): its buffers keep their dtype and 1-byte items, the descales are
-    arguments, out is q's dtype and an append returns the caches in float8."""
+    through DLPack). Its buffers cross as uint8 (XLA hands a GPU callback no float8
+    buffer: "Unimplemented primitive type F8E4M3FN" on the H200) and are read as float8
+    by the spec's layouts; the descales are arguments, out is q's dtype and an append
+    returns the caches in float8."""
     monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
     monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
     specs = []
-    monkeypatch.setattr(_jax, "on_device", lambda spec, ctx, outs, bufs: specs.append(spec))
+    crossed = []  # (argument dtypes, output dtypes) as the callback gets them
+
+    def on_device(spec, ctx, outs, bufs):
+        specs.append(spec)
+        crossed.append(tuple(str(np.asarray(b).dtype) for b in (*bufs, *outs)))
+    monkeypatch.setattr(_jax, "on_device", on_device)
     q, new = randn(rng, (2, 1, 4, 32), jnp.bfloat16), randn(rng, (2, 1, 2, 32), jnp.bfloat16)
     kc, vc = randn(rng, (2, 16, 2, 32), fp8), randn(rng, (2, 16, 2, 32), fp8)
     scale, lens = jnp.full((2, 2), 0.5, f32), jnp.asarray([3, 5], i32)
@@ -416,3 +423,21 @@ def test_fp8_cache_is_one_callback_eager_and_under_jit(monkeypatch, rng):
     assert traced.aliases == (("k_cache", 2), ("v_cache", 3)) and traced.out_dtypes[2:] == (
         "float8_e4m3fn", "float8_e4m3fn")
     assert "v_descale" not in eager.names and eager.aliases == ()
+    assert not any("float8" in dtype for dtypes in crossed for dtype in dtypes)
+    assert crossed[0][traced.names.index("k_cache")] == "uint8"
+
+
+def test_eager_callback_calls_of_one_shape_share_a_trace(numpy_device, rng):
+    """Eager calls that run as a callback (an append) trace and compile once a shape and
+    options, not once a call: the same Call (token) runs again; a new shape traces anew."""
+    q, kc, new = randn(rng, (1, 1, 2, 16)), randn(rng, (1, 8, 1, 16)), randn(rng, (1, 1, 1, 16))
+    for n in (2, 3):  # (lengths in an array are values: the same trace)
+        out, kc2, vc2 = cufa.flash_attn_with_kvcache(q, kc, kc, new, new,
+                                                     cache_seqlens=jnp.asarray([n], i32))
+        close(kc2[0, n], np.asarray(new, np.float64)[0, 0], 1e-3)
+    cufa.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=2, causal=True)
+    cufa.flash_attn_with_kvcache(randn(rng, (2, 1, 2, 16)), randn(rng, (2, 8, 1, 16)),
+                                 randn(rng, (2, 8, 1, 16)), randn(rng, (2, 1, 1, 16)),
+                                 randn(rng, (2, 1, 1, 16)), cache_seqlens=2)
+    tokens = [spec.token for spec in numpy_device]
+    assert tokens[0] == tokens[1] and len(set(tokens)) == 3, tokens
