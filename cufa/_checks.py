@@ -398,9 +398,9 @@ def check_cache(q, kc, vc, kn, vn, table, idx):
              else "(batch_cache, seqlen_cache, nheads_k, headdim)")
     fp8 = _fp8_cache(q, kc, vc)
     if fp8:
-        if kc.framework not in ("torch", "cupy"):  # (a JAX array is viewed through DLPack)
-            raise NotImplementedError("fp8 caches are taken from PyTorch (eager and "
-                                      "torch.compile) and CuPy only so far, not from JAX")
+        if kc.framework not in ("torch", "cupy"):  # (JAX's come as XLA buffers, "cupy")
+            raise NotImplementedError("fp8 caches are taken from PyTorch, CuPy and JAX "
+                                      "arrays; other DLPack arrays do not export float8")
         if not (_fp8_aligned(kc) and _fp8_aligned(vc)):
             raise NotImplementedError(
                 f"an fp8 cache is read in 16-byte chunks: its head dim and strides must be "

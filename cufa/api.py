@@ -137,14 +137,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
                       learnable_sink=learnable_sink, k_descale=k_descale, v_descale=v_descale)
-        if _interop.is_jax(q) and (k_descale is not None or v_descale is not None or any(
-                "float8" in str(getattr(x, "dtype", "")) for x in (k, v))):
-            raise NotImplementedError("fp8 caches in flash_attn_varlen_func are taken from "
-                                      "PyTorch and CuPy arrays, not yet from JAX")
-        if _jax.tracing(*arrays.values()):
+        # (JAX arrays of an fp8 cache go through XLA's buffers eagerly too, as under jax.jit:
+        # DLPack importers do not all take float8)
+        if _jax.tracing(*arrays.values()) or (_interop.is_jax(q) and any(
+                _interop.is_jax(x) and "float8" in str(x.dtype) for x in (k, v))):
             if check_cu_seqlens:
-                raise ValueError("check_cu_seqlens=True reads device values, which a jitted "
-                                 "function does not have; check them outside jax.jit")
+                raise ValueError("check_cu_seqlens=True reads device values, which a call "
+                                 "through XLA's buffers (jax.jit, or JAX arrays of an fp8 "
+                                 "cache) does not have; check them outside it")
             o, *lse = _jax.call("flash_attn_varlen_func", arrays, dict(
                 softmax_scale=softmax_scale, causal=causal, window_size=window_ints(window_size),
                 softcap=softcap), out=out, lse=return_lse)
@@ -243,15 +243,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     outside the cache, lengths past its capacity and leftpads past the lengths; without it
     such values are clamped in the kernels, so they never read or write outside the arrays.
 
-    An fp8 cache: k_cache and v_cache in float8_e4m3fn (PyTorch's, or CuPy arrays of
-    ml_dtypes' float8_e4m3fn), contiguous or paged,
+    An fp8 cache: k_cache and v_cache in float8_e4m3fn (PyTorch's, JAX's, or CuPy arrays
+    of ml_dtypes' float8_e4m3fn), contiguous or paged,
     with a head dim and strides that are multiples of 16; q (and the new k, v) stay
     float16 or bfloat16, and out is q's dtype. k_descale, v_descale: float32 (batch,
     nheads_k), or (1,) / 0-d for one scale a tensor (default 1): the cache's key is its
     e4m3 value times k_descale[b, h] (FlashAttention-3's names). The decode kernel turns
-    the e4m3 tiles into q's dtype in shared memory. New k, v are quantized as they are
-    appended: round_to_e4m3(clamp(k / k_descale, -448, 448)) (rotated first, and rounded
-    to q's dtype, where rotary is on). JAX arrays do not take an fp8 cache yet.
+    the e4m3 bytes into q's dtype as it reads them into the matrix units. New k, v are
+    quantized as they are appended: round_to_e4m3(clamp(k / k_descale, -448, 448))
+    (rotated first, and rounded to q's dtype, where rotary is on). JAX arrays take it
+    eager and under jax.jit (through XLA's buffers, not DLPack).
 
     JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
     after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
@@ -271,8 +272,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
               cache_leftpad, block_table, alibi_slopes, learnable_sink, k_descale,
               v_descale)  # in ARRAYS' order
     if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
-        if _interop.is_jax(q):  # (a traced q is a JAX type too)
-            _no_fp8_cache_here(k_cache, k_descale, v_descale)
         if _torch_ops.compiling(q):
             if out is not None or check_inputs:
                 raise NotImplementedError("out= and check_inputs=True are not supported "
@@ -283,7 +282,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 *window_ints(window_size), softcap, bool(rotary_interleaved), alibi_slopes,
                 num_splits, learnable_sink, k_descale, v_descale)
             return (o, lse) if return_softmax_lse else o
-        if _jax.tracing(*arrays) or (_interop.is_jax(q) and k is not None):
+        # (JAX arrays go through XLA's buffers when they are traced, when the call writes
+        # new keys into a cache (the updated cache is an output), and for an fp8 cache,
+        # which DLPack importers do not all take)
+        if _jax.tracing(*arrays) or (_interop.is_jax(q) and (k is not None or any(
+                _interop.is_jax(c) and "float8" in str(c.dtype) for c in (k_cache, v_cache)))):
             if check_inputs:
                 raise ValueError("check_inputs=True is not supported for JAX arrays: under "
                                  "jax.jit there are no device values to read")
@@ -299,15 +302,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         causal=causal, window_size=window_size, softcap=softcap,
                         rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
                         return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
-
-
-def _no_fp8_cache_here(k_cache, k_descale, v_descale):
-    """JAX does not take fp8 caches yet: a clear error, not a wrong route."""
-    if (k_descale is not None or v_descale is not None
-            or "float8" in str(getattr(k_cache, "dtype", ""))):
-        raise NotImplementedError("fp8 caches (and k_descale, v_descale) are taken from "
-                                  "PyTorch (eager and torch.compile) and CuPy only so far, "
-                                  "not from JAX")
 
 
 _integral_types = {}  # type -> whether numbers.Integral (an ABC check each call costs more)

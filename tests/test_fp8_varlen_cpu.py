@@ -105,11 +105,33 @@ def test_fp8_paged_batch_bad_arguments(device, case, error, words):  # noqa: F81
     assert not device.launches
 
 
-def test_jax_arrays_with_an_fp8_cache_are_refused_clearly():
-    jnp = pytest.importorskip("jax.numpy")
-    q = jnp.zeros((8, 2, 32), jnp.float16)
+def test_jax_arrays_of_an_fp8_cache_run_as_one_callback(monkeypatch):
+    """JAX arrays of an fp8 paged cache go through XLA's buffers eagerly too (as under
+    jax.jit), crossing as uint8 and read as float8 by the spec's layouts, the descales
+    among the arguments."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from cufa import _jax
+    if not _jax.available():
+        pytest.skip("this JAX has no buffer_callback")
+    monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
+    monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
+    calls = []
+
+    def on_device(spec, ctx, outs, bufs):
+        calls.append((spec, tuple(str(np.asarray(b).dtype) for b in bufs)))
+    monkeypatch.setattr(_jax, "on_device", on_device)
+    q = jnp.zeros((8, 2, 32), jnp.bfloat16)
     cache = jnp.zeros((4, 16, 1, 32), jnp.float8_e4m3fn)
-    cu = jnp.asarray(np.array([0, 8], np.int32))
-    with pytest.raises(NotImplementedError, match="not yet from JAX"):
-        cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 8, 8,
-                                    block_table=jnp.zeros((1, 4), jnp.int32))
+    cu, table = jnp.asarray(np.array([0, 8], np.int32)), jnp.zeros((1, 4), jnp.int32)
+    scale = jnp.ones((1, 1), jnp.float32)
+    out = cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 8, 8, block_table=table,
+                                      causal=True, k_descale=scale, v_descale=scale)
+    assert (out.dtype, out.shape) == (jnp.bfloat16, q.shape)
+    (spec, dtypes), = calls
+    at = {n: i for i, n in enumerate(spec.names)}
+    assert spec.entry == "flash_attn_varlen_func" and "k_descale" in at and "v_descale" in at
+    assert spec.layouts[at["k"]][2:] == ("float8_e4m3fn", 1) and dtypes[at["k"]] == "uint8"
+    with pytest.raises(ValueError, match="check_cu_seqlens=True reads device values"):
+        cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 8, 8, block_table=table,
+                                    check_cu_seqlens=True)

@@ -240,3 +240,48 @@ def test_fp8_cache_from_cupy():
     ref, lowp, _, _ = kvcache_references(**kw)
     assert_pass_rule(torch.from_dlpack(got), torch.from_dlpack(lse), ref, lowp, kw["q"].dtype,
                      "CuPy fp8 cache")
+
+
+def test_fp8_cache_from_jax():
+    """jnp.float8_e4m3fn caches (the torch cache's bytes, bitcast in JAX), eager and under
+    jax.jit, with an append: out and lse against the float64 reference (pass rule), the
+    returned caches' bytes against torch's quantization of the new keys at their slots and
+    the old bytes everywhere else."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    rng = np.random.default_rng(29)
+    kw, slots = build(rng, dtype="bfloat16", batch=2, capacity=256, new=3, seqlen_q=3,
+                      lens=[200, 17], causal=True)
+    ref, lowp, _, _ = kvcache_references(**kw)
+    batch, hk = kw["q"].shape[0], kw["k_cache"].shape[2]
+
+    def to_jax(t):
+        if t.dtype == E4M3:
+            return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(t.view(torch.uint8)),
+                                                jnp.float8_e4m3fn)
+        return jax.dlpack.from_dlpack(t)
+
+    def to_torch(x):  # (a copy: the test writes into the caches)
+        if x.dtype == jnp.float8_e4m3fn:
+            x = jax.lax.bitcast_convert_type(x, jnp.uint8)
+        return torch.from_dlpack(x).clone()
+
+    def jax_arrays(skip=()):  # (fresh copies: an append may update its cache in place)
+        return {n: to_jax(x.clone()) for n, x in kw.items() if torch.is_tensor(x) and n not in skip}
+
+    options = {n: x for n, x in kw.items() if not torch.is_tensor(x)}
+    call = (lambda a: cufa.flash_attn_with_kvcache(**a, **options, return_softmax_lse=True))
+    for label, fn in (("JAX eager", call), ("jax.jit", jax.jit(call))):
+        out, lse, k_cache, v_cache = (to_torch(x) for x in fn(jax_arrays()))
+        assert_pass_rule(out, lse, ref, lowp, kw["q"].dtype, f"{label} fp8 cache")
+        for cache, old, new, scale in ((k_cache, kw["k_cache"], "k", "k_descale"),
+                                       (v_cache, kw["v_cache"], "v", "v_descale")):
+            rows, positions = (torch.as_tensor(np.asarray(x)).cuda().long() for x in slots)
+            want = expected_bytes(kw[new], kw[scale], batch, hk).reshape(-1, hk, cache.shape[-1])
+            assert torch.equal(cache[rows, positions], want), f"{label}: {new}'s new bytes"
+            cache[rows, positions] = old.view(torch.uint8)[rows, positions]
+            assert torch.equal(cache, old.view(torch.uint8)), f"{label}: other {new} bytes"
+    # and without an append, eagerly: out alone
+    ref, lowp, _, _ = kvcache_references(**{n: x for n, x in kw.items() if n not in ("k", "v")})
+    out, lse = (to_torch(x) for x in call(jax_arrays(skip=("k", "v"))))
+    assert_pass_rule(out, lse, ref, lowp, kw["q"].dtype, "JAX eager fp8 cache, no append")

@@ -91,3 +91,31 @@ def test_fp8_paged_varlen_under_torch_compile(rng):
     out, lse = step(q, k_pages, v_pages, k_scale, v_scale)
     check_packed_sequences(out, lse, q, k_deq, v_deq, lens_q, lens_k, "fp8 torch.compile",
                            causal=True)
+
+
+def test_fp8_paged_varlen_from_jax(rng):
+    """JAX arrays (the torch cache's bytes, bitcast in JAX), eager and under jax.jit."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    h, hk, d, lens_q, lens_k = 8, 2, 64, [3, 90], [50, 700]
+    table, num_pages = reference.paged_layout(2, 1024, 16, rng)
+    (k_pages, k_scale, k_deq), (v_pages, v_scale, v_deq) = (
+        fp8_cache(rng, 2, 1024, hk, d, lens_k, table, num_pages, "per_head") for _ in range(2))
+    q = randn(rng, (1, sum(lens_q), h, d), "float16")[0]
+
+    def to_jax(t):
+        if t.dtype == E4M3:
+            return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(t.view(torch.uint8)),
+                                                jnp.float8_e4m3fn)
+        return jax.dlpack.from_dlpack(t.contiguous())
+    args = [to_jax(x) for x in (q, k_pages, v_pages, cu_seqlens(lens_q), cu_seqlens(lens_k),
+                                i32(table), k_scale, v_scale)]
+
+    def call(q, k, v, cu_q, cu_k, table, ks, vs):
+        return cufa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 90, 700, causal=True,
+                                           return_lse=True, block_table=table, k_descale=ks,
+                                           v_descale=vs)
+    for label, fn in (("JAX eager", call), ("jax.jit", jax.jit(call))):
+        out, lse = (torch.from_dlpack(x).clone() for x in fn(*args))
+        check_packed_sequences(out, lse, q, k_deq, v_deq, lens_q, lens_k, f"fp8 {label}",
+                               causal=True)

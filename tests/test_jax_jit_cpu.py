@@ -310,7 +310,7 @@ def _raised(fn, *args):
     return info.type, str(info.value)
 
 
-f16, f32, i32 = jnp.float16, jnp.float32, jnp.int32
+f16, f32, i32, fp8 = jnp.float16, jnp.float32, jnp.int32, jnp.float8_e4m3fn
 TRACE_CASES = [
     # (id, the call, its arrays: the eager call on views of them must fail the same way)
     ("q float32", lambda q, k, v: cufa.flash_attn_func(q, k, v),
@@ -334,6 +334,12 @@ TRACE_CASES = [
      [((1, 3, 2, 8), f32), ((1, 2, 3), f16), ((1, 3, 2, 8), f32), ((1, 2, 3), f32)]),
     ("sink shape", lambda q, k, s: cufa.flash_attn_func(q, k, k, learnable_sink=s),
      [((2, 7, 4, 32), f16), ((2, 9, 2, 32), f16), ((2,), f32)]),
+    ("fp8 descale shape", lambda q, c, d: cufa.flash_attn_with_kvcache(q, c, c, k_descale=d),
+     [((2, 1, 4, 32), f16), ((2, 16, 2, 32), fp8), ((3,), f32)]),
+    ("descale of a 16-bit cache", lambda q, c, d: cufa.flash_attn_with_kvcache(
+        q, c, c, k_descale=d), [((2, 1, 4, 32), f16), ((2, 16, 2, 32), f16), ((2, 2), f32)]),
+    ("fp8 k_cache, 16-bit v_cache", lambda q, kc, vc: cufa.flash_attn_with_kvcache(q, kc, vc),
+     [((2, 1, 4, 32), f16), ((2, 16, 2, 32), fp8), ((2, 16, 2, 32), f16)]),
     ("sink int32", lambda q, c, s: cufa.flash_attn_with_kvcache(q, c, c, learnable_sink=s),
      [((2, 1, 4, 32), f16), ((2, 16, 2, 32), f16), ((4,), i32)]),
     ("varlen sink 2-D", lambda q, cu, s: cufa.flash_attn_varlen_func(
@@ -381,3 +387,57 @@ def test_eager_jax_arrays_on_the_cpu_are_named(rng):
         with pytest.raises(TypeError, match=r"cufa needs CUDA device arrays; got a CPU \(JAX\) "
                                             "array for q"):
             call()
+
+
+def test_fp8_cache_is_one_callback_eager_and_under_jit(monkeypatch, rng):
+    """A jnp.float8_e4m3fn cache runs as one buffer callback, traced and eager alike (not
+    through DLPack). Its buffers cross as uint8 (XLA hands a GPU callback no float8
+    buffer: "Unimplemented primitive type F8E4M3FN" on the H200) and are read as float8
+    by the spec's layouts; the descales are arguments, out is q's dtype and an append
+    returns the caches in float8."""
+    monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
+    monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
+    specs = []
+    crossed = []  # (argument dtypes, output dtypes) as the callback gets them
+
+    def on_device(spec, ctx, outs, bufs):
+        specs.append(spec)
+        crossed.append(tuple(str(np.asarray(b).dtype) for b in (*bufs, *outs)))
+    monkeypatch.setattr(_jax, "on_device", on_device)
+    q, new = randn(rng, (2, 1, 4, 32), jnp.bfloat16), randn(rng, (2, 1, 2, 32), jnp.bfloat16)
+    kc, vc = randn(rng, (2, 16, 2, 32), fp8), randn(rng, (2, 16, 2, 32), fp8)
+    scale, lens = jnp.full((2, 2), 0.5, f32), jnp.asarray([3, 5], i32)
+    o, lse, kc2, vc2 = jax.jit(lambda q, kc, vc, new, scale, lens: cufa.flash_attn_with_kvcache(
+        q, kc, vc, new, new, cache_seqlens=lens, k_descale=scale, v_descale=scale,
+        return_softmax_lse=True))(q, kc, vc, new, scale, lens)
+    assert (o.dtype, o.shape, lse.dtype) == (jnp.bfloat16, q.shape, f32)
+    assert (kc2.dtype, kc2.shape, vc2.dtype) == (fp8, kc.shape, fp8)
+    o = cufa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_descale=scale)
+    assert (o.dtype, o.shape) == (jnp.bfloat16, q.shape)
+    traced, eager = specs
+    for spec in specs:
+        at = {n: i for i, n in enumerate(spec.names)}
+        assert spec.dtypes[at["k_cache"]] == spec.dtypes[at["v_cache"]] == "float8_e4m3fn"
+        assert spec.layouts[at["k_cache"]][2:] == ("float8_e4m3fn", 1)
+        assert spec.dtypes[at["k_descale"]] == "float32" and spec.out_dtypes[0] == "bfloat16"
+    assert traced.aliases == (("k_cache", 2), ("v_cache", 3)) and traced.out_dtypes[2:] == (
+        "float8_e4m3fn", "float8_e4m3fn")
+    assert "v_descale" not in eager.names and eager.aliases == ()
+    assert not any("float8" in dtype for dtypes in crossed for dtype in dtypes)
+    assert crossed[0][traced.names.index("k_cache")] == "uint8"
+
+
+def test_eager_callback_calls_of_one_shape_share_a_trace(numpy_device, rng):
+    """Eager calls that run as a callback (an append) trace and compile once a shape and
+    options, not once a call: the same Call (token) runs again; a new shape traces anew."""
+    q, kc, new = randn(rng, (1, 1, 2, 16)), randn(rng, (1, 8, 1, 16)), randn(rng, (1, 1, 1, 16))
+    for n in (2, 3):  # (lengths in an array are values: the same trace)
+        out, kc2, vc2 = cufa.flash_attn_with_kvcache(q, kc, kc, new, new,
+                                                     cache_seqlens=jnp.asarray([n], i32))
+        close(kc2[0, n], np.asarray(new, np.float64)[0, 0], 1e-3)
+    cufa.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=2, causal=True)
+    cufa.flash_attn_with_kvcache(randn(rng, (2, 1, 2, 16)), randn(rng, (2, 8, 1, 16)),
+                                 randn(rng, (2, 8, 1, 16)), randn(rng, (2, 1, 1, 16)),
+                                 randn(rng, (2, 1, 1, 16)), cache_seqlens=2)
+    tokens = [spec.token for spec in numpy_device]
+    assert tokens[0] == tokens[1] and len(set(tokens)) == 3, tokens
