@@ -44,7 +44,7 @@ constexpr float kE4m3Max = 448.f;
 
 // Four e4m3 bytes -> four 16-bit values of dtype DT in two registers: bytes 0 and 2 in
 // `even` (byte 0 in its low half), bytes 1 and 3 in `odd`, the pairing that takes shifts
-// and masks alone (no byte permute); the e4m3 mma fragments (decode/e4m3_frags.cuh) are
+// and masks alone (no byte permute); the e4m3 mma fragments (decode/e4m3_mma.cuh) are
 // laid out for it. Each value is exactly the e4m3 value over e4m3_to_half_scale() (the
 // kernels fold the factor into their descales), on any GPU (sm_89's cvt would need a
 // second kernel for sm_80). fp16: the byte's exponent and mantissa bits moved into place
