@@ -213,6 +213,11 @@ def decode_shape(head_dim):
     return (4 if head_dim <= 128 else 2), (4 if head_dim <= 64 else 2)
 
 
+# The e4m3 decode kernels' launch bounds on sm_90, by padded head dim: CTAs an SM that
+# ptxas must fit in registers (else one: it takes 152-156 registers at d = 128, three CTAs).
+DECODE_FP8_MIN_CTAS = {128: 4}
+
+
 # Decode kernels with less shared memory and so four CTAs an SM, (warps, stages) by padded
 # head dim; _heuristics.decode_kernel_and_splits says where they run.
 DECODE_MORE_CTAS = {64: (4, 3), 128: (2, 3)}
@@ -279,6 +284,7 @@ class DecodeVariant(_CacheKernel):
     warps: int = 0            # warps a CTA (0: decode_shape's)
     element_io: bool = False  # the element-wise I/O variant
     fp8_cache: bool = False   # the cache holds e4m3 (q and out stay dtype)
+    min_ctas: int = 0         # e4m3: launch bounds' CTAs an SM on sm_90 (0: one)
     kind = "decode"
     source = "decode/decode_sm80.cu"
 
@@ -294,12 +300,15 @@ class DecodeVariant(_CacheKernel):
         other = f"_w{warps}" if warps != decode_shape(self.head_dim)[0] else ""
         elem = "_elem" if self.element_io else ""
         fp8 = "_e4m3" if self.fp8_cache else ""
-        return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}{fp8}"
+        ctas = f"_c{self.min_ctas}" if self.min_ctas else ""
+        return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}{fp8}{ctas}"
 
     @property
     def name_expression(self):
         warps, stages = self.shape
         flags = (", false, true" if self.fp8_cache else ", true" if self.element_io else "")
+        if self.min_ctas:
+            flags += f", {self.min_ctas}"
         return (f"cufa::decode_kernel<{DTYPES.index(self.dtype)}, {self.head_dim}, {stages}, "
                 f"{warps}{flags}>")
 
@@ -408,8 +417,9 @@ class MergeVariant(_CacheKernel):
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature asks
 def decode_kernel(dtype, head_dim, element_io=False, fp8_cache=False):
-    return DecodeVariant(dtype, padded_head_dim(head_dim), element_io=element_io,
-                         fp8_cache=fp8_cache)
+    d = padded_head_dim(head_dim)
+    return DecodeVariant(dtype, d, element_io=element_io, fp8_cache=fp8_cache,
+                         min_ctas=DECODE_FP8_MIN_CTAS.get(d, 0) if fp8_cache else 0)
 
 
 def _decode_shape_of(shapes, dtype, head_dim):
@@ -440,6 +450,7 @@ def decode_variants():
                for units in (1, 2)]
             + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel(dt, hd, fp8_cache=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+
             + [CombineVariant(dt, rows=rows, element_io=elem) for dt in DTYPES
                for rows in (1, 4) for elem in (False, True)]
             + [AppendVariant(dt, fp8) for dt in DTYPES for fp8 in (False, True)]

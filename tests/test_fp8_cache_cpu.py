@@ -51,9 +51,12 @@ def test_fp8_variants_take_the_16_bit_shape_with_padded_rows():
             padded_row = ((hd // 16) | 1) * 16  # E4m3Tile: an odd number of 16-byte chunks
             assert fp8.smem_bytes == 16 * hd * 2 + warps * stages * 2 * 16 * padded_row
             assert fp8.smem_bytes < plain.smem_bytes
-            assert fp8.key.endswith("_e4m3") and fp8.name_expression.endswith("false, true>")
+            ctas = _compile.DECODE_FP8_MIN_CTAS.get(hd, 0)
+            assert fp8.min_ctas == ctas
+            assert fp8.key == (f"decode_{dt}_hd{hd}_s{stages}_e4m3" + (f"_c{ctas}" if ctas else ""))
+            assert fp8.name_expression.endswith(f"false, true, {ctas}>" if ctas else "false, true>")
     assert {v.key for v in _compile.all_variants()} >= {
-        f"decode_{dt}_hd{hd}_s{_compile.decode_shape(hd)[1]}_e4m3"
+        _compile.decode_kernel(dt, hd, fp8_cache=True).key
         for dt in _compile.DTYPES for hd in _compile.DECODE_HEAD_DIMS}
 
 

@@ -29,7 +29,8 @@ namespace cufa {
 // DECODE_MORE_CTAS in cufa/_compile.py. kFp8: an e4m3 cache, whose stages (E4m3Tile:
 // rows of kHeadDim bytes and a 16-byte pad) hold a little over half the bytes, read
 // straight into mma fragments (common/e4m3_mma.cuh).
-template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0, bool kFp8 = false>
+template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0, bool kFp8 = false,
+          int kMinCtasWanted = 0>
 struct DecodeShape {
   static constexpr int kWarps = kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : 2;
   static constexpr int kThreads = 32 * kWarps;
@@ -51,8 +52,13 @@ struct DecodeShape {
   static constexpr int kBytes = kQBytes + kWarps * kWarpBytes;
   // launch bounds (0: none): the e4m3 kernels ask for one CTA an SM, so that ptxas takes
   // the registers they need (unbounded, it held them to 128 and spilled at d = 128 on
-  // sm_80)
+  // sm_80), or on sm_90 for kMinCtasWanted (DECODE_FP8_MIN_CTAS), which they fit
+  // without spilling
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr int kMinCtas = kMinCtasWanted ? kMinCtasWanted : kFp8 ? 1 : 0;
+#else
   static constexpr int kMinCtas = kFp8 ? 1 : 0;
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(kBytes <= 227 * 1024, "shared memory a CTA of sm_90");
 #else
@@ -66,12 +72,13 @@ struct DecodeShape {
 // holds e4m3 (q stays kDtype): its tiles go from the stages into mma fragments as kDtype
 // values (common/e4m3_mma.cuh), the descales folded into the scores and the output.
 template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false,
-          bool kFp8 = false>
-__global__ void __launch_bounds__(DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kThreads,
-                                  DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>::kMinCtas)
+          bool kFp8 = false, int kMinCtasWanted = 0>
+__global__ void __launch_bounds__(
+    DecodeShape<kHeadDim, kStages, kWarpCount, kFp8, kMinCtasWanted>::kThreads,
+    DecodeShape<kHeadDim, kStages, kWarpCount, kFp8, kMinCtasWanted>::kMinCtas)
     decode_kernel(const DecodeParams p) {
   static_assert(!(kElementIO && kFp8), "an e4m3 cache takes the 16-byte path");
-  using Shape = DecodeShape<kHeadDim, kStages, kWarpCount, kFp8>;
+  using Shape = DecodeShape<kHeadDim, kStages, kWarpCount, kFp8, kMinCtasWanted>;
   using Elem = typename CacheElem<kFp8>::type;
   constexpr int kWarps = Shape::kWarps;
   constexpr int kDTiles = kHeadDim / 8;
