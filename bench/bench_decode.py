@@ -414,13 +414,13 @@ def serving_step_inputs(torch, rng):
                 q=torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.float16))
 
 
-def mixed_batch(torch, rng, copy_tbps, reps=40):
+def mixed_batch(torch, rng, copy_tbps, reps=40, fp8=False):
     """The serving-shaped step: 4 prefill chunks of 512 tokens (each after 0-4k cached keys)
     and 124 decode requests (1k-8k cached keys), one paged cache (page 16), fp16, d = 128,
     32 query heads over 8 KV heads, as one flash_attn_varlen_func call with block_table.
     Its median time against max(FLOP floor, byte floor): FLOPs at the bf16/fp16 matmul
     rate measured in this run, bytes (the visible keys and values once, q and out) at the
-    copy rate."""
+    copy rate. fp8: the same step over the cache in float8_e4m3fn too (fp8_us)."""
     import cufa
     h, hk, d, chunk = SERVING_HEADS, SERVING_HEADS_K, SERVING_HEAD_DIM, SERVING_CHUNK
     s = serving_step_inputs(torch, rng)
@@ -448,6 +448,16 @@ def mixed_batch(torch, rng, copy_tbps, reps=40):
                                             block_table=table_decode)
     us = statistics.median(time_events(torch, step, [(q,)], reps)) * 1e3
     split_us = statistics.median(time_events(torch, two_calls, [(q,)], reps)) * 1e3
+    fp8_us = None
+    if fp8:
+        k8, v8 = (x.to(torch.float8_e4m3fn) for x in (k_pages, v_pages))
+        scale = torch.ones(len(lens_q), hk, device="cuda")
+
+        def step8(q):
+            return cufa.flash_attn_varlen_func(q, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k),
+                                               causal=True, block_table=table_t,
+                                               k_descale=scale, v_descale=scale)
+        fp8_us = statistics.median(time_events(torch, step8, [(q,)], reps)) * 1e3
     mm_tflops = T.matmul_tflops(torch)
     pairs = sum(sq * (sk - sq) + sq * (sq + 1) / 2 for sq, sk in zip(lens_q, lens_k))
     flops = 4 * h * d * pairs
@@ -455,7 +465,8 @@ def mixed_batch(torch, rng, copy_tbps, reps=40):
     flop_floor_us = flops / (mm_tflops * 1e12) * 1e6
     byte_floor_us = moved / (copy_tbps * 1e12) * 1e6
     floor = max(flop_floor_us, byte_floor_us)
-    return dict(us=us, two_calls_us=split_us, flop_floor_us=flop_floor_us, byte_floor_us=byte_floor_us,
+    return dict(us=us, two_calls_us=split_us, fp8_us=fp8_us, flop_floor_us=flop_floor_us,
+                byte_floor_us=byte_floor_us,
                 matmul_tflops=mm_tflops, tflops=flops / (us * 1e-6) / 1e12,
                 kv_tbps=moved / (us * 1e-6) / TB, floor_fraction=floor / us,
                 prefix=prefix, decode_keys=(min(lens_k[4:]), max(lens_k[4:]), sum(lens_k[4:])))
@@ -472,7 +483,10 @@ def mixed_markdown(m):
             f"({m['tflops']:.0f} TFLOP/s, {m['kv_tbps']:.2f} TB/s). The same step as two calls "
             f"(the chunks through flash_attn_varlen_func, the decodes through "
             f"flash_attn_with_kvcache): {m['two_calls_us']:.1f} us, "
-            f"{100 * floor / m['two_calls_us']:.0f} % of the floor.")
+            f"{100 * floor / m['two_calls_us']:.0f} % of the floor."
+            + (f" With the cache in float8_e4m3fn (the same one call): {m['fp8_us']:.1f} us, "
+               f"{m['us'] / m['fp8_us']:.2f}x the 16-bit step's speed."
+               if m.get("fp8_us") else ""))
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -646,7 +660,8 @@ def main(argv=None):
     copy_tbps = T.copy_tbps(torch, COPY_BYTES)
     print(f"device-to-device copy: {copy_tbps:.2f} TB/s (read + written)", file=sys.stderr)
     if args.mixed_only:
-        print(mixed_markdown(mixed_batch(torch, np.random.default_rng(SERVING_SEED), copy_tbps)))
+        print(mixed_markdown(mixed_batch(torch, np.random.default_rng(SERVING_SEED), copy_tbps,
+                                         fp8=args.fp8)))
         return 0
     rows = []
     for cfg in cfgs:
@@ -668,7 +683,7 @@ def main(argv=None):
     progress(len(rows), total, "done")
     if sys.stderr.isatty():
         sys.stderr.write("\n")
-    mixed = mixed_batch(torch, np.random.default_rng(SERVING_SEED), copy_tbps)
+    mixed = mixed_batch(torch, np.random.default_rng(SERVING_SEED), copy_tbps, fp8=args.fp8)
 
     device = torch.cuda.get_device_name()
     judged = targets(rows, names)
