@@ -348,6 +348,17 @@ def i32(values):
     return torch.tensor(np.asarray(values), dtype=torch.int32, device="cuda")
 
 
+def append_slots(positions, rows, table=None, page_size=None):
+    """Where an append's positions (batch, new) live: (cache rows, or pages of `table`,
+    and the row in each), flattened; rows: each sequence's cache row (contiguous)."""
+    if table is not None:
+        slots = (table[np.arange(len(positions))[:, None], positions // page_size],
+                 positions % page_size)
+    else:
+        slots = (np.broadcast_to(np.asarray(rows)[:, None], positions.shape), positions)
+    return tuple(s.ravel() for s in slots)
+
+
 def cu_seqlens(lens):
     """cu_seqlens (int32, CUDA) of sequence lengths."""
     return i32(np.concatenate([[0], np.cumsum(lens)]))

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
-    assert_pass_rule, i32, kvcache_references, make_sink, randn)
+    append_slots, assert_pass_rule, i32, kvcache_references, make_sink, randn)
 
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 if E4M3 is None:
@@ -70,11 +70,8 @@ def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=128, cap
         k_cache, v_cache = (reference.to_paged(c.view(torch.uint8), table, num_pages, fill=0).view(E4M3)
                             for c in (k_cache, v_cache))  # (as bytes: no fp8 indexing needed)
         kw["block_table"] = i32(table)
-        slots = (table[np.arange(batch)[:, None], positions // page_size], positions % page_size)
-    else:
-        slots = (np.broadcast_to(idx[:, None], positions.shape), positions)
     kw["k_cache"], kw["v_cache"] = k_cache, v_cache
-    return kw, tuple(s.ravel() for s in slots)
+    return kw, append_slots(positions, idx, table if page_size else None, page_size)
 
 
 def expected_bytes(x, descale, batch, heads_k):

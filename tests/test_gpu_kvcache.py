@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import cufa  # noqa: E402
 from cufa import reference  # noqa: E402
 from _attention_check import (  # noqa: E402
-    assert_pass_rule, capture_cuda_graph, check_appended_cache, check_attention, check_kvcache,
+    append_slots, assert_pass_rule, capture_cuda_graph, check_appended_cache, check_attention, check_kvcache,
     check_merge, cu_seqlens, f64, i32, kvcache_references, make_sink, randn)
 
 NAN = float("nan")
@@ -114,11 +114,8 @@ def build(rng, *, dtype="float16", batch=3, seqlen_q=1, heads=(8, 2), d=64, capa
         k_cache, v_cache = (reference.to_paged(c, table, num_pages, fill=NAN)
                             for c in (k_cache, v_cache))
         kw["block_table"] = i32(table)
-        slots = (table[np.arange(batch)[:, None], positions // page_size], positions % page_size)
-    else:
-        slots = (np.broadcast_to(idx[:, None], positions.shape), positions)
     kw["k_cache"], kw["v_cache"] = k_cache, v_cache
-    return kw, tuple(s.ravel() for s in slots)
+    return kw, append_slots(positions, idx, table if page_size else None, page_size)
 
 
 def snapshot(kw):
