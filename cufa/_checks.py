@@ -92,9 +92,10 @@ def check_loadable(x, name):
     return chunk_aligned(shape, strides, x.ptr)
 
 
-def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
+def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_head_dim=False):
     """batch_dim None: packed rows, (total_rows, nheads, headdim), or paged k/v with q
-    seen through with_leading_one (seq_dim 1). -> whether q, k and v are chunk_aligned."""
+    seen through with_leading_one (seq_dim 1). own_v_head_dim: v may have a head dim of its
+    own (check_head_dim_v). -> whether q, k and v are chunk_aligned."""
     qn, kn, vn = names
     rank = 3 if batch_dim is None and seq_dim == 0 else 4
     for x, n in ((q, qn), (k, kn), (v, vn)):
@@ -111,8 +112,11 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
     if k.shape[-1] != d:
         raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {d}")
     if v.shape != k.shape:
-        raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs equal "
-                         "key and value shapes (same head dim, length and heads)")
+        if not (own_v_head_dim and v.shape[:-1] == k.shape[:-1]):
+            raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs "
+                             "equal key and value shapes (same length and heads"
+                             + (")" if own_v_head_dim else ", and head dim here)"))
+        check_head_dim_v(d, v.shape[-1], vn, qn)
     if batch_dim is not None and k.shape[batch_dim] != q.shape[batch_dim]:
         raise ValueError(f"{kn} has batch {k.shape[batch_dim]} but {qn} has "
                          f"{q.shape[batch_dim]}")
@@ -125,6 +129,18 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim):
         raise ValueError(f"sequence lengths up to {INT32_MAX // 2} are supported; got "
                          f"{qn} {q.shape[seq_dim]}, {kn} {k.shape[seq_dim]}")
     return all(aligned)
+
+
+def check_head_dim_v(d, dv, vn="v", qn="q"):
+    """A head dim of v's own (dv, against q's and k's d): one of the kernels' pairs."""
+    pairs = _compile.HEAD_DIM_V_PAIRS
+    fits = any(_compile.padded_head_dim(d) == hd and 0 < dv <= hv and d > hv
+               for hd, hv in pairs)
+    if not fits:
+        raise ValueError(f"{vn} has head dim {dv} but {qn} has {d}; a head dim of v's own is "
+                         f"supported for (q and k, v) head dims up to "
+                         f"{', '.join(f'({hd}, {hv})' for hd, hv in pairs)} with q's over "
+                         f"v's padded one (DeepSeek's 192 and 128)")
 
 
 def with_leading_one(x):
@@ -325,18 +341,21 @@ def check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
                              f"the length of key sequence {i}")
 
 
-def check_out(out, o, q, name="out"):
-    """out: the caller's array (or None); o: its view. -> whether the output is
-    chunk_aligned (a new one, contiguous, is where its head dim is a multiple of 8)."""
+def check_out(out, o, q, name="out", head_dim=None):
+    """out: the caller's array (or None); o: its view; head_dim: out's, where not q's (a
+    head dim of v's own). -> whether the output is chunk_aligned (a new one, contiguous,
+    is where its head dim is a multiple of 8)."""
+    shape = q.shape if head_dim is None else q.shape[:-1] + (head_dim,)
     if o is None:
-        return q.shape[-1] % 8 == 0
+        return shape[-1] % 8 == 0
     if o.framework != q.framework:
         raise TypeError(f"{name} is a {o.framework} array but q is a {q.framework} array")
     if _interop.is_jax(out):
         raise TypeError(f"{name} is a JAX array, and JAX arrays are immutable; "
                         "call without out= to get a new one")
-    if o.shape != q.shape or o.dtype != q.dtype:
-        raise ValueError(f"{name} must have q's shape {q.shape} and dtype {q.dtype}; got "
+    if o.shape != shape or o.dtype != q.dtype:
+        what = "q's shape" if head_dim is None else "the shape of q with v's head dim,"
+        raise ValueError(f"{name} must have {what} {shape} and dtype {q.dtype}; got "
                          f"{o.shape} {o.dtype}")
     if o.device != q.device:
         raise ValueError(f"{name} is on cuda:{o.device} but q is on cuda:{q.device}")
@@ -501,11 +520,25 @@ def check_dense(a, out):
     caller's out=) -> whether q, k, v and the output are chunk_aligned."""
     q, k, v, alibi, sink, o = a.q, a.k, a.v, a.alibi_slopes, a.learnable_sink, a.out
     aligned = check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
-                        batch_dim=0, seq_dim=1, head_dim=2)
+                        batch_dim=0, seq_dim=1, head_dim=2, own_v_head_dim=True)
     batch, _, nheads, _ = q.shape
     check_alibi(alibi, q, batch, nheads)
     check_sink(sink, q, nheads)
-    return check_out(out, o, q) and aligned
+    aligned = check_out(out, o, q, head_dim=_v_head_dim(q, v)) and aligned
+    _aligned_for_own_v_head_dim(q, v, aligned)
+    return aligned
+
+
+def _v_head_dim(q, v):
+    """out's head dim where v has one of its own, else None (q's)."""
+    return v.shape[-1] if v.shape[-1] != q.shape[-1] else None
+
+
+def _aligned_for_own_v_head_dim(q, v, aligned):
+    if _v_head_dim(q, v) is not None and not aligned:
+        raise NotImplementedError("with a head dim of v's own, q, k, v and out must be "
+                                  "16-byte aligned rows (head dims and strides that are "
+                                  "multiples of 8)")
 
 
 def check_packed(a, out):
@@ -528,7 +561,7 @@ def check_packed(a, out):
                                      x.device, q.itemsize) for x in (k, v))
     if table is None:
         aligned = check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
-                            batch_dim=None, seq_dim=0, head_dim=1)
+                            batch_dim=None, seq_dim=0, head_dim=1, own_v_head_dim=True)
     else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
         if q.ndim != 3:
             raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
@@ -552,7 +585,8 @@ def check_packed(a, out):
     check_descales(a.k_descale, a.v_descale, a.k, q, batch, k.shape[-2], fp8, "k")
     if fp8:
         aligned = chunk_aligned(q.shape, q.strides, q.ptr)
-    aligned = check_out(out, o, q) and aligned
+    aligned = check_out(out, o, q, head_dim=_v_head_dim(q, v)) and aligned
+    _aligned_for_own_v_head_dim(q, v, aligned)
     if fp8 and not aligned:
         raise NotImplementedError("with an fp8 cache, q and out must be 16-byte aligned rows "
                                   "(a head dim and strides that are multiples of 8)")

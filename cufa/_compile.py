@@ -35,6 +35,10 @@ SM80_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
               160: (64, 64), 192: (64, 64), 224: (64, 64), 256: (64, 64)}
 SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
+# Head dims of V (and out) of their own, on the sm80 family's kernels: padded (Q and K's, V's)
+# pairs, V's smaller (out is staged over Q's tile); the tiles are Q's head dim's. DeepSeek's
+# prefill (MLA's keys of 128 + 64 rotary dims against values of 128).
+HEAD_DIM_V_PAIRS = ((192, 128),)
 # Element-wise I/O (kElementIO in fwd/fwd_sm80.cu and decode/decode_sm80.cu): rows moved an
 # element at a time, for calls with an array that cp.async and TMA cannot move in 16-byte
 # chunks (any head dim from 1 to 256, any strides: _checks.chunk_aligned). One variant per
@@ -90,6 +94,7 @@ class FwdVariant:
     hold_pv_wait: bool = False  # sm90: SM90_HOLD_PV_WAIT
     element_io: bool = False    # sm80: rows moved an element at a time (ELEMENT_IO)
     e4m3_kv: bool = False       # sm80: K and V from an e4m3 cache (q and out stay dtype)
+    head_dim_v: int = 0         # sm80: V's and out's padded head dim, where not head_dim's
 
     @property
     def source(self):
@@ -121,8 +126,9 @@ class FwdVariant:
         hold = "_hold" if self.hold_pv_wait else ""
         elem = "_elem" if self.element_io else ""
         e4m3 = "_e4m3kv" if self.e4m3_kv else ""
+        dv = f"_dv{self.head_dim_v}" if self.head_dim_v else ""
         return (f"fwd_{self.family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}{hold}{elem}{e4m3}")
+                f"_bn{self.block_n}_{self.mask}{mods}{hold}{elem}{e4m3}{dv}")
 
     @property
     def name_expression(self):
@@ -130,6 +136,8 @@ class FwdVariant:
                 f"{str(self.score_mods).lower()}")
         if self.family == "sm80":
             elem = ", false, true" if self.e4m3_kv else ", true" if self.element_io else ""
+            if self.head_dim_v:
+                elem = f", false, false, {self.head_dim_v}"
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}{elem}>"
         return (f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}, "
                 f"{self.kv_stages}, {str(self.hold_pv_wait).lower()}>")
@@ -141,7 +149,9 @@ class FwdVariant:
             # 16-byte chunks, E4m3Tile)
             kv_row = (((self.head_dim // 16) | 1) * 16 if self.e4m3_kv
                       else self.head_dim * self.elem_bytes)
-            return self.block_m * self.head_dim * self.elem_bytes + 2 * self.block_n * kv_row
+            v_row = self.head_dim_v * self.elem_bytes if self.head_dim_v else kv_row
+            return (self.block_m * self.head_dim * self.elem_bytes
+                    + self.block_n * (kv_row + v_row))
         return self._sm90_smem(self.q_stages, self.kv_stages)
 
     def _sm90_smem(self, q_stages, kv_stages):
@@ -465,13 +475,20 @@ def padded_head_dim(head_dim, family="sm80"):
 
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature calls it
-def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e4m3_kv=False):
+def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e4m3_kv=False,
+                head_dim_v=0):
     """rows: the sm90 tile class of the batch (sm90_rows): "short" takes the 64-row
     tiles, "mid" the middle ones, where the head dim has them, else the next longer.
-    e4m3_kv: K and V from an e4m3 cache, on the sm80 family's kernel (any GPU)."""
-    if e4m3_kv:
+    e4m3_kv: K and V from an e4m3 cache; head_dim_v: V's head dim where it is not Q's
+    (a HEAD_DIM_V_PAIRS pair); both on the sm80 family's kernel (any GPU)."""
+    if e4m3_kv or head_dim_v:
         family = "sm80"
     hd = padded_head_dim(head_dim, family)
+    dv = padded_head_dim(head_dim_v) if head_dim_v else 0
+    if dv == hd:
+        dv = 0
+    elif dv and (hd, dv) not in HEAD_DIM_V_PAIRS:
+        raise ValueError(f"no kernel for head dims {head_dim} (q, k) and {head_dim_v} (v)")
     short_tiles = SM90_SHORT_TILES_WINDOW if mask == "window" else SM90_SHORT_TILES
     if family == "sm80":
         block_m, block_n = (SM80_TILES_SCORE_MODS if score_mods else SM80_TILES)[hd]
@@ -486,7 +503,7 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
     hold = (family == "sm90" and rows == "long" and not score_mods
             and SM90_HOLD_PV_WAIT.get(hd) == (block_m, block_n))
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold,
-                      e4m3_kv=e4m3_kv)
+                      e4m3_kv=e4m3_kv, head_dim_v=dv)
 
 
 @functools.lru_cache(maxsize=None)
@@ -534,6 +551,8 @@ def all_variants():
     variants += [fwd_element_io_variant(dt, hd) for dt in DTYPES for hd in SM80_HEAD_DIMS]
     variants += [fwd_variant(dt, hd, mask, mods, e4m3_kv=True) for dt in DTYPES
                  for hd in SM80_HEAD_DIMS for mask in MASKS for mods in (False, True)]
+    variants += [fwd_variant(dt, hd, mask, mods, head_dim_v=dv) for dt in DTYPES
+                 for hd, dv in HEAD_DIM_V_PAIRS for mask in MASKS for mods in (False, True)]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -38,7 +38,8 @@ def _dense_plan(arrays, entries, addresses, out, options):
     """A padded batch's plan: its layout's plan moved to the call's sizes (_Mover) where
     there is one, else made."""
     layout = None
-    if entries[3] is None:  # (ALiBi's plans are made)
+    if entries[3] is None and _v_head_dim_is_q(entries):
+        # (ALiBi's plans are made, and those of a head dim of v's own)
         layout = _layout_key(("dense", options, entries[4]), entries, 2, 1)
         mover = layouts.get(layout)
         if mover is not None:
@@ -95,7 +96,7 @@ def _packed_plan(arrays, entries, ptrs, out, options):
     """A packed batch's plan: its layout's plan moved to the call's sizes (_Mover) where
     there is one (paged batches and ALiBi aside), else made."""
     layout = None
-    if entries[6] is None and entries[7] is None:
+    if entries[6] is None and entries[7] is None and _v_head_dim_is_q(entries):
         layout = _layout_key(("packed", options, entries[8]), entries, 1, 0)
         mover = layouts.get(layout)
         if mover is not None:
@@ -211,6 +212,13 @@ _STRIDE_FIELDS = tuple((f"{x}_batch_stride", f"{x}_row_stride", f"{x}_head_strid
 # moved to its sizes: the size checks and the size-dependent values (_sizes, the TMA maps),
 # not validation and planning from scratch.
 layouts = collections.OrderedDict()  # _layout_key -> the _Mover of a plan of that layout
+
+
+def _v_head_dim_is_q(entries):
+    """Whether v's head dim is q's (entries 0 and 2 of a signature; True where either is
+    missing: the checks then say what is wrong)."""
+    q, v = entries[0], entries[2]
+    return q is None or v is None or not q[1] or not v[1] or q[1][-1] == v[1][-1]
 
 
 def _layout_key(head, entries, free_dims, free_strides):
@@ -435,8 +443,9 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     (k_descale, v_descale) views (either may be None) where k and v are an e4m3 cache."""
     framework = "cupy" if q.framework == "dlpack" else q.framework
     lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
-    outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
-                   lse_shape=lse_shape, to_jax=_interop.returns_jax(q))
+    d_v = v.shape[-1]  # (out's: v's head dim, where it has one of its own)
+    outputs = dict(framework=framework, device=q.device, out_shape=q.shape[:-1] + (d_v,),
+                   dtype=q.dtype, lse_shape=lse_shape, to_jax=_interop.returns_jax(q))
     if not (batch and nheads and seqlen_q):
         return _Plan(**outputs)
     mask_kind = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
@@ -449,6 +458,9 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     if descales is not None:  # the e4m3 K/V variant (the sm80 family's, on any GPU)
         variant, tma_template = _compile.fwd_variant(
             KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, e4m3_kv=True), None
+    elif d_v != d:  # a head dim of v's own (the sm80 family's, on any GPU)
+        variant, tma_template = _compile.fwd_variant(
+            KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, head_dim_v=d_v), None
     elif aligned:
         variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
                                          mask_kind, score_mods, family, paged, keys)
@@ -458,7 +470,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
     o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
     p = dict(
-        nheads=nheads, nheads_k=nheads_k, head_dim=d,
+        nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d_v,
         kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
         bottom_right=int(bottom_right), **dict(zip(_SIZE_FIELDS, values)),
         sink_dtype=_params.SINK_DTYPES[sink.dtype] if sink is not None else 0,

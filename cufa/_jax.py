@@ -208,12 +208,13 @@ def _outputs(entry, a):
     import jax
     f32 = "float32"
     sds = jax.ShapeDtypeStruct
-    if entry == "flash_attn_func":
-        q = a["q"]
-        return [sds(q.shape, q.dtype), sds((q.shape[0], q.shape[2], q.shape[1]), f32)], []
+    if entry == "flash_attn_func":  # (out's head dim: v's)
+        q, v = a["q"], a["v"]
+        return [sds(q.shape[:-1] + v.shape[-1:], q.dtype),
+                sds((q.shape[0], q.shape[2], q.shape[1]), f32)], []
     if entry == "flash_attn_varlen_func":
-        q = a["q"]
-        return [sds(q.shape, q.dtype), sds((q.shape[1], q.shape[0]), f32)], []
+        q, v = a["q"], a["v"]
+        return [sds(q.shape[:-1] + v.shape[-1:], q.dtype), sds((q.shape[1], q.shape[0]), f32)], []
     if entry == "scaled_dot_product_attention":
         return [sds(a["query"].shape, a["query"].dtype)], []
     if entry == "flash_attn_with_kvcache":

@@ -43,6 +43,7 @@ FWD_FIELDS = [
     ("k_descale", _PTR), ("v_descale", _PTR),
     ("k_descale_batch_stride", _I64), ("k_descale_head_stride", _I64),
     ("v_descale_batch_stride", _I64), ("v_descale_head_stride", _I64),
+    ("head_dim_v", _I32),
 ]
 
 DECODE_FIELDS = [

@@ -63,9 +63,9 @@ def _register():
                                learnable_sink=_detached(learnable_sink))
 
     @flash_attn.register_fake
-    def _(q, k, v, *rest):
+    def _(q, k, v, *rest):  # (out's head dim: v's)
         batch, seqlen_q, nheads, _ = q.shape
-        return (q.new_empty(q.shape),
+        return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
                 q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
     @torch.library.custom_op("cufa::sdpa", mutates_args=())
@@ -97,7 +97,8 @@ def _register():
     @flash_attn_varlen.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
         total_q, nheads, _ = q.shape
-        return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
+        return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+                q.new_empty((nheads, total_q), dtype=torch.float32))
 
     def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,

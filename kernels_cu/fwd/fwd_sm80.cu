@@ -38,32 +38,32 @@ __device__ __forceinline__ void load_tile(u32 smem, const u16* gmem, i64 row_str
 template <int kRows, int kHeadDim, bool kElementIO, bool kE4m3 = false>
 __device__ __forceinline__ void load_kv_block(u32 smem, const FwdParams& p, const Tile& t,
                                               const u16* head, i64 batch_stride, i64 row_stride,
-                                              int key0) {
+                                              int key0, int head_dim) {
   const int rows_valid = t.seqlen_k - key0;
   if constexpr (kE4m3) {
     static_assert(!kElementIO, "an e4m3 cache takes the 16-byte path");
     const auto offset = [](int r, int c) { return E4m3Tile<kHeadDim>::offset(r, c); };
     if (!p.block_table)
       copy_tile_async<kRows, kHeadDim / 2, kThreads>(smem, head + key0 * row_stride, row_stride,
-                                                     rows_valid, p.head_dim / 2, offset);
+                                                     rows_valid, head_dim / 2, offset);
     else
       copy_rows_async<kRows, kHeadDim / 2, kThreads>(
           smem, [&](int r) { return paged_row(p, t, head, batch_stride, row_stride, key0 + r); },
-          head, rows_valid, p.head_dim / 2, offset, threadIdx.x);
+          head, rows_valid, head_dim / 2, offset, threadIdx.x);
     return;
   }
   if (!p.block_table) {
     load_tile<kRows, kHeadDim, kElementIO>(smem, head + key0 * row_stride, row_stride, rows_valid,
-                                           p.head_dim);
+                                           head_dim);
     return;
   }
   const auto row = [&](int r) { return paged_row(p, t, head, batch_stride, row_stride, key0 + r); };
   const auto offset = [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); };
   if constexpr (kElementIO)
-    copy_rows_elementwise<kRows, kHeadDim, kThreads>(smem, row, rows_valid, p.head_dim, offset,
+    copy_rows_elementwise<kRows, kHeadDim, kThreads>(smem, row, rows_valid, head_dim, offset,
                                                      threadIdx.x);
   else
-    copy_rows_async<kRows, kHeadDim, kThreads>(smem, row, head, rows_valid, p.head_dim, offset,
+    copy_rows_async<kRows, kHeadDim, kThreads>(smem, row, head, rows_valid, head_dim, offset,
                                                threadIdx.x);
 }
 
@@ -97,8 +97,7 @@ template <int kDtype, int kHeadDim, bool kElementIO, bool kE4m3Columns = false, 
 __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4],
                                              const float (&lse)[kMTiles][2], const FwdParams& p,
                                              int seqlen_q, u16* s_stage, u16* o_ptr, float* lse_ptr,
-                                             int row0,
-                                             int warp_row0, int lane) {
+                                             int row0, int warp_row0, int lane, int head_dim) {
   unsigned char* stage = reinterpret_cast<unsigned char*>(s_stage);
   if constexpr (kE4m3Columns) {  // (a lane holds dims 16c + 4t .. + 3: half a chunk)
 #pragma unroll
@@ -132,12 +131,12 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
     const int row = row0 + warp_row0 + r;
-    if (row < seqlen_q && c * 8 < p.head_dim) {
+    if (row < seqlen_q && c * 8 < head_dim) {
       const uint4 x =
           *reinterpret_cast<const uint4*>(stage + Swizzle<kHeadDim>::offset(warp_row0 + r, c));
       u16* dst = o_ptr + row * p.o_row_stride + c * 8;
       if constexpr (kElementIO)
-        store8_elementwise(dst, x, p.head_dim - c * 8);
+        store8_elementwise(dst, x, head_dim - c * 8);
       else
         *reinterpret_cast<uint4*>(dst) = x;
     }
@@ -158,15 +157,20 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
 // run under the products; V's at d <= 128 land under the QK product (VInFlight).
 // kE4m3: K and V from an e4m3 cache (q and out stay kDtype): E4m3Tile rows in shared
 // memory, read into mma fragments as kDtype values (common/e4m3_mma.cuh), k_descale folded
-// into the scores, v_descale into the output.
+// into the scores, v_descale into the output. kHeadDimVWanted: V's and O's head dim where
+// it is not Q's and K's (p.head_dim_v; 0: kHeadDim), at most kHeadDim (O is staged over Q).
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
-          bool kElementIO = false, bool kE4m3 = false>
+          bool kElementIO = false, bool kE4m3 = false, int kHeadDimVWanted = 0>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
+  constexpr int kHeadDimV = kHeadDimVWanted ? kHeadDimVWanted : kHeadDim;
   constexpr int kMTiles = kBlockM / (16 * kWarps);
   constexpr int kNTiles = kBlockN / 8;
-  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kDTiles = kHeadDimV / 8;
   static_assert(kMTiles * 16 * kWarps == kBlockM && kNTiles % 2 == 0, "tile shape");
   static_assert(!(kElementIO && kE4m3), "an e4m3 cache takes the 16-byte path");
+  static_assert(kHeadDimV <= kHeadDim && (kHeadDimV == kHeadDim || !(kElementIO || kE4m3)),
+                "a head dim of V's own: at most Q's, on the 16-bit 16-byte path");
+  const int head_dim_v = kHeadDimVWanted ? p.head_dim_v : p.head_dim;
 
   extern __shared__ __align__(128) unsigned char smem[];
   u16* sQ = reinterpret_cast<u16*>(smem);
@@ -212,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
     // Lane -> (row, chunk) maps that make ldmatrix fragments match the mma operand layouts.
     const LdmatrixAddr<kHeadDim> q_frag(sq + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
     const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-    const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const LdmatrixAddr<kHeadDimV> v_frag(sv, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
     load_tile<kBlockM, kHeadDim, kElementIO>(sq, q_ptr, p.q_row_stride, t.seqlen_q - row0,
                                              p.head_dim);
     if constexpr (kE4m3) {  // Q in the keys' dim order before any product reads it
@@ -223,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
     }
     int nb = n_block_max - 1;
     load_kv_block<kBlockN, kHeadDim, kElementIO, kE4m3>(sk, p, t, ptr.k, p.k_batch_stride,
-                                                        p.k_row_stride, nb * kBlockN);
+                                                        p.k_row_stride, nb * kBlockN, p.head_dim);
     cp_async_commit();
     constexpr bool kInFlight = kElementIO && VInFlight<kHeadDim, kBlockN>::kFits;
     VInFlight<kHeadDim, kBlockN> in_flight;
@@ -244,8 +248,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       if constexpr (kInFlight) {
         in_flight.issue(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0);
       } else {
-        load_kv_block<kBlockN, kHeadDim, kElementIO, kE4m3>(sv, p, t, ptr.v, p.v_batch_stride,
-                                                            p.v_row_stride, key0);
+        load_kv_block<kBlockN, kHeadDimV, kElementIO, kE4m3>(sv, p, t, ptr.v, p.v_batch_stride,
+                                                             p.v_row_stride, key0, head_dim_v);
         cp_async_commit();
       }
 
@@ -272,7 +276,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       __syncthreads();
       if (nb > n_block_min) {
         load_kv_block<kBlockN, kHeadDim, kElementIO, kE4m3>(sk, p, t, ptr.k, p.k_batch_stride,
-                                                            p.k_row_stride, key0 - kBlockN);
+                                                            p.k_row_stride, key0 - kBlockN,
+                                                            p.head_dim);
         cp_async_commit();
       }
 
@@ -300,8 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   float lse[kMTiles][2];
   softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
-  write_output<kDtype, kHeadDim, kElementIO, kE4m3>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o,
-                                                    ptr.lse, row0, warp_row0, lane);
+  write_output<kDtype, kHeadDimV, kElementIO, kE4m3>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o,
+                                                     ptr.lse, row0, warp_row0, lane, head_dim_v);
 }
 
 }  // namespace cufa

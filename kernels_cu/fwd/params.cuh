@@ -77,6 +77,8 @@ struct FwdParams {
   u64 k_descale, v_descale;
   i64 k_descale_batch_stride, k_descale_head_stride;
   i64 v_descale_batch_stride, v_descale_head_stride;
+  // V's and O's head dim, where it is not head_dim's (the kHeadDimVWanted variants)
+  int head_dim_v;
 };
 
 // varlen_schedule's, passed by value as one record (the host packs it once per plan and writes only the
