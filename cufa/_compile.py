@@ -484,11 +484,12 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
     if e4m3_kv or head_dim_v:
         family = "sm80"
     hd = padded_head_dim(head_dim, family)
-    dv = padded_head_dim(head_dim_v) if head_dim_v else 0
-    if dv == hd:
-        dv = 0
-    elif dv and (hd, dv) not in HEAD_DIM_V_PAIRS:
-        raise ValueError(f"no kernel for head dims {head_dim} (q, k) and {head_dim_v} (v)")
+    dv = 0
+    if head_dim_v and padded_head_dim(head_dim_v) != hd:  # the pair's v head dim covers it
+        dv = next((hv for h, hv in HEAD_DIM_V_PAIRS if h == hd and head_dim_v <= hv), 0)
+        if not dv or e4m3_kv:
+            raise ValueError(f"no kernel for head dims {head_dim} (q, k) and {head_dim_v} (v)"
+                             + (" with e4m3 k, v" if e4m3_kv else ""))
     short_tiles = SM90_SHORT_TILES_WINDOW if mask == "window" else SM90_SHORT_TILES
     if family == "sm80":
         block_m, block_n = (SM80_TILES_SCORE_MODS if score_mods else SM80_TILES)[hd]

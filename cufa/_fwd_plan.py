@@ -199,6 +199,8 @@ class _Plan:
     to_jax: bool = False    # the caller passed JAX arrays: outputs go back as JAX arrays
     scratch_bytes: int = 0  # device scratch a launch needs (packed work list, tile counter)
     decode: object = None   # paged packed batches: _decode_plan.PackedDecode, the short sequences
+    out_like_q: bool = True  # out has q's shape (not with a head dim of v's own): a new
+                             # one is allocated like q
 
 
 _STRIDE_FIELDS = tuple((f"{x}_batch_stride", f"{x}_row_stride", f"{x}_head_stride")
@@ -444,8 +446,10 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     framework = "cupy" if q.framework == "dlpack" else q.framework
     lse_shape = (nheads, seqlen_q) if packed else (batch, nheads, seqlen_q)
     d_v = v.shape[-1]  # (out's: v's head dim, where it has one of its own)
-    outputs = dict(framework=framework, device=q.device, out_shape=q.shape[:-1] + (d_v,),
-                   dtype=q.dtype, lse_shape=lse_shape, to_jax=_interop.returns_jax(q))
+    out_shape = q.shape[:-1] + (d_v,)
+    outputs = dict(framework=framework, device=q.device, out_shape=out_shape, dtype=q.dtype,
+                   lse_shape=lse_shape, to_jax=_interop.returns_jax(q),
+                   out_like_q=out_shape == q.shape)
     if not (batch and nheads and seqlen_q):
         return _Plan(**outputs)
     mask_kind = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
@@ -468,7 +472,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
         variant, tma_template = _compile.fwd_element_io_variant(KERNEL_DTYPES[q.dtype], d), None
     values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
         variant, batch, nheads, seqlen_q, seqlen_k, packed, q.device)
-    o_strides = out.strides if out is not None else _interop.contiguous_strides(q.shape)
+    o_strides = out.strides if out is not None else _interop.contiguous_strides(out_shape)
     p = dict(
         nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d_v,
         kv_tail_maps=int(tma_template is not None and tma_template.has_tails),
@@ -616,7 +620,8 @@ def _execute(plan, q, k, v, out, o_ptr, return_lse, *, alibi=0, attn_mask=0, sin
     see dense; like: the caller's q (outputs')."""
     scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
     with caller_stream(plan.framework, plan.device, stream) as stream:
-        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream, like)
+        o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, return_lse, stream,
+                                         like if plan.out_like_q else None)
         if plan.variant is not None:
             _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packed,
                     scratch_ptr)

@@ -79,7 +79,12 @@ def call(entry, arrays, options, out=None, lse=True):
         # eager (an append, an fp8 cache): through one jitted function an (entry, options,
         # lse), so that calls of the same shapes reuse one trace and its compiled callback
         # (and on_device's recordings) instead of tracing and compiling one each
-        return _eager(entry, tuple(sorted(options.items())), lse)(present)
+        try:
+            jitted = _eager(entry, tuple(sorted(options.items())), lse)
+        except TypeError:  # (an option that is not hashable: traced with this call alone)
+            jitted = None
+        if jitted is not None:
+            return jitted(present)
     _check(entry, _traced_views(present, 0), options)
     if not on_cuda:
         raise RuntimeError(f"cufa.{entry} under jax.jit needs JAX's CUDA backend, and this "

@@ -17,8 +17,13 @@ def test_the_variant_pads_both_head_dims_to_a_kernel_pair():
     assert v.key.endswith("_dv128") and v.name_expression.endswith(", false, false, 128>")
     assert v.smem_bytes == (v.block_m * 192 + v.block_n * (192 + 128)) * 2
     assert _compile.fwd_variant("bf16", 192, "window", True, head_dim_v=192).head_dim_v == 0
+    # a narrower v (any up to the pair's 128) takes the pair's kernel: its columns are bounded
+    # by head_dim_v at run time
+    assert _compile.fwd_variant("fp16", 192, "none", False, head_dim_v=64).head_dim_v == 128
     with pytest.raises(ValueError, match="no kernel for head dims 128"):
         _compile.fwd_variant("fp16", 128, "none", False, head_dim_v=64)
+    with pytest.raises(ValueError, match="with e4m3 k, v"):
+        _compile.fwd_variant("fp16", 192, "none", False, e4m3_kv=True, head_dim_v=128)
     keys = {x.key for x in _compile.all_variants()}
     assert {f"fwd_sm80_{dt}_hd192_bm64_bn64_{m}{mods}_dv128" for dt in ("fp16", "bf16")
             for m in ("none", "window") for mods in ("", "_mods")} <= keys
@@ -30,17 +35,26 @@ def test_dense_and_packed_calls_launch_it_with_out_in_v_s_head_dim(device):  # n
     (launch,) = device.launches
     r = record(launch)
     assert (r["head_dim"], r["head_dim_v"], r["v_row_stride"]) == (192, 128, 256)
+    # out: a new (2, 100, 8, 128) array, written with its own strides (not q's)
     assert device.allocations[0] == ((2, 100, 8, 128), "float16")
+    assert (r["o_batch_stride"], r["o_row_stride"], r["o_head_stride"]) == (102400, 1024, 128)
+    assert r["o"] == int(out.split("@")[1], 16)
     plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None)
     assert plan.variant.head_dim_v == 128 and plan.variant.family == "sm80"
-    assert out.startswith("array@")
+    assert not plan.out_like_q  # (torch allocates it by shape, not like q)
     device.launches.clear()
     q, k, v = view((150, 8, 192)), view((400, 2, 192)), view((400, 2, 128))
     cu = view((4,), "int32")
     cufa.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64)
     schedule, forward = device.launches
-    assert record(forward)["head_dim_v"] == 128
+    r = record(forward)
+    assert (r["head_dim_v"], r["o_row_stride"], r["o_head_stride"]) == (128, 1024, 128)
     assert device.allocations[-1] == ((150, 8, 128), "float16")
+    device.launches.clear()  # a narrower v: the pair's kernel, its columns bounded at run time
+    q, k, v = view((1, 10, 4, 192)), view((1, 20, 2, 192)), view((1, 20, 2, 64))
+    cufa.flash_attn_func(q, k, v)
+    r = record(device.launches[0])
+    assert (r["head_dim_v"], r["o_head_stride"]) == (64, 64)
 
 
 @pytest.mark.parametrize("case, error, words", [
