@@ -639,11 +639,10 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packe
     """The plan's launches on `stream` (the device current); arguments as _execute's."""
     framework, device = plan.framework, plan.device
     counter = tile_list = tile_count = order = 0
-    cu_q = cu_k = used = table = 0
-    descales = (0, 0)
+    cu_q = cu_k = used = table = k_descale = v_descale = 0
     scratch = None
     if packed:
-        cu_q, cu_k, used, table, *descales = packed
+        cu_q, cu_k, used, table, k_descale, v_descale = packed
         schedule, max_tiles, num_buckets, schedule_record = plan.work_list
         # the work list, then the tile counter (2 ints, which the schedule kernel zeroes)
         ints = _work_list_ints(max_tiles, num_buckets)
@@ -666,7 +665,7 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packe
             scratch, counter = stream_tile_counter(framework, device, stream)
     record = plan.params
     if plan.variant.e4m3_kv:
-        record = _set_descales(record, descales)
+        record = _set_descales(record, (k_descale, v_descale))
     params = _params.FWD.with_pointer_values(record, (
         q, k, v, o_ptr, lse_ptr, attn_mask, alibi, cu_q, cu_k, used, tile_list, tile_count,
         counter, table, sink))
