@@ -390,6 +390,18 @@ def _fp8_aligned(x):
             and all(s % 16 == 0 or n == 1 for s, n in zip(x.strides[:-1], x.shape)))
 
 
+def _fp8_rows_as_q(q, k, v, names):
+    """An e4m3 cache's k and v, checked for the 16-byte chunks its kernels read, as views of
+    q's dtype (for the checks a 16-bit cache takes)."""
+    if not (_fp8_aligned(k) and _fp8_aligned(v)):
+        raise NotImplementedError(
+            f"an fp8 cache is read in 16-byte chunks: its head dim and strides must be "
+            f"multiples of 16 and its start 16-byte aligned; got {names[0]} {k.shape} with "
+            f"strides {k.strides}, {names[1]} {v.shape} with strides {v.strides}")
+    return tuple(_interop.DeviceArray(x.obj, x.framework, x.ptr, x.shape, x.strides, q.dtype,
+                                      x.device, q.itemsize) for x in (k, v))
+
+
 def check_descales(kd, vd, kc, q, batch, nheads_k, fp8, cache="k_cache"):
     """k_descale, v_descale: float32 (batch, nheads_k), or one scale ((1,) or 0-d), on q's
     device; only with an fp8 cache (cache: its argument's name)."""
@@ -420,13 +432,7 @@ def check_cache(q, kc, vc, kn, vn, table, idx):
         if kc.framework not in ("torch", "cupy"):  # (JAX's come as XLA buffers, "cupy")
             raise NotImplementedError("fp8 caches are taken from PyTorch, CuPy and JAX "
                                       "arrays; other DLPack arrays do not export float8")
-        if not (_fp8_aligned(kc) and _fp8_aligned(vc)):
-            raise NotImplementedError(
-                f"an fp8 cache is read in 16-byte chunks: its head dim and strides must be "
-                f"multiples of 16 and its start 16-byte aligned; got k_cache {kc.shape} with "
-                f"strides {kc.strides}, v_cache {vc.shape} with strides {vc.strides}")
-        kc, vc = (_interop.DeviceArray(x.obj, x.framework, x.ptr, x.shape, x.strides, q.dtype,
-                                       x.device, q.itemsize) for x in (kc, vc))
+        kc, vc = _fp8_rows_as_q(q, kc, vc, ("k_cache", "v_cache"))
     # what flash_attn_func checks of q, k, v; the batch dims may differ (cache_batch_idx, pages)
     aligned = check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
                         f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
@@ -552,13 +558,7 @@ def check_packed(a, out):
         if table is None:
             raise NotImplementedError(f"k and v in {FP8_CACHE} are taken as a paged KV cache "
                                       "(with block_table); pass contiguous k, v in q's dtype")
-        if not (_fp8_aligned(k) and _fp8_aligned(v)):
-            raise NotImplementedError(
-                f"an fp8 cache is read in 16-byte chunks: its head dim and strides must be "
-                f"multiples of 16 and its start 16-byte aligned; got k {k.shape} with strides "
-                f"{k.strides}, v {v.shape} with strides {v.strides}")
-        k, v = (_interop.DeviceArray(x.obj, x.framework, x.ptr, x.shape, x.strides, q.dtype,
-                                     x.device, q.itemsize) for x in (k, v))
+        k, v = _fp8_rows_as_q(q, k, v, ("k", "v"))
     if table is None:
         aligned = check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
                             batch_dim=None, seq_dim=0, head_dim=1, own_v_head_dim=True)

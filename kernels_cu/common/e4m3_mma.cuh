@@ -105,13 +105,7 @@ __device__ __forceinline__ void gemm_pv_e4m3(float (&o)[kMTiles][kDTiles][4],
 #pragma unroll
   for (int ks = 0; ks < kNTiles / 2; ++ks) {
     u32 a[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      a[mt][0] = pack2<kDtype>(p[mt][2 * ks][0], p[mt][2 * ks][1]);
-      a[mt][1] = pack2<kDtype>(p[mt][2 * ks][2], p[mt][2 * ks][3]);
-      a[mt][2] = pack2<kDtype>(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
-      a[mt][3] = pack2<kDtype>(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
-    }
+    p_fragments<kDtype>(a, p, ks);
 #pragma unroll
     for (int cp = 0; cp < kHeadDim / 32; ++cp) {
       u32 b[4];  // chunk 2cp keys 0-7, keys 8-15, then chunk 2cp + 1's

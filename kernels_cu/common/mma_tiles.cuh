@@ -66,6 +66,19 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4], const L
   }
 }
 
+// -- P's A fragments (each row tile's) of the 16-key step ks, from the S accumulators --
+template <int kDtype, int kMTiles, int kNTiles>
+__device__ __forceinline__ void p_fragments(u32 (&a)[kMTiles][4],
+                                            const float (&p)[kMTiles][kNTiles][4], int ks) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    a[mt][0] = pack2<kDtype>(p[mt][2 * ks][0], p[mt][2 * ks][1]);
+    a[mt][1] = pack2<kDtype>(p[mt][2 * ks][2], p[mt][2 * ks][3]);
+    a[mt][2] = pack2<kDtype>(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
+    a[mt][3] = pack2<kDtype>(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
+  }
+}
+
 // -- O += P V: P goes from the S accumulators straight into A fragments --
 template <int kDtype, int kHeadDim, int kMTiles, int kNTiles, int kDTiles>
 __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4],
@@ -74,13 +87,7 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4],
 #pragma unroll
   for (int ks = 0; ks < kNTiles / 2; ++ks) {
     u32 a[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      a[mt][0] = pack2<kDtype>(p[mt][2 * ks][0], p[mt][2 * ks][1]);
-      a[mt][1] = pack2<kDtype>(p[mt][2 * ks][2], p[mt][2 * ks][3]);
-      a[mt][2] = pack2<kDtype>(p[mt][2 * ks + 1][0], p[mt][2 * ks + 1][1]);
-      a[mt][3] = pack2<kDtype>(p[mt][2 * ks + 1][2], p[mt][2 * ks + 1][3]);
-    }
+    p_fragments<kDtype>(a, p, ks);
 #pragma unroll
     for (int dp = 0; dp < kDTiles / 2; ++dp) {
       u32 b[4];

@@ -32,38 +32,46 @@ __device__ __forceinline__ void load_tile(u32 smem, const u16* gmem, i64 row_str
         [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); });
 }
 
+// -- the head dim of K's rows, or with kOwnHeadDim of V's and O's --
+template <bool kOwnHeadDim>
+__device__ __forceinline__ int head_dim_of(const FwdParams& p) {
+  return kOwnHeadDim ? p.head_dim_v : p.head_dim;
+}
+
 // -- load keys [key0, key0 + kRows) of K or V (head: the sequence's row 0 of this head).
 //    kE4m3: an e4m3 cache, whose rows of kHeadDim bytes move as kHeadDim / 2 16-bit
-//    elements (the host gives its strides in those) into E4m3Tile rows --
-template <int kRows, int kHeadDim, bool kElementIO, bool kE4m3 = false>
+//    elements (the host gives its strides in those) into E4m3Tile rows. kOwnHeadDim: V's
+//    rows of p.head_dim_v --
+template <int kRows, int kHeadDim, bool kElementIO, bool kE4m3 = false, bool kOwnHeadDim = false>
 __device__ __forceinline__ void load_kv_block(u32 smem, const FwdParams& p, const Tile& t,
                                               const u16* head, i64 batch_stride, i64 row_stride,
-                                              int key0, int head_dim) {
+                                              int key0) {
   const int rows_valid = t.seqlen_k - key0;
+  const auto head_dim = [&] { return head_dim_of<kOwnHeadDim>(p); };  // (read where used)
   if constexpr (kE4m3) {
     static_assert(!kElementIO, "an e4m3 cache takes the 16-byte path");
     const auto offset = [](int r, int c) { return E4m3Tile<kHeadDim>::offset(r, c); };
     if (!p.block_table)
       copy_tile_async<kRows, kHeadDim / 2, kThreads>(smem, head + key0 * row_stride, row_stride,
-                                                     rows_valid, head_dim / 2, offset);
+                                                     rows_valid, head_dim() / 2, offset);
     else
       copy_rows_async<kRows, kHeadDim / 2, kThreads>(
           smem, [&](int r) { return paged_row(p, t, head, batch_stride, row_stride, key0 + r); },
-          head, rows_valid, head_dim / 2, offset, threadIdx.x);
+          head, rows_valid, head_dim() / 2, offset, threadIdx.x);
     return;
   }
   if (!p.block_table) {
     load_tile<kRows, kHeadDim, kElementIO>(smem, head + key0 * row_stride, row_stride, rows_valid,
-                                           head_dim);
+                                           head_dim());
     return;
   }
   const auto row = [&](int r) { return paged_row(p, t, head, batch_stride, row_stride, key0 + r); };
   const auto offset = [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); };
   if constexpr (kElementIO)
-    copy_rows_elementwise<kRows, kHeadDim, kThreads>(smem, row, rows_valid, head_dim, offset,
+    copy_rows_elementwise<kRows, kHeadDim, kThreads>(smem, row, rows_valid, head_dim(), offset,
                                                      threadIdx.x);
   else
-    copy_rows_async<kRows, kHeadDim, kThreads>(smem, row, head, rows_valid, head_dim, offset,
+    copy_rows_async<kRows, kHeadDim, kThreads>(smem, row, head, rows_valid, head_dim(), offset,
                                                threadIdx.x);
 }
 
@@ -91,13 +99,14 @@ struct VInFlight {
 
 // -- epilogue: O through this warp's rows of sQ (only this warp read them), then 16-byte
 //    stores (kElementIO: a store an element). kE4m3Columns: the output tiles hold
-//    gemm_pv_e4m3's dims, written back in order --
-template <int kDtype, int kHeadDim, bool kElementIO, bool kE4m3Columns = false, int kMTiles,
-          int kDTiles>
+//    gemm_pv_e4m3's dims, written back in order. kOwnHeadDim: rows of p.head_dim_v --
+template <int kDtype, int kHeadDim, bool kElementIO, bool kE4m3Columns = false,
+          bool kOwnHeadDim = false, int kMTiles, int kDTiles>
 __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4],
                                              const float (&lse)[kMTiles][2], const FwdParams& p,
                                              int seqlen_q, u16* s_stage, u16* o_ptr, float* lse_ptr,
-                                             int row0, int warp_row0, int lane, int head_dim) {
+                                             int row0,
+                                             int warp_row0, int lane) {
   unsigned char* stage = reinterpret_cast<unsigned char*>(s_stage);
   if constexpr (kE4m3Columns) {  // (a lane holds dims 16c + 4t .. + 3: half a chunk)
 #pragma unroll
@@ -131,12 +140,12 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
     const int row = row0 + warp_row0 + r;
-    if (row < seqlen_q && c * 8 < head_dim) {
+    if (row < seqlen_q && c * 8 < head_dim_of<kOwnHeadDim>(p)) {
       const uint4 x =
           *reinterpret_cast<const uint4*>(stage + Swizzle<kHeadDim>::offset(warp_row0 + r, c));
       u16* dst = o_ptr + row * p.o_row_stride + c * 8;
       if constexpr (kElementIO)
-        store8_elementwise(dst, x, head_dim - c * 8);
+        store8_elementwise(dst, x, head_dim_of<kOwnHeadDim>(p) - c * 8);
       else
         *reinterpret_cast<uint4*>(dst) = x;
     }
@@ -162,15 +171,15 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
           bool kElementIO = false, bool kE4m3 = false, int kHeadDimVWanted = 0>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
-  constexpr int kHeadDimV = kHeadDimVWanted ? kHeadDimVWanted : kHeadDim;
+  constexpr bool kOwnV = kHeadDimVWanted != 0;
+  constexpr int kHeadDimV = kOwnV ? kHeadDimVWanted : kHeadDim;
   constexpr int kMTiles = kBlockM / (16 * kWarps);
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDimV / 8;
   static_assert(kMTiles * 16 * kWarps == kBlockM && kNTiles % 2 == 0, "tile shape");
   static_assert(!(kElementIO && kE4m3), "an e4m3 cache takes the 16-byte path");
-  static_assert(kHeadDimV <= kHeadDim && (kHeadDimV == kHeadDim || !(kElementIO || kE4m3)),
+  static_assert(kHeadDimV <= kHeadDim && (!kOwnV || !(kElementIO || kE4m3)),
                 "a head dim of V's own: at most Q's, on the 16-bit 16-byte path");
-  const int head_dim_v = kHeadDimVWanted ? p.head_dim_v : p.head_dim;
 
   extern __shared__ __align__(128) unsigned char smem[];
   u16* sQ = reinterpret_cast<u16*>(smem);
@@ -227,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
     }
     int nb = n_block_max - 1;
     load_kv_block<kBlockN, kHeadDim, kElementIO, kE4m3>(sk, p, t, ptr.k, p.k_batch_stride,
-                                                        p.k_row_stride, nb * kBlockN, p.head_dim);
+                                                        p.k_row_stride, nb * kBlockN);
     cp_async_commit();
     constexpr bool kInFlight = kElementIO && VInFlight<kHeadDim, kBlockN>::kFits;
     VInFlight<kHeadDim, kBlockN> in_flight;
@@ -248,8 +257,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       if constexpr (kInFlight) {
         in_flight.issue(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0);
       } else {
-        load_kv_block<kBlockN, kHeadDimV, kElementIO, kE4m3>(sv, p, t, ptr.v, p.v_batch_stride,
-                                                             p.v_row_stride, key0, head_dim_v);
+        load_kv_block<kBlockN, kHeadDimV, kElementIO, kE4m3, kOwnV>(sv, p, t, ptr.v,
+                                                                   p.v_batch_stride,
+                                                                   p.v_row_stride, key0);
         cp_async_commit();
       }
 
@@ -276,8 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       __syncthreads();
       if (nb > n_block_min) {
         load_kv_block<kBlockN, kHeadDim, kElementIO, kE4m3>(sk, p, t, ptr.k, p.k_batch_stride,
-                                                            p.k_row_stride, key0 - kBlockN,
-                                                            p.head_dim);
+                                                            p.k_row_stride, key0 - kBlockN);
         cp_async_commit();
       }
 
@@ -305,8 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   float lse[kMTiles][2];
   softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
-  write_output<kDtype, kHeadDimV, kElementIO, kE4m3>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o,
-                                                     ptr.lse, row0, warp_row0, lane, head_dim_v);
+  write_output<kDtype, kHeadDimV, kElementIO, kE4m3, kOwnV>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o,
+                                                           ptr.lse, row0, warp_row0, lane);
 }
 
 }  // namespace cufa
