@@ -175,3 +175,38 @@ def test_fp8_cache_and_descales_trace_into_the_kvcache_op():
     code = _traced_graph(f, q, cache, new, lens, k_scale, v_scale)
     (call,) = [line for line in code.splitlines() if "torch.ops.cufa.kvcache_append" in line]
     assert call.split("(", 1)[1].rstrip(");").split(";")[0].endswith("l_ks_, l_vs_)"), call
+
+
+def test_fp8_paged_varlen_traces_with_its_descales():
+    """flash_attn_varlen_func over an fp8 paged cache: one op, the descales its last two
+    tensor arguments."""
+    q = torch.empty(40, 8, 64, dtype=torch.float16, device="meta")
+    pages = torch.empty(16, 16, 2, 64, dtype=torch.float8_e4m3fn, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    table = torch.empty(2, 8, dtype=torch.int32, device="meta")
+    k_scale, v_scale = (torch.empty(2, 2, dtype=torch.float32, device="meta") for _ in range(2))
+
+    def f(q, p, cu, t, ks, vs):
+        out = cufa.flash_attn_varlen_func(q, p, p, cu, cu, 32, 128, causal=True, block_table=t,
+                                          k_descale=ks, v_descale=vs)
+        assert out.shape == q.shape
+        return out
+    code = _traced_graph(f, q, pages, cu, table, k_scale, v_scale)
+    (call,) = [line for line in code.splitlines() if "torch.ops.cufa.flash_attn_varlen" in line]
+    assert "l_ks_, l_vs_)" in call, call
+
+
+def test_out_takes_v_s_head_dim_in_the_trace():
+    """A head dim of v's own: the ops' fake outputs have it (dense and packed)."""
+    q = torch.empty(2, 64, 4, 192, dtype=torch.float16, device="meta")
+    k = torch.empty(2, 80, 2, 192, dtype=torch.float16, device="meta")
+    v = torch.empty(2, 80, 2, 128, dtype=torch.float16, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+
+    def f(q, k, v, cu):
+        out = cufa.flash_attn_func(q, k, v, causal=True)
+        packed = cufa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 64, 80)
+        assert out.shape == (2, 64, 4, 128) and packed.shape == (64, 4, 128)
+        return out, packed
+    code = _traced_graph(f, q, k, v, cu)
+    assert "torch.ops.cufa.flash_attn" in code and "torch.ops.cufa.flash_attn_varlen" in code
