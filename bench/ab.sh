@@ -73,6 +73,8 @@ def decode_rows(data):
     if "us" in mixed:
         yield "serving step, one call", mixed["us"]
         yield "serving step, two calls", mixed["two_calls_us"]
+    if mixed.get("fp8_us"):
+        yield "serving step, fp8 cache", mixed["fp8_us"]
 
 
 def reasons(data):

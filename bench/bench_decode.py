@@ -457,7 +457,12 @@ def mixed_batch(torch, rng, copy_tbps, reps=40, fp8=False):
             return cufa.flash_attn_varlen_func(q, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k),
                                                causal=True, block_table=table_t,
                                                k_descale=scale, v_descale=scale)
-        fp8_us = statistics.median(time_events(torch, step8, [(q,)], reps)) * 1e3
+        try:
+            fp8_us = statistics.median(time_events(torch, step8, [(q,)], reps)) * 1e3
+        except (TypeError, NotImplementedError) as e:
+            # an older tree (an A/B's baseline) without fp8 caches in the varlen entry:
+            # its other rows still count
+            print(f"serving step over an fp8 cache: not run ({type(e).__name__}: {e})")
     mm_tflops = T.matmul_tflops(torch)
     pairs = sum(sq * (sk - sq) + sq * (sq + 1) / 2 for sq, sk in zip(lens_q, lens_k))
     flops = 4 * h * d * pairs
