@@ -67,8 +67,9 @@ def mma(c, a, b0, b1):
 
 
 def pairs(w):
-    even, odd = e4m3x4_to_pairs(w, bf16=False)[0:2], e4m3x4_to_pairs(w, bf16=False)[2:4]
-    return even[0] | even[1] << 16, odd[0] | odd[1] << 16
+    """e4m3x4_to_pairs' two registers (fp16): (even, odd), low half first."""
+    even_lo, even_hi, odd_lo, odd_hi = e4m3x4_to_pairs(w, bf16=False)
+    return even_lo | even_hi << 16, odd_lo | odd_hi << 16
 
 
 def byte_perm(x, y, selector):
