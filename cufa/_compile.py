@@ -189,6 +189,80 @@ class FwdVariant:
         return NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
 
 
+# The backward (bwd/bwd_sm80.cu), mma.sync on any GPU from sm_80 on; head dims padded as
+# the sm80 forward's. dq: (block_m, block_n) of its query tile and key blocks; dk, dv:
+# 64 keys a CTA (16 a warp), block_m queries a step, both gradients in one launch up to
+# d = 128 and one a launch above (their accumulators together would spill).
+BWD_DQ_TILES = {32: (64, 64), 64: (64, 64), 96: (64, 64), 128: (64, 64),
+                160: (64, 32), 192: (64, 32), 224: (64, 32), 256: (64, 32)}
+BWD_DKDV_BLOCK_M = {32: 64, 64: 64, 96: 32, 128: 32, 160: 32, 192: 32, 224: 32, 256: 32}
+BWD_KEYS_PER_CTA = 64
+BWD_SPLIT_ABOVE = 128
+BWD_GRADS = ("both", "dk", "dv")  # index = KvGrads in bwd/bwd_sm80.cu
+
+
+@dataclass(frozen=True)
+class BwdVariant:
+    """One backward launch: kind "preprocess" (D = rowsum(dout * out)), "dq" or "dkdv"."""
+    kind: str
+    dtype: str
+    head_dim: int = 0       # padded; 0 for the preprocess
+    mask: str = "none"
+    score_mods: bool = False
+    block_m: int = 0
+    block_n: int = 0
+    grads: str = "both"     # dkdv: BWD_GRADS
+    source: str = "bwd/bwd_sm80.cu"
+    archs: tuple = ("sm_80", "sm_90")
+    options: tuple = NVRTC_OPTIONS
+    ctas_per_sm: int = 1
+
+    @property
+    def key(self):
+        if self.kind == "preprocess":
+            return f"bwd_preprocess_{self.dtype}"
+        mods = "_mods" if self.score_mods else ""
+        grads = f"_{self.grads}" if self.kind == "dkdv" else ""
+        return (f"bwd_{self.kind}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
+                f"_bn{self.block_n}_{self.mask}{mods}{grads}")
+
+    @property
+    def name_expression(self):
+        dt = DTYPES.index(self.dtype)
+        if self.kind == "preprocess":
+            return f"cufa::bwd_preprocess_kernel<{dt}>"
+        args = (f"{dt}, {self.head_dim}, {MASKS.index(self.mask)}, "
+                f"{str(self.score_mods).lower()}, {self.block_m}")
+        if self.kind == "dq":
+            return f"cufa::bwd_dq_kernel<{args}, {self.block_n}>"
+        return f"cufa::bwd_dkdv_kernel<{args}, {BWD_GRADS.index(self.grads)}>"
+
+    @property
+    def threads(self):
+        return 256 if self.kind == "preprocess" else 128
+
+    @functools.cached_property
+    def smem_bytes(self):
+        row = self.head_dim * _dtypes.size_of(self.dtype)
+        if self.kind == "dq":  # Q, dout; K, V
+            return 2 * (self.block_m + self.block_n) * row
+        if self.kind == "dkdv":  # K, V; Q, dout; lse and D of block_m rows
+            return 2 * (self.block_n + self.block_m) * row + 8 * self.block_m
+        return 0
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_variants(dtype, head_dim, mask, score_mods):
+    """The backward's launches for a call, in order: (preprocess, dq, dkdv...)."""
+    hd = padded_head_dim(head_dim)
+    block_m, block_n = BWD_DQ_TILES[hd]
+    dq = BwdVariant("dq", dtype, hd, mask, bool(score_mods), block_m, block_n)
+    kv = [BwdVariant("dkdv", dtype, hd, mask, bool(score_mods), BWD_DKDV_BLOCK_M[hd],
+                     BWD_KEYS_PER_CTA, grads)
+          for grads in (("dk", "dv") if hd > BWD_SPLIT_ABOVE else ("both",))]
+    return (BwdVariant("preprocess", dtype), dq, *kv)
+
+
 @dataclass(frozen=True)
 class ScheduleKernel:
     """fwd/varlen_schedule.cu: builds the work list of a packed batch (one CTA)."""
@@ -554,6 +628,8 @@ def all_variants():
                  for hd in SM80_HEAD_DIMS for mask in MASKS for mods in (False, True)]
     variants += [fwd_variant(dt, hd, mask, mods, head_dim_v=dv) for dt in DTYPES
                  for hd, dv in HEAD_DIM_V_PAIRS for mask in MASKS for mods in (False, True)]
+    variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
+                 for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -1,6 +1,6 @@
 """Python mirrors of the kernels' params structs, passed by value: ``FwdParams`` and
 ``ScheduleParams`` (kernels_cu/fwd/params.cuh), ``DecodeParams`` and ``MergeParams``
-(kernels_cu/decode/params.cuh).
+(kernels_cu/decode/params.cuh), ``BwdParams`` (kernels_cu/bwd/params.cuh).
 
 Each field list below is the single Python statement of its layout. Every compile
 appends ``static_assert``s generated from it (``layout_asserts``), so a struct that
@@ -82,6 +82,12 @@ MERGE_FIELDS = [(n, _PTR) for n in ("out_a", "lse_a", "out_b", "lse_b", "out", "
     (f"{x}_{d}_stride", _I64) for x in ("lse_a", "lse_b", "lse")
     for d in ("batch", "head", "row")] + [
     ("batch", _I32), ("seqlen", _I32), ("nheads", _I32), ("head_dim", _I32)]
+
+
+BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink",
+                                  "kv_tile_list", "kv_tile_count")] + [
+    (f"{x}_{d}_stride", _I64) for x in ("dout", "dq", "dk", "dv")
+    for d in ("batch", "row", "head")] + [("num_n_blocks", _I32), ("rows", _I32)]
 
 
 SCHEDULE_FIELDS = [(n, _PTR) for n in ("cu_seqlens_q", "scratch", "tile_list", "tile_count",
@@ -181,9 +187,11 @@ FWD = Record("cufa::FwdParams", FWD_FIELDS)
 DECODE = Record("cufa::DecodeParams", DECODE_FIELDS)
 MERGE = Record("cufa::MergeParams", MERGE_FIELDS)
 SCHEDULE = Record("cufa::ScheduleParams", SCHEDULE_FIELDS)
+BWD = Record("cufa::BwdParams", BWD_FIELDS)
 # marker in a kernel source -> the record whose layout checks a compile of it appends
 RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
-           "struct MergeParams {": MERGE, "struct ScheduleParams {": SCHEDULE}
+           "struct MergeParams {": MERGE, "struct ScheduleParams {": SCHEDULE,
+           "struct BwdParams {": BWD}
 
 # AttnMaskType in fwd/params.cuh
 ATTN_MASK_NONE = 0  # (a mask's dtype gives the other codes: _dtypes.TABLE's attn_mask)

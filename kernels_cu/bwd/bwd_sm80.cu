@@ -1,0 +1,435 @@
+// Backward attention on the Ampere instruction set (mma.sync, ldmatrix, cp.async), on
+// sm_80 and every later GPU. Three launches, no atomics on the gradients (so dq, dk and
+// dv are the same bits on every run):
+//   preprocess  D = rowsum(dout * out), in lse's layout (and the sink's gradient);
+//   dq          one CTA a (sequence, head, query block), as the forward's tiles: streams the
+//               key blocks, recomputes P = exp(S - lse), dS = P (dP - D), dq += dS K;
+//   dk, dv      one CTA a (sequence, KV head, key block): streams the query blocks of every
+//               query head of the group, in the transposed products (S^T = K Q^T), so
+//               dv += P^T dout and dk += dS^T Q take P^T and dS^T straight from the
+//               accumulators, as the forward's P V takes P.
+// S and dP are recomputed in both of the last two (seven products where an atomic dq would
+// take five), the price of determinism without a float32 dq buffer.
+#include "../common/sm80.cuh"
+#include "../common/mma_tiles.cuh"
+#include "../common/softmax.cuh"
+#include "../fwd/params.cuh"
+#include "../fwd/block_info.cuh"
+#include "../fwd/mask.cuh"
+#include "../fwd/score.cuh"
+#include "params.cuh"
+
+namespace cufa {
+
+constexpr int kBwdWarps = 4;
+constexpr int kBwdThreads = kBwdWarps * 32;
+
+// What the key-block kernel computes: both gradients, or (head dims over 128, where both
+// accumulators do not fit in registers) one of them a launch.
+enum KvGrads { KV_BOTH = 0, KV_DK = 1, KV_DV = 2 };
+
+template <int DT>
+__device__ __forceinline__ float to_float(u16 x) {
+  return DT == FP16 ? fp16_to_float(x) : bf16_to_float(x);
+}
+
+// Offset of a tile's row 0 in lse's layout (and D's, the same)
+__device__ __forceinline__ i64 row_stats_offset(const FwdParams& p, const Tile& t) {
+  return t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.q_start;
+}
+
+// A row's lse in log2 units for P = exp2(score - lse): +inf for rows past the sequence and
+// rows that saw no key (lse -inf), whose P is then 0 for every key, masked or not
+__device__ __forceinline__ float lse_log2_of(const float* lse, int row, int rows) {
+  if (row >= rows) return CUFA_INF;
+  const float x = lse[row];
+  return x == -CUFA_INF ? CUFA_INF : x * CUFA_LOG2E;
+}
+
+// -- a scaled, modded score in log2 units, as the forward's apply_score_mods makes it, and
+//    its derivative by the raw score (natural units): the scale, times 1 - tanh^2 under a
+//    softcap; ALiBi and attn_mask add constants --
+__device__ __forceinline__ float modded_score(float s, const FwdParams& p, const Tile& t,
+                                              const TileMods& m, int row, int key, float& grad) {
+  float x = s * p.scale;
+  grad = p.scale;
+  if (p.softcap > 0.f) {
+    const float th = fast_tanh(x * p.softcap_inv);
+    x = p.softcap * th;
+    grad *= 1.f - th * th;
+  }
+  if (m.alibi_slope != 0.f)
+    x -= m.alibi_slope * fabsf(static_cast<float>((i64)row + t.diag_offset - key));
+  if (p.attn_mask_type != ATTN_MASK_NONE && row < t.seqlen_q && key < t.seqlen_k)
+    x += attn_mask_value(p, m.mask_offset + row * p.mask_row_stride + key * p.mask_col_stride);
+  return x * CUFA_LOG2E;
+}
+
+// Whether query `row` sees key `key` (both in the sequence's numbering)
+template <int kMask>
+__device__ __forceinline__ bool visible(const FwdParams& p, const Tile& t, int row, int key) {
+  if (key >= t.seqlen_k) return false;
+  if (kMask == MASK_NONE) return true;
+  const i64 diagonal = (i64)row + t.diag_offset;
+  return key >= diagonal - p.window_left && key <= diagonal + p.window_right;
+}
+
+// -- store a warp's 16-row tiles of float accumulators as rows of kDtype, rows below
+//    `rows` and columns below head_dim (a multiple of 8): 4 bytes a lane, a quad's 16 in a
+//    row. The last write of each launch, a small share of its time --
+template <int kDtype, int kMTiles, int kDTiles>
+__device__ __forceinline__ void store_rows(const float (&acc)[kMTiles][kDTiles][4], u16* dst,
+                                           i64 row_stride, int row_base, int rows, int head_dim,
+                                           int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = frag_row(row_base, mt, 2 * h, lane);
+      if (row >= rows) continue;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int col = frag_col(0, dt, 0, lane);
+        if (col < head_dim)
+          *reinterpret_cast<u32*>(dst + row * row_stride + col) =
+              pack2<kDtype>(acc[mt][dt][2 * h], acc[mt][dt][2 * h + 1]);
+      }
+    }
+}
+
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void load_rows(u32 smem, const u16* gmem, i64 row_stride,
+                                          int rows_valid, int head_dim) {
+  copy_tile_async<kRows, kHeadDim, kBwdThreads>(
+      smem, gmem, row_stride, rows_valid, head_dim,
+      [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); });
+}
+
+// ---------------------------------------------------------------------------------------
+// preprocess: D = rowsum(dout * out) for every (row, head), and the sink's gradient
+// dsink_h = -sum_rows exp(sink_h - lse) * D (a row's output falls by its sink's share as the
+// sink grows). A CTA of 8 warps takes 32 rows of one head, a warp a row at a time.
+template <int kDtype>
+__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kRowsPerWarp = 4, kRowsPerCta = 8 * kRowsPerWarp;
+  const int h = blockIdx.x % p.nheads;
+  const i64 first_row = (i64)(blockIdx.x / p.nheads) * kRowsPerCta;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float sink = load_sink(p.learnable_sink, p.sink_dtype, h);
+  float dsink = 0.f;
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const i64 r = first_row + warp * kRowsPerWarp + i;
+    if (r >= g.rows) break;
+    const i64 b = r / p.seqlen_q, row = r % p.seqlen_q;  // (packed: batch stride 0, b = 0)
+    const u16* o = reinterpret_cast<const u16*>(p.o) + b * p.o_batch_stride +
+                   row * p.o_row_stride + h * p.o_head_stride;
+    const u16* dout = reinterpret_cast<const u16*>(g.dout) + b * g.dout_batch_stride +
+                      row * g.dout_row_stride + h * g.dout_head_stride;
+    float sum = 0.f;
+    for (int c = lane; c < p.head_dim; c += 32) sum += to_float<kDtype>(o[c]) * to_float<kDtype>(dout[c]);
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    const i64 at = b * p.lse_batch_stride + h * p.lse_head_stride + row;
+    if (lane == 0) {
+      reinterpret_cast<float*>(g.softmax_d)[at] = sum;
+      if (g.dsink && sum != 0.f)  // (a row without keys: lse = sink, out 0, nothing to add)
+        dsink -= __expf(sink - reinterpret_cast<const float*>(p.lse)[at]) * sum;
+    }
+  }
+  if (!g.dsink) return;
+  __shared__ float warp_sums[8];
+  if (lane == 0) warp_sums[warp] = dsink;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int w = 0; w < 8; ++w) total += warp_sums[w];
+    atomicAdd(reinterpret_cast<float*>(g.dsink) + h, total);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// dq: the forward's tile (get_tile over FwdParams: the padded grid, or the work list of
+// query blocks), its key blocks in any order.
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN>
+__global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kMTiles = kBlockM / (16 * kBwdWarps);
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  static_assert(kMTiles * 16 * kBwdWarps == kBlockM && kNTiles % 2 == 0, "tile shape");
+  extern __shared__ __align__(128) unsigned char smem[];
+  u16* sQ = reinterpret_cast<u16*>(smem);
+  u16* sdO = sQ + kBlockM * kHeadDim;
+  u16* sK = sdO + kBlockM * kHeadDim;
+  u16* sV = sK + kBlockN * kHeadDim;
+
+  Tile t;
+  if (!get_tile(p, static_cast<int>(blockIdx.x), t)) return;
+  const int row0 = t.m_block * kBlockM;
+  const int row_end = min(row0 + kBlockM, t.seqlen_q);
+  const int lane = threadIdx.x % 32;
+  const int warp_row0 = (threadIdx.x / 32) * kMTiles * 16;
+  const TilePointers ptr = tile_pointers(p, t);
+  const i64 q_row = t.q_start + row0;
+  const u16* dout = reinterpret_cast<const u16*>(g.dout) + t.b * g.dout_batch_stride +
+                    t.h * g.dout_head_stride + q_row * g.dout_row_stride;
+  u16* dq = reinterpret_cast<u16*>(g.dq) + t.b * g.dq_batch_stride + t.h * g.dq_head_stride +
+            q_row * g.dq_row_stride;
+  const TileMods mods = tile_mods<kScoreMods>(p, t);
+
+  // this lane's rows' lse (log2 units) and D
+  const float* lse = reinterpret_cast<const float*>(p.lse) + row_stats_offset(p, t);
+  const float* dsum_of = reinterpret_cast<const float*>(g.softmax_d) + row_stats_offset(p, t);
+  float lse_log2[kMTiles][2], dsum[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = frag_row(row0 + warp_row0, mt, 2 * h, lane);
+      lse_log2[mt][h] = lse_log2_of(lse, row, t.seqlen_q);
+      dsum[mt][h] = row < t.seqlen_q ? dsum_of[row] : 0.f;
+    }
+
+  float acc_dq[kMTiles][kDTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dq[mt][dt][e] = 0.f;
+
+  const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
+  const int n_block_min = keys.begin / kBlockN;
+  const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;
+  const u32 sq = smem_u32(sQ), sdo = smem_u32(sdO), sk = smem_u32(sK), sv = smem_u32(sV);
+  // A operands (this warp's rows), B operands of the score products (key rows), and the
+  // transposed B of dS K
+  const LdmatrixAddr<kHeadDim> q_frag(sq + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
+  const LdmatrixAddr<kHeadDim> do_frag(sdo + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
+  const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const LdmatrixAddr<kHeadDim> kt_frag(sk, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  if (n_block_min < n_block_max) {
+    load_rows<kBlockM, kHeadDim>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
+                                 t.seqlen_q - row0, p.head_dim);
+    load_rows<kBlockM, kHeadDim>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0, p.head_dim);
+  }
+  for (int nb = n_block_min; nb < n_block_max; ++nb) {
+    const int key0 = nb * kBlockN;
+    __syncthreads();  // every warp is done with the last block's K and V
+    load_rows<kBlockN, kHeadDim>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                 t.seqlen_k - key0, p.head_dim);
+    load_rows<kBlockN, kHeadDim>(sv, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
+                                 t.seqlen_k - key0, p.head_dim);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float s[kMTiles][kNTiles][4], dp[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
+    gemm_qk<kDtype>(s, q_frag, k_frag);
+    gemm_qk<kDtype>(dp, do_frag, v_frag);
+
+    // scores in log2 units (their derivatives kept where score mods change them), masked,
+    // then dS = P (dP - D) times d(score)/d(raw score), in place of S
+    float grad[kScoreMods ? kMTiles : 1][kScoreMods ? kNTiles : 1][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if constexpr (kScoreMods)
+            s[mt][nt][e] = modded_score(s[mt][nt][e], p, t, mods,
+                                        frag_row(row0 + warp_row0, mt, e, lane),
+                                        frag_col(key0, nt, e, lane), grad[mt][nt][e]);
+          else
+            s[mt][nt][e] *= p.scale_log2;
+        }
+    if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
+      apply_mask<kMask>(s, p, t, row0 + warp_row0, key0, lane);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float prob = exp2f(s[mt][nt][e] - lse_log2[mt][e >> 1]);
+          const float d_raw = kScoreMods ? grad[kScoreMods ? mt : 0][kScoreMods ? nt : 0][e] : p.scale;
+          s[mt][nt][e] = prob * (dp[mt][nt][e] - dsum[mt][e >> 1]) * d_raw;
+        }
+    gemm_pv<kDtype>(acc_dq, s, kt_frag);
+  }
+  store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
+}
+
+// ---------------------------------------------------------------------------------------
+// dk, dv: a key block of one KV head; each warp owns 16 of its keys. Sequence and key
+// block from get_tile over the KV heads (the padded grid, or the work list of key blocks).
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads>
+__global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kBlockN = 16 * kBwdWarps;
+  constexpr int kQTiles = kBlockM / 8;  // the transposed scores' columns: queries
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr bool kDk = kGrads != KV_DV, kDv = kGrads != KV_DK;
+  static_assert(kQTiles % 2 == 0, "tile shape");
+  extern __shared__ __align__(128) unsigned char smem[];
+  u16* sK = reinterpret_cast<u16*>(smem);
+  u16* sV = sK + kBlockN * kHeadDim;
+  u16* sQ = sV + kBlockN * kHeadDim;
+  u16* sdO = sQ + kBlockM * kHeadDim;
+  float* sLse = reinterpret_cast<float*>(sdO + kBlockM * kHeadDim);  // log2 units
+  float* sD = sLse + kBlockM;
+
+  // the tile of a KV head: get_tile over FwdParams as if the KV heads were the query heads
+  Tile t;
+  {
+    FwdParams by_key = p;
+    by_key.nheads = p.nheads_k;
+    by_key.tile_list = g.kv_tile_list;
+    by_key.tile_count = g.kv_tile_count;
+    by_key.num_m_blocks = g.num_n_blocks;
+    by_key.heads_per_group = 1;
+    by_key.tail_group_head = p.batch * p.nheads_k;
+    if (!get_tile(by_key, static_cast<int>(blockIdx.x), t)) return;
+  }
+  const int h_k = t.h;
+  const int group = p.nheads / p.nheads_k;
+  const int key0 = t.m_block * kBlockN;
+  const int lane = threadIdx.x % 32;
+  const int warp_row0 = (threadIdx.x / 32) * 16;
+  // rows to write: every key of the sequence's block, those past seqused_k (which no query
+  // sees) as zeros
+  int rows_out = t.seqlen_k;
+  if (p.cu_seqlens_k && p.seqused_k) {
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    rows_out = min(max(cu_k[t.b + 1], 0), p.seqlen_k) - (int)t.k_start;
+  }
+  t.h = h_k * group;
+  const TilePointers kv = tile_pointers(p, t);
+  const i64 k_row = t.k_start + key0;
+
+  float acc_dk[1][kDk ? kDTiles : 2][4], acc_dv[1][kDv ? kDTiles : 2][4];
+#pragma unroll
+  for (int dt = 0; dt < (kDk ? kDTiles : 2); ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = 0.f;
+#pragma unroll
+  for (int dt = 0; dt < (kDv ? kDTiles : 2); ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[0][dt][e] = 0.f;
+
+  // the queries that see some key of the block
+  const int key_end = min(key0 + kBlockN, t.seqlen_k);
+  int q_begin = 0, q_end = key0 < t.seqlen_k ? t.seqlen_q : 0;
+  if (kMask == MASK_WINDOW && q_end) {
+    const i64 lo = (i64)key0 - t.diag_offset - p.window_right;
+    const i64 hi = (i64)(key_end - 1) - t.diag_offset + p.window_left + 1;
+    q_begin = (int)max((i64)0, min(lo, (i64)t.seqlen_q));
+    q_end = (int)max((i64)q_begin, min(hi, (i64)t.seqlen_q));
+  }
+  const int m_block_min = q_begin / kBlockM, m_block_max = (q_end + kBlockM - 1) / kBlockM;
+
+  const u32 sk = smem_u32(sK), sv = smem_u32(sV), sq = smem_u32(sQ), sdo = smem_u32(sdO);
+  const LdmatrixAddr<kHeadDim> k_frag(sk + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
+  const LdmatrixAddr<kHeadDim> v_frag(sv + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
+  const LdmatrixAddr<kHeadDim> q_frag(sq, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const LdmatrixAddr<kHeadDim> do_frag(sdo, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const LdmatrixAddr<kHeadDim> qt_frag(sq, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  const LdmatrixAddr<kHeadDim> dot_frag(sdo, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  if (m_block_min < m_block_max) {
+    load_rows<kBlockN, kHeadDim>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
+                                 t.seqlen_k - key0, p.head_dim);
+    if (kDk)
+      load_rows<kBlockN, kHeadDim>(sv, kv.v + key0 * p.v_row_stride, p.v_row_stride,
+                                   t.seqlen_k - key0, p.head_dim);
+  }
+  const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
+
+  for (int h = h_k * group; h < (h_k + 1) * group; ++h) {
+    t.h = h;
+    const TilePointers ptr = tile_pointers(p, t);
+    const TileMods mods = tile_mods<kScoreMods>(p, t);
+    const float* lse = reinterpret_cast<const float*>(p.lse) + row_stats_offset(p, t);
+    const float* dsum_of = reinterpret_cast<const float*>(g.softmax_d) + row_stats_offset(p, t);
+    const u16* dout = reinterpret_cast<const u16*>(g.dout) + t.b * g.dout_batch_stride +
+                      h * g.dout_head_stride + t.q_start * g.dout_row_stride;
+    for (int mb = m_block_min; mb < m_block_max; ++mb) {
+      const int q0 = mb * kBlockM;
+      __syncthreads();  // every warp is done with the last block's Q, dout, lse and D
+      load_rows<kBlockM, kHeadDim>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
+                                   t.seqlen_q - q0, p.head_dim);
+      load_rows<kBlockM, kHeadDim>(sdo, dout + q0 * g.dout_row_stride, g.dout_row_stride,
+                                   t.seqlen_q - q0, p.head_dim);
+      cp_async_commit();
+      for (int r = threadIdx.x; r < kBlockM; r += kBwdThreads) {
+        sLse[r] = lse_log2_of(lse, q0 + r, t.seqlen_q);
+        sD[r] = q0 + r < t.seqlen_q ? dsum_of[q0 + r] : 0.f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+
+      // S^T = K Q^T: rows this warp's keys, columns the block's queries
+      float st[1][kQTiles][4];
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[0][nt][e] = 0.f;
+      gemm_qk<kDtype>(st, k_frag, q_frag);
+
+      const bool masked = block_needs_mask<kMask>(p, t, q0, min(q0 + kBlockM, t.seqlen_q),
+                                                  key0, key0 + kBlockN);
+      float grad[1][kScoreMods ? kQTiles : 1][4];
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = first_key + 8 * (e >> 1);
+          const int col = frag_col(0, nt, e, lane);
+          float x;
+          if constexpr (kScoreMods)
+            x = modded_score(st[0][nt][e], p, t, mods, q0 + col, key, grad[0][nt][e]);
+          else
+            x = st[0][nt][e] * p.scale_log2;
+          if (masked && !visible<kMask>(p, t, q0 + col, key)) x = -CUFA_INF;
+          st[0][nt][e] = exp2f(x - sLse[col]);  // P^T
+        }
+      if constexpr (kDv) gemm_pv<kDtype>(acc_dv, st, dot_frag);
+      if constexpr (kDk) {
+        // dP^T = V dout^T, then dS^T = P^T (dP^T - D) d(score)/d(raw score)
+        float dpt[1][kQTiles][4];
+#pragma unroll
+        for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dpt[0][nt][e] = 0.f;
+        gemm_qk<kDtype>(dpt, v_frag, do_frag);
+#pragma unroll
+        for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = frag_col(0, nt, e, lane);
+            const float d_raw = kScoreMods ? grad[0][kScoreMods ? nt : 0][e] : p.scale;
+            dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - sD[col]) * d_raw;
+          }
+        gemm_pv<kDtype>(acc_dk, dpt, qt_frag);
+      }
+    }
+  }
+  const int rows = rows_out - key0;
+  if constexpr (kDk) {
+    u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +
+              k_row * g.dk_row_stride;
+    store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
+  if constexpr (kDv) {
+    u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + h_k * g.dv_head_stride +
+              k_row * g.dv_row_stride;
+    store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
+}
+
+}  // namespace cufa

@@ -1,0 +1,25 @@
+#pragma once
+// Parameters of the backward kernels beyond the forward's. The backward launches read the
+// forward's FwdParams (q, k, v, out, lse, masks, score mods, sequences) and this record
+// beside it; the Python mirror is cufa/_params.py (BWD_FIELDS), checked at compile time.
+#include "../fwd/params.cuh"
+
+namespace cufa {
+
+struct BwdParams {
+  u64 dout;             // the output's gradient, out's shape
+  u64 dq, dk, dv;       // the gradients, q's, k's and v's shapes
+  u64 softmax_d;        // float32 in lse's layout: rowsum(dout * out), the preprocess's
+  u64 dsink;            // float32 (nheads,), summed into (zeroed by the host); 0: no sink
+  // Packed batches: the (sequence, key block) list of the key-block kernel, built by
+  // varlen_schedule over cu_seqlens_k, and its length; 0 for padded batches
+  u64 kv_tile_list, kv_tile_count;
+  i64 dout_batch_stride, dout_row_stride, dout_head_stride;
+  i64 dq_batch_stride, dq_row_stride, dq_head_stride;
+  i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+  i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+  int num_n_blocks;     // padded batches: key blocks a sequence
+  int rows;             // the preprocess's rows: batch * seqlen_q (packed: total_q)
+};
+
+}  // namespace cufa
