@@ -281,17 +281,19 @@ def check_sink(s, q, nheads, q_name="q"):
                          f"cuda:{q.device}")
 
 
-def sink_without_grad(sink):
+def sink_without_grad(sink, differentiable=False):
     """A torch learnable_sink that requires grad (an nn.Parameter): detached where autograd
     records nothing (torch.no_grad, inference_mode), so inference passes the parameter as it
-    is; refused where it records, since cufa has no backward pass yet and the sink's
-    gradient would be lost without a word."""
+    is. Where autograd records: kept for a differentiable call (its gradient is the
+    backward's dsink), refused by the others, whose gradient would be lost without a word."""
     if getattr(sink, "requires_grad", False):  # (torch tensors have the attribute)
         import torch
         if torch.is_grad_enabled():
+            if differentiable:
+                return sink
             raise NotImplementedError(
-                "learnable_sink requires grad, but cufa has no backward pass yet: pass "
-                "learnable_sink.detach(), or call under torch.no_grad() or "
+                "learnable_sink requires grad, but this cufa function has no backward pass: "
+                "pass learnable_sink.detach(), or call under torch.no_grad() or "
                 "torch.inference_mode()")
         return sink.detach()
     return sink

@@ -192,10 +192,16 @@ class FwdVariant:
 # The backward (bwd/bwd_sm80.cu), mma.sync on any GPU from sm_80 on; head dims padded as
 # the sm80 forward's. dq: (block_m, block_n) of its query tile and key blocks; dk, dv:
 # 64 keys a CTA (16 a warp), block_m queries a step, both gradients in one launch up to
-# d = 128 and one a launch above (their accumulators together would spill).
+# d = 128 and one a launch above (their accumulators together would spill). Each the
+# widest that ptxas keeps in 255 registers without spilling; score mods (their
+# derivatives held a score) and masks (the predicates' bounds) take narrower steps.
 BWD_DQ_TILES = {32: (64, 64), 64: (64, 64), 96: (64, 64), 128: (64, 64),
                 160: (64, 32), 192: (64, 32), 224: (64, 32), 256: (64, 32)}
+BWD_DQ_TILES_SCORE_MODS = {**BWD_DQ_TILES, 256: (64, 16)}
 BWD_DKDV_BLOCK_M = {32: 64, 64: 64, 96: 32, 128: 32, 160: 32, 192: 32, 224: 32, 256: 32}
+BWD_DKDV_BLOCK_M_MASKED = {**BWD_DKDV_BLOCK_M, 128: 16}
+BWD_DKDV_BLOCK_M_SCORE_MODS = {**BWD_DKDV_BLOCK_M, 64: 32, 128: 16, 160: 16, 192: 16,
+                               224: 16, 256: 16}
 BWD_KEYS_PER_CTA = 64
 BWD_SPLIT_ABOVE = 128
 BWD_GRADS = ("both", "dk", "dv")  # index = KvGrads in bwd/bwd_sm80.cu
@@ -255,9 +261,11 @@ class BwdVariant:
 def bwd_variants(dtype, head_dim, mask, score_mods):
     """The backward's launches for a call, in order: (preprocess, dq, dkdv...)."""
     hd = padded_head_dim(head_dim)
-    block_m, block_n = BWD_DQ_TILES[hd]
+    block_m, block_n = (BWD_DQ_TILES_SCORE_MODS if score_mods else BWD_DQ_TILES)[hd]
     dq = BwdVariant("dq", dtype, hd, mask, bool(score_mods), block_m, block_n)
-    kv = [BwdVariant("dkdv", dtype, hd, mask, bool(score_mods), BWD_DKDV_BLOCK_M[hd],
+    kv_block_m = (BWD_DKDV_BLOCK_M_SCORE_MODS if score_mods else BWD_DKDV_BLOCK_M_MASKED
+                  if mask == "window" else BWD_DKDV_BLOCK_M)[hd]
+    kv = [BwdVariant("dkdv", dtype, hd, mask, bool(score_mods), kv_block_m,
                      BWD_KEYS_PER_CTA, grads)
           for grads in (("dk", "dv") if hd > BWD_SPLIT_ABOVE else ("both",))]
     return (BwdVariant("preprocess", dtype), dq, *kv)

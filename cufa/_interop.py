@@ -47,8 +47,8 @@ def _torch_view(x, name):
                         f"{_DL_DEVICES.get(device, device)} (PyTorch) tensor for {name}")
     if x.requires_grad:
         raise NotImplementedError(
-            f"{name} requires grad, but cufa has no backward pass yet: pass {name}.detach() "
-            "or call under torch.no_grad()")
+            f"{name} requires grad, but this cufa function has no backward pass: pass "
+            f"{name}.detach() or call under torch.no_grad()")
     described = _torch_dtype_names.get(x.dtype)
     if described is None:
         described = _torch_dtype_names[x.dtype] = (str(x.dtype).replace("torch.", ""),

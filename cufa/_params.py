@@ -160,6 +160,10 @@ class Record:
             return bytes(buffer)
         return set_fields
 
+    def argument(self, record):
+        """`record` (bytes of a packed record) as a ctypes buffer to pass by address."""
+        return self._buffer.from_buffer_copy(record)
+
     def with_pointer_values(self, record, values):
         """A copy of `record` (bytes of a packed record) with the pointer fields set to
         `values`, in pointer_fields order, as a ctypes buffer to pass by address."""

@@ -13,7 +13,7 @@ first eager call with torch tensors.
 """
 import sys
 
-from . import _decode_plan, _fwd_plan, _interop
+from . import _bwd_plan, _decode_plan, _fwd_plan, _interop
 
 _ops = None
 
@@ -46,6 +46,24 @@ def _detached(sink):
     return None if sink is None else sink.detach()
 
 
+def records_grad(*xs):
+    """Whether autograd records a call on these torch tensors (the first of xs a tensor):
+    one of them requires grad, in grad mode. The call then goes through the ops, whose
+    autograd formula is the backward."""
+    torch = sys.modules["torch"]
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+def _sink_grad(dsink, q):
+    """The op's dsink output: float32 (nheads,), or empty (0,) without a sink."""
+    return dsink if dsink is not None else q.new_empty((0,), dtype=sys.modules["torch"].float32)
+
+
+def _as_sink_grad(dsink, sink, needed):
+    """The sink's gradient in its dtype, where autograd wants one."""
+    return dsink.to(sink.dtype) if sink is not None and needed else None
+
+
 def _register():
     from typing import Optional, Tuple
 
@@ -57,7 +75,8 @@ def _register():
                    causal: bool, window_left: int, window_right: int, softcap: float,
                    alibi_slopes: Optional[Tensor],
                    learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        return _fwd_plan.dense(q, k, v, alibi_slopes, None, softmax_scale=softmax_scale,
+        return _fwd_plan.dense(q.detach(), k.detach(), v.detach(), alibi_slopes, None,
+                               softmax_scale=softmax_scale,
                                causal=causal, window_size=(window_left, window_right),
                                softcap=softcap, return_lse=True,
                                learnable_sink=_detached(learnable_sink))
@@ -67,6 +86,79 @@ def _register():
         batch, seqlen_q, nheads, _ = q.shape
         return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
                 q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
+
+    # -- the backward: one op per forward, registered as its autograd formula, so eager
+    #    calls, torch.compile and activation checkpointing all take it. dsink is empty (0,)
+    #    without a sink (an op returns tensors) --
+    @torch.library.custom_op("cufa::flash_attn_bwd", mutates_args=())
+    def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       softmax_scale: Optional[float], causal: bool, window_left: int,
+                       window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                       learnable_sink: Optional[Tensor]
+                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        dq, dk, dv, dsink = _bwd_plan.dense(
+            dout.contiguous(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+            alibi_slopes=alibi_slopes,
+            learnable_sink=_detached(learnable_sink), softmax_scale=softmax_scale,
+            causal=causal, window_size=(window_left, window_right), softcap=softcap)
+        return dq, dk, dv, _sink_grad(dsink, q)
+
+    @flash_attn_bwd.register_fake
+    def _(dout, q, k, v, out, lse, *rest):
+        sink = rest[-1]
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+                q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
+
+    @torch.library.custom_op("cufa::flash_attn_varlen_bwd", mutates_args=())
+    def flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                              lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                              softmax_scale: Optional[float], causal: bool, window_left: int,
+                              window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                              seqused_k: Optional[Tensor], learnable_sink: Optional[Tensor]
+                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        dq, dk, dv, dsink = _bwd_plan.packed(
+            dout.contiguous(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+            cu_seqlens_q, cu_seqlens_k,
+            seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+            learnable_sink=_detached(learnable_sink), softmax_scale=softmax_scale,
+            causal=causal, window_size=(window_left, window_right), softcap=softcap)
+        return dq, dk, dv, _sink_grad(dsink, q)
+
+    @flash_attn_varlen_bwd.register_fake
+    def _(dout, q, k, v, out, lse, *rest):
+        sink = rest[-1]
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+                q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
+
+    def dense_setup(ctx, inputs, output):
+        q, k, v, scale, causal, left, right, softcap, alibi, sink = inputs
+        ctx.save_for_backward(q, k, v, output[0], output[1], alibi, sink)
+        ctx.options = (scale, causal, left, right, softcap)
+
+    def dense_backward(ctx, dout, dlse):
+        q, k, v, out, lse, alibi, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink)
+        return (dq, dk, dv, None, None, None, None, None, None,
+                _as_sink_grad(dsink, sink, ctx.needs_input_grad[-1]))
+
+    flash_attn.register_autograd(dense_backward, setup_context=dense_setup)
+
+    def packed_setup(ctx, inputs, output):
+        (q, k, v, cu_q, cu_k, _, _, scale, causal, left, right, softcap, alibi, used, table,
+         sink, k_descale, v_descale) = inputs
+        ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, alibi, used, sink)
+        ctx.options = (scale, causal, left, right, softcap)
+        ctx.paged = table is not None or k_descale is not None or v_descale is not None
+
+    def packed_backward(ctx, dout, dlse):
+        if ctx.paged:
+            raise NotImplementedError("flash_attn_varlen_func over a paged or fp8 cache has no "
+                                      "backward pass")
+        q, k, v, out, lse, cu_q, cu_k, alibi, used, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k,
+                                                  *ctx.options, alibi, used, sink)
+        return (dq, dk, dv) + (None,) * 12 + (
+            _as_sink_grad(dsink, sink, ctx.needs_input_grad[15]), None, None)
 
     @torch.library.custom_op("cufa::sdpa", mutates_args=())
     def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
@@ -89,7 +181,7 @@ def _register():
                           learnable_sink: Optional[Tensor], k_descale: Optional[Tensor],
                           v_descale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.packed(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
+            q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
             softcap=softcap, return_lse=True, learnable_sink=_detached(learnable_sink),
             k_descale=k_descale, v_descale=v_descale)
@@ -99,6 +191,8 @@ def _register():
         total_q, nheads, _ = q.shape
         return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
                 q.new_empty((nheads, total_q), dtype=torch.float32))
+
+    flash_attn_varlen.register_autograd(packed_backward, setup_context=packed_setup)
 
     def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,

@@ -3,7 +3,8 @@ planner of its family (_fwd_plan, _decode_plan), or, while torch.compile or jax.
 traces the call, to that framework's front-end (_torch_ops, _jax)."""
 import numbers
 
-from . import _compile, _decode_plan, _fwd_plan, _interop, _jax, _runtime, _torch_ops
+from . import (_bwd_plan, _compile, _decode_plan, _fwd_plan, _interop, _jax, _runtime,
+               _torch_ops)
 from ._checks import (NO_WINDOW, as_index, check_num_splits, reject_unsupported,
                       sink_without_grad, window_ints)
 from ._decode_plan import merge, with_kvcache
@@ -51,11 +52,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs
     if learnable_sink is not None:
-        learnable_sink = sink_without_grad(learnable_sink)
-    if _other_route(q):
-        if _torch_ops.compiling(q):
+        learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
+    if _other_route(q) or _records_grad(q, k, v, learnable_sink):
+        if _torch_ops.compiling(q) or _records_grad(q, k, v, learnable_sink):
             if out is not None:
-                raise NotImplementedError("out= is not supported inside torch.compile")
+                raise NotImplementedError("out= is not supported inside torch.compile or where "
+                                          "autograd records the call")
             o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal,
                                                  *window_ints(window_size), softcap,
                                                  alibi_slopes, learnable_sink)
@@ -120,11 +122,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
     return_lse = return_lse or return_attn_probs
     if learnable_sink is not None:
-        learnable_sink = sink_without_grad(learnable_sink)
-    if _other_route(q):
-        if _torch_ops.compiling(q):
+        learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
+    if _other_route(q) or _records_grad(q, k, v, learnable_sink):
+        if _torch_ops.compiling(q) or _records_grad(q, k, v, learnable_sink):
             if out is not None:
-                raise NotImplementedError("out= is not supported inside torch.compile")
+                raise NotImplementedError("out= is not supported inside torch.compile or where "
+                                          "autograd records the call")
             if check_cu_seqlens:
                 raise ValueError("check_cu_seqlens=True reads device values (a sync), which "
                                  "torch.compile cannot trace; check them outside the compiled "
@@ -156,12 +159,61 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _returned(*result, True, True) if return_attn_probs else result
 
 
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
+                        window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+                        deterministic=False, *, learnable_sink=None, dq=None, dk=None, dv=None):
+    """The gradients of a flash_attn_func call: (dq, dk, dv), and with learnable_sink a
+    fourth, dsink (float32 (nheads,)). For custom training code in any framework; PyTorch
+    autograd and jax.grad call it themselves.
+
+    dout: the gradient of out, out's shape and dtype; out and lse: what the forward
+    returned (return_lse=True), lse contiguous; q, k, v and every option as the forward
+    was called. dk and dv are summed over the query heads that share a KV head (GQA);
+    rows that see no key give zero gradients, and so do keys that no query sees. dq, dk,
+    dv: arrays to write the gradients into (q's, k's and v's shapes and dtype), else new
+    contiguous ones of q's framework. The gradients are the same bits on every run (no
+    atomics; `deterministic` is accepted for compatibility); dsink sums with atomics.
+    Needs 16-byte rows: head dims and strides that are multiples of 8."""
+    dq, dk, dv, dsink = _bwd_plan.dense(
+        dout, q, k, v, out, lse, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+        dq=dq, dk=dk, dv=dv, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap)
+    return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
+                               window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+                               deterministic=False, *, seqused_k=None, learnable_sink=None,
+                               dq=None, dk=None, dv=None):
+    """flash_attn_backward for a flash_attn_varlen_func call (packed rows, lse (nheads,
+    total_q)). Keys past seqused_k[b] get zero gradients. max_seqlen_q / max_seqlen_k are
+    accepted for compatibility (the work lists are built on the GPU from cu_seqlens). A
+    paged cache (block_table) has no backward."""
+    dq, dk, dv, dsink = _bwd_plan.packed(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k,
+        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dq=dq, dk=dk, dv=dv,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
+
+
 def _returned(o, lse, return_lse, return_attn_probs):
     """What flash_attn_func and flash_attn_varlen_func return: flash-attn's (out, lse,
     S_dmask) with return_attn_probs, S_dmask empty as flash-attn's is without dropout."""
     if return_attn_probs:
         return o, lse, _interop.empty_of(o)
     return (o, lse) if return_lse else o
+
+
+def _records_grad(q, *others):
+    """Whether q is an eager or traced torch tensor and autograd records this call: it then
+    goes through the torch ops, whose autograd formula is the backward."""
+    kind = type(q)
+    if kind is not _interop._torch_tensor:
+        if kind is _interop._cupy_array or kind.__module__.split(".")[0] != "torch":
+            return False
+        _torch_ops.register_if_torch_loaded()  # (torch imported after cufa, a first call)
+    return _torch_ops.records_grad(q, *others)
 
 
 def _other_route(q):

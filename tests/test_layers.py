@@ -15,6 +15,7 @@ LAYERS = (
     ("__init__",),                       # the public names; registers the torch ops hook
     ("api",),                            # the public functions: validate -> plan -> launch
     ("_torch_ops", "_jax"),              # framework front-ends: they call the planners
+    ("_bwd_plan",),                      # the backward's launches (on the forward's records)
     ("_fwd_plan",),                      # dense, packed and SDPA plans, movers, launches
     ("_decode_plan",),                   # KV-cache, append, split-KV and merge plans
     ("_heuristics",),                    # every tuning rule

@@ -65,13 +65,19 @@ __device__ __forceinline__ float modded_score(float s, const FwdParams& p, const
   return x * CUFA_LOG2E;
 }
 
+// Whether key `key` is within a window side of `side` keys of `diagonal` (a side of
+// kUnboundedWindow or more has no bound)
+__device__ __forceinline__ bool within_side(i64 distance, int side) {
+  return side >= kUnboundedWindow || distance <= side;
+}
+
 // Whether query `row` sees key `key` (both in the sequence's numbering)
 template <int kMask>
 __device__ __forceinline__ bool visible(const FwdParams& p, const Tile& t, int row, int key) {
   if (key >= t.seqlen_k) return false;
   if (kMask == MASK_NONE) return true;
   const i64 diagonal = (i64)row + t.diag_offset;
-  return key >= diagonal - p.window_left && key <= diagonal + p.window_right;
+  return within_side(diagonal - key, p.window_left) && within_side(key - diagonal, p.window_right);
 }
 
 // -- store a warp's 16-row tiles of float accumulators as rows of kDtype, rows below

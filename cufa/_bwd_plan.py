@@ -1,0 +1,209 @@
+"""Backward launches: the gradients dq, dk, dv (and the learnable sink's) of a
+flash_attn_func or flash_attn_varlen_func call, from its inputs, its output, its lse and
+the output's gradient. The kernels (bwd/bwd_sm80.cu, any GPU from sm_80 on) read the
+forward's FwdParams record beside a BwdParams one; a call validates, builds both, allocates
+the gradients in the caller's framework and launches preprocess, dq, then dk/dv."""
+from . import _arrays, _compile, _interop, _params
+from ._checks import (KERNEL_DTYPES, UNBOUNDED, check_dense, check_options, check_packed)
+from ._fwd_plan import _work_list_ints
+from ._runtime import caller_stream, driver_launch, stream_call, stream_workspace
+
+
+def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq=None, dk=None,
+          dv=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+          stream=None):
+    """flash_attn_func's gradients -> (dq, dk, dv, dsink or None)."""
+    window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
+    a = _arrays.Dense(*(_view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"),
+                                                 (alibi_slopes, "alibi_slopes"),
+                                                 (learnable_sink, "learnable_sink"),
+                                                 (out, "out"))))
+    aligned = check_dense(a._replace(out=None), None)
+    batch, seqlen_q, nheads, d = a.q.shape
+    return _run(dout, a, lse, dq, dk, dv, aligned, seq_dim=1, head_dim=2, batch=batch,
+                nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[1], d=d, window=window,
+                scale=scale, softcap=softcap, stream=stream,
+                lse_shape=(batch, nheads, seqlen_q))
+
+
+def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,
+           alibi_slopes=None, learnable_sink=None, dq=None, dk=None, dv=None,
+           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, stream=None):
+    """flash_attn_varlen_func's gradients -> (dq, dk, dv, dsink or None)."""
+    window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
+    names = _arrays.Packed._fields
+    given = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+                 learnable_sink=learnable_sink, out=out)
+    a = _arrays.Packed(**{n: _view(given.get(n), n) for n in names})
+    batch, _, aligned = check_packed(a._replace(out=None), None)
+    total_q, nheads, d = a.q.shape
+    return _run(dout, a, lse, dq, dk, dv, aligned, seq_dim=0, head_dim=1, batch=batch,
+                nheads=nheads, seqlen_q=total_q, seqlen_k=a.k.shape[0], d=d, window=window,
+                scale=scale, softcap=softcap, stream=stream, lse_shape=(nheads, total_q),
+                packed=True)
+
+
+def _view(x, name):
+    return None if x is None else _interop.as_device_array(x, name)
+
+
+def _check_like(x, name, like, like_name):
+    """dout (like out) or a caller's dq, dk, dv (like q, k, v): same shape, dtype, device and
+    framework, rows readable -> whether chunk_aligned."""
+    from ._checks import check_loadable
+    if x.framework != like.framework and "dlpack" not in (x.framework, like.framework):
+        raise TypeError(f"{name} is a {x.framework} array but {like_name} is a "
+                        f"{like.framework} array")
+    if x.shape != like.shape or x.dtype != like.dtype:
+        raise ValueError(f"{name} must have {like_name}'s shape {like.shape} and dtype "
+                         f"{like.dtype}; got {x.shape} {x.dtype}")
+    if x.device != like.device:
+        raise ValueError(f"{name} is on cuda:{x.device} but {like_name} is on "
+                         f"cuda:{like.device}")
+    return check_loadable(x, name)
+
+
+def _check_lse(lse, shape, q):
+    if lse.dtype != "float32":
+        raise TypeError(f"lse must be float32 (the forward's, return_lse=True); got {lse.dtype}")
+    if lse.shape != shape:
+        raise ValueError(f"lse must have shape {shape}, the forward's; got {lse.shape}")
+    if lse.device != q.device:
+        raise ValueError(f"lse is on cuda:{lse.device} but q is on cuda:{q.device}")
+    if 0 not in shape and lse.strides != _interop.contiguous_strides(shape):
+        raise ValueError(f"lse must be contiguous, as the forward returns it; got strides "
+                         f"{lse.strides}")
+
+
+def _run(dout, a, lse, dq, dk, dv, aligned, *, seq_dim, head_dim, batch, nheads, seqlen_q,
+         seqlen_k, d, window, scale, softcap, stream, lse_shape, packed=False):
+    q, k, v, o = a.q, a.k, a.v, a.out
+    if o is None:
+        raise ValueError("out, the forward's output, is needed for the backward")
+    if v.shape[-1] != d:
+        raise NotImplementedError("the backward takes v with q's head dim")
+    if k.dtype != q.dtype:
+        raise NotImplementedError(f"the backward takes k, v in q's dtype; got {k.dtype}")
+    aligned = _check_like(o, "out", q, "q") and aligned
+    do = _interop.as_device_array(dout, "dout")
+    aligned = _check_like(do, "dout", o, "out") and aligned
+    lse_view = _interop.as_device_array(lse, "lse")
+    _check_lse(lse_view, lse_shape, q)
+    grads = {}
+    for name, x, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
+        if x is not None:
+            grads[name] = _interop.as_device_array(x, name)
+            aligned = _check_like(grads[name], name, like, like_name) and aligned
+    if not aligned:
+        raise NotImplementedError(
+            "the backward moves rows in 16-byte chunks: q, k, v, out, dout (and dq, dk, dv "
+            "if given) need a head dim that is a multiple of 8, strides that are multiples "
+            "of 8 elements and 16-byte aligned starts")
+    nheads_k = k.shape[-2]
+    framework = "cupy" if q.framework == "dlpack" else q.framework
+    mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
+    score_mods = softcap > 0 or a.alibi_slopes is not None
+    dtype = KERNEL_DTYPES[q.dtype]
+    variants = _compile.bwd_variants(dtype, d, mask, score_mods)
+    pre, dq_variant, *kv_variants = variants
+    block_m = dq_variant.block_m
+    block_n = kv_variants[0].block_n
+    sink = a.learnable_sink
+
+    fwd = dict(nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d, bottom_right=1,
+               batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+               num_m_blocks=-(-seqlen_q // block_m), heads_per_group=1,
+               tail_group_head=batch * nheads,
+               lse_batch_stride=0 if packed else nheads * seqlen_q, lse_head_stride=seqlen_q,
+               sink_dtype=_params.SINK_DTYPES[sink.dtype] if sink is not None else 0,
+               **_params.score_fields(window, scale, softcap, d, a.alibi_slopes))
+    bwd = dict(num_n_blocks=-(-seqlen_k // block_n), rows=(1 if packed else batch) * seqlen_q)
+    for x, prefix, record in ((q, "q", fwd), (k, "k", fwd), (v, "v", fwd), (o, "o", fwd),
+                              (do, "dout", bwd)):
+        record[f"{prefix}_batch_stride"] = 0 if packed else x.strides[0]
+        record[f"{prefix}_row_stride"] = x.strides[seq_dim]
+        record[f"{prefix}_head_stride"] = x.strides[head_dim]
+
+    with caller_stream(framework, q.device, stream) as stream:
+        outs = {}
+        for name, like in (("dq", q), ("dk", k), ("dv", v)):
+            if name in grads:
+                outs[name] = (grads[name].obj, grads[name])
+            else:
+                native, ptr = _interop.allocate(framework, like.shape, q.dtype, q.device, stream,
+                                                like.obj if like.framework == framework else None)
+                outs[name] = (native, _interop.DeviceArray(
+                    native, framework, ptr, like.shape, _interop.contiguous_strides(like.shape),
+                    q.dtype, q.device, like.itemsize))
+        for name, seq in (("dq", seq_dim), ("dk", seq_dim), ("dv", seq_dim)):
+            x = outs[name][1]
+            bwd[f"{name}_batch_stride"] = 0 if packed else x.strides[0]
+            bwd[f"{name}_row_stride"] = x.strides[seq]
+            bwd[f"{name}_head_stride"] = x.strides[head_dim]
+        softmax_d, d_ptr = _interop.allocate(framework, lse_shape, "float32", q.device, stream)
+        dsink = dsink_ptr = None
+        if sink is not None:
+            import cupy
+            dsink, dsink_ptr = _interop.allocate(framework, (nheads,), "float32", q.device,
+                                                 stream)
+            stream_call(cupy.cuda.runtime.memsetAsync, dsink_ptr, 0, 4 * nheads, stream)
+        if batch and nheads and (seqlen_q or seqlen_k):
+            _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, d_ptr,
+                    dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k)
+    result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink]
+    if _interop.returns_jax(q):
+        result = [None if x is None else _interop.to_jax(x) for x in result]
+    return tuple(result)
+
+
+def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, d_ptr, dsink_ptr,
+            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k):
+    """preprocess, dq, dk/dv on `stream` (a packed batch's work lists built first; their
+    buffer, `scratch`, held until the launches are queued)."""
+    pre, dq_variant, *kv_variants = variants
+    block_m, block_n = dq_variant.block_m, kv_variants[0].block_n
+    device = q.device
+    scratch = None
+    q_blocks = fwd["num_m_blocks"] * batch
+    kv_blocks = bwd["num_n_blocks"] * batch
+    pointers = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, tile_list=0, tile_count=0)
+    if packed:
+        q_blocks = seqlen_q // block_m + batch
+        kv_blocks = seqlen_k // block_n + batch
+        lists = [(a.cu_seqlens_q.ptr, seqlen_q, block_m, q_blocks),
+                 (a.cu_seqlens_k.ptr, seqlen_k, block_n, kv_blocks)]
+        sizes = [4 * _work_list_ints(tiles, total // block + 2) for _, total, block, tiles in lists]
+        sizes = [-(-s // 256) * 256 for s in sizes]
+        scratch, base = stream_workspace(framework, device, stream, sum(sizes))
+        starts = [base, base + sizes[0]]
+        schedule = _compile.function_pointer(_compile.VARLEN_SCHEDULE, device)
+        for (cu, total, block, tiles), start in zip(lists, starts):
+            buckets = total // block + 2
+            record = _params.SCHEDULE.pack(dict(batch=batch, total_q=total, block_m=block,
+                                                num_buckets=buckets))
+            count = start + 8 * tiles
+            driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
+                          (_params.SCHEDULE.with_pointer_values(record, (
+                              cu, count + 4, start, count, 0, 0, 0, 0)),))
+        pointers = dict(cu_seqlens_q=a.cu_seqlens_q.ptr, cu_seqlens_k=a.cu_seqlens_k.ptr,
+                        seqused_k=a.seqused_k.ptr if a.seqused_k is not None else 0,
+                        tile_list=starts[0], tile_count=starts[0] + 8 * q_blocks)
+        bwd.update(kv_tile_list=starts[1], kv_tile_count=starts[1] + 8 * kv_blocks)
+    fwd_record = _params.FWD.pack(dict(
+        fwd, q=q.ptr, k=a.k.ptr, v=a.v.ptr, o=o.ptr, lse=lse.ptr,
+        alibi_slopes=a.alibi_slopes.ptr if a.alibi_slopes is not None else 0,
+        learnable_sink=a.learnable_sink.ptr if a.learnable_sink is not None else 0, **pointers))
+    bwd_record = _params.BWD.pack(dict(
+        bwd, dout=do.ptr, dq=outs["dq"][1].ptr, dk=outs["dk"][1].ptr, dv=outs["dv"][1].ptr,
+        softmax_d=d_ptr, dsink=dsink_ptr))
+    args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
+    launches = [(pre, -(-bwd["rows"] // 32) * nheads if seqlen_q else 0),
+                (dq_variant, q_blocks * nheads if seqlen_q else 0)]
+    launches += [(v, kv_blocks * nheads_k if seqlen_k else 0) for v in kv_variants]
+    for variant, blocks in launches:
+        if blocks:
+            driver_launch(_compile.function_pointer(variant, device), blocks, variant.threads,
+                          variant.smem_bytes, stream, args)
+    del scratch
+

@@ -1,0 +1,194 @@
+"""CPU: the backward's host side. Bad input raises an error naming the argument; a valid
+call builds the records and launches the kernels with the grids the kernels expect (the
+driver, the allocator and the compiler replaced by recorders, the records read back
+through their NumPy layouts); and the torch route sends a call that autograd records to
+the ops whose autograd formula is the backward."""
+import contextlib
+
+import numpy as np
+import pytest
+
+import cufa
+from cufa import _bwd_plan, _compile, _params
+from cufa._interop import DeviceArray
+
+
+def arr(shape, dtype="float16", strides=None, ptr=0x7f0000000000, framework="cupy"):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}[dtype]
+    return DeviceArray(None, framework, ptr, tuple(shape), tuple(strides), dtype, 0, itemsize)
+
+
+def dense_args(b=2, sq=33, sk=47, h=4, hk=2, d=64, dtype="float16"):
+    q, k, v = arr((b, sq, h, d), dtype, ptr=0x1000), arr((b, sk, hk, d), dtype, ptr=0x2000), \
+        arr((b, sk, hk, d), dtype, ptr=0x3000)
+    out, dout = arr((b, sq, h, d), dtype, ptr=0x4000), arr((b, sq, h, d), dtype, ptr=0x5000)
+    lse = arr((b, h, sq), "float32", ptr=0x6000)
+    return dout, q, k, v, out, lse
+
+
+CASES = [
+    ("dout shape", dict(dout=arr((2, 33, 4, 32))), ValueError, "dout must have out's shape"),
+    ("dout dtype", dict(dout=arr((2, 33, 4, 64), "bfloat16")), ValueError, "dout must have"),
+    ("lse dtype", dict(lse=arr((2, 4, 33), "float16")), TypeError, "lse must be float32"),
+    ("lse shape", dict(lse=arr((2, 33, 4), "float32")), ValueError, "lse must have shape (2, 4, 33)"),
+    ("lse strided", dict(lse=arr((2, 4, 33), "float32", strides=(4 * 40, 40, 1))), ValueError,
+     "lse must be contiguous"),
+    ("out shape", dict(out=arr((2, 33, 4, 32))), ValueError, "out must have q's shape"),
+    ("dq shape", dict(dq=arr((2, 33, 4, 32))), ValueError, "dq must have q's shape"),
+    ("dk dtype", dict(dk=arr((2, 47, 2, 64), "bfloat16")), ValueError, "dk must have k's shape"),
+    ("odd head dim", dict(zip(("dout", "q", "k", "v", "out", "lse"), dense_args(d=36))),
+     NotImplementedError, "16-byte chunks"),
+    ("k dtype", dict(k=arr((2, 47, 2, 64), "bfloat16")), TypeError, "k has dtype bfloat16"),
+    ("no out", dict(out=None), ValueError, "out, the forward's output"),
+]
+
+
+@pytest.mark.parametrize("name,change,error,message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_names_the_argument(name, change, error, message):
+    args = dict(zip(("dout", "q", "k", "v", "out", "lse"), dense_args()))
+    args.update(change)
+    kw = {n: args.pop(n) for n in ("dq", "dk", "dv") if n in args}
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cufa.flash_attn_backward(*args.values(), **kw)
+
+
+def test_varlen_bad_cu_seqlens():
+    dout, q, k, v, out, _ = (x for x in dense_args(b=1))
+    q, k, v, out, dout = (arr(x.shape[1:], ptr=x.ptr) for x in (q, k, v, out, dout))
+    lse = arr((4, 33), "float32")
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, arr((3,), "float32"),
+                                        arr((3,), "int32"), 20, 30)
+
+
+class Recorder:
+    """Stands in for the driver, the allocator and the compiler."""
+
+    def __init__(self, monkeypatch):
+        self.launches, self.allocations, self.next_ptr = [], [], 0x100000
+        monkeypatch.setattr(_bwd_plan, "caller_stream", lambda *a: contextlib.nullcontext(7))
+        monkeypatch.setattr(_bwd_plan, "driver_launch", self.launch)
+        monkeypatch.setattr(_bwd_plan, "stream_call", lambda *a, **k: None)
+        monkeypatch.setattr(_bwd_plan, "stream_workspace", self.workspace)
+        monkeypatch.setattr(_bwd_plan._interop, "allocate", self.allocate)
+        monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: variant)
+
+    def allocate(self, framework, shape, dtype, device, stream, like=None):
+        ptr = self.next_ptr
+        self.next_ptr += 0x100000
+        self.allocations.append((shape, dtype, ptr))
+        return ("array", shape, dtype), ptr
+
+    def workspace(self, framework, device, stream, nbytes):
+        self.workspace_bytes = nbytes
+        return None, 0x900000
+
+    def launch(self, function, blocks, threads, smem, stream, args):
+        records = [np.frombuffer(bytes(a), dtype=r.dtype)[0]
+                   for a, r in zip(args, (_params.FWD, _params.BWD))] if len(args) == 2 else args
+        self.launches.append((function, blocks, threads, smem, stream, records))
+
+
+def test_dense_launches_and_records(monkeypatch):
+    rec = Recorder(monkeypatch)
+    dout, q, k, v, out, lse = dense_args(b=2, sq=33, sk=47, h=4, hk=2, d=72)
+    dq, dk, dv, dsink = cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=True)[:3] + (None,)
+    assert [a[0] for a in rec.allocations[:3]] == [q.shape, k.shape, v.shape]
+    kinds = [(f.kind, f.head_dim) for f, *_ in rec.launches]
+    assert kinds == [("preprocess", 0), ("dq", 96), ("dkdv", 96)]
+    (pre, pre_blocks, *_), (dqv, dq_blocks, *_), (kv, kv_blocks, _, _, _, (fwd, bwd)) = rec.launches
+    assert pre_blocks == -(-2 * 33 // 32) * 4
+    assert dq_blocks == -(-33 // dqv.block_m) * 2 * 4
+    assert kv_blocks == -(-47 // 64) * 2 * 2
+    assert (fwd["q"], fwd["k"], fwd["v"], fwd["o"], fwd["lse"]) == (0x1000, 0x2000, 0x3000,
+                                                                     0x4000, 0x6000)
+    assert (fwd["window_left"], fwd["window_right"], fwd["bottom_right"]) == (1 << 30, 0, 1)
+    assert (fwd["head_dim"], fwd["nheads"], fwd["nheads_k"]) == (72, 4, 2)
+    assert (fwd["lse_batch_stride"], fwd["lse_head_stride"]) == (4 * 33, 33)
+    assert (fwd["num_m_blocks"], fwd["heads_per_group"], fwd["tail_group_head"]) == (
+        -(-33 // dqv.block_m), 1, 8)
+    assert (fwd["q_batch_stride"], fwd["q_row_stride"], fwd["q_head_stride"]) == (33 * 288, 288, 72)
+    assert (fwd["k_batch_stride"], fwd["k_row_stride"], fwd["k_head_stride"]) == (47 * 144, 144, 72)
+    assert fwd["tile_list"] == 0 and bwd["kv_tile_list"] == 0
+    assert bwd["dout"] == 0x5000 and bwd["dq"] == rec.allocations[0][2]
+    assert bwd["dk"] == rec.allocations[1][2] and bwd["dv"] == rec.allocations[2][2]
+    assert bwd["softmax_d"] == rec.allocations[3][2] and bwd["dsink"] == 0
+    assert (bwd["num_n_blocks"], bwd["rows"]) == (1, 66)
+    assert (bwd["dk_batch_stride"], bwd["dk_row_stride"], bwd["dk_head_stride"]) == (47 * 144, 144, 72)
+    assert rec.allocations[3][:2] == ((2, 4, 33), "float32")
+
+
+def test_large_head_dims_launch_dk_and_dv_apart(monkeypatch):
+    rec = Recorder(monkeypatch)
+    cufa.flash_attn_backward(*dense_args(d=256))
+    assert [(f.kind, f.grads) for f, *_ in rec.launches] == [
+        ("preprocess", "both"), ("dq", "both"), ("dkdv", "dk"), ("dkdv", "dv")]
+
+
+def test_sink_gradient_is_zeroed_and_passed(monkeypatch):
+    rec = Recorder(monkeypatch)
+    sink = arr((4,), "float32", ptr=0x7000)
+    dq, dk, dv, dsink = cufa.flash_attn_backward(*dense_args(), learnable_sink=sink)
+    fwd, bwd = rec.launches[0][-1]
+    assert fwd["learnable_sink"] == 0x7000 and bwd["dsink"] == rec.allocations[4][2]
+    assert dsink[1] == (4,)
+
+
+def test_empty_queries_still_zero_dk_dv(monkeypatch):
+    rec = Recorder(monkeypatch)
+    cufa.flash_attn_backward(*dense_args(sq=0))
+    assert [f.kind for f, *_ in rec.launches] == ["dkdv"]  # writes zeros: no query sees a key
+
+
+def test_varlen_builds_both_work_lists(monkeypatch):
+    rec = Recorder(monkeypatch)
+    h, hk, d = 4, 2, 64
+    q, out, dout = (arr((100, h, d), ptr=p) for p in (0x1000, 0x4000, 0x5000))
+    k, v = arr((130, hk, d), ptr=0x2000), arr((130, hk, d), ptr=0x3000)
+    lse = arr((h, 100), "float32", ptr=0x6000)
+    cu_q, cu_k = arr((4,), "int32", ptr=0xa000), arr((4,), "int32", ptr=0xb000)
+    used = arr((3,), "int32", ptr=0xc000)
+    cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 60, 70, causal=True,
+                                    seqused_k=used)
+    schedules = [launch for launch in rec.launches if launch[0] is _compile.VARLEN_SCHEDULE]
+    assert len(schedules) == 2
+    kernels = [launch for launch in rec.launches if launch[0] is not _compile.VARLEN_SCHEDULE]
+    dqv = kernels[1][0]
+    fwd, bwd = kernels[1][-1]
+    q_tiles, kv_tiles = 100 // dqv.block_m + 3, 130 // 64 + 3
+    assert kernels[1][1] == q_tiles * h and kernels[2][1] == kv_tiles * hk
+    assert kernels[0][1] == -(-100 // 32) * h and bwd["rows"] == 100
+    assert (fwd["cu_seqlens_q"], fwd["cu_seqlens_k"], fwd["seqused_k"]) == (0xa000, 0xb000, 0xc000)
+    assert fwd["tile_list"] == 0x900000 and fwd["tile_count"] == 0x900000 + 8 * q_tiles
+    assert bwd["kv_tile_count"] == bwd["kv_tile_list"] + 8 * kv_tiles
+    assert bwd["kv_tile_list"] > fwd["tile_count"]
+    assert (fwd["q_batch_stride"], fwd["lse_batch_stride"], fwd["lse_head_stride"]) == (0, 0, 100)
+    assert (fwd["seqlen_q"], fwd["seqlen_k"], fwd["batch"]) == (100, 130, 3)
+    for (cu, total, block), launch in zip(((0xa000, 100, dqv.block_m), (0xb000, 130, 64)),
+                                          schedules):
+        record = np.frombuffer(bytes(launch[-1][0]), dtype=_params.SCHEDULE.dtype)[0]
+        assert (record["cu_seqlens_q"], record["total_q"], record["block_m"]) == (cu, total, block)
+        assert record["tile_counter"] == 0 and record["decode_order"] == 0
+
+
+def test_every_backward_variant_is_in_the_library():
+    keys = {v.key for v in _compile.all_variants()}
+    for dt in ("fp16", "bf16"):
+        for hd in _compile.SM80_HEAD_DIMS:
+            for v in _compile.bwd_variants(dt, hd, "window", True):
+                assert v.key in keys
+
+
+def test_torch_route_for_a_call_autograd_records():
+    torch = pytest.importorskip("torch")
+    from cufa import api
+    q = torch.zeros(1, 4, 2, 8, requires_grad=True)
+    k = torch.zeros(1, 4, 2, 8)
+    assert api._records_grad(q, k, k, None)
+    assert not api._records_grad(q.detach(), k, k, None)
+    with torch.no_grad():
+        assert not api._records_grad(q, k, k, None)
+    sink = torch.zeros(2, requires_grad=True)
+    assert api._records_grad(k, k, k, sink)

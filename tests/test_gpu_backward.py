@@ -1,0 +1,217 @@
+"""GPU: the backward pass (dq, dk, dv, dsink) against reference.attention_backward in
+float64, held to the pass rule per row (tests/_attention_check.py) with a low-precision
+backward of its own as the row's yardstick: P and dS rounded to the inputs' dtype before
+their products, as the kernels round them. Every gradient array is poisoned before the
+call; rows are (batch, row, head) of dq and (batch, key, KV head) of dk, dv."""
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import cufa
+from cufa import reference
+
+from _attention_check import cu_seqlens, f64, randn, row_bound, _row_max, _worst_row
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _round(x, dtype):
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype).double().numpy()
+
+
+def lowp_backward(q, k, v, dout, dtype, softmax_scale=None, causal=False, window_size=(-1, -1),
+                  softcap=0.0, alibi_slopes=None, learnable_sink=None):
+    """The float64 backward with P and dS rounded to `dtype` before their products and the
+    gradients rounded at the end: what the kernels' own roundings cost on this input."""
+    qh, kh, vh, scale, visible, _, diag = reference._prepare(
+        q, k, v, softmax_scale, causal, window_size, None, None)
+    b, h, sq, _ = qh.shape
+    hk, sk = k.shape[2], kh.shape[2]
+    dots = qh @ kh.transpose(0, 1, 3, 2)
+    s = reference.with_sink_column(reference._score_mods(
+        dots, np.arange(sq), np.arange(sk), scale=scale, softcap=softcap,
+        alibi_slopes=alibi_slopes, attn_mask=None, visible=visible, diag_offset=diag),
+        learnable_sink)
+    _, e, l = reference._exp_rows(s)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(l == 0, 0.0, e / l)[..., :sk]
+    do = dout.transpose(0, 2, 1, 3)
+    o = _round(p @ vh, dtype)
+    p_r = _round(p, dtype)
+    dvh = p_r.transpose(0, 1, 3, 2) @ do
+    ds = p * (do @ vh.transpose(0, 1, 3, 2) - (do * o).sum(-1, keepdims=True))
+    if softcap:
+        ds = ds * (1.0 - np.tanh(dots * scale / softcap) ** 2)
+    ds_r = _round(ds, dtype)
+    dqh, dkh = scale * ds_r @ kh, scale * ds_r.transpose(0, 1, 3, 2) @ qh
+
+    def per_kv(x):
+        return x.reshape(b, hk, h // hk, sk, x.shape[-1]).sum(2).transpose(0, 2, 1, 3)
+    return [_round(x, dtype) for x in (dqh.transpose(0, 2, 1, 3), per_kv(dkh), per_kv(dvh))]
+
+
+def check_grads(got, q, k, v, dout, label, **kw):
+    """got: (dq, dk, dv[, dsink]) torch tensors; q, k, v, dout torch; kw as the call's."""
+    np_kw = {n: (f64(x) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    args = [f64(x) for x in (q, k, v, dout)]
+    ref = reference.attention_backward(*args, **np_kw)
+    lowp = lowp_backward(*args, q.dtype, **np_kw)
+    for name, g, r, lp in zip(("dq", "dk", "dv"), got[:3], (ref.dq, ref.dk, ref.dv), lowp):
+        g = f64(g)
+        assert g.shape == r.shape, (label, name, g.shape, r.shape)
+        assert np.isfinite(g).all(), f"{label}: {name} not finite"
+        err = _row_max(g - r)
+        bound, err_lp = row_bound(r, [lp], q.dtype)
+        ratio = err / bound
+        assert (ratio <= 1).all(), _worst_row(ratio, label, name, err, bound, err_lp)
+    if "learnable_sink" in kw:
+        dsink = f64(got[3])
+        np.testing.assert_allclose(dsink, ref.dsink, rtol=2e-2, atol=1e-3 * np.abs(ref.dsink).max())
+
+
+def poisoned_like(x):
+    return torch.full_like(x, float("nan"))
+
+
+def run_dense(rng, dtype, b, sq, sk, h, hk, d, label, layout="bshd", **kw):
+    q = randn(rng, (b, sq, h, d), dtype, layout=layout)
+    k, v = (randn(rng, (b, sk, hk, d), dtype, layout=layout) for _ in range(2))
+    dout = randn(rng, (b, sq, h, d), dtype)
+    out, lse = cufa.flash_attn_func(q, k, v, return_lse=True, **kw)
+    grads = [poisoned_like(x) for x in (q, k, v)]
+    got = cufa.flash_attn_backward(dout, q, k, v, out, lse, **kw, dq=grads[0], dk=grads[1],
+                                   dv=grads[2])
+    assert all(g is w for g, w in zip(got[:3], grads))
+    check_grads(got, q, k, v, dout, label, **kw)
+    return q, k, v, dout, out, lse, got
+
+
+DENSE = {
+    "plain d64": dict(b=2, sq=128, sk=128, h=4, hk=4, d=64),
+    "causal, more keys, GQA, d128": dict(b=1, sq=113, sk=300, h=4, hk=2, d=128, causal=True),
+    "causal, more queries (rows without keys), MQA, d72": dict(b=2, sq=300, sk=113, h=4, hk=1,
+                                                               d=72, causal=True),
+    "one row, one key, d32": dict(b=1, sq=1, sk=1, h=2, hk=2, d=32),
+    "window, d256 (dk and dv apart)": dict(b=1, sq=257, sk=257, h=2, hk=2, d=256,
+                                           window_size=(32, 16)),
+    "softcap, alibi, d160": dict(b=2, sq=65, sk=130, h=4, hk=2, d=160, softcap=20.0,
+                                 alibi=True),
+    "sink, causal, d128": dict(b=1, sq=77, sk=77, h=4, hk=4, d=128, causal=True, sink=True),
+    "causal d192, strided": dict(b=1, sq=200, sk=200, h=2, hk=2, d=192, causal=True,
+                                 layout="bhsd"),
+    "window and softcap, d96": dict(b=1, sq=190, sk=170, h=2, hk=1, d=96, window_size=(8, -1),
+                                    softcap=5.0),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(DENSE))
+def test_dense_backward(name, dtype):
+    case = dict(DENSE[name])
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    kw = {}
+    if case.pop("alibi", False):
+        kw["alibi_slopes"] = torch.tensor(rng.uniform(0.05, 0.5, case["h"]), dtype=torch.float32,
+                                          device="cuda")
+    if case.pop("sink", False):
+        kw["learnable_sink"] = torch.tensor(2 * rng.standard_normal(case["h"]),
+                                            dtype=torch.float32, device="cuda")
+    for n in ("causal", "window_size", "softcap"):
+        if n in case:
+            kw[n] = case.pop(n)
+    run_dense(rng, dtype, label=f"{name} {dtype}", **case, **kw)
+
+
+def test_gradients_are_the_same_bits_every_run():
+    rng = np.random.default_rng(5)
+    q, k, v, dout, out, lse, got = run_dense(rng, torch.bfloat16, 2, 200, 200, 8, 2, 128,
+                                             "determinism", causal=True)
+    again = cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], again))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("used", [False, True])
+def test_varlen_backward(causal, used):
+    rng = np.random.default_rng(7 + causal + 2 * used)
+    dtype, h, hk, d = torch.float16, 4, 2, 64
+    lens_q, lens_k = [0, 37, 128, 1, 200, 3], [5, 37, 0, 64, 300, 70]
+    used_k = [5, 20, 0, 64, 150, 0] if used else lens_k
+    q = randn(rng, (1, sum(lens_q), h, d), dtype)[0]
+    k, v = (randn(rng, (1, sum(lens_k), hk, d), dtype)[0] for _ in range(2))
+    dout = randn(rng, (1, sum(lens_q), h, d), dtype)[0]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    extra = dict(seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda")) if used else {}
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                           causal=causal, return_lse=True, **extra)
+    grads = [poisoned_like(x) for x in (q, k, v)]
+    dq, dk, dv = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
+                                                 max(lens_q), max(lens_k), causal=causal,
+                                                 dq=grads[0], dk=grads[1], dv=grads[2], **extra)
+    qs, ks = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    for i in range(len(lens_q)):
+        rows, keys = slice(qs[i], qs[i + 1]), slice(ks[i], ks[i + 1])
+        seen = slice(ks[i], ks[i] + used_k[i])
+        label = f"varlen causal={causal} used={used} sequence {i}"
+        if lens_q[i] == 0:  # no query: no gradient for any key
+            assert not dk[keys].any() and not dv[keys].any(), label
+            continue
+        sub = [x[None] for x in (q[rows], k[seen], v[seen], dout[rows])]
+        got = (dq[rows][None], dk[seen][None], dv[seen][None])
+        check_grads(got, *sub, label, causal=causal)
+        unseen = slice(ks[i] + used_k[i], ks[i + 1])  # keys past seqused_k: zero gradients
+        assert not dk[unseen].any() and not dv[unseen].any(), label
+        assert torch.isfinite(dk[keys]).all() and torch.isfinite(dv[keys]).all(), label
+
+
+def test_torch_autograd_through_flash_attn_func():
+    rng = np.random.default_rng(11)
+    dtype, b, s, h, hk, d = torch.bfloat16, 2, 150, 4, 2, 128
+    q = randn(rng, (b, s, h, d), dtype).requires_grad_()
+    k, v = (randn(rng, (b, s, hk, d), dtype).requires_grad_() for _ in range(2))
+    sink = torch.tensor(rng.standard_normal(h), dtype=torch.float32, device="cuda",
+                        requires_grad=True)
+    dout = randn(rng, (b, s, h, d), dtype)
+    out = cufa.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+    assert out.requires_grad
+    out.backward(dout)
+    check_grads((q.grad, k.grad, v.grad, sink.grad), q, k, v, dout, "autograd", causal=True,
+                learnable_sink=sink)
+
+
+def test_torch_autograd_through_varlen_and_compile():
+    rng = np.random.default_rng(13)
+    dtype, h, d = torch.float16, 4, 64
+    lens = [40, 1, 90]
+    q, k, v = (randn(rng, (1, sum(lens), h, d), dtype)[0].requires_grad_() for _ in range(3))
+    cu = cu_seqlens(lens)
+    dout = randn(rng, (1, sum(lens), h, d), dtype)[0]
+
+    def f(q, k, v):
+        return cufa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    for fn, label in ((f, "eager"), (torch.compile(f, fullgraph=True), "compiled")):
+        for x in (q, k, v):
+            x.grad = None
+        fn(q, k, v).backward(dout)
+        offs = np.cumsum([0] + lens)
+        for i in range(len(lens)):
+            r = slice(offs[i], offs[i + 1])
+            check_grads((q.grad[r][None], k.grad[r][None], v.grad[r][None]),
+                        *(x[r][None] for x in (q, k, v, dout)), f"{label} sequence {i}",
+                        causal=True)
+
+
+def test_cupy_arrays():
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(17)
+    q, k, v, dout = (randn(rng, (1, 70, 2, 64), torch.float16) for _ in range(4))
+    out, lse = cufa.flash_attn_func(q, k, v, return_lse=True)
+    as_cp = [cupy.from_dlpack(x) for x in (dout, q, k, v, out, lse)]
+    dq, dk, dv = cufa.flash_attn_backward(*as_cp)
+    assert isinstance(dq, cupy.ndarray)
+    got = [torch.from_dlpack(x) for x in (dq, dk, dv)]
+    check_grads(got, q, k, v, dout, "cupy")
