@@ -111,8 +111,9 @@ def test_decode_without_append_is_the_op_that_mutates_nothing():
 
 def test_learnable_sink_is_an_optional_tensor_of_every_op():
     """A sink goes into each op as one more tensor argument (a parameter of the model, its
-    values not specialized on); a parameter that requires grad is refused while tracing
-    with autograd on, as eagerly, and detached under no_grad."""
+    values not specialized on); a parameter that requires grad is refused by a function
+    without a backward while tracing with autograd on, as eagerly, and detached under
+    no_grad."""
     meta = dict(dtype=torch.float16, device="meta")
     sink = torch.empty(4, dtype=torch.float32, device="meta")
 
@@ -139,7 +140,8 @@ def test_learnable_sink_is_an_optional_tensor_of_every_op():
     param = torch.nn.Parameter(torch.empty(4, device="meta"))
     _torch_ops.register_if_torch_loaded()
     torch._dynamo.reset()
-    g = torch.compile(lambda q, s: cufa.flash_attn_func(q, q, q, learnable_sink=s),
+    # (SDPA has no backward: its sink parameter is refused where autograd records)
+    g = torch.compile(lambda q, s: cufa.scaled_dot_product_attention(q, q, q, learnable_sink=s),
                       fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="learnable_sink requires grad"):
         g(args[0], param)

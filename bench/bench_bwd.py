@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""The backward pass: cufa.flash_attn_backward against PyTorch SDPA's flash and cuDNN
+backends' backward, in one run.
+
+    python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers]
+
+16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
+backward alone: cufa's three launches from the forward's out and lse, a peer's
+torch.autograd.grad of its own SDPA output (its forward outside the timing). TFLOP/s at
+the backward's 2.5 x the forward's 4 * B * H * N^2 * d (halved for causal), the count
+FlashAttention reports. Queued CUDA-event timing, implementations in interleaved rounds in
+random order, the median of --reps calls each (bench/_timing.py). Writes
+DIR/bench_bwd.{json,md}.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import _timing as T  # this script's folder is on sys.path
+
+ROUNDS = 4
+TOKENS = 16384
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--reps", type=int, default=12, help="timed calls per implementation and row")
+    p.add_argument("--dtypes", type=T.dtype_list, default=("bf16",))
+    p.add_argument("--head-dims", type=T.int_list, default=[64, 128])
+    p.add_argument("--seqlens", type=T.int_list, default=[1024, 4096])
+    p.add_argument("--causal", type=T.int_list, default=[0, 1])
+    p.add_argument("--no-peers", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch = T.require_torch_cuda("bench_bwd.py")
+    cufa = T.load_cufa()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    F = torch.nn.functional
+    peers = {} if args.no_peers else {"SDPA flash": SDPBackend.FLASH_ATTENTION,
+                                      "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
+    rows = []
+    cases = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens
+             for c in args.causal]
+    for i, (dtype_name, d, n, causal) in enumerate(cases):
+        T.progress(i, len(cases), f"{dtype_name} d={d} N={n} causal={causal}")
+        dtype_name = T.TORCH_DTYPES[dtype_name]
+        dtype = getattr(torch, dtype_name)
+        b, h = max(1, TOKENS // n), 2048 // d
+        q, k, v, dout = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
+        out, lse = cufa.flash_attn_func(q, k, v, causal=bool(causal), return_lse=True)
+        timers = {"cufa": lambda reps: T.time_events(torch, lambda: cufa.flash_attn_backward(
+            dout, q, k, v, out, lse, causal=bool(causal)), [()], reps)}
+        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        for name, backend in peers.items():
+            def peer_timer(reps, backend=backend):
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal))
+                    g = dout.transpose(1, 2)
+                    return T.time_events(torch, lambda: torch.autograd.grad(
+                        o, (qt, kt, vt), g, retain_graph=True), [()], reps)
+            timers[name] = peer_timer
+        timed = T.run_rounds(timers, max(1, -(-args.reps // ROUNDS)), rounds=ROUNDS)
+        flops = 2.5 * T.attention_flops(b, h, n, n, d, bool(causal))
+        row = dict(dtype=dtype_name, head_dim=d, seqlen=n, batch=b, nheads=h,
+                   causal=bool(causal), impls={})
+        for name, ms in timed.items():
+            if isinstance(ms, dict):
+                row["impls"][name] = ms
+            else:
+                med = statistics.median(ms)
+                row["impls"][name] = dict(ms=med, tflops=T.tflops(flops, med))
+        rows.append(row)
+    T.progress(len(cases), len(cases), "done")
+    names = ["cufa"] + list(peers)
+    head = (f"Backward pass, {torch.cuda.get_device_name()}: ms (TFLOP/s at 2.5 x the "
+            f"forward's FLOPs); {TOKENS} tokens a batch, heads = 2048 / d; the backward alone "
+            "(the forward outside the timing)")
+    lines = [head, "", "| dtype | d | N | causal | " + " | ".join(names)
+             + " | cufa / best peer (time) |", "|" + " --- |" * (5 + len(names))]
+    for r in rows:
+        cells, peer_ms = [], []
+        for name in names:
+            v = r["impls"].get(name, {})
+            cells.append(f"{v['ms']:.3f} ({v['tflops']:.0f})" if "ms" in v else "n/a")
+            if name != "cufa" and "ms" in v:
+                peer_ms.append(v["ms"])
+        ratio = (f"{min(peer_ms) / r['impls']['cufa']['ms']:.2f}"
+                 if peer_ms and "ms" in r["impls"]["cufa"] else "-")
+        lines.append(f"| {r['dtype']} | {r['head_dim']} | {r['seqlen']} | {r['causal']} | "
+                     + " | ".join(cells) + f" | {ratio} |")
+    report = "\n".join(lines)
+    print(report)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_bwd.md"), "w") as f:
+        f.write(report + "\n")
+    with open(os.path.join(args.out, "bench_bwd.json"), "w") as f:
+        json.dump({"meta": T.versions(torch), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
