@@ -226,17 +226,22 @@ def test_learnable_sink_rejects(case, entry):
 
 @pytest.mark.parametrize("entry", list(SINK_CALLS))
 def test_a_sink_that_requires_grad_is_refused_while_autograd_records(entry):
-    """cufa has no backward pass yet: a sink whose gradient autograd would want is refused,
-    naming it; under no_grad or inference_mode the parameter is taken as it is (detached),
-    and the checks go on (here: it lives on the host)."""
+    """Functions without a backward pass refuse a sink whose gradient autograd would want,
+    naming it; flash_attn_func and flash_attn_varlen_func take it (autograd gets its
+    gradient). Under no_grad or inference_mode the parameter is taken as it is (detached).
+    Either way the checks go on (here: it lives on the host)."""
     torch = pytest.importorskip("torch")
     sink = torch.nn.Parameter(torch.zeros(4))
-    with pytest.raises(NotImplementedError, match="learnable_sink requires grad, but cufa has "
-                                                  "no backward pass yet"):
-        SINK_CALLS[entry](sink)
+    on_host = r"got a CPU \(PyTorch\) tensor for learnable_sink"
+    if entry in ("flash_attn_func", "varlen", "paged varlen"):
+        with pytest.raises(TypeError, match=on_host):
+            SINK_CALLS[entry](sink)
+    else:
+        with pytest.raises(NotImplementedError, match="learnable_sink requires grad, but this "
+                                                      "cufa function has no backward pass"):
+            SINK_CALLS[entry](sink)
     for mode in (torch.no_grad, torch.inference_mode):
-        with mode(), pytest.raises(TypeError, match=r"got a CPU \(PyTorch\) tensor for "
-                                                    "learnable_sink"):
+        with mode(), pytest.raises(TypeError, match=on_host):
             SINK_CALLS[entry](sink)
 
 
