@@ -3,16 +3,20 @@ flash_attn_func or flash_attn_varlen_func call, from its inputs, its output, its
 the output's gradient. The kernels (bwd/bwd_sm80.cu, any GPU from sm_80 on) read the
 forward's FwdParams record beside a BwdParams one; a call validates, builds both, allocates
 the gradients in the caller's framework and launches preprocess, dq, then dk/dv."""
+import math
+
 from . import _arrays, _compile, _interop, _params
 from ._checks import (KERNEL_DTYPES, UNBOUNDED, check_dense, check_options, check_packed)
 from ._fwd_plan import _work_list_ints
-from ._runtime import caller_stream, driver_launch, stream_call, stream_workspace
+from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, stream_workspace
 
 
 def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq=None, dk=None,
-          dv=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-          stream=None):
-    """flash_attn_func's gradients -> (dq, dk, dv, dsink or None)."""
+          dv=None, dsink=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+          softcap=0.0, stream=None, scratch=None):
+    """flash_attn_func's gradients -> (dq, dk, dv, dsink or None). Under jax.jit: dq, dk,
+    dv, dsink are XLA's output buffers, stream XLA's and scratch (address, bytes) an XLA
+    buffer of scratch_bytes() (memory that stays valid where XLA replays the launches)."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
     a = _arrays.Dense(*(_view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"),
                                                  (alibi_slopes, "alibi_slopes"),
@@ -20,16 +24,18 @@ def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq
                                                  (out, "out"))))
     aligned = check_dense(a._replace(out=None), None)
     batch, seqlen_q, nheads, d = a.q.shape
-    return _run(dout, a, lse, dq, dk, dv, aligned, seq_dim=1, head_dim=2, batch=batch,
+    return _run(dout, a, lse, dq, dk, dv, dsink, aligned, seq_dim=1, head_dim=2, batch=batch,
                 nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[1], d=d, window=window,
-                scale=scale, softcap=softcap, stream=stream,
+                scale=scale, softcap=softcap, stream=stream, scratch=scratch,
                 lse_shape=(batch, nheads, seqlen_q))
 
 
 def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,
-           alibi_slopes=None, learnable_sink=None, dq=None, dk=None, dv=None,
-           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, stream=None):
-    """flash_attn_varlen_func's gradients -> (dq, dk, dv, dsink or None)."""
+           alibi_slopes=None, learnable_sink=None, dq=None, dk=None, dv=None, dsink=None,
+           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, stream=None,
+           scratch=None):
+    """flash_attn_varlen_func's gradients -> (dq, dk, dv, dsink or None); the rest as
+    dense's."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
     names = _arrays.Packed._fields
     given = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -38,10 +44,10 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
     a = _arrays.Packed(**{n: _view(given.get(n), n) for n in names})
     batch, _, aligned = check_packed(a._replace(out=None), None)
     total_q, nheads, d = a.q.shape
-    return _run(dout, a, lse, dq, dk, dv, aligned, seq_dim=0, head_dim=1, batch=batch,
+    return _run(dout, a, lse, dq, dk, dv, dsink, aligned, seq_dim=0, head_dim=1, batch=batch,
                 nheads=nheads, seqlen_q=total_q, seqlen_k=a.k.shape[0], d=d, window=window,
-                scale=scale, softcap=softcap, stream=stream, lse_shape=(nheads, total_q),
-                packed=True)
+                scale=scale, softcap=softcap, stream=stream, scratch=scratch,
+                lse_shape=(nheads, total_q), packed=True)
 
 
 def _view(x, name):
@@ -76,8 +82,31 @@ def _check_lse(lse, shape, q):
                          f"{lse.strides}")
 
 
-def _run(dout, a, lse, dq, dk, dv, aligned, *, seq_dim, head_dim, batch, nheads, seqlen_q,
-         seqlen_k, d, window, scale, softcap, stream, lse_shape, packed=False):
+def scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed):
+    """Device scratch a backward needs: D (lse's shape, float32), then a packed batch's two
+    work lists, each 256-byte aligned: (bytes, [offsets of D, the query list, the key
+    list])."""
+    _, dq_variant, *kv_variants = variants
+    sizes = [4 * math.prod(lse_shape)]
+    if packed:
+        for total, block in ((seqlen_q, dq_variant.block_m), (seqlen_k, kv_variants[0].block_n)):
+            sizes.append(4 * _work_list_ints(total // block + batch, total // block + 2))
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // 256) * 256
+    return at, offsets
+
+
+def variants_of(q, d, window, softcap, alibi):
+    """The backward's launches for a call (_compile.bwd_variants)."""
+    mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
+    return _compile.bwd_variants(KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None)
+
+
+def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, nheads,
+         seqlen_q, seqlen_k, d, window, scale, softcap, stream, scratch, lse_shape,
+         packed=False):
     q, k, v, o = a.q, a.k, a.v, a.out
     if o is None:
         raise ValueError("out, the forward's output, is needed for the backward")
@@ -91,6 +120,11 @@ def _run(dout, a, lse, dq, dk, dv, aligned, *, seq_dim, head_dim, batch, nheads,
     lse_view = _interop.as_device_array(lse, "lse")
     _check_lse(lse_view, lse_shape, q)
     grads = {}
+    if dsink is not None:
+        dsink = _interop.as_device_array(dsink, "dsink")
+        if dsink.shape != (nheads,) or dsink.dtype != "float32" or a.learnable_sink is None:
+            raise ValueError(f"dsink must be float32 ({nheads},), with a learnable_sink; got "
+                             f"{dsink.shape} {dsink.dtype}")
     for name, x, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if x is not None:
             grads[name] = _interop.as_device_array(x, name)
@@ -102,10 +136,7 @@ def _run(dout, a, lse, dq, dk, dv, aligned, *, seq_dim, head_dim, batch, nheads,
             "of 8 elements and 16-byte aligned starts")
     nheads_k = k.shape[-2]
     framework = "cupy" if q.framework == "dlpack" else q.framework
-    mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
-    score_mods = softcap > 0 or a.alibi_slopes is not None
-    dtype = KERNEL_DTYPES[q.dtype]
-    variants = _compile.bwd_variants(dtype, d, mask, score_mods)
+    variants = variants_of(q, d, window, softcap, a.alibi_slopes)
     pre, dq_variant, *kv_variants = variants
     block_m = dq_variant.block_m
     block_n = kv_variants[0].block_n
@@ -141,62 +172,68 @@ def _run(dout, a, lse, dq, dk, dv, aligned, *, seq_dim, head_dim, batch, nheads,
             bwd[f"{name}_batch_stride"] = 0 if packed else x.strides[0]
             bwd[f"{name}_row_stride"] = x.strides[seq]
             bwd[f"{name}_head_stride"] = x.strides[head_dim]
-        softmax_d, d_ptr = _interop.allocate(framework, lse_shape, "float32", q.device, stream)
-        dsink = dsink_ptr = None
+        # D and a packed batch's work lists: XLA's scratch under jax.jit, else the stream's
+        # workspace (held until the launches are queued)
+        needed, offsets = scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed)
+        held = None
+        if scratch is not None:
+            base = check_scratch(scratch, needed)
+        else:
+            held, base = stream_workspace(framework, q.device, stream, needed)
+        places = [base + at for at in offsets]
+        dsink_out = dsink_ptr = None
         if sink is not None:
             import cupy
-            dsink, dsink_ptr = _interop.allocate(framework, (nheads,), "float32", q.device,
-                                                 stream)
+            if dsink is not None:
+                dsink_out, dsink_ptr = dsink.obj, dsink.ptr
+            else:
+                dsink_out, dsink_ptr = _interop.allocate(framework, (nheads,), "float32",
+                                                         q.device, stream)
             stream_call(cupy.cuda.runtime.memsetAsync, dsink_ptr, 0, 4 * nheads, stream)
         if batch and nheads and (seqlen_q or seqlen_k):
-            _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, d_ptr,
+            _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, places,
                     dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k)
-    result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink]
+        del held
+    result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink_out]
     if _interop.returns_jax(q):
         result = [None if x is None else _interop.to_jax(x) for x in result]
     return tuple(result)
 
 
-def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, d_ptr, dsink_ptr,
+def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, places, dsink_ptr,
             packed, batch, seqlen_q, seqlen_k, nheads, nheads_k):
-    """preprocess, dq, dk/dv on `stream` (a packed batch's work lists built first; their
-    buffer, `scratch`, held until the launches are queued)."""
+    """preprocess, dq, dk/dv on `stream`, a packed batch's work lists built first; places:
+    the scratch addresses of scratch_bytes' offsets (D, then the lists)."""
     pre, dq_variant, *kv_variants = variants
     block_m, block_n = dq_variant.block_m, kv_variants[0].block_n
     device = q.device
-    scratch = None
     q_blocks = fwd["num_m_blocks"] * batch
     kv_blocks = bwd["num_n_blocks"] * batch
     pointers = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, tile_list=0, tile_count=0)
     if packed:
         q_blocks = seqlen_q // block_m + batch
         kv_blocks = seqlen_k // block_n + batch
-        lists = [(a.cu_seqlens_q.ptr, seqlen_q, block_m, q_blocks),
-                 (a.cu_seqlens_k.ptr, seqlen_k, block_n, kv_blocks)]
-        sizes = [4 * _work_list_ints(tiles, total // block + 2) for _, total, block, tiles in lists]
-        sizes = [-(-s // 256) * 256 for s in sizes]
-        scratch, base = stream_workspace(framework, device, stream, sum(sizes))
-        starts = [base, base + sizes[0]]
         schedule = _compile.function_pointer(_compile.VARLEN_SCHEDULE, device)
-        for (cu, total, block, tiles), start in zip(lists, starts):
-            buckets = total // block + 2
+        for cu, total, block, tiles, start in (
+                (a.cu_seqlens_q.ptr, seqlen_q, block_m, q_blocks, places[1]),
+                (a.cu_seqlens_k.ptr, seqlen_k, block_n, kv_blocks, places[2])):
             record = _params.SCHEDULE.pack(dict(batch=batch, total_q=total, block_m=block,
-                                                num_buckets=buckets))
+                                                num_buckets=total // block + 2))
             count = start + 8 * tiles
             driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
                           (_params.SCHEDULE.with_pointer_values(record, (
                               cu, count + 4, start, count, 0, 0, 0, 0)),))
         pointers = dict(cu_seqlens_q=a.cu_seqlens_q.ptr, cu_seqlens_k=a.cu_seqlens_k.ptr,
                         seqused_k=a.seqused_k.ptr if a.seqused_k is not None else 0,
-                        tile_list=starts[0], tile_count=starts[0] + 8 * q_blocks)
-        bwd.update(kv_tile_list=starts[1], kv_tile_count=starts[1] + 8 * kv_blocks)
+                        tile_list=places[1], tile_count=places[1] + 8 * q_blocks)
+        bwd.update(kv_tile_list=places[2], kv_tile_count=places[2] + 8 * kv_blocks)
     fwd_record = _params.FWD.pack(dict(
         fwd, q=q.ptr, k=a.k.ptr, v=a.v.ptr, o=o.ptr, lse=lse.ptr,
         alibi_slopes=a.alibi_slopes.ptr if a.alibi_slopes is not None else 0,
         learnable_sink=a.learnable_sink.ptr if a.learnable_sink is not None else 0, **pointers))
     bwd_record = _params.BWD.pack(dict(
         bwd, dout=do.ptr, dq=outs["dq"][1].ptr, dk=outs["dk"][1].ptr, dv=outs["dv"][1].ptr,
-        softmax_d=d_ptr, dsink=dsink_ptr))
+        softmax_d=places[0], dsink=dsink_ptr))
     args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
     launches = [(pre, -(-bwd["rows"] // 32) * nheads if seqlen_q else 0),
                 (dq_variant, q_blocks * nheads if seqlen_q else 0)]
@@ -205,5 +242,3 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, d_ptr
         if blocks:
             driver_launch(_compile.function_pointer(variant, device), blocks, variant.threads,
                           variant.smem_bytes, stream, args)
-    del scratch
-

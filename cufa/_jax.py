@@ -6,8 +6,10 @@ addresses, through the same validation and plans as an eager call.
 Shapes, dtypes and options are static (part of the trace); array values (cu_seqlens,
 cache_seqlens, block tables) are not, so a jitted serving step recompiles only when
 shapes change. The KV-cache append writes into output buffers aliased to the caches
-(input_output_aliases): with the caches donated, no copy is made. jax.vmap and jax.grad
-raise errors that say what to do instead. At trace time a call gets the checks an eager
+(input_output_aliases): with the caches donated, no copy is made. jax.grad through
+flash_attn_func and flash_attn_varlen_func runs the backward as one more buffer callback
+(jax.custom_vjp); the other functions' jax.grad, and jax.vmap, raise errors that say what
+to do instead. At trace time a call gets the checks an eager
 call makes of its shapes, dtypes and options; off JAX's CUDA backend it then stops with an
 error that says so.
 """
@@ -17,7 +19,7 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
-from . import _arrays, _checks, _decode_plan, _fwd_plan, _interop, _runtime
+from . import _arrays, _bwd_plan, _checks, _decode_plan, _fwd_plan, _interop, _runtime
 
 
 def tracing(*xs):
@@ -90,9 +92,8 @@ def call(entry, arrays, options, out=None, lse=True):
         raise RuntimeError(f"cufa.{entry} under jax.jit needs JAX's CUDA backend, and this "
                            f"JAX runs on {jax.default_backend()!r}: run it on a CUDA GPU with "
                            "JAX installed for CUDA (pip install 'jax[cuda13]')")
-    results, aliases = _outputs(entry, present)
-    if not lse and entry in ("flash_attn_func", "flash_attn_varlen_func"):
-        results = results[:1]
+    results, aliases = _outputs(entry, present)  # (the differentiable ones' lse: always
+    # made, which their backward reads; left out of what the caller gets without lse=True)
     # Device scratch (a packed batch's work list, the tile counter, split-KV partials) is
     # one more output, so XLA owns it: XLA may record the launches into a CUDA graph
     # (command_buffer_compatible) and replay them without calling back, and memory cufa
@@ -112,12 +113,15 @@ def call(entry, arrays, options, out=None, lse=True):
                                else r for r in results),
                          input_output_aliases={names.index(n): i for n, i in aliases},
                          command_buffer_compatible=True)
-    outputs = _without_vmap_or_grad(fn, entry)(*(
+    wrapped = (_differentiable(fn, entry, names, options) if entry in _BACKWARD
+               else _without_vmap_or_grad(fn, entry))
+    outputs = wrapped(*(
         jax.lax.bitcast_convert_type(present[n], jnp.uint8) if _float8(present[n].dtype)
         else present[n] for n in names))
     outputs = [jax.lax.bitcast_convert_type(o, r.dtype) if _float8(r.dtype) else o
                for o, r in zip(outputs, results)]
-    return outputs[:-1] if scratch else outputs
+    outputs = outputs[:-1] if scratch else outputs
+    return outputs[:1] if entry in _BACKWARD and not lse else outputs
 
 
 @functools.lru_cache(maxsize=256)
@@ -235,8 +239,8 @@ def _outputs(entry, a):
     raise ValueError(f"no jax.jit support for {entry}")
 
 
-def _without_vmap_or_grad(fn, entry):
-    """fn, with jax.vmap and jax.grad raising errors that name cufa and what to do."""
+def _without_vmap(fn, entry):
+    """fn, with jax.vmap raising an error that names cufa and what to do."""
     import jax
 
     batched = jax.custom_batching.custom_vmap(fn)
@@ -246,6 +250,92 @@ def _without_vmap_or_grad(fn, entry):
         raise NotImplementedError(
             f"cufa.{entry} under jax.vmap: cufa has no batching rule; fold the mapped axis into "
             "the batch dimension (reshape (n, batch, ...) to (n * batch, ...)) and call it once")
+    return batched
+
+
+# The differentiable entries and their backward's callback entry
+_BACKWARD = {"flash_attn_func": "flash_attn_backward",
+             "flash_attn_varlen_func": "flash_attn_varlen_backward"}
+
+
+def _differentiable(fn, entry, names, options):
+    """fn (outputs: out, lse[, scratch]) with jax.grad's rule: the backward as one more
+    buffer callback on the saved inputs, out and lse (lse's own cotangent is ignored: it is
+    not differentiable)."""
+    import jax
+    batched = _without_vmap(fn, entry)
+
+    @jax.custom_vjp
+    def differentiable(*args):
+        return batched(*args)
+
+    def forward(*args):
+        outputs = batched(*args)
+        return outputs, (args, outputs[0], outputs[1])
+
+    def backward(residuals, cotangents):
+        args, out, lse = residuals
+        return _backward(entry, names, args, out, lse, cotangents[0], options)
+
+    differentiable.defvjp(forward, backward)
+    return differentiable
+
+
+def _backward(entry, names, args, out, lse, dout, options):
+    """The cotangents of `entry`'s array arguments (None for those without one): dq, dk, dv
+    and the sink's from the backward's buffer callback, whose scratch (D, the work lists)
+    is one more XLA output."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.buffer_callback import buffer_callback
+    a = dict(zip(names, args))
+    if any(n in a for n in ("block_table", "k_descale", "v_descale")):
+        raise NotImplementedError(f"cufa.{entry} over a paged or fp8 cache has no backward pass")
+    arrays = dict(dout=dout, q=a["q"], k=a["k"], v=a["v"], out=out, lse=lse)
+    arrays.update((n, a[n]) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k",
+                                      "alibi_slopes", "learnable_sink") if n in a)
+    sds = jax.ShapeDtypeStruct
+    results = [sds(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    sink = a.get("learnable_sink")
+    if sink is not None:
+        results.append(sds(sink.shape, jnp.float32))
+    bwd_entry = _BACKWARD[entry]
+    results.append(sds((_backward_scratch_bytes(bwd_entry, arrays, options),), jnp.uint8))
+    bnames = tuple(arrays)
+    spec = Call(bwd_entry, bnames, tuple(str(arrays[n].dtype) for n in bnames),
+                tuple(str(r.dtype) for r in results), dict(options), (),
+                tuple(_layout(arrays[n]) for n in bnames), tuple(_layout(r) for r in results),
+                True)
+    fn = buffer_callback(lambda ctx, outs, *bufs: on_device(spec, ctx, outs, bufs),
+                         tuple(results), command_buffer_compatible=True)
+    outs = _without_vmap(fn, bwd_entry)(*(arrays[n] for n in bnames))
+    grads = dict(q=outs[0], k=outs[1], v=outs[2])
+    if sink is not None:
+        grads["learnable_sink"] = outs[3].astype(sink.dtype)
+    return tuple(grads.get(n) for n in names)
+
+
+def _backward_scratch_bytes(entry, arrays, options):
+    """_bwd_plan.scratch_bytes of a traced backward call (at least one byte: XLA's buffer)."""
+    v = _traced_views(arrays, 0)
+    window, _, softcap = _checked_options(options)
+    q = v["q"]
+    if entry == "flash_attn_backward":
+        batch, seqlen_q, nheads, d = q.shape
+        seqlen_k, lse_shape, packed = v["k"].shape[1], (batch, nheads, seqlen_q), False
+    else:
+        (seqlen_q, nheads, d), seqlen_k = q.shape, v["k"].shape[0]
+        batch, lse_shape, packed = v["cu_seqlens_q"].shape[0] - 1, (nheads, seqlen_q), True
+    variants = _bwd_plan.variants_of(q, d, window, softcap, v.get("alibi_slopes"))
+    return max(1, _bwd_plan.scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k,
+                                          packed)[0])
+
+
+def _without_vmap_or_grad(fn, entry):
+    """fn, with jax.vmap and jax.grad raising errors that name cufa and what to do."""
+    import jax
+
+    batched = _without_vmap(fn, entry)
 
     @jax.custom_vjp
     def differentiable(*args):
@@ -374,6 +464,25 @@ def _run_merge(views, outs, options, stream, scratch):
                        lse_out=outs[1], stream=stream)
 
 
+def _run_dense_backward(views, outs, options, stream, scratch):
+    _bwd_plan.dense(views["dout"], views["q"], views["k"], views["v"], views["out"],
+                    views["lse"], alibi_slopes=views.get("alibi_slopes"),
+                    learnable_sink=views.get("learnable_sink"), dq=outs[0], dk=outs[1],
+                    dv=outs[2], dsink=outs[3] if len(outs) > 3 else None, **options,
+                    stream=stream, scratch=scratch)
+
+
+def _run_packed_backward(views, outs, options, stream, scratch):
+    _bwd_plan.packed(views["dout"], views["q"], views["k"], views["v"], views["out"],
+                     views["lse"], views["cu_seqlens_q"], views["cu_seqlens_k"],
+                     seqused_k=views.get("seqused_k"), alibi_slopes=views.get("alibi_slopes"),
+                     learnable_sink=views.get("learnable_sink"), dq=outs[0], dk=outs[1],
+                     dv=outs[2], dsink=outs[3] if len(outs) > 3 else None, **options,
+                     stream=stream, scratch=scratch)
+
+
 _RUNNERS = {"flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,
+            "flash_attn_backward": _run_dense_backward,
+            "flash_attn_varlen_backward": _run_packed_backward,
             "scaled_dot_product_attention": _run_sdpa, "flash_attn_with_kvcache": _run_kvcache,
             "merge_attention_states": _run_merge}

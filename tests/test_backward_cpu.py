@@ -114,10 +114,10 @@ def test_dense_launches_and_records(monkeypatch):
     assert fwd["tile_list"] == 0 and bwd["kv_tile_list"] == 0
     assert bwd["dout"] == 0x5000 and bwd["dq"] == rec.allocations[0][2]
     assert bwd["dk"] == rec.allocations[1][2] and bwd["dv"] == rec.allocations[2][2]
-    assert bwd["softmax_d"] == rec.allocations[3][2] and bwd["dsink"] == 0
+    assert bwd["softmax_d"] == 0x900000 and bwd["dsink"] == 0  # D: the stream's workspace
     assert (bwd["num_n_blocks"], bwd["rows"]) == (1, 66)
     assert (bwd["dk_batch_stride"], bwd["dk_row_stride"], bwd["dk_head_stride"]) == (47 * 144, 144, 72)
-    assert rec.allocations[3][:2] == ((2, 4, 33), "float32")
+    assert len(rec.allocations) == 3 and rec.workspace_bytes == -(-4 * 2 * 4 * 33 // 256) * 256
 
 
 def test_large_head_dims_launch_dk_and_dv_apart(monkeypatch):
@@ -132,7 +132,7 @@ def test_sink_gradient_is_zeroed_and_passed(monkeypatch):
     sink = arr((4,), "float32", ptr=0x7000)
     dq, dk, dv, dsink = cufa.flash_attn_backward(*dense_args(), learnable_sink=sink)
     fwd, bwd = rec.launches[0][-1]
-    assert fwd["learnable_sink"] == 0x7000 and bwd["dsink"] == rec.allocations[4][2]
+    assert fwd["learnable_sink"] == 0x7000 and bwd["dsink"] == rec.allocations[3][2]
     assert dsink[1] == (4,)
 
 
@@ -161,7 +161,9 @@ def test_varlen_builds_both_work_lists(monkeypatch):
     assert kernels[1][1] == q_tiles * h and kernels[2][1] == kv_tiles * hk
     assert kernels[0][1] == -(-100 // 32) * h and bwd["rows"] == 100
     assert (fwd["cu_seqlens_q"], fwd["cu_seqlens_k"], fwd["seqused_k"]) == (0xa000, 0xb000, 0xc000)
-    assert fwd["tile_list"] == 0x900000 and fwd["tile_count"] == 0x900000 + 8 * q_tiles
+    d_bytes = -(-4 * h * 100 // 256) * 256  # D first
+    assert bwd["softmax_d"] == 0x900000
+    assert fwd["tile_list"] == 0x900000 + d_bytes and fwd["tile_count"] == fwd["tile_list"] + 8 * q_tiles
     assert bwd["kv_tile_count"] == bwd["kv_tile_list"] + 8 * kv_tiles
     assert bwd["kv_tile_list"] > fwd["tile_count"]
     assert (fwd["q_batch_stride"], fwd["lse_batch_stride"], fwd["lse_head_stride"]) == (0, 0, 100)

@@ -106,9 +106,30 @@ def reference_merge(oa, la, ob, lb):
     return move(wa) * oa + move(wb) * ob, lse
 
 
+def _dense_backward(a, options):
+    g = reference.attention_backward(a["q"], a["k"], a["v"], a["dout"],
+                                     alibi_slopes=a.get("alibi_slopes"),
+                                     learnable_sink=a.get("learnable_sink"), **_window(options))
+    return (g.dq, g.dk, g.dv) + ((g.dsink,) if g.dsink is not None else ())
+
+
+def _packed_backward(a, options):
+    cu_q, cu_k = a["cu_seqlens_q"], a["cu_seqlens_k"]
+    dq, dk, dv = (np.zeros_like(a[n]) for n in "qkv")
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if qe > qs and ke > ks:
+            g = reference.attention_backward(a["q"][None, qs:qe], a["k"][None, ks:ke],
+                                             a["v"][None, ks:ke], a["dout"][None, qs:qe],
+                                             **_window(options))
+            dq[qs:qe], dk[ks:ke], dv[ks:ke] = g.dq[0], g.dk[0], g.dv[0]
+    return dq, dk, dv
+
+
 _REFERENCE = {"flash_attn_func": _dense, "flash_attn_varlen_func": _packed,
               "scaled_dot_product_attention": _sdpa, "flash_attn_with_kvcache": _kvcache,
-              "merge_attention_states": _merge}
+              "merge_attention_states": _merge, "flash_attn_backward": _dense_backward,
+              "flash_attn_varlen_backward": _packed_backward}
 
 
 def randn(rng, shape, dtype=jnp.float16):
@@ -276,7 +297,8 @@ def test_vmap_grad_and_out_raise_clear_errors(numpy_device, rng):
         jax.vmap(lambda q: cufa.flash_attn_func(q, q, q))(q)
     x = randn(rng, (1, 5, 2, 16), jnp.float32).astype(jnp.float16)
     with pytest.raises(NotImplementedError, match="no backward pass yet"):
-        jax.grad(lambda q: cufa.flash_attn_func(q, q, q).astype(jnp.float32).sum())(x)
+        jax.grad(lambda q: cufa.scaled_dot_product_attention(q, q, q).astype(
+            jnp.float32).sum())(x)
     with pytest.raises(TypeError, match="immutable"):
         jax.jit(lambda q: cufa.flash_attn_func(q, q, q, out=q))(x)
     cu = jnp.asarray([0, 5], jnp.int32)
@@ -441,3 +463,52 @@ def test_eager_callback_calls_of_one_shape_share_a_trace(numpy_device, rng):
                                  randn(rng, (2, 1, 1, 16)), cache_seqlens=2)
     tokens = [spec.token for spec in numpy_device]
     assert tokens[0] == tokens[1] and len(set(tokens)) == 3, tokens
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_grad_through_flash_attn_func(numpy_device, rng, jit):
+    """jax.grad (eager and jitted) runs the forward with lse, then the backward callback on
+    dout, q, k, v, out and lse; the cotangents of q, k, v and the sink come back in their
+    dtypes, ALiBi's and the options' not at all."""
+    q, k, v = randn(rng, (2, 7, 4, 16)), randn(rng, (2, 9, 2, 16)), randn(rng, (2, 9, 2, 16))
+    dout = rng.standard_normal((2, 7, 4, 16))
+    sink = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    slopes = jnp.asarray(rng.uniform(0.1, 0.5, 4), jnp.float32)
+
+    def loss(q, k, v, sink):
+        out = cufa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes,
+                                   learnable_sink=sink)
+        return (out.astype(jnp.float32) * dout).sum()
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    got = (jax.jit(grad) if jit else grad)(q, k, v, sink)
+    want = reference.attention_backward(*(np.asarray(x, np.float64) for x in (q, k, v)), dout,
+                                        causal=True, alibi_slopes=np.asarray(slopes),
+                                        learnable_sink=np.asarray(sink))
+    for g, w, x in zip(got, (want.dq, want.dk, want.dv, want.dsink), (q, k, v, sink)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        close(g, w, tol=3e-2)
+    entries = [spec.entry for spec in numpy_device]
+    assert entries[-2:] == ["flash_attn_func", "flash_attn_backward"]
+    spec = numpy_device[-1]
+    assert spec.names == ("dout", "q", "k", "v", "out", "lse", "alibi_slopes", "learnable_sink")
+    assert spec.scratch and spec.out_dtypes[:4] == ("float16", "float16", "float16", "float32")
+
+
+def test_grad_through_flash_attn_varlen_func(numpy_device, rng):
+    lens = [3, 0, 6]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    q, k, v = (randn(rng, (9, 2, 16)) for _ in range(3))
+    dout = rng.standard_normal((9, 2, 16))
+
+    def loss(q, k, v):
+        out = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+        return (out.astype(jnp.float32) * dout).sum()
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for (s, e) in ((0, 3), (3, 9)):
+        want = reference.attention_backward(*(np.asarray(x[None, s:e], np.float64)
+                                              for x in (q, k, v)), dout[None, s:e], causal=True)
+        for g, w in zip(got, (want.dq, want.dk, want.dv)):
+            close(g[s:e], w[0], tol=3e-2)
+    assert numpy_device[-1].entry == "flash_attn_varlen_backward"
+    assert numpy_device[-1].names[:8] == ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q",
+                                          "cu_seqlens_k")
