@@ -228,3 +228,25 @@ def test_cupy_arrays():
     assert isinstance(dq, cupy.ndarray)
     got = [torch.from_dlpack(x) for x in (dq, dk, dv)]
     check_grads(got, q, k, v, dout, "cupy", out=out)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_grad(jit):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    rng = np.random.default_rng(19 + jit)
+    b, s, h, hk, d = 2, 90, 4, 2, 64
+    q, k, v, dout = (rng.standard_normal(shape).astype(np.float16) for shape in (
+        (b, s, h, d), (b, s, hk, d), (b, s, hk, d), (b, s, h, d)))
+    sink = rng.standard_normal(h).astype(np.float32)
+
+    def loss(q, k, v, sink):
+        out = cufa.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+        return (out.astype(jnp.float32) * dout.astype(np.float32)).sum()
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    got = (jax.jit(grad) if jit else grad)(*(jnp.asarray(x) for x in (q, k, v, sink)))
+    got = [torch.from_numpy(np.asarray(g)) for g in got]
+    t = [torch.from_numpy(x).cuda() for x in (q, k, v, dout)]
+    out = cufa.flash_attn_func(*t[:3], causal=True, learnable_sink=torch.from_numpy(sink).cuda())
+    check_grads(got, *t, f"jax.grad jit={jit}", out=out, causal=True,
+                learnable_sink=torch.from_numpy(sink))
