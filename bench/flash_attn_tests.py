@@ -10,7 +10,8 @@ with the backward statements removed and a conftest.py that makes `import flash_
 (and flash_attn.bert_padding, .flash_attn_interface, .layers, .layers.rotary) resolve to
 cufa.compat.flash_attn through sys.modules; nothing is written into the tree.
 
-What runs is the forward half of every test. The transform removes the statements that
+What runs is the forward half of every test (--with-backward: the whole file, the
+backward-only tests included). The transform removes the statements that
 call torch.autograd.grad or .backward(), or read .grad, then, transitively, every
 statement that reads a name one of them assigned (dq, dk, dv, dqkv, dkv, dq_unpad, ...,
 and what is computed from those), and the blocks left empty. Deselected, each counted with
@@ -48,7 +49,7 @@ ALIASES = {"flash_attn": "cufa.compat.flash_attn",
 BACKWARD_ONLY = ("test_flash_attn_bwd_overflow", "test_flash_attn_bwd_transpose",
                  "test_flash_attn_bwd_varlen_overflow", "test_flash_attn_deterministic",
                  "test_flash_attn_varlen_deterministic")
-REASONS = {"backward only": "checks the backward pass alone: cufa has no backward pass yet",
+REASONS = {"backward only": "checks the backward pass alone (--with-backward runs it)",
            "dropout": "dropout_p > 0: cufa's forward has no dropout (by design)"}
 
 
@@ -148,13 +149,13 @@ def strip_backward(source):
 
 # -- choosing the cases (run inside pytest, from the conftest) --------------------------------
 
-def choose(function, cases, sample, seed):
+def choose(function, cases, sample, seed, with_backward=False):
     """The cases of one test function to run: cases is its parameter dicts, in pytest's
     order -> (indexes of those chosen, counts {"cases", "backward only", "dropout",
-    "sampled"})."""
+    "sampled"}). with_backward: the backward-only tests run too."""
     import random
     counts = {"cases": len(cases), "backward only": 0, "dropout": 0, "sampled": 0}
-    if function in BACKWARD_ONLY:
+    if function in BACKWARD_ONLY and not with_backward:
         counts["backward only"] = len(cases)
         return [], counts
     runnable = [i for i, params in enumerate(cases) if not params.get("dropout_p", 0) > 0]
@@ -196,7 +197,8 @@ def pytest_generate_tests(metafunc):
     if not calls:
         return
     chosen, COUNTS[name] = flash_attn_tests.choose(
-        name, [c.params for c in calls], SETTINGS["sample"], SETTINGS["seed"])
+        name, [c.params for c in calls], SETTINGS["sample"], SETTINGS["seed"],
+        SETTINGS["with_backward"])
     if not chosen:
         LEFT_OUT.add(name)
         chosen = [0]
@@ -207,7 +209,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.originalname not in COUNTS:  # not parametrized: one case
             _, COUNTS[item.originalname] = flash_attn_tests.choose(
-                item.originalname, [{{}}], SETTINGS["sample"], SETTINGS["seed"])
+                item.originalname, [{{}}], SETTINGS["sample"], SETTINGS["seed"],
+                SETTINGS["with_backward"])
             if not COUNTS[item.originalname]["sampled"]:
                 LEFT_OUT.add(item.originalname)
     deselected = [i for i in items if i.originalname in LEFT_OUT]
@@ -368,13 +371,15 @@ def main():
     p.add_argument("--time-limit", type=float, default=540,
                    help="seconds before pytest is stopped (the record keeps what ran)")
     p.add_argument("--out", required=True, help="folder for flash_attn_tests.md")
+    p.add_argument("--with-backward", action="store_true",
+                   help="the whole file: no statement removed, the backward-only tests run")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)  # (what follows -- is pytest's)
     args = p.parse_args(argv[:split])
     args.pytest_args = argv[split + 1:]
 
     source = Path(args.test_file).read_text(encoding="utf-8")
-    stripped, removed = strip_backward(source)
+    stripped, removed = (source, 0) if args.with_backward else strip_backward(source)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="flash_attn_tests_") as work:
@@ -384,7 +389,7 @@ def main():
         counts_file, results_file = work / "counts.json", work / "results.jsonl"
         settings = dict(aliases=ALIASES, sample=args.sample, seed=args.seed,
                         counts=str(counts_file), results=str(results_file),
-                        bench=str(ROOT / "bench"))
+                        bench=str(ROOT / "bench"), with_backward=args.with_backward)
         (work / "conftest.py").write_text(CONFTEST.format(settings=json.dumps(settings)),
                                           encoding="utf-8")
         (work / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")

@@ -64,6 +64,25 @@ def _as_sink_grad(dsink, sink, needed):
     return dsink.to(sink.dtype) if sink is not None and needed else None
 
 
+def _on_chunks(dout, q, k, v, out):
+    """The backward kernels move 16-byte chunks: where a head dim or stride is not a
+    multiple of 8 elements (or a start not 16-byte aligned), copies with the head dim padded
+    with zeros to a multiple of 8 (zeros change no score, output or D), and the head dim to
+    cut the gradients back to; else the tensors themselves and None."""
+    from ._checks import chunk_aligned
+    xs = (dout, q, k, v, out)
+    if all(chunk_aligned(tuple(x.shape), x.stride(), x.data_ptr()) for x in xs):
+        return xs, None
+    d = q.shape[-1]
+    padded = -(-d // 8) * 8
+    copies = []
+    for x in xs:
+        y = x.new_zeros(tuple(x.shape[:-1]) + (padded,))
+        y[..., :d] = x
+        copies.append(y)
+    return tuple(copies), d
+
+
 def _register():
     from typing import Optional, Tuple
 
@@ -96,11 +115,16 @@ def _register():
                        window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                        learnable_sink: Optional[Tensor]
                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0)
+        (dout, q, k, v, out), cut = _on_chunks(dout.contiguous(), q.detach(), k.detach(),
+                                               v.detach(), out.detach())
         dq, dk, dv, dsink = _bwd_plan.dense(
-            dout.contiguous(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-            alibi_slopes=alibi_slopes,
-            learnable_sink=_detached(learnable_sink), softmax_scale=softmax_scale,
+            dout, q, k, v, out, lse.detach(), alibi_slopes=alibi_slopes,
+            learnable_sink=_detached(learnable_sink),
+            softmax_scale=softmax_scale if softmax_scale is not None or not cut else cut ** -0.5,
             causal=causal, window_size=(window_left, window_right), softcap=softcap)
+        if cut:
+            dq, dk, dv = (x[..., :cut].contiguous() for x in (dq, dk, dv))
         return dq, dk, dv, _sink_grad(dsink, q)
 
     @flash_attn_bwd.register_fake
@@ -116,12 +140,17 @@ def _register():
                               window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                               seqused_k: Optional[Tensor], learnable_sink: Optional[Tensor]
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0)
+        (dout, q, k, v, out), cut = _on_chunks(dout.contiguous(), q.detach(), k.detach(),
+                                               v.detach(), out.detach())
         dq, dk, dv, dsink = _bwd_plan.packed(
-            dout.contiguous(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-            cu_seqlens_q, cu_seqlens_k,
+            dout, q, k, v, out, lse.detach(), cu_seqlens_q, cu_seqlens_k,
             seqused_k=seqused_k, alibi_slopes=alibi_slopes,
-            learnable_sink=_detached(learnable_sink), softmax_scale=softmax_scale,
+            learnable_sink=_detached(learnable_sink),
+            softmax_scale=softmax_scale if softmax_scale is not None or not cut else cut ** -0.5,
             causal=causal, window_size=(window_left, window_right), softcap=softcap)
+        if cut:
+            dq, dk, dv = (x[..., :cut].contiguous() for x in (dq, dk, dv))
         return dq, dk, dv, _sink_grad(dsink, q)
 
     @flash_attn_varlen_bwd.register_fake

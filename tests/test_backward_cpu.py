@@ -194,3 +194,18 @@ def test_torch_route_for_a_call_autograd_records():
         assert not api._records_grad(q, k, k, None)
     sink = torch.zeros(2, requires_grad=True)
     assert api._records_grad(k, k, k, sink)
+
+
+def test_torch_backward_pads_unaligned_head_dims_with_zeros():
+    torch = pytest.importorskip("torch")
+    from cufa import _torch_ops
+    x = torch.randn(2, 5, 3, 59)
+    (a, *_), cut = _torch_ops._on_chunks(x, x, x, x, x)
+    assert cut == 59 and a.shape == (2, 5, 3, 64) and a.is_contiguous()
+    assert torch.equal(a[..., :59], x) and not a[..., 59:].any()
+    y = torch.randn(2, 5, 3, 64)
+    same, cut = _torch_ops._on_chunks(y, y, y, y, y)
+    assert cut is None and all(t is y for t in same)
+    odd = torch.randn(2, 5, 3, 65)[..., 1:]  # a head dim of 64 at an odd offset
+    copies, cut = _torch_ops._on_chunks(y, odd, y, y, y)
+    assert cut == 64 and torch.equal(copies[1], odd) and copies[1].is_contiguous()

@@ -189,8 +189,9 @@ def test_packed_entry_points_pass_views_of_the_packed_tensor(kernels, requires_g
     flash_attn.flash_attn_varlen_kvpacked_func(q.reshape(74, 4, 40), kv_packed, cu, cu, 44, 44)
     a = kernels.last()
     assert _is_view_of(a["k"], kv_packed, 0, 1) and _is_view_of(a["v"], kv_packed, 1, 1)
-    # cufa never gets a tensor that requires grad (it refuses them): detached views
-    assert not any(a[n].requires_grad for n in "qkv")
+    # cufa gets the views themselves: where they require grad, its autograd op records
+    # the backward, whose gradients reach the packed tensor through the views
+    assert all(a[n].requires_grad == requires_grad for n in "kv")
 
 
 def test_options_reach_cufa_as_given(kernels):
@@ -208,26 +209,24 @@ def test_options_reach_cufa_as_given(kernels):
     assert a["window_size"] == (-1, -1) and a["return_attn_probs"] is False
 
 
-def test_requires_grad_gives_the_forward_and_a_backward_that_raises(kernels):
+def test_requires_grad_reaches_cufas_autograd_but_kvcache_raises(kernels):
+    """Tensors that require grad go to cufa as they are (its flash_attn_func and
+    flash_attn_varlen_func record their backward); flash_attn_with_kvcache has none: its
+    forward runs detached and a backward through its output raises, naming it."""
     q, k = randn(2, 9, 2, 16, requires_grad=True), randn(2, 9, 2, 16)
-    out = flash_attn.flash_attn_func(q, k, k)
-    assert out.requires_grad and torch.equal(out, q.detach() + 1)
-    with pytest.raises(NotImplementedError, match="flash_attn_func: cufa has no backward"):
-        out.float().sum().backward()
-    out, lse, s = flash_attn.flash_attn_func(q, k, k, return_attn_probs=True)
-    assert s.shape == (0,)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        torch.autograd.grad(lse.sum(), q)
-    with torch.no_grad():
-        assert not flash_attn.flash_attn_func(q, k, k).requires_grad
-    assert not flash_attn.flash_attn_func(q.detach(), k, k).requires_grad  # no autograd node
+    flash_attn.flash_attn_func(q, k, k)
+    assert kernels.last()["q"] is q
     qkv = randn(1, 5, 3, 2, 16, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="flash_attn_qkvpacked_func"):
-        flash_attn.flash_attn_qkvpacked_func(qkv).sum().backward()
+    flash_attn.flash_attn_qkvpacked_func(qkv)
+    assert kernels.last()["q"].requires_grad
     cache = randn(1, 20, 2, 16)
     out = flash_attn.flash_attn_with_kvcache(q[:1, :1], cache, cache, cache_seqlens=7)
+    assert not kernels.last()["q"].requires_grad and out.requires_grad
     with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache"):
         out.sum().backward()
+    with torch.no_grad():
+        assert not flash_attn.flash_attn_with_kvcache(q[:1, :1], cache, cache,
+                                                      cache_seqlens=7).requires_grad
 
 
 # -- paged caches ----------------------------------------------------------------------------
@@ -312,7 +311,7 @@ def test_generator_slot_must_be_none_in_every_raw_entry_point(kernels):
         gpu.varlen_bwd(qf, qf, kf, kf, qf, lse, None, None, None, cu, cu, None, 1, 1, 0.0,
                        scale, False, True, -1, -1, 0.0, False, bad, None)
     assert kernels.calls == []
-    with pytest.raises(NotImplementedError, match="bwd: cufa has no backward"):
+    with pytest.raises(RuntimeError, match="cufa needs CUDA device arrays"):  # (cufa's backward)
         gpu.bwd(q, q, k, k, q, lse, None, None, None, None, 0.0, scale, True, -1, -1, 0.0,
                 False, None, None)
     out, lse, s_dmask, rng_state = gpu.fwd(q, k, k, None, None, 0.0, scale, True,

@@ -195,6 +195,20 @@ def test_torch_autograd_through_flash_attn_func():
                 causal=True, learnable_sink=sink)
 
 
+@pytest.mark.parametrize("d,layout", [(59, "bshd"), (64, "odd"), (200, "shifted")])
+def test_torch_autograd_with_unaligned_rows(d, layout):
+    """Head dims or strides off the 16-byte chunks: the backward runs on zero-padded copies
+    (the forward read them in place)."""
+    rng = np.random.default_rng(d)
+    dtype, b, s, h = torch.float16, 2, 77, 4
+    q, k, v = (randn(rng, (b, s, h, d), dtype, layout=layout).requires_grad_() for _ in range(3))
+    dout = randn(rng, (b, s, h, d), dtype)
+    out = cufa.flash_attn_func(q, k, v, causal=True)
+    out.backward(dout)
+    check_grads((q.grad, k.grad, v.grad), q, k, v, dout, f"unaligned d={d} {layout}", out=out,
+                causal=True)
+
+
 def test_torch_autograd_through_varlen_and_compile():
     rng = np.random.default_rng(13)
     dtype, h, d = torch.float16, 4, 64

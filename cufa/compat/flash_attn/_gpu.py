@@ -1,15 +1,14 @@
 """flash-attn's raw entry points on cufa -- ``flash_attn_gpu``, its CUDA extension: fwd,
 varlen_fwd, fwd_kvcache, bwd and varlen_bwd, with their positional signatures -- and the
 translations of flash-attn's conventions that every compat function shares. The backward
-entry points check their `generator` slot as flash-attn does, then raise
-NotImplementedError: cufa has no backward pass yet."""
+entry points check their `generator` slot as flash-attn does, then run cufa's backward."""
 import functools
 import numbers
 
 import torch
 
 import cufa
-from cufa._checks import MAX_PAGE_SIZE, as_index
+from cufa._checks import MAX_PAGE_SIZE, as_index, reject_unsupported
 
 
 class FlashAttnValueError(ValueError, RuntimeError):
@@ -174,17 +173,43 @@ def fwd_kvcache(q, kcache, vcache, k_, v_, seqlens_k_, rotary_cos_, rotary_sin_,
                         alibi_slopes_, num_splits, True, out=out_))
 
 
+def _softmax_d(dout, out, lse_shape, packed):
+    """flash-attn's softmax_d output, rowsum(dout * out) in lse's layout (float32), by torch:
+    cufa's kernels keep theirs in scratch."""
+    d = (dout.float() * out.float()).sum(-1)  # (batch, seqlen, heads) or (total, heads)
+    return (d.t() if packed else d.transpose(1, 2)).contiguous().view(lse_shape)
+
+
+@runtime_errors
 def bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout, softmax_scale,
         is_causal, window_size_left, window_size_right, softcap, deterministic, gen_, rng_state):
-    """flash-attn's backward: not in cufa yet."""
+    """[dq, dk, dv, softmax_d] of a flash_attn_func call, written into dq_, dk_, dv_ where
+    given (cufa.flash_attn_backward)."""
     _no_generator(gen_)
-    raise NotImplementedError("flash_attn_gpu.bwd: cufa has no backward pass yet")
+    reject_unsupported(p_dropout)
+    dq, dk, dv = cufa.flash_attn_backward(
+        detached(dout), detached(q), detached(k), detached(v), detached(out),
+        detached(softmax_lse), softmax_scale, is_causal, (window_size_left, window_size_right),
+        softcap, detached(alibi_slopes_), deterministic, dq=dq_, dk=dk_, dv=dv_)
+    return [dq, dk, dv, _softmax_d(dout, out, softmax_lse.shape, False)]
 
 
+@runtime_errors
 def varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
                alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors,
                is_causal, window_size_left, window_size_right, softcap, deterministic, gen_,
                rng_state):
-    """flash-attn's packed backward: not in cufa yet."""
+    """[dq, dk, dv, softmax_d] of a flash_attn_varlen_func call (cufa.flash_attn_varlen_
+    backward), into dq_, dk_, dv_ where given."""
     _no_generator(gen_)
-    raise NotImplementedError("flash_attn_gpu.varlen_bwd: cufa has no backward pass yet")
+    reject_unsupported(p_dropout)
+    if zero_tensors:  # (flash-attn zeroes the gradients, then writes the sequences' rows)
+        for x in (dq_, dk_, dv_):
+            if x is not None:
+                x.zero_()
+    dq, dk, dv = cufa.flash_attn_varlen_backward(
+        detached(dout), detached(q), detached(k), detached(v), detached(out),
+        detached(softmax_lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, is_causal, (window_size_left, window_size_right), softcap,
+        detached(alibi_slopes_), deterministic, dq=dq_, dk=dk_, dv=dv_)
+    return [dq, dk, dv, _softmax_d(dout, out, softmax_lse.shape, True)]

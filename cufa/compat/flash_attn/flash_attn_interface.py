@@ -5,8 +5,9 @@ USE_TRITON_ROCM) and ``flash_attn_gpu``, its raw entry points.
 
 Where it differs from flash-attn, by design:
 - dropout_p > 0 raises NotImplementedError: cufa's forward has no dropout;
-- inputs that require grad get the forward, and a backward through its outputs raises
-  NotImplementedError: cufa has no backward pass yet;
+- gradients flow through cufa's backward (torch autograd), but for flash_attn_with_kvcache
+  and paged caches, whose inputs that require grad get the forward and a backward through
+  its outputs raises NotImplementedError;
 - cufa's ValueErrors and TypeErrors are also RuntimeErrors, as flash-attn's are;
 - nothing is copied: odd head dims are read as they are, packed qkv and kv in place.
 """
@@ -24,8 +25,8 @@ USE_TRITON_ROCM = False  # (flash-attn's switch to its ROCm Triton kernels)
 
 
 class _ForwardOnly(torch.autograd.Function):
-    """A cufa forward of inputs that require grad: it runs on them detached, and a
-    backward through any of its outputs raises, naming the function."""
+    """A cufa forward without a backward, of inputs that require grad: it runs on them
+    detached, and a backward through any of its outputs raises, naming the function."""
 
     @staticmethod
     def forward(ctx, name, run, *tensors):
@@ -35,13 +36,15 @@ class _ForwardOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise NotImplementedError(
-            f"{ctx.name}: cufa has no backward pass yet, so no gradient flows through "
+            f"{ctx.name}: cufa has no backward pass for it, so no gradient flows through "
             "attention; run it under torch.no_grad() or on detached inputs where none should")
 
 
-def _attention(name, run, *tensors):
-    """run(*tensors): through _ForwardOnly where a tensor requires grad, else as it is."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+def _attention(name, run, *tensors, differentiable=True):
+    """run(*tensors). cufa's flash_attn_func and flash_attn_varlen_func record their own
+    backward where autograd records; the others run through _ForwardOnly then."""
+    if not differentiable and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in tensors):
         return _ForwardOnly.apply(name, run, *tensors)
     return run(*tensors)
 
@@ -148,7 +151,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       softmax_scale, causal, window_size, softcap,
                                       rotary_interleaved, alibi_slopes, num_splits,
                                       return_softmax_lse)
-    return _attention("flash_attn_with_kvcache", run, q, k, v, alibi_slopes)
+    return _attention("flash_attn_with_kvcache", run, q, k, v, alibi_slopes,
+                      differentiable=False)
 
 
 # -- what flash-attn's own tests import ------------------------------------------------------
@@ -176,8 +180,10 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
                          causal, window_size_left, window_size_right, softcap, alibi_slopes,
                          deterministic, rng_state=None):
-    """flash-attn's backward: not in cufa yet."""
-    raise NotImplementedError("_flash_attn_backward: cufa has no backward pass yet")
+    """flash-attn's backward: dq, dk, dv written in place; returns softmax_d."""
+    return flash_attn_gpu.bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes,
+                              dropout_p, softmax_scale, causal, window_size_left,
+                              window_size_right, softcap, deterministic, None, rng_state)[3]
 
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
@@ -185,8 +191,11 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
                                 softmax_scale, causal, window_size_left, window_size_right,
                                 softcap, alibi_slopes, deterministic, rng_state=None,
                                 zero_tensors=False):
-    """flash-attn's packed backward: not in cufa yet."""
-    raise NotImplementedError("_flash_attn_varlen_backward: cufa has no backward pass yet")
+    """flash-attn's packed backward: dq, dk, dv written in place; returns softmax_d."""
+    return flash_attn_gpu.varlen_bwd(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors, causal,
+        window_size_left, window_size_right, softcap, deterministic, None, rng_state)[3]
 
 
 def _get_block_size_n(device, head_dim, is_dropout, is_causal):
