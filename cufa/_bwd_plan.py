@@ -6,8 +6,9 @@ the gradients in the caller's framework and launches preprocess, dq, then dk/dv.
 import math
 
 from . import _arrays, _compile, _interop, _params
-from ._checks import (KERNEL_DTYPES, UNBOUNDED, check_dense, check_options, check_packed)
-from ._fwd_plan import _work_list_ints
+from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, check_options,
+                      check_packed)
+from ._fwd_plan import _broadcast_strides, _work_list_ints
 from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, stream_workspace
 
 
@@ -48,6 +49,30 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
                 nheads=nheads, seqlen_q=total_q, seqlen_k=a.k.shape[0], d=d, window=window,
                 scale=scale, softcap=softcap, stream=stream, scratch=scratch,
                 lse_shape=(nheads, total_q), packed=True)
+
+
+def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, scale=None,
+         enable_gqa=False, learnable_sink=None, dq=None, dk=None, dv=None, dsink=None,
+         stream=None, scratch=None):
+    """scaled_dot_product_attention's gradients -> (dq, dk, dv, dsink or None): query, key,
+    value (batch, heads, L / S, E), lse (batch, heads, L) from the forward (return_lse);
+    attn_mask (boolean or additive, broadcast) is read as the forward reads it (it gets no
+    gradient). The rest as dense's."""
+    from ._checks import check_scale, check_sdpa
+    scale = check_scale(scale, "scale")
+    views = _arrays.Sdpa(*(_view(x, n) for x, n in (
+        (query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
+        (learnable_sink, "learnable_sink"))))
+    aligned = check_sdpa(views, bool(enable_gqa))
+    a = _arrays.Dense(views.query, views.key, views.value, None, views.learnable_sink,
+                      _view(out, "out"))
+    batch, nheads, seqlen_q, d = a.q.shape
+    window = (UNBOUNDED, 0 if is_causal else UNBOUNDED)
+    return _run(dout, a, lse, dq, dk, dv, dsink, aligned, seq_dim=2, head_dim=1, batch=batch,
+                nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[2], d=d, window=window,
+                scale=scale, softcap=0.0, stream=stream, scratch=scratch,
+                lse_shape=(batch, nheads, seqlen_q), bottom_right=False,
+                attn_mask=views.attn_mask)
 
 
 def _view(x, name):
@@ -98,15 +123,16 @@ def scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed):
     return at, offsets
 
 
-def variants_of(q, d, window, softcap, alibi):
+def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     """The backward's launches for a call (_compile.bwd_variants)."""
     mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
-    return _compile.bwd_variants(KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None)
+    return _compile.bwd_variants(KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
+                                 or attn_mask is not None)
 
 
 def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, nheads,
          seqlen_q, seqlen_k, d, window, scale, softcap, stream, scratch, lse_shape,
-         packed=False):
+         packed=False, bottom_right=True, attn_mask=None):
     q, k, v, o = a.q, a.k, a.v, a.out
     if o is None:
         raise ValueError("out, the forward's output, is needed for the backward")
@@ -136,19 +162,25 @@ def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, 
             "of 8 elements and 16-byte aligned starts")
     nheads_k = k.shape[-2]
     framework = "cupy" if q.framework == "dlpack" else q.framework
-    variants = variants_of(q, d, window, softcap, a.alibi_slopes)
+    variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask)
     pre, dq_variant, *kv_variants = variants
     block_m = dq_variant.block_m
     block_n = kv_variants[0].block_n
     sink = a.learnable_sink
 
-    fwd = dict(nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d, bottom_right=1,
+    fwd = dict(nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d,
+               bottom_right=int(bottom_right),
                batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                num_m_blocks=-(-seqlen_q // block_m), heads_per_group=1,
                tail_group_head=batch * nheads,
                lse_batch_stride=0 if packed else nheads * seqlen_q, lse_head_stride=seqlen_q,
                sink_dtype=_params.SINK_DTYPES[sink.dtype] if sink is not None else 0,
                **_params.score_fields(window, scale, softcap, d, a.alibi_slopes))
+    if attn_mask is not None:
+        fwd["attn_mask_type"] = ATTN_MASK_TYPES[attn_mask.dtype]
+        (fwd["mask_batch_stride"], fwd["mask_head_stride"], fwd["mask_row_stride"],
+         fwd["mask_col_stride"]) = _broadcast_strides(attn_mask, (batch, nheads, seqlen_q,
+                                                                  seqlen_k))
     bwd = dict(num_n_blocks=-(-seqlen_k // block_n), rows=(1 if packed else batch) * seqlen_q)
     for x, prefix, record in ((q, "q", fwd), (k, "k", fwd), (v, "v", fwd), (o, "o", fwd),
                               (do, "dout", bwd)):
@@ -192,7 +224,8 @@ def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, 
             stream_call(cupy.cuda.runtime.memsetAsync, dsink_ptr, 0, 4 * nheads, stream)
         if batch and nheads and (seqlen_q or seqlen_k):
             _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, places,
-                    dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k)
+                    dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k,
+                    attn_mask.ptr if attn_mask is not None else 0)
         del held
     result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink_out]
     if _interop.returns_jax(q):
@@ -201,7 +234,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, 
 
 
 def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, places, dsink_ptr,
-            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k):
+            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr):
     """preprocess, dq, dk/dv on `stream`, a packed batch's work lists built first; places:
     the scratch addresses of scratch_bytes' offsets (D, then the lists)."""
     pre, dq_variant, *kv_variants = variants
@@ -228,7 +261,7 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
                         tile_list=places[1], tile_count=places[1] + 8 * q_blocks)
         bwd.update(kv_tile_list=places[2], kv_tile_count=places[2] + 8 * kv_blocks)
     fwd_record = _params.FWD.pack(dict(
-        fwd, q=q.ptr, k=a.k.ptr, v=a.v.ptr, o=o.ptr, lse=lse.ptr,
+        fwd, q=q.ptr, k=a.k.ptr, v=a.v.ptr, o=o.ptr, lse=lse.ptr, attn_mask=mask_ptr,
         alibi_slopes=a.alibi_slopes.ptr if a.alibi_slopes is not None else 0,
         learnable_sink=a.learnable_sink.ptr if a.learnable_sink is not None else 0, **pointers))
     bwd_record = _params.BWD.pack(dict(

@@ -140,8 +140,9 @@ _SDPA_ARRAYS = _arrays.Sdpa._fields
 
 
 def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa,
-         learnable_sink=None, stream=None, scratch=None):
-    """scaled_dot_product_attention on arrays or views; out and stream as in dense."""
+         learnable_sink=None, stream=None, scratch=None, return_lse=False):
+    """scaled_dot_product_attention on arrays or views; out and stream as in dense;
+    return_lse: (out, lse), lse (batch, heads, L) float32 (what its backward reads)."""
     options = (bool(is_causal), check_scale(scale, "scale"), bool(enable_gqa))
     arrays = (query, key, value, attn_mask, learnable_sink)
     entries, addresses = _interop.signature(arrays, _SDPA_ARRAYS)
@@ -153,7 +154,7 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa,
             *options))
     q_ptr, k_ptr, v_ptr, mask_ptr, sink_ptr = addresses
     o_ptr = 0 if out is None else out.ptr
-    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, False, attn_mask=mask_ptr,
+    return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, attn_mask=mask_ptr,
                     sink=sink_ptr, stream=stream, scratch=scratch, like=query)
 
 

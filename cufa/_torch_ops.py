@@ -201,6 +201,60 @@ def _register():
     def _(query, *rest):
         return query.new_empty(query.shape)
 
+    # SDPA where autograd records: out and the lse its backward reads (the op above, out
+    # alone, stays the inference one)
+    @torch.library.custom_op("cufa::sdpa_lse", mutates_args=())
+    def sdpa_lse(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+                 is_causal: bool, scale: Optional[float], enable_gqa: bool,
+                 learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        return _fwd_plan.sdpa(query.detach(), key.detach(), value.detach(), attn_mask, None,
+                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                              learnable_sink=_detached(learnable_sink), return_lse=True)
+
+    @sdpa_lse.register_fake
+    def _(query, *rest):
+        batch, nheads, seqlen_q, _ = query.shape
+        return (query.new_empty(query.shape),
+                query.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
+
+    @torch.library.custom_op("cufa::sdpa_bwd", mutates_args=())
+    def sdpa_bwd(dout: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+                 lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                 scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor]
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        (dout, query, key, value, out), cut = _on_chunks(
+            dout.contiguous(), query.detach(), key.detach(), value.detach(), out.detach())
+        dq, dk, dv, dsink = _bwd_plan.sdpa(
+            dout, query, key, value, out, lse.detach(), attn_mask, is_causal=is_causal,
+            scale=scale if scale is not None or not cut else cut ** -0.5,
+            enable_gqa=enable_gqa, learnable_sink=_detached(learnable_sink))
+        if cut:
+            dq, dk, dv = (x[..., :cut].contiguous() for x in (dq, dk, dv))
+        return dq, dk, dv, _sink_grad(dsink, query)
+
+    @sdpa_bwd.register_fake
+    def _(dout, q, k, v, out, lse, *rest):
+        sink = rest[-1]
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+                q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
+
+    def sdpa_setup(ctx, inputs, output):
+        query, key, value, mask, is_causal, scale, enable_gqa, sink = inputs
+        ctx.save_for_backward(query, key, value, output[0], output[1], mask, sink)
+        ctx.options = (is_causal, scale, enable_gqa)
+
+    def sdpa_backward(ctx, dout, dlse):
+        query, key, value, out, lse, mask, sink = ctx.saved_tensors
+        if ctx.needs_input_grad[3]:
+            raise NotImplementedError("the gradient of attn_mask: cufa's backward has none; "
+                                      "pass attn_mask.detach()")
+        dq, dk, dv, dsink = sdpa_bwd(dout, query, key, value, out, lse, mask, *ctx.options,
+                                     sink)
+        return (dq, dk, dv, None, None, None, None,
+                _as_sink_grad(dsink, sink, ctx.needs_input_grad[7]))
+
+    sdpa_lse.register_autograd(sdpa_backward, setup_context=sdpa_setup)
+
     @torch.library.custom_op("cufa::flash_attn_varlen", mutates_args=())
     def flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
@@ -273,5 +327,5 @@ def _register():
     def _(out_a, lse_a, out_b, lse_b):
         return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)
 
-    return dict(flash_attn=flash_attn, sdpa=sdpa, flash_attn_varlen=flash_attn_varlen,
-                merge=merge, **ops)
+    return dict(flash_attn=flash_attn, sdpa=sdpa, sdpa_lse=sdpa_lse,
+                flash_attn_varlen=flash_attn_varlen, merge=merge, **ops)

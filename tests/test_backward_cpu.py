@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _bwd_plan, _compile, _params
+from cufa import _bwd_plan, _checks, _compile, _params
 from cufa._interop import DeviceArray
 
 
@@ -209,3 +209,25 @@ def test_torch_backward_pads_unaligned_head_dims_with_zeros():
     odd = torch.randn(2, 5, 3, 65)[..., 1:]  # a head dim of 64 at an odd offset
     copies, cut = _torch_ops._on_chunks(y, odd, y, y, y)
     assert cut == 64 and torch.equal(copies[1], odd) and copies[1].is_contiguous()
+
+
+def test_sdpa_reads_its_mask_and_top_left_causal(monkeypatch):
+    rec = Recorder(monkeypatch)
+    b, h, hk, L, S, d = 2, 4, 2, 33, 47, 64
+    q, out, dout = (arr((b, h, L, d), ptr=p) for p in (0x1000, 0x4000, 0x5000))
+    k, v = arr((b, hk, S, d), ptr=0x2000), arr((b, hk, S, d), ptr=0x3000)
+    lse = arr((b, h, L), "float32", ptr=0x6000)
+    mask = arr((h, 1, S), "float32", ptr=0x8000)  # an additive mask over heads and keys
+    _bwd_plan.sdpa(dout, q, k, v, out, lse, mask, is_causal=True, enable_gqa=True)
+    fwd, bwd = rec.launches[-1][-1]
+    assert rec.launches[-1][0].score_mods and rec.launches[-1][0].mask == "window"
+    assert (fwd["bottom_right"], fwd["window_left"], fwd["window_right"]) == (0, 1 << 30, 0)
+    assert fwd["attn_mask"] == 0x8000 and fwd["attn_mask_type"] == _checks.ATTN_MASK_TYPES["float32"]
+    assert (fwd["mask_batch_stride"], fwd["mask_head_stride"], fwd["mask_row_stride"],
+            fwd["mask_col_stride"]) == (0, S, 0, 1)
+    assert (fwd["q_batch_stride"], fwd["q_row_stride"], fwd["q_head_stride"]) == (h * L * d, d,
+                                                                                  L * d)
+    assert (bwd["dk_batch_stride"], bwd["dk_row_stride"], bwd["dk_head_stride"]) == (
+        hk * S * d, d, S * d)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        _bwd_plan.sdpa(dout, q, k, v, out, lse)

@@ -25,17 +25,18 @@ def _round(x, dtype):
 
 
 def lowp_backward(q, k, v, dout, dtype, out=None, softmax_scale=None, causal=False,
-                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None,
+                  attn_mask=None, diag_offset=None):
     """The float64 backward with P and dS rounded to `dtype` before their products and the
     gradients rounded at the end: what the kernels' own roundings cost on this input."""
-    qh, kh, vh, scale, visible, _, diag = reference._prepare(
-        q, k, v, softmax_scale, causal, window_size, None, None)
+    qh, kh, vh, scale, visible, mask, diag = reference._prepare(
+        q, k, v, softmax_scale, causal, window_size, attn_mask, diag_offset)
     b, h, sq, _ = qh.shape
     hk, sk = k.shape[2], kh.shape[2]
     dots = qh @ kh.transpose(0, 1, 3, 2)
     s = reference.with_sink_column(reference._score_mods(
         dots, np.arange(sq), np.arange(sk), scale=scale, softcap=softcap,
-        alibi_slopes=alibi_slopes, attn_mask=None, visible=visible, diag_offset=diag),
+        alibi_slopes=alibi_slopes, attn_mask=mask, visible=visible, diag_offset=diag),
         learnable_sink)
     _, e, l = reference._exp_rows(s)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -264,3 +265,29 @@ def test_jax_grad(jit):
     out = cufa.flash_attn_func(*t[:3], causal=True, learnable_sink=torch.from_numpy(sink).cuda())
     check_grads(got, *t, f"jax.grad jit={jit}", out=out, causal=True,
                 learnable_sink=torch.from_numpy(sink))
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_sdpa_autograd(mask):
+    """scaled_dot_product_attention's backward: top-left causal, GQA, a broadcast mask
+    (which gets no gradient), against the float64 reference."""
+    rng = np.random.default_rng(23)
+    dtype, b, h, hk, L, S, d = torch.bfloat16, 2, 4, 2, 70, 90, 64
+    q = randn(rng, (b, L, h, d), dtype).transpose(1, 2).detach().requires_grad_()
+    k, v = (randn(rng, (b, S, hk, d), dtype).transpose(1, 2).detach().requires_grad_()
+            for _ in range(2))
+    m = None
+    if mask == "bool":
+        m = torch.from_numpy(rng.random((b, 1, L, S)) > 0.3).cuda()
+    elif mask == "float":
+        m = torch.from_numpy(rng.standard_normal((h, 1, S))).float().cuda()
+    dout = randn(rng, (b, L, h, d), dtype).transpose(1, 2)
+    out = cufa.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True,
+                                            enable_gqa=True)
+    out.backward(dout)
+    t = (lambda x: x.transpose(1, 2))  # (the reference's layout: (batch, seqlen, heads, d))
+    kw = dict(causal=True, diag_offset=0)
+    if m is not None:
+        kw["attn_mask"] = m.cpu().numpy() if mask == "bool" else f64(m)
+    check_grads((t(q.grad), t(k.grad), t(v.grad)), *(t(x) for x in (q, k, v, dout)),
+                f"sdpa mask={mask}", out=t(out), **kw)

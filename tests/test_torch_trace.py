@@ -140,11 +140,12 @@ def test_learnable_sink_is_an_optional_tensor_of_every_op():
     param = torch.nn.Parameter(torch.empty(4, device="meta"))
     _torch_ops.register_if_torch_loaded()
     torch._dynamo.reset()
-    # (SDPA has no backward: its sink parameter is refused where autograd records)
-    g = torch.compile(lambda q, s: cufa.scaled_dot_product_attention(q, q, q, learnable_sink=s),
+    # (the KV-cache call has no backward: its sink parameter is refused where autograd
+    # records)
+    g = torch.compile(lambda q, c, s: cufa.flash_attn_with_kvcache(q, c, c, learnable_sink=s),
                       fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="learnable_sink requires grad"):
-        g(args[0], param)
+        g(args[3], args[4], param)
     with torch.no_grad():  # (inference: the parameter detached, in the graph)
         code = _traced_graph(lambda q, s: cufa.flash_attn_func(q, q, q, learnable_sink=s),
                              args[0], param)

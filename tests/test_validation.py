@@ -228,12 +228,12 @@ def test_learnable_sink_rejects(case, entry):
 def test_a_sink_that_requires_grad_is_refused_while_autograd_records(entry):
     """Functions without a backward pass refuse a sink whose gradient autograd would want,
     naming it; flash_attn_func and flash_attn_varlen_func take it (autograd gets its
-    gradient). Under no_grad or inference_mode the parameter is taken as it is (detached).
+    gradient), and so does scaled_dot_product_attention. Under no_grad or inference_mode the parameter is taken as it is (detached).
     Either way the checks go on (here: it lives on the host)."""
     torch = pytest.importorskip("torch")
     sink = torch.nn.Parameter(torch.zeros(4))
     on_host = r"got a CPU \(PyTorch\) tensor for learnable_sink"
-    if entry in ("flash_attn_func", "varlen", "paged varlen"):
+    if entry in ("flash_attn_func", "varlen", "paged varlen", "sdpa"):
         with pytest.raises(TypeError, match=on_host):
             SINK_CALLS[entry](sink)
     else:
