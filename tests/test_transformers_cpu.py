@@ -280,8 +280,13 @@ def test_register_and_switch(calls):
 def test_what_cufa_does_not_do_names_the_fallback(calls):
     model = tc.build("llama", "cufa", DT, "cpu")
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(NotImplementedError, match="no backward pass.*sdpa"):
-        model(input_ids=ids)  # autograd recording: cufa has no backward yet
+    # autograd recording: a short sequence takes flash_attn_func (it has a backward)
+    model(input_ids=ids)
+    assert calls[-1] == "flash_attn_func"
+    model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 0]]))  # (right: gathered)
+    assert calls[-1] == "flash_attn_varlen_func"
+    with pytest.raises(NotImplementedError, match="training on padded sequences.*sdpa"):
+        model(input_ids=ids, attention_mask=torch.tensor([[0, 1, 1]]))  # (left: a run)
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1

@@ -322,10 +322,6 @@ def _refuse_unsupported(module, query, key, value, dropout, kwargs):
     if dropout and module.training:
         raise NotImplementedError(f"cufa has no attention dropout (dropout={dropout} in "
                                   f"training mode): use {FALLBACK}, or model.eval()")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
-        raise NotImplementedError(
-            "cufa has no backward pass yet: run the model under torch.no_grad() or "
-            f"torch.inference_mode() (generate() does), or train with {FALLBACK}")
     if kwargs.get("output_attentions"):
         raise NotImplementedError("cufa never forms the attention weights "
                                   '(output_attentions=True): use attn_implementation="eager"')
@@ -400,8 +396,15 @@ def _run(plan, q, k, v, options, kwargs):
         full[g.q_rows] = out
         return full
     if q_length <= DECODE_QUERIES:
-        return _kernels.flash_attn_with_kvcache(q, k, v, cache_seqlens=plan.key_lens,
-                                                cache_leftpad=plan.leftpad, **common)
+        if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+            return _kernels.flash_attn_with_kvcache(q, k, v, cache_seqlens=plan.key_lens,
+                                                    cache_leftpad=plan.leftpad, **common)
+        # (training: the KV-cache kernel has no backward; flash_attn_func has, where no
+        # sequence is padded)
+        if plan.padding is not None:
+            raise NotImplementedError(
+                f"training on padded sequences of at most {DECODE_QUERIES} tokens: cufa's "
+                f"backward does not take this route; use {FALLBACK}")
     n = plan.num_keys
     return _kernels.flash_attn_func(q, k[:, :n], v[:, :n], **common)
 
