@@ -95,3 +95,35 @@ def test_a_4d_mask_from_the_caller(calls):
     assert set(calls) == {"scaled_dot_product_attention"}
     tc.assert_logits_close(out[2], out[1], out[0], torch.bfloat16,
                            torch.ones(2, 67, dtype=torch.bool), "a boolean 4-D mask")
+
+
+def _grads(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    return {n: p.grad.detach().double() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", list(tc.FAMILIES))
+@pytest.mark.parametrize("batch_kind", ["none", "right"])
+def test_training_gradients(calls, family, batch_kind):
+    """One backward of the language-model loss: every parameter's gradient, row by row
+    (each row of a weight, each of a vector), within 2x the bf16 reference model's error
+    of the float32 one plus 4 bf16 roundings of the row's largest value."""
+    ref32, lowp, model = (tc.build(family, impl, dt, "cuda") for impl, dt in (
+        (tc.reference_attention(family), torch.float32),
+        (tc.reference_attention(family), torch.bfloat16), ("cufa", torch.bfloat16)))
+    pads = [0, 0] if batch_kind == "none" else [0, 9]
+    ids, mask = tc.right_padded(2, 45, pads, device="cuda")
+    g32, glp, got = (_grads(m, ids, mask) for m in (ref32, lowp, model))
+    assert calls and "flash_attn_with_kvcache" not in calls
+    assert got.keys() == g32.keys()
+    eps = float(torch.finfo(torch.bfloat16).eps)
+    for name, ref in g32.items():
+        rows = (lambda x: x.reshape(x.shape[0], -1) if x.ndim > 1 else x.reshape(1, -1))
+        err = (rows(got[name]) - rows(ref)).abs().amax(-1)
+        err_lp = (rows(glp[name]) - rows(ref)).abs().amax(-1)
+        bound = 2 * err_lp + 4 * eps * rows(ref).abs().amax(-1) + 1e-9
+        worst = float((err / bound).max())
+        assert worst <= 1, f"{family} {batch_kind}: {name} at {worst:.2f}x its bound"
