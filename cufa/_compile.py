@@ -8,6 +8,7 @@ functions are cached in memory per (device, variant); the first use of a variant
 compiles it once even when several threads ask at the same time.
 """
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.resources
@@ -203,6 +204,7 @@ BWD_DKDV_BLOCK_M_MASKED = {**BWD_DKDV_BLOCK_M, 128: 16}
 BWD_DKDV_BLOCK_M_SCORE_MODS = {**BWD_DKDV_BLOCK_M, 64: 32, 128: 16, 160: 16, 192: 16,
                                224: 16, 256: 16}
 BWD_KEYS_PER_CTA = 64
+BWD_SMEM_LIMIT = 99 * 1024  # sm_86/89's, the least of the GPUs the kernels run on
 BWD_SPLIT_ABOVE = 128
 BWD_GRADS = ("both", "dk", "dv")  # index = KvGrads in bwd/bwd_sm80.cu
 
@@ -218,6 +220,8 @@ class BwdVariant:
     block_m: int = 0
     block_n: int = 0
     grads: str = "both"     # dkdv: BWD_GRADS
+    stages: int = 1         # dq: K/V buffers (2: the next block's copy under the products);
+                            # dkdv: Q/dout buffers, the same
     source: str = "bwd/bwd_sm80.cu"
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
@@ -230,7 +234,7 @@ class BwdVariant:
         mods = "_mods" if self.score_mods else ""
         grads = f"_{self.grads}" if self.kind == "dkdv" else ""
         return (f"bwd_{self.kind}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}{grads}")
+                f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}")
 
     @property
     def name_expression(self):
@@ -240,8 +244,9 @@ class BwdVariant:
         args = (f"{dt}, {self.head_dim}, {MASKS.index(self.mask)}, "
                 f"{str(self.score_mods).lower()}, {self.block_m}")
         if self.kind == "dq":
-            return f"cufa::bwd_dq_kernel<{args}, {self.block_n}>"
-        return f"cufa::bwd_dkdv_kernel<{args}, {BWD_GRADS.index(self.grads)}>"
+            return f"cufa::bwd_dq_kernel<{args}, {self.block_n}, {self.stages}>"
+        return (f"cufa::bwd_dkdv_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
+                f"{self.stages}>")
 
     @property
     def threads(self):
@@ -249,11 +254,14 @@ class BwdVariant:
 
     @functools.cached_property
     def smem_bytes(self):
+        return self.smem_with(self.stages)
+
+    def smem_with(self, stages):
         row = self.head_dim * _dtypes.size_of(self.dtype)
-        if self.kind == "dq":  # Q, dout; K, V
-            return 2 * (self.block_m + self.block_n) * row
-        if self.kind == "dkdv":  # K, V; Q, dout; lse and D of block_m rows
-            return 2 * (self.block_n + self.block_m) * row + 8 * self.block_m
+        if self.kind == "dq":  # Q, dout; the stages' K, V
+            return 2 * (self.block_m + stages * self.block_n) * row
+        if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
+            return 2 * self.block_n * row + stages * (2 * self.block_m * row + 8 * self.block_m)
         return 0
 
 
@@ -262,13 +270,22 @@ def bwd_variants(dtype, head_dim, mask, score_mods):
     """The backward's launches for a call, in order: (preprocess, dq, dkdv...)."""
     hd = padded_head_dim(head_dim)
     block_m, block_n = (BWD_DQ_TILES_SCORE_MODS if score_mods else BWD_DQ_TILES)[hd]
-    dq = BwdVariant("dq", dtype, hd, mask, bool(score_mods), block_m, block_n)
+    dq = _two_stages_where_they_fit(
+        BwdVariant("dq", dtype, hd, mask, bool(score_mods), block_m, block_n))
     kv_block_m = (BWD_DKDV_BLOCK_M_SCORE_MODS if score_mods else BWD_DKDV_BLOCK_M_MASKED
                   if mask == "window" else BWD_DKDV_BLOCK_M)[hd]
-    kv = [BwdVariant("dkdv", dtype, hd, mask, bool(score_mods), kv_block_m,
-                     BWD_KEYS_PER_CTA, grads)
+    kv = [_two_stages_where_they_fit(BwdVariant("dkdv", dtype, hd, mask, bool(score_mods),
+                                                kv_block_m, BWD_KEYS_PER_CTA, grads))
           for grads in (("dk", "dv") if hd > BWD_SPLIT_ABOVE else ("both",))]
     return (BwdVariant("preprocess", dtype), dq, *kv)
+
+
+def _two_stages_where_they_fit(variant):
+    """variant with two buffers of what it streams where they fit in the shared memory
+    of every GPU it runs on (sm_86/89's 99 KB), else one."""
+    if variant.smem_with(2) <= BWD_SMEM_LIMIT:
+        return dataclasses.replace(variant, stages=2)
+    return variant
 
 
 @dataclass(frozen=True)

@@ -155,18 +155,21 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
 
 // ---------------------------------------------------------------------------------------
 // dq: the forward's tile (get_tile over FwdParams: the padded grid, or the work list of
-// query blocks), its key blocks in any order.
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN>
+// query blocks), its key blocks in order through kStages K/V buffers: with two, the next
+// block's copy runs under this block's products.
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
+          int kStages>
 __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kMTiles = kBlockM / (16 * kBwdWarps);
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one K or V block
   static_assert(kMTiles * 16 * kBwdWarps == kBlockM && kNTiles % 2 == 0, "tile shape");
+  static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
   extern __shared__ __align__(128) unsigned char smem[];
   u16* sQ = reinterpret_cast<u16*>(smem);
   u16* sdO = sQ + kBlockM * kHeadDim;
-  u16* sK = sdO + kBlockM * kHeadDim;
-  u16* sV = sK + kBlockN * kHeadDim;
+  u16* sKV = sdO + kBlockM * kHeadDim;  // stage s: K at s * 2 tiles, V after it
 
   Tile t;
   if (!get_tile(p, static_cast<int>(blockIdx.x), t)) return;
@@ -206,29 +209,41 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams 
   const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
   const int n_block_min = keys.begin / kBlockN;
   const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;
-  const u32 sq = smem_u32(sQ), sdo = smem_u32(sdO), sk = smem_u32(sK), sv = smem_u32(sV);
-  // A operands (this warp's rows), B operands of the score products (key rows), and the
-  // transposed B of dS K
+  const u32 sq = smem_u32(sQ), sdo = smem_u32(sdO), skv = smem_u32(sKV);
+  // A operands: this warp's rows of Q and dout
   const LdmatrixAddr<kHeadDim> q_frag(sq + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
   const LdmatrixAddr<kHeadDim> do_frag(sdo + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
-  const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-  const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-  const LdmatrixAddr<kHeadDim> kt_frag(sk, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-  if (n_block_min < n_block_max) {
+  const auto load_kv = [&](int nb, int stage) {
+    const int key0 = nb * kBlockN;
+    const u32 sk = skv + stage * 2 * kTileBytes;
+    load_rows<kBlockN, kHeadDim>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                 t.seqlen_k - key0, p.head_dim);
+    load_rows<kBlockN, kHeadDim>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
+                                 t.seqlen_k - key0, p.head_dim);
+    cp_async_commit();
+  };
+  if (n_block_min < n_block_max) {  // (Q and dout in the first block's copy group)
     load_rows<kBlockM, kHeadDim>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
                                  t.seqlen_q - row0, p.head_dim);
     load_rows<kBlockM, kHeadDim>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0, p.head_dim);
+    load_kv(n_block_min, 0);
   }
+  int stage = 0;
   for (int nb = n_block_min; nb < n_block_max; ++nb) {
     const int key0 = nb * kBlockN;
-    __syncthreads();  // every warp is done with the last block's K and V
-    load_rows<kBlockN, kHeadDim>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
-                                 t.seqlen_k - key0, p.head_dim);
-    load_rows<kBlockN, kHeadDim>(sv, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
-                                 t.seqlen_k - key0, p.head_dim);
-    cp_async_commit();
-    cp_async_wait<0>();
+    if (kStages == 1 && nb > n_block_min) load_kv(nb, 0);  // (every warp is past the last)
+    if (kStages == 2 && nb + 1 < n_block_max) {
+      load_kv(nb + 1, stage ^ 1);  // (the buffer the last block read: every warp is past it)
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
+    // B operands of the score products (key rows), and the transposed B of dS K
+    const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
+    const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LdmatrixAddr<kHeadDim> v_frag(sv, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LdmatrixAddr<kHeadDim> kt_frag(sk, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 
     float s[kMTiles][kNTiles][4], dp[kMTiles][kNTiles][4];
 #pragma unroll
@@ -269,6 +284,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams 
           s[mt][nt][e] = prob * (dp[mt][nt][e] - dsum[mt][e >> 1]) * d_raw;
         }
     gemm_pv<kDtype>(acc_dq, s, kt_frag);
+    __syncthreads();  // every warp is done with this block's K and V
+    stage ^= kStages - 1;
   }
   store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
 }
@@ -276,20 +293,24 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams 
 // ---------------------------------------------------------------------------------------
 // dk, dv: a key block of one KV head; each warp owns 16 of its keys. Sequence and key
 // block from get_tile over the KV heads (the padded grid, or the work list of key blocks).
-template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads>
+// The steps are (query head of the group, query block) pairs, their Q, dout, lse and D
+// through kStages buffers: with two, the next step's copy runs under this step's products.
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
+          int kStages>
 __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kBlockN = 16 * kBwdWarps;
   constexpr int kQTiles = kBlockM / 8;  // the transposed scores' columns: queries
   constexpr int kDTiles = kHeadDim / 8;
   constexpr bool kDk = kGrads != KV_DV, kDv = kGrads != KV_DK;
+  // a stage: Q and dout (kBlockM rows each), then lse (log2 units) and D, a float a row
+  constexpr int kTileBytes = kBlockM * kHeadDim * 2;
+  constexpr int kStageBytes = 2 * kTileBytes + 8 * kBlockM;
   static_assert(kQTiles % 2 == 0, "tile shape");
+  static_assert(kStages == 1 || kStages == 2, "one or two Q/dout buffers");
   extern __shared__ __align__(128) unsigned char smem[];
   u16* sK = reinterpret_cast<u16*>(smem);
   u16* sV = sK + kBlockN * kHeadDim;
-  u16* sQ = sV + kBlockN * kHeadDim;
-  u16* sdO = sQ + kBlockM * kHeadDim;
-  float* sLse = reinterpret_cast<float*>(sdO + kBlockM * kHeadDim);  // log2 units
-  float* sD = sLse + kBlockM;
+  unsigned char* stages = reinterpret_cast<unsigned char*>(sV + kBlockN * kHeadDim);
 
   // the tile of a KV head: get_tile over FwdParams as if the KV heads were the query heads
   Tile t;
@@ -338,92 +359,117 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
     q_begin = (int)max((i64)0, min(lo, (i64)t.seqlen_q));
     q_end = (int)max((i64)q_begin, min(hi, (i64)t.seqlen_q));
   }
-  const int m_block_min = q_begin / kBlockM, m_block_max = (q_end + kBlockM - 1) / kBlockM;
+  const int m_block_min = q_begin / kBlockM;
+  const int m_blocks = (q_end + kBlockM - 1) / kBlockM - m_block_min;
+  const int steps = group * m_blocks;
 
-  const u32 sk = smem_u32(sK), sv = smem_u32(sV), sq = smem_u32(sQ), sdo = smem_u32(sdO);
+  const u32 sk = smem_u32(sK), sv = smem_u32(sV), sstages = smem_u32(stages);
   const LdmatrixAddr<kHeadDim> k_frag(sk + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
   const LdmatrixAddr<kHeadDim> v_frag(sv + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
-  const LdmatrixAddr<kHeadDim> q_frag(sq, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-  const LdmatrixAddr<kHeadDim> do_frag(sdo, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-  const LdmatrixAddr<kHeadDim> qt_frag(sq, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-  const LdmatrixAddr<kHeadDim> dot_frag(sdo, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-  if (m_block_min < m_block_max) {
+  // step i's query head and block
+  const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
+  const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
+  const auto load_step = [&](int i, int stage) {
+    Tile th = t;
+    th.h = head_of(i);
+    const int q0 = q0_of(i);
+    const TilePointers ptr = tile_pointers(p, th);
+    const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
+                      th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
+    const u32 sq = sstages + stage * kStageBytes;
+    load_rows<kBlockM, kHeadDim>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
+                                 t.seqlen_q - q0, p.head_dim);
+    load_rows<kBlockM, kHeadDim>(sq + kTileBytes, dout, g.dout_row_stride, t.seqlen_q - q0,
+                                 p.head_dim);
+    cp_async_commit();
+    // lse and D: plain loads, stored before the step's barrier
+    const i64 at = row_stats_offset(p, th) + q0;
+    float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
+    for (int r = threadIdx.x; r < kBlockM; r += kBwdThreads) {
+      s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
+      s_lse[kBlockM + r] = q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r]
+                                               : 0.f;
+    }
+  };
+  if (steps) {  // (K and V in the first step's copy group)
     load_rows<kBlockN, kHeadDim>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
                                  t.seqlen_k - key0, p.head_dim);
     if (kDk)
       load_rows<kBlockN, kHeadDim>(sv, kv.v + key0 * p.v_row_stride, p.v_row_stride,
                                    t.seqlen_k - key0, p.head_dim);
+    load_step(0, 0);
   }
   const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
 
-  for (int h = h_k * group; h < (h_k + 1) * group; ++h) {
-    t.h = h;
-    const TilePointers ptr = tile_pointers(p, t);
-    const TileMods mods = tile_mods<kScoreMods>(p, t);
-    const float* lse = reinterpret_cast<const float*>(p.lse) + row_stats_offset(p, t);
-    const float* dsum_of = reinterpret_cast<const float*>(g.softmax_d) + row_stats_offset(p, t);
-    const u16* dout = reinterpret_cast<const u16*>(g.dout) + t.b * g.dout_batch_stride +
-                      h * g.dout_head_stride + t.q_start * g.dout_row_stride;
-    for (int mb = m_block_min; mb < m_block_max; ++mb) {
-      const int q0 = mb * kBlockM;
-      __syncthreads();  // every warp is done with the last block's Q, dout, lse and D
-      load_rows<kBlockM, kHeadDim>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
-                                   t.seqlen_q - q0, p.head_dim);
-      load_rows<kBlockM, kHeadDim>(sdo, dout + q0 * g.dout_row_stride, g.dout_row_stride,
-                                   t.seqlen_q - q0, p.head_dim);
-      cp_async_commit();
-      for (int r = threadIdx.x; r < kBlockM; r += kBwdThreads) {
-        sLse[r] = lse_log2_of(lse, q0 + r, t.seqlen_q);
-        sD[r] = q0 + r < t.seqlen_q ? dsum_of[q0 + r] : 0.f;
-      }
+  int stage = 0;
+  for (int i = 0; i < steps; ++i) {
+    if (kStages == 1 && i > 0) load_step(i, 0);  // (every warp is past the last step)
+    if (kStages == 2 && i + 1 < steps) {
+      load_step(i + 1, stage ^ 1);  // (the buffers the last step read: every warp is past them)
+      cp_async_wait<1>();
+    } else {
       cp_async_wait<0>();
-      __syncthreads();
+    }
+    __syncthreads();
+    Tile th = t;
+    th.h = head_of(i);
+    const int q0 = q0_of(i);
+    const TileMods mods = tile_mods<kScoreMods>(p, th);
+    const u32 sq = sstages + stage * kStageBytes, sdo = sq + kTileBytes;
+    const float* s_lse = reinterpret_cast<const float*>(stages + stage * kStageBytes +
+                                                        2 * kTileBytes);
+    const float* s_d = s_lse + kBlockM;
+    const LdmatrixAddr<kHeadDim> q_frag(sq, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LdmatrixAddr<kHeadDim> do_frag(sdo, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const LdmatrixAddr<kHeadDim> qt_frag(sq, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const LdmatrixAddr<kHeadDim> dot_frag(sdo, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 
-      // S^T = K Q^T: rows this warp's keys, columns the block's queries
-      float st[1][kQTiles][4];
+    // S^T = K Q^T: rows this warp's keys, columns the block's queries
+    float st[1][kQTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[0][nt][e] = 0.f;
+    gemm_qk<kDtype>(st, k_frag, q_frag);
+
+    const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
+                                                key0, key0 + kBlockN);
+    float grad[1][kScoreMods ? kQTiles : 1][4];
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = first_key + 8 * (e >> 1);
+        const int col = frag_col(0, nt, e, lane);
+        float x;
+        if constexpr (kScoreMods)
+          x = modded_score(st[0][nt][e], p, th, mods, q0 + col, key, grad[0][nt][e]);
+        else
+          x = st[0][nt][e] * p.scale_log2;
+        if (masked && !visible<kMask>(p, th, q0 + col, key)) x = -CUFA_INF;
+        st[0][nt][e] = exp2f(x - s_lse[col]);  // P^T
+      }
+    if constexpr (kDv) gemm_pv<kDtype>(acc_dv, st, dot_frag);
+    if constexpr (kDk) {
+      // dP^T = V dout^T, then dS^T = P^T (dP^T - D) d(score)/d(raw score)
+      float dpt[1][kQTiles][4];
 #pragma unroll
       for (int nt = 0; nt < kQTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[0][nt][e] = 0.f;
-      gemm_qk<kDtype>(st, k_frag, q_frag);
-
-      const bool masked = block_needs_mask<kMask>(p, t, q0, min(q0 + kBlockM, t.seqlen_q),
-                                                  key0, key0 + kBlockN);
-      float grad[1][kScoreMods ? kQTiles : 1][4];
+        for (int e = 0; e < 4; ++e) dpt[0][nt][e] = 0.f;
+      gemm_qk<kDtype>(dpt, v_frag, do_frag);
 #pragma unroll
       for (int nt = 0; nt < kQTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = first_key + 8 * (e >> 1);
           const int col = frag_col(0, nt, e, lane);
-          float x;
-          if constexpr (kScoreMods)
-            x = modded_score(st[0][nt][e], p, t, mods, q0 + col, key, grad[0][nt][e]);
-          else
-            x = st[0][nt][e] * p.scale_log2;
-          if (masked && !visible<kMask>(p, t, q0 + col, key)) x = -CUFA_INF;
-          st[0][nt][e] = exp2f(x - sLse[col]);  // P^T
+          const float d_raw = kScoreMods ? grad[0][kScoreMods ? nt : 0][e] : p.scale;
+          dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[col]) * d_raw;
         }
-      if constexpr (kDv) gemm_pv<kDtype>(acc_dv, st, dot_frag);
-      if constexpr (kDk) {
-        // dP^T = V dout^T, then dS^T = P^T (dP^T - D) d(score)/d(raw score)
-        float dpt[1][kQTiles][4];
-#pragma unroll
-        for (int nt = 0; nt < kQTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dpt[0][nt][e] = 0.f;
-        gemm_qk<kDtype>(dpt, v_frag, do_frag);
-#pragma unroll
-        for (int nt = 0; nt < kQTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = frag_col(0, nt, e, lane);
-            const float d_raw = kScoreMods ? grad[0][kScoreMods ? nt : 0][e] : p.scale;
-            dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - sD[col]) * d_raw;
-          }
-        gemm_pv<kDtype>(acc_dk, dpt, qt_frag);
-      }
+      gemm_pv<kDtype>(acc_dk, dpt, qt_frag);
     }
+    __syncthreads();  // every warp is done with this step's buffers
+    stage ^= kStages - 1;
   }
   const int rows = rows_out - key0;
   if constexpr (kDk) {
