@@ -83,6 +83,21 @@ def _on_chunks(dout, q, k, v, out):
     return tuple(copies), d
 
 
+def _backward(run, dout, q, k, v, out, lse, scale):
+    """run((dout, q, k, v, out, lse), scale) (a _bwd_plan entry with the call's other
+    arguments bound) on tensors the kernels take, and the op's outputs: dq, dk, dv (cut
+    back to the head dim where _on_chunks padded it) and dsink."""
+    # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0)
+    (dout, q, k, v, out), cut = _on_chunks(dout.contiguous(), q.detach(), k.detach(),
+                                           v.detach(), out.detach())
+    if cut and scale is None:  # (the default scale is the head dim's, not the padded one's)
+        scale = cut ** -0.5
+    dq, dk, dv, dsink = run((dout, q, k, v, out, lse.detach()), scale)
+    if cut:
+        dq, dk, dv = (x[..., :cut].contiguous() for x in (dq, dk, dv))
+    return dq, dk, dv, _sink_grad(dsink, q)
+
+
 def _register():
     from typing import Optional, Tuple
 
@@ -115,17 +130,10 @@ def _register():
                        window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                        learnable_sink: Optional[Tensor]
                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0)
-        (dout, q, k, v, out), cut = _on_chunks(dout.contiguous(), q.detach(), k.detach(),
-                                               v.detach(), out.detach())
-        dq, dk, dv, dsink = _bwd_plan.dense(
-            dout, q, k, v, out, lse.detach(), alibi_slopes=alibi_slopes,
-            learnable_sink=_detached(learnable_sink),
-            softmax_scale=softmax_scale if softmax_scale is not None or not cut else cut ** -0.5,
-            causal=causal, window_size=(window_left, window_right), softcap=softcap)
-        if cut:
-            dq, dk, dv = (x[..., :cut].contiguous() for x in (dq, dk, dv))
-        return dq, dk, dv, _sink_grad(dsink, q)
+        return _backward(lambda arrays, scale: _bwd_plan.dense(
+            *arrays, alibi_slopes=alibi_slopes, learnable_sink=_detached(learnable_sink),
+            softmax_scale=scale, causal=causal, window_size=(window_left, window_right),
+            softcap=softcap), dout, q, k, v, out, lse, softmax_scale)
 
     @flash_attn_bwd.register_fake
     def _(dout, q, k, v, out, lse, *rest):
@@ -140,18 +148,11 @@ def _register():
                               window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                               seqused_k: Optional[Tensor], learnable_sink: Optional[Tensor]
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0)
-        (dout, q, k, v, out), cut = _on_chunks(dout.contiguous(), q.detach(), k.detach(),
-                                               v.detach(), out.detach())
-        dq, dk, dv, dsink = _bwd_plan.packed(
-            dout, q, k, v, out, lse.detach(), cu_seqlens_q, cu_seqlens_k,
-            seqused_k=seqused_k, alibi_slopes=alibi_slopes,
-            learnable_sink=_detached(learnable_sink),
-            softmax_scale=softmax_scale if softmax_scale is not None or not cut else cut ** -0.5,
-            causal=causal, window_size=(window_left, window_right), softcap=softcap)
-        if cut:
-            dq, dk, dv = (x[..., :cut].contiguous() for x in (dq, dk, dv))
-        return dq, dk, dv, _sink_grad(dsink, q)
+        return _backward(lambda arrays, scale: _bwd_plan.packed(
+            *arrays, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+            learnable_sink=_detached(learnable_sink), softmax_scale=scale, causal=causal,
+            window_size=(window_left, window_right), softcap=softcap),
+            dout, q, k, v, out, lse, softmax_scale)
 
     @flash_attn_varlen_bwd.register_fake
     def _(dout, q, k, v, out, lse, *rest):
@@ -222,15 +223,9 @@ def _register():
                  lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                  scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor]
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        (dout, query, key, value, out), cut = _on_chunks(
-            dout.contiguous(), query.detach(), key.detach(), value.detach(), out.detach())
-        dq, dk, dv, dsink = _bwd_plan.sdpa(
-            dout, query, key, value, out, lse.detach(), attn_mask, is_causal=is_causal,
-            scale=scale if scale is not None or not cut else cut ** -0.5,
-            enable_gqa=enable_gqa, learnable_sink=_detached(learnable_sink))
-        if cut:
-            dq, dk, dv = (x[..., :cut].contiguous() for x in (dq, dk, dv))
-        return dq, dk, dv, _sink_grad(dsink, query)
+        return _backward(lambda arrays, s: _bwd_plan.sdpa(
+            *arrays, attn_mask, is_causal=is_causal, scale=s, enable_gqa=enable_gqa,
+            learnable_sink=_detached(learnable_sink)), dout, query, key, value, out, lse, scale)
 
     @sdpa_bwd.register_fake
     def _(dout, q, k, v, out, lse, *rest):

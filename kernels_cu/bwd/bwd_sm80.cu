@@ -103,6 +103,21 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMTiles][kDTiles][
     }
 }
 
+// -- before step i of n: the copy of step i + 1 issued into the other buffer (two stages;
+//    every warp is past the step that read it), or of step i (one stage), then step i's
+//    copy waited for and made visible. load(step, stage) issues and commits one step --
+template <int kStages, typename Load>
+__device__ __forceinline__ void await_step(int i, int n, int stage, Load load) {
+  if (kStages == 1 && i > 0) load(i, 0);
+  if (kStages == 2 && i + 1 < n) {
+    load(i + 1, stage ^ 1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
 template <int kRows, int kHeadDim>
 __device__ __forceinline__ void load_rows(u32 smem, const u16* gmem, i64 row_stride,
                                           int rows_valid, int head_dim) {
@@ -213,8 +228,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams 
   // A operands: this warp's rows of Q and dout
   const LdmatrixAddr<kHeadDim> q_frag(sq + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
   const LdmatrixAddr<kHeadDim> do_frag(sdo + warp_row0 * (kHeadDim / 8) * 16, lane & 15, lane >> 4);
-  const auto load_kv = [&](int nb, int stage) {
-    const int key0 = nb * kBlockN;
+  const auto load_kv = [&](int step, int stage) {  // (step: key block n_block_min + step)
+    const int key0 = (n_block_min + step) * kBlockN;
     const u32 sk = skv + stage * 2 * kTileBytes;
     load_rows<kBlockN, kHeadDim>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
                                  t.seqlen_k - key0, p.head_dim);
@@ -226,19 +241,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams 
     load_rows<kBlockM, kHeadDim>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
                                  t.seqlen_q - row0, p.head_dim);
     load_rows<kBlockM, kHeadDim>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0, p.head_dim);
-    load_kv(n_block_min, 0);
+    load_kv(0, 0);
   }
   int stage = 0;
   for (int nb = n_block_min; nb < n_block_max; ++nb) {
     const int key0 = nb * kBlockN;
-    if (kStages == 1 && nb > n_block_min) load_kv(nb, 0);  // (every warp is past the last)
-    if (kStages == 2 && nb + 1 < n_block_max) {
-      load_kv(nb + 1, stage ^ 1);  // (the buffer the last block read: every warp is past it)
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    await_step<kStages>(nb - n_block_min, n_block_max - n_block_min, stage, load_kv);
     // B operands of the score products (key rows), and the transposed B of dS K
     const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
     const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
@@ -403,14 +411,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
 
   int stage = 0;
   for (int i = 0; i < steps; ++i) {
-    if (kStages == 1 && i > 0) load_step(i, 0);  // (every warp is past the last step)
-    if (kStages == 2 && i + 1 < steps) {
-      load_step(i + 1, stage ^ 1);  // (the buffers the last step read: every warp is past them)
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    await_step<kStages>(i, steps, stage, load_step);
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
