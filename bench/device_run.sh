@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: installs nothing; device info, the GPU tests (every kernel
 # family at once), the self-check, (with --bench) the forward benchmark, (with --decode)
-# the KV-cache decode benchmark and (with --host) the launch-cost table; full logs in
-# $OUT/logs.tgz, a short summary last.
-#   [WORKERS=2] [FAMILIES="default sm80"] bash bench/device_run.sh [--bench] [--decode] [--host]
-#       [pytest args...]
-# BENCH_ARGS / DECODE_ARGS: extra arguments for bench_fwd.py / bench_decode.py.
+# the KV-cache decode benchmark, (with --bwd) the backward benchmark and (with --host) the
+# launch-cost table; full logs in $OUT/logs.tgz, a short summary last.
+#   [WORKERS=2] [FAMILIES="default sm80"] bash bench/device_run.sh [--bench] [--decode] [--bwd]
+#       [--host] [pytest args...]
+# BENCH_ARGS / DECODE_ARGS / BWD_ARGS: extra arguments for bench_fwd.py / bench_decode.py /
+# bench_bwd.py.
 set -u
 # Logs are written to a scratch folder and come back as one archive, $OUT/logs.tgz (the
 # device tool returns at most 8 files).
@@ -19,11 +20,13 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX would otherwise take 75% of t
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 bench=0
 decode=0
+bwd=0
 host=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) bench=1; shift ;;
     --decode) decode=1; shift ;;
+    --bwd) bwd=1; shift ;;
     --host) host=1; shift ;;
     *) break ;;
   esac
@@ -77,6 +80,9 @@ fi
 if [ $decode = 1 ]; then
   python3 bench/bench_decode.py --out "$LOGS" ${DECODE_ARGS:-} > "$LOGS/bench_decode.txt" 2>&1
 fi
+if [ $bwd = 1 ]; then
+  python3 bench/bench_bwd.py --out "$LOGS" ${BWD_ARGS:-} > "$LOGS/bench_bwd.txt" 2>&1
+fi
 if [ $host = 1 ]; then
   python3 bench/host_overhead.py > "$LOGS/host_overhead.txt" 2>&1
 fi
@@ -90,5 +96,6 @@ done
 echo "== self-check (rc=$check_rc)"; grep -E "FAIL|self-check|^\|" "$LOGS/check.txt" | tail -20
 if [ $bench = 1 ]; then echo "== bench"; tail -40 "$LOGS/bench.txt"; fi
 if [ $decode = 1 ]; then echo "== decode bench"; tail -22 "$LOGS/bench_decode.txt"; fi
+if [ $bwd = 1 ]; then echo "== backward bench"; tail -14 "$LOGS/bench_bwd.txt"; fi
 if [ $host = 1 ]; then echo "== launch cost"; grep -E "^\|" "$LOGS/host_overhead.txt"; fi
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .
