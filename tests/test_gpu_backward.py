@@ -7,14 +7,14 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
-
-import cufa
-from cufa import reference
-
-from _attention_check import cu_seqlens, f64, randn, row_bound, _row_max, _worst_row
 
 pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import cufa  # noqa: E402
+from cufa import reference  # noqa: E402
+from _attention_check import (cu_seqlens, f64, randn, row_bound, _row_max,  # noqa: E402
+                              _worst_row)
 
 DTYPES = (torch.float16, torch.bfloat16)
 F32_ROUNDINGS = 32  # of a gradient's sum of |terms|, beside the pass rule's bound
