@@ -46,12 +46,9 @@ def _detached(sink):
     return None if sink is None else sink.detach()
 
 
-def records_grad(*xs):
-    """Whether autograd records a call on these torch tensors (the first of xs a tensor):
-    one of them requires grad, in grad mode. The call then goes through the ops, whose
-    autograd formula is the backward."""
-    torch = sys.modules["torch"]
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+def grad_mode():
+    """Whether autograd records (torch's grad mode), where a tensor requires grad."""
+    return sys.modules["torch"].is_grad_enabled()
 
 
 def _sink_grad(dsink, q):

@@ -205,15 +205,19 @@ def _returned(o, lse, return_lse, return_attn_probs):
     return (o, lse) if return_lse else o
 
 
-def _records_grad(q, *others):
+def _records_grad(q, k, v, sink):
     """Whether q is an eager or traced torch tensor and autograd records this call: it then
-    goes through the torch ops, whose autograd formula is the backward."""
+    goes through the torch ops, whose autograd formula is the backward. (Read in the order
+    that costs an inference call least: requires_grad first, then grad mode.)"""
     kind = type(q)
     if kind is not _interop._torch_tensor:
         if kind is _interop._cupy_array or kind.__module__.split(".")[0] != "torch":
             return False
         _torch_ops.register_if_torch_loaded()  # (torch imported after cufa, a first call)
-    return _torch_ops.records_grad(q, *others)
+    if not (q.requires_grad or getattr(k, "requires_grad", False)
+            or getattr(v, "requires_grad", False) or getattr(sink, "requires_grad", False)):
+        return False
+    return _torch_ops.grad_mode()
 
 
 def _other_route(q):
