@@ -13,11 +13,13 @@ from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, 
 
 
 def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq=None, dk=None,
-          dv=None, dsink=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-          softcap=0.0, stream=None, scratch=None):
+          dv=None, dsink=None, dlse=None, softmax_scale=None, causal=False,
+          window_size=(-1, -1), softcap=0.0, stream=None, scratch=None):
     """flash_attn_func's gradients -> (dq, dk, dv, dsink or None). Under jax.jit: dq, dk,
     dv, dsink are XLA's output buffers, stream XLA's and scratch (address, bytes) an XLA
-    buffer of scratch_bytes() (memory that stays valid where XLA replays the launches)."""
+    buffer of scratch_bytes() (memory that stays valid where XLA replays the launches).
+    dlse: the gradient of lse too (lse's shape, float32, contiguous), or None: lse's own
+    derivative by a score is P, so it enters as D - dlse."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
     a = _arrays.Dense(*(_view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"),
                                                  (alibi_slopes, "alibi_slopes"),
@@ -25,7 +27,7 @@ def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq
                                                  (out, "out"))))
     aligned = check_dense(a._replace(out=None), None)
     batch, seqlen_q, nheads, d = a.q.shape
-    return _run(dout, a, lse, dq, dk, dv, dsink, aligned, seq_dim=1, head_dim=2, batch=batch,
+    return _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, seq_dim=1, head_dim=2, batch=batch,
                 nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[1], d=d, window=window,
                 scale=scale, softcap=softcap, stream=stream, scratch=scratch,
                 lse_shape=(batch, nheads, seqlen_q))
@@ -33,8 +35,8 @@ def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq
 
 def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,
            alibi_slopes=None, learnable_sink=None, dq=None, dk=None, dv=None, dsink=None,
-           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, stream=None,
-           scratch=None):
+           dlse=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+           stream=None, scratch=None):
     """flash_attn_varlen_func's gradients -> (dq, dk, dv, dsink or None); the rest as
     dense's."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
@@ -45,7 +47,7 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
     a = _arrays.Packed(**{n: _view(given.get(n), n) for n in names})
     batch, _, aligned = check_packed(a._replace(out=None), None)
     total_q, nheads, d = a.q.shape
-    return _run(dout, a, lse, dq, dk, dv, dsink, aligned, seq_dim=0, head_dim=1, batch=batch,
+    return _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, seq_dim=0, head_dim=1, batch=batch,
                 nheads=nheads, seqlen_q=total_q, seqlen_k=a.k.shape[0], d=d, window=window,
                 scale=scale, softcap=softcap, stream=stream, scratch=scratch,
                 lse_shape=(nheads, total_q), packed=True)
@@ -53,7 +55,7 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
 
 def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, scale=None,
          enable_gqa=False, learnable_sink=None, dq=None, dk=None, dv=None, dsink=None,
-         stream=None, scratch=None):
+         dlse=None, stream=None, scratch=None):
     """scaled_dot_product_attention's gradients -> (dq, dk, dv, dsink or None): query, key,
     value (batch, heads, L / S, E), lse (batch, heads, L) from the forward (return_lse);
     attn_mask (boolean or additive, broadcast) is read as the forward reads it (it gets no
@@ -68,7 +70,7 @@ def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, 
                       _view(out, "out"))
     batch, nheads, seqlen_q, d = a.q.shape
     window = (UNBOUNDED, 0 if is_causal else UNBOUNDED)
-    return _run(dout, a, lse, dq, dk, dv, dsink, aligned, seq_dim=2, head_dim=1, batch=batch,
+    return _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, seq_dim=2, head_dim=1, batch=batch,
                 nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[2], d=d, window=window,
                 scale=scale, softcap=0.0, stream=stream, scratch=scratch,
                 lse_shape=(batch, nheads, seqlen_q), bottom_right=False,
@@ -95,15 +97,17 @@ def _check_like(x, name, like, like_name):
     return check_loadable(x, name)
 
 
-def _check_lse(lse, shape, q):
+def _check_lse(lse, shape, q, name="lse"):
+    """lse (or its gradient, dlse): float32 in the forward's lse layout, contiguous."""
     if lse.dtype != "float32":
-        raise TypeError(f"lse must be float32 (the forward's, return_lse=True); got {lse.dtype}")
+        raise TypeError(f"{name} must be float32 (the forward's lse, return_lse=True); got "
+                        f"{lse.dtype}")
     if lse.shape != shape:
-        raise ValueError(f"lse must have shape {shape}, the forward's; got {lse.shape}")
+        raise ValueError(f"{name} must have shape {shape}, the forward's lse's; got {lse.shape}")
     if lse.device != q.device:
-        raise ValueError(f"lse is on cuda:{lse.device} but q is on cuda:{q.device}")
+        raise ValueError(f"{name} is on cuda:{lse.device} but q is on cuda:{q.device}")
     if 0 not in shape and lse.strides != _interop.contiguous_strides(shape):
-        raise ValueError(f"lse must be contiguous, as the forward returns it; got strides "
+        raise ValueError(f"{name} must be contiguous, as the forward returns lse; got strides "
                          f"{lse.strides}")
 
 
@@ -130,7 +134,7 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None):
                                  or attn_mask is not None)
 
 
-def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, nheads,
+def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, batch, nheads,
          seqlen_q, seqlen_k, d, window, scale, softcap, stream, scratch, lse_shape,
          packed=False, bottom_right=True, attn_mask=None):
     q, k, v, o = a.q, a.k, a.v, a.out
@@ -145,6 +149,9 @@ def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, 
     aligned = _check_like(do, "dout", o, "out") and aligned
     lse_view = _interop.as_device_array(lse, "lse")
     _check_lse(lse_view, lse_shape, q)
+    if dlse is not None:
+        dlse = _interop.as_device_array(dlse, "dlse")
+        _check_lse(dlse, lse_shape, q, "dlse")
     grads = {}
     if dsink is not None:
         dsink = _interop.as_device_array(dsink, "dsink")
@@ -160,7 +167,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, 
             "the backward moves rows in 16-byte chunks: q, k, v, out, dout (and dq, dk, dv "
             "if given) need a head dim that is a multiple of 8, strides that are multiples "
             "of 8 elements and 16-byte aligned starts")
-    nheads_k = k.shape[-2]
+    nheads_k = k.shape[head_dim]
     framework = "cupy" if q.framework == "dlpack" else q.framework
     variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask)
     pre, dq_variant, *kv_variants = variants
@@ -225,7 +232,8 @@ def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, 
         if batch and nheads and (seqlen_q or seqlen_k):
             _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, places,
                     dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k,
-                    attn_mask.ptr if attn_mask is not None else 0)
+                    attn_mask.ptr if attn_mask is not None else 0,
+                    dlse.ptr if dlse is not None else 0)
         del held
     result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink_out]
     if _interop.returns_jax(q):
@@ -234,7 +242,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, aligned, *, seq_dim, head_dim, batch, 
 
 
 def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, places, dsink_ptr,
-            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr):
+            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr, dlse_ptr):
     """preprocess, dq, dk/dv on `stream`, a packed batch's work lists built first; places:
     the scratch addresses of scratch_bytes' offsets (D, then the lists)."""
     pre, dq_variant, *kv_variants = variants
@@ -266,7 +274,7 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
         learnable_sink=a.learnable_sink.ptr if a.learnable_sink is not None else 0, **pointers))
     bwd_record = _params.BWD.pack(dict(
         bwd, dout=do.ptr, dq=outs["dq"][1].ptr, dk=outs["dk"][1].ptr, dv=outs["dv"][1].ptr,
-        softmax_d=places[0], dsink=dsink_ptr))
+        softmax_d=places[0], dsink=dsink_ptr, dlse=dlse_ptr))
     args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
     launches = [(pre, -(-bwd["rows"] // 32) * nheads if seqlen_q else 0),
                 (dq_variant, q_blocks * nheads if seqlen_q else 0)]

@@ -78,18 +78,24 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
     if plan is None:
         plan = remember(key, _packed_plan(arrays, entries, ptrs, out, options))
     if check_cu_seqlens:
-        a = _arrays.Packed._make(_interop.views(arrays, PACKED_ARRAYS, entries, ptrs, 5))
-        check_cu_values(a.cu_seqlens_q, "cu_seqlens_q", a.q.shape[0], a.cu_seqlens_k,
-                        "cu_seqlens_k", a.k.shape[0] if a.block_table is None else None,
-                        a.seqused_k)
-        if a.block_table is not None:
-            check_page_ids(a.block_table, a.k.shape[0])
+        check_packed_values(_arrays.Packed._make(_interop.views(arrays, PACKED_ARRAYS, entries,
+                                                                ptrs, 5)))
     (q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, used_ptr, alibi_ptr, table_ptr, sink_ptr,
      k_descale_ptr, v_descale_ptr, o_ptr) = ptrs
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, alibi=alibi_ptr,
                     sink=sink_ptr, packed=(cu_q_ptr, cu_k_ptr, used_ptr, table_ptr, k_descale_ptr,
                                            v_descale_ptr), lse_out=lse_out,
                     stream=stream, scratch=scratch, like=q)
+
+
+def check_packed_values(a):
+    """check_cu_seqlens=True's reads of a packed batch's views (a: an _arrays.Packed):
+    cu_seqlens, seqused_k and page ids against the rows and pages (one device sync)."""
+    check_cu_values(a.cu_seqlens_q, "cu_seqlens_q", a.q.shape[0], a.cu_seqlens_k,
+                    "cu_seqlens_k", a.k.shape[0] if a.block_table is None else None,
+                    a.seqused_k)
+    if a.block_table is not None:
+        check_page_ids(a.block_table, a.k.shape[0])
 
 
 def _packed_plan(arrays, entries, ptrs, out, options):

@@ -275,23 +275,31 @@ def _differentiable(fn, entry, names, options):
 
     def backward(residuals, cotangents):
         args, out, lse = residuals
-        return _backward(entry, names, args, out, lse, cotangents[0], options)
+        return _backward(entry, names, args, out, lse, cotangents[0], cotangents[1], options)
 
     differentiable.defvjp(forward, backward)
     return differentiable
 
 
-def _backward(entry, names, args, out, lse, dout, options):
+def _backward(entry, names, args, out, lse, dout, dlse, options):
     """The cotangents of `entry`'s array arguments (None for those without one): dq, dk, dv
-    and the sink's from the backward's buffer callback, whose scratch (D, the work lists)
-    is one more XLA output."""
+    and the sink's from the backward's buffer callback (lse's cotangent dlse entering as
+    D - dlse), whose scratch (D, the work lists) is one more XLA output. Checked here, at
+    trace time, what the backward's kernels do not take."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.buffer_callback import buffer_callback
     a = dict(zip(names, args))
     if any(n in a for n in ("block_table", "k_descale", "v_descale")):
         raise NotImplementedError(f"cufa.{entry} over a paged or fp8 cache has no backward pass")
-    arrays = dict(dout=dout, q=a["q"], k=a["k"], v=a["v"], out=out, lse=lse)
+    d = a["q"].shape[-1]
+    if d % 8 or a["v"].shape[-1] != d:
+        raise NotImplementedError(
+            f"jax.grad through cufa.{entry}: the backward's kernels move 16-byte rows, so q, k "
+            f"and v need one head dim that is a multiple of 8; got {d} (q) and "
+            f"{a['v'].shape[-1]} (v). Pad the head dim with zeros (and pass the softmax scale "
+            "of the unpadded one)")
+    arrays = dict(dout=dout, q=a["q"], k=a["k"], v=a["v"], out=out, lse=lse, dlse=dlse)
     arrays.update((n, a[n]) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k",
                                       "alibi_slopes", "learnable_sink") if n in a)
     sds = jax.ShapeDtypeStruct
@@ -468,8 +476,8 @@ def _run_dense_backward(views, outs, options, stream, scratch):
     _bwd_plan.dense(views["dout"], views["q"], views["k"], views["v"], views["out"],
                     views["lse"], alibi_slopes=views.get("alibi_slopes"),
                     learnable_sink=views.get("learnable_sink"), dq=outs[0], dk=outs[1],
-                    dv=outs[2], dsink=outs[3] if len(outs) > 3 else None, **options,
-                    stream=stream, scratch=scratch)
+                    dv=outs[2], dsink=outs[3] if len(outs) > 3 else None,
+                    dlse=views.get("dlse"), **options, stream=stream, scratch=scratch)
 
 
 def _run_packed_backward(views, outs, options, stream, scratch):
@@ -477,8 +485,8 @@ def _run_packed_backward(views, outs, options, stream, scratch):
                      views["lse"], views["cu_seqlens_q"], views["cu_seqlens_k"],
                      seqused_k=views.get("seqused_k"), alibi_slopes=views.get("alibi_slopes"),
                      learnable_sink=views.get("learnable_sink"), dq=outs[0], dk=outs[1],
-                     dv=outs[2], dsink=outs[3] if len(outs) > 3 else None, **options,
-                     stream=stream, scratch=scratch)
+                     dv=outs[2], dsink=outs[3] if len(outs) > 3 else None,
+                     dlse=views.get("dlse"), **options, stream=stream, scratch=scratch)
 
 
 _RUNNERS = {"flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,

@@ -84,7 +84,7 @@ MERGE_FIELDS = [(n, _PTR) for n in ("out_a", "lse_a", "out_b", "lse_b", "out", "
     ("batch", _I32), ("seqlen", _I32), ("nheads", _I32), ("head_dim", _I32)]
 
 
-BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink",
+BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink", "dlse",
                                   "kv_tile_list", "kv_tile_count")] + [
     (f"{x}_{d}_stride", _I64) for x in ("dout", "dq", "dk", "dv")
     for d in ("batch", "row", "head")] + [("num_n_blocks", _I32), ("rows", _I32)]

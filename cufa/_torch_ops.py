@@ -80,16 +80,19 @@ def _on_chunks(dout, q, k, v, out):
     return tuple(copies), d
 
 
-def _backward(run, dout, q, k, v, out, lse, scale):
-    """run((dout, q, k, v, out, lse), scale) (a _bwd_plan entry with the call's other
+def _backward(run, dout, q, k, v, out, lse, scale, dlse):
+    """run((dout, q, k, v, out, lse), scale, dlse) (a _bwd_plan entry with the call's other
     arguments bound) on tensors the kernels take, and the op's outputs: dq, dk, dv (cut
-    back to the head dim where _on_chunks padded it) and dsink."""
+    back to the head dim where _on_chunks padded it) and dsink. dlse: lse's gradient or
+    None."""
     # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0)
     (dout, q, k, v, out), cut = _on_chunks(dout.contiguous(), q.detach(), k.detach(),
                                            v.detach(), out.detach())
     if cut and scale is None:  # (the default scale is the head dim's, not the padded one's)
         scale = cut ** -0.5
-    dq, dk, dv, dsink = run((dout, q, k, v, out, lse.detach()), scale)
+    if dlse is not None:
+        dlse = dlse.detach().float().contiguous()
+    dq, dk, dv, dsink = run((dout, q, k, v, out, lse.detach()), scale, dlse)
     if cut:
         dq, dk, dv = (x[..., :cut].contiguous() for x in (dq, dk, dv))
     return dq, dk, dv, _sink_grad(dsink, q)
@@ -125,16 +128,17 @@ def _register():
     def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        softmax_scale: Optional[float], causal: bool, window_left: int,
                        window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                       learnable_sink: Optional[Tensor]
+                       learnable_sink: Optional[Tensor], dlse: Optional[Tensor]
                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        return _backward(lambda arrays, scale: _bwd_plan.dense(
+        return _backward(lambda arrays, scale, dlse: _bwd_plan.dense(
             *arrays, alibi_slopes=alibi_slopes, learnable_sink=_detached(learnable_sink),
-            softmax_scale=scale, causal=causal, window_size=(window_left, window_right),
-            softcap=softcap), dout, q, k, v, out, lse, softmax_scale)
+            dlse=dlse, softmax_scale=scale, causal=causal,
+            window_size=(window_left, window_right), softcap=softcap),
+            dout, q, k, v, out, lse, softmax_scale, dlse)
 
     @flash_attn_bwd.register_fake
     def _(dout, q, k, v, out, lse, *rest):
-        sink = rest[-1]
+        sink = rest[-2]
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
                 q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
 
@@ -143,17 +147,18 @@ def _register():
                               lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                               softmax_scale: Optional[float], causal: bool, window_left: int,
                               window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                              seqused_k: Optional[Tensor], learnable_sink: Optional[Tensor]
+                              seqused_k: Optional[Tensor], learnable_sink: Optional[Tensor],
+                              dlse: Optional[Tensor]
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        return _backward(lambda arrays, scale: _bwd_plan.packed(
+        return _backward(lambda arrays, scale, dlse: _bwd_plan.packed(
             *arrays, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
-            learnable_sink=_detached(learnable_sink), softmax_scale=scale, causal=causal,
-            window_size=(window_left, window_right), softcap=softcap),
-            dout, q, k, v, out, lse, softmax_scale)
+            learnable_sink=_detached(learnable_sink), dlse=dlse, softmax_scale=scale,
+            causal=causal, window_size=(window_left, window_right), softcap=softcap),
+            dout, q, k, v, out, lse, softmax_scale, dlse)
 
     @flash_attn_varlen_bwd.register_fake
     def _(dout, q, k, v, out, lse, *rest):
-        sink = rest[-1]
+        sink = rest[-2]
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
                 q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
 
@@ -164,7 +169,8 @@ def _register():
 
     def dense_backward(ctx, dout, dlse):
         q, k, v, out, lse, alibi, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink)
+        dq, dk, dv, dsink = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink,
+                                           dlse)
         return (dq, dk, dv, None, None, None, None, None, None,
                 _as_sink_grad(dsink, sink, ctx.needs_input_grad[-1]))
 
@@ -183,7 +189,7 @@ def _register():
                                       "backward pass")
         q, k, v, out, lse, cu_q, cu_k, alibi, used, sink = ctx.saved_tensors
         dq, dk, dv, dsink = flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k,
-                                                  *ctx.options, alibi, used, sink)
+                                                  *ctx.options, alibi, used, sink, dlse)
         return (dq, dk, dv) + (None,) * 12 + (
             _as_sink_grad(dsink, sink, ctx.needs_input_grad[15]), None, None)
 
@@ -220,9 +226,10 @@ def _register():
                  lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                  scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor]
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        return _backward(lambda arrays, s: _bwd_plan.sdpa(
+        return _backward(lambda arrays, s, dlse: _bwd_plan.sdpa(
             *arrays, attn_mask, is_causal=is_causal, scale=s, enable_gqa=enable_gqa,
-            learnable_sink=_detached(learnable_sink)), dout, query, key, value, out, lse, scale)
+            learnable_sink=_detached(learnable_sink)), dout, query, key, value, out, lse, scale,
+            None)
 
     @sdpa_bwd.register_fake
     def _(dout, q, k, v, out, lse, *rest):

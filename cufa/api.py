@@ -3,8 +3,8 @@ planner of its family (_fwd_plan, _decode_plan), or, while torch.compile or jax.
 traces the call, to that framework's front-end (_torch_ops, _jax)."""
 import numbers
 
-from . import (_bwd_plan, _compile, _decode_plan, _fwd_plan, _interop, _jax, _runtime,
-               _torch_ops)
+from . import (_arrays, _bwd_plan, _compile, _decode_plan, _fwd_plan, _interop, _jax,
+               _runtime, _torch_ops)
 from ._checks import (NO_WINDOW, as_index, check_num_splits, reject_unsupported,
                       sink_without_grad, window_ints)
 from ._decode_plan import merge, with_kvcache
@@ -53,8 +53,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return_lse = return_lse or return_attn_probs
     if learnable_sink is not None:
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
-    if _other_route(q) or _records_grad(q, k, v, learnable_sink):
-        if _torch_ops.compiling(q) or _records_grad(q, k, v, learnable_sink):
+    grad = _records_grad(q, k, v, learnable_sink)
+    if grad or _other_route(q):
+        if grad or _torch_ops.compiling(q):
             if out is not None:
                 raise NotImplementedError("out= is not supported inside torch.compile or where "
                                           "autograd records the call")
@@ -123,15 +124,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return_lse = return_lse or return_attn_probs
     if learnable_sink is not None:
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
-    if _other_route(q) or _records_grad(q, k, v, learnable_sink):
-        if _torch_ops.compiling(q) or _records_grad(q, k, v, learnable_sink):
+    grad = _records_grad(q, k, v, learnable_sink)
+    if grad or _other_route(q):
+        if grad or _torch_ops.compiling(q):
             if out is not None:
                 raise NotImplementedError("out= is not supported inside torch.compile or where "
                                           "autograd records the call")
             if check_cu_seqlens:
-                raise ValueError("check_cu_seqlens=True reads device values (a sync), which "
-                                 "torch.compile cannot trace; check them outside the compiled "
-                                 "code")
+                if _torch_ops.compiling(q):
+                    raise ValueError("check_cu_seqlens=True reads device values (a sync), "
+                                     "which torch.compile cannot trace; check them outside "
+                                     "the compiled code")
+                _fwd_plan.check_packed_values(_arrays.Packed(*(
+                    None if x is None else _interop.as_device_array(
+                        x.detach() if getattr(x, "requires_grad", False) else x, name)
+                    for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+                                    (cu_seqlens_k, "cu_seqlens_k"), (seqused_k, "seqused_k"),
+                                    (None, ""), (block_table, "block_table")))))
             o, lse = _torch_ops.op("flash_attn_varlen")(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 causal, *window_ints(window_size), softcap, alibi_slopes, seqused_k, block_table,
@@ -161,7 +170,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
                         window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
-                        deterministic=False, *, learnable_sink=None, dq=None, dk=None, dv=None):
+                        deterministic=False, *, learnable_sink=None, dq=None, dk=None, dv=None,
+                        dlse=None):
     """The gradients of a flash_attn_func call: (dq, dk, dv), and with learnable_sink a
     fourth, dsink (float32 (nheads,)). For custom training code in any framework; PyTorch
     autograd and jax.grad call it themselves.
@@ -173,10 +183,14 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     dv: arrays to write the gradients into (q's, k's and v's shapes and dtype), else new
     contiguous ones of q's framework. The gradients are the same bits on every run (no
     atomics; `deterministic` is accepted for compatibility); dsink sums with atomics.
-    Needs 16-byte rows: head dims and strides that are multiples of 8."""
+    Needs 16-byte rows: head dims and strides that are multiples of 8. dlse: the gradient
+    of lse as well, where a loss reads lse (its shape, float32, contiguous). Torch tensors
+    are read detached (this is what a backward runs on)."""
+    dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse = _detached(
+        dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse)
     dq, dk, dv, dsink = _bwd_plan.dense(
         dout, q, k, v, out, lse, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
-        dq=dq, dk=dk, dv=dv, softmax_scale=softmax_scale, causal=causal,
+        dq=dq, dk=dk, dv=dv, dlse=dlse, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
@@ -185,16 +199,24 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                                max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
                                window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
                                deterministic=False, *, seqused_k=None, learnable_sink=None,
-                               dq=None, dk=None, dv=None):
+                               dq=None, dk=None, dv=None, dlse=None):
     """flash_attn_backward for a flash_attn_varlen_func call (packed rows, lse (nheads,
     total_q)). Keys past seqused_k[b] get zero gradients. max_seqlen_q / max_seqlen_k are
     accepted for compatibility (the work lists are built on the GPU from cu_seqlens). A
     paged cache (block_table) has no backward."""
+    dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse = _detached(
+        dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse)
     dq, dk, dv, dsink = _bwd_plan.packed(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k,
         alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dq=dq, dk=dk, dv=dv,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+        dlse=dlse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
+
+
+def _detached(*xs):
+    """Torch tensors that require grad, detached (a user's own backward holds such ones)."""
+    return tuple(x.detach() if getattr(x, "requires_grad", False) else x for x in xs)
 
 
 def _returned(o, lse, return_lse, return_attn_probs):

@@ -222,6 +222,8 @@ def test_sdpa_reads_its_mask_and_top_left_causal(monkeypatch):
     fwd, bwd = rec.launches[-1][-1]
     assert rec.launches[-1][0].score_mods and rec.launches[-1][0].mask == "window"
     assert (fwd["bottom_right"], fwd["window_left"], fwd["window_right"]) == (0, 1 << 30, 0)
+    assert (fwd["nheads"], fwd["nheads_k"], fwd["seqlen_q"], fwd["seqlen_k"]) == (h, hk, L, S)
+    assert rec.launches[-1][1] == -(-S // 64) * b * hk  # dk/dv: key blocks of each KV head
     assert fwd["attn_mask"] == 0x8000 and fwd["attn_mask_type"] == _checks.ATTN_MASK_TYPES["float32"]
     assert (fwd["mask_batch_stride"], fwd["mask_head_stride"], fwd["mask_row_stride"],
             fwd["mask_col_stride"]) == (0, S, 0, 1)
@@ -231,3 +233,20 @@ def test_sdpa_reads_its_mask_and_top_left_causal(monkeypatch):
         hk * S * d, d, S * d)
     with pytest.raises(ValueError, match="enable_gqa"):
         _bwd_plan.sdpa(dout, q, k, v, out, lse)
+
+
+def test_lse_gradient_and_detached_inputs(monkeypatch):
+    """dlse goes to the kernels (it enters as D - dlse); torch tensors that require grad
+    (a user's own backward holds such ones) are read detached."""
+    torch = pytest.importorskip("torch")
+    rec = Recorder(monkeypatch)
+    args = list(dense_args())
+    dlse = arr(args[5].shape, "float32", ptr=0xd000)
+    cufa.flash_attn_backward(*args, dlse=dlse)
+    assert rec.launches[0][-1][1]["dlse"] == 0xd000
+    with pytest.raises(ValueError, match="dlse must have shape"):
+        cufa.flash_attn_backward(*args, dlse=arr((2, 4, 32), "float32"))
+    x = torch.zeros(4, requires_grad=True)
+    from cufa import api
+    (y,) = api._detached(x)
+    assert not y.requires_grad and y.data_ptr() == x.data_ptr()

@@ -291,3 +291,27 @@ def test_sdpa_autograd(mask):
         kw["attn_mask"] = m.cpu().numpy() if mask == "bool" else f64(m)
     check_grads((t(q.grad), t(k.grad), t(v.grad)), *(t(x) for x in (q, k, v, dout)),
                 f"sdpa mask={mask}", out=t(out), **kw)
+
+
+def test_gradient_through_lse():
+    """A loss that reads lse as well (a hand-made merge of partial attentions does): its
+    gradient against torch autograd of the naive attention in float64 (lse's derivative by a
+    score is P, so it enters as D - dlse). Rows within 1 % of their largest gradient, bf16."""
+    rng = np.random.default_rng(29)
+    dtype, b, s, h, d = torch.bfloat16, 1, 64, 2, 64
+    q, k, v = (randn(rng, (b, s, h, d), dtype).requires_grad_() for _ in range(3))
+    dout = randn(rng, (b, s, h, d), dtype)
+    wl = torch.from_numpy(rng.standard_normal((b, h, s))).float().cuda()
+    out, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    ((out.float() * dout.float()).sum() + (lse * wl).sum()).backward()
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    sc = torch.einsum("bihd,bjhd->bhij", q64, k64) / d ** 0.5
+    sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    lse64 = torch.logsumexp(sc, -1)
+    o64 = torch.einsum("bhij,bjhd->bihd", torch.softmax(sc, -1), v64)
+    ((o64 * dout.double()).sum() + (lse64 * wl.double()).sum()).backward()
+    for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
+                            ("dv", v.grad, v64.grad)):
+        err = (got.double() - want).abs().amax(-1)
+        bound = 1e-2 * want.abs().amax(-1) + 1e-3
+        assert (err <= bound).all(), (name, float((err / bound).max()))

@@ -490,7 +490,8 @@ def test_grad_through_flash_attn_func(numpy_device, rng, jit):
     entries = [spec.entry for spec in numpy_device]
     assert entries[-2:] == ["flash_attn_func", "flash_attn_backward"]
     spec = numpy_device[-1]
-    assert spec.names == ("dout", "q", "k", "v", "out", "lse", "alibi_slopes", "learnable_sink")
+    assert spec.names == ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes",
+                          "learnable_sink")
     assert spec.scratch and spec.out_dtypes[:4] == ("float16", "float16", "float16", "float32")
 
 
@@ -510,5 +511,17 @@ def test_grad_through_flash_attn_varlen_func(numpy_device, rng):
         for g, w in zip(got, (want.dq, want.dk, want.dv)):
             close(g[s:e], w[0], tol=3e-2)
     assert numpy_device[-1].entry == "flash_attn_varlen_backward"
-    assert numpy_device[-1].names[:8] == ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q",
-                                          "cu_seqlens_k")
+    assert numpy_device[-1].names[:9] == ("dout", "q", "k", "v", "out", "lse", "dlse",
+                                          "cu_seqlens_q", "cu_seqlens_k")
+
+
+def test_grad_through_lse_and_refusals(numpy_device, rng):
+    """lse's cotangent reaches the backward (as dlse); a head dim the kernels cannot take
+    is refused while tracing, not inside XLA."""
+    q = randn(rng, (1, 6, 2, 16))
+    jax.grad(lambda q: cufa.flash_attn_func(q, q, q, return_lse=True)[1].sum())(q)
+    spec = numpy_device[-1]
+    assert spec.entry == "flash_attn_backward" and "dlse" in spec.names
+    odd = randn(rng, (1, 6, 2, 12))
+    with pytest.raises(NotImplementedError, match="multiple of 8"):
+        jax.grad(lambda q: cufa.flash_attn_func(q, q, q).astype(jnp.float32).sum())(odd)

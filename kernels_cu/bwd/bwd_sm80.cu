@@ -127,9 +127,9 @@ __device__ __forceinline__ void load_rows(u32 smem, const u16* gmem, i64 row_str
 }
 
 // ---------------------------------------------------------------------------------------
-// preprocess: D = rowsum(dout * out) for every (row, head), and the sink's gradient
-// dsink_h = -sum_rows exp(sink_h - lse) * D (a row's output falls by its sink's share as the
-// sink grows). A CTA of 8 warps takes 32 rows of one head, a warp a row at a time.
+// preprocess: D = rowsum(dout * out) for every (row, head) (less lse's gradient, where
+// given), and the sink's gradient dsink_h = -sum_rows exp(sink_h - lse) * D (a row's output
+// falls by its sink's share as the sink grows). A CTA of 8 warps takes 32 rows of one head, a warp a row at a time.
 template <int kDtype>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kRowsPerWarp = 4, kRowsPerCta = 8 * kRowsPerWarp;
@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
     const i64 at = b * p.lse_batch_stride + h * p.lse_head_stride + row;
+    if (g.dlse) sum -= reinterpret_cast<const float*>(g.dlse)[at];
     if (lane == 0) {
       reinterpret_cast<float*>(g.softmax_d)[at] = sum;
       if (g.dsink && sum != 0.f)  // (a row without keys: lse = sink, out 0, nothing to add)

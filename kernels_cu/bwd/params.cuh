@@ -11,6 +11,8 @@ struct BwdParams {
   u64 dq, dk, dv;       // the gradients, q's, k's and v's shapes
   u64 softmax_d;        // float32 in lse's layout: rowsum(dout * out), the preprocess's
   u64 dsink;            // float32 (nheads,), summed into (zeroed by the host); 0: no sink
+  u64 dlse;             // float32 in lse's layout: lse's own gradient (it enters as D - dlse,
+                        // lse's derivative by a score being P); 0: none
   // Packed batches: the (sequence, key block) list of the key-block kernel, built by
   // varlen_schedule over cu_seqlens_k, and its length; 0 for padded batches
   u64 kv_tile_list, kv_tile_count;

@@ -176,7 +176,7 @@ def fwd_kvcache(q, kcache, vcache, k_, v_, seqlens_k_, rotary_cos_, rotary_sin_,
 def _softmax_d(dout, out, lse_shape, packed):
     """flash-attn's softmax_d output, rowsum(dout * out) in lse's layout (float32), by torch:
     cufa's kernels keep theirs in scratch."""
-    d = (dout.float() * out.float()).sum(-1)  # (batch, seqlen, heads) or (total, heads)
+    d = (dout.detach().float() * out.detach().float()).sum(-1)  # (b, s, h) or (total, h)
     return (d.t() if packed else d.transpose(1, 2)).contiguous().view(lse_shape)
 
 
