@@ -146,9 +146,10 @@ _SDPA_ARRAYS = _arrays.Sdpa._fields
 
 
 def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa,
-         learnable_sink=None, stream=None, scratch=None, return_lse=False):
-    """scaled_dot_product_attention on arrays or views; out and stream as in dense;
-    return_lse: (out, lse), lse (batch, heads, L) float32 (what its backward reads)."""
+         learnable_sink=None, stream=None, scratch=None, return_lse=False, lse_out=None):
+    """scaled_dot_product_attention on arrays or views; out, lse_out and stream as in
+    dense; return_lse: (out, lse), lse (batch, heads, L) float32 (what its backward
+    reads)."""
     options = (bool(is_causal), check_scale(scale, "scale"), bool(enable_gqa))
     arrays = (query, key, value, attn_mask, learnable_sink)
     entries, addresses = _interop.signature(arrays, _SDPA_ARRAYS)
@@ -161,7 +162,7 @@ def sdpa(query, key, value, attn_mask, out, *, is_causal, scale, enable_gqa,
     q_ptr, k_ptr, v_ptr, mask_ptr, sink_ptr = addresses
     o_ptr = 0 if out is None else out.ptr
     return _execute(plan, q_ptr, k_ptr, v_ptr, out, o_ptr, return_lse, attn_mask=mask_ptr,
-                    sink=sink_ptr, stream=stream, scratch=scratch, like=query)
+                    sink=sink_ptr, lse_out=lse_out, stream=stream, scratch=scratch, like=query)
 
 
 def plan_sdpa(a, is_causal, scale, enable_gqa):

@@ -224,8 +224,9 @@ def _outputs(entry, a):
     if entry == "flash_attn_varlen_func":
         q, v = a["q"], a["v"]
         return [sds(q.shape[:-1] + v.shape[-1:], q.dtype), sds((q.shape[1], q.shape[0]), f32)], []
-    if entry == "scaled_dot_product_attention":
-        return [sds(a["query"].shape, a["query"].dtype)], []
+    if entry == "scaled_dot_product_attention":  # (lse: its backward reads it)
+        query = a["query"]
+        return [sds(query.shape, query.dtype), sds(query.shape[:3], f32)], []
     if entry == "flash_attn_with_kvcache":
         q = a["q"]
         outs = [sds(q.shape, q.dtype), sds((q.shape[0], q.shape[2], q.shape[1]), f32)]
@@ -255,7 +256,10 @@ def _without_vmap(fn, entry):
 
 # The differentiable entries and their backward's callback entry
 _BACKWARD = {"flash_attn_func": "flash_attn_backward",
-             "flash_attn_varlen_func": "flash_attn_varlen_backward"}
+             "flash_attn_varlen_func": "flash_attn_varlen_backward",
+             "scaled_dot_product_attention": "sdpa_backward"}
+# (q, k, v)'s names in each differentiable entry's arguments
+_QKV = {"scaled_dot_product_attention": ("query", "key", "value")}
 
 
 def _differentiable(fn, entry, names, options):
@@ -292,18 +296,21 @@ def _backward(entry, names, args, out, lse, dout, dlse, options):
     a = dict(zip(names, args))
     if any(n in a for n in ("block_table", "k_descale", "v_descale")):
         raise NotImplementedError(f"cufa.{entry} over a paged or fp8 cache has no backward pass")
-    d = a["q"].shape[-1]
-    if d % 8 or a["v"].shape[-1] != d:
+    qn, kn, vn = _QKV.get(entry, ("q", "k", "v"))
+    d = a[qn].shape[-1]
+    if d % 8 or a[vn].shape[-1] != d:
         raise NotImplementedError(
             f"jax.grad through cufa.{entry}: the backward's kernels move 16-byte rows, so q, k "
             f"and v need one head dim that is a multiple of 8; got {d} (q) and "
-            f"{a['v'].shape[-1]} (v). Pad the head dim with zeros (and pass the softmax scale "
+            f"{a[vn].shape[-1]} (v). Pad the head dim with zeros (and pass the softmax scale "
             "of the unpadded one)")
-    arrays = dict(dout=dout, q=a["q"], k=a["k"], v=a["v"], out=out, lse=lse, dlse=dlse)
+    arrays = {"dout": dout, qn: a[qn], kn: a[kn], vn: a[vn], "out": out, "lse": lse}
+    if qn == "q":  # (SDPA's lse is its own, never the caller's: no cotangent)
+        arrays["dlse"] = dlse
     arrays.update((n, a[n]) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k",
-                                      "alibi_slopes", "learnable_sink") if n in a)
+                                      "alibi_slopes", "attn_mask", "learnable_sink") if n in a)
     sds = jax.ShapeDtypeStruct
-    results = [sds(a[n].shape, a[n].dtype) for n in ("q", "k", "v")]
+    results = [sds(a[n].shape, a[n].dtype) for n in (qn, kn, vn)]
     sink = a.get("learnable_sink")
     if sink is not None:
         results.append(sds(sink.shape, jnp.float32))
@@ -317,7 +324,7 @@ def _backward(entry, names, args, out, lse, dout, dlse, options):
     fn = buffer_callback(lambda ctx, outs, *bufs: on_device(spec, ctx, outs, bufs),
                          tuple(results), command_buffer_compatible=True)
     outs = _without_vmap(fn, bwd_entry)(*(arrays[n] for n in bnames))
-    grads = dict(q=outs[0], k=outs[1], v=outs[2])
+    grads = {qn: outs[0], kn: outs[1], vn: outs[2]}
     if sink is not None:
         grads["learnable_sink"] = outs[3].astype(sink.dtype)
     return tuple(grads.get(n) for n in names)
@@ -326,6 +333,13 @@ def _backward(entry, names, args, out, lse, dout, dlse, options):
 def _backward_scratch_bytes(entry, arrays, options):
     """_bwd_plan.scratch_bytes of a traced backward call (at least one byte: XLA's buffer)."""
     v = _traced_views(arrays, 0)
+    if entry == "sdpa_backward":
+        query = v["query"]
+        batch, nheads, seqlen_q, d = query.shape
+        window = (_checks.UNBOUNDED, 0 if options["is_causal"] else _checks.UNBOUNDED)
+        variants = _bwd_plan.variants_of(query, d, window, 0.0, None, v.get("attn_mask"))
+        return max(1, _bwd_plan.scratch_bytes(variants, (batch, nheads, seqlen_q), batch,
+                                              seqlen_q, v["key"].shape[2], False)[0])
     window, _, softcap = _checked_options(options)
     q = v["q"]
     if entry == "flash_attn_backward":
@@ -457,7 +471,15 @@ def _run_packed(views, outs, options, stream, scratch):
 
 def _run_sdpa(views, outs, options, stream, scratch):
     _fwd_plan.sdpa(views["query"], views["key"], views["value"], views.get("attn_mask"), outs[0],
-                   **options, learnable_sink=views.get("learnable_sink"), stream=stream,
+                   **options, learnable_sink=views.get("learnable_sink"), return_lse=True,
+                   lse_out=outs[1], stream=stream, scratch=scratch)
+
+
+def _run_sdpa_backward(views, outs, options, stream, scratch):
+    _bwd_plan.sdpa(views["dout"], views["query"], views["key"], views["value"], views["out"],
+                   views["lse"], views.get("attn_mask"), **options,
+                   learnable_sink=views.get("learnable_sink"), dq=outs[0], dk=outs[1],
+                   dv=outs[2], dsink=outs[3] if len(outs) > 3 else None, stream=stream,
                    scratch=scratch)
 
 
@@ -492,5 +514,6 @@ def _run_packed_backward(views, outs, options, stream, scratch):
 _RUNNERS = {"flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,
             "flash_attn_backward": _run_dense_backward,
             "flash_attn_varlen_backward": _run_packed_backward,
+            "sdpa_backward": _run_sdpa_backward,
             "scaled_dot_product_attention": _run_sdpa, "flash_attn_with_kvcache": _run_kvcache,
             "merge_attention_states": _run_merge}

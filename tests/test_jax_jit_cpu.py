@@ -70,10 +70,19 @@ def _packed(a, options):
 
 def _sdpa(a, options):
     t = (lambda x: x.transpose(0, 2, 1, 3))
-    o, _ = reference.attention(t(a["query"]), t(a["key"]), t(a["value"]),
-                               causal=options["is_causal"], diag_offset=0,
-                               learnable_sink=a.get("learnable_sink"))
-    return (t(o),)
+    o, lse = reference.attention(t(a["query"]), t(a["key"]), t(a["value"]),
+                                 causal=options["is_causal"], diag_offset=0,
+                                 learnable_sink=a.get("learnable_sink"))
+    return t(o), lse
+
+
+def _sdpa_backward(a, options):
+    t = (lambda x: x.transpose(0, 2, 1, 3))
+    g = reference.attention_backward(t(a["query"]), t(a["key"]), t(a["value"]), t(a["dout"]),
+                                     causal=options["is_causal"], diag_offset=0,
+                                     softmax_scale=options.get("scale"),
+                                     learnable_sink=a.get("learnable_sink"))
+    return (t(g.dq), t(g.dk), t(g.dv)) + ((g.dsink,) if g.dsink is not None else ())
 
 
 def _kvcache(a, options):
@@ -129,7 +138,7 @@ def _packed_backward(a, options):
 _REFERENCE = {"flash_attn_func": _dense, "flash_attn_varlen_func": _packed,
               "scaled_dot_product_attention": _sdpa, "flash_attn_with_kvcache": _kvcache,
               "merge_attention_states": _merge, "flash_attn_backward": _dense_backward,
-              "flash_attn_varlen_backward": _packed_backward}
+              "flash_attn_varlen_backward": _packed_backward, "sdpa_backward": _sdpa_backward}
 
 
 def randn(rng, shape, dtype=jnp.float16):
@@ -297,7 +306,8 @@ def test_vmap_grad_and_out_raise_clear_errors(numpy_device, rng):
         jax.vmap(lambda q: cufa.flash_attn_func(q, q, q))(q)
     x = randn(rng, (1, 5, 2, 16), jnp.float32).astype(jnp.float16)
     with pytest.raises(NotImplementedError, match="no backward pass yet"):
-        jax.grad(lambda q: cufa.scaled_dot_product_attention(q, q, q).astype(
+        lse = jnp.zeros((1, 2, 5), jnp.float32)  # (merge has no backward)
+        jax.grad(lambda q: cufa.merge_attention_states(q, lse, q, lse)[0].astype(
             jnp.float32).sum())(x)
     with pytest.raises(TypeError, match="immutable"):
         jax.jit(lambda q: cufa.flash_attn_func(q, q, q, out=q))(x)
@@ -525,3 +535,19 @@ def test_grad_through_lse_and_refusals(numpy_device, rng):
     odd = randn(rng, (1, 6, 2, 12))
     with pytest.raises(NotImplementedError, match="multiple of 8"):
         jax.grad(lambda q: cufa.flash_attn_func(q, q, q).astype(jnp.float32).sum())(odd)
+
+
+def test_grad_through_sdpa(numpy_device, rng):
+    q, k, v = randn(rng, (2, 4, 7, 16)), randn(rng, (2, 2, 9, 16)), randn(rng, (2, 2, 9, 16))
+    dout = rng.standard_normal((2, 4, 7, 16))
+
+    def loss(q, k, v):
+        out = cufa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return (out.astype(jnp.float32) * dout).sum()
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    t = (lambda x: np.asarray(x, np.float64).transpose(0, 2, 1, 3))
+    want = reference.attention_backward(t(q), t(k), t(v), t(dout), causal=True, diag_offset=0)
+    for g, w in zip(got, (want.dq, want.dk, want.dv)):
+        close(t(g), w, tol=3e-2)
+    assert numpy_device[-1].entry == "sdpa_backward"
+    assert numpy_device[-1].names[:6] == ("dout", "query", "key", "value", "out", "lse")
