@@ -55,11 +55,12 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
 
 def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, scale=None,
          enable_gqa=False, learnable_sink=None, dq=None, dk=None, dv=None, dsink=None,
-         dlse=None, stream=None, scratch=None):
+         dlse=None, dmask=None, stream=None, scratch=None):
     """scaled_dot_product_attention's gradients -> (dq, dk, dv, dsink or None): query, key,
     value (batch, heads, L / S, E), lse (batch, heads, L) from the forward (return_lse);
-    attn_mask (boolean or additive, broadcast) is read as the forward reads it (it gets no
-    gradient). The rest as dense's."""
+    attn_mask (boolean or additive, broadcast) is read as the forward reads it. dmask: a
+    zeroed float32 array of an additive attn_mask's shape, into which its gradient is summed
+    (dS, over the dimensions the mask broadcasts along). The rest as dense's."""
     from ._checks import check_scale, check_sdpa
     scale = check_scale(scale, "scale")
     views = _arrays.Sdpa(*(_view(x, n) for x, n in (
@@ -74,7 +75,20 @@ def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, 
                 nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[2], d=d, window=window,
                 scale=scale, softcap=0.0, stream=stream, scratch=scratch,
                 lse_shape=(batch, nheads, seqlen_q), bottom_right=False,
-                attn_mask=views.attn_mask)
+                attn_mask=views.attn_mask, dmask=_mask_grad(dmask, views.attn_mask))
+
+
+def _mask_grad(dmask, mask):
+    """dmask's view, checked against the mask it is the gradient of."""
+    if dmask is None:
+        return None
+    dmask = _interop.as_device_array(dmask, "dmask")
+    if mask is None or mask.dtype == "bool":
+        raise ValueError("dmask is the gradient of an additive (float) attn_mask; there is none")
+    if dmask.dtype != "float32" or dmask.shape != mask.shape or dmask.device != mask.device:
+        raise ValueError(f"dmask must be float32 {mask.shape} on cuda:{mask.device}, attn_mask's "
+                         f"shape; got {dmask.dtype} {dmask.shape} on cuda:{dmask.device}")
+    return dmask
 
 
 def _view(x, name):
@@ -136,7 +150,7 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None):
 
 def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, batch, nheads,
          seqlen_q, seqlen_k, d, window, scale, softcap, stream, scratch, lse_shape,
-         packed=False, bottom_right=True, attn_mask=None):
+         packed=False, bottom_right=True, attn_mask=None, dmask=None):
     q, k, v, o = a.q, a.k, a.v, a.out
     if o is None:
         raise ValueError("out, the forward's output, is needed for the backward")
@@ -189,6 +203,9 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
          fwd["mask_col_stride"]) = _broadcast_strides(attn_mask, (batch, nheads, seqlen_q,
                                                                   seqlen_k))
     bwd = dict(num_n_blocks=-(-seqlen_k // block_n), rows=(1 if packed else batch) * seqlen_q)
+    if dmask is not None:
+        (bwd["dmask_batch_stride"], bwd["dmask_head_stride"], bwd["dmask_row_stride"],
+         bwd["dmask_col_stride"]) = _broadcast_strides(dmask, (batch, nheads, seqlen_q, seqlen_k))
     for x, prefix, record in ((q, "q", fwd), (k, "k", fwd), (v, "v", fwd), (o, "o", fwd),
                               (do, "dout", bwd)):
         record[f"{prefix}_batch_stride"] = 0 if packed else x.strides[0]
@@ -233,7 +250,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
             _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, places,
                     dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k,
                     attn_mask.ptr if attn_mask is not None else 0,
-                    dlse.ptr if dlse is not None else 0)
+                    dlse.ptr if dlse is not None else 0, dmask.ptr if dmask is not None else 0)
         del held
     result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink_out]
     if _interop.returns_jax(q):
@@ -242,7 +259,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
 
 
 def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, places, dsink_ptr,
-            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr, dlse_ptr):
+            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr, dlse_ptr, dmask_ptr):
     """preprocess, dq, dk/dv on `stream`, a packed batch's work lists built first; places:
     the scratch addresses of scratch_bytes' offsets (D, then the lists)."""
     pre, dq_variant, *kv_variants = variants
@@ -274,7 +291,7 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
         learnable_sink=a.learnable_sink.ptr if a.learnable_sink is not None else 0, **pointers))
     bwd_record = _params.BWD.pack(dict(
         bwd, dout=do.ptr, dq=outs["dq"][1].ptr, dk=outs["dk"][1].ptr, dv=outs["dv"][1].ptr,
-        softmax_d=places[0], dsink=dsink_ptr, dlse=dlse_ptr))
+        softmax_d=places[0], dsink=dsink_ptr, dlse=dlse_ptr, dmask=dmask_ptr))
     args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
     launches = [(pre, -(-bwd["rows"] // 32) * nheads if seqlen_q else 0),
                 (dq_variant, q_blocks * nheads if seqlen_q else 0)]

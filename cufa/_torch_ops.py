@@ -82,8 +82,8 @@ def _on_chunks(dout, q, k, v, out):
 
 def _backward(run, dout, q, k, v, out, lse, scale, dlse):
     """run((dout, q, k, v, out, lse), scale, dlse) (a _bwd_plan entry with the call's other
-    arguments bound) on tensors the kernels take, and the op's outputs: dq, dk, dv (cut
-    back to the head dim where _on_chunks padded it) and dsink. dlse: lse's gradient or
+    arguments bound) on tensors the kernels take, and the op's outputs: (dq, dk, dv (cut
+    back to the head dim where _on_chunks padded it), dsink). dlse: lse's gradient or
     None."""
     # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0)
     (dout, q, k, v, out), cut = _on_chunks(dout.contiguous(), q.detach(), k.detach(),
@@ -221,21 +221,26 @@ def _register():
         return (query.new_empty(query.shape),
                 query.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
+    # (dmask: the additive mask's gradient, float32 in its shape, where mask_grad; else (0,))
     @torch.library.custom_op("cufa::sdpa_bwd", mutates_args=())
     def sdpa_bwd(dout: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
                  lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                 scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor]
-                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                 scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor],
+                 mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        dmask = (torch.zeros(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
+                 if mask_grad else query.new_empty((0,), dtype=torch.float32))
         return _backward(lambda arrays, s, dlse: _bwd_plan.sdpa(
-            *arrays, attn_mask, is_causal=is_causal, scale=s, enable_gqa=enable_gqa,
-            learnable_sink=_detached(learnable_sink)), dout, query, key, value, out, lse, scale,
-            None)
+            *arrays, attn_mask.detach() if attn_mask is not None else None, is_causal=is_causal,
+            scale=s, enable_gqa=enable_gqa, learnable_sink=_detached(learnable_sink),
+            dmask=dmask if mask_grad else None), dout, query, key, value, out, lse, scale,
+            None) + (dmask,)
 
     @sdpa_bwd.register_fake
-    def _(dout, q, k, v, out, lse, *rest):
-        sink = rest[-1]
+    def _(dout, q, k, v, out, lse, mask, *rest):
+        sink, mask_grad = rest[-2], rest[-1]
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-                q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
+                q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32),
+                q.new_empty(mask.shape if mask_grad else (0,), dtype=torch.float32))
 
     def sdpa_setup(ctx, inputs, output):
         query, key, value, mask, is_causal, scale, enable_gqa, sink = inputs
@@ -244,12 +249,10 @@ def _register():
 
     def sdpa_backward(ctx, dout, dlse):
         query, key, value, out, lse, mask, sink = ctx.saved_tensors
-        if ctx.needs_input_grad[3]:
-            raise NotImplementedError("the gradient of attn_mask: cufa's backward has none; "
-                                      "pass attn_mask.detach()")
-        dq, dk, dv, dsink = sdpa_bwd(dout, query, key, value, out, lse, mask, *ctx.options,
-                                     sink)
-        return (dq, dk, dv, None, None, None, None,
+        mask_grad = bool(ctx.needs_input_grad[3])
+        dq, dk, dv, dsink, dmask = sdpa_bwd(dout, query, key, value, out, lse, mask,
+                                            *ctx.options, sink, mask_grad)
+        return (dq, dk, dv, dmask.to(mask.dtype) if mask_grad else None, None, None, None,
                 _as_sink_grad(dsink, sink, ctx.needs_input_grad[7]))
 
     sdpa_lse.register_autograd(sdpa_backward, setup_context=sdpa_setup)

@@ -265,15 +265,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     learnable_sink: as in flash_attn_func, one logit a query head (heads,).
 
     Rows that see no key give 0 (PyTorch's math backend gives NaN there). Torch tensors
-    that require grad get the backward (autograd; attn_mask gets no gradient).
+    that require grad get the backward (autograd), an additive attn_mask too (its gradient
+    summed over the dimensions it broadcasts along).
     """
     reject_unsupported(dropout_p)
     if learnable_sink is not None:
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
-    if _records_grad(query, key, value, learnable_sink):
-        if getattr(attn_mask, "requires_grad", False):
-            raise NotImplementedError("attn_mask requires grad, but cufa's backward gives it "
-                                      "no gradient: pass attn_mask.detach()")
+    if _records_grad(query, key, value, learnable_sink) or (
+            getattr(attn_mask, "requires_grad", False) and _torch_ops.grad_mode()):
         return _torch_ops.op("sdpa_lse")(query, key, value, attn_mask, is_causal, scale,
                                          enable_gqa, learnable_sink)[0]
     if _torch_ops.compiling(query):

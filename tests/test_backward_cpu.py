@@ -231,6 +231,15 @@ def test_sdpa_reads_its_mask_and_top_left_causal(monkeypatch):
                                                                                   L * d)
     assert (bwd["dk_batch_stride"], bwd["dk_row_stride"], bwd["dk_head_stride"]) == (
         hk * S * d, d, S * d)
+    assert bwd["dmask"] == 0
+    dmask = arr((h, 1, S), "float32", ptr=0x9000)
+    _bwd_plan.sdpa(dout, q, k, v, out, lse, mask, is_causal=True, enable_gqa=True, dmask=dmask)
+    bwd = rec.launches[-1][-1][1]
+    assert bwd["dmask"] == 0x9000 and (bwd["dmask_batch_stride"], bwd["dmask_head_stride"],
+                                       bwd["dmask_row_stride"], bwd["dmask_col_stride"]) == (
+        0, S, 0, 1)
+    with pytest.raises(ValueError, match="dmask must be float32"):
+        _bwd_plan.sdpa(dout, q, k, v, out, lse, mask, enable_gqa=True, dmask=arr((h, S)))
     with pytest.raises(ValueError, match="enable_gqa"):
         _bwd_plan.sdpa(dout, q, k, v, out, lse)
 

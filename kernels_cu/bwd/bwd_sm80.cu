@@ -65,6 +65,16 @@ __device__ __forceinline__ float modded_score(float s, const FwdParams& p, const
   return x * CUFA_LOG2E;
 }
 
+// -- an additive mask's gradient: dS at (row, key) (natural units: the mask adds to the
+//    scaled score), summed where the mask broadcasts (its zero strides), so atomically --
+__device__ __forceinline__ void add_mask_grad(const BwdParams& g, const Tile& t, int row, int key,
+                                              float ds) {
+  if (row < t.seqlen_q && key < t.seqlen_k)
+    atomicAdd(reinterpret_cast<float*>(g.dmask) + t.b * g.dmask_batch_stride +
+                  t.h * g.dmask_head_stride + row * g.dmask_row_stride + key * g.dmask_col_stride,
+              ds);
+}
+
 // Whether key `key` is within a window side of `side` keys of `diagonal` (a side of
 // kUnboundedWindow or more has no bound)
 __device__ __forceinline__ bool within_side(i64 distance, int side) {
@@ -289,8 +299,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float prob = exp2f(s[mt][nt][e] - lse_log2[mt][e >> 1]);
+          const float ds = prob * (dp[mt][nt][e] - dsum[mt][e >> 1]);
+          if (kScoreMods && g.dmask)
+            add_mask_grad(g, t, frag_row(row0 + warp_row0, mt, e, lane),
+                          frag_col(key0, nt, e, lane), ds);
           const float d_raw = kScoreMods ? grad[kScoreMods ? mt : 0][kScoreMods ? nt : 0][e] : p.scale;
-          s[mt][nt][e] = prob * (dp[mt][nt][e] - dsum[mt][e >> 1]) * d_raw;
+          s[mt][nt][e] = ds * d_raw;
         }
     gemm_pv<kDtype>(acc_dq, s, kt_frag);
     __syncthreads();  // every warp is done with this block's K and V

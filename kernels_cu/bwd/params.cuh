@@ -13,6 +13,9 @@ struct BwdParams {
   u64 dsink;            // float32 (nheads,), summed into (zeroed by the host); 0: no sink
   u64 dlse;             // float32 in lse's layout: lse's own gradient (it enters as D - dlse,
                         // lse's derivative by a score being P); 0: none
+  // float32 in attn_mask's shape, zeroed: an additive mask's gradient, dS summed over the
+  // dimensions the mask broadcasts along (its strides below, 0 there); 0: none
+  u64 dmask;
   // Packed batches: the (sequence, key block) list of the key-block kernel, built by
   // varlen_schedule over cu_seqlens_k, and its length; 0 for padded batches
   u64 kv_tile_list, kv_tile_count;
@@ -20,6 +23,7 @@ struct BwdParams {
   i64 dq_batch_stride, dq_row_stride, dq_head_stride;
   i64 dk_batch_stride, dk_row_stride, dk_head_stride;
   i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+  i64 dmask_batch_stride, dmask_head_stride, dmask_row_stride, dmask_col_stride;
   int num_n_blocks;     // padded batches: key blocks a sequence
   int rows;             // the preprocess's rows: batch * seqlen_q (packed: total_q)
 };
