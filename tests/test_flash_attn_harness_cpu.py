@@ -96,6 +96,10 @@ def test_choose_leaves_out_backward_only_tests_and_dropout_then_samples():
     assert few == list(range(10)) and counts["sampled"] == 10  # all, where no more
     none, counts = harness.choose("test_flash_attn_deterministic", cases, 50, seed=3)
     assert none == [] and counts["backward only"] == 20 and counts["sampled"] == 0
+    # --with-backward: the backward-only tests run too (dropout still left out)
+    some, counts = harness.choose("test_flash_attn_deterministic", cases, 50, seed=3,
+                                  with_backward=True)
+    assert some == list(range(10)) and counts["backward only"] == 0 and counts["dropout"] == 10
 
 
 STAND_IN = textwrap.dedent('''\
