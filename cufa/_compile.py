@@ -199,10 +199,9 @@ class FwdVariant:
 BWD_DQ_TILES = {32: (64, 64), 64: (64, 64), 96: (64, 64), 128: (64, 64),
                 160: (64, 32), 192: (64, 32), 224: (64, 32), 256: (64, 32)}
 BWD_DQ_TILES_SCORE_MODS = {**BWD_DQ_TILES, 256: (64, 16)}
-BWD_DKDV_BLOCK_M = {32: 64, 64: 64, 96: 32, 128: 32, 160: 32, 192: 32, 224: 32, 256: 32}
-BWD_DKDV_BLOCK_M_MASKED = {**BWD_DKDV_BLOCK_M, 128: 16}
-BWD_DKDV_BLOCK_M_SCORE_MODS = {**BWD_DKDV_BLOCK_M, 64: 32, 128: 16, 160: 16, 192: 16,
-                               224: 16, 256: 16}
+BWD_DKDV_BLOCK_M = {32: 64, 64: 64, 96: 64, 128: 32, 160: 32, 192: 32, 224: 32, 256: 32}
+BWD_DKDV_BLOCK_M_SCORE_MODS = {**BWD_DKDV_BLOCK_M, 96: 32}
+BWD_DKDV_BLOCK_M_MASKED_MODS = {**BWD_DKDV_BLOCK_M_SCORE_MODS, 128: 16}  # (window and mods)
 BWD_KEYS_PER_CTA = 64
 BWD_SMEM_LIMIT = 99 * 1024  # sm_86/89's, the least of the GPUs the kernels run on
 BWD_SPLIT_ABOVE = 128
@@ -272,8 +271,8 @@ def bwd_variants(dtype, head_dim, mask, score_mods):
     block_m, block_n = (BWD_DQ_TILES_SCORE_MODS if score_mods else BWD_DQ_TILES)[hd]
     dq = _two_stages_where_they_fit(
         BwdVariant("dq", dtype, hd, mask, bool(score_mods), block_m, block_n))
-    kv_block_m = (BWD_DKDV_BLOCK_M_SCORE_MODS if score_mods else BWD_DKDV_BLOCK_M_MASKED
-                  if mask == "window" else BWD_DKDV_BLOCK_M)[hd]
+    kv_block_m = ((BWD_DKDV_BLOCK_M_MASKED_MODS if mask == "window" else
+                   BWD_DKDV_BLOCK_M_SCORE_MODS) if score_mods else BWD_DKDV_BLOCK_M)[hd]
     kv = [_two_stages_where_they_fit(BwdVariant("dkdv", dtype, hd, mask, bool(score_mods),
                                                 kv_block_m, BWD_KEYS_PER_CTA, grads))
           for grads in (("dk", "dv") if hd > BWD_SPLIT_ABOVE else ("both",))]
