@@ -59,8 +59,9 @@ def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, 
     """scaled_dot_product_attention's gradients -> (dq, dk, dv, dsink or None): query, key,
     value (batch, heads, L / S, E), lse (batch, heads, L) from the forward (return_lse);
     attn_mask (boolean or additive, broadcast) is read as the forward reads it. dmask: a
-    zeroed float32 array of an additive attn_mask's shape, into which its gradient is summed
-    (dS, over the dimensions the mask broadcasts along). The rest as dense's."""
+    float32 array of an additive attn_mask's shape (contiguous), overwritten with its
+    gradient (dS summed over the dimensions the mask broadcasts along). The rest as
+    dense's."""
     from ._checks import check_scale, check_sdpa
     scale = check_scale(scale, "scale")
     views = _arrays.Sdpa(*(_view(x, n) for x, n in (
@@ -85,9 +86,11 @@ def _mask_grad(dmask, mask):
     dmask = _interop.as_device_array(dmask, "dmask")
     if mask is None or mask.dtype == "bool":
         raise ValueError("dmask is the gradient of an additive (float) attn_mask; there is none")
-    if dmask.dtype != "float32" or dmask.shape != mask.shape or dmask.device != mask.device:
-        raise ValueError(f"dmask must be float32 {mask.shape} on cuda:{mask.device}, attn_mask's "
-                         f"shape; got {dmask.dtype} {dmask.shape} on cuda:{dmask.device}")
+    if (dmask.dtype != "float32" or dmask.shape != mask.shape or dmask.device != mask.device
+            or dmask.strides != _interop.contiguous_strides(mask.shape)):
+        raise ValueError(f"dmask must be a contiguous float32 {mask.shape} on cuda:{mask.device}, "
+                         f"attn_mask's shape; got {dmask.dtype} {dmask.shape} strides "
+                         f"{dmask.strides} on cuda:{dmask.device}")
     return dmask
 
 
@@ -246,6 +249,10 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
                 dsink_out, dsink_ptr = _interop.allocate(framework, (nheads,), "float32",
                                                          q.device, stream)
             stream_call(cupy.cuda.runtime.memsetAsync, dsink_ptr, 0, 4 * nheads, stream)
+        if dmask is not None:  # (summed into: zeroed in the stream, as dsink)
+            import cupy
+            stream_call(cupy.cuda.runtime.memsetAsync, dmask.ptr, 0,
+                        4 * math.prod(dmask.shape), stream)
         if batch and nheads and (seqlen_q or seqlen_k):
             _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, places,
                     dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k,

@@ -314,6 +314,12 @@ def _backward(entry, names, args, out, lse, dout, dlse, options):
     sink = a.get("learnable_sink")
     if sink is not None:
         results.append(sds(sink.shape, jnp.float32))
+    # an additive mask's gradient, always (JAX does not say whether it is wanted: a zero
+    # would be silently wrong where it is); a boolean mask has none
+    mask = a.get("attn_mask")
+    mask_grad = mask is not None and jnp.issubdtype(mask.dtype, jnp.floating)
+    if mask_grad:
+        results.append(sds(mask.shape, jnp.float32))
     bwd_entry = _BACKWARD[entry]
     results.append(sds((_backward_scratch_bytes(bwd_entry, arrays, options),), jnp.uint8))
     bnames = tuple(arrays)
@@ -327,6 +333,8 @@ def _backward(entry, names, args, out, lse, dout, dlse, options):
     grads = {qn: outs[0], kn: outs[1], vn: outs[2]}
     if sink is not None:
         grads["learnable_sink"] = outs[3].astype(sink.dtype)
+    if mask_grad:
+        grads["attn_mask"] = outs[3 + (sink is not None)].astype(mask.dtype)
     return tuple(grads.get(n) for n in names)
 
 
@@ -476,11 +484,13 @@ def _run_sdpa(views, outs, options, stream, scratch):
 
 
 def _run_sdpa_backward(views, outs, options, stream, scratch):
+    sink = views.get("learnable_sink")
+    mask = views.get("attn_mask")
+    dmask = outs[3 + (sink is not None)] if mask is not None and mask.dtype != "bool" else None
     _bwd_plan.sdpa(views["dout"], views["query"], views["key"], views["value"], views["out"],
-                   views["lse"], views.get("attn_mask"), **options,
-                   learnable_sink=views.get("learnable_sink"), dq=outs[0], dk=outs[1],
-                   dv=outs[2], dsink=outs[3] if len(outs) > 3 else None, stream=stream,
-                   scratch=scratch)
+                   views["lse"], mask, **options, learnable_sink=sink, dq=outs[0], dk=outs[1],
+                   dv=outs[2], dsink=outs[3] if sink is not None else None, dmask=dmask,
+                   stream=stream, scratch=scratch)
 
 
 def _run_kvcache(views, outs, options, stream, scratch):

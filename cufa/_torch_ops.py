@@ -227,7 +227,7 @@ def _register():
                  lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                  scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor],
                  mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        dmask = (torch.zeros(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
+        dmask = (torch.empty(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
                  if mask_grad else query.new_empty((0,), dtype=torch.float32))
         return _backward(lambda arrays, s, dlse: _bwd_plan.sdpa(
             *arrays, attn_mask.detach() if attn_mask is not None else None, is_causal=is_causal,

@@ -238,7 +238,7 @@ def test_sdpa_reads_its_mask_and_top_left_causal(monkeypatch):
     assert bwd["dmask"] == 0x9000 and (bwd["dmask_batch_stride"], bwd["dmask_head_stride"],
                                        bwd["dmask_row_stride"], bwd["dmask_col_stride"]) == (
         0, S, 0, 1)
-    with pytest.raises(ValueError, match="dmask must be float32"):
+    with pytest.raises(ValueError, match="dmask must be a contiguous float32"):
         _bwd_plan.sdpa(dout, q, k, v, out, lse, mask, enable_gqa=True, dmask=arr((h, S)))
     with pytest.raises(ValueError, match="enable_gqa"):
         _bwd_plan.sdpa(dout, q, k, v, out, lse)

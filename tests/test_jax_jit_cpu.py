@@ -78,11 +78,13 @@ def _sdpa(a, options):
 
 def _sdpa_backward(a, options):
     t = (lambda x: x.transpose(0, 2, 1, 3))
+    mask = a.get("attn_mask")
     g = reference.attention_backward(t(a["query"]), t(a["key"]), t(a["value"]), t(a["dout"]),
                                      causal=options["is_causal"], diag_offset=0,
-                                     softmax_scale=options.get("scale"),
+                                     softmax_scale=options.get("scale"), attn_mask=mask,
                                      learnable_sink=a.get("learnable_sink"))
-    return (t(g.dq), t(g.dk), t(g.dv)) + ((g.dsink,) if g.dsink is not None else ())
+    return ((t(g.dq), t(g.dk), t(g.dv)) + ((g.dsink,) if g.dsink is not None else ())
+            + ((g.dmask,) if g.dmask is not None else ()))
 
 
 def _kvcache(a, options):
@@ -551,3 +553,22 @@ def test_grad_through_sdpa(numpy_device, rng):
         close(t(g), w, tol=3e-2)
     assert numpy_device[-1].entry == "sdpa_backward"
     assert numpy_device[-1].names[:6] == ("dout", "query", "key", "value", "out", "lse")
+
+
+def test_grad_of_an_additive_sdpa_mask(numpy_device, rng):
+    """A float mask gets its cotangent (the backward's callback writes it, always: JAX does
+    not say whether it is wanted); a boolean one none."""
+    q = randn(rng, (2, 2, 5, 16))
+    mask = jnp.asarray(rng.standard_normal((2, 1, 5)), jnp.float32)
+    dout = rng.standard_normal((2, 2, 5, 16))
+
+    def loss(q, mask):
+        out = cufa.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return (out.astype(jnp.float32) * dout).sum()
+    dq, dmask = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, mask)
+    t = (lambda x: np.asarray(x, np.float64).transpose(0, 2, 1, 3))
+    want = reference.attention_backward(t(q), t(q), t(q), t(dout), diag_offset=0,
+                                        attn_mask=np.asarray(mask, np.float64))
+    assert dmask.shape == mask.shape and dmask.dtype == mask.dtype
+    close(dmask, want.dmask, tol=3e-2)
+    assert numpy_device[-1].out_dtypes[-2] == "float32"  # (the mask's, before the scratch)
