@@ -1,6 +1,6 @@
-"""Backward launches: the gradients dq, dk, dv (and the learnable sink's) of a
-flash_attn_func or flash_attn_varlen_func call, from its inputs, its output, its lse and
-the output's gradient. The kernels (bwd/bwd_sm80.cu, any GPU from sm_80 on) read the
+"""Backward launches: the gradients dq, dk, dv (and the learnable sink's, an additive
+mask's) of a flash_attn_func, flash_attn_varlen_func or scaled_dot_product_attention call,
+from its inputs, its output, its lse and the output's gradient. The kernels (bwd/bwd_sm80.cu, any GPU from sm_80 on) read the
 forward's FwdParams record beside a BwdParams one; a call validates, builds both, allocates
 the gradients in the caller's framework and launches preprocess, dq, then dk/dv."""
 import math
@@ -187,7 +187,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
     nheads_k = k.shape[head_dim]
     framework = "cupy" if q.framework == "dlpack" else q.framework
     variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask)
-    pre, dq_variant, *kv_variants = variants
+    _, dq_variant, *kv_variants = variants
     block_m = dq_variant.block_m
     block_n = kv_variants[0].block_n
     sink = a.learnable_sink
@@ -209,11 +209,6 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
     if dmask is not None:
         (bwd["dmask_batch_stride"], bwd["dmask_head_stride"], bwd["dmask_row_stride"],
          bwd["dmask_col_stride"]) = _broadcast_strides(dmask, (batch, nheads, seqlen_q, seqlen_k))
-    for x, prefix, record in ((q, "q", fwd), (k, "k", fwd), (v, "v", fwd), (o, "o", fwd),
-                              (do, "dout", bwd)):
-        record[f"{prefix}_batch_stride"] = 0 if packed else x.strides[0]
-        record[f"{prefix}_row_stride"] = x.strides[seq_dim]
-        record[f"{prefix}_head_stride"] = x.strides[head_dim]
 
     with caller_stream(framework, q.device, stream) as stream:
         outs = {}
@@ -226,11 +221,12 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
                 outs[name] = (native, _interop.DeviceArray(
                     native, framework, ptr, like.shape, _interop.contiguous_strides(like.shape),
                     q.dtype, q.device, like.itemsize))
-        for name, seq in (("dq", seq_dim), ("dk", seq_dim), ("dv", seq_dim)):
-            x = outs[name][1]
-            bwd[f"{name}_batch_stride"] = 0 if packed else x.strides[0]
-            bwd[f"{name}_row_stride"] = x.strides[seq]
-            bwd[f"{name}_head_stride"] = x.strides[head_dim]
+        for x, prefix, record in ((q, "q", fwd), (k, "k", fwd), (v, "v", fwd), (o, "o", fwd),
+                                  (do, "dout", bwd), (outs["dq"][1], "dq", bwd),
+                                  (outs["dk"][1], "dk", bwd), (outs["dv"][1], "dv", bwd)):
+            record[f"{prefix}_batch_stride"] = 0 if packed else x.strides[0]
+            record[f"{prefix}_row_stride"] = x.strides[seq_dim]
+            record[f"{prefix}_head_stride"] = x.strides[head_dim]
         # D and a packed batch's work lists: XLA's scratch under jax.jit, else the stream's
         # workspace (held until the launches are queued)
         needed, offsets = scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed)
