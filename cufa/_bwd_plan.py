@@ -128,27 +128,41 @@ def _check_lse(lse, shape, q, name="lse"):
                          f"{lse.strides}")
 
 
-def scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed):
+def scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed, d):
     """Device scratch a backward needs: D (lse's shape, float32), then a packed batch's two
-    work lists, each 256-byte aligned: (bytes, [offsets of D, the query list, the key
-    list])."""
-    _, dq_variant, *kv_variants = variants
+    work lists, then with dq fused its float32 sums ((rows, heads, d), lse's elements times
+    d), each 256-byte aligned: (bytes, [offsets of D, the query list, the key list, the
+    sums]; None for what the call has not)."""
+    fused = variants[1].kind == "dkdv"
+    block_m = _dq_variant(variants).block_m
     sizes = [4 * math.prod(lse_shape)]
-    if packed:
-        for total, block in ((seqlen_q, dq_variant.block_m), (seqlen_k, kv_variants[0].block_n)):
-            sizes.append(4 * _work_list_ints(total // block + batch, total // block + 2))
+    sizes += [4 * _work_list_ints(total // block + batch, total // block + 2) if packed else None
+              for total, block in ((seqlen_q, block_m), (seqlen_k, _compile.BWD_KEYS_PER_CTA))]
+    sizes.append(4 * math.prod(lse_shape) * d if fused else None)
     offsets, at = [], 0
     for size in sizes:
-        offsets.append(at)
-        at += -(-size // 256) * 256
+        offsets.append(None if size is None else at)
+        at += -(-(size or 0) // 256) * 256
     return at, offsets
 
 
+def _dq_variant(variants):
+    """The dq kernel's variant of a call (the launches' second, or with dq fused the one it
+    stands for): its query tiles size num_m_blocks and the packed query list either way."""
+    v = variants[1]
+    return v if v.kind == "dq" else _compile.bwd_variants(v.dtype, v.head_dim, v.mask,
+                                                          v.score_mods)[1]
+
+
 def variants_of(q, d, window, softcap, alibi, attn_mask=None):
-    """The backward's launches for a call (_compile.bwd_variants)."""
+    """The backward's launches for a call: _compile.bwd_variants' (preprocess, dq, dk/dv...),
+    or with CUFA_BWD_FUSED_DQ=1 where it applies _compile.bwd_fused_variants' (preprocess,
+    dk/dv with dq fused, dq convert)."""
     mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
-    return _compile.bwd_variants(KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
-                                 or attn_mask is not None)
+    key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
+           or attn_mask is not None)
+    fused = _compile.bwd_fused_variants(*key) if _compile.bwd_fused_wanted() else None
+    return fused or _compile.bwd_variants(*key)
 
 
 def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, batch, nheads,
@@ -187,9 +201,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
     nheads_k = k.shape[head_dim]
     framework = "cupy" if q.framework == "dlpack" else q.framework
     variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask)
-    _, dq_variant, *kv_variants = variants
-    block_m = dq_variant.block_m
-    block_n = kv_variants[0].block_n
+    block_m, block_n = _dq_variant(variants).block_m, _compile.BWD_KEYS_PER_CTA
     sink = a.learnable_sink
 
     fwd = dict(nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d,
@@ -229,13 +241,21 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
             record[f"{prefix}_head_stride"] = x.strides[head_dim]
         # D and a packed batch's work lists: XLA's scratch under jax.jit, else the stream's
         # workspace (held until the launches are queued)
-        needed, offsets = scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed)
+        needed, offsets = scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed,
+                                        d)
         held = None
         if scratch is not None:
             base = check_scratch(scratch, needed)
         else:
             held, base = stream_workspace(framework, q.device, stream, needed)
-        places = [base + at for at in offsets]
+        places = [None if at is None else base + at for at in offsets]
+        if places[3] is not None:  # (dq's sums: zeroed in the stream)
+            import cupy
+            stream_call(cupy.cuda.runtime.memsetAsync, places[3], 0,
+                        4 * math.prod(lse_shape) * d, stream)
+            bwd.update(dq_accum=places[3], dq_accum_batch_stride=0 if packed else
+                       seqlen_q * nheads * d, dq_accum_row_stride=nheads * d,
+                       dq_accum_head_stride=d)
         dsink_out = dsink_ptr = None
         if sink is not None:
             import cupy
@@ -265,8 +285,10 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
             packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr, dlse_ptr, dmask_ptr):
     """preprocess, dq, dk/dv on `stream`, a packed batch's work lists built first; places:
     the scratch addresses of scratch_bytes' offsets (D, then the lists)."""
-    pre, dq_variant, *kv_variants = variants
-    block_m, block_n = dq_variant.block_m, kv_variants[0].block_n
+    fused = variants[1].kind == "dkdv"
+    pre, kv_variants = variants[0], variants[1:2] if fused else variants[2:]
+    dq_variant = _dq_variant(variants)
+    block_m, block_n = dq_variant.block_m, _compile.BWD_KEYS_PER_CTA
     device = q.device
     q_blocks = fwd["num_m_blocks"] * batch
     kv_blocks = bwd["num_n_blocks"] * batch
@@ -296,9 +318,12 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
         bwd, dout=do.ptr, dq=outs["dq"][1].ptr, dk=outs["dk"][1].ptr, dv=outs["dv"][1].ptr,
         softmax_d=places[0], dsink=dsink_ptr, dlse=dlse_ptr, dmask=dmask_ptr))
     args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
-    launches = [(pre, -(-bwd["rows"] // 32) * nheads if seqlen_q else 0),
-                (dq_variant, q_blocks * nheads if seqlen_q else 0)]
+    launches = [(pre, -(-bwd["rows"] // 32) * nheads if seqlen_q else 0)]
+    if not fused:
+        launches.append((dq_variant, q_blocks * nheads if seqlen_q else 0))
     launches += [(v, kv_blocks * nheads_k if seqlen_k else 0) for v in kv_variants]
+    if fused:  # (dq's sums, converted; the rows of sequences without keys are zeros)
+        launches.append((variants[2], -(-bwd["rows"] * nheads * fwd["head_dim"] // 256)))
     for variant, blocks in launches:
         if blocks:
             driver_launch(_compile.function_pointer(variant, device), blocks, variant.threads,

@@ -221,6 +221,7 @@ class BwdVariant:
     grads: str = "both"     # dkdv: BWD_GRADS
     stages: int = 1         # dq: K/V buffers (2: the next block's copy under the products);
                             # dkdv: Q/dout buffers, the same
+    fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
     source: str = "bwd/bwd_sm80.cu"
     archs: tuple = ("sm_80", "sm_90")
     options: tuple = NVRTC_OPTIONS
@@ -228,28 +229,30 @@ class BwdVariant:
 
     @property
     def key(self):
-        if self.kind == "preprocess":
-            return f"bwd_preprocess_{self.dtype}"
+        if self.kind in ("preprocess", "dq_convert"):
+            return f"bwd_{self.kind}_{self.dtype}"
         mods = "_mods" if self.score_mods else ""
         grads = f"_{self.grads}" if self.kind == "dkdv" else ""
+        fused = "_fdq" if self.fused_dq else ""
         return (f"bwd_{self.kind}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}")
+                f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}")
 
     @property
     def name_expression(self):
         dt = DTYPES.index(self.dtype)
-        if self.kind == "preprocess":
-            return f"cufa::bwd_preprocess_kernel<{dt}>"
+        if self.kind in ("preprocess", "dq_convert"):
+            return f"cufa::bwd_{self.kind}_kernel<{dt}>"
         args = (f"{dt}, {self.head_dim}, {MASKS.index(self.mask)}, "
                 f"{str(self.score_mods).lower()}, {self.block_m}")
         if self.kind == "dq":
             return f"cufa::bwd_dq_kernel<{args}, {self.block_n}, {self.stages}>"
+        fused = ", true" if self.fused_dq else ""
         return (f"cufa::bwd_dkdv_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
-                f"{self.stages}>")
+                f"{self.stages}{fused}>")
 
     @property
     def threads(self):
-        return 256 if self.kind == "preprocess" else 128
+        return 256 if self.kind in ("preprocess", "dq_convert") else 128
 
     @functools.cached_property
     def smem_bytes(self):
@@ -260,7 +263,9 @@ class BwdVariant:
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
-            return 2 * self.block_n * row + stages * (2 * self.block_m * row + 8 * self.block_m)
+            fused = 2 * self.block_n * self.block_m if self.fused_dq else 0  # dS^T, 16-bit
+            return (2 * self.block_n * row + stages * (2 * self.block_m * row + 8 * self.block_m)
+                    + fused)
         return 0
 
 
@@ -277,6 +282,32 @@ def bwd_variants(dtype, head_dim, mask, score_mods):
                                                 kv_block_m, BWD_KEYS_PER_CTA, grads))
           for grads in (("dk", "dv") if hd > BWD_SPLIT_ABOVE else ("both",))]
     return (BwdVariant("preprocess", dtype), dq, *kv)
+
+
+# dq fused into the dk/dv kernel (FlashAttention-2's atomic dq): (padded head dim, mask,
+# score mods) -> (block_m, stages), where ptxas keeps it in 255 registers unspilled (the
+# others spill 8-96 bytes: they keep the dq kernel). Off by default until timed
+# (CUFA_BWD_FUSED_DQ=1 takes it where it applies).
+BWD_FUSED_TILES = {(64, "none", False): (32, 2), (64, "none", True): (64, 2),
+                   (64, "window", False): (64, 2), (64, "window", True): (64, 2),
+                   (128, "window", False): (32, 1)}
+BWD_FUSED_ENV = "CUFA_BWD_FUSED_DQ"
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_fused_variants(dtype, head_dim, mask, score_mods):
+    """(preprocess, dk/dv with dq fused, dq convert) for a call, or None where the fused
+    kernel does not apply."""
+    pre, _, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
+    tiles = BWD_FUSED_TILES.get((kv[0].head_dim, mask, bool(score_mods)))
+    if tiles is None:
+        return None
+    fused = dataclasses.replace(kv[0], fused_dq=True, block_m=tiles[0], stages=tiles[1])
+    return pre, fused, BwdVariant("dq_convert", dtype)
+
+
+def bwd_fused_wanted():
+    return _overrides.get(BWD_FUSED_ENV) == "1"
 
 
 def _two_stages_where_they_fit(variant):
@@ -632,7 +663,7 @@ def read_overrides():
     at import, and again by api.clear_plans(). Plans are made with the values last read,
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
-                      for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV))
+                      for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV))
 
 
 _overrides = {}
@@ -654,6 +685,9 @@ def all_variants():
                  for hd, dv in HEAD_DIM_V_PAIRS for mask in MASKS for mods in (False, True)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
+    variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
+                 for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
+                                                     or ())]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -347,7 +347,7 @@ def _backward_scratch_bytes(entry, arrays, options):
         window = (_checks.UNBOUNDED, 0 if options["is_causal"] else _checks.UNBOUNDED)
         variants = _bwd_plan.variants_of(query, d, window, 0.0, None, v.get("attn_mask"))
         return max(1, _bwd_plan.scratch_bytes(variants, (batch, nheads, seqlen_q), batch,
-                                              seqlen_q, v["key"].shape[2], False)[0])
+                                              seqlen_q, v["key"].shape[2], False, d)[0])
     window, _, softcap = _checked_options(options)
     q = v["q"]
     if entry == "flash_attn_backward":
@@ -358,7 +358,7 @@ def _backward_scratch_bytes(entry, arrays, options):
         batch, lse_shape, packed = v["cu_seqlens_q"].shape[0] - 1, (nheads, seqlen_q), True
     variants = _bwd_plan.variants_of(q, d, window, softcap, v.get("alibi_slopes"))
     return max(1, _bwd_plan.scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k,
-                                          packed)[0])
+                                          packed, d)[0])
 
 
 def _without_vmap_or_grad(fn, entry):

@@ -85,10 +85,11 @@ MERGE_FIELDS = [(n, _PTR) for n in ("out_a", "lse_a", "out_b", "lse_b", "out", "
 
 
 BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink", "dlse",
-                                  "dmask", "kv_tile_list", "kv_tile_count")] + [
+                                  "dmask", "dq_accum", "kv_tile_list", "kv_tile_count")] + [
     (f"{x}_{d}_stride", _I64) for x in ("dout", "dq", "dk", "dv")
     for d in ("batch", "row", "head")] + [
     (f"dmask_{d}_stride", _I64) for d in ("batch", "head", "row", "col")] + [
+    (f"dq_accum_{d}_stride", _I64) for d in ("batch", "row", "head")] + [
     ("num_n_blocks", _I32), ("rows", _I32)]
 
 

@@ -259,3 +259,26 @@ def test_lse_gradient_and_detached_inputs(monkeypatch):
     from cufa import api
     (y,) = api._detached(x)
     assert not y.requires_grad and y.data_ptr() == x.data_ptr()
+
+
+def test_dq_fused_where_asked_and_it_applies(monkeypatch):
+    """CUFA_BWD_FUSED_DQ=1: the dk/dv kernel adds dq's share atomically into float32 sums
+    (zeroed, after D in the scratch) and a last launch converts them; where the fused
+    kernel does not apply (d = 96 here) the dq kernel runs as without it."""
+    rec = Recorder(monkeypatch)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_FUSED_ENV, "1")
+    b, sq, sk, h, hk, d = 2, 33, 47, 4, 2, 64
+    cufa.flash_attn_backward(*dense_args(b, sq, sk, h, hk, d), causal=True)
+    kinds = [(f.kind, f.fused_dq) for f, *_ in rec.launches]
+    assert kinds == [("preprocess", False), ("dkdv", True), ("dq_convert", False)]
+    fwd, bwd = rec.launches[1][-1]
+    d_bytes = -(-4 * b * h * sq // 256) * 256
+    assert bwd["dq_accum"] == 0x900000 + d_bytes
+    assert (bwd["dq_accum_batch_stride"], bwd["dq_accum_row_stride"],
+            bwd["dq_accum_head_stride"]) == (sq * h * d, h * d, d)
+    assert rec.workspace_bytes == d_bytes + -(-4 * b * h * sq * d // 256) * 256
+    assert rec.launches[2][1] == -(-b * sq * h * d // 256)
+    assert rec.launches[1][1] == -(-sk // 64) * b * hk
+    rec.launches.clear()
+    cufa.flash_attn_backward(*dense_args(d=96))
+    assert [f.kind for f, *_ in rec.launches] == ["preprocess", "dq", "dkdv"]

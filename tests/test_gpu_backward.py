@@ -337,3 +337,56 @@ def test_sdpa_additive_mask_gradient(shape):
     err = (got - want).abs().amax(-1)
     bound = 1e-2 * want.abs().amax(-1) + 1e-4
     assert (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.fixture
+def fused_dq(monkeypatch):
+    """CUFA_BWD_FUSED_DQ=1 for the test (dq added atomically by the dk/dv kernel)."""
+    from cufa import _compile
+    monkeypatch.setenv(_compile.BWD_FUSED_ENV, "1")
+    _compile.read_overrides()
+    yield
+    monkeypatch.delenv(_compile.BWD_FUSED_ENV)
+    _compile.read_overrides()
+
+
+FUSED = {
+    "d64": dict(b=2, sq=129, sk=129, h=4, hk=4, d=64),
+    "d64 causal GQA softcap": dict(b=1, sq=200, sk=250, h=4, hk=2, d=64, causal=True,
+                                   softcap=10.0),
+    "d128 causal, more queries": dict(b=2, sq=150, sk=100, h=4, hk=2, d=128, causal=True),
+    "d120 window (padded to 128)": dict(b=1, sq=97, sk=97, h=2, hk=1, d=120,
+                                        window_size=(16, 0)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(FUSED))
+def test_dq_fused(fused_dq, name, dtype):
+    from cufa import _compile
+    case = dict(FUSED[name])
+    kw = {n: case.pop(n) for n in ("causal", "window_size", "softcap") if n in case}
+    window = "window" if "causal" in kw or "window_size" in kw else "none"
+    assert _compile.bwd_fused_variants("fp16", case["d"], window, "softcap" in kw) is not None
+    run_dense(np.random.default_rng(zlib.crc32(name.encode())), dtype,
+              label=f"fused {name} {dtype}", **case, **kw)
+
+
+def test_dq_fused_varlen(fused_dq):
+    rng = np.random.default_rng(37)
+    dtype, h, d = torch.bfloat16, 4, 64
+    lens = [0, 70, 1, 150]
+    q, k, v = (randn(rng, (1, sum(lens), h, d), dtype)[0] for _ in range(3))
+    dout = randn(rng, (1, sum(lens), h, d), dtype)[0]
+    cu = cu_seqlens(lens)
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True,
+                                           return_lse=True)
+    dq, dk, dv = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 150, 150,
+                                                 causal=True)
+    offs = np.cumsum([0] + lens)
+    for i in range(len(lens)):
+        if lens[i]:
+            r = slice(offs[i], offs[i + 1])
+            check_grads((dq[r][None], dk[r][None], dv[r][None]),
+                        *(x[r][None] for x in (q, k, v, dout)), f"fused varlen {i}",
+                        out=out[r][None], causal=True)

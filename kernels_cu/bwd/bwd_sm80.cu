@@ -314,12 +314,96 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams 
 }
 
 // ---------------------------------------------------------------------------------------
+// dq fused into the key-block kernel: the step's dS^T (each warp's 16 keys x kBlockM
+// queries, in its accumulators) into shared memory as kDtype, then this CTA's share of the
+// step's dq tile, dS (kBlockM x kBlockN) K (kBlockN x head dim), each warp a quarter of
+// the head dim's columns, added to g.dq_accum atomically. dS through ldmatrix.trans of its
+// transposed rows (the A operand), K as P V's V (the B operand).
+template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kQTiles>
+__device__ __forceinline__ void add_dq_share(const float (&ds_t)[1][kQTiles][4],
+                                             unsigned char* s_ds, u32 sk, const BwdParams& g,
+                                             const Tile& t, int q0, int seqlen_q, int head_dim,
+                                             int warp_row0, int lane) {
+  constexpr int kQMTiles = kBlockM / 16;
+  constexpr int kCTiles = kHeadDim / kBwdWarps / 8;  // a warp's 8-column tiles of dq
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = warp_row0 + (lane >> 2) + 8 * h;
+      *reinterpret_cast<u32*>(s_ds + Swizzle<kBlockM>::offset(key, nt) + 4 * (lane & 3)) =
+          pack2<kDtype>(ds_t[0][nt][2 * h], ds_t[0][nt][2 * h + 1]);
+    }
+  __syncthreads();  // every warp's keys in place
+  float acc[kQMTiles][kCTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kQMTiles; ++mt)
+#pragma unroll
+    for (int ct = 0; ct < kCTiles; ++ct)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][ct][e] = 0.f;
+  const LdmatrixAddr<kBlockM> ds_frag(smem_u32(s_ds), (lane & 7) + ((lane >> 4) << 3),
+                                      (lane >> 3) & 1);
+  const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+#pragma unroll
+  for (int ks = 0; ks < kBlockN / 16; ++ks) {
+    u32 a[kQMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kQMTiles; ++mt) ldmatrix_x4_trans(a[mt], ds_frag.at(ks * 16, mt));
+#pragma unroll
+    for (int cp = 0; cp < kCTiles / 2; ++cp) {
+      u32 b[4];
+      ldmatrix_x4_trans(b, k_frag.at(ks * 16, warp * (kCTiles / 2) + cp));
+#pragma unroll
+      for (int mt = 0; mt < kQMTiles; ++mt) {
+        mma_16816<kDtype>(acc[mt][2 * cp], a[mt], b[0], b[1]);
+        mma_16816<kDtype>(acc[mt][2 * cp + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+  float* dq = reinterpret_cast<float*>(g.dq_accum) + t.b * g.dq_accum_batch_stride +
+              t.h * g.dq_accum_head_stride + (t.q_start + q0) * g.dq_accum_row_stride;
+#pragma unroll
+  for (int mt = 0; mt < kQMTiles; ++mt)
+#pragma unroll
+    for (int ct = 0; ct < kCTiles; ++ct)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = frag_row(0, mt, e, lane), col = frag_col(warp * kCTiles * 8, ct, e, lane);
+        if (q0 + row < seqlen_q && col < head_dim)
+          atomicAdd(dq + row * g.dq_accum_row_stride + col, acc[mt][ct][e]);
+      }
+}
+
+// dq fused: g.dq_accum (float32) to dq in kDtype, an element a thread
+template <int kDtype>
+__global__ void __launch_bounds__(256) bwd_dq_convert_kernel(const FwdParams p, const BwdParams g) {
+  const i64 i = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x;
+  if (i >= static_cast<i64>(g.rows) * p.nheads * p.head_dim) return;
+  const int c = static_cast<int>(i % p.head_dim);
+  const i64 row_head = i / p.head_dim;
+  const int h = static_cast<int>(row_head % p.nheads);
+  const i64 r = row_head / p.nheads;
+  const i64 b = r / p.seqlen_q, row = r % p.seqlen_q;  // (packed: batch strides 0, b = 0)
+  const float x = reinterpret_cast<const float*>(g.dq_accum)[
+      b * g.dq_accum_batch_stride + row * g.dq_accum_row_stride + h * g.dq_accum_head_stride + c];
+  reinterpret_cast<u16*>(g.dq)[b * g.dq_batch_stride + row * g.dq_row_stride +
+                               h * g.dq_head_stride + c] =
+      static_cast<u16>(pack2<kDtype>(x, 0.f) & 0xffffu);
+}
+
+// ---------------------------------------------------------------------------------------
 // dk, dv: a key block of one KV head; each warp owns 16 of its keys. Sequence and key
 // block from get_tile over the KV heads (the padded grid, or the work list of key blocks).
 // The steps are (query head of the group, query block) pairs, their Q, dout, lse and D
 // through kStages buffers: with two, the next step's copy runs under this step's products.
+// kFusedDq: dq too, FlashAttention-2's way: each step's dS^T goes through shared memory,
+// the CTA's 64 keys' share of the step's dq tile (dS K, the head dim split over the warps)
+// is added to a float32 buffer atomically, and a last launch converts it (five products
+// where the dq kernel makes it seven; not the same bits from run to run).
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
-          int kStages>
+          int kStages, bool kFusedDq = false>
 __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kBlockN = 16 * kBwdWarps;
   constexpr int kQTiles = kBlockM / 8;  // the transposed scores' columns: queries
@@ -330,6 +414,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
   constexpr int kStageBytes = 2 * kTileBytes + 8 * kBlockM;
   static_assert(kQTiles % 2 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two Q/dout buffers");
+  static_assert(!kFusedDq || (kGrads == KV_BOTH && kBlockM >= 32 && kHeadDim % 64 == 0),
+                "dq fused: both gradients, 32 query rows or more, 16 columns a warp");
   extern __shared__ __align__(128) unsigned char smem[];
   u16* sK = reinterpret_cast<u16*>(smem);
   u16* sV = sK + kBlockN * kHeadDim;
@@ -483,6 +569,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
           dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[col]) * d_raw;
         }
       gemm_pv<kDtype>(acc_dk, dpt, qt_frag);
+      if constexpr (kFusedDq)
+        add_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(
+            dpt, stages + kStages * kStageBytes, sk, g, th, q0, t.seqlen_q, p.head_dim,
+            warp_row0, lane);
     }
     __syncthreads();  // every warp is done with this step's buffers
     stage ^= kStages - 1;
