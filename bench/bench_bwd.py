@@ -3,7 +3,7 @@
 backends' backward, in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096] [--causal 0,1] [--no-peers]
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq]
 
 16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
 backward alone: cufa's three launches from the forward's out and lse, a peer's
@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--seqlens", type=T.int_list, default=[1024, 4096])
     p.add_argument("--causal", type=T.int_list, default=[0, 1])
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--fused-dq", action="store_true",
+                   help="also time cufa with dq fused into the dk/dv kernel (CUFA_BWD_FUSED_DQ), "
+                        "the 'cufa fused dq' column")
     return p.parse_args(argv)
 
 
@@ -41,6 +44,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch = T.require_torch_cuda("bench_bwd.py")
     cufa = T.load_cufa()
+    from cufa import _compile
     from torch.nn.attention import SDPBackend, sdpa_kernel
     F = torch.nn.functional
     peers = {} if args.no_peers else {"SDPA flash": SDPBackend.FLASH_ATTENTION,
@@ -55,8 +59,13 @@ def main(argv=None):
         b, h = max(1, TOKENS // n), 2048 // d
         q, k, v, dout = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
         out, lse = cufa.flash_attn_func(q, k, v, causal=bool(causal), return_lse=True)
-        timers = {"cufa": lambda reps: T.time_events(torch, lambda: cufa.flash_attn_backward(
-            dout, q, k, v, out, lse, causal=bool(causal)), [()], reps)}
+        def backward(fused=False):
+            _compile._overrides[_compile.BWD_FUSED_ENV] = "1" if fused else None
+            return cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=bool(causal))
+        timers = {"cufa": lambda reps: T.time_events(torch, backward, [()], reps)}
+        if args.fused_dq:
+            timers["cufa fused dq"] = lambda reps: T.time_events(
+                torch, lambda: backward(True), [()], reps)
         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
         for name, backend in peers.items():
             def peer_timer(reps, backend=backend):
@@ -78,7 +87,7 @@ def main(argv=None):
                 row["impls"][name] = dict(ms=med, tflops=T.tflops(flops, med))
         rows.append(row)
     T.progress(len(cases), len(cases), "done")
-    names = ["cufa"] + list(peers)
+    names = ["cufa"] + (["cufa fused dq"] if args.fused_dq else []) + list(peers)
     head = (f"Backward pass, {torch.cuda.get_device_name()}: ms (TFLOP/s at 2.5 x the "
             f"forward's FLOPs); {TOKENS} tokens a batch, heads = 2048 / d; the backward alone "
             "(the forward outside the timing)")
@@ -89,7 +98,7 @@ def main(argv=None):
         for name in names:
             v = r["impls"].get(name, {})
             cells.append(f"{v['ms']:.3f} ({v['tflops']:.0f})" if "ms" in v else "n/a")
-            if name != "cufa" and "ms" in v:
+            if not name.startswith("cufa") and "ms" in v:
                 peer_ms.append(v["ms"])
         ratio = (f"{min(peer_ms) / r['impls']['cufa']['ms']:.2f}"
                  if peer_ms and "ms" in r["impls"]["cufa"] else "-")
