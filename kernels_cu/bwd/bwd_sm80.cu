@@ -345,7 +345,9 @@ __device__ __forceinline__ void add_dq_share(const float (&ds_t)[1][kQTiles][4],
       for (int e = 0; e < 4; ++e) acc[mt][ct][e] = 0.f;
   const LdmatrixAddr<kBlockM> ds_frag(smem_u32(s_ds), (lane & 7) + ((lane >> 4) << 3),
                                       (lane >> 3) & 1);
-  const LdmatrixAddr<kHeadDim> k_frag(sk, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  // (K's addresses from the swizzle itself: LdmatrixAddr's per-lane bases indexed by this
+  // warp's column pairs, a run-time index, would sit in local memory)
+  const int k_row = (lane & 7) + (((lane >> 3) & 1) << 3), k_chunk = lane >> 4;
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks) {
     u32 a[kQMTiles][4];
@@ -354,7 +356,8 @@ __device__ __forceinline__ void add_dq_share(const float (&ds_t)[1][kQTiles][4],
 #pragma unroll
     for (int cp = 0; cp < kCTiles / 2; ++cp) {
       u32 b[4];
-      ldmatrix_x4_trans(b, k_frag.at(ks * 16, warp * (kCTiles / 2) + cp));
+      ldmatrix_x4_trans(b, sk + Swizzle<kHeadDim>::offset(ks * 16 + k_row,
+                                                         warp * kCTiles + 2 * cp + k_chunk));
 #pragma unroll
       for (int mt = 0; mt < kQMTiles; ++mt) {
         mma_16816<kDtype>(acc[mt][2 * cp], a[mt], b[0], b[1]);
