@@ -75,3 +75,17 @@ def pytest_collection_modifyitems(config, items):
 def rng(request):
     """A generator seeded from the test's id: fixed across runs, different per case."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def jax_cpu_callbacks(monkeypatch):
+    """cufa's JAX route on JAX's CPU backend (skipped without JAX or its buffer_callback):
+    the CPU backend passes for the CUDA one and no scratch is planned; a test then replaces
+    cufa._jax.on_device, the launch. -> the cufa._jax module."""
+    pytest.importorskip("jax")
+    from cufa import _jax
+    if not _jax.available():
+        pytest.skip("this JAX has no buffer_callback")
+    monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
+    monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
+    return _jax

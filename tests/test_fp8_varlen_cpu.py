@@ -105,17 +105,12 @@ def test_fp8_paged_batch_bad_arguments(device, case, error, words):  # noqa: F81
     assert not device.launches
 
 
-def test_jax_arrays_of_an_fp8_cache_run_as_one_callback(monkeypatch):
+def test_jax_arrays_of_an_fp8_cache_run_as_one_callback(monkeypatch, jax_cpu_callbacks):
     """JAX arrays of an fp8 paged cache go through XLA's buffers eagerly too (as under
     jax.jit), crossing as uint8 and read as float8 by the spec's layouts, the descales
     among the arguments."""
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-    from cufa import _jax
-    if not _jax.available():
-        pytest.skip("this JAX has no buffer_callback")
-    monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
-    monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
+    import jax.numpy as jnp
+    _jax = jax_cpu_callbacks
     calls = []
 
     def on_device(spec, ctx, outs, bufs):

@@ -95,16 +95,13 @@ def test_calls_it_does_not_take(device, case, error, words):  # noqa: F811
     assert not device.launches
 
 
-def test_under_jax_jit_out_takes_v_s_head_dim(monkeypatch):
+def test_under_jax_jit_out_takes_v_s_head_dim(monkeypatch, jax_cpu_callbacks):
     """The traced call's outputs: out (…, 128) from v's head dim (the CPU stand-in of the
     launch computes the reference, as in test_jax_jit_cpu)."""
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-    from cufa import _jax, reference
-    if not _jax.available():
-        pytest.skip("this JAX has no buffer_callback")
-    monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
-    monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
+    import jax
+    import jax.numpy as jnp
+    from cufa import reference
+    _jax = jax_cpu_callbacks
 
     def on_device(spec, ctx, outs, bufs):
         a = {n: np.asarray(b).astype(np.float64) for n, b in zip(spec.names, bufs)}

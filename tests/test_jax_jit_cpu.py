@@ -23,11 +23,9 @@ pytestmark = pytest.mark.skipif(not _jax.available(), reason="this JAX has no bu
 
 
 @pytest.fixture
-def numpy_device(monkeypatch):
+def numpy_device(monkeypatch, jax_cpu_callbacks):
     """Replaces the device: JAX's CPU backend passes for its CUDA one, no scratch is
     planned, and each run's Call goes into the returned list."""
-    monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
-    monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
     runs = []
 
     def on_device(spec, ctx, outs, bufs):
@@ -423,14 +421,12 @@ def test_eager_jax_arrays_on_the_cpu_are_named(rng):
             call()
 
 
-def test_fp8_cache_is_one_callback_eager_and_under_jit(monkeypatch, rng):
+def test_fp8_cache_is_one_callback_eager_and_under_jit(monkeypatch, rng, jax_cpu_callbacks):
     """A jnp.float8_e4m3fn cache runs as one buffer callback, traced and eager alike (not
     through DLPack). Its buffers cross as uint8 (XLA hands a GPU callback no float8
     buffer: "Unimplemented primitive type F8E4M3FN" on the H200) and are read as float8
     by the spec's layouts; the descales are arguments, out is q's dtype and an append
     returns the caches in float8."""
-    monkeypatch.setattr(_jax, "cuda_backend", lambda: True)
-    monkeypatch.setattr(_jax, "_scratch_bytes", lambda entry, present, options: 0)
     specs = []
     crossed = []  # (argument dtypes, output dtypes) as the callback gets them
 
