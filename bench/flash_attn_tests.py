@@ -379,7 +379,7 @@ def main():
     args.pytest_args = argv[split + 1:]
 
     source = Path(args.test_file).read_text(encoding="utf-8")
-    stripped, removed = (source, 0) if args.with_backward else strip_backward(source)
+    stripped, removed = (source, {}) if args.with_backward else strip_backward(source)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="flash_attn_tests_") as work:

@@ -80,7 +80,17 @@ def build(torch, args, attention):
             for block in self.blocks:
                 x = block(x)
             return self.ln(x) @ self.tok.weight.t()
-    return GPT()
+    model = GPT()
+    # GPT-2's initialization: N(0, 0.02), the projections into the residual stream scaled
+    # down by the depth (PyTorch's defaults, N(0, 1) embeddings tied to the head, start
+    # the loss near 500 instead of log(VOCAB))
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() > 1:
+            deep = name.endswith(("proj.weight", "fc2.weight"))
+            nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * args.layers) if deep else 0.02)
+    return model
 
 
 def train(torch, args, name, attention, data, init_state):

@@ -45,7 +45,8 @@ def _torch_view(x, name):
         device = x.device.type
         raise TypeError(f"cufa needs CUDA device arrays; got a "
                         f"{_DL_DEVICES.get(device, device)} (PyTorch) tensor for {name}")
-    if x.requires_grad:
+    # (the functions with a backward route recording calls to the torch ops, which detach)
+    if x.requires_grad and _torch_grad_enabled():
         raise NotImplementedError(
             f"{name} requires grad, but this cufa function has no backward pass: pass "
             f"{name}.detach() or call under torch.no_grad()")
@@ -64,8 +65,9 @@ def know_torch(torch):
     """Keep torch's tensor type and allocators for the fast checks. Also done when the
     torch.compile ops are registered, before any trace: a trace that read these as None
     would be guarded on None, and recompiled once the first call had set them."""
-    global _torch_tensor, _torch_empty_like, _torch_contiguous
+    global _torch_tensor, _torch_empty_like, _torch_contiguous, _torch_grad_enabled
     _torch_tensor, _torch_empty_like = torch.Tensor, torch.empty_like
+    _torch_grad_enabled = torch.is_grad_enabled
     _torch_contiguous = torch.contiguous_format
 
 
@@ -213,7 +215,7 @@ class _Unseen:
 
 
 _torch_tensor = _cupy_array = _Unseen
-_torch_empty_like = _torch_contiguous = None  # set with _torch_tensor
+_torch_empty_like = _torch_contiguous = _torch_grad_enabled = None  # set with _torch_tensor
 
 
 def current_stream_ptr(framework, device):

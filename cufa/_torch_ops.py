@@ -39,11 +39,11 @@ def op(name):
     return _ops[name]
 
 
-def _detached(sink):
-    """The sink as the ops' bodies pass it on: the caller's checks (sink_without_grad) let a
-    parameter that requires grad through only where autograd records nothing, and the
+def _detached(x):
+    """An optional tensor (sink, mask) as the ops' bodies pass it on: the caller's checks
+    let a parameter that requires grad through only where autograd records nothing, and the
     compiled graph may hand the op the parameter itself rather than its detached view."""
-    return None if sink is None else sink.detach()
+    return None if x is None else x.detach()
 
 
 def grad_mode():
@@ -211,9 +211,10 @@ def _register():
     def sdpa_lse(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                  is_causal: bool, scale: Optional[float], enable_gqa: bool,
                  learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        return _fwd_plan.sdpa(query.detach(), key.detach(), value.detach(), attn_mask, None,
-                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                              learnable_sink=_detached(learnable_sink), return_lse=True)
+        return _fwd_plan.sdpa(query.detach(), key.detach(), value.detach(),
+                              _detached(attn_mask), None, is_causal=is_causal, scale=scale,
+                              enable_gqa=enable_gqa, learnable_sink=_detached(learnable_sink),
+                              return_lse=True)
 
     @sdpa_lse.register_fake
     def _(query, *rest):
@@ -230,7 +231,7 @@ def _register():
         dmask = (torch.empty(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
                  if mask_grad else query.new_empty((0,), dtype=torch.float32))
         return _backward(lambda arrays, s, dlse: _bwd_plan.sdpa(
-            *arrays, attn_mask.detach() if attn_mask is not None else None, is_causal=is_causal,
+            *arrays, _detached(attn_mask), is_causal=is_causal,
             scale=s, enable_gqa=enable_gqa, learnable_sink=_detached(learnable_sink),
             dmask=dmask if mask_grad else None), dout, query, key, value, out, lse, scale,
             None) + (dmask,)

@@ -171,3 +171,21 @@ def test_a_whole_run_on_a_stand_in(tmp_path):
     assert "Skipped: a skip of flash-attn's own" in text
     assert "Skipped (no reason given): line 23: if d == 128: pytest.skip()" in text
     assert "cufa tree: " in text
+
+
+def test_a_whole_run_with_the_backward(tmp_path):
+    """--with-backward: the file as it is, the backward-only tests sampled too."""
+    pytest.importorskip("torch", reason="the compat module the run imports needs PyTorch")
+    test_file = tmp_path / "test_flash_attn.py"
+    test_file.write_text(STAND_IN)
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "flash_attn_tests.py"),
+                          str(test_file), "--commit", "abc1234", "--sample", "3", "--seed", "0",
+                          "--workers", "0", "--with-backward", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1, run.stdout + run.stderr
+    rows = {cells[0].strip("` "): [c.strip().split(" ")[0] for c in cells[1:]] for cells in
+            (line.strip("|").split("|") for line in
+             (out / "flash_attn_tests.md").read_text().splitlines() if line.startswith("| `"))}
+    assert rows["test_flash_attn_deterministic"][1:4] == ["0", "0", "2"], rows
+    assert {r[-1] for r in rows.values()} == {"0"}  # no statement removed

@@ -1,8 +1,6 @@
 """GPU: the backward pass (dq, dk, dv, dsink) against reference.attention_backward in
-float64, held to the pass rule per row (tests/_attention_check.py) with a low-precision
-backward of its own as the row's yardstick: P and dS rounded to the inputs' dtype before
-their products, as the kernels round them. Every gradient array is poisoned before the
-call; rows are (batch, row, head) of dq and (batch, key, KV head) of dk, dv."""
+float64, held to the pass rule per row (tests/_backward_check.py). Every gradient array is
+poisoned before the call."""
 import zlib
 
 import numpy as np
@@ -12,84 +10,10 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 import cufa  # noqa: E402
-from cufa import reference  # noqa: E402
-from _attention_check import (cu_seqlens, f64, randn, row_bound, _row_max,  # noqa: E402
-                              _worst_row)
+from _attention_check import cu_seqlens, f64, randn  # noqa: E402
+from _backward_check import check_grads, poisoned_like  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
-F32_ROUNDINGS = 32  # of a gradient's sum of |terms|, beside the pass rule's bound
-
-
-def _round(x, dtype):
-    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype).double().numpy()
-
-
-def lowp_backward(q, k, v, dout, dtype, out=None, softmax_scale=None, causal=False,
-                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None,
-                  attn_mask=None, diag_offset=None):
-    """The float64 backward with P and dS rounded to `dtype` before their products and the
-    gradients rounded at the end: what the kernels' own roundings cost on this input."""
-    qh, kh, vh, scale, visible, mask, diag = reference._prepare(
-        q, k, v, softmax_scale, causal, window_size, attn_mask, diag_offset)
-    b, h, sq, _ = qh.shape
-    hk, sk = k.shape[2], kh.shape[2]
-    dots = qh @ kh.transpose(0, 1, 3, 2)
-    s = reference.with_sink_column(reference._score_mods(
-        dots, np.arange(sq), np.arange(sk), scale=scale, softcap=softcap,
-        alibi_slopes=alibi_slopes, attn_mask=mask, visible=visible, diag_offset=diag),
-        learnable_sink)
-    _, e, l = reference._exp_rows(s)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(l == 0, 0.0, e / l)[..., :sk]
-    do = dout.transpose(0, 2, 1, 3)
-    p_r = _round(p, dtype)
-    # D reads the out the backward is given (an input, rounded as the forward left it)
-    o = _round(p_r @ vh, dtype) if out is None else out.transpose(0, 2, 1, 3)
-    dvh = p_r.transpose(0, 1, 3, 2) @ do
-    ds = p * (do @ vh.transpose(0, 1, 3, 2) - (do * o).sum(-1, keepdims=True))
-    if softcap:
-        ds = ds * (1.0 - np.tanh(dots * scale / softcap) ** 2)
-    ds_r = _round(ds, dtype)
-    dqh, dkh = scale * ds_r @ kh, scale * ds_r.transpose(0, 1, 3, 2) @ qh
-
-    def per_kv(x):
-        return x.reshape(b, hk, h // hk, sk, x.shape[-1]).sum(2).transpose(0, 2, 1, 3)
-    # each gradient's sum of |terms|: float32 sums of such terms (dP - D above all, which
-    # cancel to 0 where a row takes all from one key) err by a few float32 roundings of it
-    ds_mag = p * (np.abs(do @ vh.transpose(0, 1, 3, 2)) + np.abs((do * o).sum(-1, keepdims=True)))
-    mags = (scale * ds_mag @ np.abs(kh), scale * ds_mag.transpose(0, 1, 3, 2) @ np.abs(qh),
-            p.transpose(0, 1, 3, 2) @ np.abs(do))
-    mags = [_row_max(x) for x in (mags[0].transpose(0, 2, 1, 3), per_kv(mags[1]), per_kv(mags[2]))]
-    return ([_round(x, dtype) for x in (dqh.transpose(0, 2, 1, 3), per_kv(dkh), per_kv(dvh))],
-            mags)
-
-
-def check_grads(got, q, k, v, dout, label, out=None, **kw):
-    """got: (dq, dk, dv[, dsink]) torch tensors; q, k, v, dout torch (and the out the
-    backward read); kw as the call's."""
-    np_kw = {n: (f64(x) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
-    args = [f64(x) for x in (q, k, v, dout)]
-    ref = reference.attention_backward(*args, **np_kw)
-    lowp, mags = lowp_backward(*args, q.dtype, None if out is None else f64(out), **np_kw)
-    for name, g, r, lp, mag in zip(("dq", "dk", "dv"), got[:3], (ref.dq, ref.dk, ref.dv), lowp,
-                                   mags):
-        g = f64(g)
-        assert g.shape == r.shape, (label, name, g.shape, r.shape)
-        assert np.isfinite(g).all(), f"{label}: {name} not finite"
-        err = _row_max(g - r)
-        bound, err_lp = row_bound(r, [lp], q.dtype)
-        bound = bound + F32_ROUNDINGS * np.finfo(np.float32).eps * mag
-        ratio = err / bound
-        assert (ratio <= 1).all(), _worst_row(ratio, label, name, err, bound, err_lp)
-    if "learnable_sink" in kw:
-        dsink = f64(got[3])
-        np.testing.assert_allclose(dsink, ref.dsink, rtol=2e-2, atol=1e-3 * np.abs(ref.dsink).max())
-
-
-def poisoned_like(x):
-    return torch.full_like(x, float("nan"))
-
-
 def run_dense(rng, dtype, b, sq, sk, h, hk, d, label, layout="bshd", **kw):
     q = randn(rng, (b, sq, h, d), dtype, layout=layout)
     k, v = (randn(rng, (b, sk, hk, d), dtype, layout=layout) for _ in range(2))
@@ -179,6 +103,31 @@ def test_varlen_backward(causal, used):
         unseen = slice(ks[i] + used_k[i], ks[i + 1])  # keys past seqused_k: zero gradients
         assert not dk[unseen].any() and not dv[unseen].any(), label
         assert torch.isfinite(dk[keys]).all() and torch.isfinite(dv[keys]).all(), label
+
+
+def test_varlen_autograd_with_sink_window_and_gqa():
+    """What gpt-oss trains through: packed sequences, GQA, a learnable sink, causal with a
+    sliding window; the sink's gradient summed over the sequences."""
+    rng = np.random.default_rng(19)
+    dtype, h, hk, d, lens = torch.bfloat16, 4, 2, 32, [45, 36, 1, 130]
+    q = randn(rng, (1, sum(lens), h, d), dtype)[0].requires_grad_()
+    k, v = (randn(rng, (1, sum(lens), hk, d), dtype)[0].requires_grad_() for _ in range(2))
+    sink = torch.tensor(rng.standard_normal(h), dtype=torch.float32, device="cuda",
+                        requires_grad=True)
+    dout = randn(rng, (1, sum(lens), h, d), dtype)[0]
+    cu, kw = cu_seqlens(lens), dict(causal=True, window_size=(23, 0))
+    out = cufa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), **kw,
+                                      learnable_sink=sink)
+    out.backward(dout)
+    offs, dsink = np.cumsum([0] + lens), 0.0
+    for i in range(len(lens)):
+        r = slice(offs[i], offs[i + 1])
+        ref = check_grads((q.grad[r][None], k.grad[r][None], v.grad[r][None]),
+                          *(x[r][None] for x in (q, k, v, dout)), f"sequence {i}",
+                          out=out[r][None], learnable_sink=sink, **kw)
+        dsink = dsink + ref.dsink
+    np.testing.assert_allclose(f64(sink.grad), dsink, rtol=2e-2,
+                               atol=1e-3 * np.abs(dsink).max())
 
 
 def test_torch_autograd_through_flash_attn_func():

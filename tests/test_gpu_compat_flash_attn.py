@@ -16,6 +16,7 @@ from cufa import reference  # noqa: E402
 from cufa.compat.flash_attn.bert_padding import pad_input, unpad_input  # noqa: E402
 from cufa.compat.flash_attn.flash_attn_interface import _flash_attn_varlen_forward  # noqa: E402
 from cufa.compat.flash_attn.layers.rotary import apply_rotary_emb  # noqa: E402
+from _backward_check import check_grads  # noqa: E402
 from _attention_check import (  # noqa: E402
     DTYPES, capture_cuda_graph, check_appended_cache, check_attention, check_kvcache, f64)
 
@@ -116,20 +117,26 @@ def test_varlen_packed_forms_of_padded_batches(rng, d, causal, local):
                     causal=causal, window_size=ints)
 
 
-def test_inputs_that_require_grad_get_the_forward_and_a_backward_that_raises(rng):
+def test_inputs_that_require_grad_get_the_forward_and_the_backward(rng):
+    """Autograd through the compat functions, a non-leaf q included (flash-attn's softcap
+    tests scale q before the call)."""
     q = tensor(rng, (2, 128, 4, 64)).requires_grad_()
     k, v = (tensor(rng, (2, 150, 2, 64)).requires_grad_() for _ in range(2))
-    scaled = q * 3  # not a leaf, as in flash-attn's softcap tests
+    scaled = q * 3
     out, lse, _ = flash_attn.flash_attn_func(scaled, k, v, causal=True, return_attn_probs=True)
     assert out.requires_grad
     check_attention(out, lse.detach(), scaled, k, v, label="requires grad", causal=True)
-    with pytest.raises(NotImplementedError, match="flash_attn_func: cufa has no backward"):
-        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (scaled, k, v), dout)
+    check_grads(got, scaled, k, v, dout, "compat dense", out=out, causal=True)
     cu = i32([0, 100, 256])
-    out = flash_attn.flash_attn_varlen_func(q.reshape(256, 4, 64), k[:, :128].reshape(256, 2, 64),
-                                            v[:, :128].reshape(256, 2, 64), cu, cu, 156, 156)
-    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func"):
-        out.sum().backward()
+    qv, kv, vv = (x[:, :128].reshape(256, x.shape[2], 64) for x in (scaled, k, v))
+    out = flash_attn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 156, 156)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (qv, kv, vv), dout)
+    for i, r in enumerate((slice(0, 100), slice(100, 256))):
+        check_grads([g[r][None] for g in got], *(x[r][None] for x in (qv, kv, vv, dout)),
+                    f"compat varlen sequence {i}", out=out[r][None])
 
 
 @pytest.mark.parametrize("append", [False, True])

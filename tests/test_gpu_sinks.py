@@ -403,12 +403,17 @@ def test_torch_compile(rng):
 
 
 def test_a_sink_that_requires_grad(rng):
-    """No backward pass yet: refused while autograd records; under no_grad the parameter
-    is read as it is (the bits of its detached copy's call)."""
+    """A sink parameter gets its gradient where autograd records (against the float64
+    reference's); under no_grad it is read as it is (the bits of its detached copy's call)."""
     q = randn(rng, (1, 64, 4, 64), "float16")
     sink = torch.nn.Parameter(make_sink(rng, 4))
-    with pytest.raises(NotImplementedError, match="learnable_sink requires grad"):
-        cufa.flash_attn_func(q, q, q, learnable_sink=sink)
+    dout = randn(rng, (1, 64, 4, 64), "float16")
+    out = cufa.flash_attn_func(q, q, q, learnable_sink=sink)
+    out.backward(dout)
+    ref = reference.attention_backward(*(f64(x) for x in (q, q, q, dout)),
+                                       learnable_sink=f64(sink))
+    np.testing.assert_allclose(f64(sink.grad), ref.dsink, rtol=2e-2,
+                               atol=1e-3 * np.abs(ref.dsink).max())
     with torch.no_grad():
         out = cufa.flash_attn_func(q, q, q, learnable_sink=sink)
     check_attention(out, None, q, q, q, learnable_sink=sink.detach(), label="under no_grad")
