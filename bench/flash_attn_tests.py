@@ -311,8 +311,8 @@ def report(args, counts, results, removed, summary, device, tree=None):
              "`cufa.compat.flash_attn` by `bench/flash_attn_tests.py` (its docstring has the "
              "rules):", "",
              f"    python bench/flash_attn_tests.py {args.test_file} --commit {args.commit} "
-             f"--sample {args.sample} --seed {args.seed} --workers {args.workers} --out "
-             f"{args.out}", "",
+             f"--sample {args.sample} --seed {args.seed} --workers {args.workers} "
+             + ("--with-backward " if args.with_backward else "") + f"--out {args.out}", "",
              f"Sample: at most {args.sample} cases of each test function, drawn uniformly "
              f"(seed {args.seed} and the function's name); all of a function's cases where "
              "it has no more. Left out by design: "

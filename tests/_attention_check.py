@@ -48,7 +48,8 @@ def make_sink(rng, nheads, dtype="float32", kind="normal"):
 def randn(rng, shape, dtype, scale=1.0, layout="bshd"):
     """A CUDA tensor of logical shape (b, s, h, d) (dtype: a name or a torch dtype) stored in
     `layout`:
-    bshd (contiguous), bhsd (a transposed view), padded (row stride d + 8), odd (a slice
+    bshd (contiguous), bhsd (a transposed view), padded (row stride d + 8), qkv (the middle
+    third of (b, s, 3, h, d), the layout of a fused projection's q, k, v), odd (a slice
     at element offset 1 of rows d + 1 long: strides that are no multiple of 8 and a start
     2 bytes off 16) or shifted (contiguous, its start 2 bytes off 16)."""
     b, s, h, d = shape
@@ -61,6 +62,9 @@ def randn(rng, shape, dtype, scale=1.0, layout="bshd"):
     if layout == "bhsd":
         x = torch.from_numpy(rng.standard_normal((b, h, s, d), dtype=np.float32) * scale)
         return x.to("cuda", _torch_dtype(dtype)).transpose(1, 2)
+    if layout == "qkv":  # one of three heads' worth in each row, as a fused QKV projection
+        x = torch.from_numpy(rng.standard_normal((b, s, 3, h, d), dtype=np.float32) * scale)
+        return x.to("cuda", _torch_dtype(dtype))[:, :, 1]
     if layout == "padded":
         x = torch.from_numpy(rng.standard_normal((b, s, h, d + 8), dtype=np.float32) * scale)
         return x.to("cuda", _torch_dtype(dtype))[..., :d]

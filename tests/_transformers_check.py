@@ -41,12 +41,12 @@ FAMILIES = {
 }
 
 
-def tiny_config(family):
+def tiny_config(family, **overrides):
     import transformers
     name, _, extra = FAMILIES[family]
     fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   max_position_embeddings=256, tie_word_embeddings=False)
-    fields.update(extra)
+    fields.update(extra, **overrides)
     config = getattr(transformers, name)(**fields)
     if hasattr(config, "layer_types") and config.layer_types is not None:
         # both kinds of layer in two layers: sliding first, then full
@@ -60,12 +60,12 @@ def reference_attention(family):
     return FAMILIES[family][1]
 
 
-def build(family, attn_implementation, dtype, device, seed=0, std=0.15):
+def build(family, attn_implementation, dtype, device, seed=0, std=0.15, **overrides):
     """The family's tiny model with seeded random weights (the same for every dtype and
-    attention implementation), in eval mode."""
+    attention implementation), in eval mode; overrides: config fields."""
     import transformers
     torch.manual_seed(seed)
-    config = tiny_config(family)
+    config = tiny_config(family, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation, dtype=torch.float32)
     # Every weight drawn (some families start a few at 0), large enough that attention is

@@ -189,3 +189,4 @@ def test_a_whole_run_with_the_backward(tmp_path):
              (out / "flash_attn_tests.md").read_text().splitlines() if line.startswith("| `"))}
     assert rows["test_flash_attn_deterministic"][1:4] == ["0", "0", "2"], rows
     assert {r[-1] for r in rows.values()} == {"0"}  # no statement removed
+    assert "--with-backward --out" in (out / "flash_attn_tests.md").read_text()

@@ -111,7 +111,11 @@ def test_training_gradients(calls, family, batch_kind):
     """One backward of the language-model loss: every parameter's gradient, row by row
     (each row of a weight, each of a vector), within 2x the bf16 reference model's error
     of the float32 one plus 4 bf16 roundings of the row's largest value."""
-    ref32, lowp, model = (tc.build(family, impl, dt, "cuda") for impl, dt in (
+    # gpt-oss routes each token to its top 2 of 4 experts: a rounding that reorders two
+    # router logits moves a token to another expert, a gradient no bound holds (seen on the
+    # H200 with other seeds, at 8x on the experts); all 4 experts keep the routing smooth
+    moe = dict(num_experts_per_tok=4) if family == "gpt_oss" else {}
+    ref32, lowp, model = (tc.build(family, impl, dt, "cuda", **moe) for impl, dt in (
         (tc.reference_attention(family), torch.float32),
         (tc.reference_attention(family), torch.bfloat16), ("cufa", torch.bfloat16)))
     pads = [0, 0] if batch_kind == "none" else [0, 9]
