@@ -40,6 +40,8 @@ DENSE = {
     "sink, causal, d128": dict(b=1, sq=77, sk=77, h=4, hk=4, d=128, causal=True, sink=True),
     "causal d192, strided": dict(b=1, sq=200, sk=200, h=2, hk=2, d=192, causal=True,
                                  layout="bhsd"),
+    "long causal, q k v from one fused projection, d64": dict(b=1, sq=1100, sk=1100, h=2, hk=2,
+                                                              d=64, causal=True, layout="qkv"),
     "window and softcap, d96": dict(b=1, sq=190, sk=170, h=2, hk=1, d=96, window_size=(8, -1),
                                     softcap=5.0),
 }
