@@ -3,7 +3,7 @@
 backends' backward, in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq]
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--wgmma]
 
 16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
 backward alone: cufa's three launches from the forward's out and lse, a peer's
@@ -23,6 +23,8 @@ import _timing as T  # this script's folder is on sys.path
 
 ROUNDS = 4
 TOKENS = 16384
+# the columns beside cufa's default: each a kernel choice's environment variable, set
+OPTIONS = {"cufa fused dq": "CUFA_BWD_FUSED_DQ", "cufa wgmma dk/dv": "CUFA_BWD_SM90"}
 
 
 def parse_args(argv=None):
@@ -37,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--fused-dq", action="store_true",
                    help="also time cufa with dq fused into the dk/dv kernel (CUFA_BWD_FUSED_DQ), "
                         "the 'cufa fused dq' column")
+    p.add_argument("--wgmma", action="store_true",
+                   help="also time cufa with dk, dv on Hopper's wgmma (CUFA_BWD_SM90), the "
+                        "'cufa wgmma dk/dv' column")
     return p.parse_args(argv)
 
 
@@ -49,6 +54,8 @@ def main(argv=None):
     F = torch.nn.functional
     peers = {} if args.no_peers else {"SDPA flash": SDPBackend.FLASH_ATTENTION,
                                       "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
+    options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
+                                         ("cufa wgmma dk/dv", args.wgmma)) if wanted]
     rows = []
     cases = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens
              for c in args.causal]
@@ -59,13 +66,14 @@ def main(argv=None):
         b, h = max(1, TOKENS // n), 2048 // d
         q, k, v, dout = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
         out, lse = cufa.flash_attn_func(q, k, v, causal=bool(causal), return_lse=True)
-        def backward(fused=False):
-            _compile._overrides[_compile.BWD_FUSED_ENV] = "1" if fused else None
+        def backward(option=None):  # option: one of the kernel choices' variables, set
+            for env in OPTIONS.values():
+                _compile._overrides[env] = "1" if env == option else None
             return cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=bool(causal))
         timers = {"cufa": lambda reps: T.time_events(torch, backward, [()], reps)}
-        if args.fused_dq:
-            timers["cufa fused dq"] = lambda reps: T.time_events(
-                torch, lambda: backward(True), [()], reps)
+        for name in options:
+            timers[name] = lambda reps, env=OPTIONS[name]: T.time_events(
+                torch, lambda: backward(env), [()], reps)
         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
         for name, backend in peers.items():
             def peer_timer(reps, backend=backend):
@@ -87,7 +95,7 @@ def main(argv=None):
                 row["impls"][name] = dict(ms=med, tflops=T.tflops(flops, med))
         rows.append(row)
     T.progress(len(cases), len(cases), "done")
-    names = ["cufa"] + (["cufa fused dq"] if args.fused_dq else []) + list(peers)
+    names = ["cufa"] + options + list(peers)
     head = (f"Backward pass, {torch.cuda.get_device_name()}: ms (TFLOP/s at 2.5 x the "
             f"forward's FLOPs); {TOKENS} tokens a batch, heads = 2048 / d; the backward alone "
             "(the forward outside the timing)")

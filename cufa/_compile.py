@@ -222,10 +222,20 @@ class BwdVariant:
     stages: int = 1         # dq: K/V buffers (2: the next block's copy under the products);
                             # dkdv: Q/dout buffers, the same
     fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
-    source: str = "bwd/bwd_sm80.cu"
-    archs: tuple = ("sm_80", "sm_90")
-    options: tuple = NVRTC_OPTIONS
+    family: str = "sm80"    # dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
+
+    @property
+    def source(self):
+        return "bwd/bwd_sm90.cu" if self.family == "sm90" else "bwd/bwd_sm80.cu"
+
+    @property
+    def archs(self):
+        return ("sm_90a",) if self.family == "sm90" else ("sm_80", "sm_90")
+
+    @property
+    def options(self):
+        return NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
 
     @property
     def key(self):
@@ -234,7 +244,8 @@ class BwdVariant:
         mods = "_mods" if self.score_mods else ""
         grads = f"_{self.grads}" if self.kind == "dkdv" else ""
         fused = "_fdq" if self.fused_dq else ""
-        return (f"bwd_{self.kind}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
+        family = "_sm90" if self.family == "sm90" else ""
+        return (f"bwd_{self.kind}{family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
                 f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}")
 
     @property
@@ -247,7 +258,8 @@ class BwdVariant:
         if self.kind == "dq":
             return f"cufa::bwd_dq_kernel<{args}, {self.block_n}, {self.stages}>"
         fused = ", true" if self.fused_dq else ""
-        return (f"cufa::bwd_dkdv_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
+        kernel = "bwd_dkdv_sm90_kernel" if self.family == "sm90" else "bwd_dkdv_kernel"
+        return (f"cufa::{kernel}<{args}, {BWD_GRADS.index(self.grads)}, "
                 f"{self.stages}{fused}>")
 
     @property
@@ -262,6 +274,9 @@ class BwdVariant:
         row = self.head_dim * _dtypes.size_of(self.dtype)
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
+        if self.kind == "dkdv" and self.family == "sm90":  # (1024-byte aligned panels)
+            stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
+            return 1024 + 2 * self.block_n * row + stages * stage
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
             fused = 2 * self.block_n * self.block_m if self.fused_dq else 0  # dS^T, 16-bit
             return (2 * self.block_n * row + stages * (2 * self.block_m * row + 8 * self.block_m)
@@ -308,6 +323,28 @@ def bwd_fused_variants(dtype, head_dim, mask, score_mods):
 
 def bwd_fused_wanted():
     return _overrides.get(BWD_FUSED_ENV) == "1"
+
+
+# dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu): padded head dim -> block_m (queries a step,
+# the products' N); two Q/dout buffers. Off by default until measured on a GPU
+# (CUFA_BWD_SM90=1 takes it on Hopper where it applies).
+BWD_SM90_BLOCK_M = {64: 64, 128: 64}
+BWD_SM90_SPILLS = {(128, "window", True)}  # (d = 128 with a window and mods: 20 bytes)
+BWD_SM90_ENV = "CUFA_BWD_SM90"
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_sm90_variants(dtype, head_dim, mask, score_mods):
+    """(preprocess, dq, dk/dv on wgmma) for a call, or None where there is no wgmma dk/dv."""
+    pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
+    block_m = BWD_SM90_BLOCK_M.get(kv[0].head_dim)
+    if block_m is None or (kv[0].head_dim, mask, bool(score_mods)) in BWD_SM90_SPILLS:
+        return None
+    return pre, dq, dataclasses.replace(kv[0], family="sm90", block_m=block_m, stages=2)
+
+
+def bwd_sm90_wanted():
+    return _overrides.get(BWD_SM90_ENV) == "1"
 
 
 def _two_stages_where_they_fit(variant):
@@ -663,7 +700,8 @@ def read_overrides():
     at import, and again by api.clear_plans(). Plans are made with the values last read,
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
-                      for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV))
+                      for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
+                                   BWD_SM90_ENV))
 
 
 _overrides = {}
@@ -687,6 +725,9 @@ def all_variants():
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
+                                                     or ())]
+    variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
+                 for mods in (False, True) for v in (bwd_sm90_variants(dt, hd, mask, mods)
                                                      or ())]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 

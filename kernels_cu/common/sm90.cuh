@@ -165,6 +165,19 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u3
                : "memory");
 }
 
+// -- a product's float accumulators, rounded to kDtype, as the A fragments of the next
+//    wgmma (P for P V): 16 of the accumulators' columns a fragment --
+template <int kDtype, int kNTiles>
+__device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    a[kk][0] = pack2<kDtype>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    a[kk][1] = pack2<kDtype>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    a[kk][2] = pack2<kDtype>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    a[kk][3] = pack2<kDtype>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
 // ptxas places the wait for an in-flight wgmma as early as it may, above independent
 // work: the P V wait went above the whole softmax, so a warpgroup's exponentials never ran
 // under its own product. A shared-memory store that depends on the row sums and never

@@ -26,18 +26,6 @@ __device__ __forceinline__ void pass_turn(int consumer) {
   named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
 }
 
-// -- P from the S accumulators into wgmma A fragments, 16 keys per fragment --
-template <int kDtype, int kNTiles>
-__device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
-#pragma unroll
-  for (int kk = 0; kk < kNTiles / 2; ++kk) {
-    a[kk][0] = pack2<kDtype>(s[0][2 * kk][0], s[0][2 * kk][1]);
-    a[kk][1] = pack2<kDtype>(s[0][2 * kk][2], s[0][2 * kk][3]);
-    a[kk][2] = pack2<kDtype>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-    a[kk][3] = pack2<kDtype>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-  }
-}
-
 // -- lazy max (OnlineSoftmax::update_lazy) from d = 128: O's rescale is then skipped by
 //    most blocks, and it is 64 (d = 128) to 128 (d = 256) multiplies a thread a block --
 template <int kHeadDim>

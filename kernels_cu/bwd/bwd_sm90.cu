@@ -1,0 +1,266 @@
+// Backward dk, dv on Hopper's tensor cores (wgmma, sm_90a): bwd_sm80.cu's dk/dv kernel,
+// its CTA (64 keys of a KV head, one warpgroup) and its schedule (the query blocks of every
+// head of the group streamed through cp.async, two buffers), with the products issued by
+// the warpgroup as a whole:
+//   S^T  = K Q^T       A = K, B = Q (K-major)          from shared memory
+//   dP^T = V dout^T    A = V, B = dout (K-major)       from shared memory
+//   dv  += P^T dout    A = P^T from registers, B = dout (MN-major)
+//   dk  += dS^T Q      A = dS^T from registers, B = Q (MN-major)
+// The accumulators are laid out per warp as mma.sync's, so the scores' element-wise steps
+// (mods, mask, exponentials, dS) are bwd_sm80.cu's. dq stays the dq kernel's.
+#include "../common/softmax.cuh"
+#include "../common/sm90.cuh"
+#include "../common/wgmma_ops.cuh"
+#include "common.cuh"
+
+namespace cufa {
+
+// A tile of kRows rows in 64-column panels (128-byte swizzle), the layout the descriptors
+// below describe; rows past rows_valid and columns past head_dim become zeros.
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_stride,
+                                            int rows_valid, int head_dim) {
+  copy_tile_async<kRows, kHeadDim, kBwdThreads>(
+      smem, gmem, row_stride, rows_valid, head_dim,
+      [](int r, int c) { return panel_offset<kRows>(r, c); });
+}
+
+// -- descriptor offset (16-byte units) of k-step ks (16 columns) in a K-major tile of
+//    `rows` rows, and of k-step kk (16 rows) in an MN-major one --
+__device__ __forceinline__ u32 k_major_step(int ks, int rows) {
+  return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+}
+__device__ __forceinline__ u32 mn_major_step(int kk) { return static_cast<u32>(kk * 16 * 128 >> 4); }
+
+// -- acc = A B^T over the head dim: A a K-major tile of 64 rows (the warpgroup's M), B one
+//    of kRowsB rows (N); one committed group --
+template <int kDtype, int kHeadDim, int kRowsB, int kNTiles>
+__device__ __forceinline__ void issue_scores(float (&acc)[1][kNTiles][4], u64 a_desc, u64 b_desc) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    wgmma_ss<kDtype>(acc, desc_add(a_desc, k_major_step(ks, 64)),
+                     desc_add(b_desc, k_major_step(ks, kRowsB)), ks > 0);
+  wgmma_commit();
+}
+
+// -- acc += A B: A from registers (kSteps fragments of 16 columns), B an MN-major tile
+//    whose rows are those columns; one committed group --
+template <int kDtype, int kSteps, int kDTiles>
+__device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
+                                                 const u32 (&a)[kSteps][4], u64 b_desc) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs<kDtype>(acc, a[kk], desc_add(b_desc, mn_major_step(kk)), 1);
+  wgmma_commit();
+}
+
+// -- before step i of n: as await_step, and the copies' bytes made visible to wgmma (which
+//    reads through the async proxy) before the barrier --
+template <int kStages, typename Load>
+__device__ __forceinline__ void await_step_async_proxy(int i, int n, int stage, Load load) {
+  if (kStages == 1 && i > 0) load(i, 0);
+  if (kStages == 2 && i + 1 < n) {
+    load(i + 1, stage ^ 1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  fence_proxy_async();
+  __syncthreads();
+}
+
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
+          int kStages>
+__global__ void __launch_bounds__(kBwdThreads, 1)
+    bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kBlockN = 64;  // keys: the warpgroup's M
+  constexpr int kQTiles = kBlockM / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr bool kDk = kGrads != KV_DV, kDv = kGrads != KV_DK;
+  constexpr int kTileBytes = kBlockM * kHeadDim * 2;
+  // a stage: Q and dout, then lse (log2 units) and D; stages 1024-byte aligned (panels)
+  constexpr int kStageBytes = (2 * kTileBytes + 8 * kBlockM + 1023) / 1024 * 1024;
+  constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static_assert(kBwdThreads == 128 && kBlockN == 16 * kBwdWarps, "one warpgroup, 16 keys a warp");
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
+  static_assert(kStages == 1 || kStages == 2, "one or two Q/dout buffers");
+  extern __shared__ unsigned char smem_raw[];
+  // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
+  const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
+  const u32 sk = base, sv = base + kKVBytes, sstages = base + 2 * kKVBytes;
+  unsigned char* stages = smem + 2 * kKVBytes;
+
+  // the tile of a KV head: get_tile over FwdParams as if the KV heads were the query heads
+  Tile t;
+  {
+    FwdParams by_key = p;
+    by_key.nheads = p.nheads_k;
+    by_key.tile_list = g.kv_tile_list;
+    by_key.tile_count = g.kv_tile_count;
+    by_key.num_m_blocks = g.num_n_blocks;
+    by_key.heads_per_group = 1;
+    by_key.tail_group_head = p.batch * p.nheads_k;
+    if (!get_tile(by_key, static_cast<int>(blockIdx.x), t)) return;
+  }
+  const int h_k = t.h;
+  const int group = p.nheads / p.nheads_k;
+  const int key0 = t.m_block * kBlockN;
+  const int lane = threadIdx.x % 32;
+  const int warp_row0 = (threadIdx.x / 32) * 16;
+  int rows_out = t.seqlen_k;
+  if (p.cu_seqlens_k && p.seqused_k) {
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    rows_out = min(max(cu_k[t.b + 1], 0), p.seqlen_k) - (int)t.k_start;
+  }
+  t.h = h_k * group;
+  const TilePointers kv = tile_pointers(p, t);
+  const i64 k_row = t.k_start + key0;
+
+  float acc_dk[1][kDk ? kDTiles : 8][4], acc_dv[1][kDv ? kDTiles : 8][4];
+#pragma unroll
+  for (int dt = 0; dt < (kDk ? kDTiles : 8); ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = 0.f;
+#pragma unroll
+  for (int dt = 0; dt < (kDv ? kDTiles : 8); ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[0][dt][e] = 0.f;
+
+  // the queries that see some key of the block
+  const int key_end = min(key0 + kBlockN, t.seqlen_k);
+  int q_begin = 0, q_end = key0 < t.seqlen_k ? t.seqlen_q : 0;
+  if (kMask == MASK_WINDOW && q_end) {
+    const i64 lo = (i64)key0 - t.diag_offset - p.window_right;
+    const i64 hi = (i64)(key_end - 1) - t.diag_offset + p.window_left + 1;
+    q_begin = (int)max((i64)0, min(lo, (i64)t.seqlen_q));
+    q_end = (int)max((i64)q_begin, min(hi, (i64)t.seqlen_q));
+  }
+  const int m_block_min = q_begin / kBlockM;
+  const int m_blocks = (q_end + kBlockM - 1) / kBlockM - m_block_min;
+  const int steps = group * m_blocks;
+
+  // K and V as A (K-major, 64 rows); a stage's Q and dout as B, K-major for S^T and dP^T,
+  // MN-major (16 rows a k-step, 64-column panels kBlockM * 128 bytes apart) for dk, dv
+  const u64 k_desc = smem_desc(sk, 16, 1024), v_desc = smem_desc(sv, 16, 1024);
+  const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
+  const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
+  const auto load_step = [&](int i, int stage) {
+    Tile th = t;
+    th.h = head_of(i);
+    const int q0 = q0_of(i);
+    const TilePointers ptr = tile_pointers(p, th);
+    const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
+                      th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
+    const u32 sq = sstages + stage * kStageBytes;
+    load_panels<kBlockM, kHeadDim>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
+                                   t.seqlen_q - q0, p.head_dim);
+    load_panels<kBlockM, kHeadDim>(sq + kTileBytes, dout, g.dout_row_stride, t.seqlen_q - q0,
+                                   p.head_dim);
+    cp_async_commit();
+    const i64 at = row_stats_offset(p, th) + q0;
+    float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
+    for (int r = threadIdx.x; r < kBlockM; r += kBwdThreads) {
+      s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
+      s_lse[kBlockM + r] = q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r]
+                                               : 0.f;
+    }
+  };
+  if (steps) {  // (K and V in the first step's copy group)
+    load_panels<kBlockN, kHeadDim>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
+                                   t.seqlen_k - key0, p.head_dim);
+    if (kDk)
+      load_panels<kBlockN, kHeadDim>(sv, kv.v + key0 * p.v_row_stride, p.v_row_stride,
+                                     t.seqlen_k - key0, p.head_dim);
+    load_step(0, 0);
+  }
+  const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
+
+  int stage = 0;
+  for (int i = 0; i < steps; ++i) {
+    await_step_async_proxy<kStages>(i, steps, stage, load_step);
+    Tile th = t;
+    th.h = head_of(i);
+    const int q0 = q0_of(i);
+    const TileMods mods = tile_mods<kScoreMods>(p, th);
+    const u32 sq = sstages + stage * kStageBytes, sdo = sq + kTileBytes;
+    const float* s_lse = reinterpret_cast<const float*>(stages + stage * kStageBytes +
+                                                        2 * kTileBytes);
+    const float* s_d = s_lse + kBlockM;
+    const u64 q_desc = smem_desc(sq, 16, 1024), do_desc = smem_desc(sdo, 16, 1024);
+    const u64 q_mn_desc = smem_desc(sq, kBlockM * 128, 1024);
+    const u64 do_mn_desc = smem_desc(sdo, kBlockM * 128, 1024);
+
+    // S^T = K Q^T and (for dk) dP^T = V dout^T, two groups in flight
+    float st[1][kQTiles][4], dpt[1][kDk ? kQTiles : 2][4];
+    wgmma_fence();
+    issue_scores<kDtype, kHeadDim, kBlockM>(st, k_desc, q_desc);
+    if constexpr (kDk) issue_scores<kDtype, kHeadDim, kBlockM>(dpt, v_desc, do_desc);
+    wgmma_wait<kDk ? 1 : 0>();
+    fence_registers(st);
+
+    const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
+                                                key0, key0 + kBlockN);
+    float grad[1][kScoreMods ? kQTiles : 1][4];
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = first_key + 8 * (e >> 1);
+        const int col = frag_col(0, nt, e, lane);
+        float x;
+        if constexpr (kScoreMods)
+          x = modded_score(st[0][nt][e], p, th, mods, q0 + col, key, grad[0][nt][e]);
+        else
+          x = st[0][nt][e] * p.scale_log2;
+        if (masked && !visible<kMask>(p, th, q0 + col, key)) x = -CUFA_INF;
+        st[0][nt][e] = exp2f(x - s_lse[col]);  // P^T
+      }
+    u32 p_frag[kQTiles / 2][4], ds_frag[kQTiles / 2][4];
+    if constexpr (kDv) {
+      pack_p<kDtype>(p_frag, st);
+      wgmma_fence();
+      issue_accumulate<kDtype>(acc_dv, p_frag, do_mn_desc);
+    }
+    if constexpr (kDk) {
+      // dS^T = P^T (dP^T - D) d(score)/d(raw score), once dP^T is in (dv's group may still run)
+      if constexpr (kDv) wgmma_wait<1>(); else wgmma_wait<0>();
+      fence_registers(dpt);
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = frag_col(0, nt, e, lane);
+          const float d_raw = kScoreMods ? grad[0][kScoreMods ? nt : 0][e] : p.scale;
+          dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[col]) * d_raw;
+        }
+      pack_p<kDtype>(ds_frag, dpt);
+      wgmma_fence();
+      issue_accumulate<kDtype>(acc_dk, ds_frag, q_mn_desc);
+    }
+    // (the fragments feed the products until they complete: held past the wait)
+    wgmma_wait<0>();
+    if constexpr (kDv) {
+      fence_registers(p_frag);
+      fence_registers(acc_dv);
+    }
+    if constexpr (kDk) {
+      fence_registers(ds_frag);
+      fence_registers(acc_dk);
+    }
+    __syncthreads();  // every warp is done with this step's buffers
+    stage ^= kStages - 1;
+  }
+  const int rows = rows_out - key0;
+  if constexpr (kDk) {
+    u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +
+              k_row * g.dk_row_stride;
+    store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
+  if constexpr (kDv) {
+    u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + h_k * g.dv_head_stride +
+              k_row * g.dv_row_stride;
+    store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
+}
+
+}  // namespace cufa
