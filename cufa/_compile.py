@@ -222,7 +222,7 @@ class BwdVariant:
     stages: int = 1         # dq: K/V buffers (2: the next block's copy under the products);
                             # dkdv: Q/dout buffers, the same
     fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
-    family: str = "sm80"    # dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
+    family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
 
     @property
@@ -256,7 +256,8 @@ class BwdVariant:
         args = (f"{dt}, {self.head_dim}, {MASKS.index(self.mask)}, "
                 f"{str(self.score_mods).lower()}, {self.block_m}")
         if self.kind == "dq":
-            return f"cufa::bwd_dq_kernel<{args}, {self.block_n}, {self.stages}>"
+            kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
+            return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}>"
         fused = ", true" if self.fused_dq else ""
         kernel = "bwd_dkdv_sm90_kernel" if self.family == "sm90" else "bwd_dkdv_kernel"
         return (f"cufa::{kernel}<{args}, {BWD_GRADS.index(self.grads)}, "
@@ -274,7 +275,9 @@ class BwdVariant:
         row = self.head_dim * _dtypes.size_of(self.dtype)
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
-        if self.kind == "dkdv" and self.family == "sm90":  # (1024-byte aligned panels)
+        if self.kind == "dq" and self.family == "sm90":  # (1024-byte aligned panels)
+            return 1024 + 2 * (self.block_m + stages * self.block_n) * row
+        if self.kind == "dkdv" and self.family == "sm90":
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
             return 1024 + 2 * self.block_n * row + stages * stage
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
@@ -325,22 +328,29 @@ def bwd_fused_wanted():
     return _overrides.get(BWD_FUSED_ENV) == "1"
 
 
-# dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu): padded head dim -> block_m (queries a step,
-# the products' N); two Q/dout buffers. Off by default until measured on a GPU
-# (CUFA_BWD_SM90=1 takes it on Hopper where it applies).
-BWD_SM90_BLOCK_M = {64: 64, 128: 64}
-BWD_SM90_SPILLS = {(128, "window", True)}  # (d = 128 with a window and mods: 20 bytes)
+# dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), one warpgroup a CTA: padded head dim
+# -> the dq kernel's key block (64 query rows a tile) and the dk/dv kernel's query block
+# (64 keys a CTA), the products' N; two buffers of what each streams. Off by default until
+# measured on a GPU (CUFA_BWD_SM90=1 takes them on Hopper where they apply). Where one of
+# the two spills, that launch stays on mma.sync.
+BWD_SM90_TILES = {64: (64, 64), 128: (64, 64)}
+BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
 
 
 @functools.lru_cache(maxsize=None)
 def bwd_sm90_variants(dtype, head_dim, mask, score_mods):
-    """(preprocess, dq, dk/dv on wgmma) for a call, or None where there is no wgmma dk/dv."""
+    """(preprocess, dq, dk/dv), those on wgmma that it has, for a call; None where it has
+    neither."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
-    block_m = BWD_SM90_BLOCK_M.get(kv[0].head_dim)
-    if block_m is None or (kv[0].head_dim, mask, bool(score_mods)) in BWD_SM90_SPILLS:
+    tiles = BWD_SM90_TILES.get(dq.head_dim)
+    if tiles is None:
         return None
-    return pre, dq, dataclasses.replace(kv[0], family="sm90", block_m=block_m, stages=2)
+    wgmma = [dataclasses.replace(v, family="sm90", stages=2, **(
+        dict(block_m=64, block_n=tiles[0]) if v.kind == "dq" else dict(block_m=tiles[1])))
+        if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
+        for v in (dq, kv[0])]
+    return (pre, *wgmma)
 
 
 def bwd_sm90_wanted():

@@ -1,13 +1,12 @@
-// Backward dk, dv on Hopper's tensor cores (wgmma, sm_90a): bwd_sm80.cu's dk/dv kernel,
-// its CTA (64 keys of a KV head, one warpgroup) and its schedule (the query blocks of every
-// head of the group streamed through cp.async, two buffers), with the products issued by
-// the warpgroup as a whole:
-//   S^T  = K Q^T       A = K, B = Q (K-major)          from shared memory
-//   dP^T = V dout^T    A = V, B = dout (K-major)       from shared memory
-//   dv  += P^T dout    A = P^T from registers, B = dout (MN-major)
-//   dk  += dS^T Q      A = dS^T from registers, B = Q (MN-major)
+// The backward's dq and dk, dv kernels on Hopper's tensor cores (wgmma, sm_90a): bwd_sm80.cu's
+// kernels, their CTAs (one warpgroup, 64 rows of the products' M) and schedules (the other
+// side's blocks streamed through cp.async, two buffers), with the products issued by the
+// warpgroup as a whole from 128-byte-swizzled panels:
+//   dq:    S = Q K^T, dP = dout V^T (K-major B), dq += dS K (dS from registers, K MN-major)
+//   dk,dv: S^T = K Q^T, dP^T = V dout^T (K-major B), dv += P^T dout, dk += dS^T Q (P^T, dS^T
+//          from registers, dout and Q MN-major)
 // The accumulators are laid out per warp as mma.sync's, so the scores' element-wise steps
-// (mods, mask, exponentials, dS) are bwd_sm80.cu's. dq stays the dq kernel's.
+// (mods, mask, exponentials, dS) are bwd_sm80.cu's.
 #include "../common/softmax.cuh"
 #include "../common/sm90.cuh"
 #include "../common/wgmma_ops.cuh"
@@ -68,6 +67,132 @@ __device__ __forceinline__ void await_step_async_proxy(int i, int n, int stage, 
   __syncthreads();
 }
 
+// dq: the forward's tile of 64 query rows, its key blocks in order through two K/V buffers
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
+          int kStages>
+__global__ void __launch_bounds__(kBwdThreads, 1)
+    bwd_dq_sm90_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one K or V block
+  static_assert(kBlockM == 16 * kBwdWarps, "one warpgroup: 64 query rows");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kTileBytes % 1024 == 0,
+                "whole 64-column panels");
+  static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
+  extern __shared__ unsigned char smem_raw[];
+  const u32 sq = (smem_u32(smem_raw) + 1023) & ~1023u;  // (panels at 1024-byte boundaries)
+  const u32 sdo = sq + kQBytes, skv = sdo + kQBytes;    // stage s: K at s * 2 tiles, V after
+
+  Tile t;
+  if (!get_tile(p, static_cast<int>(blockIdx.x), t)) return;
+  const int row0 = t.m_block * kBlockM;
+  const int row_end = min(row0 + kBlockM, t.seqlen_q);
+  const int lane = threadIdx.x % 32;
+  const int warp_row0 = (threadIdx.x / 32) * 16;
+  const TilePointers ptr = tile_pointers(p, t);
+  const i64 q_row = t.q_start + row0;
+  const u16* dout = reinterpret_cast<const u16*>(g.dout) + t.b * g.dout_batch_stride +
+                    t.h * g.dout_head_stride + q_row * g.dout_row_stride;
+  u16* dq = reinterpret_cast<u16*>(g.dq) + t.b * g.dq_batch_stride + t.h * g.dq_head_stride +
+            q_row * g.dq_row_stride;
+  const TileMods mods = tile_mods<kScoreMods>(p, t);
+
+  // this lane's rows' lse (log2 units) and D
+  const float* lse = reinterpret_cast<const float*>(p.lse) + row_stats_offset(p, t);
+  const float* dsum_of = reinterpret_cast<const float*>(g.softmax_d) + row_stats_offset(p, t);
+  float lse_log2[2], dsum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = frag_row(row0 + warp_row0, 0, 2 * h, lane);
+    lse_log2[h] = lse_log2_of(lse, row, t.seqlen_q);
+    dsum[h] = row < t.seqlen_q ? dsum_of[row] : 0.f;
+  }
+
+  float acc_dq[1][kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[0][dt][e] = 0.f;
+
+  const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
+  const int n_block_min = keys.begin / kBlockN;
+  const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;
+  const u64 q_desc = smem_desc(sq, 16, 1024), do_desc = smem_desc(sdo, 16, 1024);
+  const auto load_kv = [&](int step, int stage) {  // (step: key block n_block_min + step)
+    const int key0 = (n_block_min + step) * kBlockN;
+    const u32 sk = skv + stage * 2 * kTileBytes;
+    load_panels<kBlockN, kHeadDim>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                   t.seqlen_k - key0, p.head_dim);
+    load_panels<kBlockN, kHeadDim>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride,
+                                   p.v_row_stride, t.seqlen_k - key0, p.head_dim);
+    cp_async_commit();
+  };
+  if (n_block_min < n_block_max) {  // (Q and dout in the first block's copy group)
+    load_panels<kBlockM, kHeadDim>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
+                                   t.seqlen_q - row0, p.head_dim);
+    load_panels<kBlockM, kHeadDim>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
+                                   p.head_dim);
+    load_kv(0, 0);
+  }
+  int stage = 0;
+  for (int nb = n_block_min; nb < n_block_max; ++nb) {
+    const int key0 = nb * kBlockN;
+    await_step_async_proxy<kStages>(nb - n_block_min, n_block_max - n_block_min, stage, load_kv);
+    const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
+
+    // S = Q K^T and dP = dout V^T, two groups in flight
+    float s[1][kNTiles][4], dp[1][kNTiles][4];
+    wgmma_fence();
+    issue_scores<kDtype, kHeadDim, kBlockN>(s, q_desc, smem_desc(sk, 16, 1024));
+    issue_scores<kDtype, kHeadDim, kBlockN>(dp, do_desc, smem_desc(sv, 16, 1024));
+    wgmma_wait<1>();
+    fence_registers(s);
+
+    // scores in log2 units (their derivatives kept where score mods change them), masked
+    float grad[1][kScoreMods ? kNTiles : 1][4];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (kScoreMods)
+          s[0][nt][e] = modded_score(s[0][nt][e], p, t, mods, frag_row(row0 + warp_row0, 0, e, lane),
+                                     frag_col(key0, nt, e, lane), grad[0][nt][e]);
+        else
+          s[0][nt][e] *= p.scale_log2;
+      }
+    if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
+      apply_mask<kMask>(s, p, t, row0 + warp_row0, key0, lane);
+    // dS = P (dP - D) times d(score)/d(raw score), in place of S
+    wgmma_wait<0>();
+    fence_registers(dp);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float prob = exp2f(s[0][nt][e] - lse_log2[e >> 1]);
+        const float ds = prob * (dp[0][nt][e] - dsum[e >> 1]);
+        if (kScoreMods && g.dmask)
+          add_mask_grad(g, t, frag_row(row0 + warp_row0, 0, e, lane), frag_col(key0, nt, e, lane),
+                        ds);
+        const float d_raw = kScoreMods ? grad[0][kScoreMods ? nt : 0][e] : p.scale;
+        s[0][nt][e] = ds * d_raw;
+      }
+    // dq += dS K: K as the MN-major B (16 keys a k-step)
+    u32 ds_frag[kNTiles / 2][4];
+    pack_p<kDtype>(ds_frag, s);
+    wgmma_fence();
+    issue_accumulate<kDtype>(acc_dq, ds_frag, smem_desc(sk, kBlockN * 128, 1024));
+    wgmma_wait<0>();
+    fence_registers(ds_frag);
+    fence_registers(acc_dq);
+    __syncthreads();  // every warp is done with this block's K and V
+    stage ^= kStages - 1;
+  }
+  store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
+}
+
+// dk, dv: 64 keys of a KV head, the query blocks of every head of its group
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
           int kStages>
 __global__ void __launch_bounds__(kBwdThreads, 1)
