@@ -273,13 +273,13 @@ class BwdVariant:
 
     def smem_with(self, stages):
         row = self.head_dim * _dtypes.size_of(self.dtype)
-        if self.kind == "dq":  # Q, dout; the stages' K, V
-            return 2 * (self.block_m + stages * self.block_n) * row
-        if self.kind == "dq" and self.family == "sm90":  # (1024-byte aligned panels)
-            return 1024 + 2 * (self.block_m + stages * self.block_n) * row
-        if self.kind == "dkdv" and self.family == "sm90":
+        if self.family == "sm90":  # (1024 bytes to align the panels to their swizzle)
+            if self.kind == "dq":
+                return 1024 + 2 * (self.block_m + stages * self.block_n) * row
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
             return 1024 + 2 * self.block_n * row + stages * stage
+        if self.kind == "dq":  # Q, dout; the stages' K, V
+            return 2 * (self.block_m + stages * self.block_n) * row
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
             fused = 2 * self.block_n * self.block_m if self.fused_dq else 0  # dS^T, 16-bit
             return (2 * self.block_n * row + stages * (2 * self.block_m * row + 8 * self.block_m)

@@ -282,3 +282,22 @@ def test_dq_fused_where_asked_and_it_applies(monkeypatch):
     rec.launches.clear()
     cufa.flash_attn_backward(*dense_args(d=96))
     assert [f.kind for f, *_ in rec.launches] == ["preprocess", "dq", "dkdv"]
+
+
+def test_wgmma_kernels_get_their_tiles_and_the_alignment():
+    """bwd/bwd_sm90.cu rounds its shared-memory base up to 1024 bytes (the swizzle's
+    phase), then lays out its tiles: each variant asks for 1024 bytes beyond them."""
+    from cufa import _compile
+    seen = 0
+    for v in _compile.all_variants():
+        if getattr(v, "family", "") != "sm90" or not v.key.startswith("bwd_"):
+            continue
+        seen += 1
+        row = 2 * v.head_dim
+        if v.kind == "dq":  # Q, dout; two stages of K and V
+            tiles = 2 * v.block_m * row + v.stages * 2 * v.block_n * row
+        else:  # K, V; two stages of Q, dout, lse and D, each at a 1024-byte boundary
+            tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
+                                                      // 1024) * 1024
+        assert v.smem_bytes == 1024 + tiles, v.key
+    assert seen == 30
