@@ -105,6 +105,46 @@ __device__ __forceinline__ void release_blocks(const Smem& sm, int n_blocks, int
   block_count += n_blocks;
 }
 
+// -- a tile's end: O / l and lse written (from d = 128 through the tile's Q stage, which
+//    is then released) --
+template <int kDtype, class Smem, int kDTiles, class Softmax>
+__device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softmax& softmax,
+                                            float scale_log2, const FwdParams& p, const Tile& t,
+                                            const Smem& sm, u32 q_stage, int row0, int row_base,
+                                            int lane) {
+  float lse[1][2];
+  softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
+  const TilePointers ptr = tile_pointers(p, t);
+  if constexpr (kStagedOutput<Smem::kHeadDim>) {
+    write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDim>(
+        acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, sm.q + q_stage * Smem::kQBytes, row0,
+        row_base, lane);
+    // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
+    // and read through the generic one.
+    fence_proxy_async();
+    mbar_arrive(sm.q_empty() + 8 * q_stage);
+  } else {
+    write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
+  }
+}
+
+// -- a compile-time flag as a generic lambda's argument: a body of its own per value --
+template <bool kValue>
+struct Flag {
+  static constexpr bool value = kValue;
+};
+
+// -- the lower and upper half of a block's S accumulators (its first and last 4 * kTiles
+//    keys) --
+template <int kTiles>
+__device__ __forceinline__ float (&lower_keys(float (&acc)[1][kTiles][4]))[1][kTiles / 2][4] {
+  return *reinterpret_cast<float(*)[1][kTiles / 2][4]>(&acc);
+}
+template <int kTiles>
+__device__ __forceinline__ float (&upper_keys(float (&acc)[1][kTiles][4]))[1][kTiles / 2][4] {
+  return *reinterpret_cast<float(*)[1][kTiles / 2][4]>(&acc[0][kTiles / 2][0]);
+}
+
 // -- a consumer warpgroup: 64 rows of every tile --
 template <int kDtype, int kMask, bool kScoreMods, bool kHoldPVWait, class Smem>
 __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int consumer) {
@@ -162,6 +202,23 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(acc_s, q_stage_desc,
                                                           desc_add(k_desc, stage * kStageStep));
       };
+      // Block 0's S: the lower half's keys always, the upper half's only where a row sees
+      // them. (Choosing between the whole block's product and the lower half's, each on
+      // its branch, left ptxas short of registers for the wgmma pipeline at d = 128 on
+      // 128 rows and d = 64 on 64: it serialized every product of those kernels, 15-20 %
+      // on short rows; ptxas says C7511, which test_compile fails on.)
+      auto issue_first_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage, bool half) {
+        if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+          const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
+          issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(lower_keys(acc_s), q_stage_desc,
+                                                            k_stage_desc);
+          if (!half)  // (64 rows of a K-major panel lie 64 * 128 bytes on)
+            issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(
+                upper_keys(acc_s), q_stage_desc, desc_add(k_stage_desc, (kBlockN / 2) * 128 >> 4));
+        } else {
+          issue_qk(acc_s, stage);
+        }
+      };
       u32 p_prev[kNTiles / 2][4];
       auto issue_pv = [&](u32 stage) {
         const u64 v_stage_desc = desc_add(v_desc, stage * kStageStep);
@@ -183,12 +240,31 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         if (rescale) softmax.rescale_output(acc_o, correction);
         pack_p<kDtype>(p_prev, acc_s);
       };
+      // Block 0's probabilities where no row sees its upper half: the lower half's, and
+      // P = 0 for the upper half's keys.
+      auto half_block_scores_to_probs = [&](float (&acc_s)[1][kNTiles][4],
+                                            float (&correction)[1][2]) {
+        if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+          scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
+              lower_keys(acc_s), p, t, mods, w, row_base, (w.n_block_max - 1) * kBlockN, lane,
+              scale_log2, softmax, correction);
+#pragma unroll
+          for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
+        }
+      };
       if (!solo && !took_turns) {
         if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
         took_turns = true;
       }
-      auto turn_begin = [&] { if (!solo) take_turn(consumer); };
-      auto turn_end = [&] { if (!solo) pass_turn(consumer); };
+      // One turn: the products `issue` queues, between the other consumer's turns.
+      auto in_turn = [&](auto issue) {
+        if (!solo) take_turn(consumer);
+        wgmma_fence();
+        issue();
+        if (!solo) pass_turn(consumer);
+      };
 
       if constexpr (Smem::kStages == 1) {
         // One K and one V buffer (d = 256 on 128-key blocks, as cuDNN's kernel): each
@@ -198,12 +274,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         // this block's softmax and P V.
         for (int it = 0; it < n_blocks; ++it) {
           const int g = block_count + it;
-          mbar_wait(sm.k_full(), Smem::parity(g));
-          turn_begin();
           float acc_s[1][kNTiles][4];
-          wgmma_fence();
-          issue_qk(acc_s, 0);
-          turn_end();
+          mbar_wait(sm.k_full(), Smem::parity(g));
+          in_turn([&] { issue_qk(acc_s, 0); });
           wgmma_wait<0>();
           fence_registers(acc_s);
           release_stage(sm.k_empty());
@@ -213,89 +286,58 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           if (it > 0 && rescale) softmax.rescale_output(acc_o, correction);
           pack_p<kDtype>(p_prev, acc_s);
           mbar_wait(sm.v_full(), Smem::parity(g));
-          turn_begin();
-          wgmma_fence();
-          issue_pv(0);
-          turn_end();
+          in_turn([&] { issue_pv(0); });
           wgmma_wait<0>();
           fence_registers(acc_o);
           release_stage(sm.v_empty());
         }
       } else {
-        // Block 0: S only. Peeled, so that every product in the loop is issued
-        // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
+        // Block 0: S only, and where no row of the tile sees the block's upper half
+        // (kHalfFirstBlock), only its lower half's S and exponentials. A scope, not a
+        // lambda: as a lambda of its own or as a first step of `step` below, ptxas
+        // serializes every wgmma of the kHalfFirstBlock kernels (d = 128, 128 rows: 40
+        // warpgroup arrives instead of 4).
         {
           const u32 stage = Smem::stage(block_count);
           // (broadcast from lane 0, so that ptxas sees a uniform branch)
           const bool half = kHalfFirstBlock<kBlockM, kBlockN, kScoreMods> &&
                             __shfl_sync(0xffffffffu, 2 * w.last_block_keys <= kBlockN, 0);
           float acc_s[1][kNTiles][4];
-          float(&lower)[1][kNTiles / 2][4] = *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s);
-          float(&upper)[1][kNTiles / 2][4] =
-              *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s[0][kNTiles / 2][0]);
           mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
-          turn_begin();
-          wgmma_fence();
-          // The lower half's keys always, the upper half's only where a row sees them.
-          // (Choosing between the whole block's product and the lower half's, each on its
-          // branch, left ptxas short of registers for the wgmma pipeline at d = 128 on
-          // 128 rows and d = 64 on 64: it serialized every product of those kernels,
-          // 15-20 % on short rows; ptxas says C7511, which test_compile fails on.)
-          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-            const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
-            issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(lower, q_stage_desc, k_stage_desc);
-            if (!half)  // (64 rows of a K-major panel lie 64 * 128 bytes on)
-              issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(
-                  upper, q_stage_desc, desc_add(k_stage_desc, (kBlockN / 2) * 128 >> 4));
-          } else {
-            issue_qk(acc_s, stage);
-          }
-          turn_end();
+          in_turn([&] { issue_first_qk(acc_s, stage, half); });
           wgmma_wait<0>();
           fence_registers(acc_s);
           release_stage(sm.k_empty() + 8 * stage);
           if (!kStagedOutput<kHeadDim> && n_blocks == 1)
             mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
           float correction[1][2];
-          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-            if (half) {
-              scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
-                  lower, p, t, mods, w, row_base, (w.n_block_max - 1) * kBlockN, lane, scale_log2,
-                  softmax, correction);
-#pragma unroll
-              for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;  // P of the keys no row sees
-            } else {
-              scores_to_probs(acc_s, 0, correction);
-            }
-          } else {
+          if (half)
+            half_block_scores_to_probs(acc_s, correction);
+          else
             scores_to_probs(acc_s, 0, correction);
-          }
           // O is still zero: rescaling it would be 0 * correction, which the compiler must
           // keep (inf and NaN), ~100 instructions a tile at d = 128
           pack_p<kDtype>(p_prev, acc_s);
         }
         // Then step `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1} together and
         // computes the exponentials of S_it while the P V product runs; the last step
-        // (it = n_blocks, `last`, a constant where the step is inlined) has only the P V. It is
-        // peeled, as block 0 is, so that every product in the loop is issued unconditionally.
-        // (Block 0 as a first step of the same lambda: ptxas serialized the wgmma of the
-        // kHalfFirstBlock kernels, C7511.)
-        auto step = [&](bool last, int it) {
+        // (it = n_blocks, kLast) has only the P V. kLast is a template flag, each step a
+        // body of its own, so that every product is issued unconditionally (a branch
+        // around an in-flight wgmma makes ptxas serialize them all).
+        auto step = [&](auto last, int it) {
+          constexpr bool kLast = decltype(last)::value;
           const int g = block_count + it;
           const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
-          if (!last) mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
-          mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
-          turn_begin();
           float acc_s[1][kNTiles][4];
-          wgmma_fence();
-          if (!last) issue_qk(acc_s, stage);
-          issue_pv(prev_stage);
-          turn_end();
+          if constexpr (!kLast) mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
+          mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
+          in_turn([&] {
+            if constexpr (!kLast) issue_qk(acc_s, stage);
+            issue_pv(prev_stage);
+          });
           float correction[1][2];
           bool rescale = false;
-          if (!last) {
+          if constexpr (!kLast) {
             wgmma_wait<1>();
             fence_registers(acc_s);
             release_stage(sm.k_empty() + 8 * stage);
@@ -309,32 +351,19 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           fence_registers(acc_o);
           // (P is packed only after the P V wait: the registers of the previous P feed the
           // product until it completes, and ptxas does not see that they are still in use.)
-          if (!last) fence_registers(p_prev);
+          if constexpr (!kLast) fence_registers(p_prev);
           release_stage(sm.v_empty() + 8 * prev_stage);
-          if (!last) rescale_and_pack(acc_s, correction, rescale);
+          if constexpr (!kLast) rescale_and_pack(acc_s, correction, rescale);
         };
-        for (int it = 1; it < n_blocks; ++it) step(false, it);
-        step(true, n_blocks);
+        for (int it = 1; it < n_blocks; ++it) step(Flag<false>(), it);
+        step(Flag<true>(), n_blocks);
       }
       block_count += n_blocks;
     } else if (!kStagedOutput<kHeadDim>) {
       mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
 
-    float lse[1][2];
-    softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
-    const TilePointers ptr = tile_pointers(p, t);
-    if constexpr (kStagedOutput<kHeadDim>) {
-      write_output_staged<kDtype, kBlockM, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
-                                            sm.q + q_stage * Smem::kQBytes, w.row0, row_base,
-                                            lane);
-      // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
-      // and read through the generic one.
-      fence_proxy_async();
-      mbar_arrive(sm.q_empty() + 8 * q_stage);
-    } else {
-      write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
-    }
+    finish_tile<kDtype>(acc_o, softmax, scale_log2, p, t, sm, q_stage, w.row0, row_base, lane);
   }
   if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }
