@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The backward pass: cufa.flash_attn_backward against PyTorch SDPA's flash and cuDNN
-backends' backward, in one run.
+backends' backward, and FlashAttention-4's where flash_attn.cute imports (its column says
+why not otherwise: bench/fa4.sh), in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
         [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--wgmma]
@@ -22,6 +23,7 @@ import statistics
 import sys
 
 import _timing as T  # this script's folder is on sys.path
+from bench_fwd import load_fa4
 
 ROUNDS = 4
 TOKENS = 16384
@@ -60,6 +62,7 @@ def main(argv=None):
     F = torch.nn.functional
     peers = {} if args.no_peers else {"SDPA flash": SDPBackend.FLASH_ATTENTION,
                                       "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
+    fa4 = None if args.no_peers else load_fa4()  # FlashAttention-4, or why it is not there
     options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
                                          ("cufa wgmma dk/dv", args.wgmma)) if wanted]
     rows = []
@@ -93,6 +96,16 @@ def main(argv=None):
                     return T.time_events(torch, lambda: torch.autograd.grad(
                         o, (qt, kt, vt), g, retain_graph=True), [()], reps)
             timers[name] = peer_timer
+        if fa4 is not None:
+            def fa4_timer(reps):
+                if isinstance(fa4, str):
+                    raise RuntimeError(fa4)
+                qf, kf, vf = (x.detach().requires_grad_() for x in (q, k, v))
+                o = fa4(qf, kf, vf, causal=bool(causal))
+                o = o[0] if isinstance(o, tuple) else o  # ((out, lse) in the releases seen)
+                return T.time_events(torch, lambda: torch.autograd.grad(
+                    o, (qf, kf, vf), dout, retain_graph=True), [()], reps)
+            timers["FA4"] = fa4_timer
         if args.with_forward:  # a training step's attention: the forward, then the backward
             qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
@@ -126,7 +139,7 @@ def main(argv=None):
                     (3.5 if name.endswith(STEP) else 2.5) * flops, med))
         rows.append(row)
     T.progress(len(cases), len(cases), "done")
-    names = ["cufa"] + options + list(peers)
+    names = ["cufa"] + options + list(peers) + (["FA4"] if fa4 is not None else [])
     report = render(rows, names, torch.cuda.get_device_name(), args.with_forward)
     print(report)
     os.makedirs(args.out, exist_ok=True)
@@ -144,6 +157,13 @@ def render(rows, names, device, with_forward=False):
             "tokens a batch, heads = 2048 / d; the backward alone (the forward outside the "
             "timing)")
     text = _table(rows, names, head, "")
+    reasons = {}
+    for r in rows:
+        for name, v in r["impls"].items():
+            if "na" in v:
+                reasons.setdefault(name, v["na"])
+    if reasons:
+        text += "\n\nn/a:\n" + "\n".join(f"- {n}: {why}" for n, why in reasons.items())
     if with_forward:
         head = (f"Forward + backward (a training step's attention), {device}: ms (TFLOP/s at "
                 "3.5 x the forward's FLOPs); the forward with inputs that require grad, then "

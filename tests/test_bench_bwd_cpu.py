@@ -27,3 +27,11 @@ def test_the_backward_table_and_the_training_step_one():
     assert lines[0].endswith("| 3.000 (33) | n/a | 2.400 (42) | 0.80 |")
     assert lines[1].endswith("| n/a | n/a | n/a | - |")
     assert "Forward + backward" not in bench_bwd.render(rows, ["cufa"], "H")
+
+
+def test_a_column_without_numbers_says_why():
+    rows = [_row(False, cufa=2.0)]
+    rows[0]["impls"]["FA4"] = {"na": "flash_attn.cute does not import"}
+    text = bench_bwd.render(rows, ["cufa", "FA4"], "H")
+    assert "| 2.000 (50) | n/a | - |" in text
+    assert "- FA4: flash_attn.cute does not import" in text
