@@ -52,22 +52,6 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
   wgmma_commit();
 }
 
-// -- before step i of n: as await_step, and the copies' bytes made visible to wgmma (which
-//    reads through the async proxy) before the barrier --
-template <int kStages, typename Load>
-__device__ __forceinline__ void await_step_async_proxy(int i, int n, int stage, Load load) {
-  if (kStages == 1 && i > 0) load(i, 0);
-  if (kStages == 2 && i + 1 < n) {
-    load(i + 1, stage ^ 1);
-    cp_async_wait<1>();
-  } else {
-    cp_async_wait<0>();
-  }
-  fence_proxy_async();
-  __syncthreads();
-}
-
-// dq: the forward's tile of 64 query rows, its key blocks in order through two K/V buffers
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
           int kStages>
 __global__ void __launch_bounds__(kBwdThreads, 1)
@@ -138,7 +122,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   int stage = 0;
   for (int nb = n_block_min; nb < n_block_max; ++nb) {
     const int key0 = nb * kBlockN;
-    await_step_async_proxy<kStages>(nb - n_block_min, n_block_max - n_block_min, stage, load_kv);
+    await_step<kStages>(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
+                        [] { fence_proxy_async(); });
     const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
 
     // S = Q K^T and dP = dout V^T, two groups in flight
@@ -215,29 +200,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const u32 sk = base, sv = base + kKVBytes, sstages = base + 2 * kKVBytes;
   unsigned char* stages = smem + 2 * kKVBytes;
 
-  // the tile of a KV head: get_tile over FwdParams as if the KV heads were the query heads
-  Tile t;
-  {
-    FwdParams by_key = p;
-    by_key.nheads = p.nheads_k;
-    by_key.tile_list = g.kv_tile_list;
-    by_key.tile_count = g.kv_tile_count;
-    by_key.num_m_blocks = g.num_n_blocks;
-    by_key.heads_per_group = 1;
-    by_key.tail_group_head = p.batch * p.nheads_k;
-    if (!get_tile(by_key, static_cast<int>(blockIdx.x), t)) return;
-  }
-  const int h_k = t.h;
+  KeyBlock kb;
+  if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
+  Tile& t = kb.t;
+  const int h_k = kb.h_k, key0 = kb.key0, rows_out = kb.rows_out;
   const int group = p.nheads / p.nheads_k;
-  const int key0 = t.m_block * kBlockN;
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
-  int rows_out = t.seqlen_k;
-  if (p.cu_seqlens_k && p.seqused_k) {
-    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
-    rows_out = min(max(cu_k[t.b + 1], 0), p.seqlen_k) - (int)t.k_start;
-  }
-  t.h = h_k * group;
   const TilePointers kv = tile_pointers(p, t);
   const i64 k_row = t.k_start + key0;
 
@@ -251,17 +220,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[0][dt][e] = 0.f;
 
-  // the queries that see some key of the block
-  const int key_end = min(key0 + kBlockN, t.seqlen_k);
-  int q_begin = 0, q_end = key0 < t.seqlen_k ? t.seqlen_q : 0;
-  if (kMask == MASK_WINDOW && q_end) {
-    const i64 lo = (i64)key0 - t.diag_offset - p.window_right;
-    const i64 hi = (i64)(key_end - 1) - t.diag_offset + p.window_left + 1;
-    q_begin = (int)max((i64)0, min(lo, (i64)t.seqlen_q));
-    q_end = (int)max((i64)q_begin, min(hi, (i64)t.seqlen_q));
-  }
-  const int m_block_min = q_begin / kBlockM;
-  const int m_blocks = (q_end + kBlockM - 1) / kBlockM - m_block_min;
+  const int m_block_min = kb.m_block_min, m_blocks = kb.m_blocks;
   const int steps = group * m_blocks;
 
   // K and V as A (K-major, 64 rows); a stage's Q and dout as B, K-major for S^T and dP^T,
@@ -302,7 +261,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
 
   int stage = 0;
   for (int i = 0; i < steps; ++i) {
-    await_step_async_proxy<kStages>(i, steps, stage, load_step);
+    await_step<kStages>(i, steps, stage, load_step, [] { fence_proxy_async(); });
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);

@@ -106,9 +106,11 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMTiles][kDTiles][
 
 // -- before step i of n: the copy of step i + 1 issued into the other buffer (two stages;
 //    every warp is past the step that read it), or of step i (one stage), then step i's
-//    copy waited for and made visible. load(step, stage) issues and commits one step --
-template <int kStages, typename Load>
-__device__ __forceinline__ void await_step(int i, int n, int stage, Load load) {
+//    copy waited for and made visible. load(step, stage) issues and commits one step;
+//    publish() runs between the wait and the barrier (the wgmma kernels make the copies
+//    visible to the async proxy there) --
+template <int kStages, typename Load, typename Publish>
+__device__ __forceinline__ void await_step(int i, int n, int stage, Load load, Publish publish) {
   if (kStages == 1 && i > 0) load(i, 0);
   if (kStages == 2 && i + 1 < n) {
     load(i + 1, stage ^ 1);
@@ -116,7 +118,54 @@ __device__ __forceinline__ void await_step(int i, int n, int stage, Load load) {
   } else {
     cp_async_wait<0>();
   }
+  publish();
   __syncthreads();
+}
+template <int kStages, typename Load>
+__device__ __forceinline__ void await_step(int i, int n, int stage, Load load) {
+  await_step<kStages>(i, n, stage, load, [] {});
+}
+
+// -- a dk/dv CTA's key block: its KV head's tile (get_tile over FwdParams as if the KV
+//    heads were the query heads, t.h the group's first query head), the rows of dk and dv
+//    to write (every key of the sequence's block, those past seqused_k, which no query
+//    sees, as zeros) and the query blocks of a head whose rows see some key of it --
+struct KeyBlock {
+  Tile t;
+  int h_k, key0, rows_out, m_block_min, m_blocks;
+};
+template <int kMask, int kBlockM, int kBlockN>
+__device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g, KeyBlock& kb) {
+  Tile& t = kb.t;
+  {
+    FwdParams by_key = p;
+    by_key.nheads = p.nheads_k;
+    by_key.tile_list = g.kv_tile_list;
+    by_key.tile_count = g.kv_tile_count;
+    by_key.num_m_blocks = g.num_n_blocks;
+    by_key.heads_per_group = 1;
+    by_key.tail_group_head = p.batch * p.nheads_k;
+    if (!get_tile(by_key, static_cast<int>(blockIdx.x), t)) return false;
+  }
+  kb.h_k = t.h;
+  kb.key0 = t.m_block * kBlockN;
+  kb.rows_out = t.seqlen_k;
+  if (p.cu_seqlens_k && p.seqused_k) {
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    kb.rows_out = min(max(cu_k[t.b + 1], 0), p.seqlen_k) - (int)t.k_start;
+  }
+  t.h = kb.h_k * (p.nheads / p.nheads_k);
+  const int key_end = min(kb.key0 + kBlockN, t.seqlen_k);
+  int q_begin = 0, q_end = kb.key0 < t.seqlen_k ? t.seqlen_q : 0;
+  if (kMask == MASK_WINDOW && q_end) {
+    const i64 lo = (i64)kb.key0 - t.diag_offset - p.window_right;
+    const i64 hi = (i64)(key_end - 1) - t.diag_offset + p.window_left + 1;
+    q_begin = (int)max((i64)0, min(lo, (i64)t.seqlen_q));
+    q_end = (int)max((i64)q_begin, min(hi, (i64)t.seqlen_q));
+  }
+  kb.m_block_min = q_begin / kBlockM;
+  kb.m_blocks = (q_end + kBlockM - 1) / kBlockM - kb.m_block_min;
+  return true;
 }
 
 }  // namespace cufa

@@ -128,11 +128,15 @@ __device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softm
   }
 }
 
-// -- a compile-time flag as a generic lambda's argument: a body of its own per value --
-template <bool kValue>
-struct Flag {
-  static constexpr bool value = kValue;
-};
+// -- one turn: the products `issue` queues, between the other consumer's turns (solo: a
+//    consumer with the tile to itself issues without them) --
+template <typename Issue>
+__device__ __forceinline__ void in_turn(bool solo, int consumer, const Issue& issue) {
+  if (!solo) take_turn(consumer);
+  wgmma_fence();
+  issue();
+  if (!solo) pass_turn(consumer);
+}
 
 // -- the lower and upper half of a block's S accumulators (its first and last 4 * kTiles
 //    keys) --
@@ -258,13 +262,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
         took_turns = true;
       }
-      // One turn: the products `issue` queues, between the other consumer's turns.
-      auto in_turn = [&](auto issue) {
-        if (!solo) take_turn(consumer);
-        wgmma_fence();
-        issue();
-        if (!solo) pass_turn(consumer);
-      };
 
       if constexpr (Smem::kStages == 1) {
         // One K and one V buffer (d = 256 on 128-key blocks, as cuDNN's kernel): each
@@ -276,7 +273,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           const int g = block_count + it;
           float acc_s[1][kNTiles][4];
           mbar_wait(sm.k_full(), Smem::parity(g));
-          in_turn([&] { issue_qk(acc_s, 0); });
+          in_turn(solo, consumer, [&] { issue_qk(acc_s, 0); });
           wgmma_wait<0>();
           fence_registers(acc_s);
           release_stage(sm.k_empty());
@@ -286,7 +283,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           if (it > 0 && rescale) softmax.rescale_output(acc_o, correction);
           pack_p<kDtype>(p_prev, acc_s);
           mbar_wait(sm.v_full(), Smem::parity(g));
-          in_turn([&] { issue_pv(0); });
+          in_turn(solo, consumer, [&] { issue_pv(0); });
           wgmma_wait<0>();
           fence_registers(acc_o);
           release_stage(sm.v_empty());
@@ -304,7 +301,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
                             __shfl_sync(0xffffffffu, 2 * w.last_block_keys <= kBlockN, 0);
           float acc_s[1][kNTiles][4];
           mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
-          in_turn([&] { issue_first_qk(acc_s, stage, half); });
+          in_turn(solo, consumer, [&] { issue_first_qk(acc_s, stage, half); });
           wgmma_wait<0>();
           fence_registers(acc_s);
           release_stage(sm.k_empty() + 8 * stage);
@@ -321,23 +318,25 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         }
         // Then step `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1} together and
         // computes the exponentials of S_it while the P V product runs; the last step
-        // (it = n_blocks, kLast) has only the P V. kLast is a template flag, each step a
-        // body of its own, so that every product is issued unconditionally (a branch
-        // around an in-flight wgmma makes ptxas serialize them all).
-        auto step = [&](auto last, int it) {
-          constexpr bool kLast = decltype(last)::value;
+        // (it = n_blocks, `last`, a constant where the step is inlined) has only the P V.
+        // It is peeled, as block 0 is, so that every product in the loop is issued
+        // unconditionally (a branch around an in-flight wgmma makes ptxas serialize them
+        // all). (Not a generic lambda with `last` a template flag: NVRTC compiles no
+        // generic lambda in device code.)
+        auto step = [&](bool last, int it) {
           const int g = block_count + it;
           const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
           float acc_s[1][kNTiles][4];
-          if constexpr (!kLast) mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
+          if (!last) mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
           mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
-          in_turn([&] {
-            if constexpr (!kLast) issue_qk(acc_s, stage);
-            issue_pv(prev_stage);
-          });
+          if (!solo) take_turn(consumer);
+          wgmma_fence();
+          if (!last) issue_qk(acc_s, stage);
+          issue_pv(prev_stage);
+          if (!solo) pass_turn(consumer);
           float correction[1][2];
           bool rescale = false;
-          if constexpr (!kLast) {
+          if (!last) {
             wgmma_wait<1>();
             fence_registers(acc_s);
             release_stage(sm.k_empty() + 8 * stage);
@@ -351,12 +350,12 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           fence_registers(acc_o);
           // (P is packed only after the P V wait: the registers of the previous P feed the
           // product until it completes, and ptxas does not see that they are still in use.)
-          if constexpr (!kLast) fence_registers(p_prev);
+          if (!last) fence_registers(p_prev);
           release_stage(sm.v_empty() + 8 * prev_stage);
-          if constexpr (!kLast) rescale_and_pack(acc_s, correction, rescale);
+          if (!last) rescale_and_pack(acc_s, correction, rescale);
         };
-        for (int it = 1; it < n_blocks; ++it) step(Flag<false>(), it);
-        step(Flag<true>(), n_blocks);
+        for (int it = 1; it < n_blocks; ++it) step(false, it);
+        step(true, n_blocks);
       }
       block_count += n_blocks;
     } else if (!kStagedOutput<kHeadDim>) {
