@@ -364,3 +364,35 @@ def test_the_wgmma_dk_dv_kernel_is_taken_where_asked(monkeypatch):
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, None)
     variants = _bwd_plan.variants_of(q, 128, (UNBOUNDED, UNBOUNDED), 0.0, None)
     assert [v.family for v in variants[1:]] == ["sm80"] * 2
+
+
+def test_activation_checkpointing_and_autocast():
+    """torch.utils.checkpoint reruns the forward in the backward: the gradients are the
+    reference's, and the same bits as without checkpointing; under autocast a float32
+    projection's output reaches cufa in bf16."""
+    from torch.utils.checkpoint import checkpoint
+    rng = np.random.default_rng(23)
+    b, s, h, d = 2, 130, 4, 64
+    x = randn(rng, (b, s, h, d), torch.float32).requires_grad_()
+    w = torch.from_numpy(rng.standard_normal((d, 3 * d), dtype=np.float32) / 8).cuda()
+    dout = randn(rng, (b, s, h, d), torch.bfloat16)
+
+    def block(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            q, k, v = (x @ w).chunk(3, dim=-1)
+            return cufa.flash_attn_func(q, k, v, causal=True)
+
+    grads = []
+    for checkpointed in (False, True):
+        x.grad = None
+        out = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+        assert out.dtype == torch.bfloat16
+        out.backward(dout)
+        grads.append(x.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+    # the attention's own gradients against the reference, from the same q, k, v
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        q, k, v = (t.detach().requires_grad_() for t in (x @ w).chunk(3, dim=-1))
+    out = cufa.flash_attn_func(q, k, v, causal=True)
+    out.backward(dout)
+    check_grads((q.grad, k.grad, v.grad), q, k, v, dout, "autocast", out=out, causal=True)
