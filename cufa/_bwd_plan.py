@@ -158,7 +158,7 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     """The backward's launches for a call: _compile.bwd_variants' (preprocess, dq, dk/dv...),
     or with CUFA_BWD_FUSED_DQ=1 where it applies _compile.bwd_fused_variants' (preprocess,
     dk/dv with dq fused, dq convert), or with CUFA_BWD_SM90=1 on Hopper where it applies
-    _compile.bwd_sm90_variants' (dk/dv on wgmma)."""
+    _compile.bwd_sm90_variants' (dq and dk/dv on wgmma)."""
     mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
     key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
            or attn_mask is not None)

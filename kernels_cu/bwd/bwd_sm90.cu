@@ -24,21 +24,14 @@ __device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_s
       [](int r, int c) { return panel_offset<kRows>(r, c); });
 }
 
-// -- descriptor offset (16-byte units) of k-step ks (16 columns) in a K-major tile of
-//    `rows` rows, and of k-step kk (16 rows) in an MN-major one --
-__device__ __forceinline__ u32 k_major_step(int ks, int rows) {
-  return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
-}
-__device__ __forceinline__ u32 mn_major_step(int kk) { return static_cast<u32>(kk * 16 * 128 >> 4); }
-
 // -- acc = A B^T over the head dim: A a K-major tile of 64 rows (the warpgroup's M), B one
 //    of kRowsB rows (N); one committed group --
 template <int kDtype, int kHeadDim, int kRowsB, int kNTiles>
 __device__ __forceinline__ void issue_scores(float (&acc)[1][kNTiles][4], u64 a_desc, u64 b_desc) {
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks)
-    wgmma_ss<kDtype>(acc, desc_add(a_desc, k_major_step(ks, 64)),
-                     desc_add(b_desc, k_major_step(ks, kRowsB)), ks > 0);
+    wgmma_ss<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, 64)),
+                     desc_add(b_desc, kstep_offset(ks, kRowsB)), ks > 0);
   wgmma_commit();
 }
 
@@ -48,7 +41,7 @@ template <int kDtype, int kSteps, int kDTiles>
 __device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
                                                  const u32 (&a)[kSteps][4], u64 b_desc) {
 #pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs<kDtype>(acc, a[kk], desc_add(b_desc, mn_major_step(kk)), 1);
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs<kDtype>(acc, a[kk], desc_add(b_desc, mn_kstep_offset(kk)), 1);
   wgmma_commit();
 }
 

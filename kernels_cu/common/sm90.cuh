@@ -35,6 +35,15 @@ __device__ __forceinline__ u64 desc_add(u64 desc, u32 offset) {
   return moved;
 }
 
+// Descriptor offsets (16-byte units): of k-step ks (16 columns) in a K-major tile of
+// `rows` rows (4 k-steps a panel), and of k-step kk (16 rows) in an MN-major one.
+__device__ __forceinline__ u32 kstep_offset(int ks, int rows) {
+  return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+}
+__device__ __forceinline__ u32 mn_kstep_offset(int kk) {
+  return static_cast<u32>(kk * 16 * 128 >> 4);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");

@@ -44,11 +44,6 @@ constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
 template <int kBlockM, int kBlockN, bool kScoreMods>
 constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods;
 
-// -- descriptor offset (16-byte units) of k-step ks in a K-major tile of `rows` rows --
-__device__ __forceinline__ u32 kstep_offset(int ks, int rows) {
-  return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
-}
-
 // -- S = Q K^T of one K stage, issued and committed: the first 8 * kTiles keys from
 //    k_stage_desc (all of the block's, or half: kHalfFirstBlock) --
 template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kTiles>
@@ -228,7 +223,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         const u64 v_stage_desc = desc_add(v_desc, stage * kStageStep);
 #pragma unroll
         for (int kk = 0; kk < kNTiles / 2; ++kk)
-          wgmma_rs<kDtype>(acc_o, p_prev[kk], desc_add(v_stage_desc, kk * 16 * 128 >> 4), 1);
+          wgmma_rs<kDtype>(acc_o, p_prev[kk], desc_add(v_stage_desc, mn_kstep_offset(kk)), 1);
         wgmma_commit();
       };
       // Scores of block `it` -> probabilities (in place), and the factor O must be
