@@ -5,7 +5,7 @@ why not otherwise: bench/fa4.sh), in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
         [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--wgmma]
-        [--with-forward]
+        [--with-forward] [--full]
 
 16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
 backward alone: cufa's three launches from the forward's out and lse, a peer's
@@ -41,6 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--seqlens", type=T.int_list, default=[1024, 4096])
     p.add_argument("--causal", type=T.int_list, default=[0, 1])
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--full", action="store_true",
+                   help="the whole grid: fp16 and bf16, d = 64, 128, 256, N = 512 to 16k "
+                        "(overrides --dtypes, --head-dims and --seqlens)")
     p.add_argument("--fused-dq", action="store_true",
                    help="also time cufa with dq fused into the dk/dv kernel (CUFA_BWD_FUSED_DQ), "
                         "the 'cufa fused dq' column")
@@ -50,7 +53,11 @@ def parse_args(argv=None):
     p.add_argument("--wgmma", action="store_true",
                    help="also time cufa with dk, dv on Hopper's wgmma (CUFA_BWD_SM90), the "
                         "'cufa wgmma dk/dv' column")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.full:
+        args.dtypes, args.head_dims = ("fp16", "bf16"), [64, 128, 256]
+        args.seqlens = [512, 1024, 2048, 4096, 8192, 16384]
+    return args
 
 
 def main(argv=None):
@@ -201,7 +208,7 @@ def plot(rows, names, device, path):
         return
     labels = [f"{r['dtype'][:4]} d{r['head_dim']} N{r['seqlen']}{' c' if r['causal'] else ''}"
               for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(rows) + 2), 4))
+    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.4 * len(rows) + 2)), 4))
     for name in names:
         ax.plot(range(len(rows)), [r["impls"].get(name, {}).get("tflops") for r in rows],
                 marker="o", lw=1, label=name)
