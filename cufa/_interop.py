@@ -78,6 +78,13 @@ def _cupy_view(x, obj, framework):
                        itemsize)
 
 
+def detached(x):
+    """x, or where it is a torch tensor that requires grad, its detached view: what the
+    planners take of a tensor autograd tracks (a user's own backward, an op's body given
+    the parameter itself by a compiled graph). None and other arrays pass as they are."""
+    return x.detach() if getattr(x, "requires_grad", False) else x
+
+
 def as_device_array(x, name):
     """View `x` (PyTorch, CuPy, JAX or any CUDA __dlpack__ object) without copying."""
     if isinstance(x, DeviceArray):

@@ -39,13 +39,6 @@ def op(name):
     return _ops[name]
 
 
-def _detached(x):
-    """An optional tensor (sink, mask) as the ops' bodies pass it on: the caller's checks
-    let a parameter that requires grad through only where autograd records nothing, and the
-    compiled graph may hand the op the parameter itself rather than its detached view."""
-    return None if x is None else x.detach()
-
-
 def grad_mode():
     """Whether autograd records (torch's grad mode), where a tensor requires grad."""
     return sys.modules["torch"].is_grad_enabled()
@@ -113,7 +106,7 @@ def _register():
                                softmax_scale=softmax_scale,
                                causal=causal, window_size=(window_left, window_right),
                                softcap=softcap, return_lse=True,
-                               learnable_sink=_detached(learnable_sink))
+                               learnable_sink=_interop.detached(learnable_sink))
 
     @flash_attn.register_fake
     def _(q, k, v, *rest):  # (out's head dim: v's)
@@ -131,16 +124,17 @@ def _register():
                        learnable_sink: Optional[Tensor], dlse: Optional[Tensor]
                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         return _backward(lambda arrays, scale, dlse: _bwd_plan.dense(
-            *arrays, alibi_slopes=alibi_slopes, learnable_sink=_detached(learnable_sink),
+            *arrays, alibi_slopes=alibi_slopes, learnable_sink=_interop.detached(learnable_sink),
             dlse=dlse, softmax_scale=scale, causal=causal,
             window_size=(window_left, window_right), softcap=softcap),
             dout, q, k, v, out, lse, softmax_scale, dlse)
 
-    @flash_attn_bwd.register_fake
-    def _(dout, q, k, v, out, lse, *rest):
+    def bwd_fake(dout, q, k, v, out, lse, *rest):  # (both ops end in learnable_sink, dlse)
         sink = rest[-2]
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
                 q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
+
+    flash_attn_bwd.register_fake(bwd_fake)
 
     @torch.library.custom_op("cufa::flash_attn_varlen_bwd", mutates_args=())
     def flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -152,15 +146,11 @@ def _register():
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         return _backward(lambda arrays, scale, dlse: _bwd_plan.packed(
             *arrays, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
-            learnable_sink=_detached(learnable_sink), dlse=dlse, softmax_scale=scale,
+            learnable_sink=_interop.detached(learnable_sink), dlse=dlse, softmax_scale=scale,
             causal=causal, window_size=(window_left, window_right), softcap=softcap),
             dout, q, k, v, out, lse, softmax_scale, dlse)
 
-    @flash_attn_varlen_bwd.register_fake
-    def _(dout, q, k, v, out, lse, *rest):
-        sink = rest[-2]
-        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-                q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
+    flash_attn_varlen_bwd.register_fake(bwd_fake)
 
     def dense_setup(ctx, inputs, output):
         q, k, v, scale, causal, left, right, softcap, alibi, sink = inputs
@@ -199,7 +189,7 @@ def _register():
              learnable_sink: Optional[Tensor]) -> Tensor:
         return _fwd_plan.sdpa(query, key, value, attn_mask, None, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa,
-                              learnable_sink=_detached(learnable_sink))
+                              learnable_sink=_interop.detached(learnable_sink))
 
     @sdpa.register_fake
     def _(query, *rest):
@@ -212,9 +202,9 @@ def _register():
                  is_causal: bool, scale: Optional[float], enable_gqa: bool,
                  learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.sdpa(query.detach(), key.detach(), value.detach(),
-                              _detached(attn_mask), None, is_causal=is_causal, scale=scale,
-                              enable_gqa=enable_gqa, learnable_sink=_detached(learnable_sink),
-                              return_lse=True)
+                              _interop.detached(attn_mask), None, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa,
+                              learnable_sink=_interop.detached(learnable_sink), return_lse=True)
 
     @sdpa_lse.register_fake
     def _(query, *rest):
@@ -231,8 +221,8 @@ def _register():
         dmask = (torch.empty(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
                  if mask_grad else query.new_empty((0,), dtype=torch.float32))
         return _backward(lambda arrays, s, dlse: _bwd_plan.sdpa(
-            *arrays, _detached(attn_mask), is_causal=is_causal,
-            scale=s, enable_gqa=enable_gqa, learnable_sink=_detached(learnable_sink),
+            *arrays, _interop.detached(attn_mask), is_causal=is_causal,
+            scale=s, enable_gqa=enable_gqa, learnable_sink=_interop.detached(learnable_sink),
             dmask=dmask if mask_grad else None), dout, query, key, value, out, lse, scale,
             None) + (dmask,)
 
@@ -269,7 +259,7 @@ def _register():
         return _fwd_plan.packed(
             q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-            softcap=softcap, return_lse=True, learnable_sink=_detached(learnable_sink),
+            softcap=softcap, return_lse=True, learnable_sink=_interop.detached(learnable_sink),
             k_descale=k_descale, v_descale=v_descale)
 
     @flash_attn_varlen.register_fake
@@ -286,7 +276,7 @@ def _register():
                      alibi_slopes, num_splits, learnable_sink, k_descale, v_descale):
         return _decode_plan.with_kvcache(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-             cache_leftpad, block_table, alibi_slopes, _detached(learnable_sink), k_descale,
+             cache_leftpad, block_table, alibi_slopes, _interop.detached(learnable_sink), k_descale,
              v_descale, None),
             cache_seqlen=cache_seqlen,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),

@@ -137,7 +137,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                      "the compiled code")
                 _fwd_plan.check_packed_values(_arrays.Packed(*(
                     None if x is None else _interop.as_device_array(
-                        x.detach() if getattr(x, "requires_grad", False) else x, name)
+                        _interop.detached(x), name)
                     for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                                     (cu_seqlens_k, "cu_seqlens_k"), (seqused_k, "seqused_k"),
                                     (None, ""), (block_table, "block_table")))))
@@ -186,8 +186,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     Needs 16-byte rows: head dims and strides that are multiples of 8. dlse: the gradient
     of lse as well, where a loss reads lse (its shape, float32, contiguous). Torch tensors
     are read detached (this is what a backward runs on)."""
-    dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse = _detached(
-        dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse)
+    dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse = map(
+        _interop.detached, (dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse))
     dq, dk, dv, dsink = _bwd_plan.dense(
         dout, q, k, v, out, lse, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
         dq=dq, dk=dk, dv=dv, dlse=dlse, softmax_scale=softmax_scale, causal=causal,
@@ -204,19 +204,14 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     total_q)). Keys past seqused_k[b] get zero gradients. max_seqlen_q / max_seqlen_k are
     accepted for compatibility (the work lists are built on the GPU from cu_seqlens). A
     paged cache (block_table) has no backward."""
-    dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse = _detached(
-        dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse)
+    dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse = map(
+        _interop.detached, (dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse))
     dq, dk, dv, dsink = _bwd_plan.packed(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k,
         alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dq=dq, dk=dk, dv=dv,
         dlse=dlse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
-
-
-def _detached(*xs):
-    """Torch tensors that require grad, detached (a user's own backward holds such ones)."""
-    return tuple(x.detach() if getattr(x, "requires_grad", False) else x for x in xs)
 
 
 def _returned(o, lse, return_lse, return_attn_probs):

@@ -256,8 +256,8 @@ def test_lse_gradient_and_detached_inputs(monkeypatch):
     with pytest.raises(ValueError, match="dlse must have shape"):
         cufa.flash_attn_backward(*args, dlse=arr((2, 4, 32), "float32"))
     x = torch.zeros(4, requires_grad=True)
-    from cufa import api
-    (y,) = api._detached(x)
+    from cufa import _interop
+    y = _interop.detached(x)
     assert not y.requires_grad and y.data_ptr() == x.data_ptr()
 
 

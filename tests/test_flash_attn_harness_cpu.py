@@ -138,15 +138,22 @@ STAND_IN = textwrap.dedent('''\
     ''')
 
 
-def test_a_whole_run_on_a_stand_in(tmp_path):
-    pytest.importorskip("torch", reason="the compat module the run imports needs PyTorch")
+def _run_on_the_stand_in(tmp_path, *options):
+    """bench/flash_attn_tests.py over STAND_IN (3 cases a function, no workers) -> (the
+    finished process, its --out folder)."""
     test_file = tmp_path / "test_flash_attn.py"
     test_file.write_text(STAND_IN)
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "flash_attn_tests.py"),
                           str(test_file), "--commit", "abc1234", "--sample", "3", "--seed", "0",
-                          "--workers", "0", "--out", str(out)],
+                          "--workers", "0", *options, "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
+    return run, out
+
+
+def test_a_whole_run_on_a_stand_in(tmp_path):
+    pytest.importorskip("torch", reason="the compat module the run imports needs PyTorch")
+    run, out = _run_on_the_stand_in(tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr  # the attention calls fail on a CPU
     text = (out / "flash_attn_tests.md").read_text()
     assert "commit `abc1234`" in text
@@ -176,13 +183,7 @@ def test_a_whole_run_on_a_stand_in(tmp_path):
 def test_a_whole_run_with_the_backward(tmp_path):
     """--with-backward: the file as it is, the backward-only tests sampled too."""
     pytest.importorskip("torch", reason="the compat module the run imports needs PyTorch")
-    test_file = tmp_path / "test_flash_attn.py"
-    test_file.write_text(STAND_IN)
-    out = tmp_path / "out"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "flash_attn_tests.py"),
-                          str(test_file), "--commit", "abc1234", "--sample", "3", "--seed", "0",
-                          "--workers", "0", "--with-backward", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
+    run, out = _run_on_the_stand_in(tmp_path, "--with-backward")
     assert run.returncode == 1, run.stdout + run.stderr
     rows = {cells[0].strip("` "): [c.strip().split(" ")[0] for c in cells[1:]] for cells in
             (line.strip("|").split("|") for line in
