@@ -199,12 +199,8 @@ def _table(rows, names, head, suffix):
 def plot(rows, names, device, path):
     """TFLOP/s of the backward, one line an implementation over the rows; nothing without
     matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib: no plot")
+    plt = T.pyplot()
+    if plt is None:
         return
     labels = [f"{r['dtype'][:4]} d{r['head_dim']} N{r['seqlen']}{' c' if r['causal'] else ''}"
               for r in rows]

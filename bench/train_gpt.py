@@ -29,6 +29,8 @@ import os
 import sys
 import time
 
+import _timing as T  # this script's folder is on sys.path
+
 VOCAB = 8192
 
 
@@ -220,12 +222,8 @@ def report(args, runs, device):
 
 def plot(args, runs, device, path):
     """Every run's loss curve, one colour an attention; nothing without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib: no plot")
+    plt = T.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for colour, (name, rs) in zip(("tab:blue", "tab:orange"), runs.items()):
