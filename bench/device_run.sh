@@ -9,6 +9,8 @@
 # BENCH_ARGS / DECODE_ARGS / BWD_ARGS / TRAIN_ARGS: extra arguments for bench_fwd.py /
 # bench_decode.py / bench_bwd.py / train_gpt.py.
 set -u
+# Each benchmark stops at STEP_LIMIT seconds, so a hung kernel still leaves the logs.
+STEP_LIMIT=${STEP_LIMIT:-400}
 # Logs are written to a scratch folder and come back as one archive, $OUT/logs.tgz (the
 # device tool returns at most 8 files).
 OUT=${OUT:-/tmp/cufa-out}
@@ -80,19 +82,19 @@ for f in "$LOGS"/rc_*; do tests_rc=$((tests_rc + $(cat "$f"))); done
 python3 -m cufa > "$LOGS/check.txt" 2>&1
 check_rc=$?
 if [ $bench = 1 ]; then
-  python3 bench/bench_fwd.py --out "$LOGS" ${BENCH_ARGS:-} > "$LOGS/bench.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/bench_fwd.py --out "$LOGS" ${BENCH_ARGS:-} > "$LOGS/bench.txt" 2>&1
 fi
 if [ $decode = 1 ]; then
-  python3 bench/bench_decode.py --out "$LOGS" ${DECODE_ARGS:-} > "$LOGS/bench_decode.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/bench_decode.py --out "$LOGS" ${DECODE_ARGS:-} > "$LOGS/bench_decode.txt" 2>&1
 fi
 if [ $bwd = 1 ]; then
-  python3 bench/bench_bwd.py --out "$LOGS" ${BWD_ARGS:-} > "$LOGS/bench_bwd.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/bench_bwd.py --out "$LOGS" ${BWD_ARGS:-} > "$LOGS/bench_bwd.txt" 2>&1
 fi
 if [ $train = 1 ]; then
-  python3 bench/train_gpt.py --out "$LOGS" ${TRAIN_ARGS:-} > "$LOGS/train_gpt.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/train_gpt.py --out "$LOGS" ${TRAIN_ARGS:-} > "$LOGS/train_gpt.txt" 2>&1
 fi
 if [ $host = 1 ]; then
-  python3 bench/host_overhead.py > "$LOGS/host_overhead.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/host_overhead.py > "$LOGS/host_overhead.txt" 2>&1
 fi
 
 echo "== device"; cat "$LOGS/nvidia-smi.txt"; head -4 "$LOGS/info.txt"; tail -1 "$LOGS/warmup.txt"
