@@ -4,7 +4,7 @@ backends' backward, and FlashAttention-4's where flash_attn.cute imports (its co
 why not otherwise: bench/fa4.sh), in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--wgmma]
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync]
         [--with-forward] [--full]
 
 16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
@@ -27,8 +27,8 @@ from bench_fwd import load_fa4
 
 ROUNDS = 4
 TOKENS = 16384
-# the columns beside cufa's default: each a kernel choice's environment variable, set
-OPTIONS = {"cufa fused dq": "CUFA_BWD_FUSED_DQ", "cufa wgmma dk/dv": "CUFA_BWD_SM90"}
+# the columns beside cufa's default: each a kernel choice's environment variable and value
+OPTIONS = {"cufa fused dq": ("CUFA_BWD_FUSED_DQ", "1"), "cufa mma.sync": ("CUFA_BWD_SM90", "0")}
 STEP = "fwd+bwd"  # the suffix of the forward + backward timings' names
 
 
@@ -50,9 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--with-forward", action="store_true",
                    help="also time the forward and backward together (a training step's "
                         "attention), a second table")
-    p.add_argument("--wgmma", action="store_true",
-                   help="also time cufa with dk, dv on Hopper's wgmma (CUFA_BWD_SM90), the "
-                        "'cufa wgmma dk/dv' column")
+    p.add_argument("--mma-sync", action="store_true",
+                   help="also time cufa on the mma.sync kernels where Hopper takes wgmma "
+                        "(CUFA_BWD_SM90=0), the 'cufa mma.sync' column")
     args = p.parse_args(argv)
     if args.full:
         args.dtypes, args.head_dims = ("fp16", "bf16"), [64, 128, 256]
@@ -71,7 +71,7 @@ def main(argv=None):
                                       "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
     fa4 = None if args.no_peers else load_fa4()  # FlashAttention-4, or why it is not there
     options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
-                                         ("cufa wgmma dk/dv", args.wgmma)) if wanted]
+                                         ("cufa mma.sync", args.mma_sync)) if wanted]
     rows = []
     cases = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens
              for c in args.causal]
@@ -83,9 +83,9 @@ def main(argv=None):
         q, k, v, dout = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
         out, lse = cufa.flash_attn_func(q, k, v, causal=bool(causal), return_lse=True)
 
-        def choose(option=None):  # option: one of the kernel choices' variables, set
-            for env in OPTIONS.values():
-                _compile._overrides[env] = "1" if env == option else None
+        def choose(option=None):  # option: one of OPTIONS' (variable, value), or the default
+            for env, value in OPTIONS.values():
+                _compile._overrides[env] = value if (env, value) == option else None
 
         def backward(option=None):
             choose(option)

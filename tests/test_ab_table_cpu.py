@@ -66,7 +66,7 @@ def test_table_of_the_backward(tmp_path):
         for rnd in range(3):
             folder = out / "bwd" / f"{tree}.{rnd + 1}"
             folder.mkdir(parents=True)
-            impls = {"cufa": {"ms": ms}, "cufa wgmma dk/dv": {"ms": 1.0},
+            impls = {"cufa": {"ms": ms}, "cufa mma.sync": {"ms": 1.0},
                      "SDPA cuDNN": {"ms": 0.5}}
             rows = [dict(dtype="bfloat16", head_dim=128, seqlen=4096, causal=True, impls=impls)]
             (folder / "bench_bwd.json").write_text(json.dumps(dict(
@@ -77,5 +77,5 @@ def test_table_of_the_backward(tmp_path):
     lines = [line for line in run.stdout.splitlines() if line.startswith("bfloat16 d=128")]
     assert len(lines) == 2  # cufa's two columns, not the peer's
     assert lines[0].startswith("bfloat16 d=128 N=4096 causal backward") and "SLOWER" in lines[0]
-    assert lines[1].startswith("bfloat16 d=128 N=4096 causal wgmma dk/dv")
+    assert lines[1].startswith("bfloat16 d=128 N=4096 causal mma.sync")
     assert "2000.0" in lines[0] and "1.100" in lines[0]

@@ -350,20 +350,26 @@ def test_dq_fused_varlen(fused_dq):
                         out=out[r][None], causal=True)
 
 
-def test_the_wgmma_dk_dv_kernel_is_taken_where_asked(monkeypatch):
-    """CUFA_BWD_SM90=1: on Hopper the dq and dk/dv launches are the wgmma kernels (the bwd90
-    family of bench/device_run.sh runs this file that way), elsewhere the mma.sync ones."""
+def test_the_wgmma_kernels_are_hoppers_default(monkeypatch):
+    """On Hopper the dq and dk/dv launches are the wgmma kernels unless CUFA_BWD_SM90=0 or
+    CUFA_KERNEL_FAMILY=sm80 (the sm80 family of bench/device_run.sh runs this file that
+    way); elsewhere the mma.sync ones."""
     from cufa import _bwd_plan, _compile, _interop, _runtime
     from cufa._checks import UNBOUNDED
     q = _interop.as_device_array(torch.empty(1, 8, 2, 128, device="cuda",
                                              dtype=torch.float16), "q")
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, "1")
     hopper = str(_runtime.compute_capability(q.device)) == "90"
-    variants = _bwd_plan.variants_of(q, 128, (UNBOUNDED, UNBOUNDED), 0.0, None)
-    assert [v.family for v in variants[1:]] == ["sm90" if hopper else "sm80"] * 2
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, None)
-    variants = _bwd_plan.variants_of(q, 128, (UNBOUNDED, UNBOUNDED), 0.0, None)
-    assert [v.family for v in variants[1:]] == ["sm80"] * 2
+
+    def families(**overrides):
+        for name, value in overrides.items():
+            monkeypatch.setitem(_compile._overrides, name, value)
+        variants = _bwd_plan.variants_of(q, 128, (UNBOUNDED, UNBOUNDED), 0.0, None)
+        return [v.family for v in variants[1:]]
+    sm90 = ["sm90" if hopper else "sm80"] * 2
+    assert families(**{_compile.FAMILY_ENV: None, _compile.BWD_SM90_ENV: None}) == sm90
+    assert families(**{_compile.BWD_SM90_ENV: "0"}) == ["sm80"] * 2
+    assert families(**{_compile.BWD_SM90_ENV: "1"}) == sm90
+    assert families(**{_compile.FAMILY_ENV: "sm80"}) == ["sm80"] * 2
 
 
 def test_activation_checkpointing_and_autocast():
