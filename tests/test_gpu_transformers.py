@@ -129,12 +129,14 @@ def test_training_gradients_with_biased_values(calls, batch_kind):
     bias) the sink leaves uncancelled in dS. FlashAttention's algorithm does the same: a
     PyTorch emulation of it gave the full layer's q/k gradients 1.1-3.6x the bound of the
     rule above on four seeds (D from the float32 out: 0.6-1.1x), cufa on the H200 1.2-5.3x
-    on six; so here at most 8x, and the attention's other gradients at the rule's 2x."""
+    on six; so here at most 8x. The forward's out carries the same common part, rounded
+    (as FlashAttention's does), into o_proj's gradient: 1.17x on the H200, so at most 2x
+    there, and every other gradient at the rule's 1x."""
     worst = _gradient_ratios("gpt_oss", batch_kind, num_experts_per_tok=4)
     assert calls and "flash_attn_with_kvcache" not in calls
-    scores = ("self_attn.q_proj", "self_attn.k_proj")
+    allowed = {"self_attn.q_proj": 8, "self_attn.k_proj": 8, "self_attn.o_proj": 2}
     over = {n: f"{r:.2f}x" for n, r in worst.items()
-            if r > (8 if any(s in n for s in scores) else 1)}
+            if r > max([f for part, f in allowed.items() if part in n] or [1])}
     assert not over, f"gpt_oss {batch_kind}: gradients over their bound: {over}"
 
 
