@@ -250,6 +250,19 @@ def run_rounds(timers, per_round, rounds=ROUNDS):
     return {name: failed.get(name) or samples[name] for name in timers}
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None (said on stderr) where
+    matplotlib is not installed: the tables do not need it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"plot skipped: matplotlib not installed ({e})", file=sys.stderr)
+        return None
+    return plt
+
+
 def median(values):
     return statistics.median(values)
 

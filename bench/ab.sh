@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# A/B of cufa trees: this checkout's bench_fwd.py, bench_varlen.py and bench_decode.py, run
-# once per tree per round with PYTHONPATH=_ab/<tree> (the scripts use only cufa's public
-# API), the trees in a new random order each round, then one table per benchmark: each
-# row's time per tree (median over rounds), the spread between rounds, and the ratio to
-# the first tree given to prepare.
+# A/B of cufa trees: this checkout's bench_fwd.py, bench_varlen.py, bench_decode.py and
+# bench_bwd.py, run once per tree per round with PYTHONPATH=_ab/<tree> (the scripts use
+# only cufa's public API), the trees in a new random order each round, then one table per
+# benchmark: each row's time per tree (median over rounds), the spread between rounds, and
+# the ratio to the first tree given to prepare.
 #   here:        bash bench/ab.sh prepare OLD NEW [REV...]  # each rev's cufa, kernels_cu and
 #                                                          # tests into _ab/<short hash>/ (ignored)
-#   on the GPU:  bash bench/ab.sh run [fwd] [varlen] [decode]   # default all three; carry ["_ab"]
+#   on the GPU:  bash bench/ab.sh run [fwd] [varlen] [decode] [bwd]  # default the first three;
+#                                                          # carry ["_ab"]
 #                bash bench/ab.sh test [pytest args]       # each tree's own GPU tests
 #                bash bench/ab.sh table [DIR]              # the tables again from a run's files
 # Environment: ROUNDS (3), OUT (/tmp/cufa-ab), WARMUP (1: compile each tree's kernels with
 # `python -m cufa warmup` before the rounds; 0: the first round compiles what it uses),
-# FWD_ARGS, VARLEN_ARGS, DECODE_ARGS (default: each script's whole grid, cufa only; two
-# trees take ~5 min for `run fwd varlen` and ~7 min for `run decode` on an H200, so the
-# A/B rule's run is two calls on one warm machine). Each round prints the time so far; a
+# FWD_ARGS, VARLEN_ARGS, DECODE_ARGS, BWD_ARGS (default: each script's whole grid, cufa
+# only; two trees take ~5 min for `run fwd varlen` and ~7 min for `run decode` on an H200,
+# so the A/B rule's run is two calls on one warm machine; `run bwd` is for a change to
+# the backward's kernels). Each round prints the time so far; a
 # run cut short keeps its files, and `table` prints what they hold. The A/B rule (a row
 # over the baseline by more than 3 % and its spread is SLOWER): docs/benchmarks.md.
 # ROUNDS=0 only compiles (one call), then WARMUP=0 times (the next call, same machine).
@@ -21,6 +23,7 @@ set -eu
 FWD_ARGS=${FWD_ARGS:---reps 24 --no-peers --no-memory --no-plot}
 VARLEN_ARGS=${VARLEN_ARGS:---reps 32 --no-peers}
 DECODE_ARGS=${DECODE_ARGS:---reps 24 --no-peers --no-plot}
+BWD_ARGS=${BWD_ARGS:---reps 12 --no-peers}
 OUT=${OUT:-/tmp/cufa-ab}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
@@ -85,7 +88,16 @@ def reasons(data):
                 yield v["na"]
 
 
-READERS = {"fwd": fwd_rows, "varlen": varlen_rows, "decode": decode_rows}
+def bwd_rows(data):
+    for r in data["rows"]:
+        name = (f"{r['dtype']} d={r['head_dim']} N={r['seqlen']} "
+                f"{'causal' if r['causal'] else 'full'}")
+        for impl, v in r["impls"].items():
+            if impl.startswith("cufa") and "ms" in v:
+                yield f"{name} {impl[4:].strip() or 'backward'}", v["ms"] * 1e3
+
+
+READERS = {"fwd": fwd_rows, "varlen": varlen_rows, "decode": decode_rows, "bwd": bwd_rows}
 missing = 0
 for bench, read in READERS.items():
     files = sorted(glob.glob(os.path.join(out, bench, "*.*", f"bench_{bench}.json")))
@@ -184,7 +196,7 @@ run)
   benches=("$@")
   [ ${#benches[@]} -gt 0 ] || benches=(fwd varlen decode)
   for b in "${benches[@]}"; do
-    case $b in fwd|varlen|decode) ;; *) echo "unknown benchmark $b: fwd, varlen or decode" >&2; exit 2 ;; esac
+    case $b in fwd|varlen|decode|bwd) ;; *) echo "unknown benchmark $b: fwd, varlen, decode or bwd" >&2; exit 2 ;; esac
   done
   names=$(trees)
   mkdir -p "$OUT"
@@ -200,7 +212,8 @@ run)
   failed=0
   for round in $(seq "${ROUNDS:-3}"); do
     for b in "${benches[@]}"; do
-      case $b in fwd) args=$FWD_ARGS ;; varlen) args=$VARLEN_ARGS ;; decode) args=$DECODE_ARGS ;; esac
+      case $b in fwd) args=$FWD_ARGS ;; varlen) args=$VARLEN_ARGS ;; decode) args=$DECODE_ARGS ;;
+        bwd) args=$BWD_ARGS ;; esac
       for t in $(echo "$names" | shuf); do  # a new order each round: drift falls on every tree
         dir=$OUT/$b/$t.$round
         mkdir -p "$dir"
@@ -228,5 +241,5 @@ test)
   done
   exit $status ;;
 *)
-  sed -n 2,19p "$0" >&2; exit 2 ;;
+  sed -n 2,21p "$0" >&2; exit 2 ;;
 esac

@@ -594,12 +594,8 @@ def summary_table(rows, names, judged):
 def plot(rows, names, out_dir, device, copy_tbps):
     """KV TB/s per (batch, N), a line per implementation; a panel per (dtype, heads, d);
     seqlen_q 1 rows only (the table has all)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"plot skipped: matplotlib not installed ({e})", file=sys.stderr)
+    plt = T.pyplot()
+    if plt is None:
         return None
     rs = [r for r in rows if r["seqlen_q"] == 1]
     panels = sorted({(r["head_dim"], r["dtype"], r["nheads_k"]) for r in rs})

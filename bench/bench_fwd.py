@@ -438,12 +438,8 @@ def memory_markdown(mem):
 
 def plot(rows, names, out_dir, device):
     """TFLOP/s against N, one line per implementation, a panel per (head dim, causal)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"plot skipped: matplotlib not installed ({e})", file=sys.stderr)
+    plt = T.pyplot()
+    if plt is None:
         return []
     written = []
     for dtype, fname in (("fp16", "bench_fwd.png"), ("bf16", "bench_fwd_bf16.png")):

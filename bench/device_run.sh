@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: installs nothing; device info, the GPU tests (every kernel
 # family at once), the self-check, (with --bench) the forward benchmark, (with --decode)
-# the KV-cache decode benchmark, (with --bwd) the backward benchmark and (with --host) the
-# launch-cost table; full logs in $OUT/logs.tgz, a short summary last.
+# the KV-cache decode benchmark, (with --bwd) the backward benchmark, (with --train) the
+# GPT training comparison and (with --host) the launch-cost table; full logs in
+# $OUT/logs.tgz, a short summary last.
 #   [WORKERS=2] [FAMILIES="default sm80"] bash bench/device_run.sh [--bench] [--decode] [--bwd]
-#       [--host] [pytest args...]
-# BENCH_ARGS / DECODE_ARGS / BWD_ARGS: extra arguments for bench_fwd.py / bench_decode.py /
-# bench_bwd.py.
+#       [--train] [--host] [pytest args...]
+# BENCH_ARGS / DECODE_ARGS / BWD_ARGS / TRAIN_ARGS: extra arguments for bench_fwd.py /
+# bench_decode.py / bench_bwd.py / train_gpt.py.
 set -u
+# Each benchmark stops at STEP_LIMIT seconds, so a hung kernel still leaves the logs.
+STEP_LIMIT=${STEP_LIMIT:-400}
 # Logs are written to a scratch folder and come back as one archive, $OUT/logs.tgz (the
 # device tool returns at most 8 files).
 OUT=${OUT:-/tmp/cufa-out}
@@ -21,12 +24,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 bench=0
 decode=0
 bwd=0
+train=0
 host=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) bench=1; shift ;;
     --decode) decode=1; shift ;;
     --bwd) bwd=1; shift ;;
+    --train) train=1; shift ;;
     --host) host=1; shift ;;
     *) break ;;
   esac
@@ -75,16 +80,19 @@ for f in "$LOGS"/rc_*; do tests_rc=$((tests_rc + $(cat "$f"))); done
 python3 -m cufa > "$LOGS/check.txt" 2>&1
 check_rc=$?
 if [ $bench = 1 ]; then
-  python3 bench/bench_fwd.py --out "$LOGS" ${BENCH_ARGS:-} > "$LOGS/bench.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/bench_fwd.py --out "$LOGS" ${BENCH_ARGS:-} > "$LOGS/bench.txt" 2>&1
 fi
 if [ $decode = 1 ]; then
-  python3 bench/bench_decode.py --out "$LOGS" ${DECODE_ARGS:-} > "$LOGS/bench_decode.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/bench_decode.py --out "$LOGS" ${DECODE_ARGS:-} > "$LOGS/bench_decode.txt" 2>&1
 fi
 if [ $bwd = 1 ]; then
-  python3 bench/bench_bwd.py --out "$LOGS" ${BWD_ARGS:-} > "$LOGS/bench_bwd.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/bench_bwd.py --out "$LOGS" ${BWD_ARGS:-} > "$LOGS/bench_bwd.txt" 2>&1
+fi
+if [ $train = 1 ]; then
+  timeout -k 10 "$STEP_LIMIT" python3 bench/train_gpt.py --out "$LOGS" ${TRAIN_ARGS:-} > "$LOGS/train_gpt.txt" 2>&1
 fi
 if [ $host = 1 ]; then
-  python3 bench/host_overhead.py > "$LOGS/host_overhead.txt" 2>&1
+  timeout -k 10 "$STEP_LIMIT" python3 bench/host_overhead.py > "$LOGS/host_overhead.txt" 2>&1
 fi
 
 echo "== device"; cat "$LOGS/nvidia-smi.txt"; head -4 "$LOGS/info.txt"; tail -1 "$LOGS/warmup.txt"
@@ -96,6 +104,7 @@ done
 echo "== self-check (rc=$check_rc)"; grep -E "FAIL|self-check|^\|" "$LOGS/check.txt" | tail -20
 if [ $bench = 1 ]; then echo "== bench"; tail -40 "$LOGS/bench.txt"; fi
 if [ $decode = 1 ]; then echo "== decode bench"; tail -22 "$LOGS/bench_decode.txt"; fi
-if [ $bwd = 1 ]; then echo "== backward bench"; tail -14 "$LOGS/bench_bwd.txt"; fi
+if [ $bwd = 1 ]; then echo "== backward bench"; tail -40 "$LOGS/bench_bwd.txt"; fi
+if [ $train = 1 ]; then echo "== training"; tail -8 "$LOGS/train_gpt.txt"; fi
 if [ $host = 1 ]; then echo "== launch cost"; grep -E "^\|" "$LOGS/host_overhead.txt"; fi
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .

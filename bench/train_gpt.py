@@ -4,7 +4,7 @@ with PyTorch SDPA's cuDNN backend, the two loss curves in one plot, the final lo
 tokens/s of both.
 
     python3 bench/train_gpt.py [--steps 300] [--layers 12] [--width 768] [--heads 12]
-        [--seqlen 2048] [--batch 8] [--out DIR]
+        [--seqlen 2048] [--batch 8] [--seed 0] [--seeds 1] [--out DIR]
 
 The model: token embeddings, pre-norm blocks (causal self-attention with rotary
 positions, a 4x GELU MLP), tied output head, GPT-2's initialization; bf16 autocast, AdamW
@@ -19,7 +19,8 @@ When the second fall begins is sensitive to rounding: with learned absolute posi
 (this script's first version) one seed left the plateau 140 steps earlier with cuDNN and
 another 100 steps earlier with cufa, while the two backward passes' gradients at one
 trained state were equally close to SDPA's math backend's (within 0.47 % of each weight's
-norm). Compare final losses only where both runs left the plateau.
+norm). Compare final losses only where both runs left the plateau, or their means over a
+few seeds (--seeds).
 """
 import argparse
 import json
@@ -27,6 +28,8 @@ import math
 import os
 import sys
 import time
+
+import _timing as T  # this script's folder is on sys.path
 
 VOCAB = 8192
 
@@ -40,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="runs per attention, seeds --seed on: where the loss leaves its "
+                        "plateau varies with rounding, so compare means over a few")
     p.add_argument("--out", default="bench/results")
     return p.parse_args(argv)
 
@@ -109,8 +115,8 @@ def build(torch, args, attention):
     return model
 
 
-def train(torch, args, name, attention, data, init_state):
-    torch.manual_seed(args.seed)
+def train(torch, args, seed, name, attention, data, init_state):
+    torch.manual_seed(seed)
     model = build(torch, args, attention).cuda()
     model.load_state_dict(init_state)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
@@ -137,7 +143,7 @@ def train(torch, args, name, attention, data, init_state):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         if step % 50 == 0:
-            print(f"{name} step {step}: loss {losses[-1]:.4f}", flush=True)
+            print(f"{name} seed {seed} step {step}: loss {losses[-1]:.4f}", flush=True)
     torch.cuda.synchronize()
     timed = args.steps - 10
     tokens_s = timed * tokens_per_step / (time.perf_counter() - t0) if timed > 0 else None
@@ -162,47 +168,75 @@ def main(argv=None):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=True).transpose(1, 2)
 
-    data = corpus(torch, (args.steps + 1) * args.batch * args.seqlen + 1, args.seed)
-    torch.manual_seed(args.seed)
-    init_state = build(torch, args, None).state_dict()
-    runs = {}
-    for name, attention in (("cufa", cufa_attention), ("SDPA cuDNN", cudnn_attention)):
-        losses, norms, tokens_s = train(torch, args, name, attention, data, init_state)
-        runs[name] = dict(losses=losses, grad_norms=norms, tokens_per_s=tokens_s)
-    final = {n: sum(r["losses"][-10:]) / 10 for n, r in runs.items()}
-    gap = abs(final["cufa"] - final["SDPA cuDNN"]) / final["SDPA cuDNN"]
-    lines = [f"GPT training on {torch.cuda.get_device_name()}: {args.layers} layers, width "
-             f"{args.width}, {args.heads} heads, sequence {args.seqlen}, batch {args.batch}, "
-             f"{args.steps} steps, bf16 autocast, one seed; final loss = mean of the last 10 "
-             "steps", "", "| attention | final loss | tokens/s |", "| --- | --- | --- |"]
-    for name, r in runs.items():
-        lines.append(f"| {name} | {final[name]:.4f} | {r['tokens_per_s']:.0f} |")
-    lines.append(f"\nFinal losses {100 * gap:.2f} % apart (target: within 1 %).")
-    report = "\n".join(lines)
-    print(report)
+    runs = {"cufa": [], "SDPA cuDNN": []}
+    for seed in range(args.seed, args.seed + args.seeds):
+        data = corpus(torch, (args.steps + 1) * args.batch * args.seqlen + 1, seed)
+        torch.manual_seed(seed)
+        init_state = build(torch, args, None).state_dict()
+        for name, attention in (("cufa", cufa_attention), ("SDPA cuDNN", cudnn_attention)):
+            losses, norms, tokens_s = train(torch, args, seed, name, attention, data,
+                                            init_state)
+            runs[name].append(dict(seed=seed, losses=losses, grad_norms=norms,
+                                   tokens_per_s=tokens_s))
+    device = torch.cuda.get_device_name()
+    text = report(args, runs, device)
+    print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_gpt.md"), "w") as f:
-        f.write(report + "\n")
+        f.write(text + "\n")
     with open(os.path.join(args.out, "train_gpt.json"), "w") as f:
-        json.dump(dict(args=vars(args), runs=runs, final=final), f)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib: no plot")
-        return 0
+        json.dump(dict(args=vars(args), runs=runs, final=final_losses(runs)), f)
+    plot(args, runs, device, os.path.join(args.out, "train_gpt.png"))
+    return 0
+
+
+def final_losses(runs):
+    """{attention: the mean over its seeds of each run's last 10 steps' mean loss}."""
+    return {name: sum(sum(r["losses"][-10:]) / len(r["losses"][-10:]) for r in rs) / len(rs)
+            for name, rs in runs.items()}
+
+
+def report(args, runs, device):
+    """The Markdown: each seed's final losses and tokens/s, the means, and how far apart."""
+    final = final_losses(runs)
+    names = list(runs)
+    lines = [f"GPT training on {device}: {args.layers} layers, width {args.width}, "
+             f"{args.heads} heads, sequence {args.seqlen}, batch {args.batch}, {args.steps} "
+             f"steps, bf16 autocast; final loss = mean of the last 10 steps", "",
+             "| seed | " + " | ".join(f"{n} final loss" for n in names) + " | "
+             + " | ".join(f"{n} tokens/s" for n in names) + " |",
+             "|" + " --- |" * (1 + 2 * len(names))]
+    for i, r0 in enumerate(runs[names[0]]):
+        per = [runs[n][i] for n in names]
+        lines.append(f"| {r0['seed']} | " + " | ".join(
+            f"{sum(r['losses'][-10:]) / len(r['losses'][-10:]):.4f}" for r in per) + " | "
+            + " | ".join(f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-" for r in per)
+            + " |")
+    gap = abs(final["cufa"] - final["SDPA cuDNN"]) / final["SDPA cuDNN"]
+    seeds = len(runs[names[0]])
+    lines.append(f"\nMean final losses ({seeds} seed{'s' if seeds > 1 else ''}): "
+                 + ", ".join(f"{n} {final[n]:.4f}" for n in names)
+                 + f"; {100 * gap:.2f} % apart (target: within 1 %).")
+    return "\n".join(lines)
+
+
+def plot(args, runs, device, path):
+    """Every run's loss curve, one colour an attention; nothing without matplotlib."""
+    plt = T.pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in runs.items():
-        ax.plot(r["losses"], label=f"{name} ({r['tokens_per_s']:.0f} tokens/s)", lw=1)
+    for colour, (name, rs) in zip(("tab:blue", "tab:orange"), runs.items()):
+        for i, r in enumerate(rs):
+            speed = f", {r['tokens_per_s']:.0f} tokens/s" if r["tokens_per_s"] else ""
+            ax.plot(r["losses"], color=colour, lw=1, alpha=1.0 if len(rs) == 1 else 0.7,
+                    label=f"{name} (seed {r['seed']}{speed})")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"GPT {args.layers}x{args.width}, sequence {args.seqlen}, "
-                 f"{torch.cuda.get_device_name()}")
-    ax.legend()
+    ax.set_title(f"GPT {args.layers}x{args.width}, sequence {args.seqlen}, {device}")
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "train_gpt.png"), dpi=120)
-    return 0
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

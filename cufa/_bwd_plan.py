@@ -5,7 +5,7 @@ forward's FwdParams record beside a BwdParams one; a call validates, builds both
 the gradients in the caller's framework and launches preprocess, dq, then dk/dv."""
 import math
 
-from . import _arrays, _compile, _interop, _params
+from . import _arrays, _compile, _interop, _params, _runtime
 from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, check_options,
                       check_packed)
 from ._fwd_plan import _broadcast_strides, _work_list_ints
@@ -157,12 +157,16 @@ def _dq_variant(variants):
 def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     """The backward's launches for a call: _compile.bwd_variants' (preprocess, dq, dk/dv...),
     or with CUFA_BWD_FUSED_DQ=1 where it applies _compile.bwd_fused_variants' (preprocess,
-    dk/dv with dq fused, dq convert)."""
+    dk/dv with dq fused, dq convert), or on Hopper where it applies (unless CUFA_BWD_SM90=0)
+    _compile.bwd_sm90_variants' (dq and dk/dv on wgmma)."""
     mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
     key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
            or attn_mask is not None)
     fused = _compile.bwd_fused_variants(*key) if _compile.bwd_fused_wanted() else None
-    return fused or _compile.bwd_variants(*key)
+    wgmma = _compile.bwd_sm90_variants(*key) if _compile.bwd_sm90_wanted() else None
+    if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
+        wgmma = None
+    return fused or wgmma or _compile.bwd_variants(*key)
 
 
 def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, batch, nheads,

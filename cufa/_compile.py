@@ -222,10 +222,20 @@ class BwdVariant:
     stages: int = 1         # dq: K/V buffers (2: the next block's copy under the products);
                             # dkdv: Q/dout buffers, the same
     fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
-    source: str = "bwd/bwd_sm80.cu"
-    archs: tuple = ("sm_80", "sm_90")
-    options: tuple = NVRTC_OPTIONS
+    family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
+
+    @property
+    def source(self):
+        return "bwd/bwd_sm90.cu" if self.family == "sm90" else "bwd/bwd_sm80.cu"
+
+    @property
+    def archs(self):
+        return ("sm_90a",) if self.family == "sm90" else ("sm_80", "sm_90")
+
+    @property
+    def options(self):
+        return NVRTC_OPTIONS + (("-arch=sm_90a",) if self.family == "sm90" else ())
 
     @property
     def key(self):
@@ -234,7 +244,8 @@ class BwdVariant:
         mods = "_mods" if self.score_mods else ""
         grads = f"_{self.grads}" if self.kind == "dkdv" else ""
         fused = "_fdq" if self.fused_dq else ""
-        return (f"bwd_{self.kind}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
+        family = "_sm90" if self.family == "sm90" else ""
+        return (f"bwd_{self.kind}{family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
                 f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}")
 
     @property
@@ -245,9 +256,11 @@ class BwdVariant:
         args = (f"{dt}, {self.head_dim}, {MASKS.index(self.mask)}, "
                 f"{str(self.score_mods).lower()}, {self.block_m}")
         if self.kind == "dq":
-            return f"cufa::bwd_dq_kernel<{args}, {self.block_n}, {self.stages}>"
+            kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
+            return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}>"
         fused = ", true" if self.fused_dq else ""
-        return (f"cufa::bwd_dkdv_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
+        kernel = "bwd_dkdv_sm90_kernel" if self.family == "sm90" else "bwd_dkdv_kernel"
+        return (f"cufa::{kernel}<{args}, {BWD_GRADS.index(self.grads)}, "
                 f"{self.stages}{fused}>")
 
     @property
@@ -260,6 +273,11 @@ class BwdVariant:
 
     def smem_with(self, stages):
         row = self.head_dim * _dtypes.size_of(self.dtype)
+        if self.family == "sm90":  # (1024 bytes to align the panels to their swizzle)
+            if self.kind == "dq":
+                return 1024 + 2 * (self.block_m + stages * self.block_n) * row
+            stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
+            return 1024 + 2 * self.block_n * row + stages * stage
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
@@ -308,6 +326,35 @@ def bwd_fused_variants(dtype, head_dim, mask, score_mods):
 
 def bwd_fused_wanted():
     return _overrides.get(BWD_FUSED_ENV) == "1"
+
+
+# dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), one warpgroup a CTA: padded head dim
+# -> the dq kernel's key block (64 query rows a tile) and the dk/dv kernel's query block
+# (64 keys a CTA), the products' N; two buffers of what each streams. Hopper's default
+# where they apply (1.2-1.5x the mma.sync kernels' speed on an H200); CUFA_BWD_SM90=0 keeps
+# the mma.sync ones. Where one of the two spills, that launch stays on mma.sync.
+BWD_SM90_TILES = {64: (64, 64), 128: (64, 64)}
+BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes)
+BWD_SM90_ENV = "CUFA_BWD_SM90"
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_sm90_variants(dtype, head_dim, mask, score_mods):
+    """(preprocess, dq, dk/dv), those on wgmma that it has, for a call; None where it has
+    neither."""
+    pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
+    tiles = BWD_SM90_TILES.get(dq.head_dim)
+    if tiles is None:
+        return None
+    wgmma = [dataclasses.replace(v, family="sm90", stages=2, **(
+        dict(block_m=64, block_n=tiles[0]) if v.kind == "dq" else dict(block_m=tiles[1])))
+        if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
+        for v in (dq, kv[0])]
+    return (pre, *wgmma)
+
+
+def bwd_sm90_wanted():
+    return _overrides.get(BWD_SM90_ENV) != "0"
 
 
 def _two_stages_where_they_fit(variant):
@@ -663,7 +710,8 @@ def read_overrides():
     at import, and again by api.clear_plans(). Plans are made with the values last read,
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
-                      for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV))
+                      for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
+                                   BWD_SM90_ENV))
 
 
 _overrides = {}
@@ -687,6 +735,9 @@ def all_variants():
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
+                                                     or ())]
+    variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
+                 for mods in (False, True) for v in (bwd_sm90_variants(dt, hd, mask, mods)
                                                      or ())]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 

@@ -54,3 +54,28 @@ def test_table_marks_slower_rows_and_names_missing_trees(tmp_path):
     assert "faster" in lines["fp16 d=128 N=512 causal"]
     assert "new / old: 4 rows" in text and "1 rows SLOWER" in text
     assert "SLOWER fp16 d=64 N=512 full 1.050" in text
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_table_of_the_backward(tmp_path):
+    """bench_bwd.json: a row per (shape, cufa column), its ms in us."""
+    (tmp_path / "_ab").mkdir()
+    (tmp_path / "_ab" / "ORDER").write_text("old abc old subject\nnew def new subject\n")
+    out = tmp_path / "out"
+    for tree, ms in (("old", 2.0), ("new", 2.2)):
+        for rnd in range(3):
+            folder = out / "bwd" / f"{tree}.{rnd + 1}"
+            folder.mkdir(parents=True)
+            impls = {"cufa": {"ms": ms}, "cufa mma.sync": {"ms": 1.0},
+                     "SDPA cuDNN": {"ms": 0.5}}
+            rows = [dict(dtype="bfloat16", head_dim=128, seqlen=4096, causal=True, impls=impls)]
+            (folder / "bench_bwd.json").write_text(json.dumps(dict(
+                meta=dict(device="Test GPU"), rows=rows)))
+    run = subprocess.run(["bash", str(AB), "table", str(out)], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("bfloat16 d=128")]
+    assert len(lines) == 2  # cufa's two columns, not the peer's
+    assert lines[0].startswith("bfloat16 d=128 N=4096 causal backward") and "SLOWER" in lines[0]
+    assert lines[1].startswith("bfloat16 d=128 N=4096 causal mma.sync")
+    assert "2000.0" in lines[0] and "1.100" in lines[0]

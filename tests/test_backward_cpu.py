@@ -74,6 +74,8 @@ class Recorder:
         monkeypatch.setattr(_bwd_plan, "stream_workspace", self.workspace)
         monkeypatch.setattr(_bwd_plan._interop, "allocate", self.allocate)
         monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: variant)
+        # an A100's: the mma.sync kernels (Hopper's wgmma choice: _compile's own tests)
+        monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 80)
 
     def allocate(self, framework, shape, dtype, device, stream, like=None):
         ptr = self.next_ptr
@@ -118,6 +120,21 @@ def test_dense_launches_and_records(monkeypatch):
     assert (bwd["num_n_blocks"], bwd["rows"]) == (1, 66)
     assert (bwd["dk_batch_stride"], bwd["dk_row_stride"], bwd["dk_head_stride"]) == (47 * 144, 144, 72)
     assert len(rec.allocations) == 3 and rec.workspace_bytes == -(-4 * 2 * 4 * 33 // 256) * 256
+
+
+@pytest.mark.parametrize("capability, opt_out, families", [
+    (90, None, ["sm80", "sm90", "sm90"]), (90, "0", ["sm80"] * 3), (80, None, ["sm80"] * 3)])
+def test_hopper_takes_the_wgmma_kernels_unless_told_not_to(monkeypatch, capability, opt_out,
+                                                          families):
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: capability)
+    monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, opt_out)
+    cufa.flash_attn_backward(*dense_args(d=128), causal=True)
+    assert [(f.kind, f.family) for f, *_ in rec.launches] == list(
+        zip(["preprocess", "dq", "dkdv"], families))
+    assert all(threads == f.threads and smem == f.smem_bytes
+               for f, _, threads, smem, *_ in rec.launches)
 
 
 def test_large_head_dims_launch_dk_and_dv_apart(monkeypatch):
@@ -282,3 +299,22 @@ def test_dq_fused_where_asked_and_it_applies(monkeypatch):
     rec.launches.clear()
     cufa.flash_attn_backward(*dense_args(d=96))
     assert [f.kind for f, *_ in rec.launches] == ["preprocess", "dq", "dkdv"]
+
+
+def test_wgmma_kernels_get_their_tiles_and_the_alignment():
+    """bwd/bwd_sm90.cu rounds its shared-memory base up to 1024 bytes (the swizzle's
+    phase), then lays out its tiles: each variant asks for 1024 bytes beyond them."""
+    from cufa import _compile
+    seen = 0
+    for v in _compile.all_variants():
+        if getattr(v, "family", "") != "sm90" or not v.key.startswith("bwd_"):
+            continue
+        seen += 1
+        row = 2 * v.head_dim
+        if v.kind == "dq":  # Q, dout; two stages of K and V
+            tiles = 2 * v.block_m * row + v.stages * 2 * v.block_n * row
+        else:  # K, V; two stages of Q, dout, lse and D, each at a 1024-byte boundary
+            tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
+                                                      // 1024) * 1024
+        assert v.smem_bytes == 1024 + tiles, v.key
+    assert seen == 30

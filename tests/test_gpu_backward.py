@@ -65,6 +65,13 @@ def test_dense_backward(name, dtype):
     run_dense(rng, dtype, label=f"{name} {dtype}", **case, **kw)
 
 
+@pytest.mark.parametrize("seqlen", [1, 7, 65, 1000, 2049])
+def test_odd_lengths(seqlen):
+    """Lengths off every tile size, causal with more keys than queries (bottom-right), GQA."""
+    rng = np.random.default_rng(seqlen)
+    run_dense(rng, torch.bfloat16, 1, seqlen, seqlen + 3, 4, 2, 64, f"N={seqlen}", causal=True)
+
+
 def test_gradients_are_the_same_bits_every_run():
     rng = np.random.default_rng(5)
     q, k, v, dout, out, lse, got = run_dense(rng, torch.bfloat16, 2, 200, 200, 8, 2, 128,
@@ -341,3 +348,57 @@ def test_dq_fused_varlen(fused_dq):
             check_grads((dq[r][None], dk[r][None], dv[r][None]),
                         *(x[r][None] for x in (q, k, v, dout)), f"fused varlen {i}",
                         out=out[r][None], causal=True)
+
+
+def test_the_wgmma_kernels_are_hoppers_default(monkeypatch):
+    """On Hopper the dq and dk/dv launches are the wgmma kernels unless CUFA_BWD_SM90=0 or
+    CUFA_KERNEL_FAMILY=sm80 (the sm80 family of bench/device_run.sh runs this file that
+    way); elsewhere the mma.sync ones."""
+    from cufa import _bwd_plan, _compile, _interop, _runtime
+    from cufa._checks import UNBOUNDED
+    q = _interop.as_device_array(torch.empty(1, 8, 2, 128, device="cuda",
+                                             dtype=torch.float16), "q")
+    hopper = str(_runtime.compute_capability(q.device)) == "90"
+
+    def families(**overrides):
+        for name, value in overrides.items():
+            monkeypatch.setitem(_compile._overrides, name, value)
+        variants = _bwd_plan.variants_of(q, 128, (UNBOUNDED, UNBOUNDED), 0.0, None)
+        return [v.family for v in variants[1:]]
+    sm90 = ["sm90" if hopper else "sm80"] * 2
+    assert families(**{_compile.FAMILY_ENV: None, _compile.BWD_SM90_ENV: None}) == sm90
+    assert families(**{_compile.BWD_SM90_ENV: "0"}) == ["sm80"] * 2
+    assert families(**{_compile.BWD_SM90_ENV: "1"}) == sm90
+    assert families(**{_compile.FAMILY_ENV: "sm80"}) == ["sm80"] * 2
+
+
+def test_activation_checkpointing_and_autocast():
+    """torch.utils.checkpoint reruns the forward in the backward: the gradients are the
+    reference's, and the same bits as without checkpointing; under autocast a float32
+    projection's output reaches cufa in bf16."""
+    from torch.utils.checkpoint import checkpoint
+    rng = np.random.default_rng(23)
+    b, s, h, d = 2, 130, 4, 64
+    x = randn(rng, (b, s, h, d), torch.float32).requires_grad_()
+    w = torch.from_numpy(rng.standard_normal((d, 3 * d), dtype=np.float32) / 8).cuda()
+    dout = randn(rng, (b, s, h, d), torch.bfloat16)
+
+    def block(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            q, k, v = (x @ w).chunk(3, dim=-1)
+            return cufa.flash_attn_func(q, k, v, causal=True)
+
+    grads = []
+    for checkpointed in (False, True):
+        x.grad = None
+        out = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+        assert out.dtype == torch.bfloat16
+        out.backward(dout)
+        grads.append(x.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+    # the attention's own gradients against the reference, from the same q, k, v
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        q, k, v = (t.detach().requires_grad_() for t in (x @ w).chunk(3, dim=-1))
+    out = cufa.flash_attn_func(q, k, v, causal=True)
+    out.backward(dout)
+    check_grads((q.grad, k.grad, v.grad), q, k, v, dout, "autocast", out=out, causal=True)

@@ -113,15 +113,42 @@ def test_training_gradients(calls, family, batch_kind):
     of the float32 one plus 4 bf16 roundings of the row's largest value."""
     # gpt-oss routes each token to its top 2 of 4 experts: a rounding that reorders two
     # router logits moves a token to another expert, a gradient no bound holds (seen on the
-    # H200 with other seeds, at 8x on the experts); all 4 experts keep the routing smooth
-    moe = dict(num_experts_per_tok=4) if family == "gpt_oss" else {}
-    ref32, lowp, model = (tc.build(family, impl, dt, "cuda", **moe) for impl, dt in (
+    # H200 with other seeds, at 8x on the experts); all 4 experts keep the routing smooth.
+    # Its attention's biases: test_training_gradients_with_biased_values.
+    moe = dict(num_experts_per_tok=4, attention_bias=False) if family == "gpt_oss" else {}
+    worst = _gradient_ratios(family, batch_kind, **moe)
+    assert calls and "flash_attn_with_kvcache" not in calls
+    over = {n: f"{r:.2f}x" for n, r in sorted(worst.items(), key=lambda x: -x[1]) if r > 1}
+    assert not over, f"{family} {batch_kind}: gradients over their bound: {over}"
+
+
+@pytest.mark.parametrize("batch_kind", ["none", "right"])
+def test_training_gradients_with_biased_values(calls, batch_kind):
+    """gpt-oss as configured (v_proj with a bias, a sink a head): the backward's D =
+    rowsum(dout * out) reads the bf16 out, whose rounding of the values' common part (the
+    bias) the sink leaves uncancelled in dS. FlashAttention's algorithm does the same: a
+    PyTorch emulation of it gave the full layer's q/k gradients 1.1-3.6x the bound of the
+    rule above on four seeds (D from the float32 out: 0.6-1.1x), cufa on the H200 1.2-5.3x
+    on six; so here at most 8x. The forward's out carries the same common part, rounded
+    (as FlashAttention's does), into o_proj's gradient: 1.17x on the H200, so at most 2x
+    there, and every other gradient at the rule's 1x."""
+    worst = _gradient_ratios("gpt_oss", batch_kind, num_experts_per_tok=4)
+    assert calls and "flash_attn_with_kvcache" not in calls
+    allowed = {"self_attn.q_proj": 8, "self_attn.k_proj": 8, "self_attn.o_proj": 2}
+    over = {n: f"{r:.2f}x" for n, r in worst.items()
+            if r > max([f for part, f in allowed.items() if part in n] or [1])}
+    assert not over, f"gpt_oss {batch_kind}: gradients over their bound: {over}"
+
+
+def _gradient_ratios(family, batch_kind, **overrides):
+    """Each parameter's worst row: its error / (2x the bf16 reference model's + 4 bf16
+    roundings of the row's largest value), both against the float32 model."""
+    ref32, lowp, model = (tc.build(family, impl, dt, "cuda", **overrides) for impl, dt in (
         (tc.reference_attention(family), torch.float32),
         (tc.reference_attention(family), torch.bfloat16), ("cufa", torch.bfloat16)))
     pads = [0, 0] if batch_kind == "none" else [0, 9]
     ids, mask = tc.right_padded(2, 45, pads, device="cuda")
     g32, glp, got = (_grads(m, ids, mask) for m in (ref32, lowp, model))
-    assert calls and "flash_attn_with_kvcache" not in calls
     assert got.keys() == g32.keys()
     eps = float(torch.finfo(torch.bfloat16).eps)
     worst = {}
@@ -131,5 +158,4 @@ def test_training_gradients(calls, family, batch_kind):
         err_lp = (rows(glp[name]) - rows(ref)).abs().amax(-1)
         bound = 2 * err_lp + 4 * eps * rows(ref).abs().amax(-1) + 1e-9
         worst[name] = float((err / bound).max())
-    over = {n: f"{r:.2f}x" for n, r in sorted(worst.items(), key=lambda x: -x[1]) if r > 1}
-    assert not over, f"{family} {batch_kind}: gradients over their bound: {over}"
+    return worst

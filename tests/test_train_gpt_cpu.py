@@ -39,3 +39,16 @@ def test_positions_matter_and_the_corpus_is_fixed():
     swapped = x.clone()
     swapped[0, [2, 5]] = x[0, [5, 2]]
     assert not torch.allclose(model(x)[0, -1], model(swapped)[0, -1])
+
+
+def test_the_report_compares_means_over_seeds():
+    args = train_gpt.parse_args(["--seeds", "2", "--steps", "20"])
+    runs = {"cufa": [dict(seed=0, losses=[9.0] * 10 + [6.0] * 10, tokens_per_s=1e5),
+                     dict(seed=1, losses=[9.0] * 10 + [8.0] * 10, tokens_per_s=1e5)],
+            "SDPA cuDNN": [dict(seed=0, losses=[9.0] * 10 + [8.0] * 10, tokens_per_s=2e5),
+                           dict(seed=1, losses=[9.0] * 10 + [6.0] * 10, tokens_per_s=None)]}
+    assert train_gpt.final_losses(runs) == {"cufa": 7.0, "SDPA cuDNN": 7.0}
+    text = train_gpt.report(args, runs, "GPU")
+    assert "| 0 | 6.0000 | 8.0000 | 100000 | 200000 |" in text
+    assert "| 1 | 8.0000 | 6.0000 | 100000 | - |" in text
+    assert "Mean final losses (2 seeds): cufa 7.0000, SDPA cuDNN 7.0000; 0.00 % apart" in text

@@ -35,6 +35,15 @@ __device__ __forceinline__ u64 desc_add(u64 desc, u32 offset) {
   return moved;
 }
 
+// Descriptor offsets (16-byte units): of k-step ks (16 columns) in a K-major tile of
+// `rows` rows (4 k-steps a panel), and of k-step kk (16 rows) in an MN-major one.
+__device__ __forceinline__ u32 kstep_offset(int ks, int rows) {
+  return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+}
+__device__ __forceinline__ u32 mn_kstep_offset(int kk) {
+  return static_cast<u32>(kk * 16 * 128 >> 4);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -163,6 +172,19 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u3
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr),
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
+}
+
+// -- a product's float accumulators, rounded to kDtype, as the A fragments of the next
+//    wgmma (P for P V): 16 of the accumulators' columns a fragment --
+template <int kDtype, int kNTiles>
+__device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    a[kk][0] = pack2<kDtype>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    a[kk][1] = pack2<kDtype>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    a[kk][2] = pack2<kDtype>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    a[kk][3] = pack2<kDtype>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
 }
 
 // ptxas places the wait for an in-flight wgmma as early as it may, above independent

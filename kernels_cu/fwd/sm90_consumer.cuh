@@ -26,18 +26,6 @@ __device__ __forceinline__ void pass_turn(int consumer) {
   named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
 }
 
-// -- P from the S accumulators into wgmma A fragments, 16 keys per fragment --
-template <int kDtype, int kNTiles>
-__device__ __forceinline__ void pack_p(u32 (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
-#pragma unroll
-  for (int kk = 0; kk < kNTiles / 2; ++kk) {
-    a[kk][0] = pack2<kDtype>(s[0][2 * kk][0], s[0][2 * kk][1]);
-    a[kk][1] = pack2<kDtype>(s[0][2 * kk][2], s[0][2 * kk][3]);
-    a[kk][2] = pack2<kDtype>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-    a[kk][3] = pack2<kDtype>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-  }
-}
-
 // -- lazy max (OnlineSoftmax::update_lazy) from d = 128: O's rescale is then skipped by
 //    most blocks, and it is 64 (d = 128) to 128 (d = 256) multiplies a thread a block --
 template <int kHeadDim>
@@ -55,11 +43,6 @@ constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
 //    blocks are a fifth of all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
 template <int kBlockM, int kBlockN, bool kScoreMods>
 constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods;
-
-// -- descriptor offset (16-byte units) of k-step ks in a K-major tile of `rows` rows --
-__device__ __forceinline__ u32 kstep_offset(int ks, int rows) {
-  return static_cast<u32>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
-}
 
 // -- S = Q K^T of one K stage, issued and committed: the first 8 * kTiles keys from
 //    k_stage_desc (all of the block's, or half: kHalfFirstBlock) --
@@ -115,6 +98,50 @@ __device__ __forceinline__ void release_blocks(const Smem& sm, int n_blocks, int
     release_stage(sm.v_empty() + 8 * stage);
   }
   block_count += n_blocks;
+}
+
+// -- a tile's end: O / l and lse written (from d = 128 through the tile's Q stage, which
+//    is then released) --
+template <int kDtype, class Smem, int kDTiles, class Softmax>
+__device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softmax& softmax,
+                                            float scale_log2, const FwdParams& p, const Tile& t,
+                                            const Smem& sm, u32 q_stage, int row0, int row_base,
+                                            int lane) {
+  float lse[1][2];
+  softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
+  const TilePointers ptr = tile_pointers(p, t);
+  if constexpr (kStagedOutput<Smem::kHeadDim>) {
+    write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDim>(
+        acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, sm.q + q_stage * Smem::kQBytes, row0,
+        row_base, lane);
+    // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
+    // and read through the generic one.
+    fence_proxy_async();
+    mbar_arrive(sm.q_empty() + 8 * q_stage);
+  } else {
+    write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
+  }
+}
+
+// -- one turn: the products `issue` queues, between the other consumer's turns (solo: a
+//    consumer with the tile to itself issues without them) --
+template <typename Issue>
+__device__ __forceinline__ void in_turn(bool solo, int consumer, const Issue& issue) {
+  if (!solo) take_turn(consumer);
+  wgmma_fence();
+  issue();
+  if (!solo) pass_turn(consumer);
+}
+
+// -- the lower and upper half of a block's S accumulators (its first and last 4 * kTiles
+//    keys) --
+template <int kTiles>
+__device__ __forceinline__ float (&lower_keys(float (&acc)[1][kTiles][4]))[1][kTiles / 2][4] {
+  return *reinterpret_cast<float(*)[1][kTiles / 2][4]>(&acc);
+}
+template <int kTiles>
+__device__ __forceinline__ float (&upper_keys(float (&acc)[1][kTiles][4]))[1][kTiles / 2][4] {
+  return *reinterpret_cast<float(*)[1][kTiles / 2][4]>(&acc[0][kTiles / 2][0]);
 }
 
 // -- a consumer warpgroup: 64 rows of every tile --
@@ -174,12 +201,29 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(acc_s, q_stage_desc,
                                                           desc_add(k_desc, stage * kStageStep));
       };
+      // Block 0's S: the lower half's keys always, the upper half's only where a row sees
+      // them. (Choosing between the whole block's product and the lower half's, each on
+      // its branch, left ptxas short of registers for the wgmma pipeline at d = 128 on
+      // 128 rows and d = 64 on 64: it serialized every product of those kernels, 15-20 %
+      // on short rows; ptxas says C7511, which test_compile fails on.)
+      auto issue_first_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage, bool half) {
+        if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+          const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
+          issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(lower_keys(acc_s), q_stage_desc,
+                                                            k_stage_desc);
+          if (!half)  // (64 rows of a K-major panel lie 64 * 128 bytes on)
+            issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(
+                upper_keys(acc_s), q_stage_desc, desc_add(k_stage_desc, (kBlockN / 2) * 128 >> 4));
+        } else {
+          issue_qk(acc_s, stage);
+        }
+      };
       u32 p_prev[kNTiles / 2][4];
       auto issue_pv = [&](u32 stage) {
         const u64 v_stage_desc = desc_add(v_desc, stage * kStageStep);
 #pragma unroll
         for (int kk = 0; kk < kNTiles / 2; ++kk)
-          wgmma_rs<kDtype>(acc_o, p_prev[kk], desc_add(v_stage_desc, kk * 16 * 128 >> 4), 1);
+          wgmma_rs<kDtype>(acc_o, p_prev[kk], desc_add(v_stage_desc, mn_kstep_offset(kk)), 1);
         wgmma_commit();
       };
       // Scores of block `it` -> probabilities (in place), and the factor O must be
@@ -195,12 +239,24 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         if (rescale) softmax.rescale_output(acc_o, correction);
         pack_p<kDtype>(p_prev, acc_s);
       };
+      // Block 0's probabilities where no row sees its upper half: the lower half's, and
+      // P = 0 for the upper half's keys.
+      auto half_block_scores_to_probs = [&](float (&acc_s)[1][kNTiles][4],
+                                            float (&correction)[1][2]) {
+        if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+          scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
+              lower_keys(acc_s), p, t, mods, w, row_base, (w.n_block_max - 1) * kBlockN, lane,
+              scale_log2, softmax, correction);
+#pragma unroll
+          for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
+        }
+      };
       if (!solo && !took_turns) {
         if (consumer == 1) pass_turn(consumer);  // consumer 0 goes first
         took_turns = true;
       }
-      auto turn_begin = [&] { if (!solo) take_turn(consumer); };
-      auto turn_end = [&] { if (!solo) pass_turn(consumer); };
 
       if constexpr (Smem::kStages == 1) {
         // One K and one V buffer (d = 256 on 128-key blocks, as cuDNN's kernel): each
@@ -210,12 +266,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         // this block's softmax and P V.
         for (int it = 0; it < n_blocks; ++it) {
           const int g = block_count + it;
-          mbar_wait(sm.k_full(), Smem::parity(g));
-          turn_begin();
           float acc_s[1][kNTiles][4];
-          wgmma_fence();
-          issue_qk(acc_s, 0);
-          turn_end();
+          mbar_wait(sm.k_full(), Smem::parity(g));
+          in_turn(solo, consumer, [&] { issue_qk(acc_s, 0); });
           wgmma_wait<0>();
           fence_registers(acc_s);
           release_stage(sm.k_empty());
@@ -225,86 +278,57 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           if (it > 0 && rescale) softmax.rescale_output(acc_o, correction);
           pack_p<kDtype>(p_prev, acc_s);
           mbar_wait(sm.v_full(), Smem::parity(g));
-          turn_begin();
-          wgmma_fence();
-          issue_pv(0);
-          turn_end();
+          in_turn(solo, consumer, [&] { issue_pv(0); });
           wgmma_wait<0>();
           fence_registers(acc_o);
           release_stage(sm.v_empty());
         }
       } else {
-        // Block 0: S only. Peeled, so that every product in the loop is issued
-        // unconditionally: a branch around an in-flight wgmma makes ptxas serialize them all.
+        // Block 0: S only, and where no row of the tile sees the block's upper half
+        // (kHalfFirstBlock), only its lower half's S and exponentials. A scope, not a
+        // lambda: as a lambda of its own or as a first step of `step` below, ptxas
+        // serializes every wgmma of the kHalfFirstBlock kernels (d = 128, 128 rows: 40
+        // warpgroup arrives instead of 4).
         {
           const u32 stage = Smem::stage(block_count);
           // (broadcast from lane 0, so that ptxas sees a uniform branch)
           const bool half = kHalfFirstBlock<kBlockM, kBlockN, kScoreMods> &&
                             __shfl_sync(0xffffffffu, 2 * w.last_block_keys <= kBlockN, 0);
           float acc_s[1][kNTiles][4];
-          float(&lower)[1][kNTiles / 2][4] = *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s);
-          float(&upper)[1][kNTiles / 2][4] =
-              *reinterpret_cast<float(*)[1][kNTiles / 2][4]>(&acc_s[0][kNTiles / 2][0]);
           mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
-          turn_begin();
-          wgmma_fence();
-          // The lower half's keys always, the upper half's only where a row sees them.
-          // (Choosing between the whole block's product and the lower half's, each on its
-          // branch, left ptxas short of registers for the wgmma pipeline at d = 128 on
-          // 128 rows and d = 64 on 64: it serialized every product of those kernels,
-          // 15-20 % on short rows; ptxas says C7511, which test_compile fails on.)
-          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-            const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
-            issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(lower, q_stage_desc, k_stage_desc);
-            if (!half)  // (64 rows of a K-major panel lie 64 * 128 bytes on)
-              issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(
-                  upper, q_stage_desc, desc_add(k_stage_desc, (kBlockN / 2) * 128 >> 4));
-          } else {
-            issue_qk(acc_s, stage);
-          }
-          turn_end();
+          in_turn(solo, consumer, [&] { issue_first_qk(acc_s, stage, half); });
           wgmma_wait<0>();
           fence_registers(acc_s);
           release_stage(sm.k_empty() + 8 * stage);
           if (!kStagedOutput<kHeadDim> && n_blocks == 1)
             mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
           float correction[1][2];
-          if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-            if (half) {
-              scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
-                  lower, p, t, mods, w, row_base, (w.n_block_max - 1) * kBlockN, lane, scale_log2,
-                  softmax, correction);
-#pragma unroll
-              for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;  // P of the keys no row sees
-            } else {
-              scores_to_probs(acc_s, 0, correction);
-            }
-          } else {
+          if (half)
+            half_block_scores_to_probs(acc_s, correction);
+          else
             scores_to_probs(acc_s, 0, correction);
-          }
           // O is still zero: rescaling it would be 0 * correction, which the compiler must
           // keep (inf and NaN), ~100 instructions a tile at d = 128
           pack_p<kDtype>(p_prev, acc_s);
         }
         // Then step `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1} together and
         // computes the exponentials of S_it while the P V product runs; the last step
-        // (it = n_blocks, `last`, a constant where the step is inlined) has only the P V. It is
-        // peeled, as block 0 is, so that every product in the loop is issued unconditionally.
-        // (Block 0 as a first step of the same lambda: ptxas serialized the wgmma of the
-        // kHalfFirstBlock kernels, C7511.)
+        // (it = n_blocks, `last`, a constant where the step is inlined) has only the P V.
+        // It is peeled, as block 0 is, so that every product in the loop is issued
+        // unconditionally (a branch around an in-flight wgmma makes ptxas serialize them
+        // all). (Not a generic lambda with `last` a template flag: NVRTC compiles no
+        // generic lambda in device code.)
         auto step = [&](bool last, int it) {
           const int g = block_count + it;
           const u32 stage = Smem::stage(g), prev_stage = Smem::stage(g - 1);
+          float acc_s[1][kNTiles][4];
           if (!last) mbar_wait(sm.k_full() + 8 * stage, Smem::parity(g));
           mbar_wait(sm.v_full() + 8 * prev_stage, Smem::parity(g - 1));
-          turn_begin();
-          float acc_s[1][kNTiles][4];
+          if (!solo) take_turn(consumer);
           wgmma_fence();
           if (!last) issue_qk(acc_s, stage);
           issue_pv(prev_stage);
-          turn_end();
+          if (!solo) pass_turn(consumer);
           float correction[1][2];
           bool rescale = false;
           if (!last) {
@@ -333,20 +357,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
 
-    float lse[1][2];
-    softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
-    const TilePointers ptr = tile_pointers(p, t);
-    if constexpr (kStagedOutput<kHeadDim>) {
-      write_output_staged<kDtype, kBlockM, kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse,
-                                            sm.q + q_stage * Smem::kQBytes, w.row0, row_base,
-                                            lane);
-      // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
-      // and read through the generic one.
-      fence_proxy_async();
-      mbar_arrive(sm.q_empty() + 8 * q_stage);
-    } else {
-      write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
-    }
+    finish_tile<kDtype>(acc_o, softmax, scale_log2, p, t, sm, q_stage, w.row0, row_base, lane);
   }
   if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }

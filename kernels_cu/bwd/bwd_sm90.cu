@@ -1,0 +1,343 @@
+// The backward's dq and dk, dv kernels on Hopper's tensor cores (wgmma, sm_90a): bwd_sm80.cu's
+// kernels, their CTAs (one warpgroup, 64 rows of the products' M) and schedules (the other
+// side's blocks streamed through cp.async, two buffers), with the products issued by the
+// warpgroup as a whole from 128-byte-swizzled panels:
+//   dq:    S = Q K^T, dP = dout V^T (K-major B), dq += dS K (dS from registers, K MN-major)
+//   dk,dv: S^T = K Q^T, dP^T = V dout^T (K-major B), dv += P^T dout, dk += dS^T Q (P^T, dS^T
+//          from registers, dout and Q MN-major)
+// The accumulators are laid out per warp as mma.sync's, so the scores' element-wise steps
+// (mods, mask, exponentials, dS) are bwd_sm80.cu's.
+#include "../common/softmax.cuh"
+#include "../common/sm90.cuh"
+#include "../common/wgmma_ops.cuh"
+#include "common.cuh"
+
+namespace cufa {
+
+// A tile of kRows rows in 64-column panels (128-byte swizzle), the layout the descriptors
+// below describe; rows past rows_valid and columns past head_dim become zeros.
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_stride,
+                                            int rows_valid, int head_dim) {
+  copy_tile_async<kRows, kHeadDim, kBwdThreads>(
+      smem, gmem, row_stride, rows_valid, head_dim,
+      [](int r, int c) { return panel_offset<kRows>(r, c); });
+}
+
+// -- acc = A B^T over the head dim: A a K-major tile of 64 rows (the warpgroup's M), B one
+//    of kRowsB rows (N); one committed group --
+template <int kDtype, int kHeadDim, int kRowsB, int kNTiles>
+__device__ __forceinline__ void issue_scores(float (&acc)[1][kNTiles][4], u64 a_desc, u64 b_desc) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    wgmma_ss<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, 64)),
+                     desc_add(b_desc, kstep_offset(ks, kRowsB)), ks > 0);
+  wgmma_commit();
+}
+
+// -- acc += A B: A from registers (kSteps fragments of 16 columns), B an MN-major tile
+//    whose rows are those columns; one committed group --
+template <int kDtype, int kSteps, int kDTiles>
+__device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
+                                                 const u32 (&a)[kSteps][4], u64 b_desc) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) wgmma_rs<kDtype>(acc, a[kk], desc_add(b_desc, mn_kstep_offset(kk)), 1);
+  wgmma_commit();
+}
+
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
+          int kStages>
+__global__ void __launch_bounds__(kBwdThreads, 1)
+    bwd_dq_sm90_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one K or V block
+  static_assert(kBlockM == 16 * kBwdWarps, "one warpgroup: 64 query rows");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kTileBytes % 1024 == 0,
+                "whole 64-column panels");
+  static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
+  extern __shared__ unsigned char smem_raw[];
+  const u32 sq = (smem_u32(smem_raw) + 1023) & ~1023u;  // (panels at 1024-byte boundaries)
+  const u32 sdo = sq + kQBytes, skv = sdo + kQBytes;    // stage s: K at s * 2 tiles, V after
+
+  Tile t;
+  if (!get_tile(p, static_cast<int>(blockIdx.x), t)) return;
+  const int row0 = t.m_block * kBlockM;
+  const int row_end = min(row0 + kBlockM, t.seqlen_q);
+  const int lane = threadIdx.x % 32;
+  const int warp_row0 = (threadIdx.x / 32) * 16;
+  const TilePointers ptr = tile_pointers(p, t);
+  const i64 q_row = t.q_start + row0;
+  const u16* dout = reinterpret_cast<const u16*>(g.dout) + t.b * g.dout_batch_stride +
+                    t.h * g.dout_head_stride + q_row * g.dout_row_stride;
+  u16* dq = reinterpret_cast<u16*>(g.dq) + t.b * g.dq_batch_stride + t.h * g.dq_head_stride +
+            q_row * g.dq_row_stride;
+  const TileMods mods = tile_mods<kScoreMods>(p, t);
+
+  // this lane's rows' lse (log2 units) and D
+  const float* lse = reinterpret_cast<const float*>(p.lse) + row_stats_offset(p, t);
+  const float* dsum_of = reinterpret_cast<const float*>(g.softmax_d) + row_stats_offset(p, t);
+  float lse_log2[2], dsum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = frag_row(row0 + warp_row0, 0, 2 * h, lane);
+    lse_log2[h] = lse_log2_of(lse, row, t.seqlen_q);
+    dsum[h] = row < t.seqlen_q ? dsum_of[row] : 0.f;
+  }
+
+  float acc_dq[1][kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[0][dt][e] = 0.f;
+
+  const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
+  const int n_block_min = keys.begin / kBlockN;
+  const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;
+  const u64 q_desc = smem_desc(sq, 16, 1024), do_desc = smem_desc(sdo, 16, 1024);
+  const auto load_kv = [&](int step, int stage) {  // (step: key block n_block_min + step)
+    const int key0 = (n_block_min + step) * kBlockN;
+    const u32 sk = skv + stage * 2 * kTileBytes;
+    load_panels<kBlockN, kHeadDim>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                   t.seqlen_k - key0, p.head_dim);
+    load_panels<kBlockN, kHeadDim>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride,
+                                   p.v_row_stride, t.seqlen_k - key0, p.head_dim);
+    cp_async_commit();
+  };
+  if (n_block_min < n_block_max) {  // (Q and dout in the first block's copy group)
+    load_panels<kBlockM, kHeadDim>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
+                                   t.seqlen_q - row0, p.head_dim);
+    load_panels<kBlockM, kHeadDim>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
+                                   p.head_dim);
+    load_kv(0, 0);
+  }
+  int stage = 0;
+  for (int nb = n_block_min; nb < n_block_max; ++nb) {
+    const int key0 = nb * kBlockN;
+    await_step<kStages>(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
+                        [] { fence_proxy_async(); });
+    const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
+
+    // S = Q K^T and dP = dout V^T, two groups in flight
+    float s[1][kNTiles][4], dp[1][kNTiles][4];
+    wgmma_fence();
+    issue_scores<kDtype, kHeadDim, kBlockN>(s, q_desc, smem_desc(sk, 16, 1024));
+    issue_scores<kDtype, kHeadDim, kBlockN>(dp, do_desc, smem_desc(sv, 16, 1024));
+    wgmma_wait<1>();
+    fence_registers(s);
+
+    // scores in log2 units (their derivatives kept where score mods change them), masked
+    float grad[1][kScoreMods ? kNTiles : 1][4];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (kScoreMods)
+          s[0][nt][e] = modded_score(s[0][nt][e], p, t, mods, frag_row(row0 + warp_row0, 0, e, lane),
+                                     frag_col(key0, nt, e, lane), grad[0][nt][e]);
+        else
+          s[0][nt][e] *= p.scale_log2;
+      }
+    if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
+      apply_mask<kMask>(s, p, t, row0 + warp_row0, key0, lane);
+    // dS = P (dP - D) times d(score)/d(raw score), in place of S
+    wgmma_wait<0>();
+    fence_registers(dp);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float prob = exp2f(s[0][nt][e] - lse_log2[e >> 1]);
+        const float ds = prob * (dp[0][nt][e] - dsum[e >> 1]);
+        if (kScoreMods && g.dmask)
+          add_mask_grad(g, t, frag_row(row0 + warp_row0, 0, e, lane), frag_col(key0, nt, e, lane),
+                        ds);
+        const float d_raw = kScoreMods ? grad[0][kScoreMods ? nt : 0][e] : p.scale;
+        s[0][nt][e] = ds * d_raw;
+      }
+    // dq += dS K: K as the MN-major B (16 keys a k-step)
+    u32 ds_frag[kNTiles / 2][4];
+    pack_p<kDtype>(ds_frag, s);
+    wgmma_fence();
+    issue_accumulate<kDtype>(acc_dq, ds_frag, smem_desc(sk, kBlockN * 128, 1024));
+    wgmma_wait<0>();
+    fence_registers(ds_frag);
+    fence_registers(acc_dq);
+    __syncthreads();  // every warp is done with this block's K and V
+    stage ^= kStages - 1;
+  }
+  store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
+}
+
+// dk, dv: 64 keys of a KV head, the query blocks of every head of its group
+template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
+          int kStages>
+__global__ void __launch_bounds__(kBwdThreads, 1)
+    bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kBlockN = 64;  // keys: the warpgroup's M
+  constexpr int kQTiles = kBlockM / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr bool kDk = kGrads != KV_DV, kDv = kGrads != KV_DK;
+  constexpr int kTileBytes = kBlockM * kHeadDim * 2;
+  // a stage: Q and dout, then lse (log2 units) and D; stages 1024-byte aligned (panels)
+  constexpr int kStageBytes = (2 * kTileBytes + 8 * kBlockM + 1023) / 1024 * 1024;
+  constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static_assert(kBwdThreads == 128 && kBlockN == 16 * kBwdWarps, "one warpgroup, 16 keys a warp");
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
+  static_assert(kStages == 1 || kStages == 2, "one or two Q/dout buffers");
+  extern __shared__ unsigned char smem_raw[];
+  // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
+  const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
+  const u32 sk = base, sv = base + kKVBytes, sstages = base + 2 * kKVBytes;
+  unsigned char* stages = smem + 2 * kKVBytes;
+
+  KeyBlock kb;
+  if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
+  Tile& t = kb.t;
+  const int h_k = kb.h_k, key0 = kb.key0, rows_out = kb.rows_out;
+  const int group = p.nheads / p.nheads_k;
+  const int lane = threadIdx.x % 32;
+  const int warp_row0 = (threadIdx.x / 32) * 16;
+  const TilePointers kv = tile_pointers(p, t);
+  const i64 k_row = t.k_start + key0;
+
+  float acc_dk[1][kDk ? kDTiles : 8][4], acc_dv[1][kDv ? kDTiles : 8][4];
+#pragma unroll
+  for (int dt = 0; dt < (kDk ? kDTiles : 8); ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = 0.f;
+#pragma unroll
+  for (int dt = 0; dt < (kDv ? kDTiles : 8); ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[0][dt][e] = 0.f;
+
+  const int m_block_min = kb.m_block_min, m_blocks = kb.m_blocks;
+  const int steps = group * m_blocks;
+
+  // K and V as A (K-major, 64 rows); a stage's Q and dout as B, K-major for S^T and dP^T,
+  // MN-major (16 rows a k-step, 64-column panels kBlockM * 128 bytes apart) for dk, dv
+  const u64 k_desc = smem_desc(sk, 16, 1024), v_desc = smem_desc(sv, 16, 1024);
+  const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
+  const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
+  const auto load_step = [&](int i, int stage) {
+    Tile th = t;
+    th.h = head_of(i);
+    const int q0 = q0_of(i);
+    const TilePointers ptr = tile_pointers(p, th);
+    const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
+                      th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
+    const u32 sq = sstages + stage * kStageBytes;
+    load_panels<kBlockM, kHeadDim>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
+                                   t.seqlen_q - q0, p.head_dim);
+    load_panels<kBlockM, kHeadDim>(sq + kTileBytes, dout, g.dout_row_stride, t.seqlen_q - q0,
+                                   p.head_dim);
+    cp_async_commit();
+    const i64 at = row_stats_offset(p, th) + q0;
+    float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
+    for (int r = threadIdx.x; r < kBlockM; r += kBwdThreads) {
+      s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
+      s_lse[kBlockM + r] = q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r]
+                                               : 0.f;
+    }
+  };
+  if (steps) {  // (K and V in the first step's copy group)
+    load_panels<kBlockN, kHeadDim>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
+                                   t.seqlen_k - key0, p.head_dim);
+    if (kDk)
+      load_panels<kBlockN, kHeadDim>(sv, kv.v + key0 * p.v_row_stride, p.v_row_stride,
+                                     t.seqlen_k - key0, p.head_dim);
+    load_step(0, 0);
+  }
+  const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
+
+  int stage = 0;
+  for (int i = 0; i < steps; ++i) {
+    await_step<kStages>(i, steps, stage, load_step, [] { fence_proxy_async(); });
+    Tile th = t;
+    th.h = head_of(i);
+    const int q0 = q0_of(i);
+    const TileMods mods = tile_mods<kScoreMods>(p, th);
+    const u32 sq = sstages + stage * kStageBytes, sdo = sq + kTileBytes;
+    const float* s_lse = reinterpret_cast<const float*>(stages + stage * kStageBytes +
+                                                        2 * kTileBytes);
+    const float* s_d = s_lse + kBlockM;
+    const u64 q_desc = smem_desc(sq, 16, 1024), do_desc = smem_desc(sdo, 16, 1024);
+    const u64 q_mn_desc = smem_desc(sq, kBlockM * 128, 1024);
+    const u64 do_mn_desc = smem_desc(sdo, kBlockM * 128, 1024);
+
+    // S^T = K Q^T and (for dk) dP^T = V dout^T, two groups in flight
+    float st[1][kQTiles][4], dpt[1][kDk ? kQTiles : 2][4];
+    wgmma_fence();
+    issue_scores<kDtype, kHeadDim, kBlockM>(st, k_desc, q_desc);
+    if constexpr (kDk) issue_scores<kDtype, kHeadDim, kBlockM>(dpt, v_desc, do_desc);
+    wgmma_wait<kDk ? 1 : 0>();
+    fence_registers(st);
+
+    const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
+                                                key0, key0 + kBlockN);
+    float grad[1][kScoreMods ? kQTiles : 1][4];
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = first_key + 8 * (e >> 1);
+        const int col = frag_col(0, nt, e, lane);
+        float x;
+        if constexpr (kScoreMods)
+          x = modded_score(st[0][nt][e], p, th, mods, q0 + col, key, grad[0][nt][e]);
+        else
+          x = st[0][nt][e] * p.scale_log2;
+        if (masked && !visible<kMask>(p, th, q0 + col, key)) x = -CUFA_INF;
+        st[0][nt][e] = exp2f(x - s_lse[col]);  // P^T
+      }
+    u32 p_frag[kQTiles / 2][4], ds_frag[kQTiles / 2][4];
+    if constexpr (kDv) {
+      pack_p<kDtype>(p_frag, st);
+      wgmma_fence();
+      issue_accumulate<kDtype>(acc_dv, p_frag, do_mn_desc);
+    }
+    if constexpr (kDk) {
+      // dS^T = P^T (dP^T - D) d(score)/d(raw score), once dP^T is in (dv's group may still run)
+      if constexpr (kDv) wgmma_wait<1>(); else wgmma_wait<0>();
+      fence_registers(dpt);
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = frag_col(0, nt, e, lane);
+          const float d_raw = kScoreMods ? grad[0][kScoreMods ? nt : 0][e] : p.scale;
+          dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[col]) * d_raw;
+        }
+      pack_p<kDtype>(ds_frag, dpt);
+      wgmma_fence();
+      issue_accumulate<kDtype>(acc_dk, ds_frag, q_mn_desc);
+    }
+    // (the fragments feed the products until they complete: held past the wait)
+    wgmma_wait<0>();
+    if constexpr (kDv) {
+      fence_registers(p_frag);
+      fence_registers(acc_dv);
+    }
+    if constexpr (kDk) {
+      fence_registers(ds_frag);
+      fence_registers(acc_dk);
+    }
+    __syncthreads();  // every warp is done with this step's buffers
+    stage ^= kStages - 1;
+  }
+  const int rows = rows_out - key0;
+  if constexpr (kDk) {
+    u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +
+              k_row * g.dk_row_stride;
+    store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
+  if constexpr (kDv) {
+    u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + h_k * g.dv_head_stride +
+              k_row * g.dv_row_stride;
+    store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
+}
+
+}  // namespace cufa

@@ -1,0 +1,171 @@
+#pragma once
+// What the backward's kernels share, on either instruction set: the CTA's shape, the rows'
+// lse and D, the scores' mods and masks as the forward applies them, and the gradients'
+// stores and the streamed steps' buffering.
+#include "../common/sm80.cuh"
+#include "../common/mma_tiles.cuh"
+#include "../fwd/params.cuh"
+#include "../fwd/block_info.cuh"
+#include "../fwd/mask.cuh"
+#include "../fwd/score.cuh"
+#include "params.cuh"
+
+namespace cufa {
+
+constexpr int kBwdWarps = 4;
+constexpr int kBwdThreads = kBwdWarps * 32;
+
+// What the key-block kernel computes: both gradients, or (head dims over 128, where both
+// accumulators do not fit in registers) one of them a launch.
+enum KvGrads { KV_BOTH = 0, KV_DK = 1, KV_DV = 2 };
+
+template <int DT>
+__device__ __forceinline__ float to_float(u16 x) {
+  return DT == FP16 ? fp16_to_float(x) : bf16_to_float(x);
+}
+
+// Offset of a tile's row 0 in lse's layout (and D's, the same)
+__device__ __forceinline__ i64 row_stats_offset(const FwdParams& p, const Tile& t) {
+  return t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.q_start;
+}
+
+// A row's lse in log2 units for P = exp2(score - lse): +inf for rows past the sequence and
+// rows that saw no key (lse -inf), whose P is then 0 for every key, masked or not
+__device__ __forceinline__ float lse_log2_of(const float* lse, int row, int rows) {
+  if (row >= rows) return CUFA_INF;
+  const float x = lse[row];
+  return x == -CUFA_INF ? CUFA_INF : x * CUFA_LOG2E;
+}
+
+// -- a scaled, modded score in log2 units, as the forward's apply_score_mods makes it, and
+//    its derivative by the raw score (natural units): the scale, times 1 - tanh^2 under a
+//    softcap; ALiBi and attn_mask add constants --
+__device__ __forceinline__ float modded_score(float s, const FwdParams& p, const Tile& t,
+                                              const TileMods& m, int row, int key, float& grad) {
+  float x = s * p.scale;
+  grad = p.scale;
+  if (p.softcap > 0.f) {
+    const float th = fast_tanh(x * p.softcap_inv);
+    x = p.softcap * th;
+    grad *= 1.f - th * th;
+  }
+  if (m.alibi_slope != 0.f)
+    x -= m.alibi_slope * fabsf(static_cast<float>((i64)row + t.diag_offset - key));
+  if (p.attn_mask_type != ATTN_MASK_NONE && row < t.seqlen_q && key < t.seqlen_k)
+    x += attn_mask_value(p, m.mask_offset + row * p.mask_row_stride + key * p.mask_col_stride);
+  return x * CUFA_LOG2E;
+}
+
+// -- an additive mask's gradient: dS at (row, key) (natural units: the mask adds to the
+//    scaled score), summed where the mask broadcasts (its zero strides), so atomically --
+__device__ __forceinline__ void add_mask_grad(const BwdParams& g, const Tile& t, int row, int key,
+                                              float ds) {
+  if (row < t.seqlen_q && key < t.seqlen_k)
+    atomicAdd(reinterpret_cast<float*>(g.dmask) + t.b * g.dmask_batch_stride +
+                  t.h * g.dmask_head_stride + row * g.dmask_row_stride + key * g.dmask_col_stride,
+              ds);
+}
+
+// Whether key `key` is within a window side of `side` keys of `diagonal` (a side of
+// kUnboundedWindow or more has no bound)
+__device__ __forceinline__ bool within_side(i64 distance, int side) {
+  return side >= kUnboundedWindow || distance <= side;
+}
+
+// Whether query `row` sees key `key` (both in the sequence's numbering)
+template <int kMask>
+__device__ __forceinline__ bool visible(const FwdParams& p, const Tile& t, int row, int key) {
+  if (key >= t.seqlen_k) return false;
+  if (kMask == MASK_NONE) return true;
+  const i64 diagonal = (i64)row + t.diag_offset;
+  return within_side(diagonal - key, p.window_left) && within_side(key - diagonal, p.window_right);
+}
+
+// -- store a warp's 16-row tiles of float accumulators as rows of kDtype, rows below
+//    `rows` and columns below head_dim (a multiple of 8): 4 bytes a lane, a quad's 16 in a
+//    row. The last write of each launch, a small share of its time --
+template <int kDtype, int kMTiles, int kDTiles>
+__device__ __forceinline__ void store_rows(const float (&acc)[kMTiles][kDTiles][4], u16* dst,
+                                           i64 row_stride, int row_base, int rows, int head_dim,
+                                           int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = frag_row(row_base, mt, 2 * h, lane);
+      if (row >= rows) continue;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int col = frag_col(0, dt, 0, lane);
+        if (col < head_dim)
+          *reinterpret_cast<u32*>(dst + row * row_stride + col) =
+              pack2<kDtype>(acc[mt][dt][2 * h], acc[mt][dt][2 * h + 1]);
+      }
+    }
+}
+
+// -- before step i of n: the copy of step i + 1 issued into the other buffer (two stages;
+//    every warp is past the step that read it), or of step i (one stage), then step i's
+//    copy waited for and made visible. load(step, stage) issues and commits one step;
+//    publish() runs between the wait and the barrier (the wgmma kernels make the copies
+//    visible to the async proxy there) --
+template <int kStages, typename Load, typename Publish>
+__device__ __forceinline__ void await_step(int i, int n, int stage, Load load, Publish publish) {
+  if (kStages == 1 && i > 0) load(i, 0);
+  if (kStages == 2 && i + 1 < n) {
+    load(i + 1, stage ^ 1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  publish();
+  __syncthreads();
+}
+template <int kStages, typename Load>
+__device__ __forceinline__ void await_step(int i, int n, int stage, Load load) {
+  await_step<kStages>(i, n, stage, load, [] {});
+}
+
+// -- a dk/dv CTA's key block: its KV head's tile (get_tile over FwdParams as if the KV
+//    heads were the query heads, t.h the group's first query head), the rows of dk and dv
+//    to write (every key of the sequence's block, those past seqused_k, which no query
+//    sees, as zeros) and the query blocks of a head whose rows see some key of it --
+struct KeyBlock {
+  Tile t;
+  int h_k, key0, rows_out, m_block_min, m_blocks;
+};
+template <int kMask, int kBlockM, int kBlockN>
+__device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g, KeyBlock& kb) {
+  Tile& t = kb.t;
+  {
+    FwdParams by_key = p;
+    by_key.nheads = p.nheads_k;
+    by_key.tile_list = g.kv_tile_list;
+    by_key.tile_count = g.kv_tile_count;
+    by_key.num_m_blocks = g.num_n_blocks;
+    by_key.heads_per_group = 1;
+    by_key.tail_group_head = p.batch * p.nheads_k;
+    if (!get_tile(by_key, static_cast<int>(blockIdx.x), t)) return false;
+  }
+  kb.h_k = t.h;
+  kb.key0 = t.m_block * kBlockN;
+  kb.rows_out = t.seqlen_k;
+  if (p.cu_seqlens_k && p.seqused_k) {
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    kb.rows_out = min(max(cu_k[t.b + 1], 0), p.seqlen_k) - (int)t.k_start;
+  }
+  t.h = kb.h_k * (p.nheads / p.nheads_k);
+  const int key_end = min(kb.key0 + kBlockN, t.seqlen_k);
+  int q_begin = 0, q_end = kb.key0 < t.seqlen_k ? t.seqlen_q : 0;
+  if (kMask == MASK_WINDOW && q_end) {
+    const i64 lo = (i64)kb.key0 - t.diag_offset - p.window_right;
+    const i64 hi = (i64)(key_end - 1) - t.diag_offset + p.window_left + 1;
+    q_begin = (int)max((i64)0, min(lo, (i64)t.seqlen_q));
+    q_end = (int)max((i64)q_begin, min(hi, (i64)t.seqlen_q));
+  }
+  kb.m_block_min = q_begin / kBlockM;
+  kb.m_blocks = (q_end + kBlockM - 1) / kBlockM - kb.m_block_min;
+  return true;
+}
+
+}  // namespace cufa
