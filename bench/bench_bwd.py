@@ -4,7 +4,7 @@ backends' backward, and FlashAttention-4's where flash_attn.cute imports (its co
 why not otherwise: bench/fa4.sh), in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync]
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync] [--two-warpgroups]
         [--with-forward] [--full]
 
 16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
@@ -28,7 +28,8 @@ from bench_fwd import load_fa4
 ROUNDS = 4
 TOKENS = 16384
 # the columns beside cufa's default: each a kernel choice's environment variable and value
-OPTIONS = {"cufa fused dq": ("CUFA_BWD_FUSED_DQ", "1"), "cufa mma.sync": ("CUFA_BWD_SM90", "0")}
+OPTIONS = {"cufa fused dq": ("CUFA_BWD_FUSED_DQ", "1"), "cufa mma.sync": ("CUFA_BWD_SM90", "0"),
+           "cufa 128 keys": ("CUFA_BWD_SM90_KEYS", "128")}
 STEP = "fwd+bwd"  # the suffix of the forward + backward timings' names
 
 
@@ -50,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--with-forward", action="store_true",
                    help="also time the forward and backward together (a training step's "
                         "attention), a second table")
+    p.add_argument("--two-warpgroups", action="store_true",
+                   help="also time cufa with Hopper's dk/dv kernel on 128 keys a CTA, two "
+                        "warpgroups (CUFA_BWD_SM90_KEYS=128), the 'cufa 128 keys' column")
     p.add_argument("--mma-sync", action="store_true",
                    help="also time cufa on the mma.sync kernels where Hopper takes wgmma "
                         "(CUFA_BWD_SM90=0), the 'cufa mma.sync' column")
@@ -71,7 +75,8 @@ def main(argv=None):
                                       "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
     fa4 = None if args.no_peers else load_fa4()  # FlashAttention-4, or why it is not there
     options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
-                                         ("cufa mma.sync", args.mma_sync)) if wanted]
+                                         ("cufa mma.sync", args.mma_sync),
+                                         ("cufa 128 keys", args.two_warpgroups)) if wanted]
     rows = []
     cases = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens
              for c in args.causal]
