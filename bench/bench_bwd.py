@@ -28,8 +28,9 @@ from bench_fwd import load_fa4
 ROUNDS = 4
 TOKENS = 16384
 # the columns beside cufa's default: each a kernel choice's environment variable and value
-OPTIONS = {"cufa fused dq": ("CUFA_BWD_FUSED_DQ", "1"), "cufa mma.sync": ("CUFA_BWD_SM90", "0"),
-           "cufa 128 keys": ("CUFA_BWD_SM90_KEYS", "128")}
+OPTIONS = {"cufa fused dq": {"CUFA_BWD_FUSED_DQ": "1"}, "cufa mma.sync": {"CUFA_BWD_SM90": "0"},
+           "cufa 2 warpgroups": {"CUFA_BWD_SM90_KEYS": "128", "CUFA_BWD_SM90_ROWS": "128"},
+           "cufa 128 keys": {"CUFA_BWD_SM90_KEYS": "128"}}
 STEP = "fwd+bwd"  # the suffix of the forward + backward timings' names
 
 
@@ -52,8 +53,10 @@ def parse_args(argv=None):
                    help="also time the forward and backward together (a training step's "
                         "attention), a second table")
     p.add_argument("--two-warpgroups", action="store_true",
-                   help="also time cufa with Hopper's dk/dv kernel on 128 keys a CTA, two "
-                        "warpgroups (CUFA_BWD_SM90_KEYS=128), the 'cufa 128 keys' column")
+                   help="also time cufa with Hopper's dq and dk/dv kernels on two warpgroups, "
+                        "128 rows and 128 keys a CTA (CUFA_BWD_SM90_ROWS=128, "
+                        "CUFA_BWD_SM90_KEYS=128), the 'cufa 2 warpgroups' column, and the "
+                        "dk/dv kernel's alone, the 'cufa 128 keys' column")
     p.add_argument("--mma-sync", action="store_true",
                    help="also time cufa on the mma.sync kernels where Hopper takes wgmma "
                         "(CUFA_BWD_SM90=0), the 'cufa mma.sync' column")
@@ -76,6 +79,7 @@ def main(argv=None):
     fa4 = None if args.no_peers else load_fa4()  # FlashAttention-4, or why it is not there
     options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
                                          ("cufa mma.sync", args.mma_sync),
+                                         ("cufa 2 warpgroups", args.two_warpgroups),
                                          ("cufa 128 keys", args.two_warpgroups)) if wanted]
     rows = []
     cases = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens
@@ -88,9 +92,9 @@ def main(argv=None):
         q, k, v, dout = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
         out, lse = cufa.flash_attn_func(q, k, v, causal=bool(causal), return_lse=True)
 
-        def choose(option=None):  # option: one of OPTIONS' (variable, value), or the default
-            for env, value in OPTIONS.values():
-                _compile._overrides[env] = value if (env, value) == option else None
+        def choose(option=None):  # option: one of OPTIONS' {variable: value}, or the default
+            for env in {env for values in OPTIONS.values() for env in values}:
+                _compile._overrides[env] = (option or {}).get(env)
 
         def backward(option=None):
             choose(option)

@@ -73,8 +73,9 @@ if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability !
     family "tma$units" CUFA_DECODE_TMA=$units -- \
       tests/test_gpu_kvcache.py tests/test_gpu_compiled_modes.py &
   done
-  # the dk/dv kernel with two warpgroups, 128 keys a CTA, on every backward test
-  family bwd128 CUFA_BWD_SM90_KEYS=128 -- tests/test_gpu_backward.py &
+  # the dq and dk/dv kernels with two warpgroups, 128 rows and keys a CTA, on every
+  # backward test
+  family bwd128 CUFA_BWD_SM90_KEYS=128 CUFA_BWD_SM90_ROWS=128 -- tests/test_gpu_backward.py &
 fi
 wait
 tests_rc=0

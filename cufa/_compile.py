@@ -268,8 +268,8 @@ class BwdVariant:
 
     @property
     def threads(self):
-        if self.kind == "dkdv" and self.family == "sm90":
-            return 2 * self.block_n  # a warpgroup every 64 keys
+        if self.family == "sm90":  # a warpgroup every 64 keys (dk/dv) or query rows (dq)
+            return 2 * (self.block_n if self.kind == "dkdv" else self.block_m)
         return 256 if self.kind in ("preprocess", "dq_convert") else 128
 
     @functools.cached_property
@@ -341,31 +341,35 @@ def bwd_fused_wanted():
 BWD_SM90_TILES = {64: (64, 64), 128: (64, 64)}
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
-# The dk/dv kernel's keys a CTA: 64 (one warpgroup), or with CUFA_BWD_SM90_KEYS=128 two
-# warpgroups that share each streamed Q/dout block (half the copies a product; one CTA an
-# SM). Not measured on a GPU yet.
-BWD_SM90_KEYS = (64, 128)
+# The dk/dv kernel's keys a CTA and the dq kernel's query rows: 64 (one warpgroup), or with
+# CUFA_BWD_SM90_KEYS=128 / CUFA_BWD_SM90_ROWS=128 two warpgroups that share each block
+# they stream (half the copies a product; one CTA an SM). Not measured on a GPU yet.
+BWD_SM90_BLOCKS = (64, 128)
 BWD_SM90_KEYS_ENV = "CUFA_BWD_SM90_KEYS"
+BWD_SM90_ROWS_ENV = "CUFA_BWD_SM90_ROWS"
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_sm90_variants(dtype, head_dim, mask, score_mods, keys=64):
+def bwd_sm90_variants(dtype, head_dim, mask, score_mods, keys=64, rows=64):
     """(preprocess, dq, dk/dv), those on wgmma that it has, for a call; None where it has
-    neither. keys: the dk/dv kernel's keys a CTA, one of BWD_SM90_KEYS."""
+    neither. keys, rows: the dk/dv kernel's keys and the dq kernel's query rows a CTA, each
+    one of BWD_SM90_BLOCKS."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
     tiles = BWD_SM90_TILES.get(dq.head_dim)
     if tiles is None:
         return None
     wgmma = [dataclasses.replace(v, family="sm90", stages=2, **(
-        dict(block_m=64, block_n=tiles[0]) if v.kind == "dq" else
+        dict(block_m=rows, block_n=tiles[0]) if v.kind == "dq" else
         dict(block_m=tiles[1], block_n=keys)))
         if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
         for v in (dq, kv[0])]
     return (pre, *wgmma)
 
 
-def bwd_sm90_keys():
-    return 128 if _overrides.get(BWD_SM90_KEYS_ENV) == "128" else 64
+def bwd_sm90_blocks():
+    """(keys, rows) a CTA of the dk/dv and the dq kernel: the environment's choice."""
+    return tuple(128 if _overrides.get(env) == "128" else 64
+                 for env in (BWD_SM90_KEYS_ENV, BWD_SM90_ROWS_ENV))
 
 
 def bwd_sm90_wanted():
@@ -726,7 +730,7 @@ def read_overrides():
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
-                                   BWD_SM90_ENV, BWD_SM90_KEYS_ENV))
+                                   BWD_SM90_ENV, BWD_SM90_KEYS_ENV, BWD_SM90_ROWS_ENV))
 
 
 _overrides = {}
@@ -752,8 +756,9 @@ def all_variants():
                  for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
                                                      or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
-                 for mods in (False, True) for keys in BWD_SM90_KEYS
-                 for v in (bwd_sm90_variants(dt, hd, mask, mods, keys) or ())]
+                 for mods in (False, True) for keys in BWD_SM90_BLOCKS
+                 for rows in BWD_SM90_BLOCKS
+                 for v in (bwd_sm90_variants(dt, hd, mask, mods, keys, rows) or ())]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -138,14 +138,16 @@ def test_hopper_takes_the_wgmma_kernels_unless_told_not_to(monkeypatch, capabili
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_two_warpgroups_take_128_keys_a_cta(monkeypatch, packed):
-    """CUFA_BWD_SM90_KEYS=128: the dk/dv kernel's CTA holds 128 keys in two warpgroups; the
-    grid, num_n_blocks and a packed batch's key list count blocks of 128."""
+def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
+    """CUFA_BWD_SM90_KEYS=128, CUFA_BWD_SM90_ROWS=128: the dk/dv kernel's CTA holds 128 keys
+    in two warpgroups, the dq kernel's 128 query rows; the grids, num_n_blocks, num_m_blocks
+    and a packed batch's lists count blocks of 128."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_KEYS_ENV, "128")
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ROWS_ENV, "128")
     if packed:
         dout, q, k, v, out, _ = (x.__class__(None, "cupy", x.ptr, x.shape[1:], x.strides[1:],
                                              x.dtype, 0, 2) for x in dense_args(b=1, sq=300,
@@ -153,18 +155,21 @@ def test_two_warpgroups_take_128_keys_a_cta(monkeypatch, packed):
         cu = arr((3,), "int32", ptr=0x8000)
         lse = arr((4, 300), "float32", ptr=0x6000)
         cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True)
-        kv_blocks = 300 // 128 + 2
+        kv_blocks = q_blocks = 300 // 128 + 2
     else:
-        cufa.flash_attn_backward(*dense_args(b=2, sq=33, sk=300, d=128), causal=True)
-        kv_blocks = -(-300 // 128) * 2
-    kv, blocks, threads, smem, _, (fwd, bwd) = rec.launches[-1]
+        cufa.flash_attn_backward(*dense_args(b=2, sq=300, sk=300, d=128), causal=True)
+        kv_blocks = q_blocks = -(-300 // 128) * 2
+    (dq, dq_grid, dq_threads, dq_smem, _, _), (kv, blocks, threads, smem, _, (fwd, bwd)) = \
+        rec.launches[-2:]
+    assert (dq.kind, dq.family, dq.block_m, dq_threads) == ("dq", "sm90", 128, 256)
     assert (kv.kind, kv.family, kv.block_n, threads) == ("dkdv", "sm90", 128, 256)
+    assert dq_grid == q_blocks * 4 and dq_smem == dq.smem_bytes
     assert blocks == kv_blocks * 2 and smem == kv.smem_bytes
-    assert bwd["num_n_blocks"] == -(-300 // 128)
-    if packed:  # the schedule's record for the key list: blocks of 128
+    assert bwd["num_n_blocks"] == fwd["num_m_blocks"] == -(-300 // 128)
+    if packed:  # the schedule's records for the query and the key list: blocks of 128
         schedule = [r for f, *_, r in rec.launches if f is _compile.VARLEN_SCHEDULE]
         records = [np.frombuffer(bytes(r[0]), dtype=_params.SCHEDULE.dtype)[0] for r in schedule]
-        assert [int(r["block_m"]) for r in records] == [64, 128]
+        assert [int(r["block_m"]) for r in records] == [128, 128]
 
 
 def test_large_head_dims_launch_dk_and_dv_apart(monkeypatch):
@@ -347,4 +352,4 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
         assert v.smem_bytes == 1024 + tiles, v.key
-    assert seen == 44  # (dq, then dk/dv with 64 and 128 keys; the spilling ones stay sm80)
+    assert seen == 60  # (dq on 64 and 128 rows, dk/dv on 64 and 128 keys; not the spilling)

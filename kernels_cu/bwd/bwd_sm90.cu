@@ -47,15 +47,18 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
   wgmma_commit();
 }
 
+// dq: kBlockM query rows of a head (64 a warpgroup: its M), every key block they see; the
+// warpgroups share each streamed K/V block
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
           int kStages>
-__global__ void __launch_bounds__(kBwdThreads, 1)
+__global__ void __launch_bounds__(2 * kBlockM, 1)
     bwd_dq_sm90_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kThreads = 2 * kBlockM;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   constexpr int kQBytes = kBlockM * kHeadDim * 2;
   constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one K or V block
-  static_assert(kBlockM == 16 * kBwdWarps, "one warpgroup: 64 query rows");
+  static_assert(kBlockM == 64 || kBlockM == 128, "one or two warpgroups, 16 rows a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kTileBytes % 1024 == 0,
                 "whole 64-column panels");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
@@ -69,6 +72,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const int row_end = min(row0 + kBlockM, t.seqlen_q);
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
+  const int wg_row0 = row0 + (threadIdx.x / 128) * 64;  // this warpgroup's rows
+  const int wg_row_end = min(wg_row0 + 64, t.seqlen_q);
   const TilePointers ptr = tile_pointers(p, t);
   const i64 q_row = t.q_start + row0;
   const u16* dout = reinterpret_cast<const u16*>(g.dout) + t.b * g.dout_batch_stride +
@@ -97,21 +102,22 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
   const int n_block_min = keys.begin / kBlockN;
   const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;
-  const u64 q_desc = smem_desc(sq, 16, 1024), do_desc = smem_desc(sdo, 16, 1024);
+  const u32 wg_rows = (threadIdx.x / 128) * 64 * 128;  // its 64 rows in each panel
+  const u64 q_desc = smem_desc(sq + wg_rows, 16, 1024), do_desc = smem_desc(sdo + wg_rows, 16, 1024);
   const auto load_kv = [&](int step, int stage) {  // (step: key block n_block_min + step)
     const int key0 = (n_block_min + step) * kBlockN;
     const u32 sk = skv + stage * 2 * kTileBytes;
-    load_panels<kBlockN, kHeadDim>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
-                                   t.seqlen_k - key0, p.head_dim);
-    load_panels<kBlockN, kHeadDim>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride,
-                                   p.v_row_stride, t.seqlen_k - key0, p.head_dim);
+    load_panels<kBlockN, kHeadDim, kThreads>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                             t.seqlen_k - key0, p.head_dim);
+    load_panels<kBlockN, kHeadDim, kThreads>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride,
+                                             p.v_row_stride, t.seqlen_k - key0, p.head_dim);
     cp_async_commit();
   };
   if (n_block_min < n_block_max) {  // (Q and dout in the first block's copy group)
-    load_panels<kBlockM, kHeadDim>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
-                                   t.seqlen_q - row0, p.head_dim);
-    load_panels<kBlockM, kHeadDim>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
-                                   p.head_dim);
+    load_panels<kBlockM, kHeadDim, kThreads>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
+                                             t.seqlen_q - row0, p.head_dim);
+    load_panels<kBlockM, kHeadDim, kThreads>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
+                                             p.head_dim);
     load_kv(0, 0);
   }
   int stage = 0;
@@ -124,8 +130,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     // S = Q K^T and dP = dout V^T, two groups in flight
     float s[1][kNTiles][4], dp[1][kNTiles][4];
     wgmma_fence();
-    issue_scores<kDtype, kHeadDim, kBlockN>(s, q_desc, smem_desc(sk, 16, 1024));
-    issue_scores<kDtype, kHeadDim, kBlockN>(dp, do_desc, smem_desc(sv, 16, 1024));
+    issue_scores<kDtype, kHeadDim, kBlockN, kNTiles, kBlockM>(s, q_desc, smem_desc(sk, 16, 1024));
+    issue_scores<kDtype, kHeadDim, kBlockN, kNTiles, kBlockM>(dp, do_desc, smem_desc(sv, 16, 1024));
     wgmma_wait<1>();
     fence_registers(s);
 
@@ -141,7 +147,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
         else
           s[0][nt][e] *= p.scale_log2;
       }
-    if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
+    if (block_needs_mask<kMask>(p, t, wg_row0, max(wg_row_end, wg_row0 + 1), key0, key0 + kBlockN))
       apply_mask<kMask>(s, p, t, row0 + warp_row0, key0, lane);
     // dS = P (dP - D) times d(score)/d(raw score), in place of S
     wgmma_wait<0>();
