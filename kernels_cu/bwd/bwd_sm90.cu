@@ -72,7 +72,9 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
   const int row_end = min(row0 + kBlockM, t.seqlen_q);
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
-  const int wg_row0 = row0 + (threadIdx.x / 128) * 64;  // this warpgroup's rows
+  // this warpgroup's rows (a row past the sequence gets P = 0, and no dq written)
+  const int wg = kThreads > 128 ? threadIdx.x / 128 : 0;
+  const int wg_row0 = row0 + wg * 64;
   const int wg_row_end = min(wg_row0 + 64, t.seqlen_q);
   const TilePointers ptr = tile_pointers(p, t);
   const i64 q_row = t.q_start + row0;
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
   const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
   const int n_block_min = keys.begin / kBlockN;
   const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;
-  const u32 wg_rows = (threadIdx.x / 128) * 64 * 128;  // its 64 rows in each panel
+  const u32 wg_rows = wg * 64 * 128;  // its 64 rows in each panel
   const u64 q_desc = smem_desc(sq + wg_rows, 16, 1024), do_desc = smem_desc(sdo + wg_rows, 16, 1024);
   const auto load_kv = [&](int step, int stage) {  // (step: key block n_block_min + step)
     const int key0 = (n_block_min + step) * kBlockN;
@@ -147,7 +149,7 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
         else
           s[0][nt][e] *= p.scale_log2;
       }
-    if (block_needs_mask<kMask>(p, t, wg_row0, max(wg_row_end, wg_row0 + 1), key0, key0 + kBlockN))
+    if (block_needs_mask<kMask>(p, t, wg_row0, wg_row_end, key0, key0 + kBlockN))
       apply_mask<kMask>(s, p, t, row0 + warp_row0, key0, lane);
     // dS = P (dP - D) times d(score)/d(raw score), in place of S
     wgmma_wait<0>();
@@ -209,7 +211,8 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   const int group = p.nheads / p.nheads_k;
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
-  const int wg_key0 = key0 + (threadIdx.x / 128) * 64;  // this warpgroup's first key
+  const int wg = kThreads > 128 ? threadIdx.x / 128 : 0;
+  const int wg_key0 = key0 + wg * 64;  // this warpgroup's first key
   const TilePointers kv = tile_pointers(p, t);
   const i64 k_row = t.k_start + key0;
 
@@ -228,7 +231,7 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
 
   // K and V as A (K-major, 64 rows); a stage's Q and dout as B, K-major for S^T and dP^T,
   // MN-major (16 rows a k-step, 64-column panels kBlockM * 128 bytes apart) for dk, dv
-  const u32 wg_rows = (threadIdx.x / 128) * 64 * 128;  // its 64 rows in each panel
+  const u32 wg_rows = wg * 64 * 128;  // its 64 rows in each panel
   const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024), v_desc = smem_desc(sv + wg_rows, 16, 1024);
   const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
   const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
