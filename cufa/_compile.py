@@ -333,13 +333,13 @@ def bwd_fused_wanted():
     return _overrides.get(BWD_FUSED_ENV) == "1"
 
 
-# dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), one warpgroup a CTA: padded head dim
-# -> the dq kernel's key block (64 query rows a tile) and the dk/dv kernel's query block
-# (64 keys a CTA), the products' N; two buffers of what each streams. Hopper's default
+# dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), a warpgroup every 64 query rows (dq)
+# or keys (dk/dv) of a CTA: padded head dim -> the dq kernel's key block and the dk/dv
+# kernel's query block, the products' N; two buffers of what each streams. Hopper's default
 # where they apply (1.2-1.5x the mma.sync kernels' speed on an H200); CUFA_BWD_SM90=0 keeps
 # the mma.sync ones. Where one of the two spills, that launch stays on mma.sync.
 BWD_SM90_TILES = {64: (64, 64), 128: (64, 64)}
-BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes)
+BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
 # The dk/dv kernel's keys a CTA and the dq kernel's query rows: 64 (one warpgroup), or with
 # CUFA_BWD_SM90_KEYS=128 / CUFA_BWD_SM90_ROWS=128 two warpgroups that share each block
@@ -368,8 +368,13 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, keys=64, rows=64):
 
 def bwd_sm90_blocks():
     """(keys, rows) a CTA of the dk/dv and the dq kernel: the environment's choice."""
-    return tuple(128 if _overrides.get(env) == "128" else 64
-                 for env in (BWD_SM90_KEYS_ENV, BWD_SM90_ROWS_ENV))
+    blocks = []
+    for env in (BWD_SM90_KEYS_ENV, BWD_SM90_ROWS_ENV):
+        value = _overrides.get(env) or "64"
+        if value not in ("64", "128"):
+            raise ValueError(f"{env} must be 64 or 128; got {value!r}")
+        blocks.append(int(value))
+    return tuple(blocks)
 
 
 def bwd_sm90_wanted():
@@ -725,8 +730,8 @@ def family_for(compute_capability):
 
 
 def read_overrides():
-    """Read CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M and CUFA_DECODE_TMA from the environment:
-    at import, and again by api.clear_plans(). Plans are made with the values last read,
+    """Read CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA and the backward's
+    CUFA_BWD_* choices from the environment: at import, and again by api.clear_plans(). Plans are made with the values last read,
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,

@@ -172,6 +172,12 @@ def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
         assert [int(r["block_m"]) for r in records] == [128, 128]
 
 
+def test_a_block_other_than_64_or_128_is_refused(monkeypatch):
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ROWS_ENV, "256")
+    with pytest.raises(ValueError, match="CUFA_BWD_SM90_ROWS must be 64 or 128"):
+        _compile.bwd_sm90_blocks()
+
+
 def test_large_head_dims_launch_dk_and_dv_apart(monkeypatch):
     rec = Recorder(monkeypatch)
     cufa.flash_attn_backward(*dense_args(d=256))

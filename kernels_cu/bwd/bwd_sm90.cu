@@ -1,6 +1,6 @@
 // The backward's dq and dk, dv kernels on Hopper's tensor cores (wgmma, sm_90a): bwd_sm80.cu's
-// kernels, their CTAs (one warpgroup, 64 rows of the products' M; the dk/dv kernel also two,
-// on 128 keys, sharing what they stream) and schedules (the other side's blocks streamed
+// kernels, their CTAs (a warpgroup every 64 rows of the products' M: one, or two on 128 query
+// rows or keys that share what they stream) and schedules (the other side's blocks streamed
 // through cp.async, two buffers), with the products issued by each warpgroup as a whole
 // from 128-byte-swizzled panels:
 //   dq:    S = Q K^T, dP = dout V^T (K-major B), dq += dS K (dS from registers, K MN-major)
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   const int m_block_min = kb.m_block_min, m_blocks = kb.m_blocks;
   const int steps = group * m_blocks;
 
-  // K and V as A (K-major, 64 rows); a stage's Q and dout as B, K-major for S^T and dP^T,
+  // K and V as A (K-major, this warpgroup's 64 rows); a stage's Q and dout as B, K-major for S^T and dP^T,
   // MN-major (16 rows a k-step, 64-column panels kBlockM * 128 bytes apart) for dk, dv
   const u32 wg_rows = wg * 64 * 128;  // its 64 rows in each panel
   const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024), v_desc = smem_desc(sv + wg_rows, 16, 1024);
