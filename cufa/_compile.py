@@ -337,13 +337,17 @@ def bwd_fused_wanted():
 # or keys (dk/dv) of a CTA: padded head dim -> the dq kernel's key block and the dk/dv
 # kernel's query block, the products' N; two buffers of what each streams. Hopper's default
 # where they apply (1.2-1.5x the mma.sync kernels' speed on an H200); CUFA_BWD_SM90=0 keeps
-# the mma.sync ones. Where one of the two spills, that launch stays on mma.sync.
-BWD_SM90_TILES = {64: (64, 64), 128: (64, 64)}
+# the mma.sync ones. Above d = 128, dk and dv are launched apart (as on mma.sync) and score
+# mods take 32-key dq blocks (64 spill 8-108 bytes). Where one of the two spills, that
+# launch stays on mma.sync.
+BWD_SM90_TILES = {64: (64, 64), 128: (64, 64), 192: (64, 64), 256: (64, 64)}
+BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 192: (32, 64), 256: (32, 64)}
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
 # The dk/dv kernel's keys a CTA and the dq kernel's query rows: 64 (one warpgroup), or with
 # CUFA_BWD_SM90_KEYS=128 / CUFA_BWD_SM90_ROWS=128 two warpgroups that share each block
-# they stream (half the copies a product; one CTA an SM). Not measured on a GPU yet.
+# they stream (half the copies a product; one CTA an SM). Not measured on a GPU yet. Up
+# to d = 128 (above, two warpgroups' tiles outgrow shared memory).
 BWD_SM90_BLOCKS = (64, 128)
 BWD_SM90_KEYS_ENV = "CUFA_BWD_SM90_KEYS"
 BWD_SM90_ROWS_ENV = "CUFA_BWD_SM90_ROWS"
@@ -355,14 +359,16 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, keys=64, rows=64):
     neither. keys, rows: the dk/dv kernel's keys and the dq kernel's query rows a CTA, each
     one of BWD_SM90_BLOCKS."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
-    tiles = BWD_SM90_TILES.get(dq.head_dim)
+    tiles = (BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES).get(dq.head_dim)
     if tiles is None:
         return None
+    if dq.head_dim > 128:
+        keys = rows = 64
     wgmma = [dataclasses.replace(v, family="sm90", stages=2, **(
         dict(block_m=rows, block_n=tiles[0]) if v.kind == "dq" else
         dict(block_m=tiles[1], block_n=keys)))
         if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
-        for v in (dq, kv[0])]
+        for v in (dq, *kv)]
     return (pre, *wgmma)
 
 

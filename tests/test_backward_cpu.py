@@ -172,6 +172,20 @@ def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
         assert [int(r["block_m"]) for r in records] == [128, 128]
 
 
+@pytest.mark.parametrize("d, mods, dq_keys", [(256, False, 64), (192, True, 32), (248, True, 32)])
+def test_hopper_launches_dk_and_dv_apart_on_wgmma_above_128(monkeypatch, d, mods, dq_keys):
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV):
+        monkeypatch.setitem(_compile._overrides, env, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_KEYS_ENV, "128")  # (64 here)
+    cufa.flash_attn_backward(*dense_args(d=d), causal=True, softcap=5.0 if mods else 0.0)
+    assert [(f.kind, f.family, f.grads, f.block_n) for f, *_ in rec.launches] == [
+        ("preprocess", "sm80", "both", 0), ("dq", "sm90", "both", dq_keys),
+        ("dkdv", "sm90", "dk", 64), ("dkdv", "sm90", "dv", 64)]
+    assert all(threads == f.threads and smem <= 227 * 1024 for f, _, threads, smem, *_ in rec.launches)
+
+
 def test_a_block_other_than_64_or_128_is_refused(monkeypatch):
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ROWS_ENV, "256")
     with pytest.raises(ValueError, match="CUFA_BWD_SM90_ROWS must be 64 or 128"):
@@ -358,4 +372,6 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
         assert v.smem_bytes == 1024 + tiles, v.key
-    assert seen == 60  # (dq on 64 and 128 rows, dk/dv on 64 and 128 keys; not the spilling)
+    # dq on 64 and 128 rows, dk/dv on 64 and 128 keys up to d = 128 (not the spilling
+    # one), and above it dq, dk and dv apart on 64
+    assert seen == 60 + 48
