@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
   static_assert(kBlockM == 64 || kBlockM == 128, "one or two warpgroups, 16 rows a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kTileBytes % 1024 == 0,
                 "whole 64-column panels");
-  static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
+  static_assert(kStages == 2, "two K/V buffers (await_then_prefetch)");
   extern __shared__ unsigned char smem_raw[];
   const u32 sq = (smem_u32(smem_raw) + 1023) & ~1023u;  // (panels at 1024-byte boundaries)
   const u32 sdo = sq + kQBytes, skv = sdo + kQBytes;    // stage s: K at s * 2 tiles, V after
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
   int stage = 0;
   for (int nb = n_block_min; nb < n_block_max; ++nb) {
     const int key0 = nb * kBlockN;
-    await_step<kStages>(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
+    await_then_prefetch(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
                         [] { fence_proxy_async(); });
     const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
 
@@ -174,7 +174,6 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
     wgmma_wait<0>();
     fence_registers(ds_frag);
     fence_registers(acc_dq);
-    __syncthreads();  // every warp is done with this block's K and V
     stage ^= kStages - 1;
   }
   store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
@@ -196,7 +195,7 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static_assert(kBlockN == 64 || kBlockN == 128, "one or two warpgroups, 16 keys a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
-  static_assert(kStages == 1 || kStages == 2, "one or two Q/dout buffers");
+  static_assert(kStages == 2, "two Q/dout buffers (await_then_prefetch)");
   extern __shared__ unsigned char smem_raw[];
   // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
   const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -268,7 +267,7 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
 
   int stage = 0;
   for (int i = 0; i < steps; ++i) {
-    await_step<kStages>(i, steps, stage, load_step, [] { fence_proxy_async(); });
+    await_then_prefetch(i, steps, stage, load_step, [] { fence_proxy_async(); });
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
@@ -338,7 +337,6 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
       fence_registers(ds_frag);
       fence_registers(acc_dk);
     }
-    __syncthreads();  // every warp is done with this step's buffers
     stage ^= kStages - 1;
   }
   const int rows = rows_out - key0;
