@@ -4,7 +4,7 @@ backends' backward, and FlashAttention-4's where flash_attn.cute imports (its co
 why not otherwise: bench/fa4.sh), in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync] [--two-warpgroups]
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync] [--two-warpgroups] [--tiles SPEC]...
         [--with-forward] [--full]
 
 16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
@@ -29,8 +29,7 @@ ROUNDS = 4
 TOKENS = 16384
 # the columns beside cufa's default: each a kernel choice's environment variable and value
 OPTIONS = {"cufa fused dq": {"CUFA_BWD_FUSED_DQ": "1"}, "cufa mma.sync": {"CUFA_BWD_SM90": "0"},
-           "cufa 2 warpgroups": {"CUFA_BWD_SM90_KEYS": "128", "CUFA_BWD_SM90_ROWS": "128"},
-           "cufa 128 keys": {"CUFA_BWD_SM90_KEYS": "128"}}
+           "cufa 2 warpgroups": {"CUFA_BWD_SM90_TILES": "dq=128x64,kv=128x64"}}
 STEP = "fwd+bwd"  # the suffix of the forward + backward timings' names
 
 
@@ -54,9 +53,11 @@ def parse_args(argv=None):
                         "attention), a second table")
     p.add_argument("--two-warpgroups", action="store_true",
                    help="also time cufa with Hopper's dq and dk/dv kernels on two warpgroups, "
-                        "128 rows and 128 keys a CTA (CUFA_BWD_SM90_ROWS=128, "
-                        "CUFA_BWD_SM90_KEYS=128), the 'cufa 2 warpgroups' column, and the "
-                        "dk/dv kernel's alone, the 'cufa 128 keys' column")
+                        "128 rows and 128 keys a CTA (CUFA_BWD_SM90_TILES=dq=128x64,kv=128x64),"
+                        " the 'cufa 2 warpgroups' column")
+    p.add_argument("--tiles", action="append", default=[], metavar="SPEC",
+                   help="also time cufa with the wgmma kernels' tiles SPEC (CUFA_BWD_SM90_TILES,"
+                        " e.g. 'kv=64x128'), a 'cufa SPEC' column; may be given again")
     p.add_argument("--mma-sync", action="store_true",
                    help="also time cufa on the mma.sync kernels where Hopper takes wgmma "
                         "(CUFA_BWD_SM90=0), the 'cufa mma.sync' column")
@@ -79,8 +80,10 @@ def main(argv=None):
     fa4 = None if args.no_peers else load_fa4()  # FlashAttention-4, or why it is not there
     options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
                                          ("cufa mma.sync", args.mma_sync),
-                                         ("cufa 2 warpgroups", args.two_warpgroups),
-                                         ("cufa 128 keys", args.two_warpgroups)) if wanted]
+                                         ("cufa 2 warpgroups", args.two_warpgroups)) if wanted]
+    for spec in args.tiles:
+        OPTIONS[f"cufa {spec}"] = {"CUFA_BWD_SM90_TILES": spec}
+        options.append(f"cufa {spec}")
     rows = []
     cases = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens
              for c in args.causal]

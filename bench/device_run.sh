@@ -75,7 +75,7 @@ if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability !
   done
   # the dq and dk/dv kernels with two warpgroups, 128 rows and keys a CTA, on every
   # backward test
-  family bwd128 CUFA_BWD_SM90_KEYS=128 CUFA_BWD_SM90_ROWS=128 -- tests/test_gpu_backward.py &
+  family bwd128 CUFA_BWD_SM90_TILES=dq=128x64,kv=128x64 -- tests/test_gpu_backward.py &
 fi
 wait
 tests_rc=0

@@ -171,7 +171,7 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
            or attn_mask is not None)
     fused = _compile.bwd_fused_variants(*key) if _compile.bwd_fused_wanted() else None
-    wgmma = (_compile.bwd_sm90_variants(*key, *_compile.bwd_sm90_blocks())
+    wgmma = (_compile.bwd_sm90_variants(*key, _compile.bwd_sm90_tiles())
              if _compile.bwd_sm90_wanted() else None)
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None

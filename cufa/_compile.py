@@ -334,53 +334,78 @@ def bwd_fused_wanted():
 
 
 # dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), a warpgroup every 64 query rows (dq)
-# or keys (dk/dv) of a CTA: padded head dim -> the dq kernel's key block and the dk/dv
-# kernel's query block, the products' N; two buffers of what each streams. Hopper's default
-# where they apply (1.2-1.5x the mma.sync kernels' speed on an H200); CUFA_BWD_SM90=0 keeps
-# the mma.sync ones. Above d = 128, dk and dv are launched apart (as on mma.sync) and score
-# mods take 32-key dq blocks (64 spill 8-108 bytes). Where one of the two spills, that
-# launch stays on mma.sync.
-BWD_SM90_TILES = {64: (64, 64), 128: (64, 64), 192: (64, 64), 256: (64, 64)}
-BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 192: (32, 64), 256: (32, 64)}
+# or keys (dk/dv) of a CTA, two buffers of what each streams: padded head dim -> the dq
+# kernel's (query rows, key block) and the dk/dv kernel's (keys, query block). Hopper's
+# default where they apply (1.2-1.5x the mma.sync kernels' speed on an H200);
+# CUFA_BWD_SM90=0 keeps the mma.sync ones. Above d = 128, dk and dv are launched apart (as
+# on mma.sync) and score mods take 32-key dq blocks (64 spill 8-108 bytes). Where one of
+# the two spills, that launch stays on mma.sync.
+BWD_SM90_TILES = {hd: ((64, 64), (64, 64)) for hd in (64, 128, 192, 256)}
+BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 192: ((64, 32), (64, 64)),
+                             256: ((64, 32), (64, 64))}
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
-# The dk/dv kernel's keys a CTA and the dq kernel's query rows: 64 (one warpgroup), or with
-# CUFA_BWD_SM90_KEYS=128 / CUFA_BWD_SM90_ROWS=128 two warpgroups that share each block
-# they stream (half the copies a product; one CTA an SM). Not measured on a GPU yet. Up
-# to d = 128 (above, two warpgroups' tiles outgrow shared memory).
-BWD_SM90_BLOCKS = (64, 128)
-BWD_SM90_KEYS_ENV = "CUFA_BWD_SM90_KEYS"
-BWD_SM90_ROWS_ENV = "CUFA_BWD_SM90_ROWS"
+# CUFA_BWD_SM90_TILES="dq=RxK,kv=KxQ" (either part alone) replaces those tiles, to time
+# others: dq's R query rows (64 or 128: one or two warpgroups sharing each K/V block) and
+# key block K (32, 64 or 128); dk/dv's K keys (64 or 128, the same) and query block Q (64
+# or 128). TWO_WARPGROUPS, not yet measured on a GPU, is compiled with the defaults up to
+# d = 128; the others compile when first called.
+BWD_SM90_TILES_ENV = "CUFA_BWD_SM90_TILES"
+BWD_SM90_TILE_CHOICES = {"dq": ((64, 128), (32, 64, 128)), "kv": ((64, 128), (64, 128))}
+BWD_SM90_TWO_WARPGROUPS = "dq=128x64,kv=128x64"
+SM90_SMEM_LIMIT = 227 * 1024
+
+
+def parse_bwd_sm90_tiles(text):
+    """CUFA_BWD_SM90_TILES's value -> (("dq", (rows, keys)), ("kv", (keys, queries))),
+    the parts given; () for none."""
+    if not text:
+        return ()
+    parts = {}
+    for part in text.replace(" ", "").split(","):
+        kernel, _, shape = part.partition("=")
+        try:
+            sizes = tuple(int(x) for x in shape.split("x"))
+        except ValueError:
+            sizes = ()
+        choices = BWD_SM90_TILE_CHOICES.get(kernel)
+        if (choices is None or kernel in parts or len(sizes) != 2
+                or any(n not in c for n, c in zip(sizes, choices))):
+            raise ValueError(
+                f"{BWD_SM90_TILES_ENV} takes 'dq=RxK,kv=KxQ' (either part alone) with dq's R "
+                f"in {BWD_SM90_TILE_CHOICES['dq'][0]}, K in "
+                f"{BWD_SM90_TILE_CHOICES['dq'][1]}, dk/dv's K in "
+                f"{BWD_SM90_TILE_CHOICES['kv'][0]}, Q in {BWD_SM90_TILE_CHOICES['kv'][1]}; "
+                f"got {text!r}")
+        parts[kernel] = sizes
+    return tuple(sorted(parts.items()))
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_sm90_variants(dtype, head_dim, mask, score_mods, keys=64, rows=64):
-    """(preprocess, dq, dk/dv), those on wgmma that it has, for a call; None where it has
-    neither. keys, rows: the dk/dv kernel's keys and the dq kernel's query rows a CTA, each
-    one of BWD_SM90_BLOCKS."""
+def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=()):
+    """(preprocess, dq, dk/dv...), those on wgmma that it has, for a call; None where it has
+    neither. override: parse_bwd_sm90_tiles' tiles in place of the table's."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
-    tiles = (BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES).get(dq.head_dim)
-    if tiles is None:
+    table = BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES
+    if dq.head_dim not in table:
         return None
-    if dq.head_dim > 128:
-        keys = rows = 64
+    tiles = dict(zip(("dq", "kv"), table[dq.head_dim]), **dict(override))
     wgmma = [dataclasses.replace(v, family="sm90", stages=2, **(
-        dict(block_m=rows, block_n=tiles[0]) if v.kind == "dq" else
-        dict(block_m=tiles[1], block_n=keys)))
+        dict(zip(("block_m", "block_n"), tiles["dq"])) if v.kind == "dq" else
+        dict(zip(("block_n", "block_m"), tiles["kv"]))))
         if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
         for v in (dq, *kv)]
+    for v in wgmma:
+        if v.smem_bytes > SM90_SMEM_LIMIT:
+            raise ValueError(f"{BWD_SM90_TILES_ENV}={_overrides.get(BWD_SM90_TILES_ENV)!r}: the "
+                             f"{v.kind} kernel's tiles at head dim {v.head_dim} take "
+                             f"{v.smem_bytes} bytes of shared memory, over {SM90_SMEM_LIMIT}")
     return (pre, *wgmma)
 
 
-def bwd_sm90_blocks():
-    """(keys, rows) a CTA of the dk/dv and the dq kernel: the environment's choice."""
-    blocks = []
-    for env in (BWD_SM90_KEYS_ENV, BWD_SM90_ROWS_ENV):
-        value = _overrides.get(env) or "64"
-        if value not in ("64", "128"):
-            raise ValueError(f"{env} must be 64 or 128; got {value!r}")
-        blocks.append(int(value))
-    return tuple(blocks)
+def bwd_sm90_tiles():
+    """The environment's tiles for the wgmma backward (parse_bwd_sm90_tiles)."""
+    return parse_bwd_sm90_tiles(_overrides.get(BWD_SM90_TILES_ENV))
 
 
 def bwd_sm90_wanted():
@@ -741,7 +766,7 @@ def read_overrides():
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
-                                   BWD_SM90_ENV, BWD_SM90_KEYS_ENV, BWD_SM90_ROWS_ENV))
+                                   BWD_SM90_ENV, BWD_SM90_TILES_ENV))
 
 
 _overrides = {}
@@ -767,9 +792,10 @@ def all_variants():
                  for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
                                                      or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
-                 for mods in (False, True) for keys in BWD_SM90_BLOCKS
-                 for rows in BWD_SM90_BLOCKS
-                 for v in (bwd_sm90_variants(dt, hd, mask, mods, keys, rows) or ())]
+                 for mods in (False, True)
+                 for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_TWO_WARPGROUPS))
+                 if not tiles or padded_head_dim(hd) <= 128
+                 for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles) or ())]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -139,15 +139,15 @@ def test_hopper_takes_the_wgmma_kernels_unless_told_not_to(monkeypatch, capabili
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
-    """CUFA_BWD_SM90_KEYS=128, CUFA_BWD_SM90_ROWS=128: the dk/dv kernel's CTA holds 128 keys
-    in two warpgroups, the dq kernel's 128 query rows; the grids, num_n_blocks, num_m_blocks
-    and a packed batch's lists count blocks of 128."""
+    """CUFA_BWD_SM90_TILES=dq=128x64,kv=128x64: the dk/dv kernel's CTA holds 128 keys in two
+    warpgroups, the dq kernel's 128 query rows; the grids, num_n_blocks, num_m_blocks and a
+    packed batch's lists count blocks of 128."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, None)
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_KEYS_ENV, "128")
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ROWS_ENV, "128")
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV,
+                        _compile.BWD_SM90_TWO_WARPGROUPS)
     if packed:
         dout, q, k, v, out, _ = (x.__class__(None, "cupy", x.ptr, x.shape[1:], x.strides[1:],
                                              x.dtype, 0, 2) for x in dense_args(b=1, sq=300,
@@ -172,24 +172,36 @@ def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
         assert [int(r["block_m"]) for r in records] == [128, 128]
 
 
+@pytest.mark.parametrize("tiles, dq_tile, kv_tile", [
+    ("kv=64x128", (64, 64), (128, 64)), ("dq=64x128", (64, 128), (64, 64)),
+    ("dq=128x32, kv=128x128", (128, 32), (128, 128))])
+def test_tiles_from_the_environment(monkeypatch, tiles, dq_tile, kv_tile):
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV, tiles)
+    _, dq, kv = _compile.bwd_sm90_variants("bf16", 64, "none", False, _compile.bwd_sm90_tiles())
+    assert ((dq.block_m, dq.block_n), (kv.block_m, kv.block_n)) == (dq_tile, kv_tile)
+    assert (dq.threads, kv.threads) == (2 * dq.block_m, 2 * kv.block_n)
+
+
+@pytest.mark.parametrize("tiles, message", [
+    ("dq=96x64", "takes 'dq=RxK,kv=KxQ'"), ("kv=64", "takes"), ("dk=64x64", "takes"),
+    ("kv=128x128", "over 232448")])
+def test_tiles_that_do_not_apply_are_refused(monkeypatch, tiles, message):
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV, tiles)
+    with pytest.raises(ValueError, match=message):
+        _compile.bwd_sm90_variants("fp16", 256, "none", False, _compile.bwd_sm90_tiles())
+
+
 @pytest.mark.parametrize("d, mods, dq_keys", [(256, False, 64), (192, True, 32), (248, True, 32)])
 def test_hopper_launches_dk_and_dv_apart_on_wgmma_above_128(monkeypatch, d, mods, dq_keys):
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_KEYS_ENV, "128")  # (64 here)
     cufa.flash_attn_backward(*dense_args(d=d), causal=True, softcap=5.0 if mods else 0.0)
     assert [(f.kind, f.family, f.grads, f.block_n) for f, *_ in rec.launches] == [
         ("preprocess", "sm80", "both", 0), ("dq", "sm90", "both", dq_keys),
         ("dkdv", "sm90", "dk", 64), ("dkdv", "sm90", "dv", 64)]
     assert all(threads == f.threads and smem <= 227 * 1024 for f, _, threads, smem, *_ in rec.launches)
-
-
-def test_a_block_other_than_64_or_128_is_refused(monkeypatch):
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ROWS_ENV, "256")
-    with pytest.raises(ValueError, match="CUFA_BWD_SM90_ROWS must be 64 or 128"):
-        _compile.bwd_sm90_blocks()
 
 
 def test_large_head_dims_launch_dk_and_dv_apart(monkeypatch):
