@@ -110,8 +110,8 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_hea
     d = q.shape[-1]
     if not 1 <= d <= max_head_dim:
         wide = ("" if max_head_dim > _compile.MAX_HEAD_DIM else
-                f" here (flash_attn_func and flash_attn_varlen_func take up to "
-                f"{_compile.WIDE_HEAD_DIM})")
+                f" here (up to {_compile.WIDE_HEAD_DIM} with 16-bit k and v in "
+                f"flash_attn_func and flash_attn_varlen_func)")
         raise ValueError(f"{qn} has head dim {d}; cufa supports head dims from 1 to "
                          f"{max_head_dim}{wide}")
     if k.shape[-1] != d:

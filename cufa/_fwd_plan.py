@@ -473,8 +473,9 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
             KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, e4m3_kv=True), None
     elif d > _compile.MAX_HEAD_DIM and not aligned:
         raise NotImplementedError(
-            f"head dim {d} (over {_compile.MAX_HEAD_DIM}) needs q, k, v (and out) whose "
-            "strides are multiples of 8 elements and whose starts are 16-byte aligned")
+            f"head dim {d} (over {_compile.MAX_HEAD_DIM}) needs a head dim that is a multiple "
+            "of 8 and q, k, v (and out) on strides that are multiples of 8 elements from "
+            "16-byte aligned starts")
     elif d_v != d or d > _compile.MAX_HEAD_DIM:  # (v's own head dim; over 256: sm80's)
         variant, tma_template = _compile.fwd_variant(
             KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, head_dim_v=d_v), None
@@ -561,8 +562,8 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     max_tiles = seqlen_q // block_m + batch if packed else num_m_blocks * batch
     num_buckets = seqlen_q // block_m + 2  # packed: the schedule's counting sort
     if max_tiles * nheads * variant.ctas_per_tile > INT32_MAX:
-        raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed the "
-                         "grid limit")
+        raise ValueError(f"problem too large: {max_tiles * nheads * variant.ctas_per_tile} "
+                         "CTAs exceed the grid limit")
     num_blocks = max_tiles * nheads * variant.ctas_per_tile
     resident = None
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left

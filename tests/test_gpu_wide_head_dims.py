@@ -52,7 +52,7 @@ def test_one_row_one_key_alibi_and_sink(rng, d):
                     label=f"d={d} alibi sink")
 
 
-@pytest.mark.parametrize("d", [300, 512])
+@pytest.mark.parametrize("d", [296, 512])
 def test_packed_with_empty_and_odd_sequences(rng, d):
     lens_q, lens_k = [0, 1, 65, 130, 7], [5, 1, 200, 130, 0]
     q = randn(rng, (sum(lens_q), 4, d), "bfloat16")

@@ -56,9 +56,11 @@ def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
 @pytest.mark.parametrize("case, error, words", [
     ("over 512", ValueError, ["q has head dim 520", "1 to 512"]),
     ("kvcache", ValueError, ["head dim 320", "1 to 256 here",
-                             "flash_attn_func and flash_attn_varlen_func take up to 512"]),
+                             "up to 512 with 16-bit k and v in flash_attn_func"]),
     ("sdpa", ValueError, ["query has head dim 320", "1 to 256"]),
-    ("unaligned", NotImplementedError, ["head dim 300 (over 256) needs", "16-byte aligned"]),
+    ("odd head dim", NotImplementedError, ["head dim 300 (over 256) needs a head dim that is "
+                                           "a multiple of 8"]),
+    ("unaligned", NotImplementedError, ["head dim 320 (over 256) needs", "16-byte aligned"]),
     ("backward", NotImplementedError, ["the backward takes head dims up to 256; got 320"]),
 ])
 def test_calls_it_does_not_take(device, case, error, words):  # noqa: F811
@@ -71,8 +73,9 @@ def test_calls_it_does_not_take(device, case, error, words):  # noqa: F811
     elif case == "sdpa":
         q, k, v = view((2, 4, 10, 320)), view((2, 4, 20, 320)), view((2, 4, 20, 320))
         call = (lambda: cufa.scaled_dot_product_attention(q, k, v))
-    elif case == "unaligned":
+    elif case == "odd head dim":
         q, k, v = view((2, 10, 4, 300)), view((2, 20, 2, 300)), view((2, 20, 2, 300))
+    elif case == "unaligned":
         k = k.__class__(None, "cupy", k.ptr + 2, k.shape, k.strides, k.dtype, 0, 2)
     elif case == "backward":
         out, lse = view((2, 10, 4, 320)), view((2, 4, 10), "float32")
