@@ -167,6 +167,9 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     or with CUFA_BWD_FUSED_DQ=1 where it applies _compile.bwd_fused_variants' (preprocess,
     dk/dv with dq fused, dq convert), or on Hopper where it applies (unless CUFA_BWD_SM90=0)
     _compile.bwd_sm90_variants' (dq and dk/dv on wgmma)."""
+    if d > _compile.MAX_HEAD_DIM:
+        raise NotImplementedError(f"the backward takes head dims up to {_compile.MAX_HEAD_DIM};"
+                                  f" got {d} (the forward takes up to {_compile.WIDE_HEAD_DIM})")
     mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
     key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
            or attn_mask is not None)

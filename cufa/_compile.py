@@ -40,6 +40,14 @@ SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 # pairs, V's smaller (out is staged over Q's tile); the tiles are Q's head dim's. DeepSeek's
 # prefill (MLA's keys of 128 + 64 rotary dims against values of 128).
 HEAD_DIM_V_PAIRS = ((192, 128),)
+# Head dims above 256, up to WIDE_HEAD_DIM (Gemma 4's global layers), for flash_attn_func and
+# flash_attn_varlen_func: the sm80 family's kernel (any GPU) on Q and K padded to 512, V's
+# and O's columns in two halves of 256 a query tile (two CTAs, each computing the scores:
+# 1.5x the products of one pass; O's 16 rows a warp of 512 columns would not fit in
+# registers). 16-key blocks keep Q and a K/V block in 99 KB (sm_86/89); 207-221
+# registers, no spills.
+WIDE_HEAD_DIM = 512
+WIDE_TILES = (64, 16)
 # Element-wise I/O (kElementIO in fwd/fwd_sm80.cu and decode/decode_sm80.cu): rows moved an
 # element at a time, for calls with an array that cp.async and TMA cannot move in 16-byte
 # chunks (any head dim from 1 to 256, any strides: _checks.chunk_aligned). One variant per
@@ -115,6 +123,12 @@ class FwdVariant:
     def persistent(self):
         """sm90 kernels loop over tiles: launch at most ctas_per_sm CTAs per SM."""
         return self.family == "sm90"
+
+    @property
+    def ctas_per_tile(self):
+        """Above head dim 256 two CTAs a query tile, one a half of V's and O's columns
+        (kColumnHalves in fwd/fwd_sm80.cu)."""
+        return 2 if self.head_dim > MAX_HEAD_DIM else 1
 
     @functools.cached_property
     def ctas_per_sm(self):
@@ -702,6 +716,8 @@ def padded_head_dim(head_dim, family="sm80"):
     for hd in (SM80_HEAD_DIMS if family == "sm80" else SM90_HEAD_DIMS):
         if head_dim <= hd:
             return hd
+    if family == "sm80" and head_dim <= WIDE_HEAD_DIM:
+        return WIDE_HEAD_DIM
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
@@ -711,10 +727,17 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
     """rows: the sm90 tile class of the batch (sm90_rows): "short" takes the 64-row
     tiles, "mid" the middle ones, where the head dim has them, else the next longer.
     e4m3_kv: K and V from an e4m3 cache; head_dim_v: V's head dim where it is not Q's
-    (a HEAD_DIM_V_PAIRS pair); both on the sm80 family's kernel (any GPU)."""
-    if e4m3_kv or head_dim_v:
+    (a HEAD_DIM_V_PAIRS pair); both on the sm80 family's kernel (any GPU), as head dims
+    above 256 are (WIDE_HEAD_DIM)."""
+    if e4m3_kv or head_dim_v or head_dim > MAX_HEAD_DIM:
         family = "sm80"
     hd = padded_head_dim(head_dim, family)
+    if hd > MAX_HEAD_DIM:
+        if e4m3_kv or (head_dim_v and head_dim_v != head_dim):
+            raise ValueError(f"head dim {head_dim} (over {MAX_HEAD_DIM}) takes 16-bit k and v "
+                             f"of q's head dim")
+        return FwdVariant("sm80", dtype, hd, mask, bool(score_mods), *WIDE_TILES,
+                          head_dim_v=hd // 2)
     dv = 0
     if head_dim_v and padded_head_dim(head_dim_v) != hd:  # the pair's v head dim covers it
         dv = next((hv for h, hv in HEAD_DIM_V_PAIRS if h == hd and head_dim_v <= hv), 0)
@@ -786,6 +809,8 @@ def all_variants():
                  for hd in SM80_HEAD_DIMS for mask in MASKS for mods in (False, True)]
     variants += [fwd_variant(dt, hd, mask, mods, head_dim_v=dv) for dt in DTYPES
                  for hd, dv in HEAD_DIM_V_PAIRS for mask in MASKS for mods in (False, True)]
+    variants += [fwd_variant(dt, WIDE_HEAD_DIM, mask, mods) for dt in DTYPES
+                 for mask in MASKS for mods in (False, True)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
