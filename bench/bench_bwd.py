@@ -4,7 +4,7 @@ backends' backward, and FlashAttention-4's where flash_attn.cute imports (its co
 why not otherwise: bench/fa4.sh), in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync] [--two-warpgroups] [--tiles SPEC]...
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync] [--one-warpgroup] [--tiles SPEC]...
         [--with-forward] [--full]
 
 16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
@@ -30,7 +30,7 @@ ROUNDS = 4
 TOKENS = 16384
 # the columns beside cufa's default: each a kernel choice's environment variable and value
 OPTIONS = {"cufa fused dq": {"CUFA_BWD_FUSED_DQ": "1"}, "cufa mma.sync": {"CUFA_BWD_SM90": "0"},
-           "cufa 2 warpgroups": {"CUFA_BWD_SM90_TILES": "dq=128x64,kv=128x64"}}
+           "cufa 1 warpgroup": {"CUFA_BWD_SM90_TILES": "dq=64x64,kv=64x64"}}
 STEP = "fwd+bwd"  # the suffix of the forward + backward timings' names
 
 
@@ -52,10 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--with-forward", action="store_true",
                    help="also time the forward and backward together (a training step's "
                         "attention), a second table")
-    p.add_argument("--two-warpgroups", action="store_true",
-                   help="also time cufa with Hopper's dq and dk/dv kernels on two warpgroups, "
-                        "128 rows and 128 keys a CTA (CUFA_BWD_SM90_TILES=dq=128x64,kv=128x64),"
-                        " the 'cufa 2 warpgroups' column")
+    p.add_argument("--one-warpgroup", action="store_true",
+                   help="also time cufa with Hopper's dq and dk/dv kernels on one warpgroup, "
+                        "64 rows and 64 keys a CTA (CUFA_BWD_SM90_TILES=dq=64x64,kv=64x64),"
+                        " the 'cufa 1 warpgroup' column")
     p.add_argument("--kernels", action="store_true",
                    help="also profile one backward of cufa and of SDPA cuDNN a row "
                         "(torch.profiler): each kernel's time, a third table")
@@ -84,7 +84,7 @@ def main(argv=None):
     fa4 = None if args.no_peers else load_fa4()  # FlashAttention-4, or why it is not there
     options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
                                          ("cufa mma.sync", args.mma_sync),
-                                         ("cufa 2 warpgroups", args.two_warpgroups)) if wanted]
+                                         ("cufa 1 warpgroup", args.one_warpgroup)) if wanted]
     for spec in args.tiles:
         OPTIONS[f"cufa {spec}"] = {"CUFA_BWD_SM90_TILES": spec}
         options.append(f"cufa {spec}")

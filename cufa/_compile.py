@@ -351,22 +351,28 @@ def bwd_fused_wanted():
 # or keys (dk/dv) of a CTA, two buffers of what each streams: padded head dim -> the dq
 # kernel's (query rows, key block) and the dk/dv kernel's (keys, query block). Hopper's
 # default where they apply (1.2-1.5x the mma.sync kernels' speed on an H200);
-# CUFA_BWD_SM90=0 keeps the mma.sync ones. Above d = 128, dk and dv are launched apart (as
-# on mma.sync) and score mods take 32-key dq blocks (64 spill 8-108 bytes). Where one of
-# the two spills, that launch stays on mma.sync.
-BWD_SM90_TILES = {hd: ((64, 64), (64, 64)) for hd in (64, 128, 192, 256)}
-BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 192: ((64, 32), (64, 64)),
-                             256: ((64, 32), (64, 64))}
+# CUFA_BWD_SM90=0 keeps the mma.sync ones. From a sweep on an H200
+# (bench/results/bwd_sm90_tiles_h200.md): at d = 128 two warpgroups sharing each block
+# (128 rows, 128 keys a CTA; 1.02-1.20x one warpgroup's speed), at d = 64 one warpgroup's
+# 64 keys against 128-query blocks (1.01-1.14x; with score mods they spill 216 bytes, so
+# 64); a 128-query block at d = 128 spills.
+# Above d = 128, dk and dv are launched apart (as on mma.sync) and score mods take 32-key
+# dq blocks (64 spill 8-108 bytes). Where one of the two spills, that launch stays on
+# mma.sync.
+BWD_SM90_TILES = {64: ((64, 64), (64, 128)), 128: ((128, 64), (128, 64)),
+                  192: ((64, 64), (64, 64)), 256: ((64, 64), (64, 64))}
+BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 64: ((64, 64), (64, 64)),
+                             192: ((64, 32), (64, 64)), 256: ((64, 32), (64, 64))}
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
-# CUFA_BWD_SM90_TILES="dq=RxK,kv=KxQ" (either part alone) replaces those tiles, to time
-# others: dq's R query rows (64 or 128: one or two warpgroups sharing each K/V block) and
-# key block K (32, 64 or 128); dk/dv's K keys (64 or 128, the same) and query block Q (64
-# or 128). TWO_WARPGROUPS, not yet measured on a GPU, is compiled with the defaults up to
-# d = 128; the others compile when first called.
+# CUFA_BWD_SM90_TILES="dq=RxK,kv=KxQ" (either part alone) replaces those tiles at every
+# head dim, to time others: dq's R query rows (64 or 128: one or two warpgroups sharing
+# each K/V block) and key block K (32, 64 or 128); dk/dv's K keys (64 or 128, the same) and
+# query block Q (64 or 128). ONE_WARPGROUP, the tiles before the sweep, is compiled too
+# (up to d = 128; above, it is the table's but for score mods' dq, where it spills).
 BWD_SM90_TILES_ENV = "CUFA_BWD_SM90_TILES"
 BWD_SM90_TILE_CHOICES = {"dq": ((64, 128), (32, 64, 128)), "kv": ((64, 128), (64, 128))}
-BWD_SM90_TWO_WARPGROUPS = "dq=128x64,kv=128x64"
+BWD_SM90_ONE_WARPGROUP = "dq=64x64,kv=64x64"
 SM90_SMEM_LIMIT = 227 * 1024
 
 
@@ -818,7 +824,7 @@ def all_variants():
                                                      or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True)
-                 for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_TWO_WARPGROUPS))
+                 for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_ONE_WARPGROUP))
                  if not tiles or padded_head_dim(hd) <= 128
                  for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles) or ())]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()

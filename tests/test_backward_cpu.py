@@ -139,15 +139,14 @@ def test_hopper_takes_the_wgmma_kernels_unless_told_not_to(monkeypatch, capabili
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
-    """CUFA_BWD_SM90_TILES=dq=128x64,kv=128x64: the dk/dv kernel's CTA holds 128 keys in two
-    warpgroups, the dq kernel's 128 query rows; the grids, num_n_blocks, num_m_blocks and a
-    packed batch's lists count blocks of 128."""
+    """Hopper's default at d = 128 (dq=128x64,kv=128x64): the dk/dv kernel's CTA holds 128
+    keys in two warpgroups, the dq kernel's 128 query rows; the grids, num_n_blocks,
+    num_m_blocks and a packed batch's lists count blocks of 128."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, None)
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV,
-                        _compile.BWD_SM90_TWO_WARPGROUPS)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV, None)
     if packed:
         dout, q, k, v, out, _ = (x.__class__(None, "cupy", x.ptr, x.shape[1:], x.strides[1:],
                                              x.dtype, 0, 2) for x in dense_args(b=1, sq=300,
@@ -173,7 +172,7 @@ def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
 
 
 @pytest.mark.parametrize("tiles, dq_tile, kv_tile", [
-    ("kv=64x128", (64, 64), (128, 64)), ("dq=64x128", (64, 128), (64, 64)),
+    ("kv=128x64", (64, 64), (64, 128)), ("dq=64x128", (64, 128), (128, 64)),
     ("dq=128x32, kv=128x128", (128, 32), (128, 128))])
 def test_tiles_from_the_environment(monkeypatch, tiles, dq_tile, kv_tile):
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV, tiles)
@@ -384,6 +383,7 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
         assert v.smem_bytes == 1024 + tiles, v.key
-    # dq on 64 and 128 rows, dk/dv on 64 and 128 keys up to d = 128 (not the spilling
-    # one), and above it dq, dk and dv apart on 64
-    assert seen == 60 + 48
+    # the defaults and one warpgroup's tiles: at d = 64 dq on 64 rows, dk/dv on 128- and
+    # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
+    # and 64 keys (not the spilling one); above, dq, dk and dv apart
+    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3

@@ -85,8 +85,10 @@ def representative_variants():
         *C.bwd_variants("bf16", 128, "window", True),  # preprocess, dq, dk and dv together
         C.bwd_variants("fp16", 256, "none", False)[3],  # dv alone
         *C.bwd_sm90_variants("fp16", 128, "window", False)[1:],  # dq, dk and dv on wgmma
-        *C.bwd_sm90_variants("bf16", 64, "none", True,
-                             C.parse_bwd_sm90_tiles(C.BWD_SM90_TWO_WARPGROUPS))[1:],
+        *C.bwd_sm90_variants("bf16", 64, "none", True)[1:],  # dk/dv on 128-query blocks
+        *C.bwd_sm90_variants("bf16", 128, "window", False)[1:],  # two warpgroups
+        *C.bwd_sm90_variants("fp16", 128, "none", True,
+                             C.parse_bwd_sm90_tiles(C.BWD_SM90_ONE_WARPGROUP))[1:],
         *C.bwd_sm90_variants("fp16", 256, "window", True)[1:],  # dq on 32 keys; dk, dv apart
     ]
 

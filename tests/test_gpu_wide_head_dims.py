@@ -55,8 +55,8 @@ def test_one_row_one_key_alibi_and_sink(rng, d):
 @pytest.mark.parametrize("d", [296, 512])
 def test_packed_with_empty_and_odd_sequences(rng, d):
     lens_q, lens_k = [0, 1, 65, 130, 7], [5, 1, 200, 130, 0]
-    q = randn(rng, (sum(lens_q), 4, d), "bfloat16")
-    k, v = (randn(rng, (sum(lens_k), 2, d), "bfloat16") for _ in range(2))
+    q = randn(rng, (1, sum(lens_q), 4, d), "bfloat16")[0]
+    k, v = (randn(rng, (1, sum(lens_k), 2, d), "bfloat16")[0] for _ in range(2))
     out = torch.full_like(q, NAN)
     res, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q),
                                            max(lens_k), causal=True, out=out, return_lse=True)
@@ -69,11 +69,11 @@ def test_paged_prefill_and_decode_sized_sequences(rng, page_size):
     """A serving batch's shape: prefill chunks and one-token sequences over a paged cache,
     all on the forward kernel (the decode kernels stop at 256)."""
     d, lens_q, lens_k = 384, [1, 90, 1, 33], [150, 120, 17, 64]
-    k_cache, v_cache, k_pages, v_pages, table = paged_caches(rng, 4, 160, 2, d, "float16",
+    k_cache, v_cache, k_pages, v_pages, table = paged_caches(rng, 4, 192, 2, d, "float16",
                                                              page_size)
     q = randn(rng, (sum(lens_q), 8, d), "float16")
     out, lse = cufa.flash_attn_varlen_func(
-        q, k_pages, v_pages, _cu(lens_q), _cu(lens_k), max(lens_q), 160, causal=True,
+        q, k_pages, v_pages, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), causal=True,
         block_table=torch.from_numpy(table).cuda(), return_lse=True)
     check_packed_sequences(out, lse, q, k_cache, v_cache, lens_q, lens_k,
                            f"paged {page_size}", causal=True)
