@@ -73,9 +73,10 @@ if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability !
     family "tma$units" CUFA_DECODE_TMA=$units -- \
       tests/test_gpu_kvcache.py tests/test_gpu_compiled_modes.py &
   done
-  # the dq and dk/dv kernels on one warpgroup, 64 rows and keys a CTA (Hopper's tiles
-  # but at d = 64 and 128), on every backward test
-  family bwd1wg CUFA_BWD_SM90_TILES=dq=64x64,kv=64x64 -- tests/test_gpu_backward.py &
+  # the dq and dk/dv kernels on one warpgroup, 64 rows and keys a CTA, and at every head
+  # dim (mma.sync's above d = 128 by default), on every backward test
+  family bwd1wg CUFA_BWD_SM90_TILES=dq=64x64,kv=64x64 CUFA_BWD_SM90=all -- \
+    tests/test_gpu_backward.py &
 fi
 wait
 tests_rc=0

@@ -165,7 +165,7 @@ def _keys_per_cta(variants):
 def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     """The backward's launches for a call: _compile.bwd_variants' (preprocess, dq, dk/dv...),
     or with CUFA_BWD_FUSED_DQ=1 where it applies _compile.bwd_fused_variants' (preprocess,
-    dk/dv with dq fused, dq convert), or on Hopper where it applies (unless CUFA_BWD_SM90=0)
+    dk/dv with dq fused, dq convert), or on Hopper at bwd_sm90_head_dims()
     _compile.bwd_sm90_variants' (dq and dk/dv on wgmma)."""
     if d > _compile.MAX_HEAD_DIM:
         raise NotImplementedError(f"the backward takes head dims up to {_compile.MAX_HEAD_DIM};"
@@ -174,8 +174,9 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
            or attn_mask is not None)
     fused = _compile.bwd_fused_variants(*key) if _compile.bwd_fused_wanted() else None
-    wgmma = (_compile.bwd_sm90_variants(*key, _compile.bwd_sm90_tiles())
-             if _compile.bwd_sm90_wanted() else None)
+    wgmma = None
+    if _compile.bwd_variants(*key)[1].head_dim in _compile.bwd_sm90_head_dims():
+        wgmma = _compile.bwd_sm90_variants(*key, _compile.bwd_sm90_tiles())
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
     return fused or wgmma or _compile.bwd_variants(*key)

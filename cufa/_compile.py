@@ -357,14 +357,16 @@ def bwd_fused_wanted():
 # 64 keys against 128-query blocks (1.01-1.14x; with score mods they spill 216 bytes, so
 # 64); a 128-query block at d = 128 spills.
 # Above d = 128, dk and dv are launched apart (as on mma.sync) and score mods take 32-key
-# dq blocks (64 spill 8-108 bytes). Where one of the two spills, that launch stays on
-# mma.sync.
+# dq blocks (64 spill 8-108 bytes); there they are opt-in (CUFA_BWD_SM90=all): on causal
+# rows the mma.sync kernels are 1.04-1.15x faster on an H200, elsewhere within 0.95-1.02x.
+# Where one of the two spills, that launch stays on mma.sync.
 BWD_SM90_TILES = {64: ((64, 64), (64, 128)), 128: ((128, 64), (128, 64)),
                   192: ((64, 64), (64, 64)), 256: ((64, 64), (64, 64))}
 BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 64: ((64, 64), (64, 64)),
                              192: ((64, 32), (64, 64)), 256: ((64, 32), (64, 64))}
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
+BWD_SM90_HEAD_DIMS = (64, 128)
 # CUFA_BWD_SM90_TILES="dq=RxK,kv=KxQ" (either part alone) replaces those tiles at every
 # head dim, to time others: dq's R query rows (64 or 128: one or two warpgroups sharing
 # each K/V block) and key block K (32, 64 or 128); dk/dv's K keys (64 or 128, the same) and
@@ -428,8 +430,13 @@ def bwd_sm90_tiles():
     return parse_bwd_sm90_tiles(_overrides.get(BWD_SM90_TILES_ENV))
 
 
-def bwd_sm90_wanted():
-    return _overrides.get(BWD_SM90_ENV) != "0"
+def bwd_sm90_head_dims():
+    """The padded head dims the wgmma backward takes: none with CUFA_BWD_SM90=0, every one
+    of BWD_SM90_TILES' with CUFA_BWD_SM90=all, else BWD_SM90_HEAD_DIMS."""
+    value = _overrides.get(BWD_SM90_ENV)
+    if value not in (None, "", "0", "1", "all"):
+        raise ValueError(f"{BWD_SM90_ENV} takes 0, 1 or all; got {value!r}")
+    return {"0": (), "all": tuple(BWD_SM90_TILES)}.get(value, BWD_SM90_HEAD_DIMS)
 
 
 def _two_stages_where_they_fit(variant):

@@ -192,15 +192,36 @@ def test_tiles_that_do_not_apply_are_refused(monkeypatch, tiles, message):
 
 @pytest.mark.parametrize("d, mods, dq_keys", [(256, False, 64), (192, True, 32), (248, True, 32)])
 def test_hopper_launches_dk_and_dv_apart_on_wgmma_above_128(monkeypatch, d, mods, dq_keys):
+    """CUFA_BWD_SM90=all: above d = 128 too (by default mma.sync there)."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
-    for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV):
-        monkeypatch.setitem(_compile._overrides, env, None)
+    monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, "all")
     cufa.flash_attn_backward(*dense_args(d=d), causal=True, softcap=5.0 if mods else 0.0)
     assert [(f.kind, f.family, f.grads, f.block_n) for f, *_ in rec.launches] == [
         ("preprocess", "sm80", "both", 0), ("dq", "sm90", "both", dq_keys),
         ("dkdv", "sm90", "dk", 64), ("dkdv", "sm90", "dv", 64)]
     assert all(threads == f.threads and smem <= 227 * 1024 for f, _, threads, smem, *_ in rec.launches)
+
+
+@pytest.mark.parametrize("value, wgmma_head_dims", [
+    (None, (64, 128)), ("1", (64, 128)), ("0", ()), ("all", (64, 128, 192, 256))])
+def test_hopper_head_dims_on_wgmma(monkeypatch, value, wgmma_head_dims):
+    monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, value)
+    for d, padded in ((40, 64), (64, 64), (96, 96), (120, 128), (160, 160), (176, 192),
+                      (256, 256)):
+        rec = Recorder(monkeypatch)
+        monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+        cufa.flash_attn_backward(*dense_args(d=d), causal=True)
+        wanted = "sm90" if padded in wgmma_head_dims else "sm80"
+        assert {f.family for f, *_ in rec.launches[1:]} == {wanted}, d
+
+
+def test_bwd_sm90_takes_0_1_or_all(monkeypatch):
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, "yes")
+    with pytest.raises(ValueError, match="CUFA_BWD_SM90 takes 0, 1 or all; got 'yes'"):
+        _compile.bwd_sm90_head_dims()
 
 
 def test_large_head_dims_launch_dk_and_dv_apart(monkeypatch):

@@ -71,7 +71,7 @@ def test_paged_prefill_and_decode_sized_sequences(rng, page_size):
     d, lens_q, lens_k = 384, [1, 90, 1, 33], [150, 120, 17, 64]
     k_cache, v_cache, k_pages, v_pages, table = paged_caches(rng, 4, 192, 2, d, "float16",
                                                              page_size)
-    q = randn(rng, (sum(lens_q), 8, d), "float16")
+    q = randn(rng, (1, sum(lens_q), 8, d), "float16")[0]
     out, lse = cufa.flash_attn_varlen_func(
         q, k_pages, v_pages, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), causal=True,
         block_table=torch.from_numpy(table).cuda(), return_lse=True)
