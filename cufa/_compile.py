@@ -354,8 +354,8 @@ def bwd_fused_wanted():
 # CUFA_BWD_SM90=0 keeps the mma.sync ones. From a sweep on an H200
 # (bench/results/bwd_sm90_tiles_h200.md): at d = 128 two warpgroups sharing each block
 # (128 rows, 128 keys a CTA; 1.02-1.20x one warpgroup's speed), at d = 64 one warpgroup's
-# 64 keys against 128-query blocks (1.01-1.14x; with score mods they spill 216 bytes, so
-# 64); a 128-query block at d = 128 spills.
+# 64 keys against 128-query blocks (1.01-1.14x, but 0.97x causal at N = 1024; with score
+# mods they spill 216 bytes, so 64); a 128-query block at d = 128 spills.
 # Above d = 128, dk and dv are launched apart (as on mma.sync) and score mods take 32-key
 # dq blocks (64 spill 8-108 bytes); there they are opt-in (CUFA_BWD_SM90=all): on causal
 # rows the mma.sync kernels are 1.04-1.15x faster on an H200, elsewhere within 0.95-1.02x.
