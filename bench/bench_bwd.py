@@ -4,7 +4,7 @@ backends' backward, and FlashAttention-4's where flash_attn.cute imports (its co
 why not otherwise: bench/fa4.sh), in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync]
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--mma-sync] [--one-warpgroup] [--tiles SPEC]...
         [--with-forward] [--full]
 
 16k tokens a batch (batch = 16384 / seqlen), heads = 2048 / d, GQA off. Each row times the
@@ -19,6 +19,7 @@ second table: the forward and the backward together, as a training step runs att
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -28,7 +29,8 @@ from bench_fwd import load_fa4
 ROUNDS = 4
 TOKENS = 16384
 # the columns beside cufa's default: each a kernel choice's environment variable and value
-OPTIONS = {"cufa fused dq": ("CUFA_BWD_FUSED_DQ", "1"), "cufa mma.sync": ("CUFA_BWD_SM90", "0")}
+OPTIONS = {"cufa fused dq": {"CUFA_BWD_FUSED_DQ": "1"}, "cufa mma.sync": {"CUFA_BWD_SM90": "0"},
+           "cufa 1 warpgroup": {"CUFA_BWD_SM90_TILES": "dq=64x64,kv=64x64"}}
 STEP = "fwd+bwd"  # the suffix of the forward + backward timings' names
 
 
@@ -50,6 +52,16 @@ def parse_args(argv=None):
     p.add_argument("--with-forward", action="store_true",
                    help="also time the forward and backward together (a training step's "
                         "attention), a second table")
+    p.add_argument("--one-warpgroup", action="store_true",
+                   help="also time cufa with Hopper's dq and dk/dv kernels on one warpgroup, "
+                        "64 rows and 64 keys a CTA (CUFA_BWD_SM90_TILES=dq=64x64,kv=64x64),"
+                        " the 'cufa 1 warpgroup' column")
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile one backward of cufa and of SDPA cuDNN a row "
+                        "(torch.profiler): each kernel's time, a third table")
+    p.add_argument("--tiles", action="append", default=[], metavar="SPEC",
+                   help="also time cufa with the wgmma kernels' tiles SPEC (CUFA_BWD_SM90_TILES,"
+                        " e.g. 'kv=64x128'), a 'cufa SPEC' column; may be given again")
     p.add_argument("--mma-sync", action="store_true",
                    help="also time cufa on the mma.sync kernels where Hopper takes wgmma "
                         "(CUFA_BWD_SM90=0), the 'cufa mma.sync' column")
@@ -71,7 +83,11 @@ def main(argv=None):
                                       "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
     fa4 = None if args.no_peers else load_fa4()  # FlashAttention-4, or why it is not there
     options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
-                                         ("cufa mma.sync", args.mma_sync)) if wanted]
+                                         ("cufa mma.sync", args.mma_sync),
+                                         ("cufa 1 warpgroup", args.one_warpgroup)) if wanted]
+    for spec in args.tiles:
+        OPTIONS[f"cufa {spec}"] = {"CUFA_BWD_SM90_TILES": spec}
+        options.append(f"cufa {spec}")
     rows = []
     cases = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens
              for c in args.causal]
@@ -83,9 +99,9 @@ def main(argv=None):
         q, k, v, dout = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(4))
         out, lse = cufa.flash_attn_func(q, k, v, causal=bool(causal), return_lse=True)
 
-        def choose(option=None):  # option: one of OPTIONS' (variable, value), or the default
-            for env, value in OPTIONS.values():
-                _compile._overrides[env] = value if (env, value) == option else None
+        def choose(option=None):  # option: one of OPTIONS' {variable: value}, or the default
+            for env in {env for values in OPTIONS.values() for env in values}:
+                _compile._overrides[env] = (option or {}).get(env)
 
         def backward(option=None):
             choose(option)
@@ -133,9 +149,20 @@ def main(argv=None):
                 timers[f"{name} {STEP}"] = peer_step
         timed = T.run_rounds(timers, max(1, -(-args.reps // ROUNDS)), rounds=ROUNDS)
         choose()
+        kernels = {}
+        if args.kernels:
+            try:
+                kernels["cufa"] = kernel_times(torch, backward)
+                if "SDPA cuDNN" in peers:
+                    with sdpa_kernel(peers["SDPA cuDNN"]):
+                        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal))
+                        kernels["SDPA cuDNN"] = kernel_times(torch, lambda: torch.autograd.grad(
+                            o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True))
+            except Exception as e:  # (a profiler that fails leaves the timings)
+                print(f"--kernels: {type(e).__name__}: {e}", file=sys.stderr)
         flops = T.attention_flops(b, h, n, n, d, bool(causal))
         row = dict(dtype=dtype_name, head_dim=d, seqlen=n, batch=b, nheads=h,
-                   causal=bool(causal), impls={})
+                   causal=bool(causal), impls={}, kernels=kernels)
         for name, ms in timed.items():
             if isinstance(ms, dict):
                 row["impls"][name] = ms
@@ -176,7 +203,49 @@ def render(rows, names, device, with_forward=False):
                 "3.5 x the forward's FLOPs); the forward with inputs that require grad, then "
                 "torch.autograd.grad")
         text += "\n\n" + _table(rows, names, head, f" {STEP}")
-    return text
+    kernels = render_kernels(rows)
+    return text + ("\n\n" + kernels if kernels else "")
+
+
+def kernel_times(torch, fn, calls=3):
+    """{kernel name: µs a call} of fn's GPU kernels (torch.profiler, `calls` calls after
+    one unprofiled); cufa's by their template's name, others' cut to 60 characters."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0)
+        if us and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            name = kernel_label(e.key)
+            times[name] = times.get(name, 0.0) + us / calls
+    return times
+
+
+def kernel_label(name):
+    """cufa's kernels by their template's name ('void cufa::bwd_dq_sm90_kernel<1, ...>(...)'
+    -> 'bwd_dq_sm90_kernel'), others cut to 60 characters."""
+    m = re.search(r"cufa::(\w+)", name)
+    return m.group(1) if m else name[:60]
+
+
+def render_kernels(rows):
+    """The third table: each row's kernels, µs a call, largest first, by implementation."""
+    lines = ["Kernels of one backward (torch.profiler; µs a call)", "",
+             "| dtype | d | N | causal | implementation | kernels |", "|" + " --- |" * 6]
+    for r in rows:
+        for impl, times in r.get("kernels", {}).items():
+            cells = ", ".join(f"{name} {us:.0f}" for name, us in
+                              sorted(times.items(), key=lambda kv: -kv[1]))
+            lines.append(f"| {r['dtype']} | {r['head_dim']} | {r['seqlen']} | {r['causal']} | "
+                         f"{impl} | {cells} (sum {sum(times.values()):.0f}) |")
+    return "\n".join(lines) if len(lines) > 4 else ""
 
 
 def _table(rows, names, head, suffix):

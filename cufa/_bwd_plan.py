@@ -137,7 +137,7 @@ def scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed, d):
     block_m = _dq_variant(variants).block_m
     sizes = [4 * math.prod(lse_shape)]
     sizes += [4 * _work_list_ints(total // block + batch, total // block + 2) if packed else None
-              for total, block in ((seqlen_q, block_m), (seqlen_k, _compile.BWD_KEYS_PER_CTA))]
+              for total, block in ((seqlen_q, block_m), (seqlen_k, _keys_per_cta(variants)))]
     sizes.append(4 * math.prod(lse_shape) * d if fused else None)
     offsets, at = [], 0
     for size in sizes:
@@ -154,16 +154,29 @@ def _dq_variant(variants):
                                                           v.score_mods)[1]
 
 
+def _keys_per_cta(variants):
+    """The dk/dv kernels' key block (every dk/dv launch of a call takes the same): it sizes
+    num_n_blocks and the packed key list."""
+    keys = {v.block_n for v in variants if v.kind == "dkdv"}
+    assert len(keys) == 1, keys
+    return keys.pop()
+
+
 def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     """The backward's launches for a call: _compile.bwd_variants' (preprocess, dq, dk/dv...),
     or with CUFA_BWD_FUSED_DQ=1 where it applies _compile.bwd_fused_variants' (preprocess,
-    dk/dv with dq fused, dq convert), or on Hopper where it applies (unless CUFA_BWD_SM90=0)
+    dk/dv with dq fused, dq convert), or on Hopper at bwd_sm90_head_dims()
     _compile.bwd_sm90_variants' (dq and dk/dv on wgmma)."""
+    if d > _compile.MAX_HEAD_DIM:
+        raise NotImplementedError(f"the backward takes head dims up to {_compile.MAX_HEAD_DIM};"
+                                  f" got {d} (the forward takes up to {_compile.WIDE_HEAD_DIM})")
     mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
     key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
            or attn_mask is not None)
     fused = _compile.bwd_fused_variants(*key) if _compile.bwd_fused_wanted() else None
-    wgmma = _compile.bwd_sm90_variants(*key) if _compile.bwd_sm90_wanted() else None
+    wgmma = None
+    if _compile.bwd_variants(*key)[1].head_dim in _compile.bwd_sm90_head_dims():
+        wgmma = _compile.bwd_sm90_variants(*key, _compile.bwd_sm90_tiles())
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
     return fused or wgmma or _compile.bwd_variants(*key)
@@ -205,7 +218,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
     nheads_k = k.shape[head_dim]
     framework = "cupy" if q.framework == "dlpack" else q.framework
     variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask)
-    block_m, block_n = _dq_variant(variants).block_m, _compile.BWD_KEYS_PER_CTA
+    block_m, block_n = _dq_variant(variants).block_m, _keys_per_cta(variants)
     sink = a.learnable_sink
 
     fwd = dict(nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d,
@@ -292,7 +305,7 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     fused = variants[1].kind == "dkdv"
     pre, kv_variants = variants[0], variants[1:2] if fused else variants[2:]
     dq_variant = _dq_variant(variants)
-    block_m, block_n = dq_variant.block_m, _compile.BWD_KEYS_PER_CTA
+    block_m, block_n = dq_variant.block_m, _keys_per_cta(variants)
     device = q.device
     q_blocks = fwd["num_m_blocks"] * batch
     kv_blocks = bwd["num_n_blocks"] * batch

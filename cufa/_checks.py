@@ -92,10 +92,12 @@ def check_loadable(x, name):
     return chunk_aligned(shape, strides, x.ptr)
 
 
-def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_head_dim=False):
+def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_head_dim=False,
+              max_head_dim=_compile.MAX_HEAD_DIM):
     """batch_dim None: packed rows, (total_rows, nheads, headdim), or paged k/v with q
     seen through with_leading_one (seq_dim 1). own_v_head_dim: v may have a head dim of its
-    own (check_head_dim_v). -> whether q, k and v are chunk_aligned."""
+    own (check_head_dim_v). max_head_dim: the entry point's (_compile.WIDE_HEAD_DIM where
+    the wide kernels run). -> whether q, k and v are chunk_aligned."""
     qn, kn, vn = names
     rank = 3 if batch_dim is None and seq_dim == 0 else 4
     for x, n in ((q, qn), (k, kn), (v, vn)):
@@ -106,12 +108,19 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_hea
     check_dtype_device(k, kn, q, qn)
     check_dtype_device(v, vn, q, qn)
     d = q.shape[-1]
-    if not 1 <= d <= _compile.MAX_HEAD_DIM:
+    if not 1 <= d <= max_head_dim:
+        wide = ("" if max_head_dim > _compile.MAX_HEAD_DIM else
+                f" here (up to {_compile.WIDE_HEAD_DIM} with 16-bit k and v in "
+                f"flash_attn_func and flash_attn_varlen_func)")
         raise ValueError(f"{qn} has head dim {d}; cufa supports head dims from 1 to "
-                         f"{_compile.MAX_HEAD_DIM}")
+                         f"{max_head_dim}{wide}")
     if k.shape[-1] != d:
         raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {d}")
     if v.shape != k.shape:
+        if d > _compile.MAX_HEAD_DIM:
+            raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; above head "
+                             f"dim {_compile.MAX_HEAD_DIM} cufa needs equal key and value "
+                             "shapes")
         if not (own_v_head_dim and v.shape[:-1] == k.shape[:-1]):
             raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs "
                              "equal key and value shapes (same length and heads"
@@ -528,7 +537,8 @@ def check_dense(a, out):
     caller's out=) -> whether q, k, v and the output are chunk_aligned."""
     q, k, v, alibi, sink, o = a.q, a.k, a.v, a.alibi_slopes, a.learnable_sink, a.out
     aligned = check_qkv(q, k, v, ("q", "k", "v"), "(batch, seqlen, nheads, headdim)",
-                        batch_dim=0, seq_dim=1, head_dim=2, own_v_head_dim=True)
+                        batch_dim=0, seq_dim=1, head_dim=2, own_v_head_dim=True,
+                        max_head_dim=_compile.WIDE_HEAD_DIM)
     batch, _, nheads, _ = q.shape
     check_alibi(alibi, q, batch, nheads)
     check_sink(sink, q, nheads)
@@ -563,14 +573,16 @@ def check_packed(a, out):
         k, v = _fp8_rows_as_q(q, k, v, ("k", "v"))
     if table is None:
         aligned = check_qkv(q, k, v, ("q", "k", "v"), "(total_rows, nheads, headdim)",
-                            batch_dim=None, seq_dim=0, head_dim=1, own_v_head_dim=True)
+                            batch_dim=None, seq_dim=0, head_dim=1, own_v_head_dim=True,
+                            max_head_dim=_compile.WIDE_HEAD_DIM)
     else:  # k, v: (pages, page_size, nheads_k, d); checked as one "batch" of pages
         if q.ndim != 3:
             raise ValueError(f"q must be 3-D (total_rows, nheads, headdim); got shape "
                              f"{q.shape}")
         aligned = check_qkv(with_leading_one(q), k, v, ("q", "k", "v"),
                             "(num_pages, page_size, nheads_k, headdim) with block_table",
-                            batch_dim=None, seq_dim=1, head_dim=2)
+                            batch_dim=None, seq_dim=1, head_dim=2,
+                            max_head_dim=_compile.MAX_HEAD_DIM if fp8 else _compile.WIDE_HEAD_DIM)
     nheads = q.shape[1]
     check_cu_seqlens(cu_q, "cu_seqlens_q", q)
     check_cu_seqlens(cu_k, "cu_seqlens_k", q)

@@ -40,6 +40,14 @@ SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
 # pairs, V's smaller (out is staged over Q's tile); the tiles are Q's head dim's. DeepSeek's
 # prefill (MLA's keys of 128 + 64 rotary dims against values of 128).
 HEAD_DIM_V_PAIRS = ((192, 128),)
+# Head dims above 256, up to WIDE_HEAD_DIM (Gemma 4's global layers), for flash_attn_func and
+# flash_attn_varlen_func: the sm80 family's kernel (any GPU) on Q and K padded to 512, V's
+# and O's columns in two halves of 256 a query tile (two CTAs, each computing the scores:
+# 1.5x the products of one pass; O's 16 rows a warp of 512 columns would not fit in
+# registers). 16-key blocks keep Q and a K/V block in 99 KB (sm_86/89); 207-221
+# registers, no spills.
+WIDE_HEAD_DIM = 512
+WIDE_TILES = (64, 16)
 # Element-wise I/O (kElementIO in fwd/fwd_sm80.cu and decode/decode_sm80.cu): rows moved an
 # element at a time, for calls with an array that cp.async and TMA cannot move in 16-byte
 # chunks (any head dim from 1 to 256, any strides: _checks.chunk_aligned). One variant per
@@ -115,6 +123,12 @@ class FwdVariant:
     def persistent(self):
         """sm90 kernels loop over tiles: launch at most ctas_per_sm CTAs per SM."""
         return self.family == "sm90"
+
+    @property
+    def ctas_per_tile(self):
+        """Above head dim 256 two CTAs a query tile, one a half of V's and O's columns
+        (kColumnHalves in fwd/fwd_sm80.cu)."""
+        return 2 if self.head_dim > MAX_HEAD_DIM else 1
 
     @functools.cached_property
     def ctas_per_sm(self):
@@ -258,13 +272,18 @@ class BwdVariant:
         if self.kind == "dq":
             kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
             return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}>"
+        if self.family == "sm90":
+            return (f"cufa::bwd_dkdv_sm90_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
+                    f"{self.stages}, {self.block_n}>")
         fused = ", true" if self.fused_dq else ""
-        kernel = "bwd_dkdv_sm90_kernel" if self.family == "sm90" else "bwd_dkdv_kernel"
+        kernel = "bwd_dkdv_kernel"
         return (f"cufa::{kernel}<{args}, {BWD_GRADS.index(self.grads)}, "
                 f"{self.stages}{fused}>")
 
     @property
     def threads(self):
+        if self.family == "sm90":  # a warpgroup every 64 keys (dk/dv) or query rows (dq)
+            return 2 * (self.block_n if self.kind == "dkdv" else self.block_m)
         return 256 if self.kind in ("preprocess", "dq_convert") else 128
 
     @functools.cached_property
@@ -328,33 +347,96 @@ def bwd_fused_wanted():
     return _overrides.get(BWD_FUSED_ENV) == "1"
 
 
-# dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), one warpgroup a CTA: padded head dim
-# -> the dq kernel's key block (64 query rows a tile) and the dk/dv kernel's query block
-# (64 keys a CTA), the products' N; two buffers of what each streams. Hopper's default
-# where they apply (1.2-1.5x the mma.sync kernels' speed on an H200); CUFA_BWD_SM90=0 keeps
-# the mma.sync ones. Where one of the two spills, that launch stays on mma.sync.
-BWD_SM90_TILES = {64: (64, 64), 128: (64, 64)}
-BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes)
+# dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), a warpgroup every 64 query rows (dq)
+# or keys (dk/dv) of a CTA, two buffers of what each streams: padded head dim -> the dq
+# kernel's (query rows, key block) and the dk/dv kernel's (keys, query block). Hopper's
+# default where they apply (1.2-1.5x the mma.sync kernels' speed on an H200);
+# CUFA_BWD_SM90=0 keeps the mma.sync ones. From a sweep on an H200
+# (bench/results/bwd_sm90_tiles_h200.md): at d = 128 two warpgroups sharing each block
+# (128 rows, 128 keys a CTA; 1.02-1.20x one warpgroup's speed), at d = 64 one warpgroup's
+# 64 keys against 128-query blocks (1.01-1.14x, but 0.97x causal at N = 1024; with score
+# mods they spill 216 bytes, so 64); a 128-query block at d = 128 spills.
+# Above d = 128, dk and dv are launched apart (as on mma.sync) and score mods take 32-key
+# dq blocks (64 spill 8-108 bytes); there they are opt-in (CUFA_BWD_SM90=all): on causal
+# rows the mma.sync kernels are 1.04-1.15x faster on an H200, elsewhere within 0.95-1.02x.
+# Where one of the two spills, that launch stays on mma.sync.
+BWD_SM90_TILES = {64: ((64, 64), (64, 128)), 128: ((128, 64), (128, 64)),
+                  192: ((64, 64), (64, 64)), 256: ((64, 64), (64, 64))}
+BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 64: ((64, 64), (64, 64)),
+                             192: ((64, 32), (64, 64)), 256: ((64, 32), (64, 64))}
+BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
+BWD_SM90_HEAD_DIMS = (64, 128)
+# CUFA_BWD_SM90_TILES="dq=RxK,kv=KxQ" (either part alone) replaces those tiles at every
+# head dim, to time others: dq's R query rows (64 or 128: one or two warpgroups sharing
+# each K/V block) and key block K (32, 64 or 128); dk/dv's K keys (64 or 128, the same) and
+# query block Q (64 or 128). ONE_WARPGROUP, the tiles before the sweep, is compiled too
+# (up to d = 128; above, it is the table's but for score mods' dq, where it spills).
+BWD_SM90_TILES_ENV = "CUFA_BWD_SM90_TILES"
+BWD_SM90_TILE_CHOICES = {"dq": ((64, 128), (32, 64, 128)), "kv": ((64, 128), (64, 128))}
+BWD_SM90_ONE_WARPGROUP = "dq=64x64,kv=64x64"
+SM90_SMEM_LIMIT = 227 * 1024
+
+
+def parse_bwd_sm90_tiles(text):
+    """CUFA_BWD_SM90_TILES's value -> (("dq", (rows, keys)), ("kv", (keys, queries))),
+    the parts given; () for none."""
+    if not text:
+        return ()
+    parts = {}
+    for part in text.replace(" ", "").split(","):
+        kernel, _, shape = part.partition("=")
+        try:
+            sizes = tuple(int(x) for x in shape.split("x"))
+        except ValueError:
+            sizes = ()
+        choices = BWD_SM90_TILE_CHOICES.get(kernel)
+        if (choices is None or kernel in parts or len(sizes) != 2
+                or any(n not in c for n, c in zip(sizes, choices))):
+            raise ValueError(
+                f"{BWD_SM90_TILES_ENV} takes 'dq=RxK,kv=KxQ' (either part alone) with dq's R "
+                f"in {BWD_SM90_TILE_CHOICES['dq'][0]}, K in "
+                f"{BWD_SM90_TILE_CHOICES['dq'][1]}, dk/dv's K in "
+                f"{BWD_SM90_TILE_CHOICES['kv'][0]}, Q in {BWD_SM90_TILE_CHOICES['kv'][1]}; "
+                f"got {text!r}")
+        parts[kernel] = sizes
+    return tuple(sorted(parts.items()))
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_sm90_variants(dtype, head_dim, mask, score_mods):
-    """(preprocess, dq, dk/dv), those on wgmma that it has, for a call; None where it has
-    neither."""
+def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=()):
+    """(preprocess, dq, dk/dv...), those on wgmma that it has, for a call; None where it has
+    neither. override: parse_bwd_sm90_tiles' tiles in place of the table's."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
-    tiles = BWD_SM90_TILES.get(dq.head_dim)
-    if tiles is None:
+    table = BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES
+    if dq.head_dim not in table:
         return None
+    tiles = dict(zip(("dq", "kv"), table[dq.head_dim]), **dict(override))
     wgmma = [dataclasses.replace(v, family="sm90", stages=2, **(
-        dict(block_m=64, block_n=tiles[0]) if v.kind == "dq" else dict(block_m=tiles[1])))
+        dict(zip(("block_m", "block_n"), tiles["dq"])) if v.kind == "dq" else
+        dict(zip(("block_n", "block_m"), tiles["kv"]))))
         if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
-        for v in (dq, kv[0])]
+        for v in (dq, *kv)]
+    for v in wgmma:
+        if v.smem_bytes > SM90_SMEM_LIMIT:
+            raise ValueError(f"{BWD_SM90_TILES_ENV}={_overrides.get(BWD_SM90_TILES_ENV)!r}: the "
+                             f"{v.kind} kernel's tiles at head dim {v.head_dim} take "
+                             f"{v.smem_bytes} bytes of shared memory, over {SM90_SMEM_LIMIT}")
     return (pre, *wgmma)
 
 
-def bwd_sm90_wanted():
-    return _overrides.get(BWD_SM90_ENV) != "0"
+def bwd_sm90_tiles():
+    """The environment's tiles for the wgmma backward (parse_bwd_sm90_tiles)."""
+    return parse_bwd_sm90_tiles(_overrides.get(BWD_SM90_TILES_ENV))
+
+
+def bwd_sm90_head_dims():
+    """The padded head dims the wgmma backward takes: none with CUFA_BWD_SM90=0, every one
+    of BWD_SM90_TILES' with CUFA_BWD_SM90=all, else BWD_SM90_HEAD_DIMS."""
+    value = _overrides.get(BWD_SM90_ENV)
+    if value not in (None, "", "0", "1", "all"):
+        raise ValueError(f"{BWD_SM90_ENV} takes 0, 1 or all; got {value!r}")
+    return {"0": (), "all": tuple(BWD_SM90_TILES)}.get(value, BWD_SM90_HEAD_DIMS)
 
 
 def _two_stages_where_they_fit(variant):
@@ -647,6 +729,8 @@ def padded_head_dim(head_dim, family="sm80"):
     for hd in (SM80_HEAD_DIMS if family == "sm80" else SM90_HEAD_DIMS):
         if head_dim <= hd:
             return hd
+    if family == "sm80" and head_dim <= WIDE_HEAD_DIM:
+        return WIDE_HEAD_DIM
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
@@ -656,10 +740,17 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
     """rows: the sm90 tile class of the batch (sm90_rows): "short" takes the 64-row
     tiles, "mid" the middle ones, where the head dim has them, else the next longer.
     e4m3_kv: K and V from an e4m3 cache; head_dim_v: V's head dim where it is not Q's
-    (a HEAD_DIM_V_PAIRS pair); both on the sm80 family's kernel (any GPU)."""
-    if e4m3_kv or head_dim_v:
+    (a HEAD_DIM_V_PAIRS pair); both on the sm80 family's kernel (any GPU), as head dims
+    above 256 are (WIDE_HEAD_DIM)."""
+    if e4m3_kv or head_dim_v or head_dim > MAX_HEAD_DIM:
         family = "sm80"
     hd = padded_head_dim(head_dim, family)
+    if hd > MAX_HEAD_DIM:
+        if e4m3_kv or (head_dim_v and head_dim_v != head_dim):
+            raise ValueError(f"head dim {head_dim} (over {MAX_HEAD_DIM}) takes 16-bit k and v "
+                             f"of q's head dim")
+        return FwdVariant("sm80", dtype, hd, mask, bool(score_mods), *WIDE_TILES,
+                          head_dim_v=hd // 2)
     dv = 0
     if head_dim_v and padded_head_dim(head_dim_v) != hd:  # the pair's v head dim covers it
         dv = next((hv for h, hv in HEAD_DIM_V_PAIRS if h == hd and head_dim_v <= hv), 0)
@@ -706,12 +797,12 @@ def family_for(compute_capability):
 
 
 def read_overrides():
-    """Read CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M and CUFA_DECODE_TMA from the environment:
-    at import, and again by api.clear_plans(). Plans are made with the values last read,
+    """Read CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA and the backward's
+    CUFA_BWD_* choices from the environment: at import, and again by api.clear_plans(). Plans are made with the values last read,
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
-                                   BWD_SM90_ENV))
+                                   BWD_SM90_ENV, BWD_SM90_TILES_ENV))
 
 
 _overrides = {}
@@ -731,14 +822,18 @@ def all_variants():
                  for hd in SM80_HEAD_DIMS for mask in MASKS for mods in (False, True)]
     variants += [fwd_variant(dt, hd, mask, mods, head_dim_v=dv) for dt in DTYPES
                  for hd, dv in HEAD_DIM_V_PAIRS for mask in MASKS for mods in (False, True)]
+    variants += [fwd_variant(dt, WIDE_HEAD_DIM, mask, mods) for dt in DTYPES
+                 for mask in MASKS for mods in (False, True)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
                                                      or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
-                 for mods in (False, True) for v in (bwd_sm90_variants(dt, hd, mask, mods)
-                                                     or ())]
+                 for mods in (False, True)
+                 for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_ONE_WARPGROUP))
+                 if not tiles or padded_head_dim(hd) <= 128
+                 for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles) or ())]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -125,9 +125,10 @@ def plan_packed(a, out, window, scale, softcap):
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi,
                  attn_mask=None, packed=True, paged=paged, sink=sink, aligned=aligned,
                  descales=descales)
-    if paged is not None and plan.variant is not None:
+    if paged is not None and plan.variant is not None and d <= _compile.MAX_HEAD_DIM:
         # Decode-sized sequences of a serving batch go to the decode kernel (one tile a
         # GQA group, each KV byte read once); the forward's work list leaves them out.
+        # (Above head dim 256, which the decode kernels do not take, the forward has all.)
         plan.decode = _decode_plan.plan_packed_decode(
             q, k, v, o, alibi, sink, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2],
             d=d, total_q=total_q, window=window, scale=scale, softcap=softcap, aligned=aligned,
@@ -470,7 +471,12 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
     if descales is not None:  # the e4m3 K/V variant (the sm80 family's, on any GPU)
         variant, tma_template = _compile.fwd_variant(
             KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, e4m3_kv=True), None
-    elif d_v != d:  # a head dim of v's own (the sm80 family's, on any GPU)
+    elif d > _compile.MAX_HEAD_DIM and not aligned:
+        raise NotImplementedError(
+            f"head dim {d} (over {_compile.MAX_HEAD_DIM}) needs a head dim that is a multiple "
+            "of 8 and q, k, v (and out) on strides that are multiples of 8 elements from "
+            "16-byte aligned starts")
+    elif d_v != d or d > _compile.MAX_HEAD_DIM:  # (v's own head dim; over 256: sm80's)
         variant, tma_template = _compile.fwd_variant(
             KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, head_dim_v=d_v), None
     elif aligned:
@@ -555,10 +561,10 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     # up once); the device-built list says how many there are.
     max_tiles = seqlen_q // block_m + batch if packed else num_m_blocks * batch
     num_buckets = seqlen_q // block_m + 2  # packed: the schedule's counting sort
-    if max_tiles * nheads > INT32_MAX:
-        raise ValueError(f"problem too large: {max_tiles * nheads} query tiles exceed the "
-                         "grid limit")
-    num_blocks = max_tiles * nheads
+    if max_tiles * nheads * variant.ctas_per_tile > INT32_MAX:
+        raise ValueError(f"problem too large: {max_tiles * nheads * variant.ctas_per_tile} "
+                         "CTAs exceed the grid limit")
+    num_blocks = max_tiles * nheads * variant.ctas_per_tile
     resident = None
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
         resident = _runtime.sm_count(device) * variant.ctas_per_sm

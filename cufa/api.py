@@ -19,7 +19,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
     fp16 or bf16 CUDA arrays (PyTorch, CuPy, JAX or any ``__dlpack__`` object), headdim
-    from 1 to 256, nheads divisible by nheads_k (MQA/GQA). Any strides with a contiguous
+    from 1 to 256 (up to 512 on the fast path below: docs/api.md), nheads divisible by
+    nheads_k (MQA/GQA). Any strides with a contiguous
     last dimension. The fast path is a headdim that is a multiple of 8 with every array
     (out= included) on strides that are multiples of 8 elements from a 16-byte aligned
     start: rows move in 16-byte copies. Any other call runs kernels that move the rows
@@ -422,8 +423,8 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None):
 
 def clear_plans():
     """Forget every launch plan (the next call of each signature plans again) and read
-    the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA)
-    afresh."""
+    the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA,
+    CUFA_BWD_FUSED_DQ, CUFA_BWD_SM90, CUFA_BWD_SM90_TILES) afresh."""
     _runtime.plans.clear()
     _fwd_plan.layouts.clear()
     _jax.replays.clear()

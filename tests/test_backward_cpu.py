@@ -137,6 +137,93 @@ def test_hopper_takes_the_wgmma_kernels_unless_told_not_to(monkeypatch, capabili
                for f, _, threads, smem, *_ in rec.launches)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
+    """Hopper's default at d = 128 (dq=128x64,kv=128x64): the dk/dv kernel's CTA holds 128
+    keys in two warpgroups, the dq kernel's 128 query rows; the grids, num_n_blocks,
+    num_m_blocks and a packed batch's lists count blocks of 128."""
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV, None)
+    if packed:
+        dout, q, k, v, out, _ = (x.__class__(None, "cupy", x.ptr, x.shape[1:], x.strides[1:],
+                                             x.dtype, 0, 2) for x in dense_args(b=1, sq=300,
+                                                                                sk=300, d=128))
+        cu = arr((3,), "int32", ptr=0x8000)
+        lse = arr((4, 300), "float32", ptr=0x6000)
+        cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True)
+        kv_blocks = q_blocks = 300 // 128 + 2
+    else:
+        cufa.flash_attn_backward(*dense_args(b=2, sq=300, sk=300, d=128), causal=True)
+        kv_blocks = q_blocks = -(-300 // 128) * 2
+    (dq, dq_grid, dq_threads, dq_smem, _, _), (kv, blocks, threads, smem, _, (fwd, bwd)) = \
+        rec.launches[-2:]
+    assert (dq.kind, dq.family, dq.block_m, dq_threads) == ("dq", "sm90", 128, 256)
+    assert (kv.kind, kv.family, kv.block_n, threads) == ("dkdv", "sm90", 128, 256)
+    assert dq_grid == q_blocks * 4 and dq_smem == dq.smem_bytes
+    assert blocks == kv_blocks * 2 and smem == kv.smem_bytes
+    assert bwd["num_n_blocks"] == fwd["num_m_blocks"] == -(-300 // 128)
+    if packed:  # the schedule's records for the query and the key list: blocks of 128
+        schedule = [r for f, *_, r in rec.launches if f is _compile.VARLEN_SCHEDULE]
+        records = [np.frombuffer(bytes(r[0]), dtype=_params.SCHEDULE.dtype)[0] for r in schedule]
+        assert [int(r["block_m"]) for r in records] == [128, 128]
+
+
+@pytest.mark.parametrize("tiles, dq_tile, kv_tile", [
+    ("kv=128x64", (64, 64), (64, 128)), ("dq=64x128", (64, 128), (128, 64)),
+    ("dq=128x32, kv=128x128", (128, 32), (128, 128))])
+def test_tiles_from_the_environment(monkeypatch, tiles, dq_tile, kv_tile):
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV, tiles)
+    _, dq, kv = _compile.bwd_sm90_variants("bf16", 64, "none", False, _compile.bwd_sm90_tiles())
+    assert ((dq.block_m, dq.block_n), (kv.block_m, kv.block_n)) == (dq_tile, kv_tile)
+    assert (dq.threads, kv.threads) == (2 * dq.block_m, 2 * kv.block_n)
+
+
+@pytest.mark.parametrize("tiles, message", [
+    ("dq=96x64", "takes 'dq=RxK,kv=KxQ'"), ("kv=64", "takes"), ("dk=64x64", "takes"),
+    ("kv=128x128", "over 232448")])
+def test_tiles_that_do_not_apply_are_refused(monkeypatch, tiles, message):
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TILES_ENV, tiles)
+    with pytest.raises(ValueError, match=message):
+        _compile.bwd_sm90_variants("fp16", 256, "none", False, _compile.bwd_sm90_tiles())
+
+
+@pytest.mark.parametrize("d, mods, dq_keys", [(256, False, 64), (192, True, 32), (248, True, 32)])
+def test_hopper_launches_dk_and_dv_apart_on_wgmma_above_128(monkeypatch, d, mods, dq_keys):
+    """CUFA_BWD_SM90=all: above d = 128 too (by default mma.sync there)."""
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, "all")
+    cufa.flash_attn_backward(*dense_args(d=d), causal=True, softcap=5.0 if mods else 0.0)
+    assert [(f.kind, f.family, f.grads, f.block_n) for f, *_ in rec.launches] == [
+        ("preprocess", "sm80", "both", 0), ("dq", "sm90", "both", dq_keys),
+        ("dkdv", "sm90", "dk", 64), ("dkdv", "sm90", "dv", 64)]
+    assert all(threads == f.threads and smem <= 227 * 1024 for f, _, threads, smem, *_ in rec.launches)
+
+
+@pytest.mark.parametrize("value, wgmma_head_dims", [
+    (None, (64, 128)), ("1", (64, 128)), ("0", ()), ("all", (64, 128, 192, 256))])
+def test_hopper_head_dims_on_wgmma(monkeypatch, value, wgmma_head_dims):
+    monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, value)
+    for d, padded in ((40, 64), (64, 64), (96, 96), (120, 128), (160, 160), (176, 192),
+                      (256, 256)):
+        rec = Recorder(monkeypatch)
+        monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+        cufa.flash_attn_backward(*dense_args(d=d), causal=True)
+        wanted = "sm90" if padded in wgmma_head_dims else "sm80"
+        assert {f.family for f, *_ in rec.launches[1:]} == {wanted}, d
+
+
+def test_bwd_sm90_takes_0_1_or_all(monkeypatch):
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, "yes")
+    with pytest.raises(ValueError, match="CUFA_BWD_SM90 takes 0, 1 or all; got 'yes'"):
+        _compile.bwd_sm90_head_dims()
+
+
 def test_large_head_dims_launch_dk_and_dv_apart(monkeypatch):
     rec = Recorder(monkeypatch)
     cufa.flash_attn_backward(*dense_args(d=256))
@@ -317,4 +404,7 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
         assert v.smem_bytes == 1024 + tiles, v.key
-    assert seen == 30
+    # the defaults and one warpgroup's tiles: at d = 64 dq on 64 rows, dk/dv on 128- and
+    # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
+    # and 64 keys (not the spilling one); above, dq, dk and dv apart
+    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3

@@ -35,3 +35,17 @@ def test_a_column_without_numbers_says_why():
     text = bench_bwd.render(rows, ["cufa", "FA4"], "H")
     assert "| 2.000 (50) | n/a | - |" in text
     assert "- FA4: flash_attn.cute does not import" in text
+
+
+def test_the_kernels_table_and_cufa_s_kernel_names():
+    assert bench_bwd.kernel_label("void cufa::bwd_dq_sm90_kernel<1, 128, 0, false, 64, 64, 2>"
+                                  "(cufa::FwdParams, cufa::BwdParams)") == "bwd_dq_sm90_kernel"
+    assert bench_bwd.kernel_label("x" * 80) == "x" * 60
+    rows = [_row(True, cufa=1.0)]
+    rows[0]["kernels"] = {"cufa": {"bwd_dq_sm90_kernel": 300.0, "bwd_dkdv_sm90_kernel": 600.0,
+                                   "bwd_preprocess_kernel": 20.0}}
+    text = bench_bwd.render(rows, ["cufa"], "H")
+    line = text.splitlines()[-1]
+    assert line == ("| bfloat16 | 128 | 4096 | True | cufa | bwd_dkdv_sm90_kernel 600, "
+                    "bwd_dq_sm90_kernel 300, bwd_preprocess_kernel 20 (sum 920) |")
+    assert "Kernels of one backward" not in bench_bwd.render([_row(True, cufa=1.0)], ["cufa"], "H")

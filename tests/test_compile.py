@@ -85,6 +85,11 @@ def representative_variants():
         *C.bwd_variants("bf16", 128, "window", True),  # preprocess, dq, dk and dv together
         C.bwd_variants("fp16", 256, "none", False)[3],  # dv alone
         *C.bwd_sm90_variants("fp16", 128, "window", False)[1:],  # dq, dk and dv on wgmma
+        *C.bwd_sm90_variants("bf16", 64, "none", True)[1:],  # dk/dv on 128-query blocks
+        *C.bwd_sm90_variants("bf16", 128, "window", False)[1:],  # two warpgroups
+        *C.bwd_sm90_variants("fp16", 128, "none", True,
+                             C.parse_bwd_sm90_tiles(C.BWD_SM90_ONE_WARPGROUP))[1:],
+        *C.bwd_sm90_variants("fp16", 256, "window", True)[1:],  # dq on 32 keys; dk, dv apart
     ]
 
 
@@ -131,7 +136,8 @@ def test_variant_list_is_complete_and_keys_unique():
     assert len(set(keys)) == len(keys) and "varlen_schedule" in keys
     variants = [v for v in _compile.all_variants() if isinstance(v, _compile.FwdVariant)]
     assert {v.dtype for v in variants} == set(_compile.DTYPES)
-    for family, dims in (("sm80", _compile.SM80_HEAD_DIMS), ("sm90", _compile.SM90_HEAD_DIMS)):
+    for family, dims in (("sm80", _compile.SM80_HEAD_DIMS + (_compile.WIDE_HEAD_DIM,)),
+                         ("sm90", _compile.SM90_HEAD_DIMS)):
         assert {v.head_dim for v in variants if v.family == family} == set(dims)
     assert {(v.mask, v.score_mods) for v in variants} == {
         (m, s) for m in _compile.MASKS for s in (False, True)}
@@ -279,8 +285,11 @@ def test_head_dim_padding():
     assert [_compile.padded_head_dim(d) for d in dims] == [32, 32, 64, 64, 96, 128, 160, 256, 256]
     assert [_compile.padded_head_dim(d, "sm90") for d in dims] == [
         64, 64, 64, 64, 128, 128, 192, 256, 256]
-    with pytest.raises(ValueError):
-        _compile.padded_head_dim(264)
+    # above 256 the sm80 family's two-half kernel takes any head dim up to 512
+    assert [_compile.padded_head_dim(d) for d in (264, 512)] == [512, 512]
+    for d, family in ((264, "sm90"), (520, "sm80")):
+        with pytest.raises(ValueError):
+            _compile.padded_head_dim(d, family)
 
 
 def test_family_choice(setenv):

@@ -44,6 +44,11 @@ DENSE = {
                                                               d=64, causal=True, layout="qkv"),
     "window and softcap, d96": dict(b=1, sq=190, sk=170, h=2, hk=1, d=96, window_size=(8, -1),
                                     softcap=5.0),
+    # (Hopper: dq on 32-key blocks with score mods above d = 128, dk and dv apart)
+    "causal, softcap, GQA, d256": dict(b=1, sq=150, sk=200, h=4, hk=2, d=256, causal=True,
+                                       softcap=10.0),
+    "window, alibi, MQA, d184": dict(b=2, sq=130, sk=97, h=2, hk=1, d=184, window_size=(20, 5),
+                                     alibi=True),
 }
 
 

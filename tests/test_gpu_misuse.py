@@ -50,7 +50,7 @@ def _misuse_cases():
          "cufa needs CUDA device arrays; got a CPU (PyTorch) tensor for q"),
         ("q rank 3", lambda: fa(q[0], k, v), ValueError, "q must be 4-D"),
         ("head dim 0", lambda: fa(*qkv_d(0)), ValueError, "q has head dim 0"),
-        ("head dim 264", lambda: fa(*qkv_d(264)), ValueError, "q has head dim 264"),
+        ("head dim 520", lambda: fa(*qkv_d(520)), ValueError, "q has head dim 520"),
         ("q last dim strided", lambda: fa(_randn(2, 33, 4, 128)[..., ::2], k, v), ValueError,
          "q must be contiguous in its last dimension"),
         ("GQA heads not divisible", lambda: fa(_randn(2, 33, 6, 64), _randn(2, 47, 4, 64),

@@ -60,11 +60,11 @@ def test_any_head_dim_is_accepted(d):
     assert _checks.check_dense(_arrays.Dense(q, k, k), None) == (d % 8 == 0)
 
 
-def test_head_dims_outside_1_to_256_and_strided_last_dims_are_named():
-    for d in (0, 257):
+def test_head_dims_outside_1_to_512_and_strided_last_dims_are_named():
+    for d in (0, 513):  # (above 256: tests/test_wide_head_dims_cpu.py)
         q = view((2, 5, 4, d))
         with pytest.raises(ValueError, match=f"q has head dim {d}; cufa supports head dims "
-                                             "from 1 to 256"):
+                                             "from 1 to 512"):
             _checks.check_dense(_arrays.Dense(q, q, q), None)
     q = strided((2, 5, 4, 59), (5 * 4 * 118, 4 * 118, 118, 2))
     with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):

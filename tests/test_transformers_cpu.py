@@ -296,6 +296,9 @@ def test_what_cufa_does_not_do_names_the_fallback(calls):
     model.eval()
     with torch.no_grad(), pytest.raises(NotImplementedError, match="eager"):
         model(input_ids=ids, output_attentions=True)
+    wide = tc.build("llama", "cufa", torch.bfloat16, "cpu", head_dim=320)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="head dim 320 over 256.*sdpa"):
+        wide(input_ids=ids)
     fp32 = tc.build("llama", "cufa", torch.float32, "cpu")
     with torch.no_grad(), pytest.raises(TypeError, match="bfloat16.*sdpa"):
         fp32(input_ids=ids)

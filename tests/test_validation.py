@@ -37,7 +37,10 @@ FLASH_CASES = [
      "v is on cuda:1 but q is on cuda:0"),
     ("q rank 3", (arr((33, 4, 64)), k0, v0), {}, ValueError, "q must be 4-D"),
     ("head dim 0", qkv(d=0), {}, ValueError, "q has head dim 0; cufa supports head dims from 1"),
-    ("head dim 264", qkv(d=264), {}, ValueError, "head dim 264"),
+    ("head dim 520", qkv(d=520), {}, ValueError, "head dim 520; cufa supports head dims from "
+     "1 to 512"),
+    ("head dim 264, v's own", (qkv(d=264)[0], qkv(d=264)[1], arr((2, 47, 2, 256))), {},
+     ValueError, "above head dim 256 cufa needs equal key and value shapes"),
     ("k head dim differs", (q0, arr((2, 47, 2, 128)), arr((2, 47, 2, 128))), {}, ValueError,
      "k has head dim 128 but q has 64"),
     ("v length differs", (q0, k0, arr((2, 48, 2, 64))), {}, ValueError, "v has shape"),

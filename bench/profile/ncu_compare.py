@@ -4,6 +4,7 @@ launch each (the third), a few counters that tell where the cycles go. Clocks ar
 sets them, so cycles and ratios compare; durations do not compare with bench_fwd.py.
 
     python3 bench/profile/ncu_compare.py --shapes 64:512:1,256:512:1,128:512:0 [--out DIR]
+    python3 bench/profile/ncu_compare.py --backward --shapes 128:4096:0  # dq, dk/dv, cuDNN's
 
 A shape is d:N:causal; 16k tokens a batch (B = 16384 / N) and H = 2048 / d, as bench_fwd.py.
 """
@@ -58,15 +59,18 @@ def pick(known):
     return picked
 
 
-def profile(shape, peer, metrics, known):
+def profile(shape, peer, metrics, known, kernel=None, backward=False):
+    """kernel: the name's regex (default: the forward's, ours or cuDNN's)."""
     d, n, causal = shape.split(":")
+    kernel = kernel or ("fprop|cudnn" if peer else "fwd_sm90")
     cmd = ["ncu", "--csv", "--page", "raw", "--launch-skip", "2", "--launch-count", "1",
-           "--kernel-name", "regex:" + ("fprop|cudnn" if peer else "fwd_sm90"),
+           "--kernel-name", "regex:" + kernel,
            "--metrics", ",".join([m for m in metrics.values() if m] + [
                stall_metric(s) for s in STALLS if stall_metric(s) in known]),
            sys.executable, os.path.join(HERE, "profile_one.py"), "--d", d, "--n", n]
     cmd += ["--causal"] if causal == "1" else []
     cmd += ["--peer", "cudnn"] if peer else []
+    cmd += ["--backward"] if backward else []
     run = subprocess.run(cmd, capture_output=True, text=True)
     rows = [r for r in csv.reader(io.StringIO(run.stdout[run.stdout.find('"ID"'):])) if r]
     if len(rows) < 3:
@@ -98,24 +102,37 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="64:512:1,256:512:1,128:512:0")
     parser.add_argument("--out", help="also write the table here (ncu_compare.md)")
+    parser.add_argument("--backward", action="store_true",
+                        help="the backward's kernels: cufa's dq and dk/dv, cuDNN's bprop")
     args = parser.parse_args()
     known = known_metrics()
     metrics = pick(known)
     print("metrics:", metrics, flush=True)
     lines = []
     for shape in args.shapes.split(","):
-        ours, peer = profile(shape, False, metrics, known), profile(shape, True, metrics, known)
-        lines.append(f"\n### d:N:causal {shape}  (ours: {ours['kernel']}; cuDNN: {peer['kernel']})")
-        lines.append("| counter | cufa | cuDNN | cufa / cuDNN |")
-        lines.append("| --- | --- | --- | --- |")
+        if args.backward:
+            cols = {"cufa dq": profile(shape, False, metrics, known, "bwd_dq", True),
+                    "cufa dk/dv": profile(shape, False, metrics, known, "bwd_dkdv", True),
+                    "cuDNN": profile(shape, True, metrics, known, "bprop|dgrad", True)}
+        else:
+            cols = {"cufa": profile(shape, False, metrics, known),
+                    "cuDNN": profile(shape, True, metrics, known)}
+        names = list(cols)
+        lines.append(f"\n### d:N:causal {shape}  ("
+                     + "; ".join(f"{n}: {c['kernel']}" for n, c in cols.items()) + ")")
+        lines.append("| counter | " + " | ".join(names) + f" | {names[0]} / {names[-1]} |")
+        lines.append("|" + " --- |" * (len(names) + 2))
         for label in METRICS:
-            a, b = ours[label], peer[label]
-            lines.append(f"| {label} | {a:.4g} | {b:.4g} | {a / b if b else float('nan'):.3f} |")
-        lines.append("| stalls a issued instruction: | | | |")
+            vals = [cols[n][label] for n in names]
+            ratio = vals[0] / vals[-1] if vals[-1] else float("nan")
+            lines.append(f"| {label} | " + " | ".join(f"{x:.4g}" for x in vals)
+                         + f" | {ratio:.3f} |")
+        lines.append("| stalls a issued instruction: |" + " |" * (len(names) + 1))
         for s in STALLS:
-            a, b = ours["stalls"][s], peer["stalls"][s]
-            if max(a, b) >= 0.05:
-                lines.append(f"| {s} | {a:.2f} | {b:.2f} | {a - b:+.2f} |")
+            vals = [cols[n]["stalls"][s] for n in names]
+            if max(vals) >= 0.05:
+                lines.append(f"| {s} | " + " | ".join(f"{x:.2f}" for x in vals)
+                             + f" | {vals[0] - vals[-1]:+.2f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -3,6 +3,7 @@
     ncu --kernel-name regex:fwd --launch-skip 2 --launch-count 1 python3 bench/profile/profile_one.py --d 128
     ... python3 bench/profile/profile_one.py --varlen    # bench_varlen's 256 x 64..512 packed batch
     ncu --kernel-name regex:fprop ... python3 bench/profile/profile_one.py --peer cudnn  # the peer
+    ncu --kernel-name regex:bwd_dkdv ... python3 bench/profile/profile_one.py --backward
 """
 import argparse
 import os
@@ -23,6 +24,8 @@ parser.add_argument("--launches", type=int, default=4)
 parser.add_argument("--varlen", action="store_true", help="256 sequences of 64..512 rows, packed")
 parser.add_argument("--peer", choices=("cudnn", "flash"),
                     help="launch PyTorch SDPA's cuDNN or flash backend instead (same shape)")
+parser.add_argument("--backward", action="store_true",
+                    help="launch the backward (after one forward) instead of the forward")
 args = parser.parse_args()
 
 if args.varlen:
@@ -43,7 +46,22 @@ if args.varlen:
 batch, heads = 16384 // args.n, 2048 // args.d
 q, k, v = (torch.randn(batch, args.n, heads, args.d, device="cuda",
                        dtype=getattr(torch, args.dtype)) for _ in range(3))
-if args.peer:
+if args.backward:
+    dout = torch.randn_like(q)
+    if args.peer:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "flash": SDPBackend.FLASH_ATTENTION}[args.peer]
+        qt, kt, vt = (x.transpose(1, 2).requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(backend):
+            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+            for _ in range(args.launches):
+                torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
+    else:
+        out, lse = cufa.flash_attn_func(q, k, v, causal=args.causal, return_lse=True)
+        for _ in range(args.launches):
+            cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=args.causal)
+elif args.peer:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.peer]
     with sdpa_kernel(backend):

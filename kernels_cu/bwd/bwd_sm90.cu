@@ -1,7 +1,8 @@
 // The backward's dq and dk, dv kernels on Hopper's tensor cores (wgmma, sm_90a): bwd_sm80.cu's
-// kernels, their CTAs (one warpgroup, 64 rows of the products' M) and schedules (the other
-// side's blocks streamed through cp.async, two buffers), with the products issued by the
-// warpgroup as a whole from 128-byte-swizzled panels:
+// kernels, their CTAs (a warpgroup every 64 rows of the products' M: one, or two on 128 query
+// rows or keys that share what they stream) and schedules (the other side's blocks streamed
+// through cp.async, two buffers), with the products issued by each warpgroup as a whole
+// from 128-byte-swizzled panels:
 //   dq:    S = Q K^T, dP = dout V^T (K-major B), dq += dS K (dS from registers, K MN-major)
 //   dk,dv: S^T = K Q^T, dP^T = V dout^T (K-major B), dv += P^T dout, dk += dS^T Q (P^T, dS^T
 //          from registers, dout and Q MN-major)
@@ -15,22 +16,23 @@
 namespace cufa {
 
 // A tile of kRows rows in 64-column panels (128-byte swizzle), the layout the descriptors
-// below describe; rows past rows_valid and columns past head_dim become zeros.
-template <int kRows, int kHeadDim>
+// below describe; rows past rows_valid and columns past head_dim become zeros. kThreads:
+// the CTA's, which share the copy.
+template <int kRows, int kHeadDim, int kThreads = kBwdThreads>
 __device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_stride,
                                             int rows_valid, int head_dim) {
-  copy_tile_async<kRows, kHeadDim, kBwdThreads>(
+  copy_tile_async<kRows, kHeadDim, kThreads>(
       smem, gmem, row_stride, rows_valid, head_dim,
       [](int r, int c) { return panel_offset<kRows>(r, c); });
 }
 
-// -- acc = A B^T over the head dim: A a K-major tile of 64 rows (the warpgroup's M), B one
-//    of kRowsB rows (N); one committed group --
-template <int kDtype, int kHeadDim, int kRowsB, int kNTiles>
+// -- acc = A B^T over the head dim: A 64 rows (the warpgroup's M) of a K-major tile of
+//    kRowsA rows (its panels' height), B one of kRowsB rows (N); one committed group --
+template <int kDtype, int kHeadDim, int kRowsB, int kNTiles, int kRowsA = 64>
 __device__ __forceinline__ void issue_scores(float (&acc)[1][kNTiles][4], u64 a_desc, u64 b_desc) {
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks)
-    wgmma_ss<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, 64)),
+    wgmma_ss<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, kRowsA)),
                      desc_add(b_desc, kstep_offset(ks, kRowsB)), ks > 0);
   wgmma_commit();
 }
@@ -45,18 +47,21 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
   wgmma_commit();
 }
 
+// dq: kBlockM query rows of a head (64 a warpgroup: its M), every key block they see; the
+// warpgroups share each streamed K/V block
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
           int kStages>
-__global__ void __launch_bounds__(kBwdThreads, 1)
+__global__ void __launch_bounds__(2 * kBlockM, 1)
     bwd_dq_sm90_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kThreads = 2 * kBlockM;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   constexpr int kQBytes = kBlockM * kHeadDim * 2;
   constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one K or V block
-  static_assert(kBlockM == 16 * kBwdWarps, "one warpgroup: 64 query rows");
+  static_assert(kBlockM == 64 || kBlockM == 128, "one or two warpgroups, 16 rows a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kTileBytes % 1024 == 0,
                 "whole 64-column panels");
-  static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
+  static_assert(kStages == 2, "two K/V buffers (await_then_prefetch)");
   extern __shared__ unsigned char smem_raw[];
   const u32 sq = (smem_u32(smem_raw) + 1023) & ~1023u;  // (panels at 1024-byte boundaries)
   const u32 sdo = sq + kQBytes, skv = sdo + kQBytes;    // stage s: K at s * 2 tiles, V after
@@ -67,6 +72,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const int row_end = min(row0 + kBlockM, t.seqlen_q);
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
+  // this warpgroup's rows (a row past the sequence gets P = 0, and no dq written)
+  const int wg = kThreads > 128 ? threadIdx.x / 128 : 0;
+  const int wg_row0 = row0 + wg * 64;
+  const int wg_row_end = min(wg_row0 + 64, t.seqlen_q);
   const TilePointers ptr = tile_pointers(p, t);
   const i64 q_row = t.q_start + row0;
   const u16* dout = reinterpret_cast<const u16*>(g.dout) + t.b * g.dout_batch_stride +
@@ -95,35 +104,36 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const KeyRange keys = key_range<kMask>(p, t, row0, row_end);
   const int n_block_min = keys.begin / kBlockN;
   const int n_block_max = (keys.end + kBlockN - 1) / kBlockN;
-  const u64 q_desc = smem_desc(sq, 16, 1024), do_desc = smem_desc(sdo, 16, 1024);
+  const u32 wg_rows = wg * 64 * 128;  // its 64 rows in each panel
+  const u64 q_desc = smem_desc(sq + wg_rows, 16, 1024), do_desc = smem_desc(sdo + wg_rows, 16, 1024);
   const auto load_kv = [&](int step, int stage) {  // (step: key block n_block_min + step)
     const int key0 = (n_block_min + step) * kBlockN;
     const u32 sk = skv + stage * 2 * kTileBytes;
-    load_panels<kBlockN, kHeadDim>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
-                                   t.seqlen_k - key0, p.head_dim);
-    load_panels<kBlockN, kHeadDim>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride,
-                                   p.v_row_stride, t.seqlen_k - key0, p.head_dim);
+    load_panels<kBlockN, kHeadDim, kThreads>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                             t.seqlen_k - key0, p.head_dim);
+    load_panels<kBlockN, kHeadDim, kThreads>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride,
+                                             p.v_row_stride, t.seqlen_k - key0, p.head_dim);
     cp_async_commit();
   };
   if (n_block_min < n_block_max) {  // (Q and dout in the first block's copy group)
-    load_panels<kBlockM, kHeadDim>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
-                                   t.seqlen_q - row0, p.head_dim);
-    load_panels<kBlockM, kHeadDim>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
-                                   p.head_dim);
+    load_panels<kBlockM, kHeadDim, kThreads>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
+                                             t.seqlen_q - row0, p.head_dim);
+    load_panels<kBlockM, kHeadDim, kThreads>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
+                                             p.head_dim);
     load_kv(0, 0);
   }
   int stage = 0;
   for (int nb = n_block_min; nb < n_block_max; ++nb) {
     const int key0 = nb * kBlockN;
-    await_step<kStages>(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
+    await_then_prefetch(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
                         [] { fence_proxy_async(); });
     const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
 
     // S = Q K^T and dP = dout V^T, two groups in flight
     float s[1][kNTiles][4], dp[1][kNTiles][4];
     wgmma_fence();
-    issue_scores<kDtype, kHeadDim, kBlockN>(s, q_desc, smem_desc(sk, 16, 1024));
-    issue_scores<kDtype, kHeadDim, kBlockN>(dp, do_desc, smem_desc(sv, 16, 1024));
+    issue_scores<kDtype, kHeadDim, kBlockN, kNTiles, kBlockM>(s, q_desc, smem_desc(sk, 16, 1024));
+    issue_scores<kDtype, kHeadDim, kBlockN, kNTiles, kBlockM>(dp, do_desc, smem_desc(sv, 16, 1024));
     wgmma_wait<1>();
     fence_registers(s);
 
@@ -139,7 +149,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
         else
           s[0][nt][e] *= p.scale_log2;
       }
-    if (block_needs_mask<kMask>(p, t, row0, row_end, key0, key0 + kBlockN))
+    if (block_needs_mask<kMask>(p, t, wg_row0, wg_row_end, key0, key0 + kBlockN))
       apply_mask<kMask>(s, p, t, row0 + warp_row0, key0, lane);
     // dS = P (dP - D) times d(score)/d(raw score), in place of S
     wgmma_wait<0>();
@@ -164,18 +174,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     wgmma_wait<0>();
     fence_registers(ds_frag);
     fence_registers(acc_dq);
-    __syncthreads();  // every warp is done with this block's K and V
     stage ^= kStages - 1;
   }
   store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
 }
 
-// dk, dv: 64 keys of a KV head, the query blocks of every head of its group
+// dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
+// of its group; the warpgroups share each step's Q and dout
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
-          int kStages>
-__global__ void __launch_bounds__(kBwdThreads, 1)
+          int kStages, int kBlockN>
+__global__ void __launch_bounds__(2 * kBlockN, 1)
     bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g) {
-  constexpr int kBlockN = 64;  // keys: the warpgroup's M
+  constexpr int kThreads = 2 * kBlockN;
   constexpr int kQTiles = kBlockM / 8;
   constexpr int kDTiles = kHeadDim / 8;
   constexpr bool kDk = kGrads != KV_DV, kDv = kGrads != KV_DK;
@@ -183,9 +193,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   // a stage: Q and dout, then lse (log2 units) and D; stages 1024-byte aligned (panels)
   constexpr int kStageBytes = (2 * kTileBytes + 8 * kBlockM + 1023) / 1024 * 1024;
   constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static_assert(kBwdThreads == 128 && kBlockN == 16 * kBwdWarps, "one warpgroup, 16 keys a warp");
+  static_assert(kBlockN == 64 || kBlockN == 128, "one or two warpgroups, 16 keys a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
-  static_assert(kStages == 1 || kStages == 2, "one or two Q/dout buffers");
+  static_assert(kStages == 2, "two Q/dout buffers (await_then_prefetch)");
   extern __shared__ unsigned char smem_raw[];
   // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
   const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -200,6 +210,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const int group = p.nheads / p.nheads_k;
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
+  const int wg = kThreads > 128 ? threadIdx.x / 128 : 0;
+  const int wg_key0 = key0 + wg * 64;  // this warpgroup's first key
   const TilePointers kv = tile_pointers(p, t);
   const i64 k_row = t.k_start + key0;
 
@@ -216,9 +228,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const int m_block_min = kb.m_block_min, m_blocks = kb.m_blocks;
   const int steps = group * m_blocks;
 
-  // K and V as A (K-major, 64 rows); a stage's Q and dout as B, K-major for S^T and dP^T,
+  // K and V as A (K-major, this warpgroup's 64 rows); a stage's Q and dout as B, K-major for S^T and dP^T,
   // MN-major (16 rows a k-step, 64-column panels kBlockM * 128 bytes apart) for dk, dv
-  const u64 k_desc = smem_desc(sk, 16, 1024), v_desc = smem_desc(sv, 16, 1024);
+  const u32 wg_rows = wg * 64 * 128;  // its 64 rows in each panel
+  const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024), v_desc = smem_desc(sv + wg_rows, 16, 1024);
   const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
   const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
   const auto load_step = [&](int i, int stage) {
@@ -229,32 +242,32 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
                       th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
     const u32 sq = sstages + stage * kStageBytes;
-    load_panels<kBlockM, kHeadDim>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
-                                   t.seqlen_q - q0, p.head_dim);
-    load_panels<kBlockM, kHeadDim>(sq + kTileBytes, dout, g.dout_row_stride, t.seqlen_q - q0,
-                                   p.head_dim);
+    load_panels<kBlockM, kHeadDim, kThreads>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
+                                             t.seqlen_q - q0, p.head_dim);
+    load_panels<kBlockM, kHeadDim, kThreads>(sq + kTileBytes, dout, g.dout_row_stride,
+                                             t.seqlen_q - q0, p.head_dim);
     cp_async_commit();
     const i64 at = row_stats_offset(p, th) + q0;
     float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
-    for (int r = threadIdx.x; r < kBlockM; r += kBwdThreads) {
+    for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
       s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
       s_lse[kBlockM + r] = q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r]
                                                : 0.f;
     }
   };
   if (steps) {  // (K and V in the first step's copy group)
-    load_panels<kBlockN, kHeadDim>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
-                                   t.seqlen_k - key0, p.head_dim);
+    load_panels<kBlockN, kHeadDim, kThreads>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
+                                             t.seqlen_k - key0, p.head_dim);
     if (kDk)
-      load_panels<kBlockN, kHeadDim>(sv, kv.v + key0 * p.v_row_stride, p.v_row_stride,
-                                     t.seqlen_k - key0, p.head_dim);
+      load_panels<kBlockN, kHeadDim, kThreads>(sv, kv.v + key0 * p.v_row_stride,
+                                               p.v_row_stride, t.seqlen_k - key0, p.head_dim);
     load_step(0, 0);
   }
   const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
 
   int stage = 0;
   for (int i = 0; i < steps; ++i) {
-    await_step<kStages>(i, steps, stage, load_step, [] { fence_proxy_async(); });
+    await_then_prefetch(i, steps, stage, load_step, [] { fence_proxy_async(); });
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
@@ -270,13 +283,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     // S^T = K Q^T and (for dk) dP^T = V dout^T, two groups in flight
     float st[1][kQTiles][4], dpt[1][kDk ? kQTiles : 2][4];
     wgmma_fence();
-    issue_scores<kDtype, kHeadDim, kBlockM>(st, k_desc, q_desc);
-    if constexpr (kDk) issue_scores<kDtype, kHeadDim, kBlockM>(dpt, v_desc, do_desc);
+    issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(st, k_desc, q_desc);
+    if constexpr (kDk) issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(dpt, v_desc, do_desc);
     wgmma_wait<kDk ? 1 : 0>();
     fence_registers(st);
 
     const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
-                                                key0, key0 + kBlockN);
+                                                wg_key0, wg_key0 + 64);
     float grad[1][kScoreMods ? kQTiles : 1][4];
 #pragma unroll
     for (int nt = 0; nt < kQTiles; ++nt)
@@ -324,7 +337,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
       fence_registers(ds_frag);
       fence_registers(acc_dk);
     }
-    __syncthreads();  // every warp is done with this step's buffers
     stage ^= kStages - 1;
   }
   const int rows = rows_out - key0;

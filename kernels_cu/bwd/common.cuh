@@ -126,6 +126,18 @@ __device__ __forceinline__ void await_step(int i, int n, int stage, Load load) {
   await_step<kStages>(i, n, stage, load, [] {});
 }
 
+// -- one barrier a step (two buffers): step i's copy waited for and published, the barrier
+//    (past it, every warp is also done with step i - 1, whose buffer is the other one),
+//    then step i + 1's copy issued into that buffer, under step i's products --
+template <typename Load, typename Publish>
+__device__ __forceinline__ void await_then_prefetch(int i, int n, int stage, Load load,
+                                                    Publish publish) {
+  cp_async_wait<0>();
+  publish();
+  __syncthreads();
+  if (i + 1 < n) load(i + 1, stage ^ 1);
+}
+
 // -- a dk/dv CTA's key block: its KV head's tile (get_tile over FwdParams as if the KV
 //    heads were the query heads, t.h the group's first query head), the rows of dk and dv
 //    to write (every key of the sequence's block, those past seqused_k, which no query

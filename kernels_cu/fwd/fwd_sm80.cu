@@ -41,13 +41,13 @@ __device__ __forceinline__ int head_dim_of(const FwdParams& p) {
 // -- load keys [key0, key0 + kRows) of K or V (head: the sequence's row 0 of this head).
 //    kE4m3: an e4m3 cache, whose rows of kHeadDim bytes move as kHeadDim / 2 16-bit
 //    elements (the host gives its strides in those) into E4m3Tile rows. kOwnHeadDim: V's
-//    rows of p.head_dim_v --
+//    rows of p.head_dim_v, from column col0 on (head: already there) --
 template <int kRows, int kHeadDim, bool kElementIO, bool kE4m3 = false, bool kOwnHeadDim = false>
 __device__ __forceinline__ void load_kv_block(u32 smem, const FwdParams& p, const Tile& t,
                                               const u16* head, i64 batch_stride, i64 row_stride,
-                                              int key0) {
+                                              int key0, int col0 = 0) {
   const int rows_valid = t.seqlen_k - key0;
-  const auto head_dim = [&] { return head_dim_of<kOwnHeadDim>(p); };  // (read where used)
+  const auto head_dim = [&] { return head_dim_of<kOwnHeadDim>(p) - col0; };  // (read where used)
   if constexpr (kE4m3) {
     static_assert(!kElementIO, "an e4m3 cache takes the 16-byte path");
     const auto offset = [](int r, int c) { return E4m3Tile<kHeadDim>::offset(r, c); };
@@ -99,14 +99,15 @@ struct VInFlight {
 
 // -- epilogue: O through this warp's rows of sQ (only this warp read them), then 16-byte
 //    stores (kElementIO: a store an element). kE4m3Columns: the output tiles hold
-//    gemm_pv_e4m3's dims, written back in order. kOwnHeadDim: rows of p.head_dim_v --
+//    gemm_pv_e4m3's dims, written back in order. kOwnHeadDim: rows of p.head_dim_v, from
+//    column col0 on (o_ptr: already there; lse by the CTA of column 0) --
 template <int kDtype, int kHeadDim, bool kElementIO, bool kE4m3Columns = false,
           bool kOwnHeadDim = false, int kMTiles, int kDTiles>
 __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4],
                                              const float (&lse)[kMTiles][2], const FwdParams& p,
                                              int seqlen_q, u16* s_stage, u16* o_ptr, float* lse_ptr,
                                              int row0,
-                                             int warp_row0, int lane) {
+                                             int warp_row0, int lane, int col0 = 0) {
   unsigned char* stage = reinterpret_cast<unsigned char*>(s_stage);
   if constexpr (kE4m3Columns) {  // (a lane holds dims 16c + 4t .. + 3: half a chunk)
 #pragma unroll
@@ -140,17 +141,17 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
     const int row = row0 + warp_row0 + r;
-    if (row < seqlen_q && c * 8 < head_dim_of<kOwnHeadDim>(p)) {
+    if (row < seqlen_q && c * 8 < head_dim_of<kOwnHeadDim>(p) - col0) {
       const uint4 x =
           *reinterpret_cast<const uint4*>(stage + Swizzle<kHeadDim>::offset(warp_row0 + r, c));
       u16* dst = o_ptr + row * p.o_row_stride + c * 8;
       if constexpr (kElementIO)
-        store8_elementwise(dst, x, head_dim_of<kOwnHeadDim>(p) - c * 8);
+        store8_elementwise(dst, x, head_dim_of<kOwnHeadDim>(p) - col0 - c * 8);
       else
         *reinterpret_cast<uint4*>(dst) = x;
     }
   }
-  if ((lane & 3) == 0 && p.lse) {  // no lse buffer when the caller did not ask for lse
+  if ((lane & 3) == 0 && p.lse && col0 == 0) {  // (no lse buffer: the caller asked for none)
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -168,6 +169,9 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
 // memory, read into mma fragments as kDtype values (common/e4m3_mma.cuh), k_descale folded
 // into the scores, v_descale into the output. kHeadDimVWanted: V's and O's head dim where
 // it is not Q's and K's (p.head_dim_v; 0: kHeadDim), at most kHeadDim (O is staged over Q).
+// Above head dim 256 (kColumnHalves) O's 16 rows a warp would not fit in registers: each
+// query tile is two CTAs, blockIdx.x's low bit picking which kHeadDimV columns of V and O
+// (both compute the scores; the first writes lse).
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
           bool kElementIO = false, bool kE4m3 = false, int kHeadDimVWanted = 0>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
@@ -180,6 +184,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   static_assert(!(kElementIO && kE4m3), "an e4m3 cache takes the 16-byte path");
   static_assert(kHeadDimV <= kHeadDim && (!kOwnV || !(kElementIO || kE4m3)),
                 "a head dim of V's own: at most Q's, on the 16-bit 16-byte path");
+  constexpr bool kColumnHalves = kHeadDim > 256;
+  static_assert(!kColumnHalves || (kOwnV && 2 * kHeadDimV >= kHeadDim),
+                "above 256, V's and O's columns in two halves");
 
   extern __shared__ __align__(128) unsigned char smem[];
   u16* sQ = reinterpret_cast<u16*>(smem);
@@ -189,7 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   // -- which tile --
   Tile t;
-  if (!get_tile(p, static_cast<int>(blockIdx.x), t)) return;
+  if (!get_tile(p, static_cast<int>(kColumnHalves ? blockIdx.x >> 1 : blockIdx.x), t)) return;
+  const int v_col0 = kColumnHalves ? (blockIdx.x & 1) * kHeadDimV : 0;
   const int row0 = t.m_block * kBlockM;
   const int row_end = min(row0 + kBlockM, t.seqlen_q);
   const int lane = threadIdx.x % 32;
@@ -257,9 +265,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
       if constexpr (kInFlight) {
         in_flight.issue(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0);
       } else {
-        load_kv_block<kBlockN, kHeadDimV, kElementIO, kE4m3, kOwnV>(sv, p, t, ptr.v,
+        load_kv_block<kBlockN, kHeadDimV, kElementIO, kE4m3, kOwnV>(sv, p, t, ptr.v + v_col0,
                                                                    p.v_batch_stride,
-                                                                   p.v_row_stride, key0);
+                                                                   p.v_row_stride, key0, v_col0);
         cp_async_commit();
       }
 
@@ -314,8 +322,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   float lse[kMTiles][2];
   softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
-  write_output<kDtype, kHeadDimV, kElementIO, kE4m3, kOwnV>(acc_o, lse, p, t.seqlen_q, sQ, ptr.o,
-                                                           ptr.lse, row0, warp_row0, lane);
+  write_output<kDtype, kHeadDimV, kElementIO, kE4m3, kOwnV>(acc_o, lse, p, t.seqlen_q, sQ,
+                                                           ptr.o + v_col0, ptr.lse, row0,
+                                                           warp_row0, lane, v_col0);
 }
 
 }  // namespace cufa

@@ -1,0 +1,87 @@
+"""CPU: head dims above 256, up to 512 (Gemma 4's global layers), in flash_attn_func and
+flash_attn_varlen_func -- the variant (the sm80 family's kernel on Q and K padded to 512,
+V's and O's columns in two halves, two CTAs a query tile), what the planner launches, and
+every call that does not take them, refused with the argument named."""
+import pytest
+
+import cufa
+from cufa import _compile, _params, _runtime
+from test_fp8_varlen_cpu import view
+from test_launch_path_cpu import device, record  # noqa: F401  (the fixture)
+
+
+def test_the_variant_pads_to_512_and_splits_v_in_halves():
+    for d in (257, 320, 512):
+        v = _compile.fwd_variant("bf16", d, "window", True, "sm90")
+        assert (v.family, v.head_dim, v.head_dim_v, v.ctas_per_tile) == ("sm80", 512, 256, 2)
+        assert (v.block_m, v.block_n) == _compile.WIDE_TILES
+        assert v.smem_bytes == (64 * 512 + 16 * (512 + 256)) * 2 <= 99 * 1024
+    assert _compile.fwd_variant("fp16", 256, "none", False).ctas_per_tile == 1
+    with pytest.raises(ValueError, match="head dim 300 .over 256. takes 16-bit k and v"):
+        _compile.fwd_variant("fp16", 300, "none", False, e4m3_kv=True)
+    keys = {x.key for x in _compile.all_variants()}
+    assert {f"fwd_sm80_{dt}_hd512_bm64_bn16_{m}{mods}_dv256" for dt in ("fp16", "bf16")
+            for m in ("none", "window") for mods in ("", "_mods")} <= keys
+
+
+@pytest.mark.parametrize("d", [320, 512])
+def test_dense_calls_launch_two_ctas_a_tile(device, d):  # noqa: F811
+    q, k, v = view((2, 100, 8, d)), view((2, 300, 2, d)), view((2, 300, 2, d))
+    out = cufa.flash_attn_func(q, k, v, causal=True)
+    (launch,) = device.launches
+    r = record(launch)
+    assert (r["head_dim"], r["head_dim_v"], r["v_row_stride"]) == (d, d, 2 * d)
+    assert launch[1] == 2 * 2 * 8 * -(-100 // 64)  # (batch x heads x query tiles, twice)
+    assert device.allocations[0] == ((2, 100, 8, d), "float16")
+    assert r["o"] == int(out.split("@")[1], 16)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None)
+    assert (plan.variant.head_dim, plan.variant.head_dim_v) == (512, 256)
+
+
+def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
+    q, k, v = view((150, 8, 384)), view((400, 2, 384)), view((400, 2, 384))
+    cu = view((4,), "int32")
+    cufa.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64)
+    schedule, forward = device.launches
+    assert forward[1] == 2 * 8 * (150 // 64 + 3)
+    assert record(forward)["head_dim_v"] == 384
+    device.launches.clear()
+    cache, table = view((40, 16, 2, 384)), view((3, 10), "int32")
+    cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 160, block_table=table)
+    schedule, forward = device.launches  # (no decode kernel: they stop at head dim 256)
+    r = record(forward)
+    assert forward[1] == 2 * 8 * (150 // 64 + 3) and r["page_shift"] == 4
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("over 512", ValueError, ["q has head dim 520", "1 to 512"]),
+    ("kvcache", ValueError, ["head dim 320", "1 to 256 here",
+                             "up to 512 with 16-bit k and v in flash_attn_func"]),
+    ("sdpa", ValueError, ["query has head dim 320", "1 to 256"]),
+    ("odd head dim", NotImplementedError, ["head dim 300 (over 256) needs a head dim that is "
+                                           "a multiple of 8"]),
+    ("unaligned", NotImplementedError, ["head dim 320 (over 256) needs", "16-byte aligned"]),
+    ("backward", NotImplementedError, ["the backward takes head dims up to 256; got 320"]),
+])
+def test_calls_it_does_not_take(device, case, error, words):  # noqa: F811
+    q, k, v = view((2, 10, 4, 320)), view((2, 20, 2, 320)), view((2, 20, 2, 320))
+    call = (lambda: cufa.flash_attn_func(q, k, v))
+    if case == "over 512":
+        q, k, v = view((2, 10, 4, 520)), view((2, 20, 2, 520)), view((2, 20, 2, 520))
+    elif case == "kvcache":
+        call = (lambda: cufa.flash_attn_with_kvcache(q, k, v))
+    elif case == "sdpa":
+        q, k, v = view((2, 4, 10, 320)), view((2, 4, 20, 320)), view((2, 4, 20, 320))
+        call = (lambda: cufa.scaled_dot_product_attention(q, k, v))
+    elif case == "odd head dim":
+        q, k, v = view((2, 10, 4, 300)), view((2, 20, 2, 300)), view((2, 20, 2, 300))
+    elif case == "unaligned":
+        k = k.__class__(None, "cupy", k.ptr + 2, k.shape, k.strides, k.dtype, 0, 2)
+    elif case == "backward":
+        out, lse = view((2, 10, 4, 320)), view((2, 4, 10), "float32")
+        call = (lambda: cufa.flash_attn_backward(out, q, k, v, out, lse))
+    with pytest.raises(error) as e:
+        call()
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert not device.launches
