@@ -111,7 +111,7 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_hea
     if not 1 <= d <= max_head_dim:
         wide = ("" if max_head_dim > _compile.MAX_HEAD_DIM else
                 f" here (up to {_compile.WIDE_HEAD_DIM} with 16-bit k and v in "
-                f"flash_attn_func and flash_attn_varlen_func)")
+                f"flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache)")
         raise ValueError(f"{qn} has head dim {d}; cufa supports head dims from 1 to "
                          f"{max_head_dim}{wide}")
     if k.shape[-1] != d:
@@ -447,7 +447,8 @@ def check_cache(q, kc, vc, kn, vn, table, idx):
     # what flash_attn_func checks of q, k, v; the batch dims may differ (cache_batch_idx, pages)
     aligned = check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
                         f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
-                        batch_dim=None, seq_dim=1, head_dim=2)
+                        batch_dim=None, seq_dim=1, head_dim=2,
+                        max_head_dim=_compile.MAX_HEAD_DIM if fp8 else _compile.WIDE_HEAD_DIM)
     if fp8:
         aligned = chunk_aligned(q.shape, q.strides, q.ptr)
     batch, d, nheads_k = q.shape[0], q.shape[3], kc.shape[2]
@@ -659,6 +660,11 @@ def check_kvcache(a, out, fixed):
     if kc.dtype == FP8_CACHE and not aligned:
         raise NotImplementedError("with an fp8 cache, q and out must be 16-byte aligned rows "
                                   "(a head dim and strides that are multiples of 8)")
+    if d > _compile.MAX_HEAD_DIM and not aligned:
+        raise NotImplementedError(
+            f"head dim {d} (over {_compile.MAX_HEAD_DIM}) needs a head dim that is a multiple "
+            "of 8, and q, the caches and out in 16-byte aligned rows (strides that are "
+            "multiples of 8 elements)")
     if batch > GRID_YZ_MAX or nheads_k > GRID_YZ_MAX:
         raise ValueError(f"batch and nheads_k up to {GRID_YZ_MAX} are supported; got "
                          f"{batch}, {nheads_k}")

@@ -477,7 +477,11 @@ MERGE_DTYPES = _dtypes.keys_by_code("merge")  # index = MergeDtype in decode/mer
 def decode_shape(head_dim):
     """(warps, cp.async stages per warp) of the decode kernel (DecodeShape in decode.cu),
     an e4m3 cache's too: on an H200 its d = 64 and 128 kernels read no faster with more
-    stages (4-8 and 2-5 tried), though shared memory would hold them."""
+    stages (4-8 and 2-5 tried), though shared memory would hold them. Above d = 256 (V's
+    columns in two halves, a CTA each) one warp of three stages of K's rows and V's half
+    (88 KB: within sm_86/89's 99)."""
+    if head_dim > MAX_HEAD_DIM:
+        return 1, 3
     return (4 if head_dim <= 128 else 2), (4 if head_dim <= 64 else 2)
 
 
@@ -521,6 +525,7 @@ class _CacheKernel:
     threads = COMBINE_THREADS
     smem_bytes = 0
     units = 0  # (sequence, KV head) units a CTA takes: the TMA decode kernel's; 0: one
+    ctas_per_unit = 1  # CTAs a unit takes (DecodeVariant's two above d = 256)
     element_io = False  # rows moved an element at a time (the decode and combine kernels')
 
     @property
@@ -585,13 +590,21 @@ class DecodeVariant(_CacheKernel):
         return 32 * self.shape[0]
 
     @property
+    def ctas_per_unit(self):
+        """CTAs a (query block, KV head, sequence, split): two above d = 256, each with half
+        of V's and O's columns (the grid's x, low bit)."""
+        return 2 if self.head_dim > MAX_HEAD_DIM else 1
+
+    @property
     def smem_bytes(self):
         """Dynamic shared memory: Q, then each warp's K/V stages (an e4m3 cache's rows: a
-        byte a value and a 16-byte pad, to an odd number of 16-byte chunks, E4m3Tile)."""
+        byte a value and a 16-byte pad, to an odd number of 16-byte chunks, E4m3Tile; above
+        d = 256, V's rows are half K's)."""
         warps, stages = self.shape
         row = self.head_dim * self.elem_bytes
         cache_row = ((self.head_dim // 16) | 1) * 16 if self.fp8_cache else row
-        return DECODE_ROWS * row + warps * stages * 2 * DECODE_TILE_KEYS * cache_row
+        v_row = cache_row // self.ctas_per_unit
+        return DECODE_ROWS * row + warps * stages * DECODE_TILE_KEYS * (cache_row + v_row)
 
 
 @dataclass(frozen=True)
@@ -712,7 +725,7 @@ def decode_tma_kernel(dtype, head_dim, units):
 
 
 def decode_variants():
-    return ([DecodeVariant(dt, hd) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+    return ([DecodeVariant(dt, hd) for dt in DTYPES for hd in (*DECODE_HEAD_DIMS, WIDE_HEAD_DIM)]
             + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
             + [decode_tma_kernel(dt, hd, units) for dt in DTYPES for hd in DECODE_TMA_HEAD_DIMS
                for units in (1, 2)]

@@ -157,8 +157,8 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
                                   num_splits, batch, capacity, q.device) or (kernel, None)
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
         per_cta = max(kernel.units, 1)
-        launches.append(_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k,
-                                                         -(-batch // per_cta))))
+        launches.append(_launch_entry(kernel, q.device, (
+            num_m_blocks * num_splits * kernel.ctas_per_unit, nheads_k, -(-batch // per_cta))))
         if num_splits > 1:
             launches.append(_combine_entry(kernel, d, num_splits, batch * seqlen_q * nheads,
                                            q.device))
@@ -170,8 +170,8 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   maps=maps, merge_in_launch=kernel.units <= 1 and _heuristics.merge_in_launch(
-                       kernel, d, num_splits, seqlen_q * group))
+                   maps=maps, merge_in_launch=kernel.units <= 1 and kernel.ctas_per_unit == 1
+                   and _heuristics.merge_in_launch(kernel, d, num_splits, seqlen_q * group))
 
 
 def descale_strides(kd, vd):

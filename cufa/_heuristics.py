@@ -227,7 +227,8 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
     1056) runs on the four-CTA shape too; 256 x 1k (2048 units) on the default shape.
     """
     kernel = _compile.decode_kernel(dtype, d, element_io, fp8_cache)
-    splits = split_count(num_splits, units, capacity, kernel, device, paged)
+    splits = split_count(num_splits, units * kernel.ctas_per_unit, capacity, kernel, device,
+                         paged)
     wider = (_compile.decode_kernel_with_more_ctas(dtype, d)
              if num_splits == 0 and not element_io and not fp8_cache else None)
     if splits > 1:

@@ -76,6 +76,7 @@ def representative_variants():
         C.fwd_variant("bf16", 128, "none", True, "sm90", "mid"),          # score mods
         C.VARLEN_SCHEDULE,
         C.decode_kernel("fp16", 128),
+        C.decode_kernel("bf16", 512),                                     # V's halves
         C.decode_kernel("bf16", 59, element_io=True),
         C.decode_kernel_with_more_ctas("fp16", 64),
         C.decode_tma_kernel("bf16", 64, 2),

@@ -1,8 +1,10 @@
 """GPU: head dims above 256, up to 512 (Gemma 4's global layers), on flash_attn_func and
 flash_attn_varlen_func (contiguous and paged): the mma.sync kernel on Q and K padded to 512,
-V's and O's columns in two halves a query tile. Outputs and lse against the float64
-reference (pass rule in _attention_check.py), out= poisoned with NaN; odd lengths, empty
-sequences, GQA, every mask, softcap, ALiBi and a learnable sink; the backward refused."""
+V's and O's columns in two halves a query tile; and on flash_attn_with_kvcache: the decode
+kernel on 512, V's halves a CTA each, its splits merged by decode_combine. Outputs and lse
+against the float64 reference (pass rule in _attention_check.py), out= poisoned with NaN;
+odd lengths, empty sequences, GQA, every mask, softcap, ALiBi, a learnable sink, appends,
+rotary, leftpad, cache_batch_idx, every split count; the backward refused."""
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 import cufa  # noqa: E402
 from _attention_check import check_attention, randn  # noqa: E402
-from test_gpu_kvcache import check_packed_sequences, paged_caches  # noqa: E402
+from test_gpu_kvcache import check_packed_sequences, paged_caches, run_case  # noqa: E402
 from test_gpu_varlen import _check_each_sequence, _cu  # noqa: E402
 
 NAN = float("nan")
@@ -86,3 +88,31 @@ def test_torch_backward_is_refused(rng):
                     causal=True, label="d=320 requires grad")
     with pytest.raises(NotImplementedError, match="the backward takes head dims up to 256"):
         out.sum().backward()
+
+
+KVCACHE_CASES = {
+    "d320 GQA 8/2 q1 append": dict(d=320, new=1),
+    "d512 q4 causal paged 16 append 3": dict(d=512, seqlen_q=4, causal=True, page_size=16, new=3),
+    "d512 bf16 paged 1": dict(d=512, dtype="bfloat16", page_size=1, capacity=48, new=1),
+    "d384 paged 64 q37 causal": dict(d=384, page_size=64, capacity=256, seqlen_q=37, causal=True),
+    "d512 MQA 16/1 q4 (four query blocks)": dict(d=512, heads=(16, 1), seqlen_q=4, causal=True),
+    "d512 64 x 96 GQA 16/4 q1 (unsplit)": dict(d=512, batch=64, heads=(16, 4), capacity=96,
+                                               new=1),
+    "d320 empty caches": dict(d=320, lens=[0, 0, 0], seqlen_q=2),
+    "d512 cache_batch_idx": dict(d=512, batch_idx=True, new=2, seqlen_q=2, causal=True),
+    "d512 leftpad window ALiBi": dict(d=512, leftpad=[3, 70, 0], lens=[3, 100, 20], new=2,
+                                      window_size=(25, 0), alibi="batch"),
+    "d512 rotary interleaved append": dict(d=512, rotary="interleaved", causal=True, new=3,
+                                           seqlen_q=3),
+    "d448 rotary half 64 paged 16 bf16": dict(d=448, rotary="half", rotary_dim=64, page_size=16,
+                                              dtype="bfloat16", new=2, seqlen_q=2, causal=True),
+    "d512 softcap sink": dict(d=512, softcap=8.0, sink="float32", seqlen_q=4, causal=True),
+    "d512 one split": dict(d=512, num_splits=1, capacity=300),
+    "d512 3 splits": dict(d=512, num_splits=3, capacity=300, seqlen_q=2, causal=True),
+    "d264 16 splits": dict(d=264, num_splits=16, capacity=300),
+}
+
+
+@pytest.mark.parametrize("name", KVCACHE_CASES)
+def test_kvcache(rng, name):
+    run_case(rng, name, **KVCACHE_CASES[name])

@@ -1,11 +1,12 @@
-"""CPU: head dims above 256, up to 512 (Gemma 4's global layers), in flash_attn_func and
-flash_attn_varlen_func -- the variant (the sm80 family's kernel on Q and K padded to 512,
-V's and O's columns in two halves, two CTAs a query tile), what the planner launches, and
-every call that does not take them, refused with the argument named."""
+"""CPU: head dims above 256, up to 512 (Gemma 4's global layers), in flash_attn_func,
+flash_attn_varlen_func and flash_attn_with_kvcache -- the variants (the sm80 family's
+forward kernel on Q and K padded to 512, the decode kernel on 512; V's and O's columns in
+two halves, two CTAs a tile), what the planners launch, and every call that does not take
+them, refused with the argument named."""
 import pytest
 
 import cufa
-from cufa import _compile, _params, _runtime
+from cufa import _compile, _heuristics, _params, _runtime
 from test_fp8_varlen_cpu import view
 from test_launch_path_cpu import device, record  # noqa: F401  (the fixture)
 
@@ -53,10 +54,48 @@ def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
     assert forward[1] == 2 * 8 * (150 // 64 + 3) and r["page_shift"] == 4
 
 
+def test_the_decode_variant_halves_v_and_fits_every_gpu():
+    for d in (264, 512):
+        v = _compile.decode_kernel("bf16", d)
+        assert (v.head_dim, v.shape, v.threads, v.ctas_per_unit) == (512, (1, 3), 32, 2)
+        assert v.smem_bytes == 16 * 512 * 2 + 3 * 16 * (512 + 256) * 2 <= 99 * 1024
+    assert _compile.decode_kernel("fp16", 256).ctas_per_unit == 1
+    keys = {x.key for x in _compile.all_variants()}
+    assert {"decode_fp16_hd512_s3", "decode_bf16_hd512_s3"} <= keys
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_calls_launch_two_ctas_a_unit(device, paged):  # noqa: F811
+    """One token of 8 query heads over 2 KV heads, 4 new keys appended: the append, then the
+    decode kernel's grid x doubled (two halves of V a unit) with its splits, merged by
+    decode_combine (never in the launch), lse from the merge."""
+    d, batch = 320, 2
+    q, k_new, v_new = view((batch, 1, 8, d)), view((batch, 4, 2, d)), view((batch, 4, 2, d))
+    lens = view((batch,), "int32")
+    if paged:
+        cache, table = view((64, 16, 2, d)), view((batch, 32), "int32")
+        kw = dict(block_table=table)
+    else:
+        cache, kw = view((batch, 512, 2, d)), {}
+    out, lse = cufa.flash_attn_with_kvcache(q, cache, cache, k_new, v_new, cache_seqlens=lens,
+                                            causal=True, return_softmax_lse=True, **kw)
+    append, decode, *combine = device.launches
+    r = record(decode, _params.DECODE)
+    splits = int(r["num_splits"])
+    assert (r["head_dim"], r["num_m_blocks"], r["split_counters"]) == (d, 1, 0)
+    assert tuple(decode[1]) == (2 * splits, 2, batch)
+    assert splits > 1 and len(combine) == 1  # (4 units, 8 CTAs: split to fill 132 SMs)
+    assert record(combine[0], _params.DECODE)["lse"] == int(lse.split("@")[1], 16)
+    assert record(append, _params.DECODE)["k_new"] == k_new.ptr
+
+
 @pytest.mark.parametrize("case, error, words", [
     ("over 512", ValueError, ["q has head dim 520", "1 to 512"]),
-    ("kvcache", ValueError, ["head dim 320", "1 to 256 here",
-                             "up to 512 with 16-bit k and v in flash_attn_func"]),
+    ("fp8 kvcache", ValueError, ["head dim 320", "1 to 256 here",
+                                 "up to 512 with 16-bit k and v in flash_attn_func, "
+                                 "flash_attn_varlen_func and flash_attn_with_kvcache"]),
+    ("unaligned kvcache", NotImplementedError, ["head dim 320 (over 256) needs",
+                                                "16-byte aligned"]),
     ("sdpa", ValueError, ["query has head dim 320", "1 to 256"]),
     ("odd head dim", NotImplementedError, ["head dim 300 (over 256) needs a head dim that is "
                                            "a multiple of 8"]),
@@ -68,7 +107,11 @@ def test_calls_it_does_not_take(device, case, error, words):  # noqa: F811
     call = (lambda: cufa.flash_attn_func(q, k, v))
     if case == "over 512":
         q, k, v = view((2, 10, 4, 520)), view((2, 20, 2, 520)), view((2, 20, 2, 520))
-    elif case == "kvcache":
+    elif case == "fp8 kvcache":
+        k, v = view((2, 20, 2, 320), "float8_e4m3fn"), view((2, 20, 2, 320), "float8_e4m3fn")
+        call = (lambda: cufa.flash_attn_with_kvcache(q, k, v))
+    elif case == "unaligned kvcache":
+        k = k.__class__(None, "cupy", k.ptr + 2, k.shape, k.strides, k.dtype, 0, 2)
         call = (lambda: cufa.flash_attn_with_kvcache(q, k, v))
     elif case == "sdpa":
         q, k, v = view((2, 4, 10, 320)), view((2, 4, 20, 320)), view((2, 4, 20, 320))

@@ -326,7 +326,7 @@ def _refuse_unsupported(module, query, key, value, dropout, kwargs):
         raise NotImplementedError("cufa never forms the attention weights "
                                   '(output_attentions=True): use attn_implementation="eager"')
     if max(query.shape[-1], value.shape[-1]) > 256:  # (a model's first call, not its first decode)
-        raise NotImplementedError(f"head dim {query.shape[-1]} over 256: cufa's KV-cache, SDPA "
+        raise NotImplementedError(f"head dim {query.shape[-1]} over 256: cufa's SDPA-layout "
                                   f"and backward kernels stop at 256; use {FALLBACK}")
 
 

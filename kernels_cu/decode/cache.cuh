@@ -167,17 +167,60 @@ __device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const D
 //    columns past head_dim read as zeros. A paged cache's rows take their pages from
 //    row_page, this lane's tile_row_page (kPagesAhead), or look them up here. By cp.async
 //    (kElementIO: plain loads, load_kv_tile_elementwise). Elem: u16 (a swizzled tile), or
-//    u8 for an e4m3 cache (E4m3Tile rows) --
+//    u8 for an e4m3 cache (E4m3Tile rows). kHeadDimV < kHeadDim: V's columns col0 ..
+//    col0 + kHeadDimV (v_head: already at col0; 16-bit, 16-byte path) --
+// -- load_kv_tile's tile where V's stage holds kHeadDimV of its columns (from col0): a
+//    row's K chunks, then its V chunks, one slot lookup a chunk as load_kv_tile's paged
+//    path does (16 rows of 96 chunks at d = 512: 48 a lane) --
+template <int kHeadDim, int kHeadDimV, bool kPagesAhead>
+__device__ __forceinline__ void load_kv_tile_halves(u32 sk, u32 sv, const DecodeParams& p,
+                                                    const CacheSeq& s, const u16* k_head,
+                                                    const u16* v_head, int key0, int row_page,
+                                                    int lane, int col0) {
+  constexpr int kChunksK = kHeadDim / 8, kChunksV = kHeadDimV / 8;
+  constexpr int kChunks = kChunksK + kChunksV;
+  const int rows_valid = s.seqlen_k - key0;
+#pragma unroll 4
+  for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool is_k = c < kChunksK;
+    const int chunk = is_k ? c : c - kChunksK;
+    const bool valid = r < rows_valid && chunk * 8 < p.head_dim - (is_k ? 0 : col0);
+    const u16* src = is_k ? k_head : v_head;  // any valid address: a zero-filling copy reads nothing
+    const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r) : 0;  // (whole warp)
+    if (valid) {
+      const int pos = s.start + key0 + r;
+      const CacheSlot slot = !p.block_table
+                                 ? CacheSlot{s.row, pos}
+                                 : page_slot(p, kPagesAhead ? page : s.pages[pos >> p.page_shift], pos);
+      src += is_k ? slot.block * p.k_batch_stride + slot.row * p.k_row_stride + chunk * 8
+                  : slot.block * p.v_batch_stride + slot.row * p.v_row_stride + chunk * 8;
+    }
+    if (is_k)
+      cp_async_16(sk + Swizzle<kHeadDim>::offset(r, chunk), src, valid ? 16 : 0);
+    else
+      cp_async_16(sv + Swizzle<kHeadDimV>::offset(r, chunk), src, valid ? 16 : 0);
+  }
+}
+
 template <class Elem, int kHeadDim>
 __device__ __forceinline__ u32 kv_stage_offset(int r, int c) {
   if constexpr (sizeof(Elem) == 2) return Swizzle<kHeadDim>::offset(r, c);
   return E4m3Tile<kHeadDim>::offset(r, c);
 }
 
-template <int kHeadDim, bool kPagesAhead, bool kElementIO = false, class Elem = u16>
+template <int kHeadDim, bool kPagesAhead, bool kElementIO = false, class Elem = u16,
+          int kHeadDimV = kHeadDim>
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
                                              const CacheSeq& s, const Elem* k_head,
-                                             const Elem* v_head, int key0, int row_page, int lane) {
+                                             const Elem* v_head, int key0, int row_page, int lane,
+                                             int col0 = 0) {
+  if constexpr (kHeadDimV != kHeadDim) {
+    static_assert(!kElementIO && sizeof(Elem) == 2, "V's column halves: 16-bit, 16-byte path");
+    load_kv_tile_halves<kHeadDim, kHeadDimV, kPagesAhead>(sk, sv, p, s, k_head, v_head, key0,
+                                                          row_page, lane, col0);
+    return;
+  }
   if constexpr (kElementIO) {
     load_kv_tile_elementwise<kHeadDim, kPagesAhead>(sk, sv, p, s, k_head, v_head, key0,
                                                     row_page, lane);

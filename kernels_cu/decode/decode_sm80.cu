@@ -28,13 +28,20 @@ namespace cufa {
 // default at d = 64 once there are several waves). Mirrored by decode_shape and
 // DECODE_MORE_CTAS in cufa/_compile.py. kFp8: an e4m3 cache, whose stages (E4m3Tile:
 // rows of kHeadDim bytes and a 16-byte pad) hold a little over half the bytes, read
-// straight into mma fragments (common/e4m3_mma.cuh).
+// straight into mma fragments (common/e4m3_mma.cuh). Above d = 256 a unit's V and O
+// columns are cut in two halves, a CTA each (kColumnHalves: each computes the scores over
+// all of Q and K, as the forward's wide kernel does, so that a warp's output fits its
+// registers); a stage holds K's row and V's half: one warp of three 24 KB stages.
 template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0, bool kFp8 = false,
           int kMinCtasWanted = 0>
 struct DecodeShape {
-  static constexpr int kWarps = kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : 2;
+  static constexpr bool kColumnHalves = kHeadDim > 256;
+  static constexpr int kHeadDimV = kColumnHalves ? kHeadDim / 2 : kHeadDim;  // V's and O's
+  static constexpr int kWarps =
+      kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : kColumnHalves ? 1 : 2;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kStages = kStagesWanted ? kStagesWanted : kHeadDim <= 64 ? 4 : 2;
+  static constexpr int kStages =
+      kStagesWanted ? kStagesWanted : kHeadDim <= 64 ? 4 : kColumnHalves ? 3 : 2;
   // 16-key tiles a warp's softmax step folds in: two where two stages can be computing
   // while two are in flight, so the max, sum and output rescale run once per 32 keys
   static constexpr int kStepTiles = kStages >= 4 ? 2 : 1;
@@ -44,9 +51,10 @@ struct DecodeShape {
   static constexpr int kTilesBeforeQ = kStages - kStepTiles < 2 ? kStages - kStepTiles : 2;
   static constexpr int kTileBytes = kTileKeys * kHeadDim * 2;         // a 16-bit tile
   static constexpr int kStageTileBytes = kFp8 ? kTileKeys * E4m3Tile<kHeadDim>::kRowBytes : kTileBytes;
-  static constexpr int kWarpBytes = kStages * 2 * kStageTileBytes;
+  static constexpr int kVTileBytes = kColumnHalves ? kTileKeys * kHeadDimV * 2 : kStageTileBytes;
+  static constexpr int kWarpBytes = kStages * (kStageTileBytes + kVTileBytes);
   static constexpr int kQBytes = kDecodeRows * kHeadDim * 2;
-  static constexpr int kOStride = kHeadDim + 4;  // floats a row: rows 4 banks apart
+  static constexpr int kOStride = kHeadDimV + 4;  // floats a row: rows 4 banks apart
   static_assert(kDecodeRows * kOStride * 4 <= kWarpBytes,
                 "a warp's float outputs reuse its cache stages");
   static constexpr int kBytes = kQBytes + kWarps * kWarpBytes;
@@ -81,12 +89,18 @@ __global__ void __launch_bounds__(
   using Shape = DecodeShape<kHeadDim, kStages, kWarpCount, kFp8, kMinCtasWanted>;
   using Elem = typename CacheElem<kFp8>::type;
   constexpr int kWarps = Shape::kWarps;
-  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kHeadDimV = Shape::kHeadDimV;
+  constexpr int kDTiles = kHeadDimV / 8;
+  static_assert(!Shape::kColumnHalves || !(kElementIO || kFp8),
+                "above d = 256: 16-bit caches of 16-byte aligned rows");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
 
-  // -- which rows, keys and split --
-  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;
+  // -- which rows, keys and split (and with kColumnHalves, which half of V's columns: the
+  //    low bit, so that a unit's two CTAs run side by side and K's second read hits L2) --
+  const unsigned unit_x = Shape::kColumnHalves ? blockIdx.x >> 1 : blockIdx.x;
+  const int col0 = Shape::kColumnHalves ? (blockIdx.x & 1) * kHeadDimV : 0;
+  const int m_block = unit_x % p.num_m_blocks, split = unit_x / p.num_m_blocks;
   const int h_k = blockIdx.y;
   const int b = p.decode_order ? reinterpret_cast<const int*>(p.decode_order)[blockIdx.z] : blockIdx.z;
   if (b < 0) return;
@@ -117,17 +131,19 @@ __global__ void __launch_bounds__(
   constexpr bool kPagesAhead = kStep == 1;
   const u32 stages = sq + Shape::kQBytes + warp * Shape::kWarpBytes;
   const Elem* k_head = reinterpret_cast<const Elem*>(p.k) + h_k * p.k_head_stride;
-  const Elem* v_head = reinterpret_cast<const Elem*>(p.v) + h_k * p.v_head_stride;
+  const Elem* v_head = reinterpret_cast<const Elem*>(p.v) + h_k * p.v_head_stride + col0;
   const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
-  const auto stage_k = [&](int i) { return stages + (i % kStages) * 2 * Shape::kStageTileBytes; };
+  const auto stage_k = [&](int i) {
+    return stages + (i % kStages) * (Shape::kStageTileBytes + Shape::kVTileBytes);
+  };
   const auto ahead_pages = [&](int i) {
     return kPagesAhead && i < my_tiles ? tile_row_page(p, s, tile_key0(i), lane) : 0;
   };
   const auto prologue_tile = [&](int i) {
     if (i < my_tiles)
-      load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(i), stage_k(i) + Shape::kStageTileBytes,
-                                                      p, s, k_head, v_head, tile_key0(i),
-                                                      ahead_pages(i), lane);
+      load_kv_tile<kHeadDim, kPagesAhead, kElementIO, Elem, kHeadDimV>(
+          stage_k(i), stage_k(i) + Shape::kStageTileBytes, p, s, k_head, v_head, tile_key0(i),
+          ahead_pages(i), lane, col0);
     cp_async_commit();
   };
 #pragma unroll
@@ -167,10 +183,9 @@ __global__ void __launch_bounds__(
     for (int u = 0; u < kStep; ++u) {
       const int ahead = i + kStages - kStep + u;
       if (ahead < my_tiles)
-        load_kv_tile<kHeadDim, kPagesAhead, kElementIO>(stage_k(ahead),
-                                                        stage_k(ahead) + Shape::kStageTileBytes, p,
-                                                        s, k_head, v_head, tile_key0(ahead),
-                                                        next_pages[u], lane);
+        load_kv_tile<kHeadDim, kPagesAhead, kElementIO, Elem, kHeadDimV>(
+            stage_k(ahead), stage_k(ahead) + Shape::kStageTileBytes, p, s, k_head, v_head,
+            tile_key0(ahead), next_pages[u], lane, col0);
       cp_async_commit();
       next_pages[u] = ahead_pages(ahead + kStep);
     }
@@ -197,8 +212,8 @@ __global__ void __launch_bounds__(
     for (int u = 0; u < kStep; ++u) {
       if (u > 0 && i + u >= my_tiles) continue;
       const float(&tile_p)[1][2][4] = *reinterpret_cast<const float(*)[1][2][4]>(&acc_s[0][2 * u]);
-      accumulate_tile<kDtype, kHeadDim, kFp8>(acc_o, tile_p, stage_k(i + u) + Shape::kStageTileBytes,
-                                              lane);
+      accumulate_tile<kDtype, kHeadDimV, kFp8>(acc_o, tile_p, stage_k(i + u) + Shape::kStageTileBytes,
+                                               lane);
     }
     __syncwarp();  // every lane is done with these stages before they are refilled
   }
@@ -216,12 +231,16 @@ __global__ void __launch_bounds__(
   float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
   stage_warp_outputs<kWarps, Shape::kOStride, kFp8>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_out,
                                               scale_log2);
-  write_decode_output<kDtype, kHeadDim, Shape, kElementIO>(p, s, m_block, h_k, split, s_out,
-                                                           s_warp_max, s_warp_sum, scale_log2);
-  static_assert(merge_scratch_bytes(Shape::kThreads) <= kWarps * Shape::kWarpBytes,
-                "the merge's weights and partial sums fit the cache stages");
-  if (p.num_splits > 1 && p.split_counters)
-    merge_if_last<kDtype, Shape::kThreads, kElementIO>(p, s, m_block, h_k, rows, s_out);
+  write_decode_output<kDtype, kHeadDimV, Shape, kElementIO>(p, s, m_block, h_k, split, s_out,
+                                                            s_warp_max, s_warp_sum, scale_log2,
+                                                            col0);
+  // (halves: decode_combine merges the splits; the host leaves split_counters 0)
+  if constexpr (!Shape::kColumnHalves) {
+    static_assert(merge_scratch_bytes(Shape::kThreads) <= kWarps * Shape::kWarpBytes,
+                  "the merge's weights and partial sums fit the cache stages");
+    if (p.num_splits > 1 && p.split_counters)
+      merge_if_last<kDtype, Shape::kThreads, kElementIO>(p, s, m_block, h_k, rows, s_out);
+  }
 }
 
 }  // namespace cufa

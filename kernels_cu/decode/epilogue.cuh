@@ -99,18 +99,19 @@ __device__ __forceinline__ int partial_cols(int head_dim) {
   return kElementIO ? (head_dim + 7) & ~7 : head_dim;
 }
 
-// -- epilogue: merge the warps' states, then write the output (or this split's share) --
+// -- epilogue: merge the warps' states, then write the output (or this split's share):
+//    kHeadDim columns of s_out, the output's from col0 on (lse by the CTA of column 0) --
 template <int kDtype, int kHeadDim, class Shape, bool kElementIO = false>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
                                                     int m_block, int h_k, int split, float* s_out,
                                                     const float (&s_warp_max)[Shape::kWarps][kDecodeRows],
                                                     const float (&s_warp_sum)[Shape::kWarps][kDecodeRows],
-                                                    float scale_log2) {
+                                                    float scale_log2, int col0 = 0) {
   constexpr int kChunks = kHeadDim / 8;
   for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += Shape::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
     const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-    if (!row.valid || c * 8 >= p.head_dim) continue;
+    if (!row.valid || col0 + c * 8 >= p.head_dim) continue;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < Shape::kWarps; ++w)
@@ -131,10 +132,11 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
     if (p.num_splits > 1) {
       const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
       float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o_partial) +
-                                              o_row * partial_cols<kElementIO>(p.head_dim) + c * 8);
+                                              o_row * partial_cols<kElementIO>(p.head_dim) +
+                                              col0 + c * 8);
       dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
       dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
-      if (c == 0)
+      if (c == 0 && col0 == 0)
         reinterpret_cast<float*>(p.lse_partial)[((i64)(split * p.batch + s.b) * p.nheads + row.h) *
                                                     p.seqlen_q + row.t] = lse;
     } else {
@@ -142,9 +144,9 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
                             acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv};
       store_cols<kDtype, kElementIO>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
                                          (s.q_row0 + row.t) * p.o_row_stride +
-                                         row.h * p.o_head_stride + c * 8,
-                                     out, p.head_dim - c * 8);
-      if (c == 0 && p.lse)
+                                         row.h * p.o_head_stride + col0 + c * 8,
+                                     out, p.head_dim - col0 - c * 8);
+      if (c == 0 && col0 == 0 && p.lse)
         reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
                                         s.q_row0 + row.t] = lse;
     }
