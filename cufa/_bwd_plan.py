@@ -162,11 +162,12 @@ def _keys_per_cta(variants):
     return keys.pop()
 
 
-def variants_of(q, d, window, softcap, alibi, attn_mask=None):
+def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
     """The backward's launches for a call: _compile.bwd_variants' (preprocess, dq, dk/dv...),
     or with CUFA_BWD_FUSED_DQ=1 where it applies _compile.bwd_fused_variants' (preprocess,
     dk/dv with dq fused, dq convert), or on Hopper at bwd_sm90_head_dims()
-    _compile.bwd_sm90_variants' (dq and dk/dv on wgmma)."""
+    _compile.bwd_sm90_variants' (dq and dk/dv on wgmma). seqlen_q: a sequence's query rows
+    (a packed batch's total: its longest may be as long)."""
     if d > _compile.MAX_HEAD_DIM:
         raise NotImplementedError(f"the backward takes head dims up to {_compile.MAX_HEAD_DIM};"
                                   f" got {d} (the forward takes up to {_compile.WIDE_HEAD_DIM})")
@@ -176,7 +177,9 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None):
     fused = _compile.bwd_fused_variants(*key) if _compile.bwd_fused_wanted() else None
     wgmma = None
     if _compile.bwd_variants(*key)[1].head_dim in _compile.bwd_sm90_head_dims():
-        wgmma = _compile.bwd_sm90_variants(*key, _compile.bwd_sm90_tiles())
+        wgmma = _compile.bwd_sm90_variants(
+            *key, _compile.bwd_sm90_tiles(),
+            short_window=seqlen_q <= _compile.BWD_SM90_SHORT_WINDOW_ROWS)
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
     return fused or wgmma or _compile.bwd_variants(*key)
@@ -217,7 +220,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
             "of 8 elements and 16-byte aligned starts")
     nheads_k = k.shape[head_dim]
     framework = "cupy" if q.framework == "dlpack" else q.framework
-    variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask)
+    variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask, seqlen_q=seqlen_q)
     block_m, block_n = _dq_variant(variants).block_m, _keys_per_cta(variants)
     sink = a.learnable_sink
 

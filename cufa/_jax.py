@@ -345,7 +345,8 @@ def _backward_scratch_bytes(entry, arrays, options):
         query = v["query"]
         batch, nheads, seqlen_q, d = query.shape
         window = (_checks.UNBOUNDED, 0 if options["is_causal"] else _checks.UNBOUNDED)
-        variants = _bwd_plan.variants_of(query, d, window, 0.0, None, v.get("attn_mask"))
+        variants = _bwd_plan.variants_of(query, d, window, 0.0, None, v.get("attn_mask"),
+                                         seqlen_q=seqlen_q)
         return max(1, _bwd_plan.scratch_bytes(variants, (batch, nheads, seqlen_q), batch,
                                               seqlen_q, v["key"].shape[2], False, d)[0])
     window, _, softcap = _checked_options(options)
@@ -356,7 +357,8 @@ def _backward_scratch_bytes(entry, arrays, options):
     else:
         (seqlen_q, nheads, d), seqlen_k = q.shape, v["k"].shape[0]
         batch, lse_shape, packed = v["cu_seqlens_q"].shape[0] - 1, (nheads, seqlen_q), True
-    variants = _bwd_plan.variants_of(q, d, window, softcap, v.get("alibi_slopes"))
+    variants = _bwd_plan.variants_of(q, d, window, softcap, v.get("alibi_slopes"),
+                                     seqlen_q=seqlen_q)
     return max(1, _bwd_plan.scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k,
                                           packed, d)[0])
 

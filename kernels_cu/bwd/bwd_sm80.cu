@@ -26,36 +26,63 @@ __device__ __forceinline__ void load_rows(u32 smem, const u16* gmem, i64 row_str
 // ---------------------------------------------------------------------------------------
 // preprocess: D = rowsum(dout * out) for every (row, head) (less lse's gradient, where
 // given), and the sink's gradient dsink_h = -sum_rows exp(sink_h - lse) * D (a row's output
-// falls by its sink's share as the sink grows). A CTA of 8 warps takes 32 rows of one head, a warp a row at a time.
+// falls by its sink's share as the sink grows). A CTA of 8 warps takes 32 rows of one head.
+// A row is read in 16-byte pieces (the backward's alignment rule) by the fewest lanes that
+// cover it in one pass, so a warp takes several short rows at once: one lane a row with a
+// loop of dependent reductions left the small head dims latency-bound (d = 64 took 2x d =
+// 128's time on an H200).
+__device__ __forceinline__ int lanes_per_row(int head_dim) {
+  int lanes = 32;
+  while (lanes > 1 && (lanes / 2) * 8 >= head_dim) lanes /= 2;
+  return lanes;
+}
+
+template <int kDtype>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  const u16* x = reinterpret_cast<const u16*>(&a);
+  const u16* y = reinterpret_cast<const u16*>(&b);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sum += to_float<kDtype>(x[j]) * to_float<kDtype>(y[j]);
+  return sum;
+}
+
 template <int kDtype>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kRowsPerWarp = 4, kRowsPerCta = 8 * kRowsPerWarp;
   const int h = blockIdx.x % p.nheads;
   const i64 first_row = (i64)(blockIdx.x / p.nheads) * kRowsPerCta;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lanes = lanes_per_row(p.head_dim), rows_at_once = 32 / lanes;
+  const int sub_row = lane / lanes, first_col = (lane % lanes) * 8;
   const float sink = load_sink(p.learnable_sink, p.sink_dtype, h);
   float dsink = 0.f;
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const i64 r = first_row + warp * kRowsPerWarp + i;
-    if (r >= g.rows) break;
-    const i64 b = r / p.seqlen_q, row = r % p.seqlen_q;  // (packed: batch stride 0, b = 0)
+  // (every lane runs every pass: the reductions' shuffles take the whole warp)
+  for (int i0 = 0; i0 < kRowsPerWarp; i0 += rows_at_once) {
+    const i64 r = first_row + warp * kRowsPerWarp + i0 + sub_row;
+    const bool valid = i0 + sub_row < kRowsPerWarp && r < g.rows;
+    const i64 b = valid ? r / p.seqlen_q : 0, row = valid ? r % p.seqlen_q : 0;
     const u16* o = reinterpret_cast<const u16*>(p.o) + b * p.o_batch_stride +
                    row * p.o_row_stride + h * p.o_head_stride;
     const u16* dout = reinterpret_cast<const u16*>(g.dout) + b * g.dout_batch_stride +
                       row * g.dout_row_stride + h * g.dout_head_stride;
     float sum = 0.f;
-    for (int c = lane; c < p.head_dim; c += 32) sum += to_float<kDtype>(o[c]) * to_float<kDtype>(dout[c]);
-#pragma unroll
-    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    const i64 at = b * p.lse_batch_stride + h * p.lse_head_stride + row;
-    if (g.dlse) sum -= reinterpret_cast<const float*>(g.dlse)[at];
-    if (lane == 0) {
+    if (valid)
+      for (int c = first_col; c < p.head_dim; c += lanes * 8)
+        sum += dot8<kDtype>(*reinterpret_cast<const uint4*>(o + c),
+                            *reinterpret_cast<const uint4*>(dout + c));
+    for (int s = lanes / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    if (valid && lane % lanes == 0) {
+      const i64 at = b * p.lse_batch_stride + h * p.lse_head_stride + row;
+      if (g.dlse) sum -= reinterpret_cast<const float*>(g.dlse)[at];
       reinterpret_cast<float*>(g.softmax_d)[at] = sum;
       if (g.dsink && sum != 0.f)  // (a row without keys: lse = sink, out 0, nothing to add)
         dsink -= __expf(sink - reinterpret_cast<const float*>(p.lse)[at]) * sum;
     }
   }
   if (!g.dsink) return;
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) dsink += __shfl_xor_sync(0xffffffffu, dsink, s);
   __shared__ float warp_sums[8];
   if (lane == 0) warp_sums[warp] = dsink;
   __syncthreads();
