@@ -164,8 +164,9 @@ def _keys_per_cta(variants):
 
 def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
     """The backward's launches for a call: _compile.bwd_variants' (preprocess, dq, dk/dv...),
-    or with CUFA_BWD_FUSED_DQ=1 where it applies _compile.bwd_fused_variants' (preprocess,
-    dk/dv with dq fused, dq convert), or on Hopper at bwd_sm90_head_dims()
+    or with CUFA_BWD_FUSED_DQ=1 where it applies (not with attn_mask) the fused ones
+    (preprocess, dk/dv with dq fused, dq convert: on Hopper bwd_sm90_fused_variants' where
+    they apply, else bwd_fused_variants'), or on Hopper at bwd_sm90_head_dims()
     _compile.bwd_sm90_variants' (dq and dk/dv on wgmma). seqlen_q: a sequence's query rows
     (a packed batch's total: its longest may be as long)."""
     if d > _compile.MAX_HEAD_DIM:
@@ -174,7 +175,6 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
     mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
     key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
            or attn_mask is not None)
-    fused = _compile.bwd_fused_variants(*key) if _compile.bwd_fused_wanted() else None
     wgmma = None
     if _compile.bwd_variants(*key)[1].head_dim in _compile.bwd_sm90_head_dims():
         wgmma = _compile.bwd_sm90_variants(
@@ -182,6 +182,10 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
             short_window=seqlen_q <= _compile.BWD_SM90_SHORT_WINDOW_ROWS)
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
+    fused = None
+    if _compile.bwd_fused_wanted() and attn_mask is None:  # (whose gradient dq's kernel sums)
+        fused = ((_compile.bwd_sm90_fused_variants(*key) if wgmma else None)
+                 or _compile.bwd_fused_variants(*key))
     return fused or wgmma or _compile.bwd_variants(*key)
 
 

@@ -273,8 +273,9 @@ class BwdVariant:
             kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
             return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}>"
         if self.family == "sm90":
+            fused = ", true" if self.fused_dq else ""
             return (f"cufa::bwd_dkdv_sm90_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
-                    f"{self.stages}, {self.block_n}>")
+                    f"{self.stages}, {self.block_n}{fused}>")
         fused = ", true" if self.fused_dq else ""
         kernel = "bwd_dkdv_kernel"
         return (f"cufa::{kernel}<{args}, {BWD_GRADS.index(self.grads)}, "
@@ -296,7 +297,11 @@ class BwdVariant:
             if self.kind == "dq":
                 return 1024 + 2 * (self.block_m + stages * self.block_n) * row
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
-            return 1024 + 2 * self.block_n * row + stages * stage
+            # dq fused: the step's dS (16-bit), and each warpgroup's 64 staged rows of dq
+            # (kDqRowBytes: 64 floats and 16 bytes)
+            fused = (2 * self.block_m * self.block_n + self.block_n * (64 * 4 + 16)
+                     if self.fused_dq else 0)
+            return 1024 + 2 * self.block_n * row + stages * stage + fused
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
@@ -340,6 +345,24 @@ def bwd_fused_variants(dtype, head_dim, mask, score_mods):
     if tiles is None:
         return None
     fused = dataclasses.replace(kv[0], fused_dq=True, block_m=tiles[0], stages=tiles[1])
+    return pre, fused, BwdVariant("dq_convert", dtype)
+
+
+# dq fused on wgmma (kFusedDq in bwd/bwd_sm90.cu): padded head dim 128, two warpgroups of
+# 64 keys, 64-query steps, no score mods; CUFA_BWD_FUSED_DQ=1 takes it on Hopper.
+BWD_SM90_FUSED_TILES = {128: (128, 64)}  # padded head dim -> (keys, query block)
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods):
+    """(preprocess, dk/dv with dq fused on wgmma, dq convert) for a call, or None where it
+    does not apply."""
+    pre, _, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
+    tiles = BWD_SM90_FUSED_TILES.get(kv[0].head_dim)
+    if tiles is None or score_mods or len(kv) != 1:
+        return None
+    fused = dataclasses.replace(kv[0], family="sm90", fused_dq=True, stages=2,
+                                block_n=tiles[0], block_m=tiles[1])
     return pre, fused, BwdVariant("dq_convert", dtype)
 
 
@@ -852,6 +875,8 @@ def all_variants():
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
                                                      or ())]
+    variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
+                 for v in (bwd_sm90_fused_variants(dt, hd, mask, False) or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True)
                  for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_ONE_WARPGROUP))

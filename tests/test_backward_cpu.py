@@ -403,6 +403,42 @@ def test_dq_fused_where_asked_and_it_applies(monkeypatch):
     assert [f.kind for f, *_ in rec.launches] == ["preprocess", "dq", "dkdv"]
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
+    """CUFA_BWD_FUSED_DQ=1 on Hopper at d = 128 without score mods: the wgmma dk/dv kernel
+    with dq fused (two warpgroups of 64 keys, 64-query steps, 256 threads), its float32
+    sums zeroed in the scratch and converted last; with softcap the mma.sync fused kernel
+    (where it applies), with attn_mask none (the dq kernel sums its gradient)."""
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV):
+        monkeypatch.setitem(_compile._overrides, env, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_FUSED_ENV, "1")
+    b, sq, sk, h, hk, d = 2, 200, 300, 4, 2, 128
+    if packed:
+        dout, q, k, v, out, _ = (x.__class__(None, "cupy", x.ptr, x.shape[1:], x.strides[1:],
+                                             x.dtype, 0, 2) for x in dense_args(1, 300, 300, h,
+                                                                                hk, d))
+        cu = arr((3,), "int32", ptr=0x8000)
+        lse = arr((h, 300), "float32", ptr=0x6000)
+        cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True)
+    else:
+        cufa.flash_attn_backward(*dense_args(b, sq, sk, h, hk, d), causal=True)
+    launches = [x for x in rec.launches if x[0] is not _compile.VARLEN_SCHEDULE]
+    (pre, *_), (kv, blocks, threads, smem, _, (fwd, bwd)), (conv, *_) = launches
+    assert (pre.kind, kv.kind, conv.kind) == ("preprocess", "dkdv", "dq_convert")
+    assert (kv.family, kv.fused_dq, kv.block_n, kv.block_m, threads) == ("sm90", True, 128, 64,
+                                                                         256)
+    assert smem == kv.smem_bytes <= 227 * 1024 and bwd["dq_accum"] != 0
+    if not packed:
+        assert blocks == -(-sk // 128) * b * hk
+        assert fwd["num_m_blocks"] == -(-sq // 64) and bwd["num_n_blocks"] == -(-sk // 128)
+    rec.launches.clear()
+    cufa.flash_attn_backward(*dense_args(b, sq, sk, h, hk, 64), causal=True, softcap=5.0)
+    assert [(f.kind, f.family, f.fused_dq) for f, *_ in rec.launches][1] == ("dkdv", "sm80",
+                                                                               True)
+
+
 def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     """bwd/bwd_sm90.cu rounds its shared-memory base up to 1024 bytes (the swizzle's
     phase), then lays out its tiles: each variant asks for 1024 bytes beyond them."""
@@ -415,11 +451,15 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
         row = 2 * v.head_dim
         if v.kind == "dq":  # Q, dout; two stages of K and V
             tiles = 2 * v.block_m * row + v.stages * 2 * v.block_n * row
-        else:  # K, V; two stages of Q, dout, lse and D, each at a 1024-byte boundary
+        else:  # K, V; two stages of Q, dout, lse and D, each at a 1024-byte boundary;
+            # dq fused: dS, and each warpgroup's 64 staged rows of 64 floats and 16 bytes
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
+            if v.fused_dq:
+                tiles += 2 * v.block_m * v.block_n + v.block_n // 64 * 64 * 272
         assert v.smem_bytes == 1024 + tiles, v.key
     # the defaults and one warpgroup's tiles: at d = 64 dq on 64 rows, dk/dv on 128- and
     # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
     # and 64 keys (not the spilling one); above, dq, dk and dv apart
-    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3
+    # ... and dq fused at d = 128 (no score mods)
+    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 4

@@ -91,6 +91,7 @@ def representative_variants():
         *C.bwd_sm90_variants("fp16", 128, "none", True,
                              C.parse_bwd_sm90_tiles(C.BWD_SM90_ONE_WARPGROUP))[1:],
         *C.bwd_sm90_variants("fp16", 256, "window", True)[1:],  # dq on 32 keys; dk, dv apart
+        C.bwd_sm90_fused_variants("bf16", 128, "window", False)[1],  # dq fused on wgmma
     ]
 
 

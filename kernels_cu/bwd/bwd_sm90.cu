@@ -179,10 +179,67 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
   store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
 }
 
+// -- kFusedDq: the step's share of dq, dS (kBlockM queries x the CTA's kBlockN keys) K,
+//    added to g.dq_accum's float32 rows. Each warpgroup stores its dS^T fragments as dS
+//    (stmatrix .trans: rows of queries) into a K-major tile of both warpgroups' keys; once
+//    both are in, each takes 64 of the head dim's columns over all of the keys (A = dS, B
+//    = K MN-major) and adds them to dq_accum by bulk reductions from shared memory, a row
+//    a thread: no atomic instruction per element, as the mma.sync kernel's atomicAdd --
+// a staged row of 64 floats, padded: 16-byte aligned, fewer bank conflicts
+__device__ __forceinline__ constexpr int dq_row_bytes() { return 64 * 4 + 16; }
+
+template <int kDtype, int kBlockM, int kBlockN, int kQTiles>
+__device__ __forceinline__ void add_dq_share(const u32 (&ds_frag)[kQTiles / 2][4], u32 sds,
+                                             u32 sdq, u32 sk, float* dq_rows,
+                                             i64 dq_row_stride, int rows_valid, int warp_row0,
+                                             int lane, int wg) {
+  static_assert(kBlockM == 64 && kBlockN == 128 && kQTiles == kBlockM / 8,
+                "two warpgroups of 64 keys, 64-query steps");
+  const int matrix = lane / 8, row = lane % 8;
+#pragma unroll
+  for (int kk = 0; kk < kQTiles / 2; ++kk) {  // (fragment kk: queries 16 kk ..)
+    const int query = 16 * kk + (matrix / 2) * 8 + row, key = warp_row0 + (matrix % 2) * 8;
+    stmatrix_x4_trans(sds + panel_offset<kBlockM>(query, key / 8), ds_frag[kk][0],
+                      ds_frag[kk][1], ds_frag[kk][2], ds_frag[kk][3]);
+  }
+  fence_proxy_async();
+  named_barrier_sync(1, 2 * kBlockN);  // both warpgroups' keys in place
+  float acc[1][8][4];
+  const u64 a_desc = smem_desc(sds, 16, 1024);
+  const u64 b_desc = smem_desc(sk + wg * kBlockN * 128, kBlockN * 128, 1024);  // (its panel)
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kBlockN / 16; ++ks)
+    wgmma_ss_mn<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, kBlockM)),
+                        desc_add(b_desc, mn_kstep_offset(ks)), ks > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(acc);
+  // the staging rows are free once the last step's reductions have read them
+  const int tid = threadIdx.x % 128, warp_row = (tid / 32) * 16;
+  if (tid < 64) bulk_wait_read<0>();
+  named_barrier_sync(2 + wg, 128);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_row + lane / 4 + 8 * h, c = 8 * nt + 2 * (lane % 4);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sdq + r * dq_row_bytes() + 4 * c),
+                   "f"(acc[0][nt][2 * h]), "f"(acc[0][nt][2 * h + 1]) : "memory");
+    }
+  fence_proxy_async();
+  named_barrier_sync(2 + wg, 128);
+  if (tid < 64 && tid < rows_valid) {
+    bulk_add_f32(dq_rows + tid * dq_row_stride + wg * 64, sdq + tid * dq_row_bytes(), 256);
+    bulk_commit();
+  }
+}
+
 // dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
-// of its group; the warpgroups share each step's Q and dout
+// of its group; the warpgroups share each step's Q and dout. kFusedDq: dq too
+// (add_dq_share), at head dim 128 on two warpgroups.
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
-          int kStages, int kBlockN>
+          int kStages, int kBlockN, bool kFusedDq = false>
 __global__ void __launch_bounds__(2 * kBlockN, 1)
     bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kThreads = 2 * kBlockN;
@@ -196,11 +253,16 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   static_assert(kBlockN == 64 || kBlockN == 128, "one or two warpgroups, 16 keys a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
   static_assert(kStages == 2, "two Q/dout buffers (await_then_prefetch)");
+  static_assert(!kFusedDq || (kHeadDim == 128 && kGrads == KV_BOTH && !kScoreMods),
+                "dq fused at head dim 128, dk and dv together, no score mods");
   extern __shared__ unsigned char smem_raw[];
   // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
   const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
   const u32 sk = base, sv = base + kKVBytes, sstages = base + 2 * kKVBytes;
+  // kFusedDq: the step's dS (kBlockM x kBlockN, 16-bit), then each warpgroup's staged rows
+  [[maybe_unused]] const u32 sds = sstages + kStages * kStageBytes;
+  [[maybe_unused]] const u32 sdq = sds + kBlockM * kBlockN * 2;
   unsigned char* stages = smem + 2 * kKVBytes;
 
   KeyBlock kb;
@@ -326,6 +388,13 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
       pack_p<kDtype>(ds_frag, dpt);
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dk, ds_frag, q_mn_desc);
+      if constexpr (kFusedDq) {
+        float* dq_rows = reinterpret_cast<float*>(g.dq_accum) + th.b * g.dq_accum_batch_stride +
+                         th.h * g.dq_accum_head_stride + (th.q_start + q0) * g.dq_accum_row_stride;
+        add_dq_share<kDtype, kBlockM, kBlockN, kQTiles>(
+            ds_frag, sds, sdq + wg * 64 * dq_row_bytes(), sk, dq_rows, g.dq_accum_row_stride,
+            t.seqlen_q - q0, warp_row0, lane, wg);
+      }
     }
     // (the fragments feed the products until they complete: held past the wait)
     wgmma_wait<0>();

@@ -174,6 +174,29 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u3
                : "memory");
 }
 
+// The same, each matrix stored transposed: lane's address i's row j receives column j of
+// matrix i (8 elements that were 8 lanes' rows), so a fragment of dS^T lands as dS.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// -- bulk float additions from shared to global memory (the async proxy; `bytes` a
+//    multiple of 16, both addresses 16-byte aligned): issue, commit, and wait until at
+//    most kPending of this thread's groups still read their shared memory --
+__device__ __forceinline__ void bulk_add_f32(float* gmem, u32 smem, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(gmem), "r"(smem), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
 // -- a product's float accumulators, rounded to kDtype, as the A fragments of the next
 //    wgmma (P for P V): 16 of the accumulators' columns a fragment --
 template <int kDtype, int kNTiles>
