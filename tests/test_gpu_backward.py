@@ -335,9 +335,10 @@ def test_dq_fused(fused_dq, name, dtype):
               label=f"fused {name} {dtype}", **case, **kw)
 
 
-def test_dq_fused_varlen(fused_dq):
-    rng = np.random.default_rng(37)
-    dtype, h, d = torch.bfloat16, 4, 64
+@pytest.mark.parametrize("d", [64, 128])  # (on Hopper, d = 128 takes the wgmma kernel)
+def test_dq_fused_varlen(fused_dq, d):
+    rng = np.random.default_rng(37 + d)
+    dtype, h = torch.bfloat16, 4
     lens = [0, 70, 1, 150]
     q, k, v = (randn(rng, (1, sum(lens), h, d), dtype)[0] for _ in range(3))
     dout = randn(rng, (1, sum(lens), h, d), dtype)[0]
@@ -351,7 +352,7 @@ def test_dq_fused_varlen(fused_dq):
         if lens[i]:
             r = slice(offs[i], offs[i + 1])
             check_grads((dq[r][None], dk[r][None], dv[r][None]),
-                        *(x[r][None] for x in (q, k, v, dout)), f"fused varlen {i}",
+                        *(x[r][None] for x in (q, k, v, dout)), f"fused varlen d={d} {i}",
                         out=out[r][None], causal=True)
 
 

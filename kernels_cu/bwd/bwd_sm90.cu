@@ -191,8 +191,8 @@ __device__ __forceinline__ constexpr int dq_row_bytes() { return 64 * 4 + 16; }
 template <int kDtype, int kBlockM, int kBlockN, int kQTiles>
 __device__ __forceinline__ void add_dq_share(const u32 (&ds_frag)[kQTiles / 2][4], u32 sds,
                                              u32 sdq, u32 sk, float* dq_rows,
-                                             i64 dq_row_stride, int rows_valid, int warp_row0,
-                                             int lane, int wg) {
+                                             i64 dq_row_stride, int rows_valid, int head_dim,
+                                             int warp_row0, int lane, int wg) {
   static_assert(kBlockM == 64 && kBlockN == 128 && kQTiles == kBlockM / 8,
                 "two warpgroups of 64 keys, 64-query steps");
   const int matrix = lane / 8, row = lane % 8;
@@ -229,8 +229,10 @@ __device__ __forceinline__ void add_dq_share(const u32 (&ds_frag)[kQTiles / 2][4
     }
   fence_proxy_async();
   named_barrier_sync(2 + wg, 128);
-  if (tid < 64 && tid < rows_valid) {
-    bulk_add_f32(dq_rows + tid * dq_row_stride + wg * 64, sdq + tid * dq_row_bytes(), 256);
+  // (a row of dq_accum holds head_dim floats, a multiple of 8: the second half may be short)
+  const int cols = min(64, head_dim - wg * 64);
+  if (tid < 64 && tid < rows_valid && cols > 0) {
+    bulk_add_f32(dq_rows + tid * dq_row_stride + wg * 64, sdq + tid * dq_row_bytes(), 4 * cols);
     bulk_commit();
   }
 }
@@ -393,7 +395,7 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
                          th.h * g.dq_accum_head_stride + (th.q_start + q0) * g.dq_accum_row_stride;
         add_dq_share<kDtype, kBlockM, kBlockN, kQTiles>(
             ds_frag, sds, sdq + wg * 64 * dq_row_bytes(), sk, dq_rows, g.dq_accum_row_stride,
-            t.seqlen_q - q0, warp_row0, lane, wg);
+            t.seqlen_q - q0, p.head_dim, warp_row0, lane, wg);
       }
     }
     // (the fragments feed the products until they complete: held past the wait)
@@ -408,6 +410,7 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
     }
     stage ^= kStages - 1;
   }
+  if constexpr (kFusedDq) bulk_wait<0>();  // (the reductions read this CTA's shared memory)
   const int rows = rows_out - key0;
   if constexpr (kDk) {
     u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +

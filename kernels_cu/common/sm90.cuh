@@ -196,6 +196,11 @@ template <int kPending>
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
+// ... and until they are complete (before the CTA's shared memory goes away)
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 // -- a product's float accumulators, rounded to kDtype, as the A fragments of the next
 //    wgmma (P for P V): 16 of the accumulators' columns a fragment --
