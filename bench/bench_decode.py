@@ -105,8 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--mixed-only", action="store_true",
                    help="time the serving-shaped mixed step alone (printed, no files)")
     args = p.parse_args(argv)
-    if any(not 1 <= d <= 256 for d in args.head_dims):
-        p.error("--head-dims must be from 1 to 256")
+    if any(not 1 <= d <= (256 if args.fp8 else 512) for d in args.head_dims):
+        p.error("--head-dims must be from 1 to 512 (to 256 with --fp8)")
     if args.reps < 1:
         p.error("--reps must be >= 1")
     return args
