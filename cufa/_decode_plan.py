@@ -314,12 +314,13 @@ def plan_packed_decode(q, k, v, o, alibi, sink, paged, *, batch, nheads, nheads_
     partial_rows = batch * rows * nheads if num_splits > 1 else 0
     workspace = _workspace(num_splits * partial_rows * _partial_cols(d),
                            num_splits * partial_rows)
-    launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits, nheads_k, batch))]
+    launches = [_launch_entry(kernel, q.device, (num_m_blocks * num_splits * kernel.ctas_per_unit,
+                                                 nheads_k, batch))]
     if partial_rows:
         launches.append(_combine_entry(kernel, d, num_splits, partial_rows, q.device))
     return PackedDecode(rows, tuple(launches), _params.DECODE.pack(p), workspace,
-                        merge_in_launch=_heuristics.merge_in_launch(kernel, d, num_splits,
-                                                                    rows * group))
+                        merge_in_launch=kernel.ctas_per_unit == 1 and _heuristics.merge_in_launch(
+                            kernel, d, num_splits, rows * group))
 
 
 def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, sink, packed, scratch_ptr,

@@ -188,13 +188,11 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
 // a staged row of 64 floats, padded: 16-byte aligned, fewer bank conflicts
 __device__ __forceinline__ constexpr int dq_row_bytes() { return 64 * 4 + 16; }
 
-template <int kDtype, int kBlockM, int kBlockN, int kQTiles>
-__device__ __forceinline__ void add_dq_share(const u32 (&ds_frag)[kQTiles / 2][4], u32 sds,
-                                             u32 sdq, u32 sk, float* dq_rows,
-                                             i64 dq_row_stride, int rows_valid, int head_dim,
-                                             int warp_row0, int lane, int wg) {
-  static_assert(kBlockM == 64 && kBlockN == 128 && kQTiles == kBlockM / 8,
-                "two warpgroups of 64 keys, 64-query steps");
+// the warp's dS^T fragments (its 16 keys x kBlockM queries) as dS, before they are the A
+// operand of an in-flight product (its registers must not be read until it completes)
+template <int kBlockM, int kQTiles>
+__device__ __forceinline__ void stage_ds(const u32 (&ds_frag)[kQTiles / 2][4], u32 sds,
+                                         int warp_row0, int lane) {
   const int matrix = lane / 8, row = lane % 8;
 #pragma unroll
   for (int kk = 0; kk < kQTiles / 2; ++kk) {  // (fragment kk: queries 16 kk ..)
@@ -202,7 +200,20 @@ __device__ __forceinline__ void add_dq_share(const u32 (&ds_frag)[kQTiles / 2][4
     stmatrix_x4_trans(sds + panel_offset<kBlockM>(query, key / 8), ds_frag[kk][0],
                       ds_frag[kk][1], ds_frag[kk][2], ds_frag[kk][3]);
   }
-  fence_proxy_async();
+}
+
+// a named barrier of one warpgroup (ids 2 and 3: constants, so ptxas counts two)
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  if (wg) named_barrier_sync(3, 128);
+  else named_barrier_sync(2, 128);
+}
+
+template <int kDtype, int kBlockM, int kBlockN>
+__device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq_rows,
+                                             i64 dq_row_stride, int rows_valid, int head_dim,
+                                             int lane, int wg) {
+  static_assert(kBlockM == 64 && kBlockN == 128, "two warpgroups of 64 keys, 64-query steps");
+  fence_proxy_async();  // (stage_ds' stores, before the product reads them)
   named_barrier_sync(1, 2 * kBlockN);  // both warpgroups' keys in place
   float acc[1][8][4];
   const u64 a_desc = smem_desc(sds, 16, 1024);
@@ -218,7 +229,7 @@ __device__ __forceinline__ void add_dq_share(const u32 (&ds_frag)[kQTiles / 2][4
   // the staging rows are free once the last step's reductions have read them
   const int tid = threadIdx.x % 128, warp_row = (tid / 32) * 16;
   if (tid < 64) bulk_wait_read<0>();
-  named_barrier_sync(2 + wg, 128);
+  warpgroup_barrier(wg);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -228,7 +239,7 @@ __device__ __forceinline__ void add_dq_share(const u32 (&ds_frag)[kQTiles / 2][4
                    "f"(acc[0][nt][2 * h]), "f"(acc[0][nt][2 * h + 1]) : "memory");
     }
   fence_proxy_async();
-  named_barrier_sync(2 + wg, 128);
+  warpgroup_barrier(wg);
   // (a row of dq_accum holds head_dim floats, a multiple of 8: the second half may be short)
   const int cols = min(64, head_dim - wg * 64);
   if (tid < 64 && tid < rows_valid && cols > 0) {
@@ -388,14 +399,15 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
           dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[col]) * d_raw;
         }
       pack_p<kDtype>(ds_frag, dpt);
+      if constexpr (kFusedDq) stage_ds<kBlockM, kQTiles>(ds_frag, sds, warp_row0, lane);
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dk, ds_frag, q_mn_desc);
       if constexpr (kFusedDq) {
         float* dq_rows = reinterpret_cast<float*>(g.dq_accum) + th.b * g.dq_accum_batch_stride +
                          th.h * g.dq_accum_head_stride + (th.q_start + q0) * g.dq_accum_row_stride;
-        add_dq_share<kDtype, kBlockM, kBlockN, kQTiles>(
-            ds_frag, sds, sdq + wg * 64 * dq_row_bytes(), sk, dq_rows, g.dq_accum_row_stride,
-            t.seqlen_q - q0, p.head_dim, warp_row0, lane, wg);
+        add_dq_share<kDtype, kBlockM, kBlockN>(sds, sdq + wg * 64 * dq_row_bytes(), sk, dq_rows,
+                                               g.dq_accum_row_stride, t.seqlen_q - q0,
+                                               p.head_dim, lane, wg);
       }
     }
     // (the fragments feed the products until they complete: held past the wait)

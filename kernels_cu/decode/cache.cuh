@@ -179,7 +179,19 @@ __device__ __forceinline__ void load_kv_tile_halves(u32 sk, u32 sv, const Decode
                                                     int lane, int col0) {
   constexpr int kChunksK = kHeadDim / 8, kChunksV = kHeadDimV / 8;
   constexpr int kChunks = kChunksK + kChunksV;
+  static_assert(kTileKeys * kChunks % 32 == 0, "every lane runs every pass (the shuffle)");
   const int rows_valid = s.seqlen_k - key0;
+  // a tile of one base (contiguous, or inside one page): load_kv_tile's rule
+  const int pos0 = s.start + key0;
+  const bool one_page = p.page_shift >= 4 && (pos0 & (kTileKeys - 1)) == 0;
+  const bool paged = p.block_table != 0 && !one_page;
+  i64 block = s.row;
+  if (p.block_table && one_page)
+    block = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, 0)
+                                     : s.pages[pos0 >> p.page_shift], pos0).block;
+  const int row0 = p.block_table ? pos0 & ((1 << p.page_shift) - 1) : pos0;
+  const i64 first_k = paged ? 0 : block * p.k_batch_stride + (i64)row0 * p.k_row_stride;
+  const i64 first_v = paged ? 0 : block * p.v_batch_stride + (i64)row0 * p.v_row_stride;
 #pragma unroll 4
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
@@ -187,14 +199,17 @@ __device__ __forceinline__ void load_kv_tile_halves(u32 sk, u32 sv, const Decode
     const int chunk = is_k ? c : c - kChunksK;
     const bool valid = r < rows_valid && chunk * 8 < p.head_dim - (is_k ? 0 : col0);
     const u16* src = is_k ? k_head : v_head;  // any valid address: a zero-filling copy reads nothing
-    const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r) : 0;  // (whole warp)
-    if (valid) {
-      const int pos = s.start + key0 + r;
-      const CacheSlot slot = !p.block_table
-                                 ? CacheSlot{s.row, pos}
-                                 : page_slot(p, kPagesAhead ? page : s.pages[pos >> p.page_shift], pos);
-      src += is_k ? slot.block * p.k_batch_stride + slot.row * p.k_row_stride + chunk * 8
-                  : slot.block * p.v_batch_stride + slot.row * p.v_row_stride + chunk * 8;
+    if (!paged) {
+      if (valid)
+        src += is_k ? first_k + r * p.k_row_stride + chunk * 8 : first_v + r * p.v_row_stride + chunk * 8;
+    } else {
+      const int page = kPagesAhead ? __shfl_sync(0xffffffffu, row_page, r) : 0;  // (whole warp)
+      if (valid) {
+        const int pos = pos0 + r;
+        const CacheSlot slot = page_slot(p, kPagesAhead ? page : s.pages[pos >> p.page_shift], pos);
+        src += is_k ? slot.block * p.k_batch_stride + slot.row * p.k_row_stride + chunk * 8
+                    : slot.block * p.v_batch_stride + slot.row * p.v_row_stride + chunk * 8;
+      }
     }
     if (is_k)
       cp_async_16(sk + Swizzle<kHeadDim>::offset(r, chunk), src, valid ? 16 : 0);
