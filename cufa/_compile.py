@@ -48,6 +48,11 @@ HEAD_DIM_V_PAIRS = ((192, 128),)
 # registers, no spills.
 WIDE_HEAD_DIM = 512
 WIDE_TILES = (64, 16)
+# CUFA_WIDE_TILES="64xN" (N: 16, 32 or 64) replaces WIDE_TILES, to time others: 32- and
+# 64-key blocks take 112 and 160 KB (A100, H100, H200; not sm_86/89) and 244-252 registers
+# without spills (NVRTC 13.0, sm_90); compiled when first called.
+WIDE_TILES_ENV = "CUFA_WIDE_TILES"
+WIDE_KEY_BLOCKS = (16, 32, 64)
 # Element-wise I/O (kElementIO in fwd/fwd_sm80.cu and decode/decode_sm80.cu): rows moved an
 # element at a time, for calls with an array that cp.async and TMA cannot move in 16-byte
 # chunks (any head dim from 1 to 256, any strides: _checks.chunk_aligned). One variant per
@@ -782,12 +787,12 @@ def padded_head_dim(head_dim, family="sm80"):
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature calls it
 def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e4m3_kv=False,
-                head_dim_v=0):
+                head_dim_v=0, wide_tiles=WIDE_TILES):
     """rows: the sm90 tile class of the batch (sm90_rows): "short" takes the 64-row
     tiles, "mid" the middle ones, where the head dim has them, else the next longer.
     e4m3_kv: K and V from an e4m3 cache; head_dim_v: V's head dim where it is not Q's
     (a HEAD_DIM_V_PAIRS pair); both on the sm80 family's kernel (any GPU), as head dims
-    above 256 are (WIDE_HEAD_DIM)."""
+    above 256 are (WIDE_HEAD_DIM, on wide_tiles)."""
     if e4m3_kv or head_dim_v or head_dim > MAX_HEAD_DIM:
         family = "sm80"
     hd = padded_head_dim(head_dim, family)
@@ -795,7 +800,7 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
         if e4m3_kv or (head_dim_v and head_dim_v != head_dim):
             raise ValueError(f"head dim {head_dim} (over {MAX_HEAD_DIM}) takes 16-bit k and v "
                              f"of q's head dim")
-        return FwdVariant("sm80", dtype, hd, mask, bool(score_mods), *WIDE_TILES,
+        return FwdVariant("sm80", dtype, hd, mask, bool(score_mods), *wide_tiles,
                           head_dim_v=hd // 2)
     dv = 0
     if head_dim_v and padded_head_dim(head_dim_v) != hd:  # the pair's v head dim covers it
@@ -842,13 +847,25 @@ def family_for(compute_capability):
     return "sm90" if str(compute_capability) == "90" else "sm80"
 
 
+def wide_tiles():
+    """The forward's tiles above d = 256: CUFA_WIDE_TILES's, else WIDE_TILES."""
+    text = (_overrides.get(WIDE_TILES_ENV) or "").replace(" ", "")
+    if not text:
+        return WIDE_TILES
+    rows, _, keys = text.partition("x")
+    if rows != str(WIDE_TILES[0]) or keys not in {str(n) for n in WIDE_KEY_BLOCKS}:
+        raise ValueError(f"{WIDE_TILES_ENV} takes '{WIDE_TILES[0]}xN' with N in "
+                         f"{WIDE_KEY_BLOCKS}; got {text!r}")
+    return WIDE_TILES[0], int(keys)
+
+
 def read_overrides():
     """Read CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA and the backward's
     CUFA_BWD_* choices from the environment: at import, and again by api.clear_plans(). Plans are made with the values last read,
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
-                                   BWD_SM90_ENV, BWD_SM90_TILES_ENV))
+                                   BWD_SM90_ENV, BWD_SM90_TILES_ENV, WIDE_TILES_ENV))
 
 
 _overrides = {}

@@ -478,7 +478,13 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
             "16-byte aligned starts")
     elif d_v != d or d > _compile.MAX_HEAD_DIM:  # (v's own head dim; over 256: sm80's)
         variant, tma_template = _compile.fwd_variant(
-            KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, head_dim_v=d_v), None
+            KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, head_dim_v=d_v,
+            wide_tiles=_compile.wide_tiles()), None
+        if variant.smem_bytes > _runtime.smem_per_block(q.device):
+            raise ValueError(f"{_compile.WIDE_TILES_ENV}={_compile.wide_tiles()[0]}x"
+                             f"{variant.block_n}: the tiles take {variant.smem_bytes} bytes of "
+                             f"shared memory, over this GPU's "
+                             f"{_runtime.smem_per_block(q.device)} a block")
     elif aligned:
         variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
                                          mask_kind, score_mods, family, paged, keys)

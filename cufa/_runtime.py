@@ -227,6 +227,7 @@ _driver_module = None
 _capabilities = {}
 _sm_counts = {}
 _smem_per_sms = {}
+_smem_per_blocks = {}
 
 
 def sm_count(device):
@@ -243,6 +244,16 @@ def compute_capability(device):
         import cupy
         cc = _capabilities[device] = cupy.cuda.Device(device).compute_capability
     return cc
+
+
+def smem_per_block(device):
+    """The dynamic shared memory a CTA may ask for (opt-in)."""
+    n = _smem_per_blocks.get(device)
+    if n is None:
+        import cupy
+        n = _smem_per_blocks[device] = cupy.cuda.Device(device).attributes[
+            "MaxSharedMemoryPerBlockOptin"]
+    return n
 
 
 def smem_per_sm(device):

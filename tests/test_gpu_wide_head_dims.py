@@ -81,6 +81,25 @@ def test_paged_prefill_and_decode_sized_sequences(rng, page_size):
                            f"paged {page_size}", causal=True)
 
 
+@pytest.mark.parametrize("spec", ["64x32", "64x64"])
+def test_wider_key_blocks(rng, monkeypatch, spec):
+    """CUFA_WIDE_TILES (to time them): 32- and 64-key blocks, dense and packed, where the
+    GPU grants their shared memory."""
+    from cufa import _compile, _runtime
+    keys = int(spec.split("x")[1])
+    if (64 * 512 + keys * 768) * 2 > _runtime.smem_per_block(torch.cuda.current_device()):
+        pytest.skip(f"{spec} takes more shared memory than this GPU grants a block")
+    monkeypatch.setenv(_compile.WIDE_TILES_ENV, spec)
+    cufa.api.clear_plans()
+    try:
+        test_dense(rng, "bfloat16", 384, "causal")
+        test_dense(rng, "float16", 512, "window softcap")
+        test_packed_with_empty_and_odd_sequences(rng, 296)
+    finally:
+        monkeypatch.delenv(_compile.WIDE_TILES_ENV)
+        cufa.api.clear_plans()
+
+
 def test_torch_backward_is_refused(rng):
     q, k, v = (randn(rng, (1, 40, 2, 320), "bfloat16").requires_grad_() for _ in range(3))
     out, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)

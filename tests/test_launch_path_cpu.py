@@ -56,6 +56,7 @@ def device(monkeypatch):
     monkeypatch.setattr(_runtime, "compute_capability", lambda device: "90")
     monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
     monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: 228 * 1024)
+    monkeypatch.setattr(_runtime, "smem_per_block", lambda device: 227 * 1024)
     monkeypatch.setattr(_tma, "_encode_fn", lambda: _fake_encode)
     monkeypatch.setattr(_tma, "_replace_fn", lambda: _fake_replace)
     _clear_tma_caches()

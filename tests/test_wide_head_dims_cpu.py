@@ -54,6 +54,33 @@ def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
     assert forward[1] == 2 * 8 * (150 // 64 + 3) and r["page_shift"] == 4
 
 
+@pytest.mark.parametrize("spec, keys", [(None, 16), ("64x32", 32), ("64x64", 64)])
+def test_wide_tiles_from_the_environment(device, monkeypatch, spec, keys):  # noqa: F811
+    monkeypatch.setitem(_compile._overrides, _compile.WIDE_TILES_ENV, spec)
+    q, k, v = view((1, 70, 4, 320)), view((1, 90, 4, 320)), view((1, 90, 4, 320))
+    cufa.flash_attn_func(q, k, v)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None
+                and p.variant.head_dim == 512)
+    assert (plan.variant.block_m, plan.variant.block_n) == (64, keys)
+    assert plan.variant.smem_bytes == (64 * 512 + keys * (512 + 256)) * 2
+
+
+@pytest.mark.parametrize("spec", ["64x128", "128x16", "64"])
+def test_wide_tiles_that_do_not_exist_are_refused(monkeypatch, spec):
+    monkeypatch.setitem(_compile._overrides, _compile.WIDE_TILES_ENV, spec)
+    with pytest.raises(ValueError, match="CUFA_WIDE_TILES takes '64xN' with N in"):
+        _compile.wide_tiles()
+
+
+def test_wide_tiles_over_the_gpus_shared_memory_are_refused(device, monkeypatch):  # noqa: F811
+    monkeypatch.setitem(_compile._overrides, _compile.WIDE_TILES_ENV, "64x64")
+    monkeypatch.setattr(_runtime, "smem_per_block", lambda device: 99 * 1024)
+    q, k, v = view((1, 70, 4, 320)), view((1, 90, 4, 320)), view((1, 90, 4, 320))
+    with pytest.raises(ValueError, match="CUFA_WIDE_TILES=64x64: the tiles take 163840 bytes"):
+        cufa.flash_attn_func(q, k, v)
+    assert not device.launches
+
+
 def test_the_decode_variant_halves_v_and_fits_every_gpu():
     for d in (264, 512):
         v = _compile.decode_kernel("bf16", d)
