@@ -125,10 +125,10 @@ def plan_packed(a, out, window, scale, softcap):
                  bottom_right=True, window=window, softcap=softcap, alibi=alibi,
                  attn_mask=None, packed=True, paged=paged, sink=sink, aligned=aligned,
                  descales=descales)
-    if paged is not None and plan.variant is not None and d <= _compile.MAX_HEAD_DIM:
+    if paged is not None and plan.variant is not None:
         # Decode-sized sequences of a serving batch go to the decode kernel (one tile a
-        # GQA group, each KV byte read once); the forward's work list leaves them out.
-        # (Above head dim 256, which the decode kernels do not take, the forward has all.)
+        # GQA group, each KV byte read once; above head dim 256 two CTAs, a half of V's
+        # columns each); the forward's work list leaves them out.
         plan.decode = _decode_plan.plan_packed_decode(
             q, k, v, o, alibi, sink, paged, batch=batch, nheads=nheads, nheads_k=k.shape[-2],
             d=d, total_q=total_q, window=window, scale=scale, softcap=softcap, aligned=aligned,

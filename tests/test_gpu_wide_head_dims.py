@@ -68,8 +68,8 @@ def test_packed_with_empty_and_odd_sequences(rng, d):
 
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_paged_prefill_and_decode_sized_sequences(rng, page_size):
-    """A serving batch's shape: prefill chunks and one-token sequences over a paged cache,
-    all on the forward kernel (the decode kernels stop at 256)."""
+    """A serving batch's shape: prefill chunks over a paged cache on the forward kernel,
+    one-token sequences on the decode kernel (two CTAs a unit, V's halves)."""
     d, lens_q, lens_k = 384, [1, 90, 1, 33], [150, 120, 17, 64]
     k_cache, v_cache, k_pages, v_pages, table = paged_caches(rng, 4, 192, 2, d, "float16",
                                                              page_size)

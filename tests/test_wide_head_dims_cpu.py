@@ -49,9 +49,14 @@ def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
     device.launches.clear()
     cache, table = view((40, 16, 2, 384)), view((3, 10), "int32")
     cufa.flash_attn_varlen_func(q, cache, cache, cu, cu, 64, 160, block_table=table)
-    schedule, forward = device.launches  # (no decode kernel: they stop at head dim 256)
+    # the forward takes the longer sequences, the decode kernel (two CTAs a unit) the short
+    schedule, forward, decode, *combine = device.launches
     r = record(forward)
     assert forward[1] == 2 * 8 * (150 // 64 + 3) and r["page_shift"] == 4
+    rd = record(decode, _params.DECODE)
+    assert (rd["head_dim"], rd["seqlen_q"], rd["split_counters"]) == (384, 4, 0)
+    assert tuple(decode[1]) == (2 * int(rd["num_m_blocks"]) * int(rd["num_splits"]), 2, 3)
+    assert len(combine) == (int(rd["num_splits"]) > 1)
 
 
 @pytest.mark.parametrize("spec, keys", [(None, 16), ("64x32", 32), ("64x64", 64)])
