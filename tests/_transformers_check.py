@@ -192,18 +192,19 @@ def reference_kernels(calls=None):
 
 # -- scenarios, each run on the three models (float32 reference, 16-bit reference, cufa) ---
 
-def _models(family, dtype, device):
+def _models(family, dtype, device, **overrides):
     ref = reference_attention(family)
-    return (build(family, ref, torch.float32, device), build(family, ref, dtype, device),
-            build(family, "cufa", dtype, device))
+    return (build(family, ref, torch.float32, device, **overrides),
+            build(family, ref, dtype, device, **overrides),
+            build(family, "cufa", dtype, device, **overrides))
 
 
-def check_prefill(family, dtype, device, batch_kind, label=""):
+def check_prefill(family, dtype, device, batch_kind, label="", **overrides):
     """One forward of a batch: 'left', 'right' (padding), 'left_short' (left padding, at
     most 16 tokens: the decode-sized route), 'holes' (padding inside a sequence), 'none'
     (no padding, no mask) or 'packed' (sequences back to back, two rows, no cache).
-    Returns the worst ratio."""
-    models = _models(family, dtype, device)
+    Returns the worst ratio. overrides: config fields."""
+    models = _models(family, dtype, device, **overrides)
     kwargs, real = {}, None
     if batch_kind == "packed":
         rows = [packed([7, 30, 1, 19], device=device), packed([40, 17], seed=4, device=device)]
@@ -307,13 +308,14 @@ def check_encoder_decoder(dtype, device, encoder_padding=True, label=""):
 
 
 def check_generation(family, dtype, device, cache="dynamic", new_tokens=32, label="",
-                     compiled=False):
+                     compiled=False, **overrides):
     """Greedy generation of a left-padded batch on cufa (a prefill, then decode steps on
     the cache); each step's logits against the reference models' one forward over the
     whole generated sequence (teacher forcing, so near-tied logits cannot make the
     references follow another path). compiled: a static cache's decode steps under
-    torch.compile, as generate() does by itself on a GPU (else it is told not to)."""
-    ref32, lowp, model = _models(family, dtype, device)
+    torch.compile, as generate() does by itself on a GPU (else it is told not to).
+    overrides: config fields."""
+    ref32, lowp, model = _models(family, dtype, device, **overrides)
     ids, mask = left_padded(3, 30, [0, 4, 13], device=device)
     options = dict(max_new_tokens=new_tokens, do_sample=False, output_logits=True,
                    return_dict_in_generate=True, pad_token_id=0)

@@ -5,7 +5,7 @@ sdpa/eager in float32, held to 2x the 16-bit sdpa/eager model's own error
 (tests/_transformers_check.py); padded, packed and unpadded prefill, chunked prefill on a
 cache, an encoder-decoder (cross-attention), 32 greedy tokens on the dynamic and the static
 cache, eager and under torch.compile (what generate() does by itself with a static cache on
-a GPU)."""
+a GPU); and head dims over 256 at inference."""
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -58,6 +58,20 @@ def test_encoder_decoder(calls, encoder_padding):
 def test_packed_rows_from_flash_attn_keyword_arguments(calls, family):
     tc.check_flattened_kwargs(family, torch.bfloat16, "cuda")
     assert set(calls) == {"flash_attn_varlen_func"}
+
+
+@pytest.mark.parametrize("batch_kind", ["left", "right", "none", "packed"])
+def test_head_dim_over_256_prefill(calls, batch_kind):
+    """Gemma 4's global layers' head dims: 384 here, local and global layers, MQA 4/1,
+    inference (the forward and KV-cache kernels take up to 512)."""
+    tc.check_prefill("gemma3", torch.bfloat16, "cuda", batch_kind, head_dim=384)
+    assert calls and "scaled_dot_product_attention" not in calls
+
+
+def test_head_dim_over_256_generation(calls):
+    tc.check_generation("gemma3", torch.bfloat16, "cuda", "dynamic", new_tokens=16,
+                        head_dim=384)
+    assert "flash_attn_with_kvcache" in calls
 
 
 @pytest.mark.parametrize("family", list(tc.FAMILIES))

@@ -296,9 +296,17 @@ def test_what_cufa_does_not_do_names_the_fallback(calls):
     model.eval()
     with torch.no_grad(), pytest.raises(NotImplementedError, match="eager"):
         model(input_ids=ids, output_attentions=True)
+    # head dims over 256: inference on the forward and KV-cache kernels; not training (no
+    # backward there) nor a 4-D mask (the SDPA-layout kernels stop at 256)
     wide = tc.build("llama", "cufa", torch.bfloat16, "cpu", head_dim=320)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="head dim 320 over 256.*sdpa"):
+    with torch.no_grad():
         wide(input_ids=ids)
+    assert calls[-1] == "flash_attn_with_kvcache"
+    with pytest.raises(NotImplementedError, match="head dim 320 over 256 while autograd.*sdpa"):
+        wide.train()(input_ids=ids)
+    wide.eval()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="4-D attention mask.*sdpa"):
+        wide(input_ids=ids, attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool))
     fp32 = tc.build("llama", "cufa", torch.float32, "cpu")
     with torch.no_grad(), pytest.raises(TypeError, match="bfloat16.*sdpa"):
         fp32(input_ids=ids)

@@ -307,6 +307,10 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         value = torch.nn.functional.pad(value, (0, head_dim - v_head_dim))
     options = dict(softmax_scale=scaling, softcap=softcap or 0.0, learnable_sink=s_aux)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
+        if head_dim > 256:
+            raise NotImplementedError(f"head dim {head_dim} over 256 with a 4-D attention "
+                                      f"mask: cufa's SDPA-layout kernels stop at 256; use "
+                                      f"{FALLBACK}")
         out = _masked(query, key, value, attention_mask, options)
     else:  # (a 2-D mask: a layer called with the padding mask itself, as flash-attn takes it)
         plan = attention_mask if isinstance(attention_mask, KeyPlan) else _plan_from_arguments(
@@ -325,9 +329,10 @@ def _refuse_unsupported(module, query, key, value, dropout, kwargs):
     if kwargs.get("output_attentions"):
         raise NotImplementedError("cufa never forms the attention weights "
                                   '(output_attentions=True): use attn_implementation="eager"')
-    if max(query.shape[-1], value.shape[-1]) > 256:  # (a model's first call, not its first decode)
-        raise NotImplementedError(f"head dim {query.shape[-1]} over 256: cufa's SDPA-layout "
-                                  f"and backward kernels stop at 256; use {FALLBACK}")
+    if max(query.shape[-1], value.shape[-1]) > 256 and torch.is_grad_enabled() and any(
+            x.requires_grad for x in (query, key, value)):  # (a training step's first call)
+        raise NotImplementedError(f"head dim {query.shape[-1]} over 256 while autograd "
+                                  f"records: cufa's backward stops at 256; use {FALLBACK}")
 
 
 def _kernel_dtype(query, module):
