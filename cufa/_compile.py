@@ -353,9 +353,10 @@ def bwd_fused_variants(dtype, head_dim, mask, score_mods):
     return pre, fused, BwdVariant("dq_convert", dtype)
 
 
-# dq fused on wgmma (kFusedDq in bwd/bwd_sm90.cu): padded head dim 128, two warpgroups of
-# 64 keys, 64-query steps, no score mods; CUFA_BWD_FUSED_DQ=1 takes it on Hopper.
-BWD_SM90_FUSED_TILES = {128: (128, 64)}  # padded head dim -> (keys, query block)
+# dq fused on wgmma (kFusedDq in bwd/bwd_sm90.cu): padded head dims 64 and 128, two
+# warpgroups of 64 keys, 64-query steps, no score mods; CUFA_BWD_FUSED_DQ=1 takes it on
+# Hopper.
+BWD_SM90_FUSED_TILES = {64: (128, 64), 128: (128, 64)}  # padded head dim -> (keys, queries)
 
 
 @functools.lru_cache(maxsize=None)

@@ -405,7 +405,7 @@ def test_dq_fused_where_asked_and_it_applies(monkeypatch):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
-    """CUFA_BWD_FUSED_DQ=1 on Hopper at d = 128 without score mods: the wgmma dk/dv kernel
+    """CUFA_BWD_FUSED_DQ=1 on Hopper at d = 128 (and 64) without score mods: the wgmma dk/dv kernel
     with dq fused (two warpgroups of 64 keys, 64-query steps, 256 threads), its float32
     sums zeroed in the scratch and converted last; with softcap the mma.sync fused kernel
     (where it applies), with attn_mask none (the dq kernel sums its gradient)."""
@@ -434,6 +434,10 @@ def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
         assert blocks == -(-sk // 128) * b * hk
         assert fwd["num_m_blocks"] == -(-sq // 64) and bwd["num_n_blocks"] == -(-sk // 128)
     rec.launches.clear()
+    cufa.flash_attn_backward(*dense_args(b, sq, sk, h, hk, 40), causal=True)
+    assert [(f.kind, f.family, f.fused_dq, f.head_dim) for f, *_ in rec.launches][1] == (
+        "dkdv", "sm90", True, 64)
+    rec.launches.clear()
     cufa.flash_attn_backward(*dense_args(b, sq, sk, h, hk, 64), causal=True, softcap=5.0)
     assert [(f.kind, f.family, f.fused_dq) for f, *_ in rec.launches][1] == ("dkdv", "sm80",
                                                                                True)
@@ -461,5 +465,5 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     # the defaults and one warpgroup's tiles: at d = 64 dq on 64 rows, dk/dv on 128- and
     # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
     # and 64 keys (not the spilling one); above, dq, dk and dv apart
-    # ... and dq fused at d = 128 (no score mods)
-    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 4
+    # ... and dq fused at d = 64 and 128 (no score mods)
+    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 8

@@ -181,10 +181,12 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
 
 // -- kFusedDq: the step's share of dq, dS (kBlockM queries x the CTA's kBlockN keys) K,
 //    added to g.dq_accum's float32 rows. Each warpgroup stores its dS^T fragments as dS
-//    (stmatrix .trans: rows of queries) into a K-major tile of both warpgroups' keys; once
-//    both are in, each takes 64 of the head dim's columns over all of the keys (A = dS, B
-//    = K MN-major) and adds them to dq_accum by bulk reductions from shared memory, a row
-//    a thread: no atomic instruction per element, as the mma.sync kernel's atomicAdd --
+//    (stmatrix .trans: rows of queries) into a K-major tile of both warpgroups' keys (a
+//    64-key panel each). At d = 128, once both are in, each takes 64 of the head dim's
+//    columns over all of the keys; at d = 64 each takes the whole head dim over its own
+//    keys (no wait for the other; both add to the same rows). A = dS, B = K MN-major; the
+//    sums go to dq_accum by bulk reductions from shared memory, a row a thread: no atomic
+//    instruction per element, as the mma.sync kernel's atomicAdd --
 // a staged row of 64 floats, padded: 16-byte aligned, fewer bank conflicts
 __device__ __forceinline__ constexpr int dq_row_bytes() { return 64 * 4 + 16; }
 
@@ -208,19 +210,25 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
   else named_barrier_sync(2, 128);
 }
 
-template <int kDtype, int kBlockM, int kBlockN>
+template <int kDtype, int kHeadDim, int kBlockM, int kBlockN>
 __device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq_rows,
                                              i64 dq_row_stride, int rows_valid, int head_dim,
                                              int lane, int wg) {
   static_assert(kBlockM == 64 && kBlockN == 128, "two warpgroups of 64 keys, 64-query steps");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "64 of dq's columns a warpgroup");
+  constexpr bool kOwnKeys = kHeadDim == 64;
   fence_proxy_async();  // (stage_ds' stores, before the product reads them)
-  named_barrier_sync(1, 2 * kBlockN);  // both warpgroups' keys in place
+  if constexpr (kOwnKeys) warpgroup_barrier(wg);  // its keys in place
+  else named_barrier_sync(1, 2 * kBlockN);        // both warpgroups' keys in place
   float acc[1][8][4];
-  const u64 a_desc = smem_desc(sds, 16, 1024);
-  const u64 b_desc = smem_desc(sk + wg * kBlockN * 128, kBlockN * 128, 1024);  // (its panel)
+  // A: its keys' panel of dS, or both; B: its keys' rows of K (one panel: d = 64), or all
+  // the keys' rows of its 64-column panel
+  const u64 a_desc = smem_desc(kOwnKeys ? sds + wg * kBlockM * 128 : sds, 16, 1024);
+  const u64 b_desc = smem_desc(kOwnKeys ? sk + wg * 64 * 128 : sk + wg * kBlockN * 128,
+                               kBlockN * 128, 1024);
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kBlockN / 16; ++ks)
+  for (int ks = 0; ks < (kOwnKeys ? 64 : kBlockN) / 16; ++ks)
     wgmma_ss_mn<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, kBlockM)),
                         desc_add(b_desc, mn_kstep_offset(ks)), ks > 0);
   wgmma_commit();
@@ -240,17 +248,17 @@ __device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq
     }
   fence_proxy_async();
   warpgroup_barrier(wg);
-  // (a row of dq_accum holds head_dim floats, a multiple of 8: the second half may be short)
-  const int cols = min(64, head_dim - wg * 64);
+  // (a row of dq_accum holds head_dim floats, a multiple of 8: the last 64 may be short)
+  const int col0 = kOwnKeys ? 0 : wg * 64, cols = min(64, head_dim - col0);
   if (tid < 64 && tid < rows_valid && cols > 0) {
-    bulk_add_f32(dq_rows + tid * dq_row_stride + wg * 64, sdq + tid * dq_row_bytes(), 4 * cols);
+    bulk_add_f32(dq_rows + tid * dq_row_stride + col0, sdq + tid * dq_row_bytes(), 4 * cols);
     bulk_commit();
   }
 }
 
 // dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
 // of its group; the warpgroups share each step's Q and dout. kFusedDq: dq too
-// (add_dq_share), at head dim 128 on two warpgroups.
+// (add_dq_share), at head dims 64 and 128 on two warpgroups.
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
           int kStages, int kBlockN, bool kFusedDq = false>
 __global__ void __launch_bounds__(2 * kBlockN, 1)
@@ -266,8 +274,9 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   static_assert(kBlockN == 64 || kBlockN == 128, "one or two warpgroups, 16 keys a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
   static_assert(kStages == 2, "two Q/dout buffers (await_then_prefetch)");
-  static_assert(!kFusedDq || (kHeadDim == 128 && kGrads == KV_BOTH && !kScoreMods),
-                "dq fused at head dim 128, dk and dv together, no score mods");
+  static_assert(!kFusedDq || ((kHeadDim == 64 || kHeadDim == 128) && kGrads == KV_BOTH &&
+                              !kScoreMods),
+                "dq fused at head dims 64 and 128, dk and dv together, no score mods");
   extern __shared__ unsigned char smem_raw[];
   // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
   const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -405,7 +414,7 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
       if constexpr (kFusedDq) {
         float* dq_rows = reinterpret_cast<float*>(g.dq_accum) + th.b * g.dq_accum_batch_stride +
                          th.h * g.dq_accum_head_stride + (th.q_start + q0) * g.dq_accum_row_stride;
-        add_dq_share<kDtype, kBlockM, kBlockN>(sds, sdq + wg * 64 * dq_row_bytes(), sk, dq_rows,
+        add_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(sds, sdq + wg * 64 * dq_row_bytes(), sk, dq_rows,
                                                g.dq_accum_row_stride, t.seqlen_q - q0,
                                                p.head_dim, lane, wg);
       }
