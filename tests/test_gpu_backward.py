@@ -304,12 +304,18 @@ def test_sdpa_additive_mask_gradient(shape):
 
 @pytest.fixture
 def fused_dq(monkeypatch):
-    """CUFA_BWD_FUSED_DQ=1 for the test (dq added atomically by the dk/dv kernel)."""
+    """CUFA_BWD_FUSED_DQ=1 for the test (dq added atomically by the dk/dv kernel), then
+    the environment as it was (the fdq family of bench/device_run.sh sets it for all)."""
+    import os
     from cufa import _compile
+    before = os.environ.get(_compile.BWD_FUSED_ENV)
     monkeypatch.setenv(_compile.BWD_FUSED_ENV, "1")
     _compile.read_overrides()
     yield
-    monkeypatch.delenv(_compile.BWD_FUSED_ENV)
+    if before is None:
+        monkeypatch.delenv(_compile.BWD_FUSED_ENV)
+    else:
+        monkeypatch.setenv(_compile.BWD_FUSED_ENV, before)
     _compile.read_overrides()
 
 
