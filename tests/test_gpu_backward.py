@@ -1,6 +1,7 @@
 """GPU: the backward pass (dq, dk, dv, dsink) against reference.attention_backward in
 float64, held to the pass rule per row (tests/_backward_check.py). Every gradient array is
 poisoned before the call."""
+import os
 import zlib
 
 import numpy as np
@@ -14,6 +15,12 @@ from _attention_check import cu_seqlens, f64, randn  # noqa: E402
 from _backward_check import check_grads, poisoned_like  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
+# the same bits every run: the default's two dq-free launches, not the fused dq's atomic
+# sums (bench/device_run.sh's fdq family runs this file with CUFA_BWD_FUSED_DQ=1)
+same_bits = pytest.mark.skipif(os.environ.get("CUFA_BWD_FUSED_DQ") == "1",
+                               reason="CUFA_BWD_FUSED_DQ=1: dq's sums vary in their last bits")
+
+
 def run_dense(rng, dtype, b, sq, sk, h, hk, d, label, layout="bshd", **kw):
     q = randn(rng, (b, sq, h, d), dtype, layout=layout)
     k, v = (randn(rng, (b, sk, hk, d), dtype, layout=layout) for _ in range(2))
@@ -77,6 +84,7 @@ def test_odd_lengths(seqlen):
     run_dense(rng, torch.bfloat16, 1, seqlen, seqlen + 3, 4, 2, 64, f"N={seqlen}", causal=True)
 
 
+@same_bits
 def test_gradients_are_the_same_bits_every_run():
     rng = np.random.default_rng(5)
     q, k, v, dout, out, lse, got = run_dense(rng, torch.bfloat16, 2, 200, 200, 8, 2, 128,
@@ -386,6 +394,7 @@ def test_the_wgmma_kernels_are_hoppers_default(monkeypatch):
     assert families(**{_compile.FAMILY_ENV: "sm80"}) == ["sm80"] * 2
 
 
+@same_bits
 def test_activation_checkpointing_and_autocast():
     """torch.utils.checkpoint reruns the forward in the backward: the gradients are the
     reference's, and the same bits as without checkpointing; under autocast a float32
