@@ -15,7 +15,7 @@ from _attention_check import cu_seqlens, f64, randn  # noqa: E402
 from _backward_check import check_grads, poisoned_like  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
-# the same bits every run: the default's two dq-free launches, not the fused dq's atomic
+# the same bits every run: the default's dq kernel (no atomics), not the fused dq's atomic
 # sums (bench/device_run.sh's fdq family runs this file with CUFA_BWD_FUSED_DQ=1)
 same_bits = pytest.mark.skipif(os.environ.get("CUFA_BWD_FUSED_DQ") == "1",
                                reason="CUFA_BWD_FUSED_DQ=1: dq's sums vary in their last bits")
