@@ -169,6 +169,30 @@ __device__ __forceinline__ void load_kv_tile_elementwise(u32 sk, u32 sv, const D
 //    (kElementIO: plain loads, load_kv_tile_elementwise). Elem: u16 (a swizzled tile), or
 //    u8 for an e4m3 cache (E4m3Tile rows). kHeadDimV < kHeadDim: V's columns col0 ..
 //    col0 + kHeadDimV (v_head: already at col0; 16-bit, 16-byte path) --
+// -- where a 16-key tile's rows start: a contiguous cache's tile, or a paged one inside one
+//    page, is rows of one base (k and v: element offsets of its first row); otherwise
+//    (paged) each row looks up its page --
+struct TileBase {
+  bool paged;
+  i64 k, v;
+};
+template <bool kPagesAhead>
+__device__ __forceinline__ TileBase tile_base(const DecodeParams& p, const CacheSeq& s, int key0,
+                                              int row_page) {
+  const int pos0 = s.start + key0;
+  const bool one_page = p.page_shift >= 4 && (pos0 & (kTileKeys - 1)) == 0;
+  TileBase b;
+  b.paged = p.block_table != 0 && !one_page;
+  i64 block = s.row;
+  if (p.block_table && one_page)
+    block = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, 0)
+                                     : s.pages[pos0 >> p.page_shift], pos0).block;
+  const int row0 = p.block_table ? pos0 & ((1 << p.page_shift) - 1) : pos0;
+  b.k = b.paged ? 0 : block * p.k_batch_stride + (i64)row0 * p.k_row_stride;
+  b.v = b.paged ? 0 : block * p.v_batch_stride + (i64)row0 * p.v_row_stride;
+  return b;
+}
+
 // -- load_kv_tile's tile where V's stage holds kHeadDimV of its columns (from col0): a
 //    row's K chunks, then its V chunks, one slot lookup a chunk as load_kv_tile's paged
 //    path does (16 rows of 96 chunks at d = 512: 48 a lane) --
@@ -181,17 +205,10 @@ __device__ __forceinline__ void load_kv_tile_halves(u32 sk, u32 sv, const Decode
   constexpr int kChunks = kChunksK + kChunksV;
   static_assert(kTileKeys * kChunks % 32 == 0, "every lane runs every pass (the shuffle)");
   const int rows_valid = s.seqlen_k - key0;
-  // a tile of one base (contiguous, or inside one page): load_kv_tile's rule
+  const TileBase base = tile_base<kPagesAhead>(p, s, key0, row_page);
   const int pos0 = s.start + key0;
-  const bool one_page = p.page_shift >= 4 && (pos0 & (kTileKeys - 1)) == 0;
-  const bool paged = p.block_table != 0 && !one_page;
-  i64 block = s.row;
-  if (p.block_table && one_page)
-    block = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, 0)
-                                     : s.pages[pos0 >> p.page_shift], pos0).block;
-  const int row0 = p.block_table ? pos0 & ((1 << p.page_shift) - 1) : pos0;
-  const i64 first_k = paged ? 0 : block * p.k_batch_stride + (i64)row0 * p.k_row_stride;
-  const i64 first_v = paged ? 0 : block * p.v_batch_stride + (i64)row0 * p.v_row_stride;
+  const bool paged = base.paged;
+  const i64 first_k = base.k, first_v = base.v;
 #pragma unroll 4
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
@@ -249,16 +266,9 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
   // A paged tile inside one page (pages of 16 rows or more, a 16-aligned first key) is
   // such a tile too, from its page: one lookup a tile, not one a row (pages of 256 1-2 %
   // faster on an H100, pages of 16 within +-1.5 %).
-  const int pos0 = s.start + key0;
-  const bool one_page = p.page_shift >= 4 && (pos0 & (kTileKeys - 1)) == 0;
-  const bool paged = p.block_table != 0 && !one_page;
-  i64 block = s.row;
-  if (p.block_table && one_page)
-    block = page_slot(p, kPagesAhead ? __shfl_sync(0xffffffffu, row_page, 0)
-                                     : s.pages[pos0 >> p.page_shift], pos0).block;
-  const int row0 = p.block_table ? pos0 & ((1 << p.page_shift) - 1) : pos0;
-  const i64 first = paged ? 0 : block * p.k_batch_stride + (i64)row0 * p.k_row_stride;
-  const i64 first_v = paged ? 0 : block * p.v_batch_stride + (i64)row0 * p.v_row_stride;
+  const TileBase base = tile_base<kPagesAhead>(p, s, key0, row_page);
+  const bool paged = base.paged;
+  const i64 first = base.k, first_v = base.v;
 #pragma unroll
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
