@@ -338,14 +338,33 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
   u16* sV = sK + kBlockN * kHeadDim;
   unsigned char* stages = reinterpret_cast<unsigned char*>(sV + kBlockN * kHeadDim);
 
-  KeyBlock kb;
-  if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
-  Tile& t = kb.t;
-  const int h_k = kb.h_k, key0 = kb.key0;
+  // the tile of a KV head: get_tile over FwdParams as if the KV heads were the query heads
+  Tile t;
+  {
+    FwdParams by_key = p;
+    by_key.nheads = p.nheads_k;
+    by_key.tile_list = g.kv_tile_list;
+    by_key.tile_count = g.kv_tile_count;
+    by_key.num_m_blocks = g.num_n_blocks;
+    by_key.heads_per_group = 1;
+    by_key.tail_group_head = p.batch * p.nheads_k;
+    if (!get_tile(by_key, static_cast<int>(blockIdx.x), t)) return;
+  }
+  const int h_k = t.h;
   const int group = p.nheads / p.nheads_k;
+  const int key0 = t.m_block * kBlockN;
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
+  // rows to write: every key of the sequence's block, those past seqused_k (which no query
+  // sees) as zeros
+  int rows_out = t.seqlen_k;
+  if (p.cu_seqlens_k && p.seqused_k) {
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    rows_out = min(max(cu_k[t.b + 1], 0), p.seqlen_k) - (int)t.k_start;
+  }
+  t.h = h_k * group;
   const TilePointers kv = tile_pointers(p, t);
+  const i64 k_row = t.k_start + key0;
 
   float acc_dk[1][kDk ? kDTiles : 2][4], acc_dv[1][kDv ? kDTiles : 2][4];
 #pragma unroll
@@ -357,7 +376,17 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[0][dt][e] = 0.f;
 
-  const int m_block_min = kb.m_block_min, m_blocks = kb.m_blocks;
+  // the queries that see some key of the block
+  const int key_end = min(key0 + kBlockN, t.seqlen_k);
+  int q_begin = 0, q_end = key0 < t.seqlen_k ? t.seqlen_q : 0;
+  if (kMask == MASK_WINDOW && q_end) {
+    const i64 lo = (i64)key0 - t.diag_offset - p.window_right;
+    const i64 hi = (i64)(key_end - 1) - t.diag_offset + p.window_left + 1;
+    q_begin = (int)max((i64)0, min(lo, (i64)t.seqlen_q));
+    q_end = (int)max((i64)q_begin, min(hi, (i64)t.seqlen_q));
+  }
+  const int m_block_min = q_begin / kBlockM;
+  const int m_blocks = (q_end + kBlockM - 1) / kBlockM - m_block_min;
   const int steps = group * m_blocks;
 
   const u32 sk = smem_u32(sK), sv = smem_u32(sV), sstages = smem_u32(stages);
@@ -465,7 +494,17 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
     __syncthreads();  // every warp is done with this step's buffers
     stage ^= kStages - 1;
   }
-  store_dk_dv<kDtype, kDk, kDv>(acc_dk, acc_dv, g, kb, p.head_dim, warp_row0, lane);
+  const int rows = rows_out - key0;
+  if constexpr (kDk) {
+    u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +
+              k_row * g.dk_row_stride;
+    store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
+  if constexpr (kDv) {
+    u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + h_k * g.dv_head_stride +
+              k_row * g.dv_row_stride;
+    store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
 }
 
 }  // namespace cufa
