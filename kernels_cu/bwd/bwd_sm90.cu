@@ -290,13 +290,14 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
   Tile& t = kb.t;
-  const int h_k = kb.h_k, key0 = kb.key0;
+  const int h_k = kb.h_k, key0 = kb.key0, rows_out = kb.rows_out;
   const int group = p.nheads / p.nheads_k;
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
   const int wg = kThreads > 128 ? threadIdx.x / 128 : 0;
   const int wg_key0 = key0 + wg * 64;  // this warpgroup's first key
   const TilePointers kv = tile_pointers(p, t);
+  const i64 k_row = t.k_start + key0;
 
   float acc_dk[1][kDk ? kDTiles : 8][4], acc_dv[1][kDv ? kDTiles : 8][4];
 #pragma unroll
@@ -431,7 +432,17 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
     stage ^= kStages - 1;
   }
   if constexpr (kFusedDq) bulk_wait<0>();  // (the reductions read this CTA's shared memory)
-  store_dk_dv<kDtype, kDk, kDv>(acc_dk, acc_dv, g, kb, p.head_dim, warp_row0, lane);
+  const int rows = rows_out - key0;
+  if constexpr (kDk) {
+    u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +
+              k_row * g.dk_row_stride;
+    store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
+  if constexpr (kDv) {
+    u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + h_k * g.dv_head_stride +
+              k_row * g.dv_row_stride;
+    store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
+  }
 }
 
 }  // namespace cufa

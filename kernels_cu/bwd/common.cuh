@@ -180,26 +180,4 @@ __device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g
   return true;
 }
 
-// -- a dk/dv CTA's epilogue: its warp's 16 keys of dk and dv (those it computes) to the
-//    KV head's rows, every row of the block up to rows_out --
-template <int kDtype, bool kDk, bool kDv, int kTilesK, int kTilesV>
-__device__ __forceinline__ void store_dk_dv(const float (&acc_dk)[1][kTilesK][4],
-                                            const float (&acc_dv)[1][kTilesV][4],
-                                            const BwdParams& g, const KeyBlock& kb, int head_dim,
-                                            int warp_row0, int lane) {
-  const Tile& t = kb.t;
-  const i64 k_row = t.k_start + kb.key0;
-  const int rows = kb.rows_out - kb.key0;
-  if constexpr (kDk) {
-    u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride +
-              kb.h_k * g.dk_head_stride + k_row * g.dk_row_stride;
-    store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, head_dim, lane);
-  }
-  if constexpr (kDv) {
-    u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride +
-              kb.h_k * g.dv_head_stride + k_row * g.dv_row_stride;
-    store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, head_dim, lane);
-  }
-}
-
 }  // namespace cufa
