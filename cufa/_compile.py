@@ -44,13 +44,15 @@ HEAD_DIM_V_PAIRS = ((192, 128),)
 # flash_attn_varlen_func: the sm80 family's kernel (any GPU) on Q and K padded to 512, V's
 # and O's columns in two halves of 256 a query tile (two CTAs, each computing the scores:
 # 1.5x the products of one pass; O's 16 rows a warp of 512 columns would not fit in
-# registers). 16-key blocks keep Q and a K/V block in 99 KB (sm_86/89); 207-221
-# registers, no spills.
+# registers). 32-key blocks where a block gets 112 KB (A100, H100, H200: 1.12-1.20x the
+# TFLOP/s of 16-key blocks on an H200, 64-key ones 0.93-0.96x), else 16-key blocks, which
+# keep Q and a K/V block in 99 KB (sm_86/89); 207-247 registers, no spills.
 WIDE_HEAD_DIM = 512
-WIDE_TILES = (64, 16)
-# CUFA_WIDE_TILES="64xN" (N: 16, 32 or 64) replaces WIDE_TILES, to time others: 32- and
-# 64-key blocks take 112 and 160 KB (A100, H100, H200; not sm_86/89) and 244-252 registers
-# without spills (NVRTC 13.0, sm_90); compiled when first called.
+WIDE_TILES = (64, 32)
+WIDE_TILES_PORTABLE = (64, 16)
+# CUFA_WIDE_TILES="64xN" (N: 16, 32 or 64) replaces them, to time others: 64-key blocks
+# take 160 KB and 250-252 registers without spills (NVRTC 13.0, sm_90); compiled when
+# first called.
 WIDE_TILES_ENV = "CUFA_WIDE_TILES"
 WIDE_KEY_BLOCKS = (16, 32, 64)
 # Element-wise I/O (kElementIO in fwd/fwd_sm80.cu and decode/decode_sm80.cu): rows moved an
@@ -517,11 +519,18 @@ def decode_shape(head_dim):
     """(warps, cp.async stages per warp) of the decode kernel (DecodeShape in decode.cu),
     an e4m3 cache's too: on an H200 its d = 64 and 128 kernels read no faster with more
     stages (4-8 and 2-5 tried), though shared memory would hold them. Above d = 256 (V's
-    columns in two halves, a CTA each) one warp of three stages of K's rows and V's half
-    (88 KB: within sm_86/89's 99)."""
+    columns in two halves, a CTA each) one warp of two stages of K's rows and V's half
+    (64 KB: three CTAs an SM on Hopper, one on sm_86/89); Hopper takes DECODE_HALVES_SM90."""
     if head_dim > MAX_HEAD_DIM:
-        return 1, 3
+        return 1, 2
     return (4 if head_dim <= 128 else 2), (4 if head_dim <= 64 else 2)
+
+
+# Above d = 256 on Hopper: two warps of two stages (112 KB, over sm_86/89's 99), two CTAs
+# an SM. On an H200 (fp16, 32/8 heads, d = 512) they read 3.6-3.8 TB/s at 64 x 4k,
+# 256 x 1k and 8 x 16k, where one warp of two stages read 2.1-2.9 and of three 1.9-2.0.
+DECODE_HALVES_SM90 = (2, 2)
+DECODE_PORTABLE_SMEM = 99 * 1024  # a CTA's shared memory on sm_86/89
 
 
 # The e4m3 decode kernels' launch bounds on sm_90, by padded head dim: CTAs an SM that
@@ -627,6 +636,11 @@ class DecodeVariant(_CacheKernel):
     @property
     def threads(self):
         return 32 * self.shape[0]
+
+    @property
+    def archs(self):
+        """Hopper's alone where the shape needs more shared memory than sm_86/89 give."""
+        return ("sm_90",) if self.smem_bytes > DECODE_PORTABLE_SMEM else _CacheKernel.archs
 
     @property
     def ctas_per_unit(self):
@@ -736,8 +750,12 @@ class MergeVariant(_CacheKernel):
 
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature asks
-def decode_kernel(dtype, head_dim, element_io=False, fp8_cache=False):
+def decode_kernel(dtype, head_dim, element_io=False, fp8_cache=False, family="sm80"):
+    """The decode kernel for a head dim on a kernel family's GPUs (family_for)."""
     d = padded_head_dim(head_dim)
+    if d > MAX_HEAD_DIM and family == "sm90":
+        warps, stages = DECODE_HALVES_SM90
+        return DecodeVariant(dtype, d, stages=stages, warps=warps)
     return DecodeVariant(dtype, d, element_io=element_io, fp8_cache=fp8_cache,
                          min_ctas=DECODE_FP8_MIN_CTAS.get(d, 0) if fp8_cache else 0)
 
@@ -765,6 +783,7 @@ def decode_tma_kernel(dtype, head_dim, units):
 
 def decode_variants():
     return ([DecodeVariant(dt, hd) for dt in DTYPES for hd in (*DECODE_HEAD_DIMS, WIDE_HEAD_DIM)]
+            + [decode_kernel(dt, WIDE_HEAD_DIM, family="sm90") for dt in DTYPES]
             + [decode_kernel_with_more_ctas(dt, hd) for dt in DTYPES for hd in DECODE_MORE_CTAS]
             + [decode_tma_kernel(dt, hd, units) for dt in DTYPES for hd in DECODE_TMA_HEAD_DIMS
                for units in (1, 2)]
@@ -849,10 +868,11 @@ def family_for(compute_capability):
 
 
 def wide_tiles():
-    """The forward's tiles above d = 256: CUFA_WIDE_TILES's, else WIDE_TILES."""
+    """The forward's tiles above d = 256 that CUFA_WIDE_TILES asks for, or None (the
+    planner's choice: WIDE_TILES where they fit, else WIDE_TILES_PORTABLE)."""
     text = (_overrides.get(WIDE_TILES_ENV) or "").replace(" ", "")
     if not text:
-        return WIDE_TILES
+        return None
     rows, _, keys = text.partition("x")
     if rows != str(WIDE_TILES[0]) or keys not in {str(n) for n in WIDE_KEY_BLOCKS}:
         raise ValueError(f"{WIDE_TILES_ENV} takes '{WIDE_TILES[0]}xN' with N in "
@@ -886,8 +906,9 @@ def all_variants():
                  for hd in SM80_HEAD_DIMS for mask in MASKS for mods in (False, True)]
     variants += [fwd_variant(dt, hd, mask, mods, head_dim_v=dv) for dt in DTYPES
                  for hd, dv in HEAD_DIM_V_PAIRS for mask in MASKS for mods in (False, True)]
-    variants += [fwd_variant(dt, WIDE_HEAD_DIM, mask, mods) for dt in DTYPES
-                 for mask in MASKS for mods in (False, True)]
+    variants += [fwd_variant(dt, WIDE_HEAD_DIM, mask, mods, wide_tiles=tiles) for dt in DTYPES
+                 for mask in MASKS for mods in (False, True)
+                 for tiles in (WIDE_TILES, WIDE_TILES_PORTABLE)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS

@@ -477,14 +477,8 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
             "of 8 and q, k, v (and out) on strides that are multiples of 8 elements from "
             "16-byte aligned starts")
     elif d_v != d or d > _compile.MAX_HEAD_DIM:  # (v's own head dim; over 256: sm80's)
-        variant, tma_template = _compile.fwd_variant(
-            KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, head_dim_v=d_v,
-            wide_tiles=_compile.wide_tiles()), None
-        if variant.smem_bytes > _runtime.smem_per_block(q.device):
-            raise ValueError(f"{_compile.WIDE_TILES_ENV}={_compile.wide_tiles()[0]}x"
-                             f"{variant.block_n}: the tiles take {variant.smem_bytes} bytes of "
-                             f"shared memory, over this GPU's "
-                             f"{_runtime.smem_per_block(q.device)} a block")
+        variant, tma_template = _wide_variant(KERNEL_DTYPES[q.dtype], d, d_v, mask_kind,
+                                              score_mods, q.device), None
     elif aligned:
         variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
                                          mask_kind, score_mods, family, paged, keys)
@@ -528,6 +522,22 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
                                 batch=batch, total_q=seqlen_q, block_m=variant.block_m,
                                 num_buckets=num_buckets)))
                  if packed else None)
+
+
+def _wide_variant(dtype, d, d_v, mask_kind, score_mods, device):
+    """The sm80 family's variant for a head dim of v's own or one above 256: on the tiles
+    CUFA_WIDE_TILES asks for (a ValueError where the GPU cannot hold them), else
+    _compile.WIDE_TILES where they fit a block's shared memory, else the portable ones."""
+    forced = _compile.wide_tiles()
+    limit = _runtime.smem_per_block(device)
+    for tiles in (forced,) if forced else (_compile.WIDE_TILES, _compile.WIDE_TILES_PORTABLE):
+        variant = _compile.fwd_variant(dtype, d, mask_kind, score_mods, head_dim_v=d_v,
+                                       wide_tiles=tiles)
+        if variant.smem_bytes <= limit:
+            return variant
+    raise ValueError(f"{_compile.WIDE_TILES_ENV}={forced[0]}x{forced[1]}: the tiles take "
+                     f"{variant.smem_bytes} bytes of shared memory, over this GPU's {limit} "
+                     f"a block")
 
 
 def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,

@@ -26,6 +26,7 @@ def planner(monkeypatch):
     monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: hash(kernel.key))
     monkeypatch.setattr(_runtime, "sm_count", lambda device: H100_SMS)
     monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "90")
     monkeypatch.setattr(_heuristics, "tma_device", lambda device, forced=None: False)
     monkeypatch.setattr(_heuristics, "_keeps_up", {})
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: H100_PEAK_BYTES_PER_S)
@@ -249,7 +250,8 @@ def test_decode_kernel_shared_memory_fits_the_stated_ctas():
     for v in _compile.decode_variants():
         if v.kind == "decode":
             assert v.ctas_per_sm * (v.smem_bytes + 1024 + 640) <= _compile.SM90_SMEM_PER_SM, v.key
-            assert v.smem_bytes <= 99 * 1024, v.key  # what sm_86 / sm_89 grant a CTA
+            # what sm_86 / sm_89 grant a CTA, unless the variant is Hopper's alone
+            assert v.smem_bytes <= 99 * 1024 or v.archs == ("sm_90",), v.key
             assert v.ctas_per_sm_on(100 * 1024) >= 1
     assert [_compile.decode_kernel("fp16", d).ctas_per_sm for d in (64, 128, 256)] == [3, 3, 3]
     assert _compile.decode_kernel("fp16", 256).threads == 64

@@ -15,14 +15,17 @@ def test_the_variant_pads_to_512_and_splits_v_in_halves():
     for d in (257, 320, 512):
         v = _compile.fwd_variant("bf16", d, "window", True, "sm90")
         assert (v.family, v.head_dim, v.head_dim_v, v.ctas_per_tile) == ("sm80", 512, 256, 2)
-        assert (v.block_m, v.block_n) == _compile.WIDE_TILES
-        assert v.smem_bytes == (64 * 512 + 16 * (512 + 256)) * 2 <= 99 * 1024
+        assert (v.block_m, v.block_n) == _compile.WIDE_TILES == (64, 32)
+        assert v.smem_bytes == (64 * 512 + 32 * (512 + 256)) * 2
+        portable = _compile.fwd_variant("bf16", d, "window", True, "sm90",
+                                        wide_tiles=_compile.WIDE_TILES_PORTABLE)
+        assert portable.smem_bytes == (64 * 512 + 16 * (512 + 256)) * 2 <= 99 * 1024
     assert _compile.fwd_variant("fp16", 256, "none", False).ctas_per_tile == 1
     with pytest.raises(ValueError, match="head dim 300 .over 256. takes 16-bit k and v"):
         _compile.fwd_variant("fp16", 300, "none", False, e4m3_kv=True)
     keys = {x.key for x in _compile.all_variants()}
-    assert {f"fwd_sm80_{dt}_hd512_bm64_bn16_{m}{mods}_dv256" for dt in ("fp16", "bf16")
-            for m in ("none", "window") for mods in ("", "_mods")} <= keys
+    assert {f"fwd_sm80_{dt}_hd512_bm64_bn{n}_{m}{mods}_dv256" for dt in ("fp16", "bf16")
+            for m in ("none", "window") for mods in ("", "_mods") for n in (16, 32)} <= keys
 
 
 @pytest.mark.parametrize("d", [320, 512])
@@ -59,9 +62,15 @@ def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
     assert len(combine) == (int(rd["num_splits"]) > 1)
 
 
-@pytest.mark.parametrize("spec, keys", [(None, 16), ("64x32", 32), ("64x64", 64)])
-def test_wide_tiles_from_the_environment(device, monkeypatch, spec, keys):  # noqa: F811
+@pytest.mark.parametrize("spec, smem, keys", [
+    (None, 227 * 1024, 32), (None, 112 * 1024, 32), (None, 112 * 1024 - 1, 16),
+    (None, 99 * 1024, 16), ("64x16", 227 * 1024, 16), ("64x32", 112 * 1024, 32),
+    ("64x64", 227 * 1024, 64)])
+def test_wide_tiles_from_the_environment_or_the_gpu(device, monkeypatch, spec, smem, keys):  # noqa: F811
+    """The planner's 32-key blocks where a block's shared memory holds them, else 16;
+    CUFA_WIDE_TILES's where it asks."""
     monkeypatch.setitem(_compile._overrides, _compile.WIDE_TILES_ENV, spec)
+    monkeypatch.setattr(_runtime, "smem_per_block", lambda device: smem)
     q, k, v = view((1, 70, 4, 320)), view((1, 90, 4, 320)), view((1, 90, 4, 320))
     cufa.flash_attn_func(q, k, v)
     plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None
@@ -89,11 +98,18 @@ def test_wide_tiles_over_the_gpus_shared_memory_are_refused(device, monkeypatch)
 def test_the_decode_variant_halves_v_and_fits_every_gpu():
     for d in (264, 512):
         v = _compile.decode_kernel("bf16", d)
-        assert (v.head_dim, v.shape, v.threads, v.ctas_per_unit) == (512, (1, 3), 32, 2)
-        assert v.smem_bytes == 16 * 512 * 2 + 3 * 16 * (512 + 256) * 2 <= 99 * 1024
+        assert (v.head_dim, v.shape, v.threads, v.ctas_per_unit) == (512, (1, 2), 32, 2)
+        assert v.smem_bytes == 16 * 512 * 2 + 2 * 16 * (512 + 256) * 2 <= 99 * 1024
+        assert v.archs == ("sm_80", "sm_90")
+        # Hopper's: two warps of two stages, over sm_86/89's 99 KB, compiled for sm_90 alone
+        h = _compile.decode_kernel("bf16", d, family="sm90")
+        assert (h.head_dim, h.shape, h.threads, h.ctas_per_unit) == (512, (2, 2), 64, 2)
+        assert h.smem_bytes == 16 * 512 * 2 + 2 * 2 * 16 * (512 + 256) * 2 > 99 * 1024
+        assert h.archs == ("sm_90",)
+    assert _compile.decode_kernel("bf16", 128, family="sm90") == _compile.decode_kernel("bf16", 128)
     assert _compile.decode_kernel("fp16", 256).ctas_per_unit == 1
     keys = {x.key for x in _compile.all_variants()}
-    assert {"decode_fp16_hd512_s3", "decode_bf16_hd512_s3"} <= keys
+    assert {f"decode_{dt}_hd512_s2{w}" for dt in ("fp16", "bf16") for w in ("", "_w2")} <= keys
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

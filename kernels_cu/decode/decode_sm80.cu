@@ -31,7 +31,8 @@ namespace cufa {
 // straight into mma fragments (common/e4m3_mma.cuh). Above d = 256 a unit's V and O
 // columns are cut in two halves, a CTA each (kColumnHalves: each computes the scores over
 // all of Q and K, as the forward's wide kernel does, so that a warp's output fits its
-// registers); a stage holds K's row and V's half: one warp of three 24 KB stages.
+// registers); a stage holds K's row and V's half: one warp of two 24 KB stages (Hopper's
+// planner asks for two warps, DECODE_HALVES_SM90).
 template <int kHeadDim, int kStagesWanted = 0, int kWarpsWanted = 0, bool kFp8 = false,
           int kMinCtasWanted = 0>
 struct DecodeShape {
@@ -41,7 +42,7 @@ struct DecodeShape {
       kWarpsWanted ? kWarpsWanted : kHeadDim <= 128 ? 4 : kColumnHalves ? 1 : 2;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages =
-      kStagesWanted ? kStagesWanted : kHeadDim <= 64 ? 4 : kColumnHalves ? 3 : 2;
+      kStagesWanted ? kStagesWanted : kHeadDim <= 64 ? 4 : 2;
   // 16-key tiles a warp's softmax step folds in: two where two stages can be computing
   // while two are in flight, so the max, sum and output rescale run once per 32 keys
   static constexpr int kStepTiles = kStages >= 4 ? 2 : 1;
