@@ -179,7 +179,8 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
     if _compile.bwd_variants(*key)[1].head_dim in _compile.bwd_sm90_head_dims():
         wgmma = _compile.bwd_sm90_variants(
             *key, _compile.bwd_sm90_tiles(),
-            short_window=seqlen_q <= _compile.BWD_SM90_SHORT_WINDOW_ROWS)
+            short_window=seqlen_q <= _compile.BWD_SM90_SHORT_WINDOW_ROWS,
+            producer=_compile.bwd_producer_wanted())
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
     fused = None

@@ -243,6 +243,7 @@ class BwdVariant:
     stages: int = 1         # dq: K/V buffers (2: the next block's copy under the products);
                             # dkdv: Q/dout buffers, the same
     fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
+    producer: bool = False  # sm90 dkdv: a producer warp streams the steps (kProducer)
     family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
 
@@ -265,9 +266,10 @@ class BwdVariant:
         mods = "_mods" if self.score_mods else ""
         grads = f"_{self.grads}" if self.kind == "dkdv" else ""
         fused = "_fdq" if self.fused_dq else ""
+        producer = "_wp" if self.producer else ""
         family = "_sm90" if self.family == "sm90" else ""
         return (f"bwd_{self.kind}{family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}")
+                f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}{producer}")
 
     @property
     def name_expression(self):
@@ -280,9 +282,9 @@ class BwdVariant:
             kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
             return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}>"
         if self.family == "sm90":
-            fused = ", true" if self.fused_dq else ""
+            flags = (", true" if self.fused_dq else ", false, true" if self.producer else "")
             return (f"cufa::bwd_dkdv_sm90_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
-                    f"{self.stages}, {self.block_n}{fused}>")
+                    f"{self.stages}, {self.block_n}{flags}>")
         fused = ", true" if self.fused_dq else ""
         kernel = "bwd_dkdv_kernel"
         return (f"cufa::{kernel}<{args}, {BWD_GRADS.index(self.grads)}, "
@@ -290,8 +292,10 @@ class BwdVariant:
 
     @property
     def threads(self):
-        if self.family == "sm90":  # a warpgroup every 64 keys (dk/dv) or query rows (dq)
-            return 2 * (self.block_n if self.kind == "dkdv" else self.block_m)
+        if self.family == "sm90":  # a warpgroup every 64 keys (dk/dv) or query rows (dq),
+            # and the producer's
+            return 2 * (self.block_n if self.kind == "dkdv" else self.block_m) + (
+                128 if self.producer else 0)
         return 256 if self.kind in ("preprocess", "dq_convert") else 128
 
     @functools.cached_property
@@ -308,7 +312,8 @@ class BwdVariant:
             # (kDqRowBytes: 64 floats and 16 bytes)
             fused = (2 * self.block_m * self.block_n + self.block_n * (64 * 4 + 16)
                      if self.fused_dq else 0)
-            return 1024 + 2 * self.block_n * row + stages * stage + fused
+            ring = 2 * 8 * stages if self.producer else 0  # (each buffer's two mbarriers)
+            return 1024 + 2 * self.block_n * row + stages * stage + fused + ring
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
@@ -413,6 +418,17 @@ BWD_SM90_TILES_ENV = "CUFA_BWD_SM90_TILES"
 BWD_SM90_TILE_CHOICES = {"dq": ((64, 128), (32, 64, 128)), "kv": ((64, 128), (64, 128))}
 BWD_SM90_ONE_WARPGROUP = "dq=64x64,kv=64x64"
 SM90_SMEM_LIMIT = 227 * 1024
+# The dk/dv kernel with a producer warp (kProducer in bwd/bwd_sm90.cu): the consumer
+# warpgroups stop meeting at a CTA-wide barrier each step and stop issuing copies; a ring
+# of three buffers lets them drift a step apart. Opt-in (CUFA_BWD_SM90_PRODUCER=1) until
+# timed; without score mods (with them the consumers need more than their 240 registers).
+BWD_SM90_PRODUCER_ENV = "CUFA_BWD_SM90_PRODUCER"
+BWD_SM90_PRODUCER_STAGES = 3
+BWD_SM90_PRODUCER_HEAD_DIMS = (64, 128)
+# (head dim, mask, query block) where the consumer would spill (16 bytes: d = 64 windowed on
+# 128-query blocks, at 255 registers without the producer already); those keep the
+# kernel without one
+BWD_SM90_PRODUCER_SPILLS = {(64, "window", 128)}
 
 
 def parse_bwd_sm90_tiles(text):
@@ -441,10 +457,12 @@ def parse_bwd_sm90_tiles(text):
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_window=False):
+def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_window=False,
+                      producer=False):
     """(preprocess, dq, dk/dv...), those on wgmma that it has, for a call; None where it has
     neither. override: parse_bwd_sm90_tiles' tiles in place of the table's; short_window:
-    a windowed call of few query rows (BWD_SM90_SHORT_WINDOW_KV's tiles)."""
+    a windowed call of few query rows (BWD_SM90_SHORT_WINDOW_KV's tiles); producer: the
+    dk/dv kernel with a producer warp (BWD_SM90_PRODUCER_STAGES buffers) where it has one."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
     table = BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES
     if dq.head_dim not in table:
@@ -458,12 +476,21 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
         dict(zip(("block_n", "block_m"), tiles["kv"]))))
         if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
         for v in (dq, *kv)]
+    if producer and not score_mods and dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS:
+        wgmma = [dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES)
+                 if v.kind == "dkdv" and v.family == "sm90" and (
+                     v.head_dim, mask, v.block_m) not in BWD_SM90_PRODUCER_SPILLS else v
+                 for v in wgmma]
     for v in wgmma:
         if v.smem_bytes > SM90_SMEM_LIMIT:
             raise ValueError(f"{BWD_SM90_TILES_ENV}={_overrides.get(BWD_SM90_TILES_ENV)!r}: the "
                              f"{v.kind} kernel's tiles at head dim {v.head_dim} take "
                              f"{v.smem_bytes} bytes of shared memory, over {SM90_SMEM_LIMIT}")
     return (pre, *wgmma)
+
+
+def bwd_producer_wanted():
+    return _overrides.get(BWD_SM90_PRODUCER_ENV) == "1"
 
 
 def bwd_sm90_tiles():
@@ -886,7 +913,8 @@ def read_overrides():
     not read from os.environ for each new signature's plan."""
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
-                                   BWD_SM90_ENV, BWD_SM90_TILES_ENV, WIDE_TILES_ENV))
+                                   BWD_SM90_ENV, BWD_SM90_TILES_ENV, WIDE_TILES_ENV,
+                                   BWD_SM90_PRODUCER_ENV))
 
 
 _overrides = {}
@@ -921,6 +949,10 @@ def all_variants():
                  for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_ONE_WARPGROUP))
                  if not tiles or padded_head_dim(hd) <= 128
                  for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles) or ())]
+    variants += [v for dt in DTYPES for hd in BWD_SM90_PRODUCER_HEAD_DIMS for mask in MASKS
+                 for short in (False, True)
+                 for v in bwd_sm90_variants(dt, hd, mask, False, short_window=short,
+                                            producer=True) if v.producer]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -370,6 +370,43 @@ def test_dq_fused_varlen(fused_dq, d):
                         out=out[r][None], causal=True)
 
 
+PRODUCER = {
+    "d64": dict(b=2, sq=1100, sk=1100, h=4, hk=2, d=64),
+    "d64 causal, short (64-query blocks)": dict(b=1, sq=300, sk=333, h=4, hk=2, d=64,
+                                                causal=True),
+    "d128 causal, more queries": dict(b=2, sq=300, sk=200, h=4, hk=1, d=128, causal=True),
+    "d120 window (padded to 128)": dict(b=1, sq=517, sk=517, h=2, hk=2, d=120,
+                                        window_size=(100, 7)),
+    "d128, one key block": dict(b=3, sq=5, sk=70, h=2, hk=2, d=128),
+}
+
+
+@same_bits
+@pytest.mark.parametrize("name", list(PRODUCER))
+def test_dkdv_producer_warp(monkeypatch, name):
+    """CUFA_BWD_SM90_PRODUCER=1 (Hopper: the wgmma dk/dv kernel with a producer warp and a
+    ring of mbarriers): the reference's gradients, and the same bits as the kernel without
+    the producer (the same products in the same order)."""
+    from cufa import _compile, _runtime
+    if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
+        pytest.skip("the producer warp is the Hopper kernel's")
+    case = dict(PRODUCER[name])
+    kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case}
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    try:
+        monkeypatch.setenv(_compile.BWD_SM90_PRODUCER_ENV, "1")
+        cufa.api.clear_plans()
+        q, k, v, dout, out, lse, got = run_dense(rng, torch.bfloat16, label=f"producer {name}",
+                                                 **case, **kw)
+        monkeypatch.delenv(_compile.BWD_SM90_PRODUCER_ENV)
+        cufa.api.clear_plans()
+        without = cufa.flash_attn_backward(dout, q, k, v, out, lse, **kw)
+    finally:
+        monkeypatch.undo()
+        cufa.api.clear_plans()
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], without[:3]))
+
+
 def test_the_wgmma_kernels_are_hoppers_default(monkeypatch):
     """On Hopper the dq and dk/dv launches are the wgmma kernels unless CUFA_BWD_SM90=0 or
     CUFA_KERNEL_FAMILY=sm80 (the sm80 family of bench/device_run.sh runs this file that

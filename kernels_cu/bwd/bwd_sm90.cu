@@ -256,14 +256,27 @@ __device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq
   }
 }
 
+// The producer warp's register budget, and the consumers', where two consumer warpgroups
+// share the SM's 65536 with the producer's warpgroup (setmaxnreg: the launch gives 384
+// threads 168 each)
+constexpr int kBwdProducerRegs = 32, kBwdConsumerRegs = 240;
+static_assert(128 * kBwdProducerRegs + 256 * kBwdConsumerRegs <= 65536, "one CTA an SM");
+
 // dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
 // of its group; the warpgroups share each step's Q and dout. kFusedDq: dq too
-// (add_dq_share), at head dims 64 and 128 on two warpgroups.
+// (add_dq_share), at head dims 64 and 128 on two warpgroups. kProducer: a warp of a
+// warpgroup of its own copies each step's Q, dout, lse and D into a ring of kStages
+// buffers, announced on mbarriers (full: the producer's, once its copies have landed;
+// empty: every consumer thread's, once done reading), so the consumer warpgroups never
+// wait for each other at a CTA-wide barrier a step (await_then_prefetch) and never issue
+// a copy.
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
-          int kStages, int kBlockN, bool kFusedDq = false>
-__global__ void __launch_bounds__(2 * kBlockN, 1)
+          int kStages, int kBlockN, bool kFusedDq = false, bool kProducer = false>
+__global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g) {
-  constexpr int kThreads = 2 * kBlockN;
+  constexpr int kThreads = 2 * kBlockN;  // the consumers'
+  constexpr int kProducerThreads = kProducer ? 128 : 0;
+  constexpr int kCopiers = kProducer ? 32 : kThreads;  // the threads that issue the copies
   constexpr int kQTiles = kBlockM / 8;
   constexpr int kDTiles = kHeadDim / 8;
   constexpr bool kDk = kGrads != KV_DV, kDv = kGrads != KV_DK;
@@ -273,9 +286,10 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static_assert(kBlockN == 64 || kBlockN == 128, "one or two warpgroups, 16 keys a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
-  static_assert(kStages == 2, "two Q/dout buffers (await_then_prefetch)");
+  static_assert(kProducer ? kStages >= 2 : kStages == 2,
+                "two Q/dout buffers (await_then_prefetch), or a ring of two or more");
   static_assert(!kFusedDq || ((kHeadDim == 64 || kHeadDim == 128) && kGrads == KV_BOTH &&
-                              !kScoreMods),
+                              !kScoreMods && !kProducer),
                 "dq fused at head dims 64 and 128, dk and dv together, no score mods");
   extern __shared__ unsigned char smem_raw[];
   // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
@@ -286,15 +300,22 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   [[maybe_unused]] const u32 sds = sstages + kStages * kStageBytes;
   [[maybe_unused]] const u32 sdq = sds + kBlockM * kBlockN * 2;
   unsigned char* stages = smem + 2 * kKVBytes;
+  // kProducer: each buffer's full and empty mbarriers, after the buffers
+  [[maybe_unused]] const u32 ring_bars = sstages + kStages * kStageBytes;
+  [[maybe_unused]] const auto full_bar = [&](int stage) { return ring_bars + 8 * stage; };
+  [[maybe_unused]] const auto empty_bar = [&](int stage) {
+    return ring_bars + 8 * (kStages + stage);
+  };
 
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
   Tile& t = kb.t;
   const int h_k = kb.h_k, key0 = kb.key0, rows_out = kb.rows_out;
   const int group = p.nheads / p.nheads_k;
+  const unsigned tid = threadIdx.x - kProducerThreads;  // a consumer's thread
   const int lane = threadIdx.x % 32;
-  const int warp_row0 = (threadIdx.x / 32) * 16;
-  const int wg = kThreads > 128 ? threadIdx.x / 128 : 0;
+  const int warp_row0 = (tid / 32) * 16;
+  const int wg = kThreads > 128 ? tid / 128 : 0;
   const int wg_key0 = key0 + wg * 64;  // this warpgroup's first key
   const TilePointers kv = tile_pointers(p, t);
   const i64 k_row = t.k_start + key0;
@@ -318,6 +339,8 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
   const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024), v_desc = smem_desc(sv + wg_rows, 16, 1024);
   const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
   const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
+  // step i's Q, dout (a copy group), lse and D into a buffer, by the copiers (the consumers,
+  // or the producer warp)
   const auto load_step = [&](int i, int stage) {
     Tile th = t;
     th.h = head_of(i);
@@ -326,32 +349,72 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
     const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
                       th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
     const u32 sq = sstages + stage * kStageBytes;
-    load_panels<kBlockM, kHeadDim, kThreads>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
+    load_panels<kBlockM, kHeadDim, kCopiers>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
                                              t.seqlen_q - q0, p.head_dim);
-    load_panels<kBlockM, kHeadDim, kThreads>(sq + kTileBytes, dout, g.dout_row_stride,
+    load_panels<kBlockM, kHeadDim, kCopiers>(sq + kTileBytes, dout, g.dout_row_stride,
                                              t.seqlen_q - q0, p.head_dim);
     cp_async_commit();
     const i64 at = row_stats_offset(p, th) + q0;
     float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
-    for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+    for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
       s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
       s_lse[kBlockM + r] = q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r]
                                                : 0.f;
     }
   };
-  if (steps) {  // (K and V in the first step's copy group)
-    load_panels<kBlockN, kHeadDim, kThreads>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
+  // K and V (in the first step's copy group)
+  const auto load_kv = [&] {
+    load_panels<kBlockN, kHeadDim, kCopiers>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
                                              t.seqlen_k - key0, p.head_dim);
     if (kDk)
-      load_panels<kBlockN, kHeadDim, kThreads>(sv, kv.v + key0 * p.v_row_stride,
+      load_panels<kBlockN, kHeadDim, kCopiers>(sv, kv.v + key0 * p.v_row_stride,
                                                p.v_row_stride, t.seqlen_k - key0, p.head_dim);
+  };
+  if constexpr (kProducer) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        mbar_init(full_bar(s), 1);
+        mbar_init(empty_bar(s), kThreads);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kProducerThreads) {
+      if constexpr (kThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
+      if (threadIdx.x >= 32) return;
+      // step j's copies landed (all groups but the newest, or with `last` all), fenced for
+      // wgmma's async proxy (they came through the generic one), then announced
+      const auto publish = [&](int j, bool last) {
+        if (last) cp_async_wait<0>();
+        else cp_async_wait<1>();
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full_bar(j % kStages));
+      };
+      for (int i = 0; i < steps; ++i) {
+        const int stage = i % kStages;
+        if (i >= kStages) mbar_wait(empty_bar(stage), ((i / kStages) & 1) ^ 1);
+        if (i == 0) load_kv();
+        load_step(i, stage);
+        if (i > 0) publish(i - 1, false);
+      }
+      if (steps) publish(steps - 1, true);
+      return;
+    }
+    if constexpr (kThreads > 128) setmaxnreg_inc<kBwdConsumerRegs>();
+  } else if (steps) {
+    load_kv();
     load_step(0, 0);
   }
   const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
 
   int stage = 0;
+  u32 phase = 0;  // (kProducer: the ring's pass over the buffers, mod 2)
   for (int i = 0; i < steps; ++i) {
-    await_then_prefetch(i, steps, stage, load_step, [] { fence_proxy_async(); });
+    if constexpr (kProducer) {
+      mbar_wait(full_bar(stage), phase);
+    } else {
+      await_then_prefetch(i, steps, stage, load_step, [] { fence_proxy_async(); });
+    }
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
@@ -429,7 +492,12 @@ __global__ void __launch_bounds__(2 * kBlockN, 1)
       fence_registers(ds_frag);
       fence_registers(acc_dk);
     }
-    stage ^= kStages - 1;
+    if constexpr (kProducer) {
+      mbar_arrive(empty_bar(stage));  // (its products have read it)
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    } else {
+      stage ^= kStages - 1;
+    }
   }
   if constexpr (kFusedDq) bulk_wait<0>();  // (the reductions read this CTA's shared memory)
   const int rows = rows_out - key0;
