@@ -155,7 +155,9 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
       at least 90 % of the slots they take (else the best filling), each split with at
       least MIN_KEYS_PER_SPLIT keys of max_keys (the cache's capacity), since a last wave
       that fills few slots costs nearly as long as a full one; where those CTAs make one
-      wave, the largest power of two not above that count. From two waves up: unsplit.
+      wave, the largest power of two of splits that still makes one wave (the power of
+      two below that count left up to half the slots empty: 15 splits of 16 units on 264
+      slots became 8). From two waves up: unsplit.
 
     Example, 132 SMs, 3 CTAs an SM (396 slots): 1 x 128k keys with 8 KV heads (8 units)
     splits 16 ways contiguous (128 CTAs, one an SM), 32 ways paged (45 splits fill 91 %
@@ -181,7 +183,9 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
             break
         if fill > best_fill + 1e-9:
             best, best_fill = splits, fill
-    return 1 << (best.bit_length() - 1) if units * best <= slots else best
+    if units * best > slots:
+        return best
+    return 1 << (min(slots // units, most).bit_length() - 1)
 
 
 def split_count(num_splits, units, capacity, kernel, device, paged):

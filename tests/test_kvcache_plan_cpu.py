@@ -81,6 +81,20 @@ def test_split_count_fills_the_sms(planner, batch, keys, heads_k, d, expected):
         100 * 1024)) == min(8, 1 << (max(1, keys // 256).bit_length() - 1)) or expected == 1
 
 
+@pytest.mark.parametrize("units, ctas_per_sm, expected", [
+    (16, 2, 16),   # d = 512's two CTAs a unit, 8 KV heads, Hopper's shape: 15 fill 91 % (was 8)
+    (24, 3, 16),   # 15 fill 91 % of 396 slots, 16 still one wave (was 8)
+    (8, 3, 32),    # 45 fill 91 %; 64 would make two waves
+    (100, 3, 11),  # over one wave: the fewest splits whose waves fill 90 % (2.8 of 3)
+])
+def test_one_wave_of_splits_takes_the_largest_power_of_two_that_fits(units, ctas_per_sm,
+                                                                    expected):
+    """Where the splits' CTAs make one wave (no one-CTA-an-SM rule: an H200's bandwidth),
+    the largest power of two of splits that still fits the slots."""
+    got = _heuristics.choose_num_splits(units, 131072, H100_SMS, ctas_per_sm, one_per_sm=False)
+    assert got == expected
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("batch, heads_k, seqlen_q, wider", [
     (64, 8, 1, True),     # 512 units: split 3 ways on 396 slots, one wave on 528
