@@ -257,10 +257,12 @@ __device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq
 }
 
 // The producer warp's register budget, and the consumers', where two consumer warpgroups
-// share the SM's 65536 with the producer's warpgroup (setmaxnreg: the launch gives 384
-// threads 168 each)
-constexpr int kBwdProducerRegs = 32, kBwdConsumerRegs = 240;
-static_assert(128 * kBwdProducerRegs + 256 * kBwdConsumerRegs <= 65536, "one CTA an SM");
+// share the CTA's registers with the producer's warpgroup: setmaxnreg moves them within
+// the launch's allotment (384 threads x 168 = 64512), no more (an .inc past it waits for
+// registers that never come)
+constexpr int kBwdProducerRegs = 24, kBwdConsumerRegs = 240;
+static_assert(128 * kBwdProducerRegs + 256 * kBwdConsumerRegs <= 384 * (65536 / 384 / 8 * 8),
+              "within the launch's registers");
 
 // dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
 // of its group; the warpgroups share each step's Q and dout. kFusedDq: dq too
@@ -312,7 +314,10 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   Tile& t = kb.t;
   const int h_k = kb.h_k, key0 = kb.key0, rows_out = kb.rows_out;
   const int group = p.nheads / p.nheads_k;
-  const unsigned tid = threadIdx.x - kProducerThreads;  // a consumer's thread
+  // a consumer's thread (the producer's threads: 0, so that their unused row and key
+  // offsets below stay small)
+  const unsigned tid =
+      kProducer && threadIdx.x < kProducerThreads ? 0u : threadIdx.x - kProducerThreads;
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (tid / 32) * 16;
   const int wg = kThreads > 128 ? tid / 128 : 0;
@@ -339,27 +344,33 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024), v_desc = smem_desc(sv + wg_rows, 16, 1024);
   const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
   const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
-  // step i's Q, dout (a copy group), lse and D into a buffer, by the copiers (the consumers,
-  // or the producer warp)
-  const auto load_step = [&](int i, int stage) {
+  // step i's Q and dout into a buffer (a copy group) and its lse and D (either alone: the
+  // producer's copies go out before the loads, whose round trip would hold them back), by
+  // the copiers (the consumers, or the producer warp)
+  const auto load_step = [&](int i, int stage, bool copies = true, bool stats = true) {
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
-    const TilePointers ptr = tile_pointers(p, th);
-    const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
-                      th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
-    const u32 sq = sstages + stage * kStageBytes;
-    load_panels<kBlockM, kHeadDim, kCopiers>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
-                                             t.seqlen_q - q0, p.head_dim);
-    load_panels<kBlockM, kHeadDim, kCopiers>(sq + kTileBytes, dout, g.dout_row_stride,
-                                             t.seqlen_q - q0, p.head_dim);
-    cp_async_commit();
-    const i64 at = row_stats_offset(p, th) + q0;
-    float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
-    for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
-      s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
-      s_lse[kBlockM + r] = q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r]
-                                               : 0.f;
+    if (copies) {
+      const TilePointers ptr = tile_pointers(p, th);
+      const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
+                        th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
+      const u32 sq = sstages + stage * kStageBytes;
+      load_panels<kBlockM, kHeadDim, kCopiers>(sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride,
+                                               t.seqlen_q - q0, p.head_dim);
+      load_panels<kBlockM, kHeadDim, kCopiers>(sq + kTileBytes, dout, g.dout_row_stride,
+                                               t.seqlen_q - q0, p.head_dim);
+      cp_async_commit();
+    }
+    if (stats) {
+      const i64 at = row_stats_offset(p, th) + q0;
+      float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
+      for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
+        s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
+        s_lse[kBlockM + r] = q0 + r < t.seqlen_q
+                                 ? reinterpret_cast<const float*>(g.softmax_d)[at + r]
+                                 : 0.f;
+      }
     }
   };
   // K and V (in the first step's copy group)
@@ -374,7 +385,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) {
         mbar_init(full_bar(s), 1);
-        mbar_init(empty_bar(s), kThreads);
+        mbar_init(empty_bar(s), kThreads / 32);  // a lane of each consumer warp
       }
     }
     __syncthreads();
@@ -390,12 +401,14 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(full_bar(j % kStages));
       };
+      // (step i - 1 is announced as soon as its copies are in, before step i's lse and D)
       for (int i = 0; i < steps; ++i) {
         const int stage = i % kStages;
         if (i >= kStages) mbar_wait(empty_bar(stage), ((i / kStages) & 1) ^ 1);
         if (i == 0) load_kv();
-        load_step(i, stage);
+        load_step(i, stage, true, false);
         if (i > 0) publish(i - 1, false);
+        load_step(i, stage, false, true);
       }
       if (steps) publish(steps - 1, true);
       return;
@@ -493,7 +506,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       fence_registers(acc_dk);
     }
     if constexpr (kProducer) {
-      mbar_arrive(empty_bar(stage));  // (its products have read it)
+      __syncwarp();  // (every lane's products and reads of the buffer are done)
+      if (lane == 0) mbar_arrive(empty_bar(stage));
       if (++stage == kStages) stage = 0, phase ^= 1;
     } else {
       stage ^= kStages - 1;
