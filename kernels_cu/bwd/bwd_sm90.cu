@@ -365,11 +365,31 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     if (stats) {
       const i64 at = row_stats_offset(p, th) + q0;
       float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
-      for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
-        s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
-        s_lse[kBlockM + r] = q0 + r < t.seqlen_q
-                                 ? reinterpret_cast<const float*>(g.softmax_d)[at + r]
-                                 : 0.f;
+      const auto lse_of = [&](int r) {
+        return lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
+      };
+      const auto d_of = [&](int r) {
+        return q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r] : 0.f;
+      };
+      if constexpr (kProducer) {  // a warp's rows: every load issued before the stores, one
+        // round trip (a load a row in turn made the producer the bottleneck on an H200)
+        constexpr int kRowsEach = kBlockM / 32;
+        float lse_row[kRowsEach], d_row[kRowsEach];
+#pragma unroll
+        for (int j = 0; j < kRowsEach; ++j) {
+          lse_row[j] = lse_of(lane + 32 * j);
+          d_row[j] = d_of(lane + 32 * j);
+        }
+#pragma unroll
+        for (int j = 0; j < kRowsEach; ++j) {
+          s_lse[lane + 32 * j] = lse_row[j];
+          s_lse[kBlockM + lane + 32 * j] = d_row[j];
+        }
+      } else {
+        for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
+          s_lse[r] = lse_of(r);
+          s_lse[kBlockM + r] = d_of(r);
+        }
       }
     }
   };
