@@ -266,19 +266,20 @@ static_assert(128 * kBwdProducerRegs + 256 * kBwdConsumerRegs <= 384 * (65536 / 
 
 // dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
 // of its group; the warpgroups share each step's Q and dout. kFusedDq: dq too
-// (add_dq_share), at head dims 64 and 128 on two warpgroups. kProducer: a warp of a
-// warpgroup of its own copies each step's Q, dout, lse and D into a ring of kStages
-// buffers, announced on mbarriers (full: the producer's, once its copies have landed;
-// empty: every consumer thread's, once done reading), so the consumer warpgroups never
-// wait for each other at a CTA-wide barrier a step (await_then_prefetch) and never issue
-// a copy.
+// (add_dq_share), at head dims 64 and 128 on two warpgroups. kProducer: a warpgroup of
+// its own copies each step's Q, dout, lse and D (a row a thread) into a ring of kStages
+// buffers, announced on mbarriers (full: a lane of each producer warp, once its copies
+// have landed; empty: a lane of each consumer warp, once done reading), so the consumer
+// warpgroups never wait for each other at a CTA-wide barrier a step
+// (await_then_prefetch) and never issue a copy.
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
           int kStages, int kBlockN, bool kFusedDq = false, bool kProducer = false>
 __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kThreads = 2 * kBlockN;  // the consumers'
   constexpr int kProducerThreads = kProducer ? 128 : 0;
-  constexpr int kCopiers = kProducer ? 32 : kThreads;  // the threads that issue the copies
+  // the threads that issue the copies: the consumers, or the producer's whole warpgroup
+  constexpr int kCopiers = kProducer ? kProducerThreads : kThreads;
   constexpr int kQTiles = kBlockM / 8;
   constexpr int kDTiles = kHeadDim / 8;
   constexpr bool kDk = kGrads != KV_DV, kDv = kGrads != KV_DK;
@@ -371,25 +372,9 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       const auto d_of = [&](int r) {
         return q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r] : 0.f;
       };
-      if constexpr (kProducer) {  // a warp's rows: every load issued before the stores, one
-        // round trip (a load a row in turn made the producer the bottleneck on an H200)
-        constexpr int kRowsEach = kBlockM / 32;
-        float lse_row[kRowsEach], d_row[kRowsEach];
-#pragma unroll
-        for (int j = 0; j < kRowsEach; ++j) {
-          lse_row[j] = lse_of(lane + 32 * j);
-          d_row[j] = d_of(lane + 32 * j);
-        }
-#pragma unroll
-        for (int j = 0; j < kRowsEach; ++j) {
-          s_lse[lane + 32 * j] = lse_row[j];
-          s_lse[kBlockM + lane + 32 * j] = d_row[j];
-        }
-      } else {
-        for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
-          s_lse[r] = lse_of(r);
-          s_lse[kBlockM + r] = d_of(r);
-        }
+      for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
+        s_lse[r] = lse_of(r);
+        s_lse[kBlockM + r] = d_of(r);
       }
     }
   };
@@ -404,14 +389,13 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   if constexpr (kProducer) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) {
-        mbar_init(full_bar(s), 1);
+        mbar_init(full_bar(s), kProducerThreads / 32);  // a lane of each producer warp
         mbar_init(empty_bar(s), kThreads / 32);  // a lane of each consumer warp
       }
     }
     __syncthreads();
     if (threadIdx.x < kProducerThreads) {
       if constexpr (kThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
-      if (threadIdx.x >= 32) return;
       // step j's copies landed (all groups but the newest, or with `last` all), fenced for
       // wgmma's async proxy (they came through the generic one), then announced
       const auto publish = [&](int j, bool last) {
