@@ -47,6 +47,60 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
   wgmma_commit();
 }
 
+// -- the producer's ring (kProducer): kStages buffers that a producer warpgroup fills, a
+//    step each, and the consumer warps drain, on mbarriers after the buffers: full (a lane
+//    of each producer warp, once its copies have landed), then empty (a lane of each
+//    consumer warp, once done reading). The consumer warpgroups then never wait for each
+//    other at a CTA-wide barrier a step (await_then_prefetch) and never issue a copy --
+template <int kStages>
+struct Ring {
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kBytes = 2 * 8 * kStages;
+  u32 bars;
+  __device__ __forceinline__ u32 full(int stage) const { return bars + 8 * stage; }
+  __device__ __forceinline__ u32 empty(int stage) const { return bars + 8 * (kStages + stage); }
+  __device__ __forceinline__ void init(int consumer_threads) const {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        mbar_init(full(s), kProducerThreads / 32);
+        mbar_init(empty(s), consumer_threads / 32);
+      }
+    }
+  }
+  // the producer: steps 0 .. steps - 1, each copy(i, stage) (one cp.async group) and then
+  // after(i, stage) (plain loads and stores: step i - 1 is announced between the two, as
+  // soon as its copies are in); a step's copies landed, fenced for wgmma's async proxy
+  // (they came through the generic one), then announced
+  template <class Copy, class After>
+  __device__ __forceinline__ void produce(int steps, Copy copy, After after) const {
+    const int lane = threadIdx.x % 32;
+    const auto publish = [&](int j, bool last) {
+      if (last) cp_async_wait<0>();
+      else cp_async_wait<1>();
+      fence_proxy_async();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(full(j % kStages));
+    };
+    for (int i = 0; i < steps; ++i) {
+      const int stage = i % kStages;
+      if (i >= kStages) mbar_wait(empty(stage), ((i / kStages) & 1) ^ 1);
+      copy(i, stage);
+      if (i > 0) publish(i - 1, false);
+      after(i, stage);
+    }
+    if (steps) publish(steps - 1, true);
+  }
+  // a consumer warp: the buffer of its next step, then that buffer done with
+  __device__ __forceinline__ void await_full(int stage, u32 phase) const {
+    mbar_wait(full(stage), phase);
+  }
+  __device__ __forceinline__ void release(int& stage, u32& phase, int lane) const {
+    __syncwarp();  // (every lane's products and reads of the buffer are done)
+    if (lane == 0) mbar_arrive(empty(stage));
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+};
+
 // dq: kBlockM query rows of a head (64 a warpgroup: its M), every key block they see; the
 // warpgroups share each streamed K/V block
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
@@ -277,7 +331,7 @@ template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int
 __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kThreads = 2 * kBlockN;  // the consumers'
-  constexpr int kProducerThreads = kProducer ? 128 : 0;
+  constexpr int kProducerThreads = kProducer ? Ring<kStages>::kProducerThreads : 0;
   // the threads that issue the copies: the consumers, or the producer's whole warpgroup
   constexpr int kCopiers = kProducer ? kProducerThreads : kThreads;
   constexpr int kQTiles = kBlockM / 8;
@@ -303,12 +357,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   [[maybe_unused]] const u32 sds = sstages + kStages * kStageBytes;
   [[maybe_unused]] const u32 sdq = sds + kBlockM * kBlockN * 2;
   unsigned char* stages = smem + 2 * kKVBytes;
-  // kProducer: each buffer's full and empty mbarriers, after the buffers
-  [[maybe_unused]] const u32 ring_bars = sstages + kStages * kStageBytes;
-  [[maybe_unused]] const auto full_bar = [&](int stage) { return ring_bars + 8 * stage; };
-  [[maybe_unused]] const auto empty_bar = [&](int stage) {
-    return ring_bars + 8 * (kStages + stage);
-  };
+  [[maybe_unused]] const Ring<kStages> ring{sstages + kStages * kStageBytes};  // (kProducer)
 
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
@@ -387,34 +436,17 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
                                                p.v_row_stride, t.seqlen_k - key0, p.head_dim);
   };
   if constexpr (kProducer) {
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < kStages; ++s) {
-        mbar_init(full_bar(s), kProducerThreads / 32);  // a lane of each producer warp
-        mbar_init(empty_bar(s), kThreads / 32);  // a lane of each consumer warp
-      }
-    }
+    ring.init(kThreads);
     __syncthreads();
     if (threadIdx.x < kProducerThreads) {
       if constexpr (kThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
-      // step j's copies landed (all groups but the newest, or with `last` all), fenced for
-      // wgmma's async proxy (they came through the generic one), then announced
-      const auto publish = [&](int j, bool last) {
-        if (last) cp_async_wait<0>();
-        else cp_async_wait<1>();
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(full_bar(j % kStages));
-      };
-      // (step i - 1 is announced as soon as its copies are in, before step i's lse and D)
-      for (int i = 0; i < steps; ++i) {
-        const int stage = i % kStages;
-        if (i >= kStages) mbar_wait(empty_bar(stage), ((i / kStages) & 1) ^ 1);
-        if (i == 0) load_kv();
-        load_step(i, stage, true, false);
-        if (i > 0) publish(i - 1, false);
-        load_step(i, stage, false, true);
-      }
-      if (steps) publish(steps - 1, true);
+      ring.produce(
+          steps,
+          [&](int i, int stage) {
+            if (i == 0) load_kv();
+            load_step(i, stage, true, false);
+          },
+          [&](int i, int stage) { load_step(i, stage, false, true); });
       return;
     }
     if constexpr (kThreads > 128) setmaxnreg_inc<kBwdConsumerRegs>();
@@ -427,11 +459,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   int stage = 0;
   u32 phase = 0;  // (kProducer: the ring's pass over the buffers, mod 2)
   for (int i = 0; i < steps; ++i) {
-    if constexpr (kProducer) {
-      mbar_wait(full_bar(stage), phase);
-    } else {
-      await_then_prefetch(i, steps, stage, load_step, [] { fence_proxy_async(); });
-    }
+    if constexpr (kProducer) ring.await_full(stage, phase);
+    else await_then_prefetch(i, steps, stage, load_step, [] { fence_proxy_async(); });
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
@@ -509,13 +538,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       fence_registers(ds_frag);
       fence_registers(acc_dk);
     }
-    if constexpr (kProducer) {
-      __syncwarp();  // (every lane's products and reads of the buffer are done)
-      if (lane == 0) mbar_arrive(empty_bar(stage));
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    } else {
-      stage ^= kStages - 1;
-    }
+    if constexpr (kProducer) ring.release(stage, phase, lane);
+    else stage ^= kStages - 1;
   }
   if constexpr (kFusedDq) bulk_wait<0>();  // (the reductions read this CTA's shared memory)
   const int rows = rows_out - key0;
