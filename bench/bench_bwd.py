@@ -52,8 +52,8 @@ def parse_args(argv=None):
                    help="also time cufa with dq fused into the dk/dv kernel (CUFA_BWD_FUSED_DQ), "
                         "the 'cufa fused dq' column")
     p.add_argument("--producer", action="store_true",
-                   help="also time cufa with Hopper's dk/dv kernel on a producer warp "
-                        "(CUFA_BWD_SM90_PRODUCER), the 'cufa producer' column")
+                   help="also time cufa with Hopper's dq and dk/dv kernels on a producer "
+                        "warpgroup (CUFA_BWD_SM90_PRODUCER), the 'cufa producer' column")
     p.add_argument("--with-forward", action="store_true",
                    help="also time the forward and backward together (a training step's "
                         "attention), a second table")

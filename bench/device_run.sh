@@ -80,7 +80,8 @@ if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability !
   # dq fused into the dk/dv kernel (wgmma at d = 64 and 128, else mma.sync) on every
   # backward test
   family fdq CUFA_BWD_FUSED_DQ=1 -- tests/test_gpu_backward.py &
-  # and the dk/dv kernel with a producer warp (wgmma at d = 64 and 128, no score mods)
+  # and the dq and dk/dv kernels with a producer warpgroup (wgmma at d = 64 and 128, no
+  # score mods)
   family wp CUFA_BWD_SM90_PRODUCER=1 -- tests/test_gpu_backward.py &
 fi
 wait

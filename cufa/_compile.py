@@ -243,7 +243,7 @@ class BwdVariant:
     stages: int = 1         # dq: K/V buffers (2: the next block's copy under the products);
                             # dkdv: Q/dout buffers, the same
     fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
-    producer: bool = False  # sm90 dkdv: a producer warp streams the steps (kProducer)
+    producer: bool = False  # sm90 dq, dkdv: a producer warpgroup streams the steps (kProducer)
     family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
 
@@ -280,7 +280,8 @@ class BwdVariant:
                 f"{str(self.score_mods).lower()}, {self.block_m}")
         if self.kind == "dq":
             kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
-            return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}>"
+            producer = ", true" if self.producer else ""
+            return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}{producer}>"
         if self.family == "sm90":
             flags = (", true" if self.fused_dq else ", false, true" if self.producer else "")
             return (f"cufa::bwd_dkdv_sm90_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
@@ -305,14 +306,14 @@ class BwdVariant:
     def smem_with(self, stages):
         row = self.head_dim * _dtypes.size_of(self.dtype)
         if self.family == "sm90":  # (1024 bytes to align the panels to their swizzle)
+            ring = 2 * 8 * stages if self.producer else 0  # (each buffer's two mbarriers)
             if self.kind == "dq":
-                return 1024 + 2 * (self.block_m + stages * self.block_n) * row
+                return 1024 + 2 * (self.block_m + stages * self.block_n) * row + ring
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
             # dq fused: the step's dS (16-bit), and each warpgroup's 64 staged rows of dq
             # (kDqRowBytes: 64 floats and 16 bytes)
             fused = (2 * self.block_m * self.block_n + self.block_n * (64 * 4 + 16)
                      if self.fused_dq else 0)
-            ring = 2 * 8 * stages if self.producer else 0  # (each buffer's two mbarriers)
             return 1024 + 2 * self.block_n * row + stages * stage + fused + ring
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
@@ -418,17 +419,18 @@ BWD_SM90_TILES_ENV = "CUFA_BWD_SM90_TILES"
 BWD_SM90_TILE_CHOICES = {"dq": ((64, 128), (32, 64, 128)), "kv": ((64, 128), (64, 128))}
 BWD_SM90_ONE_WARPGROUP = "dq=64x64,kv=64x64"
 SM90_SMEM_LIMIT = 227 * 1024
-# The dk/dv kernel with a producer warp (kProducer in bwd/bwd_sm90.cu): the consumer
-# warpgroups stop meeting at a CTA-wide barrier each step and stop issuing copies; a ring
-# of three buffers lets them drift a step apart. Opt-in (CUFA_BWD_SM90_PRODUCER=1) until
-# timed; without score mods (with them the consumers need more than their 240 registers).
+# The dq and dk/dv kernels with a producer warpgroup (kProducer in bwd/bwd_sm90.cu): the
+# consumer warpgroups stop meeting at a CTA-wide barrier each step and stop issuing
+# copies; a ring of three buffers lets them drift a step apart. Opt-in
+# (CUFA_BWD_SM90_PRODUCER=1) until timed; without score mods (with them the dk/dv
+# consumers need more than their 240 registers).
 BWD_SM90_PRODUCER_ENV = "CUFA_BWD_SM90_PRODUCER"
 BWD_SM90_PRODUCER_STAGES = 3
 BWD_SM90_PRODUCER_HEAD_DIMS = (64, 128)
-# (head dim, mask, query block) where the consumer would spill (16 bytes: d = 64 windowed on
-# 128-query blocks, at 255 registers without the producer already); those keep the
-# kernel without one
-BWD_SM90_PRODUCER_SPILLS = {(64, "window", 128)}
+# (kernel, head dim, mask, query block) where the consumer would spill (16 bytes: dk/dv at
+# d = 64 windowed on 128-query blocks, at 255 registers without the producer already);
+# those keep the kernel without one
+BWD_SM90_PRODUCER_SPILLS = {("dkdv", 64, "window", 128)}
 
 
 def parse_bwd_sm90_tiles(text):
@@ -478,8 +480,8 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
         for v in (dq, *kv)]
     if producer and not score_mods and dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS:
         wgmma = [dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES)
-                 if v.kind == "dkdv" and v.family == "sm90" and (
-                     v.head_dim, mask, v.block_m) not in BWD_SM90_PRODUCER_SPILLS else v
+                 if v.family == "sm90" and (v.kind, v.head_dim, mask, v.block_m)
+                 not in BWD_SM90_PRODUCER_SPILLS else v
                  for v in wgmma]
     for v in wgmma:
         if v.smem_bytes > SM90_SMEM_LIMIT:

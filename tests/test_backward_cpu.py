@@ -456,21 +456,23 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
         row = 2 * v.head_dim
         if v.kind == "dq":  # Q, dout; two stages of K and V
             tiles = 2 * v.block_m * row + v.stages * 2 * v.block_n * row
+            if v.producer:  # each buffer's full and empty mbarriers
+                tiles += 16 * v.stages
         else:  # K, V; two stages of Q, dout, lse and D, each at a 1024-byte boundary;
             # dq fused: dS, and each warpgroup's 64 staged rows of 64 floats and 16 bytes
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
             if v.fused_dq:
                 tiles += 2 * v.block_m * v.block_n + v.block_n // 64 * 64 * 272
-            if v.producer:  # each buffer's full and empty mbarriers
+            if v.producer:
                 tiles += 16 * v.stages
         assert v.smem_bytes == 1024 + tiles, v.key
     # the defaults and one warpgroup's tiles: at d = 64 dq on 64 rows, dk/dv on 128- and
     # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
     # and 64 keys (not the spilling one); above, dq, dk and dv apart
-    # ... and dq fused at d = 64 and 128 (no score mods), and the producer warp's dk/dv
-    # (d = 64: 128-query blocks unmasked, 64 windowed; d = 128: both masks)
-    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 8 + 8
+    # ... and dq fused at d = 64 and 128 (no score mods), and the producer's dq (both
+    # masks) and dk/dv (d = 64: 128-query blocks unmasked, 64 windowed; d = 128: both)
+    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 8 + 8 + 8
 
 
 @pytest.mark.parametrize("d, causal, seqlen, producer, threads, block_m", [
@@ -479,9 +481,9 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     (64, True, 2000, False, 128, 128),  # (windowed on 128-query blocks: it would spill)
 ])
 def test_producer_warp_where_asked(monkeypatch, d, causal, seqlen, producer, threads, block_m):
-    """CUFA_BWD_SM90_PRODUCER=1 on Hopper: the wgmma dk/dv kernel with a producer warp (a
-    warpgroup of its own: 128 more threads, a ring of three buffers and their mbarriers)
-    where it applies; not with score mods, nor off Hopper; the dq kernel as before."""
+    """CUFA_BWD_SM90_PRODUCER=1 on Hopper: the wgmma dq and dk/dv kernels with a producer
+    warpgroup (128 more threads, a ring of three buffers and their mbarriers) where they
+    apply; not with score mods, nor off Hopper."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
@@ -489,8 +491,10 @@ def test_producer_warp_where_asked(monkeypatch, d, causal, seqlen, producer, thr
         monkeypatch.setitem(_compile._overrides, env, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_PRODUCER_ENV, "1")
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
-    (dq, *_), (kv, _, kv_threads, smem, *_) = rec.launches[-2:]
-    assert (dq.kind, dq.family, dq.producer) == ("dq", "sm90", False)
+    (dq, _, dq_threads, dq_smem, *_), (kv, _, kv_threads, smem, *_) = rec.launches[-2:]
+    assert (dq.kind, dq.family, dq.producer, dq.stages) == ("dq", "sm90", True, 3)
+    assert dq_threads == dq.threads == 2 * dq.block_m + 128 and dq_smem == dq.smem_bytes
+    assert dq_smem == dataclasses.replace(dq, producer=False).smem_bytes + 16 * 3
     assert (kv.kind, kv.family, kv.producer, kv.block_m) == ("dkdv", "sm90", producer, block_m)
     assert kv_threads == threads == kv.threads and smem == kv.smem_bytes <= 227 * 1024
     if producer:
@@ -501,7 +505,7 @@ def test_producer_warp_where_asked(monkeypatch, d, causal, seqlen, producer, thr
     rec.launches.clear()
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal,
                              softcap=5.0)
-    assert not rec.launches[-1][0].producer
+    assert not any(f.producer for f, *_ in rec.launches)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_PRODUCER_ENV, None)
     assert not any(v.producer for v in _compile.bwd_sm90_variants(
         "bf16", d, "window" if causal else "none", False, producer=False)[1:])

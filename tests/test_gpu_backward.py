@@ -383,10 +383,10 @@ PRODUCER = {
 
 @same_bits
 @pytest.mark.parametrize("name", list(PRODUCER))
-def test_dkdv_producer_warp(monkeypatch, name):
-    """CUFA_BWD_SM90_PRODUCER=1 (Hopper: the wgmma dk/dv kernel with a producer warp and a
-    ring of mbarriers): the reference's gradients, and the same bits as the kernel without
-    the producer (the same products in the same order)."""
+def test_producer_warpgroup(monkeypatch, name):
+    """CUFA_BWD_SM90_PRODUCER=1 (Hopper: the wgmma dq and dk/dv kernels with a producer
+    warpgroup and a ring of mbarriers): the reference's gradients, and the same bits as
+    the kernels without it (the same products in the same order)."""
     from cufa import _compile, _runtime
     if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
         pytest.skip("the producer warp is the Hopper kernel's")

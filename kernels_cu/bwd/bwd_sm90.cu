@@ -47,6 +47,14 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
   wgmma_commit();
 }
 
+// The producer warpgroup's register budget, and the consumers', where two consumer warpgroups
+// share the CTA's registers with the producer's warpgroup: setmaxnreg moves them within
+// the launch's allotment (384 threads x 168 = 64512), no more (an .inc past it waits for
+// registers that never come)
+constexpr int kBwdProducerRegs = 24, kBwdConsumerRegs = 240;
+static_assert(128 * kBwdProducerRegs + 256 * kBwdConsumerRegs <= 384 * (65536 / 384 / 8 * 8),
+              "within the launch's registers");
+
 // -- the producer's ring (kProducer): kStages buffers that a producer warpgroup fills, a
 //    step each, and the consumer warps drain, on mbarriers after the buffers: full (a lane
 //    of each producer warp, once its copies have landed), then empty (a lane of each
@@ -102,12 +110,15 @@ struct Ring {
 };
 
 // dq: kBlockM query rows of a head (64 a warpgroup: its M), every key block they see; the
-// warpgroups share each streamed K/V block
+// warpgroups share each streamed K/V block. kProducer: a warpgroup of its own streams the
+// K/V blocks through a Ring of kStages buffers
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
-          int kStages>
-__global__ void __launch_bounds__(2 * kBlockM, 1)
+          int kStages, bool kProducer = false>
+__global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
     bwd_dq_sm90_kernel(const FwdParams p, const BwdParams g) {
-  constexpr int kThreads = 2 * kBlockM;
+  constexpr int kThreads = 2 * kBlockM;  // the consumers'
+  constexpr int kProducerThreads = kProducer ? Ring<kStages>::kProducerThreads : 0;
+  constexpr int kCopiers = kProducer ? kProducerThreads : kThreads;  // who issues the copies
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -115,19 +126,24 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
   static_assert(kBlockM == 64 || kBlockM == 128, "one or two warpgroups, 16 rows a warp");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kTileBytes % 1024 == 0,
                 "whole 64-column panels");
-  static_assert(kStages == 2, "two K/V buffers (await_then_prefetch)");
+  static_assert(kProducer ? kStages >= 2 : kStages == 2,
+                "two K/V buffers (await_then_prefetch), or a ring of two or more");
   extern __shared__ unsigned char smem_raw[];
   const u32 sq = (smem_u32(smem_raw) + 1023) & ~1023u;  // (panels at 1024-byte boundaries)
   const u32 sdo = sq + kQBytes, skv = sdo + kQBytes;    // stage s: K at s * 2 tiles, V after
+  [[maybe_unused]] const Ring<kStages> ring{skv + kStages * 2 * kTileBytes};  // (kProducer)
 
   Tile t;
   if (!get_tile(p, static_cast<int>(blockIdx.x), t)) return;
   const int row0 = t.m_block * kBlockM;
   const int row_end = min(row0 + kBlockM, t.seqlen_q);
+  // a consumer's thread (the producer's threads: 0, so that their unused rows stay small)
+  const unsigned tid =
+      kProducer && threadIdx.x < kProducerThreads ? 0u : threadIdx.x - kProducerThreads;
   const int lane = threadIdx.x % 32;
-  const int warp_row0 = (threadIdx.x / 32) * 16;
+  const int warp_row0 = (tid / 32) * 16;
   // this warpgroup's rows (a row past the sequence gets P = 0, and no dq written)
-  const int wg = kThreads > 128 ? threadIdx.x / 128 : 0;
+  const int wg = kThreads > 128 ? tid / 128 : 0;
   const int wg_row0 = row0 + wg * 64;
   const int wg_row_end = min(wg_row0 + 64, t.seqlen_q);
   const TilePointers ptr = tile_pointers(p, t);
@@ -163,24 +179,44 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
   const auto load_kv = [&](int step, int stage) {  // (step: key block n_block_min + step)
     const int key0 = (n_block_min + step) * kBlockN;
     const u32 sk = skv + stage * 2 * kTileBytes;
-    load_panels<kBlockN, kHeadDim, kThreads>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+    load_panels<kBlockN, kHeadDim, kCopiers>(sk, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
                                              t.seqlen_k - key0, p.head_dim);
-    load_panels<kBlockN, kHeadDim, kThreads>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride,
+    load_panels<kBlockN, kHeadDim, kCopiers>(sk + kTileBytes, ptr.v + key0 * p.v_row_stride,
                                              p.v_row_stride, t.seqlen_k - key0, p.head_dim);
     cp_async_commit();
   };
-  if (n_block_min < n_block_max) {  // (Q and dout in the first block's copy group)
-    load_panels<kBlockM, kHeadDim, kThreads>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
+  const auto load_q_dout = [&] {  // (in the first block's copy group)
+    load_panels<kBlockM, kHeadDim, kCopiers>(sq, ptr.q + row0 * p.q_row_stride, p.q_row_stride,
                                              t.seqlen_q - row0, p.head_dim);
-    load_panels<kBlockM, kHeadDim, kThreads>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
+    load_panels<kBlockM, kHeadDim, kCopiers>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
                                              p.head_dim);
+  };
+  if constexpr (kProducer) {
+    ring.init(kThreads);
+    __syncthreads();
+    if (threadIdx.x < kProducerThreads) {
+      if constexpr (kThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
+      ring.produce(
+          n_block_max - n_block_min,
+          [&](int i, int stage) {
+            if (i == 0) load_q_dout();
+            load_kv(i, stage);
+          },
+          [](int, int) {});
+      return;
+    }
+    if constexpr (kThreads > 128) setmaxnreg_inc<kBwdConsumerRegs>();
+  } else if (n_block_min < n_block_max) {
+    load_q_dout();
     load_kv(0, 0);
   }
   int stage = 0;
+  u32 phase = 0;  // (kProducer: the ring's pass over the buffers, mod 2)
   for (int nb = n_block_min; nb < n_block_max; ++nb) {
     const int key0 = nb * kBlockN;
-    await_then_prefetch(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
-                        [] { fence_proxy_async(); });
+    if constexpr (kProducer) ring.await_full(stage, phase);
+    else await_then_prefetch(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
+                             [] { fence_proxy_async(); });
     const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
 
     // S = Q K^T and dP = dout V^T, two groups in flight
@@ -228,7 +264,8 @@ __global__ void __launch_bounds__(2 * kBlockM, 1)
     wgmma_wait<0>();
     fence_registers(ds_frag);
     fence_registers(acc_dq);
-    stage ^= kStages - 1;
+    if constexpr (kProducer) ring.release(stage, phase, lane);
+    else stage ^= kStages - 1;
   }
   store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
 }
@@ -309,14 +346,6 @@ __device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq
     bulk_commit();
   }
 }
-
-// The producer warp's register budget, and the consumers', where two consumer warpgroups
-// share the CTA's registers with the producer's warpgroup: setmaxnreg moves them within
-// the launch's allotment (384 threads x 168 = 64512), no more (an .inc past it waits for
-// registers that never come)
-constexpr int kBwdProducerRegs = 24, kBwdConsumerRegs = 240;
-static_assert(128 * kBwdProducerRegs + 256 * kBwdConsumerRegs <= 384 * (65536 / 384 / 8 * 8),
-              "within the launch's registers");
 
 // dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
 // of its group; the warpgroups share each step's Q and dout. kFusedDq: dq too
