@@ -98,6 +98,21 @@ struct Ring {
     }
     if (steps) publish(steps - 1, true);
   }
+  // the CTA's roles: the barriers set up; then the producer warpgroup fills the ring
+  // (`produce`) and gets false, the consumers (kConsumerThreads of them, with the registers
+  // the producer's warpgroup gives up where they are two warpgroups) true
+  template <int kConsumerThreads, class Copy, class After>
+  __device__ __forceinline__ bool consumer_after_roles(int steps, Copy copy, After after) const {
+    init(kConsumerThreads);
+    __syncthreads();
+    if (threadIdx.x < kProducerThreads) {
+      if constexpr (kConsumerThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
+      produce(steps, copy, after);
+      return false;
+    }
+    if constexpr (kConsumerThreads > 128) setmaxnreg_inc<kBwdConsumerRegs>();
+    return true;
+  }
   // a consumer warp: the buffer of its next step, then that buffer done with
   __device__ __forceinline__ void await_full(int stage, u32 phase) const {
     mbar_wait(full(stage), phase);
@@ -192,20 +207,13 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
                                              p.head_dim);
   };
   if constexpr (kProducer) {
-    ring.init(kThreads);
-    __syncthreads();
-    if (threadIdx.x < kProducerThreads) {
-      if constexpr (kThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
-      ring.produce(
-          n_block_max - n_block_min,
-          [&](int i, int stage) {
-            if (i == 0) load_q_dout();
-            load_kv(i, stage);
-          },
-          [](int, int) {});
+    const auto copy = [&](int i, int stage) {
+      if (i == 0) load_q_dout();
+      load_kv(i, stage);
+    };
+    if (!ring.template consumer_after_roles<kThreads>(n_block_max - n_block_min, copy,
+                                                      [](int, int) {}))
       return;
-    }
-    if constexpr (kThreads > 128) setmaxnreg_inc<kBwdConsumerRegs>();
   } else if (n_block_min < n_block_max) {
     load_q_dout();
     load_kv(0, 0);
@@ -465,20 +473,12 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
                                                p.v_row_stride, t.seqlen_k - key0, p.head_dim);
   };
   if constexpr (kProducer) {
-    ring.init(kThreads);
-    __syncthreads();
-    if (threadIdx.x < kProducerThreads) {
-      if constexpr (kThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
-      ring.produce(
-          steps,
-          [&](int i, int stage) {
-            if (i == 0) load_kv();
-            load_step(i, stage, true, false);
-          },
-          [&](int i, int stage) { load_step(i, stage, false, true); });
-      return;
-    }
-    if constexpr (kThreads > 128) setmaxnreg_inc<kBwdConsumerRegs>();
+    const auto copy = [&](int i, int stage) {
+      if (i == 0) load_kv();
+      load_step(i, stage, true, false);
+    };
+    const auto stats = [&](int i, int stage) { load_step(i, stage, false, true); };
+    if (!ring.template consumer_after_roles<kThreads>(steps, copy, stats)) return;
   } else if (steps) {
     load_kv();
     load_step(0, 0);
