@@ -426,11 +426,10 @@ SM90_SMEM_LIMIT = 227 * 1024
 # consumers need more than their 240 registers).
 BWD_SM90_PRODUCER_ENV = "CUFA_BWD_SM90_PRODUCER"
 BWD_SM90_PRODUCER_STAGES = 3
-BWD_SM90_PRODUCER_HEAD_DIMS = (64, 128)
-# (kernel, head dim, mask, query block) where the consumer would spill (16 bytes: dk/dv at
-# d = 64 windowed on 128-query blocks, at 255 registers without the producer already);
-# those keep the kernel without one
-BWD_SM90_PRODUCER_SPILLS = {("dkdv", 64, "window", 128)}
+# d = 128 alone: its kernels have two consumer warpgroups, which the producer keeps from
+# waiting on each other; at d = 64 (one warpgroup, two to four CTAs an SM) its warpgroup
+# would cost CTAs an SM (one) and spare no wait.
+BWD_SM90_PRODUCER_HEAD_DIMS = (128,)
 
 
 def parse_bwd_sm90_tiles(text):
@@ -464,7 +463,8 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     """(preprocess, dq, dk/dv...), those on wgmma that it has, for a call; None where it has
     neither. override: parse_bwd_sm90_tiles' tiles in place of the table's; short_window:
     a windowed call of few query rows (BWD_SM90_SHORT_WINDOW_KV's tiles); producer: the
-    dk/dv kernel with a producer warp (BWD_SM90_PRODUCER_STAGES buffers) where it has one."""
+    kernels with a producer warpgroup (BWD_SM90_PRODUCER_STAGES buffers) where they have
+    one (two consumer warpgroups)."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
     table = BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES
     if dq.head_dim not in table:
@@ -480,9 +480,8 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
         for v in (dq, *kv)]
     if producer and not score_mods and dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS:
         wgmma = [dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES)
-                 if v.family == "sm90" and (v.kind, v.head_dim, mask, v.block_m)
-                 not in BWD_SM90_PRODUCER_SPILLS else v
-                 for v in wgmma]
+                 if v.family == "sm90" and v.threads == 256  # (two consumer warpgroups)
+                 else v for v in wgmma]
     for v in wgmma:
         if v.smem_bytes > SM90_SMEM_LIMIT:
             raise ValueError(f"{BWD_SM90_TILES_ENV}={_overrides.get(BWD_SM90_TILES_ENV)!r}: the "

@@ -470,20 +470,19 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     # the defaults and one warpgroup's tiles: at d = 64 dq on 64 rows, dk/dv on 128- and
     # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
     # and 64 keys (not the spilling one); above, dq, dk and dv apart
-    # ... and dq fused at d = 64 and 128 (no score mods), and the producer's dq (both
-    # masks) and dk/dv (d = 64: 128-query blocks unmasked, 64 windowed; d = 128: both)
-    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 8 + 8 + 8
+    # ... and dq fused at d = 64 and 128 (no score mods), and the producer's dq and dk/dv
+    # at d = 128 (both masks)
+    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 8 + 8
 
 
-@pytest.mark.parametrize("d, causal, seqlen, producer, threads, block_m", [
-    (128, True, 300, True, 384, 64), (128, False, 300, True, 384, 64),
-    (64, False, 2000, True, 256, 128), (64, True, 300, True, 256, 64),
-    (64, True, 2000, False, 128, 128),  # (windowed on 128-query blocks: it would spill)
+@pytest.mark.parametrize("d, causal, seqlen, producer", [
+    (128, True, 300, True), (128, False, 300, True), (112, False, 2000, True),
+    (64, False, 2000, False), (64, True, 300, False),  # (one consumer warpgroup)
 ])
-def test_producer_warp_where_asked(monkeypatch, d, causal, seqlen, producer, threads, block_m):
+def test_producer_warpgroup_where_asked(monkeypatch, d, causal, seqlen, producer):
     """CUFA_BWD_SM90_PRODUCER=1 on Hopper: the wgmma dq and dk/dv kernels with a producer
     warpgroup (128 more threads, a ring of three buffers and their mbarriers) where they
-    apply; not with score mods, nor off Hopper."""
+    have two consumer warpgroups (d = 128); not with score mods, nor off Hopper."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
@@ -491,17 +490,16 @@ def test_producer_warp_where_asked(monkeypatch, d, causal, seqlen, producer, thr
         monkeypatch.setitem(_compile._overrides, env, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_PRODUCER_ENV, "1")
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
-    (dq, _, dq_threads, dq_smem, *_), (kv, _, kv_threads, smem, *_) = rec.launches[-2:]
-    assert (dq.kind, dq.family, dq.producer, dq.stages) == ("dq", "sm90", True, 3)
-    assert dq_threads == dq.threads == 2 * dq.block_m + 128 and dq_smem == dq.smem_bytes
-    assert dq_smem == dataclasses.replace(dq, producer=False).smem_bytes + 16 * 3
-    assert (kv.kind, kv.family, kv.producer, kv.block_m) == ("dkdv", "sm90", producer, block_m)
-    assert kv_threads == threads == kv.threads and smem == kv.smem_bytes <= 227 * 1024
-    if producer:
-        assert kv.stages == _compile.BWD_SM90_PRODUCER_STAGES and kv.key.endswith("_s3_wp")
-        plain = dataclasses.replace(kv, producer=False)
-        assert smem == plain.smem_bytes + 16 * kv.stages  # (each buffer's two mbarriers)
-        assert kv in set(_compile.all_variants())
+    for variant, _, threads, smem, *_ in rec.launches[-2:]:
+        assert (variant.family, variant.producer) == ("sm90", producer)
+        assert threads == variant.threads and smem == variant.smem_bytes <= 227 * 1024
+        if producer:
+            assert variant.stages == _compile.BWD_SM90_PRODUCER_STAGES
+            assert variant.key.endswith("_s3_wp") and variant in set(_compile.all_variants())
+            plain = dataclasses.replace(variant, producer=False, stages=2)
+            assert threads == plain.threads + 128 == 384
+            # (a third buffer and each buffer's two mbarriers)
+            assert smem == plain.smem_bytes + (plain.smem_with(3) - plain.smem_with(2)) + 48
     rec.launches.clear()
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal,
                              softcap=5.0)

@@ -370,13 +370,14 @@ def test_dq_fused_varlen(fused_dq, d):
                         out=out[r][None], causal=True)
 
 
-PRODUCER = {
-    "d64": dict(b=2, sq=1100, sk=1100, h=4, hk=2, d=64),
-    "d64 causal, short (64-query blocks)": dict(b=1, sq=300, sk=333, h=4, hk=2, d=64,
-                                                causal=True),
-    "d128 causal, more queries": dict(b=2, sq=300, sk=200, h=4, hk=1, d=128, causal=True),
-    "d120 window (padded to 128)": dict(b=1, sq=517, sk=517, h=2, hk=2, d=120,
-                                        window_size=(100, 7)),
+PRODUCER = {  # (the producer: two consumer warpgroups, d = 128)
+    "d128": dict(b=2, sq=1100, sk=1100, h=4, hk=2, d=128),
+    "d128 causal, more queries (dq blocks without keys)": dict(b=2, sq=300, sk=100, h=4, hk=1,
+                                                               d=128, causal=True),
+    "d120 window, more keys (dk/dv blocks without queries)": dict(b=1, sq=100, sk=300, h=2,
+                                                                  hk=2, d=120,
+                                                                  window_size=(10, 0)),
+    "d112 window": dict(b=1, sq=517, sk=517, h=2, hk=2, d=112, window_size=(100, 7)),
     "d128, one key block": dict(b=3, sq=5, sk=70, h=2, hk=2, d=128),
 }
 
@@ -389,7 +390,7 @@ def test_producer_warpgroup(monkeypatch, name):
     the kernels without it (the same products in the same order)."""
     from cufa import _compile, _runtime
     if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
-        pytest.skip("the producer warp is the Hopper kernel's")
+        pytest.skip("the producer warpgroup is the Hopper kernels'")
     case = dict(PRODUCER[name])
     kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case}
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -405,6 +406,42 @@ def test_producer_warpgroup(monkeypatch, name):
         monkeypatch.undo()
         cufa.api.clear_plans()
     assert all(torch.equal(a, b) for a, b in zip(got[:3], without[:3]))
+
+
+@same_bits
+def test_producer_warpgroup_varlen(monkeypatch):
+    """A packed batch with an empty and a one-token sequence through the producer's kernels:
+    each sequence's gradients against the reference, the same bits as without it."""
+    from cufa import _compile
+    rng = np.random.default_rng(71)
+    dtype, h, d = torch.bfloat16, 4, 128
+    lens = [0, 150, 1, 333]
+    q, k, v, dout = (randn(rng, (1, sum(lens), h, d), dtype)[0] for _ in range(4))
+    cu = cu_seqlens(lens)
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 333, 333, causal=True,
+                                           return_lse=True)
+    try:
+        grads = {}
+        for env in ("1", None):
+            if env:
+                monkeypatch.setenv(_compile.BWD_SM90_PRODUCER_ENV, env)
+            else:
+                monkeypatch.delenv(_compile.BWD_SM90_PRODUCER_ENV)
+            cufa.api.clear_plans()
+            grads[env] = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 333,
+                                                         333, causal=True)
+    finally:
+        monkeypatch.undo()
+        cufa.api.clear_plans()
+    dq, dk, dv = grads["1"][:3]
+    assert all(torch.equal(a, b) for a, b in zip(grads["1"][:3], grads[None][:3]))
+    offs = np.cumsum([0] + lens)
+    for i in range(len(lens)):
+        if lens[i]:
+            r = slice(offs[i], offs[i + 1])
+            check_grads((dq[r][None], dk[r][None], dv[r][None]),
+                        *(x[r][None] for x in (q, k, v, dout)), f"producer varlen {i}",
+                        out=out[r][None], causal=True)
 
 
 def test_the_wgmma_kernels_are_hoppers_default(monkeypatch):

@@ -63,8 +63,7 @@ static_assert(128 * kBwdProducerRegs + 256 * kBwdConsumerRegs <= 384 * (65536 / 
 template <int kStages>
 struct Ring {
   static constexpr int kProducerThreads = 128;
-  static constexpr int kBytes = 2 * 8 * kStages;
-  u32 bars;
+  u32 bars;  // (2 * 8 * kStages bytes: BwdVariant.smem_with's ring)
   __device__ __forceinline__ u32 full(int stage) const { return bars + 8 * stage; }
   __device__ __forceinline__ u32 empty(int stage) const { return bars + 8 * (kStages + stage); }
   __device__ __forceinline__ void init(int consumer_threads) const {
@@ -75,16 +74,17 @@ struct Ring {
       }
     }
   }
-  // the producer: steps 0 .. steps - 1, each copy(i, stage) (one cp.async group) and then
-  // after(i, stage) (plain loads and stores: step i - 1 is announced between the two, as
-  // soon as its copies are in); a step's copies landed, fenced for wgmma's async proxy
-  // (they came through the generic one), then announced
-  template <class Copy, class After>
-  __device__ __forceinline__ void produce(int steps, Copy copy, After after) const {
+  // the producer: steps 0 .. steps - 1, each copy(i, stage) (exactly one cp.async group:
+  // the waits below count groups); a step's copies landed (waited for one step later, so
+  // that two are in flight), finish(i, stage) on what this thread copied, all fenced for
+  // wgmma's async proxy (the copies came through the generic one), then announced
+  template <class Copy, class Finish>
+  __device__ __forceinline__ void produce(int steps, Copy copy, Finish finish) const {
     const int lane = threadIdx.x % 32;
     const auto publish = [&](int j, bool last) {
       if (last) cp_async_wait<0>();
       else cp_async_wait<1>();
+      finish(j, j % kStages);
       fence_proxy_async();
       __syncwarp();
       if (lane == 0) mbar_arrive(full(j % kStages));
@@ -94,20 +94,19 @@ struct Ring {
       if (i >= kStages) mbar_wait(empty(stage), ((i / kStages) & 1) ^ 1);
       copy(i, stage);
       if (i > 0) publish(i - 1, false);
-      after(i, stage);
     }
     if (steps) publish(steps - 1, true);
   }
   // the CTA's roles: the barriers set up; then the producer warpgroup fills the ring
   // (`produce`) and gets false, the consumers (kConsumerThreads of them, with the registers
   // the producer's warpgroup gives up where they are two warpgroups) true
-  template <int kConsumerThreads, class Copy, class After>
-  __device__ __forceinline__ bool consumer_after_roles(int steps, Copy copy, After after) const {
+  template <int kConsumerThreads, class Copy, class Finish>
+  __device__ __forceinline__ bool consumer_after_roles(int steps, Copy copy, Finish finish) const {
     init(kConsumerThreads);
     __syncthreads();
     if (threadIdx.x < kProducerThreads) {
       if constexpr (kConsumerThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
-      produce(steps, copy, after);
+      produce(steps, copy, finish);
       return false;
     }
     if constexpr (kConsumerThreads > 128) setmaxnreg_inc<kBwdConsumerRegs>();
@@ -431,9 +430,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024), v_desc = smem_desc(sv + wg_rows, 16, 1024);
   const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
   const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
-  // step i's Q and dout into a buffer (a copy group) and its lse and D (either alone: the
-  // producer's copies go out before the loads, whose round trip would hold them back), by
-  // the copiers (the consumers, or the producer warp)
+  // step i's Q and dout into a buffer (a copy group) and its lse and D (or either alone), by
+  // the copiers (the consumers, or the producer warpgroup)
   const auto load_step = [&](int i, int stage, bool copies = true, bool stats = true) {
     Tile th = t;
     th.h = head_of(i);
@@ -473,12 +471,41 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
                                                p.v_row_stride, t.seqlen_k - key0, p.head_dim);
   };
   if constexpr (kProducer) {
+    // lse and D come as they are stored (a row a thread, in the step's copy group), and lse
+    // is put in log2 units (lse_log2_of) once it has landed: a load and a store there
+    // would hold the next step's copies back by a round trip
+    struct StatsRow {  // this thread's row of a step's lse (D kBlockM floats on)
+      float* s;
+      i64 at;
+      bool valid;
+    };
+    const auto stats_row = [&](int i, int stage) {
+      Tile th = t;
+      th.h = head_of(i);
+      const int q0 = q0_of(i);
+      return StatsRow{
+          reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes) + threadIdx.x,
+          row_stats_offset(p, th) + q0 + threadIdx.x,
+          q0 + static_cast<int>(threadIdx.x) < t.seqlen_q};
+    };
     const auto copy = [&](int i, int stage) {
       if (i == 0) load_kv();
-      load_step(i, stage, true, false);
+      if (threadIdx.x < kBlockM) {
+        const StatsRow row = stats_row(i, stage);
+        cp_async_4(smem_u32(row.s), reinterpret_cast<const float*>(p.lse) + row.at,
+                   row.valid ? 4 : 0);
+        cp_async_4(smem_u32(row.s + kBlockM), reinterpret_cast<const float*>(g.softmax_d) + row.at,
+                   row.valid ? 4 : 0);
+      }
+      load_step(i, stage, true, false);  // (Q and dout; commits the group)
     };
-    const auto stats = [&](int i, int stage) { load_step(i, stage, false, true); };
-    if (!ring.template consumer_after_roles<kThreads>(steps, copy, stats)) return;
+    const auto to_log2 = [&](int i, int stage) {
+      if (threadIdx.x < kBlockM) {
+        const StatsRow row = stats_row(i, stage);
+        *row.s = lse_log2_of(row.s, 0, row.valid);  // (a row past the sequence: +inf)
+      }
+    };
+    if (!ring.template consumer_after_roles<kThreads>(steps, copy, to_log2)) return;
   } else if (steps) {
     load_kv();
     load_step(0, 0);
