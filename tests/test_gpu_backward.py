@@ -310,6 +310,17 @@ def test_sdpa_additive_mask_gradient(shape):
     assert (err <= bound).all(), float((err / bound).max())
 
 
+def check_packed_grads(grads, q, k, v, dout, out, lens, label):
+    """Each non-empty sequence of a packed causal batch's (dq, dk, dv) against the
+    reference."""
+    offs = np.cumsum([0] + lens)
+    for i in range(len(lens)):
+        if lens[i]:
+            r = slice(offs[i], offs[i + 1])
+            check_grads(tuple(g[r][None] for g in grads), *(x[r][None] for x in (q, k, v, dout)),
+                        f"{label} {i}", out=out[r][None], causal=True)
+
+
 @pytest.fixture
 def fused_dq(monkeypatch):
     """CUFA_BWD_FUSED_DQ=1 for the test (dq added atomically by the dk/dv kernel), then
@@ -361,13 +372,7 @@ def test_dq_fused_varlen(fused_dq, d):
                                            return_lse=True)
     dq, dk, dv = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 150, 150,
                                                  causal=True)
-    offs = np.cumsum([0] + lens)
-    for i in range(len(lens)):
-        if lens[i]:
-            r = slice(offs[i], offs[i + 1])
-            check_grads((dq[r][None], dk[r][None], dv[r][None]),
-                        *(x[r][None] for x in (q, k, v, dout)), f"fused varlen d={d} {i}",
-                        out=out[r][None], causal=True)
+    check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, f"fused varlen d={d}")
 
 
 PRODUCER = {  # (the producer: two consumer warpgroups, d = 128)
@@ -433,15 +438,9 @@ def test_producer_warpgroup_varlen(monkeypatch):
     finally:
         monkeypatch.undo()
         cufa.api.clear_plans()
-    dq, dk, dv = grads["1"][:3]
     assert all(torch.equal(a, b) for a, b in zip(grads["1"][:3], grads[None][:3]))
-    offs = np.cumsum([0] + lens)
-    for i in range(len(lens)):
-        if lens[i]:
-            r = slice(offs[i], offs[i + 1])
-            check_grads((dq[r][None], dk[r][None], dv[r][None]),
-                        *(x[r][None] for x in (q, k, v, dout)), f"producer varlen {i}",
-                        out=out[r][None], causal=True)
+    dq, dk, dv = grads["1"][:3]
+    check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, "producer varlen")
 
 
 def test_the_wgmma_kernels_are_hoppers_default(monkeypatch):
