@@ -108,6 +108,9 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_hea
     check_dtype_device(k, kn, q, qn)
     check_dtype_device(v, vn, q, qn)
     d = q.shape[-1]
+    if (own_v_head_dim and max_head_dim == _compile.WIDE_HEAD_DIM and d > max_head_dim
+            and v.shape != k.shape):  # (a wide pair's q and k: check_head_dim_v checks v's)
+        max_head_dim = _compile.WIDE_QK_HEAD_DIM
     if not 1 <= d <= max_head_dim:
         wide = ("" if max_head_dim > _compile.MAX_HEAD_DIM else
                 f" here (up to {_compile.WIDE_HEAD_DIM} with 16-bit k and v in "
@@ -117,10 +120,14 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_hea
     if k.shape[-1] != d:
         raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {d}")
     if v.shape != k.shape:
-        if d > _compile.MAX_HEAD_DIM:
+        if d > _compile.MAX_HEAD_DIM and not (own_v_head_dim and d > _compile.WIDE_HEAD_DIM):
+            wide_pair = (f" (but for q and k over {_compile.WIDE_HEAD_DIM}, up to "
+                         f"{_compile.WIDE_QK_HEAD_DIM}, against v's over "
+                         f"{_compile.MAX_HEAD_DIM}, up to {_compile.WIDE_V_HEAD_DIM})"
+                         if own_v_head_dim else "")
             raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; above head "
                              f"dim {_compile.MAX_HEAD_DIM} cufa needs equal key and value "
-                             "shapes")
+                             f"shapes{wide_pair}")
         if not (own_v_head_dim and v.shape[:-1] == k.shape[:-1]):
             raise ValueError(f"{vn} has shape {v.shape} but {kn} has {k.shape}; cufa needs "
                              "equal key and value shapes (same length and heads"
@@ -141,15 +148,21 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_hea
 
 
 def check_head_dim_v(d, dv, vn="v", qn="q"):
-    """A head dim of v's own (dv, against q's and k's d): one of the kernels' pairs."""
+    """A head dim of v's own (dv, against q's and k's d): one of the kernels' pairs, or
+    the wide one (q and k over WIDE_HEAD_DIM, v's over MAX_HEAD_DIM)."""
     pairs = _compile.HEAD_DIM_V_PAIRS
-    fits = any(_compile.padded_head_dim(d) == hd and 0 < dv <= hv and d > hv
-               for hd, hv in pairs)
+    wide = (_compile.WIDE_HEAD_DIM < d <= _compile.WIDE_QK_HEAD_DIM
+            and _compile.MAX_HEAD_DIM < dv <= _compile.WIDE_V_HEAD_DIM)
+    fits = wide or (d <= _compile.MAX_HEAD_DIM and any(
+        _compile.padded_head_dim(d) == hd and 0 < dv <= hv and d > hv for hd, hv in pairs))
     if not fits:
+        listed = [*pairs, (_compile.WIDE_QK_HEAD_DIM, _compile.WIDE_V_HEAD_DIM)]
         raise ValueError(f"{vn} has head dim {dv} but {qn} has {d}; a head dim of v's own is "
                          f"supported for (q and k, v) head dims up to "
-                         f"{', '.join(f'({hd}, {hv})' for hd, hv in pairs)} with q's over "
-                         f"v's padded one (DeepSeek's 192 and 128)")
+                         f"{', '.join(f'({hd}, {hv})' for hd, hv in listed)} with q's over "
+                         f"v's padded one (DeepSeek's 192 and 128), the last with q's over "
+                         f"{_compile.WIDE_HEAD_DIM} and v's over {_compile.MAX_HEAD_DIM} "
+                         f"(576 and 512)")
 
 
 def with_leading_one(x):

@@ -48,6 +48,11 @@ HEAD_DIM_V_PAIRS = ((192, 128),)
 # TFLOP/s of 16-key blocks on an H200, 64-key ones 0.93-0.96x), else 16-key blocks, which
 # keep Q and a K/V block in 99 KB (sm_86/89); 207-247 registers, no spills.
 WIDE_HEAD_DIM = 512
+# A head dim of v's own above that, on the same kernel: q and k padded to WIDE_QK_HEAD_DIM
+# against v's columns in two halves of WIDE_V_HEAD_DIM / 2 (DeepSeek's latent attention in
+# its absorbed form: scores over 576 dims, the 512 latent dims as the values). 64 x 32
+# tiles take 136 KB (A100, H100, H200); the 64 x 16 ones 108 KB, over sm_86/89's 99.
+WIDE_QK_HEAD_DIM, WIDE_V_HEAD_DIM = 640, 512
 WIDE_TILES = (64, 32)
 WIDE_TILES_PORTABLE = (64, 16)
 # CUFA_WIDE_TILES="64xN" (N: 16, 32 or 64) replaces them, to time others: 64-key blocks
@@ -843,6 +848,13 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
     above 256 are (WIDE_HEAD_DIM, on wide_tiles)."""
     if e4m3_kv or head_dim_v or head_dim > MAX_HEAD_DIM:
         family = "sm80"
+    if head_dim > WIDE_HEAD_DIM:  # (a wide pair: check_head_dim_v has checked v's)
+        if e4m3_kv or not head_dim_v or head_dim > WIDE_QK_HEAD_DIM:
+            raise ValueError(f"head dim {head_dim} (over {WIDE_HEAD_DIM}) takes 16-bit k and "
+                             f"a v of its own head dim, up to {WIDE_QK_HEAD_DIM} and "
+                             f"{WIDE_V_HEAD_DIM}")
+        return FwdVariant("sm80", dtype, WIDE_QK_HEAD_DIM, mask, bool(score_mods), *wide_tiles,
+                          head_dim_v=WIDE_V_HEAD_DIM // 2)
     hd = padded_head_dim(head_dim, family)
     if hd > MAX_HEAD_DIM:
         if e4m3_kv or (head_dim_v and head_dim_v != head_dim):
@@ -938,6 +950,8 @@ def all_variants():
     variants += [fwd_variant(dt, WIDE_HEAD_DIM, mask, mods, wide_tiles=tiles) for dt in DTYPES
                  for mask in MASKS for mods in (False, True)
                  for tiles in (WIDE_TILES, WIDE_TILES_PORTABLE)]
+    variants += [fwd_variant(dt, WIDE_QK_HEAD_DIM, mask, mods, head_dim_v=WIDE_V_HEAD_DIM)
+                 for dt in DTYPES for mask in MASKS for mods in (False, True)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS

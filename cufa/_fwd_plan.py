@@ -535,9 +535,10 @@ def _wide_variant(dtype, d, d_v, mask_kind, score_mods, device):
                                        wide_tiles=tiles)
         if variant.smem_bytes <= limit:
             return variant
-    raise ValueError(f"{_compile.WIDE_TILES_ENV}={forced[0]}x{forced[1]}: the tiles take "
-                     f"{variant.smem_bytes} bytes of shared memory, over this GPU's {limit} "
-                     f"a block")
+    asked = (f"{_compile.WIDE_TILES_ENV}={forced[0]}x{forced[1]}: the tiles" if forced else
+             f"head dims {d} (q, k) and {d_v} (v): the smallest tiles")
+    raise ValueError(f"{asked} take {variant.smem_bytes} bytes of shared memory, over this "
+                     f"GPU's {limit} a block")
 
 
 def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,

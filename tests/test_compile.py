@@ -138,7 +138,8 @@ def test_variant_list_is_complete_and_keys_unique():
     assert len(set(keys)) == len(keys) and "varlen_schedule" in keys
     variants = [v for v in _compile.all_variants() if isinstance(v, _compile.FwdVariant)]
     assert {v.dtype for v in variants} == set(_compile.DTYPES)
-    for family, dims in (("sm80", _compile.SM80_HEAD_DIMS + (_compile.WIDE_HEAD_DIM,)),
+    for family, dims in (("sm80", _compile.SM80_HEAD_DIMS + (_compile.WIDE_HEAD_DIM,
+                                                         _compile.WIDE_QK_HEAD_DIM)),
                          ("sm90", _compile.SM90_HEAD_DIMS)):
         assert {v.head_dim for v in variants if v.family == family} == set(dims)
     assert {(v.mask, v.score_mods) for v in variants} == {
@@ -146,6 +147,7 @@ def test_variant_list_is_complete_and_keys_unique():
     for v in variants:  # sm80 must fit sm_86/89's 99 KB (but the wide tiles the planner
         # takes where a block gets 112 KB); sm90 the H100's 228 KB per SM
         wide = v.head_dim > _compile.MAX_HEAD_DIM and (v.block_m, v.block_n) == _compile.WIDE_TILES
+        # (d = 640's: wide tiles alone, 136 KB: not on sm_86/89)
         assert v.smem_bytes <= v.smem_limit or wide, v.key
         assert v.ctas_per_sm * (v.smem_bytes + 1024) <= 228 * 1024 or v.family == "sm80", v.key
     short = [v for v in variants if v.family == "sm90" and v.block_m == 64]

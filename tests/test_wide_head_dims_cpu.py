@@ -176,3 +176,67 @@ def test_calls_it_does_not_take(device, case, error, words):  # noqa: F811
     for w in words:
         assert w in str(e.value), (w, str(e.value))
     assert not device.launches
+
+
+def test_latent_pair_variant_pads_q_and_k_to_640_and_halves_v():
+    """q and k over 512 (DeepSeek's 576 in the absorbed form) against v's 257-512: q and k
+    padded to 640, v's and out's columns in two halves of 256, 64 x 32 tiles (136 KB)."""
+    for d, dv in ((576, 512), (520, 264), (640, 512)):
+        v = _compile.fwd_variant("bf16", d, "window", True, "sm90", head_dim_v=dv)
+        assert (v.family, v.head_dim, v.head_dim_v, v.ctas_per_tile) == ("sm80", 640, 256, 2)
+        assert (v.block_m, v.block_n) == _compile.WIDE_TILES
+        assert v.smem_bytes == (64 * 640 + 32 * (640 + 256)) * 2 == 139264
+    keys = {x.key for x in _compile.all_variants()}
+    assert {f"fwd_sm80_{dt}_hd640_bm64_bn32_{m}{mods}_dv256" for dt in ("fp16", "bf16")
+            for m in ("none", "window") for mods in ("", "_mods")} <= keys
+    with pytest.raises(ValueError, match="head dim 576 .over 512. takes 16-bit k and a v of"):
+        _compile.fwd_variant("bf16", 576, "none", False)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_latent_pair_calls_launch_two_ctas_a_tile(device, packed):  # noqa: F811
+    if packed:
+        q, k, v = view((150, 16, 576)), view((150, 1, 576)), view((150, 1, 512))
+        cu = view((3,), "int32")
+        out = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 100, 100, causal=True)
+        schedule, launch = device.launches
+        assert launch[1] == 2 * 16 * (150 // 64 + 2)
+        assert device.allocations[0] == ((150, 16, 512), "float16")
+    else:
+        q, k, v = view((2, 100, 16, 576)), view((2, 300, 1, 576)), view((2, 300, 1, 512))
+        out = cufa.flash_attn_func(q, k, v, causal=True)
+        (launch,) = device.launches
+        assert launch[1] == 2 * 2 * 16 * -(-100 // 64)
+        assert device.allocations[0] == ((2, 100, 16, 512), "float16")
+    r = record(launch)
+    assert (r["head_dim"], r["head_dim_v"], r["v_row_stride"]) == (576, 512, 512)
+    assert r["o"] == int(out.split("@")[1], 16)
+    assert r["scale"] == pytest.approx(576 ** -0.5)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None
+                and p.variant.head_dim == 640)
+    assert (plan.variant.head_dim_v, plan.variant.block_n) == (256, 32)
+
+
+@pytest.mark.parametrize("shapes, smem, words", [
+    (((2, 10, 4, 576), (2, 20, 2, 576), (2, 20, 2, 128)), None,
+     ["v has head dim 128 but q has 576", "(640, 512)", "(576 and 512)"]),
+    (((2, 10, 4, 704), (2, 20, 2, 704), (2, 20, 2, 512)), None,
+     ["q has head dim 704", "1 to 640"]),
+    (((2, 10, 4, 576), (2, 20, 2, 576), (2, 20, 2, 576)), None,
+     ["q has head dim 576", "1 to 512"]),
+    (((2, 10, 4, 320), (2, 20, 2, 320), (2, 20, 2, 256)), None,
+     ["v has shape (2, 20, 2, 256) but k has (2, 20, 2, 320)", "equal key and value shapes",
+      "but for q and k over 512"]),
+    (((2, 10, 4, 576), (2, 20, 2, 576), (2, 20, 2, 512)), 99 * 1024,
+     ["head dims 576 (q, k) and 512 (v): the smallest tiles take 110592 bytes",
+      "this GPU's 101376 a block"]),
+])
+def test_latent_pair_calls_it_does_not_take(device, monkeypatch, shapes, smem, words):  # noqa: F811
+    if smem:
+        monkeypatch.setattr(_runtime, "smem_per_block", lambda device: smem)
+    q, k, v = (view(s) for s in shapes)
+    with pytest.raises(ValueError) as e:
+        cufa.flash_attn_func(q, k, v)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert not device.launches

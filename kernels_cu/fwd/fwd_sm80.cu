@@ -171,7 +171,9 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
 // it is not Q's and K's (p.head_dim_v; 0: kHeadDim), at most kHeadDim (O is staged over Q).
 // Above head dim 256 (kColumnHalves) O's 16 rows a warp would not fit in registers: each
 // query tile is two CTAs, blockIdx.x's low bit picking which kHeadDimV columns of V and O
-// (both compute the scores; the first writes lse).
+// (both compute the scores; the first writes lse). V's own head dim (p.head_dim_v) may be
+// under Q's and K's there too (576 and 512 on 640 and two halves of 256): the halves cover
+// V's columns, not Q's.
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
           bool kElementIO = false, bool kE4m3 = false, int kHeadDimVWanted = 0>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
@@ -185,8 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   static_assert(kHeadDimV <= kHeadDim && (!kOwnV || !(kElementIO || kE4m3)),
                 "a head dim of V's own: at most Q's, on the 16-bit 16-byte path");
   constexpr bool kColumnHalves = kHeadDim > 256;
-  static_assert(!kColumnHalves || (kOwnV && 2 * kHeadDimV >= kHeadDim),
-                "above 256, V's and O's columns in two halves");
+  static_assert(!kColumnHalves || kOwnV, "above 256, V's and O's columns in two halves");
 
   extern __shared__ __align__(128) unsigned char smem[];
   u16* sQ = reinterpret_cast<u16*>(smem);
