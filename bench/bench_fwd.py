@@ -14,7 +14,8 @@ rows one element longer (strides no multiple of 8, a start 2 bytes off 16), whic
 them at any head dim (the peers read the same values contiguous). So the cost of an odd
 head dim is the rows d = 59 against 64, 111 against 112 and 128, and that of the
 element-wise kernels alone a run with --unaligned against one without. TFLOP/s =
-4*B*H*N^2*d, halved for causal. GPU-side implementations are timed with one pair of CUDA
+4*B*H*N^2*d (--latent's rows of a v head dim of its own: 2*B*H*N^2*(d + dv)), halved
+for causal. GPU-side implementations are timed with one pair of CUDA
 events per call, the calls queued behind a spinning kernel so the host's cost stays hidden (`queue_ahead`), median of
 --reps, rotating among input sets that together exceed the 50 MB L2. The calls of a row are
 taken in 4 interleaved rounds (the implementations in a fresh random order each round, at
@@ -62,17 +63,25 @@ class Shape:
     batch: int
     nheads: int
     nheads_k: int
+    head_dim_v: int = 0  # v's and out's where not head_dim's (--latent)
 
     @property
     def gqa(self):
         return self.nheads_k != self.nheads
 
+    @property
+    def v_dim(self):
+        return self.head_dim_v or self.head_dim
+
     def flops(self, causal):
+        """Q K^T over head_dim and P V over v's: 2 * B * H * N^2 * (d + d_v), halved for
+        causal (4 * B * H * N^2 * d where they are equal)."""
         return T.attention_flops(self.batch, self.nheads, self.seqlen, self.seqlen,
-                                 self.head_dim, causal)
+                                 (self.head_dim + self.v_dim) / 2, causal)
 
     def qkv_bytes(self):
-        return self.batch * self.seqlen * (self.nheads + 2 * self.nheads_k) * self.head_dim * 2
+        return self.batch * self.seqlen * ((self.nheads + self.nheads_k) * self.head_dim
+                                           + self.nheads_k * self.v_dim) * 2
 
     def sets(self):
         """Input sets to rotate: enough that no set is still in L2 when it comes round again."""
@@ -95,6 +104,9 @@ def parse_args(argv=None):
     p.add_argument("--unaligned", action="store_true",
                    help="cufa's q, k, v as slices at an odd offset (its element-wise kernels)")
     p.add_argument("--no-peers", action="store_true", help="time cufa only")
+    p.add_argument("--latent", action="store_true",
+                   help="also rows of q and k of 576 against v of 512, 16 query heads over "
+                        "one KV head (DeepSeek's latent attention in its absorbed form)")
     p.add_argument("--sink", action="store_true",
                    help="also time cufa with a learnable sink (the 'cufa sink' column)")
     p.add_argument("--no-plot", action="store_true")
@@ -122,6 +134,9 @@ def sweep(args):
               for dt in args.dtypes for d in args.head_dims for n in args.seqlens]
     if GQA["head_dim"] in args.head_dims and GQA["seqlen"] in args.seqlens:
         shapes += [Shape(dt, **GQA) for dt in args.dtypes]
+    if args.latent:
+        shapes += [Shape(dt, 576, n, TOKENS // n, 16, 1, head_dim_v=512)
+                   for dt in args.dtypes for n in args.seqlens]
     return shapes
 
 
@@ -131,7 +146,8 @@ def heads(head_dim):
 
 
 def case_name(r):
-    s = f"{r['dtype']} d={r['head_dim']} N={r['seqlen']} {'causal' if r['causal'] else 'full'}"
+    d = f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else r["head_dim"]
+    s = f"{r['dtype']} d={d} N={r['seqlen']} {'causal' if r['causal'] else 'full'}"
     s += " unaligned" if r.get("unaligned") else ""
     return s + (f" GQA {r['nheads']}/{r['nheads_k']}" if r["nheads"] != r["nheads_k"] else "")
 
@@ -173,9 +189,10 @@ def torch_inputs(torch, shape, gen, unaligned=False):
     (B, H, N, d), the layout SDPA is documented and tuned for."""
     dt = getattr(torch, T.TORCH_DTYPES[shape.dtype])
     extra = 1 if unaligned else 0
-    bnhd = [tuple(torch.randn(shape.batch, shape.seqlen, h, shape.head_dim + extra,
+    bnhd = [tuple(torch.randn(shape.batch, shape.seqlen, h, d + extra,
                               device="cuda", dtype=dt, generator=gen)[..., extra:]
-                  for h in (shape.nheads, shape.nheads_k, shape.nheads_k))
+                  for h, d in ((shape.nheads, shape.head_dim), (shape.nheads_k, shape.head_dim),
+                               (shape.nheads_k, shape.v_dim)))
             for _ in range(shape.sets())]
     bhnd = [tuple(x.transpose(1, 2).contiguous() for x in s) for s in bnhd]
     return bnhd, bhnd
@@ -185,9 +202,9 @@ def jax_inputs(jax, shape, rng):
     """Host numpy once per shape; each set is its own device buffer (L2 keys on addresses)."""
     import numpy as np
     dt = jax.numpy.float16 if shape.dtype == "fp16" else jax.numpy.bfloat16
-    host = [rng.standard_normal((shape.batch, shape.seqlen, h, shape.head_dim),
-                                dtype=np.float32).astype(dt)
-            for h in (shape.nheads, shape.nheads_k, shape.nheads_k)]
+    host = [rng.standard_normal((shape.batch, shape.seqlen, h, d), dtype=np.float32).astype(dt)
+            for h, d in ((shape.nheads, shape.head_dim), (shape.nheads_k, shape.head_dim),
+                         (shape.nheads_k, shape.v_dim))]
     return [tuple(jax.device_put(x) for x in host) for _ in range(shape.sets())]
 
 
@@ -358,7 +375,8 @@ def markdown(rows, names):
         + ["one at a time: cufa / flash / cuDNN us"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cells = [r["dtype"], f"{r['head_dim']}{' unaligned' if r.get('unaligned') else ''}",
+        dims = f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else r["head_dim"]
+        cells = [r["dtype"], f"{dims}{' unaligned' if r.get('unaligned') else ''}",
                  "yes" if r["causal"] else "no", r["seqlen"],
                  f"{r['batch']} x {r['nheads']}/{r['nheads_k']}"]
         cells += [T.fmt(r["impls"].get(n, {}).get("tflops"), ".0f") for n in names]
@@ -516,7 +534,8 @@ def main(argv=None):
     table = markdown(rows, names)
     summ, line = summary(rows)
     device = torch.cuda.get_device_name()
-    head = (f"Attention forward, {device}, TFLOP/s (4*B*H*N^2*d, halved for causal); median of "
+    head = (f"Attention forward, {device}, TFLOP/s (4*B*H*N^2*d, halved for causal; d/dv "
+            "rows: 2*B*H*N^2*(d + dv)); median of "
             f"{-(-args.reps // T.ROUNDS) * T.ROUNDS} calls in {T.ROUNDS} interleaved rounds "
             f"(random order) of {-(-args.reps // T.ROUNDS)} after {T.WARMUP} warm-ups and "
             f"{T.WARMUP_MS} ms "
@@ -537,7 +556,7 @@ def main(argv=None):
                        "one_at_a_time_us": f"wall clock, call + sync from an idle queue, "
                                            f"median of {T.ALONE_CALLS}",
                        "jax_cudnn": "host wall clock to block_until_ready, median"},
-            "flops": "4*B*H*Nq*Nk*d, halved for causal", "unavailable":
+            "flops": "4*B*H*Nq*Nk*d (2*B*H*Nq*Nk*(d + dv) with dv), halved for causal", "unavailable":
             {n: i for n, i in impls.items() if isinstance(i, str)}}
     with open(os.path.join(args.out, "bench_fwd.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "summary": summ, "memory": mem}, f, indent=1)
