@@ -556,8 +556,8 @@ def main(argv=None):
                        "one_at_a_time_us": f"wall clock, call + sync from an idle queue, "
                                            f"median of {T.ALONE_CALLS}",
                        "jax_cudnn": "host wall clock to block_until_ready, median"},
-            "flops": "4*B*H*Nq*Nk*d (2*B*H*Nq*Nk*(d + dv) with dv), halved for causal", "unavailable":
-            {n: i for n, i in impls.items() if isinstance(i, str)}}
+            "flops": "4*B*H*Nq*Nk*d (2*B*H*Nq*Nk*(d + dv) with dv), halved for causal",
+            "unavailable": {n: i for n, i in impls.items() if isinstance(i, str)}}
     with open(os.path.join(args.out, "bench_fwd.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "summary": summ, "memory": mem}, f, indent=1)
     if not args.no_plot:
