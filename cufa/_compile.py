@@ -965,9 +965,7 @@ def all_variants():
                  if not tiles or padded_head_dim(hd) <= 128
                  for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles) or ())]
     variants += [v for dt in DTYPES for hd in BWD_SM90_PRODUCER_HEAD_DIMS for mask in MASKS
-                 for short in (False, True)
-                 for v in bwd_sm90_variants(dt, hd, mask, False, short_window=short,
-                                            producer=True) if v.producer]
+                 for v in bwd_sm90_variants(dt, hd, mask, False, producer=True) if v.producer]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 
