@@ -230,10 +230,8 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
     unsplit on the four-CTA one; 128 x 2k with 8 KV heads (1024 units: over 792, at most
     1056) runs on the four-CTA shape too; 256 x 1k (2048 units) on the default shape.
     """
-    # (the family picks a shape only above d = 256: Hopper's two warps)
-    family = (_compile.family_for(_runtime.compute_capability(device))
-              if d > _compile.MAX_HEAD_DIM else "sm80")
-    kernel = _compile.decode_kernel(dtype, d, element_io, fp8_cache, family)
+    kernel = _compile.decode_kernel(dtype, d, element_io, fp8_cache,
+                                    _compile.family_for(_runtime.compute_capability(device)))
     splits = split_count(num_splits, units * kernel.ctas_per_unit, capacity, kernel, device,
                          paged)
     wider = (_compile.decode_kernel_with_more_ctas(dtype, d)

@@ -198,13 +198,28 @@ __device__ __forceinline__ TileBase tile_base(const DecodeParams& p, const Cache
 //    slot lookup are worked out once a row and each copy costs an add (a loop over
 //    (row, chunk) pairs split by division issued ~2,900 instructions a 16-key tile at
 //    d = 512, ncu on an H200, and held the kernel to 8-16 % of copy bandwidth) --
+// -- row r of a swizzled tile of kCols columns: a warp's lanes on consecutive chunks of
+//    the row at head + row (elements), its first `cols` columns where row_valid, zeros
+//    elsewhere --
+template <int kCols>
+__device__ __forceinline__ void copy_tile_row(u32 tile, int r, const u16* head, i64 row,
+                                              bool row_valid, int cols, int lane) {
+  static_assert(kCols % 256 == 0, "whole warps of 16-byte chunks a row");
+#pragma unroll
+  for (int j = 0; j < kCols / 256; ++j) {
+    const int chunk = lane + 32 * j;
+    const bool valid = row_valid && chunk * 8 < cols;
+    // (any valid address where nothing is read: a zero-filling copy reads nothing)
+    cp_async_16(tile + Swizzle<kCols>::offset(r, chunk), head + (valid ? row + chunk * 8 : 0),
+                valid ? 16 : 0);
+  }
+}
+
 template <int kHeadDim, int kHeadDimV, bool kPagesAhead>
 __device__ __forceinline__ void load_kv_tile_halves(u32 sk, u32 sv, const DecodeParams& p,
                                                     const CacheSeq& s, const u16* k_head,
                                                     const u16* v_head, int key0, int row_page,
                                                     int lane, int col0) {
-  constexpr int kChunksK = kHeadDim / 8, kChunksV = kHeadDimV / 8;
-  static_assert(kChunksK % 32 == 0 && kChunksV % 32 == 0, "whole warps of chunks a row");
   const int rows_valid = s.seqlen_k - key0;
   const TileBase base = tile_base<kPagesAhead>(p, s, key0, row_page);
   const int pos0 = s.start + key0;
@@ -223,21 +238,8 @@ __device__ __forceinline__ void load_kv_tile_halves(u32 sk, u32 sv, const Decode
         v_row = slot.block * p.v_batch_stride + slot.row * p.v_row_stride;
       }
     }
-#pragma unroll
-    for (int j = 0; j < kChunksK / 32; ++j) {
-      const int chunk = lane + 32 * j;
-      const bool valid = row_valid && chunk * 8 < k_cols;
-      // (any valid address where nothing is read: a zero-filling copy reads nothing)
-      cp_async_16(sk + Swizzle<kHeadDim>::offset(r, chunk), k_head + (valid ? k_row + chunk * 8 : 0),
-                  valid ? 16 : 0);
-    }
-#pragma unroll
-    for (int j = 0; j < kChunksV / 32; ++j) {
-      const int chunk = lane + 32 * j;
-      const bool valid = row_valid && chunk * 8 < v_cols;
-      cp_async_16(sv + Swizzle<kHeadDimV>::offset(r, chunk), v_head + (valid ? v_row + chunk * 8 : 0),
-                  valid ? 16 : 0);
-    }
+    copy_tile_row<kHeadDim>(sk, r, k_head, k_row, row_valid, k_cols, lane);
+    copy_tile_row<kHeadDimV>(sv, r, v_head, v_row, row_valid, v_cols, lane);
   }
 }
 
