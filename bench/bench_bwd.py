@@ -4,7 +4,7 @@ backends' backward, and FlashAttention-4's where flash_attn.cute imports (its co
 why not otherwise: bench/fa4.sh), in one run.
 
     python3 bench/bench_bwd.py [--out DIR] [--reps 12] [--dtypes bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--producer] [--mma-sync] [--one-warpgroup]
+        [--seqlens 1024,4096] [--causal 0,1] [--no-peers] [--fused-dq] [--no-producer] [--mma-sync] [--one-warpgroup]
         [--tiles SPEC]...
         [--with-forward] [--full]
 
@@ -32,7 +32,7 @@ TOKENS = 16384
 # the columns beside cufa's default: each a kernel choice's environment variable and value
 OPTIONS = {"cufa fused dq": {"CUFA_BWD_FUSED_DQ": "1"}, "cufa mma.sync": {"CUFA_BWD_SM90": "0"},
            "cufa 1 warpgroup": {"CUFA_BWD_SM90_TILES": "dq=64x64,kv=64x64"},
-           "cufa producer": {"CUFA_BWD_SM90_PRODUCER": "1"}}
+           "cufa no producer": {"CUFA_BWD_SM90_PRODUCER": "0"}}
 STEP = "fwd+bwd"  # the suffix of the forward + backward timings' names
 
 
@@ -51,9 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--fused-dq", action="store_true",
                    help="also time cufa with dq fused into the dk/dv kernel (CUFA_BWD_FUSED_DQ), "
                         "the 'cufa fused dq' column")
-    p.add_argument("--producer", action="store_true",
-                   help="also time cufa with Hopper's dq and dk/dv kernels on a producer "
-                        "warpgroup (CUFA_BWD_SM90_PRODUCER), the 'cufa producer' column")
+    p.add_argument("--no-producer", action="store_true",
+                   help="also time cufa with Hopper's dq and dk/dv kernels at d = 128 without "
+                        "their producer warpgroup (CUFA_BWD_SM90_PRODUCER=0), the "
+                        "'cufa no producer' column")
     p.add_argument("--with-forward", action="store_true",
                    help="also time the forward and backward together (a training step's "
                         "attention), a second table")
@@ -88,7 +89,7 @@ def main(argv=None):
                                       "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
     fa4 = None if args.no_peers else load_fa4()  # FlashAttention-4, or why it is not there
     options = [name for name, wanted in (("cufa fused dq", args.fused_dq),
-                                         ("cufa producer", args.producer),
+                                         ("cufa no producer", args.no_producer),
                                          ("cufa mma.sync", args.mma_sync),
                                          ("cufa 1 warpgroup", args.one_warpgroup)) if wanted]
     for spec in args.tiles:

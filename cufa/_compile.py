@@ -426,8 +426,9 @@ BWD_SM90_ONE_WARPGROUP = "dq=64x64,kv=64x64"
 SM90_SMEM_LIMIT = 227 * 1024
 # The dq and dk/dv kernels with a producer warpgroup (kProducer in bwd/bwd_sm90.cu): the
 # consumer warpgroups stop meeting at a CTA-wide barrier each step and stop issuing
-# copies; a ring of three buffers lets them drift a step apart. Opt-in
-# (CUFA_BWD_SM90_PRODUCER=1) until timed; without score mods (with them the dk/dv
+# copies; a ring of three buffers lets them drift a step apart. The default where it
+# applies (H200, d = 128: 1-10 % less time a backward, bench/results/bwd_producer_h200.md);
+# CUFA_BWD_SM90_PRODUCER=0 turns it off. Without score mods (with them the dk/dv
 # consumers need more than their 240 registers).
 BWD_SM90_PRODUCER_ENV = "CUFA_BWD_SM90_PRODUCER"
 BWD_SM90_PRODUCER_STAGES = 3
@@ -484,9 +485,7 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
         if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
         for v in (dq, *kv)]
     if producer and not score_mods and dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS:
-        wgmma = [dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES)
-                 if v.family == "sm90" and v.threads == 256  # (two consumer warpgroups)
-                 else v for v in wgmma]
+        wgmma = [_with_producer(v) for v in wgmma]
     for v in wgmma:
         if v.smem_bytes > SM90_SMEM_LIMIT:
             raise ValueError(f"{BWD_SM90_TILES_ENV}={_overrides.get(BWD_SM90_TILES_ENV)!r}: the "
@@ -495,8 +494,17 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     return (pre, *wgmma)
 
 
+def _with_producer(v):
+    """v with a producer warpgroup where it has two consumer warpgroups and the third
+    buffer fits (CUFA_BWD_SM90_TILES' larger tiles may not); else v."""
+    if v.family != "sm90" or v.threads != 256:
+        return v
+    with_producer = dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES)
+    return with_producer if with_producer.smem_bytes <= SM90_SMEM_LIMIT else v
+
+
 def bwd_producer_wanted():
-    return _overrides.get(BWD_SM90_PRODUCER_ENV) == "1"
+    return _overrides.get(BWD_SM90_PRODUCER_ENV) != "0"
 
 
 def bwd_sm90_tiles():

@@ -141,7 +141,8 @@ def test_hopper_takes_the_wgmma_kernels_unless_told_not_to(monkeypatch, capabili
 @pytest.mark.parametrize("packed", [False, True])
 def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
     """Hopper's default at d = 128 (dq=128x64,kv=128x64): the dk/dv kernel's CTA holds 128
-    keys in two warpgroups, the dq kernel's 128 query rows; the grids, num_n_blocks,
+    keys in two warpgroups, the dq kernel's 128 query rows (and each a producer
+    warpgroup: 384 threads); the grids, num_n_blocks,
     num_m_blocks and a packed batch's lists count blocks of 128."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
@@ -161,8 +162,8 @@ def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
         kv_blocks = q_blocks = -(-300 // 128) * 2
     (dq, dq_grid, dq_threads, dq_smem, _, _), (kv, blocks, threads, smem, _, (fwd, bwd)) = \
         rec.launches[-2:]
-    assert (dq.kind, dq.family, dq.block_m, dq_threads) == ("dq", "sm90", 128, 256)
-    assert (kv.kind, kv.family, kv.block_n, threads) == ("dkdv", "sm90", 128, 256)
+    assert (dq.kind, dq.family, dq.block_m, dq_threads) == ("dq", "sm90", 128, 384)
+    assert (kv.kind, kv.family, kv.block_n, threads) == ("dkdv", "sm90", 128, 384)
     assert dq_grid == q_blocks * 4 and dq_smem == dq.smem_bytes
     assert blocks == kv_blocks * 2 and smem == kv.smem_bytes
     assert bwd["num_n_blocks"] == fwd["num_m_blocks"] == -(-300 // 128)
@@ -479,16 +480,15 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     (128, True, 300, True), (128, False, 300, True), (112, False, 2000, True),
     (64, False, 2000, False), (64, True, 300, False),  # (one consumer warpgroup)
 ])
-def test_producer_warpgroup_where_asked(monkeypatch, d, causal, seqlen, producer):
-    """CUFA_BWD_SM90_PRODUCER=1 on Hopper: the wgmma dq and dk/dv kernels with a producer
-    warpgroup (128 more threads, a ring of three buffers and their mbarriers) where they
-    have two consumer warpgroups (d = 128); not with score mods, nor off Hopper."""
+def test_producer_warpgroup_where_it_applies(monkeypatch, d, causal, seqlen, producer):
+    """On Hopper the wgmma dq and dk/dv kernels have a producer warpgroup (128 more
+    threads, a ring of three buffers and their mbarriers) where they have two consumer
+    warpgroups (d = 128); not with score mods, nor with CUFA_BWD_SM90_PRODUCER=0."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
-                _compile.BWD_FUSED_ENV):
+                _compile.BWD_FUSED_ENV, _compile.BWD_SM90_PRODUCER_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_PRODUCER_ENV, "1")
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
     for variant, _, threads, smem, *_ in rec.launches[-2:]:
         assert (variant.family, variant.producer) == ("sm90", producer)
@@ -504,6 +504,9 @@ def test_producer_warpgroup_where_asked(monkeypatch, d, causal, seqlen, producer
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal,
                              softcap=5.0)
     assert not any(f.producer for f, *_ in rec.launches)
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_PRODUCER_ENV, None)
-    assert not any(v.producer for v in _compile.bwd_sm90_variants(
-        "bf16", d, "window" if causal else "none", False, producer=False)[1:])
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_PRODUCER_ENV, "0")
+    _bwd_plan._runtime.plans.clear()
+    rec.launches.clear()
+    cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
+    assert [f.family for f, *_ in rec.launches[-2:]] == ["sm90", "sm90"]
+    assert not any(f.producer for f, *_ in rec.launches)

@@ -390,9 +390,10 @@ PRODUCER = {  # (the producer: two consumer warpgroups, d = 128)
 @same_bits
 @pytest.mark.parametrize("name", list(PRODUCER))
 def test_producer_warpgroup(monkeypatch, name):
-    """CUFA_BWD_SM90_PRODUCER=1 (Hopper: the wgmma dq and dk/dv kernels with a producer
-    warpgroup and a ring of mbarriers): the reference's gradients, and the same bits as
-    the kernels without it (the same products in the same order)."""
+    """Hopper's wgmma dq and dk/dv kernels with a producer warpgroup and a ring of
+    mbarriers (the default at d = 128): the reference's gradients, and the same bits as
+    the kernels without it (CUFA_BWD_SM90_PRODUCER=0; the same products in the same
+    order)."""
     from cufa import _compile, _runtime
     if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
         pytest.skip("the producer warpgroup is the Hopper kernels'")
@@ -400,11 +401,11 @@ def test_producer_warpgroup(monkeypatch, name):
     kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case}
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     try:
-        monkeypatch.setenv(_compile.BWD_SM90_PRODUCER_ENV, "1")
+        monkeypatch.delenv(_compile.BWD_SM90_PRODUCER_ENV, raising=False)
         cufa.api.clear_plans()
         q, k, v, dout, out, lse, got = run_dense(rng, torch.bfloat16, label=f"producer {name}",
                                                  **case, **kw)
-        monkeypatch.delenv(_compile.BWD_SM90_PRODUCER_ENV)
+        monkeypatch.setenv(_compile.BWD_SM90_PRODUCER_ENV, "0")
         cufa.api.clear_plans()
         without = cufa.flash_attn_backward(dout, q, k, v, out, lse, **kw)
     finally:
@@ -427,19 +428,19 @@ def test_producer_warpgroup_varlen(monkeypatch):
                                            return_lse=True)
     try:
         grads = {}
-        for env in ("1", None):
+        for env in (None, "0"):
             if env:
                 monkeypatch.setenv(_compile.BWD_SM90_PRODUCER_ENV, env)
             else:
-                monkeypatch.delenv(_compile.BWD_SM90_PRODUCER_ENV)
+                monkeypatch.delenv(_compile.BWD_SM90_PRODUCER_ENV, raising=False)
             cufa.api.clear_plans()
             grads[env] = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 333,
                                                          333, causal=True)
     finally:
         monkeypatch.undo()
         cufa.api.clear_plans()
-    assert all(torch.equal(a, b) for a, b in zip(grads["1"][:3], grads[None][:3]))
-    dq, dk, dv = grads["1"][:3]
+    assert all(torch.equal(a, b) for a, b in zip(grads[None][:3], grads["0"][:3]))
+    dq, dk, dv = grads[None][:3]
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, "producer varlen")
 
 
