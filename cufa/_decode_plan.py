@@ -333,7 +333,7 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, sink, pack
     _launch_decode(route.params, route.launches, route.workspace, route.merge_in_launch,
                    lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
-        cu_q, cu_k, used, counters, order, sink, k_descale, v_descale), plan.framework,
+        cu_q, cu_k, used, counters, order, sink, k_descale, v_descale, 0), plan.framework,
                    plan.device, stream,
         scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
@@ -402,6 +402,7 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
                            lambda at, counters: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0, sink, kd, vd), plan.framework,
+                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0, sink, kd, vd, 0),
+                           plan.framework,
                 plan.device, stream, scratch_ptr, maps=plan.maps)
     return returned(plan, o, lse, plan.want_lse)
