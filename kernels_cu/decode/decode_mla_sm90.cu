@@ -95,7 +95,9 @@ __device__ __forceinline__ bool mla_work(const DecodeParams& p, MlaWork& w) {
 
 // -- the producer: Q (with block 0's copies), then block i of the split into stage
 //    i % kMlaStages once both consumers have released it; each block announced once its
-//    copies have landed (a step later, so that two are in flight). A thread copies a
+//    copies have landed: a step later while the ring fills (two in flight), and before
+//    the producer waits for a buffer once it is full, as a consumer holds its block t
+//    until block t + 2 is full (its P V goes out with that block's S). A thread copies a
 //    quarter of one key's chunks (one page lookup a block); keys past the split, and
 //    rows past the CTA's, are zeros --
 __device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork& w, u32 sq, int tid) {
@@ -144,11 +146,15 @@ __device__ __forceinline__ void mla_produce(const DecodeParams& p, const MlaWork
   };
   for (int i = 0; i < w.blocks; ++i) {
     const int stage = i % kMlaStages;
-    if (i >= kMlaStages) mbar_wait(sm.empty(stage), ((i / kMlaStages) & 1) ^ 1);
+    const bool ring_full = i >= kMlaStages;
+    if (ring_full) {
+      publish(i - 1, true);
+      mbar_wait(sm.empty(stage), ((i / kMlaStages) & 1) ^ 1);
+    }
     if (i == 0) mla_copy_q(p, w, sm.q(), tid);
     mla_copy_block(p, w, sm.block(stage), i, tid);
     cp_async_commit();
-    if (i > 0) publish(i - 1, false);
+    if (i > 0 && !ring_full) publish(i - 1, false);
   }
   if (w.blocks) publish(w.blocks - 1, true);
 }
