@@ -752,7 +752,6 @@ class MlaVariant(_CacheKernel):
     archs = ("sm_90a",)
     options = NVRTC_OPTIONS + ("-arch=sm_90a",)
     threads = 384
-    head_dim = MLA_LATENT_DIM  # (O's columns: the combine's and the partials')
 
     @property
     def key(self):

@@ -57,6 +57,7 @@ struct DecodeParams {
   i64 qv_batch_stride, qv_row_stride, qv_head_stride;
 
   int batch, seqlen_q, nheads, nheads_k, group, head_dim;  // group = nheads / nheads_k
+  int head_dim_v;          // v's and out's (and the splits' partial rows'): MLA's 512
   int total_q;             // a packed batch's q rows (cu_seqlens_q values are clamped to it)
   int cache_seqlen_fixed;  // cache_seqlens given as a Python int
   int seqlen_new;          // keys appended by this call (already in the cache)

@@ -1,0 +1,164 @@
+"""MLA decode through flash_attn_with_kvcache(qv=...) on Hopper (FlashAttention-3's form:
+q and k_cache the 64 rotary dims, qv and v_cache the 512 latent ones, v_cache also the
+values), against the float64 reference under the per-row pass rule. MLA's scores are
+plain attention's with q' = [qv, q] and k' = [c_kv, k_pe], its values c_kv, so the
+forward's references check it. Contiguous caches and pages of 16 and 64, 1 to 4 query
+tokens, 16 and 128 heads on one latent head (one and two CTAs of rows) and two KV heads,
+lengths that are not multiples of the 32-key block, empty sequences, causal, splits
+chosen and given, appends, out= and lse, CUDA graph replays with new lengths,
+torch.compile and jax.jit; outputs poisoned first."""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cufa  # noqa: E402
+from cufa import _compile, reference  # noqa: E402
+from _attention_check import capture_cuda_graph, check_attention, i32, randn  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+ROPE, LATENT = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
+NAN = float("nan")
+
+
+@pytest.fixture(autouse=True)
+def hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("MLA decode is Hopper's (wgmma)")
+
+
+def build(rng, *, dtype="bfloat16", lens, sq=1, heads=16, heads_k=1, page=None, new=0,
+          capacity=None):
+    """The logical caches (batch, capacity, heads_k, dim) as they are after the call, and
+    the call's arguments: q, qv, the caches (paged copies where page is set, pages of no
+    sequence NaN), lengths, and `new` tokens' k and v to append."""
+    batch = len(lens)
+    capacity = capacity or -(-(max(lens) + new + 1) // 64) * 64
+    k_pe, c_kv = (randn(rng, (batch, capacity, heads_k, d), dtype) for d in (ROPE, LATENT))
+    kw = dict(q=randn(rng, (batch, sq, heads, ROPE), dtype),
+              qv=randn(rng, (batch, sq, heads, LATENT), dtype), cache_seqlens=i32(lens))
+    if page:
+        table, num_pages = reference.paged_layout(batch, capacity, page, rng)
+        kw["k_cache"], kw["v_cache"] = (reference.to_paged(c, table, num_pages, fill=NAN)
+                                        for c in (k_pe, c_kv))
+        kw["block_table"] = i32(table)
+    else:
+        kw["k_cache"], kw["v_cache"] = k_pe.clone(), c_kv.clone()
+    if new:
+        kw["k"] = randn(rng, (batch, new, heads_k, ROPE), dtype)
+        kw["v"] = randn(rng, (batch, new, heads_k, LATENT), dtype)
+        for b, n in enumerate(lens):
+            k_pe[b, n:n + new] = kw["k"][b]
+            c_kv[b, n:n + new] = kw["v"][b]
+    return kw, k_pe, c_kv
+
+
+def check_mla(out, lse, kw, k_pe, c_kv, lens, label, causal=False, softmax_scale=None):
+    """Each sequence's rows against the forward's references over its keys."""
+    scale = softmax_scale or 1 / math.sqrt(ROPE + LATENT)
+    new = kw["k"].shape[1] if "k" in kw else 0
+    for b, n in enumerate(lens):
+        q_cat = torch.cat([kw["qv"][b:b + 1], kw["q"][b:b + 1]], dim=-1)
+        k_cat = torch.cat([c_kv[b:b + 1, :n + new], k_pe[b:b + 1, :n + new]], dim=-1)
+        check_attention(out[b:b + 1], lse[b:b + 1], q_cat, k_cat, c_kv[b:b + 1, :n + new],
+                        label=f"{label}: seq {b} ({n + new} keys)", softmax_scale=scale,
+                        causal=causal)
+
+
+CASES = {
+    "one token, 16 heads": dict(lens=[77, 1, 300]),
+    "128 heads (two CTAs of rows)": dict(lens=[513, 64], heads=128),
+    "speculative 4, causal, pages of 64": dict(lens=[130, 5, 1000], sq=4, page=64,
+                                               causal=True),
+    "2 tokens, pages of 16, 5 splits, an empty sequence": dict(lens=[1500, 0, 33], sq=2,
+                                                                heads=32, page=16, causal=True,
+                                                                num_splits=5),
+    "two KV heads, 3 splits": dict(lens=[700, 95], heads_k=2, num_splits=3),
+    "one sequence, 128 heads, split to fill the SMs": dict(lens=[4000], heads=128),
+    "append 3, causal 3 tokens, pages of 64": dict(lens=[61, 0, 200], sq=3, page=64, new=3,
+                                                   causal=True),
+    "a given scale, one split": dict(lens=[90, 31], num_splits=1, softmax_scale=0.07),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_mla_decode(name, dtype):
+    case = dict(CASES[name])
+    rng = np.random.default_rng(sum(map(ord, name)))
+    call = {n: case.pop(n) for n in ("causal", "num_splits", "softmax_scale") if n in case}
+    kw, k_pe, c_kv = build(rng, dtype=dtype, **case)
+    lens = case["lens"]
+    b, sq, h, _ = kw["q"].shape
+    out = torch.full((b, sq, h, LATENT), NAN, dtype=kw["q"].dtype, device="cuda")
+    got, lse = cufa.flash_attn_with_kvcache(**kw, **call, out=out, return_softmax_lse=True)
+    assert got.data_ptr() == out.data_ptr()
+    check_mla(out, lse, kw, k_pe, c_kv, lens, name, call.get("causal", False),
+              call.get("softmax_scale"))
+    if "k" in kw:  # the appended rows are in the caches (pages of 64)
+        for cache_name, logical in (("k_cache", k_pe), ("v_cache", c_kv)):
+            cache = kw[cache_name]
+            for s, n in enumerate(lens):
+                for pos in range(n, n + kw["k"].shape[1]):
+                    row = cache[int(kw["block_table"][s, pos // 64]), pos % 64]
+                    assert torch.equal(row, logical[s, pos]), f"{cache_name} seq {s} pos {pos}"
+
+
+def test_mla_splits_agree():
+    """The same call unsplit and split 2, 7 and 64 ways, each against the references."""
+    rng = np.random.default_rng(5)
+    kw, k_pe, c_kv = build(rng, lens=[2000, 3], heads=128)
+    for splits in (1, 2, 7, 64):
+        out, lse = cufa.flash_attn_with_kvcache(**kw, num_splits=splits,
+                                                return_softmax_lse=True)
+        check_mla(out, lse, kw, k_pe, c_kv, [2000, 3], f"{splits} splits")
+
+
+def test_mla_replayed_from_a_cuda_graph():
+    """One step (128 heads, pages of 64, split by the planner) captured once; each replay
+    with new lengths, q and qv copied into the captured tensors."""
+    rng = np.random.default_rng(11)
+    capacity = 1024
+    kw, k_pe, c_kv = build(rng, lens=[5, 700], heads=128, page=64, capacity=capacity)
+    out = torch.full((2, 1, 128, LATENT), NAN, dtype=torch.bfloat16, device="cuda")
+    graph, (_, lse) = capture_cuda_graph(
+        lambda: cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True))
+    for replay in range(3):
+        lens = [int(x) for x in rng.integers(0, capacity, 2)]
+        lens[replay % 2] = capacity if replay == 1 else 0
+        kw["cache_seqlens"].copy_(i32(lens))
+        for n in ("q", "qv"):
+            kw[n].copy_(torch.randn_like(kw[n]))
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_mla(out, lse, kw, k_pe, c_kv, lens, f"replay {replay} lens {lens}")
+
+
+def test_mla_under_torch_compile():
+    rng = np.random.default_rng(12)
+    kw, k_pe, c_kv = build(rng, lens=[300, 41], heads=128, page=64, new=1)
+    step = torch.compile(lambda a: cufa.flash_attn_with_kvcache(**a, causal=True,
+                                                                return_softmax_lse=True),
+                         fullgraph=True)
+    out, lse = step(kw)
+    assert out.shape == (2, 1, 128, LATENT)
+    check_mla(out, lse, kw, k_pe, c_kv, [300, 41], "torch.compile", causal=True)
+
+
+def test_mla_under_jax_jit():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    rng = np.random.default_rng(13)
+    kw, k_pe, c_kv = build(rng, lens=[300, 41], heads=16)
+    as_jax = {n: (jnp.asarray(x.cpu().numpy()) if x.dtype == torch.int32 else
+                  jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16))
+              for n, x in kw.items()}
+    out, lse = jax.jit(lambda a: cufa.flash_attn_with_kvcache(**a, return_softmax_lse=True))(
+        as_jax)
+    out_t = torch.from_numpy(np.asarray(out.astype(jnp.float32))).cuda().to(torch.bfloat16)
+    lse_t = torch.from_numpy(np.asarray(lse)).cuda()
+    check_mla(out_t, lse_t, kw, k_pe, c_kv, [300, 41], "jax.jit")
