@@ -4,58 +4,30 @@ shapes alone (the MLA kernel, its grid and splits, the params record, the combin
 append) and what it refuses, with the compile and the device queries stubbed out."""
 import math
 
-import numpy as np
 import pytest
 
-import cufa
-from cufa import _compile, _decode_plan, _heuristics, _params, _runtime
-from cufa._interop import DeviceArray
+from cufa import _compile, _heuristics, _runtime
+from test_kvcache_plan_cpu import arr, planner, record  # noqa: F401 (planner: a fixture)
 
 ROPE, LATENT = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
 
 
-def arr(shape, dtype="bfloat16", strides=None, ptr=0x7f0000000000):
-    if strides is None:
-        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}[dtype]
-    return DeviceArray(None, "cupy", ptr, tuple(shape), tuple(strides), dtype, 0, itemsize)
-
-
-@pytest.fixture
-def planner(monkeypatch):
-    """Plans without a GPU: kernels get fake handles; an H100's 132 SMs, sm_90."""
-    monkeypatch.setattr(_compile, "function_pointer", lambda kernel, device: hash(kernel.key))
-    monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
-    monkeypatch.setattr(_runtime, "smem_per_sm", lambda device: _compile.SM90_SMEM_PER_SM)
-    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "90")
-    monkeypatch.setattr(_heuristics, "tma_device", lambda device, forced=None: False)
-    monkeypatch.setattr(_heuristics, "_keeps_up", {})
-    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 3.35e12)
+@pytest.fixture(autouse=True)
+def hopper_family(monkeypatch):
+    """The kernel family from the device (sm_90 in `planner`), whatever the environment."""
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
-    _runtime.plans.clear()
-    captured = []
-    monkeypatch.setattr(_decode_plan, "_run", lambda plan, *a: captured.append(plan) or plan)
 
-    def plan(*args, **kw):
-        cufa.flash_attn_with_kvcache(*args, **kw)
-        return captured[-1]
-    yield plan
-    _runtime.plans.clear()
+
+def bf(shape, **kw):
+    return arr(shape, "bfloat16", **kw)
 
 
 def mla_args(batch=4, sq=1, heads=128, keys=4096, paged=None):
     """q, k_cache (k_pe), v_cache (c_kv), qv and cache_seqlens of a DeepSeek-shaped step."""
-    q, qv = arr((batch, sq, heads, ROPE)), arr((batch, sq, heads, LATENT), ptr=0x7f1000000000)
-    if paged:
-        pages = batch * keys // paged
-        k_pe, c_kv = arr((pages, paged, 1, ROPE)), arr((pages, paged, 1, LATENT))
-    else:
-        k_pe, c_kv = arr((batch, keys, 1, ROPE)), arr((batch, keys, 1, LATENT))
+    q, qv = bf((batch, sq, heads, ROPE)), bf((batch, sq, heads, LATENT), ptr=0x7f1000000000)
+    rows = (batch * keys // paged, paged) if paged else (batch, keys)
+    k_pe, c_kv = bf(rows + (1, ROPE)), bf(rows + (1, LATENT))
     return q, k_pe, c_kv, qv, arr((batch,), "int32")
-
-
-def record(plan):
-    return np.frombuffer(plan.params, dtype=_params.DECODE.dtype)[0]
 
 
 @pytest.mark.parametrize("batch, heads, sq, splits", [
@@ -98,7 +70,7 @@ def test_mla_paged_and_appending(planner):
     kernel reads them."""
     q, k_pe, c_kv, qv, lens = mla_args(batch=8, heads=128, paged=64)
     table = arr((8, 4096 // 64), "int32")
-    k_new, v_new = arr((8, 1, 1, ROPE)), arr((8, 1, 1, LATENT))
+    k_new, v_new = bf((8, 1, 1, ROPE)), bf((8, 1, 1, LATENT))
     plan = planner(q, k_pe, c_kv, k_new, v_new, cache_seqlens=lens, block_table=table, qv=qv)
     assert [entry[0] for entry in plan.launches][:2] == ["append", "decode_mla"]
     rec = record(plan)
@@ -115,19 +87,19 @@ def test_mla_rejects_what_it_does_not_take(planner, monkeypatch):
         a.update(kw)
         return planner(a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), **a)
     with pytest.raises(ValueError, match=r"qv must be \(batch, seqlen_q, nheads, 512\)"):
-        call(qv=arr((2, 1, 8, LATENT)))
+        call(qv=bf((2, 1, 8, LATENT)))
     with pytest.raises(ValueError, match="q .*must be 4-D with head dim 64"):
-        call(q=arr((2, 1, 16, 128)))
+        call(q=bf((2, 1, 16, 128)))
     with pytest.raises(ValueError, match="v_cache .*head dim 512"):
-        call(v_cache=arr((2, 256, 1, 256)))
+        call(v_cache=bf((2, 256, 1, 256)))
     with pytest.raises(ValueError, match="k_cache .*head dim 64"):
-        call(k_cache=arr((2, 256, 1, 576)))
+        call(k_cache=bf((2, 256, 1, 576)))
     with pytest.raises(ValueError, match="v_cache must be"):
-        call(v_cache=arr((2, 128, 1, LATENT)))
+        call(v_cache=bf((2, 128, 1, LATENT)))
     with pytest.raises(TypeError, match="qv has dtype float16 but q has bfloat16"):
         call(qv=arr((2, 1, 16, LATENT), "float16"))
     with pytest.raises(ValueError, match="qv needs rows that move in 16-byte chunks"):
-        call(qv=arr((2, 1, 16, LATENT), ptr=0x7f0000000002))
+        call(qv=bf((2, 1, 16, LATENT), ptr=0x7f0000000002))
     with pytest.raises(NotImplementedError, match="learnable_sink is not supported with qv"):
         call(learnable_sink=arr((16,), "float32"))
     with pytest.raises(NotImplementedError, match="alibi_slopes is not supported with qv"):
@@ -135,9 +107,9 @@ def test_mla_rejects_what_it_does_not_take(planner, monkeypatch):
     with pytest.raises(NotImplementedError, match="softcap is not supported with qv"):
         call(softcap=30.0)
     with pytest.raises(ValueError, match="out must have the shape of q with v's head dim"):
-        call(out=arr((2, 1, 16, ROPE)))
+        call(out=bf((2, 1, 16, ROPE)))
     with pytest.raises(ValueError, match=r"v must be \(batch, seqlen_new, nheads_k, headdim\)"):
-        call(k=arr((2, 1, 1, ROPE)), v=arr((2, 1, 1, ROPE)))
+        call(k=bf((2, 1, 1, ROPE)), v=bf((2, 1, 1, ROPE)))
     monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
     _runtime.plans.clear()
     with pytest.raises(NotImplementedError, match=r"qv \(MLA decode\) runs on Hopper"):
