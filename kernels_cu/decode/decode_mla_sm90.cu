@@ -37,7 +37,12 @@ constexpr int kMlaHalf = kMlaLatent / 2;         // O's columns a consumer
 constexpr int kMlaQBytes = kMlaRows * kMlaDim * 2;
 constexpr int kMlaBlockBytes = kMlaKeys * kMlaDim * 2;
 constexpr int kMlaPBytes = kMlaRows * 64 * 2;    // P in one 64-column panel (32 used)
-constexpr int kMlaProducerRegs = 40, kMlaConsumerRegs = 232;  // 128 x 40 + 256 x 232 < 64K
+constexpr int kMlaProducerRegs = 40, kMlaConsumerRegs = 232;
+// setmaxnreg moves registers between the warpgroups within the CTA's allotment (384
+// threads at 168, __launch_bounds__(384, 1)); asked for more, the consumers would wait for
+// registers forever
+static_assert(128 * kMlaProducerRegs + 256 * kMlaConsumerRegs <= 384 * 168,
+              "the warpgroups' registers within the CTA's");
 // named barriers (0 is __syncthreads'): "block t's P is ready" for consumer 0 and 1 (1, 2),
 // and the consumers' meeting before the epilogue (3)
 constexpr int kMlaReadyBarrier = 1, kMlaEndBarrier = 3;
@@ -160,7 +165,8 @@ __device__ __forceinline__ void mla_produce(const DecodeParams& p, const MlaWork
 }
 
 // -- a consumer's rows: r = 16 * warp + lane / 4 + 8 * i of the CTA's 64, each with the
-//    keys it sees [lo, hi] (sequence key indices; rows past the CTA's see every key) --
+//    keys it sees [lo, hi] (sequence key indices; rows past the CTA's valid ones take the
+//    last valid row's, and are not written) --
 struct MlaRows {
   int lo[2], hi[2];
 };
