@@ -136,9 +136,10 @@ def main(argv=None):
     with open(os.path.join(args.out, "bench_mla.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(args.out, "bench_mla.json"), "w") as f:
-        json.dump(dict(device=device, date=datetime.date.today().isoformat(), copy_tbps=copy,
-                       matmul_tflops=matmul, rows=results, versions=T.versions(torch)), f,
-                  indent=1)
+        meta = dict(device=device, date=datetime.date.today().isoformat(), copy_tbps=copy,
+                    matmul_tflops=matmul, heads=args.heads, page=args.page,
+                    versions=T.versions(torch))
+        json.dump(dict(meta=meta, rows=results), f, indent=1)
     return 0
 
 
