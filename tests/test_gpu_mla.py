@@ -162,3 +162,31 @@ def test_mla_under_jax_jit():
     out_t = torch.from_numpy(np.asarray(out.astype(jnp.float32))).cuda().to(torch.bfloat16)
     lse_t = torch.from_numpy(np.asarray(lse)).cuda()
     check_mla(out_t, lse_t, kw, k_pe, c_kv, [300, 41], "jax.jit")
+
+
+@pytest.mark.parametrize("page", [None, 64], ids=["contiguous", "pages of 64"])
+def test_mla_rotary_append(page):
+    """q and the new k_pe rotated (rotary_cos / rotary_sin over the 64 rotary dims, at the
+    sequences' positions), the new k_pe and c_kv appended: the reference's rotated
+    attention (kvcache_references, which learns qv) and its caches after the append."""
+    from _attention_check import check_appended_cache, check_kvcache
+    rng = np.random.default_rng(14)
+    lens = [70, 0, 129]
+    kw, _, _ = build(rng, lens=lens, sq=2, heads=16, page=page, new=2)
+    cos, sin = (torch.from_numpy(f(rng.uniform(0, 6.3, (512, 32)))).float().cuda()
+                for f in (np.cos, np.sin))
+    before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
+    out, lse = cufa.flash_attn_with_kvcache(**kw, rotary_cos=cos, rotary_sin=sin, causal=True,
+                                            return_softmax_lse=True)
+    k_after, v_after = check_kvcache(out, lse, **{**kw, **before}, rotary_cos=cos,
+                                     rotary_sin=sin, causal=True, label=f"rotary {page}")
+    positions = np.asarray(lens)[:, None] + np.arange(2)
+    if page:
+        table = kw["block_table"].cpu().numpy()
+        slots = (table[np.arange(3)[:, None], positions // page], positions % page)
+    else:
+        slots = (np.arange(3)[:, None].repeat(2, 1), positions)
+    slots = tuple(s.ravel() for s in slots)
+    check_appended_cache(kw["k_cache"], before["k_cache"], k_after, slots, "k_pe",
+                         rotated=True)
+    check_appended_cache(kw["v_cache"], before["v_cache"], v_after, slots, "c_kv")
