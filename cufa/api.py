@@ -334,6 +334,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (rotated first, and rounded to q's dtype, where rotary is on). JAX arrays take it
     eager and under jax.jit (through XLA's buffers, not DLPack).
 
+    MLA decode (DeepSeek's latent attention, FlashAttention-3's form), on Hopper: qv
+    (batch, seqlen_q, nheads, 512) the absorbed queries, q (..., 64) the rotary ones,
+    k_cache the keys' rotary rows k_pe (64) and v_cache their latent rows c_kv (512), which
+    are also the values; the new k and v likewise. Scores are qv . c_kv + q . k_pe (default
+    scale 1 / sqrt(576)); out is (batch, seqlen_q, nheads, 512). Not with softcap, ALiBi, a
+    learnable sink or an fp8 cache (docs/api.md).
+
     JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
     after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
     Under jax.jit with the caches donated (donate_argnums), they are the same memory and

@@ -15,8 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cufa  # noqa: E402
-from cufa import _compile, reference  # noqa: E402
-from _attention_check import capture_cuda_graph, check_attention, i32, randn  # noqa: E402
+from cufa import _compile, _runtime, reference  # noqa: E402
+from _attention_check import (  # noqa: E402
+    capture_cuda_graph, check_appended_cache, check_attention, check_kvcache, i32, randn)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,10 +25,23 @@ ROPE, LATENT = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True)
+def hopper_family():
+    return _compile.family_for(_runtime.compute_capability(torch.cuda.current_device())) == "sm90"
+
+
+@pytest.fixture
 def hopper():
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("MLA decode is Hopper's (wgmma)")
+    if not hopper_family():
+        pytest.skip("MLA decode runs on Hopper's kernel family (wgmma) alone")
+
+
+def test_mla_refused_elsewhere():
+    """Off Hopper's kernel family (another GPU, or CUFA_KERNEL_FAMILY=sm80): a clear error."""
+    if hopper_family():
+        pytest.skip("Hopper's kernel family runs it")
+    kw, _, _ = build(np.random.default_rng(1), lens=[5])
+    with pytest.raises(NotImplementedError, match=r"qv \(MLA decode\) runs on Hopper"):
+        cufa.flash_attn_with_kvcache(**kw)
 
 
 def build(rng, *, dtype="bfloat16", lens, sq=1, heads=16, heads_k=1, page=None, new=0,
@@ -81,12 +95,14 @@ CASES = {
     "append 3, causal 3 tokens, pages of 64": dict(lens=[61, 0, 200], sq=3, page=64, new=3,
                                                    causal=True),
     "a given scale, one split": dict(lens=[90, 31], num_splits=1, softmax_scale=0.07),
+    "128 heads, 2 tokens (rows over two CTAs), causal": dict(lens=[700, 3], sq=2, heads=128,
+                                                              causal=True),
 }
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_mla_decode(name, dtype):
+def test_mla_decode(hopper, name, dtype):
     case = dict(CASES[name])
     rng = np.random.default_rng(sum(map(ord, name)))
     call = {n: case.pop(n) for n in ("causal", "num_splits", "softmax_scale") if n in case}
@@ -98,16 +114,18 @@ def test_mla_decode(name, dtype):
     assert got.data_ptr() == out.data_ptr()
     check_mla(out, lse, kw, k_pe, c_kv, lens, name, call.get("causal", False),
               call.get("softmax_scale"))
-    if "k" in kw:  # the appended rows are in the caches (pages of 64)
+    if "k" in kw:  # the appended rows are in the caches
+        page = case.get("page")
         for cache_name, logical in (("k_cache", k_pe), ("v_cache", c_kv)):
             cache = kw[cache_name]
             for s, n in enumerate(lens):
                 for pos in range(n, n + kw["k"].shape[1]):
-                    row = cache[int(kw["block_table"][s, pos // 64]), pos % 64]
+                    row = (cache[int(kw["block_table"][s, pos // page]), pos % page] if page
+                           else cache[s, pos])
                     assert torch.equal(row, logical[s, pos]), f"{cache_name} seq {s} pos {pos}"
 
 
-def test_mla_splits_agree():
+def test_mla_every_split_count(hopper):
     """The same call unsplit and split 2, 7 and 64 ways, each against the references."""
     rng = np.random.default_rng(5)
     kw, k_pe, c_kv = build(rng, lens=[2000, 3], heads=128)
@@ -117,7 +135,7 @@ def test_mla_splits_agree():
         check_mla(out, lse, kw, k_pe, c_kv, [2000, 3], f"{splits} splits")
 
 
-def test_mla_replayed_from_a_cuda_graph():
+def test_mla_replayed_from_a_cuda_graph(hopper):
     """One step (128 heads, pages of 64, split by the planner) captured once; each replay
     with new lengths, q and qv copied into the captured tensors."""
     rng = np.random.default_rng(11)
@@ -133,12 +151,13 @@ def test_mla_replayed_from_a_cuda_graph():
         for n in ("q", "qv"):
             kw[n].copy_(torch.randn_like(kw[n]))
         out.fill_(NAN)
+        lse.fill_(NAN)
         graph.replay()
         torch.cuda.synchronize()
         check_mla(out, lse, kw, k_pe, c_kv, lens, f"replay {replay} lens {lens}")
 
 
-def test_mla_under_torch_compile():
+def test_mla_under_torch_compile(hopper):
     rng = np.random.default_rng(12)
     kw, k_pe, c_kv = build(rng, lens=[300, 41], heads=128, page=64, new=1)
     step = torch.compile(lambda a: cufa.flash_attn_with_kvcache(**a, causal=True,
@@ -149,8 +168,11 @@ def test_mla_under_torch_compile():
     check_mla(out, lse, kw, k_pe, c_kv, [300, 41], "torch.compile", causal=True)
 
 
-def test_mla_under_jax_jit():
+def test_mla_under_jax_jit(hopper):
     jax = pytest.importorskip("jax")
+    from cufa import _jax
+    if not _jax.available() or not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("this JAX has no buffer_callback, or sees no GPU")
     jnp = jax.numpy
     rng = np.random.default_rng(13)
     kw, k_pe, c_kv = build(rng, lens=[300, 41], heads=16)
@@ -165,16 +187,15 @@ def test_mla_under_jax_jit():
 
 
 @pytest.mark.parametrize("page", [None, 64], ids=["contiguous", "pages of 64"])
-def test_mla_rotary_append(page):
+def test_mla_rotary_append(hopper, page):
     """q and the new k_pe rotated (rotary_cos / rotary_sin over the 64 rotary dims, at the
     sequences' positions), the new k_pe and c_kv appended: the reference's rotated
     attention (kvcache_references, which learns qv) and its caches after the append."""
-    from _attention_check import check_appended_cache, check_kvcache
     rng = np.random.default_rng(14)
     lens = [70, 0, 129]
     kw, _, _ = build(rng, lens=lens, sq=2, heads=16, page=page, new=2)
-    cos, sin = (torch.from_numpy(f(rng.uniform(0, 6.3, (512, 32)))).float().cuda()
-                for f in (np.cos, np.sin))
+    angles = rng.uniform(0, 6.3, (512, 32))
+    cos, sin = (torch.from_numpy(f(angles)).float().cuda() for f in (np.cos, np.sin))
     before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
     out, lse = cufa.flash_attn_with_kvcache(**kw, rotary_cos=cos, rotary_sin=sin, causal=True,
                                             return_softmax_lse=True)
@@ -190,3 +211,33 @@ def test_mla_rotary_append(page):
     check_appended_cache(kw["k_cache"], before["k_cache"], k_after, slots, "k_pe",
                          rotated=True)
     check_appended_cache(kw["v_cache"], before["v_cache"], v_after, slots, "c_kv")
+
+
+OPTIONS = {  # flash_attn_with_kvcache's other arguments, with qv
+    "a window (100, 0)": dict(window_size=(100, 0)),
+    "leftpads": dict(cache_leftpad=[3, 0, 50]),
+    "one int length": dict(cache_seqlens=150),
+    "cache rows picked": dict(cache_batch_idx=[2, 0, 1]),
+    "rotary on halves": dict(rotary_interleaved=False),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_mla_with_the_other_arguments(hopper, name):
+    """Each against kvcache_references (the reference's gather: leftpads, picked rows, an
+    int length, rotary), 2 causal tokens over 16 heads."""
+    rng = np.random.default_rng(sum(map(ord, name)))
+    kw, _, _ = build(rng, lens=[150, 37, 90], sq=2, heads=16)
+    opt = dict(OPTIONS[name])
+    for n in ("cache_leftpad", "cache_batch_idx"):
+        if n in opt:
+            kw[n] = i32(opt.pop(n))
+    if "cache_seqlens" in opt:
+        kw["cache_seqlens"] = opt.pop("cache_seqlens")
+    if "rotary_interleaved" in opt:
+        angles = rng.uniform(0, 6.3, (256, 32))
+        opt["rotary_cos"], opt["rotary_sin"] = (torch.from_numpy(f(angles)).float().cuda()
+                                                for f in (np.cos, np.sin))
+    before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
+    out, lse = cufa.flash_attn_with_kvcache(**kw, **opt, causal=True, return_softmax_lse=True)
+    check_kvcache(out, lse, **{**kw, **before}, **opt, causal=True, label=name)
