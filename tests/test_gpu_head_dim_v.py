@@ -47,15 +47,19 @@ def test_dense(rng, dtype, name, d, d_v):
     check_attention(out, lse, q, k, v, label=f"{dtype} {name} d={d}/{d_v}", **OPTIONS[name])
 
 
-def test_dense_alibi_and_sink(rng):
-    q, k = randn(rng, (2, 65, 4, 192), "bfloat16"), randn(rng, (2, 65, 4, 192), "bfloat16")
-    v = randn(rng, (2, 65, 4, 128), "bfloat16")
-    slopes = torch.from_numpy(rng.uniform(0.01, 0.3, 4).astype(np.float32)).cuda()
-    sink = make_sink(rng, 4)
+@pytest.mark.parametrize("dtype, sq, sk, h, hk, d, d_v", [
+    ("bfloat16", 65, 65, 4, 4, 192, 128), ("float16", 70, 150, 8, 2, 576, 512)])
+def test_alibi_and_sink(rng, dtype, sq, sk, h, hk, d, d_v):
+    """Causal, with ALiBi and a learnable sink: DeepSeek's prefill pair and the latent one."""
+    skip_without_latent_tiles(d)
+    q, k = randn(rng, (2, sq, h, d), dtype), randn(rng, (2, sk, hk, d), dtype)
+    v = randn(rng, (2, sk, hk, d_v), dtype)
+    slopes = torch.from_numpy(rng.uniform(0.01, 0.3, h).astype(np.float32)).cuda()
+    sink = make_sink(rng, h)
     out, lse = cufa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes,
                                     learnable_sink=sink, return_lse=True)
-    assert out.shape == (2, 65, 4, 128)
-    check_attention(out, lse, q, k, v, label="alibi + sink d=192/128", causal=True,
+    assert out.shape == (2, sq, h, d_v)
+    check_attention(out, lse, q, k, v, label=f"alibi + sink d={d}/{d_v}", causal=True,
                     alibi_slopes=slopes, learnable_sink=sink)
 
 
@@ -81,22 +85,13 @@ def test_varlen(rng, name, d, d_v):
                            f"varlen {name} d={d}/{d_v}", **OPTIONS[name])
 
 
-def test_latent_pair_alibi_sink_and_one_row(rng):
-    """q and k of 576 against v of 512: the smallest call, then ALiBi and a learnable sink."""
+def test_latent_pair_one_row(rng):
+    """q and k of 576 against v of 512: the smallest call."""
     skip_without_latent_tiles(576)
     q, k = (randn(rng, (1, 1, 2, 576), "bfloat16") for _ in range(2))
     v = randn(rng, (1, 1, 2, 512), "bfloat16")
     out, lse = cufa.flash_attn_func(q, k, v, return_lse=True)
     check_attention(out, lse, q, k, v, label="576/512 1 x 1")
-    q, k = randn(rng, (2, 70, 8, 576), "float16"), randn(rng, (2, 150, 2, 576), "float16")
-    v = randn(rng, (2, 150, 2, 512), "float16")
-    slopes = torch.from_numpy(rng.uniform(0.01, 0.3, 8).astype(np.float32)).cuda()
-    sink = make_sink(rng, 8)
-    out, lse = cufa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes,
-                                    learnable_sink=sink, return_lse=True)
-    assert out.shape == (2, 70, 8, 512)
-    check_attention(out, lse, q, k, v, label="576/512 alibi + sink", causal=True,
-                    alibi_slopes=slopes, learnable_sink=sink)
 
 
 def test_under_torch_compile(rng):
