@@ -100,9 +100,9 @@ __device__ __forceinline__ bool mla_work(const DecodeParams& p, MlaWork& w) {
 
 // -- the producer: Q (with block 0's copies), then block i of the split into stage
 //    i % kMlaStages once both consumers have released it; each block announced once its
-//    copies have landed: a step later while the ring fills (two in flight), and before
-//    the producer waits for a buffer once it is full, as a consumer holds its block t
-//    until block t + 2 is full (its P V goes out with that block's S). A thread copies a
+//    copies have landed, a step later, so that two are in flight (the consumer that
+//    takes a block second releases it in its next block, announced by then). A thread
+//    copies a
 //    quarter of one key's chunks (one page lookup a block); keys past the split, and
 //    rows past the CTA's, are zeros --
 __device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork& w, u32 sq, int tid) {
@@ -151,15 +151,11 @@ __device__ __forceinline__ void mla_produce(const DecodeParams& p, const MlaWork
   };
   for (int i = 0; i < w.blocks; ++i) {
     const int stage = i % kMlaStages;
-    const bool ring_full = i >= kMlaStages;
-    if (ring_full) {
-      publish(i - 1, true);
-      mbar_wait(sm.empty(stage), ((i / kMlaStages) & 1) ^ 1);
-    }
+    if (i >= kMlaStages) mbar_wait(sm.empty(stage), ((i / kMlaStages) & 1) ^ 1);
     if (i == 0) mla_copy_q(p, w, sm.q(), tid);
     mla_copy_block(p, w, sm.block(stage), i, tid);
     cp_async_commit();
-    if (i > 0 && !ring_full) publish(i - 1, false);
+    if (i > 0) publish(i - 1, false);
   }
   if (w.blocks) publish(w.blocks - 1, true);
 }
@@ -362,21 +358,15 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     wgmma_commit();
   };
 
-  // This consumer's block t. Its S goes out with the P V of this consumer's block before
-  // (own_pv: but for its first block), both waited for; then the other's block t - 1
-  // (other: but for block 0) is taken, its P V running under this block's softmax; P is
-  // handed over; O is rescaled, and this block's P V waits for the next block's S. No
-  // product is in flight from one block to the next or across a branch (where ptxas
-  // serializes every wgmma of the kernel, C7514): the first block is peeled off the loop,
-  // its flags constants where it is inlined.
-  u32 p_frag[kMlaKeys / 16][4];  // P of this consumer's last block, its P V not yet issued
-  const auto issue_own_pv = [&](int t) {
-    const u64 v = v_desc(t % kMlaStages);
-#pragma unroll
-    for (int kk = 0; kk < kMlaKeys / 16; ++kk)
-      wgmma_rs<kDtype>(acc_o, p_frag[kk], desc_add(v, mn_kstep_offset(kk)), 1);
-  };
-  const auto own_block = [&](int t, bool own_pv, bool other) {
+  // This consumer's block t: its S, waited for; the other's block t - 1 (other: but for
+  // block 0) taken, its P V running under this block's softmax; P handed over; this
+  // block's P V, waited for, and the block released at once, so that the producer can
+  // refill its buffer while the other consumer works (with three buffers, a block held
+  // until this consumer's next S would leave one copy in flight). No product is in
+  // flight from one block to the next or across a branch (where ptxas serializes every
+  // wgmma of the kernel, C7514): the first block is peeled off the loop, its flag a
+  // constant where it is inlined.
+  const auto own_block = [&](int t, bool other) {
     const int stage = t % kMlaStages;
     mbar_wait(sm.full(stage), (t / kMlaStages) & 1);
     float acc_s[1][kNTiles][4];
@@ -386,17 +376,14 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     for (int ks = 0; ks < kMlaDim / 16; ++ks)
       wgmma_ss<kDtype>(acc_s, desc_add(q_desc, kstep_offset(ks, kMlaRows)),
                        desc_add(k, kstep_offset(ks, kMlaKeys)), ks > 0);
-    if (own_pv) issue_own_pv(t - 2);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(acc_s);
-    fence_registers(acc_o);
-    fence_registers(p_frag);
-    if (own_pv) release(t - 2);
     if (other) take_other(t - 1);
     // -- the softmax against the max after block t - 1 --
     float corr[2], sum[2];
     mla_softmax(acc_s, rows, w.key0 + t * kMlaKeys, lane, scale_log2, row_max, corr, sum);
+    u32 p_frag[kMlaKeys / 16][4];
     pack_p<kDtype>(p_frag, acc_s);
     // -- the other's P V of block t - 1 done (it reads this consumer's O, and the other
     //    consumer's P panel, which the other rewrites once it sees this block's P) --
@@ -415,22 +402,26 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     }
     fence_proxy_async();  // (the P panel, stored through the generic proxy, is read by wgmma)
     named_barrier_arrive(kMlaReadyBarrier + 1 - consumer, 256);
-    mla_rescale(acc_o, l, corr);  // (for this block's P V, issued with the next S)
+    // -- O += P V of block t, from registers --
+    mla_rescale(acc_o, l, corr);
 #pragma unroll
     for (int i = 0; i < 2; ++i) l[i] += sum[i];
-  };
-  if (w.blocks > consumer) {
-    if (consumer == 0)
-      own_block(0, false, false);
-    else
-      own_block(1, false, true);
-    int t = consumer + 2;
-    for (; t < w.blocks; t += 2) own_block(t, true, true);
     wgmma_fence();
-    issue_own_pv(t - 2);
+    const u64 v = v_desc(stage);
+#pragma unroll
+    for (int kk = 0; kk < kMlaKeys / 16; ++kk)
+      wgmma_rs<kDtype>(acc_o, p_frag[kk], desc_add(v, mn_kstep_offset(kk)), 1);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(acc_o);
+    release(t);
+  };
+  if (w.blocks > consumer) {
+    if (consumer == 0)
+      own_block(0, false);
+    else
+      own_block(1, true);
+    for (int t = consumer + 2; t < w.blocks; t += 2) own_block(t, true);
   }
   // -- the other's last block, where it has the last one --
   const int last = w.blocks - 1;
