@@ -102,9 +102,8 @@ __device__ __forceinline__ bool mla_work(const DecodeParams& p, MlaWork& w) {
 //    i % kMlaStages once both consumers have released it; each block announced once its
 //    copies have landed, a step later, so that two are in flight (the consumer that
 //    takes a block second releases it in its next block, announced by then). A thread
-//    copies a
-//    quarter of one key's chunks (one page lookup a block); keys past the split, and
-//    rows past the CTA's, are zeros --
+//    copies a quarter of one key's chunks (one page lookup a block); keys past the
+//    split, and rows past the CTA's, are zeros --
 __device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork& w, u32 sq, int tid) {
   for (int idx = tid; idx < kMlaRows * kMlaChunks; idx += 128) {
     const int r = idx / kMlaChunks, c = idx % kMlaChunks;
