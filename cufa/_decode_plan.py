@@ -87,6 +87,8 @@ class _KvPlan:
     num_pages: int = 0
     seqlen_new: int = 0
     fixed_seqlen: object = None
+    out_like_q: bool = True    # out has q's shape (not MLA's, whose rows are v's): a new one
+                               # is allocated like q
 
     @property
     def scratch_bytes(self):
@@ -110,7 +112,7 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     outputs = dict(framework=framework, device=q.device, out_shape=q.shape[:-1] + (dv,),
                    dtype=q.dtype,
                    lse_shape=(batch, nheads, seqlen_q), want_lse=want_lse,
-                   to_jax=_interop.returns_jax(q))
+                   to_jax=_interop.returns_jax(q), out_like_q=dv == d)
     extra = dict(capacity=capacity, num_pages=paged["num_pages"] if paged else 0,
                  seqlen_new=seqlen_new, fixed_seqlen=fixed)
     if batch == 0 or nheads == 0:
@@ -423,7 +425,7 @@ def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
     q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd, vd, qv, o_ptr = ptrs
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
-                                         q_array)
+                                         q_array if plan.out_like_q else None)
         if plan.launches:
             _, o_part, lse_part, q_rot = plan.workspace
             _launch_decode(plan.params, plan.launches, plan.workspace, plan.merge_in_launch,

@@ -47,6 +47,7 @@ def test_mla_plans_its_kernel_rows_and_splits(planner, batch, heads, sq, splits)
         sq * heads * LATENT, heads * LATENT, LATENT)
     assert (rec["o_batch_stride"], rec["o_row_stride"]) == (sq * heads * LATENT, heads * LATENT)
     assert plan.out_shape == (batch, sq, heads, LATENT)
+    assert not plan.out_like_q  # (a new out is not torch.empty_like(q), 64 wide: a GPU fault)
     kernel = _compile.MlaVariant("bf16")
     kind, function, grid, threads, smem = plan.launches[0]
     assert (kind, grid, threads, smem) == ("decode_mla", (m_blocks * splits, 1, batch), 384,
