@@ -99,11 +99,12 @@ __device__ __forceinline__ bool mla_work(const DecodeParams& p, MlaWork& w) {
 }
 
 // -- the producer: Q (with block 0's copies), then block i of the split into stage
-//    i % kMlaStages once both consumers have released it; each block announced once its
-//    copies have landed, a step later, so that two are in flight (the consumer that
-//    takes a block second releases it in its next block, announced by then). A thread
-//    copies a quarter of one key's chunks (one page lookup a block); keys past the
-//    split, and rows past the CTA's, are zeros --
+//    i % kMlaStages once both consumers have released it. Each thread's copies announce
+//    themselves on the stage's full barrier as they land (cp.async's own arrival), so
+//    every free buffer has its copy in flight, and a block is announced the moment it is
+//    in, not when the producer next gets round to it. A thread copies a quarter of one
+//    key's chunks, its page looked up a block ahead (the lookup's latency under the wait
+//    for a buffer); keys past the split, and rows past the CTA's, are zeros --
 __device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork& w, u32 sq, int tid) {
   for (int idx = tid; idx < kMlaRows * kMlaChunks; idx += 128) {
     const int r = idx / kMlaChunks, c = idx % kMlaChunks;
@@ -120,12 +121,24 @@ __device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork&
   }
 }
 
-__device__ __forceinline__ void mla_copy_block(const DecodeParams& p, const MlaWork& w, u32 dst,
-                                               int block, int tid) {
-  const int r = tid / 4;  // (128 threads, 32 keys)
-  const int key = w.key0 + block * kMlaKeys + r;
-  const bool valid = key < w.key_end;
-  const CacheSlot slot = cache_slot(p, w.s, w.s.start + (valid ? key : w.key0));
+// This thread's key in block `block`: its cache position (the split's first key's for a
+// key past the split, whose copy is zeros).
+__device__ __forceinline__ int mla_key_pos(const MlaWork& w, int block, int tid) {
+  const int key = w.key0 + block * kMlaKeys + tid / 4;  // (128 threads, 32 keys)
+  return w.s.start + (key < w.key_end ? key : w.key0);
+}
+
+// The page that key's row is in (paged caches; 0 otherwise), read a block ahead of its copy.
+__device__ __forceinline__ int mla_key_page(const DecodeParams& p, const MlaWork& w, int block,
+                                            int tid) {
+  return p.block_table ? w.s.pages[mla_key_pos(w, block, tid) >> p.page_shift] : 0;
+}
+
+__device__ __forceinline__ void mla_copy_block(const DecodeParams& p, const MlaWork& w, int block,
+                                               int page, u32 dst, int tid) {
+  const int r = tid / 4, pos = mla_key_pos(w, block, tid);
+  const bool valid = w.key0 + block * kMlaKeys + r < w.key_end;
+  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
   const u16* latent = reinterpret_cast<const u16*>(p.v) + slot.block * p.v_batch_stride +
                       slot.row * p.v_row_stride + blockIdx.y * p.v_head_stride;
   const u16* rope = reinterpret_cast<const u16*>(p.k) + slot.block * p.k_batch_stride +
@@ -140,23 +153,17 @@ __device__ __forceinline__ void mla_copy_block(const DecodeParams& p, const MlaW
 
 __device__ __forceinline__ void mla_produce(const DecodeParams& p, const MlaWork& w,
                                             const MlaSmem& sm, int tid) {
-  const int lane = tid % 32;
-  const auto publish = [&](int i, bool last) {
-    if (last) cp_async_wait<0>();
-    else cp_async_wait<1>();
-    fence_proxy_async();  // (cp.async writes through the generic proxy; wgmma reads async)
-    __syncwarp();
-    if (lane == 0) mbar_arrive(sm.full(i % kMlaStages));
-  };
+  int next_page = w.blocks ? mla_key_page(p, w, 0, tid) : 0;
   for (int i = 0; i < w.blocks; ++i) {
     const int stage = i % kMlaStages;
+    const int page = next_page;
+    if (i + 1 < w.blocks) next_page = mla_key_page(p, w, i + 1, tid);
     if (i >= kMlaStages) mbar_wait(sm.empty(stage), ((i / kMlaStages) & 1) ^ 1);
     if (i == 0) mla_copy_q(p, w, sm.q(), tid);
-    mla_copy_block(p, w, sm.block(stage), i, tid);
-    cp_async_commit();
-    if (i > 0) publish(i - 1, false);
+    mla_copy_block(p, w, i, page, sm.block(stage), tid);
+    cp_async_mbar_arrive(sm.full(stage));
   }
-  if (w.blocks) publish(w.blocks - 1, true);
+  cp_async_wait_all();  // (no thread leaves with its copies in flight)
 }
 
 // -- a consumer's rows: r = 16 * warp + lane / 4 + 8 * i of the CTA's 64, each with the
@@ -293,8 +300,8 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   if (!mla_work(p, w)) return;  // (the whole CTA: no barrier has been met yet)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kMlaStages; ++s) {
-      mbar_init(sm.full(s), 4);   // the producer's warps
-      mbar_init(sm.empty(s), 2);  // one thread a consumer
+      mbar_init(sm.full(s), 128);  // the producer's threads' copies (cp_async_mbar_arrive)
+      mbar_init(sm.empty(s), 2);   // one thread a consumer
     }
   }
   __syncthreads();
@@ -341,6 +348,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     // (complete already, as the owner waited for it: this consumer's own acquire of the
     // copies its wgmma reads)
     mbar_wait(sm.full(t % kMlaStages), (t / kMlaStages) & 1);
+    fence_proxy_async();
     float corr[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -368,6 +376,9 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   const auto own_block = [&](int t, bool other) {
     const int stage = t % kMlaStages;
     mbar_wait(sm.full(stage), (t / kMlaStages) & 1);
+    // (cp.async wrote the block through the generic proxy, and the producer could not
+    // fence what had not landed: the reader orders its wgmma after what it acquired)
+    fence_proxy_async();
     float acc_s[1][kNTiles][4];
     wgmma_fence();
     const u64 k = k_desc(stage);
