@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# A/B of cufa trees: this checkout's bench_fwd.py, bench_varlen.py, bench_decode.py and
-# bench_bwd.py, run once per tree per round with PYTHONPATH=_ab/<tree> (the scripts use
+# A/B of cufa trees: this checkout's bench_fwd.py, bench_varlen.py, bench_decode.py,
+# bench_bwd.py and bench_mla.py, run once per tree per round with PYTHONPATH=_ab/<tree> (the scripts use
 # only cufa's public API), the trees in a new random order each round, then one table per
 # benchmark: each row's time per tree (median over rounds), the spread between rounds, and
 # the ratio to the first tree given to prepare.
 #   here:        bash bench/ab.sh prepare OLD NEW [REV...]  # each rev's cufa, kernels_cu and
 #                                                          # tests into _ab/<short hash>/ (ignored)
-#   on the GPU:  bash bench/ab.sh run [fwd] [varlen] [decode] [bwd]  # default the first three;
+#   on the GPU:  bash bench/ab.sh run [fwd] [varlen] [decode] [bwd] [mla]  # default: first three;
 #                                                          # carry ["_ab"]
 #                bash bench/ab.sh test [pytest args]       # each tree's own GPU tests
 #                bash bench/ab.sh table [DIR]              # the tables again from a run's files
 # Environment: ROUNDS (3), OUT (/tmp/cufa-ab), WARMUP (1: compile each tree's kernels with
 # `python -m cufa warmup` before the rounds; 0: the first round compiles what it uses),
-# FWD_ARGS, VARLEN_ARGS, DECODE_ARGS, BWD_ARGS (default: each script's whole grid, cufa
+# FWD_ARGS, VARLEN_ARGS, DECODE_ARGS, BWD_ARGS, MLA_ARGS (default: each script's grid, cufa
 # only; two trees take ~5 min for `run fwd varlen` and ~7 min for `run decode` on an H200,
 # so the A/B rule's run is two calls on one warm machine; `run bwd` is for a change to
-# the backward's kernels). Each round prints the time so far; a
+# the backward's kernels, `run mla` for the MLA decode kernel's). Each round prints the
+# time so far; a
 # run cut short keeps its files, and `table` prints what they hold. The A/B rule (a row
 # over the baseline by more than 3 % and its spread is SLOWER): docs/benchmarks.md.
 # ROUNDS=0 only compiles (one call), then WARMUP=0 times (the next call, same machine).
@@ -24,6 +25,7 @@ FWD_ARGS=${FWD_ARGS:---reps 24 --no-peers --no-memory --no-plot}
 VARLEN_ARGS=${VARLEN_ARGS:---reps 32 --no-peers}
 DECODE_ARGS=${DECODE_ARGS:---reps 24 --no-peers --no-plot}
 BWD_ARGS=${BWD_ARGS:---reps 12 --no-peers}
+MLA_ARGS=${MLA_ARGS:---reps 24}
 OUT=${OUT:-/tmp/cufa-ab}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
@@ -97,7 +99,15 @@ def bwd_rows(data):
                 yield f"{name} {impl[4:].strip() or 'backward'}", v["ms"] * 1e3
 
 
-READERS = {"fwd": fwd_rows, "varlen": varlen_rows, "decode": decode_rows, "bwd": bwd_rows}
+def mla_rows(data):
+    for r in data["rows"]:
+        if "ms" in r:
+            yield (f"{r['heads']} heads B={r['batch']} N={r['seqlen']} sq={r['seqlen_q']} "
+                   f"pages {r['page']}"), r["ms"] * 1e3
+
+
+READERS = {"fwd": fwd_rows, "varlen": varlen_rows, "decode": decode_rows, "bwd": bwd_rows,
+           "mla": mla_rows}
 missing = 0
 for bench, read in READERS.items():
     files = sorted(glob.glob(os.path.join(out, bench, "*.*", f"bench_{bench}.json")))
@@ -196,7 +206,7 @@ run)
   benches=("$@")
   [ ${#benches[@]} -gt 0 ] || benches=(fwd varlen decode)
   for b in "${benches[@]}"; do
-    case $b in fwd|varlen|decode|bwd) ;; *) echo "unknown benchmark $b: fwd, varlen, decode or bwd" >&2; exit 2 ;; esac
+    case $b in fwd|varlen|decode|bwd|mla) ;; *) echo "unknown benchmark $b: fwd, varlen, decode, bwd or mla" >&2; exit 2 ;; esac
   done
   names=$(trees)
   mkdir -p "$OUT"
@@ -213,7 +223,7 @@ run)
   for round in $(seq "${ROUNDS:-3}"); do
     for b in "${benches[@]}"; do
       case $b in fwd) args=$FWD_ARGS ;; varlen) args=$VARLEN_ARGS ;; decode) args=$DECODE_ARGS ;;
-        bwd) args=$BWD_ARGS ;; esac
+        bwd) args=$BWD_ARGS ;; mla) args=$MLA_ARGS ;; esac
       for t in $(echo "$names" | shuf); do  # a new order each round: drift falls on every tree
         dir=$OUT/$b/$t.$round
         mkdir -p "$dir"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: installs nothing; device info, the GPU tests (every kernel
 # family at once), the self-check, (with --bench) the forward benchmark, (with --decode)
-# the KV-cache decode benchmark, (with --bwd) the backward benchmark, (with --train) the
+# the KV-cache decode benchmark, (with --mla) the MLA decode benchmark, (with --bwd) the
+# backward benchmark, (with --train) the
 # GPT training comparison and (with --host) the launch-cost table; full logs in
 # $OUT/logs.tgz, a short summary last.
-#   [WORKERS=2] [FAMILIES="default sm80"] bash bench/device_run.sh [--bench] [--decode] [--bwd]
+#   [WORKERS=2] [FAMILIES="default sm80"] bash bench/device_run.sh [--bench] [--decode] [--mla] [--bwd]
 #       [--train] [--host] [pytest args...]
-# BENCH_ARGS / DECODE_ARGS / BWD_ARGS / TRAIN_ARGS: extra arguments for bench_fwd.py /
-# bench_decode.py / bench_bwd.py / train_gpt.py.
+# BENCH_ARGS / DECODE_ARGS / MLA_ARGS / BWD_ARGS / TRAIN_ARGS: extra arguments for
+# bench_fwd.py / bench_decode.py / bench_mla.py / bench_bwd.py / train_gpt.py.
 set -u
 # Each benchmark stops at STEP_LIMIT seconds, so a hung kernel still leaves the logs.
 STEP_LIMIT=${STEP_LIMIT:-400}
@@ -23,6 +24,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX would otherwise take 75% of t
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 bench=0
 decode=0
+mla=0
 bwd=0
 train=0
 host=0
@@ -30,6 +32,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --bench) bench=1; shift ;;
     --decode) decode=1; shift ;;
+    --mla) mla=1; shift ;;
     --bwd) bwd=1; shift ;;
     --train) train=1; shift ;;
     --host) host=1; shift ;;
@@ -95,6 +98,9 @@ fi
 if [ $decode = 1 ]; then
   timeout -k 10 "$STEP_LIMIT" python3 bench/bench_decode.py --out "$LOGS" ${DECODE_ARGS:-} > "$LOGS/bench_decode.txt" 2>&1
 fi
+if [ $mla = 1 ]; then
+  timeout -k 10 "$STEP_LIMIT" python3 bench/bench_mla.py --out "$LOGS" ${MLA_ARGS:-} > "$LOGS/bench_mla.txt" 2>&1
+fi
 if [ $bwd = 1 ]; then
   timeout -k 10 "$STEP_LIMIT" python3 bench/bench_bwd.py --out "$LOGS" ${BWD_ARGS:-} > "$LOGS/bench_bwd.txt" 2>&1
 fi
@@ -114,6 +120,7 @@ done
 echo "== self-check (rc=$check_rc)"; grep -E "FAIL|self-check|^\|" "$LOGS/check.txt" | tail -20
 if [ $bench = 1 ]; then echo "== bench"; tail -40 "$LOGS/bench.txt"; fi
 if [ $decode = 1 ]; then echo "== decode bench"; tail -22 "$LOGS/bench_decode.txt"; fi
+if [ $mla = 1 ]; then echo "== MLA bench"; tail -22 "$LOGS/bench_mla.txt"; fi
 if [ $bwd = 1 ]; then echo "== backward bench"; tail -40 "$LOGS/bench_bwd.txt"; fi
 if [ $train = 1 ]; then echo "== training"; tail -8 "$LOGS/train_gpt.txt"; fi
 if [ $host = 1 ]; then echo "== launch cost"; grep -E "^\|" "$LOGS/host_overhead.txt"; fi

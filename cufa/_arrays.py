@@ -59,6 +59,7 @@ class KvCache(NamedTuple):
     learnable_sink: Any = None
     k_descale: Any = None
     v_descale: Any = None
+    qv: Any = None
     out: Any = None
 
 

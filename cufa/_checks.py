@@ -443,12 +443,13 @@ def check_descales(kd, vd, kc, q, batch, nheads_k, fp8, cache="k_cache"):
                              f"or (1,) or 0-d for one scale; got shape {x.shape}")
 
 
-def check_cache(q, kc, vc, kn, vn, table, idx):
+def check_cache(q, kc, vc, kn, vn, table, idx, head_dim_v=None):
     """The cache (and new keys) against q; returns (paged dict or None, capacity, cache_rows,
     whether q and the cache are chunk_aligned). The new keys are written into the cache an
     element at a time (decode_append): their alignment does not count. An fp8 (e4m3)
     cache is checked as a cache of q's dtype would be, and must be 16-byte aligned (so
-    must q and out: no element-wise variant reads it)."""
+    must q and out: no element-wise variant reads it). head_dim_v: v_cache's (and v's)
+    where it has one of its own (MLA's latent rows), else None."""
     cache = ("(num_pages, page_size, nheads_k, headdim)" if table is not None
              else "(batch_cache, seqlen_cache, nheads_k, headdim)")
     fp8 = _fp8_cache(q, kc, vc)
@@ -458,10 +459,16 @@ def check_cache(q, kc, vc, kn, vn, table, idx):
                                       "arrays; other DLPack arrays do not export float8")
         kc, vc = _fp8_rows_as_q(q, kc, vc, ("k_cache", "v_cache"))
     # what flash_attn_func checks of q, k, v; the batch dims may differ (cache_batch_idx, pages)
-    aligned = check_qkv(q, kc, vc, ("q", "k_cache", "v_cache"),
+    aligned = check_qkv(q, kc, vc if head_dim_v is None else kc, ("q", "k_cache", "v_cache"),
                         f"(q: (batch, seqlen_q, nheads, headdim), cache: {cache})",
                         batch_dim=None, seq_dim=1, head_dim=2,
                         max_head_dim=_compile.MAX_HEAD_DIM if fp8 else _compile.WIDE_HEAD_DIM)
+    if head_dim_v is not None:  # (v_cache: k_cache's rows of its own head dim)
+        if vc.ndim != 4 or vc.shape != kc.shape[:-1] + (head_dim_v,):
+            raise ValueError(f"v_cache must be {cache} = {kc.shape[:-1] + (head_dim_v,)} "
+                             f"(k_cache's with head dim {head_dim_v}); got shape {vc.shape}")
+        check_dtype_device(vc, "v_cache", q, "q")
+        aligned = check_loadable(vc, "v_cache") and aligned
     if fp8:
         aligned = chunk_aligned(q.shape, q.strides, q.ptr)
     batch, d, nheads_k = q.shape[0], q.shape[3], kc.shape[2]
@@ -483,6 +490,8 @@ def check_cache(q, kc, vc, kn, vn, table, idx):
     if kn is not None:
         expected = (batch, kn.shape[1] if kn.ndim == 4 else -1, nheads_k, d)
         for x, n in ((kn, "k"), (vn, "v")):
+            if n == "v" and head_dim_v is not None:
+                expected = expected[:-1] + (head_dim_v,)
             if x.ndim != 4 or x.shape != expected:
                 raise ValueError(f"{n} must be (batch, seqlen_new, nheads_k, headdim) = "
                                  f"{expected}; got shape {x.shape}"
@@ -642,6 +651,37 @@ def check_num_splits(num_splits):
     return as_index(num_splits, "num_splits", 0, "an int >= 0 (0 = chosen from the shapes)")
 
 
+def check_mla(a):
+    """flash_attn_with_kvcache's MLA form (qv given, FlashAttention-3's): q and k_cache the
+    rotary part (MLA_ROPE_DIM), qv and v_cache the latent one (MLA_LATENT_DIM), which is
+    also the value; what the MLA kernel does not take raises. -> v's head dim."""
+    q, qv, kc, vc = a.q, a.qv, a.k_cache, a.v_cache
+    rope, latent = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
+    if FP8_CACHE in (kc.dtype, vc.dtype):
+        raise NotImplementedError("with qv (MLA decode) the cache must be float16 or bfloat16, "
+                                  "q's dtype; an fp8 latent cache is not supported yet")
+    for x, n, d, what in ((q, "q", rope, "the rotary part of the queries"),
+                          (kc, "k_cache", rope, "the rotary part of the keys, k_pe"),
+                          (qv, "qv", latent, "the absorbed queries"),
+                          (vc, "v_cache", latent, "the latent rows, c_kv")):
+        if x.ndim != 4 or x.shape[-1] != d:
+            raise ValueError(f"with qv (MLA decode), {n} ({what}) must be 4-D with head dim "
+                             f"{d}; got shape {x.shape}")
+    if qv.shape != q.shape[:-1] + (latent,):
+        raise ValueError(f"qv must be (batch, seqlen_q, nheads, {latent}) = "
+                         f"{q.shape[:-1] + (latent,)}, q's rows; got shape {qv.shape}")
+    check_dtype_device(qv, "qv", q, "q")
+    check_loadable(qv, "qv")
+    if not chunk_aligned(qv.shape, qv.strides, qv.ptr):
+        raise ValueError("qv needs rows that move in 16-byte chunks: strides that are "
+                         "multiples of 8 elements and a 16-byte aligned start")
+    for x, n in ((a.alibi_slopes, "alibi_slopes"), (a.learnable_sink, "learnable_sink"),
+                 (a.k_descale, "k_descale"), (a.v_descale, "v_descale")):
+        if x is not None:
+            raise NotImplementedError(f"{n} is not supported with qv (MLA decode)")
+    return latent
+
+
 def check_kvcache(a, out, fixed):
     """flash_attn_with_kvcache's arrays (a: an _arrays.KvCache of views; out: the caller's
     out=; fixed: the int form of cache_seqlens, or None) -> (paged dict or None, capacity,
@@ -649,7 +689,9 @@ def check_kvcache(a, out, fixed):
     seqlen_ro, whether q, the cache and the output are chunk_aligned)."""
     q, kc, vc, kn, vn, o = a.q, a.k_cache, a.v_cache, a.k, a.v, a.out
     seqlens, idx, leftpad, table = a.cache_seqlens, a.cache_batch_idx, a.cache_leftpad, a.block_table
-    paged, capacity, cache_rows, aligned = check_cache(q, kc, vc, kn, vn, table, idx)
+    head_dim_v = check_mla(a) if a.qv is not None else None
+    paged, capacity, cache_rows, aligned = check_cache(q, kc, vc, kn, vn, table, idx,
+                                                       head_dim_v)
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = kc.shape[2]
     seqlen_new = kn.shape[1] if kn is not None else 0
@@ -668,7 +710,11 @@ def check_kvcache(a, out, fixed):
     rotary_dim, seqlen_ro = check_rotary(a.rotary_cos, a.rotary_sin, q, d, capacity)
     check_alibi(a.alibi_slopes, q, batch, nheads)
     check_sink(a.learnable_sink, q, nheads)
-    aligned = check_out(out, o, q) and aligned
+    aligned = check_out(out, o, q, head_dim=head_dim_v) and aligned
+    if head_dim_v is not None and not aligned:
+        raise ValueError("with qv (MLA decode), q, qv, k_cache, v_cache and out need rows "
+                         "that move in 16-byte chunks: contiguous last dims, strides that "
+                         "are multiples of 8 elements, 16-byte aligned starts")
     check_descales(a.k_descale, a.v_descale, kc, q, batch, nheads_k, kc.dtype == FP8_CACHE)
     if kc.dtype == FP8_CACHE and not aligned:
         raise NotImplementedError("with an fp8 cache, q and out must be 16-byte aligned rows "

@@ -735,6 +735,45 @@ class DecodeTmaVariant(_CacheKernel):
         return 1024 + DECODE_ROWS * row + self.tma_stages * 2 * DECODE_TMA_BOX_KEYS * row
 
 
+# MLA decode (decode/decode_mla_sm90.cu, wgmma: Hopper alone): a key is a latent row of
+# MLA_LATENT_DIM (v_cache, also the value) and a rotary row of MLA_ROPE_DIM (k_cache); a
+# CTA takes MLA_ROWS (token, head) rows of a KV head, MLA_KEYS keys a block through a
+# ring of MLA_STAGES, a producer warpgroup and two consumer warpgroups.
+MLA_LATENT_DIM, MLA_ROPE_DIM = 512, 64
+MLA_ROWS, MLA_KEYS, MLA_STAGES = 64, 32, 3
+
+
+@dataclass(frozen=True)
+class MlaVariant(_CacheKernel):
+    """decode/decode_mla_sm90.cu's decode_mla_kernel."""
+    dtype: str
+    kind = "decode_mla"
+    source = "decode/decode_mla_sm90.cu"
+    archs = ("sm_90a",)
+    options = NVRTC_OPTIONS + ("-arch=sm_90a",)
+    threads = 384
+
+    @property
+    def key(self):
+        return f"decode_mla_{self.dtype}"
+
+    @property
+    def name_expression(self):
+        return f"cufa::decode_mla_kernel<{DTYPES.index(self.dtype)}>"
+
+    @property
+    def smem_bytes(self):
+        """MlaSmem::kBytes: Q and the ring's blocks (576 columns), each consumer's P panel
+        (64 columns), three float arrays of two rows' worth, the mbarriers, the alignment."""
+        dim = MLA_LATENT_DIM + MLA_ROPE_DIM
+        return (MLA_ROWS * dim * 2 + MLA_STAGES * MLA_KEYS * dim * 2 + 2 * MLA_ROWS * 64 * 2
+                + 3 * 2 * MLA_ROWS * 4 + 16 * MLA_STAGES + 1024)
+
+    @property
+    def ctas_per_sm(self):
+        return 1
+
+
 @dataclass(frozen=True)
 class CombineVariant(_CacheKernel):
     """decode/combine.cu's decode_combine: merges the splits of split-KV, `rows` rows a CTA
@@ -830,6 +869,7 @@ def decode_variants():
                for units in (1, 2)]
             + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel(dt, hd, fp8_cache=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+            + [MlaVariant(dt) for dt in DTYPES]
 
             + [CombineVariant(dt, rows=rows, element_io=elem) for dt in DTYPES
                for rows in (1, 4) for elem in (False, True)]

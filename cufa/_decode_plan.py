@@ -4,7 +4,7 @@ and the merge of partial attention states. Plans are made once per call signatur
 in _runtime.plans, as the forward's are."""
 from dataclasses import dataclass
 
-from . import _arrays, _compile, _heuristics, _interop, _params, _tma
+from . import _arrays, _compile, _heuristics, _interop, _params, _runtime, _tma
 from ._checks import (FP8_CACHE, KERNEL_DTYPES, MERGE_DTYPES, ROTARY_DTYPES, check_cache_values,
                       check_kvcache, check_merge, check_num_splits, check_options)
 from ._runtime import (caller_stream, check_scratch, driver_launch, outputs, plans, remember,
@@ -87,6 +87,8 @@ class _KvPlan:
     num_pages: int = 0
     seqlen_new: int = 0
     fixed_seqlen: object = None
+    out_like_q: bool = True    # out has q's shape (not MLA's, whose rows are v's): a new one
+                               # is allocated like q
 
     @property
     def scratch_bytes(self):
@@ -103,40 +105,48 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     cos, alibi, sink, leftpad = a.rotary_cos, a.alibi_slopes, a.learnable_sink, a.cache_leftpad
     fp8 = kc.dtype == FP8_CACHE
     batch, seqlen_q, nheads, d = q.shape
-    nheads_k = kc.shape[2]
+    nheads_k, dv = kc.shape[2], vc.shape[3]  # (dv: MLA's latent rows; else d)
+    mla = a.qv is not None
     seqlen_new = kn.shape[1] if kn is not None else 0
     framework = "cupy" if q.framework == "dlpack" else q.framework
-    outputs = dict(framework=framework, device=q.device, out_shape=q.shape, dtype=q.dtype,
+    outputs = dict(framework=framework, device=q.device, out_shape=q.shape[:-1] + (dv,),
+                   dtype=q.dtype,
                    lse_shape=(batch, nheads, seqlen_q), want_lse=want_lse,
-                   to_jax=_interop.returns_jax(q))
+                   to_jax=_interop.returns_jax(q), out_like_q=dv == d)
     extra = dict(capacity=capacity, num_pages=paged["num_pages"] if paged else 0,
                  seqlen_new=seqlen_new, fixed_seqlen=fixed)
     if batch == 0 or nheads == 0:
         return _KvPlan(**outputs, **extra)
 
     group = nheads // nheads_k
-    num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
-    kernel, num_splits = _heuristics.decode_kernel_and_splits(
-        KERNEL_DTYPES[q.dtype], d, num_splits, batch * nheads_k * num_m_blocks, capacity,
-        q.device, paged=paged is not None and not _heuristics.pages_read_whole(
-            paged["page_shift"], leftpad is None, window[0]), element_io=not aligned,
-        fp8_cache=fp8)
+    if mla:
+        kernel, num_m_blocks, num_splits = _mla_kernel(q, softcap, seqlen_q * group,
+                                                       batch * nheads_k, capacity, num_splits)
+    else:
+        num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
+        kernel, num_splits = _heuristics.decode_kernel_and_splits(
+            KERNEL_DTYPES[q.dtype], d, num_splits, batch * nheads_k * num_m_blocks, capacity,
+            q.device, paged=paged is not None and not _heuristics.pages_read_whole(
+                paged["page_shift"], leftpad is None, window[0]), element_io=not aligned,
+            fp8_cache=fp8)
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
-             head_dim=d, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
+             head_dim=d, head_dim_v=dv, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
              capacity=capacity, cache_rows=cache_rows, num_splits=num_splits,
-             combine_row_threads=_heuristics.combine_row_threads(d, num_splits),
+             combine_row_threads=_heuristics.combine_row_threads(dv, num_splits),
              num_m_blocks=num_m_blocks, rotary_dim=rotary_dim, seqlen_ro=seqlen_ro,
              rotary_dtype=ROTARY_DTYPES.get(cos.dtype, 0) if rotary else 0,
              rotary_interleaved=int(interleaved),
              rotary_q_per_token=int(min(window) < capacity), sink_dtype=_sink_dtype(sink),
              lse_batch_stride=nheads * seqlen_q, lse_head_stride=seqlen_q,
              **descale_strides(a.k_descale, a.v_descale),
-             **_params.score_fields(window, scale, softcap, d, alibi))
+             # (MLA's default scale: 1 / sqrt of the scores' 576 dims, as FlashAttention-3's)
+             **_params.score_fields(window, scale, softcap, d + dv if mla else d, alibi))
     q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
-    o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
+    o_strides = o.strides if o is not None else _interop.contiguous_strides(outputs["out_shape"])
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
-                          ("o", o_strides), ("q_source", q.strides if rotary else (0, 0, 0)),
+                          ("o", o_strides), ("qv", a.qv.strides if mla else (0, 0, 0)),
+                          ("q_source", q.strides if rotary else (0, 0, 0)),
                           ("k_new", kn.strides if kn is not None else (0, 0, 0)),
                           ("v_new", vn.strides if vn is not None else (0, 0, 0))):
         (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
@@ -152,7 +162,7 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
         launches.append(_launch_entry(_compile.AppendVariant(dt, fp8), q.device,
                                       (-(-rows // 4), 1, 1)))
     maps = None  # (the TMA decode kernel's; it reads 16-bit caches)
-    if seqlen_q and not paged and aligned and not fp8:
+    if seqlen_q and not paged and aligned and not fp8 and not mla:
         kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
@@ -160,18 +170,38 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
         launches.append(_launch_entry(kernel, q.device, (
             num_m_blocks * num_splits * kernel.ctas_per_unit, nheads_k, -(-batch // per_cta))))
         if num_splits > 1:
-            launches.append(_combine_entry(kernel, d, num_splits, batch * seqlen_q * nheads,
+            launches.append(_combine_entry(kernel, dv, num_splits, batch * seqlen_q * nheads,
                                            q.device))
     # the splits' outputs and lse, then the rotated q (16-byte rows)
     rows = batch * seqlen_q * nheads
     split = num_splits > 1 and seqlen_q
-    workspace = _workspace(num_splits * rows * _partial_cols(d) if split else 0,
+    workspace = _workspace(num_splits * rows * _partial_cols(dv) if split else 0,
                            num_splits * rows if split else 0,
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   maps=maps, merge_in_launch=kernel.units <= 1 and kernel.ctas_per_unit == 1
+                   maps=maps, merge_in_launch=not mla and kernel.units <= 1
+                   and kernel.ctas_per_unit == 1
                    and _heuristics.merge_in_launch(kernel, d, num_splits, seqlen_q * group))
+
+
+def _mla_kernel(q, softcap, rows, units, capacity, num_splits):
+    """(the MLA decode kernel, its query blocks, the split count) for a call with qv:
+    `rows` (token, head) rows of each of `units` (sequence, KV head) pairs; Hopper's
+    alone (wgmma)."""
+    if softcap > 0:
+        raise NotImplementedError("softcap is not supported with qv (MLA decode)")
+    family = _compile.family_for(_runtime.compute_capability(q.device))
+    if family != "sm90":
+        raise NotImplementedError(
+            "qv (MLA decode) runs on Hopper GPUs (sm_90), on its wgmma kernel; this GPU (or "
+            f"{_compile.FAMILY_ENV}) takes the {family} kernels. Without qv, the same "
+            "attention is q' = [qv, q] against k' = [v_cache, k_cache] with v_cache as values "
+            "(a copy of the cache)")
+    kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype])
+    num_m_blocks = -(-rows // _compile.MLA_ROWS)
+    return kernel, num_m_blocks, _heuristics.mla_splits(num_splits, units * num_m_blocks,
+                                                         capacity, q.device)
 
 
 def descale_strides(kd, vd):
@@ -298,7 +328,7 @@ def plan_packed_decode(q, k, v, o, alibi, sink, paged, *, batch, nheads, nheads_
         paged=True, element_io=not aligned, fp8_cache=descales is not None)
     o_strides = o.strides if o is not None else _interop.contiguous_strides(q.shape)
     p = dict(batch=batch, seqlen_q=rows, nheads=nheads, nheads_k=nheads_k, group=group,
-             head_dim=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
+             head_dim=d, head_dim_v=d, total_q=total_q, capacity=capacity, cache_rows=paged["num_pages"],
              page_shift=paged["page_shift"], max_pages=paged["max_pages"],
              block_table_batch_stride=paged["table_stride"], num_splits=num_splits,
              combine_row_threads=_heuristics.combine_row_threads(d, num_splits),
@@ -333,7 +363,7 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, sink, pack
     _launch_decode(route.params, route.launches, route.workspace, route.merge_in_launch,
                    lambda at, counters: (
         q, k, v, o, lse, at(o_part), at(lse_part), 0, 0, 0, table, alibi, 0, 0, 0, 0, 0,
-        cu_q, cu_k, used, counters, order, sink, k_descale, v_descale), plan.framework,
+        cu_q, cu_k, used, counters, order, sink, k_descale, v_descale, 0), plan.framework,
                    plan.device, stream,
         scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
@@ -392,16 +422,17 @@ class _MergePlan:
 def _run(plan, ptrs, q_array, out, lse_out, stream, scratch):
     """ptrs: the arrays' addresses in ARRAYS order; q_array: the caller's q."""
     scratch_ptr = check_scratch(scratch, plan.scratch_bytes)
-    q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd, vd, o_ptr = ptrs
+    q, kc, vc, kn, vn, cos, sin, seqlens, idx, leftpad, table, alibi, sink, kd, vd, qv, o_ptr = ptrs
     with caller_stream(plan.framework, plan.device, stream) as stream:
         o, o_ptr, lse, lse_ptr = outputs(plan, out, o_ptr, lse_out, plan.want_lse, stream,
-                                         q_array)
+                                         q_array if plan.out_like_q else None)
         if plan.launches:
             _, o_part, lse_part, q_rot = plan.workspace
             _launch_decode(plan.params, plan.launches, plan.workspace, plan.merge_in_launch,
                            lambda at, counters: (
                 at(q_rot) if plan.rotary else q, kc, vc, o_ptr, lse_ptr, at(o_part),
                 at(lse_part), seqlens, idx, leftpad, table, alibi, kn, vn,
-                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0, sink, kd, vd), plan.framework,
+                q if plan.rotary else 0, cos, sin, 0, 0, 0, counters, 0, sink, kd, vd, qv),
+                           plan.framework,
                 plan.device, stream, scratch_ptr, maps=plan.maps)
     return returned(plan, o, lse, plan.want_lse)

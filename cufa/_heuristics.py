@@ -198,6 +198,25 @@ def split_count(num_splits, units, capacity, kernel, device, paged):
     return min(num_splits, _compile.MAX_SPLITS)
 
 
+MLA_MIN_SPLIT_KEYS = 64  # keys a split of the MLA kernel takes, at least (two blocks)
+
+
+def mla_splits(num_splits, units, capacity, device):
+    """The MLA decode kernel's split count: num_splits as given (capped at
+    _compile.MAX_SPLITS), or for 0 enough splits that the CTAs (`units` of query rows,
+    one CTA an SM: its shared memory) fill the SMs once, each split at least
+    MLA_MIN_SPLIT_KEYS of the `capacity` keys. Its work is the matrix units' (~240 FLOPs a
+    cache byte at 128 heads), so an idle SM is lost time, and the merge costs a launch.
+
+    Example, 132 SMs: one sequence of 128 heads (2 CTAs of rows) over 4096 keys: 64
+    splits (66 would leave splits under 64 keys); 128 sequences: unsplit.
+    """
+    if num_splits:
+        return min(num_splits, _compile.MAX_SPLITS)
+    fill = max(1, _runtime.sm_count(device) // max(units, 1))
+    return max(1, min(fill, capacity // MLA_MIN_SPLIT_KEYS, _compile.MAX_SPLITS))
+
+
 def pages_read_whole(page_shift, no_leftpad, window_left):
     """Whether a paged cache takes a contiguous cache's split rule: pages of 256 keys whose
     tiles start on a page's row 0 (no leftpad, no left window bound) read one page id a

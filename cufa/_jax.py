@@ -229,7 +229,8 @@ def _outputs(entry, a):
         return [sds(query.shape, query.dtype), sds(query.shape[:3], f32)], []
     if entry == "flash_attn_with_kvcache":
         q = a["q"]
-        outs = [sds(q.shape, q.dtype), sds((q.shape[0], q.shape[2], q.shape[1]), f32)]
+        o_shape = q.shape if "qv" not in a else q.shape[:-1] + a["v_cache"].shape[-1:]  # (MLA)
+        outs = [sds(o_shape, q.dtype), sds((q.shape[0], q.shape[2], q.shape[1]), f32)]
         if "k" not in a:
             return outs, []
         kc, vc = a["k_cache"], a["v_cache"]

@@ -225,17 +225,20 @@ _driver_module = None
 # -- device facts (each asked once a device) -----------------------------------------------------
 
 _capabilities = {}
-_sm_counts = {}
-_smem_per_sms = {}
-_smem_per_blocks = {}
+_attributes = {}  # (device, attribute name) -> value
+
+
+def _attribute(device, name):
+    """A CUDA device attribute (CuPy's name), asked once a device."""
+    value = _attributes.get((device, name))
+    if value is None:
+        import cupy
+        value = _attributes[device, name] = cupy.cuda.Device(device).attributes[name]
+    return value
 
 
 def sm_count(device):
-    n = _sm_counts.get(device)
-    if n is None:
-        import cupy
-        n = _sm_counts[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-    return n
+    return _attribute(device, "MultiProcessorCount")
 
 
 def compute_capability(device):
@@ -248,21 +251,11 @@ def compute_capability(device):
 
 def smem_per_block(device):
     """The dynamic shared memory a CTA may ask for (opt-in)."""
-    n = _smem_per_blocks.get(device)
-    if n is None:
-        import cupy
-        n = _smem_per_blocks[device] = cupy.cuda.Device(device).attributes[
-            "MaxSharedMemoryPerBlockOptin"]
-    return n
+    return _attribute(device, "MaxSharedMemoryPerBlockOptin")
 
 
 def smem_per_sm(device):
-    n = _smem_per_sms.get(device)
-    if n is None:
-        import cupy
-        n = _smem_per_sms[device] = cupy.cuda.Device(device).attributes[
-            "MaxSharedMemoryPerMultiprocessor"]
-    return n
+    return _attribute(device, "MaxSharedMemoryPerMultiprocessor")
 
 
 def peak_bytes_per_s(device):

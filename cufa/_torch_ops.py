@@ -273,19 +273,20 @@ def _register():
     def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                      causal, window_left, window_right, softcap, rotary_interleaved,
-                     alibi_slopes, num_splits, learnable_sink, k_descale, v_descale):
+                     alibi_slopes, num_splits, learnable_sink, k_descale, v_descale, qv):
         return _decode_plan.with_kvcache(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
              cache_leftpad, block_table, alibi_slopes, _interop.detached(learnable_sink), k_descale,
-             v_descale, None),
+             v_descale, qv, None),
             cache_seqlen=cache_seqlen,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
             softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
             return_lse=True)
 
-    def kvcache_fake(q, *rest):
+    def kvcache_fake(q, k_cache, v_cache, *rest):
         batch, seqlen_q, nheads, _ = q.shape
-        return (q.new_empty(q.shape),
+        qv = rest[-1]  # (MLA: out takes v's head dim)
+        return (q.new_empty(q.shape if qv is None else q.shape[:-1] + v_cache.shape[-1:]),
                 q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
     # Two ops: with k and v the cache is written in place, and an op that mutates its
@@ -302,12 +303,13 @@ def _register():
                        window_right: int, softcap: float, rotary_interleaved: bool,
                        alibi_slopes: Optional[Tensor], num_splits: int,
                        learnable_sink: Optional[Tensor], k_descale: Optional[Tensor],
-                       v_descale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                       v_descale: Optional[Tensor],
+                       qv: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
             return kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                 cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
                                 block_table, softmax_scale, causal, window_left, window_right,
                                 softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                learnable_sink, k_descale, v_descale)
+                                learnable_sink, k_descale, v_descale, qv)
         kvcache_op.register_fake(kvcache_fake)
         ops[name] = kvcache_op
 

@@ -288,7 +288,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=NO_WINDOW, softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, out=None, check_inputs=False,
-                            learnable_sink=None, k_descale=None, v_descale=None):
+                            learnable_sink=None, k_descale=None, v_descale=None, qv=None):
     """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
 
     q: (batch, seqlen_q, nheads, headdim). The cache is contiguous,
@@ -334,6 +334,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (rotated first, and rounded to q's dtype, where rotary is on). JAX arrays take it
     eager and under jax.jit (through XLA's buffers, not DLPack).
 
+    MLA decode (DeepSeek's latent attention, FlashAttention-3's form), on Hopper: qv
+    (batch, seqlen_q, nheads, 512) the absorbed queries, q (..., 64) the rotary ones,
+    k_cache the keys' rotary rows k_pe (64) and v_cache their latent rows c_kv (512), which
+    are also the values; the new k and v likewise. Scores are qv . c_kv + q . k_pe (default
+    scale 1 / sqrt(576)); out is (batch, seqlen_q, nheads, 512). Not with softcap, ALiBi, a
+    learnable sink or an fp8 cache (docs/api.md).
+
     JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
     after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
     Under jax.jit with the caches donated (donate_argnums), they are the same memory and
@@ -350,7 +357,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         num_splits = check_num_splits(num_splits)
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
               cache_leftpad, block_table, alibi_slopes, learnable_sink, k_descale,
-              v_descale)  # in ARRAYS' order
+              v_descale, qv)  # in ARRAYS' order
     if _other_route(q):  # (the usual decode step's host time is what a small batch waits on)
         if _torch_ops.compiling(q):
             if out is not None or check_inputs:
@@ -360,7 +367,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                 *window_ints(window_size), softcap, bool(rotary_interleaved), alibi_slopes,
-                num_splits, learnable_sink, k_descale, v_descale)
+                num_splits, learnable_sink, k_descale, v_descale, qv)
             return (o, lse) if return_softmax_lse else o
         # (JAX arrays go through XLA's buffers when they are traced, when the call writes
         # new keys into a cache (the updated cache is an output), and for an fp8 cache,

@@ -16,6 +16,8 @@ the row's lse; rows that see no key must be exactly 0 with lse -inf in both. Whe
 low-precision reference overflows in a row (scores near 1e4 in fp16), that row's bound
 falls back to the dtype's rounding of its largest value.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -78,14 +80,25 @@ def f64(t):
 
 def lowp_attention(q, k, v, exact_scores=False, **kw):
     """Naive attention with Q K^T and P V in the inputs' dtype (torch, on LOWP_DEVICE);
-    exact_scores: Q K^T exact (float64) instead, P and P V still rounded to the dtype."""
+    exact_scores: Q K^T exact (float64) instead, P and P V still rounded to the dtype. qv
+    (MLA's absorbed queries, (batch, seqlen_q, nheads, v's head dim), as in
+    reference.attention): the scores gain qv V^T, likewise."""
+    qv = kw.get("qv")
+    scale = kw.get("softmax_scale")
+    if qv is not None and scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1] + qv.shape[-1])
     qh, kh, vh, scale, visible, attn_mask, diag = reference._prepare(
-        f64(q), f64(k), f64(v), kw.get("softmax_scale"), kw.get("causal", False),
+        f64(q), f64(k), f64(v), scale, kw.get("causal", False),
         kw.get("window_size", (-1, -1)), kw.get("attn_mask"), kw.get("diag_offset"))
     dt = q.dtype
     to = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(LOWP_DEVICE, dt))
     s = (qh @ kh.transpose(0, 1, 3, 2) if exact_scores
          else (to(qh) @ to(kh).transpose(-1, -2)).double().cpu().numpy())
+    if qv is not None:
+        qvh = (f64(qv) if isinstance(qv, torch.Tensor) else np.asarray(qv)).transpose(0, 2, 1, 3)
+        qvh = qvh.astype(np.float64)
+        s = s + (qvh @ vh.transpose(0, 1, 3, 2) if exact_scores
+                 else (to(qvh) @ to(vh).transpose(-1, -2)).double().cpu().numpy())
     rows, cols = np.arange(qh.shape[2]), np.arange(kh.shape[2])
     s = reference._score_mods(s, rows, cols, scale=scale, softcap=kw.get("softcap", 0.0),
                               alibi_slopes=kw.get("alibi_slopes"), attn_mask=attn_mask,

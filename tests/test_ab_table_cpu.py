@@ -79,3 +79,27 @@ def test_table_of_the_backward(tmp_path):
     assert lines[0].startswith("bfloat16 d=128 N=4096 causal backward") and "SLOWER" in lines[0]
     assert lines[1].startswith("bfloat16 d=128 N=4096 causal mma.sync")
     assert "2000.0" in lines[0] and "1.100" in lines[0]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_table_of_mla_decode(tmp_path):
+    """bench_mla.json: a row per (heads, batch, keys, tokens, page), its ms in us; a row
+    without a time (na) leaves the tree short of rows, said in the table."""
+    (tmp_path / "_ab").mkdir()
+    (tmp_path / "_ab" / "ORDER").write_text("old abc old subject\nnew def new subject\n")
+    out = tmp_path / "out"
+    for tree, ms in (("old", 1.0), ("new", 0.8)):
+        for rnd in range(3):
+            folder = out / "mla" / f"{tree}.{rnd + 1}"
+            folder.mkdir(parents=True)
+            rows = [dict(batch=64, seqlen=8192, seqlen_q=1, heads=128, page=64, ms=ms),
+                    dict(batch=1, seqlen=1024, seqlen_q=2, heads=128, page=64,
+                         **({"na": "RuntimeError: x"} if tree == "new" else {"ms": 0.1}))]
+            (folder / "bench_mla.json").write_text(json.dumps(dict(
+                meta=dict(device="Test GPU"), rows=rows)))
+    run = subprocess.run(["bash", str(AB), "table", str(out)], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr  # (new timed 1 of 2 rows)
+    assert "tree new has 1 of 2 rows" in run.stdout
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("128 heads B=64 N=8192 sq=1")]
+    assert "faster" in line and "0.800" in line

@@ -80,6 +80,7 @@ def representative_variants():
         C.decode_kernel("bf16", 59, element_io=True),
         C.decode_kernel_with_more_ctas("fp16", 64),
         C.decode_tma_kernel("bf16", 64, 2),
+        C.MlaVariant("bf16"),
         C.CombineVariant("fp16", rows=4),
         C.AppendVariant("bf16"),
         C.MergeVariant("fp32"),

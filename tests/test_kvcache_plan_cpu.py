@@ -288,7 +288,7 @@ def test_decode_pointer_order_is_the_records():
         "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
         "k_new", "v_new", "q_source", "rotary_cos", "rotary_sin", "cu_seqlens_q", "cu_seqlens_k",
         "seqused_k", "split_counters", "decode_order", "learnable_sink", "k_descale",
-        "v_descale")
+        "v_descale", "qv")
 
 
 @pytest.mark.parametrize("d, splits, rows", [

@@ -165,7 +165,8 @@ def test_torch_is_known_before_the_first_trace():
 
 def test_fp8_cache_and_descales_trace_into_the_kvcache_op():
     """An fp8 cache traces as a 16-bit one does, its descales one more pair of tensor
-    arguments of the op (with the append: the op that mutates the caches)."""
+    arguments of the op (with the append: the op that mutates the caches; qv, None, after
+    them)."""
     q = torch.empty(2, 1, 8, 64, dtype=torch.bfloat16, device="meta")
     cache = torch.empty(2, 256, 2, 64, dtype=torch.float8_e4m3fn, device="meta")
     new = torch.empty(2, 1, 2, 64, dtype=torch.bfloat16, device="meta")
@@ -177,7 +178,25 @@ def test_fp8_cache_and_descales_trace_into_the_kvcache_op():
                                            v_descale=vs)
     code = _traced_graph(f, q, cache, new, lens, k_scale, v_scale)
     (call,) = [line for line in code.splitlines() if "torch.ops.cufa.kvcache_append" in line]
-    assert call.split("(", 1)[1].rstrip(");").split(";")[0].endswith("l_ks_, l_vs_)"), call
+    assert call.split("(", 1)[1].rstrip(");").split(";")[0].endswith("l_ks_, l_vs_, None)"), call
+
+
+def test_mla_traces_into_the_kvcache_op_with_qv():
+    """MLA decode (qv, FlashAttention-3's form): the kvcache op with qv its last argument,
+    and an output of v_cache's head dim (512) from the op's fake."""
+    q = torch.empty(2, 1, 16, 64, dtype=torch.bfloat16, device="meta")
+    qv = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device="meta")
+    k_pe = torch.empty(2, 256, 1, 64, dtype=torch.bfloat16, device="meta")
+    c_kv = torch.empty(2, 256, 1, 512, dtype=torch.bfloat16, device="meta")
+    lens = torch.empty(2, dtype=torch.int32, device="meta")
+
+    def f(q, k, v, n, qv):
+        out = cufa.flash_attn_with_kvcache(q, k, v, cache_seqlens=n, qv=qv)
+        assert out.shape == (2, 1, 16, 512)
+        return out * 2
+    code = _traced_graph(f, q, k_pe, c_kv, lens, qv)
+    (call,) = [line for line in code.splitlines() if "torch.ops.cufa.kvcache" in line]
+    assert call.split("(", 1)[1].rstrip(");").split(";")[0].endswith("None, l_qv_)"), call
 
 
 def test_fp8_paged_varlen_traces_with_its_descales():

@@ -9,7 +9,8 @@ the shape lists; tests/test_compile.py checks that the header is up to date.
 from pathlib import Path
 
 SS_N = (32, 64, 80, 128, 192)  # S = Q K^T: N = block_n
-SS_MN_N = (64,)              # dq += dS K from shared memory: N = half of head dim 128
+SS_MN_N = (64, 256)          # dq += dS K from shared memory: N = half of head dim 128;
+                             # MLA's O += P V with P from shared memory: half of V's 512
 RS_N = (64, 128, 192, 256)   # O += P V: N = padded head dim
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_ops.cuh"
 

@@ -4,6 +4,7 @@
     ... python3 bench/profile/profile_one.py --varlen    # bench_varlen's 256 x 64..512 packed batch
     ncu --kernel-name regex:fprop ... python3 bench/profile/profile_one.py --peer cudnn  # the peer
     ncu --kernel-name regex:bwd_dkdv ... python3 bench/profile/profile_one.py --backward
+    ncu --kernel-name regex:decode_mla ... python3 bench/profile/profile_one.py --mla 128 128 8192
 """
 import argparse
 import os
@@ -26,7 +27,26 @@ parser.add_argument("--peer", choices=("cudnn", "flash"),
                     help="launch PyTorch SDPA's cuDNN or flash backend instead (same shape)")
 parser.add_argument("--backward", action="store_true",
                     help="launch the backward (after one forward) instead of the forward")
+parser.add_argument("--mla", nargs=3, type=int, metavar=("HEADS", "BATCH", "SEQLEN"),
+                    help="MLA decode instead (qv=, bf16, one token, pages of 64 in random "
+                         "order, HEADS query heads over one latent head)")
 args = parser.parse_args()
+
+if args.mla:
+    heads, batch, n = args.mla
+    pages = batch * -(-n // 64)
+    table = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, -1)
+    kw = dict(q=torch.randn(batch, 1, heads, 64, device="cuda", dtype=torch.bfloat16),
+              qv=torch.randn(batch, 1, heads, 512, device="cuda", dtype=torch.bfloat16),
+              k_cache=torch.randn(pages, 64, 1, 64, device="cuda", dtype=torch.bfloat16),
+              v_cache=torch.randn(pages, 64, 1, 512, device="cuda", dtype=torch.bfloat16),
+              cache_seqlens=torch.full((batch,), n, device="cuda", dtype=torch.int32),
+              block_table=table)
+    for _ in range(args.launches):
+        cufa.flash_attn_with_kvcache(**kw, causal=True)
+    torch.cuda.synchronize()
+    print("done mla", heads, batch, n)
+    sys.exit(0)
 
 if args.varlen:
     import numpy as np

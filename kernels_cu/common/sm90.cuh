@@ -74,6 +74,12 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
+// An arrival on `bar` once every cp.async this thread has issued so far has landed, so a
+// producer announces a copy without waiting for it (noinc: the barrier's count includes
+// these arrivals).
+__device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // -- TMA: bulk tensor copies described by maps the host builds (cuTensorMapEncodeTiled);

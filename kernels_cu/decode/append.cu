@@ -22,7 +22,7 @@ __device__ __forceinline__ void append_e4m3(const DecodeParams& p, const CacheSe
                                         p.k_descale_head_stride, s.b, hk);
   const float v_descale = cache_descale(p.v_descale, p.v_descale_batch_stride,
                                         p.v_descale_head_stride, s.b, hk);
-  for (int c = lane; c < p.head_dim; c += 32) v_dst[c] = to_e4m3<kDtype>(load_half<kDtype>(v_src, c), v_descale);
+  for (int c = lane; c < p.head_dim_v; c += 32) v_dst[c] = to_e4m3<kDtype>(load_half<kDtype>(v_src, c), v_descale);
   rotate_row_e4m3<kDtype>(p, k_src, k_dst, pos, k_descale, lane);
 }
 
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(128) decode_append(const DecodeParams p) {
                        i * p.v_new_row_stride + hk * p.v_new_head_stride;
     u16* v_dst = const_cast<u16*>(cache_row(p, s, reinterpret_cast<const u16*>(p.v) + hk * p.v_head_stride,
                                             p.v_batch_stride, p.v_row_stride, pos));
-    for (int c = lane; c < p.head_dim; c += 32) v_dst[c] = v_src[c];
+    for (int c = lane; c < p.head_dim_v; c += 32) v_dst[c] = v_src[c];
     src = reinterpret_cast<const u16*>(p.k_new) + s.b * p.k_new_batch_stride + i * p.k_new_row_stride +
           hk * p.k_new_head_stride;
     dst = const_cast<u16*>(cache_row(p, s, reinterpret_cast<const u16*>(p.k) + hk * p.k_head_stride,

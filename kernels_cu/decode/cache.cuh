@@ -223,7 +223,7 @@ __device__ __forceinline__ void load_kv_tile_halves(u32 sk, u32 sv, const Decode
   const int rows_valid = s.seqlen_k - key0;
   const TileBase base = tile_base<kPagesAhead>(p, s, key0, row_page);
   const int pos0 = s.start + key0;
-  const int k_cols = p.head_dim, v_cols = p.head_dim - col0;
+  const int k_cols = p.head_dim, v_cols = p.head_dim_v - col0;
 #pragma unroll
   for (int r = 0; r < kTileKeys; ++r) {
     const bool row_valid = r < rows_valid;

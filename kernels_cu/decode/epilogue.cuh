@@ -91,9 +91,9 @@ __device__ __forceinline__ void store_cols(u16* dst, const float (&acc)[8], int 
     store8<kDtype>(dst, acc);
 }
 
-// Floats a row of o_partial (split-KV): head_dim, in the element-wise I/O variants rounded
+// Floats a row of o_partial (split-KV): head_dim_v, in the element-wise I/O variants rounded
 // up to whole 8-column chunks, so that a chunk's float4 accesses stay aligned (the columns
-// past head_dim are written and never stored)
+// past head_dim_v are written and never stored)
 template <bool kElementIO>
 __device__ __forceinline__ int partial_cols(int head_dim) {
   return kElementIO ? (head_dim + 7) & ~7 : head_dim;
@@ -111,7 +111,7 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
   for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += Shape::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
     const DecodeRow row = decode_row(p, s, m_block, h_k, r);
-    if (!row.valid || col0 + c * 8 >= p.head_dim) continue;
+    if (!row.valid || col0 + c * 8 >= p.head_dim_v) continue;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < Shape::kWarps; ++w)
@@ -132,7 +132,7 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
     if (p.num_splits > 1) {
       const i64 o_row = ((i64)(split * p.batch + s.b) * p.seqlen_q + row.t) * p.nheads + row.h;
       float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o_partial) +
-                                              o_row * partial_cols<kElementIO>(p.head_dim) +
+                                              o_row * partial_cols<kElementIO>(p.head_dim_v) +
                                               col0 + c * 8);
       dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
       dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
@@ -145,7 +145,7 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
       store_cols<kDtype, kElementIO>(reinterpret_cast<u16*>(p.o) + s.b * p.o_batch_stride +
                                          (s.q_row0 + row.t) * p.o_row_stride +
                                          row.h * p.o_head_stride + col0 + c * 8,
-                                     out, p.head_dim - col0 - c * 8);
+                                     out, p.head_dim_v - col0 - c * 8);
       if (c == 0 && col0 == 0 && p.lse)
         reinterpret_cast<float*>(p.lse)[s.b * p.lse_batch_stride + row.h * p.lse_head_stride +
                                         s.q_row0 + row.t] = lse;

@@ -40,6 +40,9 @@ struct DecodeParams {
   // An e4m3 cache (the fp8 variants): float32 scales, a key of the cache is its e4m3 value
   // times k_descale[b][h_k] (v's alike; strides 0 for one scale a tensor); 0: 1
   u64 k_descale, v_descale;
+  // MLA (decode_mla_kernel): qv (batch, seqlen_q, nheads, 512), the queries' absorbed
+  // part against v's latent rows (q: the 64 rotary columns against k's); 0 otherwise
+  u64 qv;
 
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride: a cache row, or a page
@@ -51,8 +54,10 @@ struct DecodeParams {
   i64 q_source_batch_stride, q_source_row_stride, q_source_head_stride;
   i64 lse_batch_stride, lse_head_stride;  // lse's row stride is 1
   i64 k_descale_batch_stride, k_descale_head_stride, v_descale_batch_stride, v_descale_head_stride;
+  i64 qv_batch_stride, qv_row_stride, qv_head_stride;
 
   int batch, seqlen_q, nheads, nheads_k, group, head_dim;  // group = nheads / nheads_k
+  int head_dim_v;          // v's and out's (and the splits' partial rows'): MLA's 512
   int total_q;             // a packed batch's q rows (cu_seqlens_q values are clamped to it)
   int cache_seqlen_fixed;  // cache_seqlens given as a Python int
   int seqlen_new;          // keys appended by this call (already in the cache)

@@ -83,12 +83,12 @@ __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b,
                           ((i64)b * p.nheads + h) * p.seqlen_q + t;
   in.lse = tid < p.num_splits ? __ldcg(lse_part + tid * ((i64)p.batch * p.nheads * p.seqlen_q))
                               : -CUFA_INF;
-  const int chunks = partial_cols<kElementIO>(p.head_dim) / 8, groups = kRowThreads / chunks;
+  const int chunks = partial_cols<kElementIO>(p.head_dim_v) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
-  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim);
+  const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim_v);
   const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
                         (((i64)b * p.seqlen_q + t) * p.nheads + h) *
-                            partial_cols<kElementIO>(p.head_dim) + chunk * 8;
+                            partial_cols<kElementIO>(p.head_dim_v) + chunk * 8;
 #pragma unroll
   for (int i = 0; i < kCombineEarly; ++i) {
     const int sp = group + i * groups;
@@ -123,7 +123,7 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
         sum > 0.f ? base + logf(sum) : -CUFA_INF;
   row_sync<kRows>();  // every weight of the row written
 
-  const int chunks = partial_cols<kElementIO>(p.head_dim) / 8, groups = kRowThreads / chunks;
+  const int chunks = partial_cols<kElementIO>(p.head_dim_v) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (group < groups) {
@@ -133,10 +133,10 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
       if (sp < p.num_splits) add_weighted8(acc, weight[sp], in.early[i][0], in.early[i][1]);
     }
     const i64 split_o =
-        (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim);
+        (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim_v);
     const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
                           (((i64)in.b * p.seqlen_q + in.t) * p.nheads + in.h) *
-                              partial_cols<kElementIO>(p.head_dim) + chunk * 8;
+                              partial_cols<kElementIO>(p.head_dim_v) + chunk * 8;
 #pragma unroll 4
     for (int sp = group + kCombineEarly * groups; sp < p.num_splits; sp += groups)
       add_weighted8(acc, weight[sp], __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o)),
@@ -152,7 +152,7 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
   store_cols<kDtype, kElementIO>(reinterpret_cast<u16*>(p.o) + in.b * p.o_batch_stride +
                                      (q_row0 + in.t) * p.o_row_stride + in.h * p.o_head_stride +
                                      tid * 8,
-                                 acc, p.head_dim - tid * 8);
+                                 acc, p.head_dim_v - tid * 8);
 }
 
 // merge_if_last's scratch: weights, partial sums (a warp a row: 8 floats a thread of the

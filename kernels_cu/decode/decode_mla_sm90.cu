@@ -1,0 +1,456 @@
+// MLA decode (DeepSeek's multi-head latent attention, in FlashAttention-3's qv form) on
+// Hopper. A key is a 512-dim latent row c_kv (v_cache) and a 64-dim rotary row k_pe
+// (k_cache); its value is the latent row itself. A query is qv (512, the absorbed part)
+// and q (64): score = qv . c_kv + q . k_pe, output = P c_kv (512 columns).
+//
+// With many query heads on one latent head (128 on DeepSeek-V3) the work is compute-bound
+// even at one query token (~240 FLOPs a cache byte), so the kernel is built around the
+// matrix units rather than around HBM as decode_kernel is:
+// - a CTA takes 64 query rows (a GQA group's heads x new tokens) of one (sequence, KV
+//   head, split) and reads each key block once for all of them;
+// - a producer warpgroup copies the key blocks (latent row and rotary row side by side,
+//   576 columns in nine 128-byte-swizzled panels) into a ring of kMlaStages buffers;
+// - two consumer warpgroups hold O's columns 0-255 and 256-511 (64 x 256 floats each: all
+//   of O would not fit one warpgroup's registers). They take turns at the scores: block t
+//   is owned by consumer t % 2, which computes S = Q K^T over all 576 columns, the online
+//   softmax's new row max and P; it hands P (through shared memory), the factor O must be
+//   rescaled by and the new max to the other consumer, and both add P V over their
+//   columns. So each consumer computes half of the scores and half of P V, and the scores
+//   of block t + 1 run while block t's softmax does.
+// The splits' shares merge in decode_combine, as decode_kernel's do.
+#include "cache.cuh"
+#include "score.cuh"
+#include "../common/sm90.cuh"
+#include "../common/softmax.cuh"
+#include "../common/wgmma_ops.cuh"
+
+namespace cufa {
+
+constexpr int kMlaLatent = 512;                  // c_kv's, qv's, V's and O's columns
+constexpr int kMlaRope = 64;                     // k_pe's and q's columns
+constexpr int kMlaDim = kMlaLatent + kMlaRope;   // the scores' columns
+constexpr int kMlaChunks = kMlaDim / 8;          // 16-byte chunks a row (latent first)
+constexpr int kMlaRows = 64;                     // query rows a CTA: a consumer's M
+constexpr int kMlaKeys = 32;                     // keys a block
+constexpr int kMlaStages = 3;
+constexpr int kMlaHalf = kMlaLatent / 2;         // O's columns a consumer
+constexpr int kMlaQBytes = kMlaRows * kMlaDim * 2;
+constexpr int kMlaBlockBytes = kMlaKeys * kMlaDim * 2;
+constexpr int kMlaPBytes = kMlaRows * 64 * 2;    // P in one 64-column panel (32 used)
+constexpr int kMlaProducerRegs = 40, kMlaConsumerRegs = 232;
+// setmaxnreg moves registers between the warpgroups within the CTA's allotment (384
+// threads at 168, __launch_bounds__(384, 1)); asked for more, the consumers would wait for
+// registers forever
+static_assert(128 * kMlaProducerRegs + 256 * kMlaConsumerRegs <= 384 * 168,
+              "the warpgroups' registers within the CTA's");
+// named barriers (0 is __syncthreads'): "block t's P is ready" for consumer 0 and 1 (1, 2),
+// and the consumers' meeting before the epilogue (3)
+constexpr int kMlaReadyBarrier = 1, kMlaEndBarrier = 3;
+
+// Shared memory from a 1024-byte boundary: Q, the ring, each consumer's P, the rows'
+// running max and rescale factors (double-buffered by block parity) and final sums, then
+// the ring's mbarriers. MlaVariant.smem_bytes in cufa/_compile.py mirrors kBytes.
+struct MlaSmem {
+  static constexpr u32 kRing = kMlaQBytes;
+  static constexpr u32 kP = kRing + kMlaStages * kMlaBlockBytes;
+  static constexpr u32 kMax = kP + 2 * kMlaPBytes;   // float [2][kMlaRows]
+  static constexpr u32 kCorr = kMax + 2 * kMlaRows * 4;
+  static constexpr u32 kSum = kCorr + 2 * kMlaRows * 4;
+  static constexpr u32 kBars = kSum + 2 * kMlaRows * 4;  // full[kMlaStages], empty[...]
+  static constexpr int kBytes = kBars + 16 * kMlaStages + 1024;  // (+ the alignment)
+  u32 base;
+  __device__ u32 q() const { return base; }
+  __device__ u32 block(int stage) const { return base + kRing + stage * kMlaBlockBytes; }
+  __device__ u32 p(int consumer) const { return base + kP + consumer * kMlaPBytes; }
+  __device__ float* row_floats(unsigned char* raw, u32 at) const {
+    return reinterpret_cast<float*>(raw + (base - smem_u32(raw)) + at);
+  }
+  __device__ u32 full(int stage) const { return base + kBars + 8 * stage; }
+  __device__ u32 empty(int stage) const { return base + kBars + 8 * (kMlaStages + stage); }
+};
+static_assert(MlaSmem::kBytes <= 227 * 1024, "shared memory a CTA of sm_90");
+
+// -- the CTA's work: its rows (row r: token r / group, head h_k * group + r % group of
+//    the CTA's 64 consecutive (token, head) rows) and its split's key blocks --
+struct MlaWork {
+  CacheSeq s;
+  int row0;        // the CTA's first (token, head) row
+  int rows;        // of them, the valid ones (1..64)
+  int key0;        // the split's first key (a sequence's key index)
+  int key_end;     // past the split's last key
+  int blocks;      // key blocks of kMlaKeys
+};
+
+__device__ __forceinline__ bool mla_work(const DecodeParams& p, MlaWork& w) {
+  const int m_block = blockIdx.x % p.num_m_blocks, split = blockIdx.x / p.num_m_blocks;
+  w.s = cache_seq(p, blockIdx.z);
+  w.row0 = m_block * kMlaRows;
+  w.rows = min(kMlaRows, w.s.seqlen_q * p.group - w.row0);
+  if (w.rows <= 0) return false;
+  const KeySpan span = visible_span(p, w.s.seqlen_k, w.s.seqlen_q, w.row0 / p.group,
+                                    (w.row0 + w.rows - 1) / p.group);
+  const int all_blocks = (span.end - span.begin + kMlaKeys - 1) / kMlaKeys;
+  const int per_split = (all_blocks + p.num_splits - 1) / p.num_splits;
+  const int first = min(split * per_split, all_blocks);
+  w.blocks = min(first + per_split, all_blocks) - first;
+  w.key0 = span.begin + first * kMlaKeys;
+  w.key_end = min(w.key0 + w.blocks * kMlaKeys, span.end);
+  return true;
+}
+
+// -- the producer: Q (with block 0's copies), then block i of the split into stage
+//    i % kMlaStages once both consumers have released it. Each thread's copies announce
+//    themselves on the stage's full barrier as they land (cp.async's own arrival), so
+//    every free buffer has its copy in flight, and a block is announced the moment it is
+//    in, not when the producer next gets round to it. A thread copies a quarter of one
+//    key's chunks, its page looked up a block ahead (the lookup's latency under the wait
+//    for a buffer); keys past the split, and rows past the CTA's, are zeros --
+__device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork& w, u32 sq, int tid) {
+  for (int idx = tid; idx < kMlaRows * kMlaChunks; idx += 128) {
+    const int r = idx / kMlaChunks, c = idx % kMlaChunks;
+    const bool valid = r < w.rows;
+    const int gr = w.row0 + (valid ? r : 0);
+    const int t = gr / p.group, h = blockIdx.y * p.group + gr % p.group;
+    const i64 row = w.s.q_row0 + t;
+    const u16* src = c < kMlaLatent / 8
+        ? reinterpret_cast<const u16*>(p.qv) + w.s.b * p.qv_batch_stride + row * p.qv_row_stride +
+              h * p.qv_head_stride + c * 8
+        : reinterpret_cast<const u16*>(p.q) + w.s.b * p.q_batch_stride + row * p.q_row_stride +
+              h * p.q_head_stride + (c - kMlaLatent / 8) * 8;
+    cp_async_16(sq + panel_offset<kMlaRows>(r, c), src, valid ? 16 : 0);
+  }
+}
+
+// This thread's key in block `block`: its cache position (the split's first key's for a
+// key past the split, whose copy is zeros).
+__device__ __forceinline__ int mla_key_pos(const MlaWork& w, int block, int tid) {
+  const int key = w.key0 + block * kMlaKeys + tid / 4;  // (128 threads, 32 keys)
+  return w.s.start + (key < w.key_end ? key : w.key0);
+}
+
+// The page that key's row is in (paged caches; 0 otherwise), read a block ahead of its copy.
+__device__ __forceinline__ int mla_key_page(const DecodeParams& p, const MlaWork& w, int block,
+                                            int tid) {
+  return p.block_table ? w.s.pages[mla_key_pos(w, block, tid) >> p.page_shift] : 0;
+}
+
+__device__ __forceinline__ void mla_copy_block(const DecodeParams& p, const MlaWork& w, int block,
+                                               int page, u32 dst, int tid) {
+  const int r = tid / 4, pos = mla_key_pos(w, block, tid);
+  const bool valid = w.key0 + block * kMlaKeys + r < w.key_end;
+  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
+  const u16* latent = reinterpret_cast<const u16*>(p.v) + slot.block * p.v_batch_stride +
+                      slot.row * p.v_row_stride + blockIdx.y * p.v_head_stride;
+  const u16* rope = reinterpret_cast<const u16*>(p.k) + slot.block * p.k_batch_stride +
+                    slot.row * p.k_row_stride + blockIdx.y * p.k_head_stride;
+#pragma unroll
+  for (int j = 0; j < kMlaChunks / 4; ++j) {
+    const int c = tid % 4 + 4 * j;
+    const u16* src = c < kMlaLatent / 8 ? latent + c * 8 : rope + (c - kMlaLatent / 8) * 8;
+    cp_async_16(dst + panel_offset<kMlaKeys>(r, c), src, valid ? 16 : 0);
+  }
+}
+
+__device__ __forceinline__ void mla_produce(const DecodeParams& p, const MlaWork& w,
+                                            const MlaSmem& sm, int tid) {
+  int next_page = w.blocks ? mla_key_page(p, w, 0, tid) : 0;
+  for (int i = 0; i < w.blocks; ++i) {
+    const int stage = i % kMlaStages;
+    const int page = next_page;
+    if (i + 1 < w.blocks) next_page = mla_key_page(p, w, i + 1, tid);
+    if (i >= kMlaStages) mbar_wait(sm.empty(stage), ((i / kMlaStages) & 1) ^ 1);
+    if (i == 0) mla_copy_q(p, w, sm.q(), tid);
+    mla_copy_block(p, w, i, page, sm.block(stage), tid);
+    cp_async_mbar_arrive(sm.full(stage));
+  }
+  cp_async_wait_all();  // (no thread leaves with its copies in flight)
+}
+
+// -- a consumer's rows: r = 16 * warp + lane / 4 + 8 * i of the CTA's 64, each with the
+//    keys it sees [lo, hi] (sequence key indices; rows past the CTA's valid ones take the
+//    last valid row's, and are not written) --
+struct MlaRows {
+  int lo[2], hi[2];
+};
+
+__device__ __forceinline__ MlaRows mla_rows(const DecodeParams& p, const MlaWork& w, int lane,
+                                            int warp) {
+  MlaRows rows;
+  const int diag = w.s.seqlen_k - w.s.seqlen_q;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = 16 * warp + lane / 4 + 8 * i;
+    const int t = (w.row0 + min(r, w.rows - 1)) / p.group;
+    rows.lo[i] = max(t + diag - p.window_left, 0);
+    rows.hi[i] = min(t + diag + p.window_right, w.s.seqlen_k - 1);
+  }
+  return rows;
+}
+
+// -- S of block t -> P in place (unnormalized, against the new row max), the factor O must
+//    be rescaled by, and this lane's share of P's row sums; row_max: the max after block
+//    t - 1 (raw units), then after block t --
+__device__ __forceinline__ void mla_softmax(float (&s)[1][kMlaKeys / 8][4], const MlaRows& rows,
+                                            int key0, int lane, float scale_log2,
+                                            float (&row_max)[2], float (&corr)[2],
+                                            float (&sum)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float before = row_max[i];
+    float mx = before;
+#pragma unroll
+    for (int nt = 0; nt < kMlaKeys / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = key0 + nt * 8 + 2 * (lane % 4) + e;
+        float& x = s[0][nt][2 * i + e];
+        if (key < rows.lo[i] || key > rows.hi[i]) x = -CUFA_INF;
+        mx = fmaxf(mx, x);
+      }
+    mx = quad_max(mx);
+    row_max[i] = mx;
+    // (no key seen yet: nothing to rescale, and exp2 of -inf - -inf would be NaN)
+    const float base = mx == -CUFA_INF ? 0.f : mx * scale_log2;
+    corr[i] = mx == -CUFA_INF ? 1.f : fast_exp2(before * scale_log2 - base);
+    float row_sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kMlaKeys / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[0][nt][2 * i + e];
+        x = fast_exp2(x * scale_log2 - base);
+        row_sum += x;
+      }
+    sum[i] = row_sum;  // (this lane's share)
+  }
+}
+
+template <int kDTiles>
+__device__ __forceinline__ void mla_rescale(float (&o)[1][kDTiles][4], float (&l)[2],
+                                            const float (&corr)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) l[i] *= corr[i];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][dt][e] *= corr[e / 2];
+}
+
+// -- P (this warp's 16 rows x 32 keys, as A fragments) into the consumer's P panel, the
+//    K-major A operand of the other consumer's P V --
+__device__ __forceinline__ void mla_stage_p(const u32 (&a)[kMlaKeys / 16][4], u32 sp, int warp,
+                                            int lane) {
+  const int m = lane / 8;  // (lane's address: row lane % 8 of matrix m)
+  const int row = 16 * warp + (m & 1) * 8 + lane % 8;
+#pragma unroll
+  for (int kk = 0; kk < kMlaKeys / 16; ++kk)
+    stmatrix_x4(sp + panel_offset<kMlaRows>(row, 2 * kk + (m >> 1)), a[kk][0], a[kk][1],
+                a[kk][2], a[kk][3]);
+}
+
+// -- the output: O / l of each row (and lse, by consumer 0), or a split's normalized
+//    share and its lse --
+template <int kDtype, int kDTiles>
+__device__ __forceinline__ void mla_write(const DecodeParams& p, const MlaWork& w,
+                                          const float (&o)[1][kDTiles][4], const float (&m)[2],
+                                          const float (&l)[2], float scale_log2, int consumer,
+                                          int warp, int lane) {
+  const int split = blockIdx.x / p.num_m_blocks;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = 16 * warp + lane / 4 + 8 * i;
+    if (r >= w.rows) continue;
+    const int gr = w.row0 + r;
+    const int t = gr / p.group, h = blockIdx.y * p.group + gr % p.group;
+    const RowScale n = sink_row_scale(m[i] * scale_log2, l[i], -CUFA_INF);
+    const int col0 = consumer * kMlaHalf + 2 * (lane % 4);
+    if (p.num_splits > 1) {
+      const i64 o_row = ((i64)(split * p.batch + w.s.b) * p.seqlen_q + t) * p.nheads + h;
+      float* dst = reinterpret_cast<float*>(p.o_partial) + o_row * kMlaLatent + col0;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<float2*>(dst + dt * 8) =
+            make_float2(o[0][dt][2 * i] * n.inv, o[0][dt][2 * i + 1] * n.inv);
+      if (consumer == 0 && lane % 4 == 0)
+        reinterpret_cast<float*>(p.lse_partial)[((i64)(split * p.batch + w.s.b) * p.nheads + h) *
+                                                    p.seqlen_q + t] = n.lse;
+    } else {
+      u16* dst = reinterpret_cast<u16*>(p.o) + w.s.b * p.o_batch_stride +
+                 (w.s.q_row0 + t) * p.o_row_stride + h * p.o_head_stride + col0;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<u32*>(dst + dt * 8) =
+            pack2<kDtype>(o[0][dt][2 * i] * n.inv, o[0][dt][2 * i + 1] * n.inv);
+      if (consumer == 0 && lane % 4 == 0 && p.lse)
+        reinterpret_cast<float*>(p.lse)[w.s.b * p.lse_batch_stride + h * p.lse_head_stride +
+                                        w.s.q_row0 + t] = n.lse;
+    }
+  }
+}
+
+// grid: (num_m_blocks * num_splits, nheads_k, batch); 384 threads: the producer
+// warpgroup, then consumers 0 and 1.
+template <int kDtype>
+__global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p) {
+  constexpr int kDTiles = kMlaHalf / 8;
+  constexpr int kNTiles = kMlaKeys / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const MlaSmem sm{(smem_u32(smem_raw) + 1023) & ~1023u};
+  MlaWork w;
+  if (!mla_work(p, w)) return;  // (the whole CTA: no barrier has been met yet)
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kMlaStages; ++s) {
+      mbar_init(sm.full(s), 128);  // the producer's threads' copies (cp_async_mbar_arrive)
+      mbar_init(sm.empty(s), 2);   // one thread a consumer
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<kMlaProducerRegs>();
+    mla_produce(p, w, sm, threadIdx.x);
+    return;
+  }
+  setmaxnreg_inc<kMlaConsumerRegs>();
+  const int consumer = threadIdx.x / 128 - 1, tid = threadIdx.x % 128;
+  const int warp = tid / 32, lane = tid % 32;
+  const float scale_log2 = p.scale_log2;
+  const MlaRows rows = mla_rows(p, w, lane, warp);
+  float* s_max = sm.row_floats(smem_raw, MlaSmem::kMax);    // [block parity][row]
+  float* s_corr = sm.row_floats(smem_raw, MlaSmem::kCorr);  // [block parity][row]
+  float* s_sum = sm.row_floats(smem_raw, MlaSmem::kSum);    // [consumer][row]
+  const int row_of[2] = {16 * warp + lane / 4, 16 * warp + lane / 4 + 8};
+
+  // K-major Q and K: 8-row groups 1024 bytes apart, 16 columns a k-step; V (a block's
+  // latent panels, this consumer's four) MN-major: panels kMlaKeys * 128 bytes apart
+  const u64 q_desc = smem_desc(sm.q(), 16, 1024);
+  const auto k_desc = [&](int stage) { return smem_desc(sm.block(stage), 16, 1024); };
+  const auto v_desc = [&](int stage) {
+    return smem_desc(sm.block(stage) + consumer * 4 * kMlaKeys * 128, kMlaKeys * 128, 1024);
+  };
+  const u64 other_p_desc = smem_desc(sm.p(1 - consumer), 16, 1024);
+
+  float acc_o[1][kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+  float row_max[2] = {-CUFA_INF, -CUFA_INF};  // after the last block this consumer saw
+  float l[2] = {0.f, 0.f};                    // this lane's share of the row sums
+
+  const auto release = [&](int block) {
+    if (tid == 0) mbar_arrive(sm.empty(block % kMlaStages));
+  };
+  // the other consumer's block t (its P, rescale factors and max are ready once its
+  // barrier completes): O rescaled, then O += P V from shared memory, issued. The
+  // caller has waited for this consumer's earlier products on O.
+  const auto take_other = [&](int t) {
+    named_barrier_sync(kMlaReadyBarrier + consumer, 256);
+    // (complete already, as the owner waited for it: this consumer's own acquire of the
+    // copies its wgmma reads)
+    mbar_wait(sm.full(t % kMlaStages), (t / kMlaStages) & 1);
+    fence_proxy_async();
+    float corr[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      corr[i] = s_corr[(t & 1) * kMlaRows + row_of[i]];
+      row_max[i] = s_max[(t & 1) * kMlaRows + row_of[i]];
+    }
+    mla_rescale(acc_o, l, corr);
+    wgmma_fence();
+    const u64 v = v_desc(t % kMlaStages);
+#pragma unroll
+    for (int kk = 0; kk < kMlaKeys / 16; ++kk)
+      wgmma_ss_mn<kDtype>(acc_o, desc_add(other_p_desc, kstep_offset(kk, kMlaRows)),
+                          desc_add(v, mn_kstep_offset(kk)), 1);
+    wgmma_commit();
+  };
+
+  // This consumer's block t: its S, waited for; the other's block t - 1 (other: but for
+  // block 0) taken, its P V running under this block's softmax; P handed over; this
+  // block's P V, waited for, and the block released at once, so that the producer can
+  // refill its buffer while the other consumer works (with three buffers, a block held
+  // until this consumer's next S would leave one copy in flight). No product is in
+  // flight from one block to the next or across a branch (where ptxas serializes every
+  // wgmma of the kernel, C7514): the first block is peeled off the loop, its flag a
+  // constant where it is inlined.
+  const auto own_block = [&](int t, bool other) {
+    const int stage = t % kMlaStages;
+    mbar_wait(sm.full(stage), (t / kMlaStages) & 1);
+    // (cp.async wrote the block through the generic proxy, and the producer could not
+    // fence what had not landed: the reader orders its wgmma after what it acquired)
+    fence_proxy_async();
+    float acc_s[1][kNTiles][4];
+    wgmma_fence();
+    const u64 k = k_desc(stage);
+#pragma unroll
+    for (int ks = 0; ks < kMlaDim / 16; ++ks)
+      wgmma_ss<kDtype>(acc_s, desc_add(q_desc, kstep_offset(ks, kMlaRows)),
+                       desc_add(k, kstep_offset(ks, kMlaKeys)), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(acc_s);
+    if (other) take_other(t - 1);
+    // -- the softmax against the max after block t - 1 --
+    float corr[2], sum[2];
+    mla_softmax(acc_s, rows, w.key0 + t * kMlaKeys, lane, scale_log2, row_max, corr, sum);
+    u32 p_frag[kMlaKeys / 16][4];
+    pack_p<kDtype>(p_frag, acc_s);
+    // -- the other's P V of block t - 1 done (it reads this consumer's O, and the other
+    //    consumer's P panel, which the other rewrites once it sees this block's P) --
+    if (other) {
+      wgmma_wait<0>();
+      fence_registers(acc_o);
+      release(t - 1);
+    }
+    mla_stage_p(p_frag, sm.p(consumer), warp, lane);
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s_max[(t & 1) * kMlaRows + row_of[i]] = row_max[i];
+        s_corr[(t & 1) * kMlaRows + row_of[i]] = corr[i];
+      }
+    }
+    fence_proxy_async();  // (the P panel, stored through the generic proxy, is read by wgmma)
+    named_barrier_arrive(kMlaReadyBarrier + 1 - consumer, 256);
+    // -- O += P V of block t, from registers --
+    mla_rescale(acc_o, l, corr);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] += sum[i];
+    wgmma_fence();
+    const u64 v = v_desc(stage);
+#pragma unroll
+    for (int kk = 0; kk < kMlaKeys / 16; ++kk)
+      wgmma_rs<kDtype>(acc_o, p_frag[kk], desc_add(v, mn_kstep_offset(kk)), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(acc_o);
+    release(t);
+  };
+  if (w.blocks > consumer) {
+    if (consumer == 0)
+      own_block(0, false);
+    else
+      own_block(1, true);
+    for (int t = consumer + 2; t < w.blocks; t += 2) own_block(t, true);
+  }
+  // -- the other's last block, where it has the last one --
+  const int last = w.blocks - 1;
+  if (last >= 0 && last % 2 != consumer) {
+    take_other(last);
+    wgmma_wait<0>();
+    fence_registers(acc_o);
+  }
+
+  // -- the row sums over both consumers (both rescaled to the last max), then the output --
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] = quad_sum(l[i]);
+    if (lane % 4 == 0) s_sum[consumer * kMlaRows + row_of[i]] = l[i];
+  }
+  named_barrier_sync(kMlaEndBarrier, 256);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) l[i] += s_sum[(1 - consumer) * kMlaRows + row_of[i]];
+  mla_write<kDtype>(p, w, acc_o, row_max, l, scale_log2, consumer, warp, lane);
+}
+
+}  // namespace cufa

@@ -1,0 +1,117 @@
+"""CPU: MLA decode through flash_attn_with_kvcache(qv=...) (FlashAttention-3's form: q and
+k_cache the 64 rotary dims, qv and v_cache the 512 latent ones) -- what it plans from
+shapes alone (the MLA kernel, its grid and splits, the params record, the combine and the
+append) and what it refuses, with the compile and the device queries stubbed out."""
+import math
+
+import pytest
+
+from cufa import _compile, _heuristics, _runtime
+from test_kvcache_plan_cpu import arr, planner, record  # noqa: F401 (planner: a fixture)
+
+ROPE, LATENT = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
+
+
+@pytest.fixture(autouse=True)
+def hopper_family(monkeypatch):
+    """The kernel family from the device (sm_90 in `planner`), whatever the environment."""
+    monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
+
+
+def bf(shape, **kw):
+    return arr(shape, "bfloat16", **kw)
+
+
+def mla_args(batch=4, sq=1, heads=128, keys=4096, paged=None):
+    """q, k_cache (k_pe), v_cache (c_kv), qv and cache_seqlens of a DeepSeek-shaped step."""
+    q, qv = bf((batch, sq, heads, ROPE)), bf((batch, sq, heads, LATENT), ptr=0x7f1000000000)
+    rows = (batch * keys // paged, paged) if paged else (batch, keys)
+    k_pe, c_kv = bf(rows + (1, ROPE)), bf(rows + (1, LATENT))
+    return q, k_pe, c_kv, qv, arr((batch,), "int32")
+
+
+@pytest.mark.parametrize("batch, heads, sq, splits", [
+    (128, 128, 1, 1),   # 256 CTAs of rows: two waves, unsplit
+    (1, 128, 1, 64),    # 2 CTAs of rows: split to fill the SMs
+    (4, 16, 2, 33),     # tensor-parallel heads, speculative tokens: one 64-row CTA
+])
+def test_mla_plans_its_kernel_rows_and_splits(planner, batch, heads, sq, splits):
+    q, k_pe, c_kv, qv, lens = mla_args(batch, sq, heads)
+    plan = planner(q, k_pe, c_kv, cache_seqlens=lens, qv=qv)
+    rec = record(plan)
+    m_blocks = -(-sq * heads // _compile.MLA_ROWS)
+    assert (rec["head_dim"], rec["head_dim_v"], rec["num_m_blocks"]) == (ROPE, LATENT, m_blocks)
+    assert rec["num_splits"] == splits
+    assert math.isclose(rec["scale"], 1 / math.sqrt(ROPE + LATENT), rel_tol=1e-6)
+    assert (rec["qv_batch_stride"], rec["qv_row_stride"], rec["qv_head_stride"]) == (
+        sq * heads * LATENT, heads * LATENT, LATENT)
+    assert (rec["o_batch_stride"], rec["o_row_stride"]) == (sq * heads * LATENT, heads * LATENT)
+    assert plan.out_shape == (batch, sq, heads, LATENT)
+    assert not plan.out_like_q  # (a new out is not torch.empty_like(q), 64 wide: a GPU fault)
+    kernel = _compile.MlaVariant("bf16")
+    kind, function, grid, threads, smem = plan.launches[0]
+    assert (kind, grid, threads, smem) == ("decode_mla", (m_blocks * splits, 1, batch), 384,
+                                           kernel.smem_bytes)
+    assert smem <= _compile.SM90_SMEM_LIMIT and kernel in set(_compile.all_variants())
+    assert not plan.merge_in_launch  # (the MLA kernel writes partials; decode_combine merges)
+    if splits > 1:
+        assert plan.launches[1][0] == "combine"
+        assert rec["combine_row_threads"] == _heuristics.combine_row_threads(LATENT, splits)
+        rows = batch * sq * heads
+        assert plan.workspace[:3] == (-(-splits * rows * LATENT // 64) * 64
+                                      + -(-splits * rows // 64) * 64, 0,
+                                      -(-splits * rows * LATENT // 64) * 64)
+    else:
+        assert len(plan.launches) == 1 and plan.workspace[0] == 0
+
+
+def test_mla_paged_and_appending(planner):
+    """Pages of 64 and one new token: the append writes k's 64 rotary dims into k_cache and
+    v's 512 latent ones into v_cache (DecodeParams' head_dim and head_dim_v), then the MLA
+    kernel reads them."""
+    q, k_pe, c_kv, qv, lens = mla_args(batch=8, heads=128, paged=64)
+    table = arr((8, 4096 // 64), "int32")
+    k_new, v_new = bf((8, 1, 1, ROPE)), bf((8, 1, 1, LATENT))
+    plan = planner(q, k_pe, c_kv, k_new, v_new, cache_seqlens=lens, block_table=table, qv=qv)
+    assert [entry[0] for entry in plan.launches][:2] == ["append", "decode_mla"]
+    rec = record(plan)
+    assert (rec["page_shift"], rec["max_pages"], rec["seqlen_new"]) == (6, 64, 1)
+    assert (rec["head_dim"], rec["head_dim_v"]) == (ROPE, LATENT)
+    assert rec["v_new_batch_stride"] == LATENT and rec["k_new_batch_stride"] == ROPE
+
+
+def test_mla_rejects_what_it_does_not_take(planner, monkeypatch):
+    q, k_pe, c_kv, qv, lens = mla_args(batch=2, heads=16, keys=256)
+
+    def call(**kw):
+        a = dict(q=q, k_cache=k_pe, v_cache=c_kv, cache_seqlens=lens, qv=qv)
+        a.update(kw)
+        return planner(a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), **a)
+    with pytest.raises(ValueError, match=r"qv must be \(batch, seqlen_q, nheads, 512\)"):
+        call(qv=bf((2, 1, 8, LATENT)))
+    with pytest.raises(ValueError, match="q .*must be 4-D with head dim 64"):
+        call(q=bf((2, 1, 16, 128)))
+    with pytest.raises(ValueError, match="v_cache .*head dim 512"):
+        call(v_cache=bf((2, 256, 1, 256)))
+    with pytest.raises(ValueError, match="k_cache .*head dim 64"):
+        call(k_cache=bf((2, 256, 1, 576)))
+    with pytest.raises(ValueError, match="v_cache must be"):
+        call(v_cache=bf((2, 128, 1, LATENT)))
+    with pytest.raises(TypeError, match="qv has dtype float16 but q has bfloat16"):
+        call(qv=arr((2, 1, 16, LATENT), "float16"))
+    with pytest.raises(ValueError, match="qv needs rows that move in 16-byte chunks"):
+        call(qv=bf((2, 1, 16, LATENT), ptr=0x7f0000000002))
+    with pytest.raises(NotImplementedError, match="learnable_sink is not supported with qv"):
+        call(learnable_sink=arr((16,), "float32"))
+    with pytest.raises(NotImplementedError, match="alibi_slopes is not supported with qv"):
+        call(alibi_slopes=arr((16,), "float32"))
+    with pytest.raises(NotImplementedError, match="softcap is not supported with qv"):
+        call(softcap=30.0)
+    with pytest.raises(ValueError, match="out must have the shape of q with v's head dim"):
+        call(out=bf((2, 1, 16, ROPE)))
+    with pytest.raises(ValueError, match=r"v must be \(batch, seqlen_new, nheads_k, headdim\)"):
+        call(k=bf((2, 1, 1, ROPE)), v=bf((2, 1, 1, ROPE)))
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
+    _runtime.plans.clear()
+    with pytest.raises(NotImplementedError, match=r"qv \(MLA decode\) runs on Hopper"):
+        call()
