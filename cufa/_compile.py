@@ -942,6 +942,7 @@ def fwd_element_io_variant(dtype, head_dim):
 
 
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"
+SPIN_LIMIT_ENV = "CUFA_SPIN_LIMIT"  # debug_options
 
 
 def family_for(compute_capability):
@@ -975,7 +976,7 @@ def read_overrides():
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
                                    BWD_SM90_ENV, BWD_SM90_TILES_ENV, WIDE_TILES_ENV,
-                                   BWD_SM90_PRODUCER_ENV))
+                                   BWD_SM90_PRODUCER_ENV, SPIN_LIMIT_ENV))
 
 
 _overrides = {}
@@ -1104,8 +1105,23 @@ def get_kernel(variant, device_id):
 def raw_module(variant):
     """The cupy.RawModule a call compiles `variant` through, for the current device."""
     import cupy
-    return cupy.RawModule(code=assembled_source(variant.source), options=variant.options,
+    return cupy.RawModule(code=assembled_source(variant.source),
+                          options=variant.options + debug_options(),
                           name_expressions=[variant.name_expression])
+
+
+def debug_options():
+    """NVRTC options from the environment, for debugging: CUFA_SPIN_LIMIT=N builds every
+    kernel with mbarrier waits that trap after N tries (common/sm90.cuh's mbar_wait), so
+    that a new kernel's deadlock fails its launch rather than hanging the process. CuPy's
+    disk cache keys the options, so such builds sit beside the plain ones."""
+    limit = _overrides.get(SPIN_LIMIT_ENV)
+    if not limit:
+        return ()
+    if not limit.isdigit() or not 0 < int(limit) < 2**32:
+        raise ValueError(f"{SPIN_LIMIT_ENV} takes a number of tries from 1 to 2^32 - 1; got "
+                         f"{limit!r}")
+    return (f"-DCUFA_SPIN_LIMIT={int(limit)}u",)
 
 
 def function_pointer(variant, device_id):
@@ -1179,14 +1195,15 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def compile_for_arch(variant, arch):
-    """Compile `variant` for `arch` (e.g. "sm_90", "sm_90a") with NVRTC, no GPU needed.
+def compile_for_arch(variant, arch, extra_options=()):
+    """Compile `variant` for `arch` (e.g. "sm_90", "sm_90a") with NVRTC, no GPU needed
+    (extra_options: more NVRTC options, as debug_options').
 
     Raises cupy.cuda.compiler.CompileException on a compile error.
     """
     from cupy.cuda import compiler, nvrtc
     src = assembled_source(variant.source)
-    options = NVRTC_OPTIONS + (f"-arch={arch}", "-Xptxas=-v")
+    options = NVRTC_OPTIONS + (f"-arch={arch}", "-Xptxas=-v") + tuple(extra_options)
     prog = nvrtc.createProgram(src, variant.source, (), ())
     try:
         nvrtc.addNameExpression(prog, variant.name_expression)

@@ -338,3 +338,20 @@ def test_layout_check_catches_a_swapped_field(monkeypatch):
     monkeypatch.setattr(_compile, "_source_cache", {})
     with pytest.raises(CompileException, match="q_row_stride offset differs"):
         _compile.compile_for_arch(_compile.fwd_variant("fp16", 64, "none", False), "sm_80")
+
+
+def test_spin_limit_builds_trap_on_a_wait_that_never_ends(monkeypatch):
+    """CUFA_SPIN_LIMIT (a debugging build: mbarrier waits that trap after so many tries)
+    reaches NVRTC as a define, a wrong value is refused naming the variable, and a kernel
+    full of mbarrier waits (MLA decode's producer and consumers) compiles with it."""
+    monkeypatch.setitem(_compile._overrides, _compile.SPIN_LIMIT_ENV, None)
+    assert _compile.debug_options() == ()
+    monkeypatch.setitem(_compile._overrides, _compile.SPIN_LIMIT_ENV, "1000000")
+    assert _compile.debug_options() == ("-DCUFA_SPIN_LIMIT=1000000u",)
+    for bad in ("0", "-5", "1e6", str(2**32)):
+        monkeypatch.setitem(_compile._overrides, _compile.SPIN_LIMIT_ENV, bad)
+        with pytest.raises(ValueError, match="CUFA_SPIN_LIMIT takes a number of tries"):
+            _compile.debug_options()
+    report = _compile.compile_for_arch(_compile.MlaVariant("bf16"), "sm_90a",
+                                       ("-DCUFA_SPIN_LIMIT=1000000u",))
+    assert report.registers > 0

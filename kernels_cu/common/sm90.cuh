@@ -64,14 +64,23 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Waits until the phase with this parity has completed.
+// Waits until the phase with this parity has completed. Built with CUFA_SPIN_LIMIT (the
+// environment variable of that name, for a new kernel's first runs), a wait that has not
+// seen its phase after that many tries traps: a deadlock becomes a launch error instead of
+// a process that never returns.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   u32 done;
+#ifdef CUFA_SPIN_LIMIT
+  unsigned tries = 0;
+#endif
   do {
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         " selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+#ifdef CUFA_SPIN_LIMIT
+    if (!done && ++tries > CUFA_SPIN_LIMIT) __trap();
+#endif
   } while (!done);
 }
 // An arrival on `bar` once every cp.async this thread has issued so far has landed, so a
