@@ -372,8 +372,8 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   // This consumer's block t: its S, waited for; the other's block t - 1 (other: but for
   // block 0) taken, its P V running under this block's softmax; P handed over; this
   // block's P V, waited for, and the block released at once, so that the producer can
-  // refill its buffer while the other consumer works (with three buffers, a block held
-  // until this consumer's next S would leave one copy in flight). No product is in
+  // refill its buffer while the other consumer works (a block held until this
+  // consumer's next S would leave a buffer idle for a block's time). No product is in
   // flight from one block to the next or across a branch (where ptxas serializes every
   // wgmma of the kernel, C7514): the first block is peeled off the loop, its flag a
   // constant where it is inlined.
@@ -399,8 +399,10 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     mla_softmax(acc_s, rows, w.key0 + t * kMlaKeys, lane, scale_log2, row_max, corr, sum);
     u32 p_frag[kMlaKeys / 16][4];
     pack_p<kDtype>(p_frag, acc_s);
-    // -- the other's P V of block t - 1 done (it reads this consumer's O, and the P
-    //    panel, which this block's P overwrites) --
+    // -- the other's P V of block t - 1 done before P is staged: it reads this
+    //    consumer's O and the one P panel, which this block's P overwrites (the panel's
+    //    hand-over rests on this wait; no P V of the other's block may still be in flight
+    //    here) --
     if (other) {
       wgmma_wait<0>();
       fence_registers(acc_o);
