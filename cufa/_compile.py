@@ -740,7 +740,7 @@ class DecodeTmaVariant(_CacheKernel):
 # CTA takes MLA_ROWS (token, head) rows of a KV head, MLA_KEYS keys a block through a
 # ring of MLA_STAGES, a producer warpgroup and two consumer warpgroups.
 MLA_LATENT_DIM, MLA_ROPE_DIM = 512, 64
-MLA_ROWS, MLA_KEYS, MLA_STAGES = 64, 32, 3
+MLA_ROWS, MLA_KEYS, MLA_STAGES = 64, 32, 4
 
 
 @dataclass(frozen=True)
@@ -763,10 +763,10 @@ class MlaVariant(_CacheKernel):
 
     @property
     def smem_bytes(self):
-        """MlaSmem::kBytes: Q and the ring's blocks (576 columns), each consumer's P panel
+        """MlaSmem::kBytes: Q and the ring's blocks (576 columns), the one P panel
         (64 columns), three float arrays of two rows' worth, the mbarriers, the alignment."""
         dim = MLA_LATENT_DIM + MLA_ROPE_DIM
-        return (MLA_ROWS * dim * 2 + MLA_STAGES * MLA_KEYS * dim * 2 + 2 * MLA_ROWS * 64 * 2
+        return (MLA_ROWS * dim * 2 + MLA_STAGES * MLA_KEYS * dim * 2 + MLA_ROWS * 64 * 2
                 + 3 * 2 * MLA_ROWS * 4 + 16 * MLA_STAGES + 1024)
 
     @property

@@ -32,7 +32,7 @@ constexpr int kMlaDim = kMlaLatent + kMlaRope;   // the scores' columns
 constexpr int kMlaChunks = kMlaDim / 8;          // 16-byte chunks a row (latent first)
 constexpr int kMlaRows = 64;                     // query rows a CTA: a consumer's M
 constexpr int kMlaKeys = 32;                     // keys a block
-constexpr int kMlaStages = 3;
+constexpr int kMlaStages = 4;
 constexpr int kMlaHalf = kMlaLatent / 2;         // O's columns a consumer
 constexpr int kMlaQBytes = kMlaRows * kMlaDim * 2;
 constexpr int kMlaBlockBytes = kMlaKeys * kMlaDim * 2;
@@ -47,13 +47,17 @@ static_assert(128 * kMlaProducerRegs + 256 * kMlaConsumerRegs <= 384 * 168,
 // and the consumers' meeting before the epilogue (3)
 constexpr int kMlaReadyBarrier = 1, kMlaEndBarrier = 3;
 
-// Shared memory from a 1024-byte boundary: Q, the ring, each consumer's P, the rows'
-// running max and rescale factors (double-buffered by block parity) and final sums, then
-// the ring's mbarriers. MlaVariant.smem_bytes in cufa/_compile.py mirrors kBytes.
+// Shared memory from a 1024-byte boundary: Q, the ring, P, the rows' running max and
+// rescale factors (double-buffered by block parity) and final sums, then the ring's
+// mbarriers. One P panel serves both consumers: block t's P is written by its owner, read
+// by the other alone, which rewrites it with block t + 1's P only after that read has
+// completed, so the panel passes from one to the other in turn; the space of a second
+// panel holds the ring's fourth buffer. MlaVariant.smem_bytes in cufa/_compile.py mirrors
+// kBytes (232,000 of sm_90's 232,448 bytes a CTA).
 struct MlaSmem {
   static constexpr u32 kRing = kMlaQBytes;
   static constexpr u32 kP = kRing + kMlaStages * kMlaBlockBytes;
-  static constexpr u32 kMax = kP + 2 * kMlaPBytes;   // float [2][kMlaRows]
+  static constexpr u32 kMax = kP + kMlaPBytes;       // float [2][kMlaRows]
   static constexpr u32 kCorr = kMax + 2 * kMlaRows * 4;
   static constexpr u32 kSum = kCorr + 2 * kMlaRows * 4;
   static constexpr u32 kBars = kSum + 2 * kMlaRows * 4;  // full[kMlaStages], empty[...]
@@ -61,7 +65,7 @@ struct MlaSmem {
   u32 base;
   __device__ u32 q() const { return base; }
   __device__ u32 block(int stage) const { return base + kRing + stage * kMlaBlockBytes; }
-  __device__ u32 p(int consumer) const { return base + kP + consumer * kMlaPBytes; }
+  __device__ u32 p() const { return base + kP; }
   __device__ float* row_floats(unsigned char* raw, u32 at) const {
     return reinterpret_cast<float*>(raw + (base - smem_u32(raw)) + at);
   }
@@ -327,7 +331,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   const auto v_desc = [&](int stage) {
     return smem_desc(sm.block(stage) + consumer * 4 * kMlaKeys * 128, kMlaKeys * 128, 1024);
   };
-  const u64 other_p_desc = smem_desc(sm.p(1 - consumer), 16, 1024);
+  const u64 other_p_desc = smem_desc(sm.p(), 16, 1024);
 
   float acc_o[1][kDTiles][4];
 #pragma unroll
@@ -368,8 +372,8 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   // This consumer's block t: its S, waited for; the other's block t - 1 (other: but for
   // block 0) taken, its P V running under this block's softmax; P handed over; this
   // block's P V, waited for, and the block released at once, so that the producer can
-  // refill its buffer while the other consumer works (with three buffers, a block held
-  // until this consumer's next S would leave one copy in flight). No product is in
+  // refill its buffer while the other consumer works (a block held until this
+  // consumer's next S would leave a buffer idle for a block's time). No product is in
   // flight from one block to the next or across a branch (where ptxas serializes every
   // wgmma of the kernel, C7514): the first block is peeled off the loop, its flag a
   // constant where it is inlined.
@@ -395,14 +399,16 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     mla_softmax(acc_s, rows, w.key0 + t * kMlaKeys, lane, scale_log2, row_max, corr, sum);
     u32 p_frag[kMlaKeys / 16][4];
     pack_p<kDtype>(p_frag, acc_s);
-    // -- the other's P V of block t - 1 done (it reads this consumer's O, and the other
-    //    consumer's P panel, which the other rewrites once it sees this block's P) --
+    // -- the other's P V of block t - 1 done before P is staged: it reads this
+    //    consumer's O and the one P panel, which this block's P overwrites (the panel's
+    //    hand-over rests on this wait; no P V of the other's block may still be in flight
+    //    here) --
     if (other) {
       wgmma_wait<0>();
       fence_registers(acc_o);
       release(t - 1);
     }
-    mla_stage_p(p_frag, sm.p(consumer), warp, lane);
+    mla_stage_p(p_frag, sm.p(), warp, lane);
     if (lane % 4 == 0) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
