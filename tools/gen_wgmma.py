@@ -12,6 +12,7 @@ SS_N = (32, 64, 80, 128, 192)  # S = Q K^T: N = block_n
 SS_MN_N = (64, 256)          # dq += dS K from shared memory: N = half of head dim 128;
                              # MLA's O += P V with P from shared memory: half of V's 512
 RS_N = (64, 128, 192, 256)   # O += P V: N = padded head dim
+RS_K_N = (32,)               # MLA's S = Q K^T over the k-steps of Q held in registers
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_ops.cuh"
 
 
@@ -35,7 +36,8 @@ def _wrapper(kind, n):
         sig = f"float (&d)[1][{n // 8}][4], const u32 (&a)[4], u64 desc_b, int accumulate"
         a_operand, b_at, pred_at = "{" + _regs(acc, 4) + "}", acc + 4, acc + 5
         inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
-        tail = "p, 1, 1, 1"             # scale-a, scale-b, B MN-major (transposed)
+        # scale-a, scale-b, B MN-major (rs: transposed) or K-major (rs_k)
+        tail = "p, 1, 1, 1" if kind == "rs" else "p, 1, 1, 0"
     lines = ["template <int DT>",
              f"__device__ __forceinline__ void wgmma_{kind}({sig}) {{"]
     for dt, ptx in (("FP16", "f16"), ("BF16", "bf16")):
@@ -60,6 +62,7 @@ def generate():
         "//   wgmma_ss: A and B from shared memory (descriptors), both K-major (S = Q K^T).",
         "//   wgmma_ss_mn: the same with B MN-major (dq += dS K, dS staged in shared memory).",
         "//   wgmma_rs: A from registers, B from shared memory MN-major (O += P V).",
+        "//   wgmma_rs_k: A from registers, B K-major (MLA's S over Q's k-steps in registers).",
         "// accumulate = 0 overwrites d, 1 adds to it. Accumulators use the mma.sync C layout",
         "// per warp: d[0][n / 8][e] is row 16 * warp + lane / 4 + 8 * (e / 2), column n.",
         '#include "types.cuh"',
@@ -70,6 +73,7 @@ def generate():
     parts += [_wrapper("ss", n) + "\n" for n in SS_N]
     parts += [_wrapper("ss_mn", n) + "\n" for n in SS_MN_N]
     parts += [_wrapper("rs", n) + "\n" for n in RS_N]
+    parts += [_wrapper("rs_k", n) + "\n" for n in RS_K_N]
     parts += ["}  // namespace cufa", ""]
     return "\n".join(parts)
 

@@ -33,6 +33,12 @@ constexpr int kMlaChunks = kMlaDim / 8;          // 16-byte chunks a row (latent
 constexpr int kMlaRows = 64;                     // query rows a CTA: a consumer's M
 constexpr int kMlaKeys = 32;                     // keys a block
 constexpr int kMlaStages = 4;
+// Q's last k-steps (the rope dims and the latent's tail), held by each consumer as A
+// fragments for the whole split: S at N = 32 reads Q's 2 KB a k-step from shared memory
+// for 1 KB of keys, more than the tensor cores' 16 cycles can take in; these k-steps read
+// the keys alone
+constexpr int kMlaQRegSteps = 12;
+constexpr int kMlaQSmemSteps = kMlaDim / 16 - kMlaQRegSteps;
 constexpr int kMlaHalf = kMlaLatent / 2;         // O's columns a consumer
 constexpr int kMlaQBytes = kMlaRows * kMlaDim * 2;
 constexpr int kMlaBlockBytes = kMlaKeys * kMlaDim * 2;
@@ -338,6 +344,17 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+  // Q's k-steps from kMlaQSmemSteps on, once Q has landed (with this consumer's first
+  // block: the producer's copies of Q come before it)
+  u32 q_frag[kMlaQRegSteps][4];
+  if (w.blocks > consumer) {
+    mbar_wait(sm.full(consumer), 0);
+    const int m = lane / 8;  // (lane's address: row lane % 8 of matrix m, as in mla_stage_p)
+    const int row = 16 * warp + (m & 1) * 8 + lane % 8;
+#pragma unroll
+    for (int j = 0; j < kMlaQRegSteps; ++j)
+      ldmatrix_x4(q_frag[j], sm.q() + panel_offset<kMlaRows>(row, 2 * (kMlaQSmemSteps + j) + (m >> 1)));
+  }
   float row_max[2] = {-CUFA_INF, -CUFA_INF};  // after the last block this consumer saw
   float l[2] = {0.f, 0.f};                    // this lane's share of the row sums
 
@@ -387,9 +404,12 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     wgmma_fence();
     const u64 k = k_desc(stage);
 #pragma unroll
-    for (int ks = 0; ks < kMlaDim / 16; ++ks)
+    for (int ks = 0; ks < kMlaQSmemSteps; ++ks)
       wgmma_ss<kDtype>(acc_s, desc_add(q_desc, kstep_offset(ks, kMlaRows)),
                        desc_add(k, kstep_offset(ks, kMlaKeys)), ks > 0);
+#pragma unroll
+    for (int j = 0; j < kMlaQRegSteps; ++j)
+      wgmma_rs_k<kDtype>(acc_s, q_frag[j], desc_add(k, kstep_offset(kMlaQSmemSteps + j, kMlaKeys)), 1);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(acc_s);
