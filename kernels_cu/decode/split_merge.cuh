@@ -78,32 +78,35 @@ struct SplitRow {
   float4 early[kCombineEarly][2];
 };
 
-// The columns of a row this CTA merges: [col0, col0 + cols) of o_partial's row (all of it
-// but with kSliceCols).
+// The columns of a row this CTA merges: from slice_col0, slice_width of them (all of
+// o_partial's row but with kSliceCols; 0 a constant, so a whole row's code is as it was)
+template <int kSliceCols>
+__device__ __forceinline__ int slice_col0() {
+  if constexpr (kSliceCols == 0) return 0;
+  else return blockIdx.y * kSliceCols;
+}
 template <int kSliceCols, bool kElementIO>
-__device__ __forceinline__ int2 slice_cols(const DecodeParams& p) {
-  const int all = partial_cols<kElementIO>(p.head_dim_v);
-  if constexpr (kSliceCols == 0) return make_int2(0, all);
-  const int col0 = blockIdx.y * kSliceCols;
-  return make_int2(col0, min(kSliceCols, all - col0));
+__device__ __forceinline__ int slice_width(const DecodeParams& p) {
+  if constexpr (kSliceCols == 0) return partial_cols<kElementIO>(p.head_dim_v);
+  else return min(kSliceCols, partial_cols<kElementIO>(p.head_dim_v) - slice_col0<kSliceCols>());
 }
 
 template <int kRows, bool kElementIO = false, int kSliceCols = 0>
 __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b, int t, int h,
                                                    int tid) {
   constexpr int kRowThreads = kCombineThreads / kRows;
-  const int2 cols = slice_cols<kSliceCols, kElementIO>(p);
   SplitRow in{b, t, h};
   const float* lse_part = reinterpret_cast<const float*>(p.lse_partial) +
                           ((i64)b * p.nheads + h) * p.seqlen_q + t;
   in.lse = tid < p.num_splits ? __ldcg(lse_part + tid * ((i64)p.batch * p.nheads * p.seqlen_q))
                               : -CUFA_INF;
-  const int chunks = cols.y / 8, groups = kRowThreads / chunks;
+  const int chunks = slice_width<kSliceCols, kElementIO>(p) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
   const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim_v);
   const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
                         (((i64)b * p.seqlen_q + t) * p.nheads + h) *
-                            partial_cols<kElementIO>(p.head_dim_v) + cols.x + chunk * 8;
+                            partial_cols<kElementIO>(p.head_dim_v) + slice_col0<kSliceCols>() +
+                        chunk * 8;
 #pragma unroll
   for (int i = 0; i < kCombineEarly; ++i) {
     const int sp = group + i * groups;
@@ -126,7 +129,6 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
                                                 int q_row0, int tid, float* weight, float* partial,
                                                 float* warp_value) {
   constexpr int kRowThreads = kCombineThreads / kRows;
-  const int2 cols = slice_cols<kSliceCols, kElementIO>(p);
   const float sink = load_sink(p.learnable_sink, p.sink_dtype, in.h);
   const float mx = fmaxf(row_reduce<kRows, true>(in.lse, warp_value), sink);
   const float base = mx == -CUFA_INF ? 0.f : mx;
@@ -134,12 +136,12 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
   const float sum = row_reduce<kRows, false>(e, warp_value) + fast_exp2((sink - base) * CUFA_LOG2E);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   if (tid < p.num_splits) weight[tid] = e * inv;
-  if (tid == 0 && p.lse && cols.x == 0)
+  if (tid == 0 && p.lse && slice_col0<kSliceCols>() == 0)
     reinterpret_cast<float*>(p.lse)[in.b * p.lse_batch_stride + in.h * p.lse_head_stride + q_row0 + in.t] =
         sum > 0.f ? base + logf(sum) : -CUFA_INF;
   row_sync<kRows>();  // every weight of the row written
 
-  const int chunks = cols.y / 8, groups = kRowThreads / chunks;
+  const int chunks = slice_width<kSliceCols, kElementIO>(p) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (group < groups) {
@@ -152,7 +154,8 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
         (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim_v);
     const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
                           (((i64)in.b * p.seqlen_q + in.t) * p.nheads + in.h) *
-                              partial_cols<kElementIO>(p.head_dim_v) + cols.x + chunk * 8;
+                              partial_cols<kElementIO>(p.head_dim_v) + slice_col0<kSliceCols>() +
+                          chunk * 8;
 #pragma unroll 4
     for (int sp = group + kCombineEarly * groups; sp < p.num_splits; sp += groups)
       add_weighted8(acc, weight[sp], __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o)),
@@ -167,8 +170,8 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
     for (int i = 0; i < 8; ++i) acc[i] += partial[(g * chunks + tid) * 8 + i];
   store_cols<kDtype, kElementIO>(reinterpret_cast<u16*>(p.o) + in.b * p.o_batch_stride +
                                      (q_row0 + in.t) * p.o_row_stride + in.h * p.o_head_stride +
-                                     cols.x + tid * 8,
-                                 acc, p.head_dim_v - cols.x - tid * 8);
+                                     slice_col0<kSliceCols>() + tid * 8,
+                                 acc, p.head_dim_v - slice_col0<kSliceCols>() - tid * 8);
 }
 
 // merge_if_last's scratch: weights, partial sums (a warp a row: 8 floats a thread of the
