@@ -552,6 +552,8 @@ DECODE_HEAD_DIMS = SM80_HEAD_DIMS
 DECODE_ROWS, DECODE_TILE_KEYS = 16, 16  # query rows a CTA, keys a warp's tile (decode.cu)
 COMBINE_THREADS = 128  # kCombineThreads in decode.cu; decode_append and merge_states take as many
 MAX_SPLITS = 128       # kMaxSplits in decode.cu: the splits of the keys the merge takes, at most
+COMBINE_EARLY = 4      # kCombineEarly in decode/split_merge.cuh: a thread's splits read at once
+COMBINE_SLICE_COLS = 128  # a sliced decode_combine's columns a CTA (CombineVariant.slice_cols)
 DECODE_STATIC_SMEM = 640                # decode_kernel's __shared__ arrays, at most
 MERGE_DTYPES = _dtypes.keys_by_code("merge")  # index = MergeDtype in decode/merge.cu
 
@@ -777,21 +779,29 @@ class MlaVariant(_CacheKernel):
 @dataclass(frozen=True)
 class CombineVariant(_CacheKernel):
     """decode/combine.cu's decode_combine: merges the splits of split-KV, `rows` rows a CTA
-    (1, or 4: a warp a row)."""
+    (1, or 4: a warp a row); slice_cols: a CTA a slice of that many columns of its row
+    (grid y: the slices), 0 the whole row."""
     dtype: str
     rows: int = 1
     element_io: bool = False  # the partials of the element-wise I/O decode kernel
+    slice_cols: int = 0
     kind = "combine"
     source = "decode/combine.cu"
 
     @property
     def key(self):
-        return f"decode_combine_r{self.rows}_{self.dtype}{'_elem' if self.element_io else ''}"
+        return (f"decode_combine_r{self.rows}_{self.dtype}{'_elem' if self.element_io else ''}"
+                + (f"_c{self.slice_cols}" if self.slice_cols else ""))
 
     @property
     def name_expression(self):
-        elem = ", true" if self.element_io else ""
-        return f"cufa::decode_combine<{DTYPES.index(self.dtype)}, {self.rows}{elem}>"
+        tail = (f", {str(self.element_io).lower()}, {self.slice_cols}" if self.slice_cols
+                else ", true" if self.element_io else "")
+        return f"cufa::decode_combine<{DTYPES.index(self.dtype)}, {self.rows}{tail}>"
+
+    def slices(self, cols):
+        """Grid y for rows of `cols` floats (o_partial's)."""
+        return -(-cols // self.slice_cols) if self.slice_cols else 1
 
 
 @dataclass(frozen=True)
@@ -873,6 +883,8 @@ def decode_variants():
 
             + [CombineVariant(dt, rows=rows, element_io=elem) for dt in DTYPES
                for rows in (1, 4) for elem in (False, True)]
+            + [CombineVariant(dt, element_io=elem, slice_cols=COMBINE_SLICE_COLS)
+               for dt in DTYPES for elem in (False, True)]
             + [AppendVariant(dt, fp8) for dt in DTYPES for fp8 in (False, True)]
             + [MergeVariant(dt) for dt in MERGE_DTYPES])
 

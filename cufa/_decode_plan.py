@@ -165,13 +165,15 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     if seqlen_q and not paged and aligned and not fp8 and not mla:
         kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
+    merge_in_launch = (not mla and kernel.units <= 1 and kernel.ctas_per_unit == 1
+                       and _heuristics.merge_in_launch(kernel, d, num_splits, seqlen_q * group))
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
         per_cta = max(kernel.units, 1)
         launches.append(_launch_entry(kernel, q.device, (
             num_m_blocks * num_splits * kernel.ctas_per_unit, nheads_k, -(-batch // per_cta))))
         if num_splits > 1:
             launches.append(_combine_entry(kernel, dv, num_splits, batch * seqlen_q * nheads,
-                                           q.device))
+                                           q.device, may_slice=not merge_in_launch))
     # the splits' outputs and lse, then the rotated q (16-byte rows)
     rows = batch * seqlen_q * nheads
     split = num_splits > 1 and seqlen_q
@@ -180,9 +182,7 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
                            (rows * d + 1) // 2 if rotary else 0)
     return _KvPlan(**outputs, **extra, params=_params.DECODE.pack(p),
                    launches=tuple(launches), workspace=workspace, rotary=rotary,
-                   maps=maps, merge_in_launch=not mla and kernel.units <= 1
-                   and kernel.ctas_per_unit == 1
-                   and _heuristics.merge_in_launch(kernel, d, num_splits, seqlen_q * group))
+                   maps=maps, merge_in_launch=merge_in_launch)
 
 
 def _mla_kernel(q, softcap, rows, units, capacity, num_splits):
@@ -368,10 +368,13 @@ def launch_packed_decode(route, plan, stream, q, k, v, o, lse, alibi, sink, pack
         scratch_ptr and scratch_ptr + route.scratch_offset, reserved)
 
 
-def _combine_entry(decode, d, num_splits, rows, device):
-    """decode_combine's launch for the partials of the `decode` kernel."""
-    kernel = _heuristics.combine_kernel(decode.dtype, d, num_splits, decode.element_io)
-    return _launch_entry(kernel, device, (-(-rows // kernel.rows), 1, 1))
+def _combine_entry(decode, d, num_splits, rows, device, may_slice=False):
+    """decode_combine's launch for the partials of the `decode` kernel (may_slice: the
+    decode launch never merges them itself; see _heuristics.combine_kernel)."""
+    kernel = _heuristics.combine_kernel(decode.dtype, d, num_splits, decode.element_io,
+                                        may_slice)
+    return _launch_entry(kernel, device, (-(-rows // kernel.rows),
+                                          kernel.slices(_partial_cols(d)), 1))
 
 
 def _launch_entry(kernel, device, grid):

@@ -330,11 +330,25 @@ def combine_row_threads(head_dim, num_splits):
     return 32 if num_splits <= min(32, 4 * (32 // lanes_a_split)) else _compile.COMBINE_THREADS
 
 
-def combine_kernel(dtype, head_dim, num_splits, element_io=False):
+def combine_kernel(dtype, head_dim, num_splits, element_io=False, may_slice=False):
     """decode_combine for `num_splits` splits of rows of head_dim columns (element_io: the
-    partials of the element-wise I/O decode kernel)."""
+    partials of the element-wise I/O decode kernel). A CTA a row reads
+    COMBINE_EARLY splits of each of its 128 / (head_dim / 8) split groups at once; where
+    that takes more than two rounds of memory latency, and the caller allows it
+    (may_slice: no merge in the decode launch, whose sums run in the whole row's order),
+    each CTA takes COMBINE_SLICE_COLS columns of its row, so that more of the row's reads
+    are in flight at once, in more CTAs.
+
+    Example: head_dim 512 (MLA's), 128 splits: 2 groups x 4 = 8 splits a round, 16 rounds
+    in one CTA; sliced, 8 groups x 4 = 32 splits a round, 4 rounds in each of 4 CTAs.
+    head_dim 128, or 16 splits of 512: whole rows.
+    """
     rows = _compile.COMBINE_THREADS // combine_row_threads(head_dim, num_splits)
-    return _compile.CombineVariant(dtype, rows=rows, element_io=element_io)
+    groups = _compile.COMBINE_THREADS // -(-head_dim // 8)
+    sliced = (may_slice and rows == 1 and head_dim > _compile.COMBINE_SLICE_COLS
+              and num_splits > 2 * _compile.COMBINE_EARLY * groups)
+    return _compile.CombineVariant(dtype, rows=rows, element_io=element_io,
+                                   slice_cols=_compile.COMBINE_SLICE_COLS if sliced else 0)
 
 
 def merge_in_launch(kernel, d, num_splits, unit_rows):

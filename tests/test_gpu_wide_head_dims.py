@@ -130,6 +130,13 @@ KVCACHE_CASES = {
     "d512 one split": dict(d=512, num_splits=1, capacity=300),
     "d512 3 splits": dict(d=512, num_splits=3, capacity=300, seqlen_q=2, causal=True),
     "d264 16 splits": dict(d=264, num_splits=16, capacity=300),
+    # decode_combine in slices of 128 columns (many splits of wide rows, no merge in the
+    # decode launch): 4 slices; 3 whose last is one chunk wide; with a sink
+    "d512 40 splits (sliced combine)": dict(d=512, num_splits=40, capacity=2000),
+    "d264 48 splits (sliced, a narrow last slice)": dict(d=264, num_splits=48, capacity=2000,
+                                                         seqlen_q=2, causal=True),
+    "d512 128 splits sink (sliced)": dict(d=512, num_splits=128, capacity=4000,
+                                          sink="float32"),
 }
 
 

@@ -303,3 +303,40 @@ def test_combine_takes_a_warp_a_row_while_one_round_of_reads_covers_the_splits(d
     assert kernel.rows == rows
     assert kernel.key == f"decode_combine_r{rows}_bf16"
     assert kernel.name_expression == f"cufa::decode_combine<1, {rows}>"
+
+
+@pytest.mark.parametrize("d, splits, may_slice, sliced", [
+    (512, 128, True, True),    # 2 groups x 4 = 8 splits a round: 16 rounds whole, 4 sliced
+    (512, 17, True, True),     # three rounds whole
+    (512, 16, True, False),    # two rounds: whole
+    (256, 33, True, True),     # 4 groups x 4 = 16 a round
+    (256, 32, True, False),
+    (128, 128, True, False),   # a slice would be the whole row
+    (512, 128, False, False),  # the decode launch merges too: the whole row's order
+])
+def test_combine_slices_wide_rows_over_many_splits(d, splits, may_slice, sliced):
+    kernel = _heuristics.combine_kernel("bf16", d, splits, may_slice=may_slice)
+    assert kernel.rows == 1 and kernel.slice_cols == (_compile.COMBINE_SLICE_COLS if sliced else 0)
+    assert kernel.slices(d) == (-(-d // 128) if sliced else 1)
+    assert kernel in set(_compile.all_variants())
+    if sliced:
+        assert kernel.key == "decode_combine_r1_bf16_c128"
+        assert kernel.name_expression == "cufa::decode_combine<1, 1, false, 128>"
+
+
+def test_split_decode_without_a_merge_in_launch_slices_its_combine(planner):
+    """d = 512 over one KV head of 32 query heads (rows a unit past one decode CTA's reach:
+    no merge in the decode launch), one sequence of 64k keys: many splits, a sliced
+    combine, 4 CTAs a row; MQA with one query head a KV head merges in the launch and
+    keeps whole rows."""
+    lens = arr((1,), "int32")
+    plan = planner(arr((1, 1, 32, 512)), arr((1, 65536, 1, 512)), arr((1, 65536, 1, 512)),
+                   cache_seqlens=lens)
+    assert not plan.merge_in_launch and [e[0] for e in plan.launches] == ["decode", "combine"]
+    splits = record(plan)["num_splits"]
+    combine = _heuristics.combine_kernel("fp16", 512, splits, may_slice=True)
+    assert combine.slice_cols and plan.launches[1][2] == (32, 4, 1)
+    plan = planner(arr((1, 1, 1, 512)), arr((1, 65536, 1, 512)), arr((1, 65536, 1, 512)),
+                   cache_seqlens=lens)
+    if plan.merge_in_launch:
+        assert plan.launches[1][2][1] == 1

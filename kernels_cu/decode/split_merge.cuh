@@ -8,7 +8,11 @@
 // columns, so its reads are in flight at once. kRows rows a 128-thread group: 1 (128
 // threads a row) for many splits; 4 (a warp a row) for a few, where a CTA a row would leave
 // most of its threads idle and make the combine launch a long queue of tiny CTAs (64
-// sequences x 4 tokens x 32 heads are 8192 rows).
+// sequences x 4 tokens x 32 heads are 8192 rows). kSliceCols (decode_combine alone): a CTA
+// takes that many columns of its row (slice blockIdx.y), so that a wide row over many
+// splits (512 columns: 64 chunks, two split groups a CTA) has 8 groups' reads in flight
+// in each of 4 CTAs, not 2 in one; its sums run in another order than merge_if_last's, so
+// the host takes it only where the launch does not merge.
 #include "cache.cuh"
 // (store8: a merged row is written as the epilogue writes one)
 #include "epilogue.cuh"
@@ -74,7 +78,20 @@ struct SplitRow {
   float4 early[kCombineEarly][2];
 };
 
-template <int kRows, bool kElementIO = false>
+// The columns of a row this CTA merges: from slice_col0, slice_width of them (all of
+// o_partial's row but with kSliceCols; 0 a constant, so a whole row's code is as it was)
+template <int kSliceCols>
+__device__ __forceinline__ int slice_col0() {
+  if constexpr (kSliceCols == 0) return 0;
+  else return blockIdx.y * kSliceCols;
+}
+template <int kSliceCols, bool kElementIO>
+__device__ __forceinline__ int slice_width(const DecodeParams& p) {
+  if constexpr (kSliceCols == 0) return partial_cols<kElementIO>(p.head_dim_v);
+  else return min(kSliceCols, partial_cols<kElementIO>(p.head_dim_v) - slice_col0<kSliceCols>());
+}
+
+template <int kRows, bool kElementIO = false, int kSliceCols = 0>
 __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b, int t, int h,
                                                    int tid) {
   constexpr int kRowThreads = kCombineThreads / kRows;
@@ -83,12 +100,13 @@ __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b,
                           ((i64)b * p.nheads + h) * p.seqlen_q + t;
   in.lse = tid < p.num_splits ? __ldcg(lse_part + tid * ((i64)p.batch * p.nheads * p.seqlen_q))
                               : -CUFA_INF;
-  const int chunks = partial_cols<kElementIO>(p.head_dim_v) / 8, groups = kRowThreads / chunks;
+  const int chunks = slice_width<kSliceCols, kElementIO>(p) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
   const i64 split_o = (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim_v);
   const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
                         (((i64)b * p.seqlen_q + t) * p.nheads + h) *
-                            partial_cols<kElementIO>(p.head_dim_v) + chunk * 8;
+                            partial_cols<kElementIO>(p.head_dim_v) + slice_col0<kSliceCols>() +
+                        chunk * 8;
 #pragma unroll
   for (int i = 0; i < kCombineEarly; ++i) {
     const int sp = group + i * groups;
@@ -106,7 +124,7 @@ __device__ __forceinline__ SplitRow load_split_row(const DecodeParams& p, int b,
 // output 0 and lse = sink (its term exp(sink - max) in the sum, its max in the max; -inf
 // without a sink, which then adds 0).
 // weight: the row's [kMaxSplits]; partial: the row's [kRowThreads][8]; warp_value: [4].
-template <int kDtype, int kRows, bool kElementIO = false>
+template <int kDtype, int kRows, bool kElementIO = false, int kSliceCols = 0>
 __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const SplitRow& in,
                                                 int q_row0, int tid, float* weight, float* partial,
                                                 float* warp_value) {
@@ -118,12 +136,12 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
   const float sum = row_reduce<kRows, false>(e, warp_value) + fast_exp2((sink - base) * CUFA_LOG2E);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   if (tid < p.num_splits) weight[tid] = e * inv;
-  if (tid == 0 && p.lse)
+  if (tid == 0 && p.lse && slice_col0<kSliceCols>() == 0)
     reinterpret_cast<float*>(p.lse)[in.b * p.lse_batch_stride + in.h * p.lse_head_stride + q_row0 + in.t] =
         sum > 0.f ? base + logf(sum) : -CUFA_INF;
   row_sync<kRows>();  // every weight of the row written
 
-  const int chunks = partial_cols<kElementIO>(p.head_dim_v) / 8, groups = kRowThreads / chunks;
+  const int chunks = slice_width<kSliceCols, kElementIO>(p) / 8, groups = kRowThreads / chunks;
   const int chunk = tid % chunks, group = tid / chunks;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (group < groups) {
@@ -136,7 +154,8 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
         (i64)p.batch * p.seqlen_q * p.nheads * partial_cols<kElementIO>(p.head_dim_v);
     const float* o_part = reinterpret_cast<const float*>(p.o_partial) +
                           (((i64)in.b * p.seqlen_q + in.t) * p.nheads + in.h) *
-                              partial_cols<kElementIO>(p.head_dim_v) + chunk * 8;
+                              partial_cols<kElementIO>(p.head_dim_v) + slice_col0<kSliceCols>() +
+                          chunk * 8;
 #pragma unroll 4
     for (int sp = group + kCombineEarly * groups; sp < p.num_splits; sp += groups)
       add_weighted8(acc, weight[sp], __ldcg(reinterpret_cast<const float4*>(o_part + sp * split_o)),
@@ -151,8 +170,8 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& p, const Spl
     for (int i = 0; i < 8; ++i) acc[i] += partial[(g * chunks + tid) * 8 + i];
   store_cols<kDtype, kElementIO>(reinterpret_cast<u16*>(p.o) + in.b * p.o_batch_stride +
                                      (q_row0 + in.t) * p.o_row_stride + in.h * p.o_head_stride +
-                                     tid * 8,
-                                 acc, p.head_dim_v - tid * 8);
+                                     slice_col0<kSliceCols>() + tid * 8,
+                                 acc, p.head_dim_v - slice_col0<kSliceCols>() - tid * 8);
 }
 
 // merge_if_last's scratch: weights, partial sums (a warp a row: 8 floats a thread of the
