@@ -747,8 +747,10 @@ MLA_ROWS, MLA_KEYS, MLA_STAGES = 64, 32, 4
 
 @dataclass(frozen=True)
 class MlaVariant(_CacheKernel):
-    """decode/decode_mla_sm90.cu's decode_mla_kernel."""
+    """decode/decode_mla_sm90.cu's decode_mla_kernel; tma: whole blocks come as TMA boxes
+    through the call's maps (a cache the maps can describe)."""
     dtype: str
+    tma: bool = False
     kind = "decode_mla"
     source = "decode/decode_mla_sm90.cu"
     archs = ("sm_90a",)
@@ -757,11 +759,12 @@ class MlaVariant(_CacheKernel):
 
     @property
     def key(self):
-        return f"decode_mla_{self.dtype}"
+        return f"decode_mla_{self.dtype}" + ("_tma" if self.tma else "")
 
     @property
     def name_expression(self):
-        return f"cufa::decode_mla_kernel<{DTYPES.index(self.dtype)}>"
+        return (f"cufa::decode_mla_kernel<{DTYPES.index(self.dtype)}, "
+                f"{'true' if self.tma else 'false'}>")
 
     @property
     def smem_bytes(self):
@@ -879,7 +882,7 @@ def decode_variants():
                for units in (1, 2)]
             + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel(dt, hd, fp8_cache=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
-            + [MlaVariant(dt) for dt in DTYPES]
+            + [MlaVariant(dt, tma) for dt in DTYPES for tma in (False, True)]
 
             + [CombineVariant(dt, rows=rows, element_io=elem) for dt in DTYPES
                for rows in (1, 4) for elem in (False, True)]

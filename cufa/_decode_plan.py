@@ -165,6 +165,10 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     if seqlen_q and not paged and aligned and not fp8 and not mla:
         kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
+    if seqlen_q and mla:
+        maps = _mla_maps(q.dtype, kc, vc)
+        if maps is not None:
+            kernel = _compile.MlaVariant(kernel.dtype, tma=True)
     merge_in_launch = (not mla and kernel.units <= 1 and kernel.ctas_per_unit == 1
                        and _heuristics.merge_in_launch(kernel, d, num_splits, seqlen_q * group))
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
@@ -235,6 +239,15 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
                                       per_cta), template
 
 
+def _mla_maps(dtype_name, kc, vc):
+    """The MLA kernel's maps' template: k_cache (the rope) and v_cache (the latent) as
+    (pages or batch, rows, KV heads, columns) views in boxes of a key block's rows, k's in
+    the record's q slot too (unused); None where a map cannot describe them (the kernel
+    then copies every block itself)."""
+    k_view, v_view = ((tuple(c.shape), tuple(c.strides[:3]), _compile.MLA_KEYS) for c in (kc, vc))
+    return _tma.template(dtype_name, (k_view, k_view, v_view))
+
+
 def _partial_cols(d):
     """Floats a row of a split's partial output: whole 8-column chunks (partial_cols in
     decode/epilogue.cuh)."""
@@ -283,10 +296,11 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     params = _params.DECODE.with_pointer_values(record, values)
     # (the maps' q slot holds k's map: the kernel reads k and v; values are DECODE_FIELDS'
     # order, q, k, v first)
-    with_maps = (params, _tma.with_addresses(maps, values[1], values[1], values[2])) if maps else ()
+    with_maps = (params, _tma.with_addresses(maps, values[1], values[1], values[2]) if maps
+                  else _tma.NO_MAPS)
     for kind, function, grid, threads, smem in launches:
         driver_launch(function, grid, threads, smem, stream,
-                      with_maps if kind == "decode_tma" else (params,))
+                      with_maps if kind in ("decode_tma", "decode_mla") else (params,))
     # (the buffers held until the launches are queued: freed earlier, another thread could
     # be handed the same memory for work ordered before ours)
     del held, counters_held

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, common/sm90.cuh)
 _MAPS_BUFFER = ctypes.c_char * MAPS_BYTES  # a record's type as a launch argument
 PADS = [bytes(MAPS_BYTES - 128 * n) for n in range(6)]  # a record of n maps to MAPS_BYTES
+NO_MAPS = _MAPS_BUFFER()  # the maps argument of a kernel that takes maps and reads none
 PANEL_COLUMNS = 64                       # 128 bytes of 16-bit elements: the swizzle width
 _DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS = 0, 3, 2, 0

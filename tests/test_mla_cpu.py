@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cufa import _compile, _heuristics, _runtime
+from cufa import _compile, _heuristics, _runtime, _tma
 from test_kvcache_plan_cpu import arr, planner, record  # noqa: F401 (planner: a fixture)
 
 ROPE, LATENT = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
@@ -16,6 +16,28 @@ ROPE, LATENT = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
 def hopper_family(monkeypatch):
     """The kernel family from the device (sm_90 in `planner`), whatever the environment."""
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
+
+
+@pytest.fixture(autouse=True)
+def encoded(monkeypatch):
+    """A stand-in for the driver's map encoder (no driver here): the (dims, byte strides,
+    box) of each map it is asked for, and a map that stores them."""
+    import ctypes
+    calls = []
+
+    def encode(addr, data_type, rank, ptr, dims, strides, box, *rest):
+        calls.append((tuple(dims[:4]), tuple(strides[:3]), tuple(box[:4])))
+        fields = (ptr, *dims[:4], *strides[:3], *box[:4])
+        ctypes.memmove(addr, b"".join(int(f).to_bytes(8, "little") for f in fields), 96)
+        return 0
+
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: encode)
+    monkeypatch.setattr(_tma, "_learned_field", None)  # (the driver moves the addresses)
+    for table in ("_kind_maps", "_kind_words", "_kind_parts"):
+        monkeypatch.setattr(_tma, table, {})
+    _tma.template.cache_clear()
+    yield calls
+    _tma.template.cache_clear()
 
 
 def bf(shape, **kw):
@@ -115,3 +137,29 @@ def test_mla_rejects_what_it_does_not_take(planner, monkeypatch):
     _runtime.plans.clear()
     with pytest.raises(NotImplementedError, match=r"qv \(MLA decode\) runs on Hopper"):
         call()
+
+
+@pytest.mark.parametrize("paged", [None, 64])
+def test_mla_whole_blocks_come_through_maps(planner, encoded, paged):
+    """A cache the copy engine can describe gets the kernel's TMA variant and two maps in
+    boxes of a key block's rows and one 128-byte panel: k_cache (the rope, 64 columns) and
+    v_cache (the latent, 512: eight boxes a block), over pages (paged) or sequences."""
+    q, k_pe, c_kv, qv, lens = mla_args(batch=8, heads=128, paged=paged)
+    kw = dict(block_table=arr((8, 4096 // 64), "int32")) if paged else {}
+    plan = planner(q, k_pe, c_kv, cache_seqlens=lens, qv=qv, **kw)
+    kind, function = plan.launches[0][:2]
+    assert kind == "decode_mla" and function == hash(_compile.MlaVariant("bf16", tma=True).key)
+    assert plan.maps is not None
+    rows, outer = (64, 8 * 4096 // 64) if paged else (4096, 8)
+    box = (64, _compile.MLA_KEYS, 1, 1)
+    for cols in (ROPE, LATENT):
+        assert ((cols, rows, 1, outer), (2 * cols, 2 * cols, 2 * cols * rows), box) in encoded
+
+
+def test_mla_without_maps_copies_every_block(planner, monkeypatch):
+    """Where no map describes the cache (the encoder refuses it), the kernel's copying
+    variant runs, with no maps."""
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: lambda *args: 1)  # (CUDA_ERROR_INVALID_VALUE)
+    q, k_pe, c_kv, qv, lens = mla_args(batch=2, heads=128)
+    plan = planner(q, k_pe, c_kv, cache_seqlens=lens, qv=qv)
+    assert plan.launches[0][1] == hash(_compile.MlaVariant("bf16").key) and plan.maps is None

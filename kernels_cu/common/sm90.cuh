@@ -110,6 +110,12 @@ __device__ __forceinline__ void mbar_arrive_expect_bytes(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
 }
+// The same bytes expected without an arrival: where the barrier's count is met by other
+// arrivals (the issuing thread's among them, after this).
+__device__ __forceinline__ void mbar_expect_bytes(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
 // Fetches a map's descriptor ahead of the first copy through it, which would wait for it.
 __device__ __forceinline__ void prefetch_tensor_map(const TensorMap& map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&map)) : "memory");

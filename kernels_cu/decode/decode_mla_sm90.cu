@@ -161,8 +161,40 @@ __device__ __forceinline__ void mla_copy_block(const DecodeParams& p, const MlaW
   }
 }
 
-__device__ __forceinline__ void mla_produce(const DecodeParams& p, const MlaWork& w,
-                                            const MlaSmem& sm, int tid) {
+// -- with maps (kTma): a block whose 32 keys are all the split's and lie in one page (or
+//    one contiguous cache row) comes as nine boxes of 32 rows x 64 columns, issued by one
+//    thread (eight of the latent, from v's map, then the rope's, from k's), which land in
+//    the ring's panels as the copies would lay them out. The other blocks (a split's
+//    partial last one, whose rows past the split must be zeros, not the cache's contents;
+//    one across a page boundary) are copied as without maps. Every thread still arrives
+//    through cp.async (count 128), so that Q's copies, which block 0 announces, and a
+//    copied block are covered alike; a box's bytes are expected before the issuing thread
+//    arrives, so the phase cannot complete without them --
+__device__ __forceinline__ bool mla_block_boxed(const DecodeParams& p, const MlaWork& w, int block) {
+  const int key = w.key0 + block * kMlaKeys;
+  if (key + kMlaKeys > w.key_end) return false;
+  if (!p.block_table) return true;
+  const int in_page = (w.s.start + key) & ((1 << p.page_shift) - 1);
+  return in_page + kMlaKeys <= (1 << p.page_shift);
+}
+
+// (not inlined: in the producer's 40 registers, inlined beside the copy path, it spills)
+__device__ __noinline__ void mla_box_block(const DecodeParams& p, const TensorMaps& maps,
+                                              const MlaWork& w, int block, int page, u32 dst,
+                                              u32 full) {
+  const int pos = w.s.start + w.key0 + block * kMlaKeys;
+  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
+  mbar_expect_bytes(full, kMlaBlockBytes);
+#pragma unroll
+  for (int j = 0; j < kMlaLatent / 64; ++j)
+    tma_load_4d(dst + j * kMlaKeys * 128, maps.v, full, 64 * j, slot.row, blockIdx.y, (int)slot.block);
+  tma_load_4d(dst + (kMlaLatent / 64) * kMlaKeys * 128, maps.k, full, 0, slot.row, blockIdx.y,
+              (int)slot.block);
+}
+
+template <bool kTma>
+__device__ __forceinline__ void mla_produce(const DecodeParams& p, const TensorMaps& maps,
+                                            const MlaWork& w, const MlaSmem& sm, int tid) {
   int next_page = w.blocks ? mla_key_page(p, w, 0, tid) : 0;
   for (int i = 0; i < w.blocks; ++i) {
     const int stage = i % kMlaStages;
@@ -170,7 +202,12 @@ __device__ __forceinline__ void mla_produce(const DecodeParams& p, const MlaWork
     if (i + 1 < w.blocks) next_page = mla_key_page(p, w, i + 1, tid);
     if (i >= kMlaStages) mbar_wait(sm.empty(stage), ((i / kMlaStages) & 1) ^ 1);
     if (i == 0) mla_copy_q(p, w, sm.q(), tid);
-    mla_copy_block(p, w, i, page, sm.block(stage), tid);
+    if (kTma && mla_block_boxed(p, w, i)) {
+      // (thread 0's page is its first key's, tid / 4 = 0: the block's)
+      if (tid == 0) mla_box_block(p, maps, w, i, page, sm.block(stage), sm.full(stage));
+    } else {
+      mla_copy_block(p, w, i, page, sm.block(stage), tid);
+    }
     cp_async_mbar_arrive(sm.full(stage));
   }
   cp_async_wait_all();  // (no thread leaves with its copies in flight)
@@ -299,25 +336,32 @@ __device__ __forceinline__ void mla_write(const DecodeParams& p, const MlaWork& 
 }
 
 // grid: (num_m_blocks * num_splits, nheads_k, batch); 384 threads: the producer
-// warpgroup, then consumers 0 and 1.
-template <int kDtype>
-__global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p) {
+// warpgroup, then consumers 0 and 1. maps (kTma): k's (the rope) and v's (the latent)
+// (columns, rows, heads, pages or batch) views in boxes of 32 rows; unused otherwise.
+template <int kDtype, bool kTma>
+__global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p,
+                                                            const __grid_constant__ TensorMaps maps) {
   constexpr int kDTiles = kMlaHalf / 8;
   constexpr int kNTiles = kMlaKeys / 8;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const MlaSmem sm{(smem_u32(smem_raw) + 1023) & ~1023u};
   MlaWork w;
   if (!mla_work(p, w)) return;  // (the whole CTA: no barrier has been met yet)
+  if (kTma && threadIdx.x == 0) {  // (fetched while the barriers are set up)
+    prefetch_tensor_map(maps.k);
+    prefetch_tensor_map(maps.v);
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kMlaStages; ++s) {
       mbar_init(sm.full(s), 128);  // the producer's threads' copies (cp_async_mbar_arrive)
       mbar_init(sm.empty(s), 2);   // one thread a consumer
     }
+    if (kTma) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // (for the copy engine)
   }
   __syncthreads();
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kMlaProducerRegs>();
-    mla_produce(p, w, sm, threadIdx.x);
+    mla_produce<kTma>(p, maps, w, sm, threadIdx.x);
     return;
   }
   setmaxnreg_inc<kMlaConsumerRegs>();
