@@ -43,3 +43,13 @@ def test_a_comment_keeps_the_digest_and_code_changes_it(kernels):
     merge.write_text(text.replace(store, store.replace("= x;", "= x + 1.f;"), 1))
     assert digest() != before
     assert KEY in ptx_digest.default_keys()  # (the last merge variant: in the default sample)
+
+
+def test_internal_names_are_one_whatever_the_process():
+    """The names NVRTC gives internal symbols carry the source's hash and the compiling
+    process's id; with a longer id the mangled length before the name grows too (a
+    5-digit and a 6-digit process id once gave every kernel another digest)."""
+    one = ".global .u32 _ZN47_INTERNAL_00000000_11_fwd_sm80_cu_aa41d365_22064cufa6kWarpsE;"
+    other = ".global .u32 _ZN48_INTERNAL_00000000_11_fwd_sm80_cu_bb41d365_122064cufa6kWarpsE;"
+    assert ptx_digest.normalized(one) == ptx_digest.normalized(other)
+    assert ptx_digest.normalized(one) != ptx_digest.normalized(one.replace("kWarps", "kLanes"))

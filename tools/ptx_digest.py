@@ -40,8 +40,15 @@ def ptx_digest(variant):
     finally:
         nvrtc.destroyProgram(prog)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    ptx = re.sub(r"_INTERNAL_[0-9A-Za-z_]+?cufa", "_INTERNAL_cufa", ptx)
-    return hashlib.sha256(ptx.encode()).hexdigest()[:16]
+    return hashlib.sha256(normalized(ptx).encode()).hexdigest()[:16]
+
+
+def normalized(ptx):
+    """The PTX with its internal-linkage names made one: NVRTC names them
+    _INTERNAL_<source hash>_<file>_<process id>, mangled with the name's length before
+    it, so both the hash and the process id's digits (the length too) would differ from
+    one run to the next."""
+    return re.sub(r"\d*_INTERNAL_[0-9A-Za-z_]+?cufa", "_INTERNAL_cufa", ptx)
 
 
 def main():
