@@ -3,13 +3,14 @@
 Hopper, against the card's limits measured in the same run.
 
     python3 bench/bench_mla.py --out DIR [--quick] [--heads 128] [--page 64] [--reps 40]
-        [--list]
+        [--fp8] [--list]
 
 Rows: bf16, one latent KV head under `--heads` query heads (128: DeepSeek-V3 on one GPU;
 16: eight-way tensor parallel), pages of `--page` rows in random order, every sequence's
 cache full, (batch, cache length N) in (1, 1k) .. (128, 64k) x query tokens 1 and 2
 (speculative decode). A key is a 512-dim latent row c_kv and a 64-dim rotary row k_pe, so
-the cache holds 2 * B * N * 576 bytes, read once (TB/s, and its share of the copy
+the cache holds 2 * B * N * 576 bytes (--fp8: e4m3 caches with per-sequence descales,
+B * N * 576), read once (TB/s, and its share of the copy
 bandwidth measured in the same run); the work is 2 * B * H * sq * N * (576 + 512) FLOPs
 (scores over 576 dims, P V over 512), TFLOP/s beside the card's dense fp16 matrix rate
 (an 8192^3 product, same run). At 128 heads a cache byte carries about 240 FLOPs at one
@@ -42,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=128, help="query heads over the latent head")
     p.add_argument("--page", type=int, default=64, help="page size (rows), a power of two")
     p.add_argument("--reps", type=int, default=40, help="timed calls a row, over the rounds")
+    p.add_argument("--fp8", action="store_true",
+                   help="float8_e4m3fn caches (k_descale, v_descale per sequence)")
     p.add_argument("--list", action="store_true", help="print the rows and exit (no GPU)")
     args = p.parse_args(argv)
     if args.page < 1 or args.page & (args.page - 1):
@@ -56,8 +59,8 @@ def rows(args):
             for sq in SEQLENS_Q]
 
 
-def cache_bytes(batch, n):
-    return 2 * batch * n * (ROPE + LATENT)
+def cache_bytes(batch, n, fp8=False):
+    return (1 if fp8 else 2) * batch * n * (ROPE + LATENT)
 
 
 def flops(batch, heads, sq, n):
@@ -68,7 +71,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.list:
         for b, n, sq in rows(args):
-            print(f"B={b} N={n} sq={sq} heads={args.heads}: {cache_bytes(b, n) / 1e6:.0f} MB, "
+            print(f"B={b} N={n} sq={sq} heads={args.heads}: "
+                  f"{cache_bytes(b, n, args.fp8) / 1e6:.0f} MB, "
                   f"{flops(b, args.heads, sq, n) / 1e9:.1f} GFLOP")
         return 0
     torch = T.require_torch_cuda("bench_mla.py")
@@ -85,7 +89,8 @@ def main(argv=None):
     todo = rows(args)
     for i, (b, n, sq) in enumerate(todo):
         T.progress(i, len(todo), f"B={b} N={n} sq={sq}")
-        sets = 1 if cache_bytes(b, n) >= ROTATE_BELOW else T.rotating_sets(cache_bytes(b, n))
+        size = cache_bytes(b, n, args.fp8)
+        sets = 1 if size >= ROTATE_BELOW else T.rotating_sets(size)
         arg_sets = []
         for _ in range(sets):
             table, pages = reference.paged_layout(b, n, args.page, rng, spare_pages=0)
@@ -98,6 +103,11 @@ def main(argv=None):
                                           dtype=torch.bfloat16),
                       cache_seqlens=torch.full((b,), n, dtype=torch.int32, device="cuda"),
                       block_table=torch.from_numpy(table).cuda())
+            if args.fp8:
+                for name in ("k_cache", "v_cache"):
+                    kw[name] = (kw[name] * 4).to(torch.float8_e4m3fn)
+                kw["k_descale"], kw["v_descale"] = (
+                    torch.rand(b, 1, device="cuda") * 0.5 + 0.05 for _ in range(2))
             arg_sets.append((kw,))
 
         def call(kw):
@@ -105,7 +115,7 @@ def main(argv=None):
         got = T.run_rounds({"cufa": lambda reps: T.time_events(torch, call, arg_sets, reps)},
                            -(-args.reps // T.ROUNDS))["cufa"]
         row = dict(batch=b, seqlen=n, seqlen_q=sq, heads=args.heads, page=args.page,
-                   bytes=cache_bytes(b, n), flops=flops(b, args.heads, sq, n))
+                   bytes=size, flops=flops(b, args.heads, sq, n))
         if isinstance(got, dict):
             row["na"] = got["na"]
         else:
@@ -116,7 +126,8 @@ def main(argv=None):
         arg_sets = None  # (the caches freed before the next row)
         torch.cuda.empty_cache()
     T.progress(len(todo), len(todo), "done")
-    lines = [f"MLA decode, {device}, bf16, {args.heads} query heads over one latent head, "
+    lines = [f"MLA decode, {device}, bf16{' over an e4m3 cache' if args.fp8 else ''}, "
+             f"{args.heads} query heads over one latent head, "
              f"pages of {args.page}; copy bandwidth {copy:.2f} TB/s, fp16 matmul "
              f"{matmul:.0f} TFLOP/s (same run); median of {args.reps} calls a row", "",
              "| B x N | sq | cache MB | GFLOP | us | TB/s | % of copy | TFLOP/s | % of matmul |",
@@ -137,7 +148,7 @@ def main(argv=None):
         f.write(table + "\n")
     with open(os.path.join(args.out, "bench_mla.json"), "w") as f:
         meta = dict(device=device, date=datetime.date.today().isoformat(), copy_tbps=copy,
-                    matmul_tflops=matmul, heads=args.heads, page=args.page,
+                    matmul_tflops=matmul, heads=args.heads, page=args.page, fp8=args.fp8,
                     versions=T.versions(torch))
         json.dump(dict(meta=meta, rows=results), f, indent=1)
     return 0

@@ -654,12 +654,10 @@ def check_num_splits(num_splits):
 def check_mla(a):
     """flash_attn_with_kvcache's MLA form (qv given, FlashAttention-3's): q and k_cache the
     rotary part (MLA_ROPE_DIM), qv and v_cache the latent one (MLA_LATENT_DIM), which is
-    also the value; what the MLA kernel does not take raises. -> v's head dim."""
+    also the value; the caches 16-bit (q's dtype) or both e4m3 (k_descale scales k_pe,
+    v_descale c_kv); what the MLA kernel does not take raises. -> v's head dim."""
     q, qv, kc, vc = a.q, a.qv, a.k_cache, a.v_cache
     rope, latent = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
-    if FP8_CACHE in (kc.dtype, vc.dtype):
-        raise NotImplementedError("with qv (MLA decode) the cache must be float16 or bfloat16, "
-                                  "q's dtype; an fp8 latent cache is not supported yet")
     for x, n, d, what in ((q, "q", rope, "the rotary part of the queries"),
                           (kc, "k_cache", rope, "the rotary part of the keys, k_pe"),
                           (qv, "qv", latent, "the absorbed queries"),
@@ -675,8 +673,7 @@ def check_mla(a):
     if not chunk_aligned(qv.shape, qv.strides, qv.ptr):
         raise ValueError("qv needs rows that move in 16-byte chunks: strides that are "
                          "multiples of 8 elements and a 16-byte aligned start")
-    for x, n in ((a.alibi_slopes, "alibi_slopes"), (a.learnable_sink, "learnable_sink"),
-                 (a.k_descale, "k_descale"), (a.v_descale, "v_descale")):
+    for x, n in ((a.alibi_slopes, "alibi_slopes"), (a.learnable_sink, "learnable_sink")):
         if x is not None:
             raise NotImplementedError(f"{n} is not supported with qv (MLA decode)")
     return latent

@@ -740,17 +740,20 @@ class DecodeTmaVariant(_CacheKernel):
 # MLA decode (decode/decode_mla_sm90.cu, wgmma: Hopper alone): a key is a latent row of
 # MLA_LATENT_DIM (v_cache, also the value) and a rotary row of MLA_ROPE_DIM (k_cache); a
 # CTA takes MLA_ROWS (token, head) rows of a KV head, MLA_KEYS keys a block through a
-# ring of MLA_STAGES, a producer warpgroup and two consumer warpgroups.
+# ring of 16-bit blocks (and, for an e4m3 cache, a staging ring of its bytes), a producer
+# warpgroup and two consumer warpgroups.
 MLA_LATENT_DIM, MLA_ROPE_DIM = 512, 64
-MLA_ROWS, MLA_KEYS, MLA_STAGES = 64, 32, 4
+MLA_ROWS, MLA_KEYS = 64, 32
 
 
 @dataclass(frozen=True)
 class MlaVariant(_CacheKernel):
     """decode/decode_mla_sm90.cu's decode_mla_kernel; tma: whole blocks come as TMA boxes
-    through the call's maps (a cache the maps can describe)."""
+    through the call's maps (a cache the maps can describe); fp8_cache: the caches hold
+    e4m3, widened to the 16-bit dtype by the producer."""
     dtype: str
     tma: bool = False
+    fp8_cache: bool = False
     kind = "decode_mla"
     source = "decode/decode_mla_sm90.cu"
     archs = ("sm_90a",)
@@ -759,20 +762,28 @@ class MlaVariant(_CacheKernel):
 
     @property
     def key(self):
-        return f"decode_mla_{self.dtype}" + ("_tma" if self.tma else "")
+        return (f"decode_mla_{self.dtype}" + ("_e4m3" if self.fp8_cache else "")
+                + ("_tma" if self.tma else ""))
 
     @property
     def name_expression(self):
-        return (f"cufa::decode_mla_kernel<{DTYPES.index(self.dtype)}, "
-                f"{'true' if self.tma else 'false'}>")
+        flags = ", ".join("true" if f else "false" for f in (self.tma, self.fp8_cache))
+        return f"cufa::decode_mla_kernel<{DTYPES.index(self.dtype)}, {flags}>"
+
+    @property
+    def stages(self):
+        """MlaSmem::kStages and kStaged: the ring's 16-bit blocks, the e4m3 blocks staged."""
+        return (3, 2) if self.fp8_cache else (4, 0)
 
     @property
     def smem_bytes(self):
-        """MlaSmem::kBytes: Q and the ring's blocks (576 columns), the one P panel
-        (64 columns), three float arrays of two rows' worth, the mbarriers, the alignment."""
+        """MlaSmem::kBytes: Q and the ring's blocks (576 columns), the staged e4m3 blocks,
+        the one P panel (64 columns), three float arrays of two rows' worth, the mbarriers,
+        the alignment."""
         dim = MLA_LATENT_DIM + MLA_ROPE_DIM
-        return (MLA_ROWS * dim * 2 + MLA_STAGES * MLA_KEYS * dim * 2 + MLA_ROWS * 64 * 2
-                + 3 * 2 * MLA_ROWS * 4 + 16 * MLA_STAGES + 1024)
+        stages, staged = self.stages
+        return (MLA_ROWS * dim * 2 + stages * MLA_KEYS * dim * 2 + staged * MLA_KEYS * dim
+                + MLA_ROWS * 64 * 2 + 3 * 2 * MLA_ROWS * 4 + 8 * (2 * stages + staged) + 1024)
 
     @property
     def ctas_per_sm(self):
@@ -882,7 +893,8 @@ def decode_variants():
                for units in (1, 2)]
             + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel(dt, hd, fp8_cache=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
-            + [MlaVariant(dt, tma) for dt in DTYPES for tma in (False, True)]
+            + [MlaVariant(dt, tma, fp8) for dt in DTYPES for tma in (False, True)
+               for fp8 in (False, True)]
 
             + [CombineVariant(dt, rows=rows, element_io=elem) for dt in DTYPES
                for rows in (1, 4) for elem in (False, True)]

@@ -120,7 +120,7 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
 
     group = nheads // nheads_k
     if mla:
-        kernel, num_m_blocks, num_splits = _mla_kernel(q, softcap, seqlen_q * group,
+        kernel, num_m_blocks, num_splits = _mla_kernel(q, softcap, fp8, seqlen_q * group,
                                                        batch * nheads_k, capacity, num_splits)
     else:
         num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
@@ -166,9 +166,9 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
         kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
     if seqlen_q and mla:
-        maps = _mla_maps(q.dtype, kc, vc)
+        maps = _mla_maps(q.dtype, kc, vc, fp8)
         if maps is not None:
-            kernel = _compile.MlaVariant(kernel.dtype, tma=True)
+            kernel = _compile.MlaVariant(kernel.dtype, tma=True, fp8_cache=fp8)
     merge_in_launch = (not mla and kernel.units <= 1 and kernel.ctas_per_unit == 1
                        and _heuristics.merge_in_launch(kernel, d, num_splits, seqlen_q * group))
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
@@ -189,10 +189,10 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
                    maps=maps, merge_in_launch=merge_in_launch)
 
 
-def _mla_kernel(q, softcap, rows, units, capacity, num_splits):
+def _mla_kernel(q, softcap, fp8, rows, units, capacity, num_splits):
     """(the MLA decode kernel, its query blocks, the split count) for a call with qv:
-    `rows` (token, head) rows of each of `units` (sequence, KV head) pairs; Hopper's
-    alone (wgmma)."""
+    `rows` (token, head) rows of each of `units` (sequence, KV head) pairs, over a 16-bit
+    or (fp8) an e4m3 cache; Hopper's alone (wgmma)."""
     if softcap > 0:
         raise NotImplementedError("softcap is not supported with qv (MLA decode)")
     family = _compile.family_for(_runtime.compute_capability(q.device))
@@ -202,7 +202,7 @@ def _mla_kernel(q, softcap, rows, units, capacity, num_splits):
             f"{_compile.FAMILY_ENV}) takes the {family} kernels. Without qv, the same "
             "attention is q' = [qv, q] against k' = [v_cache, k_cache] with v_cache as values "
             "(a copy of the cache)")
-    kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype])
+    kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype], fp8)
     num_m_blocks = -(-rows // _compile.MLA_ROWS)
     return kernel, num_m_blocks, _heuristics.mla_splits(num_splits, units * num_m_blocks,
                                                          capacity, q.device)
@@ -239,11 +239,20 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
                                       per_cta), template
 
 
-def _mla_maps(dtype_name, kc, vc):
+def _mla_maps(dtype_name, kc, vc, fp8):
     """The MLA kernel's maps' template: k_cache (the rope) and v_cache (the latent) as
     (pages or batch, rows, KV heads, columns) views in boxes of a key block's rows, k's in
     the record's q slot too (unused); None where a map cannot describe them (the kernel
-    then copies every block itself)."""
+    then copies every block itself). An e4m3 cache's latent goes as bytes: described as
+    bfloat16 pairs (half the columns and strides; a 64-column box is 128 of its values),
+    which the copy engine moves the same, its rope by the producer's copies (v's map in
+    every slot)."""
+    if fp8:
+        if any(s % 2 for s in vc.strides[:3]):
+            return None
+        view = ((vc.shape[:3] + (vc.shape[3] // 2,)), tuple(s // 2 for s in vc.strides[:3]),
+                _compile.MLA_KEYS)
+        return _tma.template("bfloat16", (view, view, view))
     k_view, v_view = ((tuple(c.shape), tuple(c.strides[:3]), _compile.MLA_KEYS) for c in (kc, vc))
     return _tma.template(dtype_name, (k_view, k_view, v_view))
 

@@ -241,3 +241,110 @@ def test_mla_with_the_other_arguments(hopper, name):
     before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
     out, lse = cufa.flash_attn_with_kvcache(**kw, **opt, causal=True, return_softmax_lse=True)
     check_kvcache(out, lse, **{**kw, **before}, **opt, causal=True, label=name)
+
+
+# -- an fp8 (e4m3) latent cache: k_pe and c_kv in float8_e4m3fn, k_descale and v_descale --
+
+E4M3 = getattr(torch, "float8_e4m3fn", None)
+# Powers of two as descales: each dequantized value (e4m3 x descale) is then a 16-bit
+# value, so the 16-bit references above take the dequantized caches exactly. k's and v's
+# are drawn apart, per (sequence, KV head), so that a descale applied to the wrong part,
+# head or sequence, or not at all, fails.
+def e4m3_descales(rng, kind, batch, heads_k):
+    if kind == "none":
+        return None, None
+    shape = (batch, heads_k) if kind == "per sequence and head" else (1,)
+    return tuple(torch.from_numpy(2.0 ** rng.integers(-3, 2, shape)).float().cuda()
+                 for _ in range(2))
+
+
+def build_e4m3(rng, *, dtype="bfloat16", lens, sq=1, heads=16, heads_k=1, page=None, new=0,
+               descale, batch_idx=False):
+    """The call's arguments over e4m3 caches of random values; the dequantized logical
+    caches (batch, capacity, heads_k, d) of each sequence as they are after the call (q's
+    dtype, exact); and the bytes each cache must hold after it, in its layout (the new
+    rows as torch quantizes k / k_descale after the clamp to +-448, every other byte as
+    it was). batch_idx: the sequences on cache rows in a random order, two rows spare;
+    pages of no sequence hold 448 (0x7e), so that a read of one shows."""
+    batch = len(lens)
+    capacity = -(-(max(lens) + new + 1) // 64) * 64
+    rows = batch + 2 if batch_idx else batch
+    idx = rng.permutation(rows)[:batch] if batch_idx else np.arange(batch)
+    kd, vd = e4m3_descales(rng, descale, batch, heads_k)
+    caches = [torch.from_numpy(rng.standard_normal((rows, capacity, heads_k, d),
+                                                   dtype=np.float32) * 4)
+              .clamp(-448, 448).to("cuda", E4M3) for d in (ROPE, LATENT)]
+    kw = dict(q=randn(rng, (batch, sq, heads, ROPE), dtype),
+              qv=randn(rng, (batch, sq, heads, LATENT), dtype), cache_seqlens=i32(lens),
+              k_descale=kd, v_descale=vd)
+    if batch_idx:
+        kw["cache_batch_idx"] = i32(idx)
+    if new:
+        kw["k"] = randn(rng, (batch, new, heads_k, ROPE), dtype)
+        kw["v"] = randn(rng, (batch, new, heads_k, LATENT), dtype)
+    table = num_pages = None
+    if page:
+        table, num_pages = reference.paged_layout(batch, capacity, page, rng)
+        kw["block_table"] = i32(table)
+
+    def layout(cache):  # (as bytes: no fp8 indexing needed)
+        return (reference.to_paged(cache.view(torch.uint8), table, num_pages, fill=0x7e)
+                .view(E4M3) if page else cache.clone())
+    kw["k_cache"], kw["v_cache"] = (layout(c) for c in caches)
+    logical, expected = [], []
+    for cache, scale, name in zip(caches, (kd, vd), ("k", "v")):
+        scale = (torch.ones((batch, heads_k), device="cuda") if scale is None
+                 else torch.broadcast_to(scale.reshape(-1, scale.shape[-1] if scale.dim() == 2
+                                                       else 1), (batch, heads_k)))
+        for b, n in enumerate(lens):  # (as bytes: fp8 tensors take few index operations)
+            if new:
+                cache.view(torch.uint8)[idx[b], n:n + new] = (
+                    kw[name][b].float() / scale[b][None, :, None]).clamp(-448, 448).to(
+                    E4M3).view(torch.uint8)
+        seqs = cache.view(torch.uint8)[torch.as_tensor(idx).long().cuda()].view(E4M3)
+        logical.append((seqs.float() * scale[:, None, :, None]).to(kw["q"].dtype))
+        expected.append(layout(cache).view(torch.uint8))
+    return kw, logical[0], logical[1], expected
+
+
+E4M3_CASES = {
+    "128 heads, descales a sequence, pages of 64": dict(lens=[513, 64, 1000], heads=128,
+                                                        page=64,
+                                                        descale="per sequence and head"),
+    "two KV heads, descales a head, rows picked": dict(lens=[300, 90, 7], heads=32, heads_k=2,
+                                                       descale="per sequence and head",
+                                                       batch_idx=True),
+    "16 heads, 2 tokens, one descale, causal": dict(lens=[300, 1, 77], sq=2,
+                                                    descale="one", causal=True),
+    "no descales, 4 splits, an empty sequence": dict(lens=[0, 700, 33], descale="none",
+                                                     num_splits=4),
+    "append 2, causal, pages of 64": dict(lens=[61, 0, 200], sq=2, page=64, new=2,
+                                          descale="per sequence and head", causal=True),
+    "append 1, rows picked, 128 heads": dict(lens=[5, 130, 64], heads=128, new=1,
+                                             descale="one", batch_idx=True),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(E4M3_CASES))
+def test_mla_over_an_e4m3_cache(hopper, name, dtype):
+    """Each against the references of the dequantized caches; with an append, the new
+    rows' bytes are torch's quantization of k / k_descale (and of v / v_descale) after the
+    clamp, and every other byte of the caches is unchanged."""
+    if E4M3 is None:
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    case = dict(E4M3_CASES[name])
+    call = {n: case.pop(n) for n in ("causal", "num_splits") if n in case}
+    rng = np.random.default_rng(sum(map(ord, name)))
+    kw, k_pe, c_kv, expected = build_e4m3(rng, dtype=dtype, **case)
+    b, sq, h, _ = kw["q"].shape
+    out = torch.full((b, sq, h, LATENT), NAN, dtype=kw["q"].dtype, device="cuda")
+    got, lse = cufa.flash_attn_with_kvcache(**kw, **call, out=out, return_softmax_lse=True)
+    assert got.data_ptr() == out.data_ptr()
+    check_mla(out, lse, kw, k_pe, c_kv, case["lens"], f"{name} {dtype}",
+              call.get("causal", False))
+    for cache_name, want in zip(("k_cache", "v_cache"), expected):
+        have = kw[cache_name].view(torch.uint8)
+        assert torch.equal(have, want), (
+            f"{cache_name}: {int((have != want).sum())} of {have.numel()} bytes differ from "
+            "the cache with torch's quantization of the new rows")

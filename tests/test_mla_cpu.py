@@ -7,6 +7,7 @@ import math
 import pytest
 
 from cufa import _compile, _heuristics, _runtime, _tma
+from test_fp8_cache_cpu import arr as fp8_arr  # (torch arrays, as fp8 caches need)
 from test_kvcache_plan_cpu import arr, planner, record  # noqa: F401 (planner: a fixture)
 
 ROPE, LATENT = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
@@ -163,3 +164,54 @@ def test_mla_without_maps_copies_every_block(planner, monkeypatch):
     q, k_pe, c_kv, qv, lens = mla_args(batch=2, heads=128)
     plan = planner(q, k_pe, c_kv, cache_seqlens=lens, qv=qv)
     assert plan.launches[0][1] == hash(_compile.MlaVariant("bf16").key) and plan.maps is None
+
+
+def e4m3(shape, **kw):
+    return fp8_arr(shape, "float8_e4m3fn", **kw)
+
+
+def test_mla_over_an_fp8_cache(planner, encoded):
+    """e4m3 k_pe and c_kv with per-(sequence, KV head) descales: the MLA kernel's e4m3
+    variant (three 16-bit buffers, two staged e4m3 blocks, within sm_90's shared memory),
+    c_kv's bytes described to the copy engine as bfloat16 pairs (256 columns of 2 bytes,
+    boxes of 128 values), the descales' strides in the record, and an append that
+    quantizes k into k_cache's 64 dims and v into v_cache's 512."""
+    q, _, _, qv, lens = mla_args(batch=4, heads=128, paged=64)
+    k_pe, c_kv = e4m3((4 * 4096 // 64, 64, 1, ROPE)), e4m3((4 * 4096 // 64, 64, 1, LATENT))
+    descale = fp8_arr((4, 1), "float32", ptr=0x7f2000000000)
+    table = arr((4, 4096 // 64), "int32")
+    k_new, v_new = bf((4, 1, 1, ROPE)), bf((4, 1, 1, LATENT))
+    plan = planner(q, k_pe, c_kv, k_new, v_new, cache_seqlens=lens, block_table=table, qv=qv,
+                   k_descale=descale, v_descale=descale)
+    kernel = _compile.MlaVariant("bf16", tma=True, fp8_cache=True)
+    assert kernel.key == "decode_mla_bf16_e4m3_tma" and kernel.stages == (3, 2)
+    assert kernel.name_expression == "cufa::decode_mla_kernel<1, true, true>"
+    pages = 4 * 4096 // 64
+    assert ((LATENT // 2, 64, 1, pages), (LATENT, LATENT, 64 * LATENT),
+            (64, _compile.MLA_KEYS, 1, 1)) in encoded
+    assert kernel.smem_bytes <= _compile.SM90_SMEM_LIMIT and kernel in set(_compile.all_variants())
+    kinds = [entry[0] for entry in plan.launches]
+    assert kinds[:2] == ["append", "decode_mla"]
+    assert plan.launches[0][1] == hash(_compile.AppendVariant("bf16", True).key)
+    assert plan.launches[1][1] == hash(kernel.key)
+    assert plan.launches[1][4] == kernel.smem_bytes
+    rec = record(plan)
+    assert (rec["head_dim"], rec["head_dim_v"]) == (ROPE, LATENT)
+    assert (rec["k_descale_batch_stride"], rec["v_descale_head_stride"]) == (1, 1)
+    assert (rec["v_batch_stride"], rec["v_row_stride"]) == (64 * LATENT, LATENT)  # (bytes)
+    assert plan.out_shape == (4, 1, 128, LATENT) and not plan.out_like_q
+
+
+def test_mla_fp8_cache_errors(planner):
+    q, k_pe, c_kv, qv, lens = mla_args(batch=2, heads=16, keys=256)
+    k8, v8 = e4m3((2, 256, 1, ROPE)), e4m3((2, 256, 1, LATENT))
+    scale = fp8_arr((2, 1), "float32", ptr=0x7f2000000000)
+    with pytest.raises(TypeError, match="k_cache has dtype float8_e4m3fn but v_cache has bfloat16"):
+        planner(q, k8, c_kv, cache_seqlens=lens, qv=qv)
+    with pytest.raises(TypeError, match="k_descale applies to float8_e4m3fn caches"):
+        planner(q, k_pe, c_kv, cache_seqlens=lens, qv=qv, k_descale=scale)
+    with pytest.raises(ValueError, match=r"v_descale must be float32 \(batch, nheads_k\)"):
+        planner(q, k8, v8, cache_seqlens=lens, qv=qv,
+                v_descale=fp8_arr((2, 2), "float32", ptr=0x7f2000000000))
+    with pytest.raises(NotImplementedError, match="an fp8 cache is read in 16-byte chunks"):
+        planner(q, k8, e4m3((2, 256, 1, LATENT), ptr=0x7f0000000008), cache_seqlens=lens, qv=qv)

@@ -9,7 +9,7 @@
 // - a CTA takes 64 query rows (a GQA group's heads x new tokens) of one (sequence, KV
 //   head, split) and reads each key block once for all of them;
 // - a producer warpgroup copies the key blocks (latent row and rotary row side by side,
-//   576 columns in nine 128-byte-swizzled panels) into a ring of kMlaStages buffers;
+//   576 columns in nine 128-byte-swizzled panels) into a ring of MlaSmem::kStages buffers;
 // - two consumer warpgroups hold O's columns 0-255 and 256-511 (64 x 256 floats each: all
 //   of O would not fit one warpgroup's registers). They take turns at the scores: block t
 //   is owned by consumer t % 2, which computes S = Q K^T over all 576 columns, the online
@@ -18,6 +18,11 @@
 //   columns. So each consumer computes half of the scores and half of P V, and the scores
 //   of block t + 1 run while block t's softmax does.
 // The splits' shares merge in decode_combine, as decode_kernel's do.
+// An e4m3 cache (kFp8) arrives as bytes in a staging ring (its latent as TMA boxes where
+// maps describe it, its rope and the other blocks by the producer's copies) and is widened
+// to the 16-bit dtype by the producer on its way into the ring, exactly (e4m3 values over
+// e4m3_to_half_scale() are fp16 and bf16 values); the scores' latent and rotary parts sum
+// in two accumulators, each times its descale, and the output takes v's descale with 1/l.
 #include "cache.cuh"
 #include "score.cuh"
 #include "../common/sm90.cuh"
@@ -32,16 +37,20 @@ constexpr int kMlaDim = kMlaLatent + kMlaRope;   // the scores' columns
 constexpr int kMlaChunks = kMlaDim / 8;          // 16-byte chunks a row (latent first)
 constexpr int kMlaRows = 64;                     // query rows a CTA: a consumer's M
 constexpr int kMlaKeys = 32;                     // keys a block
-constexpr int kMlaStages = 4;
+constexpr int kMlaLatentSteps = kMlaLatent / 16;  // S's k-steps over the latent (then the rope's)
 // Q's last k-steps (the rope dims and the latent's tail), held by each consumer as A
 // fragments for the whole split: S at N = 32 reads Q's 2 KB a k-step from shared memory
 // for 1 KB of keys, more than the tensor cores' 16 cycles can take in; these k-steps read
-// the keys alone
-constexpr int kMlaQRegSteps = 12;
-constexpr int kMlaQSmemSteps = kMlaDim / 16 - kMlaQRegSteps;
+// the keys alone. (An e4m3 cache's rope accumulator takes four k-steps' registers.)
+template <bool kFp8> constexpr int kMlaQRegSteps = kFp8 ? 8 : 12;
+template <bool kFp8> constexpr int kMlaQSmemSteps = kMlaDim / 16 - kMlaQRegSteps<kFp8>;
 constexpr int kMlaHalf = kMlaLatent / 2;         // O's columns a consumer
 constexpr int kMlaQBytes = kMlaRows * kMlaDim * 2;
 constexpr int kMlaBlockBytes = kMlaKeys * kMlaDim * 2;
+// An e4m3 block staged: the latent in four 128-byte-swizzled panels of 128 values (as TMA
+// boxes land), then the rope's rows, 64 bytes each, unswizzled
+constexpr int kMlaE4m3LatentBytes = kMlaKeys * kMlaLatent;
+constexpr int kMlaE4m3BlockBytes = kMlaKeys * kMlaDim;
 constexpr int kMlaPBytes = kMlaRows * 64 * 2;    // P in one 64-column panel (32 used)
 constexpr int kMlaProducerRegs = 40, kMlaConsumerRegs = 232;
 // setmaxnreg moves registers between the warpgroups within the CTA's allotment (384
@@ -50,35 +59,47 @@ constexpr int kMlaProducerRegs = 40, kMlaConsumerRegs = 232;
 static_assert(128 * kMlaProducerRegs + 256 * kMlaConsumerRegs <= 384 * 168,
               "the warpgroups' registers within the CTA's");
 // named barriers (0 is __syncthreads'): "block t's P is ready" for consumer 0 and 1 (1, 2),
-// and the consumers' meeting before the epilogue (3)
+// and the consumers' meeting before the epilogue (3); an e4m3 cache's producer has a
+// fourth (mla_produce_e4m3)
 constexpr int kMlaReadyBarrier = 1, kMlaEndBarrier = 3;
 
-// Shared memory from a 1024-byte boundary: Q, the ring, P, the rows' running max and
-// rescale factors (double-buffered by block parity) and final sums, then the ring's
-// mbarriers. One P panel serves both consumers: block t's P is written by its owner, read
-// by the other alone, which rewrites it with block t + 1's P only after that read has
-// completed, so the panel passes from one to the other in turn; the space of a second
-// panel holds the ring's fourth buffer. MlaVariant.smem_bytes in cufa/_compile.py mirrors
-// kBytes (232,000 of sm_90's 232,448 bytes a CTA).
+// Shared memory from a 1024-byte boundary: Q, the ring, an e4m3 cache's staged blocks, P,
+// the rows' running max and rescale factors (double-buffered by block parity) and final
+// sums, then the mbarriers. One P panel serves both consumers: block t's P is written by
+// its owner, read by the other alone, which rewrites it with block t + 1's P only after
+// that read has completed, so the panel passes from one to the other in turn; the space
+// of a second panel holds the ring's fourth buffer (with e4m3, the staging ring: three
+// 16-bit buffers and two staged blocks). MlaVariant.smem_bytes in cufa/_compile.py
+// mirrors kBytes (232,000 of sm_90's 232,448 bytes a CTA, either way).
+template <bool kFp8>
 struct MlaSmem {
+  static constexpr int kStages = kFp8 ? 3 : 4;  // 16-bit blocks
+  static constexpr int kStaged = kFp8 ? 2 : 0;  // e4m3 blocks
   static constexpr u32 kRing = kMlaQBytes;
-  static constexpr u32 kP = kRing + kMlaStages * kMlaBlockBytes;
+  static constexpr u32 kStaging = kRing + kStages * kMlaBlockBytes;
+  static constexpr u32 kP = kStaging + kStaged * kMlaE4m3BlockBytes;
   static constexpr u32 kMax = kP + kMlaPBytes;       // float [2][kMlaRows]
   static constexpr u32 kCorr = kMax + 2 * kMlaRows * 4;
   static constexpr u32 kSum = kCorr + 2 * kMlaRows * 4;
-  static constexpr u32 kBars = kSum + 2 * kMlaRows * 4;  // full[kMlaStages], empty[...]
-  static constexpr int kBytes = kBars + 16 * kMlaStages + 1024;  // (+ the alignment)
+  static constexpr u32 kBars = kSum + 2 * kMlaRows * 4;  // full, empty, staged_full
+  static constexpr int kBytes = kBars + 8 * (2 * kStages + kStaged) + 1024;  // (+ the alignment)
   u32 base;
   __device__ u32 q() const { return base; }
   __device__ u32 block(int stage) const { return base + kRing + stage * kMlaBlockBytes; }
+  __device__ u32 staged(int i) const { return base + kStaging + i * kMlaE4m3BlockBytes; }
   __device__ u32 p() const { return base + kP; }
   __device__ float* row_floats(unsigned char* raw, u32 at) const {
     return reinterpret_cast<float*>(raw + (base - smem_u32(raw)) + at);
   }
   __device__ u32 full(int stage) const { return base + kBars + 8 * stage; }
-  __device__ u32 empty(int stage) const { return base + kBars + 8 * (kMlaStages + stage); }
+  __device__ u32 empty(int stage) const { return base + kBars + 8 * (kStages + stage); }
+  __device__ u32 staged_full(int i) const { return base + kBars + 8 * (2 * kStages + i); }
 };
-static_assert(MlaSmem::kBytes <= 227 * 1024, "shared memory a CTA of sm_90");
+static_assert(MlaSmem<false>::kBytes <= 227 * 1024 && MlaSmem<true>::kBytes <= 227 * 1024,
+              "shared memory a CTA of sm_90");
+static_assert(MlaSmem<true>::kStaging % 1024 == 0 && kMlaE4m3BlockBytes % 1024 == 0 &&
+                  MlaSmem<true>::kP % 1024 == 0 && MlaSmem<false>::kP % 1024 == 0,
+              "swizzled panels (boxes, P) on 1024-byte boundaries");
 
 // -- the CTA's work: its rows (row r: token r / group, head h_k * group + r % group of
 //    the CTA's 64 consecutive (token, head) rows) and its split's key blocks --
@@ -109,7 +130,7 @@ __device__ __forceinline__ bool mla_work(const DecodeParams& p, MlaWork& w) {
 }
 
 // -- the producer: Q (with block 0's copies), then block i of the split into stage
-//    i % kMlaStages once both consumers have released it. Each thread's copies announce
+//    i % kStages once both consumers have released it. Each thread's copies announce
 //    themselves on the stage's full barrier as they land (cp.async's own arrival), so
 //    every free buffer has its copy in flight, and a block is announced the moment it is
 //    in, not when the producer next gets round to it. A thread copies a quarter of one
@@ -194,13 +215,14 @@ __device__ __noinline__ void mla_box_block(const DecodeParams& p, const TensorMa
 
 template <bool kTma>
 __device__ __forceinline__ void mla_produce(const DecodeParams& p, const TensorMaps& maps,
-                                            const MlaWork& w, const MlaSmem& sm, int tid) {
+                                            const MlaWork& w, const MlaSmem<false>& sm, int tid) {
+  constexpr int kStages = MlaSmem<false>::kStages;
   int next_page = w.blocks ? mla_key_page(p, w, 0, tid) : 0;
   for (int i = 0; i < w.blocks; ++i) {
-    const int stage = i % kMlaStages;
+    const int stage = i % kStages;
     const int page = next_page;
     if (i + 1 < w.blocks) next_page = mla_key_page(p, w, i + 1, tid);
-    if (i >= kMlaStages) mbar_wait(sm.empty(stage), ((i / kMlaStages) & 1) ^ 1);
+    if (i >= kStages) mbar_wait(sm.empty(stage), ((i / kStages) & 1) ^ 1);
     if (i == 0) mla_copy_q(p, w, sm.q(), tid);
     if (kTma && mla_block_boxed(p, w, i)) {
       // (thread 0's page is its first key's, tid / 4 = 0: the block's)
@@ -209,6 +231,111 @@ __device__ __forceinline__ void mla_produce(const DecodeParams& p, const TensorM
       mla_copy_block(p, w, i, page, sm.block(stage), tid);
     }
     cp_async_mbar_arrive(sm.full(stage));
+  }
+  cp_async_wait_all();  // (no thread leaves with its copies in flight)
+}
+
+// -- an e4m3 cache's producer. Block i's bytes go into staging buffer i % kStaged,
+//    kStaged blocks ahead: the latent as four TMA boxes of 128 values (maps describe the
+//    cache's bytes as bfloat16 pairs, so a 64-column box is 128 bytes) where the block is
+//    boxed, else by the threads' copies into the same swizzled panels; the rope by the
+//    threads' copies (one 16-byte chunk each: 32 keys of 64 bytes). Once a block's bytes
+//    have landed and its 16-bit buffer is free, every thread widens its share of it and
+//    announces it; the staging buffer is refilled once all have (named barrier) --
+__device__ __forceinline__ u32 mla_e4m3_latent_offset(int r, int c) {  // c: 16-byte chunk 0..31
+  return (c / 8) * (kMlaKeys * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16);
+}
+__device__ __forceinline__ u32 mla_e4m3_rope_offset(int r, int c) {  // c: 0..3
+  return kMlaE4m3LatentBytes + r * (kMlaRope) + c * 16;
+}
+
+// This thread's rope chunk (key tid / 4, chunk tid % 4), or every chunk of its key (all):
+// zeros for a key past the split.
+__device__ __forceinline__ void mla_copy_e4m3(const DecodeParams& p, const MlaWork& w, int block,
+                                              int page, u32 dst, int tid, bool all) {
+  const int r = tid / 4, pos = mla_key_pos(w, block, tid);
+  const bool valid = w.key0 + block * kMlaKeys + r < w.key_end;
+  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
+  const u8* latent = reinterpret_cast<const u8*>(p.v) + slot.block * p.v_batch_stride +
+                     slot.row * p.v_row_stride + blockIdx.y * p.v_head_stride;
+  const u8* rope = reinterpret_cast<const u8*>(p.k) + slot.block * p.k_batch_stride +
+                   slot.row * p.k_row_stride + blockIdx.y * p.k_head_stride;
+  cp_async_16(dst + mla_e4m3_rope_offset(r, tid % 4), rope + (tid % 4) * 16, valid ? 16 : 0);
+  if (all) {
+#pragma unroll 1
+    for (int j = 0; j < kMlaLatent / 16 / 4; ++j) {
+      const int c = tid % 4 + 4 * j;
+      cp_async_16(dst + mla_e4m3_latent_offset(r, c), latent + c * 16, valid ? 16 : 0);
+    }
+  }
+}
+
+// (not inlined: in the producer's 40 registers, inlined beside the copy path, it spills)
+__device__ __noinline__ void mla_box_e4m3_latent(const DecodeParams& p, const TensorMaps& maps,
+                                                 const MlaWork& w, int block, int page, u32 dst,
+                                                 u32 full) {
+  const int pos = w.s.start + w.key0 + block * kMlaKeys;
+  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
+  mbar_expect_bytes(full, kMlaE4m3LatentBytes);
+#pragma unroll
+  for (int j = 0; j < kMlaLatent / 128; ++j)
+    tma_load_4d(dst + j * kMlaKeys * 128, maps.v, full, 64 * j, slot.row, blockIdx.y, (int)slot.block);
+}
+
+// This thread's nine chunks of a staged block -> the 16-bit block (e4m3 chunk c's 16 dims
+// are the 16-bit chunks 2c and 2c + 1): latent chunk tid % 32 of keys tid / 32 + 4j, then
+// rope chunk tid % 4 of key tid / 4 (a warp reads 512 contiguous bytes either way).
+template <int kDtype>
+__device__ __forceinline__ void mla_widen_e4m3(u32 src, u32 dst, int tid) {
+#pragma unroll 1  // (the producer has 40 registers)
+  for (int j = 0; j <= kMlaKeys / 4; ++j) {
+    const bool rope = j == kMlaKeys / 4;
+    const int r = rope ? tid / 4 : tid / 32 + 4 * j, c = rope ? tid % 4 : tid % 32;
+    const uint4 x = ld_shared_16(src + (rope ? mla_e4m3_rope_offset(r, c) : mla_e4m3_latent_offset(r, c)));
+    const int chunk = rope ? kMlaLatent / 8 + 2 * c : 2 * c;  // (16-bit chunks)
+    const u32 bytes[4] = {x.x, x.y, x.z, x.w};
+    u32 half[8];  // dims 4i..4i+3 in half[2i] (4i, 4i+1) and half[2i + 1] (4i+2, 4i+3)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      u32 even, odd;  // (dims 4i, 4i+2) and (4i+1, 4i+3)
+      e4m3x4_to_pairs<kDtype>(bytes[i], even, odd);
+      half[2 * i] = __byte_perm(even, odd, 0x5410);
+      half[2 * i + 1] = __byte_perm(even, odd, 0x7632);
+    }
+    st_shared_16(dst + panel_offset<kMlaKeys>(r, chunk), make_uint4(half[0], half[1], half[2], half[3]));
+    st_shared_16(dst + panel_offset<kMlaKeys>(r, chunk + 1),
+                 make_uint4(half[4], half[5], half[6], half[7]));
+  }
+}
+
+template <int kDtype, bool kTma>
+__device__ __forceinline__ void mla_produce_e4m3(const DecodeParams& p, const TensorMaps& maps,
+                                                 const MlaWork& w, const MlaSmem<true>& sm,
+                                                 int tid) {
+  constexpr int kStages = MlaSmem<true>::kStages, kStaged = MlaSmem<true>::kStaged;
+  constexpr int kStagedBarrier = 4;  // (named: "every thread has widened the staged block")
+  const auto stage_bytes = [&](int i, int page) {
+    const u32 dst = sm.staged(i % kStaged), bar = sm.staged_full(i % kStaged);
+    const bool boxed = kTma && mla_block_boxed(p, w, i);
+    if (boxed && tid == 0) mla_box_e4m3_latent(p, maps, w, i, page, dst, bar);
+    mla_copy_e4m3(p, w, i, page, dst, tid, !boxed);
+    cp_async_mbar_arrive(bar);
+  };
+  mla_copy_q(p, w, sm.q(), tid);  // (its arrival: block 0's staging's, every thread's)
+  for (int i = 0; i < kStaged && i < w.blocks; ++i) stage_bytes(i, mla_key_page(p, w, i, tid));
+  for (int i = 0; i < w.blocks; ++i) {
+    const int stage = i % kStages;
+    // (block i + kStaged's page read now, its latency under the waits)
+    const int page = i + kStaged < w.blocks ? mla_key_page(p, w, i + kStaged, tid) : 0;
+    mbar_wait(sm.staged_full(i % kStaged), (i / kStaged) & 1);
+    if (i >= kStages) mbar_wait(sm.empty(stage), ((i / kStages) & 1) ^ 1);
+    mla_widen_e4m3<kDtype>(sm.staged(i % kStaged), sm.block(stage), tid);
+    fence_proxy_async();  // (the widened block and Q, generic writes, are read by wgmma)
+    mbar_arrive(sm.full(stage));
+    if (i + kStaged < w.blocks) {
+      named_barrier_sync(kStagedBarrier, 128);  // (every thread's reads of the buffer done)
+      stage_bytes(i + kStaged, page);
+    }
   }
   cp_async_wait_all();  // (no thread leaves with its copies in flight)
 }
@@ -337,31 +464,39 @@ __device__ __forceinline__ void mla_write(const DecodeParams& p, const MlaWork& 
 
 // grid: (num_m_blocks * num_splits, nheads_k, batch); 384 threads: the producer
 // warpgroup, then consumers 0 and 1. maps (kTma): k's (the rope) and v's (the latent)
-// (columns, rows, heads, pages or batch) views in boxes of 32 rows; unused otherwise.
-template <int kDtype, bool kTma>
+// (columns, rows, heads, pages or batch) views in boxes of 32 rows (kFp8: the latent's
+// bytes as bfloat16 pairs, in every slot); unused otherwise. kFp8: the caches hold e4m3.
+template <int kDtype, bool kTma, bool kFp8>
 __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p,
                                                             const __grid_constant__ TensorMaps maps) {
   constexpr int kDTiles = kMlaHalf / 8;
   constexpr int kNTiles = kMlaKeys / 8;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const MlaSmem sm{(smem_u32(smem_raw) + 1023) & ~1023u};
+  using Smem = MlaSmem<kFp8>;
+  constexpr int kStages = Smem::kStages;
+  constexpr int kQRegSteps = kMlaQRegSteps<kFp8>, kQSmemSteps = kMlaQSmemSteps<kFp8>;
+  const Smem sm{(smem_u32(smem_raw) + 1023) & ~1023u};
   MlaWork w;
   if (!mla_work(p, w)) return;  // (the whole CTA: no barrier has been met yet)
   if (kTma && threadIdx.x == 0) {  // (fetched while the barriers are set up)
-    prefetch_tensor_map(maps.k);
+    if (!kFp8) prefetch_tensor_map(maps.k);
     prefetch_tensor_map(maps.v);
   }
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kMlaStages; ++s) {
-      mbar_init(sm.full(s), 128);  // the producer's threads' copies (cp_async_mbar_arrive)
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(sm.full(s), 128);  // each producer thread's copies, or its arrival
       mbar_init(sm.empty(s), 2);   // one thread a consumer
     }
+    for (int s = 0; s < Smem::kStaged; ++s) mbar_init(sm.staged_full(s), 128);  // (copies)
     if (kTma) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // (for the copy engine)
   }
   __syncthreads();
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kMlaProducerRegs>();
-    mla_produce<kTma>(p, maps, w, sm, threadIdx.x);
+    if constexpr (kFp8)
+      mla_produce_e4m3<kDtype, kTma>(p, maps, w, sm, threadIdx.x);
+    else
+      mla_produce<kTma>(p, maps, w, sm, threadIdx.x);
     return;
   }
   setmaxnreg_inc<kMlaConsumerRegs>();
@@ -369,9 +504,17 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   const int warp = tid / 32, lane = tid % 32;
   const float scale_log2 = p.scale_log2;
   const MlaRows rows = mla_rows(p, w, lane, warp);
-  float* s_max = sm.row_floats(smem_raw, MlaSmem::kMax);    // [block parity][row]
-  float* s_corr = sm.row_floats(smem_raw, MlaSmem::kCorr);  // [block parity][row]
-  float* s_sum = sm.row_floats(smem_raw, MlaSmem::kSum);    // [consumer][row]
+  float* s_max = sm.row_floats(smem_raw, Smem::kMax);    // [block parity][row]
+  float* s_corr = sm.row_floats(smem_raw, Smem::kCorr);  // [block parity][row]
+  float* s_sum = sm.row_floats(smem_raw, Smem::kSum);    // [consumer][row]
+  // an e4m3 cache's scales: the scores' latent and rotary parts (each e4m3 value was
+  // widened to itself over e4m3_to_half_scale()), and the output's (the latent's)
+  const float latent_scale = kFp8 ? cache_descale(p.v_descale, p.v_descale_batch_stride,
+                                                  p.v_descale_head_stride, w.s.b, blockIdx.y) *
+                                        e4m3_to_half_scale() : 1.f;
+  const float rope_scale = kFp8 ? cache_descale(p.k_descale, p.k_descale_batch_stride,
+                                                p.k_descale_head_stride, w.s.b, blockIdx.y) *
+                                      e4m3_to_half_scale() : 1.f;
   const int row_of[2] = {16 * warp + lane / 4, 16 * warp + lane / 4 + 8};
 
   // K-major Q and K: 8-row groups 1024 bytes apart, 16 columns a k-step; V (a block's
@@ -388,22 +531,22 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-  // Q's k-steps from kMlaQSmemSteps on, once Q has landed (with this consumer's first
+  // Q's k-steps from kQSmemSteps on, once Q has landed (with this consumer's first
   // block: the producer's copies of Q come before it)
-  u32 q_frag[kMlaQRegSteps][4];
+  u32 q_frag[kQRegSteps][4];
   if (w.blocks > consumer) {
     mbar_wait(sm.full(consumer), 0);
     const int m = lane / 8;  // (lane's address: row lane % 8 of matrix m, as in mla_stage_p)
     const int row = 16 * warp + (m & 1) * 8 + lane % 8;
 #pragma unroll
-    for (int j = 0; j < kMlaQRegSteps; ++j)
-      ldmatrix_x4(q_frag[j], sm.q() + panel_offset<kMlaRows>(row, 2 * (kMlaQSmemSteps + j) + (m >> 1)));
+    for (int j = 0; j < kQRegSteps; ++j)
+      ldmatrix_x4(q_frag[j], sm.q() + panel_offset<kMlaRows>(row, 2 * (kQSmemSteps + j) + (m >> 1)));
   }
   float row_max[2] = {-CUFA_INF, -CUFA_INF};  // after the last block this consumer saw
   float l[2] = {0.f, 0.f};                    // this lane's share of the row sums
 
   const auto release = [&](int block) {
-    if (tid == 0) mbar_arrive(sm.empty(block % kMlaStages));
+    if (tid == 0) mbar_arrive(sm.empty(block % kStages));
   };
   // the other consumer's block t (its P, rescale factors and max are ready once its
   // barrier completes): O rescaled, then O += P V from shared memory, issued. The
@@ -412,7 +555,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     named_barrier_sync(kMlaReadyBarrier + consumer, 256);
     // (complete already, as the owner waited for it: this consumer's own acquire of the
     // copies its wgmma reads)
-    mbar_wait(sm.full(t % kMlaStages), (t / kMlaStages) & 1);
+    mbar_wait(sm.full(t % kStages), (t / kStages) & 1);
     fence_proxy_async();
     float corr[2];
 #pragma unroll
@@ -422,7 +565,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
     }
     mla_rescale(acc_o, l, corr);
     wgmma_fence();
-    const u64 v = v_desc(t % kMlaStages);
+    const u64 v = v_desc(t % kStages);
 #pragma unroll
     for (int kk = 0; kk < kMlaKeys / 16; ++kk)
       wgmma_ss_mn<kDtype>(acc_o, desc_add(other_p_desc, kstep_offset(kk, kMlaRows)),
@@ -439,24 +582,40 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   // wgmma of the kernel, C7514): the first block is peeled off the loop, its flag a
   // constant where it is inlined.
   const auto own_block = [&](int t, bool other) {
-    const int stage = t % kMlaStages;
-    mbar_wait(sm.full(stage), (t / kMlaStages) & 1);
+    const int stage = t % kStages;
+    mbar_wait(sm.full(stage), (t / kStages) & 1);
     // (cp.async wrote the block through the generic proxy, and the producer could not
     // fence what had not landed: the reader orders its wgmma after what it acquired)
     fence_proxy_async();
     float acc_s[1][kNTiles][4];
+    float acc_rope[1][kNTiles][4];  // (e4m3: the rotary part, under its own descale)
     wgmma_fence();
     const u64 k = k_desc(stage);
+    static_assert(kQSmemSteps <= kMlaLatentSteps, "Q's k-steps in shared memory: the latent's");
 #pragma unroll
-    for (int ks = 0; ks < kMlaQSmemSteps; ++ks)
+    for (int ks = 0; ks < kQSmemSteps; ++ks)
       wgmma_ss<kDtype>(acc_s, desc_add(q_desc, kstep_offset(ks, kMlaRows)),
                        desc_add(k, kstep_offset(ks, kMlaKeys)), ks > 0);
 #pragma unroll
-    for (int j = 0; j < kMlaQRegSteps; ++j)
-      wgmma_rs_k<kDtype>(acc_s, q_frag[j], desc_add(k, kstep_offset(kMlaQSmemSteps + j, kMlaKeys)), 1);
+    for (int j = 0; j < kQRegSteps; ++j) {
+      const int ks = kQSmemSteps + j;
+      if (kFp8 && ks >= kMlaLatentSteps)
+        wgmma_rs_k<kDtype>(acc_rope, q_frag[j], desc_add(k, kstep_offset(ks, kMlaKeys)),
+                           ks > kMlaLatentSteps);
+      else
+        wgmma_rs_k<kDtype>(acc_s, q_frag[j], desc_add(k, kstep_offset(ks, kMlaKeys)), 1);
+    }
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(acc_s);
+    if constexpr (kFp8) {
+      fence_registers(acc_rope);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc_s[0][nt][e] = acc_s[0][nt][e] * latent_scale + acc_rope[0][nt][e] * rope_scale;
+    }
     if (other) take_other(t - 1);
     // -- the softmax against the max after block t - 1 --
     float corr[2], sum[2];
@@ -520,6 +679,12 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   named_barrier_sync(kMlaEndBarrier, 256);
 #pragma unroll
   for (int i = 0; i < 2; ++i) l[i] += s_sum[(1 - consumer) * kMlaRows + row_of[i]];
+  if constexpr (kFp8) {  // (v's descale, with 1 / l in mla_write)
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] *= latent_scale;
+  }
   mla_write<kDtype>(p, w, acc_o, row_max, l, scale_log2, consumer, warp, lane);
 }
 
