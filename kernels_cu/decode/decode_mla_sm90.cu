@@ -199,18 +199,24 @@ __device__ __forceinline__ bool mla_block_boxed(const DecodeParams& p, const Mla
   return in_page + kMlaKeys <= (1 << p.page_shift);
 }
 
-// (not inlined: in the producer's 40 registers, inlined beside the copy path, it spills)
+// A boxed block's TMA boxes, issued by one thread: the latent's (eight of 64 16-bit
+// columns, or for an e4m3 cache four of 128 bytes through the map of its bytes as
+// bfloat16 pairs), then, 16-bit, the rope's. (Not inlined: in the producer's 40 registers,
+// inlined beside the copy path, it spills.)
+template <bool kFp8>
 __device__ __noinline__ void mla_box_block(const DecodeParams& p, const TensorMaps& maps,
-                                              const MlaWork& w, int block, int page, u32 dst,
-                                              u32 full) {
+                                           const MlaWork& w, int block, int page, u32 dst,
+                                           u32 full) {
+  constexpr int kLatentBoxes = kMlaLatent / (kFp8 ? 128 : 64);
   const int pos = w.s.start + w.key0 + block * kMlaKeys;
   const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
-  mbar_expect_bytes(full, kMlaBlockBytes);
+  mbar_expect_bytes(full, kFp8 ? kMlaE4m3LatentBytes : kMlaBlockBytes);
 #pragma unroll
-  for (int j = 0; j < kMlaLatent / 64; ++j)
+  for (int j = 0; j < kLatentBoxes; ++j)
     tma_load_4d(dst + j * kMlaKeys * 128, maps.v, full, 64 * j, slot.row, blockIdx.y, (int)slot.block);
-  tma_load_4d(dst + (kMlaLatent / 64) * kMlaKeys * 128, maps.k, full, 0, slot.row, blockIdx.y,
-              (int)slot.block);
+  if (!kFp8)
+    tma_load_4d(dst + kLatentBoxes * kMlaKeys * 128, maps.k, full, 0, slot.row, blockIdx.y,
+                (int)slot.block);
 }
 
 template <bool kTma>
@@ -226,7 +232,7 @@ __device__ __forceinline__ void mla_produce(const DecodeParams& p, const TensorM
     if (i == 0) mla_copy_q(p, w, sm.q(), tid);
     if (kTma && mla_block_boxed(p, w, i)) {
       // (thread 0's page is its first key's, tid / 4 = 0: the block's)
-      if (tid == 0) mla_box_block(p, maps, w, i, page, sm.block(stage), sm.full(stage));
+      if (tid == 0) mla_box_block<false>(p, maps, w, i, page, sm.block(stage), sm.full(stage));
     } else {
       mla_copy_block(p, w, i, page, sm.block(stage), tid);
     }
@@ -270,18 +276,6 @@ __device__ __forceinline__ void mla_copy_e4m3(const DecodeParams& p, const MlaWo
   }
 }
 
-// (not inlined: in the producer's 40 registers, inlined beside the copy path, it spills)
-__device__ __noinline__ void mla_box_e4m3_latent(const DecodeParams& p, const TensorMaps& maps,
-                                                 const MlaWork& w, int block, int page, u32 dst,
-                                                 u32 full) {
-  const int pos = w.s.start + w.key0 + block * kMlaKeys;
-  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
-  mbar_expect_bytes(full, kMlaE4m3LatentBytes);
-#pragma unroll
-  for (int j = 0; j < kMlaLatent / 128; ++j)
-    tma_load_4d(dst + j * kMlaKeys * 128, maps.v, full, 64 * j, slot.row, blockIdx.y, (int)slot.block);
-}
-
 // This thread's nine chunks of a staged block -> the 16-bit block (e4m3 chunk c's 16 dims
 // are the 16-bit chunks 2c and 2c + 1): latent chunk tid % 32 of keys tid / 32 + 4j, then
 // rope chunk tid % 4 of key tid / 4 (a warp reads 512 contiguous bytes either way).
@@ -317,7 +311,7 @@ __device__ __forceinline__ void mla_produce_e4m3(const DecodeParams& p, const Te
   const auto stage_bytes = [&](int i, int page) {
     const u32 dst = sm.staged(i % kStaged), bar = sm.staged_full(i % kStaged);
     const bool boxed = kTma && mla_block_boxed(p, w, i);
-    if (boxed && tid == 0) mla_box_e4m3_latent(p, maps, w, i, page, dst, bar);
+    if (boxed && tid == 0) mla_box_block<true>(p, maps, w, i, page, dst, bar);
     mla_copy_e4m3(p, w, i, page, dst, tid, !boxed);
     cp_async_mbar_arrive(bar);
   };
