@@ -202,7 +202,7 @@ def _mla_kernel(q, softcap, fp8, rows, units, capacity, num_splits):
             f"{_compile.FAMILY_ENV}) takes the {family} kernels. Without qv, the same "
             "attention is q' = [qv, q] against k' = [v_cache, k_cache] with v_cache as values "
             "(a copy of the cache)")
-    kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype], fp8)
+    kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype], fp8_cache=fp8)
     num_m_blocks = -(-rows // _compile.MLA_ROWS)
     return kernel, num_m_blocks, _heuristics.mla_splits(num_splits, units * num_m_blocks,
                                                          capacity, q.device)

@@ -215,3 +215,15 @@ def test_mla_fp8_cache_errors(planner):
                 v_descale=fp8_arr((2, 2), "float32", ptr=0x7f2000000000))
     with pytest.raises(NotImplementedError, match="an fp8 cache is read in 16-byte chunks"):
         planner(q, k8, e4m3((2, 256, 1, LATENT), ptr=0x7f0000000008), cache_seqlens=lens, qv=qv)
+
+
+def test_mla_fp8_cache_without_maps_copies_every_block(planner, monkeypatch):
+    """An e4m3 cache no map describes (the encoder refuses it) runs the e4m3 variant that
+    copies every block, not a 16-bit one (MlaVariant's second field is tma)."""
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: lambda *args: 1)  # (CUDA_ERROR_INVALID_VALUE)
+    q, _, _, qv, lens = mla_args(batch=2, heads=16, keys=256)
+    k8, v8 = e4m3((2, 256, 1, ROPE)), e4m3((2, 256, 1, LATENT))
+    plan = planner(q, k8, v8, cache_seqlens=lens, qv=qv)
+    kernel = _compile.MlaVariant("bf16", fp8_cache=True)
+    assert (kernel.tma, kernel.fp8_cache) == (False, True) and plan.maps is None
+    assert plan.launches[0][1] == hash(kernel.key)
