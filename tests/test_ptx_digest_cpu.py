@@ -53,3 +53,63 @@ def test_internal_names_are_one_whatever_the_process():
     other = ".global .u32 _ZN48_INTERNAL_00000000_11_fwd_sm80_cu_bb41d365_122064cufa6kWarpsE;"
     assert ptx_digest.normalized(one) == ptx_digest.normalized(other)
     assert ptx_digest.normalized(one) != ptx_digest.normalized(one.replace("kWarps", "kLanes"))
+
+
+PTX_ONE = """.global .align 4 .u32 _ZN4cufa7MlaSmem5kRingE = 73728;
+.func  (.param .b32 func_retval0) _ZN4cufa13mla_box_blockEv(
+\t.param .b32 p
+)
+{
+\t@%p1 bra \t$L__BB0_2;
+$L__BB0_2:
+\tret;
+}
+.visible .entry _ZN4cufa6kernelILi1EEEvv(
+)
+{
+\tcall.uni _ZN4cufa13mla_box_blockEv, ();
+\t@%p1 bra \t$L__BB1_3;
+$L__BB1_3:
+\tret;
+}
+"""
+
+
+PTX_OTHER = """.global .align 4 .u32 _ZN4cufa7MlaSmemILb0EE5kRingE = 73728;
+.global .align 4 .u32 _ZN4cufa7MlaSmemILb0EE7kStagesE = 4;
+.visible .entry _ZN4cufa6kernelILi1ELb0EEEvv(
+)
+{
+\tcall.uni _ZN4cufa13mla_box_blockILb0EEvv, ();
+\t@%p1 bra \t$L__BB0_3;
+$L__BB0_3:
+\tret;
+}
+.func  (.param .b32 func_retval0) _ZN4cufa13mla_box_blockILb0EEvv(
+\t.param .b32 p
+)
+{
+\t@%p1 bra \t$L__BB1_2;
+$L__BB1_2:
+\tret;
+}
+"""
+
+
+def test_code_bodies_set_names_labels_order_and_constants_aside():
+    """--bodies: a kernel that gained a template flag (another mangled name), its helper
+    emitted after it with other label numbers, and a constant declaration more, is the
+    same code; a changed instruction is not."""
+    assert ptx_digest.code_bodies(PTX_ONE) == ptx_digest.code_bodies(PTX_OTHER)
+    assert ptx_digest.code_bodies(PTX_ONE) != ptx_digest.code_bodies(
+        PTX_OTHER.replace("ret;", "exit;", 1))
+
+
+def test_bodies_of_a_compiled_kernel_by_another_expression(kernels):
+    """--as: the same variant compiled by its own name expression and by an equivalent
+    one gives one --bodies digest."""
+    variant = {v.key: v for v in _compile.all_variants()}[KEY]
+    _compile._source_cache.clear()
+    mine = ptx_digest.ptx_digest(variant, bodies=True)
+    assert ptx_digest.ptx_digest(variant, bodies=True,
+                                 expression=variant.name_expression.replace("cufa::", "::cufa::")) == mine

@@ -5,10 +5,16 @@ same digests, same PTX, hence the same SASS from the same ptxas, and no speed to
 names NVRTC gives internal-linkage symbols hash the source, so they are normalized first.
 No GPU needed.
 
-    python3 tools/ptx_digest.py [--kernels DIR] [KEY ...] > digests.txt
+    python3 tools/ptx_digest.py [--kernels DIR] [--bodies] [--as KEY=EXPR ...] [KEY ...]
     (default keys: two variants of each kind; --kernels: another tree's kernels_cu)
 
 Compare two trees: run it in each (or with --kernels pointing at each), then diff.
+Where the change also renamed a kernel or gave it a template flag (its mangled name
+differs), --bodies digests the code alone: each function's body, its own name, label
+numbers and the order functions are emitted in set aside, and no constant declarations
+(static constexpr members the change added or renamed); --as KEY=EXPR compiles KEY by
+another name expression, the old tree's (e.g. "cufa::decode_mla_kernel<1, true>" for
+decode_mla_bf16_tma before its e4m3 flag).
 """
 import argparse
 import hashlib
@@ -28,19 +34,20 @@ def default_keys():
     return [k for keys in kinds.values() for k in sorted({keys[0], keys[-1]})]
 
 
-def ptx_digest(variant):
+def ptx_digest(variant, bodies=False, expression=None):
     from cupy.cuda import nvrtc
     arch = variant.archs[-1].replace("sm_", "compute_")
     src = _compile.assembled_source(variant.source)
     prog = nvrtc.createProgram(src, variant.source, (), ())
     try:
-        nvrtc.addNameExpression(prog, variant.name_expression)
+        nvrtc.addNameExpression(prog, expression or variant.name_expression)
         nvrtc.compileProgram(prog, _compile.NVRTC_OPTIONS + (f"-arch={arch}",))
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    return hashlib.sha256(normalized(ptx).encode()).hexdigest()[:16]
+    text = code_bodies(ptx) if bodies else normalized(ptx)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def normalized(ptx):
@@ -51,16 +58,51 @@ def normalized(ptx):
     return re.sub(r"\d*_INTERNAL_[0-9A-Za-z_]+?cufa", "_INTERNAL_cufa", ptx)
 
 
+_FUNCTION_START = re.compile(r"^(\.visible |\.weak )?\.(func|entry)\b")
+
+
+def code_bodies(ptx):
+    """normalized(ptx)'s functions alone, as one text: each from its .func/.entry line to
+    its closing brace, its own name (and those of the functions it calls) made one, its
+    labels renumbered, sorted (the emission order moves with a template's instantiation)."""
+    ptx = normalized(ptx)
+    names = set()  # (a .func may declare its return value before its name)
+    for line in ptx.splitlines():
+        found = re.match(r"^(?:\.visible |\.weak )?\.(?:func|entry)\s*(?:\([^)]*\)\s*)?([\w$]+)", line)
+        if found:
+            names.add(found.group(1))
+    functions, current = [], None
+    for line in ptx.splitlines():
+        if _FUNCTION_START.match(line):
+            current = [line]
+        elif current is not None:
+            current.append(line)
+            if line == "}":
+                functions.append("\n".join(current))
+                current = None
+    text = []
+    for body in functions:
+        for name in sorted(names, key=len, reverse=True):
+            body = body.replace(name, "FUNCTION")
+        text.append(re.sub(r"\$L__BB\d+_", "$L__BB_", body))
+    return "\n".join(sorted(text))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", help="a kernels_cu folder to compile instead of the package's")
+    p.add_argument("--bodies", action="store_true",
+                   help="digest the functions' code alone (names, labels, order, constants aside)")
+    p.add_argument("--as", dest="expressions", action="append", default=[], metavar="KEY=EXPR",
+                   help="compile KEY by this name expression (the other tree's)")
     p.add_argument("keys", nargs="*")
     args = p.parse_args()
     if args.kernels:
         _compile.KERNEL_FILES = pathlib.Path(args.kernels)
+    expressions = dict(e.split("=", 1) for e in args.expressions)
     variants = {v.key: v for v in _compile.all_variants()}
     for key in args.keys or default_keys():
-        print(key, ptx_digest(variants[key]), flush=True)
+        print(key, ptx_digest(variants[key], args.bodies, expressions.get(key)), flush=True)
 
 
 if __name__ == "__main__":
