@@ -9,7 +9,8 @@
 // - a CTA takes 64 query rows (a GQA group's heads x new tokens) of one (sequence, KV
 //   head, split) and reads each key block once for all of them;
 // - a producer warpgroup copies the key blocks (latent row and rotary row side by side,
-//   576 columns in nine 128-byte-swizzled panels) into a ring of MlaSmem::kStages buffers;
+//   576 columns in nine 128-byte-swizzled panels) into a ring of MlaSmem::kStages buffers,
+//   whole blocks as TMA boxes where the call's maps describe the cache (kTma);
 // - two consumer warpgroups hold O's columns 0-255 and 256-511 (64 x 256 floats each: all
 //   of O would not fit one warpgroup's registers). They take turns at the scores: block t
 //   is owned by consumer t % 2, which computes S = Q K^T over all 576 columns, the online
@@ -22,7 +23,7 @@
 // maps describe it, its rope and the other blocks by the producer's copies) and is widened
 // to the 16-bit dtype by the producer on its way into the ring, exactly (e4m3 values over
 // e4m3_to_half_scale() are fp16 and bf16 values); the scores' latent and rotary parts sum
-// in two accumulators, each times its descale, and the output takes v's descale with 1/l.
+// in two accumulators, each times its descale, and O takes v's descale at the end.
 #include "cache.cuh"
 #include "score.cuh"
 #include "../common/sm90.cuh"
