@@ -4,7 +4,7 @@
     ... python3 bench/profile/profile_one.py --varlen    # bench_varlen's 256 x 64..512 packed batch
     ncu --kernel-name regex:fprop ... python3 bench/profile/profile_one.py --peer cudnn  # the peer
     ncu --kernel-name regex:bwd_dkdv ... python3 bench/profile/profile_one.py --backward
-    ncu --kernel-name regex:decode_mla ... python3 bench/profile/profile_one.py --mla 128 128 8192
+    ncu --kernel-name regex:decode_mla ... python3 bench/profile/profile_one.py --mla 128 128 8192 [--fp8]
 """
 import argparse
 import os
@@ -30,6 +30,8 @@ parser.add_argument("--backward", action="store_true",
 parser.add_argument("--mla", nargs=3, type=int, metavar=("HEADS", "BATCH", "SEQLEN"),
                     help="MLA decode instead (qv=, bf16, one token, pages of 64 in random "
                          "order, HEADS query heads over one latent head)")
+parser.add_argument("--fp8", action="store_true",
+                    help="with --mla: the caches in float8_e4m3fn, descales per sequence")
 args = parser.parse_args()
 
 if args.mla:
@@ -42,6 +44,10 @@ if args.mla:
               v_cache=torch.randn(pages, 64, 1, 512, device="cuda", dtype=torch.bfloat16),
               cache_seqlens=torch.full((batch,), n, device="cuda", dtype=torch.int32),
               block_table=table)
+    if args.fp8:
+        for name in ("k_cache", "v_cache"):
+            kw[name] = kw[name].to(torch.float8_e4m3fn)
+        kw["k_descale"] = kw["v_descale"] = torch.full((batch, 1), 0.5, device="cuda")
     for _ in range(args.launches):
         cufa.flash_attn_with_kvcache(**kw, causal=True)
     torch.cuda.synchronize()
