@@ -119,9 +119,10 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
         return _KvPlan(**outputs, **extra)
 
     group = nheads // nheads_k
+    maps = None  # (the TMA kernels': the decode kernel's, over 16-bit caches, and MLA's)
     if mla:
-        kernel, num_m_blocks, num_splits = _mla_kernel(q, softcap, fp8, seqlen_q * group,
-                                                       batch * nheads_k, capacity, num_splits)
+        kernel, maps, num_m_blocks, num_splits = _mla_kernel(
+            q, kc, vc, softcap, fp8, seqlen_q * group, batch * nheads_k, capacity, num_splits)
     else:
         num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
         kernel, num_splits = _heuristics.decode_kernel_and_splits(
@@ -161,14 +162,9 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     if rows:  # new keys to write, or q to rotate
         launches.append(_launch_entry(_compile.AppendVariant(dt, fp8), q.device,
                                       (-(-rows // 4), 1, 1)))
-    maps = None  # (the TMA decode kernel's; it reads 16-bit caches)
     if seqlen_q and not paged and aligned and not fp8 and not mla:
         kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
-    if seqlen_q and mla:
-        maps = _mla_maps(q.dtype, kc, vc, fp8)
-        if maps is not None:
-            kernel = _compile.MlaVariant(kernel.dtype, tma=True, fp8_cache=fp8)
     merge_in_launch = (not mla and kernel.units <= 1 and kernel.ctas_per_unit == 1
                        and _heuristics.merge_in_launch(kernel, d, num_splits, seqlen_q * group))
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
@@ -189,10 +185,11 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
                    maps=maps, merge_in_launch=merge_in_launch)
 
 
-def _mla_kernel(q, softcap, fp8, rows, units, capacity, num_splits):
-    """(the MLA decode kernel, its query blocks, the split count) for a call with qv:
-    `rows` (token, head) rows of each of `units` (sequence, KV head) pairs, over a 16-bit
-    or (fp8) an e4m3 cache; Hopper's alone (wgmma)."""
+def _mla_kernel(q, kc, vc, softcap, fp8, rows, units, capacity, num_splits):
+    """(the MLA decode kernel, its maps' template or None, its query blocks, the split
+    count) for a call with qv: `rows` (token, head) rows of each of `units` (sequence, KV
+    head) pairs, over a 16-bit or (fp8) an e4m3 cache; Hopper's alone (wgmma). The kernel
+    takes whole key blocks as TMA boxes where maps describe the cache (_mla_maps)."""
     if softcap > 0:
         raise NotImplementedError("softcap is not supported with qv (MLA decode)")
     family = _compile.family_for(_runtime.compute_capability(q.device))
@@ -202,10 +199,11 @@ def _mla_kernel(q, softcap, fp8, rows, units, capacity, num_splits):
             f"{_compile.FAMILY_ENV}) takes the {family} kernels. Without qv, the same "
             "attention is q' = [qv, q] against k' = [v_cache, k_cache] with v_cache as values "
             "(a copy of the cache)")
-    kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype], fp8_cache=fp8)
+    maps = _mla_maps(q.dtype, kc, vc, fp8) if rows else None
+    kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype], tma=maps is not None, fp8_cache=fp8)
     num_m_blocks = -(-rows // _compile.MLA_ROWS)
-    return kernel, num_m_blocks, _heuristics.mla_splits(num_splits, units * num_m_blocks,
-                                                         capacity, q.device)
+    return kernel, maps, num_m_blocks, _heuristics.mla_splits(num_splits, units * num_m_blocks,
+                                                              capacity, q.device)
 
 
 def descale_strides(kd, vd):
