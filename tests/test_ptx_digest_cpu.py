@@ -68,6 +68,11 @@ $L__BB0_2:
 )
 {
 \tcall.uni _ZN4cufa13mla_box_blockEv, ();
+\t// begin inline asm
+{
+\t.reg .pred p;
+}
+\t// end inline asm
 \t@%p1 bra \t$L__BB1_3;
 $L__BB1_3:
 \tret;
@@ -81,6 +86,11 @@ PTX_OTHER = """.global .align 4 .u32 _ZN4cufa7MlaSmemILb0EE5kRingE = 73728;
 )
 {
 \tcall.uni _ZN4cufa13mla_box_blockILb0EEvv, ();
+\t// begin inline asm
+{
+\t.reg .pred p;
+}
+\t// end inline asm
 \t@%p1 bra \t$L__BB0_3;
 $L__BB0_3:
 \tret;
@@ -103,6 +113,18 @@ def test_code_bodies_set_names_labels_order_and_constants_aside():
     assert ptx_digest.code_bodies(PTX_ONE) == ptx_digest.code_bodies(PTX_OTHER)
     assert ptx_digest.code_bodies(PTX_ONE) != ptx_digest.code_bodies(
         PTX_OTHER.replace("ret;", "exit;", 1))
+    # (past an inline asm block's braces, the kernel's own last instruction still counts)
+    last = PTX_OTHER.rindex("\tret;", 0, PTX_OTHER.index(".func"))
+    assert ptx_digest.code_bodies(PTX_ONE) != ptx_digest.code_bodies(
+        PTX_OTHER[:last] + "\texit;" + PTX_OTHER[last + 5:])
+
+
+def test_bodies_tell_one_dtype_from_another():
+    """The whole of a compiled kernel's body counts (inline asm braces and all): merge's
+    fp16 and fp32 variants differ in their loads and stores, so in their --bodies digests."""
+    variants = {v.key: v for v in _compile.all_variants()}
+    assert (ptx_digest.ptx_digest(variants["merge_fp16"], bodies=True)
+            != ptx_digest.ptx_digest(variants["merge_fp32"], bodies=True))
 
 
 def test_bodies_of_a_compiled_kernel_by_another_expression(kernels):

@@ -71,13 +71,15 @@ def code_bodies(ptx):
         found = re.match(r"^(?:\.visible |\.weak )?\.(?:func|entry)\s*(?:\([^)]*\)\s*)?([\w$]+)", line)
         if found:
             names.add(found.group(1))
-    functions, current = [], None
+    functions, current, depth = [], None, 0
     for line in ptx.splitlines():
         if _FUNCTION_START.match(line):
-            current = [line]
+            current, depth = [line], 0
         elif current is not None:
             current.append(line)
-            if line == "}":
+            # (inline asm blocks open and close braces of their own inside a body)
+            depth += line.count("{") - line.count("}")
+            if depth == 0 and line.strip() == "}":
                 functions.append("\n".join(current))
                 current = None
     text = []
