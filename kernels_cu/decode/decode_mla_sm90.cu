@@ -166,15 +166,31 @@ __device__ __forceinline__ int mla_key_page(const DecodeParams& p, const MlaWork
   return p.block_table ? w.s.pages[mla_key_pos(w, block, tid) >> p.page_shift] : 0;
 }
 
+// This thread's key of block `block` (key tid / 4) in the cache: its latent and rope rows,
+// and whether it is the split's (else the rows are the split's first key's, copied as
+// zeros). Elem: the cache's element (u16, or u8 for e4m3; strides are in elements).
+template <class Elem>
+struct MlaKeyRows {
+  const Elem* latent;
+  const Elem* rope;
+  bool valid;
+};
+template <class Elem>
+__device__ __forceinline__ MlaKeyRows<Elem> mla_key_rows(const DecodeParams& p, const MlaWork& w,
+                                                         int block, int page, int tid) {
+  const int pos = mla_key_pos(w, block, tid);
+  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
+  return {reinterpret_cast<const Elem*>(p.v) + slot.block * p.v_batch_stride +
+              slot.row * p.v_row_stride + blockIdx.y * p.v_head_stride,
+          reinterpret_cast<const Elem*>(p.k) + slot.block * p.k_batch_stride +
+              slot.row * p.k_row_stride + blockIdx.y * p.k_head_stride,
+          w.key0 + block * kMlaKeys + tid / 4 < w.key_end};
+}
+
 __device__ __forceinline__ void mla_copy_block(const DecodeParams& p, const MlaWork& w, int block,
                                                int page, u32 dst, int tid) {
-  const int r = tid / 4, pos = mla_key_pos(w, block, tid);
-  const bool valid = w.key0 + block * kMlaKeys + r < w.key_end;
-  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
-  const u16* latent = reinterpret_cast<const u16*>(p.v) + slot.block * p.v_batch_stride +
-                      slot.row * p.v_row_stride + blockIdx.y * p.v_head_stride;
-  const u16* rope = reinterpret_cast<const u16*>(p.k) + slot.block * p.k_batch_stride +
-                    slot.row * p.k_row_stride + blockIdx.y * p.k_head_stride;
+  const int r = tid / 4;
+  const auto [latent, rope, valid] = mla_key_rows<u16>(p, w, block, page, tid);
 #pragma unroll
   for (int j = 0; j < kMlaChunks / 4; ++j) {
     const int c = tid % 4 + 4 * j;
@@ -260,13 +276,8 @@ __device__ __forceinline__ u32 mla_e4m3_rope_offset(int r, int c) {  // c: 0..3
 // zeros for a key past the split.
 __device__ __forceinline__ void mla_copy_e4m3(const DecodeParams& p, const MlaWork& w, int block,
                                               int page, u32 dst, int tid, bool all) {
-  const int r = tid / 4, pos = mla_key_pos(w, block, tid);
-  const bool valid = w.key0 + block * kMlaKeys + r < w.key_end;
-  const CacheSlot slot = p.block_table ? page_slot(p, page, pos) : CacheSlot{w.s.row, pos};
-  const u8* latent = reinterpret_cast<const u8*>(p.v) + slot.block * p.v_batch_stride +
-                     slot.row * p.v_row_stride + blockIdx.y * p.v_head_stride;
-  const u8* rope = reinterpret_cast<const u8*>(p.k) + slot.block * p.k_batch_stride +
-                   slot.row * p.k_row_stride + blockIdx.y * p.k_head_stride;
+  const int r = tid / 4;
+  const auto [latent, rope, valid] = mla_key_rows<u8>(p, w, block, page, tid);
   cp_async_16(dst + mla_e4m3_rope_offset(r, tid % 4), rope + (tid % 4) * 16, valid ? 16 : 0);
   if (all) {
 #pragma unroll 1
