@@ -125,6 +125,22 @@ def test_mla_decode(hopper, name, dtype):
                     assert torch.equal(row, logical[s, pos]), f"{cache_name} seq {s} pos {pos}"
 
 
+def test_mla_scores_that_keep_rising(hopper):
+    """Keys whose rotary rows grow along the sequence, so that rows' maxima rise again and
+    again, by more than the kernel's lazy slack (2^8) and by less: every block both
+    raises some rows' max (O rescaled) and leaves others (O kept), unsplit and split."""
+    rng = np.random.default_rng(11)
+    kw, k_pe, c_kv = build(rng, lens=[800, 37], heads=128)
+    ramp = 1 + torch.arange(k_pe.shape[1], device="cuda", dtype=torch.float32) / 48
+    k_pe.copy_((k_pe.float() * ramp[None, :, None, None]).to(k_pe.dtype))
+    kw["k_cache"] = k_pe.clone()
+    for splits in (1, 3):
+        out, lse = cufa.flash_attn_with_kvcache(**kw, num_splits=splits, softmax_scale=0.2,
+                                                return_softmax_lse=True)
+        check_mla(out, lse, kw, k_pe, c_kv, [800, 37], f"rising scores, {splits} splits",
+                  softmax_scale=0.2)
+
+
 def test_mla_every_split_count(hopper):
     """The same call unsplit and split 2, 7 and 64 ways, each against the references."""
     rng = np.random.default_rng(5)

@@ -367,9 +367,13 @@ __device__ __forceinline__ MlaRows mla_rows(const DecodeParams& p, const MlaWork
   return rows;
 }
 
-// -- S of block t -> P in place (unnormalized, against the new row max), the factor O must
-//    be rescaled by, and this lane's share of P's row sums; row_max: the max after block
-//    t - 1 (raw units), then after block t --
+// -- S of block t -> P in place (unnormalized, against the row max), the factor O must be
+//    rescaled by, and this lane's share of P's row sums; row_max: the max after block
+//    t - 1 (raw units), then after block t. The max is lazy, as the forward's
+//    (OnlineSoftmax::update_lazy): raised only where a row's scores pass it by more than
+//    kMlaLazySlack in log2 units, so P stays <= 2^8 and most blocks after a row's first
+//    leave its factor 1, and O unscaled (mla_rescale) --
+constexpr float kMlaLazySlack = 8.f;
 __device__ __forceinline__ void mla_softmax(float (&s)[1][kMlaKeys / 8][4], const MlaRows& rows,
                                             int key0, int lane, float scale_log2,
                                             float (&row_max)[2], float (&corr)[2],
@@ -388,10 +392,14 @@ __device__ __forceinline__ void mla_softmax(float (&s)[1][kMlaKeys / 8][4], cons
         mx = fmaxf(mx, x);
       }
     mx = quad_max(mx);
-    row_max[i] = mx;
-    // (no key seen yet: nothing to rescale, and exp2 of -inf - -inf would be NaN)
-    const float base = mx == -CUFA_INF ? 0.f : mx * scale_log2;
-    corr[i] = mx == -CUFA_INF ? 1.f : fast_exp2(before * scale_log2 - base);
+    // (-inf until the row sees a key: -inf + slack stays -inf, so its first key raises)
+    corr[i] = 1.f;
+    if (mx * scale_log2 > before * scale_log2 + kMlaLazySlack) {
+      corr[i] = fast_exp2((before - mx) * scale_log2);
+      row_max[i] = mx;
+    }
+    // (no key seen yet: exp2 of -inf - -inf would be NaN)
+    const float base = row_max[i] == -CUFA_INF ? 0.f : row_max[i] * scale_log2;
     float row_sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kMlaKeys / 8; ++nt)
@@ -405,11 +413,14 @@ __device__ __forceinline__ void mla_softmax(float (&s)[1][kMlaKeys / 8][4], cons
   }
 }
 
+// (O's 128 multiplies a thread only where a row of the warp's 16 was raised: no product
+// may be in flight on O here)
 template <int kDTiles>
 __device__ __forceinline__ void mla_rescale(float (&o)[1][kDTiles][4], float (&l)[2],
                                             const float (&corr)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) l[i] *= corr[i];
+  if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
 #pragma unroll
   for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
