@@ -125,12 +125,14 @@ def test_mla_decode(hopper, name, dtype):
                     assert torch.equal(row, logical[s, pos]), f"{cache_name} seq {s} pos {pos}"
 
 
-def test_mla_scores_that_keep_rising(hopper):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mla_scores_that_keep_rising(hopper, dtype):
     """Keys whose rotary rows grow along the sequence, so that rows' maxima rise again and
     again, by more than the kernel's lazy slack (2^8) and by less: every block both
-    raises some rows' max (O rescaled) and leaves others (O kept), unsplit and split."""
+    raises some rows' max (O rescaled) and leaves others (O kept, P up to 2^8, which fp16
+    must hold too), unsplit and split."""
     rng = np.random.default_rng(11)
-    kw, k_pe, c_kv = build(rng, lens=[800, 37], heads=128)
+    kw, k_pe, c_kv = build(rng, dtype=dtype, lens=[800, 37], heads=128)
     ramp = 1 + torch.arange(k_pe.shape[1], device="cuda", dtype=torch.float32) / 48
     k_pe.copy_((k_pe.float() * ramp[None, :, None, None]).to(k_pe.dtype))
     kw["k_cache"] = k_pe.clone()
