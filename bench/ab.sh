@@ -209,6 +209,13 @@ run)
     case $b in fwd|varlen|decode|bwd|mla) ;; *) echo "unknown benchmark $b: fwd, varlen, decode, bwd or mla" >&2; exit 2 ;; esac
   done
   names=$(trees)
+  # CUFA_* overrides build or route other kernels than the trees' own (CUFA_SPIN_LIMIT's
+  # guarded waits halve the MLA kernel's speed): a run times each tree as users get it
+  if [ "${AB_KEEP_ENV:-0}" != 1 ]; then
+    for v in $(env | sed -n 's/^\(CUFA_[A-Z0-9_]*\)=.*/\1/p'); do
+      echo "ab.sh run: $v unset for the timings (AB_KEEP_ENV=1 keeps it)"; unset "$v"
+    done
+  fi
   mkdir -p "$OUT"
   start=$SECONDS
   # each tree's kernels compiled before any timing (CuPy's disk cache keeps them)
