@@ -13,6 +13,11 @@ SS_MN_N = (64, 256)          # dq += dS K from shared memory: N = half of head d
                              # MLA's O += P V with P from shared memory: half of V's 512
 RS_N = (64, 128, 192, 256)   # O += P V: N = padded head dim
 RS_K_N = (32,)               # MLA's S = Q K^T over the k-steps of Q held in registers
+# e4m3 (the fp8 forward): k32 steps, both operands K-major (fp8 wgmma has no transpose), so
+# V comes transposed; S = Q K^T from shared memory at N = block_n, O += P V with P from
+# registers at N = the head dim
+E4M3_SS_N = (128, 176)
+E4M3_RS_N = (64, 128, 256)
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_ops.cuh"
 
 
@@ -22,6 +27,29 @@ def _acc_operands(n):
 
 def _regs(first, count):
     return ", ".join(f"%{first + i}" for i in range(count))
+
+
+def _e4m3_wrapper(kind, n):
+    """wgmma_ss_e4m3 / wgmma_rs_e4m3: m64nNk32, e4m3 x e4m3 into fp32, both K-major."""
+    acc = n // 2
+    if kind == "ss":
+        sig = f"float (&d)[1][{n // 8}][4], u64 desc_a, u64 desc_b, int accumulate"
+        a_operand, b_at, pred_at = f"%{acc}", acc + 1, acc + 2
+        inputs = '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
+    else:
+        sig = f"float (&d)[1][{n // 8}][4], const u32 (&a)[4], u64 desc_b, int accumulate"
+        a_operand, b_at, pred_at = "{" + _regs(acc, 4) + "}", acc + 4, acc + 5
+        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
+    return "\n".join([
+        f"__device__ __forceinline__ void wgmma_{kind}_e4m3({sig}) {{",
+        "  asm volatile(",
+        f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred_at}, 0;\\n"',
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "',
+        f'      "{{{_regs(0, acc)}}}, {a_operand}, %{b_at}, p, 1, 1;\\n}}\\n"',
+        f"      : {_acc_operands(n)}",
+        f"      : {inputs});",
+        "}",
+    ])
 
 
 def _wrapper(kind, n):
@@ -63,6 +91,7 @@ def generate():
         "//   wgmma_ss_mn: the same with B MN-major (dq += dS K, dS staged in shared memory).",
         "//   wgmma_rs: A from registers, B from shared memory MN-major (O += P V).",
         "//   wgmma_rs_k: A from registers, B K-major (MLA's S over Q's k-steps in registers).",
+        "//   wgmma_ss_e4m3, wgmma_rs_e4m3: e4m3 operands, k32 steps, both K-major.",
         "// accumulate = 0 overwrites d, 1 adds to it. Accumulators use the mma.sync C layout",
         "// per warp: d[0][n / 8][e] is row 16 * warp + lane / 4 + 8 * (e / 2), column n.",
         '#include "types.cuh"',
@@ -74,6 +103,8 @@ def generate():
     parts += [_wrapper("ss_mn", n) + "\n" for n in SS_MN_N]
     parts += [_wrapper("rs", n) + "\n" for n in RS_N]
     parts += [_wrapper("rs_k", n) + "\n" for n in RS_K_N]
+    parts += [_e4m3_wrapper("ss", n) + "\n" for n in E4M3_SS_N]
+    parts += [_e4m3_wrapper("rs", n) + "\n" for n in E4M3_RS_N]
     parts += ["}  // namespace cufa", ""]
     return "\n".join(parts)
 
