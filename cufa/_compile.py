@@ -838,6 +838,25 @@ class AppendVariant(_CacheKernel):
 
 
 @dataclass(frozen=True)
+class TransposeVVariant(_CacheKernel):
+    """fwd/transpose_v_e4m3.cu's transpose_v_e4m3: the fp8 forward's V as (d, keys) rows,
+    each 32-key step in the P operand's key order (cufa/_fp8.py)."""
+    dtype = "e4m3"
+    kind = "transpose_v"
+    source = "fwd/transpose_v_e4m3.cu"
+    archs = ("sm_90",)  # (the fp8 forward is Hopper's)
+    threads = 256
+
+    @property
+    def key(self):
+        return "transpose_v_e4m3"
+
+    @property
+    def name_expression(self):
+        return "cufa::transpose_v_e4m3"
+
+
+@dataclass(frozen=True)
 class MergeVariant(_CacheKernel):
     """decode/merge.cu's merge_states (merge_attention_states), parts in MERGE_DTYPES."""
     dtype: str
@@ -1028,6 +1047,7 @@ def all_variants():
                  for tiles in (WIDE_TILES, WIDE_TILES_PORTABLE)]
     variants += [fwd_variant(dt, WIDE_QK_HEAD_DIM, mask, mods, head_dim_v=WIDE_V_HEAD_DIM)
                  for dt in DTYPES for mask in MASKS for mods in (False, True)]
+    variants += [TransposeVVariant()]  # (the fp8 forward's V, a pre-pass)
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS

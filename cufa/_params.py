@@ -86,6 +86,11 @@ MERGE_FIELDS = [(n, _PTR) for n in ("out_a", "lse_a", "out_b", "lse_b", "out", "
     ("batch", _I32), ("seqlen", _I32), ("nheads", _I32), ("head_dim", _I32)]
 
 
+TRANSPOSE_V_FIELDS = [("v", _PTR), ("vt", _PTR)] + [
+    (f"v_{d}_stride", _I64) for d in ("batch", "row", "head")] + [
+    (n, _I32) for n in ("batch", "seqlen", "nheads_k", "head_dim", "padded_seqlen")]
+
+
 BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink", "dlse",
                                   "dmask", "dq_accum", "kv_tile_list", "kv_tile_count")] + [
     (f"{x}_{d}_stride", _I64) for x in ("dout", "dq", "dk", "dv")
@@ -197,10 +202,11 @@ DECODE = Record("cufa::DecodeParams", DECODE_FIELDS)
 MERGE = Record("cufa::MergeParams", MERGE_FIELDS)
 SCHEDULE = Record("cufa::ScheduleParams", SCHEDULE_FIELDS)
 BWD = Record("cufa::BwdParams", BWD_FIELDS)
+TRANSPOSE_V = Record("cufa::TransposeVParams", TRANSPOSE_V_FIELDS)
 # marker in a kernel source -> the record whose layout checks a compile of it appends
 RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
            "struct MergeParams {": MERGE, "struct ScheduleParams {": SCHEDULE,
-           "struct BwdParams {": BWD}
+           "struct BwdParams {": BWD, "struct TransposeVParams {": TRANSPOSE_V}
 
 # AttnMaskType in fwd/params.cuh
 ATTN_MASK_NONE = 0  # (a mask's dtype gives the other codes: _dtypes.TABLE's attn_mask)

@@ -1,0 +1,47 @@
+"""The fp8 forward's layouts, as the kernels hold them (kernels_cu/fwd/transpose_v_e4m3.cu)."""
+import numpy as np
+
+VT_STEP = 32  # keys a k-step of the e4m3 P V product (wgmma k32)
+
+
+def vt_key_of(k):
+    """The key (0..31) of a k-step that vt's column k (0..31) holds: P's A fragment has
+    k-index 4t + i where the score accumulator has key 8 (i // 2) + 2t + i % 2 (t: the
+    lane's column pair), and the same 16 on."""
+    half, t, i = k // 16, (k % 16) // 4, k % 4
+    return 16 * half + 8 * (i // 2) + 2 * t + i % 2
+
+
+def transposed_v(v, padded_seqlen):
+    """vt of a (batch, seqlen, nheads_k, d) array of e4m3 bytes (uint8): (batch, nheads_k,
+    d, padded_seqlen), each 32-key step in vt_key_of's order, zeros past seqlen."""
+    batch, seqlen, heads, d = v.shape
+    padded = np.zeros((batch, padded_seqlen, heads, d), dtype=np.uint8)
+    padded[:, :seqlen] = v
+    order = np.array([(k // VT_STEP) * VT_STEP + vt_key_of(k % VT_STEP)
+                      for k in range(padded_seqlen)])
+    return np.ascontiguousarray(padded[:, order].transpose(0, 2, 3, 1))
+
+
+def padded_keys(seqlen, block_n=128):
+    """vt's keys a row: seqlen rounded up to whole key blocks of the fp8 forward."""
+    return -(-seqlen // block_n) * block_n
+
+
+def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device, stream):
+    """transpose_v_e4m3 on `stream`: v (batch, seqlen, nheads_k, d) e4m3 at v_ptr, element
+    strides (batch, row, head; unit columns, d a multiple of 16) -> vt, contiguous
+    (batch, nheads_k, d, padded_seqlen) at vt_ptr (the caller's workspace)."""
+    from . import _compile, _params, _runtime
+    batch, seqlen, heads, d = v_shape
+    if d % 16 or padded_seqlen % 64 or padded_seqlen < seqlen:
+        raise ValueError(f"transpose_v: head dim {d} (16s) and padded keys {padded_seqlen} "
+                         f"(64s, >= {seqlen})")
+    kernel = _compile.TransposeVVariant()
+    record = _params.TRANSPOSE_V.pack(dict(
+        batch=batch, seqlen=seqlen, nheads_k=heads, head_dim=d, padded_seqlen=padded_seqlen,
+        v_batch_stride=v_strides[0], v_row_stride=v_strides[1], v_head_stride=v_strides[2]))
+    args = _params.TRANSPOSE_V.with_pointer_values(record, (v_ptr, vt_ptr))
+    grid = (padded_seqlen // 64, -(-d // 64), batch * heads)
+    _runtime.driver_launch(_compile.function_pointer(kernel, device), grid, kernel.threads, 0,
+                           stream, (args,))

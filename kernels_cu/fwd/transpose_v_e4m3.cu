@@ -1,0 +1,68 @@
+// The fp8 forward's V, transposed: fp8 wgmma reads both operands K-major, so O += P V needs
+// V as (d, keys) rows. Each (sequence, KV head)'s V (keys, d) becomes vt (d, keys padded
+// to a whole number of key blocks, zeros past the sequence), with the keys of every 32-key
+// step in the order the P operand's registers hold them (vt_key_of): S's accumulators
+// then pack into P's e4m3 A fragments without shuffles between lanes. A CTA turns a tile
+// of 64 keys x 64 dims through shared memory: 16-byte reads along d, 16-byte writes along
+// the keys.
+#include "../common/types.cuh"
+
+namespace cufa {
+
+struct TransposeVParams {
+  u64 v, vt;
+  i64 v_batch_stride, v_row_stride, v_head_stride;  // (elements: bytes)
+  int batch, seqlen, nheads_k, head_dim;
+  int padded_seqlen;  // vt's keys a row: seqlen rounded up to the forward's key blocks
+};
+
+// Column k of a 32-key step of vt holds key vt_key_of(k) of the step: the P operand's
+// k-index 4t + i (t = lane % 4) is the score accumulator's key 8 (i / 2) + 2t + i % 2, and
+// k-index 16 + 4t + i is 16 past that (cufa/_fp8.py's vt_key_of mirrors it).
+__device__ __forceinline__ int vt_key_of(int k) {
+  const int half = k / 16, t = (k % 16) / 4, i = k % 4;
+  return 16 * half + 8 * (i / 2) + 2 * t + i % 2;
+}
+
+constexpr int kVtTileKeys = 64, kVtTileDims = 64;
+
+// grid: (padded_seqlen / 64, head_dim / 64 rounded up, batch * nheads_k); 256 threads
+__global__ void __launch_bounds__(256) transpose_v_e4m3(const TransposeVParams p) {
+  __shared__ __align__(16) u8 tile[kVtTileKeys][kVtTileDims + 16];  // (+16: no bank conflicts down a column)
+  const int key0 = blockIdx.x * kVtTileKeys, dim0 = blockIdx.y * kVtTileDims;
+  const int b = blockIdx.z / p.nheads_k, h = blockIdx.z % p.nheads_k;
+  const u8* v = reinterpret_cast<const u8*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
+  // -- in: 64 keys x 4 chunks of 16 dims, one chunk a thread; zeros past the sequence or
+  //    the head dim (whole 16-byte chunks: the host takes head dims of 16s) --
+  {
+    const int r = threadIdx.x / 4, c = threadIdx.x % 4;
+    const int key = key0 + r, dim = dim0 + 16 * c;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (key < p.seqlen && dim < p.head_dim)
+      x = *reinterpret_cast<const uint4*>(v + key * p.v_row_stride + dim);
+    *reinterpret_cast<uint4*>(&tile[r][16 * c]) = x;
+  }
+  __syncthreads();
+  // -- out: 64 dims x 4 chunks of 16 keys, the keys of each 32-key step permuted --
+  {
+    const int d = threadIdx.x / 4, c = threadIdx.x % 4;
+    if (dim0 + d >= p.head_dim) return;
+    u32 words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      u32 word = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int k = 16 * c + 4 * w + j;  // (vt's column within the tile)
+        const int key = (k / 32) * 32 + vt_key_of(k % 32);
+        word |= static_cast<u32>(tile[key][d]) << (8 * j);
+      }
+      words[w] = word;
+    }
+    u8* vt = reinterpret_cast<u8*>(p.vt) +
+             (static_cast<i64>(blockIdx.z) * p.head_dim + dim0 + d) * p.padded_seqlen + key0 + 16 * c;
+    *reinterpret_cast<uint4*>(vt) = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+}  // namespace cufa
