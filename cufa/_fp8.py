@@ -1,6 +1,8 @@
 """The fp8 forward's layouts, as the kernels hold them (kernels_cu/fwd/transpose_v_e4m3.cu)."""
 import numpy as np
 
+from . import _compile, _params, _runtime
+
 VT_STEP = 32  # keys a k-step of the e4m3 P V product (wgmma k32)
 
 
@@ -32,7 +34,6 @@ def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device,
     """transpose_v_e4m3 on `stream`: v (batch, seqlen, nheads_k, d) e4m3 at v_ptr, element
     strides (batch, row, head; unit columns, d a multiple of 16) -> vt, contiguous
     (batch, nheads_k, d, padded_seqlen) at vt_ptr (the caller's workspace)."""
-    from . import _compile, _params, _runtime
     batch, seqlen, heads, d = v_shape
     if d % 16 or padded_seqlen % 64 or padded_seqlen < seqlen:
         raise ValueError(f"transpose_v: head dim {d} (16s) and padded keys {padded_seqlen} "

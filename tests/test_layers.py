@@ -17,7 +17,8 @@ LAYERS = (
     ("_torch_ops", "_jax"),              # framework front-ends: they call the planners
     ("_bwd_plan",),                      # the backward's launches (on the forward's records)
     ("_fwd_plan",),                      # dense, packed and SDPA plans, movers, launches
-    ("_decode_plan",),                   # KV-cache, append, split-KV and merge plans
+    ("_decode_plan", "_fp8"),            # KV-cache, append, split-KV and merge plans; the
+                                         # fp8 forward's layouts and pre-pass
     ("_heuristics",),                    # every tuning rule
     ("_checks",),                        # argument validation
     ("_compile",),                       # variant catalog, sources, NVRTC, caches
