@@ -386,6 +386,70 @@ def check_out(out, o, q, name="out", head_dim=None):
     return check_loadable(o, name)
 
 
+# -- the fp8 forward ---------------------------------------------------------------------------
+
+def check_fp8_dense(q, k, v, o, out, descales):
+    """flash_attn_func's arrays with q, k, v in FP8_CACHE (views; o: out='s view, out the
+    caller's; descales: the (q, k, v)_descale views or None) -> out's dtype: the fp8
+    forward reads whole 16-byte chunks of e4m3 rows, of head dims up to 256."""
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        if x.ndim != 4:
+            raise ValueError(f"{n} must be 4-D (batch, seqlen, nheads, headdim); got shape "
+                             f"{x.shape}")
+        if x.dtype != FP8_CACHE:
+            raise TypeError(f"{n} has dtype {x.dtype}: the fp8 forward takes q, k and v all "
+                            f"in {FP8_CACHE} (e4m3)")
+        if x.framework not in ("torch", "cupy"):
+            raise NotImplementedError("the fp8 forward takes PyTorch and CuPy arrays; other "
+                                      "DLPack arrays do not export float8")
+    check_dtype_device(k, "k", q, "q")
+    check_dtype_device(v, "v", q, "q")
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        check_loadable(x, n)  # (its last dim contiguous)
+    batch, _, nheads, d = q.shape
+    if not (1 <= d <= _compile.MAX_HEAD_DIM and d % 16 == 0):
+        raise ValueError(f"q has head dim {d}; the fp8 forward takes head dims that are "
+                         f"multiples of 16 up to {_compile.MAX_HEAD_DIM}")
+    if k.shape[-1] != d or v.shape != k.shape:
+        raise ValueError(f"k and v must be (batch, seqlen_k, nheads_k, {d}) alike; got k "
+                         f"{k.shape}, v {v.shape}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k has batch {k.shape[0]} but q has {batch}")
+    nheads_k = k.shape[2]
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"q has {nheads} heads, not a multiple of the {nheads_k} heads of k")
+    if max(q.shape[1], k.shape[1]) > INT32_MAX // 2:
+        raise ValueError(f"sequence lengths up to {INT32_MAX // 2} are supported")
+    if not all(_fp8_aligned(x) for x in (q, k, v)):
+        raise NotImplementedError(
+            "the fp8 forward reads e4m3 rows in 16-byte chunks: strides (but the last, 1) "
+            "must be multiples of 16 elements and the starts 16-byte aligned; got q "
+            f"{q.strides}, k {k.strides}, v {v.strides}")
+    for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
+        if x is None:
+            continue
+        if x.dtype != "float32":
+            raise TypeError(f"{n} must be float32; got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
+        if x.shape not in ((batch, nheads_k), (1,), ()):
+            raise ValueError(f"{n} must be float32 (batch, nheads_k) = ({batch}, {nheads_k}), "
+                             f"or (1,) or 0-d for one scale; got shape {x.shape}")
+    if o is None:
+        return "bfloat16"
+    if o.framework != q.framework:
+        raise TypeError(f"out is a {o.framework} array but q is a {q.framework} array")
+    if o.shape != q.shape or o.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"out must have q's shape {q.shape} and dtype float16 or bfloat16 "
+                         f"(the fp8 forward's output); got {o.shape} {o.dtype}")
+    if o.device != q.device:
+        raise ValueError(f"out is on cuda:{o.device} but q is on cuda:{q.device}")
+    if not check_loadable(o, "out"):
+        raise NotImplementedError("the fp8 forward writes out in 16-byte chunks: out's strides "
+                                  "must be multiples of 8 elements from a 16-byte aligned start")
+    return o.dtype
+
+
 # -- KV cache --------------------------------------------------------------------------------
 
 def _fp8_cache(q, kc, vc, names=("k_cache", "v_cache")):

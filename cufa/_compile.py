@@ -116,6 +116,7 @@ class FwdVariant:
     element_io: bool = False    # sm80: rows moved an element at a time (ELEMENT_IO)
     e4m3_kv: bool = False       # sm80: K and V from an e4m3 cache (q and out stay dtype)
     head_dim_v: int = 0         # sm80: V's and out's padded head dim, where not head_dim's
+    fp8: bool = False           # sm90: q, k, v e4m3, V transposed beforehand; out in dtype
 
     @property
     def source(self):
@@ -123,8 +124,8 @@ class FwdVariant:
 
     @functools.cached_property
     def elem_bytes(self):
-        """Bytes an element of q, k, v and out."""
-        return _dtypes.size_of(self.dtype)
+        """Bytes an element of q, k, v (and out, but for fp8's)."""
+        return 1 if self.fp8 else _dtypes.size_of(self.dtype)
 
     @functools.cached_property  # read by every launch
     def threads(self):
@@ -154,8 +155,9 @@ class FwdVariant:
         elem = "_elem" if self.element_io else ""
         e4m3 = "_e4m3kv" if self.e4m3_kv else ""
         dv = f"_dv{self.head_dim_v}" if self.head_dim_v else ""
+        fp8 = "_fp8" if self.fp8 else ""
         return (f"fwd_{self.family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}{hold}{elem}{e4m3}{dv}")
+                f"_bn{self.block_n}_{self.mask}{mods}{hold}{elem}{e4m3}{dv}{fp8}")
 
     @property
     def name_expression(self):
@@ -166,8 +168,9 @@ class FwdVariant:
             if self.head_dim_v:
                 elem = f", false, false, {self.head_dim_v}"
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}{elem}>"
+        fp8 = ", true" if self.fp8 else ""
         return (f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}, "
-                f"{self.kv_stages}, {str(self.hold_pv_wait).lower()}>")
+                f"{self.kv_stages}, {str(self.hold_pv_wait).lower()}{fp8}>")
 
     @functools.cached_property  # read by every launch
     def smem_bytes(self):
@@ -190,7 +193,11 @@ class FwdVariant:
 
     @functools.cached_property
     def kv_stages(self):
-        """sm90: K/V ring depth, SM90_KV_STAGES where that fits beside one Q stage, else one."""
+        """sm90: K/V ring depth, SM90_KV_STAGES where that fits beside one Q stage, else one
+        (and one for fp8 at d = 256: its pipelined loop's S, P and O do not fit the
+        registers beside each other, and ptxas serializes the products)."""
+        if self.fp8 and self.head_dim > 128:
+            return 1
         return SM90_KV_STAGES if self._sm90_smem(1, SM90_KV_STAGES) <= self.smem_limit else 1
 
     @functools.cached_property
@@ -932,6 +939,16 @@ def padded_head_dim(head_dim, family="sm80"):
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
+FP8_TILES = (128, 128)  # the fp8 forward's (block_m, block_n): a V^T row of a block is a panel
+FP8_HEAD_DIMS = (128, 256)  # padded: an e4m3 row of whole 128-byte panels
+
+
+def fwd_fp8_variant(dtype, head_dim, mask):
+    """The fp8 forward's variant (Hopper): e4m3 q, k, v, out in dtype."""
+    hd = next(h for h in FP8_HEAD_DIMS if head_dim <= h)
+    return FwdVariant("sm90", dtype, hd, mask, False, *FP8_TILES, fp8=True)
+
+
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature calls it
 def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e4m3_kv=False,
                 head_dim_v=0, wide_tiles=WIDE_TILES):
@@ -1048,6 +1065,8 @@ def all_variants():
     variants += [fwd_variant(dt, WIDE_QK_HEAD_DIM, mask, mods, head_dim_v=WIDE_V_HEAD_DIM)
                  for dt in DTYPES for mask in MASKS for mods in (False, True)]
     variants += [TransposeVVariant()]  # (the fp8 forward's V, a pre-pass)
+    variants += [fwd_fp8_variant(dt, hd, mask) for dt in DTYPES for hd in FP8_HEAD_DIMS
+                 for mask in MASKS]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True) for v in bwd_variants(dt, hd, mask, mods)]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS

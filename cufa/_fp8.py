@@ -46,3 +46,11 @@ def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device,
     grid = (padded_seqlen // 64, -(-d // 64), batch * heads)
     _runtime.driver_launch(_compile.function_pointer(kernel, device), grid, kernel.threads, 0,
                            stream, (args,))
+
+
+def vt_map_view(batch, nheads_k, d, padded_seqlen, box_rows):
+    """vt (batch, nheads_k, d, padded_seqlen) as the fp8 forward's V map sees it: _tma's
+    (shape (batch, rows, heads, columns), strides (batch, rows, heads), box rows) with rows
+    the head dim and columns pairs of keys (a box: 128 keys of box_rows dims)."""
+    row = padded_seqlen // 2
+    return (batch, d, nheads_k, row), (nheads_k * d * row, row, d * row), box_rows

@@ -5,10 +5,11 @@ moved to new sizes (_Mover); a call then fills in its addresses and launches."""
 import collections
 from dataclasses import dataclass
 
-from . import _arrays, _compile, _decode_plan, _heuristics, _interop, _params, _runtime, _tma
+from . import (_arrays, _compile, _decode_plan, _fp8, _heuristics, _interop, _params, _runtime,
+               _tma)
 from ._checks import (ATTN_MASK_TYPES, FP8_CACHE, INT32_MAX, KERNEL_DTYPES, UNBOUNDED,
-                      check_cu_values, check_dense, check_options, check_packed, check_page_ids,
-                      check_scale, check_sdpa)
+                      check_cu_values, check_dense, check_fp8_dense, check_options, check_packed,
+                      check_page_ids, check_scale, check_sdpa)
 from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, outputs, plans,
                        remember, returned, stream_call, stream_tile_counter, stream_workspace)
 
@@ -717,3 +718,78 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packe
     # (scratch, the counter's buffer, is held until the launches are queued: freed
     # earlier, another thread could be handed the same memory for work ordered before ours)
     del scratch
+
+
+# -- the fp8 forward ------------------------------------------------------------------------
+# q, k, v in e4m3 on Hopper's kernel (kE4m3 in fwd/fwd_sm90.cu): V transposed first into a
+# per-stream workspace of V's size (_fp8.launch_transpose_v), then the forward, whose TMA
+# maps view e4m3 rows as bfloat16 pairs. Planned at every call (no _Plan kept yet).
+
+def fp8_dense(q, k, v, out, q_descale, k_descale, v_descale, *, softmax_scale, causal,
+              window_size, return_lse):
+    """flash_attn_func with q, k, v in float8_e4m3fn: out in bfloat16 (or out='s dtype)."""
+    window, scale, _ = check_options(softmax_scale, causal, window_size, 0.0)
+    q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    o = None if out is None else _interop.as_device_array(out, "out")
+    descales = tuple(None if x is None else _interop.as_device_array(x, n) for x, n in (
+        (q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+    out_dtype = check_fp8_dense(q, k, v, o, out, descales)
+    if _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
+        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) runs on Hopper "
+                                  "GPUs (sm_90), on its e4m3 wgmma kernel; this GPU (or "
+                                  f"{_compile.FAMILY_ENV}) has none")
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    framework = q.framework
+    plan = _Plan(framework=framework, device=q.device, out_shape=q.shape, dtype=out_dtype,
+                 lse_shape=(batch, nheads, seqlen_q))
+    mask_kind = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
+    if batch and nheads and seqlen_q:
+        plan.variant = _compile.fwd_fp8_variant(KERNEL_DTYPES[out_dtype], d, mask_kind)
+    with caller_stream(framework, q.device, None) as stream:
+        result, o_ptr, lse, lse_ptr = outputs(plan, out, o and o.ptr, None, return_lse,
+                                              stream)
+        if plan.variant is not None:
+            _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale,
+                        o.strides if o is not None else _interop.contiguous_strides(q.shape))
+    return returned(plan, result, lse, return_lse)
+
+
+def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, o_strides):
+    variant, device = plan.variant, plan.device
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    padded = _fp8.padded_keys(seqlen_k, variant.block_n)
+    vt_bytes = batch * nheads_k * d * padded
+    scratch, vt = stream_workspace(plan.framework, device, stream, max(vt_bytes, 16))
+    counter_owner, counter = stream_tile_counter(plan.framework, device, stream)
+    if seqlen_k:
+        _fp8.launch_transpose_v(v.ptr, v.shape, v.strides, vt, padded, device, stream)
+    values, num_blocks, _, _, _ = _sizes(variant, batch, nheads, seqlen_q, seqlen_k, False,
+                                         device)
+    p = dict(nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d, bottom_right=1,
+             **dict(zip(_SIZE_FIELDS, values)), **_params.score_fields(window, scale, 0.0, d,
+                                                                       None))
+    # (e4m3 rows move as 16-bit pairs: q's, k's and v's strides in those)
+    for fields, strides, unit in zip(_STRIDE_FIELDS, (q.strides, k.strides, v.strides,
+                                                      o_strides), (2, 2, 2, 1)):
+        p.update(zip(fields, (strides[0] // unit, strides[1] // unit, strides[2] // unit)))
+    for name, x in zip(("q", "k", "v"), descales):
+        if x is not None:
+            p[f"{name}_descale"] = x.ptr
+            p[f"{name}_descale_batch_stride"], p[f"{name}_descale_head_stride"] = (
+                x.strides[:2] if x.ndim == 2 else (0, 0))
+    p.update(q=q.ptr, k=k.ptr, v=vt, o=o_ptr, lse=lse_ptr, tile_counter=counter)
+    box_n = variant.block_n
+    views = (((batch, seqlen_q, nheads, d // 2), tuple(x // 2 for x in q.strides[:3]),
+              variant.block_m),
+             ((batch, seqlen_k, nheads_k, d // 2), tuple(x // 2 for x in k.strides[:3]), box_n),
+             _fp8.vt_map_view(batch, nheads_k, d, padded, variant.head_dim))
+    template = _tma.template("bfloat16", views)
+    if template is None:
+        raise NotImplementedError(f"the copy engine cannot describe q {q.shape} {q.strides} "
+                                  f"or k {k.shape} {k.strides} as the fp8 forward reads them")
+    driver_launch(_compile.function_pointer(variant, device), num_blocks, variant.threads,
+                  variant.smem_bytes, stream,
+                  (_params.FWD.pack(p), _tma.with_addresses(template, q.ptr, k.ptr, vt)))
+    del scratch, counter_owner  # (held until the launches are queued)

@@ -44,6 +44,7 @@ FWD_FIELDS = [
     ("k_descale_batch_stride", _I64), ("k_descale_head_stride", _I64),
     ("v_descale_batch_stride", _I64), ("v_descale_head_stride", _I64),
     ("head_dim_v", _I32),
+    ("q_descale", _PTR), ("q_descale_batch_stride", _I64), ("q_descale_head_stride", _I64),
 ]
 
 DECODE_FIELDS = [

@@ -14,7 +14,7 @@ from ._fwd_plan import dense, packed, sdpa
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, return_lse=False, out=None,
-                    learnable_sink=None):
+                    learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
     """Exact attention ``softmax(q k^T * scale + mask) v``, flash-attn 2 conventions.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
@@ -49,9 +49,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     array of q's framework and dtype (the probabilities are never materialized). The
     forward is deterministic; `deterministic` is accepted for compatibility. Window
     entries may be any integer held on the host (NumPy integers, 0-d CPU tensors).
+
+    fp8 (Hopper): q, k, v all in float8_e4m3fn (PyTorch's, or CuPy arrays of ml_dtypes'),
+    head dims in 16s up to 256, with q_descale, k_descale, v_descale (float32 (batch,
+    nheads_k), or one scale: (1,) or 0-d; None: 1) as FlashAttention-3 takes them: the
+    scores are q_descale * k_descale times the e4m3 product, out v_descale times P V. P
+    is rounded to e4m3 for P V (times 2^8, so small probabilities keep their exponents);
+    accumulation is float32. out is bfloat16 (or out='s float16 / bfloat16). V is first
+    transposed into a workspace of V's size (fp8 wgmma reads both operands K-major). No
+    softcap, ALiBi or sink here yet; eager PyTorch and CuPy only.
     """
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs
+    if "float8" in str(getattr(q, "dtype", "")) or any(
+            x is not None for x in (q_descale, k_descale, v_descale)):
+        return _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs,
+                            return_lse, out, q_descale, k_descale, v_descale,
+                            softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     if learnable_sink is not None:
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
     grad = _records_grad(q, k, v, learnable_sink)
@@ -75,6 +89,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     result = dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, return_lse=return_lse,
                    learnable_sink=learnable_sink)
+    return _returned(*result, True, True) if return_attn_probs else result
+
+
+def _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs, return_lse,
+                 out, q_descale, k_descale, v_descale, **options):
+    """flash_attn_func's fp8 route (q in float8_e4m3fn, or descales given)."""
+    if softcap or alibi_slopes is not None or learnable_sink is not None:
+        raise NotImplementedError("the fp8 forward takes no softcap, alibi_slopes or "
+                                  "learnable_sink yet")
+    if _records_grad(q, k, v, None) or _torch_ops.compiling(q) or _jax.tracing(q, k, v) or (
+            _interop.is_jax(q)):
+        raise NotImplementedError("the fp8 forward runs eagerly on PyTorch and CuPy arrays, "
+                                  "without autograd (no backward) and outside torch.compile "
+                                  "and JAX")
+    result = _fwd_plan.fp8_dense(q, k, v, out, q_descale, k_descale, v_descale,
+                                 return_lse=return_lse, **options)
     return _returned(*result, True, True) if return_attn_probs else result
 
 

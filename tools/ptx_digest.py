@@ -64,7 +64,9 @@ _FUNCTION_START = re.compile(r"^(\.visible |\.weak )?\.(func|entry)\b")
 def code_bodies(ptx):
     """normalized(ptx)'s functions alone, as one text: each from its .func/.entry line to
     its closing brace, its own name (and those of the functions it calls) made one, its
-    labels renumbered, sorted (the emission order moves with a template's instantiation)."""
+    labels renumbered, its parameters' byte sizes left out (a record with fields appended
+    reads every old field at its old offset), sorted (the emission order moves with a
+    template's instantiation)."""
     ptx = normalized(ptx)
     names = set()  # (a .func may declare its return value before its name)
     for line in ptx.splitlines():
@@ -86,7 +88,9 @@ def code_bodies(ptx):
     for body in functions:
         for name in sorted(names, key=len, reverse=True):
             body = body.replace(name, "FUNCTION")
-        text.append(re.sub(r"\$L__BB\d+_", "$L__BB_", body))
+        body = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
+        # a params record grown at its end (fields appended) moves no offset the code reads
+        text.append(re.sub(r"(FUNCTION_param_\d+)\[\d+\]", r"\1[]", body))
     return "\n".join(sorted(text))
 
 

@@ -79,6 +79,10 @@ struct FwdParams {
   i64 v_descale_batch_stride, v_descale_head_stride;
   // V's and O's head dim, where it is not head_dim's (the kHeadDimVWanted variants)
   int head_dim_v;
+  // The fp8 forward's (e4m3 q, k, v) q scale, as k_descale's: the scores are q_descale *
+  // k_descale times the e4m3 product, O v_descale times P V (0: 1)
+  u64 q_descale;
+  i64 q_descale_batch_stride, q_descale_head_stride;
 };
 
 // varlen_schedule's, passed by value as one record (the host packs it once per plan and writes only the

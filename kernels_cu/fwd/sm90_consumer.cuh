@@ -4,6 +4,7 @@
 #include "sm90_smem.cuh"
 #include "sm90_epilogue.cuh"
 #include "score.cuh"
+#include "../common/e4m3_mma.cuh"
 #include "../common/softmax.cuh"
 #include "../common/wgmma_ops.cuh"
 
@@ -41,8 +42,8 @@ constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
 //    a sequence ending there), only the lower half's Q K^T and exponentials are
 //    computed. At d = 64 the exponentials bound the loop, and on short causal rows such
 //    blocks are a fifth of all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
-template <int kBlockM, int kBlockN, bool kScoreMods>
-constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods;
+template <int kBlockM, int kBlockN, bool kScoreMods, bool kE4m3 = false>
+constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods && !kE4m3;
 
 // -- S = Q K^T of one K stage, issued and committed: the first 8 * kTiles keys from
 //    k_stage_desc (all of the block's, or half: kHalfFirstBlock) --
@@ -56,11 +57,50 @@ __device__ __forceinline__ void issue_qk_keys(float (&acc)[1][kTiles][4], u64 q_
   wgmma_commit();
 }
 
+// -- the fp8 forward's S = Q K^T: e4m3 Q and K, 32 bytes (k32) a step, 4 steps a panel --
+template <int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void issue_qk_keys_e4m3(float (&acc)[1][kBlockN / 8][4],
+                                                   u64 q_stage_desc, u64 k_stage_desc) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 32; ++ks)
+    wgmma_ss_e4m3(acc, desc_add(q_stage_desc, kstep_offset(ks, kBlockM)),
+                  desc_add(k_stage_desc, kstep_offset(ks, kBlockN)), ks > 0);
+  wgmma_commit();
+}
+
+// -- P as the e4m3 A operand of O += P V^T, times kE4m3ProbScale: k-step kk (32 keys)
+//    takes score tiles 4kk..4kk+3, a lane's k-indices 4t..4t+3 and 16+4t..16+4t+3 (t = lane
+//    % 4) holding keys 2t, 2t+1, 8+2t, 9+2t of two tiles each (V^T's keys are in that
+//    order: cufa/_fp8.py's vt_key_of). P <= 1 (the max is exact: no lazy slack here), so
+//    P * 2^8 <= 256 stays under e4m3's 448 and small P keep normal exponents (down to
+//    2^-14 instead of 2^-6) --
+constexpr float kE4m3ProbScale = 256.f;
+__device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
+  unsigned short lo, hi;  // (cvt's first operand goes to the upper byte)
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+  return static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
+}
+template <int kNTiles>
+__device__ __forceinline__ void pack_p_e4m3(u32 (&a)[kNTiles / 4][4], const float (&s)[1][kNTiles][4]) {
+  constexpr float k = kE4m3ProbScale;
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 4; ++kk) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float(&lo)[4] = s[0][4 * kk + 2 * half];
+      const float(&hi)[4] = s[0][4 * kk + 2 * half + 1];
+      a[kk][2 * half] = e4m3x4(k * lo[0], k * lo[1], k * hi[0], k * hi[1]);      // row r
+      a[kk][2 * half + 1] = e4m3x4(k * lo[2], k * lo[3], k * hi[2], k * hi[3]);  // row r + 8
+    }
+  }
+}
+
 // -- scores of the block at key0 -> probabilities, in place, over its first 8 * kTiles
 //    keys: score mods, the mask where the block needs it, the online softmax's update and
 //    the factor O must be rescaled by. Returns whether O needs rescaling (under a lazy max
 //    most blocks do not) --
-template <int kMask, bool kScoreMods, int kHeadDim, int kTiles, class Softmax>
+template <int kMask, bool kScoreMods, bool kLazy, int kTiles, class Softmax>
 __device__ __forceinline__ bool scores_to_probs_keys(float (&acc)[1][kTiles][4], const FwdParams& p,
                                                      const Tile& t, const TileMods& mods,
                                                      const Sm90Work& w, int row_base, int key0,
@@ -71,7 +111,7 @@ __device__ __forceinline__ bool scores_to_probs_keys(float (&acc)[1][kTiles][4],
   if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + 8 * kTiles))
     apply_mask<kMask>(acc, p, t, row_base, key0, lane);
   bool rescale = true;
-  if constexpr (kLazyRescale<kHeadDim>)
+  if constexpr (kLazy)
     rescale = softmax.update_lazy(acc, scale_log2, correction);
   else
     softmax.update(acc, scale_log2, correction);
@@ -110,7 +150,7 @@ __device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softm
   float lse[1][2];
   softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
   const TilePointers ptr = tile_pointers(p, t);
-  if constexpr (kStagedOutput<Smem::kHeadDim>) {
+  if constexpr (kStagedOutput<Smem::kHeadDim> && !Smem::kE4m3) {  // (an e4m3 Q stage is half O's tile)
     write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDim>(
         acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, sm.q + q_stage * Smem::kQBytes, row0,
         row_base, lane);
@@ -144,20 +184,45 @@ __device__ __forceinline__ float (&upper_keys(float (&acc)[1][kTiles][4]))[1][kT
   return *reinterpret_cast<float(*)[1][kTiles / 2][4]>(&acc[0][kTiles / 2][0]);
 }
 
+// -- the fp8 forward's descales of a tile's (sequence, KV head): float32 (batch,
+//    nheads_k) arrays through their strides, 1 where absent (cache_descale) --
+__device__ __forceinline__ float fp8_qk_descale(const FwdParams& p, const Tile& t) {
+  return cache_descale(p.q_descale, p.q_descale_batch_stride, p.q_descale_head_stride, t.b, t.h_k) *
+         cache_descale(p.k_descale, p.k_descale_batch_stride, p.k_descale_head_stride, t.b, t.h_k);
+}
+__device__ __forceinline__ float fp8_v_descale(const FwdParams& p, const Tile& t) {
+  return cache_descale(p.v_descale, p.v_descale_batch_stride, p.v_descale_head_stride, t.b, t.h_k);
+}
+template <int kDTiles>
+__device__ __forceinline__ void scale_output(float (&o)[1][kDTiles][4], float factor) {
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][dt][e] *= factor;
+}
+
 // -- a consumer warpgroup: 64 rows of every tile --
 template <int kDtype, int kMask, bool kScoreMods, bool kHoldPVWait, class Smem>
 __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int consumer) {
   constexpr int kBlockM = Smem::kBlockM, kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
+  // fp8 (kE4m3): e4m3 products, P * kE4m3ProbScale in e4m3 registers (a k32 step holds
+  // 32 keys, so half the 16-bit P's registers); the max exact, O written from registers
+  constexpr bool kE4m3 = Smem::kE4m3;
+  constexpr bool kLazy = kLazyRescale<kHeadDim> && !kE4m3;
+  constexpr bool kStagedO = kStagedOutput<kHeadDim> && !kE4m3;
+  constexpr bool kHalfFirst = kHalfFirstBlock<kBlockM, kBlockN, kScoreMods, kE4m3>;
+  constexpr int kPSteps = kE4m3 ? kNTiles / 4 : kNTiles / 2;
   const int lane = threadIdx.x % 32;
   const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
   // K-major Q and K: 8-row groups 1024 bytes apart; 16 columns (32 bytes) per k-step
   // inside a panel. MN-major V: 64-column panels kBlockN * 128 bytes apart, 8-key
-  // groups 1024 bytes apart; 16 keys (2048 bytes) per k-step.
+  // groups 1024 bytes apart; 16 keys (2048 bytes) per k-step. (fp8: V^T K-major as K,
+  // 32 keys a k-step.)
   const u64 q_desc = smem_desc(sm.q + consumer * 64 * 128, 16, 1024);
   const u64 k_desc = smem_desc(sm.k(), 16, 1024);
-  const u64 v_desc = smem_desc(sm.v(), kBlockN * 128, 1024);
+  const u64 v_desc = kE4m3 ? smem_desc(sm.v(), 16, 1024) : smem_desc(sm.v(), kBlockN * 128, 1024);
   constexpr u32 kStageStep = Smem::kKVBytes >> 4;
 
   int block_count = 0;
@@ -185,6 +250,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       continue;
     }
     const int row_base = w.row0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
+    // (fp8: the scores are q_descale * k_descale times the e4m3 product)
+    const float tile_scale_log2 = kE4m3 ? scale_log2 * fp8_qk_descale(p, t) : scale_log2;
     float acc_o[1][kDTiles][4];
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
@@ -198,8 +265,12 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       const int n_blocks = w.n_blocks;
       const u64 q_stage_desc = desc_add(q_desc, q_stage * (Smem::kQBytes >> 4));
       auto issue_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage) {
-        issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(acc_s, q_stage_desc,
-                                                          desc_add(k_desc, stage * kStageStep));
+        if constexpr (kE4m3)
+          issue_qk_keys_e4m3<kHeadDim, kBlockM, kBlockN>(acc_s, q_stage_desc,
+                                                         desc_add(k_desc, stage * kStageStep));
+        else
+          issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(acc_s, q_stage_desc,
+                                                            desc_add(k_desc, stage * kStageStep));
       };
       // Block 0's S: the lower half's keys always, the upper half's only where a row sees
       // them. (Choosing between the whole block's product and the lower half's, each on
@@ -207,7 +278,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       // 128 rows and d = 64 on 64: it serialized every product of those kernels, 15-20 %
       // on short rows; ptxas says C7511, which test_compile fails on.)
       auto issue_first_qk = [&](float (&acc_s)[1][kNTiles][4], u32 stage, bool half) {
-        if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
+        if constexpr (kHalfFirst) {
           const u64 k_stage_desc = desc_add(k_desc, stage * kStageStep);
           issue_qk_keys<kDtype, kHeadDim, kBlockM, kBlockN>(lower_keys(acc_s), q_stage_desc,
                                                             k_stage_desc);
@@ -218,35 +289,45 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           issue_qk(acc_s, stage);
         }
       };
-      u32 p_prev[kNTiles / 2][4];
+      u32 p_prev[kPSteps][4];
       auto issue_pv = [&](u32 stage) {
         const u64 v_stage_desc = desc_add(v_desc, stage * kStageStep);
 #pragma unroll
-        for (int kk = 0; kk < kNTiles / 2; ++kk)
-          wgmma_rs<kDtype>(acc_o, p_prev[kk], desc_add(v_stage_desc, mn_kstep_offset(kk)), 1);
+        for (int kk = 0; kk < kPSteps; ++kk) {
+          if constexpr (kE4m3)
+            wgmma_rs_e4m3(acc_o, p_prev[kk], desc_add(v_stage_desc, kstep_offset(kk, kHeadDim)), 1);
+          else
+            wgmma_rs<kDtype>(acc_o, p_prev[kk], desc_add(v_stage_desc, mn_kstep_offset(kk)), 1);
+        }
         wgmma_commit();
+      };
+      auto pack = [&](const float (&acc_s)[1][kNTiles][4]) {
+        if constexpr (kE4m3)
+          pack_p_e4m3(p_prev, acc_s);
+        else
+          pack_p<kDtype>(p_prev, acc_s);
       };
       // Scores of block `it` -> probabilities (in place), and the factor O must be
       // rescaled by; then, once the previous P V is complete, O rescaled and P packed as
       // the A operand of this block's product.
       auto scores_to_probs = [&](float (&acc_s)[1][kNTiles][4], int it, float (&correction)[1][2]) {
-        return scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
-            acc_s, p, t, mods, w, row_base, (w.n_block_max - 1 - it) * kBlockN, lane, scale_log2,
-            softmax, correction);
+        return scores_to_probs_keys<kMask, kScoreMods, kLazy>(
+            acc_s, p, t, mods, w, row_base, (w.n_block_max - 1 - it) * kBlockN, lane,
+            tile_scale_log2, softmax, correction);
       };
       auto rescale_and_pack = [&](const float (&acc_s)[1][kNTiles][4], const float (&correction)[1][2],
                                   bool rescale) {
         if (rescale) softmax.rescale_output(acc_o, correction);
-        pack_p<kDtype>(p_prev, acc_s);
+        pack(acc_s);
       };
       // Block 0's probabilities where no row sees its upper half: the lower half's, and
       // P = 0 for the upper half's keys.
       auto half_block_scores_to_probs = [&](float (&acc_s)[1][kNTiles][4],
                                             float (&correction)[1][2]) {
-        if constexpr (kHalfFirstBlock<kBlockM, kBlockN, kScoreMods>) {
-          scores_to_probs_keys<kMask, kScoreMods, kHeadDim>(
+        if constexpr (kHalfFirst) {
+          scores_to_probs_keys<kMask, kScoreMods, kLazy>(
               lower_keys(acc_s), p, t, mods, w, row_base, (w.n_block_max - 1) * kBlockN, lane,
-              scale_log2, softmax, correction);
+              tile_scale_log2, softmax, correction);
 #pragma unroll
           for (int nt = kNTiles / 2; nt < kNTiles; ++nt)
 #pragma unroll
@@ -272,11 +353,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           wgmma_wait<0>();
           fence_registers(acc_s);
           release_stage(sm.k_empty());
-          if (!kStagedOutput<kHeadDim> && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
+          if (!kStagedO && it == n_blocks - 1) mbar_arrive(sm.q_empty() + 8 * q_stage);
           float correction[1][2];
           const bool rescale = scores_to_probs(acc_s, it, correction);
           if (it > 0 && rescale) softmax.rescale_output(acc_o, correction);
-          pack_p<kDtype>(p_prev, acc_s);
+          pack(acc_s);
           mbar_wait(sm.v_full(), Smem::parity(g));
           in_turn(solo, consumer, [&] { issue_pv(0); });
           wgmma_wait<0>();
@@ -292,7 +373,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         {
           const u32 stage = Smem::stage(block_count);
           // (broadcast from lane 0, so that ptxas sees a uniform branch)
-          const bool half = kHalfFirstBlock<kBlockM, kBlockN, kScoreMods> &&
+          const bool half = kHalfFirst &&
                             __shfl_sync(0xffffffffu, 2 * w.last_block_keys <= kBlockN, 0);
           float acc_s[1][kNTiles][4];
           mbar_wait(sm.k_full() + 8 * stage, Smem::parity(block_count));
@@ -300,7 +381,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           wgmma_wait<0>();
           fence_registers(acc_s);
           release_stage(sm.k_empty() + 8 * stage);
-          if (!kStagedOutput<kHeadDim> && n_blocks == 1)
+          if (!kStagedO && n_blocks == 1)
             mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
           float correction[1][2];
           if (half)
@@ -309,7 +390,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
             scores_to_probs(acc_s, 0, correction);
           // O is still zero: rescaling it would be 0 * correction, which the compiler must
           // keep (inf and NaN), ~100 instructions a tile at d = 128
-          pack_p<kDtype>(p_prev, acc_s);
+          pack(acc_s);
         }
         // Then step `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1} together and
         // computes the exponentials of S_it while the P V product runs; the last step
@@ -335,7 +416,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
             wgmma_wait<1>();
             fence_registers(acc_s);
             release_stage(sm.k_empty() + 8 * stage);
-            if (!kStagedOutput<kHeadDim> && it == n_blocks - 1)
+            if (!kStagedO && it == n_blocks - 1)
               mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
             rescale = scores_to_probs(acc_s, it, correction);
             if constexpr (kHoldPVWait)  // the exponentials under this warpgroup's own P V
@@ -353,11 +434,14 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
         step(true, n_blocks);
       }
       block_count += n_blocks;
-    } else if (!kStagedOutput<kHeadDim>) {
+    } else if (!kStagedO) {
       mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
 
-    finish_tile<kDtype>(acc_o, softmax, scale_log2, p, t, sm, q_stage, w.row0, row_base, lane);
+    if constexpr (kE4m3)  // (P was scaled up, V's descale is O's)
+      scale_output(acc_o, fp8_v_descale(p, t) / kE4m3ProbScale);
+    finish_tile<kDtype>(acc_o, softmax, tile_scale_log2, p, t, sm, q_stage, w.row0, row_base,
+                        lane);
   }
   if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }

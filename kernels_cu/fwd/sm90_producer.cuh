@@ -104,11 +104,11 @@ __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const Te
 }
 
 // -- the producer's K and V copies of key block `it` of a tile, the CTA's block number
-//    `block_count` --
+//    `block_count` (16-bit K and V) --
 template <class Smem>
-__device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMaps& maps,
-                                              const Smem& sm, const Sm90Work& w, int it,
-                                              int block_count) {
+__device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const TensorMaps& maps,
+                                                    const Smem& sm, const Sm90Work& w, int it,
+                                                    int block_count) {
   constexpr int kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
@@ -154,6 +154,45 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
   __syncwarp();
 }
 
+// -- the fp8 forward's key block (padded batches): K's e4m3 rows as panels (the map views
+//    a row's bytes as 16-bit pairs), and V^T's block, its head-dim rows of kBlockN keys,
+//    as one box from the transposed copy (cufa/_fp8.py: (batch, nheads_k, d, keys), the
+//    map's columns pairs of keys). Past the sequence K's rows read as zeros (the map
+//    ends there) and V^T's keys are zeros (the copy's padding) --
+template <class Smem>
+__device__ __forceinline__ void produce_e4m3_block(const TensorMaps& maps, const Smem& sm,
+                                                   const Sm90Work& w, int it, int block_count) {
+  constexpr int kBlockN = Smem::kBlockN;
+  static_assert(kBlockN == 128, "a V^T row of the block is one 128-byte panel");
+  const Tile& t = w.t;
+  const int key0 = (w.n_block_max - 1 - it) * kBlockN;
+  const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
+  const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kKVBytes;
+  const bool elected = threadIdx.x == 0;
+  if (block_count >= Smem::kStages) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
+  if (elected) {
+    mbar_arrive_expect_bytes(sm.k_full() + 8 * stage, Smem::kKVBytes);
+    tma_load_panels<kBlockN, Smem::kRowUnits>(k_dst, maps.k, sm.k_full() + 8 * stage,
+                                              static_cast<int>(t.k_start) + key0, t.h_k, t.b);
+  }
+  if (block_count >= Smem::kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
+  if (elected) {
+    mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kKVBytes);
+    tma_load_4d(v_dst, maps.v, sm.v_full() + 8 * stage, key0 / 2, 0, t.h_k, t.b);
+  }
+  __syncwarp();
+}
+
+template <class Smem>
+__device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMaps& maps,
+                                              const Smem& sm, const Sm90Work& w, int it,
+                                              int block_count) {
+  if constexpr (Smem::kE4m3)
+    produce_e4m3_block(maps, sm, w, it, block_count);
+  else
+    produce_16bit_block(p, maps, sm, w, it, block_count);
+}
+
 // -- the last CTA out of the tile loop zeroes the tile counter (and its count of CTAs
 //    out, counter[1]) for the next launch on the stream, so the host needs no memset:
 //    every CTA has then taken its last tile, so no atomicAdd on counter[0] is to come --
@@ -191,7 +230,7 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
       store_tile(sm.tile() + 32 * q_stage, t, more);
       if (more && w.n_blocks > 0) {
         mbar_arrive_expect_bytes(sm.q_full() + 8 * q_stage, Smem::kQBytes);
-        tma_load_panels<Smem::kBlockM, Smem::kHeadDim>(sm.q + q_stage * Smem::kQBytes, maps.q,
+        tma_load_panels<Smem::kBlockM, Smem::kRowUnits>(sm.q + q_stage * Smem::kQBytes, maps.q,
                                                sm.q_full() + 8 * q_stage,
                                                static_cast<int>(t.q_start) + w.row0, t.h,
                                                packed ? 0 : t.b);

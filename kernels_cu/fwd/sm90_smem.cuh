@@ -27,15 +27,23 @@ template <int kBlockM> constexpr int kConsumerRegs = kBlockM == 64 ? 200 : kBloc
 //    counted over all its tiles: block g sits in stage g % kStages, whose barriers are
 //    then on their (g / kStages)-th phase; tile number n's Q likewise in Q stage
 //    n % kQStages (two where they fit, so the next tile's Q loads during this one), and
-//    the producer hands the consumers that tile in the slot tile() + 32 * s --
-template <int kBlockM_, int kHeadDim_, int kBlockN_, int kQStages_, int kStages_>
+//    the producer hands the consumers that tile in the slot tile() + 32 * s. The fp8
+//    forward's (kE4m3) tiles hold a byte an element: Q and K as rows of e4m3, and V
+//    transposed, kHeadDim rows of kBlockN keys (fp8 wgmma reads both operands K-major) --
+template <int kBlockM_, int kHeadDim_, int kBlockN_, int kQStages_, int kStages_,
+          bool kE4m3_ = false>
 struct Sm90Smem {
   static constexpr int kBlockM = kBlockM_, kHeadDim = kHeadDim_, kBlockN = kBlockN_;
+  static constexpr bool kE4m3 = kE4m3_;
+  static constexpr int kElemBytes = kE4m3 ? 1 : 2;
+  // a row's 16-bit units, which the TMA maps and the 64-column panels count (an e4m3 row
+  // moves as pairs of bytes)
+  static constexpr int kRowUnits = kHeadDim * kElemBytes / 2;
   // K/V ring depth: two stages (three measured no faster: docs/decisions.md), or one where two do
   // not fit (d = 256's 128-key blocks: the loop then waits for each product, as cuDNN's)
   static constexpr int kQStages = kQStages_, kStages = kStages_;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;
   // Offsets from q, the 1024-aligned base; stage s of K at k() + s * kKVBytes, stage s's
   // barrier at + 8 * s. (Addresses are computed, not stored: the producer warp has few
   // registers, and arrays indexed at run time would go to local memory.)

@@ -1,0 +1,96 @@
+"""CPU: the fp8 forward's launches (flash_attn_func with q, k, v in float8_e4m3fn on
+Hopper): V transposed into the stream's workspace first, then the kE4m3 forward over TMA
+maps of q, k and that workspace, e4m3 strides in 16-bit units, the descales' addresses and
+strides; and every bad argument's error before any launch."""
+import itertools
+
+import pytest
+
+import cufa
+from cufa import _compile, _interop, _params, _runtime
+from test_launch_path_cpu import _WORKSPACE, device, map_addresses, record  # noqa: F401
+
+_addresses = itertools.count(0x7D00_0000_0000, 1 << 24)
+_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def view(shape, dtype="float8_e4m3fn", strides=None):
+    return _interop.DeviceArray(None, "cupy", next(_addresses), tuple(shape),
+                                strides or _interop.contiguous_strides(shape), dtype, 0,
+                                _SIZES[dtype])
+
+
+def qkv(b=2, sq=300, sk=200, h=8, hk=2, d=128):
+    return view((b, sq, h, d)), view((b, sk, hk, d)), view((b, sk, hk, d))
+
+
+def test_fp8_forward_transposes_v_then_runs_the_e4m3_kernel(device):  # noqa: F811
+    q, k, v = qkv()
+    qd, kd, vd = view((2, 2), "float32"), view((2, 2), "float32"), view((), "float32")
+    out, lse = cufa.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd,
+                                    v_descale=vd, return_lse=True)
+    assert device.allocations == [((2, 300, 8, 128), "bfloat16"), ((2, 8, 300), "float32")]
+    transpose, forward = device.launches
+    t = record(transpose, _params.TRANSPOSE_V)
+    assert (t["v"], t["vt"], t["padded_seqlen"], t["seqlen"]) == (v.ptr, _WORKSPACE, 256, 200)
+    assert (t["v_batch_stride"], t["v_row_stride"], t["v_head_stride"]) == (51200, 256, 128)
+    r = record(forward)
+    assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, _WORKSPACE)
+    # e4m3 rows move as 16-bit pairs: byte strides halved; out's in its own elements
+    assert (r["q_batch_stride"], r["q_row_stride"], r["q_head_stride"]) == (153600, 512, 64)
+    assert (r["k_batch_stride"], r["k_row_stride"], r["k_head_stride"]) == (25600, 128, 64)
+    assert (r["o_batch_stride"], r["o_row_stride"], r["o_head_stride"]) == (307200, 1024, 128)
+    assert (r["q_descale"], r["k_descale"], r["v_descale"]) == (qd.ptr, kd.ptr, vd.ptr)
+    assert (r["q_descale_batch_stride"], r["q_descale_head_stride"]) == (2, 1)
+    assert (r["v_descale_batch_stride"], r["v_descale_head_stride"]) == (0, 0)
+    assert map_addresses(forward)[:3] == [q.ptr, k.ptr, _WORKSPACE]
+    assert forward[1] == 3 * 8 * 2  # tiles (fewer than the 132 SMs a persistent grid fills)
+
+
+def test_fp8_forward_variant_and_default_descales(device):  # noqa: F811
+    q, k, v = qkv(d=96)
+    o = view((2, 300, 8, 96), "float16")
+    cufa.flash_attn_func(q, k, v, out=o)
+    _, forward = device.launches
+    r = record(forward)
+    assert r["o"] == o.ptr and (r["q_descale"], r["k_descale"], r["v_descale"]) == (0, 0, 0)
+    assert r["head_dim"] == 96
+    variant = _compile.fwd_fp8_variant("fp16", 96, "none")
+    assert variant.fp8 and variant.head_dim == 128 and variant.key.endswith("_fp8")
+    assert variant.name_expression.endswith(", true>")
+
+
+def test_fp8_variants_compile_in_the_catalog():
+    keys = {v.key for v in _compile.all_variants()}
+    for dt in _compile.DTYPES:
+        for hd in _compile.FP8_HEAD_DIMS:
+            for mask in _compile.MASKS:
+                assert _compile.fwd_fp8_variant(dt, hd, mask).key in keys
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(k=view((2, 200, 2, 128), "float16")), TypeError, "k has dtype float16"),
+    (dict(q=view((2, 300, 8, 72)), k=view((2, 200, 2, 72)), v=view((2, 200, 2, 72))),
+     ValueError, "multiples of 16"),
+    (dict(q=view((2, 300, 7, 128))), ValueError, "not a multiple"),
+    (dict(v=view((2, 201, 2, 128))), ValueError, "alike"),
+    (dict(k_descale=view((2, 3), "float32")), ValueError, "k_descale must be float32"),
+    (dict(q_descale=view((2, 2), "float16")), TypeError, "q_descale must be float32"),
+    (dict(out=view((2, 300, 8, 128), "float32")), ValueError, "float16 or bfloat16"),
+    (dict(q=view((2, 300, 8, 128), strides=(300 * 8 * 136, 8 * 136, 136, 1))),
+     NotImplementedError, "16-byte chunks"),
+    (dict(softcap=5.0), NotImplementedError, "softcap"),
+])
+def test_fp8_forward_bad_arguments(device, change, error, match):  # noqa: F811
+    q, k, v = qkv()
+    args = {**dict(q=q, k=k, v=v), **change}
+    with pytest.raises(error, match=match):
+        cufa.flash_attn_func(**args)
+    assert device.launches == []
+
+
+def test_fp8_forward_before_hopper(device, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        cufa.flash_attn_func(*qkv())
+    assert device.launches == []
