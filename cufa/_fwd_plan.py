@@ -779,7 +779,6 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
             p[f"{name}_descale"] = x.ptr
             p[f"{name}_descale_batch_stride"], p[f"{name}_descale_head_stride"] = (
                 x.strides[:2] if x.ndim == 2 else (0, 0))
-    p.update(q=q.ptr, k=k.ptr, v=vt, o=o_ptr, lse=lse_ptr, tile_counter=counter)
     box_n = variant.block_n
     views = (((batch, seqlen_q, nheads, d // 2), tuple(x // 2 for x in q.strides[:3]),
               variant.block_m),
@@ -791,5 +790,7 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
                                   f"or k {k.shape} {k.strides} as the fp8 forward reads them")
     driver_launch(_compile.function_pointer(variant, device), num_blocks, variant.threads,
                   variant.smem_bytes, stream,
-                  (_params.FWD.pack(p), _tma.with_addresses(template, q.ptr, k.ptr, vt)))
+                  (_params.FWD.with_pointer_values(_params.FWD.pack(p), (
+                      q.ptr, k.ptr, vt, o_ptr, lse_ptr, 0, 0, 0, 0, 0, 0, 0, counter, 0, 0)),
+                   _tma.with_addresses(template, q.ptr, k.ptr, vt)))
     del scratch, counter_owner  # (held until the launches are queued)

@@ -90,8 +90,20 @@ def fp8_lowp(q, k, v, causal, window, scale):
     l = p.sum(-1, keepdims=True)
     l = np.where(l > 0, l, 1.0)
     o = (round_to_e4m3(p * P_SCALE) @ vh) / (P_SCALE * l)
+    exact = (p @ vh) / l
     term = np.max(p[..., None] * np.abs(vh)[:, :, None], axis=-2) / l  # (b, h, sq, d)
-    return o.transpose(0, 2, 1, 3), term.transpose(0, 2, 1, 3)
+    spread = np.einsum("bhqk,bhqkd->bhqd", p, np.abs(vh[:, :, None] - exact[:, :, :, None])) / l
+    return o.transpose(0, 2, 1, 3), term.transpose(0, 2, 1, 3), spread.transpose(0, 2, 1, 3)
+
+
+def score_error_bound(q, k, scale):
+    """(b, h, sq): the most a row's score can be off on Hopper's e4m3 products, which
+    accumulate with about 13 bits kept at each k32 step (DeepSeek-V3's report on fp8
+    GEMMs): (d / 32) * 2^-13 of the terms' absolute sum, times the scale."""
+    h, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    terms = np.abs(q).transpose(0, 2, 1, 3) @ np.repeat(np.abs(k), h // hk, axis=2).transpose(
+        0, 2, 3, 1)
+    return (d / 32) * 2.0 ** -13 * scale * terms.max(-1)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 96])
@@ -121,13 +133,16 @@ def test_fp8_forward_per_row(hopper, d, mask, seqlens):
     scale = 1.0 / math.sqrt(d)
     ref, ref_lse = reference.attention(qf, kf, vf, causal=causal, window_size=window,
                                        softmax_scale=scale)
-    lowp, term = fp8_lowp(qf, kf, vf, causal, window, scale)
+    lowp, term, spread = fp8_lowp(qf, kf, vf, causal, window, scale)
+    score_err = score_error_bound(qf, kf, scale).transpose(0, 2, 1)  # (b, sq, h)
     o = got.float().cpu().numpy().astype(np.float64)
     assert np.isfinite(o).all()
     err = np.abs(o - ref).max(-1)
     err_lp = np.abs(lowp - ref).max(-1)
     rounding = 2.0 ** (-8 if out_dtype == torch.bfloat16 else -11)
-    bound = 2 * err_lp + 2.0 ** -4 * term.max(-1) + 2 * rounding * np.abs(ref).max(-1) + 1e-6
+    # (a score off by e moves its P by e relative: O by e times P's spread of V about O)
+    bound = (2 * err_lp + 2.0 ** -4 * term.max(-1) + score_err * spread.max(-1)
+             + 2 * rounding * np.abs(ref).max(-1) + 1e-6)
     worst = np.unravel_index(np.argmax(err / bound), err.shape)
     assert (err <= bound).all(), (f"row {worst}: error {err[worst]:.3g} over its bound "
                                   f"{bound[worst]:.3g} (fp8 algorithm {err_lp[worst]:.3g})")
@@ -135,11 +150,19 @@ def test_fp8_forward_per_row(hopper, d, mask, seqlens):
     lse_got = lse.cpu().numpy().astype(np.float64)
     seen = np.isfinite(lse_ref)
     assert (np.isneginf(lse_got) == ~seen).all()
-    np.testing.assert_allclose(lse_got[seen], lse_ref[seen], rtol=1e-5, atol=1e-4)
+    lse_tol = 1e-4 + score_error_bound(qf, kf, scale)  # (no more than its worst score's)
+    lse_err = np.where(seen, np.abs(lse_got - np.where(seen, lse_ref, 0.0)), 0.0)
+    worst = np.unravel_index(np.argmax(lse_err / lse_tol), lse_err.shape)
+    assert (lse_err <= lse_tol).all(), (f"lse row {worst}: error {lse_err[worst]:.3g} over "
+                                        f"{lse_tol[worst]:.3g}")
     flat_ref, flat_err = ref.ravel(), (o - ref).ravel()
     if (flat_ref ** 2).sum() > 0:
+        # the regression's noise from rounding alone shrinks with the rows' count (16 rows
+        # of one query token leave it near 1 %); a 1 % scale bug stands out from 2,400 on
         beta = (flat_err * flat_ref).sum() / (flat_ref ** 2).sum()
-        assert abs(beta) < 3e-3, f"systematic error: out = ref * (1 + {beta:.4f})"
+        noise = np.sqrt((flat_err ** 2).sum() / (flat_ref ** 2).sum() / err.size)
+        assert abs(beta) < max(3e-3, 4 * noise), (
+            f"systematic error: out = ref * (1 + {beta:.4f}) (noise {noise:.4f})")
 
 
 def test_fp8_forward_rms_with_outliers(hopper):
@@ -156,7 +179,7 @@ def test_fp8_forward_rms_with_outliers(hopper):
     o = got.float().cpu().numpy().astype(np.float64)
     scale = 1.0 / math.sqrt(128)
     ref, _ = reference.attention(q64, k64, v64, causal=True, softmax_scale=scale)
-    lowp, _ = fp8_lowp(q64, k64, v64, True, (-1, -1), scale)
+    lowp, _, _ = fp8_lowp(q64, k64, v64, True, (-1, -1), scale)
     rms, rms_lp = (np.sqrt(np.mean((x - ref) ** 2)) for x in (o, lowp))
     print(f"fp8 forward: RMS error {rms:.2e} (naive e4m3-P algorithm {rms_lp:.2e}), max "
           f"{np.abs(o - ref).max():.2e}")

@@ -25,6 +25,8 @@ class _Device:
         return f"array@{self.next:#x}", self.next
 
     def launch(self, function, blocks, threads, smem, stream, args):
+        for a in args:  # (the driver takes each by its address: a ctypes object, not bytes)
+            ctypes.addressof(a)
         self.launches.append((function, blocks, [bytes(a) for a in args], stream))
 
 
