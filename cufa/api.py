@@ -61,8 +61,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs
-    if "float8" in str(getattr(q, "dtype", "")) or any(
-            x is not None for x in (q_descale, k_descale, v_descale)):
+    # (a 1-byte q is the only one whose dtype name is read: str() of a NumPy dtype costs
+    # microseconds, which every CuPy and JAX call would pay)
+    if (q_descale is not None or k_descale is not None or v_descale is not None or (
+            getattr(q, "itemsize", 0) == 1
+            and "float8" in str(q.dtype))):
         return _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs,
                             return_lse, out, q_descale, k_descale, v_descale,
                             softmax_scale=softmax_scale, causal=causal, window_size=window_size)
