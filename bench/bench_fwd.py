@@ -4,7 +4,7 @@ cuDNN, one run.
 
     python3 bench/bench_fwd.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128,256]
         [--seqlens 512,1024,...] [--causal 0,1] [--reps 48] [--unaligned] [--no-peers] [--sink]
-        [--no-plot] [--no-memory] [--list]
+        [--fp8] [--no-plot] [--no-memory] [--list]
 
 Shapes: 16,384 tokens per batch (batch = 16384 // N), heads = 2048 // headdim (the head dim
 rounded up to a multiple of 8, so that d = 59 and 64 have the same heads), plus one GQA
@@ -48,8 +48,9 @@ SEQLENS, QUICK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384), (1024, 4096, 1638
 GQA = dict(head_dim=128, seqlen=4096, batch=4, nheads=32, nheads_k=8)
 ALONE_IMPLS = ("cufa", "sdpa_flash", "sdpa_cudnn")
 MEM_SEQLENS = (1024, 4096, 16384)
-IMPLS = ("cufa", "cufa_sink", "fa4", "sdpa_flash", "sdpa_cudnn", "jax_cudnn")
-LABELS = {"cufa": "cufa", "cufa_sink": "cufa sink", "fa4": "FA4", "sdpa_flash": "SDPA flash",
+IMPLS = ("cufa", "cufa_sink", "cufa_fp8", "fa4", "sdpa_flash", "sdpa_cudnn", "jax_cudnn")
+LABELS = {"cufa": "cufa", "cufa_sink": "cufa sink", "cufa_fp8": "cufa fp8", "fa4": "FA4",
+          "sdpa_flash": "SDPA flash",
           "sdpa_cudnn": "SDPA cuDNN", "jax_cudnn": "JAX cuDNN*"}
 # the peers cufa is to lead on every row (issue 56): the better of them, row by row
 LEAD_PEERS = ("sdpa_cudnn", "fa4")
@@ -109,6 +110,9 @@ def parse_args(argv=None):
                         "one KV head (DeepSeek's latent attention in its absorbed form)")
     p.add_argument("--sink", action="store_true",
                    help="also time cufa with a learnable sink (the 'cufa sink' column)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time cufa's fp8 forward on the same values in float8_e4m3fn "
+                        "(the 'cufa fp8' column; Hopper, head dims in 16s up to 256)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
@@ -154,11 +158,14 @@ def case_name(r):
 
 # -- implementations -------------------------------------------------------------------------
 
-def load_impls(torch, no_peers, sink=False):
+def load_impls(torch, no_peers, sink=False, fp8=False):
     """name -> module-ish handle, or a string saying why it is not available."""
     impls = {"cufa": T.load_cufa()}
     if sink:
         impls["cufa_sink"] = impls["cufa"]
+    if fp8:
+        impls["cufa_fp8"] = (impls["cufa"] if hasattr(torch, "float8_e4m3fn")
+                             else "this PyTorch has no float8_e4m3fn")
     if no_peers:
         return impls
     impls.update(T.load_peers(torch))
@@ -218,7 +225,7 @@ def summarize(ms, shape, causal):
 def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns, unaligned=False):
     """One row per causal value; all implementations on the same inputs, back to back."""
     bnhd, bhnd = torch_inputs(torch, shape, gen, unaligned)
-    jax_sets = []
+    jax_sets, fp8_sets = [], []
 
     def time_jax(jax, causal, reps):
         if not jax_sets:        # built inside measure(), so a failure is a reason, not a crash
@@ -234,6 +241,14 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns, unaligned=
         time_events; one at a time, time_alone), or a reason."""
         if isinstance(impl, str):
             return impl
+        if name == "cufa_fp8":
+            if (unaligned or shape.head_dim % 16 or shape.head_dim > 256
+                    or shape.v_dim != shape.head_dim):
+                return "the fp8 forward takes aligned rows of one head dim in 16s up to 256"
+            if not fp8_sets:  # (the same values, rounded to e4m3; no descales)
+                fp8_sets.extend(tuple(x.to(torch.float8_e4m3fn) for x in s) for s in bnhd)
+            fn = partial(impl.flash_attn_func, causal=causal)
+            return lambda n: time_calls(torch, fn, fp8_sets, n)
         if name.startswith("cufa"):
             # (learnable_sink only where asked: bench/ab.sh times trees from before it)
             sink = ({"learnable_sink": torch.randn(shape.nheads, device="cuda", generator=gen)}
@@ -283,7 +298,7 @@ def time_shape(torch, impls, shape, causals, reps, gen, rng, jax_fns, unaligned=
                   file=sys.stderr)
         add_ratios(row)
         rows.append(row)
-    for inputs in (bnhd, bhnd, jax_sets):  # freed before the next shape's
+    for inputs in (bnhd, bhnd, jax_sets, fp8_sets):  # freed before the next shape's
         inputs.clear()
     torch.cuda.empty_cache()
     return rows
@@ -513,7 +528,7 @@ def main(argv=None):
     torch = T.require_torch_cuda("bench_fwd")
     import numpy as np
     os.makedirs(args.out, exist_ok=True)
-    impls = load_impls(torch, args.no_peers, args.sink)
+    impls = load_impls(torch, args.no_peers, args.sink, args.fp8)
     names = [n for n in IMPLS if n in impls]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rng, jax_fns, rows = np.random.default_rng(0), {}, []

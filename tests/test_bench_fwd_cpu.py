@@ -47,3 +47,17 @@ def test_fa4_missing_is_a_reason_not_an_error():
     b = _bench_fwd()
     got = b.load_fa4()
     assert callable(got) or "bench/fa4.sh" in got
+
+
+def test_fp8_column():
+    """--fp8 adds "cufa fp8" (cufa's flash_attn_func on e4m3 copies); a PyTorch without
+    float8 gives a reason, not an error."""
+    b = _bench_fwd()
+    assert b.parse_args(["--fp8", "--list"]).fp8
+
+    class NoFloat8:
+        pass
+    impls = b.load_impls(NoFloat8(), no_peers=True, fp8=True)
+    assert set(impls) == {"cufa", "cufa_fp8"} and "float8_e4m3fn" in impls["cufa_fp8"]
+    rows = [_row(4096, False, cufa=600, cufa_fp8=900)]
+    assert "| cufa fp8 |" in b.markdown(rows, ["cufa", "cufa_fp8"])

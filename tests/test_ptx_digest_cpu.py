@@ -135,3 +135,14 @@ def test_bodies_of_a_compiled_kernel_by_another_expression(kernels):
     mine = ptx_digest.ptx_digest(variant, bodies=True)
     assert ptx_digest.ptx_digest(variant, bodies=True,
                                  expression=variant.name_expression.replace("cufa::", "::cufa::")) == mine
+
+
+def test_bodies_set_a_grown_params_record_aside():
+    """A params record with fields appended (FwdParams gained q_descale) is declared with
+    another size, and every old field keeps its offset: the same code. A read at another
+    offset is not."""
+    entry = (".visible .entry _ZN4cufa6kernelEv(\n\t.param .align 8 .b8 _ZN4cufa6kernelEv_param_0"
+             "[424]\n)\n{\n\tld.param.u64 %rd1, [_ZN4cufa6kernelEv_param_0+8];\n\tret;\n}\n")
+    grown = entry.replace("[424]", "[448]")
+    assert ptx_digest.code_bodies(entry) == ptx_digest.code_bodies(grown)
+    assert ptx_digest.code_bodies(entry) != ptx_digest.code_bodies(grown.replace("+8]", "+16]"))
