@@ -104,7 +104,9 @@ def check_qkv(q, k, v, names, layout, *, batch_dim, seq_dim, head_dim, own_v_hea
         if x.ndim != rank:
             raise ValueError(f"{n} must be {rank}-D {layout}; got shape {x.shape}")
     if q.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{qn} has dtype {q.dtype}; cufa supports float16 and bfloat16")
+        fp8 = (f" (float8_e4m3fn q, k, v take the fp8 forward: flash_attn_func, eagerly, not "
+               f"under torch.compile, autograd or JAX)" if q.dtype.startswith("float8") else "")
+        raise TypeError(f"{qn} has dtype {q.dtype}; cufa supports float16 and bfloat16{fp8}")
     check_dtype_device(k, kn, q, qn)
     check_dtype_device(v, vn, q, qn)
     d = q.shape[-1]

@@ -61,11 +61,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs
-    # (a 1-byte q is the only one whose dtype name is read: str() of a NumPy dtype costs
-    # microseconds, which every CuPy and JAX call would pay)
-    if (q_descale is not None or k_descale is not None or v_descale is not None or (
-            getattr(q, "itemsize", 0) == 1
-            and "float8" in str(q.dtype))):
+    if q_descale is not None or k_descale is not None or v_descale is not None:
         return _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs,
                             return_lse, out, q_descale, k_descale, v_descale,
                             softmax_scale=softmax_scale, causal=causal, window_size=window_size)
@@ -89,6 +85,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=window_ints(window_size), softcap=softcap),
                                 out=out, lse=return_lse)
             return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
+    # (eager calls only, so torch.compile traces none of it; a 1-byte q's alone reads its
+    # dtype's name: str() of a NumPy dtype costs microseconds a call)
+    if getattr(q, "itemsize", 0) == 1 and "float8" in str(q.dtype):
+        return _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs,
+                            return_lse, out, q_descale, k_descale, v_descale,
+                            softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     result = dense(q, k, v, alibi_slopes, out, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, return_lse=return_lse,
                    learnable_sink=learnable_sink)
