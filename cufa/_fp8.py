@@ -26,8 +26,9 @@ def transposed_v(v, padded_seqlen):
 
 
 def padded_keys(seqlen, block_n=128):
-    """vt's keys a row: seqlen rounded up to whole key blocks of the fp8 forward."""
-    return -(-seqlen // block_n) * block_n
+    """vt's keys a row: seqlen rounded up to whole key blocks of the fp8 forward, at least
+    one (the V map needs a row even where no key is read)."""
+    return max(-(-seqlen // block_n), 1) * block_n
 
 
 def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device, stream):
@@ -43,7 +44,7 @@ def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device,
         batch=batch, seqlen=seqlen, nheads_k=heads, head_dim=d, padded_seqlen=padded_seqlen,
         v_batch_stride=v_strides[0], v_row_stride=v_strides[1], v_head_stride=v_strides[2]))
     args = _params.TRANSPOSE_V.with_pointer_values(record, (v_ptr, vt_ptr))
-    grid = (padded_seqlen // 64, -(-d // 64), batch * heads)
+    grid = (padded_seqlen // 64 * batch * heads, -(-d // 64), 1)
     _runtime.driver_launch(_compile.function_pointer(kernel, device), grid, kernel.threads, 0,
                            stream, (args,))
 

@@ -722,8 +722,9 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packe
 
 # -- the fp8 forward ------------------------------------------------------------------------
 # q, k, v in e4m3 on Hopper's kernel (kE4m3 in fwd/fwd_sm90.cu): V transposed first into a
-# per-stream workspace of V's size (_fp8.launch_transpose_v), then the forward, whose TMA
-# maps view e4m3 rows as bfloat16 pairs. Planned at every call (no _Plan kept yet).
+# workspace of V's size from the caller's allocator (_fp8.launch_transpose_v), then the
+# forward, whose TMA maps view e4m3 rows as bfloat16 pairs. Planned at every call (no
+# _Plan kept yet).
 
 def fp8_dense(q, k, v, out, q_descale, k_descale, v_descale, *, softmax_scale, causal,
               window_size, return_lse):
@@ -760,8 +761,24 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     padded = _fp8.padded_keys(seqlen_k, variant.block_n)
-    vt_bytes = batch * nheads_k * d * padded
-    scratch, vt = stream_workspace(plan.framework, device, stream, max(vt_bytes, 16))
+    box_n = variant.block_n
+    # (a dimension of one element: its stride 0, which the maps take whatever it was; no
+    # keys: k's map, never read, describes one row of a contiguous k)
+    q_units, k_units = (tuple(0 if n == 1 else x // 2
+                              for n, x in zip(a.shape[:3], a.strides[:3])) for a in (q, k))
+    if not seqlen_k:
+        k_units = (nheads_k * d // 2, nheads_k * d // 2, d // 2)
+    views = (((batch, seqlen_q, nheads, d // 2), q_units, variant.block_m),
+             ((batch, max(seqlen_k, 1), nheads_k, d // 2), k_units, box_n),
+             _fp8.vt_map_view(batch, nheads_k, d, padded, variant.head_dim))
+    template = _tma.template("bfloat16", views)
+    if template is None:
+        raise NotImplementedError(f"the copy engine cannot describe q {q.shape} {q.strides} "
+                                  f"or k {k.shape} {k.strides} as the fp8 forward reads them")
+    # V^T from the caller's allocator, a call's own (stream-ordered: freed once the
+    # launches are queued, as outputs are)
+    workspace, vt = _interop.allocate(plan.framework, (batch * nheads_k * d * padded,),
+                                      "uint8", device, stream)
     counter_owner, counter = stream_tile_counter(plan.framework, device, stream)
     if seqlen_k:
         _fp8.launch_transpose_v(v.ptr, v.shape, v.strides, vt, padded, device, stream)
@@ -779,18 +796,9 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
             p[f"{name}_descale"] = x.ptr
             p[f"{name}_descale_batch_stride"], p[f"{name}_descale_head_stride"] = (
                 x.strides[:2] if x.ndim == 2 else (0, 0))
-    box_n = variant.block_n
-    views = (((batch, seqlen_q, nheads, d // 2), tuple(x // 2 for x in q.strides[:3]),
-              variant.block_m),
-             ((batch, seqlen_k, nheads_k, d // 2), tuple(x // 2 for x in k.strides[:3]), box_n),
-             _fp8.vt_map_view(batch, nheads_k, d, padded, variant.head_dim))
-    template = _tma.template("bfloat16", views)
-    if template is None:
-        raise NotImplementedError(f"the copy engine cannot describe q {q.shape} {q.strides} "
-                                  f"or k {k.shape} {k.strides} as the fp8 forward reads them")
     driver_launch(_compile.function_pointer(variant, device), num_blocks, variant.threads,
                   variant.smem_bytes, stream,
                   (_params.FWD.with_pointer_values(_params.FWD.pack(p), (
                       q.ptr, k.ptr, vt, o_ptr, lse_ptr, 0, 0, 0, 0, 0, 0, 0, counter, 0, 0)),
                    _tma.with_addresses(template, q.ptr, k.ptr, vt)))
-    del scratch, counter_owner  # (held until the launches are queued)
+    del workspace, counter_owner  # (held until the launches are queued)

@@ -56,7 +56,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     scores are q_descale * k_descale times the e4m3 product, out v_descale times P V. P
     is rounded to e4m3 for P V (times 2^8, so small probabilities keep their exponents);
     accumulation is float32. out is bfloat16 (or out='s float16 / bfloat16). V is first
-    transposed into a workspace of V's size (fp8 wgmma reads both operands K-major). No
+    transposed into a new array of V's size (fp8 wgmma reads both operands K-major). No
     softcap, ALiBi or sink here yet; eager PyTorch and CuPy only.
     """
     reject_unsupported(dropout_p)

@@ -8,7 +8,7 @@ import pytest
 
 import cufa
 from cufa import _compile, _interop, _params, _runtime
-from test_launch_path_cpu import _WORKSPACE, device, map_addresses, record  # noqa: F401
+from test_launch_path_cpu import device, map_addresses, record  # noqa: F401
 
 _addresses = itertools.count(0x7D00_0000_0000, 1 << 24)
 _SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -24,18 +24,35 @@ def qkv(b=2, sq=300, sk=200, h=8, hk=2, d=128):
     return view((b, sq, h, d)), view((b, sk, hk, d)), view((b, sk, hk, d))
 
 
-def test_fp8_forward_transposes_v_then_runs_the_e4m3_kernel(device):  # noqa: F811
+@pytest.fixture
+def addresses(device, monkeypatch):  # noqa: F811
+    """The addresses the fake device hands out, in order."""
+    handed = []
+
+    def allocate(*args, **kwargs):
+        native, ptr = device.allocate(*args, **kwargs)
+        handed.append(ptr)
+        return native, ptr
+    monkeypatch.setattr(_interop, "allocate", allocate)
+    return handed
+
+
+def test_fp8_forward_transposes_v_then_runs_the_e4m3_kernel(device, addresses):  # noqa: F811
     q, k, v = qkv()
     qd, kd, vd = view((2, 2), "float32"), view((2, 2), "float32"), view((), "float32")
     out, lse = cufa.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd,
                                     v_descale=vd, return_lse=True)
-    assert device.allocations == [((2, 300, 8, 128), "bfloat16"), ((2, 8, 300), "float32")]
+    # out, lse, and V^T (batch, nheads_k, d, keys padded to 256) from the caller's allocator
+    assert device.allocations == [((2, 300, 8, 128), "bfloat16"), ((2, 8, 300), "float32"),
+                                  ((2 * 2 * 128 * 256,), "uint8")]
+    vt = addresses[2]
     transpose, forward = device.launches
+    assert transpose[1] == (256 // 64 * 2 * 2, 2, 1)  # (key tiles of every pair in x)
     t = record(transpose, _params.TRANSPOSE_V)
-    assert (t["v"], t["vt"], t["padded_seqlen"], t["seqlen"]) == (v.ptr, _WORKSPACE, 256, 200)
+    assert (t["v"], t["vt"], t["padded_seqlen"], t["seqlen"]) == (v.ptr, vt, 256, 200)
     assert (t["v_batch_stride"], t["v_row_stride"], t["v_head_stride"]) == (51200, 256, 128)
     r = record(forward)
-    assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, _WORKSPACE)
+    assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, vt)
     # e4m3 rows move as 16-bit pairs: byte strides halved; out's in its own elements
     assert (r["q_batch_stride"], r["q_row_stride"], r["q_head_stride"]) == (153600, 512, 64)
     assert (r["k_batch_stride"], r["k_row_stride"], r["k_head_stride"]) == (25600, 128, 64)
@@ -43,7 +60,7 @@ def test_fp8_forward_transposes_v_then_runs_the_e4m3_kernel(device):  # noqa: F8
     assert (r["q_descale"], r["k_descale"], r["v_descale"]) == (qd.ptr, kd.ptr, vd.ptr)
     assert (r["q_descale_batch_stride"], r["q_descale_head_stride"]) == (2, 1)
     assert (r["v_descale_batch_stride"], r["v_descale_head_stride"]) == (0, 0)
-    assert map_addresses(forward)[:3] == [q.ptr, k.ptr, _WORKSPACE]
+    assert map_addresses(forward)[:3] == [q.ptr, k.ptr, vt]
     assert forward[1] == 3 * 8 * 2  # tiles (fewer than the 132 SMs a persistent grid fills)
 
 
@@ -58,6 +75,19 @@ def test_fp8_forward_variant_and_default_descales(device):  # noqa: F811
     variant = _compile.fwd_fp8_variant("fp16", 96, "none")
     assert variant.fp8 and variant.head_dim == 128 and variant.key.endswith("_fp8")
     assert variant.name_expression.endswith(", true>")
+
+
+def test_fp8_forward_without_keys_and_size_one_dims(device):  # noqa: F811
+    """No keys: no transpose, and the forward (every row 0, lse -inf) over a V map of one
+    key block; a head of one with an odd head stride still makes maps (stride 0)."""
+    q, k, v = qkv(sk=0)
+    cufa.flash_attn_func(q, k, v)
+    (forward,) = device.launches
+    assert record(forward)["seqlen_k"] == 0
+    q = view((2, 300, 1, 128), strides=(300 * 144, 144, 17, 1))
+    k = view((2, 200, 1, 128), strides=(200 * 144, 144, 17, 1))
+    cufa.flash_attn_func(q, k, view((2, 200, 1, 128)))
+    assert len(device.launches) == 3
 
 
 def test_fp8_variants_compile_in_the_catalog():

@@ -184,3 +184,16 @@ def test_fp8_forward_rms_with_outliers(hopper):
     print(f"fp8 forward: RMS error {rms:.2e} (naive e4m3-P algorithm {rms_lp:.2e}), max "
           f"{np.abs(o - ref).max():.2e}")
     assert rms <= 1e-2 and rms <= 2 * rms_lp
+
+
+def test_fp8_forward_without_keys(hopper):
+    """seqlen_k = 0: every row 0 and lse -inf (out poisoned first), nothing transposed."""
+    if E4M3 is None:
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    rng = np.random.default_rng(5)
+    q, _ = e4m3_tensor(rng, (2, 37, 4, 128))
+    k = torch.empty(2, 0, 2, 128, dtype=E4M3, device="cuda")
+    out = torch.full((2, 37, 4, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got, lse = cufa.flash_attn_func(q, k, k, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert (got == 0).all() and torch.isneginf(lse).all()

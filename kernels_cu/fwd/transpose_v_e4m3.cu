@@ -26,11 +26,15 @@ __device__ __forceinline__ int vt_key_of(int k) {
 
 constexpr int kVtTileKeys = 64, kVtTileDims = 64;
 
-// grid: (padded_seqlen / 64, head_dim / 64 rounded up, batch * nheads_k); 256 threads
+// grid: (padded_seqlen / 64 * batch * nheads_k, head_dim / 64 rounded up): the (sequence,
+// KV head) pairs and their key tiles in x, whose limit is 2^31 - 1 (z's is 65535, under
+// what batch * nheads_k may reach); 256 threads
 __global__ void __launch_bounds__(256) transpose_v_e4m3(const TransposeVParams p) {
   __shared__ __align__(16) u8 tile[kVtTileKeys][kVtTileDims + 16];  // (+16: no bank conflicts down a column)
-  const int key0 = blockIdx.x * kVtTileKeys, dim0 = blockIdx.y * kVtTileDims;
-  const int b = blockIdx.z / p.nheads_k, h = blockIdx.z % p.nheads_k;
+  const int key_tiles = p.padded_seqlen / kVtTileKeys;
+  const int pair = blockIdx.x / key_tiles;  // (sequence, KV head)
+  const int key0 = (blockIdx.x % key_tiles) * kVtTileKeys, dim0 = blockIdx.y * kVtTileDims;
+  const int b = pair / p.nheads_k, h = pair % p.nheads_k;
   const u8* v = reinterpret_cast<const u8*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
   // -- in: 64 keys x 4 chunks of 16 dims, one chunk a thread; zeros past the sequence or
   //    the head dim (whole 16-byte chunks: the host takes head dims of 16s) --
@@ -60,7 +64,7 @@ __global__ void __launch_bounds__(256) transpose_v_e4m3(const TransposeVParams p
       words[w] = word;
     }
     u8* vt = reinterpret_cast<u8*>(p.vt) +
-             (static_cast<i64>(blockIdx.z) * p.head_dim + dim0 + d) * p.padded_seqlen + key0 + 16 * c;
+             (static_cast<i64>(pair) * p.head_dim + dim0 + d) * p.padded_seqlen + key0 + 16 * c;
     *reinterpret_cast<uint4*>(vt) = make_uint4(words[0], words[1], words[2], words[3]);
   }
 }
