@@ -428,15 +428,8 @@ def check_fp8_dense(q, k, v, o, out, descales):
             "must be multiples of 16 elements and the starts 16-byte aligned; got q "
             f"{q.strides}, k {k.strides}, v {v.strides}")
     for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
-        if x is None:
-            continue
-        if x.dtype != "float32":
-            raise TypeError(f"{n} must be float32; got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
-        if x.shape not in ((batch, nheads_k), (1,), ()):
-            raise ValueError(f"{n} must be float32 (batch, nheads_k) = ({batch}, {nheads_k}), "
-                             f"or (1,) or 0-d for one scale; got shape {x.shape}")
+        if x is not None:
+            _check_descale(x, n, q, batch, nheads_k)
     if o is None:
         return "bfloat16"
     if o.framework != q.framework:
@@ -500,13 +493,18 @@ def check_descales(kd, vd, kc, q, batch, nheads_k, fp8, cache="k_cache"):
             continue
         if not fp8:
             raise TypeError(f"{n} applies to {FP8_CACHE} caches; {cache} has dtype {kc.dtype}")
-        if x.dtype != "float32":
-            raise TypeError(f"{n} must be float32; got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
-        if x.shape not in ((batch, nheads_k), (1,), ()):
-            raise ValueError(f"{n} must be float32 (batch, nheads_k) = ({batch}, {nheads_k}), "
-                             f"or (1,) or 0-d for one scale; got shape {x.shape}")
+        _check_descale(x, n, q, batch, nheads_k)
+
+
+def _check_descale(x, n, q, batch, nheads_k):
+    """One descale `n`: float32 (batch, nheads_k), or one scale ((1,) or 0-d), on q's device."""
+    if x.dtype != "float32":
+        raise TypeError(f"{n} must be float32; got {x.dtype}")
+    if x.device != q.device:
+        raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
+    if x.shape not in ((batch, nheads_k), (1,), ()):
+        raise ValueError(f"{n} must be float32 (batch, nheads_k) = ({batch}, {nheads_k}), "
+                         f"or (1,) or 0-d for one scale; got shape {x.shape}")
 
 
 def check_cache(q, kc, vc, kn, vn, table, idx, head_dim_v=None):
