@@ -455,7 +455,8 @@ def _fp8_cache(q, kc, vc, names=("k_cache", "v_cache")):
             raise TypeError(f"{n} has dtype {x.dtype}, which cufa does not support: fp8 KV "
                             f"caches are {FP8_CACHE} (e4m3)")
     if q.dtype == FP8_CACHE:
-        raise NotImplementedError("q in float8_e4m3fn (the fp8 forward) is not supported yet; "
+        raise NotImplementedError("q in float8_e4m3fn is not supported here yet (the fp8 "
+                                  "forward is flash_attn_func's, over contiguous e4m3 k and v); "
                                   "pass q in float16 or bfloat16 (an fp8 cache is)")
     fp8 = kc.dtype == FP8_CACHE
     if fp8 != (vc.dtype == FP8_CACHE):
