@@ -7,7 +7,7 @@ import math
 
 from . import _arrays, _compile, _interop, _params, _runtime
 from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, check_options,
-                      check_packed)
+                      check_packed, window_mask_kind)
 from ._fwd_plan import _broadcast_strides, _work_list_ints
 from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, stream_workspace
 
@@ -172,7 +172,7 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
     if d > _compile.MAX_HEAD_DIM:
         raise NotImplementedError(f"the backward takes head dims up to {_compile.MAX_HEAD_DIM};"
                                   f" got {d} (the forward takes up to {_compile.WIDE_HEAD_DIM})")
-    mask = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
+    mask = window_mask_kind(window)
     key = (KERNEL_DTYPES[q.dtype], d, mask, softcap > 0 or alibi is not None
            or attn_mask is not None)
     wgmma = None

@@ -16,6 +16,12 @@ ATTN_MASK_TYPES = _dtypes.codes("attn_mask")
 ROTARY_DTYPES = _dtypes.codes("rotary")
 FP8_CACHE = "float8_e4m3fn"  # the dtype of an fp8 KV cache (flash_attn_with_kvcache)
 UNBOUNDED = 1 << 30     # a window side larger than any sequence the int32 params can hold
+
+
+def window_mask_kind(window):
+    """The kernels' mask kind of a checked window: "none" where neither side is bounded
+    (so no key is ever masked), else "window" (causal is one)."""
+    return "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
 # The entry points' default window_size, this object: check_options takes it unchecked (a
 # value-equal pair from the caller, or -1.0, goes through the checks).
 NO_WINDOW = (-1, -1)

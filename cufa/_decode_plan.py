@@ -206,10 +206,11 @@ def _mla_kernel(q, kc, vc, softcap, fp8, rows, units, capacity, num_splits):
                                                               capacity, q.device)
 
 
-def descale_strides(kd, vd):
-    """DecodeParams' descale strides of (batch, nheads_k) descales; 0 for one a tensor."""
+def descale_strides(kd, vd, qd=None):
+    """DecodeParams' (and FwdParams') descale strides of (batch, nheads_k) descales; 0 for
+    one a tensor. qd: the fp8 forward's q_descale, whose fields only FwdParams has."""
     p = {}
-    for name, x in (("k", kd), ("v", vd)):
+    for name, x in (("k", kd), ("v", vd)) + ((("q", qd),) if qd is not None else ()):
         b, h = x.strides[:2] if x is not None and x.ndim == 2 else (0, 0)
         p[f"{name}_descale_batch_stride"], p[f"{name}_descale_head_stride"] = b, h
     return p

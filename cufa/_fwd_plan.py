@@ -9,7 +9,7 @@ from . import (_arrays, _compile, _decode_plan, _fp8, _heuristics, _interop, _pa
                _tma)
 from ._checks import (ATTN_MASK_TYPES, FP8_CACHE, INT32_MAX, KERNEL_DTYPES, UNBOUNDED,
                       check_cu_values, check_dense, check_fp8_dense, check_options, check_packed,
-                      check_page_ids, check_scale, check_sdpa)
+                      check_page_ids, check_scale, check_sdpa, window_mask_kind)
 from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, outputs, plans,
                        remember, returned, stream_call, stream_tile_counter, stream_workspace)
 
@@ -462,7 +462,7 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
                    out_like_q=out_shape == q.shape)
     if not (batch and nheads and seqlen_q):
         return _Plan(**outputs)
-    mask_kind = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
+    mask_kind = window_mask_kind(window)
     score_mods = softcap > 0 or alibi is not None or attn_mask is not None
     family = _compile.family_for(_runtime.compute_capability(q.device))
     if paged is not None and 1 << paged["page_shift"] < _PAGED_TMA_MIN_ROWS:
@@ -744,7 +744,7 @@ def fp8_dense(q, k, v, out, q_descale, k_descale, v_descale, *, softmax_scale, c
     framework = q.framework
     plan = _Plan(framework=framework, device=q.device, out_shape=q.shape, dtype=out_dtype,
                  lse_shape=(batch, nheads, seqlen_q))
-    mask_kind = "none" if window == (UNBOUNDED, UNBOUNDED) else "window"
+    mask_kind = window_mask_kind(window)
     if batch and nheads and seqlen_q:
         plan.variant = _compile.fwd_fp8_variant(KERNEL_DTYPES[out_dtype], d, mask_kind)
     with caller_stream(framework, q.device, None) as stream:
@@ -791,11 +791,9 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
     for fields, strides, unit in zip(_STRIDE_FIELDS, (q.strides, k.strides, v.strides,
                                                       o_strides), (2, 2, 2, 1)):
         p.update(zip(fields, (strides[0] // unit, strides[1] // unit, strides[2] // unit)))
-    for name, x in zip(("q", "k", "v"), descales):
-        if x is not None:
-            p[f"{name}_descale"] = x.ptr
-            p[f"{name}_descale_batch_stride"], p[f"{name}_descale_head_stride"] = (
-                x.strides[:2] if x.ndim == 2 else (0, 0))
+    q_descale, k_descale, v_descale = descales
+    p.update(_decode_plan.descale_strides(k_descale, v_descale, q_descale))
+    p.update((f"{name}_descale", x.ptr) for name, x in zip("qkv", descales) if x is not None)
     driver_launch(_compile.function_pointer(variant, device), num_blocks, variant.threads,
                   variant.smem_bytes, stream,
                   (_params.FWD.with_pointer_values(_params.FWD.pack(p), (
