@@ -57,6 +57,8 @@ def fwd_rows(data):
                 + (f" {r['nheads']}/{r['nheads_k']}" if r["nheads"] != r["nheads_k"] else ""))
         if "ms" in r["impls"].get("cufa", {}):
             yield name, r["impls"]["cufa"]["ms"] * 1e3
+        if "ms" in r["impls"].get("cufa_fp8", {}):  # (bench_fwd.py --fp8)
+            yield name + " fp8", r["impls"]["cufa_fp8"]["ms"] * 1e3
 
 
 def varlen_rows(data):
