@@ -38,19 +38,21 @@ def vt_packed_keys(total_k, batch):
     return VT_BLOCK * (total_k // VT_BLOCK + batch + 1)
 
 
-def transposed_v_packed(v, cu_seqlens):
-    """vt of a packed (total_k, nheads_k, d) array of e4m3 bytes with int cu_seqlens:
-    (nheads_k, d, vt_packed_keys), sequence b at vt_sequence_start, each 32-key step in
-    vt_key_of's order, zeros past each sequence up to its last block's end (and in the
-    gaps, which the kernel leaves as they were)."""
+def transposed_v_packed(v, cu_seqlens, seqused=None):
+    """vt of a packed (total_k, nheads_k, d) array of e4m3 bytes with int cu_seqlens (and
+    seqused, keys used of each, or None): (nheads_k, d, vt_packed_keys), sequence b at
+    vt_sequence_start, each 32-key step in vt_key_of's order, zeros past each sequence's
+    used keys up to its last block's end (and in the gaps, which the kernel leaves as
+    they were)."""
     total, heads, d = v.shape
     batch = len(cu_seqlens) - 1
     vt = np.zeros((heads, d, vt_packed_keys(total, batch)), dtype=np.uint8)
     for b in range(batch):
         start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
         padded = padded_keys(max(end - start, 0)) if end > start else 0
+        used = end - start if seqused is None else min(max(int(seqused[b]), 0), end - start)
         if padded:
-            one = transposed_v(v[None, start:end], padded)[0]  # (heads, d, padded)
+            one = transposed_v(v[None, start:start + used], padded)[0]  # (heads, d, padded)
             s = vt_sequence_start(start, b)
             vt[:, :, s:s + padded] = one
     return vt
@@ -63,12 +65,13 @@ def padded_keys(seqlen, block_n=128):
 
 
 def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device, stream,
-                       cu_seqlens_k=0):
+                       cu_seqlens_k=0, seqused_k=0):
     """transpose_v_e4m3 on `stream`: v (batch, seqlen, nheads_k, d) e4m3 at v_ptr, element
     strides (batch, row, head; unit columns, d a multiple of 16) -> vt, contiguous
     (batch, nheads_k, d, padded_seqlen) at vt_ptr (the caller's workspace). A packed v:
-    cu_seqlens_k's address, v_shape (batch, total_k, nheads_k, d), vt (nheads_k, d,
-    padded_seqlen = vt_packed_keys)."""
+    cu_seqlens_k's address (and seqused_k's or 0: zeros past each sequence's used keys),
+    v_shape (batch, total_k, nheads_k, d), vt (nheads_k, d, padded_seqlen =
+    vt_packed_keys)."""
     batch, seqlen, heads, d = v_shape
     if d % 16 or padded_seqlen % 64 or padded_seqlen < seqlen:
         raise ValueError(f"transpose_v: head dim {d} (16s) and padded keys {padded_seqlen} "
@@ -77,7 +80,7 @@ def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device,
     record = _params.TRANSPOSE_V.pack(dict(
         batch=batch, seqlen=seqlen, nheads_k=heads, head_dim=d, padded_seqlen=padded_seqlen,
         v_batch_stride=v_strides[0], v_row_stride=v_strides[1], v_head_stride=v_strides[2],
-        cu_seqlens_k=cu_seqlens_k))
+        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k))
     args = _params.TRANSPOSE_V.with_pointer_values(record, (v_ptr, vt_ptr))
     pairs = heads if cu_seqlens_k else batch * heads
     grid = (padded_seqlen // 64 * pairs, -(-d // 64), 1)

@@ -794,6 +794,10 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     padded = (_fp8.vt_packed_keys(seqlen_k, batch) if packed
               else _fp8.padded_keys(seqlen_k, variant.block_n))
+    if padded > INT32_MAX or padded // 64 * nheads_k * (1 if packed else batch) > INT32_MAX:
+        raise ValueError(f"the fp8 forward's V^T of {padded} keys a row (x {nheads_k} KV heads"
+                         f"{'' if packed else f' x {batch} sequences'}) exceeds its int32 "
+                         "indexing")
     box_n = variant.block_n
     # (a dimension of one element: its stride 0, which the maps take whatever it was; no
     # keys: k's map, never read, describes one row of a contiguous k)
@@ -836,7 +840,7 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
         counter_owner, counter = stream_tile_counter(plan.framework, device, stream)
     if seqlen_k:
         _fp8.launch_transpose_v(v.ptr, (batch,) + v.shape[1:], v.strides, vt, padded, device,
-                                stream, cu_k)
+                                stream, cu_k, used)
     p = dict(nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d, bottom_right=1,
              kv_tail_maps=int(template.has_tails), **dict(zip(_SIZE_FIELDS, values)),
              **_params.score_fields(window, scale, 0.0, d, None))

@@ -179,6 +179,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     run the fp8 forward as flash_attn_func's does (Hopper).
     """
     reject_unsupported(dropout_p)
+    return_lse = return_lse or return_attn_probs
     if q_descale is not None:
         return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
                            alibi_slopes, learnable_sink, return_attn_probs, return_lse, out,
@@ -188,7 +189,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             and max_seqlen_q >= 0 <= max_seqlen_k):  # (as_index: other integers, or the error)
         max_seqlen_q, max_seqlen_k = (as_index(m, n, 0, "an int >= 0") for m, n in (
             (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
-    return_lse = return_lse or return_attn_probs
     if learnable_sink is not None:
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
     grad = _records_grad(q, k, v, learnable_sink)

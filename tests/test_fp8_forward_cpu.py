@@ -158,6 +158,15 @@ def test_fp8_varlen_schedules_transposes_then_runs(device, addresses):  # noqa: 
     assert (r["k_descale"], r["k_descale_batch_stride"]) == (kd.ptr, 2)
     assert (r["lse_batch_stride"], r["lse_head_stride"]) == (0, 300)
     assert map_addresses(forward) == [q.ptr, k.ptr, vt, k.ptr, vt]  # (v's tail: never read)
+    assert t["seqused_k"] == used.ptr  # (zeros past the used keys)
+
+
+def test_fp8_varlen_with_q_descale_returns_attn_probs(device, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(_interop, "empty_of", lambda o: "S_dmask")  # (the fake's out is a str)
+    got = cufa.flash_attn_varlen_func(
+        view((300, 8, 128)), view((500, 2, 128)), view((500, 2, 128)), view((4,), "int32"),
+        view((4,), "int32"), 200, 300, q_descale=view((), "float32"), return_attn_probs=True)
+    assert len(got) == 3 and got[2] == "S_dmask"
 
 
 @pytest.mark.parametrize("change, error, match", [

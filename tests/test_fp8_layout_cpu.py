@@ -51,12 +51,12 @@ def test_packed_vt_regions_hold_each_sequence_apart():
         assert all(s % 128 == 0 for s in starts)
         assert all(e <= s for e, s in zip(ends, starts[1:]))
         assert ends[-1] <= _fp8.vt_packed_keys(int(cu[-1]), len(lens))
-    lens = [70, 0, 200]
+    lens, used = [70, 0, 200], [70, 0, 150]
     cu = np.concatenate([[0], np.cumsum(lens)])
     v = rng.integers(1, 255, (int(cu[-1]), 2, 32), dtype=np.uint8)
-    vt = _fp8.transposed_v_packed(v, cu)
-    for b, n in enumerate(lens):
+    vt = _fp8.transposed_v_packed(v, cu, used)
+    for b, (n, u) in enumerate(zip(lens, used)):
         if n:
             s = _fp8.vt_sequence_start(int(cu[b]), b)
-            one = _fp8.transposed_v(v[None, cu[b]:cu[b + 1]], _fp8.padded_keys(n))[0]
+            one = _fp8.transposed_v(v[None, cu[b]:cu[b] + u], _fp8.padded_keys(n))[0]
             np.testing.assert_array_equal(vt[:, :, s:s + one.shape[-1]], one)

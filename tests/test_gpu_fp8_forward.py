@@ -219,7 +219,8 @@ def test_fp8_forward_without_keys(hopper):
 def test_fp8_varlen_per_row(hopper, d, mask):
     """flash_attn_varlen_func on e4m3 q, k, v: sequences of 1, 77, 0, 300 and 513 query rows
     against 77, 1, 5, 300 and 1000 keys (odd, empty, shorter and longer than the queries),
-    GQA 8/2, seqused_k below cu_seqlens_k for one sequence, per-(sequence, KV head)
+    GQA 8/2, seqused_k below cu_seqlens_k for one sequence (its V rows past the used keys
+    NaN bytes, which V^T must not carry into its last block), per-(sequence, KV head)
     descales; each sequence by the per-row rule (out poisoned first)."""
     if E4M3 is None:
         pytest.skip("this PyTorch has no float8_e4m3fn")
@@ -232,6 +233,7 @@ def test_fp8_varlen_per_row(hopper, d, mask):
     (q, q64), (k, k64), (v, v64) = (e4m3_tensor(rng, (int(c[-1]), n, d))
                                     for c, n in ((cu_q, h), (cu_k, hk), (cu_k, hk)))
     batch = len(lens_q)
+    v.view(torch.uint8)[int(cu_k[3]) + used_k[3]:int(cu_k[4])] = 0x7F  # (e4m3fn NaN)
     qd, kd, vd = (fp8_descale(rng, "per_head", batch, hk) for _ in range(3))
     out = torch.full((int(cu_q[-1]), h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
     got, lse = cufa.flash_attn_varlen_func(
@@ -253,26 +255,28 @@ def test_fp8_varlen_per_row(hopper, d, mask):
         kf, vf = dequantized(one(k64, keys), kd[b:b + 1]), dequantized(one(v64, keys), vd[b:b + 1])
         ref, err = assert_fp8_rows(o_all[None, rows], lse_all[None, :, rows], qf, kf, vf, causal,
                                    window, 1.0 / math.sqrt(d), torch.bfloat16)
-        refs.append(ref.ravel())
-        errs.append(err.ravel())
-    assert_no_scale_bug(np.concatenate(refs)[None], np.concatenate(errs)[None])
+        refs.append(ref.reshape(-1, d))  # (rows, d): assert_no_scale_bug counts rows
+        errs.append(err.reshape(-1, d))
+    assert_no_scale_bug(np.concatenate(refs), np.concatenate(errs))
 
 
 def test_transpose_v_packed_matches_the_layout(hopper):
-    """The packed transpose: each sequence's region of vt, byte for byte (the gaps between
-    regions are never read and left as they were: poisoned here, not compared)."""
+    """The packed transpose: each sequence's region of vt, byte for byte, zeros past its
+    used keys (seqused_k); the gaps between regions are never read and left as they were
+    (poisoned here, not compared)."""
     rng = np.random.default_rng(11)
-    lens = [70, 0, 129, 1, 300]
+    lens, used = [70, 0, 129, 1, 300], [70, 0, 100, 1, 299]
     cu = np.concatenate([[0], np.cumsum(lens)])
     v = torch.from_numpy(rng.integers(0, 256, (int(cu[-1]), 3, 64), dtype=np.uint8)).cuda()
     keys = _fp8.vt_packed_keys(int(cu[-1]), len(lens))
     vt = torch.full((3, 64, keys), 0xAB, dtype=torch.uint8, device="cuda")
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    used_dev = torch.tensor(used, dtype=torch.int32, device="cuda")
     _fp8.launch_transpose_v(v.data_ptr(), (len(lens),) + tuple(v.shape), (0,) + tuple(v.stride()),
                             vt.data_ptr(), keys, 0, torch.cuda.current_stream().cuda_stream,
-                            cu_dev.data_ptr())
+                            cu_dev.data_ptr(), used_dev.data_ptr())
     torch.cuda.synchronize()
-    want = _fp8.transposed_v_packed(v.cpu().numpy(), cu)
+    want = _fp8.transposed_v_packed(v.cpu().numpy(), cu, used)
     got = vt.cpu().numpy()
     for b, n in enumerate(lens):
         if n:

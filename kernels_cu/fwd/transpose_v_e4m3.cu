@@ -16,15 +16,22 @@ struct TransposeVParams {
   int padded_seqlen;  // vt's keys a row (padded batches: seqlen rounded up to key blocks;
                       // packed: vt_packed_keys)
   u64 cu_seqlens_k;   // packed batches: int32 (batch + 1,); 0 for padded ones
+  u64 seqused_k;      // packed batches: int32 (batch,) keys used of each, or 0 for all
 };
 
+// -- packed batches: sequence b's first key in k, clamped to k's rows as the forward's
+//    get_tile clamps it (so both find its region of vt at the same start) --
+__device__ __forceinline__ int packed_key_start(const int* cu, int b, int total) {
+  return min(max(cu[b], 0), total);
+}
+
 // -- packed batches: the sequence whose region of vt's keys holds column `column` (the last
-//    b with vt_sequence_start(cu[b], b) <= column: the starts rise with b) --
-__device__ __forceinline__ int vt_sequence_of(const int* cu, int batch, int column) {
+//    b whose region starts at or before it: the starts rise with b) --
+__device__ __forceinline__ int vt_sequence_of(const int* cu, int batch, int total, int column) {
   int lo = 0, hi = batch - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (vt_sequence_start(cu[mid], mid) <= column) lo = mid; else hi = mid - 1;
+    if (vt_sequence_start(packed_key_start(cu, mid, total), mid) <= column) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -40,15 +47,21 @@ __global__ void __launch_bounds__(256) transpose_v_e4m3(const TransposeVParams p
   const int pair = blockIdx.x / key_tiles;
   const int column0 = (blockIdx.x % key_tiles) * kVtTileKeys, dim0 = blockIdx.y * kVtTileDims;
   const u8* v = reinterpret_cast<const u8*>(p.v);
-  int key0 = column0, seqlen = p.seqlen;  // (the tile's first key of its sequence)
+  // (the tile's first key of its sequence; the keys copied, zeros from there on)
+  int key0 = column0, seqlen = p.seqlen;
   if (p.cu_seqlens_k) {
     const int* cu = reinterpret_cast<const int*>(p.cu_seqlens_k);
-    const int b = vt_sequence_of(cu, p.batch, column0);
-    key0 = column0 - static_cast<int>(vt_sequence_start(cu[b], b));
-    seqlen = max(cu[b + 1] - cu[b], 0);
-    if (key0 >= (seqlen + kVtBlockKeys - 1) / kVtBlockKeys * kVtBlockKeys)
+    const int b = vt_sequence_of(cu, p.batch, p.seqlen, column0);
+    const int k0 = packed_key_start(cu, b, p.seqlen);
+    const int length = min(max(cu[b + 1], k0), p.seqlen) - k0;  // (as get_tile's)
+    key0 = column0 - static_cast<int>(vt_sequence_start(k0, b));
+    if (key0 >= (length + kVtBlockKeys - 1) / kVtBlockKeys * kVtBlockKeys)
       return;  // (between two sequences' regions: never read; the whole CTA leaves)
-    v += static_cast<i64>(cu[b]) * p.v_row_stride + pair * p.v_head_stride;
+    // Keys past seqused_k are zeros too: the forward's last block reads up to the next 128
+    // from there, and P = 0 times a NaN byte of V would be NaN.
+    seqlen = p.seqused_k ? min(max(reinterpret_cast<const int*>(p.seqused_k)[b], 0), length)
+                         : length;
+    v += static_cast<i64>(k0) * p.v_row_stride + pair * p.v_head_stride;
   } else {
     v += (pair / p.nheads_k) * p.v_batch_stride + (pair % p.nheads_k) * p.v_head_stride;
   }
