@@ -400,10 +400,42 @@ def check_fp8_dense(q, k, v, o, out, descales):
     """flash_attn_func's arrays with q, k, v in FP8_CACHE (views; o: out='s view, out the
     caller's; descales: the (q, k, v)_descale views or None) -> out's dtype: the fp8
     forward reads whole 16-byte chunks of e4m3 rows, of head dims up to 256."""
+    _check_fp8_qkv(q, k, v, "(batch, seqlen, nheads, headdim)", 4)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch {k.shape[0]} but q has {q.shape[0]}")
+    for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
+        if x is not None:
+            _check_descale(x, n, q, q.shape[0], k.shape[2])
+    return _fp8_out_dtype(o, q)
+
+
+def check_fp8_packed(q, k, v, cu_q, cu_k, used, table, o, out, descales):
+    """flash_attn_varlen_func's arrays with q, k, v in FP8_CACHE (views, as
+    check_fp8_dense's) -> (batch, out's dtype)."""
+    if table is not None:
+        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) takes contiguous "
+                                  "k and v, not a paged cache (block_table) yet")
+    _check_fp8_qkv(q, k, v, "(total_rows, nheads, headdim)", 3)
+    check_cu_seqlens(cu_q, "cu_seqlens_q", q)
+    check_cu_seqlens(cu_k, "cu_seqlens_k", q)
+    batch = cu_q.shape[0] - 1
+    if cu_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
+                         f"{batch + 1}; both must be (batch + 1,)")
+    if used is not None:
+        check_int32_vector(used, "seqused_k", batch, q)
+    for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
+        if x is not None:
+            _check_descale(x, n, q, batch, k.shape[1])
+    return batch, _fp8_out_dtype(o, q)
+
+
+def _check_fp8_qkv(q, k, v, layout, rank):
+    """q, k, v of the fp8 forward: e4m3, rank-D (layout), one head dim in 16s up to 256, k's
+    and v's shapes alike, GQA heads, rows in 16-byte chunks."""
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
-        if x.ndim != 4:
-            raise ValueError(f"{n} must be 4-D (batch, seqlen, nheads, headdim); got shape "
-                             f"{x.shape}")
+        if x.ndim != rank:
+            raise ValueError(f"{n} must be {rank}-D {layout}; got shape {x.shape}")
         if x.dtype != FP8_CACHE:
             raise TypeError(f"{n} has dtype {x.dtype}: the fp8 forward takes q, k and v all "
                             f"in {FP8_CACHE} (e4m3)")
@@ -414,28 +446,26 @@ def check_fp8_dense(q, k, v, o, out, descales):
     check_dtype_device(v, "v", q, "q")
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
         check_loadable(x, n)  # (its last dim contiguous)
-    batch, _, nheads, d = q.shape
+    d, nheads, nheads_k = q.shape[-1], q.shape[-2], k.shape[-2]
     if not (1 <= d <= _compile.MAX_HEAD_DIM and d % 16 == 0):
         raise ValueError(f"q has head dim {d}; the fp8 forward takes head dims that are "
                          f"multiples of 16 up to {_compile.MAX_HEAD_DIM}")
     if k.shape[-1] != d or v.shape != k.shape:
-        raise ValueError(f"k and v must be (batch, seqlen_k, nheads_k, {d}) alike; got k "
+        raise ValueError(f"k and v must be {layout} alike with q's head dim {d}; got k "
                          f"{k.shape}, v {v.shape}")
-    if k.shape[0] != batch:
-        raise ValueError(f"k has batch {k.shape[0]} but q has {batch}")
-    nheads_k = k.shape[2]
     if nheads_k == 0 or nheads % nheads_k:
         raise ValueError(f"q has {nheads} heads, not a multiple of the {nheads_k} heads of k")
-    if max(q.shape[1], k.shape[1]) > INT32_MAX // 2:
+    if max(q.shape[-3], k.shape[-3]) > INT32_MAX // 2:
         raise ValueError(f"sequence lengths up to {INT32_MAX // 2} are supported")
     if not all(_fp8_aligned(x) for x in (q, k, v)):
         raise NotImplementedError(
             "the fp8 forward reads e4m3 rows in 16-byte chunks: strides (but the last, 1) "
             "must be multiples of 16 elements and the starts 16-byte aligned; got q "
             f"{q.strides}, k {k.strides}, v {v.strides}")
-    for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
-        if x is not None:
-            _check_descale(x, n, q, batch, nheads_k)
+
+
+def _fp8_out_dtype(o, q):
+    """The fp8 forward's out: bfloat16, or out='s (float16 or bfloat16, q's shape)."""
     if o is None:
         return "bfloat16"
     if o.framework != q.framework:
@@ -461,9 +491,10 @@ def _fp8_cache(q, kc, vc, names=("k_cache", "v_cache")):
             raise TypeError(f"{n} has dtype {x.dtype}, which cufa does not support: fp8 KV "
                             f"caches are {FP8_CACHE} (e4m3)")
     if q.dtype == FP8_CACHE:
-        raise NotImplementedError("q in float8_e4m3fn is not supported here yet (the fp8 "
-                                  "forward is flash_attn_func's, over contiguous e4m3 k and v); "
-                                  "pass q in float16 or bfloat16 (an fp8 cache is)")
+        raise NotImplementedError("q in float8_e4m3fn is not supported with a KV cache yet "
+                                  "(the fp8 forward takes contiguous k, v in flash_attn_func "
+                                  "and flash_attn_varlen_func); pass q in float16 or bfloat16 "
+                                  "(an fp8 cache is)")
     fp8 = kc.dtype == FP8_CACHE
     if fp8 != (vc.dtype == FP8_CACHE):
         raise TypeError(f"{names[0]} has dtype {kc.dtype} but {names[1]} has {vc.dtype}: an "

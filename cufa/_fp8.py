@@ -4,6 +4,7 @@ import numpy as np
 from . import _compile, _params, _runtime
 
 VT_STEP = 32  # keys a k-step of the e4m3 P V product (wgmma k32)
+VT_BLOCK = 128  # the fp8 forward's key block (kVtBlockKeys, _compile.FP8_TILES)
 
 
 def vt_key_of(k):
@@ -25,16 +26,52 @@ def transposed_v(v, padded_seqlen):
     return np.ascontiguousarray(padded[:, order].transpose(0, 2, 3, 1))
 
 
+def vt_sequence_start(k_start, b):
+    """Where sequence b's keys start in a packed batch's vt (its first key k_start in k):
+    128-aligned, each past the last one's keys rounded up to 128 (kernels_cu/fwd/
+    vt_layout.cuh)."""
+    return VT_BLOCK * (k_start // VT_BLOCK + b)
+
+
+def vt_packed_keys(total_k, batch):
+    """A packed batch's vt keys a row: room for every sequence's region."""
+    return VT_BLOCK * (total_k // VT_BLOCK + batch + 1)
+
+
+def transposed_v_packed(v, cu_seqlens, seqused=None):
+    """vt of a packed (total_k, nheads_k, d) array of e4m3 bytes with int cu_seqlens (and
+    seqused, keys used of each, or None): (nheads_k, d, vt_packed_keys), sequence b at
+    vt_sequence_start, each 32-key step in vt_key_of's order, zeros past each sequence's
+    used keys up to its last block's end (and in the gaps, which the kernel leaves as
+    they were)."""
+    total, heads, d = v.shape
+    batch = len(cu_seqlens) - 1
+    vt = np.zeros((heads, d, vt_packed_keys(total, batch)), dtype=np.uint8)
+    for b in range(batch):
+        start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+        padded = padded_keys(max(end - start, 0)) if end > start else 0
+        used = end - start if seqused is None else min(max(int(seqused[b]), 0), end - start)
+        if padded:
+            one = transposed_v(v[None, start:start + used], padded)[0]  # (heads, d, padded)
+            s = vt_sequence_start(start, b)
+            vt[:, :, s:s + padded] = one
+    return vt
+
+
 def padded_keys(seqlen, block_n=128):
     """vt's keys a row: seqlen rounded up to whole key blocks of the fp8 forward, at least
     one (the V map needs a row even where no key is read)."""
     return max(-(-seqlen // block_n), 1) * block_n
 
 
-def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device, stream):
+def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device, stream,
+                       cu_seqlens_k=0, seqused_k=0):
     """transpose_v_e4m3 on `stream`: v (batch, seqlen, nheads_k, d) e4m3 at v_ptr, element
     strides (batch, row, head; unit columns, d a multiple of 16) -> vt, contiguous
-    (batch, nheads_k, d, padded_seqlen) at vt_ptr (the caller's workspace)."""
+    (batch, nheads_k, d, padded_seqlen) at vt_ptr (the caller's workspace). A packed v:
+    cu_seqlens_k's address (and seqused_k's or 0: zeros past each sequence's used keys),
+    v_shape (batch, total_k, nheads_k, d), vt (nheads_k, d, padded_seqlen =
+    vt_packed_keys)."""
     batch, seqlen, heads, d = v_shape
     if d % 16 or padded_seqlen % 64 or padded_seqlen < seqlen:
         raise ValueError(f"transpose_v: head dim {d} (16s) and padded keys {padded_seqlen} "
@@ -42,9 +79,11 @@ def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device,
     kernel = _compile.TransposeVVariant()
     record = _params.TRANSPOSE_V.pack(dict(
         batch=batch, seqlen=seqlen, nheads_k=heads, head_dim=d, padded_seqlen=padded_seqlen,
-        v_batch_stride=v_strides[0], v_row_stride=v_strides[1], v_head_stride=v_strides[2]))
+        v_batch_stride=v_strides[0], v_row_stride=v_strides[1], v_head_stride=v_strides[2],
+        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k))
     args = _params.TRANSPOSE_V.with_pointer_values(record, (v_ptr, vt_ptr))
-    grid = (padded_seqlen // 64 * batch * heads, -(-d // 64), 1)
+    pairs = heads if cu_seqlens_k else batch * heads
+    grid = (padded_seqlen // 64 * pairs, -(-d // 64), 1)
     _runtime.driver_launch(_compile.function_pointer(kernel, device), grid, kernel.threads, 0,
                            stream, (args,))
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from . import (_arrays, _compile, _decode_plan, _fp8, _heuristics, _interop, _params, _runtime,
                _tma)
 from ._checks import (ATTN_MASK_TYPES, FP8_CACHE, INT32_MAX, KERNEL_DTYPES, UNBOUNDED,
-                      check_cu_values, check_dense, check_fp8_dense, check_options, check_packed,
-                      check_page_ids, check_scale, check_sdpa, window_mask_kind)
+                      check_cu_values, check_dense, check_fp8_dense, check_fp8_packed,
+                      check_options, check_packed, check_page_ids, check_scale, check_sdpa,
+                      window_mask_kind)
 from ._runtime import (MAX_PLANS, caller_stream, check_scratch, driver_launch, outputs, plans,
                        remember, returned, stream_call, stream_tile_counter, stream_workspace)
 
@@ -730,37 +731,73 @@ def fp8_dense(q, k, v, out, q_descale, k_descale, v_descale, *, softmax_scale, c
               window_size, return_lse):
     """flash_attn_func with q, k, v in float8_e4m3fn: out in bfloat16 (or out='s dtype)."""
     window, scale, _ = check_options(softmax_scale, causal, window_size, 0.0)
-    q, k, v = (_interop.as_device_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    o = None if out is None else _interop.as_device_array(out, "out")
-    descales = tuple(None if x is None else _interop.as_device_array(x, n) for x, n in (
-        (q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+    (q, k, v, o), descales = _fp8_views((q, k, v, out), (q_descale, k_descale, v_descale))
     out_dtype = check_fp8_dense(q, k, v, o, out, descales)
+    batch, seqlen_q, nheads, _ = q.shape
+    return _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse,
+                        (batch, nheads, seqlen_q), batch)
+
+
+def fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, q_descale,
+               k_descale, v_descale, *, softmax_scale, causal, window_size, return_lse):
+    """flash_attn_varlen_func with q, k, v in float8_e4m3fn (as fp8_dense)."""
+    window, scale, _ = check_options(softmax_scale, causal, window_size, 0.0)
+    (q, k, v, o, cu_q, cu_k, used, table), descales = _fp8_views(
+        (q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table),
+        (q_descale, k_descale, v_descale), ("q", "k", "v", "out", "cu_seqlens_q",
+                                            "cu_seqlens_k", "seqused_k", "block_table"))
+    batch, out_dtype = check_fp8_packed(q, k, v, cu_q, cu_k, used, table, o, out, descales)
+    return _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse,
+                        (q.shape[1], q.shape[0]), batch, (cu_q, cu_k, used))
+
+
+def _fp8_views(arrays, descales, names=("q", "k", "v", "out")):
+    views = tuple(None if x is None else _interop.as_device_array(x, n)
+                  for x, n in zip(arrays, names))
+    return views, tuple(None if x is None else _interop.as_device_array(x, n) for x, n in zip(
+        descales, ("q_descale", "k_descale", "v_descale")))
+
+
+def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse, lse_shape,
+                 batch, packed=None):
+    """The checked views' outputs and launches; packed: (cu_seqlens_q, cu_seqlens_k,
+    seqused_k) views (q, k, v then (total, heads, d))."""
     if _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) runs on Hopper "
                                   "GPUs (sm_90), on its e4m3 wgmma kernel; this GPU (or "
                                   f"{_compile.FAMILY_ENV}) has none")
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    framework = q.framework
-    plan = _Plan(framework=framework, device=q.device, out_shape=q.shape, dtype=out_dtype,
-                 lse_shape=(batch, nheads, seqlen_q))
+    nheads, d, rows_q = q.shape[-2], q.shape[-1], q.shape[-3]
+    plan = _Plan(framework=q.framework, device=q.device, out_shape=q.shape, dtype=out_dtype,
+                 lse_shape=lse_shape)
     mask_kind = window_mask_kind(window)
-    if batch and nheads and seqlen_q:
+    if batch and nheads and rows_q:
         plan.variant = _compile.fwd_fp8_variant(KERNEL_DTYPES[out_dtype], d, mask_kind)
-    with caller_stream(framework, q.device, None) as stream:
+    with caller_stream(q.framework, q.device, None) as stream:
         result, o_ptr, lse, lse_ptr = outputs(plan, out, o and o.ptr, None, return_lse,
                                               stream)
         if plan.variant is not None:
             _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale,
-                        o.strides if o is not None else _interop.contiguous_strides(q.shape))
+                        o.strides if o is not None else _interop.contiguous_strides(q.shape),
+                        batch, packed)
     return returned(plan, result, lse, return_lse)
 
 
-def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, o_strides):
+def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, o_strides,
+                batch, packed):
+    """V's transpose, then the fp8 forward (packed: the work list first, as _launch's)."""
     variant, device = plan.variant, plan.device
-    batch, seqlen_q, nheads, d = q.shape
+    if packed:  # (seen as one sequence of all rows: the maps' and strides' batch of one)
+        q, k, v = (_interop.DeviceArray(x.obj, x.framework, x.ptr, (1,) + x.shape, (0,) + x.strides,
+                                        x.dtype, x.device, x.itemsize) for x in (q, k, v))
+        o_strides = (0,) + tuple(o_strides)
+    _, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    padded = _fp8.padded_keys(seqlen_k, variant.block_n)
+    padded = (_fp8.vt_packed_keys(seqlen_k, batch) if packed
+              else _fp8.padded_keys(seqlen_k, variant.block_n))
+    if padded > INT32_MAX or padded // 64 * nheads_k * (1 if packed else batch) > INT32_MAX:
+        raise ValueError(f"the fp8 forward's V^T of {padded} keys a row (x {nheads_k} KV heads"
+                         f"{'' if packed else f' x {batch} sequences'}) exceeds its int32 "
+                         "indexing")
     box_n = variant.block_n
     # (a dimension of one element: its stride 0, which the maps take whatever it was; no
     # keys: k's map, never read, describes one row of a contiguous k)
@@ -768,25 +805,45 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
                               for n, x in zip(a.shape[:3], a.strides[:3])) for a in (q, k))
     if not seqlen_k:
         k_units = (nheads_k * d // 2, nheads_k * d // 2, d // 2)
-    views = (((batch, seqlen_q, nheads, d // 2), q_units, variant.block_m),
-             ((batch, max(seqlen_k, 1), nheads_k, d // 2), k_units, box_n),
-             _fp8.vt_map_view(batch, nheads_k, d, padded, variant.head_dim))
-    template = _tma.template("bfloat16", views)
+    views = (((q.shape[0], seqlen_q, nheads, d // 2), q_units, variant.block_m),
+             ((k.shape[0], max(seqlen_k, 1), nheads_k, d // 2), k_units, box_n),
+             _fp8.vt_map_view(1 if packed else batch, nheads_k, d, padded, variant.head_dim))
+    # (packed: each sequence's last key block through a tail map of k, as 16-bit k's; the
+    # fifth map, v's tail, is never read: V^T is padded with zeros)
+    tails = ((_tma.tail_view(max(seqlen_k, 1), nheads_k, d // 2, k_units[1], k_units[2],
+                             box_n),) * 2 if packed else ())
+    template = _tma.template("bfloat16", views, tails)
     if template is None:
         raise NotImplementedError(f"the copy engine cannot describe q {q.shape} {q.strides} "
                                   f"or k {k.shape} {k.strides} as the fp8 forward reads them")
+    values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
+        variant, batch, nheads, seqlen_q, seqlen_k, bool(packed), device)
     # V^T from the caller's allocator, a call's own (stream-ordered: freed once the
     # launches are queued, as outputs are)
-    workspace, vt = _interop.allocate(plan.framework, (batch * nheads_k * d * padded,),
-                                      "uint8", device, stream)
-    counter_owner, counter = stream_tile_counter(plan.framework, device, stream)
+    workspace, vt = _interop.allocate(plan.framework, (nheads_k * d * padded * (
+        1 if packed else batch),), "uint8", device, stream)
+    cu_q = cu_k = used = tile_list = tile_count = 0
+    if packed:
+        cu_q, cu_k, used = (0 if x is None else x.ptr for x in packed)
+        scratch, tile_list = stream_workspace(plan.framework, device, stream, scratch_bytes)
+        tile_count = tile_list + 8 * max_tiles
+        counter = tile_list + 4 * _work_list_ints(max_tiles, num_buckets)
+        counter_owner = None
+        driver_launch(_compile.function_pointer(_compile.VARLEN_SCHEDULE, device), 1,
+                      _compile.VARLEN_SCHEDULE.threads, 0, stream,
+                      (_params.SCHEDULE.with_pointer_values(_params.SCHEDULE.pack(dict(
+                          batch=batch, total_q=seqlen_q, block_m=variant.block_m,
+                          num_buckets=num_buckets)), (cu_q, tile_count + 4, tile_list,
+                                                      tile_count, counter, cu_k, used, 0)),))
+    else:
+        scratch = None
+        counter_owner, counter = stream_tile_counter(plan.framework, device, stream)
     if seqlen_k:
-        _fp8.launch_transpose_v(v.ptr, v.shape, v.strides, vt, padded, device, stream)
-    values, num_blocks, _, _, _ = _sizes(variant, batch, nheads, seqlen_q, seqlen_k, False,
-                                         device)
+        _fp8.launch_transpose_v(v.ptr, (batch,) + v.shape[1:], v.strides, vt, padded, device,
+                                stream, cu_k, used)
     p = dict(nheads=nheads, nheads_k=nheads_k, head_dim=d, head_dim_v=d, bottom_right=1,
-             **dict(zip(_SIZE_FIELDS, values)), **_params.score_fields(window, scale, 0.0, d,
-                                                                       None))
+             kv_tail_maps=int(template.has_tails), **dict(zip(_SIZE_FIELDS, values)),
+             **_params.score_fields(window, scale, 0.0, d, None))
     # (e4m3 rows move as 16-bit pairs: q's, k's and v's strides in those)
     for fields, strides, unit in zip(_STRIDE_FIELDS, (q.strides, k.strides, v.strides,
                                                       o_strides), (2, 2, 2, 1)):
@@ -797,6 +854,7 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
     driver_launch(_compile.function_pointer(variant, device), num_blocks, variant.threads,
                   variant.smem_bytes, stream,
                   (_params.FWD.with_pointer_values(_params.FWD.pack(p), (
-                      q.ptr, k.ptr, vt, o_ptr, lse_ptr, 0, 0, 0, 0, 0, 0, 0, counter, 0, 0)),
+                      q.ptr, k.ptr, vt, o_ptr, lse_ptr, 0, 0, cu_q, cu_k, used, tile_list,
+                      tile_count, counter, 0, 0)),
                    _tma.with_addresses(template, q.ptr, k.ptr, vt)))
-    del workspace, counter_owner  # (held until the launches are queued)
+    del workspace, scratch, counter_owner  # (held until the launches are queued)

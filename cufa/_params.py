@@ -89,7 +89,8 @@ MERGE_FIELDS = [(n, _PTR) for n in ("out_a", "lse_a", "out_b", "lse_b", "out", "
 
 TRANSPOSE_V_FIELDS = [("v", _PTR), ("vt", _PTR)] + [
     (f"v_{d}_stride", _I64) for d in ("batch", "row", "head")] + [
-    (n, _I32) for n in ("batch", "seqlen", "nheads_k", "head_dim", "padded_seqlen")]
+    (n, _I32) for n in ("batch", "seqlen", "nheads_k", "head_dim", "padded_seqlen")] + [
+    ("cu_seqlens_k", _PTR), ("seqused_k", _PTR)]
 
 
 BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink", "dlse",

@@ -97,9 +97,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return _returned(*result, True, True) if return_attn_probs else result
 
 
-def _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs, return_lse,
-                 out, q_descale, k_descale, v_descale, **options):
-    """flash_attn_func's fp8 route (q in float8_e4m3fn, or descales given)."""
+def _fp8_only_plain(q, k, v, softcap, alibi_slopes, learnable_sink):
+    """What the fp8 forward does not take yet, refused before anything is read."""
     if softcap or alibi_slopes is not None or learnable_sink is not None:
         raise NotImplementedError("the fp8 forward takes no softcap, alibi_slopes or "
                                   "learnable_sink yet")
@@ -108,8 +107,31 @@ def _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_pro
         raise NotImplementedError("the fp8 forward runs eagerly on PyTorch and CuPy arrays, "
                                   "without autograd (no backward) and outside torch.compile "
                                   "and JAX")
+
+
+def _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs, return_lse,
+                 out, q_descale, k_descale, v_descale, **options):
+    """flash_attn_func's fp8 route (q in float8_e4m3fn, or descales given)."""
+    _fp8_only_plain(q, k, v, softcap, alibi_slopes, learnable_sink)
     result = _fwd_plan.fp8_dense(q, k, v, out, q_descale, k_descale, v_descale,
                                  return_lse=return_lse, **options)
+    return _returned(*result, True, True) if return_attn_probs else result
+
+
+def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
+                alibi_slopes, learnable_sink, return_attn_probs, return_lse, out, q_descale,
+                k_descale, v_descale, check_cu_seqlens, **options):
+    """flash_attn_varlen_func's fp8 route (q in float8_e4m3fn, or q_descale given)."""
+    _fp8_only_plain(q, k, v, softcap, alibi_slopes, learnable_sink)
+    if check_cu_seqlens:
+        _fwd_plan.check_packed_values(_arrays.Packed(*(
+            None if x is None else _interop.as_device_array(x, name)
+            for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+                            (cu_seqlens_k, "cu_seqlens_k"), (seqused_k, "seqused_k"),
+                            (None, ""), (block_table, "block_table")))))
+    result = _fwd_plan.fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                                  out, q_descale, k_descale, v_descale, return_lse=return_lse,
+                                  **options)
     return _returned(*result, True, True) if return_attn_probs else result
 
 
@@ -118,7 +140,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, *, return_lse=False, out=None,
                            seqused_k=None, check_cu_seqlens=False, block_table=None,
-                           learnable_sink=None, k_descale=None, v_descale=None):
+                           learnable_sink=None, k_descale=None, v_descale=None,
+                           q_descale=None):
     """Attention over a packed batch of variable-length sequences (flash-attn 2 conventions).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim): the rows of all
@@ -151,13 +174,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     the result is undefined.
 
     return_attn_probs=True returns (out, lse, S_dmask) as in flash_attn_func.
+
+    q, k, v all in float8_e4m3fn (contiguous k and v, with q_descale, k_descale, v_descale)
+    run the fp8 forward as flash_attn_func's does (Hopper).
     """
     reject_unsupported(dropout_p)
+    return_lse = return_lse or return_attn_probs
+    if q_descale is not None:
+        return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
+                           alibi_slopes, learnable_sink, return_attn_probs, return_lse, out,
+                           q_descale, k_descale, v_descale, check_cu_seqlens,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     if not (type(max_seqlen_q) is int and type(max_seqlen_k) is int
             and max_seqlen_q >= 0 <= max_seqlen_k):  # (as_index: other integers, or the error)
         max_seqlen_q, max_seqlen_k = (as_index(m, n, 0, "an int >= 0") for m, n in (
             (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
-    return_lse = return_lse or return_attn_probs
     if learnable_sink is not None:
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
     grad = _records_grad(q, k, v, learnable_sink)
@@ -197,6 +228,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 softmax_scale=softmax_scale, causal=causal, window_size=window_ints(window_size),
                 softcap=softcap), out=out, lse=return_lse)
             return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
+    if getattr(q, "itemsize", 0) == 1 and "float8" in str(q.dtype):  # (as flash_attn_func's)
+        return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
+                           alibi_slopes, learnable_sink, return_attn_probs, return_lse, out,
+                           q_descale, k_descale, v_descale, check_cu_seqlens,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     result = packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table,
                     out, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, return_lse=return_lse, learnable_sink=learnable_sink,

@@ -11,7 +11,8 @@ from cufa import _compile, _interop, _params, _runtime
 from test_launch_path_cpu import device, map_addresses, record  # noqa: F401
 
 _addresses = itertools.count(0x7D00_0000_0000, 1 << 24)
-_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+          "int32": 4, "int64": 8}
 
 
 def view(shape, dtype="float8_e4m3fn", strides=None):
@@ -123,4 +124,62 @@ def test_fp8_forward_before_hopper(device, monkeypatch):  # noqa: F811
     monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
     with pytest.raises(NotImplementedError, match="Hopper"):
         cufa.flash_attn_func(*qkv())
+    assert device.launches == []
+
+
+def test_fp8_varlen_schedules_transposes_then_runs(device, addresses):  # noqa: F811
+    """A packed batch: the work list from cu_seqlens_q, V^T of the whole batch in the packed
+    layout (vt_packed_keys; the transpose reads cu_seqlens_k), then the forward with the
+    sequences' pointers, k's tail maps and V^T's map of one batch entry."""
+    q, k, v = view((300, 8, 128)), view((500, 2, 128)), view((500, 2, 128))
+    cu_q, cu_k, used = view((4,), "int32"), view((4,), "int32"), view((3,), "int32")
+    kd = view((3, 2), "float32")
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True,
+                                           seqused_k=used, k_descale=kd, return_lse=True)
+    vt_keys = 128 * (500 // 128 + 3 + 1)
+    assert device.allocations == [((300, 8, 128), "bfloat16"), ((8, 300), "float32"),
+                                  ((2 * 128 * vt_keys,), "uint8")]
+    vt = addresses[2]
+    schedule, transpose, forward = device.launches
+    s = record(schedule, _params.SCHEDULE)
+    assert (s["cu_seqlens_q"], s["cu_seqlens_k"], s["seqused_k"]) == (cu_q.ptr, cu_k.ptr,
+                                                                      used.ptr)
+    assert transpose[1] == (vt_keys // 64 * 2, 2, 1)  # (KV heads' key tiles in x)
+    t = record(transpose, _params.TRANSPOSE_V)
+    assert (t["cu_seqlens_k"], t["padded_seqlen"], t["batch"], t["vt"]) == (cu_k.ptr, vt_keys,
+                                                                           3, vt)
+    assert (t["v_row_stride"], t["v_head_stride"]) == (256, 128)
+    r = record(forward)
+    assert (r["q"], r["k"], r["v"], r["cu_seqlens_q"], r["cu_seqlens_k"], r["seqused_k"]) == (
+        q.ptr, k.ptr, vt, cu_q.ptr, cu_k.ptr, used.ptr)
+    assert r["kv_tail_maps"] == 1 and r["tile_list"] and r["tile_counter"] == s["tile_counter"]
+    assert (r["q_batch_stride"], r["q_row_stride"], r["q_head_stride"]) == (0, 512, 64)
+    assert (r["k_batch_stride"], r["k_row_stride"], r["k_head_stride"]) == (0, 128, 64)
+    assert (r["k_descale"], r["k_descale_batch_stride"]) == (kd.ptr, 2)
+    assert (r["lse_batch_stride"], r["lse_head_stride"]) == (0, 300)
+    assert map_addresses(forward) == [q.ptr, k.ptr, vt, k.ptr, vt]  # (v's tail: never read)
+    assert t["seqused_k"] == used.ptr  # (zeros past the used keys)
+
+
+def test_fp8_varlen_with_q_descale_returns_attn_probs(device, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(_interop, "empty_of", lambda o: "S_dmask")  # (the fake's out is a str)
+    got = cufa.flash_attn_varlen_func(
+        view((300, 8, 128)), view((500, 2, 128)), view((500, 2, 128)), view((4,), "int32"),
+        view((4,), "int32"), 200, 300, q_descale=view((), "float32"), return_attn_probs=True)
+    assert len(got) == 3 and got[2] == "S_dmask"
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(block_table=view((3, 4), "int32")), NotImplementedError, "paged"),
+    (dict(cu_seqlens_k=view((4,), "int64")), TypeError, "cu_seqlens_k must be int32"),
+    (dict(cu_seqlens_k=view((5,), "int32")), ValueError, "cu_seqlens_k has 5"),
+    (dict(k=view((500, 2, 128), "bfloat16")), TypeError, "k has dtype bfloat16"),
+    (dict(q_descale=view((2, 2), "float32")), ValueError, "q_descale must be float32"),
+])
+def test_fp8_varlen_bad_arguments(device, change, error, match):  # noqa: F811
+    args = {**dict(q=view((300, 8, 128)), k=view((500, 2, 128)), v=view((500, 2, 128)),
+                   cu_seqlens_q=view((4,), "int32"), cu_seqlens_k=view((4,), "int32"),
+                   max_seqlen_q=200, max_seqlen_k=300), **change}
+    with pytest.raises(error, match=match):
+        cufa.flash_attn_varlen_func(**args)
     assert device.launches == []

@@ -36,3 +36,27 @@ def test_transpose_kernel_in_the_catalog():
     kernel = _compile.TransposeVVariant()
     assert kernel in set(_compile.all_variants()) and kernel.archs == ("sm_90",)
     assert kernel.key == "transpose_v_e4m3" and kernel.elem_bytes == 1
+
+
+def test_packed_vt_regions_hold_each_sequence_apart():
+    """vt_sequence_start: 128-aligned, and each sequence's region (its keys rounded up to
+    128) ends before the next one starts, whatever the lengths (0 included); the packed
+    transposed_v puts each sequence's own vt there."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        lens = rng.integers(0, 400, rng.integers(1, 9))
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        starts = [_fp8.vt_sequence_start(int(cu[b]), b) for b in range(len(lens))]
+        ends = [s + (_fp8.padded_keys(n) if n else 0) for s, n in zip(starts, lens)]
+        assert all(s % 128 == 0 for s in starts)
+        assert all(e <= s for e, s in zip(ends, starts[1:]))
+        assert ends[-1] <= _fp8.vt_packed_keys(int(cu[-1]), len(lens))
+    lens, used = [70, 0, 200], [70, 0, 150]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    v = rng.integers(1, 255, (int(cu[-1]), 2, 32), dtype=np.uint8)
+    vt = _fp8.transposed_v_packed(v, cu, used)
+    for b, (n, u) in enumerate(zip(lens, used)):
+        if n:
+            s = _fp8.vt_sequence_start(int(cu[b]), b)
+            one = _fp8.transposed_v(v[None, cu[b]:cu[b] + u], _fp8.padded_keys(n))[0]
+            np.testing.assert_array_equal(vt[:, :, s:s + one.shape[-1]], one)

@@ -66,7 +66,7 @@ def test_the_same_batch_in_16_bits_keeps_its_kernels(device):  # noqa: F811
     ("no block_table", NotImplementedError, ["float8_e4m3fn", "block_table"]),
     ("16-bit v", TypeError, ["k has dtype float8_e4m3fn but v has float16"]),
     ("descale of a 16-bit cache", TypeError, ["k_descale applies to float8_e4m3fn", "k has dtype float16"]),
-    ("fp8 q", NotImplementedError, ["q in float8_e4m3fn"]),
+    ("fp8 q", NotImplementedError, ["fp8 forward", "not a paged cache"]),
     ("e5m2", TypeError, ["float8_e5m2", "e4m3"]),
     ("descale shape", ValueError, ["k_descale must be float32 (batch, nheads_k) = (4, 2)"]),
     ("descale dtype", TypeError, ["v_descale must be float32"]),

@@ -17,7 +17,7 @@ namespace cufa {
 // kHoldPVWait: the P V wait held below the softmax (hold_wait_below; the host picks it,
 // _compile.SM90_HOLD_PV_WAIT)
 // kE4m3: the fp8 forward (q, k, v e4m3, V transposed by transpose_v_e4m3 beforehand; out
-// in kDtype), on padded batches
+// in kDtype), on padded and packed batches
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
           int kQStages, int kKVStages, bool kHoldPVWait, bool kE4m3 = false>
 __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)

@@ -2,6 +2,7 @@
 // The Hopper forward's producer warp: each tile's Q and its K/V blocks into shared
 // memory by TMA (cp.async where TMA would read past a sequence), announced on mbarriers.
 #include "sm90_smem.cuh"
+#include "vt_layout.cuh"
 
 namespace cufa {
 
@@ -154,31 +155,53 @@ __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const Te
   __syncwarp();
 }
 
-// -- the fp8 forward's key block (padded batches): K's e4m3 rows as panels (the map views
-//    a row's bytes as 16-bit pairs), and V^T's block, its head-dim rows of kBlockN keys,
-//    as one box from the transposed copy (cufa/_fp8.py: (batch, nheads_k, d, keys), the
-//    map's columns pairs of keys). Past the sequence K's rows read as zeros (the map
-//    ends there) and V^T's keys are zeros (the copy's padding) --
+// -- the fp8 forward's key block: K's e4m3 rows as panels (the maps view a row's bytes as
+//    16-bit pairs), and V^T's block, its head-dim rows of kBlockN keys, as one box from the
+//    transposed copy (vt_layout.cuh; the map's columns pairs of keys). Past the sequence,
+//    K's rows read as zeros (a padded batch's map ends there; a packed one's last block
+//    comes through the tail map, or is copied where that map would start before row 0, as
+//    16-bit K's is) and V^T's keys are zeros (the copy's padding) --
 template <class Smem>
-__device__ __forceinline__ void produce_e4m3_block(const TensorMaps& maps, const Smem& sm,
-                                                   const Sm90Work& w, int it, int block_count) {
+__device__ __forceinline__ void produce_e4m3_block(const FwdParams& p, const TensorMaps& maps,
+                                                   const Smem& sm, const Sm90Work& w, int it,
+                                                   int block_count) {
   constexpr int kBlockN = Smem::kBlockN;
-  static_assert(kBlockN == 128, "a V^T row of the block is one 128-byte panel");
+  static_assert(kBlockN == kVtBlockKeys, "a V^T row of the block is one 128-byte panel");
   const Tile& t = w.t;
+  const bool packed = p.cu_seqlens_k != 0;
   const int key0 = (w.n_block_max - 1 - it) * kBlockN;
   const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
   const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kKVBytes;
   const bool elected = threadIdx.x == 0;
   if (block_count >= Smem::kStages) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
-  if (elected) {
+  const TensorMap* k_map = &maps.k;
+  int row = static_cast<int>(t.k_start) + key0, last = packed ? 0 : t.b;
+  bool copied = false;
+  if (packed && key0 + kBlockN > t.seqlen_k) {
+    const int shift = key0 + kBlockN - t.seqlen_k;  // rows of the box past the sequence
+    copied = !(p.kv_tail_maps && row >= shift);
+    k_map = &maps.k_tail;
+    last = row - shift;
+    row = shift;
+  }
+  if (copied) {
+    const TilePointers ptr = tile_pointers(p, t);
+    load_panels<kBlockN, Smem::kRowUnits>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
+                                          t.seqlen_k - key0, p.head_dim / 2);
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncwarp();
+    if (elected) mbar_arrive(sm.k_full() + 8 * stage);
+  } else if (elected) {
     mbar_arrive_expect_bytes(sm.k_full() + 8 * stage, Smem::kKVBytes);
-    tma_load_panels<kBlockN, Smem::kRowUnits>(k_dst, maps.k, sm.k_full() + 8 * stage,
-                                              static_cast<int>(t.k_start) + key0, t.h_k, t.b);
+    tma_load_panels<kBlockN, Smem::kRowUnits>(k_dst, *k_map, sm.k_full() + 8 * stage, row,
+                                              t.h_k, last);
   }
   if (block_count >= Smem::kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
   if (elected) {
+    const int column = static_cast<int>(packed ? vt_sequence_start(t.k_start, t.b) + key0 : key0);
     mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kKVBytes);
-    tma_load_4d(v_dst, maps.v, sm.v_full() + 8 * stage, key0 / 2, 0, t.h_k, t.b);
+    tma_load_4d(v_dst, maps.v, sm.v_full() + 8 * stage, column / 2, 0, t.h_k, packed ? 0 : t.b);
   }
   __syncwarp();
 }
@@ -188,7 +211,7 @@ __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMa
                                               const Smem& sm, const Sm90Work& w, int it,
                                               int block_count) {
   if constexpr (Smem::kE4m3)
-    produce_e4m3_block(maps, sm, w, it, block_count);
+    produce_e4m3_block(p, maps, sm, w, it, block_count);
   else
     produce_16bit_block(p, maps, sm, w, it, block_count);
 }
