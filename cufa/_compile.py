@@ -1006,6 +1006,7 @@ def fwd_element_io_variant(dtype, head_dim):
 
 FAMILY_ENV = "CUFA_KERNEL_FAMILY"
 SPIN_LIMIT_ENV = "CUFA_SPIN_LIMIT"  # debug_options
+TRACE_ENV = "CUFA_TRACE"  # debug_options
 
 
 def family_for(compute_capability):
@@ -1039,7 +1040,7 @@ def read_overrides():
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
                                    BWD_SM90_ENV, BWD_SM90_TILES_ENV, WIDE_TILES_ENV,
-                                   BWD_SM90_PRODUCER_ENV, SPIN_LIMIT_ENV))
+                                   BWD_SM90_PRODUCER_ENV, SPIN_LIMIT_ENV, TRACE_ENV))
 
 
 _overrides = {}
@@ -1179,15 +1180,23 @@ def raw_module(variant):
 def debug_options():
     """NVRTC options from the environment, for debugging: CUFA_SPIN_LIMIT=N builds every
     kernel with mbarrier waits that trap after N tries (common/sm90.cuh's mbar_wait), so
-    that a new kernel's deadlock fails its launch rather than hanging the process. CuPy's
-    disk cache keys the options, so such builds sit beside the plain ones."""
+    that a new kernel's deadlock fails its launch rather than hanging the process;
+    CUFA_TRACE=1 builds the Hopper forward with its tiles' timeline (fwd/sm90_trace.cuh,
+    read by bench/profile/tile_timeline.py). CuPy's disk cache keys the options, so such
+    builds sit beside the plain ones."""
+    options = ()
     limit = _overrides.get(SPIN_LIMIT_ENV)
-    if not limit:
-        return ()
-    if not limit.isdigit() or not 0 < int(limit) < 2**32:
-        raise ValueError(f"{SPIN_LIMIT_ENV} takes a number of tries from 1 to 2^32 - 1; got "
-                         f"{limit!r}")
-    return (f"-DCUFA_SPIN_LIMIT={int(limit)}u",)
+    if limit:
+        if not limit.isdigit() or not 0 < int(limit) < 2**32:
+            raise ValueError(f"{SPIN_LIMIT_ENV} takes a number of tries from 1 to 2^32 - 1; "
+                             f"got {limit!r}")
+        options += (f"-DCUFA_SPIN_LIMIT={int(limit)}u",)
+    trace = _overrides.get(TRACE_ENV)
+    if trace:
+        if trace != "1":
+            raise ValueError(f"{TRACE_ENV} takes 1 (or is unset); got {trace!r}")
+        options += ("-DCUFA_TRACE",)
+    return options
 
 
 def function_pointer(variant, device_id):

@@ -356,3 +356,26 @@ def test_spin_limit_builds_trap_on_a_wait_that_never_ends(monkeypatch):
     report = _compile.compile_for_arch(_compile.MlaVariant("bf16"), "sm_90a",
                                        ("-DCUFA_SPIN_LIMIT=1000000u",))
     assert report.registers > 0
+
+
+def test_trace_builds_hold_the_tile_table_and_plain_builds_do_not(monkeypatch):
+    """CUFA_TRACE=1 (bench/profile/tile_timeline.py's build) reaches NVRTC as a define and
+    gives the Hopper forward its table of tile stamps (264 CTAs x 512 tiles x 10 u64: ptxas
+    counts it as global memory); without it the kernel has none, and any other value is
+    refused naming the variable."""
+    monkeypatch.setitem(_compile._overrides, _compile.SPIN_LIMIT_ENV, None)
+    monkeypatch.setitem(_compile._overrides, _compile.TRACE_ENV, "1")
+    assert _compile.debug_options() == ("-DCUFA_TRACE",)
+    monkeypatch.setitem(_compile._overrides, _compile.TRACE_ENV, "yes")
+    with pytest.raises(ValueError, match="CUFA_TRACE takes 1"):
+        _compile.debug_options()
+    variant = _compile.fwd_variant("bf16", 256, "window", False, family="sm90", rows="mid")
+    table = 264 * 512 * 10 * 8
+    gmem = [int(line.split()[-3]) for line in
+            _compile.compile_for_arch(variant, "sm_90a", ("-DCUFA_TRACE",)).log.splitlines()
+            if line.endswith("bytes gmem")]
+    assert gmem and max(gmem) >= table
+    gmem = [int(line.split()[-3]) for line in
+            _compile.compile_for_arch(variant, "sm_90a").log.splitlines()
+            if line.endswith("bytes gmem")]
+    assert max(gmem, default=0) < table

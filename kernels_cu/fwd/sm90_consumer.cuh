@@ -3,6 +3,7 @@
 // wgmma, the online softmax between, software-pipelined; then the epilogue.
 #include "sm90_smem.cuh"
 #include "sm90_epilogue.cuh"
+#include "sm90_trace.cuh"
 #include "score.cuh"
 #include "../common/e4m3_mma.cuh"
 #include "../common/softmax.cuh"
@@ -229,6 +230,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
   bool took_turns = false;
   for (int tile_count = 0;; ++tile_count) {
     const u32 q_stage = Smem::q_stage(tile_count);
+    const u64 wait_start = trace_clock();
     mbar_wait(sm.q_full() + 8 * q_stage, Smem::q_parity(tile_count));
     Tile t;
     if (!load_tile(sm.tile() + 32 * q_stage, p, t)) break;
@@ -248,6 +250,13 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       mbar_arrive(sm.q_empty() + 8 * q_stage);
       release_blocks(sm, w.n_blocks, block_count);
       continue;
+    }
+    if (consumer == 0) {
+      trace_tile(tile_count, kTraceWait, wait_start);
+      trace_tile(tile_count, kTraceQReady, trace_clock());
+      trace_tile(tile_count, kTraceNsReady, trace_ns());
+      trace_tile(tile_count, kTraceHeadBlock, (static_cast<u64>(t.h) << 32) | t.m_block);
+      trace_tile(tile_count, kTraceBatchBlocks, (static_cast<u64>(t.b) << 32) | w.n_blocks);
     }
     const int row_base = w.row0 + consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's rows
     // (fp8: the scores are q_descale * k_descale times the e4m3 product)
@@ -391,6 +400,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           // O is still zero: rescaling it would be 0 * correction, which the compiler must
           // keep (inf and NaN), ~100 instructions a tile at d = 128
           pack(acc_s);
+          if (consumer == 0) trace_tile(tile_count, kTraceFirstP, trace_clock());
         }
         // Then step `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1} together and
         // computes the exponentials of S_it while the P V product runs; the last step
@@ -438,10 +448,13 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       mbar_arrive(sm.q_empty() + 8 * q_stage);  // rows without keys: only the tile was read
     }
 
+    if (consumer == 0) trace_tile(tile_count, kTraceLoopEnd, trace_clock());
     if constexpr (kE4m3)  // (P was scaled up, V's descale is O's)
       scale_output(acc_o, fp8_v_descale(p, t) / kE4m3ProbScale);
     finish_tile<kDtype>(acc_o, softmax, tile_scale_log2, p, t, sm, q_stage, w.row0, row_base,
                         lane);
+    trace_tile(tile_count, consumer == 0 ? kTraceEnd0 : kTraceEnd1, trace_clock());
+    if (consumer == 0) trace_tile(tile_count, kTraceNsEnd0, trace_ns());
   }
   if (consumer == 0 && took_turns) take_turn(consumer);  // consumer 1's pass after its last turn
 }

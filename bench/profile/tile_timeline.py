@@ -1,0 +1,141 @@
+"""Where a Hopper forward launch's time goes, tile by tile: a build with CUFA_TRACE=1
+(fwd/sm90_trace.cuh) stamps each tile's wait for Q, Q's arrival and both consumers' ends
+with the SM clock and the global timer; this reads them back after one launch and splits
+the launch's SM-time into key blocks, each tile's fixed cost, waits for Q and the tail.
+
+    python3 bench/profile/tile_timeline.py [--dtype bf16] [--head-dims 256] [--seqlens 4096,8192]
+        [--causal 0,1] [--tokens 16384]
+
+Each configuration: batch = tokens / N, heads = 2048 / d (bench_fwd.py's grid). The
+split: a tile's time from Q's arrival to consumer 0's end is fitted as fixed + blocks x
+per_block (least squares over the launch's tiles); "blocks" is every tile's key blocks at
+the fitted rate, "fixed" what the tiles cost beyond that, "Q waits" consumer 0's waits
+for a tile's Q (the producer's scheduling and the TMA load under the previous tile's
+end), "tail" each CTA's idle time from its last tile's end to the launch's. Times of
+this build only: the stamps cost a few instructions a tile.
+"""
+import argparse
+import os
+import sys
+
+os.environ["CUFA_TRACE"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import _timing  # noqa: E402,F401  (finds the checkout's cufa when none is on the path)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import cufa  # noqa: E402
+from cufa import _compile  # noqa: E402
+
+FIELDS = ("wait", "ready", "end0", "end1", "ns_ready", "ns_end0", "head_block", "batch_blocks",
+          "first_p", "loop_end")
+
+
+def trace_table(variant):
+    import cupy
+    fn = _compile.get_kernel(variant, torch.cuda.current_device())
+    shape = (264, 512, len(FIELDS))  # (sm90_trace.cuh's kTraceCtas, kTraceTiles)
+    address = fn.kernel.module.get_global_var("cufa_tile_trace")
+    memory = cupy.cuda.UnownedMemory(address, int(np.prod(shape)) * 8, fn,
+                                     torch.cuda.current_device())
+    return cupy.ndarray(shape, dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def run(dtype, d, n, causal, tokens):
+    batch, heads = max(tokens // n, 1), max(2048 // d, 1)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+    cufa.flash_attn_func(q, k, v, causal=causal)  # compiles
+    torch.cuda.synchronize()
+    # every Hopper forward compiled so far; the launch's is the one whose table fills
+    tables = {var.key: trace_table(var) for (_, var) in list(_compile._kernels)
+              if var.key.startswith("fwd_sm90")}
+    for table in tables.values():
+        table.fill(0)
+    torch.cuda.synchronize()
+    cufa.flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    filled = [key for key, table in tables.items() if int(table[:, :, 1].max()) != 0]
+    if len(filled) != 1:
+        sys.exit(f"expected one Hopper forward launch, found {filled}")
+    return filled[0], batch, heads, tables[filled[0]].get()
+
+
+def analyse(t):
+    used = t[:, :, 1] != 0  # Q's arrival stamped
+    ctas = np.nonzero(used.any(axis=1))[0]
+    rec = t[used]
+    wait, ready, end0, end1, ns_ready, ns_end0 = (rec[:, i].astype(np.float64) for i in range(6))
+    blocks = (rec[:, 7] & 0xFFFFFFFF).astype(np.float64)
+    dur = end0 - ready
+    # the SM clock against the global timer, over every tile (MHz)
+    clock_per_ns = np.sum(dur) / max(np.sum(ns_end0 - ns_ready), 1.0)
+    a = np.vstack([np.ones_like(blocks), blocks]).T
+    (fixed, per_block), *_ = np.linalg.lstsq(a, dur, rcond=None)
+    start_ns = min(t[c][used[c]][:, 4].min() for c in ctas)
+    end_ns = max(t[c][used[c]][:, 5].max() for c in ctas)
+    span = (end_ns - start_ns) * clock_per_ns  # cycles
+    total = span * len(ctas)
+    tail = sum((end_ns - t[c][used[c]][:, 5].max()) * clock_per_ns for c in ctas)
+    first_wait = sum(t[c][used[c]][:, 4].min() - start_ns for c in ctas) * clock_per_ns
+    q_waits = np.sum(ready - wait)
+    lag1 = np.where(end1 > 0, end1 - end0, 0)
+    # consumer 0's phases: Q to its first block's P (block 0's S and softmax, nothing to
+    # overlap them), the loop to its last P V, and the epilogue (O / l written)
+    first_p, loop_end = rec[:, 8].astype(np.float64), rec[:, 9].astype(np.float64)
+    peeled = (first_p > 0) & (blocks > 1)
+    loop = np.vstack([np.ones(peeled.sum()), blocks[peeled] - 1]).T
+    (loop_fixed, loop_per_block), *_ = (np.linalg.lstsq(loop, (loop_end - first_p)[peeled], rcond=None)
+                                        if peeled.sum() > 2 else ((np.nan, np.nan),))
+    out = {
+        "prologue_cycles": float(np.median((first_p - ready)[peeled])) if peeled.any() else np.nan,
+        "loop_per_block": loop_per_block, "loop_fixed": loop_fixed,
+        "epilogue_cycles": float(np.median(end0 - loop_end)),
+        "q_wait_cycles": float(np.median(ready - wait)),
+        "ctas": len(ctas), "tiles": len(rec), "MHz": clock_per_ns * 1e3,
+        "span_us": span / clock_per_ns / 1e3,
+        "per_block_cycles": per_block, "fixed_cycles": fixed,
+        "fixed_in_blocks": fixed / per_block if per_block else float("nan"),
+        "blocks_mean": blocks.mean(),
+        "share_blocks": per_block * blocks.sum() / total,
+        "share_fixed": (dur.sum() - per_block * blocks.sum()) / total,
+        "share_q_waits": q_waits / total,
+        "share_tail": tail / total,
+        "share_late_start": first_wait / total,
+        "consumer1_lag_cycles": float(np.median(lag1)),
+        "tile_residual_rms": float(np.sqrt(np.mean((dur - a @ [fixed, per_block]) ** 2))),
+    }
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
+    p.add_argument("--head-dims", default="256")
+    p.add_argument("--seqlens", default="4096,8192")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--tokens", type=int, default=16384)
+    args = p.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    print("config | variant | CTAs tiles | span us | cycles a block, fixed a tile (blocks) | "
+          "blocks fixed Q-waits tail late-start (% of SM-time) | consumer 1 lag | fit rms")
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for n in (int(x) for x in args.seqlens.split(",")):
+            for causal in (bool(int(x)) for x in args.causal.split(",")):
+                key, batch, heads, t = run(dtype, d, n, causal, args.tokens)
+                r = analyse(t)
+                print(f"{args.dtype} d={d} N={n} {'causal' if causal else 'full'} {batch}x{heads} | "
+                      f"{key} | {r['ctas']} {r['tiles']} | {r['span_us']:.1f} | "
+                      f"{r['per_block_cycles']:.0f}, {r['fixed_cycles']:.0f} "
+                      f"({r['fixed_in_blocks']:.2f}; mean {r['blocks_mean']:.1f} a tile) | "
+                      f"{100 * r['share_blocks']:.1f} {100 * r['share_fixed']:.1f} "
+                      f"{100 * r['share_q_waits']:.1f} {100 * r['share_tail']:.1f} "
+                      f"{100 * r['share_late_start']:.1f} | {r['consumer1_lag_cycles']:.0f} | "
+                      f"{r['tile_residual_rms']:.0f}  ({r['MHz']:.0f} MHz)", flush=True)
+                print(f"    consumer 0, cycles (medians): Q wait {r['q_wait_cycles']:.0f}, to block 0's P "
+                      f"{r['prologue_cycles']:.0f}, loop {r['loop_per_block']:.0f} a block + "
+                      f"{r['loop_fixed']:.0f}, epilogue {r['epilogue_cycles']:.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
