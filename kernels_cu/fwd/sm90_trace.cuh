@@ -8,9 +8,8 @@
 
 namespace cufa {
 
-constexpr int kTraceCtas = 264, kTraceTiles = 512, kTraceFields = 10;
-// A tile's fields: the SM clock (clock64) where consumer 0 began to wait for the tile's
-// Q, where Q was there, where consumer 0 and consumer 1 had written their rows; the
+// The table: kTraceCtas x kTraceTiles x kTraceFields (below). A tile's fields: the SM
+// clock (clock64) where consumer 0 began to wait for the tile's Q, where Q was there, where consumer 0 and consumer 1 had written their rows; the
 // global timer (ns) at Q's arrival and at consumer 0's end; (head << 32 | query block);
 // (batch << 32 | key blocks); the SM clock where consumer 0 had its first block's P and
 // where its last P V was complete (its epilogue's start)
@@ -20,6 +19,7 @@ enum TraceField {
 };
 
 #ifdef CUFA_TRACE
+constexpr int kTraceCtas = 264, kTraceTiles = 512, kTraceFields = 10;
 extern "C" {
 __device__ u64 cufa_tile_trace[kTraceCtas][kTraceTiles][kTraceFields];
 }
