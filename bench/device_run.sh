@@ -54,7 +54,8 @@ family() {  # family NAME [ENV=VALUE...] -- pytest paths...
   local name=$1; shift
   local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   case " ${FAMILIES:-default sm80 bm64 bm192 tma1 tma2 bwd1wg fdq np} " in *" $name "*) ;; *) return ;; esac
-  env "${envs[@]}" timeout -k 10 "${FAMILY_LIMIT:-420}" python3 -m pytest -q -m gpu \
+  env "${envs[@]}" CUFA_FAILED_TESTS="$LOGS/failed_$name.txt" \
+    timeout -k 10 "${FAMILY_LIMIT:-420}" python3 -m pytest -q -m gpu \
     -p no:cacheprovider --durations=5 ${WORKERS:+-n $WORKERS} "$@" \
     > "$LOGS/gpu_tests_$name.txt" 2>&1
   echo $? > "$LOGS/rc_$name"
@@ -116,6 +117,9 @@ echo "== GPU tests (rc=$tests_rc)"
 for f in "$LOGS"/gpu_tests*.txt; do
   echo "-- $(basename "$f") (rc=$(cat "$LOGS/rc_$(basename "$f" .txt | sed s/gpu_tests_//)"))"
   grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -15
+  # (failures as they happened: the summary above is missing where a time limit cut in)
+  failed="$LOGS/failed_$(basename "$f" .txt | sed s/gpu_tests_//).txt"
+  [ -s "$failed" ] && { echo "   failed so far:"; head -20 "$failed"; }
 done
 echo "== self-check (rc=$check_rc)"; grep -E "FAIL|self-check|^\|" "$LOGS/check.txt" | tail -20
 if [ $bench = 1 ]; then echo "== bench"; tail -40 "$LOGS/bench.txt"; fi

@@ -62,6 +62,16 @@ def pytest_make_collect_report(collector):
                                f"does not import ({reason}); the GPU tests need it")
 
 
+def pytest_runtest_logreport(report):
+    """CUFA_FAILED_TESTS=FILE: each failing test's id appended to FILE as it fails (under
+    xdist too: the controller sees every report), so that a run cut short by a time limit,
+    whose summary never prints, still names its failures (bench/device_run.sh)."""
+    path = os.environ.get("CUFA_FAILED_TESTS")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid} ({report.when})\n")
+
+
 def pytest_collection_modifyitems(config, items):
     if not NO_GPU:
         return
