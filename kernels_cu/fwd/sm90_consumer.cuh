@@ -367,6 +367,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           const bool rescale = scores_to_probs(acc_s, it, correction);
           if (it > 0 && rescale) softmax.rescale_output(acc_o, correction);
           pack(acc_s);
+          if (consumer == 0 && it == 0) trace_tile(tile_count, kTraceFirstP, trace_clock());
           mbar_wait(sm.v_full(), Smem::parity(g));
           in_turn(solo, consumer, [&] { issue_pv(0); });
           wgmma_wait<0>();
