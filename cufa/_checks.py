@@ -416,18 +416,25 @@ def check_fp8_packed(q, k, v, cu_q, cu_k, used, table, o, out, descales):
         raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) takes contiguous "
                                   "k and v, not a paged cache (block_table) yet")
     _check_fp8_qkv(q, k, v, "(total_rows, nheads, headdim)", 3)
-    check_cu_seqlens(cu_q, "cu_seqlens_q", q)
-    check_cu_seqlens(cu_k, "cu_seqlens_k", q)
-    batch = cu_q.shape[0] - 1
-    if cu_k.shape[0] != batch + 1:
-        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
-                         f"{batch + 1}; both must be (batch + 1,)")
+    batch = check_cu_seqlens_pair(cu_q, cu_k, q)
     if used is not None:
         check_int32_vector(used, "seqused_k", batch, q)
     for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
         if x is not None:
             _check_descale(x, n, q, batch, k.shape[1])
     return batch, _fp8_out_dtype(o, q)
+
+
+def check_cu_seqlens_pair(cu_q, cu_k, q):
+    """cu_seqlens_q and cu_seqlens_k of one packed batch (int32, (batch + 1,) both, on q's
+    device) -> batch."""
+    check_cu_seqlens(cu_q, "cu_seqlens_q", q)
+    check_cu_seqlens(cu_k, "cu_seqlens_k", q)
+    batch = cu_q.shape[0] - 1
+    if cu_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
+                         f"{batch + 1}; both must be (batch + 1,)")
+    return batch
 
 
 def _check_fp8_qkv(q, k, v, layout, rank):
@@ -709,12 +716,7 @@ def check_packed(a, out):
                             batch_dim=None, seq_dim=1, head_dim=2,
                             max_head_dim=_compile.MAX_HEAD_DIM if fp8 else _compile.WIDE_HEAD_DIM)
     nheads = q.shape[1]
-    check_cu_seqlens(cu_q, "cu_seqlens_q", q)
-    check_cu_seqlens(cu_k, "cu_seqlens_k", q)
-    batch = cu_q.shape[0] - 1
-    if cu_k.shape[0] != batch + 1:
-        raise ValueError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
-                         f"{batch + 1}; both must be (batch + 1,)")
+    batch = check_cu_seqlens_pair(cu_q, cu_k, q)
     if table is not None:
         paged = check_block_table(table, k, q, batch)
     if used is not None:
