@@ -55,9 +55,11 @@ constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods
 //    launch (bench/results/tile_timeline_h200.md). A consumer's 64 rows go out in two
 //    passes of 128 columns (16 KB of the stage each). The K stage is released after the
 //    epilogue; consumer 0 writes only once consumer 1's last Q K^T has read it --
+// (Two consumers, neither ever solo: consumer 0 waits for consumer 1's signal every tile.)
 template <class Smem>
 constexpr bool kStageOInK = kStagedOutput<Smem::kHeadDim> && !Smem::kE4m3 &&
-                            Smem::kQStages == 1 && Smem::kStages > 1;
+                            Smem::kQStages == 1 && Smem::kStages > 1 &&
+                            kConsumers<Smem::kBlockM> == 2;
 constexpr int kStageOInKBytes = 64 * 128 * 2;  // a consumer's rows, 128 columns
 
 // -- S = Q K^T of one K stage, issued and committed: the first 8 * kTiles keys from
@@ -278,7 +280,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     w.n_blocks = __shfl_sync(0xffffffffu, w.n_blocks, 0);
     // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
     // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
-    // head dim 256: with the extra branch ptxas spills there.)
+    // head dim 256: with the extra branch ptxas spills there; kStageOInK relies on it.)
     const bool solo = !kTurns<kBlockM> || (kHeadDim < 256 && w.row0 + 64 >= w.row_end);
     // A consumer whose 64 rows lie past the tile's end only releases the stages.
     const bool idle = kTurns<kBlockM> ? solo && consumer == 1 : w.row0 + 64 * consumer >= w.row_end;

@@ -1,7 +1,8 @@
 #pragma once
 // The Hopper forward's epilogue: a consumer warpgroup's O rows and their lse to global
-// memory, through the tile's Q stage from d = 128 (kStagedOutput), else straight from
-// registers.
+// memory, staged through shared memory from d = 128 (kStagedOutput: the tile's Q stage, or
+// its last K stage where Q has one stage, sm90_consumer.cuh's kStageOInK), else straight
+// from registers.
 #include "params.cuh"
 #include "../common/sm90.cuh"
 
@@ -18,8 +19,8 @@ __device__ __forceinline__ void write_lse(const float (&lse)[1][2], int seqlen_q
   }
 }
 
-// -- epilogue, head dims from 128: each warp's 16 rows through its own rows of the tile's
-//    Q stage (read for the last time by now), then out in 16-byte chunks, whole rows per
+// -- epilogue, head dims from 128: each warp's 16 rows through its own rows of a staging
+//    area (read for the last time by now), then out in 16-byte chunks, whole rows per
 //    store. Straight from registers each quad stores 16 bytes of a row at a time, half a
 //    32-byte sector, with four times the store instructions: 7-13 % slower on short
 //    sequences at d = 128. At d = 64 the direct stores measured 2-3 % faster (the Q stage
