@@ -14,6 +14,8 @@ namespace cufa {
 // Two consumers take turns issuing; three (192-row tiles at d = 64) issue freely.
 template <int kBlockM> constexpr bool kTurns = kConsumers<kBlockM> == 2;
 constexpr int kTurnBarrier = 1;        // named barriers 1, 2: consumer 0's turn, consumer 1's
+constexpr int kKReadBarrier = 3;       // consumer 1 has read a tile's last K stage (kStageOInK)
+constexpr int kWarpgroupBarrier = 4;   // 4, 5: one consumer's warps (kStageOInK)
 
 // -- turns: consumer c issues its products between take_turn (a sync on barrier 1 + c)
 //    and pass_turn (an arrive on the other's), so the two never issue at once and each
@@ -45,6 +47,20 @@ constexpr int kSoftmaxChains = kHeadDim <= 128 ? 2 : 1;
 //    blocks are a fifth of all (N = 512: 4 of 20). (Not on 192-row tiles: ptxas spills.) --
 template <int kBlockM, int kBlockN, bool kScoreMods, bool kE4m3 = false>
 constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods && !kE4m3;
+
+// -- where one Q stage is all that fits beside two K/V stages (d = 256 on 128 x 80), O is
+//    staged through the tile's last K stage, not through Q: Q is then released at its
+//    last Q K^T and the next tile's Q loads under this tile's last P V and epilogue.
+//    Staged through Q, consumer 0 waited ~3,000 cycles a tile for it, 11 % of a 1k
+//    launch (bench/results/tile_timeline_h200.md). A consumer's 64 rows go out in two
+//    passes of 128 columns (16 KB of the stage each). The K stage is released after the
+//    epilogue; consumer 0 writes only once consumer 1's last Q K^T has read it --
+// (Two consumers, neither ever solo: consumer 0 waits for consumer 1's signal every tile.)
+template <class Smem>
+constexpr bool kStageOInK = kStagedOutput<Smem::kHeadDim> && !Smem::kE4m3 &&
+                            Smem::kQStages == 1 && Smem::kStages > 1 &&
+                            kConsumers<Smem::kBlockM> == 2;
+constexpr int kStageOInKBytes = 64 * 128 * 2;  // a consumer's rows, 128 columns
 
 // -- S = Q K^T of one K stage, issued and committed: the first 8 * kTiles keys from
 //    k_stage_desc (all of the block's, or half: kHalfFirstBlock) --
@@ -141,19 +157,37 @@ __device__ __forceinline__ void release_blocks(const Smem& sm, int n_blocks, int
   block_count += n_blocks;
 }
 
-// -- a tile's end: O / l and lse written (from d = 128 through the tile's Q stage, which
-//    is then released) --
+// -- a tile's end: O / l and lse written (from d = 128 staged through the tile's Q stage,
+//    which is then released, or through its last K stage, k_last: kStageOInK) --
 template <int kDtype, class Smem, int kDTiles, class Softmax>
 __device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softmax& softmax,
                                             float scale_log2, const FwdParams& p, const Tile& t,
-                                            const Smem& sm, u32 q_stage, int row0, int row_base,
-                                            int lane) {
+                                            const Smem& sm, u32 q_stage, int k_last, int consumer,
+                                            int row0, int row_base, int lane) {
   float lse[1][2];
   softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
   const TilePointers ptr = tile_pointers(p, t);
-  if constexpr (kStagedOutput<Smem::kHeadDim> && !Smem::kE4m3) {  // (an e4m3 Q stage is half O's tile)
-    write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDim>(
-        acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, sm.q + q_stage * Smem::kQBytes, row0,
+  if constexpr (kStageOInK<Smem>) {
+    // (k_last < 0: a tile without key blocks, whose Q stage is still held: staged there)
+    const bool in_k = k_last >= 0;
+    if (in_k && consumer == 0) named_barrier_sync(kKReadBarrier, 256);
+    const u32 area = (in_k ? sm.k() + k_last * Smem::kKVBytes : sm.q + q_stage * Smem::kQBytes) +
+                     consumer * kStageOInKBytes;
+    write_output_staged<kDtype, 64, 128, Smem::kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o,
+                                                         ptr.lse, area, row_base - row0 - 64 * consumer,
+                                                         row_base, lane);
+    // The stage's next K or Q comes by TMA (the async proxy) over what this warpgroup
+    // just wrote and read through the generic one.
+    fence_proxy_async();
+    if (in_k) {
+      named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+      release_stage(sm.k_empty() + 8 * k_last);
+    } else {
+      mbar_arrive(sm.q_empty() + 8 * q_stage);
+    }
+  } else if constexpr (kStagedOutput<Smem::kHeadDim> && !Smem::kE4m3) {  // (an e4m3 Q stage is half O's tile)
+    write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDim, Smem::kHeadDim>(
+        acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, sm.q + q_stage * Smem::kQBytes, row_base - row0,
         row_base, lane);
     // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
     // and read through the generic one.
@@ -213,6 +247,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
   constexpr bool kE4m3 = Smem::kE4m3;
   constexpr bool kLazy = kLazyRescale<kHeadDim> && !kE4m3;
   constexpr bool kStagedO = kStagedOutput<kHeadDim> && !kE4m3;
+  constexpr bool kOInK = kStageOInK<Smem>;
+  static_assert(!kOInK || (kHeadDim == 256 && Smem::kKVBytes >= 2 * kStageOInKBytes),
+                "both consumers' rows, 128 columns, in a K stage; no solo tiles (d = 256)");
+  constexpr bool kQFreeAtLastQK = !kStagedO || kOInK;  // else after the epilogue
   constexpr bool kHalfFirst = kHalfFirstBlock<kBlockM, kBlockN, kScoreMods, kE4m3>;
   constexpr int kPSteps = kE4m3 ? kNTiles / 4 : kNTiles / 2;
   const int lane = threadIdx.x % 32;
@@ -242,7 +280,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     w.n_blocks = __shfl_sync(0xffffffffu, w.n_blocks, 0);
     // A tile whose rows all fall to consumer 0 (a sequence's last 64 or fewer): consumer
     // 1 only releases its stages, and consumer 0 issues without taking turns. (Not at
-    // head dim 256: with the extra branch ptxas spills there.)
+    // head dim 256: with the extra branch ptxas spills there; kStageOInK relies on it.)
     const bool solo = !kTurns<kBlockM> || (kHeadDim < 256 && w.row0 + 64 >= w.row_end);
     // A consumer whose 64 rows lie past the tile's end only releases the stages.
     const bool idle = kTurns<kBlockM> ? solo && consumer == 1 : w.row0 + 64 * consumer >= w.row_end;
@@ -390,9 +428,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           in_turn(solo, consumer, [&] { issue_first_qk(acc_s, stage, half); });
           wgmma_wait<0>();
           fence_registers(acc_s);
-          release_stage(sm.k_empty() + 8 * stage);
-          if (!kStagedO && n_blocks == 1)
+          if (!kOInK || n_blocks > 1) release_stage(sm.k_empty() + 8 * stage);
+          if (kQFreeAtLastQK && n_blocks == 1) {
             mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
+            if (kOInK && consumer == 1) named_barrier_arrive(kKReadBarrier, 256);
+          }
           float correction[1][2];
           if (half)
             half_block_scores_to_probs(acc_s, correction);
@@ -426,9 +466,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
           if (!last) {
             wgmma_wait<1>();
             fence_registers(acc_s);
-            release_stage(sm.k_empty() + 8 * stage);
-            if (!kStagedO && it == n_blocks - 1)
+            if (!kOInK || it < n_blocks - 1) release_stage(sm.k_empty() + 8 * stage);
+            if (kQFreeAtLastQK && it == n_blocks - 1) {
               mbar_arrive(sm.q_empty() + 8 * q_stage);  // Q's last reader is done
+              if (kOInK && consumer == 1) named_barrier_arrive(kKReadBarrier, 256);
+            }
             rescale = scores_to_probs(acc_s, it, correction);
             if constexpr (kHoldPVWait)  // the exponentials under this warpgroup's own P V
               hold_wait_below(softmax.row_sum[0][0], softmax.row_sum[0][1], sm.tile());
@@ -452,8 +494,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     if (consumer == 0) trace_tile(tile_count, kTraceLoopEnd, trace_clock());
     if constexpr (kE4m3)  // (P was scaled up, V's descale is O's)
       scale_output(acc_o, fp8_v_descale(p, t) / kE4m3ProbScale);
-    finish_tile<kDtype>(acc_o, softmax, tile_scale_log2, p, t, sm, q_stage, w.row0, row_base,
-                        lane);
+    const int k_last = w.n_blocks > 0 ? static_cast<int>(Smem::stage(block_count - 1)) : -1;
+    finish_tile<kDtype>(acc_o, softmax, tile_scale_log2, p, t, sm, q_stage, k_last, consumer,
+                        w.row0, row_base, lane);
     trace_tile(tile_count, consumer == 0 ? kTraceEnd0 : kTraceEnd1, trace_clock());
     if (consumer == 0) trace_tile(tile_count, kTraceNsEnd0, trace_ns());
   }
