@@ -352,3 +352,31 @@ def test_fp8_forward_from_jax_per_row(hopper):
     lse = np.asarray(lse, np.float64).reshape(q.shape[2], 2, q.shape[1]).transpose(1, 0, 2)
     assert_no_scale_bug(*assert_fp8_rows(o, lse, qf, kf, vf, False, (40, 7), scale,
                                          torch.bfloat16))
+
+
+def test_fp8_forward_in_a_cuda_graph_per_row(hopper):
+    """A captured fp8 call (V^T from the graph's pool, the tile counter its own) replayed
+    on new values copied into its inputs: the per-row rule for the new values."""
+    if E4M3 is None:
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    (q, k, v), descales, _ = _fp8_case(seed=3)
+    call = lambda: cufa.flash_attn_func(q, k, v, causal=True, q_descale=descales[0],  # noqa: E731
+                                        k_descale=descales[1], v_descale=descales[2],
+                                        return_lse=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # (compiled and planned outside the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = call()
+    (q2, k2, v2), descales2, (qf, kf, vf) = _fp8_case(seed=4)
+    for x, y in zip((q, k, v, *descales), (q2, k2, v2, *descales2)):
+        x.copy_(y)
+    o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_no_scale_bug(*assert_fp8_rows(
+        o.float().cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64),
+        qf, kf, vf, True, (-1, -1), 1.0 / math.sqrt(q.shape[-1]), torch.bfloat16))
