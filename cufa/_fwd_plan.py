@@ -758,10 +758,19 @@ def fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out,
 def fp8_scratch_bytes(q, k, batch, window, packed, out_dtype="bfloat16"):
     """The device scratch of an fp8 forward call (views of q and k, as checked): the tile
     counter (padded batches) or the work list (packed), then V^T at the next 256 bytes.
-    Under jax.jit XLA allocates it (as dense's scratch); eager calls take V^T from the
-    caller's allocator instead. 0 where nothing launches."""
+    Under jax.jit XLA allocates it (as dense's scratch), planned at trace time, where a
+    GPU without the kernel is refused too; eager calls take V^T from the caller's
+    allocator instead. 0 where nothing launches."""
+    _check_fp8_device(q.device)
     layout = _fp8_layout(q, k, batch, window, packed, out_dtype)
     return 0 if layout is None else layout[1] + layout[2]
+
+
+def _check_fp8_device(device):
+    if _compile.family_for(_runtime.compute_capability(device)) != "sm90":
+        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) runs on Hopper "
+                                  "GPUs (sm_90), on its e4m3 wgmma kernel; this GPU (or "
+                                  f"{_compile.FAMILY_ENV}) has none")
 
 
 def _fp8_layout(q, k, batch, window, packed, out_dtype):
@@ -774,6 +783,10 @@ def _fp8_layout(q, k, batch, window, packed, out_dtype):
     seqlen_k, nheads_k = k.shape[-3], k.shape[-2]
     padded = (_fp8.vt_packed_keys(seqlen_k, batch) if packed
               else _fp8.padded_keys(seqlen_k, variant.block_n))
+    if padded > INT32_MAX or padded // 64 * nheads_k * (1 if packed else batch) > INT32_MAX:
+        raise ValueError(f"the fp8 forward's V^T of {padded} keys a row (x {nheads_k} KV heads"
+                         f"{'' if packed else f' x {batch} sequences'}) exceeds its int32 "
+                         "indexing")
     sizes = _sizes(variant, batch, nheads, rows_q if packed else q.shape[1], seqlen_k,
                    bool(packed), q.device)
     head = sizes[-1] if packed else 8  # (the work list and its counter, or the counter)
@@ -793,10 +806,7 @@ def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse
     """The checked views' outputs and launches; packed: (cu_seqlens_q, cu_seqlens_k,
     seqused_k) views (q, k, v then (total, heads, d)); lse_out, stream, scratch: as
     fp8_dense's."""
-    if _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
-        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) runs on Hopper "
-                                  "GPUs (sm_90), on its e4m3 wgmma kernel; this GPU (or "
-                                  f"{_compile.FAMILY_ENV}) has none")
+    _check_fp8_device(q.device)
     layout = _fp8_layout(q, k, batch, window, packed, out_dtype)
     plan = _Plan(framework=q.framework, device=q.device, out_shape=q.shape, dtype=out_dtype,
                  lse_shape=lse_shape, variant=layout and layout[0])
@@ -823,10 +833,6 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
         o_strides = (0,) + tuple(o_strides)
     _, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    if padded > INT32_MAX or padded // 64 * nheads_k * (1 if packed else batch) > INT32_MAX:
-        raise ValueError(f"the fp8 forward's V^T of {padded} keys a row (x {nheads_k} KV heads"
-                         f"{'' if packed else f' x {batch} sequences'}) exceeds its int32 "
-                         "indexing")
     box_n = variant.block_n
     # (a dimension of one element: its stride 0, which the maps take whatever it was; no
     # keys: k's map, never read, describes one row of a contiguous k)

@@ -155,7 +155,7 @@ def _check(entry, views, options):
     """The checks an eager call of `entry` makes of its options and arrays, at trace time:
     a bad call fails here, with the eager call's error, not later inside XLA."""
     if entry in _FP8:
-        _checked_options(options)
+        _fp8_window(options)
         descales = tuple(views.get(f"{n}_descale") for n in "qkv")
         if entry == "flash_attn_fp8":
             _checks.check_fp8_dense(views["q"], views["k"], views["v"], None, None, descales)
@@ -192,8 +192,7 @@ def _scratch_bytes(entry, present, options):
         views = _traced_views(present, cupy.cuda.runtime.getDevice())
         q, packed = views["q"], entry == "flash_attn_varlen_fp8"
         batch = views["cu_seqlens_q"].shape[0] - 1 if packed else q.shape[0]
-        window, _, _ = _checked_options(options)
-        return _fwd_plan.fp8_scratch_bytes(q, views["k"], batch, window, packed)
+        return _fwd_plan.fp8_scratch_bytes(q, views["k"], batch, _fp8_window(options), packed)
     a = _named(entry, _traced_views(present, cupy.cuda.runtime.getDevice()).get)
     if entry == "flash_attn_func":
         plan = _fwd_plan.plan_dense(a, None, *_checked_options(options))
@@ -225,7 +224,14 @@ def _named(entry, get):
 
 def _checked_options(options):
     return _checks.check_options(options["softmax_scale"], options["causal"],
-                                 options["window_size"], options.get("softcap", 0.0))
+                                 options["window_size"], options["softcap"])
+
+
+def _fp8_window(options):
+    """An fp8 entry's checked window (its options have no softcap: the fp8 forward takes
+    none)."""
+    return _checks.check_options(options["softmax_scale"], options["causal"],
+                                 options["window_size"], 0.0)[0]
 
 
 def _outputs(entry, a):

@@ -120,6 +120,18 @@ def _is_fp8(x):
     return "float8" in str(getattr(x, "dtype", ""))
 
 
+def _fp8_traced_dtypes(arrays, descales):
+    """The fp8 forward's dtypes, checked while torch.compile traces (its op's fake only
+    makes shapes; the shapes and strides are checked when the compiled code runs)."""
+    for name, x in arrays.items():
+        if str(x.dtype) != "torch.float8_e4m3fn":
+            raise TypeError(f"{name} has dtype {x.dtype}: the fp8 forward takes q, k and v all "
+                            "in float8_e4m3fn (e4m3)")
+    for name, x in descales.items():
+        if x is not None and str(x.dtype) != "torch.float32":
+            raise TypeError(f"{name} must be float32; got {x.dtype}")
+
+
 def _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs, return_lse,
                  out, q_descale, k_descale, v_descale, *, softmax_scale, causal, window_size):
     """flash_attn_func's fp8 route (q in float8_e4m3fn, or descales given): eager, through
@@ -129,6 +141,7 @@ def _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_pro
     if _torch_ops.compiling(q):
         if out is not None:
             raise NotImplementedError("out= is not supported inside torch.compile")
+        _fp8_traced_dtypes(dict(q=q, k=k, v=v), descales)
         o, lse = _torch_ops.op("flash_attn_fp8")(q, k, v, q_descale, k_descale, v_descale,
                                                  softmax_scale, causal,
                                                  *window_ints(window_size))
@@ -162,7 +175,8 @@ def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sof
     if check_cu_seqlens:
         if compiling or on_jax:
             raise ValueError("check_cu_seqlens=True reads device values (a sync), which "
-                             "torch.compile and jax.jit cannot trace; check them outside")
+                             "torch.compile cannot trace and a call through XLA's buffers "
+                             "(jax.jit, or JAX arrays) does not have; check them outside it")
         _fwd_plan.check_packed_values(_arrays.Packed(*(
             None if x is None else _interop.as_device_array(x, name)
             for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
@@ -171,6 +185,8 @@ def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sof
     if compiling:
         if out is not None:
             raise NotImplementedError("out= is not supported inside torch.compile")
+        _fp8_traced_dtypes(dict(q=q, k=k, v=v), dict(q_descale=q_descale, k_descale=k_descale,
+                                                     v_descale=v_descale))
         o, lse = _torch_ops.op("flash_attn_varlen_fp8")(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, q_descale, k_descale, v_descale,
             softmax_scale, causal, *window_ints(window_size))

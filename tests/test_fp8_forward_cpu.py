@@ -233,3 +233,18 @@ def test_fp8_under_jax_takes_vt_and_counters_from_xla_scratch(device, memsets,  
         assert r["tile_list"] == base and memsets == []  # (the schedule zeroes its counter)
     else:
         assert r["tile_counter"] == base and memsets == [(base, 8, 0x5EED)]
+
+
+def test_fp8_scratch_is_planned_only_where_the_kernel_runs(device, monkeypatch):  # noqa: F811
+    """jax.jit plans the fp8 call's scratch at trace time: a GPU before Hopper is refused
+    there (not later inside XLA's callback), and so is a V^T past int32 indexing."""
+    from cufa import _checks, _fwd_plan
+    window = _checks.check_options(None, False, (-1, -1), 0.0)[0]
+    q, k, _ = qkv()
+    assert _fwd_plan.fp8_scratch_bytes(q, k, 2, window, False) == 256 + 2 * 2 * 128 * 256
+    many = view((64, 2**30, 4, 128))  # (2^30 / 64 key tiles x 4 heads x 64 sequences)
+    with pytest.raises(ValueError, match="exceeds its int32 indexing"):
+        _fwd_plan.fp8_scratch_bytes(view((64, 300, 8, 128)), many, 64, window, False)
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        _fwd_plan.fp8_scratch_bytes(q, k, 2, window, False)

@@ -274,3 +274,18 @@ def test_fp8_forward_without_descales_and_out_under_compile():
                       backend="eager")
     with pytest.raises(Exception, match="out= is not supported inside torch.compile"):
         f(q, out)
+
+
+def test_fp8_dtypes_are_checked_while_tracing():
+    """A 16-bit q with descales, or a float16 descale, is refused while torch.compile
+    traces, naming the argument (the op's fake would otherwise say bfloat16 out)."""
+    _torch_ops.register_if_torch_loaded()
+    meta = lambda dtype, *shape: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    q8, q16 = meta(torch.float8_e4m3fn, 1, 16, 2, 32), meta(torch.float16, 1, 16, 2, 32)
+    for args, match in (((q16, q8, meta(torch.float32, 1)), "q has dtype torch.float16"),
+                        ((q8, q8, meta(torch.float16, 1)), "q_descale must be float32")):
+        torch._dynamo.reset()
+        f = torch.compile(lambda q, k, s: cufa.flash_attn_func(q, k, k, q_descale=s),
+                          fullgraph=True, backend="eager")
+        with pytest.raises(Exception, match=match):
+            f(*args)
