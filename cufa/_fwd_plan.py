@@ -728,18 +728,21 @@ def _launch(plan, stream, q, k, v, o_ptr, lse_ptr, alibi, attn_mask, sink, packe
 # _Plan kept yet).
 
 def fp8_dense(q, k, v, out, q_descale, k_descale, v_descale, *, softmax_scale, causal,
-              window_size, return_lse):
-    """flash_attn_func with q, k, v in float8_e4m3fn: out in bfloat16 (or out='s dtype)."""
+              window_size, return_lse, lse_out=None, stream=None, scratch=None):
+    """flash_attn_func with q, k, v in float8_e4m3fn: out in bfloat16 (or out='s dtype).
+    lse_out, stream, scratch: under jax.jit, as dense's (scratch of fp8_scratch_bytes)."""
     window, scale, _ = check_options(softmax_scale, causal, window_size, 0.0)
     (q, k, v, o), descales = _fp8_views((q, k, v, out), (q_descale, k_descale, v_descale))
     out_dtype = check_fp8_dense(q, k, v, o, out, descales)
     batch, seqlen_q, nheads, _ = q.shape
     return _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse,
-                        (batch, nheads, seqlen_q), batch)
+                        (batch, nheads, seqlen_q), batch, lse_out=lse_out, stream=stream,
+                        scratch=scratch)
 
 
 def fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, q_descale,
-               k_descale, v_descale, *, softmax_scale, causal, window_size, return_lse):
+               k_descale, v_descale, *, softmax_scale, causal, window_size, return_lse,
+               lse_out=None, stream=None, scratch=None):
     """flash_attn_varlen_func with q, k, v in float8_e4m3fn (as fp8_dense)."""
     window, scale, _ = check_options(softmax_scale, causal, window_size, 0.0)
     (q, k, v, o, cu_q, cu_k, used, table), descales = _fp8_views(
@@ -748,7 +751,47 @@ def fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out,
                                             "cu_seqlens_k", "seqused_k", "block_table"))
     batch, out_dtype = check_fp8_packed(q, k, v, cu_q, cu_k, used, table, o, out, descales)
     return _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse,
-                        (q.shape[1], q.shape[0]), batch, (cu_q, cu_k, used))
+                        (q.shape[1], q.shape[0]), batch, (cu_q, cu_k, used), lse_out=lse_out,
+                        stream=stream, scratch=scratch)
+
+
+def fp8_scratch_bytes(q, k, batch, window, packed, out_dtype="bfloat16"):
+    """The device scratch of an fp8 forward call (views of q and k, as checked): the tile
+    counter (padded batches) or the work list (packed), then V^T at the next 256 bytes.
+    Under jax.jit XLA allocates it (as dense's scratch), planned at trace time, where a
+    GPU without the kernel is refused too; eager calls take V^T from the caller's
+    allocator instead. 0 where nothing launches."""
+    _check_fp8_device(q.device)
+    layout = _fp8_layout(q, k, batch, window, packed, out_dtype)
+    return 0 if layout is None else layout[1] + layout[2]
+
+
+def _check_fp8_device(device):
+    if _compile.family_for(_runtime.compute_capability(device)) != "sm90":
+        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) runs on Hopper "
+                                  "GPUs (sm_90), on its e4m3 wgmma kernel; this GPU (or "
+                                  f"{_compile.FAMILY_ENV}) has none")
+
+
+def _fp8_layout(q, k, batch, window, packed, out_dtype):
+    """(variant, V^T's offset in the scratch, V^T's bytes, padded keys, the sizes of
+    _sizes) of an fp8 forward call, or None where nothing launches."""
+    nheads, d, rows_q = q.shape[-2], q.shape[-1], q.shape[-3]
+    if not (batch and nheads and rows_q):
+        return None
+    variant = _compile.fwd_fp8_variant(KERNEL_DTYPES[out_dtype], d, window_mask_kind(window))
+    seqlen_k, nheads_k = k.shape[-3], k.shape[-2]
+    padded = (_fp8.vt_packed_keys(seqlen_k, batch) if packed
+              else _fp8.padded_keys(seqlen_k, variant.block_n))
+    if padded > INT32_MAX or padded // 64 * nheads_k * (1 if packed else batch) > INT32_MAX:
+        raise ValueError(f"the fp8 forward's V^T of {padded} keys a row (x {nheads_k} KV heads"
+                         f"{'' if packed else f' x {batch} sequences'}) exceeds its int32 "
+                         "indexing")
+    sizes = _sizes(variant, batch, nheads, rows_q if packed else q.shape[1], seqlen_k,
+                   bool(packed), q.device)
+    head = sizes[-1] if packed else 8  # (the work list and its counter, or the counter)
+    return (variant, -(-head // 256) * 256, nheads_k * d * padded * (1 if packed else batch),
+            padded, sizes)
 
 
 def _fp8_views(arrays, descales, names=("q", "k", "v", "out")):
@@ -759,45 +802,37 @@ def _fp8_views(arrays, descales, names=("q", "k", "v", "out")):
 
 
 def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse, lse_shape,
-                 batch, packed=None):
+                 batch, packed=None, lse_out=None, stream=None, scratch=None):
     """The checked views' outputs and launches; packed: (cu_seqlens_q, cu_seqlens_k,
-    seqused_k) views (q, k, v then (total, heads, d))."""
-    if _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
-        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) runs on Hopper "
-                                  "GPUs (sm_90), on its e4m3 wgmma kernel; this GPU (or "
-                                  f"{_compile.FAMILY_ENV}) has none")
-    nheads, d, rows_q = q.shape[-2], q.shape[-1], q.shape[-3]
+    seqused_k) views (q, k, v then (total, heads, d)); lse_out, stream, scratch: as
+    fp8_dense's."""
+    _check_fp8_device(q.device)
+    layout = _fp8_layout(q, k, batch, window, packed, out_dtype)
     plan = _Plan(framework=q.framework, device=q.device, out_shape=q.shape, dtype=out_dtype,
-                 lse_shape=lse_shape)
-    mask_kind = window_mask_kind(window)
-    if batch and nheads and rows_q:
-        plan.variant = _compile.fwd_fp8_variant(KERNEL_DTYPES[out_dtype], d, mask_kind)
-    with caller_stream(q.framework, q.device, None) as stream:
-        result, o_ptr, lse, lse_ptr = outputs(plan, out, o and o.ptr, None, return_lse,
+                 lse_shape=lse_shape, variant=layout and layout[0])
+    scratch_ptr = check_scratch(scratch, 0 if layout is None else layout[1] + layout[2])
+    with caller_stream(q.framework, q.device, stream) as stream:
+        result, o_ptr, lse, lse_ptr = outputs(plan, out, o and o.ptr, lse_out, return_lse,
                                               stream)
-        if plan.variant is not None:
+        if layout is not None:
             _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale,
                         o.strides if o is not None else _interop.contiguous_strides(q.shape),
-                        batch, packed)
+                        batch, packed, layout, scratch_ptr)
     return returned(plan, result, lse, return_lse)
 
 
 def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, o_strides,
-                batch, packed):
-    """V's transpose, then the fp8 forward (packed: the work list first, as _launch's)."""
+                batch, packed, layout, scratch_ptr):
+    """V's transpose, then the fp8 forward (packed: the work list first, as _launch's);
+    layout: _fp8_layout's; scratch_ptr: XLA's scratch (0: none)."""
     variant, device = plan.variant, plan.device
+    _, vt_offset, vt_bytes, padded, sizes = layout
     if packed:  # (seen as one sequence of all rows: the maps' and strides' batch of one)
         q, k, v = (_interop.DeviceArray(x.obj, x.framework, x.ptr, (1,) + x.shape, (0,) + x.strides,
                                         x.dtype, x.device, x.itemsize) for x in (q, k, v))
         o_strides = (0,) + tuple(o_strides)
     _, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    padded = (_fp8.vt_packed_keys(seqlen_k, batch) if packed
-              else _fp8.padded_keys(seqlen_k, variant.block_n))
-    if padded > INT32_MAX or padded // 64 * nheads_k * (1 if packed else batch) > INT32_MAX:
-        raise ValueError(f"the fp8 forward's V^T of {padded} keys a row (x {nheads_k} KV heads"
-                         f"{'' if packed else f' x {batch} sequences'}) exceeds its int32 "
-                         "indexing")
     box_n = variant.block_n
     # (a dimension of one element: its stride 0, which the maps take whatever it was; no
     # keys: k's map, never read, describes one row of a contiguous k)
@@ -816,27 +851,35 @@ def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, 
     if template is None:
         raise NotImplementedError(f"the copy engine cannot describe q {q.shape} {q.strides} "
                                   f"or k {k.shape} {k.strides} as the fp8 forward reads them")
-    values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
-        variant, batch, nheads, seqlen_q, seqlen_k, bool(packed), device)
+    values, num_blocks, max_tiles, num_buckets, scratch_bytes = sizes
     # V^T from the caller's allocator, a call's own (stream-ordered: freed once the
-    # launches are queued, as outputs are)
-    workspace, vt = _interop.allocate(plan.framework, (nheads_k * d * padded * (
-        1 if packed else batch),), "uint8", device, stream)
+    # launches are queued, as outputs are), or from XLA's scratch after its counter or
+    # work list
+    workspace = scratch = counter_owner = None
+    if scratch_ptr:
+        vt = scratch_ptr + vt_offset
+    else:
+        workspace, vt = _interop.allocate(plan.framework, (vt_bytes,), "uint8", device, stream)
     cu_q = cu_k = used = tile_list = tile_count = 0
     if packed:
         cu_q, cu_k, used = (0 if x is None else x.ptr for x in packed)
-        scratch, tile_list = stream_workspace(plan.framework, device, stream, scratch_bytes)
+        if scratch_ptr:
+            tile_list = scratch_ptr
+        else:
+            scratch, tile_list = stream_workspace(plan.framework, device, stream, scratch_bytes)
         tile_count = tile_list + 8 * max_tiles
         counter = tile_list + 4 * _work_list_ints(max_tiles, num_buckets)
-        counter_owner = None
         driver_launch(_compile.function_pointer(_compile.VARLEN_SCHEDULE, device), 1,
                       _compile.VARLEN_SCHEDULE.threads, 0, stream,
                       (_params.SCHEDULE.with_pointer_values(_params.SCHEDULE.pack(dict(
                           batch=batch, total_q=seqlen_q, block_m=variant.block_m,
                           num_buckets=num_buckets)), (cu_q, tile_count + 4, tile_list,
                                                       tile_count, counter, cu_k, used, 0)),))
+    elif scratch_ptr:  # XLA's buffer, perhaps replayed from a graph: zeroed in the stream
+        import cupy
+        counter = scratch_ptr
+        stream_call(cupy.cuda.runtime.memsetAsync, counter, 0, 8, stream)
     else:
-        scratch = None
         counter_owner, counter = stream_tile_counter(plan.framework, device, stream)
     if seqlen_k:
         _fp8.launch_transpose_v(v.ptr, (batch,) + v.shape[1:], v.strides, vt, padded, device,

@@ -154,6 +154,16 @@ def _traced_views(present, device):
 def _check(entry, views, options):
     """The checks an eager call of `entry` makes of its options and arrays, at trace time:
     a bad call fails here, with the eager call's error, not later inside XLA."""
+    if entry in _FP8:
+        _fp8_window(options)
+        descales = tuple(views.get(f"{n}_descale") for n in "qkv")
+        if entry == "flash_attn_fp8":
+            _checks.check_fp8_dense(views["q"], views["k"], views["v"], None, None, descales)
+        else:
+            _checks.check_fp8_packed(views["q"], views["k"], views["v"], views["cu_seqlens_q"],
+                                     views["cu_seqlens_k"], views.get("seqused_k"), None, None,
+                                     None, descales)
+        return
     a = _named(entry, views.get)
     if entry == "scaled_dot_product_attention":
         _checks.check_scale(options["scale"], "scale")
@@ -178,6 +188,11 @@ def _scratch_bytes(entry, present, options):
     if entry == "merge_attention_states":
         return 0
     import cupy
+    if entry in _FP8:  # (the tile counter or work list, then V^T)
+        views = _traced_views(present, cupy.cuda.runtime.getDevice())
+        q, packed = views["q"], entry == "flash_attn_varlen_fp8"
+        batch = views["cu_seqlens_q"].shape[0] - 1 if packed else q.shape[0]
+        return _fwd_plan.fp8_scratch_bytes(q, views["k"], batch, _fp8_window(options), packed)
     a = _named(entry, _traced_views(present, cupy.cuda.runtime.getDevice()).get)
     if entry == "flash_attn_func":
         plan = _fwd_plan.plan_dense(a, None, *_checked_options(options))
@@ -212,6 +227,13 @@ def _checked_options(options):
                                  options["window_size"], options["softcap"])
 
 
+def _fp8_window(options):
+    """An fp8 entry's checked window (its options have no softcap: the fp8 forward takes
+    none)."""
+    return _checks.check_options(options["softmax_scale"], options["causal"],
+                                 options["window_size"], 0.0)[0]
+
+
 def _outputs(entry, a):
     """(ShapeDtypeStructs of the outputs, [(argument, output index)] updated in place)."""
     import jax
@@ -224,6 +246,11 @@ def _outputs(entry, a):
     if entry == "flash_attn_varlen_func":
         q, v = a["q"], a["v"]
         return [sds(q.shape[:-1] + v.shape[-1:], q.dtype), sds((q.shape[1], q.shape[0]), f32)], []
+    if entry in _FP8:  # (out bfloat16, lse always: one buffer more, no call to trace again)
+        q = a["q"]
+        lse_shape = ((q.shape[1], q.shape[0]) if entry == "flash_attn_varlen_fp8"
+                     else (q.shape[0], q.shape[2], q.shape[1]))
+        return [sds(q.shape, jax.numpy.bfloat16), sds(lse_shape, f32)], []
     if entry == "scaled_dot_product_attention":  # (lse: its backward reads it)
         query = a["query"]
         return [sds(query.shape, query.dtype), sds(query.shape[:3], f32)], []
@@ -524,7 +551,22 @@ def _run_packed_backward(views, outs, options, stream, scratch):
                      dlse=views.get("dlse"), **options, stream=stream, scratch=scratch)
 
 
-_RUNNERS = {"flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,
+def _run_fp8(views, outs, options, stream, scratch, packed):
+    descales = (views.get(f"{n}_descale") for n in "qkv")
+    options = dict(options, return_lse=True, lse_out=outs[1], stream=stream, scratch=scratch)
+    if packed:
+        _fwd_plan.fp8_packed(views["q"], views["k"], views["v"], views["cu_seqlens_q"],
+                             views["cu_seqlens_k"], views.get("seqused_k"), None, outs[0],
+                             *descales, **options)
+    else:
+        _fwd_plan.fp8_dense(views["q"], views["k"], views["v"], outs[0], *descales, **options)
+
+
+# The fp8 forward's entries (q, k, v in float8_e4m3fn): forward only, out bfloat16
+_FP8 = {"flash_attn_fp8": functools.partial(_run_fp8, packed=False),
+        "flash_attn_varlen_fp8": functools.partial(_run_fp8, packed=True)}
+
+_RUNNERS = {**_FP8, "flash_attn_func": _run_dense, "flash_attn_varlen_func": _run_packed,
             "flash_attn_backward": _run_dense_backward,
             "flash_attn_varlen_backward": _run_packed_backward,
             "sdpa_backward": _run_sdpa_backward,

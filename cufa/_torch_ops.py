@@ -2,10 +2,11 @@
 
 torch.compile cannot look inside cufa (CuPy, raw pointers), so while it traces, the
 public functions hand torch tensors to ``torch.ops.cufa.*`` (flash_attn, flash_attn_varlen,
-sdpa, kvcache, kvcache_append, merge): opaque ops with fake implementations that only
-compute output shapes, symbolically under dynamic shapes. When the compiled code runs,
-each op takes its tensors to the planners, as an eager call does (the public function has
-checked its other arguments while tracing). In eager mode nothing goes through here.
+flash_attn_fp8, flash_attn_varlen_fp8, sdpa, kvcache, kvcache_append, merge): opaque ops
+with fake implementations that only compute output shapes, symbolically under dynamic
+shapes. When the compiled code runs, each op takes its tensors to the planners, as an
+eager call does (the public function has checked its other arguments while tracing). In
+eager mode nothing goes through here.
 
 Importing cufa never imports torch, and torch.compile cannot trace the registration
 itself, so the ops are registered when cufa is imported after torch, or else at the
@@ -313,6 +314,40 @@ def _register():
         kvcache_op.register_fake(kvcache_fake)
         ops[name] = kvcache_op
 
+    # -- the fp8 forward (q, k, v in float8_e4m3fn; out bfloat16): no backward --
+    @torch.library.custom_op("cufa::flash_attn_fp8", mutates_args=())
+    def flash_attn_fp8(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor],
+                       k_descale: Optional[Tensor], v_descale: Optional[Tensor],
+                       softmax_scale: Optional[float], causal: bool, window_left: int,
+                       window_right: int) -> Tuple[Tensor, Tensor]:
+        return _fwd_plan.fp8_dense(q, k, v, None, q_descale, k_descale, v_descale,
+                                   softmax_scale=softmax_scale, causal=causal,
+                                   window_size=(window_left, window_right), return_lse=True)
+
+    @flash_attn_fp8.register_fake
+    def _(q, k, v, *rest):
+        batch, seqlen_q, nheads, _ = q.shape
+        return (q.new_empty(q.shape, dtype=torch.bfloat16),
+                q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
+
+    @torch.library.custom_op("cufa::flash_attn_varlen_fp8", mutates_args=())
+    def flash_attn_varlen_fp8(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                              cu_seqlens_k: Tensor, seqused_k: Optional[Tensor],
+                              q_descale: Optional[Tensor], k_descale: Optional[Tensor],
+                              v_descale: Optional[Tensor], softmax_scale: Optional[float],
+                              causal: bool, window_left: int,
+                              window_right: int) -> Tuple[Tensor, Tensor]:
+        return _fwd_plan.fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None,
+                                    q_descale, k_descale, v_descale,
+                                    softmax_scale=softmax_scale, causal=causal,
+                                    window_size=(window_left, window_right), return_lse=True)
+
+    @flash_attn_varlen_fp8.register_fake
+    def _(q, *rest):
+        total_q, nheads, _ = q.shape
+        return (q.new_empty(q.shape, dtype=torch.bfloat16),
+                q.new_empty((nheads, total_q), dtype=torch.float32))
+
     @torch.library.custom_op("cufa::merge", mutates_args=())
     def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
               lse_b: Tensor) -> Tuple[Tensor, Tensor]:
@@ -323,4 +358,5 @@ def _register():
         return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)
 
     return dict(flash_attn=flash_attn, sdpa=sdpa, sdpa_lse=sdpa_lse,
-                flash_attn_varlen=flash_attn_varlen, merge=merge, **ops)
+                flash_attn_varlen=flash_attn_varlen, flash_attn_fp8=flash_attn_fp8,
+                flash_attn_varlen_fp8=flash_attn_varlen_fp8, merge=merge, **ops)

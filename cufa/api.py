@@ -57,7 +57,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     is rounded to e4m3 for P V (times 2^8, so small probabilities keep their exponents);
     accumulation is float32. out is bfloat16 (or out='s float16 / bfloat16). V is first
     transposed into a new array of V's size (fp8 wgmma reads both operands K-major). No
-    softcap, ALiBi or sink here yet; eager PyTorch and CuPy only.
+    softcap, ALiBi or sink here yet, and no backward. torch.compile traces it as one op;
+    JAX arrays (jnp.float8_e4m3fn, eager or under jax.jit) run it as one buffer callback.
     """
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs
@@ -69,6 +70,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
     grad = _records_grad(q, k, v, learnable_sink)
     if grad or _other_route(q):
+        if _is_fp8(q):
+            return _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink,
+                                return_attn_probs, return_lse, out, q_descale, k_descale,
+                                v_descale, softmax_scale=softmax_scale, causal=causal,
+                                window_size=window_size)
         if grad or _torch_ops.compiling(q):
             if out is not None:
                 raise NotImplementedError("out= is not supported inside torch.compile or where "
@@ -102,36 +108,98 @@ def _fp8_only_plain(q, k, v, softcap, alibi_slopes, learnable_sink):
     if softcap or alibi_slopes is not None or learnable_sink is not None:
         raise NotImplementedError("the fp8 forward takes no softcap, alibi_slopes or "
                                   "learnable_sink yet")
-    if _records_grad(q, k, v, None) or _torch_ops.compiling(q) or _jax.tracing(q, k, v) or (
-            _interop.is_jax(q)):
-        raise NotImplementedError("the fp8 forward runs eagerly on PyTorch and CuPy arrays, "
-                                  "without autograd (no backward) and outside torch.compile "
-                                  "and JAX")
+    if _records_grad(q, k, v, None):
+        raise NotImplementedError("the fp8 forward has no backward pass: call it without "
+                                  "autograd recording (torch.no_grad(), or inputs that do not "
+                                  "require grad)")
+
+
+def _is_fp8(x):
+    """Whether x's dtype is a float8 (on the torch.compile and JAX routes only: str() of a
+    NumPy dtype costs microseconds, which eager calls do not pay)."""
+    return "float8" in str(getattr(x, "dtype", ""))
+
+
+def _fp8_traced_dtypes(arrays, descales):
+    """The fp8 forward's dtypes, checked while torch.compile traces (its op's fake only
+    makes shapes; the shapes and strides are checked when the compiled code runs)."""
+    for name, x in arrays.items():
+        if str(x.dtype) != "torch.float8_e4m3fn":
+            raise TypeError(f"{name} has dtype {x.dtype}: the fp8 forward takes q, k and v all "
+                            "in float8_e4m3fn (e4m3)")
+    for name, x in descales.items():
+        if x is not None and str(x.dtype) != "torch.float32":
+            raise TypeError(f"{name} must be float32; got {x.dtype}")
 
 
 def _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_probs, return_lse,
-                 out, q_descale, k_descale, v_descale, **options):
-    """flash_attn_func's fp8 route (q in float8_e4m3fn, or descales given)."""
+                 out, q_descale, k_descale, v_descale, *, softmax_scale, causal, window_size):
+    """flash_attn_func's fp8 route (q in float8_e4m3fn, or descales given): eager, through
+    torch.ops.cufa.flash_attn_fp8 under torch.compile, or one buffer callback for JAX."""
     _fp8_only_plain(q, k, v, softcap, alibi_slopes, learnable_sink)
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    if _torch_ops.compiling(q):
+        if out is not None:
+            raise NotImplementedError("out= is not supported inside torch.compile")
+        _fp8_traced_dtypes(dict(q=q, k=k, v=v), descales)
+        o, lse = _torch_ops.op("flash_attn_fp8")(q, k, v, q_descale, k_descale, v_descale,
+                                                 softmax_scale, causal,
+                                                 *window_ints(window_size))
+        return _returned(o, lse, return_lse, return_attn_probs)
+    if _interop.is_jax(q) or _jax.tracing(q, k, v, *descales.values()):
+        o, lse = _jax.call("flash_attn_fp8", dict(q=q, k=k, v=v, **descales), dict(
+            softmax_scale=softmax_scale, causal=causal, window_size=window_ints(window_size)),
+            out=out)
+        return _returned(o, lse, return_lse, return_attn_probs)
     result = _fwd_plan.fp8_dense(q, k, v, out, q_descale, k_descale, v_descale,
-                                 return_lse=return_lse, **options)
+                                 return_lse=return_lse, softmax_scale=softmax_scale,
+                                 causal=causal, window_size=window_size)
     return _returned(*result, True, True) if return_attn_probs else result
 
 
 def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
                 alibi_slopes, learnable_sink, return_attn_probs, return_lse, out, q_descale,
-                k_descale, v_descale, check_cu_seqlens, **options):
-    """flash_attn_varlen_func's fp8 route (q in float8_e4m3fn, or q_descale given)."""
+                k_descale, v_descale, check_cu_seqlens, *, softmax_scale, causal, window_size):
+    """flash_attn_varlen_func's fp8 route (q in float8_e4m3fn, or q_descale given), as
+    _fp8_forward's."""
     _fp8_only_plain(q, k, v, softcap, alibi_slopes, learnable_sink)
+    if block_table is not None:
+        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) takes contiguous "
+                                  "k and v, not a paged cache (block_table) yet")
+    arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  seqused_k=seqused_k, q_descale=q_descale, k_descale=k_descale,
+                  v_descale=v_descale)
+    compiling, on_jax = _torch_ops.compiling(q), False
+    if not compiling:
+        on_jax = _interop.is_jax(q) or _jax.tracing(*arrays.values())
     if check_cu_seqlens:
+        if compiling or on_jax:
+            raise ValueError("check_cu_seqlens=True reads device values (a sync), which "
+                             "torch.compile cannot trace and a call through XLA's buffers "
+                             "(jax.jit, or JAX arrays) does not have; check them outside it")
         _fwd_plan.check_packed_values(_arrays.Packed(*(
             None if x is None else _interop.as_device_array(x, name)
             for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                             (cu_seqlens_k, "cu_seqlens_k"), (seqused_k, "seqused_k"),
-                            (None, ""), (block_table, "block_table")))))
-    result = _fwd_plan.fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                            (None, ""), (None, "block_table")))))
+    if compiling:
+        if out is not None:
+            raise NotImplementedError("out= is not supported inside torch.compile")
+        _fp8_traced_dtypes(dict(q=q, k=k, v=v), dict(q_descale=q_descale, k_descale=k_descale,
+                                                     v_descale=v_descale))
+        o, lse = _torch_ops.op("flash_attn_varlen_fp8")(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, q_descale, k_descale, v_descale,
+            softmax_scale, causal, *window_ints(window_size))
+        return _returned(o, lse, return_lse, return_attn_probs)
+    if on_jax:
+        o, lse = _jax.call("flash_attn_varlen_fp8", arrays, dict(
+            softmax_scale=softmax_scale, causal=causal, window_size=window_ints(window_size)),
+            out=out)
+        return _returned(o, lse, return_lse, return_attn_probs)
+    result = _fwd_plan.fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
                                   out, q_descale, k_descale, v_descale, return_lse=return_lse,
-                                  **options)
+                                  softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size)
     return _returned(*result, True, True) if return_attn_probs else result
 
 
@@ -193,6 +261,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
     grad = _records_grad(q, k, v, learnable_sink)
     if grad or _other_route(q):
+        if _is_fp8(q):
+            return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                               softcap, alibi_slopes, learnable_sink, return_attn_probs,
+                               return_lse, out, q_descale, k_descale, v_descale,
+                               check_cu_seqlens, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
         if grad or _torch_ops.compiling(q):
             if out is not None:
                 raise NotImplementedError("out= is not supported inside torch.compile or where "

@@ -8,7 +8,8 @@ import pytest
 
 import cufa
 from cufa import _compile, _interop, _params, _runtime
-from test_launch_path_cpu import device, map_addresses, record  # noqa: F401
+from test_launch_path_cpu import (_XlaBuffer, device, map_addresses, memsets,  # noqa: F401
+                                  record)
 
 _addresses = itertools.count(0x7D00_0000_0000, 1 << 24)
 _SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -183,3 +184,67 @@ def test_fp8_varlen_bad_arguments(device, change, error, match):  # noqa: F811
     with pytest.raises(error, match=match):
         cufa.flash_attn_varlen_func(**args)
     assert device.launches == []
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fp8_under_jax_takes_vt_and_counters_from_xla_scratch(device, memsets,  # noqa: F811
+                                                               packed):
+    """Under jax.jit the fp8 forward allocates nothing: its scratch output (planned at
+    trace time by fp8_scratch_bytes) holds the tile counter, zeroed in XLA's stream, or a
+    packed batch's work list, then V^T from the next 256 bytes; q, k, v cross as bytes
+    and are read as e4m3 by the spec's layouts; lse goes to XLA's buffer."""
+    jax = pytest.importorskip("jax")
+    from cufa import _checks, _fwd_plan, _jax
+    window = _checks.check_options(None, True, (-1, -1), 0.0)[0]
+    sds = jax.ShapeDtypeStruct
+    if packed:
+        q, k = sds((300, 8, 128), "float8_e4m3fn"), sds((500, 2, 128), "float8_e4m3fn")
+        cu = sds((4,), "int32")
+        names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+        arrays, lse = (q, k, k, cu, cu), (8, 300)
+        entry, batch = "flash_attn_varlen_fp8", 3
+    else:
+        q, k = sds((2, 300, 8, 128), "float8_e4m3fn"), sds((2, 200, 2, 128), "float8_e4m3fn")
+        names, arrays, lse = ("q", "k", "v"), (q, k, k), (2, 8, 300)
+        entry, batch = "flash_attn_fp8", 2
+    needed = _fwd_plan.fp8_scratch_bytes(view(q.shape), view(k.shape), batch, window, packed)
+    vt_bytes = 2 * 128 * (128 * (500 // 128 + 3 + 1) if packed else 2 * 256)
+    assert needed % 256 == 0 and needed - vt_bytes == (needed - vt_bytes) // 256 * 256 > 0
+    scratch = sds((needed,), "uint8")
+    spec = _jax.Call(entry, names, tuple(str(a.dtype) for a in arrays),
+                     ("bfloat16", "float32", "uint8"),
+                     dict(softmax_scale=None, causal=True, window_size=(-1, -1)), (),
+                     tuple(_jax._layout(a) for a in arrays),
+                     (_jax._layout(sds(q.shape, "bfloat16")), _jax._layout(sds(lse, "float32")),
+                      _jax._layout(scratch)), True)
+    bufs = [_XlaBuffer(a.shape, "|u1" if a.dtype.itemsize == 1 else "<i4") for a in arrays]
+    outs = [_XlaBuffer(q.shape, "<u2"), _XlaBuffer(lse, "<f4"), _XlaBuffer((needed,), "|u1")]
+
+    class Context:
+        stream = 0x5EED
+    _jax.on_device(spec, Context, outs, bufs)
+    base = outs[2].__cuda_array_interface__["data"][0]
+    r = record(device.launches[-1])
+    assert device.allocations == []
+    assert r["v"] == base + needed - vt_bytes and r["lse"] == outs[1].__cuda_array_interface__[
+        "data"][0]
+    assert r["q"] == bufs[0].__cuda_array_interface__["data"][0]
+    if packed:
+        assert r["tile_list"] == base and memsets == []  # (the schedule zeroes its counter)
+    else:
+        assert r["tile_counter"] == base and memsets == [(base, 8, 0x5EED)]
+
+
+def test_fp8_scratch_is_planned_only_where_the_kernel_runs(device, monkeypatch):  # noqa: F811
+    """jax.jit plans the fp8 call's scratch at trace time: a GPU before Hopper is refused
+    there (not later inside XLA's callback), and so is a V^T past int32 indexing."""
+    from cufa import _checks, _fwd_plan
+    window = _checks.check_options(None, False, (-1, -1), 0.0)[0]
+    q, k, _ = qkv()
+    assert _fwd_plan.fp8_scratch_bytes(q, k, 2, window, False) == 256 + 2 * 2 * 128 * 256
+    many = view((64, 2**30, 4, 128))  # (2^30 / 64 key tiles x 4 heads x 64 sequences)
+    with pytest.raises(ValueError, match="exceeds its int32 indexing"):
+        _fwd_plan.fp8_scratch_bytes(view((64, 300, 8, 128)), many, 64, window, False)
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        _fwd_plan.fp8_scratch_bytes(q, k, 2, window, False)

@@ -283,3 +283,100 @@ def test_transpose_v_packed_matches_the_layout(hopper):
             s = _fp8.vt_sequence_start(int(cu[b]), b)
             span = slice(s, s + _fp8.padded_keys(n))
             np.testing.assert_array_equal(got[:, :, span], want[:, :, span])
+
+
+# -- the fp8 forward under torch.compile and JAX (jax.jit and eager) ---------------------------
+
+def _fp8_case(d=128, seed=5):
+    """A small GQA case of odd lengths: e4m3 q, k, v (and their float64 values), per-head
+    descales, and the float64 dequantized inputs."""
+    rng = np.random.default_rng(seed)
+    batch, sq, sk, h, hk = 2, 150, 217, 4, 2
+    (q, q64), (k, k64), (v, v64) = (e4m3_tensor(rng, (batch, s, n, d))
+                                    for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    qd, kd, vd = (fp8_descale(rng, "per_head", batch, hk) for _ in range(3))
+    return (q, k, v), (qd, kd, vd), (dequantized(q64, qd, h // hk), dequantized(k64, kd),
+                                     dequantized(v64, vd))
+
+
+def test_fp8_forward_under_torch_compile_per_row(hopper):
+    """torch.compile(fullgraph) of an fp8 call: the same per-row rule as an eager call, out
+    bfloat16 and lse."""
+    if E4M3 is None:
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    (q, k, v), descales, (qf, kf, vf) = _fp8_case()
+    f = torch.compile(lambda q, k, v, qd, kd, vd: cufa.flash_attn_func(
+        q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True),
+        fullgraph=True)
+    o, lse = f(q, k, v, *descales)
+    assert o.dtype == torch.bfloat16
+    torch.cuda.synchronize()
+    assert_no_scale_bug(*assert_fp8_rows(
+        o.float().cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64),
+        qf, kf, vf, True, (-1, -1), 1.0 / math.sqrt(q.shape[-1]), torch.bfloat16))
+
+
+def test_fp8_forward_from_jax_per_row(hopper):
+    """jnp.float8_e4m3fn q, k, v under jax.jit and eagerly (one buffer callback each), dense
+    and packed: the per-row rule against the dequantized inputs."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    if E4M3 is None or jax.default_backend() != "gpu":
+        pytest.skip("needs torch's float8 and JAX on the GPU")
+    (q, k, v), descales, (qf, kf, vf) = _fp8_case(d=64, seed=11)
+
+    def to_jax(x):
+        if x is None:
+            return None
+        if x.dtype == E4M3:  # (the bytes, read as e4m3: DLPack does not carry float8)
+            return jnp.asarray(x.view(torch.uint8).cpu().numpy()).view(jnp.float8_e4m3fn)
+        return jnp.asarray(x.cpu().numpy())
+    jq, jk, jv, jqd, jkd, jvd = map(to_jax, (q, k, v, *descales))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    call = lambda q, k, v, qd, kd, vd: cufa.flash_attn_func(  # noqa: E731
+        q, k, v, window_size=(40, 7), q_descale=qd, k_descale=kd, v_descale=vd,
+        return_lse=True)
+    for o, lse in (jax.jit(call)(jq, jk, jv, jqd, jkd, jvd), call(jq, jk, jv, jqd, jkd, jvd)):
+        assert o.dtype == jnp.bfloat16
+        assert_no_scale_bug(*assert_fp8_rows(
+            np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64),
+            qf, kf, vf, False, (40, 7), scale, torch.bfloat16))
+    # packed: the two sequences of the padded batch, stacked
+    cu_q = jnp.asarray([0, q.shape[1], 2 * q.shape[1]], jnp.int32)
+    cu_k = jnp.asarray([0, k.shape[1], 2 * k.shape[1]], jnp.int32)
+    flat = [x.reshape((-1,) + x.shape[2:]) for x in (jq, jk, jv)]
+    o, lse = jax.jit(lambda q, k, v, cq, ck, qd, kd, vd: cufa.flash_attn_varlen_func(
+        q, k, v, cq, ck, 150, 217, window_size=(40, 7), q_descale=qd, k_descale=kd,
+        v_descale=vd, return_lse=True))(*flat, cu_q, cu_k, jqd, jkd, jvd)
+    o = np.asarray(o.astype(jnp.float32), np.float64).reshape(q.shape)
+    lse = np.asarray(lse, np.float64).reshape(q.shape[2], 2, q.shape[1]).transpose(1, 0, 2)
+    assert_no_scale_bug(*assert_fp8_rows(o, lse, qf, kf, vf, False, (40, 7), scale,
+                                         torch.bfloat16))
+
+
+def test_fp8_forward_in_a_cuda_graph_per_row(hopper):
+    """A captured fp8 call (V^T from the graph's pool, the tile counter its own) replayed
+    on new values copied into its inputs: the per-row rule for the new values."""
+    if E4M3 is None:
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    (q, k, v), descales, _ = _fp8_case(seed=3)
+    call = lambda: cufa.flash_attn_func(q, k, v, causal=True, q_descale=descales[0],  # noqa: E731
+                                        k_descale=descales[1], v_descale=descales[2],
+                                        return_lse=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # (compiled and planned outside the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = call()
+    (q2, k2, v2), descales2, (qf, kf, vf) = _fp8_case(seed=4)
+    for x, y in zip((q, k, v, *descales), (q2, k2, v2, *descales2)):
+        x.copy_(y)
+    o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_no_scale_bug(*assert_fp8_rows(
+        o.float().cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64),
+        qf, kf, vf, True, (-1, -1), 1.0 / math.sqrt(q.shape[-1]), torch.bfloat16))

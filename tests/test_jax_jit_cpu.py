@@ -568,3 +568,64 @@ def test_grad_of_an_additive_sdpa_mask(numpy_device, rng):
     assert dmask.shape == mask.shape and dmask.dtype == mask.dtype
     close(dmask, want.dmask, tol=3e-2)
     assert numpy_device[-1].out_dtypes[-2] == "float32"  # (the mask's, before the scratch)
+
+
+def test_fp8_forward_is_one_callback_eager_and_under_jit(monkeypatch, rng, jax_cpu_callbacks):
+    """q, k, v in jnp.float8_e4m3fn run the fp8 forward as one buffer callback (eagerly
+    too: DLPack importers do not all take float8), dense and packed: q, k, v cross as uint8
+    and are read as float8 by the spec's layouts, the descales are arguments, out is
+    bfloat16 and lse has the 16-bit forward's shape."""
+    specs, crossed = [], []
+
+    def on_device(spec, ctx, outs, bufs):
+        specs.append(spec)
+        crossed.append(tuple(str(np.asarray(b).dtype) for b in (*bufs, *outs)))
+    monkeypatch.setattr(_jax, "on_device", on_device)
+    q, k = randn(rng, (2, 7, 4, 32), fp8), randn(rng, (2, 9, 2, 32), fp8)
+    scale = jnp.full((2, 2), 0.5, f32)
+    o, lse = jax.jit(lambda q, k, s: cufa.flash_attn_func(
+        q, k, k, causal=True, q_descale=s, k_descale=s, return_lse=True))(q, k, scale)
+    assert (o.dtype, o.shape, lse.dtype, lse.shape) == (jnp.bfloat16, q.shape, f32, (2, 4, 7))
+    assert cufa.flash_attn_func(q, k, k).dtype == jnp.bfloat16  # eager, no descales
+    cu = jnp.asarray([0, 3, 7], i32)
+    o, lse = cufa.flash_attn_varlen_func(q[0], k[0, :7], k[0, :7], cu, cu, 4, 4,
+                                         v_descale=scale, q_descale=scale, return_lse=True)
+    assert (o.dtype, o.shape, lse.shape) == (jnp.bfloat16, (7, 4, 32), (4, 7))
+    traced, eager, packed = specs
+    assert (traced.entry, eager.entry, packed.entry) == (
+        "flash_attn_fp8", "flash_attn_fp8", "flash_attn_varlen_fp8")
+    assert traced.names == ("q", "k", "v", "q_descale", "k_descale")
+    assert sorted(eager.names) == ["k", "q", "v"]  # (the eager jit's dict of arrays)
+    assert traced.options == dict(softmax_scale=None, causal=True, window_size=(-1, -1))
+    for spec in specs:
+        assert spec.layouts[spec.names.index("q")][2:] == ("float8_e4m3fn", 1)
+        assert spec.out_dtypes[:2] == ("bfloat16", "float32")
+    assert sorted(packed.names) == ["cu_seqlens_k", "cu_seqlens_q", "k", "q", "q_descale",
+                                    "v", "v_descale"]
+    assert not any("float8" in dtype for dtypes in crossed for dtype in dtypes)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda q, k: cufa.flash_attn_func(q[..., :24], k[..., :24], k[..., :24]), ValueError,
+     "multiples of 16"),
+    (lambda q, k: cufa.flash_attn_func(q, k, k, k_descale=jnp.ones((3,), f32)), ValueError,
+     "k_descale"),
+    (lambda q, k: cufa.flash_attn_func(q, k, k, softcap=5.0), NotImplementedError, "softcap"),
+    (lambda q, k: cufa.flash_attn_func(q, k.astype(jnp.bfloat16), k), TypeError,
+     "k has dtype bfloat16"),
+])
+def test_fp8_forward_under_jit_refuses_bad_calls_while_tracing(call, error, match, rng,
+                                                               jax_cpu_callbacks):
+    q, k = randn(rng, (2, 7, 4, 32), fp8), randn(rng, (2, 9, 2, 32), fp8)
+    with pytest.raises(error, match=match):
+        jax.make_jaxpr(call)(q, k)
+
+
+def test_fp8_forward_under_grad_and_vmap_says_what_to_do(rng, jax_cpu_callbacks):
+    q, k = randn(rng, (2, 7, 4, 32), fp8), randn(rng, (2, 9, 2, 32), fp8)
+    scale = jnp.full((2, 2), 0.5, f32)
+    with pytest.raises(NotImplementedError, match="has no backward pass"):
+        jax.make_jaxpr(jax.grad(
+            lambda s: cufa.flash_attn_func(q, k, k, q_descale=s).astype(f32).sum()))(scale)
+    with pytest.raises(NotImplementedError, match="no batching rule"):
+        jax.make_jaxpr(jax.vmap(lambda q: cufa.flash_attn_func(q, k, k)))(jnp.stack([q, q]))

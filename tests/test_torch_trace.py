@@ -232,3 +232,60 @@ def test_out_takes_v_s_head_dim_in_the_trace():
         return out, packed
     code = _traced_graph(f, q, k, v, cu)
     assert "torch.ops.cufa.flash_attn" in code and "torch.ops.cufa.flash_attn_varlen" in code
+
+
+def test_fp8_forward_traces_into_its_ops_with_dynamic_shapes():
+    """q, k, v in float8_e4m3fn under torch.compile: flash_attn_fp8 and
+    flash_attn_varlen_fp8, the descales as tensor arguments (None where absent), out
+    bfloat16 and lse of the 16-bit forward's shapes; one graph for new lengths."""
+    fp8 = dict(dtype=torch.float8_e4m3fn, device="meta")
+
+    def f(q, k, qp, kp, cu, descale):
+        out, lse = cufa.flash_attn_func(q, k, k, causal=True, q_descale=descale,
+                                        k_descale=descale, return_lse=True)
+        op, lsep = cufa.flash_attn_varlen_func(qp, kp, kp, cu, cu, 64, 64, return_lse=True,
+                                               q_descale=descale, v_descale=descale)
+        assert out.dtype == op.dtype == torch.bfloat16 and out.shape == q.shape
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+        assert lsep.shape == (qp.shape[1], qp.shape[0])
+        return out, lse, op, lsep
+    compiled, graphs = _counting_compile(f)
+    for n, batch in ((64, 5), (100, 8)):  # (no size equal to another: duck sizing)
+        compiled(torch.empty(2, n, 4, 32, **fp8), torch.empty(2, n + 3, 2, 32, **fp8),
+                 torch.empty(n, 4, 32, **fp8), torch.empty(n + 3, 2, 32, **fp8),
+                 torch.empty(batch + 1, dtype=torch.int32, device="meta"),
+                 torch.empty(2, 2, dtype=torch.float32, device="meta"))
+    assert len(graphs) == 1
+    code = graphs[0].code
+    for op in ("flash_attn_fp8", "flash_attn_varlen_fp8"):
+        assert f"torch.ops.cufa.{op}.default(" in code, op
+    assert "torch.ops.cufa.flash_attn.default(" not in code
+
+
+def test_fp8_forward_without_descales_and_out_under_compile():
+    """fp8 q without any descale still takes the fp8 op (not the 16-bit one, which would
+    refuse its dtype only when the compiled code runs); out= is refused while tracing."""
+    q = torch.empty(1, 16, 2, 32, dtype=torch.float8_e4m3fn, device="meta")
+    code = _traced_graph(lambda q: cufa.flash_attn_func(q, q, q), q)
+    assert "torch.ops.cufa.flash_attn_fp8.default(" in code
+    torch._dynamo.reset()
+    out = torch.empty(1, 16, 2, 32, dtype=torch.bfloat16, device="meta")
+    f = torch.compile(lambda q, o: cufa.flash_attn_func(q, q, q, out=o), fullgraph=True,
+                      backend="eager")
+    with pytest.raises(Exception, match="out= is not supported inside torch.compile"):
+        f(q, out)
+
+
+def test_fp8_dtypes_are_checked_while_tracing():
+    """A 16-bit q with descales, or a float16 descale, is refused while torch.compile
+    traces, naming the argument (the op's fake would otherwise say bfloat16 out)."""
+    _torch_ops.register_if_torch_loaded()
+    meta = lambda dtype, *shape: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    q8, q16 = meta(torch.float8_e4m3fn, 1, 16, 2, 32), meta(torch.float16, 1, 16, 2, 32)
+    for args, match in (((q16, q8, meta(torch.float32, 1)), "q has dtype torch.float16"),
+                        ((q8, q8, meta(torch.float16, 1)), "q_descale must be float32")):
+        torch._dynamo.reset()
+        f = torch.compile(lambda q, k, s: cufa.flash_attn_func(q, k, k, q_descale=s),
+                          fullgraph=True, backend="eager")
+        with pytest.raises(Exception, match=match):
+            f(*args)
