@@ -41,7 +41,7 @@ def test_transpose_v_matches_the_layout(hopper, batch, seqlen, heads, d):
 # -- the fp8 forward (flash_attn_func with q, k, v in float8_e4m3fn) ---------------------------
 
 E4M3 = getattr(torch, "float8_e4m3fn", None)
-P_SCALE = 256.0  # the kernel's P * 2^8 before e4m3 (kE4m3ProbScale)
+P_SCALE = 256.0  # the kernel's P * 2^8 before e4m3 (kE4m3ProbLog2)
 
 
 def e4m3_tensor(rng, shape, outliers=0.0):
@@ -199,6 +199,35 @@ def test_fp8_forward_rms_with_outliers(hopper):
     print(f"fp8 forward: RMS error {rms:.2e} (naive e4m3-P algorithm {rms_lp:.2e}), max "
           f"{np.abs(o - ref).max():.2e}")
     assert rms <= 1e-2 and rms <= 2 * rms_lp
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_fp8_forward_scores_rising_block_after_block(hopper, d):
+    """Scores that rise over the key blocks in the order the kernel visits them (last block
+    first): every block raises the rows' max, so O is rescaled each time (the exact max's
+    update skips it only where no row of a warp rose), and the probabilities, times 2^8 out
+    of the exponentials, stay within e4m3. The per-row rule, lse included."""
+    if E4M3 is None:
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    rng = np.random.default_rng(d + 1)
+    batch, sq, sk, h = 1, 130, 1000, 2
+    # k_j = (1 - j / sk) times q's direction: a key's score falls with its index, by ~2 a
+    # 128-key block (scores in 0..~26), plus noise
+    direction = rng.standard_normal((batch, 1, h, d))
+    direction /= np.linalg.norm(direction, axis=-1, keepdims=True)
+    q = direction * 2.0 * math.sqrt(d) * np.ones((batch, sq, h, 1)) + 0.3 * rng.standard_normal(
+        (batch, sq, h, d))
+    k = direction * (1.0 - np.arange(sk) / sk)[None, :, None, None] * 6.0 + 0.3 * \
+        rng.standard_normal((batch, sk, h, d))
+    v = rng.standard_normal((batch, sk, h, d))
+    t = [torch.from_numpy(x.astype(np.float32)).to("cuda", E4M3) for x in (q, k, v)]
+    qf, kf, vf = (x.float().cpu().numpy().astype(np.float64) for x in t)
+    out = torch.full((batch, sq, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got, lse = cufa.flash_attn_func(*t, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert_no_scale_bug(*assert_fp8_rows(
+        got.float().cpu().numpy().astype(np.float64), lse.cpu().numpy().astype(np.float64),
+        qf, kf, vf, False, (-1, -1), 1.0 / math.sqrt(d), torch.bfloat16))
 
 
 def test_fp8_forward_without_keys(hopper):

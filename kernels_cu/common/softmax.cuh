@@ -52,8 +52,13 @@ __device__ __forceinline__ RowScale sink_row_scale(float m, float sum, float sin
 // end. One chain of 16-64 dependent adds is latency the scheduler cannot fill while the
 // SM's other warps wait on their products (sm90 forward at d <= 128: ncu's "wait" stalls
 // 1.58 an instruction against cuDNN's 0.91; docs/decisions.md step 43).
-template <int kMTiles, int kChains = 1>
+// kProbLog2: the probabilities come out times 2^kProbLog2 (the fp8 forward's P, whose e4m3
+// rounding keeps small ones normal that way: 8), with the sums likewise; finalize takes it
+// back out of lse, and out's ratio never saw it. update_lazy's slack is what is left of
+// the 2^8 headroom, so a probability stays <= 2^8 either way.
+template <int kMTiles, int kChains = 1, int kProbLog2 = 0>
 struct OnlineSoftmax {
+  static_assert(0 <= kProbLog2 && kProbLog2 <= 8, "probabilities stay <= 2^8");
   float row_max[kMTiles][2];  // raw score units; -inf until the row sees a key
   float row_sum[kMTiles][2];  // this lane's share; summed over the quad in finalize
 
@@ -81,6 +86,14 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int c = 1; c < kChains; ++c) mx[0] = fmaxf(mx[0], mx[c]);
     return quad_max(mx[0]);
+  }
+
+  // The subtracted max, less kProbLog2 (so the exponentials come out times 2^kProbLog2)
+  __device__ __forceinline__ static float prob_offset(float max_scaled) {
+    if constexpr (kProbLog2 != 0)
+      return max_scaled - static_cast<float>(kProbLog2);
+    else
+      return max_scaled;
   }
 
   // That row half's scores -> exp2(score * scale_log2 - max_scaled), in place; returns
@@ -120,7 +133,7 @@ struct OnlineSoftmax {
         const float max_scaled = mx == -CUFA_INF ? 0.f : mx * scale_log2;
         correction[mt][h] = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
         row_max[mt][h] = mx;
-        row_sum[mt][h] = exponentiate_row(s, mt, h, scale_log2, max_scaled,
+        row_sum[mt][h] = exponentiate_row(s, mt, h, scale_log2, prob_offset(max_scaled),
                                           row_sum[mt][h] * correction[mt][h]);
       }
   }
@@ -136,7 +149,7 @@ struct OnlineSoftmax {
   template <int kNTiles>
   __device__ __forceinline__ bool update_lazy(float (&s)[kMTiles][kNTiles][4], float scale_log2,
                                               float (&correction)[kMTiles][2]) {
-    constexpr float kLazySlack = 8.f;
+    constexpr float kLazySlack = 8.f - kProbLog2;  // (0: the exact max, O rescaled only where raised)
     bool raised = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -152,7 +165,7 @@ struct OnlineSoftmax {
         }
         raised |= raise;
         const float max_scaled = row_max[mt][h] == -CUFA_INF ? 0.f : row_max[mt][h] * scale_log2;
-        row_sum[mt][h] = exponentiate_row(s, mt, h, scale_log2, max_scaled,
+        row_sum[mt][h] = exponentiate_row(s, mt, h, scale_log2, prob_offset(max_scaled),
                                           row_sum[mt][h] * correction[mt][h]);
       }
     return __any_sync(0xffffffffu, raised);
@@ -183,7 +196,8 @@ struct OnlineSoftmax {
       for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(row_sum[mt][h]);
         any_empty |= sum == 0.f;
-        const RowScale r = sink_row_scale(row_max[mt][h] * scale_log2, sum, sink);
+        // (the sum is of probabilities times 2^kProbLog2: of exp2(score - (max - kProbLog2)))
+        const RowScale r = sink_row_scale(prob_offset(row_max[mt][h] * scale_log2), sum, sink);
         inv[mt][h] = r.inv;
         lse[mt][h] = r.lse;
       }

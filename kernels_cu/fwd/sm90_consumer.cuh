@@ -85,13 +85,14 @@ __device__ __forceinline__ void issue_qk_keys_e4m3(float (&acc)[1][kBlockN / 8][
   wgmma_commit();
 }
 
-// -- P as the e4m3 A operand of O += P V^T, times kE4m3ProbScale: k-step kk (32 keys)
-//    takes score tiles 4kk..4kk+3, a lane's k-indices 4t..4t+3 and 16+4t..16+4t+3 (t = lane
-//    % 4) holding keys 2t, 2t+1, 8+2t, 9+2t of two tiles each (V^T's keys are in that
-//    order: cufa/_fp8.py's vt_key_of). P <= 1 (the max is exact: no lazy slack here), so
-//    P * 2^8 <= 256 stays under e4m3's 448 and small P keep normal exponents (down to
-//    2^-14 instead of 2^-6) --
-constexpr float kE4m3ProbScale = 256.f;
+// -- P as the e4m3 A operand of O += P V^T: k-step kk (32 keys) takes score tiles
+//    4kk..4kk+3, a lane's k-indices 4t..4t+3 and 16+4t..16+4t+3 (t = lane % 4) holding keys
+//    2t, 2t+1, 8+2t, 9+2t of two tiles each (V^T's keys are in that order: cufa/_fp8.py's
+//    vt_key_of). The probabilities come out of the exponentials times 2^kE4m3ProbLog2
+//    (OnlineSoftmax's kProbLog2, with the exact max: no lazy slack), so P <= 256 stays
+//    under e4m3's 448 and small P keep normal exponents (down to 2^-14 instead of 2^-6),
+//    at no multiply a probability --
+constexpr int kE4m3ProbLog2 = 8;
 __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
   unsigned short lo, hi;  // (cvt's first operand goes to the upper byte)
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
@@ -100,15 +101,14 @@ __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
 }
 template <int kNTiles>
 __device__ __forceinline__ void pack_p_e4m3(u32 (&a)[kNTiles / 4][4], const float (&s)[1][kNTiles][4]) {
-  constexpr float k = kE4m3ProbScale;
 #pragma unroll
   for (int kk = 0; kk < kNTiles / 4; ++kk) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float(&lo)[4] = s[0][4 * kk + 2 * half];
       const float(&hi)[4] = s[0][4 * kk + 2 * half + 1];
-      a[kk][2 * half] = e4m3x4(k * lo[0], k * lo[1], k * hi[0], k * hi[1]);      // row r
-      a[kk][2 * half + 1] = e4m3x4(k * lo[2], k * lo[3], k * hi[2], k * hi[3]);  // row r + 8
+      a[kk][2 * half] = e4m3x4(lo[0], lo[1], hi[0], hi[1]);      // row r
+      a[kk][2 * half + 1] = e4m3x4(lo[2], lo[3], hi[2], hi[3]);  // row r + 8
     }
   }
 }
@@ -242,10 +242,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
   constexpr int kBlockM = Smem::kBlockM, kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
-  // fp8 (kE4m3): e4m3 products, P * kE4m3ProbScale in e4m3 registers (a k32 step holds
-  // 32 keys, so half the 16-bit P's registers); the max exact, O written from registers
+  // fp8 (kE4m3): e4m3 products, P * 2^kE4m3ProbLog2 in e4m3 registers (a k32 step holds
+  // 32 keys, so half the 16-bit P's registers); the max exact (update_lazy without slack:
+  // O rescaled only where a row's max rose), O written from registers
   constexpr bool kE4m3 = Smem::kE4m3;
-  constexpr bool kLazy = kLazyRescale<kHeadDim> && !kE4m3;
+  constexpr bool kLazy = kLazyRescale<kHeadDim> || kE4m3;
   constexpr bool kStagedO = kStagedOutput<kHeadDim> && !kE4m3;
   constexpr bool kOInK = kStageOInK<Smem>;
   static_assert(!kOInK || (kHeadDim == 256 && Smem::kKVBytes >= 2 * kStageOInKBytes),
@@ -304,7 +305,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-    OnlineSoftmax<1, kSoftmaxChains<kHeadDim>> softmax;
+    OnlineSoftmax<1, kSoftmaxChains<kHeadDim>, kE4m3 ? kE4m3ProbLog2 : 0> softmax;
     softmax.init();
 
     if (w.n_blocks > 0) {
@@ -492,8 +493,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     }
 
     if (consumer == 0) trace_tile(tile_count, kTraceLoopEnd, trace_clock());
-    if constexpr (kE4m3)  // (P was scaled up, V's descale is O's)
-      scale_output(acc_o, fp8_v_descale(p, t) / kE4m3ProbScale);
+    if constexpr (kE4m3)  // (V's descale is O's)
+      scale_output(acc_o, fp8_v_descale(p, t));
     const int k_last = w.n_blocks > 0 ? static_cast<int>(Smem::stage(block_count - 1)) : -1;
     finish_tile<kDtype>(acc_o, softmax, tile_scale_log2, p, t, sm, q_stage, k_last, consumer,
                         w.row0, row_base, lane);
