@@ -64,7 +64,7 @@ def fwd_rows(data):
 def varlen_rows(data):
     for r in data["rows"]:
         name = f"{r['batch']} d={r['d']} {'causal' if r['causal'] else 'full'}"
-        for key, label in (("cufa_ms", "varlen"), ("padded_ms", "padded")):
+        for key, label in (("cufa_ms", "varlen"), ("padded_ms", "padded"), ("fp8_ms", "fp8")):
             if r.get(key):
                 yield f"{name} {label}", r[key] * 1e3
 

@@ -11,7 +11,9 @@ split: a tile's time from Q's arrival to consumer 0's end is fitted as fixed + b
 per_block (least squares over the launch's tiles); "blocks" is every tile's key blocks at
 the fitted rate, "fixed" what the tiles cost beyond that, "Q waits" consumer 0's waits
 for a tile's Q (the producer's scheduling and the TMA load under the previous tile's
-end), "tail" each CTA's idle time from its last tile's end to the launch's. Times of
+end), "tail" each CTA's idle time from its last tile's end to the launch's. Where every
+tile has as many blocks (full attention of one length) the fit cannot tell a tile's
+fixed cost from its blocks: it is all counted as blocks there. Times of
 this build only: the stamps cost a few instructions a tile.
 """
 import argparse
@@ -61,6 +63,19 @@ def run(dtype, d, n, causal, tokens):
     return filled[0], batch, heads, tables[filled[0]].get()
 
 
+def _fit(blocks, cycles):
+    """(fixed, per block) of cycles = fixed + per_block x blocks, least squares. Where every
+    tile has as many blocks (full attention of one length) the two cannot be told apart:
+    all of it counts as blocks, fixed 0 (say so when reading a full-attention row)."""
+    if len(blocks) < 3:
+        return np.nan, np.nan
+    if np.ptp(blocks) == 0:
+        return 0.0, float(np.mean(cycles) / max(blocks[0], 1))
+    a = np.vstack([np.ones_like(blocks), blocks]).T
+    (fixed, per_block), *_ = np.linalg.lstsq(a, cycles, rcond=None)
+    return fixed, per_block
+
+
 def analyse(t):
     used = t[:, :, 1] != 0  # Q's arrival stamped
     ctas = np.nonzero(used.any(axis=1))[0]
@@ -70,8 +85,7 @@ def analyse(t):
     dur = end0 - ready
     # the SM clock against the global timer, over every tile (MHz)
     clock_per_ns = np.sum(dur) / max(np.sum(ns_end0 - ns_ready), 1.0)
-    a = np.vstack([np.ones_like(blocks), blocks]).T
-    (fixed, per_block), *_ = np.linalg.lstsq(a, dur, rcond=None)
+    (fixed, per_block) = _fit(blocks, dur)
     start_ns = min(t[c][used[c]][:, 4].min() for c in ctas)
     end_ns = max(t[c][used[c]][:, 5].max() for c in ctas)
     span = (end_ns - start_ns) * clock_per_ns  # cycles
@@ -84,9 +98,7 @@ def analyse(t):
     # overlap them), the loop to its last P V, and the epilogue (O / l written)
     first_p, loop_end = rec[:, 8].astype(np.float64), rec[:, 9].astype(np.float64)
     peeled = (first_p > 0) & (blocks > 1)
-    loop = np.vstack([np.ones(peeled.sum()), blocks[peeled] - 1]).T
-    (loop_fixed, loop_per_block), *_ = (np.linalg.lstsq(loop, (loop_end - first_p)[peeled], rcond=None)
-                                        if peeled.sum() > 2 else ((np.nan, np.nan),))
+    loop_fixed, loop_per_block = _fit(blocks[peeled] - 1, (loop_end - first_p)[peeled])
     out = {
         "prologue_cycles": float(np.median((first_p - ready)[peeled])) if peeled.any() else np.nan,
         "loop_per_block": loop_per_block, "loop_fixed": loop_fixed,
@@ -103,7 +115,7 @@ def analyse(t):
         "share_tail": tail / total,
         "share_late_start": first_wait / total,
         "consumer1_lag_cycles": float(np.median(lag1)),
-        "tile_residual_rms": float(np.sqrt(np.mean((dur - a @ [fixed, per_block]) ** 2))),
+        "tile_residual_rms": float(np.sqrt(np.mean((dur - fixed - per_block * blocks) ** 2))),
     }
     return out
 
