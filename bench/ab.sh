@@ -17,7 +17,8 @@
 # so the A/B rule's run is two calls on one warm machine; `run bwd` is for a change to
 # the backward's kernels, `run mla` for the MLA decode kernel's). Each round prints the
 # time so far; a
-# run cut short keeps its files, and `table` prints what they hold. The A/B rule (a row
+# run cut short keeps its files, and `table` prints what they hold; a finished run leaves
+# $OUT/table.txt and $OUT/rounds.tgz (the rounds' files, which `table` also reads). The A/B rule (a row
 # over the baseline by more than 3 % and its spread is SLOWER): docs/benchmarks.md.
 # ROUNDS=0 only compiles (one call), then WARMUP=0 times (the next call, same machine).
 set -eu
@@ -245,10 +246,18 @@ run)
     done
     echo "round $round done at $((SECONDS - start)) s"
   done
-  table "$OUT"
+  # The device tool returns a few files and no deep folders: the table and one archive of
+  # the rounds (`table DIR` reads either)
+  table "$OUT" > "$OUT/table.txt" || failed=1
+  cat "$OUT/table.txt"
+  tar czf "$OUT/rounds.tgz" -C "$OUT" "${benches[@]}" && rm -rf "${benches[@]/#/$OUT/}"
   exit $failed ;;
 table)
-  table "${2:-$OUT}" ;;
+  dir=${2:-$OUT}
+  if [ -f "$dir/rounds.tgz" ]; then
+    tmp=$(mktemp -d); tar xzf "$dir/rounds.tgz" -C "$tmp"; dir=$tmp
+  fi
+  table "$dir" ;;
 test)
   shift
   mkdir -p "$OUT"
