@@ -4,7 +4,10 @@ with the SM clock and the global timer; this reads them back after one launch an
 the launch's SM-time into key blocks, each tile's fixed cost, waits for Q and the tail.
 
     python3 bench/profile/tile_timeline.py [--dtype bf16] [--head-dims 256] [--seqlens 4096,8192]
-        [--causal 0,1] [--tokens 16384]
+        [--causal 0,1] [--tokens 16384] [--fp8]
+
+--fp8 traces the fp8 forward instead: q, k, v the same values in float8_e4m3fn, out in
+--dtype (its transpose of V, where a pre-pass makes it, is another launch, not traced).
 
 Each configuration: batch = tokens / N, heads = 2048 / d (bench_fwd.py's grid). The
 split: a tile's time from Q's arrival to consumer 0's end is fitted as fixed + blocks x
@@ -43,11 +46,15 @@ def trace_table(variant):
     return cupy.ndarray(shape, dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
-def run(dtype, d, n, causal, tokens):
+def run(dtype, d, n, causal, tokens, fp8=False):
     batch, heads = max(tokens // n, 1), max(2048 // d, 1)
     torch.manual_seed(0)
     q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=dtype) for _ in range(3))
-    cufa.flash_attn_func(q, k, v, causal=causal)  # compiles
+    out = None
+    if fp8:
+        q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        out = torch.empty(q.shape, device="cuda", dtype=dtype)
+    cufa.flash_attn_func(q, k, v, causal=causal, out=out)  # compiles
     torch.cuda.synchronize()
     # every Hopper forward compiled so far; the launch's is the one whose table fills
     tables = {var.key: trace_table(var) for (_, var) in list(_compile._kernels)
@@ -55,7 +62,7 @@ def run(dtype, d, n, causal, tokens):
     for table in tables.values():
         table.fill(0)
     torch.cuda.synchronize()
-    cufa.flash_attn_func(q, k, v, causal=causal)
+    cufa.flash_attn_func(q, k, v, causal=causal, out=out)
     torch.cuda.synchronize()
     filled = [key for key, table in tables.items() if int(table[:, :, 1].max()) != 0]
     if len(filled) != 1:
@@ -127,6 +134,7 @@ def main():
     p.add_argument("--seqlens", default="4096,8192")
     p.add_argument("--causal", default="0,1")
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--fp8", action="store_true", help="the fp8 forward (q, k, v in e4m3)")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print("config | variant | CTAs tiles | span us | cycles a block, fixed a tile (blocks) | "
@@ -134,7 +142,7 @@ def main():
     for d in (int(x) for x in args.head_dims.split(",")):
         for n in (int(x) for x in args.seqlens.split(",")):
             for causal in (bool(int(x)) for x in args.causal.split(",")):
-                key, batch, heads, t = run(dtype, d, n, causal, args.tokens)
+                key, batch, heads, t = run(dtype, d, n, causal, args.tokens, args.fp8)
                 r = analyse(t)
                 print(f"{args.dtype} d={d} N={n} {'causal' if causal else 'full'} {batch}x{heads} | "
                       f"{key} | {r['ctas']} {r['tiles']} | {r['span_us']:.1f} | "
