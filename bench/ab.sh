@@ -16,10 +16,10 @@
 # only; two trees take ~5 min for `run fwd varlen` and ~7 min for `run decode` on an H200,
 # so the A/B rule's run is two calls on one warm machine; `run bwd` is for a change to
 # the backward's kernels, `run mla` for the MLA decode kernel's). Each round prints the
-# time so far; a
-# run cut short keeps its files, and `table` prints what they hold; a finished run leaves
-# $OUT/table.txt and $OUT/rounds.tgz (the rounds' files, which `table` also reads). The A/B rule (a row
-# over the baseline by more than 3 % and its spread is SLOWER): docs/benchmarks.md.
+# time so far; a run cut short keeps its files, and `table` prints what they hold; a
+# finished run leaves $OUT/table.txt and $OUT/rounds.tgz (the rounds' files, which `table`
+# also reads). The A/B rule (a row over the baseline by more than 3 % and its spread is
+# SLOWER): docs/benchmarks.md.
 # ROUNDS=0 only compiles (one call), then WARMUP=0 times (the next call, same machine).
 set -eu
 FWD_ARGS=${FWD_ARGS:---reps 24 --no-peers --no-memory --no-plot}
