@@ -120,9 +120,12 @@ def _is_fp8(x):
     return "float8" in str(getattr(x, "dtype", ""))
 
 
-def _fp8_traced_dtypes(arrays, descales):
-    """The fp8 forward's dtypes, checked while torch.compile traces (its op's fake only
-    makes shapes; the shapes and strides are checked when the compiled code runs)."""
+def _fp8_traced_checks(arrays, descales, out):
+    """What the fp8 forward checks while torch.compile traces: no out=, and the dtypes (its
+    op's fake only makes shapes; the shapes and strides are checked when the compiled code
+    runs)."""
+    if out is not None:
+        raise NotImplementedError("out= is not supported inside torch.compile")
     for name, x in arrays.items():
         if str(x.dtype) != "torch.float8_e4m3fn":
             raise TypeError(f"{name} has dtype {x.dtype}: the fp8 forward takes q, k and v all "
@@ -139,9 +142,7 @@ def _fp8_forward(q, k, v, softcap, alibi_slopes, learnable_sink, return_attn_pro
     _fp8_only_plain(q, k, v, softcap, alibi_slopes, learnable_sink)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     if _torch_ops.compiling(q):
-        if out is not None:
-            raise NotImplementedError("out= is not supported inside torch.compile")
-        _fp8_traced_dtypes(dict(q=q, k=k, v=v), descales)
+        _fp8_traced_checks(dict(q=q, k=k, v=v), descales, out)
         o, lse = _torch_ops.op("flash_attn_fp8")(q, k, v, q_descale, k_descale, v_descale,
                                                  softmax_scale, causal,
                                                  *window_ints(window_size))
@@ -183,10 +184,8 @@ def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sof
                             (cu_seqlens_k, "cu_seqlens_k"), (seqused_k, "seqused_k"),
                             (None, ""), (None, "block_table")))))
     if compiling:
-        if out is not None:
-            raise NotImplementedError("out= is not supported inside torch.compile")
-        _fp8_traced_dtypes(dict(q=q, k=k, v=v), dict(q_descale=q_descale, k_descale=k_descale,
-                                                     v_descale=v_descale))
+        _fp8_traced_checks(dict(q=q, k=k, v=v), {n: arrays[n] for n in (
+            "q_descale", "k_descale", "v_descale")}, out)
         o, lse = _torch_ops.op("flash_attn_varlen_fp8")(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, q_descale, k_descale, v_descale,
             softmax_scale, causal, *window_ints(window_size))
