@@ -411,18 +411,21 @@ def check_fp8_dense(q, k, v, o, out, descales):
 
 def check_fp8_packed(q, k, v, cu_q, cu_k, used, table, o, out, descales):
     """flash_attn_varlen_func's arrays with q, k, v in FP8_CACHE (views, as
-    check_fp8_dense's) -> (batch, out's dtype)."""
-    if table is not None:
-        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) takes contiguous "
-                                  "k and v, not a paged cache (block_table) yet")
-    _check_fp8_qkv(q, k, v, "(total_rows, nheads, headdim)", 3)
+    check_fp8_dense's; k and v a paged cache with block_table) -> (batch, out's dtype,
+    check_block_table's dict or None)."""
+    if table is None:
+        _check_fp8_qkv(q, k, v, "(total_rows, nheads, headdim)", 3)
+    else:
+        _check_fp8_qkv(q, k, v, "(total_rows, nheads, headdim)", 3,
+                       "(num_pages, page_size, nheads_k, headdim) with block_table", 4)
     batch = check_cu_seqlens_pair(cu_q, cu_k, q)
+    paged = None if table is None else check_block_table(table, k, q, batch)
     if used is not None:
         check_int32_vector(used, "seqused_k", batch, q)
     for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
         if x is not None:
-            _check_descale(x, n, q, batch, k.shape[1])
-    return batch, _fp8_out_dtype(o, q)
+            _check_descale(x, n, q, batch, k.shape[-2])
+    return batch, _fp8_out_dtype(o, q), paged
 
 
 def check_cu_seqlens_pair(cu_q, cu_k, q):
@@ -437,12 +440,14 @@ def check_cu_seqlens_pair(cu_q, cu_k, q):
     return batch
 
 
-def _check_fp8_qkv(q, k, v, layout, rank):
-    """q, k, v of the fp8 forward: e4m3, rank-D (layout), one head dim in 16s up to 256, k's
-    and v's shapes alike, GQA heads, rows in 16-byte chunks."""
+def _check_fp8_qkv(q, k, v, layout, rank, kv_layout=None, kv_rank=None):
+    """q, k, v of the fp8 forward: e4m3, rank-D (layout; k and v kv_rank-D, kv_layout, where
+    given), one head dim in 16s up to 256, k's and v's shapes alike, GQA heads, rows in
+    16-byte chunks."""
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
-        if x.ndim != rank:
-            raise ValueError(f"{n} must be {rank}-D {layout}; got shape {x.shape}")
+        want, shape = (rank, layout) if n == "q" or kv_rank is None else (kv_rank, kv_layout)
+        if x.ndim != want:
+            raise ValueError(f"{n} must be {want}-D {shape}; got shape {x.shape}")
         if x.dtype != FP8_CACHE:
             raise TypeError(f"{n} has dtype {x.dtype}: the fp8 forward takes q, k and v all "
                             f"in {FP8_CACHE} (e4m3)")
@@ -458,8 +463,8 @@ def _check_fp8_qkv(q, k, v, layout, rank):
         raise ValueError(f"q has head dim {d}; the fp8 forward takes head dims that are "
                          f"multiples of 16 up to {_compile.MAX_HEAD_DIM}")
     if k.shape[-1] != d or v.shape != k.shape:
-        raise ValueError(f"k and v must be {layout} alike with q's head dim {d}; got k "
-                         f"{k.shape}, v {v.shape}")
+        raise ValueError(f"k and v must be {kv_layout or layout} alike with q's head dim {d}; "
+                         f"got k {k.shape}, v {v.shape}")
     if nheads_k == 0 or nheads % nheads_k:
         raise ValueError(f"q has {nheads} heads, not a multiple of the {nheads_k} heads of k")
     if max(q.shape[-3], k.shape[-3]) > INT32_MAX // 2:

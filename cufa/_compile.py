@@ -864,6 +864,25 @@ class TransposeVVariant(_CacheKernel):
 
 
 @dataclass(frozen=True)
+class GatherPagesVariant(_CacheKernel):
+    """fwd/gather_pages_e4m3.cu's gather_pages_e4m3: a paged e4m3 cache's K and V pages
+    as a packed batch's rows, for the fp8 forward (cufa/_fp8.py)."""
+    dtype = "e4m3"
+    kind = "gather_pages"
+    source = "fwd/gather_pages_e4m3.cu"
+    archs = ("sm_90",)  # (the fp8 forward is Hopper's)
+    threads = 256
+
+    @property
+    def key(self):
+        return "gather_pages_e4m3"
+
+    @property
+    def name_expression(self):
+        return "cufa::gather_pages_e4m3"
+
+
+@dataclass(frozen=True)
 class MergeVariant(_CacheKernel):
     """decode/merge.cu's merge_states (merge_attention_states), parts in MERGE_DTYPES."""
     dtype: str
@@ -1065,7 +1084,7 @@ def all_variants():
                  for tiles in (WIDE_TILES, WIDE_TILES_PORTABLE)]
     variants += [fwd_variant(dt, WIDE_QK_HEAD_DIM, mask, mods, head_dim_v=WIDE_V_HEAD_DIM)
                  for dt in DTYPES for mask in MASKS for mods in (False, True)]
-    variants += [TransposeVVariant()]  # (the fp8 forward's V, a pre-pass)
+    variants += [TransposeVVariant(), GatherPagesVariant()]  # (the fp8 forward's pre-passes)
     variants += [fwd_fp8_variant(dt, hd, mask) for dt in DTYPES for hd in FP8_HEAD_DIMS
                  for mask in MASKS]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS

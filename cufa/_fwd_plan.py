@@ -3,6 +3,8 @@ and paged) and scaled_dot_product_attention's. A plan (variant, params record, g
 maps) is made once per call signature and kept in _runtime.plans; a known layout's plan is
 moved to new sizes (_Mover); a call then fills in its addresses and launches."""
 import collections
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from . import (_arrays, _compile, _decode_plan, _fp8, _heuristics, _interop, _params, _runtime,
@@ -749,21 +751,54 @@ def fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out,
         (q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table),
         (q_descale, k_descale, v_descale), ("q", "k", "v", "out", "cu_seqlens_q",
                                             "cu_seqlens_k", "seqused_k", "block_table"))
-    batch, out_dtype = check_fp8_packed(q, k, v, cu_q, cu_k, used, table, o, out, descales)
+    batch, out_dtype, paged = check_fp8_packed(q, k, v, cu_q, cu_k, used, table, o, out,
+                                               descales)
+    if paged is not None:
+        paged = dict(paged, table=table.ptr, k_cache=k, v_cache=v)
     return _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse,
                         (q.shape[1], q.shape[0]), batch, (cu_q, cu_k, used), lse_out=lse_out,
-                        stream=stream, scratch=scratch)
+                        stream=stream, scratch=scratch, paged=paged)
 
 
-def fp8_scratch_bytes(q, k, batch, window, packed, out_dtype="bfloat16"):
-    """The device scratch of an fp8 forward call (views of q and k, as checked): the tile
-    counter (padded batches) or the work list (packed), then V^T at the next 256 bytes.
-    Under jax.jit XLA allocates it (as dense's scratch), planned at trace time, where a
-    GPU without the kernel is refused too; eager calls take V^T from the caller's
-    allocator instead. 0 where nothing launches."""
+def fp8_scratch_bytes(q, k, batch, window, packed, out_dtype="bfloat16", paged=None):
+    """The device scratch of an fp8 forward call (views of q and k, as checked; paged:
+    check_block_table's dict for a paged k): the tile counter (padded batches) or the work
+    list (packed), then V^T at the next 256 bytes, then a paged cache's gathered rows
+    (_fp8_gathered). Under jax.jit XLA allocates it (as dense's scratch), planned at trace
+    time, where a GPU without the kernel is refused too; eager calls take V^T and the rows
+    from the caller's allocator instead. 0 where nothing launches."""
     _check_fp8_device(q.device)
-    layout = _fp8_layout(q, k, batch, window, packed, out_dtype)
-    return 0 if layout is None else layout[1] + layout[2]
+    rows = _fp8_gathered_rows(k, batch, paged)
+    layout = _fp8_layout(q, rows, batch, window, packed, out_dtype)
+    if layout is None:
+        return 0
+    end = layout[1] + layout[2]
+    return end if paged is None else _align(end) + _fp8_gathered_bytes(rows, batch)
+
+
+def _align(n, to=256):
+    return -(-n // to) * to
+
+
+# -- a paged cache (fp8 varlen with block_table): its pages gathered first into rows laid
+#    out as a packed batch's k and v (batch * capacity rows: sequence b from row
+#    cu_seqlens_k[b] on, which the forward's clamps keep inside them), with the keys used of
+#    each after them (gather_pages_e4m3); V's transpose and the forward then read those as
+#    they read a packed batch --
+
+def _fp8_gathered_rows(k, batch, paged):
+    """k as the forward reads it: itself, or for a paged cache a view (no memory yet) of the
+    gathered rows, (batch * capacity, nheads_k, d) contiguous."""
+    if paged is None:
+        return k
+    shape = (batch * paged["capacity"],) + tuple(k.shape[2:])
+    return _interop.DeviceArray(None, k.framework, 0, shape, _interop.contiguous_strides(shape),
+                                k.dtype, k.device, k.itemsize)
+
+
+def _fp8_gathered_bytes(rows, batch):
+    """The gathered K and V rows, 256-byte aligned each, then the int32 keys used a sequence."""
+    return 2 * _align(math.prod(rows.shape)) + 4 * batch
 
 
 def _check_fp8_device(device):
@@ -802,23 +837,51 @@ def _fp8_views(arrays, descales, names=("q", "k", "v", "out")):
 
 
 def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse, lse_shape,
-                 batch, packed=None, lse_out=None, stream=None, scratch=None):
+                 batch, packed=None, lse_out=None, stream=None, scratch=None, paged=None):
     """The checked views' outputs and launches; packed: (cu_seqlens_q, cu_seqlens_k,
-    seqused_k) views (q, k, v then (total, heads, d)); lse_out, stream, scratch: as
-    fp8_dense's."""
+    seqused_k) views (q, k, v then (total, heads, d)); paged: check_block_table's dict,
+    the table's address and the caches' views (k and v pages); lse_out, stream, scratch:
+    as fp8_dense's."""
     _check_fp8_device(q.device)
-    layout = _fp8_layout(q, k, batch, window, packed, out_dtype)
+    rows = _fp8_gathered_rows(k, batch, paged)
+    layout = _fp8_layout(q, rows, batch, window, packed, out_dtype)
     plan = _Plan(framework=q.framework, device=q.device, out_shape=q.shape, dtype=out_dtype,
                  lse_shape=lse_shape, variant=layout and layout[0])
-    scratch_ptr = check_scratch(scratch, 0 if layout is None else layout[1] + layout[2])
+    scratch_ptr = check_scratch(scratch, fp8_scratch_bytes(q, k, batch, window, packed,
+                                                           out_dtype, paged))
     with caller_stream(q.framework, q.device, stream) as stream:
         result, o_ptr, lse, lse_ptr = outputs(plan, out, o and o.ptr, lse_out, return_lse,
                                               stream)
         if layout is not None:
+            gathered = None
+            if paged is not None:
+                gathered, k, v, packed = _fp8_gather(plan, stream, rows, paged, batch, packed,
+                                                     scratch_ptr and scratch_ptr + _align(
+                                                         layout[1] + layout[2]))
             _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale,
                         o.strides if o is not None else _interop.contiguous_strides(q.shape),
                         batch, packed, layout, scratch_ptr)
+            del gathered  # (held until the launches are queued)
     return returned(plan, result, lse, return_lse)
+
+
+def _fp8_gather(plan, stream, rows, paged, batch, packed, at):
+    """gather_pages_e4m3's launch into XLA's scratch at `at`, or (at 0) a buffer from the
+    caller's allocator -> (that buffer or None, the K rows' and V rows' views, packed with
+    the keys used of each sequence in place of seqused_k)."""
+    size = _align(math.prod(rows.shape))
+    owner = None
+    if not at:
+        owner, at = _interop.allocate(plan.framework, (2 * size + 4 * batch,), "uint8",
+                                      plan.device, stream)
+    k_rows, v_rows = (dataclasses.replace(rows, ptr=at + i * size) for i in (0, 1))
+    used = _interop.DeviceArray(None, rows.framework, at + 2 * size, (batch,), (1,), "int32",
+                                rows.device, 4)
+    cu_q, cu_k, seqused = packed
+    _fp8.launch_gather_pages(paged["k_cache"], paged["v_cache"], paged, batch, k_rows.ptr,
+                             v_rows.ptr, used.ptr, cu_k.ptr, seqused.ptr if seqused else 0,
+                             plan.device, stream)
+    return owner, k_rows, v_rows, (cu_q, cu_k, used)
 
 
 def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, o_strides,

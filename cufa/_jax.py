@@ -161,8 +161,8 @@ def _check(entry, views, options):
             _checks.check_fp8_dense(views["q"], views["k"], views["v"], None, None, descales)
         else:
             _checks.check_fp8_packed(views["q"], views["k"], views["v"], views["cu_seqlens_q"],
-                                     views["cu_seqlens_k"], views.get("seqused_k"), None, None,
-                                     None, descales)
+                                     views["cu_seqlens_k"], views.get("seqused_k"),
+                                     views.get("block_table"), None, None, descales)
         return
     a = _named(entry, views.get)
     if entry == "scaled_dot_product_attention":
@@ -190,9 +190,11 @@ def _scratch_bytes(entry, present, options):
     import cupy
     if entry in _FP8:  # (the tile counter or work list, then V^T)
         views = _traced_views(present, cupy.cuda.runtime.getDevice())
-        q, packed = views["q"], entry == "flash_attn_varlen_fp8"
+        q, packed, table = views["q"], entry == "flash_attn_varlen_fp8", views.get("block_table")
         batch = views["cu_seqlens_q"].shape[0] - 1 if packed else q.shape[0]
-        return _fwd_plan.fp8_scratch_bytes(q, views["k"], batch, _fp8_window(options), packed)
+        paged = None if table is None else _checks.check_block_table(table, views["k"], q, batch)
+        return _fwd_plan.fp8_scratch_bytes(q, views["k"], batch, _fp8_window(options), packed,
+                                           paged=paged)
     a = _named(entry, _traced_views(present, cupy.cuda.runtime.getDevice()).get)
     if entry == "flash_attn_func":
         plan = _fwd_plan.plan_dense(a, None, *_checked_options(options))
@@ -556,8 +558,8 @@ def _run_fp8(views, outs, options, stream, scratch, packed):
     options = dict(options, return_lse=True, lse_out=outs[1], stream=stream, scratch=scratch)
     if packed:
         _fwd_plan.fp8_packed(views["q"], views["k"], views["v"], views["cu_seqlens_q"],
-                             views["cu_seqlens_k"], views.get("seqused_k"), None, outs[0],
-                             *descales, **options)
+                             views["cu_seqlens_k"], views.get("seqused_k"),
+                             views.get("block_table"), outs[0], *descales, **options)
     else:
         _fwd_plan.fp8_dense(views["q"], views["k"], views["v"], outs[0], *descales, **options)
 

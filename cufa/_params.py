@@ -93,6 +93,14 @@ TRANSPOSE_V_FIELDS = [("v", _PTR), ("vt", _PTR)] + [
     ("cu_seqlens_k", _PTR), ("seqused_k", _PTR)]
 
 
+GATHER_PAGES_FIELDS = [(n, _PTR) for n in (
+    "k_cache", "v_cache", "k_out", "v_out", "block_table", "cu_seqlens_k", "seqused_k",
+    "seqused_out")] + [
+    (f"{x}_{d}_stride", _I64) for x in ("k", "v") for d in ("page", "row", "head")] + [
+    (n, _I32) for n in ("batch", "nheads_k", "head_dim", "page_shift", "num_pages",
+                        "max_pages", "table_stride", "total_rows")]
+
+
 BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink", "dlse",
                                   "dmask", "dq_accum", "kv_tile_list", "kv_tile_count")] + [
     (f"{x}_{d}_stride", _I64) for x in ("dout", "dq", "dk", "dv")
@@ -205,10 +213,12 @@ MERGE = Record("cufa::MergeParams", MERGE_FIELDS)
 SCHEDULE = Record("cufa::ScheduleParams", SCHEDULE_FIELDS)
 BWD = Record("cufa::BwdParams", BWD_FIELDS)
 TRANSPOSE_V = Record("cufa::TransposeVParams", TRANSPOSE_V_FIELDS)
+GATHER_PAGES = Record("cufa::GatherPagesParams", GATHER_PAGES_FIELDS)
 # marker in a kernel source -> the record whose layout checks a compile of it appends
 RECORDS = {"struct FwdParams {": FWD, "struct DecodeParams {": DECODE,
            "struct MergeParams {": MERGE, "struct ScheduleParams {": SCHEDULE,
-           "struct BwdParams {": BWD, "struct TransposeVParams {": TRANSPOSE_V}
+           "struct BwdParams {": BWD, "struct TransposeVParams {": TRANSPOSE_V,
+           "struct GatherPagesParams {": GATHER_PAGES}
 
 # AttnMaskType in fwd/params.cuh
 ATTN_MASK_NONE = 0  # (a mask's dtype gives the other codes: _dtypes.TABLE's attn_mask)

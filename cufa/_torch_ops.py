@@ -333,11 +333,12 @@ def _register():
     @torch.library.custom_op("cufa::flash_attn_varlen_fp8", mutates_args=())
     def flash_attn_varlen_fp8(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                               cu_seqlens_k: Tensor, seqused_k: Optional[Tensor],
-                              q_descale: Optional[Tensor], k_descale: Optional[Tensor],
-                              v_descale: Optional[Tensor], softmax_scale: Optional[float],
-                              causal: bool, window_left: int,
+                              block_table: Optional[Tensor], q_descale: Optional[Tensor],
+                              k_descale: Optional[Tensor], v_descale: Optional[Tensor],
+                              softmax_scale: Optional[float], causal: bool, window_left: int,
                               window_right: int) -> Tuple[Tensor, Tensor]:
-        return _fwd_plan.fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None,
+        return _fwd_plan.fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                                    None,
                                     q_descale, k_descale, v_descale,
                                     softmax_scale=softmax_scale, causal=causal,
                                     window_size=(window_left, window_right), return_lse=True)

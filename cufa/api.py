@@ -164,12 +164,9 @@ def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sof
     """flash_attn_varlen_func's fp8 route (q in float8_e4m3fn, or q_descale given), as
     _fp8_forward's."""
     _fp8_only_plain(q, k, v, softcap, alibi_slopes, learnable_sink)
-    if block_table is not None:
-        raise NotImplementedError("the fp8 forward (q, k, v in float8_e4m3fn) takes contiguous "
-                                  "k and v, not a paged cache (block_table) yet")
     arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                  seqused_k=seqused_k, q_descale=q_descale, k_descale=k_descale,
-                  v_descale=v_descale)
+                  seqused_k=seqused_k, block_table=block_table, q_descale=q_descale,
+                  k_descale=k_descale, v_descale=v_descale)
     compiling, on_jax = _torch_ops.compiling(q), False
     if not compiling:
         on_jax = _interop.is_jax(q) or _jax.tracing(*arrays.values())
@@ -182,20 +179,20 @@ def _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sof
             None if x is None else _interop.as_device_array(x, name)
             for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                             (cu_seqlens_k, "cu_seqlens_k"), (seqused_k, "seqused_k"),
-                            (None, ""), (None, "block_table")))))
+                            (None, ""), (block_table, "block_table")))))
     if compiling:
         _fp8_traced_checks(dict(q=q, k=k, v=v), {n: arrays[n] for n in (
             "q_descale", "k_descale", "v_descale")}, out)
         o, lse = _torch_ops.op("flash_attn_varlen_fp8")(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, q_descale, k_descale, v_descale,
-            softmax_scale, causal, *window_ints(window_size))
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale,
+            v_descale, softmax_scale, causal, *window_ints(window_size))
         return _returned(o, lse, return_lse, return_attn_probs)
     if on_jax:
         o, lse = _jax.call("flash_attn_varlen_fp8", arrays, dict(
             softmax_scale=softmax_scale, causal=causal, window_size=window_ints(window_size)),
             out=out)
         return _returned(o, lse, return_lse, return_attn_probs)
-    result = _fwd_plan.fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
+    result = _fwd_plan.fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                                   out, q_descale, k_descale, v_descale, return_lse=return_lse,
                                   softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size)
@@ -242,8 +239,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     return_attn_probs=True returns (out, lse, S_dmask) as in flash_attn_func.
 
-    q, k, v all in float8_e4m3fn (contiguous k and v, with q_descale, k_descale, v_descale)
-    run the fp8 forward as flash_attn_func's does (Hopper).
+    q, k, v all in float8_e4m3fn (with q_descale, k_descale, v_descale) run the fp8 forward
+    as flash_attn_func's does (Hopper); with block_table, k and v a paged e4m3 cache, whose
+    named pages are first gathered into contiguous rows (a copy: docs/api.md).
     """
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs

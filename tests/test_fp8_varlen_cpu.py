@@ -66,7 +66,7 @@ def test_the_same_batch_in_16_bits_keeps_its_kernels(device):  # noqa: F811
     ("no block_table", NotImplementedError, ["float8_e4m3fn", "block_table"]),
     ("16-bit v", TypeError, ["k has dtype float8_e4m3fn but v has float16"]),
     ("descale of a 16-bit cache", TypeError, ["k_descale applies to float8_e4m3fn", "k has dtype float16"]),
-    ("fp8 q", NotImplementedError, ["fp8 forward", "not a paged cache"]),
+    ("fp8 q, 16-bit cache", TypeError, ["k has dtype float16", "all in float8_e4m3fn"]),
     ("e5m2", TypeError, ["float8_e5m2", "e4m3"]),
     ("descale shape", ValueError, ["k_descale must be float32 (batch, nheads_k) = (4, 2)"]),
     ("descale dtype", TypeError, ["v_descale must be float32"]),
@@ -85,8 +85,8 @@ def test_fp8_paged_batch_bad_arguments(device, case, error, words):  # noqa: F81
     elif case == "descale of a 16-bit cache":
         k = v = view(cache.shape)
         kw["k_descale"] = view((4, 2), "float32")
-    elif case == "fp8 q":
-        q = view(q.shape, "float8_e4m3fn")
+    elif case == "fp8 q, 16-bit cache":
+        q, k, v = view(q.shape, "float8_e4m3fn"), view(cache.shape), view(cache.shape)
     elif case == "e5m2":
         k = v = view(cache.shape, "float8_e5m2")
     elif case == "descale shape":

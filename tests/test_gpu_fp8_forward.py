@@ -280,11 +280,21 @@ def test_fp8_varlen_per_row(hopper, d, mask):
         seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"),
         q_descale=qd, k_descale=kd, v_descale=vd)
     torch.cuda.synchronize()
+    assert_packed_rows(got, lse, (q64, k64, v64), (qd, kd, vd), cu_q, cu_k, used_k, causal,
+                       window)
+
+
+def assert_packed_rows(got, lse, values, descales, cu_q, cu_k, used_k, causal, window):
+    """A packed batch's out and lse, each sequence by the per-row rule against the float64
+    attention of its dequantized rows (values: packed q, k, v in float64; descales per
+    (sequence, KV head))."""
+    (q64, k64, v64), (qd, kd, vd) = values, descales
+    h, hk, d = q64.shape[1], k64.shape[1], q64.shape[2]
     o_all = got.float().cpu().numpy().astype(np.float64)
     lse_all = lse.cpu().numpy().astype(np.float64)  # (h, total_q)
     refs, errs = [], []
-    for b in range(batch):
-        if lens_q[b] == 0:
+    for b in range(len(cu_q) - 1):
+        if cu_q[b + 1] == cu_q[b]:
             continue
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b] + used_k[b])
         one = lambda x, s: x[None, s]  # noqa: E731  (a batch of one)
@@ -295,6 +305,51 @@ def test_fp8_varlen_per_row(hopper, d, mask):
         refs.append(ref.reshape(-1, d))  # (rows, d): assert_no_scale_bug counts rows
         errs.append(err.reshape(-1, d))
     assert_no_scale_bug(np.concatenate(refs), np.concatenate(errs))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_fp8_paged_varlen_per_row(hopper, page_size, mask):
+    """flash_attn_varlen_func on e4m3 q and a paged e4m3 cache (block_table): the batch of
+    test_fp8_varlen_per_row with its keys scattered over pages in a random order, every
+    slot no key was written to (and V past one sequence's used keys) NaN bytes, which
+    neither the gathered rows nor V^T may carry into a row (out poisoned first)."""
+    if E4M3 is None:
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    rng = np.random.default_rng(page_size + len(mask))
+    lens_q, lens_k, h, hk, d = [1, 77, 0, 300, 513], [77, 1, 5, 300, 1000], 8, 2, 128
+    used_k = list(lens_k)
+    used_k[3] = 250
+    causal = mask == "causal"
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]) for n in (lens_q, lens_k))
+    (q, q64), (k, k64), (v, v64) = (e4m3_tensor(rng, (int(c[-1]), n, d))
+                                    for c, n in ((cu_q, h), (cu_k, hk), (cu_k, hk)))
+    batch = len(lens_q)
+    v.view(torch.uint8)[int(cu_k[3]) + used_k[3]:int(cu_k[4])] = 0x7F  # (e4m3fn NaN)
+    max_pages = max(-(-n // page_size) for n in lens_k)
+    num_pages = batch * max_pages + 3
+    table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
+    caches = [torch.full((num_pages, page_size, hk, d), 0x7F, dtype=torch.uint8, device="cuda")
+              for _ in range(2)]
+    for b, n in enumerate(lens_k):
+        j = np.arange(n)
+        pages = torch.from_numpy(table[b, j // page_size]).cuda()
+        slots = torch.from_numpy(j % page_size).cuda()
+        for cache, packed in zip(caches, (k, v)):
+            cache[pages, slots] = packed.view(torch.uint8)[int(cu_k[b]):int(cu_k[b + 1])]
+    k_cache, v_cache = (c.view(E4M3) for c in caches)
+    qd, kd, vd = (fp8_descale(rng, "per_head", batch, hk) for _ in range(3))
+    out = torch.full((int(cu_q[-1]), h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got, lse = cufa.flash_attn_varlen_func(
+        q, k_cache, v_cache, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
+        torch.tensor(cu_k, dtype=torch.int32, device="cuda"), max(lens_q), max(lens_k),
+        causal=causal, out=out, return_lse=True,
+        block_table=torch.from_numpy(table.astype(np.int32)).cuda(),
+        seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"),
+        q_descale=qd, k_descale=kd, v_descale=vd)
+    torch.cuda.synchronize()
+    assert_packed_rows(got, lse, (q64, k64, v64), (qd, kd, vd), cu_q, cu_k, used_k, causal,
+                       (-1, -1))
 
 
 def test_transpose_v_packed_matches_the_layout(hopper):
