@@ -769,7 +769,12 @@ def fp8_scratch_bytes(q, k, batch, window, packed, out_dtype="bfloat16", paged=N
     from the caller's allocator instead. 0 where nothing launches."""
     _check_fp8_device(q.device)
     rows = _fp8_gathered_rows(k, batch, paged)
-    layout = _fp8_layout(q, rows, batch, window, packed, out_dtype)
+    return _fp8_scratch(_fp8_layout(q, rows, batch, window, packed, out_dtype), rows, batch,
+                        paged)
+
+
+def _fp8_scratch(layout, rows, batch, paged):
+    """fp8_scratch_bytes from the call's _fp8_layout and gathered rows."""
     if layout is None:
         return 0
     end = layout[1] + layout[2]
@@ -847,8 +852,7 @@ def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse
     layout = _fp8_layout(q, rows, batch, window, packed, out_dtype)
     plan = _Plan(framework=q.framework, device=q.device, out_shape=q.shape, dtype=out_dtype,
                  lse_shape=lse_shape, variant=layout and layout[0])
-    scratch_ptr = check_scratch(scratch, fp8_scratch_bytes(q, k, batch, window, packed,
-                                                           out_dtype, paged))
+    scratch_ptr = check_scratch(scratch, _fp8_scratch(layout, rows, batch, paged))
     with caller_stream(q.framework, q.device, stream) as stream:
         result, o_ptr, lse, lse_ptr = outputs(plan, out, o and o.ptr, lse_out, return_lse,
                                               stream)

@@ -446,6 +446,62 @@ def test_fp8_forward_from_jax_per_row(hopper):
                                          torch.bfloat16))
 
 
+def _paged(x, table, page_size):
+    """x (batch, seqlen, heads, d) e4m3 as pages of a cache of table.max() + 3 pages,
+    sequence b's key j in row j % page_size of page table[b, j // page_size], NaN bytes
+    where no key was written."""
+    cache = torch.full((int(table.max()) + 3, page_size) + x.shape[2:], 0x7F, dtype=torch.uint8,
+                       device="cuda")
+    j = np.arange(x.shape[1])
+    for b in range(x.shape[0]):
+        cache[torch.from_numpy(table[b, j // page_size]).cuda(),
+              torch.from_numpy(j % page_size).cuda()] = x[b].view(torch.uint8)
+    return cache.view(E4M3)
+
+
+def test_fp8_paged_under_torch_compile_and_jax_per_row(hopper):
+    """A paged e4m3 cache (pages of 16, in a random order) with e4m3 q under
+    torch.compile(fullgraph) and jax.jit: the two sequences of _fp8_case, each by the
+    per-row rule."""
+    if E4M3 is None:
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    (q, k, v), descales, (qf, kf, vf) = _fp8_case(seed=7)
+    per = -(-k.shape[1] // 16)
+    table = np.random.default_rng(7).permutation(2 * per).reshape(2, per)
+    k_cache, v_cache = _paged(k, table, 16), _paged(v, table, 16)
+    table = torch.from_numpy(table.astype(np.int32)).cuda()
+    batch, sq, h, d = q.shape
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, k.shape[1], 2 * k.shape[1]], dtype=torch.int32, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+
+    def check(o, lse):
+        o = np.asarray(o, np.float64).reshape(q.shape)
+        lse = np.asarray(lse, np.float64).reshape(h, batch, sq).transpose(1, 0, 2)
+        assert_no_scale_bug(*assert_fp8_rows(o, lse, qf, kf, vf, True, (-1, -1), scale,
+                                             torch.bfloat16))
+    f = torch.compile(lambda q, kc, vc, t, qd, kd, vd: cufa.flash_attn_varlen_func(
+        q, kc, vc, cu_q, cu_k, sq, k.shape[1], causal=True, block_table=t, q_descale=qd,
+        k_descale=kd, v_descale=vd, return_lse=True), fullgraph=True)
+    o, lse = f(q.reshape(-1, h, d), k_cache, v_cache, table, *descales)
+    torch.cuda.synchronize()
+    check(o.float().cpu().numpy(), lse.cpu().numpy())
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    if jax.default_backend() != "gpu":
+        return
+
+    def to_jax(x):
+        if x.dtype == E4M3:  # (the bytes, read as e4m3: DLPack does not carry float8)
+            return jnp.asarray(x.view(torch.uint8).cpu().numpy()).view(jnp.float8_e4m3fn)
+        return jnp.asarray(x.cpu().numpy())
+    args = map(to_jax, (q.reshape(-1, h, d), k_cache, v_cache, cu_q, cu_k, table, *descales))
+    o, lse = jax.jit(lambda q, kc, vc, cq, ck, t, qd, kd, vd: cufa.flash_attn_varlen_func(
+        q, kc, vc, cq, ck, sq, k.shape[1], causal=True, block_table=t, q_descale=qd,
+        k_descale=kd, v_descale=vd, return_lse=True))(*args)
+    check(np.asarray(o.astype(jnp.float32)), np.asarray(lse))
+
+
 def test_fp8_forward_in_a_cuda_graph_per_row(hopper):
     """A captured fp8 call (V^T from the graph's pool, the tile counter its own) replayed
     on new values copied into its inputs: the per-row rule for the new values."""
