@@ -502,11 +502,11 @@ def _fp8_cache(q, kc, vc, names=("k_cache", "v_cache")):
         if x.dtype.startswith("float8") and x.dtype != FP8_CACHE:
             raise TypeError(f"{n} has dtype {x.dtype}, which cufa does not support: fp8 KV "
                             f"caches are {FP8_CACHE} (e4m3)")
-    if q.dtype == FP8_CACHE:
-        raise NotImplementedError("q in float8_e4m3fn is not supported with a KV cache yet "
-                                  "(the fp8 forward takes contiguous k, v in flash_attn_func "
-                                  "and flash_attn_varlen_func); pass q in float16 or bfloat16 "
-                                  "(an fp8 cache is)")
+    if q.dtype == FP8_CACHE:  # (flash_attn_with_kvcache dequantizes one first: api)
+        raise NotImplementedError("q in float8_e4m3fn against a KV cache is taken by "
+                                  "flash_attn_with_kvcache from PyTorch and JAX arrays only "
+                                  "(dequantized to bfloat16 by their ops); pass q in float16 "
+                                  "or bfloat16 (q times q_descale)")
     fp8 = kc.dtype == FP8_CACHE
     if fp8 != (vc.dtype == FP8_CACHE):
         raise TypeError(f"{names[0]} has dtype {kc.dtype} but {names[1]} has {vc.dtype}: an "
@@ -548,13 +548,18 @@ def check_descales(kd, vd, kc, q, batch, nheads_k, fp8, cache="k_cache"):
 
 def _check_descale(x, n, q, batch, nheads_k):
     """One descale `n`: float32 (batch, nheads_k), or one scale ((1,) or 0-d), on q's device."""
-    if x.dtype != "float32":
-        raise TypeError(f"{n} must be float32; got {x.dtype}")
+    check_descale_dtype_and_shape(x.dtype, x.shape, n, batch, nheads_k)
     if x.device != q.device:
         raise ValueError(f"{n} is on cuda:{x.device} but q is on cuda:{q.device}")
-    if x.shape not in ((batch, nheads_k), (1,), ()):
+
+
+def check_descale_dtype_and_shape(dtype, shape, n, batch, nheads_k):
+    """A descale `n` by its dtype's name and its shape (what a traced array has too)."""
+    if dtype != "float32":
+        raise TypeError(f"{n} must be float32; got {dtype}")
+    if shape not in ((batch, nheads_k), (1,), ()):
         raise ValueError(f"{n} must be float32 (batch, nheads_k) = ({batch}, {nheads_k}), "
-                         f"or (1,) or 0-d for one scale; got shape {x.shape}")
+                         f"or (1,) or 0-d for one scale; got shape {shape}")
 
 
 def check_cache(q, kc, vc, kn, vn, table, idx, head_dim_v=None):

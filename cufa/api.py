@@ -2,11 +2,12 @@
 planner of its family (_fwd_plan, _decode_plan), or, while torch.compile or jax.jit
 traces the call, to that framework's front-end (_torch_ops, _jax)."""
 import numbers
+import sys
 
 from . import (_arrays, _bwd_plan, _compile, _decode_plan, _fwd_plan, _interop, _jax,
                _runtime, _torch_ops)
-from ._checks import (NO_WINDOW, as_index, check_num_splits, reject_unsupported,
-                      sink_without_grad, window_ints)
+from ._checks import (FP8_CACHE, NO_WINDOW, as_index, check_descale_dtype_and_shape,
+                      check_num_splits, reject_unsupported, sink_without_grad, window_ints)
 from ._decode_plan import merge, with_kvcache
 from ._fwd_plan import dense, packed, sdpa
 
@@ -430,7 +431,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=NO_WINDOW, softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, out=None, check_inputs=False,
-                            learnable_sink=None, k_descale=None, v_descale=None, qv=None):
+                            learnable_sink=None, k_descale=None, v_descale=None, qv=None,
+                            q_descale=None):
     """Attention of new query tokens against a KV cache (flash-attn 2 conventions).
 
     q: (batch, seqlen_q, nheads, headdim). The cache is contiguous,
@@ -476,6 +478,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (rotated first, and rounded to q's dtype, where rotary is on). JAX arrays take it
     eager and under jax.jit (through XLA's buffers, not DLPack).
 
+    q in float8_e4m3fn too (FlashAttention-3's fp8 decode), from PyTorch or JAX, with an
+    fp8 cache only: q_descale, float32 (batch, nheads_k) or one scale ((1,) or 0-d;
+    default 1), as k_descale. An fp8 q is dequantized to bf16 by a framework op first,
+    q_fp8 * q_descale[b, h // (nheads / nheads_k)] in float32 rounded to bfloat16 (to
+    out='s float16 or bfloat16 where out= is given), and the call runs with that q: the
+    new k, v come in that dtype (rotary tables in it or float32), out is in it. q is a
+    decode step's few rows, so the copy costs little; torch.compile and jax.jit trace it
+    with the call. Not with qv, nor for CuPy arrays (pass q times q_descale in 16 bits).
+
     MLA decode (DeepSeek's latent attention, FlashAttention-3's form), on Hopper: qv
     (batch, seqlen_q, nheads, 512) the absorbed queries, q (..., 64) the rotary ones,
     k_cache the keys' rotary rows k_pe (64) and v_cache their latent rows c_kv (512), which
@@ -497,6 +508,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_seqlens, "cache_seqlens", 0, "an int >= 0 or an int32 (batch,) array")), None
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
+    if q_descale is not None or getattr(q, "itemsize", 0) == 1:  # (an fp8 q: as 16-bit)
+        q = _fp8_query(q, q_descale, k_cache, v_cache, k, v, qv, out)
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
               cache_leftpad, block_table, alibi_slopes, learnable_sink, k_descale,
               v_descale, qv)  # in ARRAYS' order
@@ -531,6 +544,94 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         causal=causal, window_size=window_size, softcap=softcap,
                         rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
                         return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
+
+
+def _fp8_query(q, q_descale, k_cache, v_cache, k, v, qv, out):
+    """flash_attn_with_kvcache's q where it is 1 byte or q_descale is given: an e4m3 q,
+    checked against the rest of the call, as the 16-bit q the decode kernels take
+    (_fp8_query_as_16_bit); any other q as it is, for the planner's dtype checks."""
+    name = _dtype_name(q)
+    if not name.startswith("float8"):
+        if q_descale is not None:
+            raise TypeError(f"q_descale applies to a q in {FP8_CACHE}; q has dtype {name}")
+        return q
+    if name != FP8_CACHE:  # (as an fp8 cache of another float8 is refused)
+        raise TypeError(f"q has dtype {name}, which cufa does not support: an fp8 q is "
+                        f"{FP8_CACHE} (e4m3)")
+    framework = _framework(q)
+    if framework is None:
+        raise NotImplementedError(
+            f"q in {FP8_CACHE} is dequantized by PyTorch or JAX ops, and this q is a "
+            f"{_interop._framework_name(q)} array; pass q in float16 or bfloat16 (q times "
+            "q_descale)")
+    if qv is not None:
+        raise NotImplementedError(f"q in {FP8_CACHE} is not supported with qv (MLA decode); "
+                                  "pass q and qv in float16 or bfloat16")
+    for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if _dtype_name(x) != FP8_CACHE:
+            raise TypeError(f"{n} has dtype {_dtype_name(x)}: a q in {FP8_CACHE} reads an fp8 "
+                            f"cache (k_cache and v_cache in {FP8_CACHE}), as FlashAttention-3's "
+                            "does; pass q in float16 or bfloat16 for a 16-bit cache")
+    if (q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape[2] == 0
+            or q.shape[2] % k_cache.shape[2]):
+        raise ValueError(f"q must be (batch, seqlen_q, nheads, headdim) and k_cache 4-D with "
+                         f"nheads_k heads, nheads a multiple of nheads_k; got q {tuple(q.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}")
+    dtype = "bfloat16" if out is None else _dtype_name(out)
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"out must be float16 or bfloat16 (the output of a q in {FP8_CACHE}); "
+                         f"got {dtype}")
+    for x, n in ((k, "k"), (v, "v")):
+        if x is not None and _dtype_name(x) != dtype:
+            raise TypeError(f"{n} has dtype {_dtype_name(x)}: with q in {FP8_CACHE}, the new "
+                            f"k and v come in {dtype}, the dtype q is dequantized to "
+                            "(bfloat16, or out='s)")
+    if q_descale is not None:
+        if _framework(q_descale) != framework:
+            raise TypeError(f"q_descale must be a float32 array of q's framework "
+                            f"({_interop._FRAMEWORKS[framework]}); got "
+                            f"{type(q_descale).__module__}.{type(q_descale).__name__}")
+        check_descale_dtype_and_shape(_dtype_name(q_descale), tuple(q_descale.shape),
+                                      "q_descale", q.shape[0], k_cache.shape[2])
+        if framework == "torch" and q_descale.device != q.device:
+            raise ValueError(f"q_descale is on {q_descale.device} but q is on {q.device}")
+    return _fp8_query_as_16_bit(q, q_descale, q.shape[2] // k_cache.shape[2], dtype)
+
+
+def _fp8_query_as_16_bit(q, q_descale, group, dtype="bfloat16"):
+    """An e4m3 q (batch, seqlen_q, nheads, headdim) of PyTorch or JAX, dequantized by that
+    framework's ops (traced by torch.compile and jax.jit as any other): q * q_descale in
+    float32, rounded to dtype ("bfloat16" or "float16"). q_descale (float32): (batch,
+    nheads_k), query head h taking its KV head's q_descale[b, h // group] as
+    FlashAttention-3 does; (1,) or 0-d, one scale; None, 1."""
+    if _interop.is_jax(q):
+        jnp = sys.modules["jax"].numpy
+        cast = (lambda x, to: x.astype(getattr(jnp, to)))
+    else:
+        torch = sys.modules["torch"]
+        cast = (lambda x, to: x.to(getattr(torch, to)))
+    x = cast(q, "float32")
+    if q_descale is not None and q_descale.ndim == 2:
+        batch, seqlen, nheads, d = q.shape
+        grouped = x.reshape(batch, seqlen, nheads // group, group, d)
+        x = (grouped * _interop.detached(q_descale)[:, None, :, None, None]).reshape(q.shape)
+    elif q_descale is not None:
+        x = x * _interop.detached(q_descale)
+    return cast(x, dtype)
+
+
+def _dtype_name(x):
+    """x's dtype as cufa names it ("float8_e4m3fn"), of any framework's array, traced
+    too; a value that is no array gives its type's name."""
+    dtype = getattr(x, "dtype", None)
+    return type(x).__name__ if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _framework(x):
+    """"torch" or "jax" for their arrays (traced too), else None."""
+    if type(x).__module__.split(".")[0] == "torch":
+        return "torch"
+    return "jax" if _interop.is_jax(x) else None
 
 
 _integral_types = {}  # type -> whether numbers.Integral (an ABC check each call costs more)

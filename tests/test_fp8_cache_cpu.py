@@ -1,13 +1,14 @@
 """CPU: fp8 (float8_e4m3fn) KV caches in flash_attn_with_kvcache -- what the planner takes
 (the e4m3 decode variant in the 16-bit shape's shared memory, never the TMA kernel, the
-quantizing append), every bad argument's error before any launch, and the e4m3
+quantizing append), every bad argument's error before any launch, the e4m3
 arithmetic the kernels do in bits (a mirror of common/types.cuh's, checked against
-ml_dtypes)."""
+ml_dtypes), and an fp8 q with q_descale: its errors and its dequantization to 16 bits."""
 import struct
 
 import numpy as np
 import pytest
 
+import cufa
 from cufa import _compile
 from cufa._interop import DeviceArray
 from test_kvcache_plan_cpu import planner, record  # noqa: F401  (the fixture)
@@ -182,3 +183,128 @@ def test_e4m3_to_pairs_is_exact_up_to_the_scale(bf16):
         # the fp16 / lifted bf16 values are normal: products with q stay far from float32's
         # subnormals
         assert (np.abs(got[got != 0]) >= 2.0 ** -17).all()
+
+
+# -- an fp8 q (q_descale), dequantized by the caller's framework before the decode ---------
+
+def _fp8_q_call(**changes):
+    """A decode call's arguments as CPU torch tensors: an e4m3 q of 8 heads over 2 KV heads
+    and an e4m3 cache (its checks run before any array reaches the planner)."""
+    torch = pytest.importorskip("torch")
+    e4m3 = torch.float8_e4m3fn
+    kw = dict(q=torch.randn(2, 1, 8, 64).to(e4m3), k_cache=torch.zeros(2, 32, 2, 64, dtype=e4m3),
+              v_cache=torch.zeros(2, 32, 2, 64, dtype=e4m3), q_descale=torch.ones(2, 2),
+              cache_seqlens=3)
+    kw.update(changes)
+    return {n: x for n, x in kw.items() if x is not None}
+
+
+FP8_Q_CASES = [
+    # (id, changes (a callable of torch, for the tensors), error, words)
+    ("q_descale with a 16-bit q", lambda t: dict(q=t.randn(2, 1, 8, 64, dtype=t.bfloat16)),
+     TypeError, ["q_descale", "bfloat16"]),
+    ("16-bit cache", lambda t: dict(k_cache=t.zeros(2, 32, 2, 64, dtype=t.float16),
+                                    v_cache=t.zeros(2, 32, 2, 64, dtype=t.float16)),
+     TypeError, ["k_cache", "float16", "fp8 cache"]),
+    ("16-bit v_cache", lambda t: dict(v_cache=t.zeros(2, 32, 2, 64, dtype=t.bfloat16)),
+     TypeError, ["v_cache", "bfloat16"]),
+    ("q_descale float16", lambda t: dict(q_descale=t.ones(2, 2, dtype=t.float16)), TypeError,
+     ["q_descale", "float32"]),
+    ("q_descale per query head", lambda t: dict(q_descale=t.ones(2, 8)), ValueError,
+     ["q_descale", "(2, 2)"]),
+    ("q_descale 1-D of batch", lambda t: dict(q_descale=t.ones(2)), ValueError,
+     ["q_descale", "(batch, nheads_k)"]),
+    ("q_descale on another device", lambda t: dict(q_descale=t.ones(2, 2, device="meta")),
+     ValueError, ["q_descale", "meta", "cpu"]),
+    ("q_descale a NumPy array", lambda t: dict(q_descale=np.ones((2, 2), np.float32)),
+     TypeError, ["q_descale", "PyTorch"]),
+    ("q_descale a float", lambda t: dict(q_descale=0.5), TypeError, ["q_descale", "float32"]),
+    ("qv", lambda t: dict(qv=t.zeros(2, 1, 8, 512, dtype=t.bfloat16)), NotImplementedError,
+     ["qv", "MLA", "float8_e4m3fn"]),
+    ("e5m2 q", lambda t: dict(q=t.randn(2, 1, 8, 64).to(t.float8_e5m2), q_descale=None),
+     TypeError, ["q", "float8_e5m2", "float8_e4m3fn"]),
+    ("new k in float16", lambda t: dict(k=t.zeros(2, 1, 2, 64, dtype=t.float16),
+                                        v=t.zeros(2, 1, 2, 64, dtype=t.float16)),
+     TypeError, ["k has dtype float16", "bfloat16"]),
+    ("new k against out='s float16", lambda t: dict(
+        k=t.zeros(2, 1, 2, 64, dtype=t.bfloat16), v=t.zeros(2, 1, 2, 64, dtype=t.bfloat16),
+        out=t.zeros(2, 1, 8, 64, dtype=t.float16)), TypeError,
+     ["k has dtype bfloat16", "float16"]),
+    ("out float32", lambda t: dict(out=t.zeros(2, 1, 8, 64)), ValueError,
+     ["out", "float16 or bfloat16"]),
+    ("heads not a multiple", lambda t: dict(k_cache=t.zeros(2, 32, 3, 64, dtype=t.float8_e4m3fn),
+                                            v_cache=t.zeros(2, 32, 3, 64, dtype=t.float8_e4m3fn)),
+     ValueError, ["nheads_k", "(2, 32, 3, 64)"]),
+]
+
+
+@pytest.mark.parametrize("case", FP8_Q_CASES, ids=[c[0] for c in FP8_Q_CASES])
+def test_fp8_q_bad_arguments(case, monkeypatch):
+    """Each refused before the planner sees the call, the cache unchanged."""
+    torch = pytest.importorskip("torch")
+    _, changes, error, words = case
+    monkeypatch.setattr(cufa.api, "with_kvcache", lambda *a, **k: pytest.fail("planned"))
+    kw = _fp8_q_call(**changes(torch))
+    before = kw["k_cache"].clone()
+    with pytest.raises(error) as info:
+        cufa.flash_attn_with_kvcache(**kw)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert torch.equal(kw["k_cache"].view(torch.uint8), before.view(torch.uint8))
+
+
+def test_fp8_q_of_other_arrays_is_not_implemented():
+    """An e4m3 q neither PyTorch's nor JAX's (CuPy's, a view here) is refused: no
+    framework op dequantizes it."""
+    q = arr((2, 1, 8, 128), "float8_e4m3fn")
+    cache = arr((2, 256, 2, 128), "float8_e4m3fn")
+    for extra in ({}, dict(q_descale=arr((2, 2), "float32"))):
+        with pytest.raises(NotImplementedError, match="q in float8_e4m3fn.*float16 or bfloat16 "
+                                                      r"\(q times q_descale\)"):
+            cufa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=arr((2,), "int32"),
+                                         **extra)
+
+
+def _short_descales(rng, shape):
+    """float32 descales of 16 significant bits at most: times an e4m3 value (4 bits) the
+    product is exact in float32, so the helper's one rounding, to 16 bits, is the float64
+    product's."""
+    return np.asarray(np.ldexp(rng.integers(2 ** 15, 2 ** 16, shape),
+                               rng.integers(-24, -12, shape)), dtype=np.float32)
+
+
+@pytest.mark.parametrize("kind", ["per_kv_head", "one", "scalar", None])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_q_dequantizes_per_kv_head_group(kind, dtype):
+    """q_fp8 * q_descale[b, h // (nheads / nheads_k)], rounded to dtype: the float64
+    product rounded once (CPU torch tensors, every e4m3 code among q's values)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(31)
+    batch, seqlen, heads, heads_k, d = 3, 2, 12, 3, 48
+    codes = rng.integers(0, 256, (batch, seqlen, heads, d), dtype=np.uint8)
+    codes[codes & 0x7F == 0x7F] = 0x38  # (no NaN codes: 1.0 instead)
+    codes.reshape(-1)[:256 - 2] = [c for c in range(256) if c & 0x7F != 0x7F]
+    q = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+    shape = {"per_kv_head": (batch, heads_k), "one": (1,), "scalar": (), None: None}[kind]
+    descale = None if shape is None else torch.from_numpy(_short_descales(rng, shape))
+    got = cufa.api._fp8_query_as_16_bit(q, descale, heads // heads_k, dtype)
+    scale = np.ones((batch, heads_k)) if descale is None else np.broadcast_to(
+        descale.double().numpy(), (batch, heads_k))
+    per_head = np.repeat(scale, heads // heads_k, axis=1)[:, None, :, None]  # (b, 1, h, 1)
+    want = torch.from_numpy(q.double().numpy() * per_head).to(getattr(torch, dtype))
+    assert got.dtype == want.dtype and got.shape == q.shape
+    assert torch.equal(got, want), int((got != want).sum())
+
+
+def test_fp8_q_reaches_the_planner_as_its_16_bit_dequantization(monkeypatch):
+    """The eager call hands the planner the dequantized q (bfloat16, or out='s float16) in
+    q's place and everything else as given."""
+    torch = pytest.importorskip("torch")
+    seen = []
+    monkeypatch.setattr(cufa.api, "with_kvcache", lambda arrays, **kw: seen.append(arrays))
+    kw = _fp8_q_call(q_descale=torch.tensor([0.5]))
+    for out in (None, torch.empty(2, 1, 8, 64, dtype=torch.float16)):
+        cufa.flash_attn_with_kvcache(**kw, out=out)
+        q = seen[-1][0]
+        want = (kw["q"].float() * 0.5).to(torch.bfloat16 if out is None else out.dtype)
+        assert torch.equal(q, want) and seen[-1][1] is kw["k_cache"] and seen[-1][-1] is out

@@ -82,11 +82,20 @@ def expected_bytes(x, descale, batch, heads_k):
     return (x.float() / scale).clamp(-448, 448).to(E4M3).view(torch.uint8)
 
 
-def call_and_check(kw, slots, label):
+def call_and_check(kw, slots, label, fp8_q=None, use_out=True):
+    """The call on kw (into out=, NaN first, where use_out; else out must come in q's
+    dtype), checked against the references and torch's quantization of the appended keys.
+    fp8_q: (q in e4m3, q_descale) to call with in kw["q"]'s place; kw["q"] is then their
+    dequantization, what the kernel attends with, for the references."""
     before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
-    out = torch.full_like(kw["q"], NAN)
-    res, lse = cufa.flash_attn_with_kvcache(**kw, out=out, return_softmax_lse=True)
-    assert res is out
+    call_kw = kw if fp8_q is None else {**kw, "q": fp8_q[0], "q_descale": fp8_q[1]}
+    if use_out:
+        out = torch.full_like(kw["q"], NAN)
+        res, lse = cufa.flash_attn_with_kvcache(**call_kw, out=out, return_softmax_lse=True)
+        assert res is out
+    else:
+        out, lse = cufa.flash_attn_with_kvcache(**call_kw, return_softmax_lse=True)
+        assert out.dtype == kw["q"].dtype and out.shape == kw["q"].shape
     ref, lowp, _, _ = kvcache_references(**{**kw, **before})
     assert_pass_rule(out, lse, ref, lowp, kw["q"].dtype, label)
     batch, hk = kw["q"].shape[0], kw["k_cache"].shape[2]
@@ -220,6 +229,42 @@ def test_fp8_cache_subnormal_codes_are_values(dtype):
     kw["k_descale"] = torch.full((2, 2), 2.0 ** 7, device="cuda")  # keys up to 1.75
     kw["v_descale"] = torch.full((2, 2), 2.0 ** 9, device="cuda")  # values up to 7
     call_and_check(kw, slots, f"{dtype} subnormals")
+
+
+def quantized_q(q, heads_k):
+    """q (batch, seqlen_q, nheads, d) in e4m3 with a per-(batch, KV head) q_descale, each
+    group's largest magnitude over 448 (e4m3's range used): (q in e4m3, q_descale)."""
+    batch, seqlen, heads, d = q.shape
+    grouped = q.float().reshape(batch, seqlen, heads_k, heads // heads_k, d)
+    scale = grouped.abs().amax(dim=(1, 3, 4)) / 448  # (batch, heads_k)
+    q8 = (grouped / scale[:, None, :, None, None]).clamp(-448, 448).to(E4M3)
+    return q8.reshape(q.shape), scale
+
+
+@pytest.mark.parametrize("page_size, causal, out_dtype, rotary", [
+    (None, True, None, False), (16, False, None, False), (16, True, "float16", True),
+    (None, False, "float16", False)],
+    ids=["contiguous-causal", "paged", "paged-causal-rotary-out16", "contiguous-out16"])
+def test_fp8_q_with_an_fp8_cache(page_size, causal, out_dtype, rotary):
+    """q in e4m3 with a per-(batch, KV head) q_descale (FlashAttention-3's fp8 decode),
+    GQA, one append step of 3 tokens: out in bfloat16, or in out='s float16 (then the
+    new k, v and the rotary tables are float16 too). With rotary, the rotation of the
+    dequantized q, and no append (a rotated new key's bytes may differ from torch's by a
+    rounding: test_fp8_cache_rotary_append_quantizes_the_rounded_rotation)."""
+    rng = np.random.default_rng(37)
+    dtype = out_dtype or "bfloat16"  # the dequantized q's dtype
+    heads = (16, 4)
+    kw, slots = build(rng, dtype=dtype, batch=3, seqlen_q=3, new=0 if rotary else 3,
+                      heads=heads, capacity=320, page_size=page_size, causal=causal,
+                      rotary=rotary)
+    q8, q_scale = quantized_q(randn(rng, kw["q"].shape, torch.float32, scale=2.0), heads[1])
+    # the references attend with the dequantized q rounded to the 16-bit dtype, which is
+    # what the kernel sees (not the float32 q it was quantized from)
+    per_head = q_scale.repeat_interleave(heads[0] // heads[1], dim=1)[:, None, :, None]
+    kw["q"] = (q8.float() * per_head).to(getattr(torch, dtype))
+    assert kw["q"].abs().amax() > 1  # (random values over e4m3's range, not zeros)
+    call_and_check(kw, slots, f"fp8 q pages {page_size} causal {causal} out {out_dtype}",
+                   fp8_q=(q8, q_scale), use_out=out_dtype is not None)
 
 
 def test_fp8_cache_from_cupy():

@@ -457,6 +457,32 @@ def test_fp8_cache_is_one_callback_eager_and_under_jit(monkeypatch, rng, jax_cpu
     assert crossed[0][traced.names.index("k_cache")] == "uint8"
 
 
+def test_fp8_q_is_dequantized_by_jnp_eager_and_under_jit(monkeypatch, rng, jax_cpu_callbacks):
+    """A jnp.float8_e4m3fn q with a per-KV-head q_descale: jnp ops turn it into bfloat16
+    before the one buffer callback, traced and eager alike, which then gets that q (its
+    values q * q_descale[b, h // 2]) and returns out in bfloat16; q_descale is no argument
+    of the callback."""
+    seen = []
+
+    def on_device(spec, ctx, outs, bufs):
+        seen.append((spec, np.asarray(bufs[spec.names.index("q")]).astype(np.float64)))
+    monkeypatch.setattr(_jax, "on_device", on_device)
+    q = randn(rng, (2, 1, 4, 32), fp8)
+    kc = randn(rng, (2, 16, 2, 32), fp8)
+    new = randn(rng, (2, 1, 2, 32), jnp.bfloat16)
+    q_scale, lens = jnp.asarray([[0.5, 2.0], [0.25, 4.0]], f32), jnp.asarray([3, 5], i32)
+    call = (lambda q, kc, new, qs, lens: cufa.flash_attn_with_kvcache(
+        q, kc, kc, new, new, cache_seqlens=lens, q_descale=qs))
+    for fn in (jax.jit(call), call):
+        o, kc2, _ = fn(q, kc, new, q_scale, lens)
+        assert (o.dtype, o.shape, kc2.dtype) == (jnp.bfloat16, q.shape, fp8)
+    want = np.asarray(q, np.float64) * np.repeat(np.asarray(q_scale), 2, axis=1)[:, None, :, None]
+    want = np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64)
+    for spec, got in seen:
+        assert "q_descale" not in spec.names and spec.dtypes[spec.names.index("q")] == "bfloat16"
+        assert np.array_equal(got, want)
+
+
 def test_eager_callback_calls_of_one_shape_share_a_trace(numpy_device, rng):
     """Eager calls that run as a callback (an append) trace and compile once a shape and
     options, not once a call: the same Call (token) runs again; a new shape traces anew."""

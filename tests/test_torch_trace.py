@@ -289,3 +289,24 @@ def test_fp8_dtypes_are_checked_while_tracing():
                           fullgraph=True, backend="eager")
         with pytest.raises(Exception, match=match):
             f(*args)
+
+
+def test_fp8_q_is_dequantized_by_traced_ops_before_the_kvcache_op():
+    """An e4m3 q with q_descale: torch ops (to float32, times the per-KV-head descale, to
+    bfloat16) in the graph, outside cufa's op, which then takes the bfloat16 q; no break."""
+    q = torch.empty(2, 1, 8, 64, dtype=torch.float8_e4m3fn, device="meta")
+    cache = torch.empty(2, 256, 2, 64, dtype=torch.float8_e4m3fn, device="meta")
+    new = torch.empty(2, 1, 2, 64, dtype=torch.bfloat16, device="meta")
+    lens = torch.empty(2, dtype=torch.int32, device="meta")
+    q_scale = torch.empty(2, 2, dtype=torch.float32, device="meta")
+
+    def f(q, c, k, n, qs):
+        out = cufa.flash_attn_with_kvcache(q, c, c, k, k, cache_seqlens=n, q_descale=qs)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        return out
+    code = _traced_graph(f, q, cache, new, lens, q_scale)
+    lines = code.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if "torch.ops.cufa.kvcache_append" in line]
+    before = "\n".join(lines[:at])
+    assert "l_qs_" in before and "torch.bfloat16" in before, code
+    assert not lines[at].split("(", 1)[1].startswith("l_q_,"), lines[at]  # (not the e4m3 q)
