@@ -85,6 +85,7 @@ def representative_variants():
         C.AppendVariant("bf16"),
         C.MergeVariant("fp32"),
         C.TransposeVVariant(),
+        C.GatherPagesVariant(),
         *C.bwd_variants("bf16", 128, "window", True),  # preprocess, dq, dk and dv together
         C.bwd_variants("fp16", 256, "none", False)[3],  # dv alone
         *C.bwd_sm90_variants("fp16", 128, "window", False)[1:],  # dq, dk and dv on wgmma

@@ -89,6 +89,9 @@ def call_and_check(kw, slots, label, fp8_q=None, use_out=True):
     dequantization, what the kernel attends with, for the references."""
     before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
     call_kw = kw if fp8_q is None else {**kw, "q": fp8_q[0], "q_descale": fp8_q[1]}
+    if fp8_q is not None:  # (the same call with the dequantized q, on copies of the caches)
+        same = cufa.flash_attn_with_kvcache(**{**kw, **{n: x.clone() for n, x in before.items()}},
+                                            return_softmax_lse=True)
     if use_out:
         out = torch.full_like(kw["q"], NAN)
         res, lse = cufa.flash_attn_with_kvcache(**call_kw, out=out, return_softmax_lse=True)
@@ -96,6 +99,8 @@ def call_and_check(kw, slots, label, fp8_q=None, use_out=True):
     else:
         out, lse = cufa.flash_attn_with_kvcache(**call_kw, return_softmax_lse=True)
         assert out.dtype == kw["q"].dtype and out.shape == kw["q"].shape
+    if fp8_q is not None:  # an fp8 q is its dequantization's call, bit for bit
+        assert torch.equal(out, same[0]) and torch.equal(lse, same[1]), label
     ref, lowp, _, _ = kvcache_references(**{**kw, **before})
     assert_pass_rule(out, lse, ref, lowp, kw["q"].dtype, label)
     batch, hk = kw["q"].shape[0], kw["k_cache"].shape[2]
@@ -242,9 +247,9 @@ def quantized_q(q, heads_k):
 
 
 @pytest.mark.parametrize("page_size, causal, out_dtype, rotary", [
-    (None, True, None, False), (16, False, None, False), (16, True, "float16", True),
+    (None, True, None, False), (16, False, None, False), (16, True, None, True),
     (None, False, "float16", False)],
-    ids=["contiguous-causal", "paged", "paged-causal-rotary-out16", "contiguous-out16"])
+    ids=["contiguous-causal", "paged", "paged-causal-rotary", "contiguous-out16"])
 def test_fp8_q_with_an_fp8_cache(page_size, causal, out_dtype, rotary):
     """q in e4m3 with a per-(batch, KV head) q_descale (FlashAttention-3's fp8 decode),
     GQA, one append step of 3 tokens: out in bfloat16, or in out='s float16 (then the
