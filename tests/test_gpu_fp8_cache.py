@@ -303,6 +303,9 @@ def test_fp8_cache_from_jax():
     batch, hk = kw["q"].shape[0], kw["k_cache"].shape[2]
 
     def to_jax(t):
+        # (JAX may read the tensor on its own stream, which does not wait for torch's: one
+        # run of the whole suite saw new bytes that were not torch's, not seen again alone)
+        torch.cuda.synchronize()
         if t.dtype == E4M3:
             return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(t.view(torch.uint8)),
                                                 jnp.float8_e4m3fn)

@@ -104,6 +104,7 @@ def test_fp8_paged_varlen_from_jax(rng):
     q = randn(rng, (1, sum(lens_q), h, d), "float16")[0]
 
     def to_jax(t):
+        torch.cuda.synchronize()  # (JAX reads it on its own stream, which does not wait)
         if t.dtype == E4M3:
             return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(t.view(torch.uint8)),
                                                 jnp.float8_e4m3fn)
