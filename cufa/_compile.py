@@ -844,42 +844,38 @@ class AppendVariant(_CacheKernel):
         return f"cufa::decode_append<{DTYPES.index(self.dtype)}{fp8}>"
 
 
-@dataclass(frozen=True)
-class TransposeVVariant(_CacheKernel):
-    """fwd/transpose_v_e4m3.cu's transpose_v_e4m3: the fp8 forward's V as (d, keys) rows,
-    each 32-key step in the P operand's key order (cufa/_fp8.py)."""
+class _Fp8PrePass(_CacheKernel):
+    """A pre-pass of the fp8 forward (Hopper's): one kernel of e4m3 bytes, fwd/<kind>_e4m3.cu's
+    <kind>_e4m3, 256 threads."""
     dtype = "e4m3"
+    archs = ("sm_90",)  # (the fp8 forward is Hopper's)
+    threads = 256
+
+    @property
+    def source(self):
+        return f"fwd/{self.key}.cu"
+
+    @property
+    def key(self):
+        return f"{self.kind}_e4m3"
+
+    @property
+    def name_expression(self):
+        return f"cufa::{self.key}"
+
+
+@dataclass(frozen=True)
+class TransposeVVariant(_Fp8PrePass):
+    """transpose_v_e4m3: the fp8 forward's V as (d, keys) rows, each 32-key step in the P
+    operand's key order (cufa/_fp8.py)."""
     kind = "transpose_v"
-    source = "fwd/transpose_v_e4m3.cu"
-    archs = ("sm_90",)  # (the fp8 forward is Hopper's)
-    threads = 256
-
-    @property
-    def key(self):
-        return "transpose_v_e4m3"
-
-    @property
-    def name_expression(self):
-        return "cufa::transpose_v_e4m3"
 
 
 @dataclass(frozen=True)
-class GatherPagesVariant(_CacheKernel):
-    """fwd/gather_pages_e4m3.cu's gather_pages_e4m3: a paged e4m3 cache's K and V pages
-    as a packed batch's rows, for the fp8 forward (cufa/_fp8.py)."""
-    dtype = "e4m3"
+class GatherPagesVariant(_Fp8PrePass):
+    """gather_pages_e4m3: a paged e4m3 cache's K and V pages as a packed batch's rows, for
+    the fp8 forward (cufa/_fp8.py)."""
     kind = "gather_pages"
-    source = "fwd/gather_pages_e4m3.cu"
-    archs = ("sm_90",)  # (the fp8 forward is Hopper's)
-    threads = 256
-
-    @property
-    def key(self):
-        return "gather_pages_e4m3"
-
-    @property
-    def name_expression(self):
-        return "cufa::gather_pages_e4m3"
 
 
 @dataclass(frozen=True)
