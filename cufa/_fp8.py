@@ -92,13 +92,15 @@ def launch_transpose_v(v_ptr, v_shape, v_strides, vt_ptr, padded_seqlen, device,
 GATHER_CTAS = 1024  # gather_pages_e4m3's grid: ~8 CTAs an SM, looping over the keys
 
 
-def launch_gather_pages(k_cache, v_cache, paged, batch, k_rows_ptr, v_rows_ptr, used_ptr,
+def launch_gather_pages(k_cache, v_cache, paged, batch, k_rows_ptr, v_rows_ptr, cu_ptr, used_ptr,
                         cu_seqlens_k, seqused_k, device, stream):
     """gather_pages_e4m3 on `stream`: the pages of k_cache, v_cache (views, (num_pages,
     page_size, nheads_k, d) e4m3) that a packed batch's block_table names -> rows
     (batch * capacity, nheads_k, d), contiguous, at k_rows_ptr and v_rows_ptr, sequence b
-    from row cu_seqlens_k[b] (clamped) on; used_ptr: int32 (batch,), the keys the forward
-    takes of each. paged: _checks.check_block_table's dict plus the table's address."""
+    from row b * capacity on; at cu_ptr, int32 (batch + 1,), those starts, and at used_ptr,
+    int32 (batch,), the keys the forward takes of each (what the packed route then reads
+    as cu_seqlens_k and seqused_k). paged: _checks.check_block_table's dict plus the
+    table's address."""
     _, _, heads, d = k_cache.shape
     kernel = _compile.GatherPagesVariant()
     strides = {f"{x}_{dim}_stride": s for x, c in (("k", k_cache), ("v", v_cache))
@@ -106,10 +108,9 @@ def launch_gather_pages(k_cache, v_cache, paged, batch, k_rows_ptr, v_rows_ptr, 
     record = _params.GATHER_PAGES.pack(dict(
         k_cache=k_cache.ptr, v_cache=v_cache.ptr, k_out=k_rows_ptr, v_out=v_rows_ptr,
         block_table=paged["table"], cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-        seqused_out=used_ptr, batch=batch, nheads_k=heads, head_dim=d,
+        cu_seqlens_out=cu_ptr, seqused_out=used_ptr, batch=batch, nheads_k=heads, head_dim=d,
         page_shift=paged["page_shift"], num_pages=paged["num_pages"],
-        max_pages=paged["max_pages"], table_stride=paged["table_stride"],
-        total_rows=batch * paged["capacity"], **strides))
+        max_pages=paged["max_pages"], table_stride=paged["table_stride"], **strides))
     sequences = min(batch, 65535)
     tiles = -(-paged["capacity"] // 64)  # (kGatherRows)
     grid = (max(1, min(tiles, GATHER_CTAS // sequences)), sequences, 1)

@@ -787,9 +787,9 @@ def _align(n, to=256):
 
 # -- a paged cache (fp8 varlen with block_table): its pages gathered first into rows laid
 #    out as a packed batch's k and v (batch * capacity rows: sequence b from row
-#    cu_seqlens_k[b] on, which the forward's clamps keep inside them), with the keys used of
-#    each after them (gather_pages_e4m3); V's transpose and the forward then read those as
-#    they read a packed batch --
+#    b * capacity on), with those starts and the keys used of each after them
+#    (gather_pages_e4m3); the work list, V's transpose and the forward then read them as a
+#    packed batch's, in place of cu_seqlens_k and seqused_k --
 
 def _fp8_gathered_rows(k, batch, paged):
     """k as the forward reads it: itself, or for a paged cache a view (no memory yet) of the
@@ -802,8 +802,9 @@ def _fp8_gathered_rows(k, batch, paged):
 
 
 def _fp8_gathered_bytes(rows, batch):
-    """The gathered K and V rows, 256-byte aligned each, then the int32 keys used a sequence."""
-    return 2 * _align(math.prod(rows.shape)) + 4 * batch
+    """The gathered K and V rows, 256-byte aligned each, then the int32 starts (batch + 1)
+    and keys used (batch) of the sequences."""
+    return 2 * _align(math.prod(rows.shape)) + 4 * (2 * batch + 1)
 
 
 def _check_fp8_device(device):
@@ -872,20 +873,22 @@ def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse
 def _fp8_gather(plan, stream, rows, paged, batch, packed, at):
     """gather_pages_e4m3's launch into XLA's scratch at `at`, or (at 0) a buffer from the
     caller's allocator -> (that buffer or None, the K rows' and V rows' views, packed with
-    the keys used of each sequence in place of seqused_k)."""
+    the gathered sequences' starts and keys used in place of cu_seqlens_k and seqused_k)."""
     size = _align(math.prod(rows.shape))
     owner = None
     if not at:
-        owner, at = _interop.allocate(plan.framework, (2 * size + 4 * batch,), "uint8",
-                                      plan.device, stream)
+        owner, at = _interop.allocate(plan.framework, (_fp8_gathered_bytes(rows, batch),),
+                                      "uint8", plan.device, stream)
     k_rows, v_rows = (dataclasses.replace(rows, ptr=at + i * size) for i in (0, 1))
-    used = _interop.DeviceArray(None, rows.framework, at + 2 * size, (batch,), (1,), "int32",
-                                rows.device, 4)
+    cu_rows, used = (_interop.DeviceArray(None, rows.framework, ptr, (n,), (1,), "int32",
+                                          rows.device, 4)
+                     for ptr, n in ((at + 2 * size, batch + 1),
+                                    (at + 2 * size + 4 * (batch + 1), batch)))
     cu_q, cu_k, seqused = packed
     _fp8.launch_gather_pages(paged["k_cache"], paged["v_cache"], paged, batch, k_rows.ptr,
-                             v_rows.ptr, used.ptr, cu_k.ptr, seqused.ptr if seqused else 0,
-                             plan.device, stream)
-    return owner, k_rows, v_rows, (cu_q, cu_k, used)
+                             v_rows.ptr, cu_rows.ptr, used.ptr, cu_k.ptr,
+                             seqused.ptr if seqused else 0, plan.device, stream)
+    return owner, k_rows, v_rows, (cu_q, cu_rows, used)
 
 
 def _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale, o_strides,

@@ -95,10 +95,10 @@ TRANSPOSE_V_FIELDS = [("v", _PTR), ("vt", _PTR)] + [
 
 GATHER_PAGES_FIELDS = [(n, _PTR) for n in (
     "k_cache", "v_cache", "k_out", "v_out", "block_table", "cu_seqlens_k", "seqused_k",
-    "seqused_out")] + [
+    "cu_seqlens_out", "seqused_out")] + [
     (f"{x}_{d}_stride", _I64) for x in ("k", "v") for d in ("page", "row", "head")] + [
     (n, _I32) for n in ("batch", "nheads_k", "head_dim", "page_shift", "num_pages",
-                        "max_pages", "table_stride", "total_rows")]
+                        "max_pages", "table_stride")]
 
 
 BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink", "dlse",

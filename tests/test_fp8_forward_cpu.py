@@ -164,10 +164,10 @@ def test_fp8_varlen_schedules_transposes_then_runs(device, addresses):  # noqa: 
 
 def test_fp8_paged_batch_gathers_its_pages_then_runs_as_packed(device, addresses):  # noqa: F811
     """A paged cache (block_table): its pages gathered first into rows laid out as a packed
-    batch's k and v (batch x capacity rows, from the caller's allocator with the keys used
-    of each sequence after them), then the packed route over those rows: the work list, V's
-    transpose and the forward all read the gathered rows and the gathered keys used, not
-    the cache or seqused_k."""
+    batch's k and v (batch x capacity rows, from the caller's allocator with the sequences'
+    starts and keys used after them), then the packed route over those rows: the work list,
+    V's transpose and the forward all read the gathered rows, starts and keys used, not the
+    cache, cu_seqlens_k or seqused_k."""
     q = view((300, 8, 128))
     k_cache = view((9, 16, 2, 128), strides=(16 * 4 * 128, 4 * 128, 128, 1))  # (heads 2 of 4)
     v_cache = view((9, 16, 2, 128))
@@ -178,44 +178,46 @@ def test_fp8_paged_batch_gathers_its_pages_then_runs_as_packed(device, addresses
     rows = 3 * 5 * 16  # (batch x the table's capacity)
     row_bytes = -(-rows * 2 * 128 // 256) * 256
     vt_keys = 128 * (rows // 128 + 3 + 1)
-    assert device.allocations == [((300, 8, 128), "bfloat16"), ((2 * row_bytes + 4 * 3,), "uint8"),
+    assert device.allocations == [((300, 8, 128), "bfloat16"),
+                                  ((2 * row_bytes + 4 * (3 + 1 + 3),), "uint8"),
                                   ((2 * 128 * vt_keys,), "uint8")]
     gathered, vt = addresses[1], addresses[2]
     gather, schedule, transpose, forward = device.launches
     g = record(gather, _params.GATHER_PAGES)
     assert (g["k_cache"], g["v_cache"], g["block_table"], g["cu_seqlens_k"], g["seqused_k"]) == (
         k_cache.ptr, v_cache.ptr, table.ptr, cu_k.ptr, used.ptr)
-    assert (g["k_out"], g["v_out"], g["seqused_out"]) == (gathered, gathered + row_bytes,
-                                                          gathered + 2 * row_bytes)
+    cu_rows, used_rows = gathered + 2 * row_bytes, gathered + 2 * row_bytes + 4 * 4
+    assert (g["k_out"], g["v_out"], g["cu_seqlens_out"], g["seqused_out"]) == (
+        gathered, gathered + row_bytes, cu_rows, used_rows)
     assert (g["k_page_stride"], g["k_row_stride"], g["k_head_stride"]) == (8192, 512, 128)
     assert (g["v_page_stride"], g["v_row_stride"], g["v_head_stride"]) == (4096, 256, 128)
-    assert (g["page_shift"], g["num_pages"], g["max_pages"], g["table_stride"],
-            g["total_rows"], g["batch"], g["nheads_k"], g["head_dim"]) == (
-        4, 9, 5, 8, rows, 3, 2, 128)
+    assert (g["page_shift"], g["num_pages"], g["max_pages"], g["table_stride"], g["batch"],
+            g["nheads_k"], g["head_dim"]) == (4, 9, 5, 8, 3, 2, 128)
     assert gather[1] == (2, 3, 1)  # (80 keys: two 64-key tiles a sequence, in y)
     s = record(schedule, _params.SCHEDULE)
     t = record(transpose, _params.TRANSPOSE_V)
     r = record(forward)
-    used_rows = gathered + 2 * row_bytes
     assert s["seqused_k"] == t["seqused_k"] == r["seqused_k"] == used_rows
+    assert s["cu_seqlens_k"] == t["cu_seqlens_k"] == r["cu_seqlens_k"] == cu_rows
+    assert s["cu_seqlens_q"] == r["cu_seqlens_q"] == cu_q.ptr
     assert (t["v"], t["seqlen"], t["padded_seqlen"], t["vt"]) == (gathered + row_bytes, rows,
                                                                  vt_keys, vt)
     assert (t["v_row_stride"], t["v_head_stride"]) == (256, 128)
-    assert (r["k"], r["v"], r["cu_seqlens_k"]) == (gathered, vt, cu_k.ptr)
+    assert (r["k"], r["v"]) == (gathered, vt)
     assert (r["k_batch_stride"], r["k_row_stride"], r["k_head_stride"]) == (0, 128, 64)
     assert map_addresses(forward)[:4] == [q.ptr, gathered, vt, gathered]
 
 
 def test_fp8_paged_scratch_under_jax_holds_the_gathered_rows(device):  # noqa: F811
     """fp8_scratch_bytes of a paged call: the packed call's over the gathered rows (batch x
-    capacity), then the two rows' buffers 256-aligned and the keys used."""
+    capacity), then the two rows' buffers 256-aligned, the starts and the keys used."""
     from cufa import _checks, _fwd_plan
     window = _checks.check_options(None, False, (-1, -1), 0.0)[0]
     q, pages = view((300, 8, 128)), view((9, 16, 2, 128))
     paged = _checks.check_block_table(view((3, 5), "int32"), pages, q, 3)
     plain = _fwd_plan.fp8_scratch_bytes(q, view((240, 2, 128)), 3, window, True)
     got = _fwd_plan.fp8_scratch_bytes(q, pages, 3, window, True, paged=paged)
-    assert got == -(-plain // 256) * 256 + 2 * 240 * 2 * 128 + 4 * 3
+    assert got == -(-plain // 256) * 256 + 2 * 240 * 2 * 128 + 4 * (3 + 1 + 3)
 
 
 def test_fp8_varlen_with_q_descale_returns_attn_probs(device, monkeypatch):  # noqa: F811

@@ -313,7 +313,9 @@ def test_fp8_paged_varlen_per_row(hopper, page_size, mask):
     """flash_attn_varlen_func on e4m3 q and a paged e4m3 cache (block_table): the batch of
     test_fp8_varlen_per_row with its keys scattered over pages in a random order, every
     slot no key was written to (and V past one sequence's used keys) NaN bytes, which
-    neither the gathered rows nor V^T may carry into a row (out poisoned first)."""
+    neither the gathered rows nor V^T may carry into a row (out poisoned first). The
+    sequence with seqused_k gets a cu_seqlens_k length past its pages' capacity, which a
+    paged batch allows (seqused_k says how many keys): the ones after it must not move."""
     if E4M3 is None:
         pytest.skip("this PyTorch has no float8_e4m3fn")
     rng = np.random.default_rng(page_size + len(mask))
@@ -340,9 +342,12 @@ def test_fp8_paged_varlen_per_row(hopper, page_size, mask):
     k_cache, v_cache = (c.view(E4M3) for c in caches)
     qd, kd, vd = (fp8_descale(rng, "per_head", batch, hk) for _ in range(3))
     out = torch.full((int(cu_q[-1]), h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lens_call = list(lens_k)
+    lens_call[3] += 5 * max_pages * page_size  # (past any row of the gathered layout)
+    cu_call = np.concatenate([[0], np.cumsum(lens_call)])
     got, lse = cufa.flash_attn_varlen_func(
         q, k_cache, v_cache, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
-        torch.tensor(cu_k, dtype=torch.int32, device="cuda"), max(lens_q), max(lens_k),
+        torch.tensor(cu_call, dtype=torch.int32, device="cuda"), max(lens_q), max(lens_call),
         causal=causal, out=out, return_lse=True,
         block_table=torch.from_numpy(table.astype(np.int32)).cuda(),
         seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"),
