@@ -344,6 +344,10 @@ def test_fp8_paged_varlen_per_row(hopper, page_size, mask):
     out = torch.full((int(cu_q[-1]), h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
     lens_call = list(lens_k)
     lens_call[3] += 5 * max_pages * page_size  # (past any row of the gathered layout)
+    # The gathered rows past each sequence's keys hold what their memory held: NaN bytes
+    # here, a block of their size freed just before (PyTorch's allocator hands it on)
+    rows = -(-batch * max_pages * page_size * hk * d // 256) * 256
+    torch.full((2 * rows + 4 * (2 * batch + 1),), 0x7F, dtype=torch.uint8, device="cuda")
     cu_call = np.concatenate([[0], np.cumsum(lens_call)])
     got, lse = cufa.flash_attn_varlen_func(
         q, k_cache, v_cache, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
