@@ -208,6 +208,25 @@ def test_fp8_paged_batch_gathers_its_pages_then_runs_as_packed(device, addresses
     assert map_addresses(forward)[:4] == [q.ptr, gathered, vt, gathered]
 
 
+@pytest.mark.parametrize("batch, max_pages, page_size, grid", [
+    (8, 8, 256, (32, 8, 1)),      # (each sequence's 64-key tiles in x)
+    (1, 4096, 16, (1024, 1, 1)),  # (one long table: ~1,024 CTAs, looping over the rest)
+    (70000, 1, 16, (1, 65535, 1)),  # (y's limit: the sequences past it by the loop)
+])
+def test_gather_pages_grid(device, batch, max_pages, page_size, grid):  # noqa: F811
+    from cufa import _checks, _fp8
+    pages = view((9, page_size, 2, 128))
+    paged = dict(_checks.check_block_table(view((batch, max_pages), "int32"), pages,
+                                           view((1, 8, 128)), batch), table=0x1000)
+    _fp8.launch_gather_pages(pages, pages, paged, batch, 0x2000, 0x3000, 0x4000, 0x5000,
+                             0x6000, 0, 0, 0)
+    (launch,) = device.launches
+    assert launch[1] == grid
+    g = record(launch, _params.GATHER_PAGES)
+    assert (g["batch"], g["max_pages"], g["page_shift"]) == (batch, max_pages,
+                                                            page_size.bit_length() - 1)
+
+
 def test_fp8_paged_scratch_under_jax_holds_the_gathered_rows(device):  # noqa: F811
     """fp8_scratch_bytes of a paged call: the packed call's over the gathered rows (batch x
     capacity), then the two rows' buffers 256-aligned, the starts and the keys used."""
