@@ -754,7 +754,7 @@ def fp8_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out,
     batch, out_dtype, paged = check_fp8_packed(q, k, v, cu_q, cu_k, used, table, o, out,
                                                descales)
     if paged is not None:
-        paged = dict(paged, table=table.ptr, k_cache=k, v_cache=v)
+        paged = dict(paged, table=table.ptr)
     return _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse,
                         (q.shape[1], q.shape[0]), batch, (cu_q, cu_k, used), lse_out=lse_out,
                         stream=stream, scratch=scratch, paged=paged)
@@ -764,7 +764,7 @@ def fp8_scratch_bytes(q, k, batch, window, packed, out_dtype="bfloat16", paged=N
     """The device scratch of an fp8 forward call (views of q and k, as checked; paged:
     check_block_table's dict for a paged k): the tile counter (padded batches) or the work
     list (packed), then V^T at the next 256 bytes, then a paged cache's gathered rows
-    (_fp8_gathered). Under jax.jit XLA allocates it (as dense's scratch), planned at trace
+    (_fp8_gathered_rows). Under jax.jit XLA allocates it (as dense's scratch), planned at trace
     time, where a GPU without the kernel is refused too; eager calls take V^T and the rows
     from the caller's allocator instead. 0 where nothing launches."""
     _check_fp8_device(q.device)
@@ -777,8 +777,14 @@ def _fp8_scratch(layout, rows, batch, paged):
     """fp8_scratch_bytes from the call's _fp8_layout and gathered rows."""
     if layout is None:
         return 0
-    end = layout[1] + layout[2]
-    return end if paged is None else _align(end) + _fp8_gathered_bytes(rows, batch)
+    if paged is None:
+        return layout[1] + layout[2]
+    return _fp8_gather_offset(layout) + _fp8_gathered_bytes(rows, batch)
+
+
+def _fp8_gather_offset(layout):
+    """Where a paged call's gathered rows start in its scratch: after V^T, 256-aligned."""
+    return _align(layout[1] + layout[2])
 
 
 def _align(n, to=256):
@@ -845,9 +851,9 @@ def _fp8_views(arrays, descales, names=("q", "k", "v", "out")):
 def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse, lse_shape,
                  batch, packed=None, lse_out=None, stream=None, scratch=None, paged=None):
     """The checked views' outputs and launches; packed: (cu_seqlens_q, cu_seqlens_k,
-    seqused_k) views (q, k, v then (total, heads, d)); paged: check_block_table's dict,
-    the table's address and the caches' views (k and v pages); lse_out, stream, scratch:
-    as fp8_dense's."""
+    seqused_k) views (q, k, v then (total, heads, d)); paged: check_block_table's dict and
+    the table's address, k and v then the cache's pages; lse_out, stream, scratch: as
+    fp8_dense's."""
     _check_fp8_device(q.device)
     rows = _fp8_gathered_rows(k, batch, paged)
     layout = _fp8_layout(q, rows, batch, window, packed, out_dtype)
@@ -860,9 +866,9 @@ def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse
         if layout is not None:
             gathered = None
             if paged is not None:
-                gathered, k, v, packed = _fp8_gather(plan, stream, rows, paged, batch, packed,
-                                                     scratch_ptr and scratch_ptr + _align(
-                                                         layout[1] + layout[2]))
+                gathered, k, v, packed = _fp8_gather(
+                    plan, stream, k, v, rows, paged, batch, packed,
+                    scratch_ptr and scratch_ptr + _fp8_gather_offset(layout))
             _fp8_launch(plan, stream, q, k, v, o_ptr, lse_ptr, descales, window, scale,
                         o.strides if o is not None else _interop.contiguous_strides(q.shape),
                         batch, packed, layout, scratch_ptr)
@@ -870,10 +876,11 @@ def _fp8_forward(q, k, v, o, out, out_dtype, descales, window, scale, return_lse
     return returned(plan, result, lse, return_lse)
 
 
-def _fp8_gather(plan, stream, rows, paged, batch, packed, at):
-    """gather_pages_e4m3's launch into XLA's scratch at `at`, or (at 0) a buffer from the
-    caller's allocator -> (that buffer or None, the K rows' and V rows' views, packed with
-    the gathered sequences' starts and keys used in place of cu_seqlens_k and seqused_k)."""
+def _fp8_gather(plan, stream, k_cache, v_cache, rows, paged, batch, packed, at):
+    """gather_pages_e4m3's launch (the pages of k_cache, v_cache into `rows`' layout) into
+    XLA's scratch at `at`, or (at 0) a buffer from the caller's allocator -> (that buffer
+    or None, the K rows' and V rows' views, packed with the gathered sequences' starts and
+    keys used in place of cu_seqlens_k and seqused_k)."""
     size = _align(math.prod(rows.shape))
     owner = None
     if not at:
@@ -885,9 +892,9 @@ def _fp8_gather(plan, stream, rows, paged, batch, packed, at):
                      for ptr, n in ((at + 2 * size, batch + 1),
                                     (at + 2 * size + 4 * (batch + 1), batch)))
     cu_q, cu_k, seqused = packed
-    _fp8.launch_gather_pages(paged["k_cache"], paged["v_cache"], paged, batch, k_rows.ptr,
-                             v_rows.ptr, cu_rows.ptr, used.ptr, cu_k.ptr,
-                             seqused.ptr if seqused else 0, plan.device, stream)
+    _fp8.launch_gather_pages(k_cache, v_cache, paged, batch, k_rows.ptr, v_rows.ptr,
+                             cu_rows.ptr, used.ptr, cu_k.ptr, seqused.ptr if seqused else 0,
+                             plan.device, stream)
     return owner, k_rows, v_rows, (cu_q, cu_rows, used)
 
 
