@@ -5,7 +5,9 @@ forward's FwdParams record beside a BwdParams one; a call validates, builds both
 the gradients in the caller's framework and launches preprocess, dq, then dk/dv."""
 import math
 
-from . import _arrays, _compile, _interop, _params, _runtime
+import dataclasses
+
+from . import _arrays, _compile, _interop, _params, _runtime, _tma
 from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, check_options,
                       check_packed, window_mask_kind)
 from ._fwd_plan import _broadcast_strides, _work_list_ints
@@ -180,7 +182,7 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
         wgmma = _compile.bwd_sm90_variants(
             *key, _compile.bwd_sm90_tiles(),
             short_window=seqlen_q <= _compile.BWD_SM90_SHORT_WINDOW_ROWS,
-            producer=_compile.bwd_producer_wanted())
+            producer=_compile.bwd_producer_wanted(), tma=_compile.bwd_tma_wanted())
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
     fused = None
@@ -298,7 +300,8 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
             _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, places,
                     dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k,
                     attn_mask.ptr if attn_mask is not None else 0,
-                    dlse.ptr if dlse is not None else 0, dmask.ptr if dmask is not None else 0)
+                    dlse.ptr if dlse is not None else 0, dmask.ptr if dmask is not None else 0,
+                    seq_dim, head_dim, d)
         del held
     result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink_out]
     if _interop.returns_jax(q):
@@ -306,10 +309,46 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
     return tuple(result)
 
 
+def _streamed_maps(variant, x, y, seq_dim, head_dim, d, packed):
+    """The TMA maps of a kernel whose producer streams x and y (kTma, bwd/bwd_sm90.cu: dq
+    streams k and v, dk/dv q and dout) in the maps' k and v slots (q's holds x again) and,
+    for a packed batch, their tails, as a ctypes record; None if the copy engine cannot
+    describe them or a packed batch's tails (the kernels count on those where the tails
+    are on)."""
+    box_rows = variant.block_n if variant.kind == "dq" else variant.block_m
+    views, tails = [], []
+    for z in (x, x, y):
+        rows, heads = z.shape[seq_dim], z.shape[head_dim]
+        row_stride, head_stride = z.strides[seq_dim], z.strides[head_dim]
+        if packed:
+            views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
+            if z is not x or not tails:
+                tails.append(_tma.tail_view(rows, heads, d, row_stride, head_stride, box_rows))
+        else:
+            views.append(((z.shape[0], rows, heads, d), (z.strides[0], row_stride, head_stride),
+                          box_rows))
+    template = _tma.template(x.dtype, tuple(views), tuple(tails))
+    if template is None or (packed and not template.has_tails):
+        return None
+    return _tma.with_addresses(template, x.ptr, x.ptr, y.ptr)
+
+
 def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, places, dsink_ptr,
-            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr, dlse_ptr, dmask_ptr):
+            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr, dlse_ptr, dmask_ptr,
+            seq_dim, head_dim, d):
     """preprocess, dq, dk/dv on `stream`, a packed batch's work lists built first; places:
     the scratch addresses of scratch_bytes' offsets (D, then the lists)."""
+    # the TMA producers' maps; a kernel whose arrays the copy engine cannot describe
+    # streams by cp.async instead
+    maps = {}
+    for v in variants:
+        if v.tma:
+            x, y = (a.k, a.v) if v.kind == "dq" else (q, do)
+            maps[v] = _streamed_maps(v, x, y, seq_dim, head_dim, d, packed)
+    if None in maps.values():
+        variants = tuple(dataclasses.replace(v, tma=False) if maps.get(v, 0) is None else v
+                         for v in variants)
+    fwd["kv_tail_maps"] = int(packed and any(m is not None for m in maps.values()))
     fused = variants[1].kind == "dkdv"
     pre, kv_variants = variants[0], variants[1:2] if fused else variants[2:]
     dq_variant = _dq_variant(variants)
@@ -351,5 +390,8 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
         launches.append((variants[2], -(-bwd["rows"] * nheads * fwd["head_dim"] // 256)))
     for variant, blocks in launches:
         if blocks:
+            # (bwd_sm90.cu's dq and dk/dv kernels take the maps: a TMA producer's, else none)
+            takes_maps = variant.family == "sm90" and variant.kind in ("dq", "dkdv")
             driver_launch(_compile.function_pointer(variant, device), blocks, variant.threads,
-                          variant.smem_bytes, stream, args)
+                          variant.smem_bytes, stream,
+                          args + ((maps.get(variant) or _tma.NO_MAPS,) if takes_maps else ()))

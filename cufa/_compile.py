@@ -256,6 +256,7 @@ class BwdVariant:
                             # dkdv: Q/dout buffers, the same
     fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
     producer: bool = False  # sm90 dq, dkdv: a producer warpgroup streams the steps (kProducer)
+    tma: bool = False       # the producer streams them by TMA (kTma; the launch's maps)
     family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
 
@@ -279,9 +280,11 @@ class BwdVariant:
         grads = f"_{self.grads}" if self.kind == "dkdv" else ""
         fused = "_fdq" if self.fused_dq else ""
         producer = "_wp" if self.producer else ""
+        tma = "_tma" if self.tma else ""
         family = "_sm90" if self.family == "sm90" else ""
         return (f"bwd_{self.kind}{family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
-                f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}{producer}")
+                f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}{producer}"
+                f"{tma}")
 
     @property
     def name_expression(self):
@@ -292,10 +295,11 @@ class BwdVariant:
                 f"{str(self.score_mods).lower()}, {self.block_m}")
         if self.kind == "dq":
             kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
-            producer = ", true" if self.producer else ""
+            producer = ", true, true" if self.tma else ", true" if self.producer else ""
             return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}{producer}>"
         if self.family == "sm90":
-            flags = (", true" if self.fused_dq else ", false, true" if self.producer else "")
+            flags = (", true" if self.fused_dq else ", false, true, true" if self.tma
+                     else ", false, true" if self.producer else "")
             return (f"cufa::bwd_dkdv_sm90_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
                     f"{self.stages}, {self.block_n}{flags}>")
         fused = ", true" if self.fused_dq else ""
@@ -443,6 +447,11 @@ BWD_SM90_PRODUCER_STAGES = 3
 # waiting on each other; at d = 64 (one warpgroup, two to four CTAs an SM) its warpgroup
 # would cost CTAs an SM (one) and spare no wait.
 BWD_SM90_PRODUCER_HEAD_DIMS = (128,)
+# The producer streams each step's tiles by TMA (kTma): its 128 threads' cp.async address
+# arithmetic had held the consumers back (with the copies left out the d = 128 backward
+# took 0.70-0.89x the time on an H200; bench/results/bwd_tma_h200.md). Where the copy engine
+# cannot describe an array the launch keeps cp.async. CUFA_BWD_SM90_TMA=0 turns it off.
+BWD_SM90_TMA_ENV = "CUFA_BWD_SM90_TMA"
 
 
 def parse_bwd_sm90_tiles(text):
@@ -472,12 +481,12 @@ def parse_bwd_sm90_tiles(text):
 
 @functools.lru_cache(maxsize=None)
 def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_window=False,
-                      producer=False):
+                      producer=False, tma=False):
     """(preprocess, dq, dk/dv...), those on wgmma that it has, for a call; None where it has
     neither. override: parse_bwd_sm90_tiles' tiles in place of the table's; short_window:
     a windowed call of few query rows (BWD_SM90_SHORT_WINDOW_KV's tiles); producer: the
     kernels with a producer warpgroup (BWD_SM90_PRODUCER_STAGES buffers) where they have
-    one (two consumer warpgroups)."""
+    one (two consumer warpgroups); tma: those producers stream by TMA."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
     table = BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES
     if dq.head_dim not in table:
@@ -492,7 +501,7 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
         if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
         for v in (dq, *kv)]
     if producer and not score_mods and dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS:
-        wgmma = [_with_producer(v) for v in wgmma]
+        wgmma = [_with_producer(v, tma) for v in wgmma]
     for v in wgmma:
         if v.smem_bytes > SM90_SMEM_LIMIT:
             raise ValueError(f"{BWD_SM90_TILES_ENV}={_overrides.get(BWD_SM90_TILES_ENV)!r}: the "
@@ -501,17 +510,23 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     return (pre, *wgmma)
 
 
-def _with_producer(v):
-    """v with a producer warpgroup where it has two consumer warpgroups and the third
-    buffer fits (CUFA_BWD_SM90_TILES' larger tiles may not); else v."""
+def _with_producer(v, tma):
+    """v with a producer warpgroup (streaming by TMA if tma) where it has two consumer
+    warpgroups and the third buffer fits (CUFA_BWD_SM90_TILES' larger tiles may not);
+    else v."""
     if v.family != "sm90" or v.threads != 256:
         return v
-    with_producer = dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES)
+    with_producer = dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES,
+                                        tma=tma)
     return with_producer if with_producer.smem_bytes <= SM90_SMEM_LIMIT else v
 
 
 def bwd_producer_wanted():
     return _overrides.get(BWD_SM90_PRODUCER_ENV) != "0"
+
+
+def bwd_tma_wanted():
+    return _overrides.get(BWD_SM90_TMA_ENV) != "0"
 
 
 def bwd_sm90_tiles():
@@ -1055,7 +1070,8 @@ def read_overrides():
     _overrides.update((name, os.environ.get(name))
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
                                    BWD_SM90_ENV, BWD_SM90_TILES_ENV, WIDE_TILES_ENV,
-                                   BWD_SM90_PRODUCER_ENV, SPIN_LIMIT_ENV, TRACE_ENV))
+                                   BWD_SM90_PRODUCER_ENV, BWD_SM90_TMA_ENV, SPIN_LIMIT_ENV,
+                                   TRACE_ENV))
 
 
 _overrides = {}
@@ -1096,7 +1112,9 @@ def all_variants():
                  if not tiles or padded_head_dim(hd) <= 128
                  for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles) or ())]
     variants += [v for dt in DTYPES for hd in BWD_SM90_PRODUCER_HEAD_DIMS for mask in MASKS
-                 for v in bwd_sm90_variants(dt, hd, mask, False, producer=True) if v.producer]
+                 for tma in (False, True)  # (without TMA: arrays the copy engine refuses)
+                 for v in bwd_sm90_variants(dt, hd, mask, False, producer=True, tma=tma)
+                 if v.producer]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _bwd_plan, _checks, _compile, _params
+from cufa import _bwd_plan, _checks, _compile, _params, _tma
 from cufa._interop import DeviceArray
 
 
@@ -77,6 +77,13 @@ class Recorder:
         monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: variant)
         # an A100's: the mma.sync kernels (Hopper's wgmma choice: _compile's own tests)
         monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 80)
+        # TMA maps without a driver: a record naming what the producer streams
+        self.maps = []  # per launch: its maps argument, or None where it takes none
+        monkeypatch.setattr(_bwd_plan, "_streamed_maps", self.streamed_maps)
+        self.maps_refused = False
+
+    def streamed_maps(self, variant, x, y, seq_dim, head_dim, d, packed):
+        return None if self.maps_refused else ("maps", variant.kind, x.ptr, y.ptr, packed)
 
     def allocate(self, framework, shape, dtype, device, stream, like=None):
         ptr = self.next_ptr
@@ -89,8 +96,11 @@ class Recorder:
         return None, 0x900000
 
     def launch(self, function, blocks, threads, smem, stream, args):
-        records = [np.frombuffer(bytes(a), dtype=r.dtype)[0]
-                   for a, r in zip(args, (_params.FWD, _params.BWD))] if len(args) == 2 else args
+        records = args  # (a work list's schedule: its one record)
+        if len(args) in (2, 3):  # FwdParams, BwdParams (and bwd_sm90.cu's kernels' maps)
+            records = [np.frombuffer(bytes(a), dtype=r.dtype)[0]
+                       for a, r in zip(args[:2], (_params.FWD, _params.BWD))]
+        self.maps.append(args[2] if len(args) == 3 else None)
         self.launches.append((function, blocks, threads, smem, stream, records))
 
 
@@ -472,8 +482,8 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
     # and 64 keys (not the spilling one); above, dq, dk and dv apart
     # ... and dq fused at d = 64 and 128 (no score mods), and the producer's dq and dk/dv
-    # at d = 128 (both masks)
-    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 8 + 8
+    # at d = 128 (both masks), streaming by TMA and by cp.async
+    assert seen == (4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3 + 8 + 8 * 2
 
 
 @pytest.mark.parametrize("d, causal, seqlen, producer", [
@@ -487,7 +497,7 @@ def test_producer_warpgroup_where_it_applies(monkeypatch, d, causal, seqlen, pro
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
-                _compile.BWD_FUSED_ENV, _compile.BWD_SM90_PRODUCER_ENV):
+                _compile.BWD_FUSED_ENV, _compile.BWD_SM90_PRODUCER_ENV, _compile.BWD_SM90_TMA_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
     for variant, _, threads, smem, *_ in rec.launches[-2:]:
@@ -495,8 +505,8 @@ def test_producer_warpgroup_where_it_applies(monkeypatch, d, causal, seqlen, pro
         assert threads == variant.threads and smem == variant.smem_bytes <= 227 * 1024
         if producer:
             assert variant.stages == _compile.BWD_SM90_PRODUCER_STAGES
-            assert variant.key.endswith("_s3_wp") and variant in set(_compile.all_variants())
-            plain = dataclasses.replace(variant, producer=False, stages=2)
+            assert variant.key.endswith("_s3_wp_tma") and variant in set(_compile.all_variants())
+            plain = dataclasses.replace(variant, producer=False, tma=False, stages=2)
             assert threads == plain.threads + 128 == 384
             # (a third buffer and each buffer's two mbarriers)
             assert smem == plain.smem_bytes + (plain.smem_with(3) - plain.smem_with(2)) + 48
@@ -510,3 +520,89 @@ def test_producer_warpgroup_where_it_applies(monkeypatch, d, causal, seqlen, pro
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
     assert [f.family for f, *_ in rec.launches[-2:]] == ["sm90", "sm90"]
     assert not any(f.producer for f, *_ in rec.launches)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tma_producers_get_the_maps_of_what_they_stream(monkeypatch, packed):
+    """The producers stream by TMA (kTma): dq's launch gets maps of k and v, dk/dv's of q
+    and dout, every other launch none (bwd_sm90.cu's kernels: an empty record); where the
+    copy engine cannot describe the arrays, the cp.async producers run with no maps; and
+    CUFA_BWD_SM90_TMA=0 turns TMA off. A packed batch's record says the tails are there."""
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
+                _compile.BWD_FUSED_ENV, _compile.BWD_SM90_PRODUCER_ENV, _compile.BWD_SM90_TMA_ENV):
+        monkeypatch.setitem(_compile._overrides, env, None)
+    dout, q, k, v, out, lse = dense_args(b=1, sq=300, sk=300, d=128)
+
+    def backward():
+        rec.launches.clear()
+        rec.maps.clear()
+        if packed:
+            x = [DeviceArray(None, "cupy", a.ptr, a.shape[1:], a.strides[1:], a.dtype, 0, 2)
+                 for a in (dout, q, k, v, out)]
+            cu = arr((3,), "int32", ptr=0x8000)
+            cufa.flash_attn_varlen_backward(*x, arr((4, 300), "float32", ptr=0x6000), cu, cu,
+                                            200, 200)
+        else:
+            cufa.flash_attn_backward(dout, q, k, v, out, lse)
+        return [(f, m, r) for (f, *_, r), m in zip(rec.launches, rec.maps)
+                if f is not _compile.VARLEN_SCHEDULE]
+
+    launches = backward()
+    assert [(f.kind, f.tma) for f, _, _ in launches] == [
+        ("preprocess", False), ("dq", True), ("dkdv", True)]
+    (_, none, _), (_, dq_maps, (fwd, _)), (_, kv_maps, _) = launches
+    assert none is None  # (the preprocess takes the two records alone)
+    assert dq_maps == ("maps", "dq", k.ptr, v.ptr, packed)
+    assert kv_maps == ("maps", "dkdv", q.ptr, dout.ptr, packed)
+    assert fwd["kv_tail_maps"] == int(packed)
+    rec.maps_refused = True
+    launches = backward()
+    assert [(f.kind, f.producer, f.tma) for f, _, _ in launches[1:]] == [
+        ("dq", True, False), ("dkdv", True, False)]
+    assert all(bytes(m) == bytes(_tma.NO_MAPS) for _, m, _ in launches[1:])
+    assert launches[1][2][0]["kv_tail_maps"] == 0
+    rec.maps_refused = False
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TMA_ENV, "0")
+    _bwd_plan._runtime.plans.clear()
+    assert [(f.producer, f.tma) for f, _, _ in backward()[1:]] == [(True, False)] * 2
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_streamed_maps_views(monkeypatch, packed):
+    """_streamed_maps' layouts: x in the q and k slots and y in v's, boxes of the step's
+    rows (dq: its key block; dk/dv: its query block), a padded batch as (batch, rows,
+    heads, columns), a packed one as one sequence with x's and y's tails; the driver's
+    refusal (None), or a packed batch's tails refused, gives None."""
+    made = {}
+
+    def template(dtype, views, tails=()):
+        made.update(dtype=dtype, views=views, tails=tails)
+        return None if made.get("refuse") else _tma.Template(b"", bool(tails), ())
+    monkeypatch.setattr(_bwd_plan._tma, "template", template)
+    monkeypatch.setattr(_bwd_plan._tma, "with_addresses", lambda t, *ptrs: ptrs)
+    _, dq, kv = _compile.bwd_sm90_variants("bf16", 128, "none", False, producer=True, tma=True)
+    if packed:
+        x = arr((300, 4, 128), "bfloat16", strides=(3 * 4 * 128, 128, 1), ptr=0x1000)
+        y = arr((300, 4, 128), "bfloat16", ptr=0x2000)
+        seq_dim, head_dim = 0, 1
+    else:
+        x = arr((2, 300, 4, 128), "bfloat16", ptr=0x1000)
+        y = arr((2, 300, 4, 128), "bfloat16", strides=(300 * 1024, 1024, 128, 1), ptr=0x2000)
+        seq_dim, head_dim = 1, 2
+    for variant, box in ((dq, dq.block_n), (kv, kv.block_m)):
+        assert _bwd_plan._streamed_maps(variant, x, y, seq_dim, head_dim, 120, packed) == (
+            0x1000, 0x1000, 0x2000)
+        assert made["dtype"] == "bfloat16"
+        if packed:
+            assert made["views"] == (((1, 300, 4, 120), (0, 1536, 128), box),) * 2 + (
+                ((1, 300, 4, 120), (0, 512, 128), box),)
+            assert made["tails"] == (_tma.tail_view(300, 4, 120, 1536, 128, box),
+                                     _tma.tail_view(300, 4, 120, 512, 128, box))
+        else:
+            assert made["views"] == (((2, 300, 4, 120), (300 * 512, 512, 128), box),) * 2 + (
+                ((2, 300, 4, 120), (300 * 1024, 1024, 128), box),)
+            assert made["tails"] == ()
+    made["refuse"] = True
+    assert _bwd_plan._streamed_maps(kv, x, y, seq_dim, head_dim, 120, packed) is None

@@ -95,6 +95,8 @@ def representative_variants():
                              C.parse_bwd_sm90_tiles(C.BWD_SM90_ONE_WARPGROUP))[1:],
         *C.bwd_sm90_variants("fp16", 256, "window", True)[1:],  # dq on 32 keys; dk, dv apart
         C.bwd_sm90_fused_variants("bf16", 128, "window", False)[1],  # dq fused on wgmma
+        *C.bwd_sm90_variants("bf16", 128, "window", False, producer=True,
+                             tma=True)[1:],  # producers streaming by TMA
     ]
 
 

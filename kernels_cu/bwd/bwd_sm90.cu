@@ -123,13 +123,43 @@ struct Ring {
   }
 };
 
+// -- kTma: a step's two streamed tiles (dq: a K and a V block; dk/dv: a Q and a dout
+//    block) by TMA, through the maps' k and v slots (and their tails), which the host
+//    points at that pair. One thread expects both tiles' bytes on the step's full barrier
+//    (the producer warps' arrivals complete it) and issues the 64-column boxes, rows `row`..
+//    of a sequence with `rows_left` rows from there. Past a padded batch's sequence the
+//    map's end gives zeros; a packed batch's partial last block reads through the tail
+//    views, or where it cannot (no tail maps, or the sequence starts within a block of the
+//    tensor's first row) this returns false and the caller copies the block itself --
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ bool tma_step_pair(const FwdParams& p, const TensorMaps& maps, u32 dst_x,
+                                              u32 dst_y, u32 full, int row, int rows_left,
+                                              int head, int batch, bool packed) {
+  const TensorMap *x = &maps.k, *y = &maps.v;
+  int last = packed ? 0 : batch;
+  if (packed && rows_left < kRows) {
+    const int shift = kRows - rows_left;  // rows of the box past the sequence
+    if (!p.kv_tail_maps || row < shift) return false;
+    x = &maps.k_tail;
+    y = &maps.v_tail;
+    last = row - shift;
+    row = shift;
+  }
+  if (threadIdx.x == 0) {
+    mbar_expect_bytes(full, 2 * kRows * kHeadDim * 2);
+    tma_load_panels<kRows, kHeadDim>(dst_x, *x, full, row, head, last);
+    tma_load_panels<kRows, kHeadDim>(dst_y, *y, full, row, head, last);
+  }
+  return true;
+}
+
 // dq: kBlockM query rows of a head (64 a warpgroup: its M), every key block they see; the
 // warpgroups share each streamed K/V block. kProducer: a warpgroup of its own streams the
 // K/V blocks through a Ring of kStages buffers
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
-          int kStages, bool kProducer = false>
+          int kStages, bool kProducer = false, bool kTma = false>
 __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
-    bwd_dq_sm90_kernel(const FwdParams p, const BwdParams g) {
+    bwd_dq_sm90_kernel(const FwdParams p, const BwdParams g, const __grid_constant__ TensorMaps maps) {
   constexpr int kThreads = 2 * kBlockM;  // the consumers'
   constexpr int kProducerThreads = kProducer ? Ring<kStages>::kProducerThreads : 0;
   constexpr int kCopiers = kProducer ? kProducerThreads : kThreads;  // who issues the copies
@@ -142,6 +172,7 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
                 "whole 64-column panels");
   static_assert(kProducer ? kStages >= 2 : kStages == 2,
                 "two K/V buffers (await_then_prefetch), or a ring of two or more");
+  static_assert(!kTma || kProducer, "TMA copies are the producer warpgroup's");
   extern __shared__ unsigned char smem_raw[];
   const u32 sq = (smem_u32(smem_raw) + 1023) & ~1023u;  // (panels at 1024-byte boundaries)
   const u32 sdo = sq + kQBytes, skv = sdo + kQBytes;    // stage s: K at s * 2 tiles, V after
@@ -208,6 +239,17 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
   if constexpr (kProducer) {
     const auto copy = [&](int i, int stage) {
       if (i == 0) load_q_dout();
+      if constexpr (kTma) {
+        const int key0 = (n_block_min + i) * kBlockN;
+        const u32 sk = skv + stage * 2 * kTileBytes;
+        const bool packed = p.cu_seqlens_k != 0;
+        if (tma_step_pair<kBlockN, kHeadDim>(p, maps, sk, sk + kTileBytes, ring.full(stage),
+                                             static_cast<int>(packed ? t.k_start : 0) + key0,
+                                             t.seqlen_k - key0, t.h_k, t.b, packed)) {
+          cp_async_commit();  // (the step's group, empty but for Q and dout at step 0)
+          return;
+        }
+      }
       load_kv(i, stage);
     };
     if (!ring.template consumer_after_roles<kThreads>(n_block_max - n_block_min, copy,
@@ -363,9 +405,11 @@ __device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq
 // warpgroups never wait for each other at a CTA-wide barrier a step
 // (await_then_prefetch) and never issue a copy.
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
-          int kStages, int kBlockN, bool kFusedDq = false, bool kProducer = false>
+          int kStages, int kBlockN, bool kFusedDq = false, bool kProducer = false,
+          bool kTma = false>
 __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
-    bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g) {
+    bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g,
+                         const __grid_constant__ TensorMaps maps) {
   constexpr int kThreads = 2 * kBlockN;  // the consumers'
   constexpr int kProducerThreads = kProducer ? Ring<kStages>::kProducerThreads : 0;
   // the threads that issue the copies: the consumers, or the producer's whole warpgroup
@@ -381,6 +425,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
   static_assert(kProducer ? kStages >= 2 : kStages == 2,
                 "two Q/dout buffers (await_then_prefetch), or a ring of two or more");
+  static_assert(!kTma || kProducer, "TMA copies are the producer warpgroup's");
   static_assert(!kFusedDq || ((kHeadDim == 64 || kHeadDim == 128) && kGrads == KV_BOTH &&
                               !kScoreMods && !kProducer),
                 "dq fused at head dims 64 and 128, dk and dv together, no score mods");
@@ -496,6 +541,17 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
                    row.valid ? 4 : 0);
         cp_async_4(smem_u32(row.s + kBlockM), reinterpret_cast<const float*>(g.softmax_d) + row.at,
                    row.valid ? 4 : 0);
+      }
+      if constexpr (kTma) {
+        const int q0 = q0_of(i);
+        const u32 sq = sstages + stage * kStageBytes;
+        const bool packed = p.cu_seqlens_q != 0;
+        if (tma_step_pair<kBlockM, kHeadDim>(p, maps, sq, sq + kTileBytes, ring.full(stage),
+                                             static_cast<int>(packed ? t.q_start : 0) + q0,
+                                             t.seqlen_q - q0, head_of(i), t.b, packed)) {
+          cp_async_commit();  // (the step's group: lse and D)
+          return;
+        }
       }
       load_step(i, stage, true, false);  // (Q and dout; commits the group)
     };

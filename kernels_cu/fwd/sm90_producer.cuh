@@ -15,16 +15,6 @@ __device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_s
                                         [](int r, int c) { return panel_offset<kRows>(r, c); });
 }
 
-// -- one thread loads a tile with TMA, one 64-column panel per copy: rows `row`.. of
-//    head `head` (columns, rows, heads, batch map); past the tensor's ends come zeros --
-template <int kRows, int kHeadDim>
-__device__ __forceinline__ void tma_load_panels(u32 smem, const TensorMap& map, u32 bar, int row,
-                                                int head, int batch) {
-#pragma unroll
-  for (int panel = 0; panel < kHeadDim / 64; ++panel)
-    tma_load_4d(smem + panel * kRows * 128, map, bar, panel * 64, row, head, batch);
-}
-
 // -- a K and V stage the producer warp filled with cp.async (a sequence's last key
 //    block): once its copies have landed, fenced for the async proxy that wgmma reads
 //    through (they came through the generic one), lane 0 marks both full --
