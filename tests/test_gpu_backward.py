@@ -444,6 +444,69 @@ def test_producer_warpgroup_varlen(monkeypatch):
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, "producer varlen")
 
 
+@same_bits
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_producers_varlen(monkeypatch, causal):
+    """The producers' TMA copies (the default at d = 128 on Hopper) over a packed batch
+    whose blocks take every path: a first sequence shorter than a block at the tensor's
+    first row (copied by cp.async), partial last blocks read through the tail maps, keys
+    past seqused_k and rows past the last sequence holding NaN (never read: zeros come in
+    their place). Each sequence's gradients against the reference, the same bits as the
+    cp.async producers (CUFA_BWD_SM90_TMA=0)."""
+    from cufa import _compile, _runtime
+    if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
+        pytest.skip("the TMA producers are the Hopper kernels'")
+    rng = np.random.default_rng(83 + causal)
+    dtype, h, hk, d = torch.bfloat16, 4, 2, 128
+    lens_q, lens_k = [40, 0, 150, 1, 333], [40, 64, 150, 70, 333]
+    used_k = [40, 0, 100, 70, 300]
+    spare = 70  # rows past the last sequence in q, out and dout
+    q, dout = (randn(rng, (1, sum(lens_q) + spare, h, d), dtype)[0] for _ in range(2))
+    k, v = (randn(rng, (1, sum(lens_k), hk, d), dtype)[0] for _ in range(2))
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    ks = np.cumsum([0] + lens_k)
+    for i in range(len(lens_k)):  # keys past seqused_k: NaN, which no query may read
+        k[ks[i] + used_k[i]:ks[i + 1]] = float("nan")
+        v[ks[i] + used_k[i]:ks[i + 1]] = float("nan")
+    used = torch.tensor(used_k, dtype=torch.int32, device="cuda")
+    kw = dict(causal=causal, seqused_k=used)
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                           return_lse=True, **kw)
+    total = sum(lens_q)
+    q[total:], dout[total:], out[total:] = (float("nan"),) * 3
+    grads = {}
+    try:
+        for env in (None, "0"):
+            if env:
+                monkeypatch.setenv(_compile.BWD_SM90_TMA_ENV, env)
+            else:
+                monkeypatch.delenv(_compile.BWD_SM90_TMA_ENV, raising=False)
+            cufa.api.clear_plans()
+            poisoned = [poisoned_like(x) for x in (q, k, v)]
+            grads[env] = cufa.flash_attn_varlen_backward(
+                dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), dq=poisoned[0],
+                dk=poisoned[1], dv=poisoned[2], **kw)[:3]
+    finally:
+        monkeypatch.undo()
+        cufa.api.clear_plans()
+    dq, dk, dv = grads[None]
+    assert all(torch.equal(a[:total], b[:total]) for a, b in zip(grads[None], grads["0"]))
+    assert torch.isfinite(dq[:total]).all() and torch.isfinite(dk).all()
+    assert torch.isfinite(dv).all()
+    qs = np.cumsum([0] + lens_q)
+    for i in range(len(lens_q)):
+        rows, seen = slice(qs[i], qs[i + 1]), slice(ks[i], ks[i] + used_k[i])
+        label = f"TMA producers causal={causal} sequence {i}"
+        unseen = slice(ks[i] + used_k[i], ks[i + 1])
+        assert not dk[unseen].any() and not dv[unseen].any(), label
+        if lens_q[i] == 0 or used_k[i] == 0:
+            assert not dk[seen].any() and not dv[seen].any(), label
+            continue
+        got = (dq[rows][None], dk[seen][None], dv[seen][None])
+        check_grads(got, *(x[None] for x in (q[rows], k[seen], v[seen], dout[rows])), label,
+                    out=out[rows][None], causal=causal)
+
+
 def test_the_wgmma_kernels_are_hoppers_default(monkeypatch):
     """On Hopper the dq and dk/dv launches are the wgmma kernels unless CUFA_BWD_SM90=0 or
     CUFA_KERNEL_FAMILY=sm80 (the sm80 family of bench/device_run.sh runs this file that
