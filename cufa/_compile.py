@@ -295,13 +295,12 @@ class BwdVariant:
                 f"{str(self.score_mods).lower()}, {self.block_m}")
         if self.kind == "dq":
             kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
-            producer = ", true, true" if self.tma else ", true" if self.producer else ""
-            return f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}{producer}>"
+            return (f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}"
+                    f"{_flags(self.producer, self.tma)}>")
         if self.family == "sm90":
-            flags = (", true" if self.fused_dq else ", false, true, true" if self.tma
-                     else ", false, true" if self.producer else "")
             return (f"cufa::bwd_dkdv_sm90_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
-                    f"{self.stages}, {self.block_n}{flags}>")
+                    f"{self.stages}, {self.block_n}"
+                    f"{_flags(self.fused_dq, self.producer, self.tma)}>")
         fused = ", true" if self.fused_dq else ""
         kernel = "bwd_dkdv_kernel"
         return (f"cufa::{kernel}<{args}, {BWD_GRADS.index(self.grads)}, "
@@ -322,7 +321,8 @@ class BwdVariant:
     def smem_with(self, stages):
         row = self.head_dim * _dtypes.size_of(self.dtype)
         if self.family == "sm90":  # (1024 bytes to align the panels to their swizzle)
-            ring = 2 * 8 * stages if self.producer else 0  # (each buffer's two mbarriers)
+            # (each buffer's two mbarriers: a producer's ring, or TMA's full barriers)
+            ring = 2 * 8 * stages if self.producer or self.tma else 0
             if self.kind == "dq":
                 return 1024 + 2 * (self.block_m + stages * self.block_n) * row + ring
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
@@ -338,6 +338,13 @@ class BwdVariant:
             return (2 * self.block_n * row + stages * (2 * self.block_m * row + 8 * self.block_m)
                     + fused)
         return 0
+
+
+def _flags(*flags):
+    """Trailing bool template arguments, up to the last true one (the rest default)."""
+    while flags and not flags[-1]:
+        flags = flags[:-1]
+    return "".join(f", {str(f).lower()}" for f in flags)
 
 
 @functools.lru_cache(maxsize=None)
@@ -447,11 +454,14 @@ BWD_SM90_PRODUCER_STAGES = 3
 # waiting on each other; at d = 64 (one warpgroup, two to four CTAs an SM) its warpgroup
 # would cost CTAs an SM (one) and spare no wait.
 BWD_SM90_PRODUCER_HEAD_DIMS = (128,)
-# The producer streams each step's tiles by TMA (kTma): its 128 threads' cp.async address
-# arithmetic had held the consumers back (with the copies left out the d = 128 backward
-# took 0.70-0.89x the time on an H200; bench/results/bwd_tma_h200.md). Where the copy engine
-# cannot describe an array the launch keeps cp.async. CUFA_BWD_SM90_TMA=0 turns it off.
+# The wgmma kernels stream each step's tiles by TMA (kTma: one thread's boxes, by the
+# producer or a consumer): the cp.async address arithmetic of 128 threads had held the
+# consumers back (with the copies left out the backward took 0.68-0.89x the time on an
+# H200; bench/results/bwd_tma_h200.md). Where the copy engine cannot describe an array
+# the launch keeps cp.async. CUFA_BWD_SM90_TMA=0 turns it off.
 BWD_SM90_TMA_ENV = "CUFA_BWD_SM90_TMA"
+# (kind, head dim, query block, mask, score mods) where TMA's registers spill: 48 bytes
+BWD_SM90_TMA_SPILLS = {("dkdv", 64, 128, "window", False)}
 
 
 def parse_bwd_sm90_tiles(text):
@@ -486,7 +496,8 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     neither. override: parse_bwd_sm90_tiles' tiles in place of the table's; short_window:
     a windowed call of few query rows (BWD_SM90_SHORT_WINDOW_KV's tiles); producer: the
     kernels with a producer warpgroup (BWD_SM90_PRODUCER_STAGES buffers) where they have
-    one (two consumer warpgroups); tma: those producers stream by TMA."""
+    one (two consumer warpgroups); tma: the wgmma kernels stream their steps' tiles by TMA
+    (BWD_SM90_TMA_ENV)."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
     table = BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES
     if dq.head_dim not in table:
@@ -495,13 +506,16 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     if short_window and mask == "window" and dq.head_dim in BWD_SM90_SHORT_WINDOW_KV:
         tiles["kv"] = BWD_SM90_SHORT_WINDOW_KV[dq.head_dim]
     tiles.update(override)
-    wgmma = [dataclasses.replace(v, family="sm90", stages=2, **(
+    wgmma = [dataclasses.replace(v, family="sm90", stages=2, tma=tma, **(
         dict(zip(("block_m", "block_n"), tiles["dq"])) if v.kind == "dq" else
         dict(zip(("block_n", "block_m"), tiles["kv"]))))
         if (v.kind, v.head_dim, mask, bool(score_mods)) not in BWD_SM90_SPILLS else v
         for v in (dq, *kv)]
+    wgmma = [dataclasses.replace(v, tma=False) if (
+        v.kind, v.head_dim, v.block_m, v.mask, v.score_mods) in BWD_SM90_TMA_SPILLS else v
+        for v in wgmma]
     if producer and not score_mods and dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS:
-        wgmma = [_with_producer(v, tma) for v in wgmma]
+        wgmma = [_with_producer(v) for v in wgmma]
     for v in wgmma:
         if v.smem_bytes > SM90_SMEM_LIMIT:
             raise ValueError(f"{BWD_SM90_TILES_ENV}={_overrides.get(BWD_SM90_TILES_ENV)!r}: the "
@@ -510,14 +524,12 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     return (pre, *wgmma)
 
 
-def _with_producer(v, tma):
-    """v with a producer warpgroup (streaming by TMA if tma) where it has two consumer
-    warpgroups and the third buffer fits (CUFA_BWD_SM90_TILES' larger tiles may not);
-    else v."""
+def _with_producer(v):
+    """v with a producer warpgroup where it has two consumer warpgroups and the third
+    buffer fits (CUFA_BWD_SM90_TILES' larger tiles may not); else v."""
     if v.family != "sm90" or v.threads != 256:
         return v
-    with_producer = dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES,
-                                        tma=tma)
+    with_producer = dataclasses.replace(v, producer=True, stages=BWD_SM90_PRODUCER_STAGES)
     return with_producer if with_producer.smem_bytes <= SM90_SMEM_LIMIT else v
 
 
@@ -1110,7 +1122,8 @@ def all_variants():
                  for mods in (False, True)
                  for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_ONE_WARPGROUP))
                  if not tiles or padded_head_dim(hd) <= 128
-                 for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles) or ())]
+                 for tma in (False, True)  # (without TMA: arrays the copy engine refuses)
+                 for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles, tma=tma) or ())]
     variants += [v for dt in DTYPES for hd in BWD_SM90_PRODUCER_HEAD_DIMS for mask in MASKS
                  for tma in (False, True)  # (without TMA: arrays the copy engine refuses)
                  for v in bwd_sm90_variants(dt, hd, mask, False, producer=True, tma=tma)

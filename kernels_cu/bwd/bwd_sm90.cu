@@ -72,6 +72,15 @@ struct Ring {
         mbar_init(full(s), kProducerThreads / 32);
         mbar_init(empty(s), consumer_threads / 32);
       }
+      fence_barrier_init();
+    }
+  }
+  // kTma without a producer: the full barriers alone, one arrival each (thread 0's, after
+  // the bytes it expects), before the CTA's first barrier
+  __device__ __forceinline__ void init_full() const {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) mbar_init(full(s), 1);
+      fence_barrier_init();
     }
   }
   // the producer: steps 0 .. steps - 1, each copy(i, stage) (exactly one cp.async group:
@@ -172,11 +181,11 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
                 "whole 64-column panels");
   static_assert(kProducer ? kStages >= 2 : kStages == 2,
                 "two K/V buffers (await_then_prefetch), or a ring of two or more");
-  static_assert(!kTma || kProducer, "TMA copies are the producer warpgroup's");
+  static_assert(kProducer || !kTma || kStages == 2, "two buffers without a producer");
   extern __shared__ unsigned char smem_raw[];
   const u32 sq = (smem_u32(smem_raw) + 1023) & ~1023u;  // (panels at 1024-byte boundaries)
   const u32 sdo = sq + kQBytes, skv = sdo + kQBytes;    // stage s: K at s * 2 tiles, V after
-  [[maybe_unused]] const Ring<kStages> ring{skv + kStages * 2 * kTileBytes};  // (kProducer)
+  [[maybe_unused]] const Ring<kStages> ring{skv + kStages * 2 * kTileBytes};  // (kProducer, kTma)
 
   Tile t;
   if (!get_tile(p, static_cast<int>(blockIdx.x), t)) return;
@@ -236,16 +245,31 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
     load_panels<kBlockM, kHeadDim, kCopiers>(sdo, dout, g.dout_row_stride, t.seqlen_q - row0,
                                              p.head_dim);
   };
+  // kTma: step i's K and V by TMA (false: the caller copies them)
+  const auto tma_kv = [&](int i, int stage) {
+    const int key0 = (n_block_min + i) * kBlockN;
+    const u32 sk = skv + stage * 2 * kTileBytes;
+    const bool packed = p.cu_seqlens_k != 0;
+    return tma_step_pair<kBlockN, kHeadDim>(p, maps, sk, sk + kTileBytes, ring.full(stage),
+                                            static_cast<int>(packed ? t.k_start : 0) + key0,
+                                            t.seqlen_k - key0, t.h_k, t.b, packed);
+  };
+  // the consumers' own copies of step i (no producer): with kTma announced on the
+  // buffer's full barrier too, which the bytes complete (cp.async's land by the wait)
+  const auto stream_kv = [&](int i, int stage) {
+    if constexpr (kTma) {
+      if (tma_kv(i, stage)) cp_async_commit();  // (the group: Q and dout at step 0)
+      else load_kv(i, stage);
+      if (threadIdx.x == 0) mbar_arrive(ring.full(stage));
+    } else {
+      load_kv(i, stage);
+    }
+  };
   if constexpr (kProducer) {
     const auto copy = [&](int i, int stage) {
       if (i == 0) load_q_dout();
       if constexpr (kTma) {
-        const int key0 = (n_block_min + i) * kBlockN;
-        const u32 sk = skv + stage * 2 * kTileBytes;
-        const bool packed = p.cu_seqlens_k != 0;
-        if (tma_step_pair<kBlockN, kHeadDim>(p, maps, sk, sk + kTileBytes, ring.full(stage),
-                                             static_cast<int>(packed ? t.k_start : 0) + key0,
-                                             t.seqlen_k - key0, t.h_k, t.b, packed)) {
+        if (tma_kv(i, stage)) {
           cp_async_commit();  // (the step's group, empty but for Q and dout at step 0)
           return;
         }
@@ -256,16 +280,24 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
                                                       [](int, int) {}))
       return;
   } else if (n_block_min < n_block_max) {
+    if constexpr (kTma) {
+      ring.init_full();
+      __syncthreads();
+    }
     load_q_dout();
-    load_kv(0, 0);
+    stream_kv(0, 0);
   }
   int stage = 0;
-  u32 phase = 0;  // (kProducer: the ring's pass over the buffers, mod 2)
+  u32 phase = 0;  // (the ring's pass over the buffers, mod 2)
   for (int nb = n_block_min; nb < n_block_max; ++nb) {
     const int key0 = nb * kBlockN;
-    if constexpr (kProducer) ring.await_full(stage, phase);
-    else await_then_prefetch(nb - n_block_min, n_block_max - n_block_min, stage, load_kv,
-                             [] { fence_proxy_async(); });
+    if constexpr (kProducer) {
+      ring.await_full(stage, phase);
+    } else {
+      if constexpr (kTma) ring.await_full(stage, phase);
+      await_then_prefetch(nb - n_block_min, n_block_max - n_block_min, stage, stream_kv,
+                          [] { fence_proxy_async(); });
+    }
     const u32 sk = skv + stage * 2 * kTileBytes, sv = sk + kTileBytes;
 
     // S = Q K^T and dP = dout V^T, two groups in flight
@@ -314,7 +346,7 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
     fence_registers(ds_frag);
     fence_registers(acc_dq);
     if constexpr (kProducer) ring.release(stage, phase, lane);
-    else stage ^= kStages - 1;
+    else if ((stage ^= 1) == 0) phase ^= 1;
   }
   store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
 }
@@ -425,7 +457,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 64-column panels, n64 steps");
   static_assert(kProducer ? kStages >= 2 : kStages == 2,
                 "two Q/dout buffers (await_then_prefetch), or a ring of two or more");
-  static_assert(!kTma || kProducer, "TMA copies are the producer warpgroup's");
+  static_assert(kProducer || !kTma || kStages == 2, "two buffers without a producer");
   static_assert(!kFusedDq || ((kHeadDim == 64 || kHeadDim == 128) && kGrads == KV_BOTH &&
                               !kScoreMods && !kProducer),
                 "dq fused at head dims 64 and 128, dk and dv together, no score mods");
@@ -438,7 +470,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   [[maybe_unused]] const u32 sds = sstages + kStages * kStageBytes;
   [[maybe_unused]] const u32 sdq = sds + kBlockM * kBlockN * 2;
   unsigned char* stages = smem + 2 * kKVBytes;
-  [[maybe_unused]] const Ring<kStages> ring{sstages + kStages * kStageBytes};  // (kProducer)
+  [[maybe_unused]] const Ring<kStages> ring{sstages + kStages * kStageBytes};  // (kProducer, kTma)
 
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
@@ -515,6 +547,28 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       load_panels<kBlockN, kHeadDim, kCopiers>(sv, kv.v + key0 * p.v_row_stride,
                                                p.v_row_stride, t.seqlen_k - key0, p.head_dim);
   };
+  // kTma: step i's Q and dout by TMA (false: the caller copies them)
+  const auto tma_q_dout = [&](int i, int stage) {
+    const int q0 = q0_of(i);
+    const u32 sq = sstages + stage * kStageBytes;
+    const bool packed = p.cu_seqlens_q != 0;
+    return tma_step_pair<kBlockM, kHeadDim>(p, maps, sq, sq + kTileBytes, ring.full(stage),
+                                            static_cast<int>(packed ? t.q_start : 0) + q0,
+                                            t.seqlen_q - q0, head_of(i), t.b, packed);
+  };
+  // the consumers' own copies of step i (no producer): lse and D by their loads; with kTma
+  // announced on the buffer's full barrier too, which the bytes complete (cp.async's land
+  // by the wait)
+  const auto stream_step = [&](int i, int stage) {
+    if constexpr (kTma) {
+      const bool copied = tma_q_dout(i, stage);
+      load_step(i, stage, !copied, true);
+      if (copied) cp_async_commit();  // (the group: K and V at step 0)
+      if (threadIdx.x == 0) mbar_arrive(ring.full(stage));
+    } else {
+      load_step(i, stage);
+    }
+  };
   if constexpr (kProducer) {
     // lse and D come as they are stored (a row a thread, in the step's copy group), and lse
     // is put in log2 units (lse_log2_of) once it has landed: a load and a store there
@@ -543,12 +597,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
                    row.valid ? 4 : 0);
       }
       if constexpr (kTma) {
-        const int q0 = q0_of(i);
-        const u32 sq = sstages + stage * kStageBytes;
-        const bool packed = p.cu_seqlens_q != 0;
-        if (tma_step_pair<kBlockM, kHeadDim>(p, maps, sq, sq + kTileBytes, ring.full(stage),
-                                             static_cast<int>(packed ? t.q_start : 0) + q0,
-                                             t.seqlen_q - q0, head_of(i), t.b, packed)) {
+        if (tma_q_dout(i, stage)) {
           cp_async_commit();  // (the step's group: lse and D)
           return;
         }
@@ -563,16 +612,24 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     };
     if (!ring.template consumer_after_roles<kThreads>(steps, copy, to_log2)) return;
   } else if (steps) {
+    if constexpr (kTma) {
+      ring.init_full();
+      __syncthreads();
+    }
     load_kv();
-    load_step(0, 0);
+    stream_step(0, 0);
   }
   const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
 
   int stage = 0;
-  u32 phase = 0;  // (kProducer: the ring's pass over the buffers, mod 2)
+  u32 phase = 0;  // (the ring's pass over the buffers, mod 2)
   for (int i = 0; i < steps; ++i) {
-    if constexpr (kProducer) ring.await_full(stage, phase);
-    else await_then_prefetch(i, steps, stage, load_step, [] { fence_proxy_async(); });
+    if constexpr (kProducer) {
+      ring.await_full(stage, phase);
+    } else {
+      if constexpr (kTma) ring.await_full(stage, phase);
+      await_then_prefetch(i, steps, stage, stream_step, [] { fence_proxy_async(); });
+    }
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
@@ -651,7 +708,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       fence_registers(acc_dk);
     }
     if constexpr (kProducer) ring.release(stage, phase, lane);
-    else stage ^= kStages - 1;
+    else if ((stage ^= 1) == 0) phase ^= 1;
   }
   if constexpr (kFusedDq) bulk_wait<0>();  // (the reductions read this CTA's shared memory)
   const int rows = rows_out - key0;
