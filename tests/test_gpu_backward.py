@@ -445,19 +445,21 @@ def test_producer_warpgroup_varlen(monkeypatch):
 
 
 @same_bits
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_tma_producers_varlen(monkeypatch, causal):
-    """The producers' TMA copies (the default at d = 128 on Hopper) over a packed batch
-    whose blocks take every path: a first sequence shorter than a block at the tensor's
+def test_tma_streams_varlen(monkeypatch, causal, d):
+    """The wgmma kernels' TMA copies (Hopper's default; at d = 128 from a producer
+    warpgroup, at 64 from a consumer thread) over a packed batch whose blocks take every
+    path: a first sequence shorter than a block at the tensor's
     first row (copied by cp.async), partial last blocks read through the tail maps, keys
     past seqused_k and rows past the last sequence holding NaN (never read: zeros come in
     their place). Each sequence's gradients against the reference, the same bits as the
-    cp.async producers (CUFA_BWD_SM90_TMA=0)."""
+    cp.async copies (CUFA_BWD_SM90_TMA=0)."""
     from cufa import _compile, _runtime
     if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
-        pytest.skip("the TMA producers are the Hopper kernels'")
-    rng = np.random.default_rng(83 + causal)
-    dtype, h, hk, d = torch.bfloat16, 4, 2, 128
+        pytest.skip("the TMA copies are the Hopper kernels'")
+    rng = np.random.default_rng(83 + causal + d)
+    dtype, h, hk = torch.bfloat16, 4, 2
     lens_q, lens_k = [40, 0, 150, 1, 333], [40, 64, 150, 70, 333]
     used_k = [40, 0, 100, 70, 300]
     spare = 70  # rows past the last sequence in q, out and dout
@@ -496,7 +498,7 @@ def test_tma_producers_varlen(monkeypatch, causal):
     qs = np.cumsum([0] + lens_q)
     for i in range(len(lens_q)):
         rows, seen = slice(qs[i], qs[i + 1]), slice(ks[i], ks[i] + used_k[i])
-        label = f"TMA producers causal={causal} sequence {i}"
+        label = f"TMA d={d} causal={causal} sequence {i}"
         unseen = slice(ks[i] + used_k[i], ks[i + 1])
         assert not dk[unseen].any() and not dv[unseen].any(), label
         if lens_q[i] == 0 or used_k[i] == 0:
