@@ -53,7 +53,7 @@ python3 -m cufa warmup > "$LOGS/warmup.txt" 2>&1
 family() {  # family NAME [ENV=VALUE...] -- pytest paths...
   local name=$1; shift
   local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
-  case " ${FAMILIES:-default sm80 bm64 bm192 tma1 tma2 bwd1wg fdq np} " in *" $name "*) ;; *) return ;; esac
+  case " ${FAMILIES:-default sm80 bm64 bm192 tma1 tma2 bwd1wg fdq np ncp} " in *" $name "*) ;; *) return ;; esac
   env "${envs[@]}" CUFA_FAILED_TESTS="$LOGS/failed_$name.txt" \
     timeout -k 10 "${FAMILY_LIMIT:-420}" python3 -m pytest -q -m gpu \
     -p no:cacheprovider --durations=5 ${WORKERS:+-n $WORKERS} "$@" \
@@ -87,6 +87,9 @@ if python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability !
   # and the dq and dk/dv kernels at d = 128 without their producer warpgroup (the two
   # consumer warpgroups issuing their own copies)
   family np CUFA_BWD_SM90_PRODUCER=0 -- tests/test_gpu_backward.py &
+  # and the wgmma backward's steps streamed by cp.async rather than TMA (what arrays the
+  # copy engine cannot describe take)
+  family ncp CUFA_BWD_SM90_TMA=0 -- tests/test_gpu_backward.py &
 fi
 wait
 tests_rc=0
