@@ -430,6 +430,9 @@ BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 64: ((64, 64), (64, 64)),
 # 2048, 1.10x at 4096 on an H200).
 BWD_SM90_SHORT_WINDOW_ROWS = 1024
 BWD_SM90_SHORT_WINDOW_KV = {64: (64, 64)}
+# With TMA (below) they keep them at every length: the 128-query block would spill there
+# (BWD_SM90_TMA_SPILLS), and on 64-query blocks by TMA d = 64 causal N = 4096 took 0.95x
+# the time of 128-query blocks by cp.async (H200, bench/results/bwd_tma_h200.md).
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
 BWD_SM90_HEAD_DIMS = (64, 128)
@@ -503,7 +506,8 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     if dq.head_dim not in table:
         return None
     tiles = dict(zip(("dq", "kv"), table[dq.head_dim]))
-    if short_window and mask == "window" and dq.head_dim in BWD_SM90_SHORT_WINDOW_KV:
+    if ((short_window or tma and not score_mods) and mask == "window"
+            and dq.head_dim in BWD_SM90_SHORT_WINDOW_KV):
         tiles["kv"] = BWD_SM90_SHORT_WINDOW_KV[dq.head_dim]
     tiles.update(override)
     wgmma = [dataclasses.replace(v, family="sm90", stages=2, tma=tma, **(

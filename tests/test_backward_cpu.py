@@ -230,19 +230,25 @@ def test_hopper_head_dims_on_wgmma(monkeypatch, value, wgmma_head_dims):
         assert {f.family for f, *_ in rec.launches[1:]} == {wanted}, d
 
 
+@pytest.mark.parametrize("tma", [None, "0"])
 @pytest.mark.parametrize("seqlen_q, causal, query_block", [
     (1024, True, 64), (1025, True, 128), (1024, False, 128), (33, False, 128)])
 def test_short_windowed_calls_keep_64_query_blocks_at_d64(monkeypatch, seqlen_q, causal,
-                                                          query_block):
+                                                          query_block, tma):
     """Hopper, d = 64: dk/dv's query block is 128 but for windowed calls of at most 1024
-    query rows (BWD_SM90_SHORT_WINDOW_ROWS)."""
+    query rows (BWD_SM90_SHORT_WINDOW_ROWS), or of any length streamed by TMA (where the
+    128-query block would spill), with TMA there."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TMA_ENV, tma)
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen_q, sk=seqlen_q, d=64), causal=causal)
     kv = rec.launches[-1][0]
+    if causal and not tma:
+        query_block = 64
     assert (kv.kind, kv.family, kv.block_n, kv.block_m) == ("dkdv", "sm90", 64, query_block)
+    assert kv.tma == (tma is None)
 
 
 def test_bwd_sm90_takes_0_1_or_all(monkeypatch):

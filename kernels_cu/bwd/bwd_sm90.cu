@@ -470,7 +470,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   [[maybe_unused]] const u32 sds = sstages + kStages * kStageBytes;
   [[maybe_unused]] const u32 sdq = sds + kBlockM * kBlockN * 2;
   unsigned char* stages = smem + 2 * kKVBytes;
-  [[maybe_unused]] const Ring<kStages> ring{sstages + kStages * kStageBytes};  // (kProducer, kTma)
+  // (kProducer, kTma) its mbarriers, after the staged dq's rows where dq is fused
+  [[maybe_unused]] const Ring<kStages> ring{kFusedDq ? sdq + kBlockN * dq_row_bytes() : sds};
 
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
