@@ -430,9 +430,11 @@ BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 64: ((64, 64), (64, 64)),
 # 2048, 1.10x at 4096 on an H200).
 BWD_SM90_SHORT_WINDOW_ROWS = 1024
 BWD_SM90_SHORT_WINDOW_KV = {64: (64, 64)}
-# With TMA (below) they keep them at every length: the 128-query block would spill there
-# (BWD_SM90_TMA_SPILLS), and on 64-query blocks by TMA d = 64 causal N = 4096 took 0.95x
-# the time of 128-query blocks by cp.async (H200, bench/results/bwd_tma_h200.md).
+# With TMA and a producer (below) windowed d = 64 dk/dv takes two warpgroups of 64 keys
+# instead, 64-query blocks streamed to both (the 128-query block would spill under TMA,
+# BWD_SM90_TMA_SPILLS): causal N = 1k, 4k, 16k took 0.98, 0.87 and 0.84x the time of one
+# warpgroup's 64 keys, 1.00-1.02x without a mask (H200, bench/results/bwd_tma_h200.md).
+BWD_SM90_WINDOW_KV_TMA = {64: (128, 64)}
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
 BWD_SM90_HEAD_DIMS = (64, 128)
@@ -453,10 +455,11 @@ SM90_SMEM_LIMIT = 227 * 1024
 # consumers need more than their 240 registers).
 BWD_SM90_PRODUCER_ENV = "CUFA_BWD_SM90_PRODUCER"
 BWD_SM90_PRODUCER_STAGES = 3
-# d = 128 alone: its kernels have two consumer warpgroups, which the producer keeps from
-# waiting on each other; at d = 64 (one warpgroup, two to four CTAs an SM) its warpgroup
-# would cost CTAs an SM (one) and spare no wait.
-BWD_SM90_PRODUCER_HEAD_DIMS = (128,)
+# Kernels with two consumer warpgroups, which the producer keeps from waiting on each
+# other: d = 128's, and d = 64's windowed dk/dv under TMA (BWD_SM90_WINDOW_KV_TMA); d = 64's
+# others have one warpgroup (two to four CTAs an SM), where a producer's warpgroup would
+# cost CTAs an SM and spare no wait.
+BWD_SM90_PRODUCER_HEAD_DIMS = (64, 128)
 # The wgmma kernels stream each step's tiles by TMA (kTma: one thread's boxes, by the
 # producer or a consumer): the cp.async address arithmetic of 128 threads had held the
 # consumers back (with the copies left out the backward took 0.68-0.89x the time on an
@@ -506,9 +509,11 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     if dq.head_dim not in table:
         return None
     tiles = dict(zip(("dq", "kv"), table[dq.head_dim]))
-    if ((short_window or tma and not score_mods) and mask == "window"
-            and dq.head_dim in BWD_SM90_SHORT_WINDOW_KV):
+    if short_window and mask == "window" and dq.head_dim in BWD_SM90_SHORT_WINDOW_KV:
         tiles["kv"] = BWD_SM90_SHORT_WINDOW_KV[dq.head_dim]
+    if (tma and producer and mask == "window" and not score_mods
+            and dq.head_dim in BWD_SM90_WINDOW_KV_TMA):
+        tiles["kv"] = BWD_SM90_WINDOW_KV_TMA[dq.head_dim]
     tiles.update(override)
     wgmma = [dataclasses.replace(v, family="sm90", stages=2, tma=tma, **(
         dict(zip(("block_m", "block_n"), tiles["dq"])) if v.kind == "dq" else

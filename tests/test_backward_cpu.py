@@ -236,8 +236,9 @@ def test_hopper_head_dims_on_wgmma(monkeypatch, value, wgmma_head_dims):
 def test_short_windowed_calls_keep_64_query_blocks_at_d64(monkeypatch, seqlen_q, causal,
                                                           query_block, tma):
     """Hopper, d = 64: dk/dv's query block is 128 but for windowed calls of at most 1024
-    query rows (BWD_SM90_SHORT_WINDOW_ROWS), or of any length streamed by TMA (where the
-    128-query block would spill), with TMA there."""
+    query rows (BWD_SM90_SHORT_WINDOW_ROWS) by cp.async; windowed calls streamed by TMA
+    take two warpgroups of 64 keys and a producer on 64-query blocks at every length
+    (BWD_SM90_WINDOW_KV_TMA; the 128-query block would spill there)."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV):
@@ -245,10 +246,11 @@ def test_short_windowed_calls_keep_64_query_blocks_at_d64(monkeypatch, seqlen_q,
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TMA_ENV, tma)
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen_q, sk=seqlen_q, d=64), causal=causal)
     kv = rec.launches[-1][0]
-    if causal and not tma:
-        query_block = 64
-    assert (kv.kind, kv.family, kv.block_n, kv.block_m) == ("dkdv", "sm90", 64, query_block)
-    assert kv.tma == (tma is None)
+    keys, producer = 64, False
+    if causal and tma is None:
+        query_block, keys, producer = 64, 128, True
+    assert (kv.kind, kv.family, kv.block_n, kv.block_m) == ("dkdv", "sm90", keys, query_block)
+    assert (kv.tma, kv.producer) == (tma is None, producer)
 
 
 def test_bwd_sm90_takes_0_1_or_all(monkeypatch):
@@ -489,25 +491,29 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     # and 64 keys (not the spilling one); above, dq, dk and dv apart
     # ... and dq fused at d = 64 and 128 (no score mods), and the producer's dq and dk/dv
     # at d = 128 (both masks); all but the fused ones streaming by TMA and by cp.async,
-    # but d = 64's windowed dk/dv on 128-query blocks (it would spill)
-    assert seen == 2 * ((4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3) - 2 + 8 + 8 * 2
+    # but d = 64's windowed dk/dv on 128-query blocks (it would spill); and d = 64's
+    # windowed dk/dv on two warpgroups with a producer, by TMA
+    assert seen == 2 * ((4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3) - 2 + 8 + 8 * 2 + 2
 
 
 @pytest.mark.parametrize("d, causal, seqlen, producer", [
     (128, True, 300, True), (128, False, 300, True), (112, False, 2000, True),
-    (64, False, 2000, False), (64, True, 300, False),  # (one consumer warpgroup)
+    (64, False, 2000, False),  # (one consumer warpgroup)
+    (64, True, 300, (False, True)),  # (dk/dv on two, BWD_SM90_WINDOW_KV_TMA)
 ])
 def test_producer_warpgroup_where_it_applies(monkeypatch, d, causal, seqlen, producer):
     """On Hopper the wgmma dq and dk/dv kernels have a producer warpgroup (128 more
     threads, a ring of three buffers and their mbarriers) where they have two consumer
-    warpgroups (d = 128); not with score mods, nor with CUFA_BWD_SM90_PRODUCER=0."""
+    warpgroups (d = 128; d = 64's windowed dk/dv); not with score mods, nor with
+    CUFA_BWD_SM90_PRODUCER=0."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
                 _compile.BWD_FUSED_ENV, _compile.BWD_SM90_PRODUCER_ENV, _compile.BWD_SM90_TMA_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
-    for variant, _, threads, smem, *_ in rec.launches[-2:]:
+    wanted = producer if isinstance(producer, tuple) else (producer, producer)
+    for (variant, _, threads, smem, *_), producer in zip(rec.launches[-2:], wanted):
         assert (variant.family, variant.producer) == ("sm90", producer)
         assert threads == variant.threads and smem == variant.smem_bytes <= 227 * 1024
         if producer:
