@@ -450,11 +450,11 @@ def test_producer_warpgroup_varlen(monkeypatch):
 def test_tma_streams_varlen(monkeypatch, causal, d):
     """The wgmma kernels' TMA copies (Hopper's default; at d = 128 from a producer
     warpgroup, at 64 from a consumer thread) over a packed batch whose blocks take every
-    path: a first sequence shorter than a block at the tensor's
-    first row (copied by cp.async), partial last blocks read through the tail maps, keys
-    past seqused_k and rows past the last sequence holding NaN (never read: zeros come in
-    their place). Each sequence's gradients against the reference, the same bits as the
-    cp.async copies (CUFA_BWD_SM90_TMA=0)."""
+    path: a first sequence shorter than a block at the tensor's first row (copied by
+    cp.async), partial last blocks read through the tail maps, keys past seqused_k and
+    rows past the last sequence holding NaN (never read: zeros come in their place). Each
+    sequence's gradients against the reference, the same bits as the cp.async copies
+    (CUFA_BWD_SM90_TMA=0)."""
     from cufa import _compile, _runtime
     if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
         pytest.skip("the TMA copies are the Hopper kernels'")
