@@ -317,12 +317,12 @@ def _streamed_maps(variant, x, y, seq_dim, head_dim, d, packed):
     are on)."""
     box_rows = variant.block_n if variant.kind == "dq" else variant.block_m
     views, tails = [], []
-    for z in (x, x, y):
+    for slot, z in enumerate((x, x, y)):
         rows, heads = z.shape[seq_dim], z.shape[head_dim]
         row_stride, head_stride = z.strides[seq_dim], z.strides[head_dim]
         if packed:
             views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
-            if z is not x or not tails:
+            if slot:  # (the k and v slots' tails)
                 tails.append(_tma.tail_view(rows, heads, d, row_stride, head_stride, box_rows))
         else:
             views.append(((z.shape[0], rows, heads, d), (z.strides[0], row_stride, head_stride),

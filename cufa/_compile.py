@@ -456,10 +456,12 @@ SM90_SMEM_LIMIT = 227 * 1024
 BWD_SM90_PRODUCER_ENV = "CUFA_BWD_SM90_PRODUCER"
 BWD_SM90_PRODUCER_STAGES = 3
 # Kernels with two consumer warpgroups, which the producer keeps from waiting on each
-# other: d = 128's, and d = 64's windowed dk/dv under TMA (BWD_SM90_WINDOW_KV_TMA); d = 64's
-# others have one warpgroup (two to four CTAs an SM), where a producer's warpgroup would
-# cost CTAs an SM and spare no wait.
-BWD_SM90_PRODUCER_HEAD_DIMS = (64, 128)
+# other: d = 128's; at d = 64 only those streaming by TMA (the windowed dk/dv of
+# BWD_SM90_WINDOW_KV_TMA, or tiles CUFA_BWD_SM90_TILES sets): d = 64's others have one
+# warpgroup (two to four CTAs an SM), where a producer's warpgroup would cost CTAs an SM
+# and spare no wait, and with cp.async it cost more than it spared.
+BWD_SM90_PRODUCER_HEAD_DIMS = (128,)
+BWD_SM90_TMA_PRODUCER_HEAD_DIMS = (64,)
 # The wgmma kernels stream each step's tiles by TMA (kTma: one thread's boxes, by the
 # producer or a consumer): the cp.async address arithmetic of 128 threads had held the
 # consumers back (with the copies left out the backward took 0.68-0.89x the time on an
@@ -523,7 +525,8 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     wgmma = [dataclasses.replace(v, tma=False) if (
         v.kind, v.head_dim, v.block_m, v.mask, v.score_mods) in BWD_SM90_TMA_SPILLS else v
         for v in wgmma]
-    if producer and not score_mods and dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS:
+    if producer and not score_mods and (dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS or (
+            tma and dq.head_dim in BWD_SM90_TMA_PRODUCER_HEAD_DIMS)):
         wgmma = [_with_producer(v) for v in wgmma]
     for v in wgmma:
         if v.smem_bytes > SM90_SMEM_LIMIT:
@@ -1133,10 +1136,14 @@ def all_variants():
                  if not tiles or padded_head_dim(hd) <= 128
                  for tma in (False, True)  # (without TMA: arrays the copy engine refuses)
                  for v in (bwd_sm90_variants(dt, hd, mask, mods, tiles, tma=tma) or ())]
-    variants += [v for dt in DTYPES for hd in BWD_SM90_PRODUCER_HEAD_DIMS for mask in MASKS
-                 for tma in (False, True)  # (without TMA: arrays the copy engine refuses)
+    variants += [v for dt in DTYPES
+                 for hd in BWD_SM90_PRODUCER_HEAD_DIMS + BWD_SM90_TMA_PRODUCER_HEAD_DIMS
+                 for mask in MASKS for tma in (False, True)
                  for v in bwd_sm90_variants(dt, hd, mask, False, producer=True, tma=tma)
                  if v.producer]
+    # and each TMA kernel's cp.async twin, which a launch takes where the copy engine
+    # cannot describe its arrays (_bwd_plan._launch)
+    variants += [dataclasses.replace(v, tma=False) for v in variants if getattr(v, "tma", False)]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -449,13 +449,14 @@ def test_producer_warpgroup_varlen(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_streams_varlen(monkeypatch, causal, d):
     """The wgmma kernels' TMA copies (Hopper's default; at d = 128 from a producer
-    warpgroup, at 64 from a consumer thread) over a packed batch whose blocks take every
-    path: a first sequence shorter than a block at the tensor's first row (copied by
-    cp.async), partial last blocks read through the tail maps, keys past seqused_k and
-    rows past the last sequence holding NaN (never read: zeros come in their place). Each
-    sequence's gradients against the reference, the same bits as the cp.async copies
-    (CUFA_BWD_SM90_TMA=0)."""
-    from cufa import _compile, _runtime
+    warpgroup, at 64 from a consumer thread, or a producer for the windowed dk/dv) over a
+    packed batch whose blocks take every path: a first sequence shorter than a block at
+    the tensor's first row (copied by cp.async), partial last blocks read through the tail
+    maps, keys past seqused_k and rows past the last sequence holding NaN (never read:
+    zeros come in their place). Both kernels got their maps and the tails (not a quiet
+    fall back to cp.async); each sequence's gradients against the reference, the same
+    bits as the cp.async copies (CUFA_BWD_SM90_TMA=0)."""
+    from cufa import _bwd_plan, _compile, _params, _runtime, _tma
     if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
         pytest.skip("the TMA copies are the Hopper kernels'")
     rng = np.random.default_rng(83 + causal + d)
@@ -476,21 +477,32 @@ def test_tma_streams_varlen(monkeypatch, causal, d):
                                            return_lse=True, **kw)
     total = sum(lens_q)
     q[total:], dout[total:], out[total:] = (float("nan"),) * 3
-    grads = {}
+    grads, launched = {}, []
+    real_launch = _bwd_plan.driver_launch
+
+    def spy(function, blocks, threads, smem, stream, args):
+        launched.append(args)
+        return real_launch(function, blocks, threads, smem, stream, args)
     try:
         for env in (None, "0"):
             if env:
                 monkeypatch.setenv(_compile.BWD_SM90_TMA_ENV, env)
             else:
                 monkeypatch.delenv(_compile.BWD_SM90_TMA_ENV, raising=False)
+                monkeypatch.setattr(_bwd_plan, "driver_launch", spy)
             cufa.api.clear_plans()
             poisoned = [poisoned_like(x) for x in (q, k, v)]
             grads[env] = cufa.flash_attn_varlen_backward(
                 dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), dq=poisoned[0],
                 dk=poisoned[1], dv=poisoned[2], **kw)[:3]
+            monkeypatch.setattr(_bwd_plan, "driver_launch", real_launch)
     finally:
         monkeypatch.undo()
         cufa.api.clear_plans()
+    streamed = [args for args in launched if len(args) == 3]  # (dq's and dk/dv's)
+    assert len(streamed) == 2 and all(bytes(a[2]) != bytes(_tma.NO_MAPS) for a in streamed)
+    fwd = np.frombuffer(bytes(streamed[0][0]), dtype=_params.FWD.dtype)[0]
+    assert fwd["kv_tail_maps"] == 1
     dq, dk, dv = grads[None]
     assert all(torch.equal(a[:total], b[:total]) for a, b in zip(grads[None], grads["0"]))
     assert torch.isfinite(dq[:total]).all() and torch.isfinite(dk).all()
