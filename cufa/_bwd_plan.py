@@ -10,7 +10,7 @@ import dataclasses
 from . import _arrays, _compile, _interop, _params, _runtime, _tma
 from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, check_options,
                       check_packed, window_mask_kind)
-from ._fwd_plan import _broadcast_strides, _work_list_ints
+from ._fwd_plan import _broadcast_strides, _work_list_ints, tma_views
 from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, stream_workspace
 
 
@@ -311,23 +311,14 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
 
 def _streamed_maps(variant, x, y, seq_dim, head_dim, d, packed):
     """The TMA maps of a kernel whose producer streams x and y (kTma, bwd/bwd_sm90.cu: dq
-    streams k and v, dk/dv q and dout) in the maps' k and v slots (q's holds x again) and,
+    streams k and v, dk/dv q and dout) in the maps' k and v places (q's holds x again) and,
     for a packed batch, their tails, as a ctypes record; None if the copy engine cannot
     describe them or a packed batch's tails (the kernels count on those where the tails
     are on)."""
     box_rows = variant.block_n if variant.kind == "dq" else variant.block_m
-    views, tails = [], []
-    for slot, z in enumerate((x, x, y)):
-        rows, heads = z.shape[seq_dim], z.shape[head_dim]
-        row_stride, head_stride = z.strides[seq_dim], z.strides[head_dim]
-        if packed:
-            views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
-            if slot:  # (the k and v slots' tails)
-                tails.append(_tma.tail_view(rows, heads, d, row_stride, head_stride, box_rows))
-        else:
-            views.append(((z.shape[0], rows, heads, d), (z.strides[0], row_stride, head_stride),
-                          box_rows))
-    template = _tma.template(x.dtype, tuple(views), tuple(tails))
+    views, tails = tma_views(((x, box_rows), (x, box_rows), (y, box_rows)), seq_dim, head_dim,
+                             d, packed)
+    template = _tma.template(x.dtype, views, tails)
     if template is None or (packed and not template.has_tails):
         return None
     return _tma.with_addresses(template, x.ptr, x.ptr, y.ptr)

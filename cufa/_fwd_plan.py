@@ -612,13 +612,22 @@ def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.temp
 def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
     """q, k, v (and for packed batches the k/v tails) as (batch, rows, heads, columns)
     views of _tma.template: (views, tail views)."""
+    return tma_views(((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)),
+                     seq_dim, head_dim, d, packed)
+
+
+def tma_views(arrays, seq_dim, head_dim, d, packed):
+    """(array, box rows) pairs as (batch, rows, heads, columns) views of _tma.template, a
+    packed batch's as one sequence of all rows with the tail views of all but the first:
+    (views, tail views). The forward's are q, k, v; the backward's streamed pairs
+    (_bwd_plan) fill the same three places."""
     views, tails = [], []
-    for x, box_rows in ((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)):
+    for place, (x, box_rows) in enumerate(arrays):
         rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
                                                 x.strides[seq_dim], x.strides[head_dim])
         if packed:
             views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
-            if x is not q:
+            if place:  # (k's and v's places: a packed q needs none)
                 tails.append(_tma.tail_view(rows, heads, d, row_stride, head_stride, box_rows))
         else:
             views.append(((x.shape[0], rows, heads, d),
