@@ -1,8 +1,9 @@
 // The backward's dq and dk, dv kernels on Hopper's tensor cores (wgmma, sm_90a): bwd_sm80.cu's
 // kernels, their CTAs (a warpgroup every 64 rows of the products' M: one, or two on 128 query
 // rows or keys that share what they stream) and schedules (the other side's blocks streamed
-// through cp.async, two buffers), with the products issued by each warpgroup as a whole
-// from 128-byte-swizzled panels:
+// into two buffers, or a producer warpgroup's ring; by TMA where the host gives maps
+// (kTma), else cp.async), with the products issued by each warpgroup as a whole from
+// 128-byte-swizzled panels:
 //   dq:    S = Q K^T, dP = dout V^T (K-major B), dq += dS K (dS from registers, K MN-major)
 //   dk,dv: S^T = K Q^T, dP^T = V dout^T (K-major B), dv += P^T dout, dk += dS^T Q (P^T, dS^T
 //          from registers, dout and Q MN-major)
