@@ -3,9 +3,8 @@ mask's) of a flash_attn_func, flash_attn_varlen_func or scaled_dot_product_atten
 from its inputs, its output, its lse and the output's gradient. The kernels (bwd/bwd_sm80.cu, any GPU from sm_80 on) read the
 forward's FwdParams record beside a BwdParams one; a call validates, builds both, allocates
 the gradients in the caller's framework and launches preprocess, dq, then dk/dv."""
-import math
-
 import dataclasses
+import math
 
 from . import _arrays, _compile, _interop, _params, _runtime, _tma
 from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, check_options,
@@ -329,17 +328,13 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
             seq_dim, head_dim, d):
     """preprocess, dq, dk/dv on `stream`, a packed batch's work lists built first; places:
     the scratch addresses of scratch_bytes' offsets (D, then the lists)."""
-    # the TMA producers' maps; a kernel whose arrays the copy engine cannot describe
-    # streams by cp.async instead
-    maps = {}
-    for v in variants:
-        if v.tma:
-            x, y = (a.k, a.v) if v.kind == "dq" else (q, do)
-            maps[v] = _streamed_maps(v, x, y, seq_dim, head_dim, d, packed)
-    if None in maps.values():
-        variants = tuple(dataclasses.replace(v, tma=False) if maps.get(v, 0) is None else v
-                         for v in variants)
-    fwd["kv_tail_maps"] = int(packed and any(m is not None for m in maps.values()))
+    # the TMA kernels' maps; a kernel whose arrays the copy engine cannot describe (None)
+    # runs its cp.async twin instead
+    maps = {v: _streamed_maps(v, *((a.k, a.v) if v.kind == "dq" else (q, do)), seq_dim,
+                              head_dim, d, packed) for v in variants if v.tma}
+    variants = tuple(dataclasses.replace(v, tma=False) if v in maps and maps[v] is None else v
+                     for v in variants)
+    fwd["kv_tail_maps"] = int(packed and any(v.tma for v in variants))  # (maps with tails)
     fused = variants[1].kind == "dkdv"
     pre, kv_variants = variants[0], variants[1:2] if fused else variants[2:]
     dq_variant = _dq_variant(variants)

@@ -256,7 +256,7 @@ class BwdVariant:
                             # dkdv: Q/dout buffers, the same
     fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
     producer: bool = False  # sm90 dq, dkdv: a producer warpgroup streams the steps (kProducer)
-    tma: bool = False       # the producer streams them by TMA (kTma; the launch's maps)
+    tma: bool = False       # sm90 dq, dkdv: the steps' tiles by TMA (kTma; launch maps)
     family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
 
