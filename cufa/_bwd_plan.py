@@ -129,17 +129,34 @@ def _check_lse(lse, shape, q, name="lse"):
                          f"{lse.strides}")
 
 
+def dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d):
+    """With dq fused, its float32 sums: (floats, dq_accum's batch, row and head strides).
+    The mma.sync kernel's are rows as dq's ((rows, heads, d)); the wgmma kernel's, blocks
+    of 64 rows x the padded head dim (bwd_dq_blocks_kernel) a head after another, each
+    sequence's from a multiple of 64 rows (a packed batch's at (q_start + 64 b) rounded
+    down: at most its rows + 64 a sequence). None without dq fused."""
+    if variants[1].kind != "dkdv":
+        return None
+    if variants[-1].kind == "dq_blocks":
+        width = variants[1].head_dim
+        rows = seqlen_q + 64 * batch if packed else batch * -(-seqlen_q // 64) * 64
+        return (rows * lse_shape[-2] * width, 0 if packed else -(-seqlen_q // 64) * 64 * width,
+                width, rows * width)
+    nheads = lse_shape[-2]
+    return (math.prod(lse_shape) * d, 0 if packed else seqlen_q * nheads * d, nheads * d, d)
+
+
 def scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed, d):
     """Device scratch a backward needs: D (lse's shape, float32), then a packed batch's two
-    work lists, then with dq fused its float32 sums ((rows, heads, d), lse's elements times
-    d), each 256-byte aligned: (bytes, [offsets of D, the query list, the key list, the
-    sums]; None for what the call has not)."""
-    fused = variants[1].kind == "dkdv"
+    work lists, then with dq fused its float32 sums (dq_sums_layout), each 256-byte aligned:
+    (bytes, [offsets of D, the query list, the key list, the sums]; None for what the call
+    has not)."""
+    sums = dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d)
     block_m = _dq_variant(variants).block_m
     sizes = [4 * math.prod(lse_shape)]
     sizes += [4 * _work_list_ints(total // block + batch, total // block + 2) if packed else None
               for total, block in ((seqlen_q, block_m), (seqlen_k, _keys_per_cta(variants)))]
-    sizes.append(4 * math.prod(lse_shape) * d if fused else None)
+    sizes.append(4 * sums[0] if sums else None)
     offsets, at = [], 0
     for size in sizes:
         offsets.append(None if size is None else at)
@@ -186,7 +203,8 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
         wgmma = None
     fused = None
     if _compile.bwd_fused_wanted() and attn_mask is None:  # (whose gradient dq's kernel sums)
-        fused = ((_compile.bwd_sm90_fused_variants(*key) if wgmma else None)
+        fused = ((_compile.bwd_sm90_fused_variants(*key, _compile.bwd_tma_wanted())
+                  if wgmma else None)
                  or _compile.bwd_fused_variants(*key))
     return fused or wgmma or _compile.bwd_variants(*key)
 
@@ -277,11 +295,11 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
         places = [None if at is None else base + at for at in offsets]
         if places[3] is not None:  # (dq's sums: zeroed in the stream)
             import cupy
-            stream_call(cupy.cuda.runtime.memsetAsync, places[3], 0,
-                        4 * math.prod(lse_shape) * d, stream)
-            bwd.update(dq_accum=places[3], dq_accum_batch_stride=0 if packed else
-                       seqlen_q * nheads * d, dq_accum_row_stride=nheads * d,
-                       dq_accum_head_stride=d)
+            floats, *strides = dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d)
+            stream_call(cupy.cuda.runtime.memsetAsync, places[3], 0, 4 * floats, stream)
+            bwd.update(dq_accum=places[3], **dict(zip(
+                ("dq_accum_batch_stride", "dq_accum_row_stride", "dq_accum_head_stride"),
+                strides)))
         dsink_out = dsink_ptr = None
         if sink is not None:
             import cupy
@@ -373,7 +391,9 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
         launches.append((dq_variant, q_blocks * nheads if seqlen_q else 0))
     launches += [(v, kv_blocks * nheads_k if seqlen_k else 0) for v in kv_variants]
     if fused:  # (dq's sums, converted; the rows of sequences without keys are zeros)
-        launches.append((variants[2], -(-bwd["rows"] * nheads * fwd["head_dim"] // 256)))
+        per_row = (variants[2].head_dim // 8 if variants[2].kind == "dq_blocks"
+                   else fwd["head_dim"])  # (threads: 8 columns each, or one)
+        launches.append((variants[2], -(-bwd["rows"] * nheads * per_row // 256)))
     for variant, blocks in launches:
         if blocks:
             # (bwd_sm90.cu's dq and dk/dv kernels take the maps: a TMA producer's, else none)

@@ -243,7 +243,8 @@ BWD_GRADS = ("both", "dk", "dv")  # index = KvGrads in bwd/bwd_sm80.cu
 
 @dataclass(frozen=True)
 class BwdVariant:
-    """One backward launch: kind "preprocess" (D = rowsum(dout * out)), "dq" or "dkdv"."""
+    """One backward launch: kind "preprocess" (D = rowsum(dout * out)), "dq" or "dkdv", or
+    with dq fused "dq_convert" (sm80: the sums in rows) or "dq_blocks" (sm90: in blocks)."""
     kind: str
     dtype: str
     head_dim: int = 0       # padded; 0 for the preprocess
@@ -276,6 +277,8 @@ class BwdVariant:
     def key(self):
         if self.kind in ("preprocess", "dq_convert"):
             return f"bwd_{self.kind}_{self.dtype}"
+        if self.kind == "dq_blocks":
+            return f"bwd_{self.kind}_{self.dtype}_hd{self.head_dim}"
         mods = "_mods" if self.score_mods else ""
         grads = f"_{self.grads}" if self.kind == "dkdv" else ""
         fused = "_fdq" if self.fused_dq else ""
@@ -291,6 +294,8 @@ class BwdVariant:
         dt = DTYPES.index(self.dtype)
         if self.kind in ("preprocess", "dq_convert"):
             return f"cufa::bwd_{self.kind}_kernel<{dt}>"
+        if self.kind == "dq_blocks":
+            return f"cufa::bwd_dq_blocks_kernel<{dt}, {self.head_dim}>"
         args = (f"{dt}, {self.head_dim}, {MASKS.index(self.mask)}, "
                 f"{str(self.score_mods).lower()}, {self.block_m}")
         if self.kind == "dq":
@@ -308,6 +313,8 @@ class BwdVariant:
 
     @property
     def threads(self):
+        if self.kind == "dq_blocks":
+            return 256
         if self.family == "sm90":  # a warpgroup every 64 keys (dk/dv) or query rows (dq),
             # and the producer's
             return 2 * (self.block_n if self.kind == "dkdv" else self.block_m) + (
@@ -320,15 +327,17 @@ class BwdVariant:
 
     def smem_with(self, stages):
         row = self.head_dim * _dtypes.size_of(self.dtype)
+        if self.kind == "dq_blocks":
+            return 0
         if self.family == "sm90":  # (1024 bytes to align the panels to their swizzle)
             # (each buffer's two mbarriers: a producer's ring, or TMA's full barriers)
             ring = 2 * 8 * stages if self.producer or self.tma else 0
             if self.kind == "dq":
                 return 1024 + 2 * (self.block_m + stages * self.block_n) * row + ring
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
-            # dq fused: the step's dS (16-bit), and each warpgroup's 64 staged rows of dq
-            # (kDqRowBytes: 64 floats and 16 bytes)
-            fused = (2 * self.block_m * self.block_n + self.block_n * (64 * 4 + 16)
+            # dq fused: two tiles of the step's dS (16-bit), each warpgroup's slab of 64 x
+            # 64 sums (kDqSlabBytes) and the slabs' mbarrier
+            fused = (2 * 2 * self.block_m * self.block_n + 2 * 64 * 64 * 4 + 8
                      if self.fused_dq else 0)
             return 1024 + 2 * self.block_n * row + stages * stage + fused + ring
         if self.kind == "dq":  # Q, dout; the stages' K, V
@@ -385,22 +394,23 @@ def bwd_fused_variants(dtype, head_dim, mask, score_mods):
 
 
 # dq fused on wgmma (kFusedDq in bwd/bwd_sm90.cu): padded head dims 64 and 128, two
-# warpgroups of 64 keys, 64-query steps, no score mods; CUFA_BWD_FUSED_DQ=1 takes it on
-# Hopper.
-BWD_SM90_FUSED_TILES = {64: (128, 64), 128: (128, 64)}  # padded head dim -> (keys, queries)
+# warpgroups of 64 keys, 64-query steps, a producer warpgroup (two warps copy, one sends
+# the sums), no score mods; CUFA_BWD_FUSED_DQ=1 takes it on Hopper. padded head dim ->
+# (keys, queries, buffers: as many as fit)
+BWD_SM90_FUSED_TILES = {64: (128, 64, 3), 128: (128, 64, 2)}
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods):
-    """(preprocess, dk/dv with dq fused on wgmma, dq convert) for a call, or None where it
-    does not apply."""
+def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True):
+    """(preprocess, dk/dv with dq fused on wgmma, dq's sums from blocks to rows) for a
+    call, or None where it does not apply. tma: the steps' tiles by TMA."""
     pre, _, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
     tiles = BWD_SM90_FUSED_TILES.get(kv[0].head_dim)
     if tiles is None or score_mods or len(kv) != 1:
         return None
-    fused = dataclasses.replace(kv[0], family="sm90", fused_dq=True, stages=2,
-                                block_n=tiles[0], block_m=tiles[1])
-    return pre, fused, BwdVariant("dq_convert", dtype)
+    fused = dataclasses.replace(kv[0], family="sm90", fused_dq=True, producer=True, tma=tma,
+                                block_n=tiles[0], block_m=tiles[1], stages=tiles[2])
+    return pre, fused, BwdVariant("dq_blocks", dtype, kv[0].head_dim, family="sm90")
 
 
 def bwd_fused_wanted():
@@ -1129,7 +1139,8 @@ def all_variants():
                  for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
                                                      or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
-                 for v in (bwd_sm90_fused_variants(dt, hd, mask, False) or ())]
+                 for tma in (False, True)
+                 for v in (bwd_sm90_fused_variants(dt, hd, mask, False, tma) or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True)
                  for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_ONE_WARPGROUP))

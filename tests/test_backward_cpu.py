@@ -426,8 +426,9 @@ def test_dq_fused_where_asked_and_it_applies(monkeypatch):
 @pytest.mark.parametrize("packed", [False, True])
 def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
     """CUFA_BWD_FUSED_DQ=1 on Hopper at d = 128 (and 64) without score mods: the wgmma dk/dv kernel
-    with dq fused (two warpgroups of 64 keys, 64-query steps, 256 threads), its float32
-    sums zeroed in the scratch and converted last; with softcap the mma.sync fused kernel
+    with dq fused (two warpgroups of 64 keys, 64-query steps, a producer: 384 threads),
+    its float32 sums in blocks of 64 rows (each sequence's from a multiple of 64) zeroed
+    in the scratch and put back in rows last; with softcap the mma.sync fused kernel
     (where it applies), with attn_mask none (the dq kernel sums its gradient)."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
@@ -446,10 +447,17 @@ def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
         cufa.flash_attn_backward(*dense_args(b, sq, sk, h, hk, d), causal=True)
     launches = [x for x in rec.launches if x[0] is not _compile.VARLEN_SCHEDULE]
     (pre, *_), (kv, blocks, threads, smem, _, (fwd, bwd)), (conv, *_) = launches
-    assert (pre.kind, kv.kind, conv.kind) == ("preprocess", "dkdv", "dq_convert")
-    assert (kv.family, kv.fused_dq, kv.block_n, kv.block_m, threads) == ("sm90", True, 128, 64,
-                                                                         256)
+    assert (pre.kind, kv.kind, conv.kind) == ("preprocess", "dkdv", "dq_blocks")
+    assert (kv.family, kv.fused_dq, kv.producer, kv.block_n, kv.block_m, threads) == (
+        "sm90", True, True, 128, 64, 384)
     assert smem == kv.smem_bytes <= 227 * 1024 and bwd["dq_accum"] != 0
+    # blocks of 64 rows x 128 floats, a head's rows after another's: a padded batch's
+    # sequences 256 rows apart (200 rounded up), a packed one's from (q_start + 64 b)
+    # rounded down, within its rows + 64 a sequence
+    rows = 300 + 2 * 64 if packed else b * 256  # (two sequences either way)
+    assert (bwd["dq_accum_row_stride"], bwd["dq_accum_head_stride"],
+            bwd["dq_accum_batch_stride"]) == (128, rows * 128, 0 if packed else 256 * 128)
+    assert conv.head_dim == 128 and conv.threads == 256
     if not packed:
         assert blocks == -(-sk // 128) * b * hk
         assert fwd["num_m_blocks"] == -(-sq // 64) and bwd["num_n_blocks"] == -(-sk // 128)
@@ -469,7 +477,8 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     from cufa import _compile
     seen = 0
     for v in _compile.all_variants():
-        if getattr(v, "family", "") != "sm90" or not v.key.startswith("bwd_"):
+        if (getattr(v, "family", "") != "sm90" or not v.key.startswith("bwd_")
+                or v.kind == "dq_blocks"):
             continue
         seen += 1
         row = 2 * v.head_dim
@@ -481,8 +490,8 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
             # dq fused: dS, and each warpgroup's 64 staged rows of 64 floats and 16 bytes
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
-            if v.fused_dq:
-                tiles += 2 * v.block_m * v.block_n + v.block_n // 64 * 64 * 272
+            if v.fused_dq:  # two dS tiles, two slabs of 64 x 64 sums, their mbarrier
+                tiles += 2 * 2 * v.block_m * v.block_n + 2 * 64 * 64 * 4 + 8
             if v.producer or v.tma:
                 tiles += 16 * v.stages
         assert v.smem_bytes == 1024 + tiles, v.key
@@ -490,11 +499,11 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
     # and 64 keys (not the spilling one); above, dq, dk and dv apart
     # ... and dq fused at d = 64 and 128 (no score mods), and the producer's dq and dk/dv
-    # at d = 128 (both masks); all but the fused ones streaming by TMA and by cp.async,
-    # but d = 64's windowed dk/dv on 128-query blocks (it would spill); and d = 64's
-    # windowed dk/dv on two warpgroups with a producer, by TMA and by cp.async (its twin
-    # where the copy engine refuses the arrays)
-    assert seen == 2 * ((4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3) - 2 + 8 + 8 * 2 + 2 * 2
+    # at d = 128 (both masks); all streaming by TMA and by cp.async, but d = 64's windowed
+    # dk/dv on 128-query blocks (it would spill); and d = 64's windowed dk/dv on two
+    # warpgroups with a producer, by TMA and by cp.async (its twin where the copy engine
+    # refuses the arrays)
+    assert seen == 2 * ((4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3) - 2 + 8 * 2 + 8 * 2 + 2 * 2
 
 
 @pytest.mark.parametrize("d, causal, seqlen, producer", [

@@ -85,11 +85,18 @@ struct Ring {
     }
   }
   // the producer: steps 0 .. steps - 1, each copy(i, stage) (exactly one cp.async group:
-  // the waits below count groups); a step's copies landed (waited for one step later, so
-  // that two are in flight), finish(i, stage) on what this thread copied, all fenced for
-  // wgmma's async proxy (the copies came through the generic one), then announced
-  template <class Copy, class Finish>
-  __device__ __forceinline__ void produce(int steps, Copy copy, Finish finish) const {
+  // the waits below count groups); a step's copies landed, finish(i, stage) on what this
+  // thread copied, all fenced for wgmma's async proxy (the copies came through the generic
+  // one), then announced. kPublishNow (the tiles by TMA: the group holds a few rows of lse
+  // and D): each step as soon as its group lands. Else (the tiles by cp.async) a step
+  // later, so that two steps' copies are in flight; but then a step is announced only
+  // once the buffer of the next one is free, which with two buffers puts the producer's
+  // wake-up on the consumers' path every step. kFreed: freed(j) once every consumer warp
+  // has released step j (each step, the last ones after the loop), then settle() once
+  // the step being produced is announced (what freed started may take a while)
+  template <bool kPublishNow, bool kFreed, class Copy, class Finish, class Freed, class Settle>
+  __device__ __forceinline__ void produce(int steps, Copy copy, Finish finish, Freed freed,
+                                          Settle settle) const {
     const int lane = threadIdx.x % 32;
     const auto publish = [&](int j, bool last) {
       if (last) cp_async_wait<0>();
@@ -103,20 +110,32 @@ struct Ring {
       const int stage = i % kStages;
       if (i >= kStages) mbar_wait(empty(stage), ((i / kStages) & 1) ^ 1);
       copy(i, stage);
-      if (i > 0) publish(i - 1, false);
+      if (kFreed && i >= kStages) freed(i - kStages);
+      if (kPublishNow) publish(i, true);
+      else if (i > 0) publish(i - 1, false);
+      if (kFreed && i >= kStages) settle();
     }
-    if (steps) publish(steps - 1, true);
+    if (!kPublishNow && steps) publish(steps - 1, true);
+    if constexpr (kFreed) {
+      for (int j = max(0, steps - kStages); j < steps; ++j) {
+        mbar_wait(empty(j % kStages), (j / kStages) & 1);
+        freed(j);
+        settle();
+      }
+    }
   }
   // the CTA's roles: the barriers set up; then the producer warpgroup fills the ring
   // (`produce`) and gets false, the consumers (kConsumerThreads of them, with the registers
   // the producer's warpgroup gives up where they are two warpgroups) true
-  template <int kConsumerThreads, class Copy, class Finish>
-  __device__ __forceinline__ bool consumer_after_roles(int steps, Copy copy, Finish finish) const {
+  template <int kConsumerThreads, bool kPublishNow, bool kFreed = false, class Copy,
+            class Finish, class Freed, class Settle>
+  __device__ __forceinline__ bool consumer_after_roles(int steps, Copy copy, Finish finish,
+                                                       Freed freed, Settle settle) const {
     init(kConsumerThreads);
     __syncthreads();
     if (threadIdx.x < kProducerThreads) {
       if constexpr (kConsumerThreads > 128) setmaxnreg_dec<kBwdProducerRegs>();
-      produce(steps, copy, finish);
+      produce<kPublishNow, kFreed>(steps, copy, finish, freed, settle);
       return false;
     }
     if constexpr (kConsumerThreads > 128) setmaxnreg_inc<kBwdConsumerRegs>();
@@ -277,8 +296,8 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
       }
       load_kv(i, stage);
     };
-    if (!ring.template consumer_after_roles<kThreads>(n_block_max - n_block_min, copy,
-                                                      [](int, int) {}))
+    if (!ring.template consumer_after_roles<kThreads, kTma>(n_block_max - n_block_min, copy,
+                                                      [](int, int) {}, [](int) {}, [] {}))
       return;
   } else if (n_block_min < n_block_max) {
     if constexpr (kTma) {
@@ -352,16 +371,26 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
   store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
 }
 
-// -- kFusedDq: the step's share of dq, dS (kBlockM queries x the CTA's kBlockN keys) K,
-//    added to g.dq_accum's float32 rows. Each warpgroup stores its dS^T fragments as dS
-//    (stmatrix .trans: rows of queries) into a K-major tile of both warpgroups' keys (a
-//    64-key panel each). At d = 128, once both are in, each takes 64 of the head dim's
-//    columns over all of the keys; at d = 64 each takes the whole head dim over its own
-//    keys (no wait for the other; both add to the same rows). A = dS, B = K MN-major; the
-//    sums go to dq_accum by bulk reductions from shared memory, a row a thread: no atomic
-//    instruction per element, as the mma.sync kernel's atomicAdd --
-// a staged row of 64 floats, padded: 16-byte aligned, fewer bank conflicts
-__device__ __forceinline__ constexpr int dq_row_bytes() { return 64 * 4 + 16; }
+// -- kFusedDq: the step's share of dq, dS K (the step's kBlockM queries x the CTA's
+//    kBlockN keys), added to g.dq_accum's float32 sums off the consumers' path. Each
+//    warpgroup stores its dS^T fragments as dS (stmatrix .trans: rows of queries) into a
+//    K-major tile of both warpgroups' keys (a 64-key panel each), two tiles alternating by
+//    step. At d = 128, once both are in, each takes 64 of the head dim's columns over all
+//    of the keys; at d = 64 each takes the whole head dim over its own keys (no wait for
+//    the other; both add to the same block). The sums go to shared memory as the
+//    accumulators hold them, a slab of 64 x 64 a warpgroup (float4 j of thread t at
+//    (j * 128 + t) * 16 bytes: no bank conflicts, no shuffle), and once the step's buffer
+//    is released the producer adds the slabs to the step's block of dq_accum, which keeps
+//    that order (dq_slab_index), by one or two bulk reductions; bwd_dq_blocks_kernel puts
+//    the sums back in rows --
+enum : int { kDqSlabBytes = 64 * 64 * 4 };  // (an enum: unused where dq is not fused)
+
+// where a slab keeps the sum of row r, column c (both < 64): the float of its
+// accumulator's thread (warp r / 16) that holds it
+__device__ __forceinline__ int dq_slab_index(int r, int c) {
+  const int thread = (r / 16) * 32 + (r % 8) * 4 + (c % 8) / 2;
+  return ((c / 8) * 128 + thread) * 4 + 2 * ((r % 16) / 8) + c % 2;
+}
 
 // the warp's dS^T fragments (its 16 keys x kBlockM queries) as dS, before they are the A
 // operand of an in-flight product (its registers must not be read until it completes)
@@ -383,19 +412,17 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
   else named_barrier_sync(2, 128);
 }
 
+// this warpgroup's dq product, once the dS it reads is in (its own panel, or both): A its
+// keys' panel of dS (d = 64) or both; B its keys' rows of K (one panel), or all the keys'
+// rows of its 64-column panel (d = 128). One committed group
 template <int kDtype, int kHeadDim, int kBlockM, int kBlockN>
-__device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq_rows,
-                                             i64 dq_row_stride, int rows_valid, int head_dim,
-                                             int lane, int wg) {
+__device__ __forceinline__ void issue_dq_share(float (&acc)[1][8][4], u32 sds, u32 sk, int wg) {
   static_assert(kBlockM == 64 && kBlockN == 128, "two warpgroups of 64 keys, 64-query steps");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "64 of dq's columns a warpgroup");
   constexpr bool kOwnKeys = kHeadDim == 64;
   fence_proxy_async();  // (stage_ds' stores, before the product reads them)
   if constexpr (kOwnKeys) warpgroup_barrier(wg);  // its keys in place
   else named_barrier_sync(1, 2 * kBlockN);        // both warpgroups' keys in place
-  float acc[1][8][4];
-  // A: its keys' panel of dS, or both; B: its keys' rows of K (one panel: d = 64), or all
-  // the keys' rows of its 64-column panel
   const u64 a_desc = smem_desc(kOwnKeys ? sds + wg * kBlockM * 128 : sds, 16, 1024);
   const u64 b_desc = smem_desc(kOwnKeys ? sk + wg * 64 * 128 : sk + wg * kBlockN * 128,
                                kBlockN * 128, 1024);
@@ -405,38 +432,100 @@ __device__ __forceinline__ void add_dq_share(u32 sds, u32 sdq, u32 sk, float* dq
     wgmma_ss_mn<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, kBlockM)),
                         desc_add(b_desc, mn_kstep_offset(ks)), ks > 0);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_registers(acc);
-  // the staging rows are free once the last step's reductions have read them
-  const int tid = threadIdx.x % 128, warp_row = (tid / 32) * 16;
-  if (tid < 64) bulk_wait_read<0>();
-  warpgroup_barrier(wg);
+}
+
+// the sums (complete) into this warpgroup's slab once the producer has sent step - 1's
+// (the warp's release of the step announces them)
+__device__ __forceinline__ void stage_dq_share(const float (&acc)[1][8][4], u32 slab,
+                                               u32 dq_empty, int step) {
+  if (step > 0) mbar_wait(dq_empty, (step - 1) & 1);
+  const u32 at = slab + (threadIdx.x % 128) * 16;
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp_row + lane / 4 + 8 * h, c = 8 * nt + 2 * (lane % 4);
-      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sdq + r * dq_row_bytes() + 4 * c),
-                   "f"(acc[0][nt][2 * h]), "f"(acc[0][nt][2 * h + 1]) : "memory");
-    }
-  fence_proxy_async();
-  warpgroup_barrier(wg);
-  // (a row of dq_accum holds head_dim floats, a multiple of 8: the last 64 may be short)
-  const int col0 = kOwnKeys ? 0 : wg * 64, cols = min(64, head_dim - col0);
-  if (tid < 64 && tid < rows_valid && cols > 0) {
-    bulk_add_f32(dq_rows + tid * dq_row_stride + col0, sdq + tid * dq_row_bytes(), 4 * cols);
-    bulk_commit();
+  for (int j = 0; j < 8; ++j)
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + j * 128 * 16),
+                 "f"(acc[0][j][0]), "f"(acc[0][j][1]), "f"(acc[0][j][2]), "f"(acc[0][j][3])
+                 : "memory");
+  fence_proxy_async();  // (for the bulk reduction's reads)
+}
+
+// the producer's thread 0, once every consumer warp has released a step (and so staged
+// its sums): the slabs added to the step's block of dq_accum ...
+template <int kHeadDim>
+__device__ __forceinline__ void send_dq_share(float* block, u32 sdq) {
+  if (threadIdx.x) return;
+  if constexpr (kHeadDim == 64) {  // (both warpgroups' sums of the same 64 columns)
+    bulk_add_f32(block, sdq, kDqSlabBytes);
+    bulk_add_f32(block, sdq + kDqSlabBytes, kDqSlabBytes);
+  } else {
+    bulk_add_f32(block, sdq, 2 * kDqSlabBytes);
   }
+  bulk_commit();
+}
+// ... and free again once read (after the step it produces is announced: the reads wait
+// for L2, where every key block's CTA adds to the same rows)
+__device__ __forceinline__ void free_dq_slabs(u32 dq_empty) {
+  if (threadIdx.x) return;
+  bulk_wait_read<0>();
+  mbar_arrive(dq_empty);
+}
+
+// dq's rows from the fused kernel's blocks of sums (float32, dq_slab_index's order; a
+// 64-row block of a sequence at a row of dq_accum that is a multiple of 64: the sequences
+// of a packed batch start at (q_start + 64 b) rounded down): a thread for each 8 columns
+// of a row of a head
+template <int kDtype, int kHeadDim>
+__global__ void __launch_bounds__(256) bwd_dq_blocks_kernel(const FwdParams p, const BwdParams g) {
+  constexpr int kChunks = kHeadDim / 8;
+  const i64 i = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x;
+  const int chunk = static_cast<int>(i % kChunks);
+  const i64 row_head = i / kChunks;
+  if (row_head >= static_cast<i64>(g.rows) * p.nheads || 8 * chunk >= p.head_dim) return;
+  const int h = static_cast<int>(row_head % p.nheads);
+  const i64 r = row_head / p.nheads;
+  i64 b, row, block_row;  // the sequence, the row within it, its first row's in dq_accum
+  if (p.cu_seqlens_q) {
+    const int* cu = reinterpret_cast<const int*>(p.cu_seqlens_q);
+    int lo = 0, hi = p.batch - 1;  // the last sequence that starts at or before r
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (cu[mid] <= r) lo = mid;
+      else hi = mid - 1;
+    }
+    b = lo;
+    row = r - cu[lo];
+    block_row = (cu[lo] + 64 * b) / 64 * 64;
+  } else {
+    b = r / p.seqlen_q;
+    row = r % p.seqlen_q;
+    block_row = 0;
+  }
+  const float* block = reinterpret_cast<const float*>(g.dq_accum) + b * g.dq_accum_batch_stride +
+                       h * g.dq_accum_head_stride +
+                       (block_row + row / 64 * 64) * g.dq_accum_row_stride;
+  const int c0 = 8 * chunk, slab = c0 / 64;
+  const float* sums = block + slab * (kDqSlabBytes / 4);
+  u32 packed[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 x = *reinterpret_cast<const float2*>(
+        sums + dq_slab_index(static_cast<int>(row % 64), c0 % 64 + 2 * k));
+    packed[k] = pack2<kDtype>(x.x, x.y);
+  }
+  // (a packed batch's rows are r: batch strides 0)
+  u16* dq = reinterpret_cast<u16*>(g.dq) + b * g.dq_batch_stride +
+            (p.cu_seqlens_q ? r : row) * g.dq_row_stride + h * g.dq_head_stride + c0;
+  *reinterpret_cast<uint4*>(dq) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
 // dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
-// of its group; the warpgroups share each step's Q and dout. kFusedDq: dq too
-// (add_dq_share), at head dims 64 and 128 on two warpgroups. kProducer: a warpgroup of
+// of its group; the warpgroups share each step's Q and dout. kProducer: a warpgroup of
 // its own copies each step's Q, dout, lse and D (a row a thread) into a ring of kStages
 // buffers, announced on mbarriers (full: a lane of each producer warp, once its copies
 // have landed; empty: a lane of each consumer warp, once done reading), so the consumer
 // warpgroups never wait for each other at a CTA-wide barrier a step
-// (await_then_prefetch) and never issue a copy.
+// (await_then_prefetch) and never issue a copy. kFusedDq: dq too (issue_dq_share), at
+// head dims 64 and 128 on two warpgroups with a producer, whose first two warps copy and
+// whose last sends the sums (send_dq_shares).
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
           int kStages, int kBlockN, bool kFusedDq = false, bool kProducer = false,
           bool kTma = false>
@@ -444,7 +533,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g,
                          const __grid_constant__ TensorMaps maps) {
   constexpr int kThreads = 2 * kBlockN;  // the consumers'
-  constexpr int kProducerThreads = kProducer ? Ring<kStages>::kProducerThreads : 0;
+  using StepRing = Ring<kStages>;
+  constexpr int kProducerThreads = kProducer ? StepRing::kProducerThreads : 0;
   // the threads that issue the copies: the consumers, or the producer's whole warpgroup
   constexpr int kCopiers = kProducer ? kProducerThreads : kThreads;
   constexpr int kQTiles = kBlockM / 8;
@@ -460,19 +550,23 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
                 "two Q/dout buffers (await_then_prefetch), or a ring of two or more");
   static_assert(kProducer || !kTma || kStages == 2, "two buffers without a producer");
   static_assert(!kFusedDq || ((kHeadDim == 64 || kHeadDim == 128) && kGrads == KV_BOTH &&
-                              !kScoreMods && !kProducer),
-                "dq fused at head dims 64 and 128, dk and dv together, no score mods");
+                              !kScoreMods && kProducer && kBlockM == 64),
+                "dq fused at head dims 64 and 128, dk and dv together, no score mods, a "
+                "producer, 64-query steps");
   extern __shared__ unsigned char smem_raw[];
   // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
   const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
   const u32 sk = base, sv = base + kKVBytes, sstages = base + 2 * kKVBytes;
-  // kFusedDq: the step's dS (kBlockM x kBlockN, 16-bit), then each warpgroup's staged rows
+  // kFusedDq: two tiles of dS (kBlockM x kBlockN, 16-bit), then each warpgroup's slab
+  constexpr int kDsBytes = kBlockM * kBlockN * 2;
   [[maybe_unused]] const u32 sds = sstages + kStages * kStageBytes;
-  [[maybe_unused]] const u32 sdq = sds + kBlockM * kBlockN * 2;
+  [[maybe_unused]] const u32 sdq = sds + 2 * kDsBytes;
   unsigned char* stages = smem + 2 * kKVBytes;
-  // (kProducer, kTma) its mbarriers, after the staged dq's rows where dq is fused
-  [[maybe_unused]] const Ring<kStages> ring{kFusedDq ? sdq + kBlockN * dq_row_bytes() : sds};
+  // (kProducer, kTma) its mbarriers, after the slabs where dq is fused, then theirs (the
+  // producer's reductions have read them)
+  [[maybe_unused]] const StepRing ring{kFusedDq ? sdq + 2 * kDqSlabBytes : sds};
+  [[maybe_unused]] const u32 dq_empty = ring.bars + 16 * kStages;
 
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
@@ -612,7 +706,26 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
         *row.s = lse_log2_of(row.s, 0, row.valid);  // (a row past the sequence: +inf)
       }
     };
-    if (!ring.template consumer_after_roles<kThreads>(steps, copy, to_log2)) return;
+    // kFusedDq: a released step's sums, sent (a packed batch's sequences at (q_start +
+    // 64 b) rounded down to 64 rows)
+    const i64 seq_row = p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
+    const auto send_sums = [&](int i) {
+      if constexpr (kFusedDq)
+        send_dq_share<kHeadDim>(reinterpret_cast<float*>(g.dq_accum) +
+                                    t.b * g.dq_accum_batch_stride +
+                                    head_of(i) * g.dq_accum_head_stride +
+                                    (seq_row + q0_of(i)) * g.dq_accum_row_stride,
+                                sdq);
+    };
+    const auto sums_read = [&] {
+      if constexpr (kFusedDq) free_dq_slabs(dq_empty);
+    };
+    if constexpr (kFusedDq) {
+      if (threadIdx.x == 0) mbar_init(dq_empty, 1);  // (fenced by the ring's init)
+    }
+    if (!ring.template consumer_after_roles<kThreads, kTma, kFusedDq>(steps, copy, to_log2,
+                                                                      send_sums, sums_read))
+      return;
   } else if (steps) {
     if constexpr (kTma) {
       ring.init_full();
@@ -688,15 +801,21 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
           dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[col]) * d_raw;
         }
       pack_p<kDtype>(ds_frag, dpt);
-      if constexpr (kFusedDq) stage_ds<kBlockM, kQTiles>(ds_frag, sds, warp_row0, lane);
+      const u32 sds_step = sds + (i & 1) * kDsBytes;  // (kFusedDq)
+      if constexpr (kFusedDq) stage_ds<kBlockM, kQTiles>(ds_frag, sds_step, warp_row0, lane);
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dk, ds_frag, q_mn_desc);
       if constexpr (kFusedDq) {
-        float* dq_rows = reinterpret_cast<float*>(g.dq_accum) + th.b * g.dq_accum_batch_stride +
-                         th.h * g.dq_accum_head_stride + (th.q_start + q0) * g.dq_accum_row_stride;
-        add_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(sds, sdq + wg * 64 * dq_row_bytes(), sk, dq_rows,
-                                               g.dq_accum_row_stride, t.seqlen_q - q0,
-                                               p.head_dim, lane, wg);
+        // (dv's product done: P^T's registers free for dq's sums; issued behind dk's, the
+        // wait below is for both)
+        wgmma_wait<1>();
+        fence_registers(p_frag);
+        fence_registers(acc_dv);
+        float acc_dq[1][8][4];
+        issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg);
+        wgmma_wait<0>();
+        fence_registers(acc_dq);
+        stage_dq_share(acc_dq, sdq + wg * kDqSlabBytes, dq_empty, i);
       }
     }
     // (the fragments feed the products until they complete: held past the wait)
@@ -712,7 +831,6 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     if constexpr (kProducer) ring.release(stage, phase, lane);
     else if ((stage ^= 1) == 0) phase ^= 1;
   }
-  if constexpr (kFusedDq) bulk_wait<0>();  // (the reductions read this CTA's shared memory)
   const int rows = rows_out - key0;
   if constexpr (kDk) {
     u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +
