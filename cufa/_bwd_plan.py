@@ -15,12 +15,13 @@ from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, 
 
 def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq=None, dk=None,
           dv=None, dsink=None, dlse=None, softmax_scale=None, causal=False,
-          window_size=(-1, -1), softcap=0.0, stream=None, scratch=None):
+          window_size=(-1, -1), softcap=0.0, deterministic=False, stream=None, scratch=None):
     """flash_attn_func's gradients -> (dq, dk, dv, dsink or None). Under jax.jit: dq, dk,
     dv, dsink are XLA's output buffers, stream XLA's and scratch (address, bytes) an XLA
     buffer of scratch_bytes() (memory that stays valid where XLA replays the launches).
     dlse: the gradient of lse too (lse's shape, float32, contiguous), or None: lse's own
-    derivative by a score is P, so it enters as D - dlse."""
+    derivative by a score is P, so it enters as D - dlse. deterministic: the same bits
+    every run (variants_of)."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
     a = _arrays.Dense(*(_view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"),
                                                  (alibi_slopes, "alibi_slopes"),
@@ -31,13 +32,13 @@ def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq
     return _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, seq_dim=1, head_dim=2, batch=batch,
                 nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[1], d=d, window=window,
                 scale=scale, softcap=softcap, stream=stream, scratch=scratch,
-                lse_shape=(batch, nheads, seqlen_q))
+                lse_shape=(batch, nheads, seqlen_q), deterministic=deterministic)
 
 
 def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,
            alibi_slopes=None, learnable_sink=None, dq=None, dk=None, dv=None, dsink=None,
            dlse=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-           stream=None, scratch=None):
+           deterministic=False, stream=None, scratch=None):
     """flash_attn_varlen_func's gradients -> (dq, dk, dv, dsink or None); the rest as
     dense's."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
@@ -51,12 +52,12 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
     return _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, seq_dim=0, head_dim=1, batch=batch,
                 nheads=nheads, seqlen_q=total_q, seqlen_k=a.k.shape[0], d=d, window=window,
                 scale=scale, softcap=softcap, stream=stream, scratch=scratch,
-                lse_shape=(nheads, total_q), packed=True)
+                lse_shape=(nheads, total_q), packed=True, deterministic=deterministic)
 
 
 def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, scale=None,
          enable_gqa=False, learnable_sink=None, dq=None, dk=None, dv=None, dsink=None,
-         dlse=None, dmask=None, stream=None, scratch=None):
+         dlse=None, dmask=None, deterministic=False, stream=None, scratch=None):
     """scaled_dot_product_attention's gradients -> (dq, dk, dv, dsink or None): query, key,
     value (batch, heads, L / S, E), lse (batch, heads, L) from the forward (return_lse);
     attn_mask (boolean or additive, broadcast) is read as the forward reads it. dmask: a
@@ -77,7 +78,8 @@ def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, 
                 nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[2], d=d, window=window,
                 scale=scale, softcap=0.0, stream=stream, scratch=scratch,
                 lse_shape=(batch, nheads, seqlen_q), bottom_right=False,
-                attn_mask=views.attn_mask, dmask=_mask_grad(dmask, views.attn_mask))
+                attn_mask=views.attn_mask, dmask=_mask_grad(dmask, views.attn_mask),
+                deterministic=deterministic)
 
 
 def _mask_grad(dmask, mask):
@@ -180,13 +182,16 @@ def _keys_per_cta(variants):
     return keys.pop()
 
 
-def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
+def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q, deterministic=False):
     """The backward's launches for a call: _compile.bwd_variants' (preprocess, dq, dk/dv...),
-    or with CUFA_BWD_FUSED_DQ=1 where it applies (not with attn_mask) the fused ones
-    (preprocess, dk/dv with dq fused, dq convert: on Hopper bwd_sm90_fused_variants' where
-    they apply, else bwd_fused_variants'), or on Hopper at bwd_sm90_head_dims()
-    _compile.bwd_sm90_variants' (dq and dk/dv on wgmma). seqlen_q: a sequence's query rows
-    (a packed batch's total: its longest may be as long)."""
+    or on Hopper at bwd_sm90_head_dims() _compile.bwd_sm90_variants' (dq and dk/dv on
+    wgmma), or with dq fused (preprocess, dk/dv with dq fused, dq's sums to rows; never
+    with attn_mask, whose gradient the dq kernel sums, nor with deterministic: the sums'
+    order varies from run to run): on Hopper where _compile.bwd_sm90_fused_by_default
+    says it is faster, or wherever it applies with CUFA_BWD_FUSED_DQ=1
+    (bwd_sm90_fused_variants', else bwd_fused_variants'); CUFA_BWD_FUSED_DQ=0 never.
+    seqlen_q: a sequence's query rows (a packed batch's total: its longest may be as
+    long)."""
     if d > _compile.MAX_HEAD_DIM:
         raise NotImplementedError(f"the backward takes head dims up to {_compile.MAX_HEAD_DIM};"
                                   f" got {d} (the forward takes up to {_compile.WIDE_HEAD_DIM})")
@@ -201,17 +206,20 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q):
             producer=_compile.bwd_producer_wanted(), tma=_compile.bwd_tma_wanted())
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
-    fused = None
-    if _compile.bwd_fused_wanted() and attn_mask is None:  # (whose gradient dq's kernel sums)
-        fused = ((_compile.bwd_sm90_fused_variants(*key, _compile.bwd_tma_wanted())
-                  if wgmma else None)
-                 or _compile.bwd_fused_variants(*key))
+    fused, wanted = None, _compile.bwd_fused_wanted()
+    if not deterministic and attn_mask is None and wanted is not False:
+        if wanted:
+            fused = ((_compile.bwd_sm90_fused_variants(*key, _compile.bwd_tma_wanted())
+                      if wgmma else None)
+                     or _compile.bwd_fused_variants(*key))
+        elif wgmma and _compile.bwd_sm90_fused_by_default(wgmma[1].head_dim, mask, seqlen_q):
+            fused = _compile.bwd_sm90_fused_variants(*key)
     return fused or wgmma or _compile.bwd_variants(*key)
 
 
 def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, batch, nheads,
          seqlen_q, seqlen_k, d, window, scale, softcap, stream, scratch, lse_shape,
-         packed=False, bottom_right=True, attn_mask=None, dmask=None):
+         packed=False, bottom_right=True, attn_mask=None, dmask=None, deterministic=False):
     q, k, v, o = a.q, a.k, a.v, a.out
     if o is None:
         raise ValueError("out, the forward's output, is needed for the backward")
@@ -244,7 +252,8 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
             "of 8 elements and 16-byte aligned starts")
     nheads_k = k.shape[head_dim]
     framework = "cupy" if q.framework == "dlpack" else q.framework
-    variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask, seqlen_q=seqlen_q)
+    variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask, seqlen_q=seqlen_q,
+                           deterministic=deterministic)
     block_m, block_n = _dq_variant(variants).block_m, _keys_per_cta(variants)
     sink = a.learnable_sink
 

@@ -414,7 +414,22 @@ def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True):
 
 
 def bwd_fused_wanted():
-    return _overrides.get(BWD_FUSED_ENV) == "1"
+    """CUFA_BWD_FUSED_DQ: True ("1": wherever dq fused applies), False ("0": never) or None
+    (unset: where bwd_sm90_fused_by_default says)."""
+    return {"1": True, "0": False}.get(_overrides.get(BWD_FUSED_ENV))
+
+
+def bwd_sm90_fused_by_default(head_dim, mask, seqlen_q):
+    """Whether a call whose wgmma kernels are these (padded head dim, mask; seqlen_q as
+    _bwd_plan.variants_of's) takes dq fused where it is not asked for deterministic bits:
+    where it was faster on an H200 with its producer and TMA on (bf16 and fp16, 16k
+    tokens, no mask and causal, bench/results/bwd_fused_dq_h200.md): d = 128, 0.83-0.99x
+    the time of the dq and dk/dv kernels; d = 64 causal from 2k query rows, 0.91-0.97x
+    (1.02x at 1k; without a mask 1.15-1.20x)."""
+    if not (bwd_producer_wanted() and bwd_tma_wanted()):
+        return False
+    return head_dim == 128 or (head_dim == 64 and mask == "window"
+                               and seqlen_q > BWD_SM90_SHORT_WINDOW_ROWS)
 
 
 # dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), a warpgroup every 64 query rows (dq)

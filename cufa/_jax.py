@@ -87,6 +87,9 @@ def call(entry, arrays, options, out=None, lse=True):
             jitted = None
         if jitted is not None:
             return jitted(present)
+    # (deterministic is the backward's alone)
+    backward_options = dict(options)
+    options = {n: x for n, x in options.items() if n != "deterministic"}
     _check(entry, _traced_views(present, 0), options)
     if not on_cuda:
         raise RuntimeError(f"cufa.{entry} under jax.jit needs JAX's CUDA backend, and this "
@@ -113,7 +116,7 @@ def call(entry, arrays, options, out=None, lse=True):
                                else r for r in results),
                          input_output_aliases={names.index(n): i for n, i in aliases},
                          command_buffer_compatible=True)
-    wrapped = (_differentiable(fn, entry, names, options) if entry in _BACKWARD
+    wrapped = (_differentiable(fn, entry, names, backward_options) if entry in _BACKWARD
                else _without_vmap_or_grad(fn, entry))
     outputs = wrapped(*(
         jax.lax.bitcast_convert_type(present[n], jnp.uint8) if _float8(present[n].dtype)
@@ -376,7 +379,7 @@ def _backward_scratch_bytes(entry, arrays, options):
         batch, nheads, seqlen_q, d = query.shape
         window = (_checks.UNBOUNDED, 0 if options["is_causal"] else _checks.UNBOUNDED)
         variants = _bwd_plan.variants_of(query, d, window, 0.0, None, v.get("attn_mask"),
-                                         seqlen_q=seqlen_q)
+                                         seqlen_q=seqlen_q)  # (never deterministic here)
         return max(1, _bwd_plan.scratch_bytes(variants, (batch, nheads, seqlen_q), batch,
                                               seqlen_q, v["key"].shape[2], False, d)[0])
     window, _, softcap = _checked_options(options)
@@ -388,7 +391,8 @@ def _backward_scratch_bytes(entry, arrays, options):
         (seqlen_q, nheads, d), seqlen_k = q.shape, v["k"].shape[0]
         batch, lse_shape, packed = v["cu_seqlens_q"].shape[0] - 1, (nheads, seqlen_q), True
     variants = _bwd_plan.variants_of(q, d, window, softcap, v.get("alibi_slopes"),
-                                     seqlen_q=seqlen_q)
+                                     seqlen_q=seqlen_q,
+                                     deterministic=options.get("deterministic", False))
     return max(1, _bwd_plan.scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k,
                                           packed, d)[0])
 

@@ -74,6 +74,13 @@ def _on_chunks(dout, q, k, v, out):
     return tuple(copies), d
 
 
+def _deterministic(asked):
+    """A backward's deterministic: asked for by the call, or by
+    torch.use_deterministic_algorithms(True)."""
+    import torch
+    return bool(asked) or torch.are_deterministic_algorithms_enabled()
+
+
 def _backward(run, dout, q, k, v, out, lse, scale, dlse):
     """run((dout, q, k, v, out, lse), scale, dlse) (a _bwd_plan entry with the call's other
     arguments bound) on tensors the kernels take, and the op's outputs: (dq, dk, dv (cut
@@ -102,7 +109,9 @@ def _register():
     def flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
                    causal: bool, window_left: int, window_right: int, softcap: float,
                    alibi_slopes: Optional[Tensor],
-                   learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                   learnable_sink: Optional[Tensor], deterministic: bool = False
+                   ) -> Tuple[Tensor, Tensor]:
+        # (deterministic: for the backward, which setup_context keeps)
         return _fwd_plan.dense(q.detach(), k.detach(), v.detach(), alibi_slopes, None,
                                softmax_scale=softmax_scale,
                                causal=causal, window_size=(window_left, window_right),
@@ -122,16 +131,17 @@ def _register():
     def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        softmax_scale: Optional[float], causal: bool, window_left: int,
                        window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                       learnable_sink: Optional[Tensor], dlse: Optional[Tensor]
-                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                       learnable_sink: Optional[Tensor], dlse: Optional[Tensor],
+                       deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         return _backward(lambda arrays, scale, dlse: _bwd_plan.dense(
             *arrays, alibi_slopes=alibi_slopes, learnable_sink=_interop.detached(learnable_sink),
             dlse=dlse, softmax_scale=scale, causal=causal,
-            window_size=(window_left, window_right), softcap=softcap),
+            window_size=(window_left, window_right), softcap=softcap,
+            deterministic=_deterministic(deterministic)),
             dout, q, k, v, out, lse, softmax_scale, dlse)
 
-    def bwd_fake(dout, q, k, v, out, lse, *rest):  # (both ops end in learnable_sink, dlse)
-        sink = rest[-2]
+    def bwd_fake(dout, q, k, v, out, lse, *rest):  # (both ops end in learnable_sink, dlse,
+        sink = rest[-3]                             # deterministic)
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
                 q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32))
 
@@ -143,35 +153,38 @@ def _register():
                               softmax_scale: Optional[float], causal: bool, window_left: int,
                               window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                               seqused_k: Optional[Tensor], learnable_sink: Optional[Tensor],
-                              dlse: Optional[Tensor]
+                              dlse: Optional[Tensor], deterministic: bool = False
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         return _backward(lambda arrays, scale, dlse: _bwd_plan.packed(
             *arrays, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
             learnable_sink=_interop.detached(learnable_sink), dlse=dlse, softmax_scale=scale,
-            causal=causal, window_size=(window_left, window_right), softcap=softcap),
+            causal=causal, window_size=(window_left, window_right), softcap=softcap,
+            deterministic=_deterministic(deterministic)),
             dout, q, k, v, out, lse, softmax_scale, dlse)
 
     flash_attn_varlen_bwd.register_fake(bwd_fake)
 
     def dense_setup(ctx, inputs, output):
-        q, k, v, scale, causal, left, right, softcap, alibi, sink = inputs
+        q, k, v, scale, causal, left, right, softcap, alibi, sink, *deterministic = inputs
         ctx.save_for_backward(q, k, v, output[0], output[1], alibi, sink)
         ctx.options = (scale, causal, left, right, softcap)
+        ctx.deterministic = bool(deterministic and deterministic[0])
 
     def dense_backward(ctx, dout, dlse):
         q, k, v, out, lse, alibi, sink = ctx.saved_tensors
         dq, dk, dv, dsink = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink,
-                                           dlse)
+                                           dlse, ctx.deterministic)
         return (dq, dk, dv, None, None, None, None, None, None,
-                _as_sink_grad(dsink, sink, ctx.needs_input_grad[-1]))
+                _as_sink_grad(dsink, sink, ctx.needs_input_grad[9]), None)
 
     flash_attn.register_autograd(dense_backward, setup_context=dense_setup)
 
     def packed_setup(ctx, inputs, output):
         (q, k, v, cu_q, cu_k, _, _, scale, causal, left, right, softcap, alibi, used, table,
-         sink, k_descale, v_descale) = inputs
+         sink, k_descale, v_descale, *deterministic) = inputs
         ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, alibi, used, sink)
         ctx.options = (scale, causal, left, right, softcap)
+        ctx.deterministic = bool(deterministic and deterministic[0])
         ctx.paged = table is not None or k_descale is not None or v_descale is not None
 
     def packed_backward(ctx, dout, dlse):
@@ -180,9 +193,10 @@ def _register():
                                       "backward pass")
         q, k, v, out, lse, cu_q, cu_k, alibi, used, sink = ctx.saved_tensors
         dq, dk, dv, dsink = flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k,
-                                                  *ctx.options, alibi, used, sink, dlse)
+                                                  *ctx.options, alibi, used, sink, dlse,
+                                                  ctx.deterministic)
         return (dq, dk, dv) + (None,) * 12 + (
-            _as_sink_grad(dsink, sink, ctx.needs_input_grad[15]), None, None)
+            _as_sink_grad(dsink, sink, ctx.needs_input_grad[15]), None, None, None)
 
     @torch.library.custom_op("cufa::sdpa", mutates_args=())
     def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
@@ -224,7 +238,8 @@ def _register():
         return _backward(lambda arrays, s, dlse: _bwd_plan.sdpa(
             *arrays, _interop.detached(attn_mask), is_causal=is_causal,
             scale=s, enable_gqa=enable_gqa, learnable_sink=_interop.detached(learnable_sink),
-            dmask=dmask if mask_grad else None), dout, query, key, value, out, lse, scale,
+            dmask=dmask if mask_grad else None, deterministic=_deterministic(False)),
+            dout, query, key, value, out, lse, scale,
             None) + (dmask,)
 
     @sdpa_bwd.register_fake
@@ -256,7 +271,8 @@ def _register():
                           window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                           seqused_k: Optional[Tensor], block_table: Optional[Tensor],
                           learnable_sink: Optional[Tensor], k_descale: Optional[Tensor],
-                          v_descale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                          v_descale: Optional[Tensor], deterministic: bool = False
+                          ) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.packed(
             q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),

@@ -48,7 +48,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     that see no key give 0 and lse -inf (lse = sink_h with a sink). return_attn_probs=True
     returns (out, lse, S_dmask) as flash-attn does without dropout, S_dmask an empty (0,)
     array of q's framework and dtype (the probabilities are never materialized). The
-    forward is deterministic; `deterministic` is accepted for compatibility. Window
+    forward is deterministic; `deterministic` is the backward's (flash_attn_backward). Window
     entries may be any integer held on the host (NumPy integers, 0-d CPU tensors).
 
     fp8 (Hopper): q, k, v all in float8_e4m3fn (PyTorch's, or CuPy arrays of ml_dtypes'),
@@ -82,14 +82,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                           "autograd records the call")
             o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal,
                                                  *window_ints(window_size), softcap,
-                                                 alibi_slopes, learnable_sink)
+                                                 alibi_slopes, learnable_sink,
+                                                 bool(deterministic))
             return _returned(o, lse, return_lse, return_attn_probs)
         if _jax.tracing(q, k, v, alibi_slopes, learnable_sink):
             o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v,
                                                         alibi_slopes=alibi_slopes,
                                                         learnable_sink=learnable_sink),
                                 dict(softmax_scale=softmax_scale, causal=causal,
-                                     window_size=window_ints(window_size), softcap=softcap),
+                                     window_size=window_ints(window_size), softcap=softcap,
+                                     deterministic=bool(deterministic)),
                                 out=out, lse=return_lse)
             return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
     # (eager calls only, so torch.compile traces none of it; a 1-byte q's alone reads its
@@ -283,7 +285,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             o, lse = _torch_ops.op("flash_attn_varlen")(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 causal, *window_ints(window_size), softcap, alibi_slopes, seqused_k, block_table,
-                learnable_sink, k_descale, v_descale)
+                learnable_sink, k_descale, v_descale, bool(deterministic))
             return _returned(o, lse, return_lse, return_attn_probs)
         arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
@@ -298,7 +300,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                  "cache) does not have; check them outside it")
             o, *lse = _jax.call("flash_attn_varlen_func", arrays, dict(
                 softmax_scale=softmax_scale, causal=causal, window_size=window_ints(window_size),
-                softcap=softcap), out=out, lse=return_lse)
+                softcap=softcap, deterministic=bool(deterministic)), out=out, lse=return_lse)
             return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
     if getattr(q, "itemsize", 0) == 1 and "float8" in str(q.dtype):  # (as flash_attn_func's)
         return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
@@ -325,8 +327,11 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     was called. dk and dv are summed over the query heads that share a KV head (GQA);
     rows that see no key give zero gradients, and so do keys that no query sees. dq, dk,
     dv: arrays to write the gradients into (q's, k's and v's shapes and dtype), else new
-    contiguous ones of q's framework. The gradients are the same bits on every run (no
-    atomics; `deterministic` is accepted for compatibility); dsink sums with atomics.
+    contiguous ones of q's framework. On Hopper at head dims 97-128 (and 33-64 with a
+    causal or sliding window over more than 1024 query rows) dq is summed in float32 by
+    the dk/dv kernel, so its last bits vary from run to run; deterministic=True (or
+    torch.use_deterministic_algorithms(True)) keeps a dq kernel of its own: the same bits
+    every run, at 1.0-1.2x the time. dsink sums with atomics.
     Needs 16-byte rows: head dims and strides that are multiples of 8. dlse: the gradient
     of lse as well, where a loss reads lse (its shape, float32, contiguous). Torch tensors
     are read detached (this is what a backward runs on)."""
@@ -335,7 +340,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     dq, dk, dv, dsink = _bwd_plan.dense(
         dout, q, k, v, out, lse, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
         dq=dq, dk=dk, dv=dv, dlse=dlse, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, softcap=softcap)
+        window_size=window_size, softcap=softcap, deterministic=bool(deterministic))
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
@@ -354,7 +359,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k,
         alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dq=dq, dk=dk, dv=dv,
         dlse=dlse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap)
+        softcap=softcap, deterministic=bool(deterministic))
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 

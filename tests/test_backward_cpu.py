@@ -141,7 +141,7 @@ def test_hopper_takes_the_wgmma_kernels_unless_told_not_to(monkeypatch, capabili
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: capability)
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, opt_out)
-    cufa.flash_attn_backward(*dense_args(d=128), causal=True)
+    cufa.flash_attn_backward(*dense_args(d=128), causal=True, deterministic=True)
     assert [(f.kind, f.family) for f, *_ in rec.launches] == list(
         zip(["preprocess", "dq", "dkdv"], families))
     assert all(threads == f.threads and smem == f.smem_bytes
@@ -165,10 +165,10 @@ def test_two_warpgroups_take_128_keys_and_rows_a_cta(monkeypatch, packed):
                                                                                 sk=300, d=128))
         cu = arr((3,), "int32", ptr=0x8000)
         lse = arr((4, 300), "float32", ptr=0x6000)
-        cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True)
+        cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True, deterministic=True)
         kv_blocks = q_blocks = 300 // 128 + 2
     else:
-        cufa.flash_attn_backward(*dense_args(b=2, sq=300, sk=300, d=128), causal=True)
+        cufa.flash_attn_backward(*dense_args(b=2, sq=300, sk=300, d=128), causal=True, deterministic=True)
         kv_blocks = q_blocks = -(-300 // 128) * 2
     (dq, dq_grid, dq_threads, dq_smem, _, _), (kv, blocks, threads, smem, _, (fwd, bwd)) = \
         rec.launches[-2:]
@@ -244,7 +244,7 @@ def test_short_windowed_calls_keep_64_query_blocks_at_d64(monkeypatch, seqlen_q,
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_TMA_ENV, tma)
-    cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen_q, sk=seqlen_q, d=64), causal=causal)
+    cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen_q, sk=seqlen_q, d=64), causal=causal, deterministic=True)
     kv = rec.launches[-1][0]
     keys, producer = 64, False
     if causal and tma is None:
@@ -333,6 +333,27 @@ def test_torch_route_for_a_call_autograd_records():
         assert not api._records_grad(q, k, k, None)
     sink = torch.zeros(2, requires_grad=True)
     assert api._records_grad(k, k, k, sink)
+
+
+def test_torch_ops_carry_deterministic_to_the_backward():
+    """flash_attn_func(deterministic=True) reaches the backward through the forward op's
+    last argument (setup_context keeps it); torch.use_deterministic_algorithms(True) asks
+    for it too."""
+    torch = pytest.importorskip("torch")
+    from cufa import _torch_ops
+    _torch_ops.register_if_torch_loaded()
+    for name in ("flash_attn", "flash_attn_varlen", "flash_attn_bwd", "flash_attn_varlen_bwd"):
+        schema = str(getattr(torch.ops.cufa, name).default._schema)
+        assert schema.split("(", 1)[1].rstrip().endswith(
+            "bool deterministic=False) -> (Tensor, Tensor)" if "bwd" not in name else
+            "bool deterministic=False) -> (Tensor, Tensor, Tensor, Tensor)"), schema
+    assert not _torch_ops._deterministic(False) and _torch_ops._deterministic(True)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert _torch_ops._deterministic(False)
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_torch_backward_pads_unaligned_head_dims_with_zeros():
@@ -471,6 +492,41 @@ def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
                                                                                True)
 
 
+@pytest.mark.parametrize("d, causal, seqlen, fused", [
+    (128, True, 300, True), (128, False, 300, True), (112, False, 2000, True),
+    (64, True, 1025, True), (64, True, 1024, False), (64, False, 2000, False),
+    (96, True, 300, False),  # (mma.sync's head dim 96: no wgmma kernels there)
+])
+def test_hopper_fuses_dq_where_it_was_faster(monkeypatch, d, causal, seqlen, fused):
+    """Unset, CUFA_BWD_FUSED_DQ leaves dq fused on Hopper where it was faster on an H200:
+    d = 128, and d = 64 under a window past 1024 query rows; never with
+    deterministic=True, with CUFA_BWD_FUSED_DQ=0, or with TMA or the producer off (what
+    it was timed with); on other GPUs the dq kernel."""
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
+                _compile.BWD_FUSED_ENV, _compile.BWD_SM90_PRODUCER_ENV, _compile.BWD_SM90_TMA_ENV):
+        monkeypatch.setitem(_compile._overrides, env, None)
+    args = dense_args(b=1, sq=seqlen, sk=seqlen, d=d)
+    split = ["preprocess", "dq", "dkdv"]
+
+    def kinds(**kw):
+        rec.launches.clear()
+        cufa.flash_attn_backward(*args, causal=causal, **kw)
+        return [f.kind for f, *_ in rec.launches]
+    assert kinds() == (["preprocess", "dkdv", "dq_blocks"] if fused else split)
+    if fused:
+        assert rec.launches[1][0].fused_dq and rec.launches[1][0].tma
+    assert kinds(deterministic=True) == split
+    for env in (_compile.BWD_FUSED_ENV, _compile.BWD_SM90_TMA_ENV,
+                _compile.BWD_SM90_PRODUCER_ENV):
+        monkeypatch.setitem(_compile._overrides, env, "0")
+        assert kinds() == split, env
+        monkeypatch.setitem(_compile._overrides, env, None)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 80)
+    assert kinds() == split
+
+
 def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     """bwd/bwd_sm90.cu rounds its shared-memory base up to 1024 bytes (the swizzle's
     phase), then lays out its tiles: each variant asks for 1024 bytes beyond them."""
@@ -521,7 +577,7 @@ def test_producer_warpgroup_where_it_applies(monkeypatch, d, causal, seqlen, pro
     for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
                 _compile.BWD_FUSED_ENV, _compile.BWD_SM90_PRODUCER_ENV, _compile.BWD_SM90_TMA_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
-    cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
+    cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal, deterministic=True)
     wanted = producer if isinstance(producer, tuple) else (producer, producer)
     for (variant, _, threads, smem, *_), producer in zip(rec.launches[-2:], wanted):
         assert (variant.family, variant.producer) == ("sm90", producer)
@@ -535,12 +591,12 @@ def test_producer_warpgroup_where_it_applies(monkeypatch, d, causal, seqlen, pro
             assert smem == plain.smem_bytes + (plain.smem_with(3) - plain.smem_with(2)) + 48
     rec.launches.clear()
     cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal,
-                             softcap=5.0)
+                             softcap=5.0, deterministic=True)
     assert not any(f.producer for f, *_ in rec.launches)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_PRODUCER_ENV, "0")
     _bwd_plan._runtime.plans.clear()
     rec.launches.clear()
-    cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal)
+    cufa.flash_attn_backward(*dense_args(b=1, sq=seqlen, sk=seqlen, d=d), causal=causal, deterministic=True)
     assert [f.family for f, *_ in rec.launches[-2:]] == ["sm90", "sm90"]
     assert not any(f.producer for f, *_ in rec.launches)
 
@@ -577,9 +633,9 @@ def test_tma_streams_get_the_maps_of_what_they_stream(monkeypatch, packed, d):
                  for a in (dout, q, k, v, out)]
             cu = arr((3,), "int32", ptr=0x8000)
             cufa.flash_attn_varlen_backward(*x, arr((4, 300), "float32", ptr=0x6000), cu, cu,
-                                            200, 200)
+                                            200, 200, deterministic=True)
         else:
-            cufa.flash_attn_backward(dout, q, k, v, out, lse)
+            cufa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True)
         return [(f, m, r) for (f, *_, r), m in zip(rec.launches, rec.maps)
                 if f is not _compile.VARLEN_SCHEDULE]
 

@@ -1,7 +1,6 @@
 """GPU: the backward pass (dq, dk, dv, dsink) against reference.attention_backward in
 float64, held to the pass rule per row (tests/_backward_check.py). Every gradient array is
 poisoned before the call."""
-import os
 import zlib
 
 import numpy as np
@@ -17,8 +16,10 @@ from _backward_check import check_grads, poisoned_like  # noqa: E402
 DTYPES = (torch.float16, torch.bfloat16)
 # the same bits every run: the default's dq kernel (no atomics), not the fused dq's atomic
 # sums (bench/device_run.sh's fdq family runs this file with CUFA_BWD_FUSED_DQ=1)
-same_bits = pytest.mark.skipif(os.environ.get("CUFA_BWD_FUSED_DQ") == "1",
-                               reason="CUFA_BWD_FUSED_DQ=1: dq's sums vary in their last bits")
+# the same bits every run, and the same as other kernels' where they make the same products
+# in the same order: deterministic=True (the dq kernel, never dq fused, whose float32 sums'
+# order varies; bench/device_run.sh's fdq family runs this file with CUFA_BWD_FUSED_DQ=1)
+EXACT = dict(deterministic=True)
 
 
 def run_dense(rng, dtype, b, sq, sk, h, hk, d, label, layout="bshd", **kw):
@@ -30,6 +31,7 @@ def run_dense(rng, dtype, b, sq, sk, h, hk, d, label, layout="bshd", **kw):
     got = cufa.flash_attn_backward(dout, q, k, v, out, lse, **kw, dq=grads[0], dk=grads[1],
                                    dv=grads[2])
     assert all(g is w for g, w in zip(got[:3], grads))
+    kw.pop("deterministic", None)
     check_grads(got, q, k, v, dout, label, out=out, **kw)
     return q, k, v, dout, out, lse, got
 
@@ -84,13 +86,23 @@ def test_odd_lengths(seqlen):
     run_dense(rng, torch.bfloat16, 1, seqlen, seqlen + 3, 4, 2, 64, f"N={seqlen}", causal=True)
 
 
-@same_bits
 def test_gradients_are_the_same_bits_every_run():
+    """deterministic=True: the same bits every run, where dq would otherwise be fused
+    (Hopper, d = 128), through flash_attn_backward and through autograd."""
     rng = np.random.default_rng(5)
     q, k, v, dout, out, lse, got = run_dense(rng, torch.bfloat16, 2, 200, 200, 8, 2, 128,
-                                             "determinism", causal=True)
-    again = cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+                                             "determinism", causal=True, **EXACT)
+    again = cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=True, **EXACT)
     assert all(torch.equal(a, b) for a, b in zip(got[:3], again))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    runs = []
+    for _ in range(2):
+        for x in leaves:
+            x.grad = None
+        cufa.flash_attn_func(*leaves, causal=True, **EXACT).backward(dout)
+        runs.append([x.grad.clone() for x in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], got[:3]))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -387,7 +399,6 @@ PRODUCER = {  # (the producer: two consumer warpgroups, d = 128)
 }
 
 
-@same_bits
 @pytest.mark.parametrize("name", list(PRODUCER))
 def test_producer_warpgroup(monkeypatch, name):
     """Hopper's wgmma dq and dk/dv kernels with a producer warpgroup and a ring of
@@ -398,7 +409,7 @@ def test_producer_warpgroup(monkeypatch, name):
     if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
         pytest.skip("the producer warpgroup is the Hopper kernels'")
     case = dict(PRODUCER[name])
-    kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case}
+    kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case} | EXACT
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     try:
         monkeypatch.delenv(_compile.BWD_SM90_PRODUCER_ENV, raising=False)
@@ -414,7 +425,6 @@ def test_producer_warpgroup(monkeypatch, name):
     assert all(torch.equal(a, b) for a, b in zip(got[:3], without[:3]))
 
 
-@same_bits
 def test_producer_warpgroup_varlen(monkeypatch):
     """A packed batch with an empty and a one-token sequence through the producer's kernels:
     each sequence's gradients against the reference, the same bits as without it."""
@@ -435,7 +445,7 @@ def test_producer_warpgroup_varlen(monkeypatch):
                 monkeypatch.delenv(_compile.BWD_SM90_PRODUCER_ENV, raising=False)
             cufa.api.clear_plans()
             grads[env] = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 333,
-                                                         333, causal=True)
+                                                         333, causal=True, **EXACT)
     finally:
         monkeypatch.undo()
         cufa.api.clear_plans()
@@ -444,7 +454,6 @@ def test_producer_warpgroup_varlen(monkeypatch):
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, "producer varlen")
 
 
-@same_bits
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_streams_varlen(monkeypatch, causal, d):
@@ -472,7 +481,7 @@ def test_tma_streams_varlen(monkeypatch, causal, d):
         k[ks[i] + used_k[i]:ks[i + 1]] = float("nan")
         v[ks[i] + used_k[i]:ks[i + 1]] = float("nan")
     used = torch.tensor(used_k, dtype=torch.int32, device="cuda")
-    kw = dict(causal=causal, seqused_k=used)
+    kw = dict(causal=causal, seqused_k=used, **EXACT)
     out, lse = cufa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                            return_lse=True, **kw)
     total = sum(lens_q)
@@ -545,7 +554,6 @@ def test_the_wgmma_kernels_are_hoppers_default(monkeypatch):
     assert families(**{_compile.FAMILY_ENV: "sm80"}) == ["sm80"] * 2
 
 
-@same_bits
 def test_activation_checkpointing_and_autocast():
     """torch.utils.checkpoint reruns the forward in the backward: the gradients are the
     reference's, and the same bits as without checkpointing; under autocast a float32
@@ -560,7 +568,7 @@ def test_activation_checkpointing_and_autocast():
     def block(x):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             q, k, v = (x @ w).chunk(3, dim=-1)
-            return cufa.flash_attn_func(q, k, v, causal=True)
+            return cufa.flash_attn_func(q, k, v, causal=True, **EXACT)
 
     grads = []
     for checkpointed in (False, True):

@@ -215,7 +215,7 @@ def test_fp8_paged_varlen_traces_with_its_descales():
         return out
     code = _traced_graph(f, q, pages, cu, table, k_scale, v_scale)
     (call,) = [line for line in code.splitlines() if "torch.ops.cufa.flash_attn_varlen" in line]
-    assert "l_ks_, l_vs_)" in call, call
+    assert "l_ks_, l_vs_, False)" in call, call  # (then deterministic: the backward's)
 
 
 def test_out_takes_v_s_head_dim_in_the_trace():
