@@ -255,7 +255,8 @@ class BwdVariant:
     grads: str = "both"     # dkdv: BWD_GRADS
     stages: int = 1         # dq: K/V buffers (2: the next block's copy under the products);
                             # dkdv: Q/dout buffers, the same
-    fused_dq: bool = False  # dkdv: dq too, added atomically (kFusedDq in bwd/bwd_sm80.cu)
+    fused_dq: bool = False  # dkdv: dq too, added to float32 sums (kFusedDq: by atomics in
+                            # bwd/bwd_sm80.cu, by bulk reductions in bwd/bwd_sm90.cu)
     producer: bool = False  # sm90 dq, dkdv: a producer warpgroup streams the steps (kProducer)
     tma: bool = False       # sm90 dq, dkdv: the steps' tiles by TMA (kTma; launch maps)
     family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
@@ -415,8 +416,13 @@ def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True):
 
 def bwd_fused_wanted():
     """CUFA_BWD_FUSED_DQ: True ("1": wherever dq fused applies), False ("0": never) or None
-    (unset: where bwd_sm90_fused_by_default says)."""
-    return {"1": True, "0": False}.get(_overrides.get(BWD_FUSED_ENV))
+    (unset or empty: where bwd_sm90_fused_by_default says); anything else is refused (a
+    "false" read as unset would fuse)."""
+    value = _overrides.get(BWD_FUSED_ENV)
+    if value not in (None, "", "0", "1"):
+        raise ValueError(f"{BWD_FUSED_ENV} takes 1 (dq fused wherever it applies) or 0 (never);"
+                         f" got {value!r}")
+    return {"1": True, "0": False}.get(value)
 
 
 def bwd_sm90_fused_by_default(head_dim, mask, seqlen_q):

@@ -149,12 +149,13 @@ ENTRY_POINTS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kv
 def reference_kernels(calls=None):
     """A stand-in for the cufa module with the float64 reference behind its four entry
     points, recording each call's entry point in `calls` (a list) when given."""
-    def flash_attn_func(q, k, v, **options):
+    def flash_attn_func(q, k, v, deterministic=False, **options):  # (the backward's)
         sink = _sink(options)
         out, _ = reference.attention(_np(q), _np(k), _np(v), learnable_sink=sink, **options)
         return _back(out, q)
 
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options):
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, deterministic=False,
+                               **options):
         sink = _sink(options)
         out = np.zeros(q.shape)
         cu_q, cu_k = cu_q.tolist(), cu_k.tolist()

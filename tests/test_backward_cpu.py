@@ -527,6 +527,18 @@ def test_hopper_fuses_dq_where_it_was_faster(monkeypatch, d, causal, seqlen, fus
     assert kinds() == split
 
 
+def test_fused_dq_variable_takes_0_or_1(monkeypatch):
+    """CUFA_BWD_FUSED_DQ: "1", "0", or unset (or empty) for the default; "false" read as
+    unset would fuse dq on Hopper, so it is refused naming the variable."""
+    Recorder(monkeypatch)
+    for value, wanted in ((None, None), ("", None), ("0", False), ("1", True)):
+        monkeypatch.setitem(_compile._overrides, _compile.BWD_FUSED_ENV, value)
+        assert _compile.bwd_fused_wanted() is wanted
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_FUSED_ENV, "false")
+    with pytest.raises(ValueError, match="CUFA_BWD_FUSED_DQ takes 1"):
+        cufa.flash_attn_backward(*dense_args())
+
+
 def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     """bwd/bwd_sm90.cu rounds its shared-memory base up to 1024 bytes (the swizzle's
     phase), then lays out its tiles: each variant asks for 1024 bytes beyond them."""
@@ -543,7 +555,7 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
             if v.producer or v.tma:  # each buffer's full and empty mbarriers
                 tiles += 16 * v.stages
         else:  # K, V; two stages of Q, dout, lse and D, each at a 1024-byte boundary;
-            # dq fused: dS, and each warpgroup's 64 staged rows of 64 floats and 16 bytes
+            # dq fused: two dS tiles, each warpgroup's slab of sums and their mbarrier
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
             if v.fused_dq:  # two dS tiles, two slabs of 64 x 64 sums, their mbarrier

@@ -387,6 +387,47 @@ def test_dq_fused_varlen(fused_dq, d):
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, f"fused varlen d={d}")
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_fused_by_cp_async(fused_dq, monkeypatch, d):
+    """The fused wgmma kernel's cp.async twin (what arrays the copy engine cannot describe
+    take; here CUFA_BWD_SM90_TMA=0), whose producer announces each step a step late: a
+    dense causal call and a packed batch with an empty and a one-token sequence, against
+    the reference."""
+    import os
+    from cufa import _compile, _runtime
+    if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
+        pytest.skip("the wgmma kernels are Hopper's")
+    launched, real = [], _compile.function_pointer
+
+    def spy(variant, device):
+        launched.append(variant)
+        return real(variant, device)
+    before = os.environ.get(_compile.BWD_SM90_TMA_ENV)
+    monkeypatch.setenv(_compile.BWD_SM90_TMA_ENV, "0")
+    monkeypatch.setattr(_compile, "function_pointer", spy)
+    _compile.read_overrides()
+    try:
+        rng = np.random.default_rng(41 + d)
+        run_dense(rng, torch.bfloat16, 2, 300, 300, 4, 2, d, f"fused by cp.async d={d}",
+                  causal=True)
+        lens = [0, 70, 1, 150]
+        q, k, v, dout = (randn(rng, (1, sum(lens), 4, d), torch.bfloat16)[0] for _ in range(4))
+        cu = cu_seqlens(lens)
+        out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True,
+                                               return_lse=True)
+        grads = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 150, 150,
+                                                causal=True)
+    finally:
+        if before is None:
+            monkeypatch.delenv(_compile.BWD_SM90_TMA_ENV)
+        else:
+            monkeypatch.setenv(_compile.BWD_SM90_TMA_ENV, before)
+        _compile.read_overrides()
+    check_packed_grads(grads, q, k, v, dout, out, lens, f"fused varlen by cp.async d={d}")
+    fused = [x for x in launched if getattr(x, "fused_dq", False)]
+    assert len(fused) == 2 and all(x.family == "sm90" and not x.tma for x in fused)
+
+
 PRODUCER = {  # (the producer: two consumer warpgroups, d = 128)
     "d128": dict(b=2, sq=1100, sk=1100, h=4, hk=2, d=128),
     "d128 causal, more queries (dq blocks without keys)": dict(b=2, sq=300, sk=100, h=4, hk=1,

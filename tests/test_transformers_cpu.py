@@ -330,3 +330,13 @@ def test_importing_without_transformers_says_what_is_missing(monkeypatch):
     monkeypatch.delitem(sys.modules, "cufa.integrations.transformers")
     with pytest.raises(ImportError, match="pip install torch transformers"):
         importlib.import_module("cufa.integrations.transformers")
+
+
+def test_deterministic_reaches_the_backward(monkeypatch):
+    """As transformers asks its flash-attention kernels: the layer's `deterministic`
+    keyword, else FLASH_ATTENTION_DETERMINISTIC=1; flash_attn_func and the varlen entry
+    get it (where dq would otherwise be fused, the same bits every run)."""
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    assert not hf._deterministic({}) and hf._deterministic({"deterministic": True})
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    assert hf._deterministic({}) and not hf._deterministic({"deterministic": False})

@@ -42,6 +42,7 @@ dropout in training mode, a backward pass (cufa has none yet: run under ``torch.
 or ``torch.inference_mode()``), ``softcap`` together with a 4-D mask.
 """
 import dataclasses
+import os
 
 try:
     import torch
@@ -380,6 +381,7 @@ def _run(plan, q, k, v, options, kwargs):
                          f"keys; this layer has {q_length} queries and {k.shape[1]} keys")
     causal, window = plan.causal, (plan.window[0], -1 if plan.causal else plan.window[1])
     common = dict(causal=causal, window_size=window, **options)
+    trained = dict(common, deterministic=_deterministic(kwargs))  # (the backward's choice)
     flattened = _cu_seq_lens(kwargs) if plan.packed is None else None
     if plan.packed is not None or flattened is not None:
         if plan.packed is not None:
@@ -394,12 +396,12 @@ def _run(plan, q, k, v, options, kwargs):
         rows = batch * q_length
         out = _kernels.flash_attn_varlen_func(
             q.reshape(rows, *q.shape[2:]), k.reshape(rows, *k.shape[2:]),
-            v.reshape(rows, *v.shape[2:]), cu_q, cu_k, max_q, max_k, **common)
+            v.reshape(rows, *v.shape[2:]), cu_q, cu_k, max_q, max_k, **trained)
         return out.view(q.shape)
     if plan.padding == "gather" or plan.padding == "run" and q_length > DECODE_QUERIES:
         g = plan.gather
         out = _kernels.flash_attn_varlen_func(q[g.q_rows], k[g.k_rows], v[g.k_rows], g.cu_q,
-                                              g.cu_k, g.max_q, g.max_k, **common)
+                                              g.cu_k, g.max_q, g.max_k, **trained)
         full = out.new_zeros(q.shape)
         full[g.q_rows] = out
         return full
@@ -414,7 +416,18 @@ def _run(plan, q, k, v, options, kwargs):
                 f"training on padded sequences of at most {DECODE_QUERIES} tokens: cufa's "
                 f"backward does not take this route; use {FALLBACK}")
     n = plan.num_keys
-    return _kernels.flash_attn_func(q, k[:, :n], v[:, :n], **common)
+    return _kernels.flash_attn_func(q, k[:, :n], v[:, :n], **trained)
+
+
+def _deterministic(kwargs):
+    """Whether the backward must give the same bits every run, as transformers asks its
+    flash-attention kernels: the layer's `deterministic` keyword, else
+    FLASH_ATTENTION_DETERMINISTIC=1 (SDPA's route, a 4-D mask, is deterministic: it never
+    fuses dq)."""
+    flag = kwargs.get("deterministic")
+    if flag is None:
+        flag = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+    return bool(flag)
 
 
 def _cu_seq_lens(kwargs):

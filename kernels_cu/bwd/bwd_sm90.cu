@@ -524,8 +524,8 @@ __global__ void __launch_bounds__(256) bwd_dq_blocks_kernel(const FwdParams p, c
 // have landed; empty: a lane of each consumer warp, once done reading), so the consumer
 // warpgroups never wait for each other at a CTA-wide barrier a step
 // (await_then_prefetch) and never issue a copy. kFusedDq: dq too (issue_dq_share), at
-// head dims 64 and 128 on two warpgroups with a producer, whose first two warps copy and
-// whose last sends the sums (send_dq_shares).
+// head dims 64 and 128 on two warpgroups with a producer, whose thread 0 also sends each
+// released step's sums (send_dq_share, free_dq_slabs).
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
           int kStages, int kBlockN, bool kFusedDq = false, bool kProducer = false,
           bool kTma = false>
