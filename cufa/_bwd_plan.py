@@ -140,10 +140,10 @@ def dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d):
     if variants[1].kind != "dkdv":
         return None
     if variants[-1].kind == "dq_blocks":
-        width = variants[1].head_dim
-        rows = seqlen_q + 64 * batch if packed else batch * -(-seqlen_q // 64) * 64
-        return (rows * lse_shape[-2] * width, 0 if packed else -(-seqlen_q // 64) * 64 * width,
-                width, rows * width)
+        width, padded = variants[1].head_dim, -(-seqlen_q // 64) * 64
+        rows = seqlen_q + 64 * batch if packed else batch * padded
+        return (rows * lse_shape[-2] * width, 0 if packed else padded * width, width,
+                rows * width)
     nheads = lse_shape[-2]
     return (math.prod(lse_shape) * d, 0 if packed else seqlen_q * nheads * d, nheads * d, d)
 

@@ -395,9 +395,9 @@ def bwd_fused_variants(dtype, head_dim, mask, score_mods):
 
 
 # dq fused on wgmma (kFusedDq in bwd/bwd_sm90.cu): padded head dims 64 and 128, two
-# warpgroups of 64 keys, 64-query steps, a producer warpgroup (two warps copy, one sends
-# the sums), no score mods; CUFA_BWD_FUSED_DQ=1 takes it on Hopper. padded head dim ->
-# (keys, queries, buffers: as many as fit)
+# warpgroups of 64 keys, 64-query steps, a producer warpgroup (which also sends the sums),
+# no score mods; Hopper's default where bwd_sm90_fused_by_default says, everywhere with
+# CUFA_BWD_FUSED_DQ=1. padded head dim -> (keys, queries, buffers: as many as fit)
 BWD_SM90_FUSED_TILES = {64: (128, 64, 3), 128: (128, 64, 2)}
 
 
