@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dq_kernel(const FwdParams 
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float prob = exp2f(s[mt][nt][e] - lse_log2[mt][e >> 1]);
+          const float prob = fast_exp2(s[mt][nt][e] - lse_log2[mt][e >> 1]);
           const float ds = prob * (dp[mt][nt][e] - dsum[mt][e >> 1]);
           if (kScoreMods && g.dmask)
             add_mask_grad(g, t, frag_row(row0 + warp_row0, mt, e, lane),
@@ -352,7 +352,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
   }
   const int h_k = t.h;
   const int group = p.nheads / p.nheads_k;
-  const int key0 = t.m_block * kBlockN;
   const int lane = threadIdx.x % 32;
   const int warp_row0 = (threadIdx.x / 32) * 16;
   // rows to write: every key of the sequence's block, those past seqused_k (which no query
@@ -362,6 +361,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
     const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
     rows_out = min(max(cu_k[t.b + 1], 0), p.seqlen_k) - (int)t.k_start;
   }
+  const int key0 = heaviest_first<kMask, kBlockN>(p, t.m_block, rows_out) * kBlockN;
   t.h = h_k * group;
   const TilePointers kv = tile_pointers(p, t);
   const i64 k_row = t.k_start + key0;
@@ -454,20 +454,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
     const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
                                                 key0, key0 + kBlockN);
     float grad[1][kScoreMods ? kQTiles : 1][4];
-#pragma unroll
-    for (int nt = 0; nt < kQTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = first_key + 8 * (e >> 1);
-        const int col = frag_col(0, nt, e, lane);
-        float x;
-        if constexpr (kScoreMods)
-          x = modded_score(st[0][nt][e], p, th, mods, q0 + col, key, grad[0][nt][e]);
-        else
-          x = st[0][nt][e] * p.scale_log2;
-        if (masked && !visible<kMask>(p, th, q0 + col, key)) x = -CUFA_INF;
-        st[0][nt][e] = exp2f(x - s_lse[col]);  // P^T
-      }
+    probs_t<kMask, kScoreMods>(st, grad, masked, p, th, mods, q0, first_key, s_lse, lane);
     if constexpr (kDv) gemm_pv<kDtype>(acc_dv, st, dot_frag);
     if constexpr (kDk) {
       // dP^T = V dout^T, then dS^T = P^T (dP^T - D) d(score)/d(raw score)

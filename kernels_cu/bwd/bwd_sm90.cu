@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float prob = exp2f(s[0][nt][e] - lse_log2[e >> 1]);
+        const float prob = fast_exp2(s[0][nt][e] - lse_log2[e >> 1]);
         const float ds = prob * (dp[0][nt][e] - dsum[e >> 1]);
         if (kScoreMods && g.dmask)
           add_mask_grad(g, t, frag_row(row0 + warp_row0, 0, e, lane), frag_col(key0, nt, e, lane),
@@ -768,20 +768,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
                                                 wg_key0, wg_key0 + 64);
     float grad[1][kScoreMods ? kQTiles : 1][4];
-#pragma unroll
-    for (int nt = 0; nt < kQTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = first_key + 8 * (e >> 1);
-        const int col = frag_col(0, nt, e, lane);
-        float x;
-        if constexpr (kScoreMods)
-          x = modded_score(st[0][nt][e], p, th, mods, q0 + col, key, grad[0][nt][e]);
-        else
-          x = st[0][nt][e] * p.scale_log2;
-        if (masked && !visible<kMask>(p, th, q0 + col, key)) x = -CUFA_INF;
-        st[0][nt][e] = exp2f(x - s_lse[col]);  // P^T
-      }
+    probs_t<kMask, kScoreMods>(st, grad, masked, p, th, mods, q0, first_key, s_lse, lane);
     u32 p_frag[kQTiles / 2][4], ds_frag[kQTiles / 2][4];
     if constexpr (kDv) {
       pack_p<kDtype>(p_frag, st);
