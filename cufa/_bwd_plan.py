@@ -302,11 +302,9 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
         else:
             held, base = stream_workspace(framework, q.device, stream, needed)
         places = [None if at is None else base + at for at in offsets]
-        if places[3] is not None:  # (dq's sums: zeroed in the stream)
-            import cupy
+        if places[3] is not None:  # (dq's sums: zeroed by the preprocess)
             floats, *strides = dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d)
-            stream_call(cupy.cuda.runtime.memsetAsync, places[3], 0, 4 * floats, stream)
-            bwd.update(dq_accum=places[3], **dict(zip(
+            bwd.update(dq_accum=places[3], dq_accum_floats=floats, **dict(zip(
                 ("dq_accum_batch_stride", "dq_accum_row_stride", "dq_accum_head_stride"),
                 strides)))
         dsink_out = dsink_ptr = None
@@ -400,9 +398,11 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
         launches.append((dq_variant, q_blocks * nheads if seqlen_q else 0))
     launches += [(v, kv_blocks * nheads_k if seqlen_k else 0) for v in kv_variants]
     if fused:  # (dq's sums, converted; the rows of sequences without keys are zeros)
-        per_row = (variants[2].head_dim // 8 if variants[2].kind == "dq_blocks"
-                   else fwd["head_dim"])  # (threads: 8 columns each, or one)
-        launches.append((variants[2], -(-bwd["rows"] * nheads * per_row // 256)))
+        if variants[2].kind == "dq_blocks":  # (a CTA a 64-row block of a head's sums)
+            sum_rows = bwd["dq_accum_head_stride"] // bwd["dq_accum_row_stride"]
+            launches.append((variants[2], -(-sum_rows // 64) * nheads))
+        else:  # (a thread a column)
+            launches.append((variants[2], -(-bwd["rows"] * nheads * fwd["head_dim"] // 256)))
     for variant, blocks in launches:
         if blocks:
             # (bwd_sm90.cu's dq and dk/dv kernels take the maps: a TMA producer's, else none)

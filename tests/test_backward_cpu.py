@@ -423,7 +423,7 @@ def test_lse_gradient_and_detached_inputs(monkeypatch):
 
 def test_dq_fused_where_asked_and_it_applies(monkeypatch):
     """CUFA_BWD_FUSED_DQ=1: the dk/dv kernel adds dq's share atomically into float32 sums
-    (zeroed, after D in the scratch) and a last launch converts them; where the fused
+    (after D in the scratch, zeroed by the preprocess) and a last launch converts them; where the fused
     kernel does not apply (d = 96 here) the dq kernel runs as without it."""
     rec = Recorder(monkeypatch)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_FUSED_ENV, "1")
@@ -436,6 +436,8 @@ def test_dq_fused_where_asked_and_it_applies(monkeypatch):
     assert bwd["dq_accum"] == 0x900000 + d_bytes
     assert (bwd["dq_accum_batch_stride"], bwd["dq_accum_row_stride"],
             bwd["dq_accum_head_stride"]) == (sq * h * d, h * d, d)
+    # (zeroed by the preprocess, which reads the same record)
+    assert bwd["dq_accum_floats"] == b * sq * h * d and rec.launches[0][-1][1] == bwd
     assert rec.workspace_bytes == d_bytes + -(-4 * b * h * sq * d // 256) * 256
     assert rec.launches[2][1] == -(-b * sq * h * d // 256)
     assert rec.launches[1][1] == -(-sk // 64) * b * hk
@@ -449,7 +451,7 @@ def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
     """CUFA_BWD_FUSED_DQ=1 on Hopper at d = 128 (and 64) without score mods: the wgmma dk/dv kernel
     with dq fused (two warpgroups of 64 keys, 64-query steps, a producer: 384 threads),
     its float32 sums in blocks of 64 rows (each sequence's from a multiple of 64) zeroed
-    in the scratch and put back in rows last; with softcap the mma.sync fused kernel
+    by the preprocess and put back in rows last; with softcap the mma.sync fused kernel
     (where it applies), with attn_mask none (the dq kernel sums its gradient)."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
@@ -479,6 +481,10 @@ def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
     assert (bwd["dq_accum_row_stride"], bwd["dq_accum_head_stride"],
             bwd["dq_accum_batch_stride"]) == (128, rows * 128, 0 if packed else 256 * 128)
     assert conv.head_dim == 128 and conv.threads == 256
+    # zeroed by the preprocess; converted a CTA a block of a head's sums (its last block
+    # short where a packed batch's rows are not a multiple of 64)
+    assert bwd["dq_accum_floats"] == rows * h * 128 and launches[0][-1][1] == bwd
+    assert launches[-1][1] == -(-rows // 64) * h
     if not packed:
         assert blocks == -(-sk // 128) * b * hk
         assert fwd["num_m_blocks"] == -(-sq // 64) and bwd["num_n_blocks"] == -(-sk // 128)

@@ -30,7 +30,9 @@ __device__ __forceinline__ void load_rows(u32 smem, const u16* gmem, i64 row_str
 // A row is read in 16-byte pieces (the backward's alignment rule) by the fewest lanes that
 // cover it in one pass, so a warp takes several short rows at once: one lane a row with a
 // loop of dependent reductions left the small head dims latency-bound (d = 64 took 2x d =
-// 128's time on an H200).
+// 128's time on an H200). With dq fused, the CTAs also zero its float32 sums, a share each
+// (a memset of its own took another pass over the same bytes: 30 us of a d = 128 call of
+// 16k tokens on an H200).
 __device__ __forceinline__ int lanes_per_row(int head_dim) {
   int lanes = 32;
   while (lanes > 1 && (lanes / 2) * 8 >= head_dim) lanes /= 2;
@@ -57,6 +59,14 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
   const int sub_row = lane / lanes, first_col = (lane % lanes) * 8;
   const float sink = load_sink(p.learnable_sink, p.sink_dtype, h);
   float dsink = 0.f;
+  if (g.dq_accum) {
+    float* sums = reinterpret_cast<float*>(g.dq_accum);
+    for (i64 i = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; i < g.dq_accum_floats / 4;
+         i += static_cast<i64>(gridDim.x) * 256)
+      reinterpret_cast<float4*>(sums)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (blockIdx.x == 0 && threadIdx.x < g.dq_accum_floats % 4)
+      sums[g.dq_accum_floats - 1 - threadIdx.x] = 0.f;
+  }
   // (every lane runs every pass: the reductions' shuffles take the whole warp)
   for (int i0 = 0; i0 < kRowsPerWarp; i0 += rows_at_once) {
     const i64 r = first_row + warp * kRowsPerWarp + i0 + sub_row;

@@ -16,7 +16,8 @@ struct BwdParams {
   // float32 in attn_mask's shape, zeroed: an additive mask's gradient, dS summed over the
   // dimensions the mask broadcasts along (its strides below, 0 there); 0: none
   u64 dmask;
-  // dq fused into the key-block kernel: float32 sums (zeroed by the host), strides below
+  // dq fused into the key-block kernel: float32 sums (zeroed by the preprocess),
+  // dq_accum_floats of them, strides below
   u64 dq_accum;
   // Packed batches: the (sequence, key block) list of the key-block kernel, built by
   // varlen_schedule over cu_seqlens_k, and its length; 0 for padded batches
@@ -27,6 +28,7 @@ struct BwdParams {
   i64 dv_batch_stride, dv_row_stride, dv_head_stride;
   i64 dmask_batch_stride, dmask_head_stride, dmask_row_stride, dmask_col_stride;
   i64 dq_accum_batch_stride, dq_accum_row_stride, dq_accum_head_stride;
+  i64 dq_accum_floats;
   int num_n_blocks;     // padded batches: key blocks a sequence
   int rows;             // the preprocess's rows: batch * seqlen_q (packed: total_q)
 };
