@@ -464,7 +464,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_dkdv_kernel(const FwdParam
     const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
                                                 key0, key0 + kBlockN);
     float grad[1][kScoreMods ? kQTiles : 1][4];
-    probs_t<kMask, kScoreMods>(st, grad, masked, p, th, mods, q0, first_key, s_lse, lane);
+    // (dq fused: one loop, which fits at d = 128)
+    probs_t<kMask, kScoreMods, !kFusedDq>(st, grad, masked, p, th, mods, q0, first_key, s_lse,
+                                          lane);
     if constexpr (kDv) gemm_pv<kDtype>(acc_dv, st, dot_frag);
     if constexpr (kDk) {
       // dP^T = V dout^T, then dS^T = P^T (dP^T - D) d(score)/d(raw score)

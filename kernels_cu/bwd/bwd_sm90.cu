@@ -787,7 +787,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
                                                 wg_key0, wg_key0 + 64);
     float grad[1][kScoreMods ? kQTiles : 1][4];
-    probs_t<kMask, kScoreMods>(st, grad, masked, p, th, mods, q0, first_key, s_lse, lane);
+    probs_t<kMask, kScoreMods, true>(st, grad, masked, p, th, mods, q0, first_key, s_lse,
+                                     lane);
     u32 p_frag[kQTiles / 2][4], ds_frag[kQTiles / 2][4];
     if constexpr (kDv) {
       pack_p<kDtype>(p_frag, st);

@@ -86,8 +86,8 @@ __device__ __forceinline__ bool visible(const FwdParams& p, const Tile& t, int r
 //    into grad), masked where the step crosses the mask's edge, exp2 against each query's
 //    lse. Without score mods the masked steps get a loop of their own: a mask test inside
 //    the one loop made a branch of every element, and the exponentials ran one at a time
-//    on every step. Score mods keep one loop and exp2f (two loops, or ex2.approx.ftz,
-//    spill on mma.sync at d = 128) --
+//    on every step. Score mods keep one loop and exp2f, and so do callers that pass
+//    kSplit false (two loops, or ex2.approx.ftz, spill on mma.sync at d = 128) --
 template <int kMask, bool kScoreMods, bool kMaskTest, int kQTiles, int kGradTiles>
 __device__ __forceinline__ void probs_t_of(float (&st)[1][kQTiles][4],
                                            float (&grad)[1][kGradTiles][4], bool masked,
@@ -109,12 +109,12 @@ __device__ __forceinline__ void probs_t_of(float (&st)[1][kQTiles][4],
       st[0][nt][e] = kScoreMods ? exp2f(x - s_lse[col]) : fast_exp2(x - s_lse[col]);
     }
 }
-template <int kMask, bool kScoreMods, int kQTiles, int kGradTiles>
+template <int kMask, bool kScoreMods, bool kSplit, int kQTiles, int kGradTiles>
 __device__ __forceinline__ void probs_t(float (&st)[1][kQTiles][4],
                                         float (&grad)[1][kGradTiles][4], bool masked,
                                         const FwdParams& p, const Tile& th, const TileMods& mods,
                                         int q0, int first_key, const float* s_lse, int lane) {
-  if (kScoreMods || masked)
+  if (kScoreMods || !kSplit || masked)
     probs_t_of<kMask, kScoreMods, true>(st, grad, masked, p, th, mods, q0, first_key, s_lse,
                                         lane);
   else
