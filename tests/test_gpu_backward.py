@@ -387,6 +387,17 @@ def test_dq_fused_varlen(fused_dq, d):
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, f"fused varlen d={d}")
 
 
+def wgmma_or_skip(what):
+    """Skip where the wgmma kernels do not run: off Hopper, or where the mma.sync ones are
+    asked for (the sm80 family of bench/device_run.sh sets CUFA_KERNEL_FAMILY=sm80)."""
+    from cufa import _compile, _runtime
+    if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
+        pytest.skip(f"{what}: the Hopper kernels'")
+    if (_compile._overrides.get(_compile.FAMILY_ENV) == "sm80"
+            or _compile._overrides.get(_compile.BWD_SM90_ENV) == "0"):
+        pytest.skip(f"{what}: CUFA_KERNEL_FAMILY=sm80 or CUFA_BWD_SM90=0 runs mma.sync")
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_fused_by_cp_async(fused_dq, monkeypatch, d):
     """The fused wgmma kernel's cp.async twin (what arrays the copy engine cannot describe
@@ -394,9 +405,8 @@ def test_dq_fused_by_cp_async(fused_dq, monkeypatch, d):
     dense causal call and a packed batch with an empty and a one-token sequence, against
     the reference."""
     import os
-    from cufa import _compile, _runtime
-    if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
-        pytest.skip("the wgmma kernels are Hopper's")
+    from cufa import _compile
+    wgmma_or_skip("the fused wgmma kernel")
     launched, real = [], _compile.function_pointer
 
     def spy(variant, device):
@@ -446,9 +456,8 @@ def test_producer_warpgroup(monkeypatch, name):
     mbarriers (the default at d = 128): the reference's gradients, and the same bits as
     the kernels without it (CUFA_BWD_SM90_PRODUCER=0; the same products in the same
     order)."""
-    from cufa import _compile, _runtime
-    if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
-        pytest.skip("the producer warpgroup is the Hopper kernels'")
+    from cufa import _compile
+    wgmma_or_skip("the producer warpgroup")
     case = dict(PRODUCER[name])
     kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case} | EXACT
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -506,9 +515,8 @@ def test_tma_streams_varlen(monkeypatch, causal, d):
     zeros come in their place). Both kernels got their maps and the tails (not a quiet
     fall back to cp.async); each sequence's gradients against the reference, the same
     bits as the cp.async copies (CUFA_BWD_SM90_TMA=0)."""
-    from cufa import _bwd_plan, _compile, _params, _runtime, _tma
-    if str(_runtime.compute_capability(torch.cuda.current_device())) != "90":
-        pytest.skip("the TMA copies are the Hopper kernels'")
+    from cufa import _bwd_plan, _compile, _params, _tma
+    wgmma_or_skip("the TMA copies")
     rng = np.random.default_rng(83 + causal + d)
     dtype, h, hk = torch.bfloat16, 4, 2
     lens_q, lens_k = [40, 0, 150, 1, 333], [40, 64, 150, 70, 333]
