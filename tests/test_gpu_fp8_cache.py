@@ -307,8 +307,11 @@ def test_fp8_cache_from_jax():
         # run of the whole suite saw new bytes that were not torch's, not seen again alone)
         torch.cuda.synchronize()
         if t.dtype == E4M3:
+            # (the bitcast is a copy queued on JAX's stream; the torch clone it reads is
+            # freed as soon as this returns, and torch may hand its memory to the next
+            # clone before the copy has run: a whole-suite run saw another cache's bytes)
             return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(t.view(torch.uint8)),
-                                                jnp.float8_e4m3fn)
+                                                jnp.float8_e4m3fn).block_until_ready()
         return jax.dlpack.from_dlpack(t)
 
     def to_torch(x):  # (a copy: the test writes into the caches)
