@@ -622,13 +622,62 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024), v_desc = smem_desc(sv + wg_rows, 16, 1024);
   const auto head_of = [&](int i) { return h_k * group + i / m_blocks; };
   const auto q0_of = [&](int i) { return (m_block_min + i % m_blocks) * kBlockM; };
-  // step i's Q and dout into a buffer (a copy group) and its lse and D (or either alone), by
-  // the copiers (the consumers, or the producer warpgroup)
-  const auto load_step = [&](int i, int stage, bool copies = true, bool stats = true) {
+  // this thread's row of step i's lse and D (kBlockM floats on), a row a thread: they come
+  // by cp.async as they are stored, in the step's copy group, and lse is put in log2 units
+  // (lse_log2_of) by the same thread once it has landed (to_log2): a load and a store there
+  // held the step's copies back by a round trip (ncu, d = 64 without a producer: 13 % of
+  // the stall samples at that load's use)
+  struct StatsRow {
+    float* s;
+    i64 at;
+    bool valid;
+  };
+  const auto stats_row = [&](int i, int stage) {
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
+    return StatsRow{
+        reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes) + threadIdx.x,
+        row_stats_offset(p, th) + q0 + threadIdx.x,
+        q0 + static_cast<int>(threadIdx.x) < t.seqlen_q};
+  };
+  const auto copy_stats = [&](int i, int stage) {
+    if (threadIdx.x < kBlockM) {
+      const StatsRow row = stats_row(i, stage);
+      cp_async_4(smem_u32(row.s), reinterpret_cast<const float*>(p.lse) + row.at,
+                 row.valid ? 4 : 0);
+      cp_async_4(smem_u32(row.s + kBlockM), reinterpret_cast<const float*>(g.softmax_d) + row.at,
+                 row.valid ? 4 : 0);
+    }
+  };
+  const auto to_log2 = [&](int i, int stage) {
+    if (threadIdx.x < kBlockM) {
+      const StatsRow row = stats_row(i, stage);
+      *row.s = lse_log2_of(row.s, 0, row.valid);  // (a row past the sequence: +inf)
+    }
+  };
+  // step i's Q and dout into a buffer and (stats) its lse and D, one copy group (the
+  // caller commits it where copies is false), by the copiers (the consumers, or the
+  // producer warpgroup). Without TMA or a producer lse and D come by plain loads (their
+  // cp.async spilled at d = 64 under a window, 128-query blocks)
+  const auto load_step = [&](int i, int stage, bool copies = true, bool stats = true) {
+    if (stats && (kTma || kProducer)) copy_stats(i, stage);
+    if (stats && !(kTma || kProducer)) {
+      Tile th = t;
+      th.h = head_of(i);
+      const int q0 = q0_of(i);
+      const i64 at = row_stats_offset(p, th) + q0;
+      float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
+      for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
+        s_lse[r] = lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
+        s_lse[kBlockM + r] =
+            q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r] : 0.f;
+      }
+    }
     if (copies) {
+      Tile th = t;
+      th.h = head_of(i);
+      const int q0 = q0_of(i);
       const TilePointers ptr = tile_pointers(p, th);
       const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
                         th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
@@ -638,20 +687,6 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       load_panels<kBlockM, kHeadDim, kCopiers>(sq + kTileBytes, dout, g.dout_row_stride,
                                                t.seqlen_q - q0, p.head_dim);
       cp_async_commit();
-    }
-    if (stats) {
-      const i64 at = row_stats_offset(p, th) + q0;
-      float* s_lse = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
-      const auto lse_of = [&](int r) {
-        return lse_log2_of(reinterpret_cast<const float*>(p.lse) + at, r, t.seqlen_q - q0);
-      };
-      const auto d_of = [&](int r) {
-        return q0 + r < t.seqlen_q ? reinterpret_cast<const float*>(g.softmax_d)[at + r] : 0.f;
-      };
-      for (int r = threadIdx.x; r < kBlockM; r += kCopiers) {
-        s_lse[r] = lse_of(r);
-        s_lse[kBlockM + r] = d_of(r);
-      }
     }
   };
   // K and V (in the first step's copy group)
@@ -671,9 +706,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
                                             static_cast<int>(packed ? t.q_start : 0) + q0,
                                             t.seqlen_q - q0, head_of(i), t.b, packed);
   };
-  // the consumers' own copies of step i (no producer): lse and D by their loads; with kTma
-  // announced on the buffer's full barrier too, which the bytes complete (cp.async's land
-  // by the wait)
+  // the consumers' own copies of step i (no producer); with kTma announced on the
+  // buffer's full barrier too, which the bytes complete (cp.async's land by the wait)
   const auto stream_step = [&](int i, int stage) {
     if constexpr (kTma) {
       const bool copied = tma_q_dout(i, stage);
@@ -685,32 +719,9 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     }
   };
   if constexpr (kProducer) {
-    // lse and D come as they are stored (a row a thread, in the step's copy group), and lse
-    // is put in log2 units (lse_log2_of) once it has landed: a load and a store there
-    // would hold the next step's copies back by a round trip
-    struct StatsRow {  // this thread's row of a step's lse (D kBlockM floats on)
-      float* s;
-      i64 at;
-      bool valid;
-    };
-    const auto stats_row = [&](int i, int stage) {
-      Tile th = t;
-      th.h = head_of(i);
-      const int q0 = q0_of(i);
-      return StatsRow{
-          reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes) + threadIdx.x,
-          row_stats_offset(p, th) + q0 + threadIdx.x,
-          q0 + static_cast<int>(threadIdx.x) < t.seqlen_q};
-    };
     const auto copy = [&](int i, int stage) {
       if (i == 0) load_kv();
-      if (threadIdx.x < kBlockM) {
-        const StatsRow row = stats_row(i, stage);
-        cp_async_4(smem_u32(row.s), reinterpret_cast<const float*>(p.lse) + row.at,
-                   row.valid ? 4 : 0);
-        cp_async_4(smem_u32(row.s + kBlockM), reinterpret_cast<const float*>(g.softmax_d) + row.at,
-                   row.valid ? 4 : 0);
-      }
+      copy_stats(i, stage);
       if constexpr (kTma) {
         if (tma_q_dout(i, stage)) {
           cp_async_commit();  // (the step's group: lse and D)
@@ -718,12 +729,6 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
         }
       }
       load_step(i, stage, true, false);  // (Q and dout; commits the group)
-    };
-    const auto to_log2 = [&](int i, int stage) {
-      if (threadIdx.x < kBlockM) {
-        const StatsRow row = stats_row(i, stage);
-        *row.s = lse_log2_of(row.s, 0, row.valid);  // (a row past the sequence: +inf)
-      }
     };
     // kFusedDq: a released step's sums, sent (a packed batch's sequences at (q_start +
     // 64 b) rounded down to 64 rows)
@@ -762,7 +767,10 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       ring.await_full(stage, phase);
     } else {
       if constexpr (kTma) ring.await_full(stage, phase);
-      await_then_prefetch(i, steps, stage, stream_step, [] { fence_proxy_async(); });
+      await_then_prefetch(i, steps, stage, stream_step, [&] {
+        if constexpr (kTma) to_log2(i, stage);  // (the plain loads' are in log2 units)
+        fence_proxy_async();
+      });
     }
     Tile th = t;
     th.h = head_of(i);
