@@ -393,7 +393,9 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
         bwd, dout=do.ptr, dq=outs["dq"][1].ptr, dk=outs["dk"][1].ptr, dv=outs["dv"][1].ptr,
         softmax_d=places[0], dsink=dsink_ptr, dlse=dlse_ptr, dmask=dmask_ptr))
     args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
-    launches = [(pre, -(-bwd["rows"] // 32) * nheads if seqlen_q else 0)]
+    # (a packed batch's preprocess also zeroes the gradients' rows past its last sequence:
+    # at least one CTA)
+    launches = [(pre, max(-(-bwd["rows"] // 32) * nheads, 1 if packed else 0))]
     if not fused:
         launches.append((dq_variant, q_blocks * nheads if seqlen_q else 0))
     launches += [(v, kv_blocks * nheads_k if seqlen_k else 0) for v in kv_variants]

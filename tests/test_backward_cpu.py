@@ -714,3 +714,24 @@ def test_streamed_maps_views(monkeypatch, packed):
             assert made["tails"] == ()
     made["refuse"] = True
     assert _bwd_plan._streamed_maps(kv, x, y, seq_dim, head_dim, 120, packed) is None
+
+
+@pytest.mark.parametrize("total_q", [300, 0])
+def test_packed_preprocess_zeroes_the_rows_past_the_last_sequence(monkeypatch, total_q):
+    """A packed batch's rows past cu_seqlens[-1] (of q, k and v) belong to no sequence: the
+    preprocess writes their gradients as zeros (the dq and dk/dv kernels write only the
+    sequences' rows), so it runs even where q has no rows at all."""
+    rec = Recorder(monkeypatch)
+    h, hk, d = 4, 2, 64
+    dout, q, k, v, out, _ = (x.__class__(None, "cupy", x.ptr, x.shape[1:], x.strides[1:],
+                                         x.dtype, 0, 2)
+                             for x in dense_args(1, total_q, 300, h, hk, d))
+    cu = arr((3,), "int32", ptr=0x8000)
+    lse = arr((h, total_q), "float32", ptr=0x6000)
+    cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True)
+    pre, blocks, *_, (fwd, bwd) = next(x for x in rec.launches
+                                       if getattr(x[0], "kind", "") == "preprocess")
+    assert blocks == max(-(-total_q // 32) * h, 1)
+    assert fwd["cu_seqlens_q"] == fwd["cu_seqlens_k"] == 0x8000
+    assert (fwd["seqlen_q"], fwd["seqlen_k"], fwd["nheads_k"]) == (total_q, 300, hk)
+    assert bwd["dq"] and bwd["dk"] and bwd["dv"]

@@ -511,8 +511,8 @@ def test_tma_streams_varlen(monkeypatch, causal, d):
     warpgroup, at 64 from a consumer thread, or a producer for the windowed dk/dv) over a
     packed batch whose blocks take every path: a first sequence shorter than a block at
     the tensor's first row (copied by cp.async), partial last blocks read through the tail
-    maps, keys past seqused_k and rows past the last sequence holding NaN (never read:
-    zeros come in their place). Both kernels got their maps and the tails (not a quiet
+    maps, keys past seqused_k and rows past the last sequences holding NaN (never read:
+    zeros come in their place; those rows' gradients are zeros). Both kernels got their maps and the tails (not a quiet
     fall back to cp.async); each sequence's gradients against the reference, the same
     bits as the cp.async copies (CUFA_BWD_SM90_TMA=0)."""
     from cufa import _bwd_plan, _compile, _params, _tma
@@ -521,9 +521,9 @@ def test_tma_streams_varlen(monkeypatch, causal, d):
     dtype, h, hk = torch.bfloat16, 4, 2
     lens_q, lens_k = [40, 0, 150, 1, 333], [40, 64, 150, 70, 333]
     used_k = [40, 0, 100, 70, 300]
-    spare = 70  # rows past the last sequence in q, out and dout
+    spare = 70  # rows past the last sequence in q, out and dout, and in k and v
     q, dout = (randn(rng, (1, sum(lens_q) + spare, h, d), dtype)[0] for _ in range(2))
-    k, v = (randn(rng, (1, sum(lens_k), hk, d), dtype)[0] for _ in range(2))
+    k, v = (randn(rng, (1, sum(lens_k) + spare, hk, d), dtype)[0] for _ in range(2))
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     ks = np.cumsum([0] + lens_k)
     for i in range(len(lens_k)):  # keys past seqused_k: NaN, which no query may read
@@ -535,6 +535,7 @@ def test_tma_streams_varlen(monkeypatch, causal, d):
                                            return_lse=True, **kw)
     total = sum(lens_q)
     q[total:], dout[total:], out[total:] = (float("nan"),) * 3
+    k[ks[-1]:], v[ks[-1]:] = (float("nan"),) * 2
     grads, launched = {}, []
     real_launch = _bwd_plan.driver_launch
 
@@ -563,6 +564,9 @@ def test_tma_streams_varlen(monkeypatch, causal, d):
     assert fwd["kv_tail_maps"] == 1
     dq, dk, dv = grads[None]
     assert all(torch.equal(a[:total], b[:total]) for a, b in zip(grads[None], grads["0"]))
+    for got in grads.values():  # (poisoned: the rows past the last sequences are written)
+        assert not got[0][total:].any() and not got[1][ks[-1]:].any()
+        assert not got[2][ks[-1]:].any()
     assert torch.isfinite(dq[:total]).all() and torch.isfinite(dk).all()
     assert torch.isfinite(dv).all()
     qs = np.cumsum([0] + lens_q)

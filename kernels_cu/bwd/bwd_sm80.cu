@@ -49,6 +49,20 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return sum;
 }
 
+// rows [first, rows) of a gradient (heads of row_stride / head_stride elements each,
+// head_dim of them written) as zeros, 16 bytes a thread over the launch
+__device__ __forceinline__ void zero_rows(u64 grad, i64 row_stride, i64 head_stride, int first,
+                                          int rows, int heads, int head_dim) {
+  const int chunks = head_dim / 8;
+  const i64 count = static_cast<i64>(max(rows - first, 0)) * heads * chunks;
+  for (i64 i = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; i < count;
+       i += static_cast<i64>(gridDim.x) * 256) {
+    const i64 row_head = i / chunks, row = first + row_head / heads;
+    u16* at = reinterpret_cast<u16*>(grad) + row * row_stride + (row_head % heads) * head_stride;
+    *reinterpret_cast<uint4*>(at + (i % chunks) * 8) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 template <int kDtype>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kRowsPerWarp = 4, kRowsPerCta = 8 * kRowsPerWarp;
@@ -66,6 +80,18 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
       reinterpret_cast<float4*>(sums)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (blockIdx.x == 0 && threadIdx.x < g.dq_accum_floats % 4)
       sums[g.dq_accum_floats - 1 - threadIdx.x] = 0.f;
+  }
+  // a packed batch's rows past its last sequence (of q, and of k and v): no output reads
+  // them, so their gradients are zeros, which the dq and dk/dv kernels (the sequences'
+  // rows alone) leave to this launch (seqlen_q, seqlen_k: the tensors' rows)
+  if (p.cu_seqlens_q) {
+    const int* cu_q = reinterpret_cast<const int*>(p.cu_seqlens_q);
+    const int* cu_k = reinterpret_cast<const int*>(p.cu_seqlens_k);
+    const int end_q = min(max(cu_q[p.batch], 0), p.seqlen_q);
+    const int end_k = min(max(cu_k[p.batch], 0), p.seqlen_k);
+    zero_rows(g.dq, g.dq_row_stride, g.dq_head_stride, end_q, p.seqlen_q, p.nheads, p.head_dim);
+    zero_rows(g.dk, g.dk_row_stride, g.dk_head_stride, end_k, p.seqlen_k, p.nheads_k, p.head_dim);
+    zero_rows(g.dv, g.dv_row_stride, g.dv_head_stride, end_k, p.seqlen_k, p.nheads_k, p.head_dim);
   }
   // (every lane runs every pass: the reductions' shuffles take the whole warp)
   for (int i0 = 0; i0 < kRowsPerWarp; i0 += rows_at_once) {

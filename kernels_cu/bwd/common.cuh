@@ -86,8 +86,8 @@ __device__ __forceinline__ bool visible(const FwdParams& p, const Tile& t, int r
 //    into grad), masked where the step crosses the mask's edge, exp2 against each query's
 //    lse. Without score mods the masked steps get a loop of their own: a mask test inside
 //    the one loop made a branch of every element, and the exponentials ran one at a time
-//    on every step. Score mods keep one loop and exp2f, and so do callers that pass
-//    kSplit false (two loops, or ex2.approx.ftz, spill on mma.sync at d = 128) --
+//    on every step. Score mods keep one loop and exp2f (two loops, or ex2.approx.ftz,
+//    spilled on mma.sync at d = 128); callers that pass kSplit false keep one loop --
 template <int kMask, bool kScoreMods, bool kMaskTest, int kQTiles, int kGradTiles>
 __device__ __forceinline__ void probs_t_of(float (&st)[1][kQTiles][4],
                                            float (&grad)[1][kGradTiles][4], bool masked,
