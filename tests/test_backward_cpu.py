@@ -735,3 +735,41 @@ def test_packed_preprocess_zeroes_the_rows_past_the_last_sequence(monkeypatch, t
     assert fwd["cu_seqlens_q"] == fwd["cu_seqlens_k"] == 0x8000
     assert (fwd["seqlen_q"], fwd["seqlen_k"], fwd["nheads_k"]) == (total_q, 300, hk)
     assert bwd["dq"] and bwd["dk"] and bwd["dv"]
+
+
+def test_dq_blocks_of_a_packed_batch_fit_its_sums_and_are_found_again():
+    """The fused wgmma kernel adds sequence b's query block m at row (start_b + 64 b) // 64
+    * 64 + 64 m of dq's sums (start_b: cu_seqlens_q[b] clamped to the rows), and
+    bwd_dq_blocks_kernel finds (b, m) again from a 64-row block by a binary search for the
+    last sequence whose blocks start at or before it. On random packed batches (empty,
+    one-row, 63/64/65-row sequences, cu_seqlens_q ending short of the rows): every block
+    lies within dq_sums_layout's rows, no two overlap, and the search gives each back."""
+    rng = np.random.default_rng(5)
+    variants = _compile.bwd_sm90_fused_variants("bf16", 128, "window", False)
+    for _ in range(300):
+        batch = int(rng.integers(1, 9))
+        lens = rng.choice([0, 1, 2, 63, 64, 65, 127, 128, 129, 300], size=batch)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        total = int(cu[-1] + rng.integers(0, 70))  # (rows past the last sequence)
+        floats, batch_stride, row_stride, head_stride = _bwd_plan.dq_sums_layout(
+            variants, (4, total), batch, total, True, 128)
+        rows = head_stride // row_stride
+        assert (batch_stride, row_stride, floats) == (0, 128, 4 * rows * 128)
+
+        def first_block(s):
+            return (min(max(int(cu[s]), 0), total) + 64 * s) // 64
+
+        owner = {}
+        for b in range(batch):
+            for m in range(-(-int(lens[b]) // 64)):
+                block = first_block(b) + m
+                assert 64 * block + 64 <= rows and block not in owner
+                owner[block] = (b, m)
+        for block in range(-(-rows // 64)):  # the conversion's CTAs of a head
+            lo, hi = 0, batch - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if first_block(mid) <= block else (lo, mid - 1)
+            q0 = 64 * (block - first_block(lo))
+            found = (lo, q0 // 64) if 0 <= q0 < lens[lo] else None
+            assert found == owner.get(block), (lens, block)
