@@ -269,12 +269,36 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
   constexpr int kChunkElems = 16 / sizeof(Elem);
   constexpr int kChunks = kHeadDim / kChunkElems;
   const int rows_valid = s.seqlen_k - key0;
-  // A contiguous cache's tile is rows of one base: a row stride a chunk, not a slot lookup
-  // and two 64-bit products (ncu: our loop issued over twice cuDNN's instructions a byte).
-  // A paged tile inside one page (pages of 16 rows or more, a 16-aligned first key) is
-  // such a tile too, from its page: one lookup a tile, not one a row (pages of 256 1-2 %
-  // faster on an H100, pages of 16 within +-1.5 %).
+  // A contiguous cache's tile is rows of one base, and so is a paged tile inside one page
+  // (pages of 16 rows or more, a 16-aligned first key): one lookup a tile, not one a row
+  // (pages of 256 1-2 % faster on an H100, pages of 16 within +-1.5 %).
   const TileBase base = tile_base<kPagesAhead>(p, s, key0, row_page);
+  if constexpr (32 % kChunks == 0) {
+    if (!base.paged && rows_valid >= kTileKeys) {
+      // A whole tile of one base: a lane copies one chunk column (lane % kChunks), from
+      // row lane / kChunks down by kPassRows rows a copy, so each copy's source is the
+      // last one's plus a fixed stride, with no test a row: where a (row, chunk) split, a
+      // 64-bit product and a row test a copy issued ~130 instructions a 16-key tile, a
+      // sixth of the e4m3 kernel's (ncu on an H200: that loop was issue-bound, at 48 % of
+      // the copy bandwidth). A column past head_dim copies zeros (from a valid address).
+      constexpr int kPassRows = 32 / kChunks;
+      const int c = lane % kChunks, r0 = lane / kChunks;
+      const bool col_valid = c * kChunkElems < p.head_dim;
+      const int col = col_valid ? c * kChunkElems : 0;
+      const Elem* k_src = k_head + base.k + (r0 * p.k_row_stride + col);
+      const Elem* v_src = v_head + base.v + (r0 * p.v_row_stride + col);
+      const i64 k_pass = kPassRows * p.k_row_stride, v_pass = kPassRows * p.v_row_stride;
+#pragma unroll
+      for (int j = 0; j < kTileKeys / kPassRows; ++j) {
+        const u32 at = kv_stage_offset<Elem, kHeadDim>(r0 + j * kPassRows, c);
+        cp_async_16(sk + at, k_src, col_valid ? 16 : 0);
+        cp_async_16(sv + at, v_src, col_valid ? 16 : 0);
+        k_src += k_pass;
+        v_src += v_pass;
+      }
+      return;
+    }
+  }
   const bool paged = base.paged;
   const i64 first = base.k, first_v = base.v;
 #pragma unroll
