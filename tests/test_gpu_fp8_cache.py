@@ -236,6 +236,21 @@ def test_fp8_cache_subnormal_codes_are_values(dtype):
     call_and_check(kw, slots, f"{dtype} subnormals")
 
 
+def test_fp8_cache_bf16_q_beyond_fp16_range():
+    """bf16 q heads far outside fp16's range or resolution (unit draws times 2^20, 2^16,
+    2^-12, 2^-30, 2^-40, zeros, and a unit head with one entry of 2^18): an e4m3 cache's
+    products run in fp16 on q times a power of two a row, which must neither overflow
+    nor flush the row."""
+    rng = np.random.default_rng(41)
+    kw, slots = build(rng, dtype="bfloat16", batch=2, heads=(8, 2), capacity=160, lens=[160, 93])
+    scales = torch.tensor([2.0 ** 20, 2.0 ** -30, 1.0, 2.0 ** -12, 2.0 ** 16, 0.0, 2.0 ** -40,
+                           1.0], device="cuda")
+    q = kw["q"].float() * scales[None, None, :, None]
+    q[:, :, 2, 0] = 2.0 ** 18
+    kw["q"] = q.to(torch.bfloat16)
+    call_and_check(kw, slots, "bf16 q beyond fp16")
+
+
 def quantized_q(q, heads_k):
     """q (batch, seqlen_q, nheads, d) in e4m3 with a per-(batch, KV head) q_descale, each
     group's largest magnitude over 448 (e4m3's range used): (q in e4m3, q_descale)."""

@@ -57,10 +57,59 @@ __device__ __forceinline__ void order_q_for_e4m3_keys(u32 sq, int thread) {
   }
 }
 
+// The decode kernel's e4m3 products run in fp16 whatever q's dtype: fp16 has a conversion
+// from e4m3 in hardware (e4m3x4_to_pairs), bf16 none. So a bf16 Q is turned into fp16
+// once a CTA, each row r times a power of two 2^e_r that puts its largest |q| in
+// [2^14, 2^15): no value overflows, and every one from 2^-28 of the largest up is an fp16
+// value exactly (bf16 keeps 8 significant bits, fp16 11); smaller ones round into fp16's
+// subnormals, far below the dot product's rounding. row_unit[r] = 2^-e_r takes it back out
+// of the scores. fp16 Q stays as it is (unit 1). Then the columns are reordered as
+// order_q_for_e4m3_keys does. The caller syncs the CTA before (Q has landed) and after.
+template <int kDtype, int kRows, int kHeadDim, int kThreads>
+__device__ __forceinline__ void q_to_fp16_for_e4m3_keys(u32 sq, float* row_unit, int thread) {
+  using S = Swizzle<kHeadDim>;
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
+  if constexpr (kDtype == BF16) {
+    // each row's largest |q|: kThreads / kRows lanes a row (a power of two, in one warp)
+    constexpr int kLanes = kThreads / kRows;
+    static_assert(kLanes * kRows == kThreads && 32 % kLanes == 0, "whole rows a warp");
+    const int r = thread / kLanes;
+    u32 largest = 0;  // (|q|'s bits: as unsigned ints they order as the values do)
+    for (int c = thread % kLanes; c < kChunks; c += kLanes) {
+      const uint4 x = ld_shared_16(sq + S::offset(r, c));
+      const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) largest = max(largest, max(w[i] & 0x7fffu, (w[i] >> 16) & 0x7fffu));
+    }
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o /= 2) largest = max(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+    // 2^e with e = 14 - the largest's exponent, within float's normal exponents (a row of
+    // zeros gets 2^126; inf or NaN, 2^-114, which keeps them what they are)
+    const int e = min(max(14 - (static_cast<int>(largest >> 7) - 127), -126), 126);
+    if (thread % kLanes == 0) row_unit[r] = __uint_as_float(static_cast<u32>(127 - e) << 23);
+    const float scale = __uint_as_float(static_cast<u32>(127 + e) << 23);
+    for (int c = thread % kLanes; c < kChunks; c += kLanes) {
+      const u32 at = sq + S::offset(r, c);
+      const uint4 x = ld_shared_16(at);
+      const u32 w[4] = {x.x, x.y, x.z, x.w};
+      u32 h[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        h[i] = pack2<FP16>(bf16_to_float(static_cast<u16>(w[i])) * scale,
+                           bf16_to_float(static_cast<u16>(w[i] >> 16)) * scale);
+      st_shared_16(at, make_uint4(h[0], h[1], h[2], h[3]));
+    }
+    __syncthreads();
+  } else {
+    if (thread < kRows) row_unit[thread] = 1.f;
+  }
+  order_q_for_e4m3_keys<kRows, kHeadDim, kThreads>(sq, thread);
+}
+
 // -- S = Q K^T of kNTiles * 8 e4m3 keys (an E4m3Tile at k_tile), Q in
 //    order_q_for_e4m3_keys's order. One ldmatrix reads two 16-dim steps of 16 keys: a
 //    lane's four bytes of key g (+ 8) at dims 4t..4t+3 of each step --
-template <int kDtype, int kHeadDim, int kMTiles, int kNTiles>
+template <int kDtype, int kHeadDim, int kMTiles, int kNTiles, bool kCvt = false>
 __device__ __forceinline__ void gemm_qk_e4m3(float (&s)[kMTiles][kNTiles][4],
                                              const LdmatrixAddr<kHeadDim>& q, u32 k_tile,
                                              int lane) {
@@ -79,8 +128,8 @@ __device__ __forceinline__ void gemm_qk_e4m3(float (&s)[kMTiles][kNTiles][4],
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         u32 even0, odd0, even1, odd1;
-        e4m3x4_to_pairs<kDtype>(b[np][h], even0, odd0);
-        e4m3x4_to_pairs<kDtype>(b[np][2 + h], even1, odd1);
+        e4m3x4_to_pairs<kDtype, kCvt>(b[np][h], even0, odd0);
+        e4m3x4_to_pairs<kDtype, kCvt>(b[np][2 + h], even1, odd1);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_16816<kDtype>(s[mt][2 * np], a[mt], even0, odd0);
@@ -96,7 +145,7 @@ __device__ __forceinline__ void gemm_qk_e4m3(float (&s)[kMTiles][kNTiles][4],
 //    (keys 0-7 of a 16-key step) and of keys 2t + 8, 2t + 9; a byte permute makes the
 //    fragment of dim 2g and that of dim 2g + 1. Output tile 2c holds the even dims of the
 //    16-dim chunk c, tile 2c + 1 the odd ones --
-template <int kDtype, int kHeadDim, int kMTiles, int kNTiles, int kDTiles>
+template <int kDtype, int kHeadDim, int kMTiles, int kNTiles, int kDTiles, bool kCvt = false>
 __device__ __forceinline__ void gemm_pv_e4m3(float (&o)[kMTiles][kDTiles][4],
                                              const float (&p)[kMTiles][kNTiles][4], u32 v_tile,
                                              int lane) {
@@ -114,10 +163,10 @@ __device__ __forceinline__ void gemm_pv_e4m3(float (&o)[kMTiles][kDTiles][4],
       for (int h = 0; h < 2; ++h) {
         const int c = 2 * cp + h;
         u32 even, odd;
-        e4m3x4_to_pairs<kDtype>(__byte_perm(b[2 * h], b[2 * h + 1], 0x6240), even, odd);
+        e4m3x4_to_pairs<kDtype, kCvt>(b[2 * h], b[2 * h + 1], 0x6240, even, odd);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) mma_16816<kDtype>(o[mt][2 * c], a[mt], even, odd);
-        e4m3x4_to_pairs<kDtype>(__byte_perm(b[2 * h], b[2 * h + 1], 0x7351), even, odd);
+        e4m3x4_to_pairs<kDtype, kCvt>(b[2 * h], b[2 * h + 1], 0x7351, even, odd);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) mma_16816<kDtype>(o[mt][2 * c + 1], a[mt], even, odd);
       }

@@ -43,20 +43,46 @@ typedef unsigned char u8;
 constexpr float kE4m3Max = 448.f;
 
 // Four e4m3 bytes -> four 16-bit values of dtype DT in two registers: bytes 0 and 2 in
-// `even` (byte 0 in its low half), bytes 1 and 3 in `odd`, the pairing that takes shifts
-// and masks alone (no byte permute); the e4m3 mma fragments (common/e4m3_mma.cuh) are
-// laid out for it. Each value is exactly the e4m3 value over e4m3_to_half_scale() (the
-// kernels fold the factor into their descales), on any GPU (sm_89's cvt would need a
-// second kernel for sm_80). fp16: the byte's exponent and mantissa bits moved into place
-// (an e4m3 subnormal is an fp16 one, at 2^-17 and up, and an fp16 product of it stays far
-// above float32's subnormals). bf16: the same bits under bf16's exponent sit at 2^-120
-// times the value (where products would fall below float32's normals), so one bf16x2
-// fma by 2^112 lifts them to the fp16 scale, exactly: bf16 arithmetic keeps subnormals.
-// (e4m3fn's NaN code reads as 480, a finite value.)
-__device__ constexpr float e4m3_to_half_scale() { return 0x1p8f; }
-template <int DT>
+// `even` (byte 0 in its low half), bytes 1 and 3 in `odd`; the e4m3 mma fragments
+// (common/e4m3_mma.cuh) are laid out for this pairing. Each value is exactly the e4m3
+// value over e4m3_to_half_scale<DT, kCvt>() (the kernels fold the factor into their
+// descales). kCvt, fp16, from sm_89 on: the hardware's e4m3x2 -> f16x2 conversion of each
+// byte pair, the value itself: two byte permutes and two conversions where the shifts and
+// masks below issue seven instructions (the fp8 decode kernel, whose loop is issue-bound;
+// in the forward's e4m3 variant ptxas spilled at d = 128 with them). Otherwise shifts and
+// masks: fp16: the byte's exponent and mantissa bits moved into place (an e4m3 subnormal
+// is an fp16 one, at 2^-17 and up, and an fp16 product of it stays far above float32's
+// subnormals); bf16: the same bits under bf16's exponent sit at 2^-120 times the value
+// (where products would fall below float32's normals), so one bf16x2 fma by 2^112 lifts
+// them to the fp16 scale, exactly: bf16 arithmetic keeps subnormals. (The shifts read
+// e4m3fn's NaN code as 480, a finite value; the conversion gives NaN.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define CUFA_E4M3_CVT 1
+#else
+#define CUFA_E4M3_CVT 0
+#endif
+template <int DT, bool kCvt>
+__device__ constexpr bool e4m3_by_cvt() {
+  return kCvt && DT == FP16 && CUFA_E4M3_CVT;
+}
+template <int DT, bool kCvt = false>
+__device__ constexpr float e4m3_to_half_scale() {
+  return e4m3_by_cvt<DT, kCvt>() ? 1.f : 0x1p8f;
+}
+// (sm_89 on) the e4m3 bytes in the low half of x -> an fp16 pair, exactly
+__device__ __forceinline__ u32 e4m3x2_to_half2(u32 x) {
+  u32 r = 0;
+#if CUFA_E4M3_CVT
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(x)));
+#endif
+  return r;
+}
+template <int DT, bool kCvt = false>
 __device__ __forceinline__ void e4m3x4_to_pairs(u32 x, u32& even, u32& odd) {
-  if constexpr (DT == FP16) {
+  if constexpr (e4m3_by_cvt<DT, kCvt>()) {
+    even = e4m3x2_to_half2(__byte_perm(x, 0, 0x20));
+    odd = e4m3x2_to_half2(__byte_perm(x, 0, 0x31));
+  } else if constexpr (DT == FP16) {
     even = ((x << 8) & 0x80008000u) | ((x << 7) & 0x3f803f80u);
     odd = (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
   } else {
@@ -65,6 +91,18 @@ __device__ __forceinline__ void e4m3x4_to_pairs(u32 x, u32& even, u32& odd) {
     const u32 o = (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u);
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(even) : "r"(e), "r"(lift), "r"(minus_zero));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(odd) : "r"(o), "r"(lift), "r"(minus_zero));
+  }
+}
+
+// e4m3x4_to_pairs of __byte_perm(x, y, perm) (perm: a constant); by conversion, that byte
+// permute and the conversion's own are composed into one a pair
+template <int DT, bool kCvt = false>
+__device__ __forceinline__ void e4m3x4_to_pairs(u32 x, u32 y, u32 perm, u32& even, u32& odd) {
+  if constexpr (e4m3_by_cvt<DT, kCvt>()) {
+    even = e4m3x2_to_half2(__byte_perm(x, y, (perm & 0xfu) | ((perm >> 4) & 0xf0u)));
+    odd = e4m3x2_to_half2(__byte_perm(x, y, ((perm >> 4) & 0xfu) | ((perm >> 8) & 0xf0u)));
+  } else {
+    e4m3x4_to_pairs<DT>(__byte_perm(x, y, perm), even, odd);
   }
 }
 

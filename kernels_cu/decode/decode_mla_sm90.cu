@@ -22,7 +22,7 @@
 // An e4m3 cache (kFp8) arrives as bytes in a staging ring (its latent as TMA boxes where
 // maps describe it, its rope and the other blocks by the producer's copies) and is widened
 // to the 16-bit dtype by the producer on its way into the ring, exactly (e4m3 values over
-// e4m3_to_half_scale() are fp16 and bf16 values); the scores' latent and rotary parts sum
+// e4m3_to_half_scale<kDtype>() are fp16 and bf16 values); the scores' latent and rotary parts sum
 // in two accumulators, each times its descale, and O takes v's descale at the end.
 #include "cache.cuh"
 #include "score.cuh"
@@ -525,13 +525,13 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   float* s_corr = sm.row_floats(smem_raw, Smem::kCorr);  // [block parity][row]
   float* s_sum = sm.row_floats(smem_raw, Smem::kSum);    // [consumer][row]
   // an e4m3 cache's scales: the scores' latent and rotary parts (each e4m3 value was
-  // widened to itself over e4m3_to_half_scale()), and the output's (the latent's)
+  // widened to itself over e4m3_to_half_scale<kDtype>()), and the output's (the latent's)
   const float latent_scale = kFp8 ? cache_descale(p.v_descale, p.v_descale_batch_stride,
                                                   p.v_descale_head_stride, w.s.b, blockIdx.y) *
-                                        e4m3_to_half_scale() : 1.f;
+                                        e4m3_to_half_scale<kDtype>() : 1.f;
   const float rope_scale = kFp8 ? cache_descale(p.k_descale, p.k_descale_batch_stride,
                                                 p.k_descale_head_stride, w.s.b, blockIdx.y) *
-                                      e4m3_to_half_scale() : 1.f;
+                                      e4m3_to_half_scale<kDtype>() : 1.f;
   const int row_of[2] = {16 * warp + lane / 4, 16 * warp + lane / 4 + 8};
 
   // K-major Q and K: 8-row groups 1024 bytes apart, 16 columns a k-step; V (a block's

@@ -155,8 +155,9 @@ __global__ void __launch_bounds__(
   for (int u = 0; u < kStep; ++u) next_pages[u] = ahead_pages(kStages - kStep + u);
   cp_async_wait<Shape::kTilesBeforeQ>();  // Q (the oldest group) has landed
   __syncthreads();
+  __shared__ float s_q_unit[kFp8 ? kDecodeRows : 1];  // (kFp8: Q's rows in fp16 are q over these)
   if constexpr (kFp8) {
-    order_q_for_e4m3_keys<kDecodeRows, kHeadDim, Shape::kThreads>(sq, threadIdx.x);
+    q_to_fp16_for_e4m3_keys<kDtype, kDecodeRows, kHeadDim, Shape::kThreads>(sq, s_q_unit, threadIdx.x);
     __syncthreads();
   }
 #pragma unroll
@@ -167,11 +168,17 @@ __global__ void __launch_bounds__(
   const float scale_log2 = score_mods ? 1.f : p.scale_log2;  // score mods leave log2 units
   const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
 
-  // an e4m3 cache: the converted keys and values are the cache's over e4m3_to_half_scale()
-  const float k_scale = kFp8 ? cache_descale(p.k_descale, p.k_descale_batch_stride,
-                                             p.k_descale_head_stride, s.b, h_k) *
-                                   e4m3_to_half_scale()
-                             : 1.f;
+  // an e4m3 cache: the products run in fp16 (q_to_fp16_for_e4m3_keys), on keys and values
+  // that are the cache's over e4m3_to_half_scale<FP16, true>(); each of this lane's two rows
+  // (lane / 4, + 8) takes its scale back out of its scores
+  float k_scale[2] = {1.f, 1.f};
+  if constexpr (kFp8) {
+    const float descale = cache_descale(p.k_descale, p.k_descale_batch_stride,
+                                        p.k_descale_head_stride, s.b, h_k) *
+                          e4m3_to_half_scale<FP16, true>();
+    k_scale[0] = descale * s_q_unit[lane / 4];
+    k_scale[1] = descale * s_q_unit[lane / 4 + 8];
+  }
   float acc_o[1][kDTiles][4];
   fill(acc_o, 0.f);
   OnlineSoftmax<1> softmax;
@@ -202,7 +209,8 @@ __global__ void __launch_bounds__(
       fill(tile_s, present ? 0.f : -CUFA_INF);
       if (present)
         score_tile<kDtype, kHeadDim, kFp8>(tile_s, q_frag, stage_k(i + u), p, s, scoring,
-                                           score_mods, tile_key0(i + u), lane, k_scale);
+                                           score_mods, tile_key0(i + u), lane, k_scale[0],
+                                           k_scale[1]);
     }
 
     // -- update m_i and l_i once for the step, rescale acc, then acc += P V per tile --
@@ -222,7 +230,7 @@ __global__ void __launch_bounds__(
   if constexpr (kFp8) {
     const float v_scale = cache_descale(p.v_descale, p.v_descale_batch_stride,
                                         p.v_descale_head_stride, s.b, h_k) *
-                          e4m3_to_half_scale();
+                          e4m3_to_half_scale<FP16, true>();
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll

@@ -109,19 +109,21 @@ __device__ __forceinline__ TileScoring tile_scoring(const DecodeParams& p, const
 }
 
 // -- S += Q K^T of the 16-key tile at k_tile (keys key0..): a 16-bit tile, or an e4m3
-//    one (kE4m3: E4m3Tile rows, Q in order_q_for_e4m3_keys's order) whose scores are then
-//    times k_scale (its descale); then score mods and mask --
+//    one (kE4m3: E4m3Tile rows; Q in fp16, q_to_fp16_for_e4m3_keys's) whose scores are
+//    then times k_scale_lo in row lane / 4, k_scale_hi in row lane / 4 + 8 (the descale
+//    and Q's row units); then score mods and mask --
 template <int kDtype, int kHeadDim, bool kE4m3 = false>
 __device__ __forceinline__ void score_tile(float (&tile_s)[1][2][4], const LdmatrixAddr<kHeadDim>& q_frag,
                                            u32 k_tile, const DecodeParams& p, const CacheSeq& s,
                                            const TileScoring& sc, bool score_mods, int key0,
-                                           int lane, float k_scale = 1.f) {
+                                           int lane, float k_scale_lo = 1.f,
+                                           float k_scale_hi = 1.f) {
   if constexpr (kE4m3) {
-    gemm_qk_e4m3<kDtype, kHeadDim>(tile_s, q_frag, k_tile, lane);
+    gemm_qk_e4m3<FP16, kHeadDim, 1, 2, true>(tile_s, q_frag, k_tile, lane);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) tile_s[0][nt][e] *= k_scale;
+      for (int e = 0; e < 4; ++e) tile_s[0][nt][e] *= e < 2 ? k_scale_lo : k_scale_hi;
   } else {
     const LdmatrixAddr<kHeadDim> k_frag(k_tile, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
     gemm_qk<kDtype>(tile_s, q_frag, k_frag);
@@ -130,14 +132,14 @@ __device__ __forceinline__ void score_tile(float (&tile_s)[1][2][4], const Ldmat
   if (key0 < sc.all_lo || key0 + kTileKeys > sc.all_hi) decode_mask(tile_s, sc.lr, key0, lane);
 }
 
-// -- O += P V of the 16-key tile at v_tile (kE4m3: E4m3Tile rows, whose output tiles hold
-//    gemm_pv_e4m3's dims) --
+// -- O += P V of the 16-key tile at v_tile (kE4m3: E4m3Tile rows, in fp16 products, whose
+//    output tiles hold gemm_pv_e4m3's dims) --
 template <int kDtype, int kHeadDim, bool kE4m3 = false, int kDTiles>
 __device__ __forceinline__ void accumulate_tile(float (&acc_o)[1][kDTiles][4],
                                                 const float (&tile_p)[1][2][4], u32 v_tile,
                                                 int lane) {
   if constexpr (kE4m3) {
-    gemm_pv_e4m3<kDtype, kHeadDim>(acc_o, tile_p, v_tile, lane);
+    gemm_pv_e4m3<FP16, kHeadDim, 1, 2, kDTiles, true>(acc_o, tile_p, v_tile, lane);
   } else {
     const LdmatrixAddr<kHeadDim> v_frag(v_tile, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
     gemm_pv<kDtype>(acc_o, tile_p, v_frag);

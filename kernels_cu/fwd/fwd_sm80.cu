@@ -209,10 +209,10 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
 
   const TileMods mods = tile_mods<kScoreMods>(p, t);
   const float scale_log2 = kScoreMods ? 1.f : p.scale_log2;  // score mods leave log2 units
-  // an e4m3 cache: the fragments' keys are the cache's over e4m3_to_half_scale()
+  // an e4m3 cache: the fragments' keys are the cache's over e4m3_to_half_scale<kDtype>()
   const float k_scale = kE4m3 ? cache_descale(p.k_descale, p.k_descale_batch_stride,
                                               p.k_descale_head_stride, t.b, t.h_k) *
-                                    e4m3_to_half_scale()
+                                    e4m3_to_half_scale<kDtype>()
                               : 1.f;
 
   float acc_o[kMTiles][kDTiles][4];
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const FwdParams p) {
   if constexpr (kE4m3) {
     const float v_scale = cache_descale(p.v_descale, p.v_descale_batch_stride,
                                         p.v_descale_head_stride, t.b, t.h_k) *
-                          e4m3_to_half_scale();
+                          e4m3_to_half_scale<kDtype>();
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
