@@ -332,7 +332,9 @@ def test_fp8_cache_from_jax():
     def to_torch(x):  # (a copy: the test writes into the caches)
         if x.dtype == jnp.float8_e4m3fn:
             x = jax.lax.bitcast_convert_type(x, jnp.uint8)
-        return torch.from_dlpack(x).clone()
+        # (JAX computes on its own stream and torch's clone does not wait for it: with six
+        # test processes on the GPU, jax.jit's appended rows read back as the old bytes)
+        return torch.from_dlpack(x.block_until_ready()).clone()
 
     def jax_arrays(skip=()):  # (fresh copies: an append may update its cache in place)
         return {n: to_jax(x.clone()) for n, x in kw.items() if torch.is_tensor(x) and n not in skip}
