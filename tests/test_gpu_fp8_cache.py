@@ -333,7 +333,7 @@ def test_fp8_cache_from_jax():
         if x.dtype == jnp.float8_e4m3fn:
             x = jax.lax.bitcast_convert_type(x, jnp.uint8)
         # (JAX computes on its own stream and torch's clone does not wait for it: with six
-        # test processes on the GPU, jax.jit's appended rows read back as the old bytes)
+        # test processes on the GPU, jax.jit's appended rows read back as other bytes)
         return torch.from_dlpack(x.block_until_ready()).clone()
 
     def jax_arrays(skip=()):  # (fresh copies: an append may update its cache in place)
