@@ -78,8 +78,9 @@ struct DecodeShape {
 // grid: (num_m_blocks * num_splits, nheads_k, batch). kElementIO: the element-wise I/O
 // variant (common/element_io.cuh), for any head dim and any strides: a warp's tile loads
 // block it until they land, where cp.async keeps kStages tiles in flight. kFp8: the cache
-// holds e4m3 (q stays kDtype): its tiles go from the stages into mma fragments as kDtype
-// values (common/e4m3_mma.cuh), the descales folded into the scores and the output.
+// holds e4m3 (q and out stay kDtype): its tiles go from the stages into mma fragments as
+// fp16 values, Q turned into fp16 once (common/e4m3_mma.cuh), the descales folded into the
+// scores and the output.
 template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false,
           bool kFp8 = false, int kMinCtasWanted = 0>
 __global__ void __launch_bounds__(
