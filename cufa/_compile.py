@@ -193,11 +193,7 @@ class FwdVariant:
 
     @functools.cached_property
     def kv_stages(self):
-        """sm90: K/V ring depth, SM90_KV_STAGES where that fits beside one Q stage, else one
-        (and one for fp8 at d = 256: its pipelined loop's S, P and O do not fit the
-        registers beside each other, and ptxas serializes the products)."""
-        if self.fp8 and self.head_dim > 128:
-            return 1
+        """sm90: K/V ring depth, SM90_KV_STAGES where that fits beside one Q stage, else one."""
         return SM90_KV_STAGES if self._sm90_smem(1, SM90_KV_STAGES) <= self.smem_limit else 1
 
     @functools.cached_property

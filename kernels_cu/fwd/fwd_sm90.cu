@@ -29,8 +29,10 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
   constexpr int kConsumerThreads = 128 * kConsumers<kBlockM>;
   // setmaxnreg moves registers between warpgroups; it cannot hand out more than the
   // launch allotted (65536 an SM, shared by its CTAs)
-  static_assert(128 * kProducerRegs<kBlockM> + kConsumerThreads * kConsumerRegs<kBlockM> <=
-                    65536 / kCtasPerSm<kBlockM>, "register split over the SM's file");
+  static_assert(128 * kProducerRegs<kBlockM, kE4m3> +
+                        kConsumerThreads * kConsumerRegs<kBlockM, kE4m3> <=
+                    65536 / kCtasPerSm<kBlockM>,
+                "register split over the SM's file");
   extern __shared__ unsigned char smem_raw[];
   const Sm90Smem<kBlockM, kHeadDim, kBlockN, kQStages, kKVStages, kE4m3> sm(smem_u32(smem_raw));
   if (threadIdx.x == 0) {
@@ -47,11 +49,11 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
   }
   __syncthreads();
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<kProducerRegs<kBlockM>>();
+    setmaxnreg_dec<kProducerRegs<kBlockM, kE4m3>>();
     if (threadIdx.x < 32) produce<kMask>(p, maps, sm);
     return;
   }
-  setmaxnreg_inc<kConsumerRegs<kBlockM>>();
+  setmaxnreg_inc<kConsumerRegs<kBlockM, kE4m3>>();
   // Broadcast from lane 0 so that ptxas sees it uniform (as consume's key-block count):
   // the consumer index picks this warpgroup's Q rows.
   const int consumer = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128) - 1, 0);

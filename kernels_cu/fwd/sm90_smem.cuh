@@ -17,11 +17,15 @@ namespace cufa {
 template <int kBlockM> constexpr int kConsumers = kBlockM / 64;
 template <int kBlockM> constexpr int kSm90Threads = 128 * (1 + kConsumers<kBlockM>);
 template <int kBlockM> constexpr int kCtasPerSm = kBlockM == 64 ? 2 : 1;
-template <int kBlockM> constexpr int kProducerRegs = kBlockM == 192 ? 32 : 56;
 // 128 x 56 + 256 x 224 = 384 x 168, 128 x 32 + 384 x 160 = 512 x 128 and
 // 128 x 56 + 128 x 200 = 256 x 128: the launch allotments (at 152 the three consumers
-// spill; the producer fits in 32)
-template <int kBlockM> constexpr int kConsumerRegs = kBlockM == 64 ? 200 : kBlockM == 192 ? 160 : 224;
+// spill; the producer fits in 32). The fp8 forward (kE4m3) takes 128 x 24 + 256 x 240:
+// at d = 256 its pipelined loop holds S (64 registers), P (16) and O (128) at once, which
+// left ptxas short at 224 (it serialized the products); its producer fits in 24.
+template <int kBlockM, bool kE4m3 = false>
+constexpr int kProducerRegs = kE4m3 && kBlockM == 128 ? 24 : kBlockM == 192 ? 32 : 56;
+template <int kBlockM, bool kE4m3 = false>
+constexpr int kConsumerRegs = kE4m3 && kBlockM == 128 ? 240 : kBlockM == 64 ? 200 : kBlockM == 192 ? 160 : 224;
 
 // -- shared memory: Q stages, the K/V ring, the mbarriers. The CTA's key blocks are
 //    counted over all its tiles: block g sits in stage g % kStages, whose barriers are
