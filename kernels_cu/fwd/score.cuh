@@ -12,8 +12,9 @@ namespace cufa {
 //    row, relative to this lane's first key, so each score costs two compares; one where
 //    the window's left side is unbounded (causal, or no window), whose only bound, the
 //    row's end, is then found in 32 bits: ncu put the masked blocks at a fifth of the
-//    instructions of short causal rows at d = 256, with 64-bit bounds --
-template <int kMask, int kMTiles, int kNTiles>
+//    instructions of short causal rows at d = 256, with 64-bit bounds. kBounds32: a
+//    bounded window's in 32 bits too (row_keys_32; the fp8 forward's) --
+template <int kMask, int kMTiles, int kNTiles, bool kBounds32 = false>
 __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const FwdParams& p,
                                            const Tile& t, int row_base, int key0, int lane) {
   const int first_key = frag_col(key0, 0, 0, lane);
@@ -42,7 +43,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], cons
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const KeyRange keys = row_keys<kMask>(p, t, frag_row(row_base, mt, 2 * h, lane));
+        const int row = frag_row(row_base, mt, 2 * h, lane);
+        const KeyRange keys = kBounds32 ? row_keys_32<kMask>(p, t, row) : row_keys<kMask>(p, t, row);
         const int begin = keys.begin - first_key, end = keys.end - first_key;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)

@@ -117,7 +117,7 @@ __device__ __forceinline__ void pack_p_e4m3(u32 (&a)[kNTiles / 4][4], const floa
 //    keys: score mods, the mask where the block needs it, the online softmax's update and
 //    the factor O must be rescaled by. Returns whether O needs rescaling (under a lazy max
 //    most blocks do not) --
-template <int kMask, bool kScoreMods, bool kLazy, int kTiles, class Softmax>
+template <int kMask, bool kScoreMods, bool kLazy, bool kBounds32, int kTiles, class Softmax>
 __device__ __forceinline__ bool scores_to_probs_keys(float (&acc)[1][kTiles][4], const FwdParams& p,
                                                      const Tile& t, const TileMods& mods,
                                                      const Sm90Work& w, int row_base, int key0,
@@ -126,7 +126,7 @@ __device__ __forceinline__ bool scores_to_probs_keys(float (&acc)[1][kTiles][4],
   if (kScoreMods)
     apply_score_mods(acc, p, t, mods, row_base, key0, lane);
   if (block_needs_mask<kMask>(p, t, w.row0, w.row_end, key0, key0 + 8 * kTiles))
-    apply_mask<kMask>(acc, p, t, row_base, key0, lane);
+    apply_mask<kMask, 1, kTiles, kBounds32>(acc, p, t, row_base, key0, lane);
   bool rescale = true;
   if constexpr (kLazy)
     rescale = softmax.update_lazy(acc, scale_log2, correction);
@@ -359,7 +359,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       // rescaled by; then, once the previous P V is complete, O rescaled and P packed as
       // the A operand of this block's product.
       auto scores_to_probs = [&](float (&acc_s)[1][kNTiles][4], int it, float (&correction)[1][2]) {
-        return scores_to_probs_keys<kMask, kScoreMods, kLazy>(
+        return scores_to_probs_keys<kMask, kScoreMods, kLazy, kE4m3>(
             acc_s, p, t, mods, w, row_base, (w.n_block_max - 1 - it) * kBlockN, lane,
             tile_scale_log2, softmax, correction);
       };
@@ -373,7 +373,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       auto half_block_scores_to_probs = [&](float (&acc_s)[1][kNTiles][4],
                                             float (&correction)[1][2]) {
         if constexpr (kHalfFirst) {
-          scores_to_probs_keys<kMask, kScoreMods, kLazy>(
+          scores_to_probs_keys<kMask, kScoreMods, kLazy, kE4m3>(
               lower_keys(acc_s), p, t, mods, w, row_base, (w.n_block_max - 1) * kBlockN, lane,
               tile_scale_log2, softmax, correction);
 #pragma unroll
