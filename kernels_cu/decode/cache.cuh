@@ -273,10 +273,7 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
   // (pages of 16 rows or more, a 16-aligned first key): one lookup a tile, not one a row
   // (pages of 256 1-2 % faster on an H100, pages of 16 within +-1.5 %).
   const TileBase base = tile_base<kPagesAhead>(p, s, key0, row_page);
-  // (Not for 16-bit rows of 8 chunks or fewer: at d = 64 the one-base rows read 2 % slower
-  // this way on an H200, contiguous and pages of 256 alike,
-  // bench/results/ab_h200_decode_fp16_products.md.)
-  if constexpr (32 % kChunks == 0 && (sizeof(Elem) == 1 || kChunks >= 16)) {
+  if constexpr (32 % kChunks == 0) {
     if (!base.paged && rows_valid >= kTileKeys) {
       // A whole tile of one base: a lane copies one chunk column (lane % kChunks), from
       // row lane / kChunks down by kPassRows rows a copy, so each copy's source is the
