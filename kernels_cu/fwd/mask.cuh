@@ -50,8 +50,9 @@ __device__ __forceinline__ KeyRange row_keys(const FwdParams& p, const Tile& t, 
 
 // The same in 32 bits, the window's sums saturating: row + diag_offset fits (a tile's
 // rows end at most 191 past seqlen_q, and diag_offset is seqlen_k - seqlen_q or 0), and
-// a side that saturates lies beyond 0 or seqlen_k, where the clamps take it anyway. (Four registers fewer a row pair than the 64-bit bounds: what
-// the fp8 forward at d = 256 needs to keep S, P and O beside each other.)
+// a side that saturates lies beyond 0 or seqlen_k, where the clamps take it anyway. (The
+// fp8 forward at d = 256 keeps S, P and O in registers at once; with the 64-bit bounds
+// its window variant spilled 20 bytes.)
 __device__ __forceinline__ int add_sat(int a, int b) {
   int r;
   asm("add.sat.s32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -61,7 +62,8 @@ template <int kMask>
 __device__ __forceinline__ KeyRange row_keys_32(const FwdParams& p, const Tile& t, int row) {
   KeyRange r{0, t.seqlen_k};
   if (kMask == MASK_WINDOW) {
-    const int diagonal = static_cast<int>(static_cast<unsigned>(row) + static_cast<unsigned>(t.diag_offset));
+    const int diagonal =
+        static_cast<int>(static_cast<unsigned>(row) + static_cast<unsigned>(t.diag_offset));
     r.begin = max(0, min(add_sat(diagonal, -p.window_left), t.seqlen_k));
     r.end = max(r.begin, min(add_sat(add_sat(diagonal, p.window_right), 1), t.seqlen_k));
   }
