@@ -41,8 +41,10 @@ __device__ __forceinline__ float cache_descale(u64 descale, i64 batch_stride, i6
 // dims (4t, 4t+2) and (4t+1, 4t+3) of a 16-dim step as the mma's k = (2t, 2t+1) and
 // (2t+8, 2t+9), so new column 2t, 2t+1 = old 4t, 4t+2 and new 2t+8, 2t+9 = old 4t+1,
 // 4t+3: new word t = the low halves of old words 2t, 2t+1, new word 4 + t their high
-// halves. The caller syncs the CTA before and after.
-template <int kRows, int kHeadDim, int kThreads>
+// halves. kHalves: the keys by e4m3x4_to_half2_halves, which gives dims (4t, 4t+1) and
+// (4t+2, 4t+3): new word t = old word 2t, new word 4 + t = old word 2t + 1. The caller
+// syncs the CTA before and after.
+template <int kRows, int kHeadDim, int kThreads, bool kHalves = false>
 __device__ __forceinline__ void order_q_for_e4m3_keys(u32 sq, int thread) {
   using S = Swizzle<kHeadDim>;
   constexpr int kBlocks = kHeadDim / 16;
@@ -50,6 +52,11 @@ __device__ __forceinline__ void order_q_for_e4m3_keys(u32 sq, int thread) {
     const int r = idx / kBlocks, blk = idx % kBlocks;
     const u32 first = sq + S::offset(r, 2 * blk), second = sq + S::offset(r, 2 * blk + 1);
     const uint4 a = ld_shared_16(first), b = ld_shared_16(second);
+    if constexpr (kHalves) {
+      st_shared_16(first, make_uint4(a.x, a.z, b.x, b.z));
+      st_shared_16(second, make_uint4(a.y, a.w, b.y, b.w));
+      continue;
+    }
     st_shared_16(first, make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410),
                                    __byte_perm(b.x, b.y, 0x5410), __byte_perm(b.z, b.w, 0x5410)));
     st_shared_16(second, make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632),
@@ -64,7 +71,7 @@ __device__ __forceinline__ void order_q_for_e4m3_keys(u32 sq, int thread) {
 // value exactly (bf16 keeps 8 significant bits, fp16 11); smaller ones round into fp16's
 // subnormals, far below the dot product's rounding. row_unit[r] = 2^-e_r takes it back out
 // of the scores. fp16 Q stays as it is (unit 1). Then the columns are reordered as
-// order_q_for_e4m3_keys does. The caller syncs the CTA before (Q has landed) and after.
+// order_q_for_e4m3_keys does for gemm_qk_e4m3<FP16, ..., kCvt = true>'s keys. The caller syncs the CTA before (Q has landed) and after.
 template <int kDtype, int kRows, int kHeadDim, int kThreads>
 __device__ __forceinline__ void q_to_fp16_for_e4m3_keys(u32 sq, float* row_unit, int thread) {
   using S = Swizzle<kHeadDim>;
@@ -103,11 +110,11 @@ __device__ __forceinline__ void q_to_fp16_for_e4m3_keys(u32 sq, float* row_unit,
   } else {
     if (thread < kRows) row_unit[thread] = 1.f;
   }
-  order_q_for_e4m3_keys<kRows, kHeadDim, kThreads>(sq, thread);
+  order_q_for_e4m3_keys<kRows, kHeadDim, kThreads, e4m3_by_cvt<FP16, true>()>(sq, thread);
 }
 
 // -- S = Q K^T of kNTiles * 8 e4m3 keys (an E4m3Tile at k_tile), Q in
-//    order_q_for_e4m3_keys's order. One ldmatrix reads two 16-dim steps of 16 keys: a
+//    order_q_for_e4m3_keys's order (kHalves where the keys are widened by conversion). One ldmatrix reads two 16-dim steps of 16 keys: a
 //    lane's four bytes of key g (+ 8) at dims 4t..4t+3 of each step --
 template <int kDtype, int kHeadDim, int kMTiles, int kNTiles, bool kCvt = false>
 __device__ __forceinline__ void gemm_qk_e4m3(float (&s)[kMTiles][kNTiles][4],
@@ -128,8 +135,13 @@ __device__ __forceinline__ void gemm_qk_e4m3(float (&s)[kMTiles][kNTiles][4],
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         u32 even0, odd0, even1, odd1;
-        e4m3x4_to_pairs<kDtype, kCvt>(b[np][h], even0, odd0);
-        e4m3x4_to_pairs<kDtype, kCvt>(b[np][2 + h], even1, odd1);
+        if constexpr (e4m3_by_cvt<kDtype, kCvt>()) {  // (Q: order_q_for_e4m3_keys<..., true>)
+          e4m3x4_to_half2_halves(b[np][h], even0, odd0);
+          e4m3x4_to_half2_halves(b[np][2 + h], even1, odd1);
+        } else {
+          e4m3x4_to_pairs<kDtype, kCvt>(b[np][h], even0, odd0);
+          e4m3x4_to_pairs<kDtype, kCvt>(b[np][2 + h], even1, odd1);
+        }
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_16816<kDtype>(s[mt][2 * np], a[mt], even0, odd0);

@@ -77,6 +77,16 @@ __device__ __forceinline__ u32 e4m3x2_to_half2(u32 x) {
 #endif
   return r;
 }
+// (sm_89 on) x's four e4m3 bytes -> the fp16 pairs of bytes 0, 1 (low) and 2, 3 (high):
+// the conversion reads each half of x where it is, with no byte permute (the key side of
+// gemm_qk_e4m3, whose Q columns are ordered to match)
+__device__ __forceinline__ void e4m3x4_to_half2_halves(u32 x, u32& low, u32& high) {
+  low = high = 0;
+#if CUFA_E4M3_CVT
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h;}"
+      : "=r"(low), "=r"(high) : "r"(x));
+#endif
+}
 template <int DT, bool kCvt = false>
 __device__ __forceinline__ void e4m3x4_to_pairs(u32 x, u32& even, u32& odd) {
   if constexpr (e4m3_by_cvt<DT, kCvt>()) {

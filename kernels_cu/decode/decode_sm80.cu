@@ -141,11 +141,22 @@ __global__ void __launch_bounds__(
   const auto ahead_pages = [&](int i) {
     return kPagesAhead && i < my_tiles ? tile_row_page(p, s, tile_key0(i), lane) : 0;
   };
-  const auto prologue_tile = [&](int i) {
-    if (i < my_tiles)
+  // (an e4m3 cache's whole tiles of a contiguous cache: ContiguousTiles; the rest, and the
+  // 16-bit caches, whose kernels are not issue-bound and would hold more registers (d = 128:
+  // 128 -> 150): load_kv_tile)
+  constexpr bool kStrided = kFp8 && 32 % (kHeadDim / 16) == 0;
+  using Strided = ContiguousTiles<kStrided ? kHeadDim : 32, kWarps, Elem>;
+  Strided strided(p, s, k_head, v_head, tile_key0(0), lane);
+  const auto load_tile = [&](int i, int pages) {  // (i: each in turn)
+    if (kStrided && !p.block_table && tile_key0(i) + kTileKeys <= s.seqlen_k)
+      strided.load_next(stage_k(i), stage_k(i) + Shape::kStageTileBytes, p);
+    else
       load_kv_tile<kHeadDim, kPagesAhead, kElementIO, Elem, kHeadDimV>(
           stage_k(i), stage_k(i) + Shape::kStageTileBytes, p, s, k_head, v_head, tile_key0(i),
-          ahead_pages(i), lane, col0);
+          pages, lane, col0);
+  };
+  const auto prologue_tile = [&](int i) {
+    if (i < my_tiles) load_tile(i, ahead_pages(i));
     cp_async_commit();
   };
 #pragma unroll
@@ -191,10 +202,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int u = 0; u < kStep; ++u) {
       const int ahead = i + kStages - kStep + u;
-      if (ahead < my_tiles)
-        load_kv_tile<kHeadDim, kPagesAhead, kElementIO, Elem, kHeadDimV>(
-            stage_k(ahead), stage_k(ahead) + Shape::kStageTileBytes, p, s, k_head, v_head,
-            tile_key0(ahead), next_pages[u], lane, col0);
+      if (ahead < my_tiles) load_tile(ahead, next_pages[u]);
       cp_async_commit();
       next_pages[u] = ahead_pages(ahead + kStep);
     }
@@ -215,9 +223,15 @@ __global__ void __launch_bounds__(
     }
 
     // -- update m_i and l_i once for the step, rescale acc, then acc += P V per tile --
+    // (an e4m3 cache: a lazy max, O rescaled only where a row of the warp was raised: its
+    // loop is issue-bound, and the rescale is kHeadDim / 2 multiplies a lane a step)
     float correction[1][2];
-    softmax.update(acc_s, scale_log2, correction);
-    softmax.rescale_output(acc_o, correction);
+    if constexpr (kFp8) {
+      if (softmax.update_lazy(acc_s, scale_log2, correction)) softmax.rescale_output(acc_o, correction);
+    } else {
+      softmax.update(acc_s, scale_log2, correction);
+      softmax.rescale_output(acc_o, correction);
+    }
 #pragma unroll
     for (int u = 0; u < kStep; ++u) {
       if (u > 0 && i + u >= my_tiles) continue;
