@@ -634,7 +634,8 @@ MERGE_DTYPES = _dtypes.keys_by_code("merge")  # index = MergeDtype in decode/mer
 def decode_shape(head_dim):
     """(warps, cp.async stages per warp) of the decode kernel (DecodeShape in decode.cu),
     an e4m3 cache's too: on an H200 its d = 64 and 128 kernels read no faster with more
-    stages (4-8 and 2-5 tried), though shared memory would hold them. Above d = 256 (V's
+    stages (4-8 and 2-5 tried; again with the strided copies, 5-8 and 3: up to 1.38x and
+    1.12x the time), though shared memory would hold them. Above d = 256 (V's
     columns in two halves, a CTA each) one warp of two stages of K's rows and V's half
     (64 KB: three CTAs an SM on Hopper, one on sm_86/89); Hopper takes DECODE_HALVES_SM90."""
     if head_dim > MAX_HEAD_DIM:

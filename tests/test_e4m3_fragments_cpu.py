@@ -72,6 +72,23 @@ def pairs(w):
     return even_lo | even_hi << 16, odd_lo | odd_hi << 16
 
 
+def cvt_half2(low, high):
+    """cvt.rn.f16x2.e4m3x2 (sm_89 on): two e4m3 bytes to an fp16 pair, exactly."""
+    return int(np.array([low, high], dtype=np.uint8).view(E4M3).astype(np.float16).view(np.uint32)[0])
+
+
+def pairs_by_cvt(w):
+    """e4m3x4_to_pairs by conversion: bytes 0, 2 and 1, 3, values as they are."""
+    b = w.to_bytes(4, "little")
+    return cvt_half2(b[0], b[2]), cvt_half2(b[1], b[3])
+
+
+def halves_by_cvt(w):
+    """e4m3x4_to_half2_halves: bytes 0, 1 and 2, 3, values as they are."""
+    b = w.to_bytes(4, "little")
+    return cvt_half2(b[0], b[1]), cvt_half2(b[2], b[3])
+
+
 def byte_perm(x, y, selector):
     b = (x | y << 32).to_bytes(8, "little")
     return int.from_bytes(bytes(b[(selector >> 4 * i) & 7] for i in range(4)), "little")
@@ -82,17 +99,21 @@ def pack_half2(lo, hi):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
-@pytest.mark.parametrize("rows, keys", [(16, 16), (32, 64), (64, 32)],
-                         ids=["decode", "fwd 2x8 tiles", "fwd 4x4 tiles"])
-def test_e4m3_fragments_give_q_k_and_p_v(head_dim, rows, keys):
+@pytest.mark.parametrize("rows, keys, by_cvt", [(16, 16, False), (32, 64, False), (64, 32, False),
+                                                (16, 16, True)],
+                         ids=["decode shifts", "fwd 2x8 tiles", "fwd 4x4 tiles", "decode cvt"])
+def test_e4m3_fragments_give_q_k_and_p_v(head_dim, rows, keys, by_cvt):
     """One warp's kMTiles = rows / 16 row tiles against kNTiles = keys / 8 key tiles: the
-    decode kernel's shape (16, 16) and the forward's (its warps' row slices)."""
+    decode kernel's shape (16, 16) and the forward's (its warps' row slices). by_cvt: the
+    decode kernel from sm_89 on (kCvt): keys widened a word's halves at a time, Q in
+    order_q_for_e4m3_keys<..., kHalves>'s order, V's pairs by conversion, no 2^8 scale."""
     ROWS, KEYS = rows, keys
     m_tiles, n_tiles = rows // 16, keys // 8
     rng = np.random.default_rng(head_dim + rows + keys)
     q = rng.standard_normal((ROWS, head_dim)).astype(np.float16)
     k8, v8 = (rng.standard_normal((KEYS, head_dim)).astype(E4M3) for _ in range(2))
-    scale = 2.0 ** 8  # e4m3_to_half_scale(): the fragments hold the values over it
+    scale = 1.0 if by_cvt else 2.0 ** 8  # e4m3_to_half_scale(): the fragments' values over it
+    value_pairs = pairs_by_cvt if by_cvt else pairs
 
     # -- shared memory: Q swizzled (16-bit), K and V tiles as E4m3Tile rows --
     sq = bytearray(ROWS * head_dim * 2)
@@ -113,8 +134,11 @@ def test_e4m3_fragments_give_q_k_and_p_v(head_dim, rows, keys):
         for blk in range(head_dim // 16):
             first, second = (swizzle_offset(head_dim, r, 2 * blk + h) for h in (0, 1))
             w = [word(sq, first + 4 * i) for i in range(4)] + [word(sq, second + 4 * i) for i in range(4)]
-            lo = [byte_perm(w[2 * i], w[2 * i + 1], 0x5410) for i in range(4)]
-            hi = [byte_perm(w[2 * i], w[2 * i + 1], 0x7632) for i in range(4)]
+            if by_cvt:  # new word t = old word 2t, new word 4 + t = old word 2t + 1
+                lo, hi = w[0::2], w[1::2]
+            else:
+                lo = [byte_perm(w[2 * i], w[2 * i + 1], 0x5410) for i in range(4)]
+                hi = [byte_perm(w[2 * i], w[2 * i + 1], 0x7632) for i in range(4)]
             sq[first:first + 16] = b"".join(x.to_bytes(4, "little") for x in lo)
             sq[second:second + 16] = b"".join(x.to_bytes(4, "little") for x in hi)
 
@@ -131,7 +155,8 @@ def test_e4m3_fragments_give_q_k_and_p_v(head_dim, rows, keys):
                  for mt in range(m_tiles)]
             for np_ in range(n_tiles // 2):
                 for nt, m in ((2 * np_, h), (2 * np_ + 1, 2 + h)):
-                    even_odd = [pairs(b[np_][lane][m]) for lane in range(32)]
+                    even_odd = [(halves_by_cvt if by_cvt else pairs)(b[np_][lane][m])
+                                for lane in range(32)]
                     for mt in range(m_tiles):
                         c = [s[lane][mt, nt] for lane in range(32)]
                         mma(c, a[mt], [e for e, _ in even_odd], [o for _, o in even_odd])
@@ -164,7 +189,7 @@ def test_e4m3_fragments_give_q_k_and_p_v(head_dim, rows, keys):
             for h in range(2):
                 c = 2 * cp + h
                 for tile, selector in ((2 * c, 0x6240), (2 * c + 1, 0x7351)):
-                    even_odd = [pairs(byte_perm(b[lane][2 * h], b[lane][2 * h + 1], selector))
+                    even_odd = [value_pairs(byte_perm(b[lane][2 * h], b[lane][2 * h + 1], selector))
                                 for lane in range(32)]
                     for mt in range(m_tiles):
                         acc = [o[lane][mt, tile] for lane in range(32)]
