@@ -139,6 +139,26 @@ def test_fp8_cache_layouts_and_descale_shapes(page_size, descale):
     call_and_check(kw, slots, f"pages {page_size} descale {descale}")
 
 
+def head_major(cache):
+    """The same values stored head-major ((rows, heads_k, positions, d), a head's keys one
+    run), passed as the (rows, positions, heads_k, d) view (what docs/api.md recommends at
+    d = 64: the strided copies then read whole lines)."""
+    x = cache.view(torch.uint8)
+    return x.transpose(1, 2).contiguous().transpose(1, 2).view(E4M3)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("d, new", [(64, 0), (64, 3), (128, 2)])
+def test_fp8_cache_head_major(page_size, d, new):
+    rng = np.random.default_rng(d + new)
+    kw, slots = build(rng, d=d, batch=3, heads=(16, 4), capacity=400, page_size=page_size,
+                      new=new, lens=[397 - new, 0, 141])
+    for n in ("k_cache", "v_cache"):
+        kw[n] = head_major(kw[n])
+        assert kw[n].stride(1) == d
+    call_and_check(kw, slots, f"head-major pages {page_size} d={d} new {new}")
+
+
 @pytest.mark.parametrize("splits", [1, 4, 0])
 @pytest.mark.parametrize("heads", [(8, 8), (32, 8), (8, 1)])
 def test_fp8_cache_splits_and_gqa(splits, heads):
