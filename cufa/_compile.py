@@ -655,6 +655,10 @@ DECODE_PORTABLE_SMEM = 99 * 1024  # a CTA's shared memory on sm_86/89
 # 132 at d = 64 with fp16 products, three CTAs, which read 13-24 % slower on an H200).
 DECODE_FP8_MIN_CTAS = {64: 4, 128: 4}
 
+# An e4m3 cache's head dim whose heads a CTA takes two at a time where they sit side by side
+# (_heuristics.head_pairs): a head's row slice is then 64 bytes, half a 128-byte line
+PAIRED_HEAD_DIM = 64
+
 
 # Decode kernels with less shared memory and so four CTAs an SM, (warps, stages) by padded
 # head dim; _heuristics.decode_kernel_and_splits says where they run.
@@ -724,6 +728,7 @@ class DecodeVariant(_CacheKernel):
     element_io: bool = False  # the element-wise I/O variant
     fp8_cache: bool = False   # the cache holds e4m3 (q and out stay dtype)
     min_ctas: int = 0         # e4m3: launch bounds' CTAs an SM on sm_90 (0: one)
+    head_pairs: bool = False  # e4m3, head_dim 2 x 64: two adjacent KV heads a CTA
     kind = "decode"
     source = "decode/decode_sm80.cu"
 
@@ -740,14 +745,17 @@ class DecodeVariant(_CacheKernel):
         elem = "_elem" if self.element_io else ""
         fp8 = "_e4m3" if self.fp8_cache else ""
         ctas = f"_c{self.min_ctas}" if self.min_ctas else ""
-        return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}{fp8}{ctas}"
+        pairs = "_pairs" if self.head_pairs else ""
+        return f"decode_{self.dtype}_hd{self.head_dim}_s{stages}{other}{elem}{fp8}{ctas}{pairs}"
 
     @property
     def name_expression(self):
         warps, stages = self.shape
         flags = (", false, true" if self.fp8_cache else ", true" if self.element_io else "")
-        if self.min_ctas:
+        if self.min_ctas or self.head_pairs:
             flags += f", {self.min_ctas}"
+        if self.head_pairs:
+            flags += ", true"
         return (f"cufa::decode_kernel<{DTYPES.index(self.dtype)}, {self.head_dim}, {stages}, "
                 f"{warps}{flags}>")
 
@@ -963,8 +971,17 @@ class MergeVariant(_CacheKernel):
 
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature asks
-def decode_kernel(dtype, head_dim, element_io=False, fp8_cache=False, family="sm80"):
-    """The decode kernel for a head dim on a kernel family's GPUs (family_for)."""
+def decode_kernel(dtype, head_dim, element_io=False, fp8_cache=False, family="sm80",
+                  head_pairs=False):
+    """The decode kernel for a head dim on a kernel family's GPUs (family_for);
+    head_pairs: the e4m3 kernel of two adjacent KV heads a CTA (head_dim 64, the tile
+    rows of d = 128's kernel)."""
+    if head_pairs:
+        if not fp8_cache or head_dim != PAIRED_HEAD_DIM:
+            raise ValueError(f"head pairs: an e4m3 cache at d = {PAIRED_HEAD_DIM}")
+        d = 2 * PAIRED_HEAD_DIM
+        return DecodeVariant(dtype, d, fp8_cache=True, min_ctas=DECODE_FP8_MIN_CTAS.get(d, 0),
+                             head_pairs=True)
     d = padded_head_dim(head_dim)
     if d > MAX_HEAD_DIM and family == "sm90":
         warps, stages = DECODE_HALVES_SM90
@@ -1002,6 +1019,8 @@ def decode_variants():
                for units in (1, 2)]
             + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel(dt, hd, fp8_cache=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
+            + [decode_kernel(dt, PAIRED_HEAD_DIM, fp8_cache=True, head_pairs=True)
+               for dt in DTYPES]
             + [MlaVariant(dt, tma, fp8) for dt in DTYPES for tma in (False, True)
                for fp8 in (False, True)]
 

@@ -119,6 +119,9 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
         return _KvPlan(**outputs, **extra)
 
     group = nheads // nheads_k
+    pairs = not mla and _heuristics.head_pairs(
+        fp8, d, nheads_k, (kc.strides[2], vc.strides[2]), seqlen_q * group, aligned)
+    tiles_k = nheads_k // 2 if pairs else nheads_k  # (the grid's y: a KV head or a pair a CTA)
     maps = None  # (the TMA kernels': the decode kernel's, over 16-bit caches, and MLA's)
     if mla:
         kernel, maps, num_m_blocks, num_splits = _mla_kernel(
@@ -126,10 +129,10 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     else:
         num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
         kernel, num_splits = _heuristics.decode_kernel_and_splits(
-            KERNEL_DTYPES[q.dtype], d, num_splits, batch * nheads_k * num_m_blocks, capacity,
+            KERNEL_DTYPES[q.dtype], d, num_splits, batch * tiles_k * num_m_blocks, capacity,
             q.device, paged=paged is not None and not _heuristics.pages_read_whole(
                 paged["page_shift"], leftpad is None, window[0]), element_io=not aligned,
-            fp8_cache=fp8)
+            fp8_cache=fp8, pairs=pairs)
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, head_dim_v=dv, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
@@ -166,11 +169,12 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
         kernel, maps = _tma_route(q.dtype, d, kc, vc, batch * nheads_k * num_m_blocks,
                                   num_splits, batch, capacity, q.device) or (kernel, None)
     merge_in_launch = (not mla and kernel.units <= 1 and kernel.ctas_per_unit == 1
-                       and _heuristics.merge_in_launch(kernel, d, num_splits, seqlen_q * group))
+                       and _heuristics.merge_in_launch(kernel, d, num_splits,
+                                                       seqlen_q * group * (2 if pairs else 1)))
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
         per_cta = max(kernel.units, 1)
         launches.append(_launch_entry(kernel, q.device, (
-            num_m_blocks * num_splits * kernel.ctas_per_unit, nheads_k, -(-batch // per_cta))))
+            num_m_blocks * num_splits * kernel.ctas_per_unit, tiles_k, -(-batch // per_cta))))
         if num_splits > 1:
             launches.append(_combine_entry(kernel, dv, num_splits, batch * seqlen_q * nheads,
                                            q.device, may_slice=not merge_in_launch))

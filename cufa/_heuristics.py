@@ -230,11 +230,30 @@ def pages_read_whole(page_shift, no_leftpad, window_left):
 
 # -- decode: the kernel --------------------------------------------------------------------------
 
+def head_pairs(fp8_cache, d, nheads_k, head_strides, unit_rows, aligned):
+    """Whether an e4m3 decode takes two KV heads a CTA (_compile.PAIRED_HEAD_DIM; the
+    kernel's kHeadPairs): at d = 64 a head's slice of a cache row is 64 bytes, half a
+    128-byte line, and CTAs of one head each read them at 49-66 % of copy bandwidth where
+    d = 128's read 72-88 % (H200). Two heads side by side (k's and v's head strides
+    head_dim) make whole lines; their query rows (GQA group x new tokens, `unit_rows`) must
+    fit half of the kernel's 16-row tile, and the heads pair up (an even count).
+
+    Example: 32/8 heads, one token, the standard (.., nheads_k, 64) layout: pairs; 8 new
+    tokens with 32/8 heads (32 rows a head), a head-major cache (head stride n x 64), or
+    7 KV heads: one head a CTA.
+    """
+    return (fp8_cache and aligned and d == _compile.PAIRED_HEAD_DIM and nheads_k % 2 == 0
+            and all(s == d for s in head_strides)
+            and 0 < unit_rows <= _compile.DECODE_ROWS // 2)
+
+
 def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False,
-                             element_io=False, fp8_cache=False):
+                             element_io=False, fp8_cache=False, pairs=False):
     """The decode kernel and split count for `units` CTAs (batch x KV heads x query
-    blocks): the default shape (_compile.decode_kernel; element_io: its element-wise I/O
-    variant, fp8_cache: its e4m3-cache variant, the one shape each has) and split_count's
+    blocks; pairs: head_pairs' units of two KV heads): the default shape
+    (_compile.decode_kernel; element_io: its element-wise I/O variant, fp8_cache: its
+    e4m3-cache variant, the one shape each has, or with pairs its kernel of head pairs) and
+    split_count's
     count, but the
     shape with four CTAs an SM (_compile.DECODE_MORE_CTAS), unsplit, where num_splits is
     left to the planner and
@@ -250,7 +269,8 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
     1056) runs on the four-CTA shape too; 256 x 1k (2048 units) on the default shape.
     """
     kernel = _compile.decode_kernel(dtype, d, element_io, fp8_cache,
-                                    _compile.family_for(_runtime.compute_capability(device)))
+                                    _compile.family_for(_runtime.compute_capability(device)),
+                                    head_pairs=pairs)
     splits = split_count(num_splits, units * kernel.ctas_per_unit, capacity, kernel, device,
                          paged)
     wider = (_compile.decode_kernel_with_more_ctas(dtype, d)

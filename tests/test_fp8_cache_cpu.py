@@ -72,6 +72,52 @@ def test_fp8_cache_never_takes_the_four_cta_shape(planner, monkeypatch):  # noqa
     assert narrow.launches[0][1] == hash(_compile.decode_kernel("fp16", 128, fp8_cache=True).key)
 
 
+PAIRED = hash(_compile.decode_kernel("fp16", 64, fp8_cache=True, head_pairs=True).key)
+ONE_HEAD = hash(_compile.decode_kernel("fp16", 64, fp8_cache=True).key)
+
+
+@pytest.mark.parametrize("q_shape, cache_shape, strides, dtype, want", [
+    # (q, cache, cache strides or None, cache dtype, (kernel, grid's y) or None: no launch)
+    ((64, 1, 32, 64), (64, 4096, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),
+    ((2, 1, 64, 64), (2, 4096, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),   # 8 rows a head
+    ((2, 2, 4, 64), (2, 4096, 4, 64), None, "float8_e4m3fn", (PAIRED, 2)),    # 2 tokens
+    ((2, 1, 128, 64), (2, 4096, 8, 64), None, "float8_e4m3fn", (ONE_HEAD, 8)),  # 16 rows
+    ((2, 1, 21, 64), (2, 4096, 7, 64), None, "float8_e4m3fn", (ONE_HEAD, 7)),   # odd count
+    ((2, 1, 32, 64), (2, 4096, 8, 64), (8 * 4096 * 64, 64, 4096 * 64, 1), "float8_e4m3fn",
+     (ONE_HEAD, 8)),                                                         # head-major
+    ((2, 1, 32, 128), (2, 4096, 8, 128), None, "float8_e4m3fn", None),      # d = 128
+    ((2, 1, 32, 64), (2, 4096, 8, 64), None, "float16", None),              # 16-bit cache
+])
+def test_fp8_cache_pairs_adjacent_heads_at_d64(planner, q_shape, cache_shape, strides,  # noqa: F811
+                                               dtype, want):
+    """Two KV heads a CTA (the kernel of head pairs, half the grid's y) where an e4m3 cache
+    at d = 64 holds them side by side and a head's query rows fit 8; one head a CTA
+    elsewhere; never for other head dims or 16-bit caches."""
+    cache = arr(cache_shape, dtype, strides)
+    plan = planner(arr(q_shape), cache, cache, cache_seqlens=arr((q_shape[0],), "int32"))
+    decode, = [e for e in plan.launches if e[0] == "decode"]
+    if want is None:
+        assert decode[1] not in (PAIRED, ONE_HEAD) and decode[2][1] == cache_shape[2]
+    else:
+        assert (decode[1], decode[2][1]) == want
+        assert record(plan)["nheads_k"] == cache_shape[2]  # (the kernel finds its pair's heads)
+
+
+def test_head_pairs_kernel_is_d128s_tile():
+    """The paired kernel is d = 128's e4m3 kernel (its shared memory, shape and launch
+    bounds) with the pairs flag; only e4m3 at d = 64 has one."""
+    for dt in _compile.DTYPES:
+        paired = _compile.decode_kernel(dt, 64, fp8_cache=True, head_pairs=True)
+        wide = _compile.decode_kernel(dt, 128, fp8_cache=True)
+        assert (paired.head_dim, paired.shape, paired.smem_bytes, paired.min_ctas) == (
+            wide.head_dim, wide.shape, wide.smem_bytes, wide.min_ctas)
+        assert paired.name_expression == wide.name_expression[:-1] + ", true>"
+        assert paired.key in {v.key for v in _compile.all_variants()}
+    for bad in (dict(head_dim=128, fp8_cache=True), dict(head_dim=64, fp8_cache=False)):
+        with pytest.raises(ValueError, match="head pairs"):
+            _compile.decode_kernel("fp16", head_pairs=True, **bad)
+
+
 def test_fp8_append_quantizes_in_the_append_kernel(planner):  # noqa: F811
     q, kc, vc, kw = call(q=arr((2, 3, 8, 128), "bfloat16"), k=arr((2, 3, 2, 128), "bfloat16"),
                          v=arr((2, 3, 2, 128), "bfloat16"))

@@ -159,6 +159,68 @@ def test_fp8_cache_head_major(page_size, d, new):
     call_and_check(kw, slots, f"head-major pages {page_size} d={d} new {new}")
 
 
+def decode_launch_of_last_call():
+    """(CUfunction, grid) of the decode launch of the one with_kvcache plan held (the plans
+    are cleared before the call)."""
+    from cufa import _runtime
+    plan, = [p for p in _runtime.plans.values() if hasattr(p, "launches")]
+    launch, = [e for e in plan.launches if e[0] == "decode"]
+    return launch[1], launch[2]
+
+
+def e4m3_decode_function(dtype, head_pairs):
+    """The CUfunction of the e4m3 decode kernel at d = 64, of head pairs or not."""
+    from cufa import _compile
+    kernel = _compile.decode_kernel({"float16": "fp16", "bfloat16": "bf16"}[dtype], 64,
+                                    fp8_cache=True, head_pairs=head_pairs)
+    return _compile.function_pointer(kernel, 0)
+
+
+# Two adjacent KV heads a CTA (d = 64, head stride 64): each tile row scores against its
+# own head's half of the pair's keys and takes its own head's descales; per-head descales
+# drawn apart, so a row that took its neighbour's keys, values or scales fails the rule.
+PAIRS = [  # (heads, seqlen_q, extra keyword arguments)
+    ((8, 2), 1, {}),                                     # group 4: rows 0-3 and 8-11
+    ((32, 4), 1, {"num_splits": 3}),                     # group 8: a half's 8 rows, split
+    ((4, 4), 2, {"causal": True, "num_splits": 0}),      # group 1, two tokens, causal
+    ((16, 8), 4, {"causal": True, "window_size": (40, 0)}),  # 8 rows a head, window
+    ((12, 6), 1, {"sink": "float32", "alibi": True}),    # sink and ALiBi by head
+]
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", range(len(PAIRS)))
+def test_fp8_cache_head_pairs(case, dtype, page_size):
+    heads, seqlen_q, extra = PAIRS[case]
+    extra = dict(extra)
+    rng = np.random.default_rng(100 + case)
+    if extra.pop("alibi", False):
+        extra["alibi_slopes"] = torch.from_numpy(rng.uniform(0.01, 0.2, (2, heads[0])).astype(
+            np.float32)).cuda()
+    kw, slots = build(rng, dtype=dtype, d=64, batch=2, heads=heads, seqlen_q=seqlen_q,
+                      capacity=700, lens=[689, 213], new=1, page_size=page_size, **extra)
+    cufa.api.clear_plans()
+    call_and_check(kw, slots, f"pairs {heads} q {seqlen_q} {extra} {dtype} pages {page_size}")
+    function, grid = decode_launch_of_last_call()
+    assert function == e4m3_decode_function(dtype, True) and grid[1] == heads[1] // 2
+
+
+def test_fp8_cache_pairs_only_where_heads_sit_side_by_side():
+    """An odd KV head count, a head-major cache and 16 rows a head take the kernel of one
+    head a CTA at d = 64 (and pass)."""
+    rng = np.random.default_rng(31)
+    for heads, seqlen_q, major in (((6, 3), 1, False), ((8, 2), 1, True), ((16, 2), 2, False)):
+        kw, slots = build(rng, d=64, batch=2, heads=heads, seqlen_q=seqlen_q, capacity=400,
+                          lens=[400 - seqlen_q, 77])
+        if major:
+            kw["k_cache"], kw["v_cache"] = head_major(kw["k_cache"]), head_major(kw["v_cache"])
+        cufa.api.clear_plans()
+        call_and_check(kw, slots, f"one head a CTA: {heads} q {seqlen_q} head-major {major}")
+        function, grid = decode_launch_of_last_call()
+        assert function == e4m3_decode_function("float16", False) and grid[1] == heads[1]
+
+
 @pytest.mark.parametrize("splits", [1, 4, 0])
 @pytest.mark.parametrize("heads", [(8, 8), (32, 8), (8, 1)])
 def test_fp8_cache_splits_and_gqa(splits, heads):

@@ -99,14 +99,30 @@ struct DecodeRow {
   bool valid;
 };
 
+// kHeads KV heads a CTA (2: an e4m3 cache at d = 64 read as rows of two adjacent heads,
+// decode_sm80.cu): tile rows kRowsPerHead * i .. are head h_k * kHeads + i's group, and
+// its Q (and its output) the tile's columns kHeadDim / kHeads * i ..; h_k counts tiles
+template <int kHeads>
+__device__ constexpr int rows_per_head() {
+  return kDecodeRows / kHeads;
+}
+
+template <int kHeads = 1>
 __device__ __forceinline__ DecodeRow decode_row(const DecodeParams& p, const CacheSeq& s,
                                                 int m_block, int h_k, int r) {
-  const int gr = m_block * kDecodeRows + r;
+  constexpr int kRows = rows_per_head<kHeads>();
+  const int gr = m_block * kRows + (kHeads == 1 ? r : r % kRows);
   DecodeRow row;
   row.valid = gr < s.seqlen_q * p.group;
   row.t = gr / p.group;
-  row.h = h_k * p.group + gr % p.group;
+  row.h = (kHeads == 1 ? h_k : h_k * kHeads + r / kRows) * p.group + gr % p.group;
   return row;
+}
+
+// the tile row of the CTA's i-th query row (of `rows` a head)
+template <int kHeads>
+__device__ __forceinline__ int tile_row(int i, int rows) {
+  return kHeads == 1 ? i : (i / rows) * rows_per_head<kHeads>() + i % rows;
 }
 
 // -- a paged cache's page ids, looked up a step before the copies that need them: lane l
@@ -254,7 +270,7 @@ template <int kHeadDim, bool kPagesAhead, bool kElementIO = false, class Elem = 
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
                                              const CacheSeq& s, const Elem* k_head,
                                              const Elem* v_head, int key0, int row_page, int lane,
-                                             int col0 = 0) {
+                                             int cols, int col0 = 0) {
   if constexpr (kHeadDimV != kHeadDim) {
     static_assert(!kElementIO && sizeof(Elem) == 2, "V's column halves: 16-bit, 16-byte path");
     load_kv_tile_halves<kHeadDim, kHeadDimV, kPagesAhead>(sk, sv, p, s, k_head, v_head, key0,
@@ -283,7 +299,7 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
       // the copy bandwidth). A column past head_dim copies zeros (from a valid address).
       constexpr int kPassRows = 32 / kChunks;
       const int c = lane % kChunks, r0 = lane / kChunks;
-      const bool col_valid = c * kChunkElems < p.head_dim;
+      const bool col_valid = c * kChunkElems < cols;
       const int col = col_valid ? c * kChunkElems : 0;
       const Elem* k_src = k_head + base.k + (r0 * p.k_row_stride + col);
       const Elem* v_src = v_head + base.v + (r0 * p.v_row_stride + col);
@@ -304,7 +320,7 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
 #pragma unroll
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r < rows_valid && c * kChunkElems < p.head_dim;
+    const bool valid = r < rows_valid && c * kChunkElems < cols;
     const Elem* k_src = k_head;  // any valid address: a zero-filling copy reads nothing
     const Elem* v_src = v_head;
     if (valid && !paged) {
@@ -343,10 +359,10 @@ struct ContiguousTiles {
 
   __device__ __forceinline__ ContiguousTiles(const DecodeParams& p, const CacheSeq& s,
                                              const Elem* k_head, const Elem* v_head, int key0,
-                                             int lane) {
+                                             int cols, int lane) {
     chunk = lane % kChunks;
     row0 = lane / kChunks;
-    col_valid = chunk * kChunkElems < p.head_dim;
+    col_valid = chunk * kChunkElems < cols;
     const int col = col_valid ? chunk * kChunkElems : 0;
     const i64 pos = static_cast<i64>(s.start) + key0 + row0;
     k = k_head + s.row * p.k_batch_stride + pos * p.k_row_stride + col;
@@ -366,24 +382,37 @@ struct ContiguousTiles {
   }
 };
 
-// -- Q: the CTA's 16 query rows (`rows` of them, zeros after) into sq, by cp.async
-//    (kElementIO: plain loads) from `threads` threads --
-template <int kHeadDim, int kThreads, bool kElementIO = false>
+// -- Q: the CTA's 16 query rows (`rows` of them a head, zeros after) into sq, by cp.async
+//    (kElementIO: plain loads) from `threads` threads. kHeads 2: a row's head_dim (the
+//    tile's half) columns in its head's half of the row, zeros in the other, so that one
+//    product with a tile of both heads' keys scores each row against its own head's --
+template <int kHeadDim, int kThreads, bool kElementIO = false, int kHeads = 1>
 __device__ __forceinline__ void load_q_rows(u32 sq, const DecodeParams& p, const CacheSeq& s,
                                             int m_block, int h_k, int rows, int thread) {
   const u16* q = reinterpret_cast<const u16*>(p.q);
   const auto row_ptr = [&](int r) {
-    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+    const DecodeRow row = decode_row<kHeads>(p, s, m_block, h_k, r);
     return q + s.b * p.q_batch_stride + (s.q_row0 + row.t) * p.q_row_stride +
            row.h * p.q_head_stride;
   };
   const auto offset = [](int r, int c) { return Swizzle<kHeadDim>::offset(r, c); };
-  if constexpr (kElementIO)
+  if constexpr (kHeads > 1) {
+    static_assert(!kElementIO, "heads side by side: 16-byte rows");
+    constexpr int kChunks = kHeadDim / 8, kHeadChunks = kChunks / kHeads;
+#pragma unroll 1
+    for (int idx = thread; idx < kDecodeRows * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const int slot = r / rows_per_head<kHeads>();
+      const bool valid = r % rows_per_head<kHeads>() < rows && c / kHeadChunks == slot;
+      cp_async_16(sq + offset(r, c), valid ? row_ptr(r) + (c % kHeadChunks) * 8 : q, valid ? 16 : 0);
+    }
+  } else if constexpr (kElementIO) {
     copy_rows_elementwise<kDecodeRows, kHeadDim, kThreads>(sq, row_ptr, rows, p.head_dim, offset,
                                                            thread);
-  else
+  } else {
     copy_rows_async<kDecodeRows, kHeadDim, kThreads>(sq, row_ptr, q, rows, p.head_dim, offset,
                                                      thread);
+  }
 }
 
 }  // namespace cufa

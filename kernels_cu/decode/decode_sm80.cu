@@ -75,14 +75,22 @@ struct DecodeShape {
 #endif
 };
 
-// grid: (num_m_blocks * num_splits, nheads_k, batch). kElementIO: the element-wise I/O
-// variant (common/element_io.cuh), for any head dim and any strides: a warp's tile loads
-// block it until they land, where cp.async keeps kStages tiles in flight. kFp8: the cache
-// holds e4m3 (q and out stay kDtype): its tiles go from the stages into mma fragments as
-// fp16 values, Q turned into fp16 once (common/e4m3_mma.cuh), the descales folded into the
-// scores and the output.
+// grid: (num_m_blocks * num_splits, nheads_k / kHeads, batch). kElementIO: the element-wise
+// I/O variant (common/element_io.cuh), for any head dim and any strides: a warp's tile
+// loads block it until they land, where cp.async keeps kStages tiles in flight. kFp8: the
+// cache holds e4m3 (q and out stay kDtype): its tiles go from the stages into mma
+// fragments as fp16 values, Q turned into fp16 once (common/e4m3_mma.cuh), the descales
+// folded into the scores and the output.
+// kHeadPairs (e4m3, head_dim = kHeadDim / 2 = 64, two adjacent KV heads a CTA: head stride
+// head_dim, a head's query rows at most 8): a head's 64-byte slice of a cache row is half
+// a 128-byte line, and a CTA a head read such rows at 49-66 % of copy bandwidth where d =
+// 128 read 85 % (H200). So a CTA takes the row of two heads as one kHeadDim-wide tile
+// row, its tile rows 0-7 head A's query rows with their Q in columns 0-63 and zeros in
+// 64-127, rows 8-15 head B's in 64-127: Q K^T scores each row against its own head's keys
+// alone, P V gives each row its own head's output in its half (the other half unused),
+// and the softmax is row by row as ever. The loop is d = 128's; the descales go by row.
 template <int kDtype, int kHeadDim, int kStages, int kWarpCount, bool kElementIO = false,
-          bool kFp8 = false, int kMinCtasWanted = 0>
+          bool kFp8 = false, int kMinCtasWanted = 0, bool kHeadPairs = false>
 __global__ void __launch_bounds__(
     DecodeShape<kHeadDim, kStages, kWarpCount, kFp8, kMinCtasWanted>::kThreads,
     DecodeShape<kHeadDim, kStages, kWarpCount, kFp8, kMinCtasWanted>::kMinCtas)
@@ -95,6 +103,9 @@ __global__ void __launch_bounds__(
   constexpr int kDTiles = kHeadDimV / 8;
   static_assert(!Shape::kColumnHalves || !(kElementIO || kFp8),
                 "above d = 256: 16-bit caches of 16-byte aligned rows");
+  static_assert(!kHeadPairs || (kFp8 && kHeadDim == 128), "head pairs: e4m3 at d = 64");
+  constexpr int kHeads = kHeadPairs ? 2 : 1;
+  constexpr int kRowsPerHead = rows_per_head<kHeads>();
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_warp_max[kWarps][kDecodeRows], s_warp_sum[kWarps][kDecodeRows];
 
@@ -103,16 +114,17 @@ __global__ void __launch_bounds__(
   const unsigned unit_x = Shape::kColumnHalves ? blockIdx.x >> 1 : blockIdx.x;
   const int col0 = Shape::kColumnHalves ? (blockIdx.x & 1) * kHeadDimV : 0;
   const int m_block = unit_x % p.num_m_blocks, split = unit_x / p.num_m_blocks;
-  const int h_k = blockIdx.y;
+  const int h_k = blockIdx.y;  // (a pair's index with kHeadPairs: heads 2 h_k, 2 h_k + 1)
   const int b = p.decode_order ? reinterpret_cast<const int*>(p.decode_order)[blockIdx.z] : blockIdx.z;
   if (b < 0) return;
   const CacheSeq s = cache_seq(p, b);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int rows = min(kDecodeRows, s.seqlen_q * p.group - m_block * kDecodeRows);
+  // (rows: a head's)
+  const int rows = min(kRowsPerHead, s.seqlen_q * p.group - m_block * kRowsPerHead);
   // (a packed batch: past this sequence's rows, or a sequence the forward kernel takes)
   if (rows <= 0 || s.seqlen_q > p.seqlen_q) return;
-  const KeySpan span = visible_span(p, s.seqlen_k, s.seqlen_q, (m_block * kDecodeRows) / p.group,
-                                    (m_block * kDecodeRows + rows - 1) / p.group);
+  const KeySpan span = visible_span(p, s.seqlen_k, s.seqlen_q, (m_block * kRowsPerHead) / p.group,
+                                    (m_block * kRowsPerHead + rows - 1) / p.group);
   const int num_tiles = (span.end - span.begin + kTileKeys - 1) / kTileKeys;
   const int split_tiles = (num_tiles + p.num_splits - 1) / p.num_splits;
   const int tile_begin = min(split * split_tiles, num_tiles);
@@ -122,7 +134,8 @@ __global__ void __launch_bounds__(
 
   // -- Q: the CTA's 16 rows, zeros past the last --
   const u32 sq = smem_u32(smem);
-  load_q_rows<kHeadDim, Shape::kThreads, kElementIO>(sq, p, s, m_block, h_k, rows, threadIdx.x);
+  load_q_rows<kHeadDim, Shape::kThreads, kElementIO, kHeads>(sq, p, s, m_block, h_k, rows,
+                                                             threadIdx.x);
   cp_async_commit();
 
   // -- prologue: the first kStages - kStep tiles of this warp, a commit group each --
@@ -132,8 +145,10 @@ __global__ void __launch_bounds__(
   // slower, so it keeps the lookup at the copy (docs/decisions.md).
   constexpr bool kPagesAhead = kStep == 1;
   const u32 stages = sq + Shape::kQBytes + warp * Shape::kWarpBytes;
-  const Elem* k_head = reinterpret_cast<const Elem*>(p.k) + h_k * p.k_head_stride;
-  const Elem* v_head = reinterpret_cast<const Elem*>(p.v) + h_k * p.v_head_stride + col0;
+  const int h_k0 = h_k * kHeads;  // the tile's first KV head
+  const Elem* k_head = reinterpret_cast<const Elem*>(p.k) + h_k0 * p.k_head_stride;
+  const Elem* v_head = reinterpret_cast<const Elem*>(p.v) + h_k0 * p.v_head_stride + col0;
+  const int cache_cols = p.head_dim * kHeads;  // (a pair's: both heads')
   const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
   const auto stage_k = [&](int i) {
     return stages + (i % kStages) * (Shape::kStageTileBytes + Shape::kVTileBytes);
@@ -146,14 +161,14 @@ __global__ void __launch_bounds__(
   // 128 -> 150): load_kv_tile)
   constexpr bool kStrided = kFp8 && 32 % (kHeadDim / 16) == 0;
   using Strided = ContiguousTiles<kStrided ? kHeadDim : 32, kWarps, Elem>;
-  Strided strided(p, s, k_head, v_head, tile_key0(0), lane);
+  Strided strided(p, s, k_head, v_head, tile_key0(0), cache_cols, lane);
   const auto load_tile = [&](int i, int pages) {  // (i: each in turn)
     if (kStrided && !p.block_table && tile_key0(i) + kTileKeys <= s.seqlen_k)
       strided.load_next(stage_k(i), stage_k(i) + Shape::kStageTileBytes, p);
     else
       load_kv_tile<kHeadDim, kPagesAhead, kElementIO, Elem, kHeadDimV>(
           stage_k(i), stage_k(i) + Shape::kStageTileBytes, p, s, k_head, v_head, tile_key0(i),
-          pages, lane, col0);
+          pages, lane, cache_cols, col0);
   };
   const auto prologue_tile = [&](int i) {
     if (i < my_tiles) load_tile(i, ahead_pages(i));
@@ -175,21 +190,24 @@ __global__ void __launch_bounds__(
 #pragma unroll
   for (int i = Shape::kTilesBeforeQ; i < kStages - kStep; ++i) prologue_tile(i);
 
-  const TileScoring scoring = tile_scoring(p, s, m_block, h_k, rows, lane);
+  const TileScoring scoring = tile_scoring<kHeads>(p, s, m_block, h_k, rows, lane);
   const bool score_mods = score_mods_on(p);
   const float scale_log2 = score_mods ? 1.f : p.scale_log2;  // score mods leave log2 units
   const LdmatrixAddr<kHeadDim> q_frag(sq, lane & 15, lane >> 4);
 
   // an e4m3 cache: the products run in fp16 (q_to_fp16_for_e4m3_keys), on keys and values
   // that are the cache's over e4m3_to_half_scale<FP16, true>(); each of this lane's two rows
-  // (lane / 4, + 8) takes its scale back out of its scores
+  // (lane / 4, + 8: with kHeadPairs, one of each head) takes its scale back out of its
+  // scores
   float k_scale[2] = {1.f, 1.f};
   if constexpr (kFp8) {
-    const float descale = cache_descale(p.k_descale, p.k_descale_batch_stride,
-                                        p.k_descale_head_stride, s.b, h_k) *
-                          e4m3_to_half_scale<FP16, true>();
-    k_scale[0] = descale * s_q_unit[lane / 4];
-    k_scale[1] = descale * s_q_unit[lane / 4 + 8];
+    const auto descale = [&](int head) {
+      return cache_descale(p.k_descale, p.k_descale_batch_stride, p.k_descale_head_stride, s.b,
+                           head) * e4m3_to_half_scale<FP16, true>();
+    };
+    const float descale_lo = descale(h_k0);
+    k_scale[0] = descale_lo * s_q_unit[lane / 4];
+    k_scale[1] = (kHeadPairs ? descale(h_k0 + 1) : descale_lo) * s_q_unit[lane / 4 + 8];
   }
   float acc_o[1][kDTiles][4];
   fill(acc_o, 0.f);
@@ -242,28 +260,30 @@ __global__ void __launch_bounds__(
     __syncwarp();  // every lane is done with these stages before they are refilled
   }
 
-  if constexpr (kFp8) {
-    const float v_scale = cache_descale(p.v_descale, p.v_descale_batch_stride,
-                                        p.v_descale_head_stride, s.b, h_k) *
-                          e4m3_to_half_scale<FP16, true>();
+  if constexpr (kFp8) {  // (a lane's outputs e = 0, 1 are row lane / 4's, 2, 3 row + 8's)
+    const auto descale = [&](int head) {
+      return cache_descale(p.v_descale, p.v_descale_batch_stride, p.v_descale_head_stride, s.b,
+                           head) * e4m3_to_half_scale<FP16, true>();
+    };
+    const float v_scale_lo = descale(h_k0);
+    const float v_scale[2] = {v_scale_lo, kHeadPairs ? descale(h_k0 + 1) : v_scale_lo};
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] *= v_scale;
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] *= v_scale[e >> 1];
   }
   cp_async_wait<0>();  // (the outputs are staged over the cache stages)
   float* s_out = reinterpret_cast<float*>(smem + Shape::kQBytes);
   stage_warp_outputs<kWarps, Shape::kOStride, kFp8>(softmax, acc_o, true, s_warp_max, s_warp_sum, s_out,
                                               scale_log2);
-  write_decode_output<kDtype, kHeadDimV, Shape, kElementIO>(p, s, m_block, h_k, split, s_out,
-                                                            s_warp_max, s_warp_sum, scale_log2,
-                                                            col0);
+  write_decode_output<kDtype, kHeadDimV, Shape, kElementIO, kHeads>(
+      p, s, m_block, h_k, split, s_out, s_warp_max, s_warp_sum, scale_log2, col0);
   // (halves: decode_combine merges the splits; the host leaves split_counters 0)
   if constexpr (!Shape::kColumnHalves) {
     static_assert(merge_scratch_bytes(Shape::kThreads) <= kWarps * Shape::kWarpBytes,
                   "the merge's weights and partial sums fit the cache stages");
     if (p.num_splits > 1 && p.split_counters)
-      merge_if_last<kDtype, Shape::kThreads, kElementIO>(p, s, m_block, h_k, rows, s_out);
+      merge_if_last<kDtype, Shape::kThreads, kElementIO, kHeads>(p, s, m_block, h_k, rows, s_out);
   }
 }
 

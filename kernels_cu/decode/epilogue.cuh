@@ -100,23 +100,25 @@ __device__ __forceinline__ int partial_cols(int head_dim) {
 }
 
 // -- epilogue: merge the warps' states, then write the output (or this split's share):
-//    kHeadDim columns of s_out, the output's from col0 on (lse by the CTA of column 0) --
-template <int kDtype, int kHeadDim, class Shape, bool kElementIO = false>
+//    kHeadDim columns of s_out, the output's from col0 on (lse by the CTA of column 0);
+//    kHeads 2: a row's own head's half of them (decode_row) --
+template <int kDtype, int kHeadDim, class Shape, bool kElementIO = false, int kHeads = 1>
 __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const CacheSeq& s,
                                                     int m_block, int h_k, int split, float* s_out,
                                                     const float (&s_warp_max)[Shape::kWarps][kDecodeRows],
                                                     const float (&s_warp_sum)[Shape::kWarps][kDecodeRows],
                                                     float scale_log2, int col0 = 0) {
-  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kChunks = kHeadDim / kHeads / 8;
   for (int idx = threadIdx.x; idx < kDecodeRows * kChunks; idx += Shape::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+    const DecodeRow row = decode_row<kHeads>(p, s, m_block, h_k, r);
     if (!row.valid || col0 + c * 8 >= p.head_dim_v) continue;
+    const int s_col = (r / rows_per_head<kHeads>()) * (kHeadDim / kHeads) + c * 8;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < Shape::kWarps; ++w)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] += s_out[(w * kDecodeRows + r) * Shape::kOStride + c * 8 + e];
+      for (int e = 0; e < 8; ++e) acc[e] += s_out[(w * kDecodeRows + r) * Shape::kOStride + s_col + e];
     // the row's sum over the warps, each warp's rescaled to the row's max
     const float mx = warps_row_max(s_warp_max, r);
     float sum = 0.f;

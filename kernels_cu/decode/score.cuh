@@ -28,13 +28,14 @@ struct LaneRows {
   int t[2];
 };
 
+template <int kHeads = 1>
 __device__ __forceinline__ LaneRows lane_rows(const DecodeParams& p, const CacheSeq& s, int m_block,
                                               int h_k, int lane) {
   LaneRows lr;
   const i64 diag = s.seqlen_k - s.seqlen_q;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const DecodeRow row = decode_row(p, s, m_block, h_k, (lane >> 2) + 8 * i);
+    const DecodeRow row = decode_row<kHeads>(p, s, m_block, h_k, (lane >> 2) + 8 * i);
     lr.t[i] = row.t;
     lr.lo[i] = row.t + diag - p.window_left;
     lr.hi[i] = min(row.t + diag + p.window_right, (i64)s.seqlen_k - 1);
@@ -91,18 +92,20 @@ __device__ __forceinline__ bool score_mods_on(const DecodeParams& p) {
 }
 
 // -- what a warp needs to score a 16-key tile: its lanes' rows, and the keys every row of
-//    the CTA sees (tiles inside them need no mask) --
+//    the CTA sees (tiles inside them need no mask; `rows` a head, kHeads heads) --
 struct TileScoring {
   LaneRows lr;
   int all_lo, all_hi;  // (visible_span's ints)
 };
 
+template <int kHeads = 1>
 __device__ __forceinline__ TileScoring tile_scoring(const DecodeParams& p, const CacheSeq& s,
                                                     int m_block, int h_k, int rows, int lane) {
   TileScoring sc;
-  sc.lr = lane_rows(p, s, m_block, h_k, lane);
-  const int t_first = (m_block * kDecodeRows) / p.group;
-  const int t_last = (m_block * kDecodeRows + rows - 1) / p.group;
+  sc.lr = lane_rows<kHeads>(p, s, m_block, h_k, lane);
+  constexpr int kRows = rows_per_head<kHeads>();
+  const int t_first = (m_block * kRows) / p.group;
+  const int t_last = (m_block * kRows + rows - 1) / p.group;
   sc.all_lo = visible_span(p, s.seqlen_k, s.seqlen_q, t_last, t_last).begin;
   sc.all_hi = visible_span(p, s.seqlen_k, s.seqlen_q, t_first, t_first).end;
   return sc;

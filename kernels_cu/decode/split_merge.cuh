@@ -196,8 +196,8 @@ __device__ __forceinline__ int count_split_done(int* counter) {
 //    block, KV head, sequence) to finish merges the unit's rows as decode_combine would,
 //    a warp a row or (one row) threads 0-127, where the host saw that one pass of the CTA
 //    covers them (kvcache._merge_in_launch). The counter is left zeroed for the next
-//    launch on the stream. scratch: the CTA's cache stages. --
-template <int kDtype, int kThreads, bool kElementIO = false>
+//    launch on the stream. scratch: the CTA's cache stages. rows: a head's, of kHeads. --
+template <int kDtype, int kThreads, bool kElementIO = false, int kHeads = 1>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const CacheSeq& s, int m_block,
                                               int h_k, int rows, float* scratch) {
   __shared__ int s_last;
@@ -216,16 +216,17 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Cache
   float* warp_value = partial + merge_partial_threads(kThreads) * 8;  // [4]
   if (p.combine_row_threads == 32) {  // a warp a row
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < rows; r += kThreads / 32) {
-      const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+    for (int i = warp; i < kHeads * rows; i += kThreads / 32) {
+      const int r = tile_row<kHeads>(i, rows);
+      const DecodeRow row = decode_row<kHeads>(p, s, m_block, h_k, r);
       const SplitRow in = load_split_row<4, kElementIO>(p, s.b, row.t, row.h, lane);
       merge_split_row<kDtype, 4, kElementIO>(p, in, s.q_row0, lane, weight + r * kMaxSplits,
                                              partial + warp * 32 * 8, warp_value);
     }
   } else if constexpr (kThreads >= kCombineThreads) {  // a row on threads 0-127
     if (threadIdx.x >= kCombineThreads) return;
-    for (int r = 0; r < rows; ++r) {
-      const DecodeRow row = decode_row(p, s, m_block, h_k, r);
+    for (int i = 0; i < kHeads * rows; ++i) {
+      const DecodeRow row = decode_row<kHeads>(p, s, m_block, h_k, tile_row<kHeads>(i, rows));
       const SplitRow in = load_split_row<1, kElementIO>(p, s.b, row.t, row.h, threadIdx.x);
       merge_split_row<kDtype, 1, kElementIO>(p, in, s.q_row0, threadIdx.x, weight, partial,
                                              warp_value);
