@@ -120,7 +120,8 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
 
     group = nheads // nheads_k
     pairs = not mla and _heuristics.head_pairs(
-        fp8, d, nheads_k, (kc.strides[2], vc.strides[2]), seqlen_q * group, aligned)
+        KERNEL_DTYPES[q.dtype], d, nheads_k, (kc.strides[2], vc.strides[2]), seqlen_q * group,
+        batch * (nheads_k // 2), num_splits, q.device, fp8, aligned)
     tiles_k = nheads_k // 2 if pairs else nheads_k  # (the grid's y: a KV head or a pair a CTA)
     maps = None  # (the TMA kernels': the decode kernel's, over 16-bit caches, and MLA's)
     if mla:

@@ -230,21 +230,34 @@ def pages_read_whole(page_shift, no_leftpad, window_left):
 
 # -- decode: the kernel --------------------------------------------------------------------------
 
-def head_pairs(fp8_cache, d, nheads_k, head_strides, unit_rows, aligned):
+def head_pairs(dtype, d, nheads_k, head_strides, unit_rows, units, num_splits, device,
+               fp8_cache, aligned):
     """Whether an e4m3 decode takes two KV heads a CTA (_compile.PAIRED_HEAD_DIM; the
-    kernel's kHeadPairs): at d = 64 a head's slice of a cache row is 64 bytes, half a
-    128-byte line, and CTAs of one head each read them at 49-66 % of copy bandwidth where
-    d = 128's read 72-88 % (H200). Two heads side by side (k's and v's head strides
-    head_dim) make whole lines; their query rows (GQA group x new tokens, `unit_rows`) must
-    fit half of the kernel's 16-row tile, and the heads pair up (an even count).
+    kernel's kHeadPairs; `units`: the CTAs of pairs, unsplit). At d = 64 a head's slice of
+    a cache row is 64 bytes, half a 128-byte line, and CTAs of one head each read them at
+    49-66 % of copy bandwidth where d = 128's read 72-88 % (H200). Two heads side by side
+    (k's and v's head strides head_dim) make whole lines; their query rows (GQA group x new
+    tokens, `unit_rows`) must fit half of the kernel's 16-row tile, and the heads pair up
+    (an even count). Except where the pairs, unsplit, take more than one wave of the
+    kernel's CTAs and under two, where choose_num_splits splits them to fill the waves
+    (and merges the splits) while one head a CTA makes two waves or more, unsplit (H200,
+    32/8 heads, one token: 192 x 1k, 4 splits, 1.08x one head's time; 256 x 1k, 3
+    splits, 1.00x; outside the band 0.72-0.92x).
 
-    Example: 32/8 heads, one token, the standard (.., nheads_k, 64) layout: pairs; 8 new
-    tokens with 32/8 heads (32 rows a head), a head-major cache (head stride n x 64), or
-    7 KV heads: one head a CTA.
+    Example, 132 SMs, 32/8 heads, one token, the standard (.., nheads_k, 64) layout: 64 x
+    4k (256 pairs, under a wave): pairs; 256 x 1k (1024 pairs, 1.6 waves): one head a CTA;
+    1 x 128k (4 pairs, split): pairs. 8 new tokens with 32/8 heads (32 rows a head), a
+    head-major cache (head stride n x 64) or 7 KV heads: one head a CTA.
     """
-    return (fp8_cache and aligned and d == _compile.PAIRED_HEAD_DIM and nheads_k % 2 == 0
+    if not (fp8_cache and aligned and d == _compile.PAIRED_HEAD_DIM and nheads_k % 2 == 0
             and all(s == d for s in head_strides)
-            and 0 < unit_rows <= _compile.DECODE_ROWS // 2)
+            and 0 < unit_rows <= _compile.DECODE_ROWS // 2):
+        return False
+    if num_splits:
+        return True
+    kernel = _compile.decode_kernel(dtype, d, fp8_cache=True, head_pairs=True)
+    slots = _runtime.sm_count(device) * kernel.ctas_per_sm_on(_runtime.smem_per_sm(device))
+    return not slots < units < 2 * slots
 
 
 def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False,
@@ -253,10 +266,8 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
     blocks; pairs: head_pairs' units of two KV heads): the default shape
     (_compile.decode_kernel; element_io: its element-wise I/O variant, fp8_cache: its
     e4m3-cache variant, the one shape each has, or with pairs its kernel of head pairs) and
-    split_count's
-    count, but the
-    shape with four CTAs an SM (_compile.DECODE_MORE_CTAS), unsplit, where num_splits is
-    left to the planner and
+    split_count's count, but the shape with four CTAs an SM (_compile.DECODE_MORE_CTAS),
+    unsplit, where num_splits is left to the planner and
     - the default shape would split the keys while this one holds every unit in one wave
       (no split and no merge); or
     - on a contiguous cache (or pages read whole), the units take more than two waves of

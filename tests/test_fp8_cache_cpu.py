@@ -85,14 +85,20 @@ ONE_HEAD = hash(_compile.decode_kernel("fp16", 64, fp8_cache=True).key)
     ((2, 1, 21, 64), (2, 4096, 7, 64), None, "float8_e4m3fn", (ONE_HEAD, 7)),   # odd count
     ((2, 1, 32, 64), (2, 4096, 8, 64), (8 * 4096 * 64, 64, 4096 * 64, 1), "float8_e4m3fn",
      (ONE_HEAD, 8)),                                                         # head-major
+    ((1, 1, 32, 64), (1, 131072, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),   # split
+    ((256, 1, 32, 64), (256, 1024, 8, 64), None, "float8_e4m3fn", (ONE_HEAD, 8)),  # 1.6
+    ((192, 1, 32, 64), (192, 1024, 8, 64), None, "float8_e4m3fn", (ONE_HEAD, 8)),  # 1.2
+    ((384, 1, 32, 64), (384, 1024, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),    # 2.3
     ((2, 1, 32, 128), (2, 4096, 8, 128), None, "float8_e4m3fn", None),      # d = 128
     ((2, 1, 32, 64), (2, 4096, 8, 64), None, "float16", None),              # 16-bit cache
 ])
 def test_fp8_cache_pairs_adjacent_heads_at_d64(planner, q_shape, cache_shape, strides,  # noqa: F811
                                                dtype, want):
     """Two KV heads a CTA (the kernel of head pairs, half the grid's y) where an e4m3 cache
-    at d = 64 holds them side by side and a head's query rows fit 8; one head a CTA
-    elsewhere; never for other head dims or 16-bit caches."""
+    at d = 64 holds them side by side and a head's query rows fit 8, but not where the
+    pairs, unsplit, take more than one wave of 660 CTAs (132 SMs x 5) and under two (where
+    the split rule would split them; _heuristics.head_pairs); one head a CTA elsewhere;
+    never for other head dims or 16-bit caches."""
     cache = arr(cache_shape, dtype, strides)
     plan = planner(arr(q_shape), cache, cache, cache_seqlens=arr((q_shape[0],), "int32"))
     decode, = [e for e in plan.launches if e[0] == "decode"]
