@@ -11,6 +11,7 @@ namespace cufa {
 
 constexpr int kDecodeRows = 16;  // query rows per CTA: one mma tile
 constexpr int kTileKeys = 16;    // keys a warp takes per step
+static_assert(kDecodeRows % 2 == 0, "a tile's rows split evenly between two heads");
 
 // -- where a sequence's keys live --
 struct CacheSeq {
