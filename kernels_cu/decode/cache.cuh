@@ -260,6 +260,15 @@ __device__ __forceinline__ void load_kv_tile_halves(u32 sk, u32 sv, const Decode
   }
 }
 
+// -- the columns of a cache row that a CTA copies: head_dim, read where it is used, or a
+//    pair's both heads' (pair_cols, worked out once by the kernel). At sm_90's bound of 128
+//    registers ptxas 13.0 spilled 8 bytes of the bf16 d = 64 kernel where its head_dim was
+//    worked out once, and of the pairs' where theirs was the constant 128 --
+template <int kHeads>
+__device__ __forceinline__ int cache_cols(const DecodeParams& p, int pair_cols) {
+  return kHeads == 1 ? p.head_dim : pair_cols;
+}
+
 template <class Elem, int kHeadDim>
 __device__ __forceinline__ u32 kv_stage_offset(int r, int c) {
   if constexpr (sizeof(Elem) == 2) return Swizzle<kHeadDim>::offset(r, c);
@@ -267,11 +276,11 @@ __device__ __forceinline__ u32 kv_stage_offset(int r, int c) {
 }
 
 template <int kHeadDim, bool kPagesAhead, bool kElementIO = false, class Elem = u16,
-          int kHeadDimV = kHeadDim>
+          int kHeadDimV = kHeadDim, int kHeads = 1>
 __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams& p,
                                              const CacheSeq& s, const Elem* k_head,
                                              const Elem* v_head, int key0, int row_page, int lane,
-                                             int cols, int col0 = 0) {
+                                             int pair_cols = 0, int col0 = 0) {
   if constexpr (kHeadDimV != kHeadDim) {
     static_assert(!kElementIO && sizeof(Elem) == 2, "V's column halves: 16-bit, 16-byte path");
     load_kv_tile_halves<kHeadDim, kHeadDimV, kPagesAhead>(sk, sv, p, s, k_head, v_head, key0,
@@ -300,7 +309,7 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
       // the copy bandwidth). A column past head_dim copies zeros (from a valid address).
       constexpr int kPassRows = 32 / kChunks;
       const int c = lane % kChunks, r0 = lane / kChunks;
-      const bool col_valid = c * kChunkElems < cols;
+      const bool col_valid = c * kChunkElems < cache_cols<kHeads>(p, pair_cols);
       const int col = col_valid ? c * kChunkElems : 0;
       const Elem* k_src = k_head + base.k + (r0 * p.k_row_stride + col);
       const Elem* v_src = v_head + base.v + (r0 * p.v_row_stride + col);
@@ -321,7 +330,7 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
 #pragma unroll
   for (int idx = lane; idx < kTileKeys * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r < rows_valid && c * kChunkElems < cols;
+    const bool valid = r < rows_valid && c * kChunkElems < cache_cols<kHeads>(p, pair_cols);
     const Elem* k_src = k_head;  // any valid address: a zero-filling copy reads nothing
     const Elem* v_src = v_head;
     if (valid && !paged) {
@@ -348,7 +357,7 @@ __device__ __forceinline__ void load_kv_tile(u32 sk, u32 sv, const DecodeParams&
 //    stride on, as load_kv_tile copies a tile of one base but with the base and the lane's
 //    (row, chunk) offsets worked out once, where they took ~90 of the e4m3 kernel's ~330
 //    instructions a tile at d = 64 (ncu, H200) --
-template <int kHeadDim, int kWarps, class Elem>
+template <int kHeadDim, int kWarps, class Elem, int kHeads = 1>
 struct ContiguousTiles {
   static constexpr int kChunkElems = 16 / sizeof(Elem);
   static constexpr int kChunks = kHeadDim / kChunkElems;
@@ -360,10 +369,10 @@ struct ContiguousTiles {
 
   __device__ __forceinline__ ContiguousTiles(const DecodeParams& p, const CacheSeq& s,
                                              const Elem* k_head, const Elem* v_head, int key0,
-                                             int cols, int lane) {
+                                             int pair_cols, int lane) {
     chunk = lane % kChunks;
     row0 = lane / kChunks;
-    col_valid = chunk * kChunkElems < cols;
+    col_valid = chunk * kChunkElems < cache_cols<kHeads>(p, pair_cols);
     const int col = col_valid ? chunk * kChunkElems : 0;
     const i64 pos = static_cast<i64>(s.start) + key0 + row0;
     k = k_head + s.row * p.k_batch_stride + pos * p.k_row_stride + col;

@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(
   const int h_k0 = h_k * kHeads;  // the tile's first KV head
   const Elem* k_head = reinterpret_cast<const Elem*>(p.k) + h_k0 * p.k_head_stride;
   const Elem* v_head = reinterpret_cast<const Elem*>(p.v) + h_k0 * p.v_head_stride + col0;
-  const int cache_cols = p.head_dim * kHeads;  // (a pair's: both heads')
+  const int pair_cols = p.head_dim * kHeads;  // (cache_cols: unused with one head)
   const auto tile_key0 = [&](int i) { return span.begin + (tile_begin + warp + i * kWarps) * kTileKeys; };
   const auto stage_k = [&](int i) {
     return stages + (i % kStages) * (Shape::kStageTileBytes + Shape::kVTileBytes);
@@ -160,15 +160,15 @@ __global__ void __launch_bounds__(
   // 16-bit caches, whose kernels are not issue-bound and would hold more registers (d = 128:
   // 128 -> 150): load_kv_tile)
   constexpr bool kStrided = kFp8 && 32 % (kHeadDim / 16) == 0;
-  using Strided = ContiguousTiles<kStrided ? kHeadDim : 32, kWarps, Elem>;
-  Strided strided(p, s, k_head, v_head, tile_key0(0), cache_cols, lane);
+  using Strided = ContiguousTiles<kStrided ? kHeadDim : 32, kWarps, Elem, kHeads>;
+  Strided strided(p, s, k_head, v_head, tile_key0(0), pair_cols, lane);
   const auto load_tile = [&](int i, int pages) {  // (i: each in turn)
     if (kStrided && !p.block_table && tile_key0(i) + kTileKeys <= s.seqlen_k)
       strided.load_next(stage_k(i), stage_k(i) + Shape::kStageTileBytes, p);
     else
-      load_kv_tile<kHeadDim, kPagesAhead, kElementIO, Elem, kHeadDimV>(
+      load_kv_tile<kHeadDim, kPagesAhead, kElementIO, Elem, kHeadDimV, kHeads>(
           stage_k(i), stage_k(i) + Shape::kStageTileBytes, p, s, k_head, v_head, tile_key0(i),
-          pages, lane, cache_cols, col0);
+          pages, lane, pair_cols, col0);
   };
   const auto prologue_tile = [&](int i) {
     if (i < my_tiles) load_tile(i, ahead_pages(i));

@@ -113,7 +113,7 @@ __device__ __forceinline__ void write_decode_output(const DecodeParams& p, const
     const int r = idx / kChunks, c = idx % kChunks;
     const DecodeRow row = decode_row<kHeads>(p, s, m_block, h_k, r);
     if (!row.valid || col0 + c * 8 >= p.head_dim_v) continue;
-    const int s_col = (r / rows_per_head<kHeads>()) * (kHeadDim / kHeads) + c * 8;
+    const int s_col = (kHeads == 1 ? 0 : r / rows_per_head<kHeads>() * (kHeadDim / kHeads)) + c * 8;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < Shape::kWarps; ++w)
