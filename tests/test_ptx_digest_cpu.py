@@ -146,3 +146,17 @@ def test_bodies_set_a_grown_params_record_aside():
     grown = entry.replace("[424]", "[448]")
     assert ptx_digest.code_bodies(entry) == ptx_digest.code_bodies(grown)
     assert ptx_digest.code_bodies(entry) != ptx_digest.code_bodies(grown.replace("+8]", "+16]"))
+
+
+def test_bodies_name_static_shared_variables_by_their_own_names():
+    """A function's static __shared__ variable is mangled with the function's template
+    arguments; a defaulted argument added (merge_if_last's head count) renames it in every
+    body that uses it, which is the same code. Another variable is not."""
+    def kernel(local):
+        return (".visible .entry _ZN4cufa6kernelEv(\n)\n{\n"
+                f"\tmov.u32 \t%r1, {local};\n\tret;\n}}\n")
+    old = "_ZZN4cufa13merge_if_lastILi1ELi128ELb0EEEvRKNS_12DecodeParamsEiPfE6s_last"
+    new = "_ZZN4cufa13merge_if_lastILi1ELi128ELb0ELi1EEEvRKNS_12DecodeParamsEiPfE6s_last"
+    other = "_ZZN4cufa13merge_if_lastILi1ELi128ELb0ELi1EEEvRKNS_12DecodeParamsEiPfE6s_done"
+    assert ptx_digest.code_bodies(kernel(old)) == ptx_digest.code_bodies(kernel(new))
+    assert ptx_digest.code_bodies(kernel(old)) != ptx_digest.code_bodies(kernel(other))

@@ -64,8 +64,9 @@ _FUNCTION_START = re.compile(r"^(\.visible |\.weak )?\.(func|entry)\b")
 def code_bodies(ptx):
     """normalized(ptx)'s functions alone, as one text: each from its .func/.entry line to
     its closing brace, its own name (and those of the functions it calls) made one, its
-    labels renumbered, its parameters' byte sizes left out (a record with fields appended
-    reads every old field at its old offset), sorted (the emission order moves with a
+    labels renumbered, its static shared variables by their own names, its parameters'
+    byte sizes left out (a record with fields appended reads every old field at its old
+    offset), sorted (the emission order moves with a
     template's instantiation)."""
     ptx = normalized(ptx)
     names = set()  # (a .func may declare its return value before its name)
@@ -89,6 +90,9 @@ def code_bodies(ptx):
         for name in sorted(names, key=len, reverse=True):
             body = body.replace(name, "FUNCTION")
         body = re.sub(r"\$L__BB\d+_", "$L__BB_", body)
+        # a function's static __shared__ variable, by its own name: its mangled name holds
+        # the function's template arguments, which a new defaulted one changes
+        body = re.sub(r"_ZZ\w*E(\d+[A-Za-z_]\w*)", r"STATIC_\1", body)
         # a params record grown at its end (fields appended) moves no offset the code reads
         text.append(re.sub(r"(FUNCTION_param_\d+)\[\d+\]", r"\1[]", body))
     return "\n".join(sorted(text))
