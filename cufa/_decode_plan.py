@@ -122,7 +122,8 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     pairs = not mla and _heuristics.head_pairs(
         KERNEL_DTYPES[q.dtype], d, nheads_k, (kc.strides[2], vc.strides[2]), seqlen_q * group,
         batch * (nheads_k // 2), num_splits, q.device, fp8, aligned)
-    tiles_k = nheads_k // 2 if pairs else nheads_k  # (the grid's y: a KV head or a pair a CTA)
+    heads_a_cta = 2 if pairs else 1
+    tiles_k = nheads_k // heads_a_cta  # (the grid's y)
     maps = None  # (the TMA kernels': the decode kernel's, over 16-bit caches, and MLA's)
     if mla:
         kernel, maps, num_m_blocks, num_splits = _mla_kernel(
@@ -171,7 +172,7 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
                                   num_splits, batch, capacity, q.device) or (kernel, None)
     merge_in_launch = (not mla and kernel.units <= 1 and kernel.ctas_per_unit == 1
                        and _heuristics.merge_in_launch(kernel, d, num_splits,
-                                                       seqlen_q * group * (2 if pairs else 1)))
+                                                       seqlen_q * group * heads_a_cta))
     if seqlen_q:  # (a TMA CTA of several units takes sequences z, z + grid z, ...)
         per_cta = max(kernel.units, 1)
         launches.append(_launch_entry(kernel, q.device, (

@@ -66,8 +66,7 @@ def code_bodies(ptx):
     its closing brace, its own name (and those of the functions it calls) made one, its
     labels renumbered, its static shared variables by their own names, its parameters'
     byte sizes left out (a record with fields appended reads every old field at its old
-    offset), sorted (the emission order moves with a
-    template's instantiation)."""
+    offset), sorted (the emission order moves with a template's instantiation)."""
     ptx = normalized(ptx)
     names = set()  # (a .func may declare its return value before its name)
     for line in ptx.splitlines():
