@@ -416,7 +416,12 @@ def test_fp8_cache_from_jax():
             x = jax.lax.bitcast_convert_type(x, jnp.uint8)
         # (JAX computes on its own stream and torch's clone does not wait for it: with six
         # test processes on the GPU, jax.jit's appended rows read back as other bytes)
-        return torch.from_dlpack(x.block_until_ready()).clone()
+        copy = torch.from_dlpack(x.block_until_ready()).clone()
+        # (and the clone is queued, not run: the bitcast's buffer is JAX's again once x
+        # goes, and the next cache's bitcast wrote over it before the clone had read it, one
+        # row of k's new bytes wrong in a whole-suite run)
+        torch.cuda.synchronize()
+        return copy
 
     def jax_arrays(skip=()):  # (fresh copies: an append may update its cache in place)
         return {n: to_jax(x.clone()) for n, x in kw.items() if torch.is_tensor(x) and n not in skip}

@@ -117,6 +117,9 @@ def test_fp8_paged_varlen_from_jax(rng):
                                            return_lse=True, block_table=table, k_descale=ks,
                                            v_descale=vs)
     for label, fn in (("JAX eager", call), ("jax.jit", jax.jit(call))):
-        out, lse = (torch.from_dlpack(x).clone() for x in fn(*args))
+        results = fn(*args)
+        out, lse = (torch.from_dlpack(x).clone() for x in results)
+        torch.cuda.synchronize()  # (the clones read JAX's buffers: keep them until done)
+        del results
         check_packed_sequences(out, lse, q, k_deq, v_deq, lens_q, lens_k, f"fp8 {label}",
                                causal=True)
