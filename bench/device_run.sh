@@ -49,7 +49,9 @@ python3 -m cufa warmup > "$LOGS/warmup.txt" 2>&1
 # The families run side by side (one GPU, several processes): run one after another they
 # take longer than one 600 s call on an H100. Each stops at FAMILY_LIMIT seconds, so that
 # the logs come back from a call that has a limit of its own. FAMILIES (names) runs some of
-# them; WORKERS spreads each over that many pytest-xdist processes.
+# them; WORKERS spreads each over that many pytest-xdist processes, which take work from
+# each other's queues (worksteal: under xdist's default split, one of six processes got the
+# fp8 forward's heavy cases in a row and ran 260 s while the others were done by 153 s).
 family() {  # family NAME [ENV=VALUE...] -- pytest paths...
   local name=$1; shift
   local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
@@ -60,7 +62,7 @@ family() {  # family NAME [ENV=VALUE...] -- pytest paths...
   env OMP_NUM_THREADS="${TEST_THREADS:-2}" OPENBLAS_NUM_THREADS="${TEST_THREADS:-2}" \
     MKL_NUM_THREADS="${TEST_THREADS:-2}" "${envs[@]}" CUFA_FAILED_TESTS="$LOGS/failed_$name.txt" \
     timeout -k 10 "${FAMILY_LIMIT:-420}" python3 -m pytest -q -m gpu \
-    -p no:cacheprovider --durations=5 ${WORKERS:+-n $WORKERS} "$@" \
+    -p no:cacheprovider --durations=5 ${WORKERS:+-n $WORKERS --dist worksteal} "$@" \
     > "$LOGS/gpu_tests_$name.txt" 2>&1
   echo $? > "$LOGS/rc_$name"
 }
