@@ -56,11 +56,7 @@ family() {  # family NAME [ENV=VALUE...] -- pytest paths...
   local name=$1; shift
   local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   case " ${FAMILIES:-default sm80 bm64 bm192 tma1 tma2 bwd1wg fdq np ncp} " in *" $name "*) ;; *) return ;; esac
-  # (BLAS threads two a process: with numpy on every core in each test process the fp8
-  # forward's float64 references crawled, and the default family ran past 330 s; capped,
-  # it took 283 s at six workers on the H200)
-  env OMP_NUM_THREADS="${TEST_THREADS:-2}" OPENBLAS_NUM_THREADS="${TEST_THREADS:-2}" \
-    MKL_NUM_THREADS="${TEST_THREADS:-2}" "${envs[@]}" CUFA_FAILED_TESTS="$LOGS/failed_$name.txt" \
+  env "${envs[@]}" CUFA_FAILED_TESTS="$LOGS/failed_$name.txt" \
     timeout -k 10 "${FAMILY_LIMIT:-420}" python3 -m pytest -q -m gpu \
     -p no:cacheprovider --durations=5 ${WORKERS:+-n $WORKERS --dist worksteal} "$@" \
     > "$LOGS/gpu_tests_$name.txt" 2>&1
