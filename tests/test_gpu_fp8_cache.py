@@ -206,6 +206,57 @@ def test_fp8_cache_head_pairs(case, dtype, page_size):
     assert function == e4m3_decode_function(dtype, True) and grid[1] == heads[1] // 2
 
 
+# The pair kernel on the rest of the call's options: each its own case at d = 64 with the
+# heads side by side (what 132 SMs plan for each, the device stubbed, in the comment).
+PAIRS_MORE = {  # name: (q's dtype, build's keyword arguments)
+    # unsplit (the sink and ALiBi in the kernel's own epilogue), softcap
+    "unsplit sink alibi softcap": ("bfloat16", dict(
+        heads=(12, 6), capacity=704, lens=[689, 213], new=1, sink="float32", alibi=True,
+        softcap=20.0, num_splits=1)),
+    # one sequence, one pair: 64 splits, then the combine kernel
+    "one long sequence": ("float16", dict(heads=(8, 2), batch=1, capacity=24576,
+                                          lens=[24570], new=1)),
+    # rows of 3 sequences on a cache of 5 in a random order, leftpads, a window: unsplit
+    "batch_idx leftpad window": ("float16", dict(
+        heads=(8, 4), batch=3, capacity=320, lens=[300, 200, 64], leftpad=[5, 0, 17],
+        batch_idx=True, new=2, seqlen_q=2, window_size=(48, 0))),
+    "pages 16 leftpad window": ("float16", dict(
+        heads=(8, 4), batch=3, capacity=320, lens=[300, 200, 64], leftpad=[5, 0, 17],
+        page_size=16, new=2, seqlen_q=2, window_size=(48, 0))),
+    # q rotated at each sequence's end (no append), causal: unsplit
+    "rotary q causal": ("float16", dict(heads=(8, 2), seqlen_q=2, capacity=400,
+                                        lens=[390, 50], rotary=True, causal=True)),
+    # one descale for the whole cache (shape (1,) and 0-d) or none
+    "descale one": ("float16", dict(heads=(8, 2), capacity=704, lens=[689, 213], new=1,
+                                    descale="one")),
+    "descale scalar": ("float16", dict(heads=(8, 2), capacity=704, lens=[689, 213], new=1,
+                                       descale="scalar")),
+    "no descale": ("float16", dict(heads=(8, 2), capacity=704, lens=[689, 213], new=1,
+                                   descale=None)),
+    # pages of 256 and 64: 2 splits, the combine kernel
+    "pages 256": ("float16", dict(heads=(8, 2), capacity=768, lens=[700, 213], new=1,
+                                  page_size=256)),
+    "pages 64": ("bfloat16", dict(heads=(8, 2), capacity=768, lens=[700, 213], new=1,
+                                  page_size=64)),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS_MORE))
+def test_fp8_cache_head_pairs_with_every_option(name):
+    dtype, options = PAIRS_MORE[name]
+    options = dict(options)
+    rng = np.random.default_rng(sum(map(ord, name)))
+    batch = options.pop("batch", 2)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = torch.from_numpy(rng.uniform(0.01, 0.2, (
+            batch, options["heads"][0])).astype(np.float32)).cuda()
+    kw, slots = build(rng, dtype=dtype, d=64, batch=batch, **options)
+    cufa.api.clear_plans()
+    call_and_check(kw, slots, f"pairs {name} {dtype}")
+    function, grid = decode_launch_of_last_call()
+    assert function == e4m3_decode_function(dtype, True) and grid[1] == options["heads"][1] // 2
+
+
 def test_fp8_cache_pairs_only_where_heads_sit_side_by_side():
     """An odd KV head count, a head-major cache and 16 rows a head take the kernel of one
     head a CTA at d = 64 (and pass)."""
