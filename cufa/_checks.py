@@ -35,8 +35,10 @@ GRID_YZ_MAX = 65535     # the decode grid's y (KV heads) and z (batch)
 # (comparisons rather than math.isnan / isfinite: torch.compile may pass these as symbolic
 # floats, which comparisons handle and math functions do not)
 def reject_unsupported(dropout_p):
-    if not isinstance(dropout_p, (int, float)) or not dropout_p >= 0:
-        raise ValueError(f"dropout_p must be a number >= 0; got {dropout_p!r}")
+    if type(dropout_p) is not float or not dropout_p >= 0:
+        dropout_p = as_real(dropout_p, "dropout_p", "a number >= 0")
+        if not dropout_p >= 0:
+            raise ValueError(f"dropout_p must be a number >= 0; got {dropout_p!r}")
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 is not supported: cufa's forward has no "
                                   "dropout; pass dropout_p=0.0")
@@ -64,6 +66,36 @@ def as_index(x, name, minimum, expected):
     return x
 
 
+def as_real(x, name, expected):
+    """x, a real number held on the host (a Python int or float, a NumPy number, a 0-d
+    CPU tensor or array), as a Python float. Bools are refused (True is no scale), and so
+    are device scalars, as in as_index."""
+    if type(x) in (int, float):
+        return float(x)
+    device = _interop.device_scalar(x)
+    if device is not None:
+        raise ValueError(f"{name} is a {device}, and reading its value would make the host "
+                         f"wait for the device; pass {expected} as a Python float")
+    kind = str(getattr(x, "dtype", ""))
+    if isinstance(x, (bool, np.bool_, str, bytes)) or kind.endswith("bool") or "complex" in kind or (
+            getattr(x, "shape", ()) != () and not isinstance(x, np.generic)):
+        raise ValueError(f"{name} must be {expected}; got {x!r}")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {expected}; got {x!r}") from None
+
+
+def check_flag(x, name):
+    """A flag as flash-attn takes it: a bool (NumPy's too) or the ints 0 and 1. A string
+    or any other object would read as true and is refused."""
+    if type(x) is bool:
+        return x
+    if isinstance(x, np.bool_) or (isinstance(x, (int, np.integer)) and x in (0, 1)):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool; got {x!r}")
+
+
 def check_dtype_device(x, name, ref, ref_name):
     if x.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
@@ -85,6 +117,21 @@ def chunk_aligned(shape, strides, ptr):
         if s % 8 and n > 1:
             return False
     return True
+
+
+def check_rows_apart(x, name):
+    """An array cufa writes: no two of its index tuples may name one element. Its rows (the
+    contiguous last dim) overlap where another dim with more than one index has a stride
+    under the row's length (0 included: an expanded array). Overlaps between the other
+    dims alone are left, as PyTorch leaves them."""
+    shape, strides = x.shape, x.strides
+    if 0 in shape:
+        return
+    for n, s in zip(shape[:-1], strides[:-1]):
+        if n > 1 and abs(s) < shape[-1]:
+            raise ValueError(f"{name} is written, and its elements share memory: shape {shape}, "
+                             f"strides {strides} (a stride under the last dim's "
+                             f"{shape[-1]} elements); pass an array of distinct elements")
 
 
 def check_loadable(x, name):
@@ -235,22 +282,27 @@ def check_scale(scale, name):
     """None (1 / sqrt(head dim), decided with the plan) or a float."""
     if scale is None:
         return None
-    if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0; got {scale!r}")
-    return float(scale)
+    expected = "a finite number > 0"
+    scale = as_real(scale, name, expected)
+    if not 0 < scale < math.inf:
+        raise ValueError(f"{name} must be {expected}; got {scale!r}")
+    return scale
 
 
 def check_softcap(softcap):
-    if not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off); got {softcap!r}")
-    return float(softcap)
+    expected = "a finite number >= 0 (0 = off)"
+    softcap = as_real(softcap, "softcap", expected)
+    if not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be {expected}; got {softcap!r}")
+    return softcap
 
 
 def check_options(softmax_scale, causal, window_size, softcap):
     """(window, scale, softcap) of flash-attn's options, checked: what a plan depends on."""
     if (window_size is NO_WINDOW and softmax_scale is None and type(softcap) is float
-            and softcap == 0.0):  # the defaults (the usual decode call): nothing to check
-        return _DEFAULT_OPTIONS[1 if causal else 0]
+            and softcap == 0.0 and type(causal) is bool):  # the defaults (the usual decode
+        return _DEFAULT_OPTIONS[causal]                     # call): nothing to check
+    causal = check_flag(causal, "causal")
     return (check_window(window_size, causal), check_scale(softmax_scale, "softmax_scale"),
             check_softcap(softcap))
 
@@ -352,8 +404,9 @@ def check_cu_seqlens(c, name, q):
         raise ValueError(f"{name} is on cuda:{c.device} but q is on cuda:{q.device}")
 
 
-def check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
-    """The checks that read values: one copy to the host (a device sync)."""
+def check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used, max_keys=None):
+    """The checks that read values: one copy to the host (a device sync). max_keys: what a
+    sequence's keys may number at most (a paged batch: its block table's pages)."""
     host = {n: _interop.to_numpy(x) for x, n in ((cu_q, name_q), (cu_k, name_k))}
     for (n, c), total in zip(host.items(), (total_q, total_k)):
         if c[0] != 0:
@@ -371,6 +424,13 @@ def check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used):
             i = int(((u < 0) | (u > lens)).argmax())
             raise ValueError(f"seqused_k[{i}] = {int(u[i])} is outside [0, {int(lens[i])}], "
                              f"the length of key sequence {i}")
+    if max_keys is not None:
+        keys = _interop.to_numpy(used) if used is not None else host[name_k][1:] - host[name_k][:-1]
+        if (keys > max_keys).any():
+            i = int((keys > max_keys).argmax())
+            raise ValueError(f"key sequence {i} has {int(keys[i])} keys "
+                             f"({'seqused_k' if used is not None else name_k}), more than "
+                             f"the {max_keys} its row of block_table holds")
 
 
 def check_out(out, o, q, name="out", head_dim=None):
@@ -391,7 +451,9 @@ def check_out(out, o, q, name="out", head_dim=None):
                          f"{o.shape} {o.dtype}")
     if o.device != q.device:
         raise ValueError(f"{name} is on cuda:{o.device} but q is on cuda:{q.device}")
-    return check_loadable(o, name)
+    aligned = check_loadable(o, name)
+    check_rows_apart(o, name)
+    return aligned
 
 
 # -- the fp8 forward ---------------------------------------------------------------------------
@@ -449,8 +511,9 @@ def _check_fp8_qkv(q, k, v, layout, rank, kv_layout=None, kv_rank=None):
         if x.ndim != want:
             raise ValueError(f"{n} must be {want}-D {shape}; got shape {x.shape}")
         if x.dtype != FP8_CACHE:
-            raise TypeError(f"{n} has dtype {x.dtype}: the fp8 forward takes q, k and v all "
-                            f"in {FP8_CACHE} (e4m3)")
+            raise TypeError(f"{n} has dtype {x.dtype}: the fp8 forward (the route q_descale, "
+                            f"k_descale and v_descale belong to) takes q, k and v all in "
+                            f"{FP8_CACHE} (e4m3); with 16-bit inputs pass no descales")
         if x.framework not in ("torch", "cupy"):
             raise NotImplementedError("the fp8 forward takes PyTorch and CuPy arrays; other "
                                       "DLPack arrays do not export float8")
@@ -621,6 +684,8 @@ def check_cache(q, kc, vc, kn, vn, table, idx, head_dim_v=None):
         if kn.shape[1] > capacity:
             raise ValueError(f"k has {kn.shape[1]} new tokens but the cache holds at most "
                              f"{capacity} per sequence")
+        check_rows_apart(kc, "k_cache")
+        check_rows_apart(vc, "v_cache")
     return paged, capacity, cache_rows, aligned
 
 
@@ -650,8 +715,22 @@ def check_rotary(cos, sin, q, d, capacity):
     return rotary_dim, seqlen_ro
 
 
-def check_cache_values(plan, seqlens, leftpad, table):
-    """check_inputs=True: the device values, read once (a sync)."""
+def check_cache_values(plan, seqlens, leftpad, table, batch_idx=None, cache_rows=0):
+    """check_inputs=True: the device values, read once (a sync). batch_idx: the
+    cache_batch_idx view, whose entries must name cache rows (cache_rows of them), each
+    once where the call appends (two sequences would write one row)."""
+    if batch_idx is not None:
+        rows = _interop.to_numpy(batch_idx)
+        bad = (rows < 0) | (rows >= cache_rows)
+        if bad.any():
+            b = int(bad.argmax())
+            raise ValueError(f"cache_batch_idx[{b}] = {int(rows[b])} is not a row of the cache "
+                             f"(0 to {cache_rows - 1})")
+        if plan.seqlen_new and len(np.unique(rows)) < len(rows):
+            _, first, counts = np.unique(rows, return_index=True, return_counts=True)
+            row = int(rows[first[counts > 1][0]])
+            raise ValueError(f"cache_batch_idx names cache row {row} more than once, and the "
+                             "call appends k and v: two sequences would write one row")
     lens = _interop.to_numpy(seqlens) if seqlens is not None else None
     if lens is not None:
         bad = (lens < 0) | (lens + plan.seqlen_new > plan.capacity)
@@ -761,8 +840,13 @@ def check_sdpa(a, enable_gqa):
 
 
 def check_num_splits(num_splits):
-    """num_splits as a Python int >= 0 (any integer as_index takes)."""
-    return as_index(num_splits, "num_splits", 0, "an int >= 0 (0 = chosen from the shapes)")
+    """num_splits as a Python int from 0 to _compile.MAX_SPLITS (any integer as_index
+    takes)."""
+    expected = f"an int from 0 to {_compile.MAX_SPLITS} (0 = chosen from the shapes)"
+    num_splits = as_index(num_splits, "num_splits", 0, expected)
+    if num_splits > _compile.MAX_SPLITS:
+        raise ValueError(f"num_splits must be {expected}; got {num_splits}")
+    return num_splits
 
 
 def check_mla(a):

@@ -21,22 +21,27 @@ def with_kvcache(arrays, *, cache_seqlen, softmax_scale, causal, window_size, so
     or, under jax.jit, the output buffer's view); cache_seqlen: the int form of
     cache_seqlens, or None; lse_out, stream, scratch: as in _fwd_plan.dense (jax.jit)."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
-    if type(num_splits) is not int or num_splits < 0:  # (one test on the usual call)
-        check_num_splits(num_splits)
+    if type(num_splits) is not int or num_splits < 0:  # (one test on the usual call; the
+        check_num_splits(num_splits)                    # most is checked with a new plan)
     want_lse = return_lse or lse_out is not None
     options = (window, scale, softcap, rotary_interleaved, num_splits, cache_seqlen, want_lse)
     entries, ptrs = _interop.signature(arrays, ARRAYS)
+    if ptrs[3] and ptrs[1] == ptrs[2]:  # (addresses are not in a plan's key: checked each call)
+        raise ValueError("k_cache and v_cache are one array, and the call writes k and v into "
+                         "them: pass a cache for each")
     key = ("kvcache", options) + entries
     plan = plans.get(key)
     views = None
     if plan is None or check_inputs:
         views = _arrays.KvCache._make(_interop.views(arrays, ARRAYS, entries, ptrs, 3))
     if plan is None:
+        check_num_splits(num_splits)  # (num_splits is in the key: a new one is checked here)
         plan = remember(key, plan_kvcache(
             views, arrays[-1], cache_seqlen, window=window, scale=scale, softcap=softcap,
             interleaved=rotary_interleaved, num_splits=num_splits, want_lse=want_lse))
     if check_inputs:
-        check_cache_values(plan, views.cache_seqlens, views.cache_leftpad, views.block_table)
+        check_cache_values(plan, views.cache_seqlens, views.cache_leftpad, views.block_table,
+                           views.cache_batch_idx, views.k_cache.shape[0])
     return _run(plan, ptrs, arrays[0], arrays[-1], lse_out, stream, scratch)
 
 

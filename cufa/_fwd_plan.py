@@ -95,9 +95,10 @@ def packed(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_t
 def check_packed_values(a):
     """check_cu_seqlens=True's reads of a packed batch's views (a: an _arrays.Packed):
     cu_seqlens, seqused_k and page ids against the rows and pages (one device sync)."""
+    paged = a.block_table is not None
     check_cu_values(a.cu_seqlens_q, "cu_seqlens_q", a.q.shape[0], a.cu_seqlens_k,
-                    "cu_seqlens_k", a.k.shape[0] if a.block_table is None else None,
-                    a.seqused_k)
+                    "cu_seqlens_k", None if paged else a.k.shape[0], a.seqused_k,
+                    a.block_table.shape[1] * a.k.shape[1] if paged else None)
     if a.block_table is not None:
         check_page_ids(a.block_table, a.k.shape[0])
 

@@ -71,11 +71,21 @@ def know_torch(torch):
     _torch_contiguous = torch.contiguous_format
 
 
-def _cupy_view(x, obj, framework):
+def _cupy_view(x, obj, framework, name):
     itemsize = x.dtype.itemsize
+    check_element_aligned(x.data.ptr, x.strides, x.shape, itemsize, name)
     return DeviceArray(obj, framework, x.data.ptr, tuple(x.shape),
                        tuple(s // itemsize for s in x.strides), x.dtype.name, x.device.id,
                        itemsize)
+
+
+def check_element_aligned(ptr, byte_strides, shape, itemsize, name):
+    """A CuPy or DLPack array may start, or step, at any byte (a byte offset); the kernels
+    read whole elements, and one off its element size would fault at launch."""
+    if ptr % itemsize or any(s % itemsize for s, n in zip(byte_strides, shape) if n > 1):
+        raise ValueError(f"{name} starts or steps off its {itemsize}-byte elements (address "
+                         f"{ptr:#x}, byte strides {tuple(byte_strides)}); pass an array "
+                         "aligned to its element size")
 
 
 def detached(x):
@@ -96,7 +106,7 @@ def as_device_array(x, name):
     if module == "cupy":
         global _cupy_array
         _cupy_array = sys.modules["cupy"].ndarray
-        return _cupy_view(x, x, "cupy")
+        return _cupy_view(x, x, "cupy", name)
     if is_jax(x) and _is_jax_tracer(x):
         raise TypeError(f"{name} is a JAX tracer, which this cufa function cannot take (the "
                         "attention functions can: inside jax.jit they run as XLA callbacks); "
@@ -110,7 +120,7 @@ def as_device_array(x, name):
         raise TypeError(f"cufa needs CUDA device arrays; got a {device} ({_framework_name(x)}) "
                         f"array for {name}")
     import cupy
-    return _cupy_view(cupy.from_dlpack(x), x, "dlpack")
+    return _cupy_view(cupy.from_dlpack(x), x, "dlpack", name)
 
 
 def device_scalar(x):
@@ -207,6 +217,7 @@ def views(arrays, names, entries, addresses, required):
         elif kind is _cupy_array and _read_off_cupy(entry):
             _, shape, strides, dtype, device, _ = entry
             itemsize = dtype.itemsize
+            check_element_aligned(ptr, strides, shape, itemsize, names[i])
             out.append(DeviceArray(x, "cupy", ptr, shape, tuple(s // itemsize for s in strides),
                                    dtype.name, device, itemsize))
             continue

@@ -6,7 +6,7 @@ import sys
 
 from . import (_arrays, _bwd_plan, _compile, _decode_plan, _fwd_plan, _interop, _jax,
                _runtime, _torch_ops)
-from ._checks import (FP8_CACHE, NO_WINDOW, as_index, check_descale_dtype_and_shape,
+from ._checks import (FP8_CACHE, NO_WINDOW, as_index, check_descale_dtype_and_shape, check_flag,
                       check_num_splits, reject_unsupported, sink_without_grad, window_ints)
 from ._decode_plan import merge, with_kvcache
 from ._fwd_plan import dense, packed, sdpa
@@ -236,7 +236,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Free checks (no device sync): dtype, shape and device of cu_seqlens and seqused_k.
     check_cu_seqlens=True also reads the values (one device-to-host copy, a sync): first
-    0, non-decreasing, last equal to the rows, seqused_k within the key lengths. Without
+    0, non-decreasing, last equal to the rows, seqused_k within the key lengths, and with
+    block_table each sequence's keys within its row of pages. Without
     it, malformed values cannot make the kernel read or write outside the tensors, but
     the result is undefined.
 
@@ -248,15 +249,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs
+    if not (type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and max_seqlen_q >= 0 <= max_seqlen_k):  # (as_index: other integers, or the error)
+        max_seqlen_q, max_seqlen_k = (as_index(m, n, 0, "an int >= 0") for m, n in (
+            (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
     if q_descale is not None:
         return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
                            alibi_slopes, learnable_sink, return_attn_probs, return_lse, out,
                            q_descale, k_descale, v_descale, check_cu_seqlens,
                            softmax_scale=softmax_scale, causal=causal, window_size=window_size)
-    if not (type(max_seqlen_q) is int and type(max_seqlen_k) is int
-            and max_seqlen_q >= 0 <= max_seqlen_k):  # (as_index: other integers, or the error)
-        max_seqlen_q, max_seqlen_k = (as_index(m, n, 0, "an int >= 0") for m, n in (
-            (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
     if learnable_sink is not None:
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
     grad = _records_grad(q, k, v, learnable_sink)
@@ -466,11 +467,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     num_splits: 0 picks a split of the keys from the shapes alone (never from device
     values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
-    splits into n (at most 128); learnable_sink (nheads,), as in flash_attn_func, enters
+    splits into n (at most 128: more raises); learnable_sink (nheads,), as in flash_attn_func, enters
     each row once, in the merge of the splits. Returns out (batch, seqlen_q, nheads,
     headdim), and with return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q).
     check_inputs=True reads the device values first (one sync) and raises for page ids
-    outside the cache, lengths past its capacity and leftpads past the lengths; without it
+    outside the cache, lengths past its capacity, leftpads past the lengths and
+    cache_batch_idx rows outside the cache (or, with an append, named twice); without it
     such values are clamped in the kernels, so they never read or write outside the arrays.
 
     An fp8 cache: k_cache and v_cache in float8_e4m3fn (PyTorch's, JAX's, or CuPy arrays
@@ -497,8 +499,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (batch, seqlen_q, nheads, 512) the absorbed queries, q (..., 64) the rotary ones,
     k_cache the keys' rotary rows k_pe (64) and v_cache their latent rows c_kv (512), which
     are also the values; the new k and v likewise. Scores are qv . c_kv + q . k_pe (default
-    scale 1 / sqrt(576)); out is (batch, seqlen_q, nheads, 512). Not with softcap, ALiBi, a
-    learnable sink or an fp8 cache (docs/api.md).
+    scale 1 / sqrt(576)); out is (batch, seqlen_q, nheads, 512). Not with softcap, ALiBi or
+    a learnable sink; an fp8 cache takes k_descale and v_descale as above (docs/api.md).
 
     JAX arrays (eager or under jax.jit): with k and v, the call also returns the caches
     after the append, (out, [lse,] k_cache, v_cache), since JAX arrays are immutable.
@@ -514,6 +516,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_seqlens, "cache_seqlens", 0, "an int >= 0 or an int32 (batch,) array")), None
     if type(num_splits) is not int:
         num_splits = check_num_splits(num_splits)
+    interleaved = (rotary_interleaved if type(rotary_interleaved) is bool
+                   else check_flag(rotary_interleaved, "rotary_interleaved"))
     if q_descale is not None or getattr(q, "itemsize", 0) == 1:  # (an fp8 q: as 16-bit)
         q = _fp8_query(q, q_descale, k_cache, v_cache, k, v, qv, out)
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -527,7 +531,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                *window_ints(window_size), softcap, bool(rotary_interleaved), alibi_slopes,
+                *window_ints(window_size), softcap, interleaved, alibi_slopes,
                 num_splits, learnable_sink, k_descale, v_descale, qv)
             return (o, lse) if return_softmax_lse else o
         # (JAX arrays go through XLA's buffers when they are traced, when the call writes
@@ -540,7 +544,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  "jax.jit there are no device values to read")
             options = dict(cache_seqlen=fixed, softmax_scale=softmax_scale, causal=causal,
                            window_size=window_ints(window_size), softcap=softcap,
-                           rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits)
+                           rotary_interleaved=interleaved, num_splits=num_splits)
             o, lse, *caches = _jax.call("flash_attn_with_kvcache",
                                         dict(zip(_decode_plan.ARRAYS, arrays)), options,
                                         out=out)
@@ -548,7 +552,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 (o, lse) if return_softmax_lse else o)
     return with_kvcache(arrays + (out,), cache_seqlen=fixed, softmax_scale=softmax_scale,
                         causal=causal, window_size=window_size, softcap=softcap,
-                        rotary_interleaved=bool(rotary_interleaved), num_splits=num_splits,
+                        rotary_interleaved=interleaved, num_splits=num_splits,
                         return_lse=bool(return_softmax_lse), check_inputs=check_inputs)
 
 

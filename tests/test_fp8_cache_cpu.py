@@ -28,7 +28,9 @@ def call(q=None, cache=None, v_cache=None, **kw):
     q = q if q is not None else arr((2, 1, 8, 128))
     cache = cache if cache is not None else arr((2, 256, 2, 128), "float8_e4m3fn")
     kw.setdefault("cache_seqlens", arr((2,), "int32"))
-    return q, cache, (v_cache if v_cache is not None else cache), kw
+    if v_cache is None:  # (another array: the append would write k and v into one)
+        v_cache = arr(cache.shape, cache.dtype, cache.strides, ptr=cache.ptr + (1 << 32))
+    return q, cache, v_cache, kw
 
 
 def test_fp8_cache_takes_the_e4m3_decode_variant(planner):  # noqa: F811

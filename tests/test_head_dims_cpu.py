@@ -206,7 +206,8 @@ def test_unaligned_kvcache_takes_the_element_wise_decode_and_combine(compiled, m
     new, lens = view((batch, 1, hk, d)), view((batch,), "int32")
     cos = view((4096, 8))
     compiled.clear()
-    cufa.flash_attn_with_kvcache(q, cache, cache, new, new, rotary_cos=cos, rotary_sin=cos,
+    cufa.flash_attn_with_kvcache(q, cache, view(cache.shape), new, new, rotary_cos=cos,
+                                 rotary_sin=cos,
                                  cache_seqlens=lens, num_splits=4, causal=True)
     plan = _kv_plan()
     kinds = [e[0] for e in plan.launches]

@@ -125,11 +125,15 @@ def test_the_four_cta_shape_where_it_runs_unsplit(planner, d, batch, heads_k, se
     assert [e for e in plan.launches if e[0] == "decode"][0][4] != more.smem_bytes
 
 
-def test_num_splits_argument_is_obeyed_and_capped(planner):
+def test_num_splits_argument_is_obeyed_up_to_its_most(planner):
     q, cache = arr((2, 1, 8, 64)), arr((2, 4096, 8, 64))
     assert record(planner(q, cache, cache, num_splits=1))["num_splits"] == 1
     assert record(planner(q, cache, cache, num_splits=7))["num_splits"] == 7
-    assert record(planner(q, cache, cache, num_splits=1000))["num_splits"] == _compile.MAX_SPLITS
+    most = _compile.MAX_SPLITS
+    assert record(planner(q, cache, cache, num_splits=most))["num_splits"] == most
+    for n in (most + 1, 1000, np.int64(2 ** 40)):  # (once capped, silently)
+        with pytest.raises(ValueError, match=f"num_splits must be an int from 0 to {most}"):
+            planner(q, cache, cache, num_splits=n)
 
 
 def test_gqa_rows_and_query_blocks(planner):
@@ -234,7 +238,8 @@ def test_append_and_rotary_plan_the_append_kernel_and_a_rotated_q(planner):
     q, cache = arr((b, sq, h, d)), arr((b, 300, hk, d))
     new = arr((b, 2, hk, d))
     cos = arr((300, 32))
-    plan = planner(q, cache, cache, new, new, rotary_cos=cos, rotary_sin=cos,
+    plan = planner(q, cache, arr(cache.shape, ptr=0x7f4000000000), new, new, rotary_cos=cos,
+                   rotary_sin=cos,
                    cache_seqlens=arr((b,), "int32"), causal=True, num_splits=3)
     assert [e[0] for e in plan.launches] == ["append", "decode", "combine"]
     rows = b * 2 * hk + b * sq * h

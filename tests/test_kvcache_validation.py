@@ -10,8 +10,8 @@ B, SQ, H, HK, D, CAP = 2, 1, 8, 2, 64, 128
 PAGE, PAGES = 16, 20
 
 q0 = arr((B, SQ, H, D))
-cache0 = arr((B, CAP, HK, D))
-pages0 = arr((PAGES, PAGE, HK, D))
+cache0, v_cache0 = arr((B, CAP, HK, D)), arr((B, CAP, HK, D), ptr=0x7f4000000000)
+pages0, v_pages0 = arr((PAGES, PAGE, HK, D)), arr((PAGES, PAGE, HK, D), ptr=0x7f4000000000)
 table0 = arr((B, CAP // PAGE), "int32")
 lens0 = arr((B,), "int32")
 new0 = arr((B, 3, HK, D))
@@ -19,13 +19,14 @@ cos0 = arr((CAP, 16))
 
 
 def contiguous(**changes):
-    kw = dict(q=q0, k_cache=cache0, v_cache=cache0, cache_seqlens=lens0)
+    kw = dict(q=q0, k_cache=cache0, v_cache=v_cache0, cache_seqlens=lens0)
     kw.update(changes)
     return kw
 
 
 def paged(**changes):
-    kw = dict(q=q0, k_cache=pages0, v_cache=pages0, cache_seqlens=lens0, block_table=table0)
+    kw = dict(q=q0, k_cache=pages0, v_cache=v_pages0, cache_seqlens=lens0,
+              block_table=table0)
     kw.update(changes)
     return kw
 
@@ -104,6 +105,22 @@ KVCACHE_CASES = [
     ("alibi shape", contiguous(alibi_slopes=arr((H + 1,), "float32")), ValueError,
      "alibi_slopes.*shape"),
     ("out shape", contiguous(out=arr((B, SQ, H, 32))), ValueError, "out.*shape"),
+    ("num_splits past the merge's", contiguous(num_splits=129), ValueError,
+     "num_splits must be an int from 0 to 128"),
+    ("rotary_interleaved a string", contiguous(rotary_cos=cos0, rotary_sin=cos0,
+                                               rotary_interleaved="no"), TypeError,
+     "rotary_interleaved must be a bool"),
+    # an append into a cache whose rows share memory, or into one array for k and v
+    ("k_cache expanded", contiguous(k_cache=arr((B, CAP, HK, D), strides=(0, HK * D, D, 1)),
+                                    k=new0, v=new0), ValueError,
+     "k_cache is written, and its elements share memory"),
+    ("v_cache heads overlap", paged(v_cache=arr((PAGES, PAGE, HK, D),
+                                                               strides=(PAGE * D, D, 32, 1),
+                                                               ptr=0x7f5000000000),
+                                    k=new0, v=new0), ValueError,
+     "v_cache is written, and its elements share memory"),
+    ("one array for k_cache and v_cache", contiguous(v_cache=cache0, k=new0, v=new0),
+     ValueError, "k_cache and v_cache are one array"),
 ]
 
 

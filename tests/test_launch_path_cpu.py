@@ -322,16 +322,16 @@ def test_sdpa_mask_address(device):
 
 
 def test_kvcache_addresses(device):
-    q, cache = view((4, 1, 8, 128)), view((4, 1024, 2, 128))
+    q, cache, v_cache = view((4, 1, 8, 128)), view((4, 1024, 2, 128)), view((4, 1024, 2, 128))
     lens = view((4,), "int32")
-    k_new = view((4, 1, 2, 128))
-    o = cufa.flash_attn_with_kvcache(q, cache, cache, k_new, k_new, cache_seqlens=lens,
+    k_new, v_new = view((4, 1, 2, 128)), view((4, 1, 2, 128))
+    o = cufa.flash_attn_with_kvcache(q, cache, v_cache, k_new, v_new, cache_seqlens=lens,
                                      num_splits=1)
     append, decode = device.launches
     r = record(decode, _params.DECODE)
-    assert (r["q"], r["k"], r["v"], r["cache_seqlens"]) == (q.ptr, cache.ptr, cache.ptr,
+    assert (r["q"], r["k"], r["v"], r["cache_seqlens"]) == (q.ptr, cache.ptr, v_cache.ptr,
                                                            lens.ptr)
-    assert (r["k_new"], r["v_new"]) == (k_new.ptr, k_new.ptr)
+    assert (r["k_new"], r["v_new"]) == (k_new.ptr, v_new.ptr)
     assert r["o"] == int(o.split("@")[1], 16) and r["lse"] == 0
 
 
@@ -443,7 +443,8 @@ def test_kvcache_append_without_query_rows_launches_the_append_alone(device):
     new keys all the same)."""
     q, cache, new = view((1, 0, 8, 64)), view((1, 1024, 2, 64)), view((1, 1, 2, 64))
     lens = view((1,), "int32")
-    cufa.flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=lens, num_splits=4)
+    cufa.flash_attn_with_kvcache(q, cache, view(cache.shape), new, new, cache_seqlens=lens,
+                                 num_splits=4)
     (append,) = device.launches
     assert record(append, _params.DECODE)["k_new"] == new.ptr
 

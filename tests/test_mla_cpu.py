@@ -49,7 +49,7 @@ def mla_args(batch=4, sq=1, heads=128, keys=4096, paged=None):
     """q, k_cache (k_pe), v_cache (c_kv), qv and cache_seqlens of a DeepSeek-shaped step."""
     q, qv = bf((batch, sq, heads, ROPE)), bf((batch, sq, heads, LATENT), ptr=0x7f1000000000)
     rows = (batch * keys // paged, paged) if paged else (batch, keys)
-    k_pe, c_kv = bf(rows + (1, ROPE)), bf(rows + (1, LATENT))
+    k_pe, c_kv = bf(rows + (1, ROPE)), bf(rows + (1, LATENT), ptr=0x7f3000000000)
     return q, k_pe, c_kv, qv, arr((batch,), "int32")
 
 
@@ -177,7 +177,8 @@ def test_mla_over_an_fp8_cache(planner, encoded):
     boxes of 128 values), the descales' strides in the record, and an append that
     quantizes k into k_cache's 64 dims and v into v_cache's 512."""
     q, _, _, qv, lens = mla_args(batch=4, heads=128, paged=64)
-    k_pe, c_kv = e4m3((4 * 4096 // 64, 64, 1, ROPE)), e4m3((4 * 4096 // 64, 64, 1, LATENT))
+    k_pe, c_kv = (e4m3((4 * 4096 // 64, 64, 1, ROPE)),
+                 e4m3((4 * 4096 // 64, 64, 1, LATENT), ptr=0x7f3000000000))
     descale = fp8_arr((4, 1), "float32", ptr=0x7f2000000000)
     table = arr((4, 4096 // 64), "int32")
     k_new, v_new = bf((4, 1, 1, ROPE)), bf((4, 1, 1, LATENT))

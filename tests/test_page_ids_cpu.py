@@ -76,3 +76,47 @@ def test_page_ids_outside_the_cache_are_refused_when_checked(launched, call, che
     for table, _ in BAD:  # unchecked: launched, the ids clamped on the device
         call(table)
     assert len(launched) == 1 + len(BAD)
+
+
+def test_paged_sequences_longer_than_their_table_rows_are_refused_when_checked(launched):
+    """A sequence's keys (cu_seqlens_k's length, or seqused_k) must fit its row of
+    block_table: 3 pages of 16 hold 48 keys. The kernels would clamp the page index and
+    read another page's keys."""
+    q, pages = view(shape=(10, 4, D)), view(shape=(PAGES, PAGE, HK, D))
+
+    def call(cu_k, **kw):
+        return cufa.flash_attn_varlen_func(q, pages, pages, view([0, 4, 10]), view(cu_k), 6, 60,
+                                           block_table=view(GOOD), check_cu_seqlens=True, **kw)
+    with pytest.raises(ValueError, match=r"key sequence 1 has 49 keys \(cu_seqlens_k\), more "
+                                         r"than the 48"):
+        call([0, 20, 69])
+    with pytest.raises(ValueError, match=r"key sequence 0 has 49 keys \(seqused_k\)"):
+        call([0, 60, 69], seqused_k=view([49, 5]))
+    assert launched == []
+    call([0, 48, 96])
+    call([0, 60, 69], seqused_k=view([48, 5]))
+    assert launched == ["varlen", "varlen"]
+
+
+def test_cache_batch_idx_outside_the_cache_or_twice_with_an_append_is_refused_when_checked(
+        launched):
+    """cache_batch_idx's entries must name rows of the cache (3 here), and where the call
+    appends, each row once: two sequences would write one row."""
+    q, cache = view(shape=(2, 1, 8, D)), view(shape=(3, 64, HK, D))
+    v_cache, new = view(shape=(3, 64, HK, D)), view(shape=(2, 1, HK, D))
+
+    def call(rows, append=False):
+        extra = dict(k=new, v=new) if append else {}
+        return cufa.flash_attn_with_kvcache(q, cache, v_cache, cache_seqlens=view([10, 20]),
+                                            cache_batch_idx=view(rows), check_inputs=True,
+                                            **extra)
+    for rows, entry in (([0, 3], r"cache_batch_idx\[1\] = 3 is not a row of the cache "
+                                 r"\(0 to 2\)"), ([-1, 0], r"cache_batch_idx\[0\] = -1")):
+        with pytest.raises(ValueError, match=entry):
+            call(rows)
+    with pytest.raises(ValueError, match="names cache row 2 more than once"):
+        call([2, 2], append=True)
+    assert launched == []
+    call([2, 2])  # (reading one row for two sequences is fine)
+    call([2, 0], append=True)
+    assert launched == ["kvcache", "kvcache"]

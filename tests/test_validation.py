@@ -77,6 +77,23 @@ FLASH_CASES = [
     ("v host numpy", (q0, k0, np.zeros((2, 47, 2, 64), np.float16)), {}, TypeError,
      "cufa needs CUDA device arrays; got a CPU (NumPy) array for v"),
     ("q a list", ([[1.0]], k0, v0), {}, TypeError, "q must be a CUDA array"),
+    # flags and numbers as flash-attn takes them, nothing that merely reads as true
+    ("causal a string", (q0, k0, v0), dict(causal="no"), TypeError, "causal must be a bool"),
+    ("causal 2", (q0, k0, v0), dict(causal=2), TypeError, "causal must be a bool"),
+    ("scale True", (q0, k0, v0), dict(softmax_scale=True), ValueError, "softmax_scale"),
+    ("scale a string", (q0, k0, v0), dict(softmax_scale="0.1"), ValueError, "softmax_scale"),
+    ("scale an array", (q0, k0, v0), dict(softmax_scale=np.ones(2)), ValueError,
+     "softmax_scale"),
+    ("scale a device scalar", (q0, k0, v0), dict(softmax_scale=arr((), "float32")), ValueError,
+     "softmax_scale must be a finite number"),
+    ("softcap True", (q0, k0, v0), dict(softcap=True), ValueError, "softcap"),
+    ("dropout a string", (q0, k0, v0), dict(dropout_p="0"), ValueError, "dropout_p"),
+    # out= whose elements share memory: each row would be written twice
+    ("out expanded", (q0, k0, v0), dict(out=arr((2, 33, 4, 64), strides=(33 * 256, 0, 64, 1))),
+     ValueError, "out is written, and its elements share memory"),
+    ("out rows overlap", (q0, k0, v0), dict(out=arr((2, 33, 4, 64),
+                                                    strides=(33 * 128, 128, 32, 1))),
+     ValueError, "out is written, and its elements share memory"),
 ]
 
 
@@ -248,6 +265,21 @@ def test_a_sink_that_requires_grad_is_refused_while_autograd_records(entry):
             SINK_CALLS[entry](sink)
 
 
+def test_host_numbers_of_any_kind_are_taken():
+    """softmax_scale, softcap and dropout_p as NumPy numbers or 0-d CPU arrays (1 /
+    np.sqrt(d) is a np.float64; np.float32 arithmetic gives np.float32), and flags as NumPy
+    bools or the ints 0 and 1: what they are worth, as Python floats and bools."""
+    for scale in (np.float32(0.125), np.float64(0.125), np.array(0.125), 1 / np.sqrt(64)):
+        assert _checks.check_scale(scale, "softmax_scale") == 0.125
+        assert type(_checks.check_scale(scale, "softmax_scale")) is float
+    assert _checks.check_softcap(np.float32(50)) == 50.0
+    _checks.reject_unsupported(np.float32(0))
+    for flag, want in ((np.bool_(True), True), (1, True), (0, False), (np.int32(1), True)):
+        assert _checks.check_flag(flag, "causal") is want
+    assert _checks.check_options(None, np.bool_(True), _checks.NO_WINDOW, 0.0) == (
+        _checks.check_options(None, True, _checks.NO_WINDOW, 0.0))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_options_skip_the_checks_but_mean_what_the_checked_ones_do(causal):
     default = _checks.check_options(None, causal, _checks.NO_WINDOW, 0.0)  # the fast path
@@ -262,3 +294,17 @@ def test_default_options_skip_the_checks_but_mean_what_the_checked_ones_do(causa
         _checks.check_options(None, causal, _checks.NO_WINDOW, -0.5)
     with pytest.raises(ValueError, match="softmax_scale"):
         _checks.check_options(0.0, causal, _checks.NO_WINDOW, 0.0)
+
+
+def test_arrays_off_their_element_size_are_refused():
+    """A CuPy or DLPack array can start or step at any byte; a kernel reading whole
+    elements there would fault at launch, so the view refuses it, naming the argument."""
+    from cufa import _interop
+    _interop.check_element_aligned(0x1000, (128, 2), (4, 64), 2, "q")
+    _interop.check_element_aligned(0x1001, (1,), (5,), 1, "k_cache")  # (bytes: any address)
+    _interop.check_element_aligned(0x1000, (6, 4), (1, 3), 4, "lens")  # (a dim of one: unused)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q starts or steps off its 4-byte "
+                                         r"elements \(address 0x1002"):
+        _interop.check_element_aligned(0x1002, (4,), (3,), 4, "cu_seqlens_q")
+    with pytest.raises(ValueError, match="q starts or steps off its 2-byte elements"):
+        _interop.check_element_aligned(0x1000, (129, 2), (4, 64), 2, "q")

@@ -125,7 +125,8 @@ def test_kvcache_calls_launch_two_ctas_a_unit(device, paged):  # noqa: F811
         kw = dict(block_table=table)
     else:
         cache, kw = view((batch, 512, 2, d)), {}
-    out, lse = cufa.flash_attn_with_kvcache(q, cache, cache, k_new, v_new, cache_seqlens=lens,
+    v_cache = view(cache.shape)
+    out, lse = cufa.flash_attn_with_kvcache(q, cache, v_cache, k_new, v_new, cache_seqlens=lens,
                                             causal=True, return_softmax_lse=True, **kw)
     append, decode, *combine = device.launches
     r = record(decode, _params.DECODE)
