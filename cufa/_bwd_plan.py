@@ -117,6 +117,24 @@ def _check_like(x, name, like, like_name):
     return check_loadable(x, name)
 
 
+def _check_grads_apart(grads, inputs):
+    """The caller's dq, dk, dv: none may name one element twice (check_rows_apart), nor be
+    an input or another gradient (one start address): the kernels read q, k, v, dout after
+    other launches have written gradients. (Arrays that interleave in one buffer, as a
+    packed dqkv's three parts do, start apart and pass.)"""
+    from ._checks import check_rows_apart
+    seen = {n: x for n, x in inputs.items() if x is not None and 0 not in x.shape}
+    for name, g in grads.items():
+        check_rows_apart(g, name)
+        if 0 in g.shape:
+            continue
+        for other, x in seen.items():
+            if x.ptr == g.ptr:
+                raise ValueError(f"{name} and {other} are one array (one address), and "
+                                 f"{name} is written: pass {name} an array of its own")
+        seen[name] = g
+
+
 def _check_lse(lse, shape, q, name="lse"):
     """lse (or its gradient, dlse): float32 in the forward's lse layout, contiguous."""
     if lse.dtype != "float32":
@@ -243,8 +261,12 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
                              f"{dsink.shape} {dsink.dtype}")
     for name, x, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if x is not None:
+            if _interop.is_jax(x):
+                raise TypeError(f"{name} is a JAX array, and JAX arrays are immutable; call "
+                                f"without {name}= to get a new one")
             grads[name] = _interop.as_device_array(x, name)
             aligned = _check_like(grads[name], name, like, like_name) and aligned
+    _check_grads_apart(grads, dict(q=q, k=k, v=v, out=o, dout=do, lse=lse_view, dlse=dlse))
     if not aligned:
         raise NotImplementedError(
             "the backward moves rows in 16-byte chunks: q, k, v, out, dout (and dq, dk, dv "

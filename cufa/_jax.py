@@ -450,7 +450,9 @@ def on_device(spec, ctx, outs, bufs):
         view.device = device
     for name, i in spec.aliases:  # the append writes into the updated cache's buffer
         views[name] = out_views[i]
-    scratch = None
+    # (none traced: (0, 0), so that a launch that needs some is refused, where None would
+    # give it cufa's own memory, which a command buffer XLA records would outlive)
+    scratch = (0, 0)
     if spec.scratch:
         buffer = out_views.pop()
         scratch = (buffer.ptr, buffer.shape[0])

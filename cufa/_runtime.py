@@ -142,6 +142,7 @@ def stream_capturing(stream):
 _stream_is_capturing = None
 
 
+_captured = []  # memory taken under a CuPy stream capture: held for the life of the process
 _tile_counters = {}  # (device, stream, thread) -> (address, bytes)
 _split_counters = {}
 _workspaces = {}
@@ -162,6 +163,11 @@ def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed, capturing
         owner, ptr = _interop.allocate(framework, (-(-nbytes // 4),), "int32", device, stream)
         if zeroed:
             cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
+        if framework != "torch":
+            # PyTorch takes it from the graph's private pool, which lives as the graph does;
+            # CuPy's pool knows no graphs, and would hand the memory to the next allocation
+            # once the call dropped it, while every replay still writes there
+            _captured.append(owner)
         return owner, ptr
     key = (device, stream, threading.get_ident() if stream <= 2 else 0)
     held = held_by.get(key)

@@ -81,6 +81,15 @@ def _deterministic(asked):
     return bool(asked) or torch.are_deterministic_algorithms_enabled()
 
 
+def _no_alibi_grad(needed):
+    """A gradient of the ALiBi slopes is asked for (they require grad): cufa computes none,
+    and a None would leave them silently untrained."""
+    if needed:
+        raise NotImplementedError("alibi_slopes requires grad, and cufa computes no gradient "
+                                  "for the ALiBi slopes: pass alibi_slopes.detach() (slopes "
+                                  "are fixed in ALiBi)")
+
+
 def _backward(run, dout, q, k, v, out, lse, scale, dlse):
     """run((dout, q, k, v, out, lse), scale, dlse) (a _bwd_plan entry with the call's other
     arguments bound) on tensors the kernels take, and the op's outputs: (dq, dk, dv (cut
@@ -171,6 +180,7 @@ def _register():
         ctx.deterministic = bool(deterministic and deterministic[0])
 
     def dense_backward(ctx, dout, dlse):
+        _no_alibi_grad(ctx.needs_input_grad[8])
         q, k, v, out, lse, alibi, sink = ctx.saved_tensors
         dq, dk, dv, dsink = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink,
                                            dlse, ctx.deterministic)
@@ -191,6 +201,7 @@ def _register():
         if ctx.paged:
             raise NotImplementedError("flash_attn_varlen_func over a paged or fp8 cache has no "
                                       "backward pass")
+        _no_alibi_grad(ctx.needs_input_grad[12])
         q, k, v, out, lse, cu_q, cu_k, alibi, used, sink = ctx.saved_tensors
         dq, dk, dv, dsink = flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k,
                                                   *ctx.options, alibi, used, sink, dlse,

@@ -83,7 +83,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal,
                                                  *window_ints(window_size), softcap,
                                                  alibi_slopes, learnable_sink,
-                                                 bool(deterministic))
+                                                 check_flag(deterministic, "deterministic"))
             return _returned(o, lse, return_lse, return_attn_probs)
         if _jax.tracing(q, k, v, alibi_slopes, learnable_sink):
             o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v,
@@ -91,7 +91,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                                         learnable_sink=learnable_sink),
                                 dict(softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_ints(window_size), softcap=softcap,
-                                     deterministic=bool(deterministic)),
+                                     deterministic=check_flag(deterministic, "deterministic")),
                                 out=out, lse=return_lse)
             return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
     # (eager calls only, so torch.compile traces none of it; a 1-byte q's alone reads its
@@ -286,7 +286,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             o, lse = _torch_ops.op("flash_attn_varlen")(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 causal, *window_ints(window_size), softcap, alibi_slopes, seqused_k, block_table,
-                learnable_sink, k_descale, v_descale, bool(deterministic))
+                learnable_sink, k_descale, v_descale, check_flag(deterministic, "deterministic"))
             return _returned(o, lse, return_lse, return_attn_probs)
         arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
@@ -301,7 +301,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                  "cache) does not have; check them outside it")
             o, *lse = _jax.call("flash_attn_varlen_func", arrays, dict(
                 softmax_scale=softmax_scale, causal=causal, window_size=window_ints(window_size),
-                softcap=softcap, deterministic=bool(deterministic)), out=out, lse=return_lse)
+                softcap=softcap, deterministic=check_flag(deterministic, "deterministic")),
+                out=out, lse=return_lse)
             return _returned(o, lse[0] if lse else None, return_lse, return_attn_probs)
     if getattr(q, "itemsize", 0) == 1 and "float8" in str(q.dtype):  # (as flash_attn_func's)
         return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
@@ -342,7 +343,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     dq, dk, dv, dsink = _bwd_plan.dense(
         dout, q, k, v, out, lse, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
         dq=dq, dk=dk, dv=dv, dlse=dlse, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, softcap=softcap, deterministic=bool(deterministic))
+        window_size=window_size, softcap=softcap,
+        deterministic=check_flag(deterministic, "deterministic"))
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
@@ -355,13 +357,16 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     total_q)). Keys past seqused_k[b] get zero gradients. max_seqlen_q / max_seqlen_k are
     accepted for compatibility (the work lists are built on the GPU from cu_seqlens). A
     paged cache (block_table) has no backward."""
+    for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
+        if type(m) is not int or m < 0:
+            as_index(m, n, 0, "an int >= 0")
     dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse = map(
         _interop.detached, (dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse))
     dq, dk, dv, dsink = _bwd_plan.packed(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k,
         alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dq=dq, dk=dk, dv=dv,
         dlse=dlse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, deterministic=bool(deterministic))
+        softcap=softcap, deterministic=check_flag(deterministic, "deterministic"))
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
@@ -528,6 +533,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if out is not None or check_inputs:
                 raise NotImplementedError("out= and check_inputs=True are not supported "
                                           "inside torch.compile")
+            for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (k, "k"),
+                            (v, "v"), (qv, "qv")):
+                if getattr(x, "requires_grad", False) and _torch_ops.grad_mode():
+                    raise NotImplementedError(
+                        f"{name} requires grad, but flash_attn_with_kvcache is inference "
+                        f"only (no backward pass): pass {name}.detach() or call under "
+                        "torch.no_grad()")
             o, lse = _torch_ops.op("kvcache_append" if k is not None else "kvcache")(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, fixed,
                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,

@@ -43,6 +43,16 @@ CASES = [
      NotImplementedError, "16-byte chunks"),
     ("k dtype", dict(k=arr((2, 47, 2, 64), "bfloat16")), TypeError, "k has dtype bfloat16"),
     ("no out", dict(out=None), ValueError, "out, the forward's output"),
+    # gradients written where they would be read, or twice into one element
+    ("dq is q", dict(dq=arr((2, 33, 4, 64), ptr=0x1000)), ValueError, "dq and q are one array"),
+    ("dq is dout", dict(dq=arr((2, 33, 4, 64), ptr=0x5000)), ValueError,
+     "dq and dout are one array"),
+    ("dk is dv", dict(dk=arr((2, 47, 2, 64), ptr=0x8000), dv=arr((2, 47, 2, 64), ptr=0x8000)),
+     ValueError, "dv and dk are one array"),
+    ("dq expanded", dict(dq=arr((2, 33, 4, 64), strides=(0, 0, 64, 1), ptr=0x9000)), ValueError,
+     "dq is written, and its elements share memory"),
+    ("dk rows overlap", dict(dk=arr((2, 47, 2, 64), strides=(47 * 32, 32, 16, 1), ptr=0x9000)),
+     ValueError, "dk is written, and its elements share memory"),
 ]
 
 
@@ -53,6 +63,28 @@ def test_bad_input_names_the_argument(name, change, error, message):
     kw = {n: args.pop(n) for n in ("dq", "dk", "dv") if n in args}
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         cufa.flash_attn_backward(*args.values(), **kw)
+
+
+def test_a_packed_dqkv_passes_and_flags_are_bools(monkeypatch):
+    """dq, dk, dv as the three parts of one (b, s, 3, h, d) buffer start apart and pass (the
+    kernels never write one part's elements through another); deterministic is a flag."""
+    Recorder(monkeypatch)
+    dout, q, k, v, out, lse = dense_args(sk=33, hk=4)
+    row = 3 * 4 * 64  # (the dqkv buffer's row: three parts of 4 heads x 64)
+    dq, dk, dv = (arr((2, 33, 4, 64), strides=(33 * row, row, 64, 1), ptr=0x10000 + 128 * i)
+                  for i in range(3))
+    cufa.flash_attn_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cufa.flash_attn_backward(dout, q, k, v, out, lse, deterministic="no")
+
+
+def test_varlen_backward_checks_max_seqlen():
+    dout, q, k, v, out, _ = (x for x in dense_args(b=1))
+    q, k, v, out, dout = (arr(x.shape[1:], ptr=x.ptr) for x in (q, k, v, out, dout))
+    for bad in (None, -5, "junk"):
+        with pytest.raises(ValueError, match="max_seqlen_q must be an int >= 0"):
+            cufa.flash_attn_varlen_backward(dout, q, k, v, out, arr((4, 33), "float32"),
+                                            arr((2,), "int32"), arr((2,), "int32"), bad, 47)
 
 
 def test_varlen_bad_cu_seqlens():
@@ -773,3 +805,40 @@ def test_dq_blocks_of_a_packed_batch_fit_its_sums_and_are_found_again():
             q0 = 64 * (block - first_block(lo))
             found = (lo, q0 // 64) if 0 <= q0 < lens[lo] else None
             assert found == owner.get(block), (lens, block)
+
+
+def test_alibi_slopes_that_require_grad_are_refused_at_backward(monkeypatch):
+    """cufa computes no gradient for the ALiBi slopes: where autograd asks for one, the
+    backward says so rather than leaving the slopes untrained (a forward that never runs
+    its backward, inference under grad mode, still works)."""
+    torch = pytest.importorskip("torch")
+    from cufa import _fwd_plan, _torch_ops
+    _torch_ops.register_if_torch_loaded()
+    monkeypatch.setattr(_fwd_plan, "dense", lambda q, k, v, *a, **kw: (
+        torch.ones_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    q = torch.ones(1, 4, 2, 8, requires_grad=True)
+    slopes = torch.ones(2, requires_grad=True)
+    out, _ = torch.ops.cufa.flash_attn(q, q, q, None, False, -1, -1, 0.0, slopes, None)
+    with pytest.raises(NotImplementedError, match="alibi_slopes requires grad"):
+        out.sum().backward()
+
+
+def test_a_jax_array_is_not_written_as_a_gradient():
+    jnp = pytest.importorskip("jax.numpy")
+    dout, q, k, v, out, lse = dense_args()
+    with pytest.raises(TypeError, match="dq is a JAX array, and JAX arrays are immutable"):
+        cufa.flash_attn_backward(dout, q, k, v, out, lse,
+                                 dq=jnp.zeros((2, 33, 4, 64), jnp.float16))
+
+
+def test_kvcache_is_inference_only_under_torch_compile_too(monkeypatch):
+    """Eagerly a q that requires grad is refused by the view; while torch.compile traces
+    (no views), the same refusal comes before the op is traced."""
+    torch = pytest.importorskip("torch")
+    from cufa import _torch_ops
+    monkeypatch.setattr(_torch_ops, "compiling", lambda q: True)
+    q = torch.ones(1, 1, 4, 64, dtype=torch.float16, requires_grad=True)
+    cache = torch.ones(1, 16, 2, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="q requires grad, but flash_attn_with_kvcache "
+                                                  "is inference only"):
+        cufa.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4)

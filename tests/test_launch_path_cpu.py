@@ -17,7 +17,7 @@ class _Device:
 
     def __init__(self):
         self.launches, self.allocations, self.next = [], [], 1 << 20
-        self.capturing = False
+        self.capturing, self.memsets = False, []
 
     def allocate(self, framework, shape, dtype, device, stream, like=None):
         self.allocations.append((shape, dtype))
@@ -44,15 +44,22 @@ class _Stream:
 @pytest.fixture
 def device(monkeypatch):
     fake = _Device()
+
+    def stream_memory(address):  # (as _runtime._stream_buffer: no jax.jit replay of it)
+        def taken(*args, **kw):
+            _runtime.recording.replayable = False
+            return None, address
+        return taken
     for name, stand_in in (
             ("caller_stream", _Stream), ("driver_launch", fake.launch),
-            ("stream_tile_counter", lambda framework, device, stream: (None, _COUNTERS)),
-            ("stream_workspace",
-             lambda framework, device, stream, nbytes, capturing=None: (None, _WORKSPACE)),
-            ("stream_split_counters",
-             lambda framework, device, stream, nbytes: (None, _SPLIT_COUNTERS)),
+            ("stream_tile_counter", stream_memory(_COUNTERS)),
+            ("stream_workspace", stream_memory(_WORKSPACE)),
+            ("stream_split_counters", stream_memory(_SPLIT_COUNTERS)),
             ("stream_capturing", lambda stream: fake.capturing)):
         _patch_launchers(monkeypatch, name, stand_in)
+    import cupy  # (XLA scratch's counter is zeroed in the stream: recorded, not run)
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
+                        lambda ptr, value, nbytes, stream: fake.memsets.append((ptr, nbytes)))
     monkeypatch.setattr(_interop, "allocate", fake.allocate)
     monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: 0xF00)
     monkeypatch.setattr(_runtime, "compute_capability", lambda device: "90")
@@ -494,12 +501,13 @@ def test_jax_callback_launches_on_xla_stream_without_lse_unless_asked(device, mo
     for lse in (False, True):
         results = [q] + ([jax.ShapeDtypeStruct((1, 2, 40), "float32")] if lse else [])
         spec = _jax.Call("flash_attn_func", ("q", "k", "v"), ("float16",) * 3,
-                         tuple(str(r.dtype) for r in results),
+                         tuple(str(r.dtype) for r in results) + ("uint8",),
                          dict(softmax_scale=None, causal=True, window_size=(-1, -1),
                               softcap=0.0), (), tuple(_jax._layout(q) for _ in range(3)),
-                         tuple(_jax._layout(r) for r in results), False)
+                         tuple(_jax._layout(r) for r in results) + (SCRATCH_LAYOUT,), True)
         bufs = [_XlaBuffer((1, 40, 2, 64), "<f2") for _ in range(3)]
-        outs = [_XlaBuffer(tuple(r.shape), "<f4") for r in results]
+        outs = [_XlaBuffer(tuple(r.shape), "<f4") for r in results] + [
+            _XlaBuffer((SCRATCH_BYTES,), "|u1")]
 
         class Context:
             stream = 0x5EED
@@ -680,12 +688,22 @@ class _Driver:
                               ctypes.string_at(params, _params.FWD.dtype.itemsize)))
 
 
+# XLA's scratch buffer of a jitted call (the persistent kernel's tile counter or work list):
+# a call traced without one that needs one is refused (_runtime.check_scratch)
+SCRATCH_BYTES = 4096
+SCRATCH_LAYOUT = ((SCRATCH_BYTES,), (1,), "uint8", 1)
+
+
 def _dense_call():
     from cufa import _jax
     layout = ((2, 100, 4, 64), (25600, 256, 64, 1), "float16", 2)
-    return _jax.Call("flash_attn_func", ("q", "k", "v"), ("float16",) * 3, ("float16",),
+    return _jax.Call("flash_attn_func", ("q", "k", "v"), ("float16",) * 3, ("float16", "uint8"),
                      dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0),
-                     (), (layout,) * 3, (layout,), False)
+                     (), (layout,) * 3, (layout, SCRATCH_LAYOUT), True)
+
+
+def _scratch():
+    return _Buffer(0xF000_0000, (SCRATCH_BYTES,))
 
 
 def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypatch):
@@ -699,7 +717,7 @@ def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypa
     monkeypatch.setattr(_fwd_plan, "plan_dense", lambda *a: planned.append(1) or real_plan(*a))
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
-    out = [_Buffer(0x9000_0000, (2, 100, 4, 64))]
+    out = [_Buffer(0x9000_0000, (2, 100, 4, 64)), _scratch()]
     _jax.on_device(spec, ctx, out, bufs)
     first = driver.launches[:]
     assert len(first) == 1 and planned == [1] and first[0][2] == 0x77
@@ -712,7 +730,7 @@ def test_jax_callback_repeats_its_launches_for_the_same_buffers(device, monkeypa
     monkeypatch.setattr(_jax, "_view", real_view)
     # a new output address: launched afresh, pointing at it
     driver.launches.clear()
-    moved = [_Buffer(0xA000_0000, (2, 100, 4, 64))]
+    moved = [_Buffer(0xA000_0000, (2, 100, 4, 64)), _scratch()]
     _jax.on_device(spec, ctx, moved, bufs)
     def o_field(record):
         return int(np.frombuffer(record, _params.FWD.dtype)[0]["o"])
@@ -736,7 +754,7 @@ def test_jax_callback_that_failed_or_took_stream_memory_is_not_repeated(device, 
     monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
-    out = [_Buffer(0x9000_0000, (2, 100, 4, 64))]
+    out = [_Buffer(0x9000_0000, (2, 100, 4, 64)), _scratch()]
 
     def fails(*a, **kw):
         raise ValueError("bad")
@@ -764,9 +782,10 @@ def test_jax_recordings_of_moving_buffers_are_bounded(device, monkeypatch):
     spec, ctx = _dense_call(), type("Ctx", (), {"stream": 0x77})
     bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
     for i in range(10):
-        _jax.on_device(spec, ctx, [_Buffer(0x9000_0000 + 0x100_0000 * i, (2, 100, 4, 64))], bufs)
+        _jax.on_device(spec, ctx, [_Buffer(0x9000_0000 + 0x100_0000 * i, (2, 100, 4, 64)),
+                                   _scratch()], bufs)
     assert len(_jax.replays) == 4 and len(_runtime.plans) == 1
-    assert [k[3][-1][0] for k in _jax.replays] == [0x9000_0000 + 0x100_0000 * i
+    assert [k[3][-2][0] for k in _jax.replays] == [0x9000_0000 + 0x100_0000 * i
                                                   for i in range(6, 10)]
 
 
@@ -1090,3 +1109,38 @@ def test_sink_reaches_every_launch_that_normalizes_a_row(device):
     sink = view((4,), "float32")
     cufa.scaled_dot_product_attention(query, key, key, enable_gqa=True, learnable_sink=sink)
     assert record(device.launches[-1])["learnable_sink"] == sink.ptr
+
+
+def test_jax_callback_traced_without_scratch_is_refused_where_the_launch_needs_some(
+        device, monkeypatch):
+    """A trace that planned no scratch (another device, or CUFA_KERNEL_FAMILY changed since)
+    whose launch needs some is refused: cufa's own per-stream memory in its place would be
+    outlived by a command buffer XLA records."""
+    from cufa import _jax
+    monkeypatch.setattr(_jax, "_device_of", lambda ptr: 0)
+    layout = ((2, 100, 4, 64), (25600, 256, 64, 1), "float16", 2)
+    spec = _jax.Call("flash_attn_func", ("q", "k", "v"), ("float16",) * 3, ("float16",),
+                     dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0),
+                     (), (layout,) * 3, (layout,), False)
+    bufs = [_Buffer(0x1000_0000 * (i + 1), (2, 100, 4, 64)) for i in range(3)]
+    with pytest.raises(RuntimeError, match="has 0 bytes but the launch needs"):
+        _jax.on_device(spec, type("Ctx", (), {"stream": 0x77}), [_Buffer(0x9000_0000, (
+            2, 100, 4, 64))], bufs)
+    assert device.launches == []
+
+
+@pytest.mark.parametrize("framework, kept", [("cupy", True), ("torch", False)])
+def test_memory_taken_under_capture_lives_as_the_graph_does(monkeypatch, framework, kept):
+    """Under stream capture a call's counter or workspace is its own. PyTorch takes it from
+    the graph's private pool; CuPy's pool knows no graphs and would hand it out again once
+    the call dropped it, so cufa holds it."""
+    import cupy
+    owners = []
+    monkeypatch.setattr(_interop, "allocate", lambda *a, **kw: owners.append(object()) or (
+        owners[-1], 0x5000))
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync", lambda *a: None)
+    monkeypatch.setattr(_runtime, "_captured", [])
+    owner, ptr = _runtime._stream_buffer({}, framework, 0, 0x99, 8, zeroed=True,
+                                         capturing=True)
+    assert ptr == 0x5000 and owner is owners[0]
+    assert (_runtime._captured == [owner]) is kept
