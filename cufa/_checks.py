@@ -72,7 +72,10 @@ def as_real(x, name, expected):
     are device scalars, as in as_index."""
     if type(x) in (int, float):
         return float(x)
-    device = _interop.device_scalar(x)
+    try:
+        device = _interop.device_scalar(x)
+    except AttributeError:  # (a torch.SymFloat while torch.compile traces: no device)
+        device = None
     if device is not None:
         raise ValueError(f"{name} is a {device}, and reading its value would make the host "
                          f"wait for the device; pass {expected} as a Python float")
