@@ -202,11 +202,32 @@ def test_options_reach_cufa_as_given(kernels):
     a = kernels.last()
     assert (a["dropout_p"], a["softmax_scale"], a["causal"], a["softcap"],
             a["deterministic"], a["return_attn_probs"]) == (0.0, 0.5, True, 3.0, True, True)
-    assert a["window_size"] is window and a["alibi_slopes"] is alibi
-    assert cufa._checks.window_ints(a["window_size"]) == tuple(int(w) for w in window)
+    assert a["alibi_slopes"] is alibi  # (the window as flash-attn reads it: its ints here)
+    assert a["window_size"] == tuple(int(w) for w in window)
     flash_attn.flash_attn_func(q, q, q)
     a = kernels.last()
     assert a["window_size"] == (-1, -1) and a["return_attn_probs"] is False
+
+
+def test_windows_and_softcap_as_flash_attn_reads_them(kernels):
+    """flash_api.cpp: a window side that is negative, or reaches the keys' count or further
+    (seqlen_k; max_seqlen_k for a packed batch; a cache's capacity), is unbounded, and a
+    negative softcap is off. With 6 query rows over 2 keys, (-1, 2) would otherwise hide
+    every key from rows 0 and 1 (bottom-right alignment)."""
+    q, k = randn(1, 6, 2, 16), randn(1, 2, 2, 16)
+    for window, softcap, want in (((-1, 2), 0.0, (-1, -1)), ((-5, 1), -1.0, (-1, 1)),
+                                  ((2, 0), 3.0, (-1, 0)), ((1, 1), 0.0, (1, 1))):
+        flash_attn.flash_attn_func(q, k, k, window_size=window, softcap=softcap)
+        a = kernels.last()
+        assert (a["window_size"], a["softcap"]) == (want, max(softcap, 0.0)), window
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    flash_attn.flash_attn_varlen_func(q[0], k[0], k[0], cu, torch.tensor([0, 2], dtype=torch.int32),
+                                      6, 4, window_size=(3, 4))
+    assert kernels.last()["window_size"] == (3, -1)  # (max_seqlen_k = 4)
+    cache = randn(1, 20, 2, 16)
+    flash_attn.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=7,
+                                       window_size=(19, 20))
+    assert kernels.last()["window_size"] == (19, -1)  # (the cache's 20 positions)
 
 
 def test_requires_grad_reaches_cufas_autograd_but_kvcache_raises(kernels):
@@ -318,7 +339,8 @@ def test_generator_slot_must_be_none_in_every_raw_entry_point(kernels):
                                            torch.tensor(3), -1, 0.0, False, None)
     assert s_dmask.shape == (0,) and rng_state.shape == (2,)
     a = kernels.last()
-    assert a["window_size"][0] == 3 and a["return_lse"] and a["causal"]
+    # (3 reaches past the one key: flash-attn reads the side as unbounded)
+    assert a["window_size"][0] == -1 and a["return_lse"] and a["causal"]
 
 
 def test_varlen_paged_num_splits_above_one_raises(kernels):
@@ -346,7 +368,7 @@ def test_varlen_paged_num_splits_above_one_raises(kernels):
 def test_cufas_errors_are_also_runtime_errors():
     q = torch.zeros(1, 4, 2, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="window_size left") as info:
-        flash_attn.flash_attn_func(q, q, q, window_size=(-2, 0))
+        flash_attn.flash_attn_func(q, q, q, window_size=(1.5, 0))
     assert isinstance(info.value, ValueError)  # cufa's own type, as well
     with pytest.raises(RuntimeError, match="cufa needs CUDA device arrays") as info:
         flash_attn.flash_attn_func(q, q, q)
@@ -405,7 +427,10 @@ def test_padding_helpers_are_plain_differentiable_tensor_ops():
     put.sum().backward()
     assert x.grad[:3].eq(1).all() and x.grad[3:].eq(0).all()
     picked, residual = bert_padding.index_first_axis_residual(x, idx)
-    assert torch.equal(residual, x) and not residual.requires_grad
+    assert torch.equal(picked, x[idx]) and torch.equal(residual, x)
+    x.grad = None  # (a gradient through either output reaches x, as flash-attn's does)
+    (picked.sum() + (10 * residual).sum()).backward()
+    assert x.grad[:, 0].tolist() == [11, 10, 11, 10, 11]
 
 
 def test_unpad_input_for_concatenated_sequences():

@@ -4,6 +4,7 @@ translations of flash-attn's conventions that every compat function shares. The 
 entry points check their `generator` slot as flash-attn does, then run cufa's backward."""
 import functools
 import numbers
+import operator
 
 import torch
 
@@ -86,6 +87,24 @@ def check_block_table_capacity(cache_seqlens, k, block_table, page_rows):
             f"({block_table.shape[1]} pages of {page_rows}); give block_table more columns")
 
 
+def fa2_options(window_size, softcap, seqlen_k):
+    """(window_size, softcap) as flash-attn 2 reads them (flash_api.cpp): a window side that
+    is negative, or reaches seqlen_k or further, is unbounded (-1), and a negative softcap
+    is off. cufa itself takes the sides at their word (a right side >= seqlen_k still stops
+    rows far above the keys, where seqlen_q > seqlen_k) and refuses sides under -1 and a
+    negative softcap. Anything else is passed on as it is, for cufa's checks to name."""
+    if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap < 0:
+        softcap = 0.0
+    try:
+        sides = [operator.index(side) for side in window_size]
+    except TypeError:
+        return window_size, softcap
+    if len(sides) != 2 or any(isinstance(side, bool) for side in window_size):
+        return window_size, softcap
+    limit = operator.index(seqlen_k)
+    return tuple(-1 if side < 0 or side >= limit else side for side in sides), softcap
+
+
 def capturing(x):
     """Whether x is a CUDA tensor and a CUDA graph is being captured on the current stream."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -95,6 +114,8 @@ def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, out=None):
     """flash_attn_with_kvcache with flash-attn's paged caches and its block_table check."""
+    window_size, softcap = fa2_options(window_size, softcap, k_cache.shape[1] * (
+        1 if block_table is None else block_table.shape[1]))
     if block_table is not None:
         check_block_table_capacity(cache_seqlens, k, block_table, k_cache.shape[1])
         k_cache, v_cache, block_table = cufa_pages(k_cache, v_cache, block_table)
@@ -128,10 +149,10 @@ def fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, windo
     """[out, softmax_lse, S_dmask, rng_state] of (batch, seqlen, nheads, headdim) q, k, v."""
     _no_generator(gen_)
     _softmax_needs_dropout(return_softmax, p_dropout)
+    window, softcap = fa2_options((window_size_left, window_size_right), softcap, k.shape[1])
     out, lse = cufa.flash_attn_func(
-        detached(q), detached(k), detached(v), p_dropout, softmax_scale, is_causal,
-        (window_size_left, window_size_right), softcap, detached(alibi_slopes_),
-        return_lse=True, out=out_)
+        detached(q), detached(k), detached(v), p_dropout, softmax_scale, is_causal, window,
+        softcap, detached(alibi_slopes_), return_lse=True, out=out_)
     return [out, lse] + _no_softmax_no_rng(q)
 
 
@@ -153,10 +174,11 @@ def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k_,
     k, v, block_table = cufa_pages(k, v, block_table_)
     if zero_tensors:  # (flash-attn zeroes out, then writes the sequences' rows)
         out_ = torch.zeros_like(q) if out_ is None else out_.zero_()
+    window, softcap = fa2_options((window_size_left, window_size_right), softcap, max_seqlen_k)
     out, lse = cufa.flash_attn_varlen_func(
         detached(q), detached(k), detached(v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, p_dropout, softmax_scale, is_causal, (window_size_left, window_size_right),
-        softcap, detached(alibi_slopes_), return_lse=True, out=out_, seqused_k=seqused_k,
+        max_seqlen_k, p_dropout, softmax_scale, is_causal, window, softcap,
+        detached(alibi_slopes_), return_lse=True, out=out_, seqused_k=seqused_k,
         block_table=block_table)
     return [out, lse] + _no_softmax_no_rng(q)
 
@@ -187,10 +209,11 @@ def bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout
     given (cufa.flash_attn_backward)."""
     _no_generator(gen_)
     reject_unsupported(p_dropout)
+    window, softcap = fa2_options((window_size_left, window_size_right), softcap, k.shape[1])
     dq, dk, dv = cufa.flash_attn_backward(
         detached(dout), detached(q), detached(k), detached(v), detached(out),
-        detached(softmax_lse), softmax_scale, is_causal, (window_size_left, window_size_right),
-        softcap, detached(alibi_slopes_), deterministic, dq=dq_, dk=dk_, dv=dv_)
+        detached(softmax_lse), softmax_scale, is_causal, window, softcap,
+        detached(alibi_slopes_), deterministic, dq=dq_, dk=dk_, dv=dv_)
     return [dq, dk, dv, _softmax_d(dout, out, softmax_lse.shape, False)]
 
 
@@ -207,9 +230,10 @@ def varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_
         for x in (dq_, dk_, dv_):
             if x is not None:
                 x.zero_()
+    window, softcap = fa2_options((window_size_left, window_size_right), softcap, max_seqlen_k)
     dq, dk, dv = cufa.flash_attn_varlen_backward(
         detached(dout), detached(q), detached(k), detached(v), detached(out),
         detached(softmax_lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, is_causal, (window_size_left, window_size_right), softcap,
-        detached(alibi_slopes_), deterministic, dq=dq_, dk=dk_, dv=dv_)
+        softmax_scale, is_causal, window, softcap, detached(alibi_slopes_), deterministic,
+        dq=dq_, dk=dk_, dv=dv_)
     return [dq, dk, dv, _softmax_d(dout, out, softmax_lse.shape, True)]

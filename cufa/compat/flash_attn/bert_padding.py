@@ -18,8 +18,10 @@ def index_put_first_axis(values, indices, first_axis_dim):
 
 
 def index_first_axis_residual(input, indices):
-    """(index_first_axis(input, indices), input detached)."""
-    return index_first_axis(input, indices), input.detach()
+    """(index_first_axis(input, indices), input as the residual): a gradient reaching
+    either flows back into input (flash-attn's residual is a detached alias whose own
+    autograd function adds its gradient back; a view does the same)."""
+    return index_first_axis(input, indices), input.view_as(input)
 
 
 def unpad_input(hidden_states, attention_mask, unused_mask=None):

@@ -19,7 +19,7 @@ from cufa._checks import NO_WINDOW
 # (by its full name: `from . import _gpu` names this package, whose __init__ imports this
 # module, and the import graph would read as a cycle)
 import cufa.compat.flash_attn._gpu as flash_attn_gpu
-from ._gpu import runtime_errors
+from ._gpu import fa2_options, runtime_errors
 
 USE_TRITON_ROCM = False  # (flash-attn's switch to its ROCm Triton kernels)
 
@@ -57,9 +57,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     (batch, seqlen_k, nheads_k, headdim) -> out like q, or (out, softmax_lse (batch,
     nheads, seqlen_q), S_dmask (empty)) with return_attn_probs. Masks align bottom-right
     (cufa.flash_attn_func)."""
+    window, cap = fa2_options(window_size, softcap, k.shape[1])
+
     def run(q, k, v, alibi_slopes):
-        return cufa.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                    softcap, alibi_slopes, deterministic, return_attn_probs)
+        return cufa.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window, cap,
+                                    alibi_slopes, deterministic, return_attn_probs)
     return _attention("flash_attn_func", run, q, k, v, alibi_slopes)
 
 
@@ -68,10 +70,11 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False):
     """flash_attn_func of qkv (batch, seqlen, 3, nheads, headdim), read in place."""
+    window, cap = fa2_options(window_size, softcap, qkv.shape[1])
+
     def run(qkv, alibi_slopes):
-        return cufa.flash_attn_func(*qkv.unbind(2), dropout_p, softmax_scale, causal,
-                                    window_size, softcap, alibi_slopes, deterministic,
-                                    return_attn_probs)
+        return cufa.flash_attn_func(*qkv.unbind(2), dropout_p, softmax_scale, causal, window,
+                                    cap, alibi_slopes, deterministic, return_attn_probs)
     return _attention("flash_attn_qkvpacked_func", run, qkv, alibi_slopes)
 
 
@@ -80,10 +83,11 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
     """flash_attn_func of q and kv (batch, seqlen_k, 2, nheads_k, headdim), read in place."""
+    window, cap = fa2_options(window_size, softcap, kv.shape[1])
+
     def run(q, kv, alibi_slopes):
-        return cufa.flash_attn_func(q, *kv.unbind(2), dropout_p, softmax_scale, causal,
-                                    window_size, softcap, alibi_slopes, deterministic,
-                                    return_attn_probs)
+        return cufa.flash_attn_func(q, *kv.unbind(2), dropout_p, softmax_scale, causal, window,
+                                    cap, alibi_slopes, deterministic, return_attn_probs)
     return _attention("flash_attn_kvpacked_func", run, q, kv, alibi_slopes)
 
 
@@ -96,11 +100,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (total_k, nheads_k, headdim), or with block_table a paged cache (num_pages,
     page_block_size, nheads_k, headdim) -> out like q, or (out, softmax_lse (nheads,
     total_q), S_dmask (empty)) with return_attn_probs."""
+    window, cap = fa2_options(window_size, softcap, max_seqlen_k)
+
     def run(q, k, v, alibi_slopes):
         k, v, table = flash_attn_gpu.cufa_pages(k, v, block_table)
         return cufa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                            max_seqlen_k, dropout_p, softmax_scale, causal,
-                                           window_size, softcap, alibi_slopes, deterministic,
+                                           window, cap, alibi_slopes, deterministic,
                                            return_attn_probs, block_table=table)
     return _attention("flash_attn_varlen_func", run, q, k, v, alibi_slopes)
 
@@ -111,10 +117,12 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """flash_attn_varlen_func of qkv (total, 3, nheads, headdim), read in place."""
+    window, cap = fa2_options(window_size, softcap, max_seqlen)
+
     def run(qkv, alibi_slopes):
         return cufa.flash_attn_varlen_func(*qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen,
                                            max_seqlen, dropout_p, softmax_scale, causal,
-                                           window_size, softcap, alibi_slopes, deterministic,
+                                           window, cap, alibi_slopes, deterministic,
                                            return_attn_probs)
     return _attention("flash_attn_varlen_qkvpacked_func", run, qkv, alibi_slopes)
 
@@ -126,10 +134,12 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False):
     """flash_attn_varlen_func of q and kv (total_k, 2, nheads_k, headdim), read in place."""
+    window, cap = fa2_options(window_size, softcap, max_seqlen_k)
+
     def run(q, kv, alibi_slopes):
         return cufa.flash_attn_varlen_func(q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k,
                                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                                           causal, window_size, softcap, alibi_slopes,
+                                           causal, window, cap, alibi_slopes,
                                            deterministic, return_attn_probs)
     return _attention("flash_attn_varlen_kvpacked_func", run, q, kv, alibi_slopes)
 
@@ -144,7 +154,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn 2's flash_attn_with_kvcache (cufa.flash_attn_with_kvcache): k and v, if
     given, are appended to the cache in place. With block_table, the longest sequence is
     checked against the positions the table addresses, as flash-attn does: one read of
-    max(cache_seqlens), skipped while a CUDA graph is being captured."""
+    max(cache_seqlens), skipped while a CUDA graph is being captured. (FlashAttention-3's
+    k_descale, v_descale, q_descale and qv: cufa.flash_attn_with_kvcache itself.)"""
     def run(q, k, v, alibi_slopes):
         return flash_attn_gpu.kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                       cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
