@@ -239,6 +239,29 @@ def test_a_2d_mask_handed_to_the_layer(calls):
         hf.attention(module, q, k, v, keep[None])
 
 
+def test_scores_terms_cufa_cannot_add_are_refused_and_a_padding_mask_wins(calls):
+    """A layer handed a term eager adds to the scores (T5's position_bias, per-token sink
+    logits) is refused, never run without it; a 2-D padding mask wins over packed
+    cu_seq_lens keywords, as in transformers' flash-attention path."""
+    import types
+    import numpy as np
+    from cufa import reference
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 4, 30, 16, generator=g).to(DT) for _ in range(3))
+    module = types.SimpleNamespace(training=False, is_causal=True, modules=lambda: [])
+    keep = torch.ones(1, 30, dtype=torch.bool)
+    for name in ("position_bias", "sinks"):
+        with pytest.raises(NotImplementedError, match=f"`{name}`.*sdpa"):
+            hf.attention(module, q, k, v, keep, **{name: torch.zeros(1, 4, 30, 30)})
+    keep[0, 20:] = False
+    cu = dict(cu_seq_lens_q=torch.tensor([0, 10, 20]), cu_seq_lens_k=torch.tensor([0, 10, 20]),
+              max_length_q=10, max_length_k=10)
+    out, _ = hf.attention(module, q, k, v, keep, **cu)
+    tr = (lambda x: x[:, :, :20].transpose(1, 2).double().numpy())
+    ref, _ = reference.attention(tr(q), tr(k), tr(v), causal=True)  # (one sequence of 20)
+    np.testing.assert_allclose(out[:, :20].double().numpy(), ref, atol=2e-2, rtol=0)
+
+
 def test_packed_rows_of_a_batch():
     ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
     cu, longest = hf._packed_rows(ids)

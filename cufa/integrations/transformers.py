@@ -330,6 +330,12 @@ def _refuse_unsupported(module, query, key, value, dropout, kwargs):
     if kwargs.get("output_attentions"):
         raise NotImplementedError("cufa never forms the attention weights "
                                   '(output_attentions=True): use attn_implementation="eager"')
+    for name, what in (("position_bias", "a relative position bias (T5-style)"),
+                       ("sinks", "per-token sink logits")):
+        if kwargs.get(name) is not None:  # (eager adds it to the scores: never drop it)
+            raise NotImplementedError(f"this model passes {what} as `{name}`, which cufa's "
+                                      f'kernels do not add to the scores: use {FALLBACK} or '
+                                      'attn_implementation="eager"')
     if max(query.shape[-1], value.shape[-1]) > 256 and torch.is_grad_enabled() and any(
             x.requires_grad for x in (query, key, value)):  # (a training step's first call)
         raise NotImplementedError(f"head dim {query.shape[-1]} over 256 while autograd "
@@ -382,7 +388,8 @@ def _run(plan, q, k, v, options, kwargs):
     causal, window = plan.causal, (plan.window[0], -1 if plan.causal else plan.window[1])
     common = dict(causal=causal, window_size=window, **options)
     trained = dict(common, deterministic=_deterministic(kwargs))  # (the backward's choice)
-    flattened = _cu_seq_lens(kwargs) if plan.packed is None else None
+    # (a padding mask wins over cu_seq_lens, as in transformers' flash-attention path)
+    flattened = _cu_seq_lens(kwargs) if plan.packed is None and plan.padding is None else None
     if plan.packed is not None or flattened is not None:
         if plan.packed is not None:
             (cu_q, max_q), (cu_k, max_k) = plan.packed, plan.packed
