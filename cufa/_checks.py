@@ -100,6 +100,11 @@ def check_flag(x, name):
 
 
 def check_dtype_device(x, name, ref, ref_name):
+    if (x.framework == "torch") != (ref.framework == "torch"):  # (CuPy and DLPack: one stream)
+        raise TypeError(f"{name} is a {x.framework} array but {ref_name} is a "
+                        f"{ref.framework} array: pass arrays of one framework (cufa launches "
+                        f"on {ref_name}'s framework's stream, which the other's work is not "
+                        "ordered with)")
     if x.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
     if x.device != ref.device:

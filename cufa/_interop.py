@@ -337,7 +337,16 @@ def returns_jax(like):
 
 
 def to_jax(native):
+    """A cufa output (a CuPy array) as a JAX array, once the kernels that wrote it are done.
+    An eager JAX call's inputs came over DLPack and the caller may drop them as soon as the
+    call returns, and JAX then reuses their memory on its own stream, which cufa's stream
+    does not wait for; on another GPU than CuPy's current one, DLPack's handover event
+    would be recorded on the wrong device's stream. So the stream is synchronized first
+    (under jax.jit nothing waits: the kernels run on XLA's stream)."""
+    import cupy
     import jax.dlpack
+    with native.device:
+        cupy.cuda.get_current_stream().synchronize()
     return jax.dlpack.from_dlpack(native)
 
 

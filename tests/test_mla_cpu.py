@@ -4,10 +4,12 @@ shapes alone (the MLA kernel, its grid and splits, the params record, the combin
 append) and what it refuses, with the compile and the device queries stubbed out."""
 import math
 
+import numpy as np
 import pytest
 
 from cufa import _compile, _heuristics, _runtime, _tma
-from test_fp8_cache_cpu import arr as fp8_arr  # (torch arrays, as fp8 caches need)
+from cufa._interop import DeviceArray
+from test_fp8_cache_cpu import SIZES
 from test_kvcache_plan_cpu import arr, planner, record  # noqa: F401 (planner: a fixture)
 
 ROPE, LATENT = _compile.MLA_ROPE_DIM, _compile.MLA_LATENT_DIM
@@ -168,6 +170,13 @@ def test_mla_without_maps_copies_every_block(planner, monkeypatch):
 
 def e4m3(shape, **kw):
     return fp8_arr(shape, "float8_e4m3fn", **kw)
+
+
+def fp8_arr(shape, dtype, ptr=0x7f0000000000):
+    """A CuPy view (as the rest of these calls' arrays: one framework a call) of an fp8
+    cache or its float32 descales."""
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return DeviceArray(None, "cupy", ptr, tuple(shape), strides, dtype, 0, SIZES[dtype])
 
 
 def test_mla_over_an_fp8_cache(planner, encoded):

@@ -308,3 +308,41 @@ def test_arrays_off_their_element_size_are_refused():
         _interop.check_element_aligned(0x1002, (4,), (3,), 4, "cu_seqlens_q")
     with pytest.raises(ValueError, match="q starts or steps off its 2-byte elements"):
         _interop.check_element_aligned(0x1000, (129, 2), (4, 64), 2, "q")
+
+
+def test_arrays_of_two_frameworks_are_refused():
+    """cufa launches on q's framework's stream (torch's current one, or CuPy's, which DLPack
+    imports are ordered on): a torch k beside a CuPy q, or the reverse, would be read while
+    its own framework's work on it may still be queued."""
+    q, k, v = qkv()
+    torch_k = arr(k.shape, framework="torch")
+    with pytest.raises(TypeError, match="k is a torch array but q is a cupy array: pass "
+                                        "arrays of one framework"):
+        cufa.flash_attn_func(q, torch_k, v)
+    with pytest.raises(TypeError, match="v is a cupy array but q is a torch array"):
+        cufa.flash_attn_func(arr(q.shape, framework="torch"), torch_k, v)
+    dlpack_k = arr(k.shape, framework="dlpack")  # (JAX's, imported on CuPy's stream: fine)
+    try:
+        cufa.flash_attn_func(q, dlpack_k, v)
+    except Exception as e:  # (no GPU here: whatever fails, it is past the framework check)
+        assert "one framework" not in str(e)
+
+
+def test_jax_outputs_are_handed_over_once_the_stream_is_done(monkeypatch):
+    """to_jax: CuPy's stream on the output's device is synchronized before JAX imports it
+    (the caller may free the DLPack-imported inputs once the call returns, and JAX reuses
+    memory on its own stream)."""
+    jax_dlpack = pytest.importorskip("jax.dlpack")
+    import contextlib
+
+    import cupy
+    from cufa import _interop
+    order = []
+
+    class Stream:
+        def synchronize(self):
+            order.append("synchronize")
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: Stream())
+    monkeypatch.setattr(jax_dlpack, "from_dlpack", lambda x: order.append("import") or "jax")
+    native = type("Native", (), {"device": contextlib.nullcontext()})()
+    assert _interop.to_jax(native) == "jax" and order == ["synchronize", "import"]
