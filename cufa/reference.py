@@ -283,9 +283,27 @@ def round_to_e4m3(x):
 
 
 def quantize_e4m3(x, descale):
-    """What an fp8 cache stores for x with its descale: round_to_e4m3(x / descale), as
-    values (float64); the key it stands for is that times descale."""
-    return round_to_e4m3(np.asarray(x, dtype=np.float64) / descale)
+    """What an fp8 cache stores for x (a key's 16-bit value) with its descale: x / descale
+    divided in float32, as the append kernel and torch's `(k.float() / descale).to(
+    float8_e4m3fn)` divide (a float64 quotient rounds otherwise where the float32 one lands
+    on a tie), then round_to_e4m3; as values (float64). The key it stands for is that
+    times descale."""
+    quotient = np.asarray(x, dtype=np.float32) / np.asarray(descale, dtype=np.float32)
+    return round_to_e4m3(quotient.astype(np.float64))
+
+
+def round_to_16_bits(x, dtype):
+    """x rounded to "float16" or "bfloat16" (nearest, ties to even), as float64 values."""
+    x = np.asarray(x, dtype=np.float64)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float64)
+    if dtype != "bfloat16":
+        raise ValueError(f"dtype must be 'float16' or 'bfloat16'; got {dtype!r}")
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    finite = np.isfinite(x)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(finite, out, x)
 
 
 # -- KV cache ----------------------------------------------------------------------------
@@ -334,15 +352,17 @@ class KvGather:
 def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                    cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                    block_table=None, causal=False, window_size=(-1, -1),
-                   rotary_interleaved=True, k_descale=None, v_descale=None):
+                   rotary_interleaved=True, k_descale=None, v_descale=None,
+                   new_keys_as=None):
     """The append (rotary on the new keys, written at cache_seqlens[b] + i) and the gather
     of each sequence's keys, cache positions [leftpad[b], cache_seqlens[b] + seqlen_new).
     q is rotated at cache_seqlens[b] + t when the mask is local (causal, or a window side
     below the cache's capacity), else at cache_seqlens[b]. k_descale / v_descale (batch,
     nheads_k), or one value for all: an fp8 cache, holding e4m3 values; the new keys are
     stored as quantize_e4m3(k, descale) and the gathered keys are the stored values times
-    descale (sequence b's row). Strict: any value a correct call could not have raises
-    ValueError."""
+    descale (sequence b's row); new_keys_as ("float16", "bfloat16"): q's dtype, to which a
+    rotated new key is rounded before it is quantized, as the append kernel stores it
+    (docs/api.md). Strict: any value a correct call could not have raises ValueError."""
     q = np.asarray(q, dtype=np.float64)
     k_cache, v_cache = (np.array(c, dtype=np.float64) for c in (k_cache, v_cache))
     batch, seqlen_q = q.shape[:2]
@@ -386,6 +406,8 @@ def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         if k is not None:
             k = apply_rotary(k, rotary_cos, rotary_sin, new_pos, rotary_interleaved)
+            if new_keys_as is not None and k_descale is not None:
+                k = round_to_16_bits(k, new_keys_as)
     nheads_k = k_cache.shape[2]
     k_scale, v_scale = (None if x is None else np.broadcast_to(
         np.asarray(x, dtype=np.float64).reshape(-1, nheads_k) if np.size(x) > 1 else
@@ -410,7 +432,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                       block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                       softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                       return_softmax_lse=False, *, learnable_sink=None, qv=None,
-                      k_descale=None, v_descale=None, attend=attention):
+                      k_descale=None, v_descale=None, new_keys_as=None, attend=attention):
     """flash_attn_with_kvcache in float64 (arguments as NumPy arrays; cache_seqlens an
     array or an int). Each sequence b is attention(q[b], its keys) with masks and ALiBi
     aligned bottom-right against seqlen_k(b) = cache_seqlens[b] + seqlen_new - leftpad[b],
@@ -419,12 +441,12 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
     once, however the keys are split). attend: the per-sequence attention, called as
     attention() is (the GPU tests pass a low-precision one). qv: as in attention() (MLA
     decode in FlashAttention-3's form: k_cache the rotary part k_pe, v_cache the latent
-    c_kv, q the rotary queries, qv the absorbed ones). k_descale, v_descale: an fp8 cache
-    (kvcache_gather). Returns (out (batch, seqlen_q,
+    c_kv, q the rotary queries, qv the absorbed ones). k_descale, v_descale, new_keys_as:
+    an fp8 cache (kvcache_gather). Returns (out (batch, seqlen_q,
     nheads, v's head dim), lse (batch, nheads, seqlen_q), k_cache_after, v_cache_after)."""
     g = kvcache_gather(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, causal, window_size,
-                       rotary_interleaved, k_descale, v_descale)
+                       rotary_interleaved, k_descale, v_descale, new_keys_as)
     outs, lses = [], []
     for b, (keys, values) in enumerate(zip(g.keys, g.values)):
         extra = {} if qv is None else {"qv": np.asarray(qv, dtype=np.float64)[b:b + 1]}

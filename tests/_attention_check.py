@@ -267,6 +267,8 @@ def kvcache_references(q, k_cache, v_cache, k=None, v=None, **kw):
     reference gathered, with the rotated q and keys rounded to q's dtype (what the
     kernels attend with)."""
     kw = {key: host(val) for key, val in kw.items() if key not in ("out", "check_inputs")}
+    if "float8" in str(k_cache.dtype):  # (a rotated new key: rounded to q's dtype, then
+        kw["new_keys_as"] = str(q.dtype).replace("torch.", "")  # quantized, as stored)
     args = [host(x) for x in (q, k_cache, v_cache, k, v)]
     o_ref, lse_ref, k_after, v_after = reference.kvcache_attention(*args, **kw)
 
