@@ -80,8 +80,8 @@ def as_real(x, name, expected):
         raise ValueError(f"{name} is a {device}, and reading its value would make the host "
                          f"wait for the device; pass {expected} as a Python float")
     kind = str(getattr(x, "dtype", ""))
-    if isinstance(x, (bool, np.bool_, str, bytes)) or kind.endswith("bool") or "complex" in kind or (
-            getattr(x, "shape", ()) != () and not isinstance(x, np.generic)):
+    if (isinstance(x, (bool, np.bool_, str, bytes)) or kind.endswith("bool")
+            or "complex" in kind or getattr(x, "shape", ()) != ()):
         raise ValueError(f"{name} must be {expected}; got {x!r}")
     try:
         return float(x)
@@ -425,20 +425,19 @@ def check_cu_values(cu_q, name_q, total_q, cu_k, name_k, total_k, used, max_keys
                              f"{n}[{i}] = {int(c[i])}")
         if total is not None and c[-1] != total:  # (None: keys in a paged cache)
             raise ValueError(f"{n} ends at {int(c[-1])} but the tensor has {total} rows")
+    keys = host[name_k][1:] - host[name_k][:-1]  # (each key sequence's length)
     if used is not None:
         u = _interop.to_numpy(used)
-        lens = host[name_k][1:] - host[name_k][:-1]
-        if (u < 0).any() or (u > lens).any():
-            i = int(((u < 0) | (u > lens)).argmax())
-            raise ValueError(f"seqused_k[{i}] = {int(u[i])} is outside [0, {int(lens[i])}], "
+        if (u < 0).any() or (u > keys).any():
+            i = int(((u < 0) | (u > keys)).argmax())
+            raise ValueError(f"seqused_k[{i}] = {int(u[i])} is outside [0, {int(keys[i])}], "
                              f"the length of key sequence {i}")
-    if max_keys is not None:
-        keys = _interop.to_numpy(used) if used is not None else host[name_k][1:] - host[name_k][:-1]
-        if (keys > max_keys).any():
-            i = int((keys > max_keys).argmax())
-            raise ValueError(f"key sequence {i} has {int(keys[i])} keys "
-                             f"({'seqused_k' if used is not None else name_k}), more than "
-                             f"the {max_keys} its row of block_table holds")
+        keys = u
+    if max_keys is not None and (keys > max_keys).any():
+        i = int((keys > max_keys).argmax())
+        raise ValueError(f"key sequence {i} has {int(keys[i])} keys "
+                         f"({'seqused_k' if used is not None else name_k}), more than the "
+                         f"{max_keys} its row of block_table holds")
 
 
 def check_out(out, o, q, name="out", head_dim=None):

@@ -472,8 +472,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     num_splits: 0 picks a split of the keys from the shapes alone (never from device
     values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
-    splits into n (at most 128: more raises); learnable_sink (nheads,), as in flash_attn_func, enters
-    each row once, in the merge of the splits. Returns out (batch, seqlen_q, nheads,
+    splits into n (at most 128: more raises); learnable_sink (nheads,), as in
+    flash_attn_func, enters each row once, in the merge of the splits. Returns out (batch, seqlen_q, nheads,
     headdim), and with return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q).
     check_inputs=True reads the device values first (one sync) and raises for page ids
     outside the cache, lengths past its capacity, leftpads past the lengths and
