@@ -360,9 +360,14 @@ def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
     below the cache's capacity), else at cache_seqlens[b]. k_descale / v_descale (batch,
     nheads_k), or one value for all: an fp8 cache, holding e4m3 values; the new keys are
     stored as quantize_e4m3(k, descale) and the gathered keys are the stored values times
-    descale (sequence b's row); new_keys_as ("float16", "bfloat16"): q's dtype, to which a
-    rotated new key is rounded before it is quantized, as the append kernel stores it
-    (docs/api.md). Strict: any value a correct call could not have raises ValueError."""
+    descale (sequence b's row); new_keys_as ("float16", "bfloat16"): given for an fp8
+    cache, q's dtype, to which a rotated new key is rounded before it is quantized, as the
+    append kernel stores it (docs/api.md); it also marks a cache without descales as fp8
+    (a descale of 1). Strict: any value a correct call could not have raises
+    ValueError."""
+    if new_keys_as is not None:
+        k_descale = 1.0 if k_descale is None else k_descale
+        v_descale = 1.0 if v_descale is None else v_descale
     q = np.asarray(q, dtype=np.float64)
     k_cache, v_cache = (np.array(c, dtype=np.float64) for c in (k_cache, v_cache))
     batch, seqlen_q = q.shape[:2]
@@ -406,7 +411,7 @@ def kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         if k is not None:
             k = apply_rotary(k, rotary_cos, rotary_sin, new_pos, rotary_interleaved)
-            if new_keys_as is not None and k_descale is not None:
+            if new_keys_as is not None:
                 k = round_to_16_bits(k, new_keys_as)
     nheads_k = k_cache.shape[2]
     k_scale, v_scale = (None if x is None else np.broadcast_to(

@@ -202,8 +202,8 @@ def test_options_reach_cufa_as_given(kernels):
     a = kernels.last()
     assert (a["dropout_p"], a["softmax_scale"], a["causal"], a["softcap"],
             a["deterministic"], a["return_attn_probs"]) == (0.0, 0.5, True, 3.0, True, True)
-    assert a["alibi_slopes"] is alibi  # (the window as flash-attn reads it: its ints here)
-    assert a["window_size"] == tuple(int(w) for w in window)
+    assert a["window_size"] is window and a["alibi_slopes"] is alibi
+    assert cufa._checks.window_ints(a["window_size"]) == tuple(int(w) for w in window)
     flash_attn.flash_attn_func(q, q, q)
     a = kernels.last()
     assert a["window_size"] == (-1, -1) and a["return_attn_probs"] is False
@@ -211,23 +211,28 @@ def test_options_reach_cufa_as_given(kernels):
 
 def test_windows_and_softcap_as_flash_attn_reads_them(kernels):
     """flash_api.cpp: a window side that is negative, or reaches the keys' count or further
-    (seqlen_k; max_seqlen_k for a packed batch; a cache's capacity), is unbounded, and a
-    negative softcap is off. With 6 query rows over 2 keys, (-1, 2) would otherwise hide
-    every key from rows 0 and 1 (bottom-right alignment)."""
+    (seqlen_k; max_seqlen_k for a packed batch; a cache's capacity), is unbounded; a right
+    side so made unbounded is bounded at that count again where the left one is bounded;
+    a negative softcap is off. With 6 query rows over 2 keys, (-1, 2) taken at its word
+    would hide every key from rows 0 and 1 (bottom-right alignment)."""
     q, k = randn(1, 6, 2, 16), randn(1, 2, 2, 16)
     for window, softcap, want in (((-1, 2), 0.0, (-1, -1)), ((-5, 1), -1.0, (-1, 1)),
-                                  ((2, 0), 3.0, (-1, 0)), ((1, 1), 0.0, (1, 1))):
+                                  ((2, 0), 3.0, (-1, 0)), ((1, 1), 0.0, (1, 1)),
+                                  ((1, -1), 0.0, (1, 2)), ((0, 5), 0.0, (0, 2))):
         flash_attn.flash_attn_func(q, k, k, window_size=window, softcap=softcap)
         a = kernels.last()
         assert (a["window_size"], a["softcap"]) == (want, max(softcap, 0.0)), window
     cu = torch.tensor([0, 6], dtype=torch.int32)
     flash_attn.flash_attn_varlen_func(q[0], k[0], k[0], cu, torch.tensor([0, 2], dtype=torch.int32),
                                       6, 4, window_size=(3, 4))
-    assert kernels.last()["window_size"] == (3, -1)  # (max_seqlen_k = 4)
+    assert kernels.last()["window_size"] == (3, 4)  # (max_seqlen_k = 4: as given)
     cache = randn(1, 20, 2, 16)
     flash_attn.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=7,
                                        window_size=(19, 20))
-    assert kernels.last()["window_size"] == (19, -1)  # (the cache's 20 positions)
+    assert kernels.last()["window_size"] == (19, 20)  # (the cache's 20 positions)
+    flash_attn.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=7,
+                                       window_size=(30, 25))
+    assert kernels.last()["window_size"] == (-1, -1)
 
 
 def test_requires_grad_reaches_cufas_autograd_but_kvcache_raises(kernels):

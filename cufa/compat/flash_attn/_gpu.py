@@ -89,20 +89,29 @@ def check_block_table_capacity(cache_seqlens, k, block_table, page_rows):
 
 def fa2_options(window_size, softcap, seqlen_k):
     """(window_size, softcap) as flash-attn 2 reads them (flash_api.cpp): a window side that
-    is negative, or reaches seqlen_k or further, is unbounded (-1), and a negative softcap
-    is off. cufa itself takes the sides at their word (a right side >= seqlen_k still stops
-    rows far above the keys, where seqlen_q > seqlen_k) and refuses sides under -1 and a
-    negative softcap. Anything else is passed on as it is, for cufa's checks to name."""
+    is negative, or reaches seqlen_k or further, is unbounded (-1); where the other side is
+    bounded, a right side so made unbounded is seqlen_k (a left one would be too, which
+    bottom-right alignment makes the same as unbounded); and a negative softcap is off.
+    cufa itself takes the sides at their word and refuses sides under -1 and a negative
+    softcap. The window comes back as given where nothing changes (the default's fast
+    path), and is only compared with seqlen_k, never read as an int, so that a symbolic
+    length under torch.compile does not make one graph a length. Anything else is passed
+    on as it is, for cufa's checks to name."""
     if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap < 0:
         softcap = 0.0
     try:
-        sides = [operator.index(side) for side in window_size]
+        given = tuple(window_size)
+        sides = [operator.index(side) for side in given]
     except TypeError:
         return window_size, softcap
-    if len(sides) != 2 or any(isinstance(side, bool) for side in window_size):
+    if len(sides) != 2 or any(isinstance(side, bool) for side in given):
         return window_size, softcap
-    limit = operator.index(seqlen_k)
-    return tuple(-1 if side < 0 or side >= limit else side for side in sides), softcap
+    left, right = (-1 if side < 0 or side >= seqlen_k else side for side in sides)
+    if left < 0 and right < 0:
+        return (window_size if sides == [-1, -1] else (-1, -1)), softcap
+    if right < 0:
+        right = int(seqlen_k)
+    return (window_size if [left, right] == sides else (left, right)), softcap
 
 
 def capturing(x):
