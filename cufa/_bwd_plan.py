@@ -351,7 +351,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
         del held
     result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink_out]
     if _interop.returns_jax(q):
-        result = [None if x is None else _interop.to_jax(x) for x in result]
+        result = _interop.to_jax(*result)
     return tuple(result)
 
 

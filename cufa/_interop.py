@@ -336,18 +336,21 @@ def returns_jax(like):
     return like.framework == "dlpack" and is_jax(like.obj)
 
 
-def to_jax(native):
-    """A cufa output (a CuPy array) as a JAX array, once the kernels that wrote it are done.
-    An eager JAX call's inputs came over DLPack and the caller may drop them as soon as the
-    call returns, and JAX then reuses their memory on its own stream, which cufa's stream
-    does not wait for; on another GPU than CuPy's current one, DLPack's handover event
-    would be recorded on the wrong device's stream. So the stream is synchronized first
-    (under jax.jit nothing waits: the kernels run on XLA's stream)."""
+def to_jax(*natives):
+    """A call's outputs (CuPy arrays, or None) as JAX arrays, once the kernels that wrote
+    them are done: one wait a call. An eager JAX call's inputs came over DLPack and the
+    caller may drop them as soon as the call returns, and JAX then reuses their memory on
+    its own stream, which cufa's stream does not wait for; on another GPU than CuPy's
+    current one, DLPack's handover event would be recorded on the wrong device's stream.
+    So the stream is synchronized first (under jax.jit nothing waits: the kernels run on
+    XLA's stream). -> a list, None where None was given."""
     import cupy
     import jax.dlpack
-    with native.device:
-        cupy.cuda.get_current_stream().synchronize()
-    return jax.dlpack.from_dlpack(native)
+    given = [x for x in natives if x is not None]
+    if given:
+        with given[0].device:  # (one call's outputs: one device)
+            cupy.cuda.get_current_stream().synchronize()
+    return [None if x is None else jax.dlpack.from_dlpack(x) for x in natives]
 
 
 def empty_of(like):
@@ -359,4 +362,4 @@ def empty_of(like):
 
 def to_caller(native, like):
     """`native` (a torch or CuPy array) as the caller's type: JAX callers get JAX arrays."""
-    return to_jax(native) if returns_jax(like) else native
+    return to_jax(native)[0] if returns_jax(like) else native

@@ -82,7 +82,7 @@ def outputs(plan, out, o_ptr, lse_out, want_lse, stream, like=None):
 def returned(plan, out, lse, with_lse):
     """What the caller gets back: out (and lse), as JAX arrays for a JAX caller."""
     if plan.to_jax:
-        out, lse = _interop.to_jax(out), (_interop.to_jax(lse) if with_lse else None)
+        out, lse = _interop.to_jax(out, lse if with_lse else None)
     return (out, lse) if with_lse else out
 
 

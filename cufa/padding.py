@@ -89,8 +89,9 @@ def unpad_input(hidden, attention_mask):
         packed = h.reshape(-1, *h.shape[2:])[indices]
         max_seqlen = int(lens.max()) if lens.size else 0
     like = _interop.as_device_array(hidden, "hidden")
-    return (_interop.to_caller(packed, like), _interop.to_caller(indices, like),
-            _interop.to_caller(cu_seqlens, like), max_seqlen)
+    if _interop.returns_jax(like):  # (one wait for the three)
+        packed, indices, cu_seqlens = _interop.to_jax(packed, indices, cu_seqlens)
+    return packed, indices, cu_seqlens, max_seqlen
 
 
 def pad_input(packed, indices, batch, seqlen, *, check_indices=False):

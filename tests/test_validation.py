@@ -345,4 +345,4 @@ def test_jax_outputs_are_handed_over_once_the_stream_is_done(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: Stream())
     monkeypatch.setattr(jax_dlpack, "from_dlpack", lambda x: order.append("import") or "jax")
     native = type("Native", (), {"device": contextlib.nullcontext()})()
-    assert _interop.to_jax(native) == "jax" and order == ["synchronize", "import"]
+    assert _interop.to_jax(native) == ["jax"] and order == ["synchronize", "import"]
