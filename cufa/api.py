@@ -249,10 +249,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     reject_unsupported(dropout_p)
     return_lse = return_lse or return_attn_probs
-    if not (type(max_seqlen_q) is int and type(max_seqlen_k) is int
-            and max_seqlen_q >= 0 <= max_seqlen_k):  # (as_index: other integers, or the error)
-        max_seqlen_q, max_seqlen_k = (as_index(m, n, 0, "an int >= 0") for m, n in (
-            (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
+    max_seqlen_q, max_seqlen_k = _max_seqlens(max_seqlen_q, max_seqlen_k)
     if q_descale is not None:
         return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
                            alibi_slopes, learnable_sink, return_attn_probs, return_lse, out,
@@ -357,9 +354,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     total_q)). Keys past seqused_k[b] get zero gradients. max_seqlen_q / max_seqlen_k are
     accepted for compatibility (the work lists are built on the GPU from cu_seqlens). A
     paged cache (block_table) has no backward."""
-    for m, n in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
-        if type(m) is not int or m < 0:
-            as_index(m, n, 0, "an int >= 0")
+    max_seqlen_q, max_seqlen_k = _max_seqlens(max_seqlen_q, max_seqlen_k)
     dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse = map(
         _interop.detached, (dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse))
     dq, dk, dv, dsink = _bwd_plan.packed(
@@ -368,6 +363,16 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         dlse=dlse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, deterministic=check_flag(deterministic, "deterministic"))
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
+
+
+def _max_seqlens(max_seqlen_q, max_seqlen_k):
+    """flash-attn's max_seqlen_q / max_seqlen_k (unused: the work lists come from
+    cu_seqlens on the GPU), checked as ints >= 0 (any integer as_index takes)."""
+    if not (type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and max_seqlen_q >= 0 <= max_seqlen_k):  # (as_index: other integers, or the error)
+        max_seqlen_q, max_seqlen_k = (as_index(m, n, 0, "an int >= 0") for m, n in (
+            (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
+    return max_seqlen_q, max_seqlen_k
 
 
 def _returned(o, lse, return_lse, return_attn_probs):
@@ -473,8 +478,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     num_splits: 0 picks a split of the keys from the shapes alone (never from device
     values, so a CUDA graph can replay the call with new lengths); 1 does not split; n > 1
     splits into n (at most 128: more raises); learnable_sink (nheads,), as in
-    flash_attn_func, enters each row once, in the merge of the splits. Returns out (batch, seqlen_q, nheads,
-    headdim), and with return_softmax_lse=True also lse float32 (batch, nheads, seqlen_q).
+    flash_attn_func, enters each row once, in the merge of the splits. Returns out (batch,
+    seqlen_q, nheads, headdim), and with return_softmax_lse=True also lse float32 (batch,
+    nheads, seqlen_q).
     check_inputs=True reads the device values first (one sync) and raises for page ids
     outside the cache, lengths past its capacity, leftpads past the lengths and
     cache_batch_idx rows outside the cache (or, with an append, named twice); without it
