@@ -704,12 +704,14 @@ class _CacheKernel:
         return _dtypes.size_of(self.dtype)
 
     def ctas_per_sm_on(self, smem_per_sm):
-        """CTAs an SM holds, by shared memory (1 KB reserved per CTA); registers allow
-        more, but for the e4m3 decode kernels (3-4 at d = 64-128, where this counts 5:
-        stages that made the two agree read no faster on an H200)."""
+        """CTAs an SM holds, by shared memory (1 KB reserved per CTA), and no more than a
+        kernel's launch bounds fit in registers where it has them (min_ctas: the e4m3
+        decode kernels on sm_90, 4 where shared memory would hold 5; ptxas gives them
+        exactly that share). Registers allow more for the others."""
         if not self.smem_bytes:
             return 1
-        return max(1, min(16, smem_per_sm // (self.smem_bytes + 1024 + DECODE_STATIC_SMEM)))
+        ctas = max(1, min(16, smem_per_sm // (self.smem_bytes + 1024 + DECODE_STATIC_SMEM)))
+        return min(ctas, getattr(self, "min_ctas", 0) or ctas)
 
     @property
     def ctas_per_sm(self):

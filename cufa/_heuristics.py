@@ -142,7 +142,7 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh what it ad
 
 
 @functools.lru_cache(maxsize=1024)  # a loop over up to 128 counts; a new signature asks
-def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
+def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True, fill_waves=True):
     """Splits of the keys for `units` CTAs (batch x KV heads x query blocks), from shapes
     only (never from device values, so a CUDA graph can replay a call with new lengths).
 
@@ -157,7 +157,8 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
       that fills few slots costs nearly as long as a full one; where those CTAs make one
       wave, the largest power of two of splits that still makes one wave (the power of
       two below that count left up to half the slots empty: 15 splits of 16 units on 264
-      slots became 8). From two waves up: unsplit.
+      slots became 8). From two waves up: unsplit. Without fill_waves (the e4m3 decode
+      kernels: FILL_WAVES_E4M3) from one wave up: unsplit.
 
     Example, 132 SMs, 3 CTAs an SM (396 slots): 1 x 128k keys with 8 KV heads (8 units)
     splits 16 ways contiguous (128 CTAs, one an SM), 32 ways paged (45 splits fill 91 %
@@ -165,7 +166,7 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
     units) runs unsplit.
     """
     slots = sm_count * ctas_per_sm
-    if units == 0 or units >= 2 * slots:
+    if units == 0 or units >= 2 * slots or (units > slots and not fill_waves):
         return 1
     most = max(1, min(max_keys // MIN_KEYS_PER_SPLIT, _compile.MAX_SPLITS))
     if one_per_sm and units <= sm_count:
@@ -188,13 +189,24 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True):
     return 1 << (min(slots // units, most).bit_length() - 1)
 
 
+# Whether the e4m3 decode kernels' keys are split to fill a last wave between one and two
+# waves of CTAs. They run 4 CTAs an SM, and a part wave's CTAs each take more of the
+# bandwidth: on an H200 (fp16 q, one token, 528 slots) unsplit read faster than 2 or 3
+# splits at 768 and 1024 CTAs (d = 64 head pairs 64.5 against 71.7 and 73.9 us at 192 x 1k
+# with 32/8 heads, 78.7 against 91.1 and 92.8 at 256 x 1k; d = 128 144.9 against 156.4
+# and 157.4 at 128 x 2k), or as fast (d = 128, 96 x 2k: 121.9 against 120.8 and 124.1).
+FILL_WAVES_E4M3 = False
+
+
 def split_count(num_splits, units, capacity, kernel, device, paged):
     """num_splits as given (capped at _compile.MAX_SPLITS), or for 0 choose_num_splits'
-    count for `kernel`'s CTAs an SM on `device`."""
+    count for `kernel`'s CTAs an SM on `device` (an e4m3 cache's: FILL_WAVES_E4M3)."""
     if num_splits == 0:
-        num_splits = choose_num_splits(units, capacity, _runtime.sm_count(device),
-                                       kernel.ctas_per_sm_on(_runtime.smem_per_sm(device)),
-                                       one_per_sm=not paged and one_cta_keeps_up(device))
+        num_splits = choose_num_splits(
+            units, capacity, _runtime.sm_count(device),
+            kernel.ctas_per_sm_on(_runtime.smem_per_sm(device)),
+            one_per_sm=not paged and one_cta_keeps_up(device),
+            fill_waves=FILL_WAVES_E4M3 or not getattr(kernel, "fp8_cache", False))
     return min(num_splits, _compile.MAX_SPLITS)
 
 
@@ -230,34 +242,26 @@ def pages_read_whole(page_shift, no_leftpad, window_left):
 
 # -- decode: the kernel --------------------------------------------------------------------------
 
-def head_pairs(dtype, d, nheads_k, head_strides, unit_rows, units, num_splits, device,
-               fp8_cache, aligned):
+def head_pairs(d, nheads_k, head_strides, unit_rows, fp8_cache, aligned):
     """Whether an e4m3 decode takes two KV heads a CTA (_compile.PAIRED_HEAD_DIM; the
-    kernel's kHeadPairs; `units`: the CTAs of pairs, unsplit). At d = 64 a head's slice of
+    kernel's kHeadPairs). At d = 64 a head's slice of
     a cache row is 64 bytes, half a 128-byte line, and CTAs of one head each read them at
     49-66 % of copy bandwidth where d = 128's read 72-88 % (H200). Two heads side by side
     (k's and v's head strides head_dim) make whole lines; their query rows (GQA group x new
     tokens, `unit_rows`) must fit half of the kernel's 16-row tile, and the heads pair up
-    (an even count). Except where the pairs, unsplit, take more than one wave of the
-    kernel's CTAs and under two, where choose_num_splits splits them to fill the waves
-    (and merges the splits) while one head a CTA makes two waves or more, unsplit (H200,
-    32/8 heads, one token: 192 x 1k, 4 splits, 1.08x one head's time; 256 x 1k, 3
-    splits, 1.00x; outside the band 0.72-0.92x).
+    (an even count). Between one and two waves of pairs they run unsplit
+    (FILL_WAVES_E4M3), faster than one head a CTA (H200, 32/8 heads, one token: 256 x 1k
+    78.7 against 94.4 us, 192 x 1k 64.5 against 72.4; 32/32 heads, 64 x 4k: 276 against
+    383).
 
     Example, 132 SMs, 32/8 heads, one token, the standard (.., nheads_k, 64) layout: 64 x
-    4k (256 pairs, under a wave): pairs; 256 x 1k (1024 pairs, 1.6 waves): one head a CTA;
+    4k (256 pairs, under a wave), 256 x 1k (1024 pairs, 1.9 waves of 4 CTAs an SM) and
     1 x 128k (4 pairs, split): pairs. 8 new tokens with 32/8 heads (32 rows a head), a
     head-major cache (head stride n x 64) or 7 KV heads: one head a CTA.
     """
-    if not (fp8_cache and aligned and d == _compile.PAIRED_HEAD_DIM and nheads_k % 2 == 0
+    return (fp8_cache and aligned and d == _compile.PAIRED_HEAD_DIM and nheads_k % 2 == 0
             and all(s == d for s in head_strides)
-            and 0 < unit_rows <= _compile.DECODE_ROWS // 2):
-        return False
-    if num_splits:
-        return True
-    kernel = _compile.decode_kernel(dtype, d, fp8_cache=True, head_pairs=True)
-    slots = _runtime.sm_count(device) * kernel.ctas_per_sm_on(_runtime.smem_per_sm(device))
-    return not slots < units < 2 * slots
+            and 0 < unit_rows <= _compile.DECODE_ROWS // 2)
 
 
 def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False,

@@ -88,19 +88,18 @@ ONE_HEAD = hash(_compile.decode_kernel("fp16", 64, fp8_cache=True).key)
     ((2, 1, 32, 64), (2, 4096, 8, 64), (8 * 4096 * 64, 64, 4096 * 64, 1), "float8_e4m3fn",
      (ONE_HEAD, 8)),                                                         # head-major
     ((1, 1, 32, 64), (1, 131072, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),   # split
-    ((256, 1, 32, 64), (256, 1024, 8, 64), None, "float8_e4m3fn", (ONE_HEAD, 8)),  # 1.6
-    ((192, 1, 32, 64), (192, 1024, 8, 64), None, "float8_e4m3fn", (ONE_HEAD, 8)),  # 1.2
-    ((384, 1, 32, 64), (384, 1024, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),    # 2.3
+    ((256, 1, 32, 64), (256, 1024, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),    # 1.9
+    ((192, 1, 32, 64), (192, 1024, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),    # 1.5
+    ((384, 1, 32, 64), (384, 1024, 8, 64), None, "float8_e4m3fn", (PAIRED, 4)),    # 2.9
     ((2, 1, 32, 128), (2, 4096, 8, 128), None, "float8_e4m3fn", None),      # d = 128
     ((2, 1, 32, 64), (2, 4096, 8, 64), None, "float16", None),              # 16-bit cache
 ])
 def test_fp8_cache_pairs_adjacent_heads_at_d64(planner, q_shape, cache_shape, strides,  # noqa: F811
                                                dtype, want):
     """Two KV heads a CTA (the kernel of head pairs, half the grid's y) where an e4m3 cache
-    at d = 64 holds them side by side and a head's query rows fit 8, but not where the
-    pairs, unsplit, take more than one wave of 660 CTAs (132 SMs x 5) and under two (where
-    the split rule would split them; _heuristics.head_pairs); one head a CTA elsewhere;
-    never for other head dims or 16-bit caches."""
+    at d = 64 holds them side by side and a head's query rows fit 8, at any count of pairs
+    (the comments: waves of 528 CTAs, 132 SMs x 4); one head a CTA elsewhere; never for
+    other head dims or 16-bit caches."""
     cache = arr(cache_shape, dtype, strides)
     plan = planner(arr(q_shape), cache, cache, cache_seqlens=arr((q_shape[0],), "int32"))
     decode, = [e for e in plan.launches if e[0] == "decode"]
@@ -109,6 +108,27 @@ def test_fp8_cache_pairs_adjacent_heads_at_d64(planner, q_shape, cache_shape, st
     else:
         assert (decode[1], decode[2][1]) == want
         assert record(plan)["nheads_k"] == cache_shape[2]  # (the kernel finds its pair's heads)
+
+
+@pytest.mark.parametrize("batch, keys, heads_k, d, want_splits", [
+    (128, 2048, 8, 128, 1),    # 1024 CTAs, 1.9 waves of 528 (a 16-bit cache's rule: 3 splits)
+    (96, 2048, 8, 128, 1),     # 768, 1.5 waves (the rule would split 2 ways)
+    (66, 2048, 8, 128, 1),     # 528, one wave
+    (8, 16384, 8, 128, 2),     # 64: under the SMs, split to fill them, one CTA an SM
+    (1, 131072, 8, 128, 16),
+])
+def test_e4m3_decode_counts_its_launch_bounds_and_splits_under_a_wave_only(
+        planner, batch, keys, heads_k, d, want_splits):  # noqa: F811
+    """The e4m3 decode kernels run 4 CTAs an SM (their launch bounds; shared memory would
+    hold 5), and from one wave of those up they run unsplit (_heuristics.FILL_WAVES_E4M3)."""
+    for dt in _compile.DTYPES:
+        for hd in (64, 128):
+            assert _compile.decode_kernel(dt, hd, fp8_cache=True).ctas_per_sm_on(
+                _compile.SM90_SMEM_PER_SM) == 4
+    cache = arr((batch, keys, heads_k, d), "float8_e4m3fn")
+    plan = planner(arr((batch, 1, 4 * heads_k, d)), cache, cache,
+                   cache_seqlens=arr((batch,), "int32"))
+    assert record(plan)["num_splits"] == want_splits
 
 
 def test_head_pairs_kernel_is_d128s_tile():
