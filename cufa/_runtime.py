@@ -114,11 +114,13 @@ def stream_tile_counter(framework, device, stream):
 def stream_workspace(framework, device, stream, nbytes, capturing=None):
     """(owner, address) of at least nbytes of device memory for one call's scratch on
     `stream` (a packed batch's work list, a decode's split-KV partials), kept per stream
-    as the tile counter is, so a call allocates nothing; from the caller's allocator under
-    graph capture. Launches on the stream run in order, so one call's kernels are done
-    with it before the next call's write it. capturing: as _stream_buffer's."""
+    and thread, so a call allocates nothing; from the caller's allocator under graph
+    capture. Launches on the stream run in order, so one call's kernels are done with it
+    before the next call's write it; but a call queues several kernels, and two threads
+    queueing calls on one stream at once would interleave them over one buffer, so each
+    thread has its own. capturing: as _stream_buffer's."""
     return _stream_buffer(_workspaces, framework, device, stream, nbytes, zeroed=False,
-                          capturing=capturing)
+                          capturing=capturing, per_thread=True)
 
 
 def stream_split_counters(framework, device, stream, nbytes):
@@ -143,18 +145,20 @@ _stream_is_capturing = None
 
 
 _captured = []  # memory taken under a CuPy stream capture: held for the life of the process
-_tile_counters = {}  # (device, stream, thread) -> (address, bytes)
+_tile_counters = {}  # (device, stream, thread or 0) -> (address, bytes)
 _split_counters = {}
 _workspaces = {}
 _buffer_growth = threading.Lock()
 
 
-def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed, capturing=None):
+def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed, capturing=None,
+                   per_thread=False):
     """A buffer `stream` keeps in held_by, grown (to twice the size asked) when a call
     needs more. The default streams' handles are shared across threads that may not share
-    the stream, so theirs are per thread too. capturing: whether `stream` is under graph
-    capture, where the caller knows it (None: asked here); captured, the call gets memory
-    of its own."""
+    the stream, so theirs are per thread too, and every stream's with per_thread (memory
+    that one call's kernels hand each other; a counter that one kernel leaves zeroed is
+    safe to share). capturing: whether `stream` is under graph capture, where the caller
+    knows it (None: asked here); captured, the call gets memory of its own."""
     recording.replayable = False  # this memory is not XLA's: a jax.jit replay must not reuse it
     if capturing is None:
         capturing = stream_capturing(stream)
@@ -169,7 +173,7 @@ def _stream_buffer(held_by, framework, device, stream, nbytes, zeroed, capturing
             # once the call dropped it, while every replay still writes there
             _captured.append(owner)
         return owner, ptr
-    key = (device, stream, threading.get_ident() if stream <= 2 else 0)
+    key = (device, stream, threading.get_ident() if per_thread or stream <= 2 else 0)
     held = held_by.get(key)
     if held is None or held[1] < nbytes:
         import cupy

@@ -1144,3 +1144,38 @@ def test_memory_taken_under_capture_lives_as_the_graph_does(monkeypatch, framewo
                                          capturing=True)
     assert ptr == 0x5000 and owner is owners[0]
     assert (_runtime._captured == [owner]) is kept
+
+
+def test_workspace_is_per_thread_on_a_shared_stream(monkeypatch):
+    """A call's kernels hand each other its workspace; two threads queueing calls on one
+    stream at once would interleave them over one buffer, so each thread gets its own.
+    The tile counter, which one kernel leaves zeroed, stays one a stream."""
+    import threading
+    import cupy
+    freed, made = [], iter(range(0x10000, 0x100000, 0x1000))
+    monkeypatch.setattr(cupy.cuda.runtime, "malloc", lambda n: next(made))
+    monkeypatch.setattr(cupy.cuda.runtime, "free", freed.append)
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync", lambda *a: None)
+    monkeypatch.setattr(_runtime, "_workspaces", {})
+    monkeypatch.setattr(_runtime, "_tile_counters", {})
+    monkeypatch.setattr(_runtime, "stream_capturing", lambda stream: False)
+    got = {}
+
+    both_alive = threading.Barrier(2)  # (a thread's id is reused once it has ended)
+
+    def call(name):
+        got[name] = (_runtime.stream_workspace("cupy", 0, 0x77, 64, capturing=False)[1],
+                     _runtime.stream_tile_counter("cupy", 0, 0x77)[1] if name else None)
+        if name:
+            both_alive.wait(timeout=10)
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    call("")
+    workspaces = {got[n][0] for n in ("a", "b", "")}
+    assert len(workspaces) == 3 and not freed
+    assert got["a"][1] == got["b"][1]
+    assert _runtime.stream_workspace("cupy", 0, 0x77, 64, capturing=False)[1] == got[""][0]
