@@ -196,17 +196,26 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True, f
 # with 32/8 heads, 78.7 against 91.1 and 92.8 at 256 x 1k; d = 128 144.9 against 156.4
 # and 157.4 at 128 x 2k), or as fast (d = 128, 96 x 2k: 121.9 against 120.8 and 124.1).
 FILL_WAVES_E4M3 = False
+# The CTAs an SM that an e4m3 decode's split count aims for under one wave (the split
+# rule's ctas_per_sm for those kernels). Two read as fast as their four, or faster: on an
+# H200 (fp16 q, one token, 32/8 heads, us), 1 x 128k at d = 128 76.1 in 256 CTAs against
+# 80.7 in 512, 1 x 32k 30.9 against 32.2, 8 x 16k 74.6 against 77.3 (d = 64 head pairs
+# 45.5 against 46.8); 1 x 128k at d = 64 48.0 either way.
+E4M3_SPLIT_CTAS_PER_SM = 2
 
 
 def split_count(num_splits, units, capacity, kernel, device, paged):
     """num_splits as given (capped at _compile.MAX_SPLITS), or for 0 choose_num_splits'
-    count for `kernel`'s CTAs an SM on `device` (an e4m3 cache's: FILL_WAVES_E4M3)."""
+    count for `kernel`'s CTAs an SM on `device` (an e4m3 cache's: at most
+    E4M3_SPLIT_CTAS_PER_SM of them, and FILL_WAVES_E4M3)."""
     if num_splits == 0:
+        ctas = kernel.ctas_per_sm_on(_runtime.smem_per_sm(device))
+        e4m3 = getattr(kernel, "fp8_cache", False)
         num_splits = choose_num_splits(
             units, capacity, _runtime.sm_count(device),
-            kernel.ctas_per_sm_on(_runtime.smem_per_sm(device)),
+            min(ctas, E4M3_SPLIT_CTAS_PER_SM) if e4m3 else ctas,
             one_per_sm=not paged and one_cta_keeps_up(device),
-            fill_waves=FILL_WAVES_E4M3 or not getattr(kernel, "fp8_cache", False))
+            fill_waves=FILL_WAVES_E4M3 or not e4m3)
     return min(num_splits, _compile.MAX_SPLITS)
 
 

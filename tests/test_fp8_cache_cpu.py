@@ -131,6 +131,32 @@ def test_e4m3_decode_counts_its_launch_bounds_and_splits_under_a_wave_only(
     assert record(plan)["num_splits"] == want_splits
 
 
+@pytest.mark.parametrize("batch, keys, d, want_splits", [
+    (1, 131072, 128, 32),   # 8 units: 256 CTAs, two an SM (four would be 64 splits)
+    (8, 16384, 128, 4),     # 64 units
+    (16, 8192, 128, 2),
+    (1, 131072, 64, 64),    # head pairs: 4 units
+    (8, 16384, 64, 8),
+])
+def test_e4m3_decode_splits_for_two_ctas_an_sm(planner, monkeypatch, batch, keys, d,
+                                               want_splits):  # noqa: F811
+    """Under one wave, where one CTA an SM does not keep up with the memory (an H200's
+    4.8 TB/s), an e4m3 decode's keys are split for two CTAs an SM
+    (_heuristics.E4M3_SPLIT_CTAS_PER_SM), not its four; a 16-bit cache's as before."""
+    from cufa import _heuristics, _runtime
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 4.8e12)
+    monkeypatch.setattr(_heuristics, "_keeps_up", {})
+    fp8, fp16 = (arr((batch, keys, 8, d), dt) for dt in ("float8_e4m3fn", "float16"))
+    seqlens = arr((batch,), "int32")
+    assert record(planner(arr((batch, 1, 32, d)), fp8, fp8,
+                          cache_seqlens=seqlens))["num_splits"] == want_splits
+    sixteen = _compile.decode_kernel("fp16", d)
+    units = batch * 8
+    assert record(planner(arr((batch, 1, 32, d)), fp16, fp16, cache_seqlens=seqlens))[
+        "num_splits"] == _heuristics.choose_num_splits(
+            units, keys, 132, sixteen.ctas_per_sm_on(_compile.SM90_SMEM_PER_SM), one_per_sm=False)
+
+
 def test_head_pairs_kernel_is_d128s_tile():
     """The paired kernel is d = 128's e4m3 kernel (its shared memory, shape and launch
     bounds) with the pairs flag; only e4m3 at d = 64 has one."""
