@@ -17,7 +17,9 @@ torch = pytest.importorskip("torch")
 import cufa  # noqa: E402
 import cufa.compat.flash_attn as flash_attn  # noqa: E402
 from cufa.compat.flash_attn import _gpu, bert_padding, flash_attn_interface  # noqa: E402
-from cufa.compat.flash_attn.layers.rotary import apply_rotary_emb  # noqa: E402
+from cufa.compat.flash_attn.layers.rotary import (  # noqa: E402
+    RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_kv_, apply_rotary_emb_qkv_,
+    apply_rotary_emb_torch)
 
 # flash-attn 2's signatures (flash_attn/flash_attn_interface.py, its raw entry points in
 # csrc/flash_attn/flash_api.cpp, bert_padding.py, layers/rotary.py): parameter names, with
@@ -76,10 +78,18 @@ SIGNATURES = {
         "hidden_states, attention_mask_in_length",
     apply_rotary_emb: "x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, "
                       "cu_seqlens=None, max_seqlen=None",
+    apply_rotary_emb_qkv_: "qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, "
+                           "seqlen_offsets=0, num_heads_q=None",
+    apply_rotary_emb_kv_: "kv, cos, sin, interleaved=False, seqlen_offsets=0",
+    apply_rotary_emb_torch: "x, cos, sin, interleaved=False",
+    RotaryEmbedding: "dim, base=10000.0, interleaved=False, scale_base=None, "
+                     "pos_idx_in_fp32=True, device=None",
+    RotaryEmbedding.forward: "self, qkv, kv=None, seqlen_offset=0, max_seqlen=None, "
+                             "num_heads_q=None",
 }
 
 
-@pytest.mark.parametrize("fn", SIGNATURES, ids=lambda fn: fn.__name__)
+@pytest.mark.parametrize("fn", SIGNATURES, ids=lambda fn: fn.__qualname__)
 def test_signature_is_flash_attns(fn):
     assert str(inspect.signature(fn)) == f"({SIGNATURES[fn]})"
 
@@ -513,3 +523,146 @@ def test_apply_rotary_emb_of_a_packed_batch_and_in_place(rng, interleaved):
                                rotary_numpy(x.half().double().numpy(), c.half().double().numpy(),
                                             s.half().double().numpy(), positions, interleaved),
                                rtol=2e-3, atol=2e-3)
+
+
+# -- RotaryEmbedding and the in-place forms for packed qkv / kv ------------------------------
+
+def _rope_tables(positions, dim, base, decay=None):
+    """float64 cos, sin of RoFormer's angles (positions x dim / 2), times decay (xPos)."""
+    angle = np.outer(positions, base ** (-np.arange(0, dim, 2) / dim))
+    cos, sin = np.cos(angle), np.sin(angle)
+    return (cos, sin) if decay is None else (cos * decay, sin * decay)
+
+
+def _rows(x):
+    """(b, s, h, d) -> (b * s, h, d) float64, with each row's position t."""
+    b, s = x.shape[:2]
+    return x.reshape(b * s, *x.shape[2:]).double().numpy(), [t for _ in range(b) for t in range(s)]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["qkv", "gqa", "kv"])
+@pytest.mark.parametrize("offset", [0, 3, "tensor"])
+def test_rotary_embedding_against_numpy(rng, interleaved, layout, offset):
+    """q and k rotated in place by float64 RoFormer angles at each token's position (its
+    offset added), v untouched, for packed qkv, packed GQA qkv and q with a packed kv."""
+    batch, seqlen, hq, hk, d, dim, base = 2, 9, 4, 2, 32, 16, 500.0
+    module = RotaryEmbedding(dim, base=base, interleaved=interleaved)
+    shift = [2, 7] if offset == "tensor" else [offset] * batch
+    kw = dict(seqlen_offset=torch.tensor(shift), max_seqlen=20) if offset == "tensor" else dict(
+        seqlen_offset=offset)
+    cos, sin = _rope_tables(np.arange(20), dim, base)
+
+    def rotated(x):  # (b, s, h, d) -> float64 expected
+        rows, t = _rows(x)
+        positions = [shift[r // seqlen] + p for r, p in enumerate(t)]
+        return rotary_numpy(rows, cos, sin, positions, interleaved).reshape(x.shape)
+
+    def t(*shape):
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+    if layout == "qkv":
+        qkv = t(batch, seqlen, 3, hq, d)
+        q0, k0, v0 = (qkv[:, :, i].clone() for i in range(3))
+        assert module(qkv, **kw) is qkv
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    elif layout == "gqa":
+        qkv = t(batch, seqlen, hq + 2 * hk, d)
+        q0, k0, v0 = qkv[:, :, :hq].clone(), qkv[:, :, hq:hq + hk].clone(), qkv[:, :, hq + hk:].clone()
+        assert module(qkv, num_heads_q=hq, **kw) is qkv
+        q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hk], qkv[:, :, hq + hk:]
+    else:
+        q, kv = t(batch, seqlen, hq, d), t(batch, seqlen, 2, hk, d)
+        q0, k0, v0 = q.clone(), kv[:, :, 0].clone(), kv[:, :, 1].clone()
+        got_q, got_kv = module(q, kv=kv, **kw)
+        assert got_q is q and got_kv is kv
+        k, v = kv[:, :, 0], kv[:, :, 1]
+    np.testing.assert_allclose(q.double().numpy(), rotated(q0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k.double().numpy(), rotated(k0), rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, v0)
+
+
+def test_rotary_embedding_xpos_scales_q_up_and_k_down(rng):
+    """With scale_base, q's rotation is times scale^p and k's divided by it, p = (position -
+    length // 2) / scale_base over the tables' length, scale_i = (2i + 0.4 dim) / (1.4 dim)."""
+    batch, seqlen, h, d, dim, scale_base = 1, 12, 2, 16, 16, 8.0
+    module = RotaryEmbedding(dim, scale_base=scale_base)
+    qkv = torch.from_numpy(rng.standard_normal((batch, seqlen, 3, h, d), dtype=np.float32))
+    q0, k0 = qkv[:, :, 0].clone(), qkv[:, :, 1].clone()
+    module(qkv)
+    scale = (np.arange(0, dim, 2) + 0.4 * dim) / (1.4 * dim)
+    decay = scale[None, :] ** ((np.arange(seqlen) - seqlen // 2) / scale_base)[:, None]
+    for got, x0, factor in ((qkv[:, :, 0], q0, decay), (qkv[:, :, 1], k0, 1 / decay)):
+        cos, sin = _rope_tables(np.arange(seqlen), dim, 10000.0, factor)
+        rows, t = _rows(x0)
+        np.testing.assert_allclose(got.double().numpy(),
+                                   rotary_numpy(rows, cos, sin, t, False).reshape(x0.shape),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_embedding_tables_grow_and_follow_the_dtype(rng):
+    module = RotaryEmbedding(8)
+    module(torch.zeros(1, 5, 3, 1, 8))
+    first = module._cos_cached
+    assert module._seq_len_cached == 5 and first.dtype == torch.float32
+    module(torch.zeros(1, 4, 3, 1, 8))  # shorter: the tables as they were
+    assert module._cos_cached is first
+    module(torch.zeros(1, 4, 3, 1, 8), seqlen_offset=6)
+    assert module._seq_len_cached == 10 and module._cos_cached.shape == (10, 4)
+    module(torch.zeros(1, 4, 3, 1, 8, dtype=torch.float16))
+    assert module._cos_cached.dtype == torch.float16
+    with pytest.raises(ValueError, match="max_seqlen"):
+        RotaryEmbedding(8)(torch.zeros(1, 4, 3, 1, 8), seqlen_offset=torch.tensor([1]))
+    with pytest.raises(ValueError, match="num_heads_q"):
+        module(torch.zeros(1, 4, 6, 8))
+
+
+def test_rotary_embedding_subclass_tables_are_used():
+    """Subclasses override _update_cos_sin_cache (linear position scaling, say) and set
+    flash-attn's table attributes: forward rotates by those."""
+    class Still(RotaryEmbedding):
+        def _update_cos_sin_cache(self, seqlen, device=None, dtype=None):
+            self._cos_cached = torch.ones(seqlen, self.dim // 2, dtype=dtype)
+            self._sin_cached = torch.zeros(seqlen, self.dim // 2, dtype=dtype)
+    qkv = torch.randn(2, 5, 3, 2, 8)
+    before = qkv.clone()
+    Still(8)(qkv)
+    assert torch.equal(qkv, before)
+
+
+def test_rotary_embedding_gradient_is_the_inverse_rotation(rng):
+    """d(sum(w * rope(x)))/dx = rope^-1(w) on q and k (the rotation is orthogonal), w on v."""
+    batch, seqlen, h, d, dim = 2, 6, 2, 16, 12
+    leaf = torch.from_numpy(rng.standard_normal((batch, seqlen, 3, h, d), dtype=np.float32))
+    leaf.requires_grad_(True)
+    w = torch.from_numpy(rng.standard_normal(leaf.shape, dtype=np.float32))
+    (RotaryEmbedding(dim, interleaved=True)(leaf * 1.0) * w).sum().backward()
+    cos, sin = _rope_tables(np.arange(seqlen), dim, 10000.0)
+    for i in (0, 1):
+        rows, t = _rows(w[:, :, i])
+        want = rotary_numpy(rows, cos, -sin, t, True).reshape(w[:, :, i].shape)
+        np.testing.assert_allclose(leaf.grad[:, :, i].double().numpy(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(leaf.grad[:, :, 2], w[:, :, 2])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_packed_forms_and_the_torch_reference_agree_with_apply_rotary_emb(rng, interleaved):
+    batch, seqlen, hq, hk, d, half = 2, 7, 4, 2, 24, 8
+    angle = rng.uniform(0, 2 * np.pi, (seqlen + 3, half))
+    c, s = torch.from_numpy(np.cos(angle)).float(), torch.from_numpy(np.sin(angle)).float()
+    qkv = torch.from_numpy(rng.standard_normal((batch, seqlen, hq + 2 * hk, d), dtype=np.float32))
+    want_q = apply_rotary_emb(qkv[:, :, :hq], c, s, interleaved, seqlen_offsets=3)
+    want_k = apply_rotary_emb(qkv[:, :, hq:hq + hk], c, s, interleaved, seqlen_offsets=3)
+    v = qkv[:, :, hq + hk:].clone()
+    assert apply_rotary_emb_qkv_(qkv, c, s, interleaved=interleaved, seqlen_offsets=3,
+                                 num_heads_q=hq) is qkv
+    assert torch.equal(qkv[:, :, :hq], want_q) and torch.equal(qkv[:, :, hq:hq + hk], want_k)
+    assert torch.equal(qkv[:, :, hq + hk:], v)
+    kv = torch.from_numpy(rng.standard_normal((batch, seqlen, 2, hk, d), dtype=np.float32))
+    want_k, v = apply_rotary_emb(kv[:, :, 0], c, s, interleaved), kv[:, :, 1].clone()
+    assert apply_rotary_emb_kv_(kv, c, s, interleaved) is kv
+    assert torch.equal(kv[:, :, 0], want_k) and torch.equal(kv[:, :, 1], v)
+    x = torch.from_numpy(rng.standard_normal((batch, seqlen, hq, d), dtype=np.float32))
+    np.testing.assert_allclose(apply_rotary_emb_torch(x, c[:seqlen], s[:seqlen], interleaved),
+                               apply_rotary_emb(x, c, s, interleaved), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="kv must be"):
+        apply_rotary_emb_kv_(kv[:, :, :1], c, s)

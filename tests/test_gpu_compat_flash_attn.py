@@ -2,7 +2,8 @@
 (pass rule in _attention_check.py): the packed forms, padded batches packed with its
 bert_padding, windows given as 0-d CPU tensors (as flash-attn's tests give them),
 return_attn_probs, inputs that require grad, flash-attn's pages of 512 rows, a paged
-cache past its block_table, and a paged decode step captured in a CUDA graph."""
+cache past its block_table, a paged decode step captured in a CUDA graph, and the
+RotaryEmbedding module on GPU tensors against float64 angles."""
 import math
 
 import numpy as np
@@ -15,7 +16,7 @@ import cufa.compat.flash_attn as flash_attn  # noqa: E402
 from cufa import reference  # noqa: E402
 from cufa.compat.flash_attn.bert_padding import pad_input, unpad_input  # noqa: E402
 from cufa.compat.flash_attn.flash_attn_interface import _flash_attn_varlen_forward  # noqa: E402
-from cufa.compat.flash_attn.layers.rotary import apply_rotary_emb  # noqa: E402
+from cufa.compat.flash_attn.layers.rotary import RotaryEmbedding, apply_rotary_emb  # noqa: E402
 from _backward_check import check_grads  # noqa: E402
 from _attention_check import (  # noqa: E402
     DTYPES, capture_cuda_graph, check_appended_cache, check_attention, check_kvcache, f64)
@@ -262,3 +263,32 @@ def test_raw_fwd_writes_into_out_and_returns_four_values(rng):
     check_empty_s_dmask(s, q)
     check_attention(out, lse, q, k, k, label="raw fwd", softmax_scale=0.125, causal=True,
                     window_size=(9, 0))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rotary_embedding_on_gpu_tensors(rng, dtype):
+    """RotaryEmbedding on a GPU GQA-packed qkv with per-sequence offsets (a decode step's
+    cache lengths): its tables built on the device in qkv's dtype, q and k rotated in place
+    within two roundings of the float64 rotation (each element against its row's largest),
+    v untouched."""
+    batch, seqlen, hq, hk, d, dim, base = 3, 5, 4, 2, 64, 32, 10000.0
+    module = RotaryEmbedding(dim, base=base)
+    qkv = tensor(rng, (batch, seqlen, hq + 2 * hk, d), dtype)
+    before = f64(qkv)
+    offsets = torch.tensor([0, 700, 4090], device="cuda")
+    assert module(qkv, seqlen_offset=offsets, max_seqlen=4096, num_heads_q=hq) is qkv
+    assert module._cos_cached.device.type == "cuda" and module._cos_cached.dtype == qkv.dtype
+    half = dim // 2
+    angle = (offsets.cpu().numpy()[:, None] + np.arange(seqlen))[..., None] * \
+        base ** (-np.arange(0, dim, 2) / dim)  # (batch, seqlen, half)
+    turn = (np.cos(angle) + 1j * np.sin(angle))[:, :, None, :]
+    z = (before[..., :half] + 1j * before[..., half:dim]) * turn
+    want = before.copy()
+    want[:, :, :hq + hk, :half] = z.real[:, :, :hq + hk]
+    want[:, :, :hq + hk, half:dim] = z.imag[:, :, :hq + hk]
+    got = f64(qkv)
+    eps = 2.0 ** (-8 if dtype == "bfloat16" else -11)
+    # (the tables round cos and sin to the dtype once, the rotation rounds once more)
+    bound = 3 * eps * np.abs(want).max(-1, keepdims=True)
+    assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
+    assert np.array_equal(got[:, :, hq + hk:], before[:, :, hq + hk:])

@@ -1,2 +1,3 @@
-"""flash-attn 2's ``layers``: ``rotary.apply_rotary_emb``."""
+"""flash-attn 2's ``layers``: ``rotary`` (apply_rotary_emb and its qkv / kv forms,
+RotaryEmbedding)."""
 from . import rotary  # noqa: F401 (flash_attn.layers.rotary, as an attribute too)

@@ -1,6 +1,8 @@
-"""flash-attn 2's ``layers.rotary.apply_rotary_emb`` in plain PyTorch: rotary position
+"""flash-attn 2's ``layers.rotary`` in plain PyTorch: apply_rotary_emb (rotary position
 embedding of (batch, seqlen, nheads, headdim) or packed (total, nheads, headdim) arrays,
-computed in float32 and rounded once to x's dtype. Gradients flow through it."""
+computed in float32 and rounded once to x's dtype), its in-place forms for packed qkv and
+kv, the unfused reference apply_rotary_emb_torch, and the RotaryEmbedding module (with
+xPos). Gradients flow through all of them."""
 import torch
 
 
@@ -66,3 +68,140 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
 
 
 apply_rotary_emb_func = apply_rotary_emb  # (flash-attn's older name)
+
+
+def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
+    """flash-attn's unfused reference: x (batch, seqlen, nheads, headdim) rotated by cos,
+    sin of (seqlen, rotary_dim / 2) or (batch, seqlen, rotary_dim / 2), position t by row t,
+    in x's dtype (no offsets; cos has a row for every position)."""
+    half = cos.shape[-1]
+    if 2 * half > x.shape[-1]:
+        raise ValueError(f"cos gives rotary_dim {2 * half}, more than x's head dim {x.shape[-1]}")
+    c, s = cos[..., None, :], sin[..., None, :]  # (.., seqlen, 1, half)
+    part = x[..., :2 * half]
+    x0, x1 = (part[..., 0::2], part[..., 1::2]) if interleaved else (part[..., :half], part[..., half:])
+    r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
+    rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if interleaved else torch.cat((r0, r1), -1)
+    return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
+
+
+def _q_and_k(qkv, num_heads_q):
+    """Views of q and k in a packed qkv: (b, s, 3, h, d), or (b, s, hq + 2 hk, d) with hq."""
+    if qkv.ndim == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim); got "
+                             f"{tuple(qkv.shape)}")
+        return qkv[:, :, 0], qkv[:, :, 1]
+    if qkv.ndim != 4 or num_heads_q is None:
+        raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, "
+                         f"num_heads_q + 2 * num_heads_k, headdim) with num_heads_q given; got "
+                         f"{tuple(qkv.shape)} and num_heads_q={num_heads_q}")
+    heads_k, odd = divmod(qkv.shape[2] - num_heads_q, 2)
+    if heads_k < 1 or odd:
+        raise ValueError(f"qkv's {qkv.shape[2]} heads are not num_heads_q={num_heads_q} plus "
+                         f"twice a KV head count")
+    return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + heads_k]
+
+
+def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False,
+                          seqlen_offsets=0, num_heads_q=None):
+    """Rotate q and k of a packed qkv in place and return it: (batch, seqlen, 3, nheads,
+    headdim), or (batch, seqlen, num_heads_q + 2 * num_heads_k, headdim) with num_heads_q
+    given (GQA / MQA). k takes cos_k, sin_k where given (xPos), else cos, sin; v is left as
+    it is. Offsets as apply_rotary_emb's."""
+    q, k = _q_and_k(qkv, num_heads_q)
+    apply_rotary_emb(q, cos, sin, interleaved, True, seqlen_offsets)
+    apply_rotary_emb(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k,
+                     interleaved, True, seqlen_offsets)
+    return qkv
+
+
+def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
+    """Rotate k of a packed kv (batch, seqlen, 2, nheads, headdim) in place and return kv."""
+    if kv.ndim != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must be (batch, seqlen, 2, nheads, headdim); got {tuple(kv.shape)}")
+    apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, True, seqlen_offsets)
+    return kv
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """flash-attn's rotary embedding module (RoFormer's rotation; with scale_base, xPos's
+    decay, q times scale^p and k divided by it, p = (position - seqlen // 2) / scale_base).
+
+    dim: the rotary dim (features 0..dim-1 of each head rotate); inv_freq =
+    base^(-2i / dim). forward rotates qkv (and kv) in place: qkv (batch, seqlen, 3, nheads,
+    headdim), or (batch, seqlen, num_heads_q + 2 * num_heads_k, headdim) with num_heads_q;
+    or, with kv (batch, seqlen, 2, nheads_k, headdim) given, qkv is q alone and (q, kv)
+    comes back. seqlen_offset: an int, or a (batch,) tensor with max_seqlen given (the
+    tables are then built up to max_seqlen). The cos / sin tables are kept in qkv's dtype and
+    device and rebuilt when a longer sequence, another dtype or device, or training after
+    inference mode asks for them (the attribute names are flash-attn's, which subclasses
+    override)."""
+
+    def __init__(self, dim, base=10000.0, interleaved=False, scale_base=None,
+                 pos_idx_in_fp32=True, device=None):
+        super().__init__()
+        self.dim = dim
+        self.base = float(base)
+        self.pos_idx_in_fp32 = pos_idx_in_fp32
+        self.register_buffer("inv_freq", self._compute_inv_freq(device), persistent=False)
+        self.interleaved = interleaved
+        self.scale_base = scale_base
+        self.register_buffer("scale", None if scale_base is None else self._compute_scale(device),
+                             persistent=False)
+        self._seq_len_cached = 0
+        self._cos_cached = self._sin_cached = None
+        self._cos_k_cached = self._sin_k_cached = None
+
+    def _compute_inv_freq(self, device=None):
+        exponents = torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim
+        return 1.0 / self.base ** exponents
+
+    def _compute_scale(self, device=None):
+        return ((torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) + 0.4 * self.dim)
+                / (1.4 * self.dim))
+
+    def _update_cos_sin_cache(self, seqlen, device=None, dtype=None):
+        cached = self._cos_cached
+        if (cached is not None and seqlen <= self._seq_len_cached and cached.device == device
+                and cached.dtype == dtype and not (self.training and cached.is_inference())):
+            return
+        self._seq_len_cached = seqlen
+        # Angles in float32 whatever the module's dtype: positions reach the thousands, and
+        # a bf16 angle there is off by whole turns' worth of its last bit
+        if self.pos_idx_in_fp32:
+            positions = torch.arange(seqlen, device=device, dtype=torch.float32)
+            inv_freq = (self.inv_freq if self.inv_freq.dtype == torch.float32
+                        else self._compute_inv_freq(device))
+        else:
+            positions = torch.arange(seqlen, device=device, dtype=self.inv_freq.dtype)
+            inv_freq = self.inv_freq
+        angles = torch.outer(positions, inv_freq.to(positions.device))
+        cos, sin = torch.cos(angles), torch.sin(angles)
+        if self.scale is None:
+            self._cos_cached, self._sin_cached = cos.to(dtype), sin.to(dtype)
+            return
+        scale = self.scale if self.scale.dtype == torch.float32 else self._compute_scale(device)
+        power = (torch.arange(seqlen, device=device, dtype=torch.float32) - seqlen // 2) / \
+            self.scale_base
+        decay = scale.to(power.device)[None, :] ** power[:, None]  # (seqlen, dim / 2)
+        self._cos_cached, self._sin_cached = (cos * decay).to(dtype), (sin * decay).to(dtype)
+        self._cos_k_cached, self._sin_k_cached = (cos / decay).to(dtype), (sin / decay).to(dtype)
+
+    def forward(self, qkv, kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None):
+        if max_seqlen is not None:
+            self._update_cos_sin_cache(max_seqlen, device=qkv.device, dtype=qkv.dtype)
+        elif isinstance(seqlen_offset, int):
+            self._update_cos_sin_cache(qkv.shape[1] + seqlen_offset, device=qkv.device,
+                                       dtype=qkv.dtype)
+        elif self._cos_cached is None:
+            raise ValueError("a tensor seqlen_offset needs max_seqlen (the tables' length)")
+        xpos = self.scale is not None
+        cos_k = self._cos_k_cached if xpos else self._cos_cached
+        sin_k = self._sin_k_cached if xpos else self._sin_cached
+        if kv is None:
+            return apply_rotary_emb_qkv_(qkv, self._cos_cached, self._sin_cached, cos_k, sin_k,
+                                         self.interleaved, seqlen_offset, num_heads_q)
+        q = apply_rotary_emb(qkv, self._cos_cached, self._sin_cached, self.interleaved, True,
+                             seqlen_offset)
+        return q, apply_rotary_emb_kv_(kv, cos_k, sin_k, self.interleaved, seqlen_offset)
