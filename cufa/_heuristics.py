@@ -157,8 +157,10 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True, f
       that fills few slots costs nearly as long as a full one; where those CTAs make one
       wave, the largest power of two of splits that still makes one wave (the power of
       two below that count left up to half the slots empty: 15 splits of 16 units on 264
-      slots became 8). From two waves up: unsplit. Without fill_waves (the e4m3 decode
-      kernels: FILL_WAVES_E4M3) from one wave up: unsplit.
+      slots became 8). From two waves up: unsplit.
+    - Without fill_waves (the e4m3 decode kernels: FILL_WAVES_E4M3), never past one wave:
+      from one wave up unsplit; under it the largest power of two of splits that keeps one
+      wave, where that fills 90 % of the slots, else the most splits that fit in one.
 
     Example, 132 SMs, 3 CTAs an SM (396 slots): 1 x 128k keys with 8 KV heads (8 units)
     splits 16 ways contiguous (128 CTAs, one an SM), 32 ways paged (45 splits fill 91 %
@@ -175,6 +177,10 @@ def choose_num_splits(units, max_keys, sm_count, ctas_per_sm, one_per_sm=True, f
             return per_sm
     if sm_count < units <= slots:
         return 1
+    if not fill_waves:  # one wave at most: a power of two of splits where that fills 90 %
+        fit = min(slots // units, most)  # of the slots, else as many as fit
+        power = 1 << (fit.bit_length() - 1)
+        return power if 10 * units * power >= 9 * slots else fit
     best, best_fill = 1, 0.0
     for splits in range(1, most + 1):
         waves = units * splits / slots

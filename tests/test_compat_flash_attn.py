@@ -567,7 +567,8 @@ def test_rotary_embedding_against_numpy(rng, interleaved, layout, offset):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     elif layout == "gqa":
         qkv = t(batch, seqlen, hq + 2 * hk, d)
-        q0, k0, v0 = qkv[:, :, :hq].clone(), qkv[:, :, hq:hq + hk].clone(), qkv[:, :, hq + hk:].clone()
+        q0, k0 = qkv[:, :, :hq].clone(), qkv[:, :, hq:hq + hk].clone()
+        v0 = qkv[:, :, hq + hk:].clone()
         assert module(qkv, num_heads_q=hq, **kw) is qkv
         q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hk], qkv[:, :, hq + hk:]
     else:
@@ -629,19 +630,39 @@ def test_rotary_embedding_subclass_tables_are_used():
     assert torch.equal(qkv, before)
 
 
-def test_rotary_embedding_gradient_is_the_inverse_rotation(rng):
-    """d(sum(w * rope(x)))/dx = rope^-1(w) on q and k (the rotation is orthogonal), w on v."""
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "inside a graph"])
+@pytest.mark.parametrize("form", ["module", "qkv_", "kv_", "inplace"])
+def test_in_place_rotary_gradient_is_the_inverse_rotation(rng, leaf, form):
+    """d(sum(w * rope(x)))/dx = rope^-1(w) on the rotated parts (a rotation is orthogonal),
+    w elsewhere; as with flash-attn, x may be a leaf that requires grad (written in place
+    all the same, an alias of it returned)."""
     batch, seqlen, h, d, dim = 2, 6, 2, 16, 12
-    leaf = torch.from_numpy(rng.standard_normal((batch, seqlen, 3, h, d), dtype=np.float32))
-    leaf.requires_grad_(True)
-    w = torch.from_numpy(rng.standard_normal(leaf.shape, dtype=np.float32))
-    (RotaryEmbedding(dim, interleaved=True)(leaf * 1.0) * w).sum().backward()
+    shape = {"kv_": (batch, seqlen, 2, h, d), "inplace": (batch, seqlen, h, d)}.get(
+        form, (batch, seqlen, 3, h, d))
+    x = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).requires_grad_(True)
+    start = x.detach().clone()
+    w = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
     cos, sin = _rope_tables(np.arange(seqlen), dim, 10000.0)
-    for i in (0, 1):
-        rows, t = _rows(w[:, :, i])
-        want = rotary_numpy(rows, cos, -sin, t, True).reshape(w[:, :, i].shape)
-        np.testing.assert_allclose(leaf.grad[:, :, i].double().numpy(), want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(leaf.grad[:, :, 2], w[:, :, 2])
+    c, s = torch.from_numpy(cos).float(), torch.from_numpy(sin).float()
+    arg = x if leaf else x * 1.0
+    out = {"module": lambda: RotaryEmbedding(dim, interleaved=True)(arg),
+           "qkv_": lambda: apply_rotary_emb_qkv_(arg, c, s, interleaved=True),
+           "kv_": lambda: apply_rotary_emb_kv_(arg, c, s, interleaved=True),
+           "inplace": lambda: apply_rotary_emb(arg, c, s, True, inplace=True)}[form]()
+    assert out.data_ptr() == arg.data_ptr()  # (written in place)
+    (out * w).sum().backward()
+    rotated = {"kv_": (0,), "inplace": (None,)}.get(form, (0, 1))
+    for i in rotated:
+        part = (lambda a: a) if i is None else (lambda a, i=i: a[:, :, i])
+        rows, t = _rows(part(w))
+        want = rotary_numpy(rows, cos, -sin, t, True).reshape(part(w).shape)
+        np.testing.assert_allclose(part(x.grad).double().numpy(), want, rtol=1e-5, atol=1e-5)
+        rows, t = _rows(part(start))
+        want = rotary_numpy(rows, cos, sin, t, True).reshape(part(w).shape)
+        np.testing.assert_allclose(part(arg).detach().double().numpy(), want, rtol=1e-5,
+                                   atol=1e-5)
+    for i in set(range(shape[2])) - set(rotated) if rotated != (None,) else ():
+        assert torch.equal(x.grad[:, :, i], w[:, :, i])
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

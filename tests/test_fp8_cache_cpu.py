@@ -157,6 +157,25 @@ def test_e4m3_decode_splits_for_two_ctas_an_sm(planner, monkeypatch, batch, keys
             units, keys, 132, sixteen.ctas_per_sm_on(_compile.SM90_SMEM_PER_SM), one_per_sm=False)
 
 
+def test_e4m3_split_rule_never_passes_one_wave():
+    """Without fill_waves no count of units is split past one wave of the slots (the fill
+    loop would pick 7-11 splits for 89-112 units, 1.4-2 waves), and a power of two is
+    taken only where it fills 90 % of them."""
+    from cufa import _heuristics
+    for slots_per_sm in (2, 4):
+        slots = 132 * slots_per_sm
+        for units in range(1, 2 * slots + 2):
+            for keys in (512, 16384, 131072):
+                splits = _heuristics.choose_num_splits(units, keys, 132, slots_per_sm,
+                                                       one_per_sm=False, fill_waves=False)
+                assert splits == 1 or units * splits <= slots, (units, keys, splits)
+                assert splits <= max(1, keys // _heuristics.MIN_KEYS_PER_SPLIT)
+    assert _heuristics.choose_num_splits(67, 16384, 132, 2, one_per_sm=False,
+                                         fill_waves=False) == 3  # 2 would fill half
+    assert _heuristics.choose_num_splits(8, 131072, 132, 2, one_per_sm=False,
+                                         fill_waves=False) == 32  # 33 fit; 32 fill 97 %
+
+
 def test_head_pairs_kernel_is_d128s_tile():
     """The paired kernel is d = 128's e4m3 kernel (its shared memory, shape and launch
     bounds) with the pairs flag; only e4m3 at d = 64 has one."""

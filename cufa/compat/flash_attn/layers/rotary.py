@@ -2,8 +2,39 @@
 embedding of (batch, seqlen, nheads, headdim) or packed (total, nheads, headdim) arrays,
 computed in float32 and rounded once to x's dtype), its in-place forms for packed qkv and
 kv, the unfused reference apply_rotary_emb_torch, and the RotaryEmbedding module (with
-xPos). Gradients flow through all of them."""
+xPos). Gradients flow through all of them; the in-place forms, as flash-attn's, also take
+a leaf that requires grad (_in_place)."""
 import torch
+
+
+class _RotateInPlace(torch.autograd.Function):
+    """x rotated in place where autograd does not see the write (flash-attn's in-place
+    functions take a leaf that requires grad, which a plain in-place write would refuse),
+    returned as an alias of x whose gradient is rotated back: rotate(t, conjugate) rotates
+    t's parts in place, by -sin where conjugate (a rotation's transpose, xPos's too)."""
+
+    @staticmethod
+    def forward(ctx, x, rotate):
+        with torch.no_grad():
+            rotate(x, False)
+        ctx.rotate = rotate
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        with torch.no_grad():
+            ctx.rotate(grad, True)
+        return grad, None
+
+
+def _in_place(x, rotate):
+    """x after rotate(x, False) in place: through _RotateInPlace where x takes part in
+    autograd (an alias of x comes back, as from flash-attn), else x itself."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RotateInPlace.apply(x, rotate)
+    rotate(x, False)
+    return x
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0,
@@ -16,8 +47,20 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     t + seqlen_offsets (an int, or a (batch,) integer tensor: its entry b) and rotated by
     the angle of that row of cos and sin; positions past seqlen_ro are left unrotated.
     interleaved=True pairs features (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2)
-    (GPT-NeoX). inplace=True writes into x and returns it.
+    (GPT-NeoX). inplace=True writes into x and returns it (an alias of it where x requires
+    grad, as flash-attn returns).
     """
+    if not inplace:
+        return _rotated_copy(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen)
+
+    def rotate(t, conjugate):
+        t.copy_(_rotated_copy(t, cos, -sin if conjugate else sin, interleaved, seqlen_offsets,
+                              cu_seqlens, max_seqlen))
+    return _in_place(x, rotate)
+
+
+def _rotated_copy(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen):
+    """apply_rotary_emb's rotation, out of place."""
     half = cos.shape[-1]
     rotary_dim = 2 * half
     if cos.ndim != 2 or sin.shape != cos.shape:
@@ -61,9 +104,6 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         x0, x1 = part[..., :half], part[..., half:]
         rotated = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
     rotated = rotated.to(x.dtype)
-    if inplace:
-        x[..., :rotary_dim] = rotated
-        return x
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
@@ -79,7 +119,10 @@ def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
         raise ValueError(f"cos gives rotary_dim {2 * half}, more than x's head dim {x.shape[-1]}")
     c, s = cos[..., None, :], sin[..., None, :]  # (.., seqlen, 1, half)
     part = x[..., :2 * half]
-    x0, x1 = (part[..., 0::2], part[..., 1::2]) if interleaved else (part[..., :half], part[..., half:])
+    if interleaved:
+        x0, x1 = part[..., 0::2], part[..., 1::2]
+    else:
+        x0, x1 = part[..., :half], part[..., half:]
     r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
     rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if interleaved else torch.cat((r0, r1), -1)
     return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
@@ -105,23 +148,31 @@ def _q_and_k(qkv, num_heads_q):
 
 def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False,
                           seqlen_offsets=0, num_heads_q=None):
-    """Rotate q and k of a packed qkv in place and return it: (batch, seqlen, 3, nheads,
+    """Rotate q and k of a packed qkv in place and return it (an alias where it requires
+    grad, as apply_rotary_emb's inplace): (batch, seqlen, 3, nheads,
     headdim), or (batch, seqlen, num_heads_q + 2 * num_heads_k, headdim) with num_heads_q
     given (GQA / MQA). k takes cos_k, sin_k where given (xPos), else cos, sin; v is left as
     it is. Offsets as apply_rotary_emb's."""
-    q, k = _q_and_k(qkv, num_heads_q)
-    apply_rotary_emb(q, cos, sin, interleaved, True, seqlen_offsets)
-    apply_rotary_emb(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k,
-                     interleaved, True, seqlen_offsets)
-    return qkv
+    _q_and_k(qkv, num_heads_q)  # (the shape's checks, before any write)
+    cos_k, sin_k = cos if cos_k is None else cos_k, sin if sin_k is None else sin_k
+
+    def rotate(t, conjugate):
+        q, k = _q_and_k(t, num_heads_q)
+        for part, c, s in ((q, cos, sin), (k, cos_k, sin_k)):
+            part.copy_(_rotated_copy(part, c, -s if conjugate else s, interleaved, seqlen_offsets,
+                                     None, None))
+    return _in_place(qkv, rotate)
 
 
 def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
     """Rotate k of a packed kv (batch, seqlen, 2, nheads, headdim) in place and return kv."""
     if kv.ndim != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must be (batch, seqlen, 2, nheads, headdim); got {tuple(kv.shape)}")
-    apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, True, seqlen_offsets)
-    return kv
+
+    def rotate(t, conjugate):
+        t[:, :, 0].copy_(_rotated_copy(t[:, :, 0], cos, -sin if conjugate else sin, interleaved,
+                                       seqlen_offsets, None, None))
+    return _in_place(kv, rotate)
 
 
 class RotaryEmbedding(torch.nn.Module):
