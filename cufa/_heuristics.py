@@ -259,15 +259,14 @@ def pages_read_whole(page_shift, no_leftpad, window_left):
 
 def head_pairs(d, nheads_k, head_strides, unit_rows, fp8_cache, aligned):
     """Whether an e4m3 decode takes two KV heads a CTA (_compile.PAIRED_HEAD_DIM; the
-    kernel's kHeadPairs). At d = 64 a head's slice of
-    a cache row is 64 bytes, half a 128-byte line, and CTAs of one head each read them at
-    49-66 % of copy bandwidth where d = 128's read 72-88 % (H200). Two heads side by side
-    (k's and v's head strides head_dim) make whole lines; their query rows (GQA group x new
-    tokens, `unit_rows`) must fit half of the kernel's 16-row tile, and the heads pair up
-    (an even count). Between one and two waves of pairs they run unsplit
-    (FILL_WAVES_E4M3), faster than one head a CTA (H200, 32/8 heads, one token: 256 x 1k
-    78.7 against 94.4 us, 192 x 1k 64.5 against 72.4; 32/32 heads, 64 x 4k: 276 against
-    383).
+    kernel's kHeadPairs). At d = 64 a head's slice of a cache row is 64 bytes, half a
+    128-byte line, and CTAs of one head each read them at 49-66 % of copy bandwidth where
+    d = 128's read 72-88 % (H200). Two heads side by side (k's and v's head strides
+    head_dim) make whole lines; their query rows (GQA group x new tokens, `unit_rows`) must
+    fit half of the kernel's 16-row tile, and the heads pair up (an even count). Between
+    one and two waves of pairs they run unsplit (FILL_WAVES_E4M3), faster than one head a
+    CTA (H200, 32/8 heads, one token: 256 x 1k 78.7 against 94.4 us, 192 x 1k 64.5
+    against 72.4; 32/32 heads, 64 x 4k: 276 against 383).
 
     Example, 132 SMs, 32/8 heads, one token, the standard (.., nheads_k, 64) layout: 64 x
     4k (256 pairs, under a wave), 256 x 1k (1024 pairs, 1.9 waves of 4 CTAs an SM) and
