@@ -22,8 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import _timing  # noqa: E402,F401  (finds the checkout's cufa when none is on the path)
-
-PAIRED_HEAD_DIM = 64  # (_compile.PAIRED_HEAD_DIM: where an e4m3 cache may take head pairs)
+from cufa._compile import PAIRED_HEAD_DIM  # noqa: E402  (where an e4m3 cache takes head pairs)
 
 
 def _pairs(text):
