@@ -1263,14 +1263,18 @@ _kernels = {}
 
 
 def get_kernel(variant, device_id):
-    """The compiled function of `variant` on `device_id`, compiled on first use."""
+    """The compiled function of `variant` on `device_id`, compiled on first use: CuPy's
+    RawKernel and its Function on that device. (A RawKernel loads its module for whichever
+    device is current when its `.kernel` is read, so the Function is read here, with
+    `device_id` current: read later, under a caller's other current device, it would be
+    that device's, which a launch on `device_id` refuses as an invalid handle.)"""
     key = (device_id, variant)
-    fn = _kernels.get(key)
-    if fn is not None:
-        return fn
+    compiled = _kernels.get(key)
+    if compiled is not None:
+        return compiled
     with _lock:
-        fn = _kernels.get(key)
-        if fn is None:
+        compiled = _kernels.get(key)
+        if compiled is None:
             import cupy
             with cupy.cuda.Device(device_id):
                 fn = raw_module(variant).get_function(variant.name_expression)
@@ -1278,8 +1282,8 @@ def get_kernel(variant, device_id):
                     fn.max_dynamic_shared_size_bytes = variant.smem_bytes
                 if variant.ctas_per_sm > 1:  # room in shared memory for all of them, not one
                     fn.preferred_shared_memory_carveout = 100
-            _kernels[key] = fn
-    return fn
+                compiled = _kernels[key] = (fn, fn.kernel)
+    return compiled
 
 
 def raw_module(variant):
@@ -1315,7 +1319,7 @@ def debug_options():
 def function_pointer(variant, device_id):
     """The CUfunction handle of `variant` on `device_id` (for a launch through the
     driver), compiled on first use."""
-    return get_kernel(variant, device_id).kernel.ptr
+    return get_kernel(variant, device_id)[1].ptr
 
 
 def compiled_keys():

@@ -1179,3 +1179,45 @@ def test_workspace_is_per_thread_on_a_shared_stream(monkeypatch):
     assert len(workspaces) == 3 and not freed
     assert got["a"][1] == got["b"][1]
     assert _runtime.stream_workspace("cupy", 0, 0x77, 64, capturing=False)[1] == got[""][0]
+
+
+def test_kernel_handle_is_read_on_the_device_it_is_for(monkeypatch):
+    """A CuPy RawKernel loads its module for whichever device is current when its `.kernel`
+    is read: the handle of a launch on cuda:1 must be read with cuda:1 current, not the
+    caller's cuda:0 (which the driver refused as an invalid handle on a two-GPU host)."""
+    import cupy
+    current = [0]
+
+    class Device:
+        def __init__(self, i):
+            self.i = i
+
+        def __enter__(self):
+            self.was, current[0] = current[0], self.i
+
+        def __exit__(self, *exc):
+            current[0] = self.was
+
+    class Function:
+        def __init__(self):
+            self.ptr = 0xC0DE00 + current[0]
+
+    class RawKernel:
+        max_dynamic_shared_size_bytes = preferred_shared_memory_carveout = 0
+
+        @property
+        def kernel(self):
+            return Function()
+
+    class Module:
+        def get_function(self, name):
+            return RawKernel()
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(_compile, "raw_module", lambda variant: Module())
+    monkeypatch.setattr(_compile, "_kernels", {})
+    variant = _compile.VARLEN_SCHEDULE
+    assert _compile.function_pointer(variant, 1) == 0xC0DE01
+    assert _compile.function_pointer(variant, 0) == 0xC0DE00
+    assert current[0] == 0
+    assert _compile.function_pointer(variant, 1) == 0xC0DE01  # (cached per device)

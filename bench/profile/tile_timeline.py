@@ -38,9 +38,9 @@ FIELDS = ("wait", "ready", "end0", "end1", "ns_ready", "ns_end0", "head_block", 
 
 def trace_table(variant):
     import cupy
-    fn = _compile.get_kernel(variant, torch.cuda.current_device())
+    fn, function = _compile.get_kernel(variant, torch.cuda.current_device())
     shape = (264, 512, len(FIELDS))  # (sm90_trace.cuh's kTraceCtas, kTraceTiles)
-    address = fn.kernel.module.get_global_var("cufa_tile_trace")
+    address = function.module.get_global_var("cufa_tile_trace")
     memory = cupy.cuda.UnownedMemory(address, int(np.prod(shape)) * 8, fn,
                                      torch.cuda.current_device())
     return cupy.ndarray(shape, dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
