@@ -193,19 +193,47 @@ def reference_kernels(calls=None):
 
 # -- scenarios, each run on the three models (float32 reference, 16-bit reference, cufa) ---
 
-def _models(family, dtype, device, **overrides):
+def _models(family, dtype, device, prepare=None, **overrides):
+    """(reference in float32, reference in dtype, cufa's) models; prepare(model): applied
+    to cufa's (e.g. split_layers)."""
     ref = reference_attention(family)
+    model = build(family, "cufa", dtype, device, **overrides)
     return (build(family, ref, torch.float32, device, **overrides),
             build(family, ref, dtype, device, **overrides),
-            build(family, "cufa", dtype, device, **overrides))
+            prepare(model) if prepare else model)
 
 
-def check_prefill(family, dtype, device, batch_kind, label="", **overrides):
+def split_layers(device, first=1):
+    """prepare= for a model split over two GPUs, as device_map="auto" splits one: decoder
+    layers from `first` on moved to `device`, with hooks that bring their inputs there and
+    their outputs back (accelerate's hooks, written out; the mask, a cufa plan, is left
+    where it was made)."""
+    def to(x, where):
+        if isinstance(x, torch.Tensor):
+            return x.to(where)
+        if isinstance(x, (tuple, list)):
+            return type(x)(to(y, where) for y in x)
+        if isinstance(x, dict):
+            return {k: to(v, where) for k, v in x.items()}
+        return x
+
+    def prepare(model):
+        for layer in model.model.layers[first:]:
+            home = next(layer.parameters()).device
+            layer.to(device)
+            layer.register_forward_pre_hook(lambda m, args, kw: (to(args, device), to(kw, device)),
+                                            with_kwargs=True)
+            layer.register_forward_hook(lambda m, args, out, home=home: to(out, home))
+        return model
+    return prepare
+
+
+def check_prefill(family, dtype, device, batch_kind, label="", prepare=None, **overrides):
     """One forward of a batch: 'left', 'right' (padding), 'left_short' (left padding, at
     most 16 tokens: the decode-sized route), 'holes' (padding inside a sequence), 'none'
     (no padding, no mask) or 'packed' (sequences back to back, two rows, no cache).
-    Returns the worst ratio. overrides: config fields."""
-    models = _models(family, dtype, device, **overrides)
+    Returns the worst ratio. prepare: as _models'; overrides: config fields."""
+    models = _models(family, dtype, device, prepare, **overrides)
     kwargs, real = {}, None
     if batch_kind == "packed":
         rows = [packed([7, 30, 1, 19], device=device), packed([40, 17], seed=4, device=device)]
@@ -309,14 +337,14 @@ def check_encoder_decoder(dtype, device, encoder_padding=True, label=""):
 
 
 def check_generation(family, dtype, device, cache="dynamic", new_tokens=32, label="",
-                     compiled=False, **overrides):
+                     compiled=False, prepare=None, **overrides):
     """Greedy generation of a left-padded batch on cufa (a prefill, then decode steps on
     the cache); each step's logits against the reference models' one forward over the
     whole generated sequence (teacher forcing, so near-tied logits cannot make the
     references follow another path). compiled: a static cache's decode steps under
     torch.compile, as generate() does by itself on a GPU (else it is told not to).
-    overrides: config fields."""
-    ref32, lowp, model = _models(family, dtype, device, **overrides)
+    prepare: as _models'; overrides: config fields."""
+    ref32, lowp, model = _models(family, dtype, device, prepare, **overrides)
     ids, mask = left_padded(3, 30, [0, 4, 13], device=device)
     options = dict(max_new_tokens=new_tokens, do_sample=False, output_logits=True,
                    return_dict_in_generate=True, pad_token_id=0)

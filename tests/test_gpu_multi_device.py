@@ -255,3 +255,43 @@ def test_jax_arrays_on_the_second_device():
     to_t = (lambda a: torch.from_dlpack(a))
     check_attention(to_t(eager), to_t(lse), to_t(q), to_t(k), to_t(v), causal=True)
     check_attention(to_t(jitted), None, to_t(q), to_t(k), to_t(v), label="jit", causal=True)
+
+
+@pytest.fixture
+def hf_devices(monkeypatch):
+    """cufa registered as transformers' attention; the (entry point, q's device) of each
+    call the integration makes."""
+    pytest.importorskip("transformers")
+    import cufa.integrations.transformers as hf
+    hf.register()
+    seen = set()
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(cufa, name)
+
+            def call(*args, **kwargs):
+                seen.add((name, str((args[0] if args else kwargs["q"]).device)))
+                return fn(*args, **kwargs)
+            return call
+    monkeypatch.setattr(hf, "_kernels", Spy())
+    return seen
+
+
+@pytest.mark.parametrize("family,batch_kind", [
+    ("llama", "left"), ("llama", "left_short"), ("mistral", "packed"), ("gemma2", "right"),
+    ("qwen2", "none")])
+def test_transformers_model_split_over_two_devices(hf_devices, family, batch_kind):
+    """A tiny model's second layer on cuda:1 (device_map's split): the mask, made once on
+    cuda:0, reaches that layer's kernels on cuda:1."""
+    import _transformers_check as tc
+    tc.check_prefill(family, torch.bfloat16, "cuda", batch_kind, label="split over 2 GPUs: ",
+                     prepare=tc.split_layers(DEV))
+    assert {device for _, device in hf_devices} == {"cuda:0", "cuda:1"}, hf_devices
+
+
+def test_transformers_generation_split_over_two_devices(hf_devices):
+    import _transformers_check as tc
+    tc.check_generation("llama", torch.bfloat16, "cuda", new_tokens=8,
+                        label="split over 2 GPUs: ", prepare=tc.split_layers(DEV))
+    assert ("flash_attn_with_kvcache", "cuda:1") in hf_devices, hf_devices

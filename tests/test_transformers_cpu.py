@@ -136,6 +136,29 @@ def test_mask_plans_padding_once():
     assert plan.num_keys == 3 and plan.padding == "run" and plan.gather is None
 
 
+def test_a_plan_moves_to_the_device_of_a_layer():
+    """A model split over GPUs makes its mask once, on the first layer's device: a layer on
+    another device reads a copy there (made once), with every index tensor moved; `meta`
+    stands in for the second GPU."""
+    holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    plan = hf.mask(**_mask_args(attention_mask=holes))
+    meta = torch.device("meta")
+    there = plan.on(meta)
+    assert there is not plan and plan.on(meta) is there and plan.to("meta") is there
+    assert plan.on(torch.device("cpu")) is plan and plan.to(torch.bfloat16) is plan
+    g = there.gather
+    for x in (*g.q_rows, *g.k_rows, g.cu_q, g.cu_k):
+        assert x.device == meta
+    assert (g.max_q, g.max_k) == (plan.gather.max_q, plan.gather.max_k)
+    assert plan.gather.cu_k.device.type == "cpu" and there.window == plan.window
+    left = torch.tensor([[1, 1, 1], [0, 1, 1]])  # a decode step's lengths and left padding
+    step = hf.mask(**_mask_args(q_length=1, kv_length=8, q_offset=2, attention_mask=left))
+    assert {step.on(meta).key_lens.device, step.on(meta).leftpad.device} == {meta}
+    packed = hf.KeyPlan(window=(-1, 0), num_keys=6, q_length=6, batch=1, columns=6,
+                        packed=(torch.tensor([0, 2, 6], dtype=torch.int32), 4))
+    assert packed.on(meta).packed[0].device == meta and packed.on(meta).packed[1] == 4
+
+
 def test_mask_falls_back_to_a_4d_mask():
     custom = lambda b, h, q, kv: kv % 2 == 0  # noqa: E731
     m = hf.mask(**_mask_args(mask_function=masking_utils.and_masks(

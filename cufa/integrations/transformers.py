@@ -93,10 +93,33 @@ class KeyPlan:
     leftpad: object = None      # int32 (batch,)
     gather: object = None       # _Gathered
     packed: tuple = None
+    elsewhere: dict = dataclasses.field(default_factory=dict)  # device -> copy there
 
     @property
     def causal(self):
         return self.window[1] == 0
+
+    def on(self, device):
+        """This plan with its tensors on `device`. A model split over GPUs (device_map)
+        makes the mask once a forward, on the first layer's device; each other device's
+        layers get a copy, made once (a few small index tensors)."""
+        tensors = [x for x in (self.key_lens, self.leftpad, self.gather and self.gather.cu_q,
+                               self.packed and self.packed[0]) if x is not None]
+        if not tensors or tensors[0].device == device:
+            return self
+        moved = self.elsewhere.get(device)
+        if moved is None:
+            def to(x):
+                if isinstance(x, torch.Tensor):
+                    return x.to(device)
+                return type(x)(map(to, x)) if isinstance(x, tuple) else x
+            gather = self.gather and dataclasses.replace(
+                self.gather, **{f.name: to(getattr(self.gather, f.name))
+                                for f in dataclasses.fields(self.gather)})
+            moved = self.elsewhere[device] = dataclasses.replace(
+                self, key_lens=to(self.key_lens), leftpad=to(self.leftpad), gather=gather,
+                packed=to(self.packed), elsewhere={})
+        return moved
 
     # generate() with a static cache makes the masks before the forward and hands them to
     # the model as its attention_mask, which the model's mask functions then read as a
@@ -108,7 +131,11 @@ class KeyPlan:
         return (self.batch, self.columns)
 
     def to(self, *args, **kwargs):
-        return self
+        """(accelerate's hooks move a layer's inputs with .to(device))"""
+        device = kwargs.get("device", args[0] if args else None)
+        if device is None or isinstance(device, torch.dtype):
+            return self
+        return self.on(torch.device(device))
 
 
 @dataclasses.dataclass(eq=False)
@@ -316,6 +343,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     else:  # (a 2-D mask: a layer called with the padding mask itself, as flash-attn takes it)
         plan = attention_mask if isinstance(attention_mask, KeyPlan) else _plan_from_arguments(
             module, query, key, sliding_window, is_causal, attention_mask)
+        plan = plan.on(query.device)
         out = _run(plan, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                    options, kwargs)
     if v_head_dim != head_dim:
@@ -389,7 +417,8 @@ def _run(plan, q, k, v, options, kwargs):
     common = dict(causal=causal, window_size=window, **options)
     trained = dict(common, deterministic=_deterministic(kwargs))  # (the backward's choice)
     # (a padding mask wins over cu_seq_lens, as in transformers' flash-attention path)
-    flattened = _cu_seq_lens(kwargs) if plan.packed is None and plan.padding is None else None
+    flattened = (_cu_seq_lens(kwargs, q.device) if plan.packed is None and plan.padding is None
+                 else None)
     if plan.packed is not None or flattened is not None:
         if plan.packed is not None:
             (cu_q, max_q), (cu_k, max_k) = plan.packed, plan.packed
@@ -437,15 +466,15 @@ def _deterministic(kwargs):
     return bool(flag)
 
 
-def _cu_seq_lens(kwargs):
+def _cu_seq_lens(kwargs, device):
     """flash-attn's packed-batch keyword arguments, as transformers' collators pass them
-    (DataCollatorWithFlattening), or None."""
+    (DataCollatorWithFlattening), or None; cu_seqlens on the layer's `device`."""
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     found = [kwargs.get(n) for n in names]
     if any(x is None for x in found):
         return None
     cu_q, cu_k, max_q, max_k = found
-    return (cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
+    return (cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(max_q), int(max_k))
 
 
 def _masked(query, key, value, attention_mask, options):
