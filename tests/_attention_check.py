@@ -239,16 +239,17 @@ def assert_pass_rule(out, lse, ref, lowp, dtype, label, roundings=ROW_ROUNDINGS,
     return float(ratio.max(initial=0)), float(err_lp.max(initial=0))
 
 
-def capture_cuda_graph(fn):
+def capture_cuda_graph(fn, stream=None):
     """fn captured in a torch CUDA graph, after a warm-up call (compile, plan) on a side
-    stream, as PyTorch asks; -> (graph, what the captured call returned)."""
+    stream, as PyTorch asks; -> (graph, what the captured call returned). stream: the
+    capture stream (torch.cuda.graph's default: one a process)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         result = fn()
     return graph, result
 

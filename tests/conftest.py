@@ -26,6 +26,14 @@ def _cuda_device_reason():
     return "" if n else "no CUDA device (0 devices)"
 
 
+def _cuda_device_count():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
 def _torch_import_error():
     """'' when torch imports, else why not."""
     try:
@@ -36,6 +44,7 @@ def _torch_import_error():
 
 
 NO_GPU = _cuda_device_reason()
+SEVERAL_GPUS = not NO_GPU and _cuda_device_count() > 1
 # JAX would otherwise reserve 75% of the GPU at import, starving PyTorch in the same process.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -79,6 +88,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_jax_brought_up = []
+
+
+@pytest.fixture(autouse=True)
+def _cuda0_current(request):
+    """On a host with several GPUs, every GPU test starts with cuda:0 current (the tests
+    make their tensors with device="cuda"), with JAX's GPUs brought up beforehand: XLA
+    sets up every GPU in the thread that first uses JAX and leaves the last one's context
+    current (cuda:1 on a two-GPU host), which moved torch's current device, and the
+    tensors of every later test in that process, to cuda:1."""
+    if not SEVERAL_GPUS or "gpu" not in request.keywords:
+        return
+    if not _jax_brought_up:
+        _jax_brought_up.append(True)
+        try:
+            import jax
+            jax.devices()
+        except Exception:  # (no JAX, or none for CUDA: nothing to bring up)
+            pass
+    import torch
+    torch.cuda.set_device(0)
 
 
 @pytest.fixture

@@ -208,9 +208,11 @@ def test_cuda_graph_captured_on_the_second_device():
     q = randn(rng, (batch, 1, h, d), "float16").to(DEV)
     k_cache, v_cache = (randn(rng, (batch, capacity, hk, d), "float16").to(DEV) for _ in range(2))
     seqlens = torch.tensor([5, 900], dtype=torch.int32, device=DEV)
+    call = (lambda: cufa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
     with torch.cuda.device(DEV):
-        graph, out = capture_cuda_graph(
-            lambda: cufa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
+        # (a capture stream of cuda:1's own: torch.cuda.graph's default one is made once a
+        # process, on the device current at its first capture)
+        graph, out = capture_cuda_graph(call, torch.cuda.Stream(DEV))
         for lens in ([700, 1], [1024, 333]):
             seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
             q.copy_(randn(rng, tuple(q.shape), "float16").to(DEV))
