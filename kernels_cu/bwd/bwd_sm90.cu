@@ -377,12 +377,13 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
 //    K-major tile of both warpgroups' keys (a 64-key panel each), two tiles alternating by
 //    step. At d = 128, once both are in, each takes 64 of the head dim's columns over all
 //    of the keys; at d = 64 each takes the whole head dim over its own keys (no wait for
-//    the other; both add to the same block). The sums go to shared memory as the
-//    accumulators hold them, a slab of 64 x 64 a warpgroup (float4 j of thread t at
-//    (j * 128 + t) * 16 bytes: no bank conflicts, no shuffle), and once the step's buffer
-//    is released the producer adds the slabs to the step's block of dq_accum, which keeps
-//    that order (dq_slab_index), by one or two bulk reductions; bwd_dq_blocks_kernel puts
-//    the sums back in rows --
+//    the other's dS), and warpgroup 0 adds warpgroup 1's sums to its own (stage_dq_pair).
+//    The sums go to shared memory as the accumulators hold them, a slab of 64 x 64 a
+//    warpgroup (float4 j of thread t at (j * 128 + t) * 16 bytes: no bank conflicts, no
+//    shuffle), and once the step's buffer is released the producer adds the step's 16 KB
+//    (d = 64) or 32 KB to the step's block of dq_accum, which keeps that order
+//    (dq_slab_index), by one bulk reduction; bwd_dq_blocks_kernel puts the sums back in
+//    rows --
 enum : int { kDqSlabBytes = 64 * 64 * 4 };  // (an enum: unused where dq is not fused)
 
 // where a slab keeps the sum of row r, column c (both < 64): the float of its
@@ -448,17 +449,52 @@ __device__ __forceinline__ void stage_dq_share(const float (&acc)[1][8][4], u32 
   fence_proxy_async();  // (for the bulk reduction's reads)
 }
 
+// d = 64, where both warpgroups' sums are of the same 64 x 64 block: warpgroup 1 leaves
+// its sums in its slab and warpgroup 0 adds them to its own before staging them, so the
+// step sends one slab (the L2's reductions, not the products, set the fused kernel's pace
+// there: two slabs a step made it 1.15-1.20x the two kernels' time without a mask). The
+// other's slab is free again once the step's slab is sent (dq_empty): warpgroup 0 has
+// read it by then.
+__device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u32 dq_empty,
+                                              int step, int wg) {
+  constexpr int kPairBarrier = 1;  // (d = 128's "both warpgroups' keys": not used at 64)
+  if (step > 0) mbar_wait(dq_empty, (step - 1) & 1);
+  const u32 at = sdq + (threadIdx.x % 128) * 16, other = at + kDqSlabBytes;
+  if (wg == 1) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(other + j * 128 * 16),
+                   "f"(acc[0][j][0]), "f"(acc[0][j][1]), "f"(acc[0][j][2]), "f"(acc[0][j][3])
+                   : "memory");
+    named_barrier_arrive(kPairBarrier, 256);
+    return;
+  }
+  named_barrier_sync(kPairBarrier, 256);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float x, y, z, w;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(x), "=f"(y), "=f"(z), "=f"(w) : "r"(other + j * 128 * 16) : "memory");
+    acc[0][j][0] += x;
+    acc[0][j][1] += y;
+    acc[0][j][2] += z;
+    acc[0][j][3] += w;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + j * 128 * 16),
+                 "f"(acc[0][j][0]), "f"(acc[0][j][1]), "f"(acc[0][j][2]), "f"(acc[0][j][3])
+                 : "memory");
+  fence_proxy_async();  // (for the bulk reduction's reads)
+}
+
 // the producer's thread 0, once every consumer warp has released a step (and so staged
-// its sums): the slabs added to the step's block of dq_accum ...
+// its sums): the step's slabs (d = 64: warpgroup 0's, which holds both) added to its
+// block of dq_accum ...
 template <int kHeadDim>
 __device__ __forceinline__ void send_dq_share(float* block, u32 sdq) {
   if (threadIdx.x) return;
-  if constexpr (kHeadDim == 64) {  // (both warpgroups' sums of the same 64 columns)
-    bulk_add_f32(block, sdq, kDqSlabBytes);
-    bulk_add_f32(block, sdq + kDqSlabBytes, kDqSlabBytes);
-  } else {
-    bulk_add_f32(block, sdq, 2 * kDqSlabBytes);
-  }
+  bulk_add_f32(block, sdq, kHeadDim == 64 ? kDqSlabBytes : 2 * kDqSlabBytes);
   bulk_commit();
 }
 // ... and free again once read (after the step it produces is announced: the reads wait
@@ -830,7 +866,10 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
         issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg);
         wgmma_wait<0>();
         fence_registers(acc_dq);
-        stage_dq_share(acc_dq, sdq + wg * kDqSlabBytes, dq_empty, i);
+        if constexpr (kHeadDim == 64)
+          stage_dq_pair(acc_dq, sdq, dq_empty, i, wg);
+        else
+          stage_dq_share(acc_dq, sdq + wg * kDqSlabBytes, dq_empty, i);
       }
     }
     // (the fragments feed the products until they complete: held past the wait)
