@@ -427,7 +427,8 @@ def bwd_sm90_fused_by_default(head_dim, mask, seqlen_q):
     where it was faster on an H200 with its producer and TMA on (bf16 and fp16, 16k
     tokens, no mask and causal, bench/results/bwd_fused_dq_h200.md): d = 128, 0.83-0.99x
     the time of the dq and dk/dv kernels; d = 64 causal from 2k query rows, 0.91-0.97x
-    (1.02x at 1k; without a mask 1.15-1.20x)."""
+    (1.02x at 1k; without a mask 1.15-1.20x, and 1.07-1.13x since one slab of sums goes
+    a step: bench/results/bwd_fused_dq64_h200.md)."""
     if not (bwd_producer_wanted() and bwd_tma_wanted()):
         return False
     return head_dim == 128 or (head_dim == 64 and mask == "window"
