@@ -435,17 +435,21 @@ __device__ __forceinline__ void issue_dq_share(float (&acc)[1][8][4], u32 sds, u
   wgmma_commit();
 }
 
-// the sums (complete) into this warpgroup's slab once the producer has sent step - 1's
-// (the warp's release of the step announces them)
-__device__ __forceinline__ void stage_dq_share(const float (&acc)[1][8][4], u32 slab,
-                                               u32 dq_empty, int step) {
-  if (step > 0) mbar_wait(dq_empty, (step - 1) & 1);
-  const u32 at = slab + (threadIdx.x % 128) * 16;
+// a thread's sums into a slab at `at` (its own float4s: at + j * 128 * 16)
+__device__ __forceinline__ void store_slab(const float (&acc)[1][8][4], u32 at) {
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + j * 128 * 16),
                  "f"(acc[0][j][0]), "f"(acc[0][j][1]), "f"(acc[0][j][2]), "f"(acc[0][j][3])
                  : "memory");
+}
+
+// the sums (complete) into this warpgroup's slab once the producer has sent step - 1's
+// (the warp's release of the step announces them)
+__device__ __forceinline__ void stage_dq_share(const float (&acc)[1][8][4], u32 slab,
+                                               u32 dq_empty, int step) {
+  if (step > 0) mbar_wait(dq_empty, (step - 1) & 1);
+  store_slab(acc, slab + (threadIdx.x % 128) * 16);
   fence_proxy_async();  // (for the bulk reduction's reads)
 }
 
@@ -461,11 +465,7 @@ __device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u3
   if (step > 0) mbar_wait(dq_empty, (step - 1) & 1);
   const u32 at = sdq + (threadIdx.x % 128) * 16, other = at + kDqSlabBytes;
   if (wg == 1) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(other + j * 128 * 16),
-                   "f"(acc[0][j][0]), "f"(acc[0][j][1]), "f"(acc[0][j][2]), "f"(acc[0][j][3])
-                   : "memory");
+    store_slab(acc, other);
     named_barrier_arrive(kPairBarrier, 256);
     return;
   }
@@ -480,11 +480,7 @@ __device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u3
     acc[0][j][2] += z;
     acc[0][j][3] += w;
   }
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + j * 128 * 16),
-                 "f"(acc[0][j][0]), "f"(acc[0][j][1]), "f"(acc[0][j][2]), "f"(acc[0][j][3])
-                 : "memory");
+  store_slab(acc, at);
   fence_proxy_async();  // (for the bulk reduction's reads)
 }
 
