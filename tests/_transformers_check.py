@@ -203,13 +203,15 @@ def _models(family, dtype, device, prepare=None, **overrides):
             prepare(model) if prepare else model)
 
 
-def split_layers(device, first=1):
+def split_layers(device, first=1, like_accelerate=False):
     """prepare= for a model split over two GPUs, as device_map="auto" splits one: decoder
     layers from `first` on moved to `device`, with hooks that bring their inputs there and
-    their outputs back (accelerate's hooks, written out; the mask, a cufa plan, is left
-    where it was made)."""
+    their outputs back. The mask, a cufa plan, is left where it was made (the layers move
+    it), or with like_accelerate moved by its .to(device), as accelerate's hooks move
+    anything that has one."""
     def to(x, where):
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) or like_accelerate and hasattr(x, "to") and not (
+                isinstance(x, torch.nn.Module)):
             return x.to(where)
         if isinstance(x, (tuple, list)):
             return type(x)(to(y, where) for y in x)

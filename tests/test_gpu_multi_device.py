@@ -280,15 +280,17 @@ def hf_devices(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("family,batch_kind", [
-    ("llama", "left"), ("llama", "left_short"), ("mistral", "packed"), ("gemma2", "right"),
-    ("qwen2", "none")])
-def test_transformers_model_split_over_two_devices(hf_devices, family, batch_kind):
+@pytest.mark.parametrize("family,batch_kind,like_accelerate", [
+    ("llama", "left", False), ("llama", "left", True), ("llama", "left_short", False),
+    ("mistral", "packed", False), ("gemma2", "right", True), ("qwen2", "none", False)])
+def test_transformers_model_split_over_two_devices(hf_devices, family, batch_kind,
+                                                   like_accelerate):
     """A tiny model's second layer on cuda:1 (device_map's split): the mask, made once on
-    cuda:0, reaches that layer's kernels on cuda:1."""
+    cuda:0, reaches that layer's kernels on cuda:1 (moved by the layer, or by the hooks
+    through its .to(), as accelerate's)."""
     import _transformers_check as tc
     tc.check_prefill(family, torch.bfloat16, "cuda", batch_kind, label="split over 2 GPUs: ",
-                     prepare=tc.split_layers(DEV))
+                     prepare=tc.split_layers(DEV, like_accelerate=like_accelerate))
     assert {device for _, device in hf_devices} == {"cuda:0", "cuda:1"}, hf_devices
 
 

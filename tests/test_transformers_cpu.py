@@ -157,6 +157,12 @@ def test_a_plan_moves_to_the_device_of_a_layer():
     packed = hf.KeyPlan(window=(-1, 0), num_keys=6, q_length=6, batch=1, columns=6,
                         packed=(torch.tensor([0, 2, 6], dtype=torch.int32), 4))
     assert packed.on(meta).packed[0].device == meta and packed.on(meta).packed[1] == 4
+    assert packed.to(torch.empty(0, device="meta")) is packed.on(meta)
+    assert packed.to(device=meta, dtype=torch.bool) is packed.on(meta)
+    # a collator's cu_seq_lens go to the layer's device too
+    found = hf._cu_seq_lens(dict(cu_seq_lens_q=torch.tensor([0, 3]), cu_seq_lens_k=torch.tensor(
+        [0, 3]), max_length_q=3, max_length_k=3), meta)
+    assert found[0].device == meta and found[1].device == meta and found[0].dtype == torch.int32
 
 
 def test_mask_falls_back_to_a_4d_mask():

@@ -103,9 +103,11 @@ class KeyPlan:
         """This plan with its tensors on `device`. A model split over GPUs (device_map)
         makes the mask once a forward, on the first layer's device; each other device's
         layers get a copy, made once (a few small index tensors)."""
+        if device.type == "cuda" and device.index is None:  # ("cuda": the current one)
+            device = torch.device("cuda", torch.cuda.current_device())
         tensors = [x for x in (self.key_lens, self.leftpad, self.gather and self.gather.cu_q,
                                self.packed and self.packed[0]) if x is not None]
-        if not tensors or tensors[0].device == device:
+        if all(x.device == device for x in tensors):
             return self
         moved = self.elsewhere.get(device)
         if moved is None:
@@ -133,6 +135,8 @@ class KeyPlan:
     def to(self, *args, **kwargs):
         """(accelerate's hooks move a layer's inputs with .to(device))"""
         device = kwargs.get("device", args[0] if args else None)
+        if isinstance(device, torch.Tensor):  # (x.to(other): other's device)
+            device = device.device
         if device is None or isinstance(device, torch.dtype):
             return self
         return self.on(torch.device(device))
