@@ -455,10 +455,10 @@ __device__ __forceinline__ void stage_dq_share(const float (&acc)[1][8][4], u32 
 
 // d = 64, where both warpgroups' sums are of the same 64 x 64 block: warpgroup 1 leaves
 // its sums in its slab and warpgroup 0 adds them to its own before staging them, so the
-// step sends one slab (the L2's reductions, not the products, set the fused kernel's pace
-// there: two slabs a step made it 1.15-1.20x the two kernels' time without a mask). The
-// other's slab is free again once the step's slab is sent (dq_empty): warpgroup 0 has
-// read it by then.
+// step sends one slab: half the L2 reductions a step, for half of d = 128's products
+// (without a mask 1.07-1.13x the two kernels' time where two slabs made it 1.15-1.20x).
+// The other's slab is free again once the step's slab is sent (dq_empty): warpgroup 0
+// has read it by then.
 __device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u32 dq_empty,
                                               int step, int wg) {
   constexpr int kPairBarrier = 1;  // (d = 128's "both warpgroups' keys": not used at 64)
