@@ -144,6 +144,26 @@ def test_paged_decode_with_splits_and_append_on_the_second_device(cache):
     bits_equal(on1["v_cache"], kw["v_cache"], "appended v_cache")
 
 
+def test_fp8_forward_on_the_second_device():
+    """The fp8 forward on cuda:1 (its V^T pre-pass and workspace on that device too)."""
+    if not hasattr(torch, "float8_e4m3fn") or torch.cuda.get_device_capability(1) != (9, 0):
+        pytest.skip("the fp8 forward runs on Hopper with float8_e4m3fn")
+    import math
+    from test_gpu_fp8_forward import _fp8_case, assert_fp8_rows, assert_no_scale_bug
+    (q, k, v), descales, (qf, kf, vf) = _fp8_case()
+    o1, lse1 = cufa.flash_attn_func(*on(DEV, q, k, v), causal=True, return_lse=True,
+                                    **dict(zip(("q_descale", "k_descale", "v_descale"),
+                                               on(DEV, *descales))))
+    torch.cuda.synchronize(DEV)
+    assert o1.device == DEV and o1.dtype == torch.bfloat16
+    assert_no_scale_bug(*assert_fp8_rows(
+        o1.float().cpu().numpy().astype(np.float64), lse1.cpu().numpy().astype(np.float64),
+        qf, kf, vf, True, (-1, -1), 1.0 / math.sqrt(q.shape[-1]), torch.bfloat16))
+    o0 = cufa.flash_attn_func(q, k, v, causal=True, **dict(zip(
+        ("q_descale", "k_descale", "v_descale"), descales)))
+    bits_equal(o1, o0, "fp8 out")
+
+
 @pytest.mark.parametrize("batch,seqlen", [(2, 300), (1, 2100)])  # (2k+ causal: dq fused)
 def test_backward_on_the_second_device(batch, seqlen):
     rng = np.random.default_rng(17 + seqlen)
