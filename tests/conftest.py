@@ -15,23 +15,15 @@ def no_device_reason(error, driver_library):
     return f"no CUDA device ({type(error).__name__}: {error})"
 
 
-def _cuda_device_reason():
-    """'' when a CUDA device is usable, else why not."""
+def _cuda_devices():
+    """(the CUDA devices' count, '' when one is usable else why not)."""
     try:
         import cupy
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no CuPy, no driver, no device
         import ctypes.util
-        return no_device_reason(e, ctypes.util.find_library("cuda"))
-    return "" if n else "no CUDA device (0 devices)"
-
-
-def _cuda_device_count():
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
+        return 0, no_device_reason(e, ctypes.util.find_library("cuda"))
+    return n, "" if n else "no CUDA device (0 devices)"
 
 
 def _torch_import_error():
@@ -43,8 +35,8 @@ def _torch_import_error():
     return ""
 
 
-NO_GPU = _cuda_device_reason()
-SEVERAL_GPUS = not NO_GPU and _cuda_device_count() > 1
+GPU_COUNT, NO_GPU = _cuda_devices()
+SEVERAL_GPUS = GPU_COUNT > 1
 # JAX would otherwise reserve 75% of the GPU at import, starving PyTorch in the same process.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 

@@ -27,9 +27,8 @@ DEV = torch.device("cuda", 1)
 
 @pytest.fixture(autouse=True)
 def device_zero_current():
-    """Each test starts with cuda:0 current, and must leave it so: a call on cuda:1 may
-    not move the caller's current device."""
-    torch.cuda.set_device(0)
+    """Each test starts with cuda:0 current (conftest's _cuda0_current), and must leave it
+    so: a call on cuda:1 may not move the caller's current device."""
     yield
     assert torch.cuda.current_device() == 0, "a call left another device current"
 
