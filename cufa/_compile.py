@@ -187,15 +187,9 @@ class FwdVariant:
     def _sm90_smem(self, q_stages, kv_stages):
         # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers and then,
         # 16-byte aligned, a 32-byte tile slot per Q stage
-        tiles = (q_stages * self.block_m + 2 * kv_stages * self.kv_stage_rows) * \
-            self.head_dim * self.elem_bytes
+        tiles = (q_stages * self.block_m + 2 * kv_stages * self.block_n) * self.head_dim * \
+            self.elem_bytes
         return tiles + 1024 + 8 * (2 * q_stages + 4 * kv_stages) + 8 + 32 * q_stages
-
-    @property
-    def kv_stage_rows(self):
-        """sm90: rows of a K or V stage (Sm90Smem::kKVBytes): block_n, or for fp8 V^T's
-        block in whole 128-key panels."""
-        return -(-self.block_n // 128) * 128 if self.fp8 else self.block_n
 
     @functools.cached_property
     def kv_stages(self):
@@ -1050,20 +1044,14 @@ def padded_head_dim(head_dim, family="sm80"):
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
-# The fp8 forward's (block_m, block_n) by padded head dim: an e4m3 row of whole 128-byte
-# panels. V^T's block is read in 128-key panels, so 192 keys take two (the second half
-# read); at d = 128 192-key blocks spread each block's fixed costs (its turns, waits and
-# the max's shuffles) over 1.5x the keys, where 256 would leave ptxas short of registers
-# (S, P and O held at once: it serializes the products and spills). d = 256 holds 128
-# registers of O and keeps 128.
-FP8_TILES = {128: (128, 192), 256: (128, 128)}
-FP8_HEAD_DIMS = tuple(FP8_TILES)
+FP8_TILES = (128, 128)  # the fp8 forward's (block_m, block_n): a V^T row of a block is a panel
+FP8_HEAD_DIMS = (128, 256)  # padded: an e4m3 row of whole 128-byte panels
 
 
 def fwd_fp8_variant(dtype, head_dim, mask):
     """The fp8 forward's variant (Hopper): e4m3 q, k, v, out in dtype."""
     hd = next(h for h in FP8_HEAD_DIMS if head_dim <= h)
-    return FwdVariant("sm90", dtype, hd, mask, False, *FP8_TILES[hd], fp8=True)
+    return FwdVariant("sm90", dtype, hd, mask, False, *FP8_TILES, fp8=True)
 
 
 @functools.lru_cache(maxsize=None)  # a handful of values; planning a new signature calls it

@@ -5,9 +5,7 @@ import numpy as np
 from . import _compile, _params, _runtime
 
 VT_STEP = 32  # keys a k-step of the e4m3 P V product (wgmma k32)
-VT_ALIGN = 64  # a packed batch's regions of vt start on these keys (kVtAlignKeys)
-VT_GAP_ALIGNS = 3  # and each is this many VT_ALIGNs longer than its keys, at least
-# (kVtGapAligns - 1): room for its last key block, 128 or 192 keys (_compile.FP8_TILES)
+VT_BLOCK = 128  # the fp8 forward's key block (kVtBlockKeys, _compile.FP8_TILES)
 
 
 def vt_key_of(k):
@@ -31,28 +29,28 @@ def transposed_v(v, padded_seqlen):
 
 def vt_sequence_start(k_start, b):
     """Where sequence b's keys start in a packed batch's vt (its first key k_start in k):
-    64-aligned (a V box's start), each region at least the last one's keys rounded up to
-    64 plus 128, which holds them rounded up to any key block of the fp8 forward
-    (kernels_cu/fwd/vt_layout.cuh)."""
-    return VT_ALIGN * (k_start // VT_ALIGN + VT_GAP_ALIGNS * b)
+    128-aligned, each past the last one's keys rounded up to 128 (kernels_cu/fwd/
+    vt_layout.cuh)."""
+    return VT_BLOCK * (k_start // VT_BLOCK + b)
 
 
 def vt_packed_keys(total_k, batch):
     """A packed batch's vt keys a row: room for every sequence's region."""
-    return VT_ALIGN * (total_k // VT_ALIGN + VT_GAP_ALIGNS * batch + 1)
+    return VT_BLOCK * (total_k // VT_BLOCK + batch + 1)
 
 
 def transposed_v_packed(v, cu_seqlens, seqused=None):
     """vt of a packed (total_k, nheads_k, d) array of e4m3 bytes with int cu_seqlens (and
     seqused, keys used of each, or None): (nheads_k, d, vt_packed_keys), sequence b at
     vt_sequence_start, each 32-key step in vt_key_of's order, zeros past each sequence's
-    used keys up to the next region."""
+    used keys up to its last block's end (and in the gaps, which the kernel leaves as
+    they were)."""
     total, heads, d = v.shape
     batch = len(cu_seqlens) - 1
     vt = np.zeros((heads, d, vt_packed_keys(total, batch)), dtype=np.uint8)
     for b in range(batch):
         start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
-        padded = padded_keys(max(end - start, 0), VT_ALIGN) if end > start else 0
+        padded = padded_keys(max(end - start, 0)) if end > start else 0
         used = end - start if seqused is None else min(max(int(seqused[b]), 0), end - start)
         if padded:
             one = transposed_v(v[None, start:start + used], padded)[0]  # (heads, d, padded)
@@ -61,7 +59,7 @@ def transposed_v_packed(v, cu_seqlens, seqused=None):
     return vt
 
 
-def padded_keys(seqlen, block_n):
+def padded_keys(seqlen, block_n=128):
     """vt's keys a row: seqlen rounded up to whole key blocks of the fp8 forward, at least
     one (the V map needs a row even where no key is read)."""
     return max(-(-seqlen // block_n), 1) * block_n

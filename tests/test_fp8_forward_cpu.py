@@ -44,15 +44,14 @@ def test_fp8_forward_transposes_v_then_runs_the_e4m3_kernel(device, addresses): 
     qd, kd, vd = view((2, 2), "float32"), view((2, 2), "float32"), view((), "float32")
     out, lse = cufa.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd,
                                     v_descale=vd, return_lse=True)
-    # out, lse, and V^T (batch, nheads_k, d, keys padded to the 192-key blocks of d = 128)
-    # from the caller's allocator
+    # out, lse, and V^T (batch, nheads_k, d, keys padded to 256) from the caller's allocator
     assert device.allocations == [((2, 300, 8, 128), "bfloat16"), ((2, 8, 300), "float32"),
-                                  ((2 * 2 * 128 * 384,), "uint8")]
+                                  ((2 * 2 * 128 * 256,), "uint8")]
     vt = addresses[2]
     transpose, forward = device.launches
-    assert transpose[1] == (384 // 64 * 2 * 2, 2, 1)  # (key tiles of every pair in x)
+    assert transpose[1] == (256 // 64 * 2 * 2, 2, 1)  # (key tiles of every pair in x)
     t = record(transpose, _params.TRANSPOSE_V)
-    assert (t["v"], t["vt"], t["padded_seqlen"], t["seqlen"]) == (v.ptr, vt, 384, 200)
+    assert (t["v"], t["vt"], t["padded_seqlen"], t["seqlen"]) == (v.ptr, vt, 256, 200)
     assert (t["v_batch_stride"], t["v_row_stride"], t["v_head_stride"]) == (51200, 256, 128)
     r = record(forward)
     assert (r["q"], r["k"], r["v"]) == (q.ptr, k.ptr, vt)
@@ -138,7 +137,7 @@ def test_fp8_varlen_schedules_transposes_then_runs(device, addresses):  # noqa: 
     kd = view((3, 2), "float32")
     out, lse = cufa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True,
                                            seqused_k=used, k_descale=kd, return_lse=True)
-    vt_keys = 64 * (500 // 64 + 3 * 3 + 1)
+    vt_keys = 128 * (500 // 128 + 3 + 1)
     assert device.allocations == [((300, 8, 128), "bfloat16"), ((8, 300), "float32"),
                                   ((2 * 128 * vt_keys,), "uint8")]
     vt = addresses[2]
@@ -178,7 +177,7 @@ def test_fp8_paged_batch_gathers_its_pages_then_runs_as_packed(device, addresses
                                 seqused_k=used, block_table=table)
     rows = 3 * 5 * 16  # (batch x the table's capacity)
     row_bytes = -(-rows * 2 * 128 // 256) * 256
-    vt_keys = 64 * (rows // 64 + 3 * 3 + 1)
+    vt_keys = 128 * (rows // 128 + 3 + 1)
     assert device.allocations == [((300, 8, 128), "bfloat16"),
                                   ((2 * row_bytes + 4 * (3 + 1 + 3),), "uint8"),
                                   ((2 * 128 * vt_keys,), "uint8")]
@@ -297,7 +296,7 @@ def test_fp8_under_jax_takes_vt_and_counters_from_xla_scratch(device, memsets,  
         names, arrays, lse = ("q", "k", "v"), (q, k, k), (2, 8, 300)
         entry, batch = "flash_attn_fp8", 2
     needed = _fwd_plan.fp8_scratch_bytes(view(q.shape), view(k.shape), batch, window, packed)
-    vt_bytes = 2 * 128 * (64 * (500 // 64 + 3 * 3 + 1) if packed else 2 * 384)
+    vt_bytes = 2 * 128 * (128 * (500 // 128 + 3 + 1) if packed else 2 * 256)
     assert needed % 256 == 0 and needed - vt_bytes == (needed - vt_bytes) // 256 * 256 > 0
     scratch = sds((needed,), "uint8")
     spec = _jax.Call(entry, names, tuple(str(a.dtype) for a in arrays),
@@ -330,7 +329,7 @@ def test_fp8_scratch_is_planned_only_where_the_kernel_runs(device, monkeypatch):
     from cufa import _checks, _fwd_plan
     window = _checks.check_options(None, False, (-1, -1), 0.0)[0]
     q, k, _ = qkv()
-    assert _fwd_plan.fp8_scratch_bytes(q, k, 2, window, False) == 256 + 2 * 2 * 128 * 384
+    assert _fwd_plan.fp8_scratch_bytes(q, k, 2, window, False) == 256 + 2 * 2 * 128 * 256
     many = view((64, 2**30, 4, 128))  # (2^30 / 64 key tiles x 4 heads x 64 sequences)
     with pytest.raises(ValueError, match="exceeds its int32 indexing"):
         _fwd_plan.fp8_scratch_bytes(view((64, 300, 8, 128)), many, 64, window, False)

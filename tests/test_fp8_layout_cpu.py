@@ -23,7 +23,7 @@ def test_vt_key_order_joins_the_score_and_operand_fragments():
 def test_transposed_v_layout():
     rng = np.random.default_rng(0)
     v = rng.integers(1, 255, (2, 70, 3, 32), dtype=np.uint8)
-    vt = _fp8.transposed_v(v, _fp8.padded_keys(70, 128))
+    vt = _fp8.transposed_v(v, _fp8.padded_keys(70))
     assert vt.shape == (2, 3, 32, 128)
     for key in range(128):
         step, k = divmod(key, 32)
@@ -39,31 +39,24 @@ def test_transpose_kernel_in_the_catalog():
 
 
 def test_packed_vt_regions_hold_each_sequence_apart():
-    """vt_sequence_start: 64-aligned (a V box's start), and each sequence's region holds
-    its keys rounded up to every key block of the fp8 forward (128 and 192) before the
-    next one starts, whatever the lengths (0 included); the packed transposed_v puts each
-    sequence's own vt there and zeros everywhere else."""
+    """vt_sequence_start: 128-aligned, and each sequence's region (its keys rounded up to
+    128) ends before the next one starts, whatever the lengths (0 included); the packed
+    transposed_v puts each sequence's own vt there."""
     rng = np.random.default_rng(1)
-    blocks = sorted({bn for _, bn in _compile.FP8_TILES.values()})
-    assert blocks == [128, 192]
     for _ in range(200):
         lens = rng.integers(0, 400, rng.integers(1, 9))
         cu = np.concatenate([[0], np.cumsum(lens)])
         starts = [_fp8.vt_sequence_start(int(cu[b]), b) for b in range(len(lens))]
-        ends = [s + (max(_fp8.padded_keys(n, bn) for bn in blocks) if n else 0)
-                for s, n in zip(starts, lens)]
-        assert all(s % _fp8.VT_ALIGN == 0 for s in starts)
+        ends = [s + (_fp8.padded_keys(n) if n else 0) for s, n in zip(starts, lens)]
+        assert all(s % 128 == 0 for s in starts)
         assert all(e <= s for e, s in zip(ends, starts[1:]))
         assert ends[-1] <= _fp8.vt_packed_keys(int(cu[-1]), len(lens))
     lens, used = [70, 0, 200], [70, 0, 150]
     cu = np.concatenate([[0], np.cumsum(lens)])
     v = rng.integers(1, 255, (int(cu[-1]), 2, 32), dtype=np.uint8)
     vt = _fp8.transposed_v_packed(v, cu, used)
-    outside = np.ones(vt.shape[-1], dtype=bool)
     for b, (n, u) in enumerate(zip(lens, used)):
         if n:
             s = _fp8.vt_sequence_start(int(cu[b]), b)
-            one = _fp8.transposed_v(v[None, cu[b]:cu[b] + u], _fp8.padded_keys(n, 64))[0]
+            one = _fp8.transposed_v(v[None, cu[b]:cu[b] + u], _fp8.padded_keys(n))[0]
             np.testing.assert_array_equal(vt[:, :, s:s + one.shape[-1]], one)
-            outside[s:s + one.shape[-1]] = False
-    assert not vt[:, :, outside].any()

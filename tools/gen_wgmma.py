@@ -16,7 +16,7 @@ RS_K_N = (32,)               # MLA's S = Q K^T over the k-steps of Q held in reg
 # e4m3 (the fp8 forward): k32 steps, both operands K-major (fp8 wgmma has no transpose), so
 # V comes transposed; S = Q K^T from shared memory at N = block_n, O += P V with P from
 # registers at N = the head dim
-E4M3_SS_N = (128, 192)  # (FP8_TILES block_n)
+E4M3_SS_N = (128,)  # (FP8_TILES block_n)
 E4M3_RS_N = (128, 256)  # (the padded head dims FP8_HEAD_DIMS)
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_ops.cuh"
 

@@ -23,8 +23,8 @@ template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int
 __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
-  static_assert(!kE4m3 || (kHeadDim % 128 == 0 && kBlockN % 64 == 0 && !kScoreMods),
-                "fp8: whole 128-byte panels of e4m3, 64-key multiples, no score mods");
+  static_assert(!kE4m3 || (kHeadDim % 128 == 0 && kBlockN == 128 && !kScoreMods),
+                "fp8: whole 128-byte panels of e4m3, 128-key blocks, no score mods");
   static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 192, "one to three consumer warpgroups");
   constexpr int kConsumerThreads = 128 * kConsumers<kBlockM>;
   // setmaxnreg moves registers between warpgroups; it cannot hand out more than the

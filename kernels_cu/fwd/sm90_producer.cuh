@@ -146,9 +146,8 @@ __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const Te
 }
 
 // -- the fp8 forward's key block: K's e4m3 rows as panels (the maps view a row's bytes as
-//    16-bit pairs), and V^T's block, its head-dim rows of kBlockN keys, as boxes of 128
-//    keys from the transposed copy (vt_layout.cuh; the map's columns pairs of keys), one
-//    128-byte panel each: a 192-key block takes two, the second's last 64 keys unread. Past the sequence,
+//    16-bit pairs), and V^T's block, its head-dim rows of kBlockN keys, as one box from the
+//    transposed copy (vt_layout.cuh; the map's columns pairs of keys). Past the sequence,
 //    K's rows read as zeros (a padded batch's map ends there; a packed one's last block
 //    comes through the tail map, or is copied where that map would start before row 0, as
 //    16-bit K's is) and V^T's keys are zeros (the copy's padding) --
@@ -157,7 +156,7 @@ __device__ __forceinline__ void produce_e4m3_block(const FwdParams& p, const Ten
                                                    const Smem& sm, const Sm90Work& w, int it,
                                                    int block_count) {
   constexpr int kBlockN = Smem::kBlockN;
-
+  static_assert(kBlockN == kVtBlockKeys, "a V^T row of the block is one 128-byte panel");
   const Tile& t = w.t;
   const bool packed = p.cu_seqlens_k != 0;
   const int key0 = (w.n_block_max - 1 - it) * kBlockN;
@@ -184,18 +183,15 @@ __device__ __forceinline__ void produce_e4m3_block(const FwdParams& p, const Ten
     __syncwarp();
     if (elected) mbar_arrive(sm.k_full() + 8 * stage);
   } else if (elected) {
-    mbar_arrive_expect_bytes(sm.k_full() + 8 * stage, Smem::kKBytes);
+    mbar_arrive_expect_bytes(sm.k_full() + 8 * stage, Smem::kKVBytes);
     tma_load_panels<kBlockN, Smem::kRowUnits>(k_dst, *k_map, sm.k_full() + 8 * stage, row,
                                               t.h_k, last);
   }
   if (block_count >= Smem::kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
   if (elected) {
     const int column = static_cast<int>(packed ? vt_sequence_start(t.k_start, t.b) + key0 : key0);
-    mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kVBytes);
-#pragma unroll
-    for (int panel = 0; panel < Smem::kVtPanels; ++panel)
-      tma_load_4d(v_dst + panel * Smem::kHeadDim * 128, maps.v, sm.v_full() + 8 * stage,
-                  (column + panel * kVtPanelKeys) / 2, 0, t.h_k, packed ? 0 : t.b);
+    mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kKVBytes);
+    tma_load_4d(v_dst, maps.v, sm.v_full() + 8 * stage, column / 2, 0, t.h_k, packed ? 0 : t.b);
   }
   __syncwarp();
 }

@@ -47,12 +47,7 @@ struct Sm90Smem {
   // not fit (d = 256's 128-key blocks: the loop then waits for each product, as cuDNN's)
   static constexpr int kQStages = kQStages_, kStages = kStages_;
   static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
-  // A K stage's bytes and a V stage's (fp8: V^T's head-dim rows in whole 128-key panels,
-  // kVtPanels of them); both rings' stages kKVBytes apart
-  static constexpr int kKBytes = kBlockN * kHeadDim * kElemBytes;
-  static constexpr int kVtPanels = (kBlockN + 127) / 128;
-  static constexpr int kVBytes = kE4m3 ? kVtPanels * 128 * kHeadDim : kKBytes;
-  static constexpr int kKVBytes = kVBytes > kKBytes ? kVBytes : kKBytes;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;
   // Offsets from q, the 1024-aligned base; stage s of K at k() + s * kKVBytes, stage s's
   // barrier at + 8 * s. (Addresses are computed, not stored: the producer warp has few
   // registers, and arrays indexed at run time would go to local memory.)

@@ -55,9 +55,10 @@ __global__ void __launch_bounds__(256) transpose_v_e4m3(const TransposeVParams p
     const int k0 = packed_key_start(cu, b, p.seqlen);
     const int length = min(max(cu[b + 1], k0), p.seqlen) - k0;  // (as get_tile's)
     key0 = column0 - static_cast<int>(vt_sequence_start(k0, b));
-    // Past the sequence's keys up to the next region: zeros (its last key block, of 128
-    // or 192 keys, reads up to 191 past them, and P = 0 times a NaN byte of V would be
-    // NaN); past seqused_k too.
+    if (key0 >= (length + kVtBlockKeys - 1) / kVtBlockKeys * kVtBlockKeys)
+      return;  // (between two sequences' regions: never read; the whole CTA leaves)
+    // Keys past seqused_k are zeros too: the forward's last block reads up to the next 128
+    // from there, and P = 0 times a NaN byte of V would be NaN.
     seqlen = p.seqused_k ? min(max(reinterpret_cast<const int*>(p.seqused_k)[b], 0), length)
                          : length;
     v += static_cast<i64>(k0) * p.v_row_stride + pair * p.v_head_stride;

@@ -1,22 +1,20 @@
 #pragma once
 // The fp8 forward's V^T (transpose_v_e4m3 writes it, the forward's producer reads it):
 // rows of head-dim entries over keys, each 32-key step in P's register order (vt_key_of).
-// Padded batches: (batch, nheads_k, d, keys padded to the kernel's key block). Packed
-// batches: (nheads_k, d, vt_packed_keys) with sequence b's keys from vt_sequence_start:
-// 64-aligned (a box's start), and each region at least its keys rounded up to 64, plus
-// 128: room for the sequence's last key block (128 or 192 keys) before the next region,
-// zeros past its keys:
-// start_{b+1} - start_b = 64 (floor(cu[b+1] / 64) - floor(cu[b] / 64) + 3).
+// Padded batches: (batch, nheads_k, d, keys padded to kVtBlockKeys). Packed batches:
+// (nheads_k, d, vt_packed_keys) with sequence b's keys from vt_sequence_start: 128-aligned,
+// so a key block never straddles two sequences, and past each sequence's end up to its
+// next block boundary there is room (zeros) before the next one starts:
+// start_{b+1} - start_b = 128 (floor(cu[b+1] / 128) - floor(cu[b] / 128) + 1), at least
+// len_b rounded up to 128.
 #include "../common/types.cuh"
 
 namespace cufa {
 
-constexpr int kVtPanelKeys = 128;  // a V^T box: 128 keys, one 128-byte panel a row
-constexpr int kVtAlignKeys = 64;   // packed regions start on these (cufa/_fp8.py's VT_ALIGN)
-constexpr int kVtGapAligns = 3;    // and are kVtGapAligns - 1 aligns longer than their keys
+constexpr int kVtBlockKeys = 128;  // the fp8 forward's key block (FP8_TILES)
 
 __device__ __forceinline__ i64 vt_sequence_start(i64 k_start, int b) {
-  return kVtAlignKeys * (k_start / kVtAlignKeys + static_cast<i64>(kVtGapAligns) * b);
+  return kVtBlockKeys * (k_start / kVtBlockKeys + b);
 }
 
 // Column k of a 32-key step of vt holds key vt_key_of(k) of the step: the P operand's
