@@ -656,8 +656,9 @@ DECODE_PORTABLE_SMEM = 99 * 1024  # a CTA's shared memory on sm_86/89
 # 132 at d = 64 with fp16 products, three CTAs, which read 13-24 % slower on an H200).
 DECODE_FP8_MIN_CTAS = {64: 4, 128: 4}
 
-# An e4m3 cache's head dim whose heads a CTA takes two at a time where they sit side by side
-# (_heuristics.head_pairs): a head's row slice is then 64 bytes, half a 128-byte line
+# The head dim whose heads a CTA takes two at a time where they sit side by side
+# (_heuristics.head_pairs): an e4m3 cache's row slice is then 64 bytes, half a 128-byte
+# line, and a 16-bit cache's one line, where two read 1-3 % faster on an H200
 PAIRED_HEAD_DIM = 64
 
 
@@ -731,7 +732,7 @@ class DecodeVariant(_CacheKernel):
     element_io: bool = False  # the element-wise I/O variant
     fp8_cache: bool = False   # the cache holds e4m3 (q and out stay dtype)
     min_ctas: int = 0         # e4m3: launch bounds' CTAs an SM on sm_90 (0: one)
-    head_pairs: bool = False  # e4m3, head_dim 2 x 64: two adjacent KV heads a CTA
+    head_pairs: bool = False  # head_dim 2 x 64: two adjacent KV heads a CTA
     kind = "decode"
     source = "decode/decode_sm80.cu"
 
@@ -755,8 +756,9 @@ class DecodeVariant(_CacheKernel):
     def name_expression(self):
         warps, stages = self.shape
         flags = (", false, true" if self.fp8_cache else ", true" if self.element_io else "")
-        if self.min_ctas or self.head_pairs:
-            flags += f", {self.min_ctas}"
+        if self.min_ctas or self.head_pairs:  # (every flag before them spelled out)
+            flags = (f", {str(self.element_io).lower()}, {str(self.fp8_cache).lower()}, "
+                     f"{self.min_ctas}")
         if self.head_pairs:
             flags += ", true"
         return (f"cufa::decode_kernel<{DTYPES.index(self.dtype)}, {self.head_dim}, {stages}, "
@@ -977,13 +979,14 @@ class MergeVariant(_CacheKernel):
 def decode_kernel(dtype, head_dim, element_io=False, fp8_cache=False, family="sm80",
                   head_pairs=False):
     """The decode kernel for a head dim on a kernel family's GPUs (family_for);
-    head_pairs: the e4m3 kernel of two adjacent KV heads a CTA (head_dim 64, the tile
-    rows of d = 128's kernel)."""
+    head_pairs: the kernel of two adjacent KV heads a CTA (head_dim 64, the tile rows of
+    d = 128's kernel), over an e4m3 cache or a 16-bit one."""
     if head_pairs:
-        if not fp8_cache or head_dim != PAIRED_HEAD_DIM:
-            raise ValueError(f"head pairs: an e4m3 cache at d = {PAIRED_HEAD_DIM}")
+        if element_io or head_dim != PAIRED_HEAD_DIM:
+            raise ValueError(f"head pairs: 16-byte rows at d = {PAIRED_HEAD_DIM}")
         d = 2 * PAIRED_HEAD_DIM
-        return DecodeVariant(dtype, d, fp8_cache=True, min_ctas=DECODE_FP8_MIN_CTAS.get(d, 0),
+        return DecodeVariant(dtype, d, fp8_cache=fp8_cache,
+                             min_ctas=DECODE_FP8_MIN_CTAS.get(d, 0) if fp8_cache else 0,
                              head_pairs=True)
     d = padded_head_dim(head_dim)
     if d > MAX_HEAD_DIM and family == "sm90":
@@ -993,19 +996,21 @@ def decode_kernel(dtype, head_dim, element_io=False, fp8_cache=False, family="sm
                          min_ctas=DECODE_FP8_MIN_CTAS.get(d, 0) if fp8_cache else 0)
 
 
-def _decode_shape_of(shapes, dtype, head_dim):
-    """The decode kernel of shapes[padded head dim] ((warps, stages)), or None."""
-    d = padded_head_dim(head_dim)
+def _decode_shape_of(shapes, dtype, head_dim, head_pairs=False):
+    """The decode kernel of shapes[padded head dim] ((warps, stages)), or None; head_pairs:
+    of two heads of head_dim a CTA, d = 2 head_dim's shape."""
+    d = 2 * head_dim if head_pairs else padded_head_dim(head_dim)
     if d not in shapes:
         return None
     warps, stages = shapes[d]
-    return DecodeVariant(dtype, d, stages=stages, warps=warps)
+    return DecodeVariant(dtype, d, stages=stages, warps=warps, head_pairs=head_pairs)
 
 
 @functools.lru_cache(maxsize=None)
-def decode_kernel_with_more_ctas(dtype, head_dim):
-    """The DECODE_MORE_CTAS shape for head_dim, or None."""
-    return _decode_shape_of(DECODE_MORE_CTAS, dtype, head_dim)
+def decode_kernel_with_more_ctas(dtype, head_dim, head_pairs=False):
+    """The DECODE_MORE_CTAS shape for head_dim (with head_pairs: of a 16-bit cache's head
+    pairs, d = 128's), or None."""
+    return _decode_shape_of(DECODE_MORE_CTAS, dtype, head_dim, head_pairs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1022,7 +1027,9 @@ def decode_variants():
                for units in (1, 2)]
             + [decode_kernel(dt, hd, element_io=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
             + [decode_kernel(dt, hd, fp8_cache=True) for dt in DTYPES for hd in DECODE_HEAD_DIMS]
-            + [decode_kernel(dt, PAIRED_HEAD_DIM, fp8_cache=True, head_pairs=True)
+            + [decode_kernel(dt, PAIRED_HEAD_DIM, fp8_cache=fp8, head_pairs=True)
+               for dt in DTYPES for fp8 in (True, False)]
+            + [decode_kernel_with_more_ctas(dt, PAIRED_HEAD_DIM, head_pairs=True)
                for dt in DTYPES]
             + [MlaVariant(dt, tma, fp8) for dt in DTYPES for tma in (False, True)
                for fp8 in (False, True)]

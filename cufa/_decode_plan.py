@@ -125,7 +125,7 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
 
     group = nheads // nheads_k
     pairs = not mla and _heuristics.head_pairs(
-        d, nheads_k, (kc.strides[2], vc.strides[2]), seqlen_q * group, fp8, aligned)
+        d, nheads_k, (kc.strides[2], vc.strides[2]), seqlen_q * group, fp8, aligned, q.device)
     heads_a_cta = 2 if pairs else 1
     tiles_k = nheads_k // heads_a_cta  # (the grid's y)
     maps = None  # (the TMA kernels': the decode kernel's, over 16-bit caches, and MLA's)

@@ -257,9 +257,9 @@ def pages_read_whole(page_shift, no_leftpad, window_left):
 
 # -- decode: the kernel --------------------------------------------------------------------------
 
-def head_pairs(d, nheads_k, head_strides, unit_rows, fp8_cache, aligned):
-    """Whether an e4m3 decode takes two KV heads a CTA (_compile.PAIRED_HEAD_DIM; the
-    kernel's kHeadPairs). At d = 64 a head's slice of a cache row is 64 bytes, half a
+def head_pairs(d, nheads_k, head_strides, unit_rows, fp8_cache, aligned, device=None):
+    """Whether a decode takes two KV heads a CTA (_compile.PAIRED_HEAD_DIM; the kernel's
+    kHeadPairs). At d = 64 an e4m3 cache's head slice of a cache row is 64 bytes, half a
     128-byte line, and CTAs of one head each read them at 49-66 % of copy bandwidth where
     d = 128's read 72-88 % (H200). Two heads side by side (k's and v's head strides
     head_dim) make whole lines; their query rows (GQA group x new tokens, `unit_rows`) must
@@ -272,10 +272,24 @@ def head_pairs(d, nheads_k, head_strides, unit_rows, fp8_cache, aligned):
     4k (256 pairs, under a wave), 256 x 1k (1024 pairs, 1.9 waves of 4 CTAs an SM) and
     1 x 128k (4 pairs, split): pairs. 8 new tokens with 32/8 heads (32 rows a head), a
     head-major cache (head stride n x 64) or 7 KV heads: one head a CTA.
+
+    A 16-bit cache's head slice at d = 64 is a whole line, and two heads' 256 bytes a row
+    read 1-3 % faster where one decode CTA an SM does not keep up with the memory
+    (one_cta_keeps_up false: an H200; fp16, one token, 32/8 heads, us: 64 x 4k 125.1
+    against 128.8, 128 x 2k 127.4 against 129.2, 1 x 128k 70.8 against 72.4; 32/32 heads,
+    1 x 32k 68.8 against 69.8); they take pairs there (device: the call's), with the
+    split rule and four-CTA shape of d = 128's kernel, unless CUFA_DECODE_TMA forces the
+    TMA kernel, which takes one head a CTA. Elsewhere (an H100, whose single-unit rows the
+    TMA kernel reads) one head a CTA, as measured there.
     """
-    return (fp8_cache and aligned and d == _compile.PAIRED_HEAD_DIM and nheads_k % 2 == 0
+    if not (aligned and d == _compile.PAIRED_HEAD_DIM and nheads_k % 2 == 0
             and all(s == d for s in head_strides)
-            and 0 < unit_rows <= _compile.DECODE_ROWS // 2)
+            and 0 < unit_rows <= _compile.DECODE_ROWS // 2):
+        return False
+    if fp8_cache:
+        return True
+    return (device is not None and not one_cta_keeps_up(device)
+            and not _compile.decode_tma_forced())
 
 
 def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, paged=False,
@@ -302,7 +316,7 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
                                     head_pairs=pairs)
     splits = split_count(num_splits, units * kernel.ctas_per_unit, capacity, kernel, device,
                          paged)
-    wider = (_compile.decode_kernel_with_more_ctas(dtype, d)
+    wider = (_compile.decode_kernel_with_more_ctas(dtype, d, pairs)
              if num_splits == 0 and not element_io and not fp8_cache else None)
     if splits > 1:
         if wider is not None and split_count(0, units, capacity, wider, device, paged) == 1:

@@ -142,7 +142,9 @@ def test_e4m3_decode_splits_for_two_ctas_an_sm(planner, monkeypatch, batch, keys
                                                want_splits):  # noqa: F811
     """Under one wave, where one CTA an SM does not keep up with the memory (an H200's
     4.8 TB/s), an e4m3 decode's keys are split for two CTAs an SM
-    (_heuristics.E4M3_SPLIT_CTAS_PER_SM), not its four; a 16-bit cache's as before."""
+    (_heuristics.E4M3_SPLIT_CTAS_PER_SM), not its four; a 16-bit cache's by the wave rule
+    for its kernel's CTAs an SM (at d = 64 the kernel of head pairs there, over half the
+    units)."""
     from cufa import _heuristics, _runtime
     monkeypatch.setattr(_runtime, "peak_bytes_per_s", lambda device: 4.8e12)
     monkeypatch.setattr(_heuristics, "_keeps_up", {})
@@ -150,11 +152,13 @@ def test_e4m3_decode_splits_for_two_ctas_an_sm(planner, monkeypatch, batch, keys
     seqlens = arr((batch,), "int32")
     assert record(planner(arr((batch, 1, 32, d)), fp8, fp8,
                           cache_seqlens=seqlens))["num_splits"] == want_splits
-    sixteen = _compile.decode_kernel("fp16", d)
-    units = batch * 8
-    assert record(planner(arr((batch, 1, 32, d)), fp16, fp16, cache_seqlens=seqlens))[
-        "num_splits"] == _heuristics.choose_num_splits(
-            units, keys, 132, sixteen.ctas_per_sm_on(_compile.SM90_SMEM_PER_SM), one_per_sm=False)
+    pairs = d == _compile.PAIRED_HEAD_DIM
+    sixteen = _compile.decode_kernel("fp16", d, head_pairs=pairs)
+    units = batch * (4 if pairs else 8)
+    plan = planner(arr((batch, 1, 32, d)), fp16, fp16, cache_seqlens=seqlens)
+    assert hash(sixteen.key) in [e[1] for e in plan.launches]
+    assert record(plan)["num_splits"] == _heuristics.choose_num_splits(
+        units, keys, 132, sixteen.ctas_per_sm_on(_compile.SM90_SMEM_PER_SM), one_per_sm=False)
 
 
 def test_e4m3_split_rule_never_passes_one_wave():
@@ -177,16 +181,25 @@ def test_e4m3_split_rule_never_passes_one_wave():
 
 
 def test_head_pairs_kernel_is_d128s_tile():
-    """The paired kernel is d = 128's e4m3 kernel (its shared memory, shape and launch
-    bounds) with the pairs flag; only e4m3 at d = 64 has one."""
+    """The paired kernel is d = 128's kernel (its shared memory, shape and launch bounds)
+    with the pairs flag, over an e4m3 cache or a 16-bit one (and d = 128's four-CTA shape
+    for 16-bit pairs); only d = 64 has one, of 16-byte rows."""
+    variants = {v.key for v in _compile.all_variants()}
     for dt in _compile.DTYPES:
-        paired = _compile.decode_kernel(dt, 64, fp8_cache=True, head_pairs=True)
-        wide = _compile.decode_kernel(dt, 128, fp8_cache=True)
-        assert (paired.head_dim, paired.shape, paired.smem_bytes, paired.min_ctas) == (
-            wide.head_dim, wide.shape, wide.smem_bytes, wide.min_ctas)
-        assert paired.name_expression == wide.name_expression[:-1] + ", true>"
-        assert paired.key in {v.key for v in _compile.all_variants()}
-    for bad in (dict(head_dim=128, fp8_cache=True), dict(head_dim=64, fp8_cache=False)):
+        for fp8 in (True, False):
+            paired = _compile.decode_kernel(dt, 64, fp8_cache=fp8, head_pairs=True)
+            wide = _compile.decode_kernel(dt, 128, fp8_cache=fp8)
+            assert (paired.head_dim, paired.shape, paired.smem_bytes, paired.min_ctas,
+                    paired.fp8_cache) == (wide.head_dim, wide.shape, wide.smem_bytes,
+                                          wide.min_ctas, fp8)
+            assert paired.key in variants
+            # every flag spelled out before the pairs flag (kElementIO, kFp8, kMinCtasWanted)
+            flags = paired.name_expression.split(", ")[4:]
+            assert flags == ["false", str(fp8).lower(), str(wide.min_ctas), "true>"]
+        more = _compile.decode_kernel_with_more_ctas(dt, 64, head_pairs=True)
+        assert more.head_pairs and more.shape == _compile.decode_kernel_with_more_ctas(
+            dt, 128).shape and more.key in variants
+    for bad in (dict(head_dim=128, fp8_cache=True), dict(head_dim=64, element_io=True)):
         with pytest.raises(ValueError, match="head pairs"):
             _compile.decode_kernel("fp16", head_pairs=True, **bad)
 

@@ -345,3 +345,52 @@ def test_split_decode_without_a_merge_in_launch_slices_its_combine(planner):
                    cache_seqlens=lens)
     if plan.merge_in_launch:
         assert plan.launches[1][2][1] == 1
+
+
+@pytest.mark.parametrize("case, pairs", [
+    (dict(), True),                                        # 32/8, one token: 4 rows a head
+    (dict(peak=H100_PEAK_BYTES_PER_S), False),              # one CTA an SM keeps up there
+    (dict(tokens=4), False),                               # 16 rows a head: over half a tile
+    (dict(heads_k=7, heads=28), False),                    # an odd count of KV heads
+    (dict(d=128), False),
+    (dict(head_major=True), False),                        # heads not side by side
+    (dict(tma="1"), False),                                # the TMA kernel forced
+    (dict(tma="0"), True),
+    (dict(dtype="bfloat16", heads=8, heads_k=8), True),    # MHA: one row a head
+    (dict(paged=16), True),
+])
+def test_16bit_cache_takes_head_pairs_where_one_cta_does_not_keep_up(
+        planner, monkeypatch, case, pairs):
+    """A 16-bit cache at d = 64 runs two adjacent KV heads a CTA (_heuristics.head_pairs)
+    where one decode CTA an SM does not keep up with the memory (an H200): d = 128's
+    kernel with the pairs flag, half the grid's y, the split rule over half the units."""
+    d, tokens = case.get("d", 64), case.get("tokens", 1)
+    heads, heads_k, batch = case.get("heads", 32), case.get("heads_k", 8), 8
+    dtype, page = case.get("dtype", "float16"), case.get("paged")
+    monkeypatch.setattr(_runtime, "peak_bytes_per_s",
+                        lambda device: case.get("peak", H200_PEAK_BYTES_PER_S))
+    if "tma" in case:
+        monkeypatch.setenv(_compile.DECODE_TMA_ENV, case["tma"])
+    cufa.api.clear_plans()
+    try:
+        if case.get("head_major"):
+            shape, strides = (batch, 4096, heads_k, d), (4096 * heads_k * d, d, 4096 * d, 1)
+            kc = vc = arr(shape, dtype, strides)
+        elif page:
+            kc = vc = arr((batch * 4096 // page, page, heads_k, d), dtype)
+        else:
+            kc = vc = arr((batch, 4096, heads_k, d), dtype)
+        kw = dict(cache_seqlens=arr((batch,), "int32"))
+        if page:
+            kw["block_table"] = arr((batch, 4096 // page), "int32")
+        plan = planner(arr((batch, tokens, heads, d), dtype), kc, vc, **kw)
+    finally:
+        monkeypatch.delenv(_compile.DECODE_TMA_ENV, raising=False)
+        cufa.api.clear_plans()
+    (kind, pointer, grid, threads, smem), = [e for e in plan.launches if e[0] == "decode"]
+    kernel = {hash(v.key): v for v in _compile.decode_variants()
+              if isinstance(v, _compile.DecodeVariant)}[pointer]
+    assert kernel.head_pairs == pairs
+    assert grid[1] == (heads_k // 2 if pairs else heads_k)
+    if pairs:
+        assert kernel.head_dim == 128 and not kernel.fp8_cache and threads == kernel.threads

@@ -81,10 +81,11 @@ struct DecodeShape {
 // cache holds e4m3 (q and out stay kDtype): its tiles go from the stages into mma
 // fragments as fp16 values, Q turned into fp16 once (common/e4m3_mma.cuh), the descales
 // folded into the scores and the output.
-// kHeadPairs (e4m3, head_dim = kHeadDim / 2 = 64, two adjacent KV heads a CTA: head stride
-// head_dim, a head's query rows at most 8): a head's 64-byte slice of a cache row is half
-// a 128-byte line, and a CTA a head read such rows at 49-66 % of copy bandwidth where d =
-// 128 read 85 % (H200). So a CTA takes the row of two heads as one kHeadDim-wide tile
+// kHeadPairs (head_dim = kHeadDim / 2 = 64, two adjacent KV heads a CTA: head stride
+// head_dim, a head's query rows at most 8): an e4m3 head's 64-byte slice of a cache row is
+// half a 128-byte line, and a CTA a head read such rows at 49-66 % of copy bandwidth where
+// d = 128 read 85 % (H200); a 16-bit head's 128 bytes read 1-3 % slower than two heads'
+// (_heuristics.head_pairs). So a CTA takes the row of two heads as one kHeadDim-wide tile
 // row, its tile rows 0-7 head A's query rows with their Q in columns 0-63 and zeros in
 // 64-127, rows 8-15 head B's in 64-127: Q K^T scores each row against its own head's keys
 // alone, P V gives each row its own head's output in its half (the other half unused),
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(
   constexpr int kDTiles = kHeadDimV / 8;
   static_assert(!Shape::kColumnHalves || !(kElementIO || kFp8),
                 "above d = 256: 16-bit caches of 16-byte aligned rows");
-  static_assert(!kHeadPairs || (kFp8 && kHeadDim == 128), "head pairs: e4m3 at d = 64");
+  static_assert(!kHeadPairs || kHeadDim == 128, "head pairs: two heads of d = 64");
   constexpr int kHeads = kHeadPairs ? 2 : 1;
   constexpr int kRowsPerHead = rows_per_head<kHeads>();
   extern __shared__ __align__(128) unsigned char smem[];
