@@ -499,10 +499,10 @@ def test_decode_step_replayed_from_a_cuda_graph(rng, page_size):
 
 
 @pytest.mark.parametrize("d, heads, seqlen_q, num_splits, page_size", [
-    (64, (8, 2), 1, 3, None),     # a warp a row
+    (64, (12, 3), 1, 3, None),    # a warp a row (3 KV heads: one a CTA, no head pairs)
     (72, (8, 2), 1, 5, 16),       # 9 column chunks: groups do not divide the CTA's threads
     (128, (4, 4), 1, 12, None),   # decode_combine's CTA a row
-    (64, (4, 4), 1, 40, 16),      # more splits than a warp's lanes
+    (64, (3, 3), 1, 40, 16),      # more splits than a warp's lanes (3 KV heads: no head pairs)
     (256, (4, 2), 1, 3, None),    # a 64-thread decode CTA
     (59, (8, 2), 1, 3, None),     # the element-wise I/O kernels: partial rows of 64 floats
     (111, (4, 4), 1, 12, 16),     # the same, decode_combine's CTA a row
