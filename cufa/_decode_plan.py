@@ -126,19 +126,27 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     group = nheads // nheads_k
     pairs = not mla and _heuristics.head_pairs(
         d, nheads_k, (kc.strides[2], vc.strides[2]), seqlen_q * group, fp8, aligned, q.device)
-    heads_a_cta = 2 if pairs else 1
-    tiles_k = nheads_k // heads_a_cta  # (the grid's y)
     maps = None  # (the TMA kernels': the decode kernel's, over 16-bit caches, and MLA's)
     if mla:
         kernel, maps, num_m_blocks, num_splits = _mla_kernel(
             q, kc, vc, softcap, fp8, seqlen_q * group, batch * nheads_k, capacity, num_splits)
     else:
         num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
-        kernel, num_splits = _heuristics.decode_kernel_and_splits(
-            KERNEL_DTYPES[q.dtype], d, num_splits, batch * tiles_k * num_m_blocks, capacity,
-            q.device, paged=paged is not None and not _heuristics.pages_read_whole(
-                paged["page_shift"], leftpad is None, window[0]), element_io=not aligned,
-            fp8_cache=fp8, pairs=pairs)
+        asked = num_splits
+
+        def route(pairs):  # (the kernel and split count, with head pairs or without)
+            return _heuristics.decode_kernel_and_splits(
+                KERNEL_DTYPES[q.dtype], d, asked, batch * (nheads_k // (1 + pairs)) * num_m_blocks,
+                capacity, q.device, paged=paged is not None and not _heuristics.pages_read_whole(
+                    paged["page_shift"], leftpad is None, window[0]), element_io=not aligned,
+                fp8_cache=fp8, pairs=pairs)
+        kernel, num_splits = route(pairs)
+        if pairs and not fp8 and not _heuristics.pairs_keep_the_merge(
+                kernel, d, num_splits, seqlen_q * group):
+            pairs = False
+            kernel, num_splits = route(False)
+    heads_a_cta = 2 if pairs else 1
+    tiles_k = nheads_k // heads_a_cta  # (the grid's y)
     rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, head_dim_v=dv, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,

@@ -414,6 +414,20 @@ def combine_kernel(dtype, head_dim, num_splits, element_io=False, may_slice=Fals
                                    slice_cols=_compile.COMBINE_SLICE_COLS if sliced else 0)
 
 
+def pairs_keep_the_merge(kernel, d, num_splits, head_rows):
+    """Whether a 16-bit cache's head pairs (`kernel`, split num_splits ways) keep what one
+    head a CTA would have: an eager call's merge in the decode launch (merge_in_launch).
+    A pair holds twice a head's rows (head_rows), and where they take the CTA more than
+    one pass the merge moves to decode_combine, a launch more, which cost more than the
+    pairs gain (H200, fp16: 1 x 32k with 32/8 heads, one token, 27.1 -> 27.9 us; 32/32
+    heads, four tokens, 69.3 -> 71.4). Unsplit pairs have no merge to keep.
+
+    Example: one token, 32/8 heads (4 rows a head, 8 a pair) over 64 splits: 8 rows x a
+    warp each > the pair kernel's 128 threads: one head a CTA; 32/32 heads (2 rows a
+    pair): pairs."""
+    return num_splits <= 1 or merge_in_launch(kernel, d, num_splits, 2 * head_rows)
+
+
 def merge_in_launch(kernel, d, num_splits, unit_rows):
     """Whether an eager split call merges its splits in the decode launch (the last split
     of each unit to finish merges them; no combine launch): only where the decode CTA's
