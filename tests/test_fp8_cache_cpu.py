@@ -152,7 +152,12 @@ def test_e4m3_decode_splits_for_two_ctas_an_sm(planner, monkeypatch, batch, keys
     seqlens = arr((batch,), "int32")
     assert record(planner(arr((batch, 1, 32, d)), fp8, fp8,
                           cache_seqlens=seqlens))["num_splits"] == want_splits
-    pairs = d == _compile.PAIRED_HEAD_DIM
+    pairs = False
+    if d == _compile.PAIRED_HEAD_DIM:  # (pairs where they keep the in-launch merge)
+        pair = _compile.decode_kernel("fp16", d, head_pairs=True)
+        pair_splits = _heuristics.choose_num_splits(
+            batch * 4, keys, 132, pair.ctas_per_sm_on(_compile.SM90_SMEM_PER_SM), one_per_sm=False)
+        pairs = _heuristics.pairs_keep_the_merge(pair, d, pair_splits, 4)
     sixteen = _compile.decode_kernel("fp16", d, head_pairs=pairs)
     units = batch * (4 if pairs else 8)
     plan = planner(arr((batch, 1, 32, d)), fp16, fp16, cache_seqlens=seqlens)

@@ -358,14 +358,18 @@ def test_split_decode_without_a_merge_in_launch_slices_its_combine(planner):
     (dict(tma="0"), True),
     (dict(dtype="bfloat16", heads=8, heads_k=8), True),    # MHA: one row a head
     (dict(paged=16), True),
+    (dict(batch=1, keys=32768), False),                    # split: 8 rows a pair, two passes
+    (dict(batch=1, keys=32768, heads=32, heads_k=32), True),  # split: 2 rows a pair, one pass
 ])
 def test_16bit_cache_takes_head_pairs_where_one_cta_does_not_keep_up(
         planner, monkeypatch, case, pairs):
     """A 16-bit cache at d = 64 runs two adjacent KV heads a CTA (_heuristics.head_pairs)
     where one decode CTA an SM does not keep up with the memory (an H200): d = 128's
-    kernel with the pairs flag, half the grid's y, the split rule over half the units."""
+    kernel with the pairs flag, half the grid's y, the split rule over half the units;
+    but not where a split call's merge would leave the decode launch."""
     d, tokens = case.get("d", 64), case.get("tokens", 1)
-    heads, heads_k, batch = case.get("heads", 32), case.get("heads_k", 8), 8
+    heads, heads_k = case.get("heads", 32), case.get("heads_k", 8)
+    batch, keys = case.get("batch", 64), case.get("keys", 4096)
     dtype, page = case.get("dtype", "float16"), case.get("paged")
     monkeypatch.setattr(_runtime, "peak_bytes_per_s",
                         lambda device: case.get("peak", H200_PEAK_BYTES_PER_S))
@@ -374,15 +378,15 @@ def test_16bit_cache_takes_head_pairs_where_one_cta_does_not_keep_up(
     cufa.api.clear_plans()
     try:
         if case.get("head_major"):
-            shape, strides = (batch, 4096, heads_k, d), (4096 * heads_k * d, d, 4096 * d, 1)
+            shape, strides = (batch, keys, heads_k, d), (keys * heads_k * d, d, keys * d, 1)
             kc = vc = arr(shape, dtype, strides)
         elif page:
-            kc = vc = arr((batch * 4096 // page, page, heads_k, d), dtype)
+            kc = vc = arr((batch * keys // page, page, heads_k, d), dtype)
         else:
-            kc = vc = arr((batch, 4096, heads_k, d), dtype)
+            kc = vc = arr((batch, keys, heads_k, d), dtype)
         kw = dict(cache_seqlens=arr((batch,), "int32"))
         if page:
-            kw["block_table"] = arr((batch, 4096 // page), "int32")
+            kw["block_table"] = arr((batch, keys // page), "int32")
         plan = planner(arr((batch, tokens, heads, d), dtype), kc, vc, **kw)
     finally:
         monkeypatch.delenv(_compile.DECODE_TMA_ENV, raising=False)
@@ -394,3 +398,5 @@ def test_16bit_cache_takes_head_pairs_where_one_cta_does_not_keep_up(
     assert grid[1] == (heads_k // 2 if pairs else heads_k)
     if pairs:
         assert kernel.head_dim == 128 and not kernel.fp8_cache and threads == kernel.threads
+    assert _heuristics.pairs_keep_the_merge(kernel, d, int(record(plan)["num_splits"]),
+                                            tokens * heads // heads_k) or not pairs
