@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The sweep behind the decode split rules (_heuristics.choose_num_splits, FILL_WAVES_E4M3,
-E4M3_SPLIT_CTAS_PER_SM, head_pairs): each shape's time at every split count given, and
-with an e4m3 cache at d = 64 with one KV head a CTA as well as two, beside the planner's
-own choice ("plan"). fp16 q, one query token by default, contiguous caches; back-to-back
+E4M3_SPLIT_CTAS_PER_SM, head_pairs, pairs_keep_the_merge): each shape's time at every
+split count given, and at d = 64 (e4m3 and 16-bit caches) with one KV head a CTA as well
+as two, beside the planner's own choice ("plan"). fp16 q, one query token by default, contiguous caches; back-to-back
 calls timed by CUDA events, the median of interleaved rounds (clocks follow what ran
 before, so every column of a row runs in each round). The fastest column of each row is
 starred.
@@ -52,9 +52,9 @@ def parse(argv=None):
 
 def columns(cache, d, splits):
     """(label, heads a CTA or None for the planner's, num_splits): the planner's choice,
-    then each split count; an e4m3 cache at d = 64 each count with one head and with two."""
+    then each split count; at d = 64 each count with one head and with two."""
     cols = [("plan", None, 0)]
-    both = cache == "e4m3" and d == PAIRED_HEAD_DIM
+    both = d == PAIRED_HEAD_DIM
     for s in splits:
         if both:
             cols += [(f"2h s{s}", 2, s), (f"1h s{s}", 1, s)]
@@ -81,11 +81,13 @@ def main(argv=None):
     import cufa
     import cufa.api
     from cufa import _heuristics
-    planner_pairs = _heuristics.head_pairs
+    planner_pairs, planner_merge = _heuristics.head_pairs, _heuristics.pairs_keep_the_merge
 
-    def heads_a_cta(count):  # None: the planner's rule; 1 or 2 forced (where layout allows)
+    def heads_a_cta(count):  # None: the planner's rules; 1 or 2 forced (where layout allows)
         _heuristics.head_pairs = planner_pairs if count is None else (
             lambda *a, **kw: count == 2 and planner_pairs(*a, **kw))
+        _heuristics.pairs_keep_the_merge = planner_merge if count is None else (
+            lambda *a, **kw: True)
         cufa.api.clear_plans()
 
     print(f"decode, us a call (median of {args.rounds} rounds x {args.calls} calls), "
