@@ -132,19 +132,11 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
             q, kc, vc, softcap, fp8, seqlen_q * group, batch * nheads_k, capacity, num_splits)
     else:
         num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
-        asked = num_splits
-
-        def route(pairs):  # (the kernel and split count, with head pairs or without)
-            return _heuristics.decode_kernel_and_splits(
-                KERNEL_DTYPES[q.dtype], d, asked, batch * (nheads_k // (1 + pairs)) * num_m_blocks,
-                capacity, q.device, paged=paged is not None and not _heuristics.pages_read_whole(
-                    paged["page_shift"], leftpad is None, window[0]), element_io=not aligned,
-                fp8_cache=fp8, pairs=pairs)
-        kernel, num_splits = route(pairs)
-        if pairs and not fp8 and not _heuristics.pairs_keep_the_merge(
-                kernel, d, num_splits, seqlen_q * group):
-            pairs = False
-            kernel, num_splits = route(False)
+        kernel, num_splits, pairs = _heuristics.decode_route(
+            KERNEL_DTYPES[q.dtype], d, num_splits, batch * nheads_k * num_m_blocks, capacity,
+            q.device, seqlen_q * group, pairs, paged=paged is not None and not
+            _heuristics.pages_read_whole(paged["page_shift"], leftpad is None, window[0]),
+            element_io=not aligned, fp8_cache=fp8)
     heads_a_cta = 2 if pairs else 1
     tiles_k = nheads_k // heads_a_cta  # (the grid's y)
     rotary = rotary_dim > 0

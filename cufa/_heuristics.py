@@ -332,6 +332,21 @@ def decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, page
     return kernel, splits
 
 
+def decode_route(dtype, d, num_splits, units, capacity, device, head_rows, pairs, **options):
+    """(kernel, split count, whether it takes head pairs) of a decode over `units` (batch
+    x KV heads x query blocks) with head_rows query rows a head: decode_kernel_and_splits
+    over the units' pairs where head_pairs allowed them (pairs), but a 16-bit cache's
+    pairs only where they keep the in-launch merge (pairs_keep_the_merge), else one head
+    a CTA. options: decode_kernel_and_splits' paged, element_io and fp8_cache."""
+    if pairs:
+        kernel, splits = decode_kernel_and_splits(dtype, d, num_splits, units // 2, capacity,
+                                                  device, pairs=True, **options)
+        if options.get("fp8_cache") or pairs_keep_the_merge(kernel, d, splits, head_rows):
+            return kernel, splits, True
+    return (*decode_kernel_and_splits(dtype, d, num_splits, units, capacity, device, **options),
+            False)
+
+
 TMA_MIN_KEYS = 4096  # cache positions a CTA of the TMA decode kernel streams, at least
 
 
