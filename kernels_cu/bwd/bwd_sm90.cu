@@ -881,16 +881,32 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     if constexpr (kProducer) ring.release(stage, phase, lane);
     else if ((stage ^= 1) == 0) phase ^= 1;
   }
+  // dv, then dk, through each warp's rows of V's tile where the registers allow it (with a
+  // producer, and at d = 64; elsewhere ptxas spilled 8-212 bytes): only this warpgroup's
+  // products read its rows there, and they are done once all four of its warps are past
+  // the loop. (From registers, half a sector a quad store: the epilogue took 6 us of a
+  // d = 128 CTA's 45 on an H200, 13 % of the launch at 1k tokens a sequence.)
+  constexpr bool kStagedGrads = kProducer || kHeadDim == 64;
   const int rows = rows_out - key0;
-  if constexpr (kDk) {
-    u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +
-              k_row * g.dk_row_stride;
-    store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, p.head_dim, lane);
-  }
-  if constexpr (kDv) {
-    u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + h_k * g.dv_head_stride +
-              k_row * g.dv_row_stride;
-    store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
+  u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + h_k * g.dk_head_stride +
+            k_row * g.dk_row_stride;
+  u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + h_k * g.dv_head_stride +
+            k_row * g.dv_row_stride;
+  if constexpr (kStagedGrads) {
+    warpgroup_barrier(wg);
+    if constexpr (kDv)
+      store_rows_staged<kDtype, kBlockN, kHeadDim, kHeadDim>(
+          acc_dv, dv, g.dv_row_stride, rows, p.head_dim, sv, warp_row0, warp_row0, lane);
+    if constexpr (kDk) {
+      if constexpr (kDv) __syncwarp();  // (the warp's dv rows read back)
+      store_rows_staged<kDtype, kBlockN, kHeadDim, kHeadDim>(
+          acc_dk, dk, g.dk_row_stride, rows, p.head_dim, sv, warp_row0, warp_row0, lane);
+    }
+  } else {
+    if constexpr (kDk)
+      store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, p.head_dim, lane);
+    if constexpr (kDv)
+      store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
   }
 }
 

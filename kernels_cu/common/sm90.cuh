@@ -217,6 +217,54 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 
                : "memory");
 }
 
+// -- a warp's 16 rows of an accumulator (the mma fragment layout, kDTiles 8-column tiles)
+//    out through its own rows of a staging area (read for the last time by now): a 16 x 16
+//    block a stmatrix into panels of kPanelRows rows, then 16-byte chunks, whole rows per
+//    store. Straight from registers each quad stores 4 bytes of 8 rows at a time, half a
+//    32-byte sector, with four times the store instructions. In passes of kPassColumns
+//    (the whole head dim where the area holds it), each read back before the next is
+//    staged. dst: row 0, of `rows` rows (those from there, and chunks from head_dim, are
+//    left alone); row_base: the warp's first row there, stage_row0 its first row in the
+//    area (multiples of 16, so the swizzle sees only the row within the warp's) --
+template <int kDtype, int kPanelRows, int kPassColumns, int kHeadDim, int kDTiles>
+__device__ __forceinline__ void store_rows_staged(const float (&acc)[1][kDTiles][4], u16* dst,
+                                                  i64 row_stride, int rows, int head_dim,
+                                                  u32 stage, int stage_row0, int row_base,
+                                                  int lane) {
+  // matrices 0 and 1 of a stmatrix are the warp's rows 0-7 and 8-15 of chunk 2j, 2 and 3
+  // those of chunk 2j + 1
+  static_assert(kDTiles % 2 == 0 && kHeadDim % kPassColumns == 0 && kPassColumns % 16 == 0,
+                "stmatrix stores 16-column pairs of chunks");
+  constexpr int kPasses = kHeadDim / kPassColumns, kPassChunks = kPassColumns / 8;
+  const int lane_row = stage_row0 + (lane & 15), lane_chunk = lane >> 4;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    if (pass > 0) __syncwarp();  // the warp has read the previous pass back
+#pragma unroll
+    for (int j = 0; j < kPassChunks / 2; ++j) {
+      const int dt = pass * kPassChunks + 2 * j;
+      stmatrix_x4(stage + panel_offset<kPanelRows>(lane_row, 2 * j + lane_chunk),
+                  pack2<kDtype>(acc[0][dt][0], acc[0][dt][1]),
+                  pack2<kDtype>(acc[0][dt][2], acc[0][dt][3]),
+                  pack2<kDtype>(acc[0][dt + 1][0], acc[0][dt + 1][1]),
+                  pack2<kDtype>(acc[0][dt + 1][2], acc[0][dt + 1][3]));
+    }
+    __syncwarp();
+    // (what a store does not change is worked out once)
+    u16* const warp_rows = dst + row_base * row_stride;
+    const u32 stage_rows = stage + stage_row0 * 128;
+    const int rows_left = rows - row_base;
+#pragma unroll 4
+    for (int i = 0; i < 16 * kPassChunks / 32; ++i) {
+      const int idx = i * 32 + lane;
+      const int r = idx / kPassChunks, c = pass * kPassChunks + idx % kPassChunks;
+      if (r < rows_left && c * 8 < head_dim)
+        st_global_v4(warp_rows + r * row_stride + c * 8,
+                     ld_shared_v4(stage_rows + panel_offset<kPanelRows>(r, c - pass * kPassChunks)));
+    }
+  }
+}
+
 // -- bulk float additions from shared to global memory (the async proxy; `bytes` a
 //    multiple of 16, both addresses 16-byte aligned): issue, commit, and wait until at
 //    most kPending of this thread's groups still read their shared memory --

@@ -28,6 +28,9 @@ __device__ __forceinline__ void write_lse(const float (&lse)[1][2], int seqlen_q
 template <int kHeadDim>
 constexpr bool kStagedOutput = kHeadDim >= 128;
 
+// (common/sm90.cuh's store_rows_staged, which the backward's dk/dv take, is these steps
+// with the addresses as arguments; moving the forward onto it reorders this function's
+// PTX, so it waits for a forward A/B.)
 // stage: the staging area's base, whose panels are kPanelRows rows; stage_row0: this
 // warp's first row in it; row_base: the warp's first row in the sequence. O goes out in
 // passes of kPassColumns (the whole head dim where the area holds it; d = 256 staged in
