@@ -48,12 +48,6 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[1][kDTiles][4],
   wgmma_commit();
 }
 
-// a named barrier of one warpgroup (ids 2 and 3: constants, so ptxas counts two)
-__device__ __forceinline__ void warpgroup_barrier(int wg) {
-  if (wg) named_barrier_sync(3, 128);
-  else named_barrier_sync(2, 128);
-}
-
 // The producer warpgroup's register budget, and the consumers', where two consumer warpgroups
 // share the CTA's registers with the producer's warpgroup: setmaxnreg moves them within
 // the launch's allotment (384 threads x 168 = 64512), no more (an .inc past it waits for
@@ -374,12 +368,7 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
     if constexpr (kProducer) ring.release(stage, phase, lane);
     else if ((stage ^= 1) == 0) phase ^= 1;
   }
-  // dq through each warp's rows of Q's tile (only this warpgroup's products read them:
-  // done once its four warps are here), as the dk/dv kernel writes dk and dv
-  warpgroup_barrier(wg);
-  store_rows_staged<kDtype, kBlockM, kHeadDim, kHeadDim>(acc_dq, dq, g.dq_row_stride,
-                                                         t.seqlen_q - row0, p.head_dim, sq,
-                                                         warp_row0, warp_row0, lane);
+  store_rows<kDtype>(acc_dq, dq, g.dq_row_stride, warp_row0, t.seqlen_q - row0, p.head_dim, lane);
 }
 
 // -- kFusedDq: the step's share of dq, dS K (the step's kBlockM queries x the CTA's
@@ -416,6 +405,12 @@ __device__ __forceinline__ void stage_ds(const u32 (&ds_frag)[kQTiles / 2][4], u
     stmatrix_x4_trans(sds + panel_offset<kBlockM>(query, key / 8), ds_frag[kk][0],
                       ds_frag[kk][1], ds_frag[kk][2], ds_frag[kk][3]);
   }
+}
+
+// a named barrier of one warpgroup (ids 2 and 3: constants, so ptxas counts two)
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  if (wg) named_barrier_sync(3, 128);
+  else named_barrier_sync(2, 128);
 }
 
 // this warpgroup's dq product, once the dS it reads is in (its own panel, or both): A its
