@@ -16,6 +16,34 @@
 
 namespace cufa {
 
+// -- a diagnostic build (CUFA_TRACE=1, cufa/_compile.py's debug_options): each dk/dv
+//    CTA's start, the arrival of its first step (K, V and the first Q and dout), the end
+//    of its loop and of its stores (a consumer's first thread), the producer's end (its
+//    last sums sent and read) and its SM, on the global timer (ns), for
+//    bench/profile/bwd_timeline.py. Without the flag the stamps compile to nothing --
+enum BwdTraceField : int {
+  kBwdStart = 0, kBwdFirstStep, kBwdLoopEnd, kBwdStored, kBwdProducerEnd, kBwdSm = 7
+};
+#ifdef CUFA_TRACE
+constexpr int kBwdTraceCtas = 8192, kBwdTraceFields = 8;
+extern "C" {
+__device__ u64 cufa_bwd_trace[kBwdTraceCtas][kBwdTraceFields];
+}
+#endif
+__device__ __forceinline__ void bwd_trace(bool stamps, BwdTraceField field) {
+#ifdef CUFA_TRACE
+  if (!stamps || blockIdx.x >= kBwdTraceCtas) return;
+  u64 ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  cufa_bwd_trace[blockIdx.x][field] = ns;
+  if (field == kBwdStart) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    cufa_bwd_trace[blockIdx.x][kBwdSm] = sm;
+  }
+#endif
+}
+
 // A tile of kRows rows in 64-column panels (128-byte swizzle), the layout the descriptors
 // below describe; rows past rows_valid and columns past head_dim become zeros. kThreads:
 // the CTA's, which share the copy.
@@ -622,6 +650,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
   Tile& t = kb.t;
+  bwd_trace(threadIdx.x == 0, kBwdStart);
   const int h_k = kb.h_k, key0 = kb.key0, rows_out = kb.rows_out;
   const int group = p.nheads / p.nheads_k;
   // a consumer's thread (the producer's threads: 0, so that their unused row and key
@@ -780,8 +809,10 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       if (threadIdx.x == 0) mbar_init(dq_empty, 1);  // (fenced by the ring's init)
     }
     if (!ring.template consumer_after_roles<kThreads, kTma, kFusedDq>(steps, copy, to_log2,
-                                                                      send_sums, sums_read))
+                                                                      send_sums, sums_read)) {
+      bwd_trace(threadIdx.x == 0, kBwdProducerEnd);
       return;
+    }
   } else if (steps) {
     if constexpr (kTma) {
       ring.init_full();
@@ -804,6 +835,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
         fence_proxy_async();
       });
     }
+    bwd_trace(i == 0 && tid == 0, kBwdFirstStep);
     Tile th = t;
     th.h = head_of(i);
     const int q0 = q0_of(i);
@@ -881,6 +913,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     if constexpr (kProducer) ring.release(stage, phase, lane);
     else if ((stage ^= 1) == 0) phase ^= 1;
   }
+  bwd_trace(tid == 0, kBwdLoopEnd);
   // dv, then dk, through each warp's rows of V's tile where the registers allow it (with a
   // producer, and at d = 64; elsewhere ptxas spilled 8-212 bytes): only this warpgroup's
   // products read its rows there, and they are done once all four of its warps are past
@@ -908,6 +941,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     if constexpr (kDv)
       store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
   }
+  bwd_trace(tid == 0, kBwdStored);
 }
 
 }  // namespace cufa

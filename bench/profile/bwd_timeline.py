@@ -1,0 +1,124 @@
+"""Where the Hopper backward's dk/dv launch spends its time, CTA by CTA: a build with
+CUFA_TRACE=1 (bwd/bwd_sm90.cu's bwd_trace) stamps each CTA's start, its first step's
+arrival, the end of its loop and of its stores, the producer's end and its SM on the global
+timer; this reads them back after one backward and splits the SMs' time into the prologue
+(start to the first step: K, V and the first Q and dout), the loop, the epilogue (dk and dv
+written), the producer's drain past it, the gaps between one CTA's end and the next one's
+start on an SM, and the tail.
+
+    python3 bench/profile/bwd_timeline.py [--dtype bf16] [--head-dims 128] [--seqlens 1024,4096]
+        [--causal 0,1] [--tokens 16384]
+
+Each configuration: batch = tokens / N, heads = 2048 / d (bench_bwd.py's grid). Times of
+this build only (the stamps cost a few instructions a CTA), one backward after three that
+compile and warm up; the first 8192 CTAs are stamped.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+torch = cufa = _compile = None  # main() imports them, with the trace build asked for first
+
+CTAS, FIELDS = 8192, 8  # (bwd_sm90.cu's kBwdTraceCtas, kBwdTraceFields)
+START, FIRST_STEP, LOOP_END, STORED, PRODUCER_END, SM = 0, 1, 2, 3, 4, 7
+
+
+def trace_table(variant):
+    import cupy
+    fn, function = _compile.get_kernel(variant, torch.cuda.current_device())
+    address = function.module.get_global_var("cufa_bwd_trace")
+    memory = cupy.cuda.UnownedMemory(address, CTAS * FIELDS * 8, fn, torch.cuda.current_device())
+    return cupy.ndarray((CTAS, FIELDS), dtype=cupy.uint64,
+                        memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def run(dtype, d, n, causal, tokens):
+    batch, heads = max(tokens // n, 1), max(2048 // d, 1)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+    out, lse = cufa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn_like(out)
+    for _ in range(3):  # compiles, warms up
+        cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+    torch.cuda.synchronize()
+    # every Hopper dk/dv kernel compiled so far; the launch's is the one whose table fills
+    tables = {var.key: trace_table(var) for (_, var) in list(_compile._kernels)
+              if var.key.startswith("bwd_dkdv_sm90")}
+    for table in tables.values():
+        table.fill(0)
+    torch.cuda.synchronize()
+    cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+    torch.cuda.synchronize()
+    filled = [key for key, table in tables.items() if int(table[:, START].max()) != 0]
+    if len(filled) != 1:
+        sys.exit(f"expected one Hopper dk/dv launch, found {filled}")
+    return filled[0], tables[filled[0]].get().astype(np.int64)
+
+
+def analyse(t):
+    t = t[t[:, START] > 0]
+    t0 = t[:, START].min()
+    start, first, loop_end, stored = (t[:, f] - t0 for f in (START, FIRST_STEP, LOOP_END, STORED))
+    # (CTAs without a producer stamp no producer end: their stores end them)
+    producer_end = np.where(t[:, PRODUCER_END] > 0, t[:, PRODUCER_END] - t0, stored)
+    end, sm = np.maximum(stored, producer_end), t[:, SM]
+    span, sms = end.max(), np.unique(sm)
+    gaps, tail = [], 0
+    for s in sms:
+        order = np.where(sm == s)[0]
+        order = order[np.argsort(start[order])]
+        gaps += list(start[order[1:]] - end[order[:-1]])
+        tail += span - end[order].max()
+    total = span * len(sms)
+    stepped = first > 0  # (CTAs with a step)
+    return {
+        "ctas": len(t), "sms": len(sms), "span_us": span / 1e3,
+        "prologue_us": np.median((first - start)[stepped]) / 1e3,
+        "loop_us": np.median((loop_end - first)[stepped]) / 1e3,
+        "epilogue_us": np.median(stored - loop_end) / 1e3,
+        "drain_us": np.median(np.maximum(producer_end - stored, 0)) / 1e3,
+        "gap_us": np.median(gaps) / 1e3 if gaps else 0.0,
+        "share": {"prologue": np.sum((first - start)[stepped]) / total,
+                  "loop": np.sum((loop_end - first)[stepped]) / total,
+                  "epilogue": np.sum(stored - loop_end) / total,
+                  "drain": np.sum(np.maximum(producer_end - stored, 0)) / total,
+                  "gaps": np.sum(gaps) / total, "tail": tail / total},
+    }
+
+
+def main():
+    global torch, cufa, _compile
+    os.environ["CUFA_TRACE"] = "1"  # (read when cufa is imported)
+    sys.path.insert(0, os.path.dirname(HERE))  # bench/
+    import _timing  # (finds the checkout's cufa when none is on the path)
+    import torch
+    import cufa
+    from cufa import _compile
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
+    p.add_argument("--head-dims", default="128")
+    p.add_argument("--seqlens", default="1024,4096")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--tokens", type=int, default=16384)
+    args = p.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    print("config | variant | CTAs on SMs | span us | medians a CTA, us: prologue loop epilogue "
+          "drain gap | % of SM-time: prologue loop epilogue drain gaps tail")
+    for d in _timing.int_list(args.head_dims):
+        for n in _timing.int_list(args.seqlens):
+            for causal in (bool(int(c)) for c in args.causal.split(",")):
+                key, table = run(dtype, d, n, causal, args.tokens)
+                a = analyse(table)
+                share = " ".join(f"{100 * a['share'][k]:.1f}" for k in
+                                 ("prologue", "loop", "epilogue", "drain", "gaps", "tail"))
+                print(f"{args.dtype} d={d} N={n} {'causal' if causal else 'full'} | {key} | "
+                      f"{a['ctas']} on {a['sms']} | {a['span_us']:.0f} | {a['prologue_us']:.2f} "
+                      f"{a['loop_us']:.2f} {a['epilogue_us']:.2f} {a['drain_us']:.2f} "
+                      f"{a['gap_us']:.2f} | {share}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
