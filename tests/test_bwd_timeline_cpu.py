@@ -49,3 +49,14 @@ def test_a_stepless_cta_counts_no_prologue_or_loop():
 def test_importing_asks_for_no_trace_build():
     assert os.environ.get("CUFA_TRACE") in (None, "")
     assert bwd_timeline.torch is None
+
+
+def test_two_ctas_an_sm_count_two_slots_and_no_gaps():
+    # one SM running two CTAs side by side, then a third in the first one's slot
+    a = bwd_timeline.analyse(stamps((1000, 2000, 9000, 10000, 0, 3),
+                                    (1000, 2000, 11000, 11000, 0, 3),
+                                    (10000, 11000, 20000, 21000, 0, 3)))
+    assert a["resident"] == 2 and a["span_us"] == 20.0
+    assert np.isnan(a["gap_us"]) and a["share"]["gaps"] == 0
+    assert a["share"]["tail"] == pytest.approx(10 / 40)  # the second slot idle from 10 us
+    assert a["share"]["loop"] == pytest.approx(25 / 40)  # 7 + 9 + 9

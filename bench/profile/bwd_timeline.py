@@ -4,7 +4,7 @@ arrival, the end of its loop and of its stores, the producer's end and its SM on
 timer; this reads them back after one backward and splits the SMs' time into the prologue
 (start to the first step: K, V and the first Q and dout), the loop, the epilogue (dk and dv
 written), the producer's drain past it, the gaps between one CTA's end and the next one's
-start on an SM, and the tail.
+start on an SM (where one runs at a time), and the tail.
 
     python3 bench/profile/bwd_timeline.py [--dtype bf16] [--head-dims 128] [--seqlens 1024,4096]
         [--causal 0,1] [--tokens 16384]
@@ -58,6 +58,16 @@ def run(dtype, d, n, causal, tokens):
     return filled[0], tables[filled[0]].get().astype(np.int64)
 
 
+def _most_at_once(starts, ends):
+    """The most of these [start, end) intervals that overlap at one time."""
+    events = sorted([(x, 1) for x in starts] + [(x, -1) for x in ends], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return max(most, 1)
+
+
 def analyse(t):
     t = t[t[:, START] > 0]
     t0 = t[:, START].min()
@@ -66,21 +76,25 @@ def analyse(t):
     producer_end = np.where(t[:, PRODUCER_END] > 0, t[:, PRODUCER_END] - t0, stored)
     end, sm = np.maximum(stored, producer_end), t[:, SM]
     span, sms = end.max(), np.unique(sm)
+    # CTAs an SM at once (the d = 64 kernels of one warpgroup run two): the SM-time is
+    # that many slots, and gaps between CTAs are told only where there is one
+    resident = max(_most_at_once(start[sm == s], end[sm == s]) for s in sms)
     gaps, tail = [], 0
     for s in sms:
         order = np.where(sm == s)[0]
         order = order[np.argsort(start[order])]
-        gaps += list(start[order[1:]] - end[order[:-1]])
-        tail += span - end[order].max()
-    total = span * len(sms)
+        if resident == 1:
+            gaps += list(start[order[1:]] - end[order[:-1]])
+        tail += resident * span - np.sum(np.sort(end[order])[-resident:])
+    total = span * len(sms) * resident
     stepped = first > 0  # (CTAs with a step)
     return {
-        "ctas": len(t), "sms": len(sms), "span_us": span / 1e3,
+        "ctas": len(t), "sms": len(sms), "resident": resident, "span_us": span / 1e3,
         "prologue_us": np.median((first - start)[stepped]) / 1e3,
         "loop_us": np.median((loop_end - first)[stepped]) / 1e3,
         "epilogue_us": np.median(stored - loop_end) / 1e3,
         "drain_us": np.median(np.maximum(producer_end - stored, 0)) / 1e3,
-        "gap_us": np.median(gaps) / 1e3 if gaps else 0.0,
+        "gap_us": np.median(gaps) / 1e3 if gaps else float("nan"),
         "share": {"prologue": np.sum((first - start)[stepped]) / total,
                   "loop": np.sum((loop_end - first)[stepped]) / total,
                   "epilogue": np.sum(stored - loop_end) / total,
@@ -105,8 +119,8 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    print("config | variant | CTAs on SMs | span us | medians a CTA, us: prologue loop epilogue "
-          "drain gap | % of SM-time: prologue loop epilogue drain gaps tail")
+    print("config | variant | CTAs on SMs (at once) | span us | medians a CTA, us: prologue loop "
+          "epilogue drain gap | % of SM-time: prologue loop epilogue drain gaps tail")
     for d in _timing.int_list(args.head_dims):
         for n in _timing.int_list(args.seqlens):
             for causal in (bool(int(c)) for c in args.causal.split(",")):
@@ -115,7 +129,7 @@ def main():
                 share = " ".join(f"{100 * a['share'][k]:.1f}" for k in
                                  ("prologue", "loop", "epilogue", "drain", "gaps", "tail"))
                 print(f"{args.dtype} d={d} N={n} {'causal' if causal else 'full'} | {key} | "
-                      f"{a['ctas']} on {a['sms']} | {a['span_us']:.0f} | {a['prologue_us']:.2f} "
+                      f"{a['ctas']} on {a['sms']} ({a['resident']}) | {a['span_us']:.0f} | {a['prologue_us']:.2f} "
                       f"{a['loop_us']:.2f} {a['epilogue_us']:.2f} {a['drain_us']:.2f} "
                       f"{a['gap_us']:.2f} | {share}", flush=True)
 
