@@ -19,20 +19,13 @@ import sys
 
 import numpy as np
 
+from _trace import traced_launch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-torch = cufa = _compile = None  # main() imports them, with the trace build asked for first
+torch = cufa = None  # main() imports them, with the trace build asked for first
 
 CTAS, FIELDS = 8192, 8  # (bwd_sm90.cu's kBwdTraceCtas, kBwdTraceFields)
 START, FIRST_STEP, LOOP_END, STORED, PRODUCER_END, SM = 0, 1, 2, 3, 4, 7
-
-
-def trace_table(variant):
-    import cupy
-    fn, function = _compile.get_kernel(variant, torch.cuda.current_device())
-    address = function.module.get_global_var("cufa_bwd_trace")
-    memory = cupy.cuda.UnownedMemory(address, CTAS * FIELDS * 8, fn, torch.cuda.current_device())
-    return cupy.ndarray((CTAS, FIELDS), dtype=cupy.uint64,
-                        memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def run(dtype, d, n, causal, tokens):
@@ -44,18 +37,11 @@ def run(dtype, d, n, causal, tokens):
     for _ in range(3):  # compiles, warms up
         cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
     torch.cuda.synchronize()
-    # every Hopper dk/dv kernel compiled so far; the launch's is the one whose table fills
-    tables = {var.key: trace_table(var) for (_, var) in list(_compile._kernels)
-              if var.key.startswith("bwd_dkdv_sm90")}
-    for table in tables.values():
-        table.fill(0)
-    torch.cuda.synchronize()
-    cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
-    torch.cuda.synchronize()
-    filled = [key for key, table in tables.items() if int(table[:, START].max()) != 0]
-    if len(filled) != 1:
-        sys.exit(f"expected one Hopper dk/dv launch, found {filled}")
-    return filled[0], tables[filled[0]].get().astype(np.int64)
+    key, table = traced_launch(
+        lambda: cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=causal),
+        "bwd_dkdv_sm90", "cufa_bwd_trace", (CTAS, FIELDS),
+        lambda t: int(t[:, START].max()) != 0, "Hopper dk/dv")
+    return key, table.astype(np.int64)
 
 
 def _most_at_once(starts, ends):
@@ -104,13 +90,12 @@ def analyse(t):
 
 
 def main():
-    global torch, cufa, _compile
+    global torch, cufa
     os.environ["CUFA_TRACE"] = "1"  # (read when cufa is imported)
     sys.path.insert(0, os.path.dirname(HERE))  # bench/
     import _timing  # (finds the checkout's cufa when none is on the path)
     import torch
     import cufa
-    from cufa import _compile
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
     p.add_argument("--head-dims", default="128")

@@ -30,20 +30,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cufa  # noqa: E402
-from cufa import _compile  # noqa: E402
+from _trace import traced_launch  # noqa: E402
 
 FIELDS = ("wait", "ready", "end0", "end1", "ns_ready", "ns_end0", "head_block", "batch_blocks",
           "first_p", "loop_end")
-
-
-def trace_table(variant):
-    import cupy
-    fn, function = _compile.get_kernel(variant, torch.cuda.current_device())
-    shape = (264, 512, len(FIELDS))  # (sm90_trace.cuh's kTraceCtas, kTraceTiles)
-    address = function.module.get_global_var("cufa_tile_trace")
-    memory = cupy.cuda.UnownedMemory(address, int(np.prod(shape)) * 8, fn,
-                                     torch.cuda.current_device())
-    return cupy.ndarray(shape, dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def run(dtype, d, n, causal, tokens, fp8=False):
@@ -56,18 +46,10 @@ def run(dtype, d, n, causal, tokens, fp8=False):
         out = torch.empty(q.shape, device="cuda", dtype=dtype)
     cufa.flash_attn_func(q, k, v, causal=causal, out=out)  # compiles
     torch.cuda.synchronize()
-    # every Hopper forward compiled so far; the launch's is the one whose table fills
-    tables = {var.key: trace_table(var) for (_, var) in list(_compile._kernels)
-              if var.key.startswith("fwd_sm90")}
-    for table in tables.values():
-        table.fill(0)
-    torch.cuda.synchronize()
-    cufa.flash_attn_func(q, k, v, causal=causal, out=out)
-    torch.cuda.synchronize()
-    filled = [key for key, table in tables.items() if int(table[:, :, 1].max()) != 0]
-    if len(filled) != 1:
-        sys.exit(f"expected one Hopper forward launch, found {filled}")
-    return filled[0], batch, heads, tables[filled[0]].get()
+    key, table = traced_launch(lambda: cufa.flash_attn_func(q, k, v, causal=causal, out=out),
+                               "fwd_sm90", "cufa_tile_trace", (264, 512, len(FIELDS)),
+                               lambda t: int(t[:, :, 1].max()) != 0, "Hopper forward")
+    return key, batch, heads, table  # ((264, 512): sm90_trace.cuh's kTraceCtas, kTraceTiles)
 
 
 def _fit(blocks, cycles):
