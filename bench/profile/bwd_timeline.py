@@ -114,8 +114,9 @@ def main():
                 share = " ".join(f"{100 * a['share'][k]:.1f}" for k in
                                  ("prologue", "loop", "epilogue", "drain", "gaps", "tail"))
                 print(f"{args.dtype} d={d} N={n} {'causal' if causal else 'full'} | {key} | "
-                      f"{a['ctas']} on {a['sms']} ({a['resident']}) | {a['span_us']:.0f} | {a['prologue_us']:.2f} "
-                      f"{a['loop_us']:.2f} {a['epilogue_us']:.2f} {a['drain_us']:.2f} "
+                      f"{a['ctas']} on {a['sms']} ({a['resident']}) | {a['span_us']:.0f} | "
+                      f"{a['prologue_us']:.2f} {a['loop_us']:.2f} {a['epilogue_us']:.2f} "
+                      f"{a['drain_us']:.2f} "
                       f"{a['gap_us']:.2f} | {share}", flush=True)
 
 

@@ -926,14 +926,17 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + h_k * g.dv_head_stride +
             k_row * g.dv_row_stride;
   if constexpr (kStagedGrads) {
+    // (i64{..}, int{..}: the stride and head dim read here, as in the code the A/B timed)
     warpgroup_barrier(wg);
     if constexpr (kDv)
       store_rows_staged<kDtype, kBlockN, kHeadDim, kHeadDim>(
-          acc_dv, dv, g.dv_row_stride, rows, p.head_dim, sv, warp_row0, warp_row0, lane);
+          acc_dv, dv, i64{g.dv_row_stride}, rows, int{p.head_dim}, sv, warp_row0, warp_row0,
+          lane);
     if constexpr (kDk) {
       if constexpr (kDv) __syncwarp();  // (the warp's dv rows read back)
       store_rows_staged<kDtype, kBlockN, kHeadDim, kHeadDim>(
-          acc_dk, dk, g.dk_row_stride, rows, p.head_dim, sv, warp_row0, warp_row0, lane);
+          acc_dk, dk, i64{g.dk_row_stride}, rows, int{p.head_dim}, sv, warp_row0, warp_row0,
+          lane);
     }
   } else {
     if constexpr (kDk)

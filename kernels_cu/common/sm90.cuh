@@ -225,10 +225,13 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 
 //    (the whole head dim where the area holds it), each read back before the next is
 //    staged. dst: row 0, of `rows` rows (those from there, and chunks from head_dim, are
 //    left alone); row_base: the warp's first row there, stage_row0 its first row in the
-//    area (multiples of 16, so the swizzle sees only the row within the warp's) --
+//    area (multiples of 16, so the swizzle sees only the row within the warp's).
+//    row_stride and head_dim by reference: the forward passes its parameters' fields,
+//    read where the stores use them, as its epilogue read them before it called this --
 template <int kDtype, int kPanelRows, int kPassColumns, int kHeadDim, int kDTiles>
 __device__ __forceinline__ void store_rows_staged(const float (&acc)[1][kDTiles][4], u16* dst,
-                                                  i64 row_stride, int rows, int head_dim,
+                                                  const i64& row_stride, int rows,
+                                                  const int& head_dim,
                                                   u32 stage, int stage_row0, int row_base,
                                                   int lane) {
   // matrices 0 and 1 of a stmatrix are the warp's rows 0-7 and 8-15 of chunk 2j, 2 and 3
