@@ -482,22 +482,34 @@ __device__ __forceinline__ void stage_dq_share(const float (&acc)[1][8][4], u32 
 }
 
 // d = 64, where both warpgroups' sums are of the same 64 x 64 block: warpgroup 1 leaves
-// its sums in its slab and warpgroup 0 adds them to its own before staging them, so the
-// step sends one slab: half the L2 reductions a step, for half of d = 128's products
-// (without a mask 1.07-1.13x the two kernels' time where two slabs made it 1.15-1.20x).
-// The other's slab is free again once the step's slab is sent (dq_empty): warpgroup 0
-// has read it by then.
+// its sums in one of two slabs of its own (by step) and warpgroup 0 adds them to its own
+// before staging them, so the step sends one slab: half the L2 reductions a step, for half
+// of d = 128's products (without a mask 1.07-1.13x the two kernels' time where two slabs
+// made it 1.15-1.20x). The hand-over goes on mbarriers (DqPair), one way a step: warpgroup
+// 0 waits for warpgroup 1's sums, which waits only for its slab of two steps before to be
+// read, so that the two may drift apart by a step or two (a named barrier a step held
+// them in lockstep: their exponentials at the same time, the tensor cores idle).
+struct DqPair {
+  u32 bars;  // full[2] (warpgroup 1's four warps), then free[2] (warpgroup 0's four)
+  __device__ __forceinline__ u32 full(int step) const { return bars + 8 * (step & 1); }
+  __device__ __forceinline__ u32 freed(int step) const { return bars + 16 + 8 * (step & 1); }
+  __device__ __forceinline__ void init() const {
+    for (int s = 0; s < 2; ++s) mbar_init(full(s), 4), mbar_init(freed(s), 4);
+  }
+};
 __device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u32 dq_empty,
-                                              int step, int wg) {
-  constexpr int kPairBarrier = 1;  // (d = 128's "both warpgroups' keys": not used at 64)
-  if (step > 0) mbar_wait(dq_empty, (step - 1) & 1);
-  const u32 at = sdq + (threadIdx.x % 128) * 16, other = at + kDqSlabBytes;
+                                              const DqPair& pair, int step, int wg) {
+  const int lane = threadIdx.x % 32;
+  const u32 thread_at = (threadIdx.x % 128) * 16;
+  const u32 other = sdq + (1 + (step & 1)) * kDqSlabBytes + thread_at;  // (step's slab of 1)
   if (wg == 1) {
+    if (step >= 2) mbar_wait(pair.freed(step), ((step >> 1) - 1) & 1);
     store_slab(acc, other);
-    named_barrier_arrive(kPairBarrier, 256);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(pair.full(step));
     return;
   }
-  named_barrier_sync(kPairBarrier, 256);
+  mbar_wait(pair.full(step), (step >> 1) & 1);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     float x, y, z, w;
@@ -508,7 +520,10 @@ __device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u3
     acc[0][j][2] += z;
     acc[0][j][3] += w;
   }
-  store_slab(acc, at);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(pair.freed(step));
+  if (step > 0) mbar_wait(dq_empty, (step - 1) & 1);
+  store_slab(acc, sdq + thread_at);
   fence_proxy_async();  // (for the bulk reduction's reads)
 }
 
@@ -644,8 +659,11 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   unsigned char* stages = smem + 2 * kKVBytes;
   // (kProducer, kTma) its mbarriers, after the slabs where dq is fused, then theirs (the
   // producer's reductions have read them)
-  [[maybe_unused]] const StepRing ring{kFusedDq ? sdq + 2 * kDqSlabBytes : sds};
+  // (d = 64: warpgroup 0's slab, then two of warpgroup 1's: stage_dq_pair)
+  constexpr int kSlabs = kHeadDim == 64 ? 3 : 2;
+  [[maybe_unused]] const StepRing ring{kFusedDq ? sdq + kSlabs * kDqSlabBytes : sds};
   [[maybe_unused]] const u32 dq_empty = ring.bars + 16 * kStages;
+  [[maybe_unused]] const DqPair dq_pair{dq_empty + 8};  // (kFusedDq at d = 64)
 
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
@@ -806,7 +824,10 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       if constexpr (kFusedDq) free_dq_slabs(dq_empty);
     };
     if constexpr (kFusedDq) {
-      if (threadIdx.x == 0) mbar_init(dq_empty, 1);  // (fenced by the ring's init)
+      if (threadIdx.x == 0) {  // (fenced by the ring's init)
+        mbar_init(dq_empty, 1);
+        if constexpr (kHeadDim == 64) dq_pair.init();
+      }
     }
     if (!ring.template consumer_after_roles<kThreads, kTma, kFusedDq>(steps, copy, to_log2,
                                                                       send_sums, sums_read)) {
@@ -895,7 +916,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
         wgmma_wait<0>();
         fence_registers(acc_dq);
         if constexpr (kHeadDim == 64)
-          stage_dq_pair(acc_dq, sdq, dq_empty, i, wg);
+          stage_dq_pair(acc_dq, sdq, dq_empty, dq_pair, i, wg);
         else
           stage_dq_share(acc_dq, sdq + wg * kDqSlabBytes, dq_empty, i);
       }
