@@ -527,19 +527,23 @@ __device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u3
   fence_proxy_async();  // (for the bulk reduction's reads)
 }
 
-// the producer's thread 0, once every consumer warp has released a step (and so staged
-// its sums): the step's slabs (d = 64: warpgroup 0's, which holds both) added to its
-// block of dq_accum ...
+// The producer's thread that sends the sums: its second warp's first (the first warp's
+// issues the TMA copies, its last ones copy lse and D and wait for them: each chain of
+// waits on its own warp, so that the consumers' next slab is not held behind a load)
+constexpr unsigned kDqSender = 32;
+
+// the sender, once every consumer warp has released a step (and so staged its sums): the
+// step's slabs (d = 64: warpgroup 0's, which holds both) added to its block of dq_accum ...
 template <int kHeadDim>
 __device__ __forceinline__ void send_dq_share(float* block, u32 sdq) {
-  if (threadIdx.x) return;
+  if (threadIdx.x != kDqSender) return;
   bulk_add_f32(block, sdq, kHeadDim == 64 ? kDqSlabBytes : 2 * kDqSlabBytes);
   bulk_commit();
 }
 // ... and free again once read (after the step it produces is announced: the reads wait
 // for L2, where every key block's CTA adds to the same rows)
 __device__ __forceinline__ void free_dq_slabs(u32 dq_empty) {
-  if (threadIdx.x) return;
+  if (threadIdx.x != kDqSender) return;
   bulk_wait_read<0>();
   mbar_arrive(dq_empty);
 }
@@ -705,7 +709,13 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   // by cp.async as they are stored, in the step's copy group, and lse is put in log2 units
   // (lse_log2_of) by the same thread once it has landed (to_log2): a load and a store there
   // held the step's copies back by a round trip (ncu, d = 64 without a producer: 13 % of
-  // the stall samples at that load's use)
+  // the stall samples at that load's use). A producer's last kBlockM threads copy them
+  // (away from the TMA's thread and kDqSender: their waits are the loads')
+  constexpr int kStatsThread0 = kProducer ? kProducerThreads - kBlockM : 0;
+  static_assert(kStatsThread0 >= 0 && (!kFusedDq || kStatsThread0 > int{kDqSender}),
+                "the stats' rows on threads of their own");
+  const int stats_r = static_cast<int>(threadIdx.x) - kStatsThread0;
+  const bool stats_thread = stats_r >= 0 && stats_r < kBlockM;
   struct StatsRow {
     float* s;
     i64 at;
@@ -716,12 +726,11 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     th.h = head_of(i);
     const int q0 = q0_of(i);
     return StatsRow{
-        reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes) + threadIdx.x,
-        row_stats_offset(p, th) + q0 + threadIdx.x,
-        q0 + static_cast<int>(threadIdx.x) < t.seqlen_q};
+        reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes) + stats_r,
+        row_stats_offset(p, th) + q0 + stats_r, q0 + stats_r < t.seqlen_q};
   };
   const auto copy_stats = [&](int i, int stage) {
-    if (threadIdx.x < kBlockM) {
+    if (stats_thread) {
       const StatsRow row = stats_row(i, stage);
       cp_async_4(smem_u32(row.s), reinterpret_cast<const float*>(p.lse) + row.at,
                  row.valid ? 4 : 0);
@@ -730,7 +739,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     }
   };
   const auto to_log2 = [&](int i, int stage) {
-    if (threadIdx.x < kBlockM) {
+    if (stats_thread) {
       const StatsRow row = stats_row(i, stage);
       *row.s = lse_log2_of(row.s, 0, row.valid);  // (a row past the sequence: +inf)
     }
