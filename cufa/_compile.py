@@ -333,11 +333,11 @@ class BwdVariant:
                 return 1024 + 2 * (self.block_m + stages * self.block_n) * row + ring
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
             # dq fused: two tiles of the step's dS (16-bit), each warpgroup's slab of 64 x
-            # 64 sums (kDqSlabBytes; at d = 64 two each) and the sent slabs' mbarriers (at
-            # d = 64 two, and four more: stage_dq_pair's)
-            slabs, bars = (4, 48) if self.head_dim == 64 else (2, 8)
-            fused = (2 * 2 * self.block_m * self.block_n + slabs * 64 * 64 * 4 + bars
-                     if self.fused_dq else 0)
+            # 64 sums (kDqSlabBytes; at d = 64 warpgroup 1 has two) and the slabs' mbarrier
+            # (at d = 64 four more: stage_dq_pair's)
+            slabs = 3 if self.head_dim == 64 else 2
+            fused = (2 * 2 * self.block_m * self.block_n + slabs * 64 * 64 * 4 + 8
+                     + (32 if self.head_dim == 64 else 0) if self.fused_dq else 0)
             return 1024 + 2 * self.block_n * row + stages * stage + fused + ring
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row

@@ -597,9 +597,9 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
             if v.fused_dq:  # two dS tiles, two slabs of 64 x 64 sums, their mbarrier;
-                # d = 64: two slabs each, a second mbarrier and the hand-over's four (DqPair)
-                slabs, bars = (4, 48) if v.head_dim == 64 else (2, 8)
-                tiles += 2 * 2 * v.block_m * v.block_n + slabs * 64 * 64 * 4 + bars
+                # d = 64: a third slab and the hand-over's four mbarriers (DqPair)
+                slabs, pair = (3, 32) if v.head_dim == 64 else (2, 0)
+                tiles += 2 * 2 * v.block_m * v.block_n + slabs * 64 * 64 * 4 + 8 + pair
             if v.producer or v.tma:
                 tiles += 16 * v.stages
         assert v.smem_bytes == 1024 + tiles, v.key

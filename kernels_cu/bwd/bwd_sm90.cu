@@ -483,9 +483,8 @@ __device__ __forceinline__ void stage_dq_share(const float (&acc)[1][8][4], u32 
 
 // d = 64, where both warpgroups' sums are of the same 64 x 64 block: warpgroup 1 leaves
 // its sums in one of two slabs of its own (by step) and warpgroup 0 adds them to its own
-// before staging them in one of two slabs it sends by turns (a step's wait is for the
-// sums of two steps before to be read), so the step sends one slab: half the L2
-// reductions a step, for half of d = 128's products (without a mask 1.07-1.13x the two kernels' time where two slabs
+// before staging them, so the step sends one slab: half the L2 reductions a step, for half
+// of d = 128's products (without a mask 1.07-1.13x the two kernels' time where two slabs
 // made it 1.15-1.20x). The hand-over goes on mbarriers (DqPair), one way a step: warpgroup
 // 0 waits for warpgroup 1's sums, which waits only for its slab of two steps before to be
 // read, so that the two may drift apart by a step or two (a named barrier a step held
@@ -500,9 +499,9 @@ struct DqPair {
 };
 __device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u32 dq_empty,
                                               const DqPair& pair, int step, int wg) {
-  const int lane = threadIdx.x % 32, turn = step & 1;
+  const int lane = threadIdx.x % 32;
   const u32 thread_at = (threadIdx.x % 128) * 16;
-  const u32 other = sdq + (2 + turn) * kDqSlabBytes + thread_at;  // (warpgroup 1's)
+  const u32 other = sdq + (1 + (step & 1)) * kDqSlabBytes + thread_at;  // (step's slab of 1)
   if (wg == 1) {
     if (step >= 2) mbar_wait(pair.freed(step), ((step >> 1) - 1) & 1);
     store_slab(acc, other);
@@ -523,9 +522,8 @@ __device__ __forceinline__ void stage_dq_pair(float (&acc)[1][8][4], u32 sdq, u3
   }
   __syncwarp();
   if (lane == 0) mbar_arrive(pair.freed(step));
-  // (the slab of two steps before sent and read)
-  if (step >= 2) mbar_wait(dq_empty + 8 * turn, ((step >> 1) - 1) & 1);
-  store_slab(acc, sdq + turn * kDqSlabBytes + thread_at);
+  if (step > 0) mbar_wait(dq_empty, (step - 1) & 1);
+  store_slab(acc, sdq + thread_at);
   fence_proxy_async();  // (for the bulk reduction's reads)
 }
 
@@ -665,12 +663,11 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   unsigned char* stages = smem + 2 * kKVBytes;
   // (kProducer, kTma) its mbarriers, after the slabs where dq is fused, then theirs (the
   // producer's reductions have read them)
-  // (d = 64: two slabs that warpgroup 0 sends by turns, then two of warpgroup 1's, and an
-  // mbarrier for each slab sent: stage_dq_pair)
-  constexpr int kSlabs = kHeadDim == 64 ? 4 : 2, kSent = kHeadDim == 64 ? 2 : 1;
+  // (d = 64: warpgroup 0's slab, then two of warpgroup 1's: stage_dq_pair)
+  constexpr int kSlabs = kHeadDim == 64 ? 3 : 2;
   [[maybe_unused]] const StepRing ring{kFusedDq ? sdq + kSlabs * kDqSlabBytes : sds};
   [[maybe_unused]] const u32 dq_empty = ring.bars + 16 * kStages;
-  [[maybe_unused]] const DqPair dq_pair{dq_empty + 8 * kSent};  // (kFusedDq at d = 64)
+  [[maybe_unused]] const DqPair dq_pair{dq_empty + 8};  // (kFusedDq at d = 64)
 
   KeyBlock kb;
   if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb)) return;
@@ -824,21 +821,20 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     // kFusedDq: a released step's sums, sent (a packed batch's sequences at (q_start +
     // 64 b) rounded down to 64 rows)
     const i64 seq_row = p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
-    int sent = 0;  // (the steps whose sums were sent: their slabs by turns)
     const auto send_sums = [&](int i) {
       if constexpr (kFusedDq)
         send_dq_share<kHeadDim>(reinterpret_cast<float*>(g.dq_accum) +
                                     t.b * g.dq_accum_batch_stride +
                                     head_of(i) * g.dq_accum_head_stride +
                                     (seq_row + q0_of(i)) * g.dq_accum_row_stride,
-                                sdq + (i % kSent) * kDqSlabBytes);
+                                sdq);
     };
     const auto sums_read = [&] {
-      if constexpr (kFusedDq) free_dq_slabs(dq_empty + 8 * (sent++ % kSent));
+      if constexpr (kFusedDq) free_dq_slabs(dq_empty);
     };
     if constexpr (kFusedDq) {
       if (threadIdx.x == 0) {  // (fenced by the ring's init)
-        for (int s = 0; s < kSent; ++s) mbar_init(dq_empty + 8 * s, 1);
+        mbar_init(dq_empty, 1);
         if constexpr (kHeadDim == 64) dq_pair.init();
       }
     }
