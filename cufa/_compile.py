@@ -396,7 +396,7 @@ def bwd_fused_variants(dtype, head_dim, mask, score_mods):
 # warpgroups of 64 keys, 64-query steps, a producer warpgroup (which also sends the sums),
 # no score mods; Hopper's default where bwd_sm90_fused_by_default says, everywhere with
 # CUFA_BWD_FUSED_DQ=1. padded head dim -> (keys, queries, buffers: as many as fit)
-BWD_SM90_FUSED_TILES = {64: (128, 64, 4), 128: (128, 64, 2)}
+BWD_SM90_FUSED_TILES = {64: (128, 64, 3), 128: (128, 64, 2)}
 
 
 @functools.lru_cache(maxsize=None)
