@@ -230,7 +230,7 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q, deter
             fused = ((_compile.bwd_sm90_fused_variants(*key, _compile.bwd_tma_wanted())
                       if wgmma else None)
                      or _compile.bwd_fused_variants(*key))
-        elif wgmma and _compile.bwd_sm90_fused_by_default(wgmma[1].head_dim, mask, seqlen_q):
+        elif wgmma and _compile.bwd_sm90_fused_by_default(wgmma[1].head_dim):
             fused = _compile.bwd_sm90_fused_variants(*key)
     return fused or wgmma or _compile.bwd_variants(*key)
 

@@ -423,18 +423,18 @@ def bwd_fused_wanted():
     return {"1": True, "0": False}.get(value)
 
 
-def bwd_sm90_fused_by_default(head_dim, mask, seqlen_q):
-    """Whether a call whose wgmma kernels are these (padded head dim, mask; seqlen_q as
-    _bwd_plan.variants_of's) takes dq fused where it is not asked for deterministic bits:
-    where it was faster on an H200 with its producer and TMA on (bf16 and fp16, 16k
-    tokens, no mask and causal, bench/results/bwd_fused_dq_h200.md): d = 128, 0.83-0.99x
-    the time of the dq and dk/dv kernels; d = 64 causal from 2k query rows, 0.91-0.97x
-    (1.02x at 1k; without a mask 1.15-1.20x, and 1.07-1.13x since one slab of sums goes
-    a step: bench/results/bwd_fused_dq64_h200.md)."""
+def bwd_sm90_fused_by_default(head_dim):
+    """Whether a call whose wgmma kernels have this padded head dim takes dq fused where
+    it is not asked for deterministic bits: where it was faster on an H200 with its
+    producer and TMA on (bf16 and fp16, 1k-16k tokens, no mask and causal): d = 128,
+    0.83-0.99x the time of the dq and dk/dv kernels (bench/results/bwd_fused_dq_h200.md);
+    d = 64, once warpgroup 1 hands its sums over without a barrier a step and the
+    producer's warps wait apart, 0.98-0.99x at 1k and 0.86-0.95x from 4k
+    (bench/results/bwd_fused_dq64_handover_h200.md; before that, only under a window past
+    1024 rows)."""
     if not (bwd_producer_wanted() and bwd_tma_wanted()):
         return False
-    return head_dim == 128 or (head_dim == 64 and mask == "window"
-                               and seqlen_q > BWD_SM90_SHORT_WINDOW_ROWS)
+    return head_dim in (64, 128)
 
 
 # dq and dk, dv on Hopper's wgmma (bwd/bwd_sm90.cu), a warpgroup every 64 query rows (dq)

@@ -532,12 +532,12 @@ def test_hopper_fuses_dq_on_wgmma_at_d128(monkeypatch, packed):
 
 @pytest.mark.parametrize("d, causal, seqlen, fused", [
     (128, True, 300, True), (128, False, 300, True), (112, False, 2000, True),
-    (64, True, 1025, True), (64, True, 1024, False), (64, False, 2000, False),
+    (64, True, 1025, True), (64, True, 1024, True), (64, False, 2000, True), (64, False, 7, True),
     (96, True, 300, False),  # (mma.sync's head dim 96: no wgmma kernels there)
 ])
 def test_hopper_fuses_dq_where_it_was_faster(monkeypatch, d, causal, seqlen, fused):
     """Unset, CUFA_BWD_FUSED_DQ leaves dq fused on Hopper where it was faster on an H200:
-    d = 128, and d = 64 under a window past 1024 query rows; never with
+    head dims that pad to 64 and 128; never with
     deterministic=True, with CUFA_BWD_FUSED_DQ=0, or with TMA or the producer off (what
     it was timed with); on other GPUs the dq kernel."""
     rec = Recorder(monkeypatch)
