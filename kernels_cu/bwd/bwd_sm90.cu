@@ -874,15 +874,6 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     const float* s_lse = reinterpret_cast<const float*>(stages + stage * kStageBytes +
                                                         2 * kTileBytes);
     const float* s_d = s_lse + kBlockM;
-    // kEarlyStats: this thread's queries' lse and D read before the products are issued
-    // (read after them, the exponentials and dS waited for the loads: ncu, d = 64 dq
-    // fused, 4 % of the stall samples); elsewhere the registers spilled
-    constexpr bool kEarlyStats = kProducer && kHeadDim == 64;
-    float lse_cols[kQTiles][2], d_cols[kQTiles][2];
-    if constexpr (kEarlyStats) {
-      load_col_stats(lse_cols, s_lse, lane);
-      if constexpr (kDk) load_col_stats(d_cols, s_d, lane);
-    }
     const u64 q_desc = smem_desc(sq, 16, 1024), do_desc = smem_desc(sdo, 16, 1024);
     const u64 q_mn_desc = smem_desc(sq, kBlockM * 128, 1024);
     const u64 do_mn_desc = smem_desc(sdo, kBlockM * 128, 1024);
@@ -898,12 +889,8 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
                                                 wg_key0, wg_key0 + 64);
     float grad[1][kScoreMods ? kQTiles : 1][4];
-    if constexpr (kEarlyStats)
-      probs_t<kMask, kScoreMods, true>(st, grad, masked, p, th, mods, q0, first_key, lse_cols,
-                                       lane);
-    else
-      probs_t<kMask, kScoreMods, true>(st, grad, masked, p, th, mods, q0, first_key, s_lse,
-                                       lane);
+    probs_t<kMask, kScoreMods, true>(st, grad, masked, p, th, mods, q0, first_key, s_lse,
+                                     lane);
     u32 p_frag[kQTiles / 2][4], ds_frag[kQTiles / 2][4];
     if constexpr (kDv) {
       pack_p<kDtype>(p_frag, st);
@@ -920,10 +907,7 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
         for (int e = 0; e < 4; ++e) {
           const int col = frag_col(0, nt, e, lane);
           const float d_raw = kScoreMods ? grad[0][kScoreMods ? nt : 0][e] : p.scale;
-          if constexpr (kEarlyStats)
-            dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - d_cols[nt][e & 1]) * d_raw;
-          else
-            dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[col]) * d_raw;
+          dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[col]) * d_raw;
         }
       pack_p<kDtype>(ds_frag, dpt);
       const u32 sds_step = sds + (i & 1) * kDsBytes;  // (kFusedDq)

@@ -81,24 +81,6 @@ __device__ __forceinline__ bool visible(const FwdParams& p, const Tile& t, int r
   return within_side(diagonal - key, p.window_left) && within_side(key - diagonal, p.window_right);
 }
 
-// -- a query's lse (or D): from the step's row in shared memory, or from a thread's
-//    registers (the step's columns, loaded before its products are issued) --
-__device__ __forceinline__ float col_stat(const float* s_row, int, int, int col) {
-  return s_row[col];
-}
-template <int kQTiles>
-__device__ __forceinline__ float col_stat(const float (&cols)[kQTiles][2], int nt, int e, int) {
-  return cols[nt][e & 1];
-}
-template <int kQTiles>
-__device__ __forceinline__ void load_col_stats(float (&cols)[kQTiles][2], const float* s_row,
-                                               int lane) {
-#pragma unroll
-  for (int nt = 0; nt < kQTiles; ++nt)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) cols[nt][c] = s_row[frag_col(0, nt, c, lane)];
-}
-
 // -- a dk/dv step's P^T in place (rows: this lane's keys first_key and first_key + 8;
 //    columns: the step's queries from q0): scores scaled (and modded, their derivatives
 //    into grad), masked where the step crosses the mask's edge, exp2 against each query's
@@ -106,12 +88,12 @@ __device__ __forceinline__ void load_col_stats(float (&cols)[kQTiles][2], const 
 //    the one loop made a branch of every element, and the exponentials ran one at a time
 //    on every step. Score mods keep one loop and exp2f (two loops, or ex2.approx.ftz,
 //    spilled on mma.sync at d = 128); callers that pass kSplit false keep one loop --
-template <int kMask, bool kScoreMods, bool kMaskTest, int kQTiles, int kGradTiles, class Lse>
+template <int kMask, bool kScoreMods, bool kMaskTest, int kQTiles, int kGradTiles>
 __device__ __forceinline__ void probs_t_of(float (&st)[1][kQTiles][4],
                                            float (&grad)[1][kGradTiles][4], bool masked,
                                            const FwdParams& p, const Tile& th,
                                            const TileMods& mods, int q0, int first_key,
-                                           const Lse& s_lse, int lane) {
+                                           const float* s_lse, int lane) {
 #pragma unroll
   for (int nt = 0; nt < kQTiles; ++nt)
 #pragma unroll
@@ -124,15 +106,14 @@ __device__ __forceinline__ void probs_t_of(float (&st)[1][kQTiles][4],
       else
         x = st[0][nt][e] * p.scale_log2;
       if (kMaskTest && masked && !visible<kMask>(p, th, q0 + col, key)) x = -CUFA_INF;
-      st[0][nt][e] = kScoreMods ? exp2f(x - col_stat(s_lse, nt, e, col))
-                                : fast_exp2(x - col_stat(s_lse, nt, e, col));
+      st[0][nt][e] = kScoreMods ? exp2f(x - s_lse[col]) : fast_exp2(x - s_lse[col]);
     }
 }
-template <int kMask, bool kScoreMods, bool kSplit, int kQTiles, int kGradTiles, class Lse>
+template <int kMask, bool kScoreMods, bool kSplit, int kQTiles, int kGradTiles>
 __device__ __forceinline__ void probs_t(float (&st)[1][kQTiles][4],
                                         float (&grad)[1][kGradTiles][4], bool masked,
                                         const FwdParams& p, const Tile& th, const TileMods& mods,
-                                        int q0, int first_key, const Lse& s_lse, int lane) {
+                                        int q0, int first_key, const float* s_lse, int lane) {
   if (kScoreMods || !kSplit || masked)
     probs_t_of<kMask, kScoreMods, true>(st, grad, masked, p, th, mods, q0, first_key, s_lse,
                                         lane);
