@@ -168,15 +168,16 @@ def dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d):
 
 def scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed, d):
     """Device scratch a backward needs: D (lse's shape, float32), then a packed batch's two
-    work lists, then with dq fused its float32 sums (dq_sums_layout), each 256-byte aligned:
-    (bytes, [offsets of D, the query list, the key list, the sums]; None for what the call
-    has not)."""
+    work lists, then with dq fused its float32 sums (dq_sums_layout), then the persistent
+    kernel's counter, each 256-byte aligned: (bytes, [offsets of D, the query list, the key
+    list, the sums, the counter]; None for what the call has not)."""
     sums = dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d)
     block_m = _dq_variant(variants).block_m
     sizes = [4 * math.prod(lse_shape)]
     sizes += [4 * _work_list_ints(total // block + batch, total // block + 2) if packed else None
               for total, block in ((seqlen_q, block_m), (seqlen_k, _keys_per_cta(variants)))]
     sizes.append(4 * sums[0] if sums else None)
+    sizes.append(4 if any(v.persistent for v in variants) else None)  # (its key-block counter)
     offsets, at = [], 0
     for size in sizes:
         offsets.append(None if size is None else at)
@@ -227,11 +228,13 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q, deter
     fused, wanted = None, _compile.bwd_fused_wanted()
     if not deterministic and attn_mask is None and wanted is not False:
         if wanted:
-            fused = ((_compile.bwd_sm90_fused_variants(*key, _compile.bwd_tma_wanted())
+            fused = ((_compile.bwd_sm90_fused_variants(*key, _compile.bwd_tma_wanted(),
+                                                        _compile.bwd_persistent_wanted())
                       if wgmma else None)
                      or _compile.bwd_fused_variants(*key))
         elif wgmma and _compile.bwd_sm90_fused_by_default(wgmma[1].head_dim):
-            fused = _compile.bwd_sm90_fused_variants(*key)
+            fused = _compile.bwd_sm90_fused_variants(
+                *key, persistent=_compile.bwd_persistent_wanted())
     return fused or wgmma or _compile.bwd_variants(*key)
 
 
@@ -379,8 +382,8 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     # runs its cp.async twin instead
     maps = {v: _streamed_maps(v, *((a.k, a.v) if v.kind == "dq" else (q, do)), seq_dim,
                               head_dim, d, packed) for v in variants if v.tma}
-    variants = tuple(dataclasses.replace(v, tma=False) if v in maps and maps[v] is None else v
-                     for v in variants)
+    variants = tuple(dataclasses.replace(v, tma=False, persistent=False)
+                     if v in maps and maps[v] is None else v for v in variants)
     fwd["kv_tail_maps"] = int(packed and any(v.tma for v in variants))  # (maps with tails)
     fused = variants[1].kind == "dkdv"
     pre, kv_variants = variants[0], variants[1:2] if fused else variants[2:]
@@ -413,14 +416,18 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
         learnable_sink=a.learnable_sink.ptr if a.learnable_sink is not None else 0, **pointers))
     bwd_record = _params.BWD.pack(dict(
         bwd, dout=do.ptr, dq=outs["dq"][1].ptr, dk=outs["dk"][1].ptr, dv=outs["dv"][1].ptr,
-        softmax_d=places[0], dsink=dsink_ptr, dlse=dlse_ptr, dmask=dmask_ptr))
+        softmax_d=places[0], dsink=dsink_ptr, dlse=dlse_ptr, dmask=dmask_ptr,
+        tile_counter=places[4] if any(v.persistent for v in variants) else 0))
     args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
     # (a packed batch's preprocess also zeroes the gradients' rows past its last sequence:
     # at least one CTA)
     launches = [(pre, max(-(-bwd["rows"] // 32) * nheads, 1 if packed else 0))]
     if not fused:
         launches.append((dq_variant, q_blocks * nheads if seqlen_q else 0))
-    launches += [(v, kv_blocks * nheads_k if seqlen_k else 0) for v in kv_variants]
+    # (the persistent kernel: a CTA an SM at most, the key blocks past them from a counter
+    # the preprocess zeroes)
+    launches += [(v, min(kv_blocks * nheads_k, _runtime.sm_count(device)) if v.persistent
+                  else kv_blocks * nheads_k) if seqlen_k else (v, 0) for v in kv_variants]
     if fused:  # (dq's sums, converted; the rows of sequences without keys are zeros)
         if variants[2].kind == "dq_blocks":  # (a CTA a 64-row block of a head's sums)
             sum_rows = bwd["dq_accum_head_stride"] // bwd["dq_accum_row_stride"]

@@ -255,6 +255,9 @@ class BwdVariant:
                             # bwd/bwd_sm80.cu, by bulk reductions in bwd/bwd_sm90.cu)
     producer: bool = False  # sm90 dq, dkdv: a producer warpgroup streams the steps (kProducer)
     tma: bool = False       # sm90 dq, dkdv: the steps' tiles by TMA (kTma; launch maps)
+    # sm90 dkdv with dq fused at d = 64: a CTA an SM taking key blocks from a counter
+    # (bwd_dkdv_persistent_sm90_kernel; TMA, a producer)
+    persistent: bool = False
     family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
 
@@ -281,10 +284,11 @@ class BwdVariant:
         fused = "_fdq" if self.fused_dq else ""
         producer = "_wp" if self.producer else ""
         tma = "_tma" if self.tma else ""
+        persistent = "_pers" if self.persistent else ""
         family = "_sm90" if self.family == "sm90" else ""
         return (f"bwd_{self.kind}{family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
                 f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}{producer}"
-                f"{tma}")
+                f"{tma}{persistent}")
 
     @property
     def name_expression(self):
@@ -299,6 +303,9 @@ class BwdVariant:
             kernel = "bwd_dq_sm90_kernel" if self.family == "sm90" else "bwd_dq_kernel"
             return (f"cufa::{kernel}<{args}, {self.block_n}, {self.stages}"
                     f"{_flags(self.producer, self.tma)}>")
+        if self.persistent:
+            return (f"cufa::bwd_dkdv_persistent_sm90_kernel<{dt}, {MASKS.index(self.mask)}, "
+                    f"{self.stages}>")
         if self.family == "sm90":
             return (f"cufa::bwd_dkdv_sm90_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
                     f"{self.stages}, {self.block_n}"
@@ -332,6 +339,11 @@ class BwdVariant:
             if self.kind == "dq":
                 return 1024 + 2 * (self.block_m + stages * self.block_n) * row + ring
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
+            if self.persistent:  # (two K/V buffers; the mbarriers, tile numbers and the
+                # sender's record: bwd_dkdv_persistent_sm90_kernel's layout)
+                return (1024 + 4 * self.block_n * row + stages * stage
+                        + 2 * 2 * self.block_m * self.block_n + 3 * 64 * 64 * 4 + 16 * stages
+                        + 96 + 8 * stages)
             # dq fused: two tiles of the step's dS (16-bit), each warpgroup's slab of 64 x
             # 64 sums (kDqSlabBytes; at d = 64 warpgroup 1 has two) and the slabs' mbarrier
             # (at d = 64 four more: stage_dq_pair's)
@@ -400,16 +412,31 @@ BWD_SM90_FUSED_TILES = {64: (128, 64, 3), 128: (128, 64, 2)}
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True):
+def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True, persistent=False):
     """(preprocess, dk/dv with dq fused on wgmma, dq's sums from blocks to rows) for a
-    call, or None where it does not apply. tma: the steps' tiles by TMA."""
+    call, or None where it does not apply. tma: the steps' tiles by TMA; persistent: at
+    BWD_PERSISTENT_HEAD_DIMS with TMA, a CTA an SM that takes key blocks one after
+    another."""
     pre, _, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
     tiles = BWD_SM90_FUSED_TILES.get(kv[0].head_dim)
     if tiles is None or score_mods or len(kv) != 1:
         return None
     fused = dataclasses.replace(kv[0], family="sm90", fused_dq=True, producer=True, tma=tma,
-                                block_n=tiles[0], block_m=tiles[1], stages=tiles[2])
+                                block_n=tiles[0], block_m=tiles[1], stages=tiles[2],
+                                persistent=persistent and tma
+                                and kv[0].head_dim in BWD_PERSISTENT_HEAD_DIMS)
     return pre, fused, BwdVariant("dq_blocks", dtype, kv[0].head_dim, family="sm90")
+
+
+# The persistent fused kernel (bwd_dkdv_persistent_sm90_kernel): at d = 64, where two K/V
+# buffers fit beside the ring (d = 128's would not), Hopper's default;
+# CUFA_BWD_PERSISTENT=0 keeps a CTA a key block.
+BWD_PERSISTENT_HEAD_DIMS = (64,)
+BWD_PERSISTENT_ENV = "CUFA_BWD_PERSISTENT"
+
+
+def bwd_persistent_wanted():
+    return _overrides.get(BWD_PERSISTENT_ENV) != "0"
 
 
 def bwd_fused_wanted():
@@ -1155,7 +1182,7 @@ def read_overrides():
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
                                    BWD_SM90_ENV, BWD_SM90_TILES_ENV, WIDE_TILES_ENV,
                                    BWD_SM90_PRODUCER_ENV, BWD_SM90_TMA_ENV, SPIN_LIMIT_ENV,
-                                   TRACE_ENV))
+                                   TRACE_ENV, BWD_PERSISTENT_ENV))
 
 
 _overrides = {}
@@ -1189,8 +1216,9 @@ def all_variants():
                  for mods in (False, True) for v in (bwd_fused_variants(dt, hd, mask, mods)
                                                      or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
-                 for tma in (False, True)
-                 for v in (bwd_sm90_fused_variants(dt, hd, mask, False, tma) or ())]
+                 for tma, persistent in ((False, False), (True, False), (True, True))
+                 for v in (bwd_sm90_fused_variants(dt, hd, mask, False, tma, persistent)
+                           or ())]
     variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
                  for mods in (False, True)
                  for tiles in ((), parse_bwd_sm90_tiles(BWD_SM90_ONE_WARPGROUP))
@@ -1204,7 +1232,8 @@ def all_variants():
                  if v.producer]
     # and each TMA kernel's cp.async twin, which a launch takes where the copy engine
     # cannot describe its arrays (_bwd_plan._launch)
-    variants += [dataclasses.replace(v, tma=False) for v in variants if getattr(v, "tma", False)]
+    variants += [dataclasses.replace(v, tma=False, persistent=False) for v in variants
+                 if getattr(v, "tma", False)]
     return list(dict.fromkeys(variants)) + [VARLEN_SCHEDULE] + decode_variants()
 
 

@@ -109,6 +109,7 @@ class Recorder:
         monkeypatch.setattr(_compile, "function_pointer", lambda variant, device: variant)
         # an A100's: the mma.sync kernels (Hopper's wgmma choice: _compile's own tests)
         monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 80)
+        monkeypatch.setattr(_bwd_plan._runtime, "sm_count", lambda device: 132)  # (an H200's)
         # TMA maps without a driver: a record naming what the producer streams
         self.maps = []  # per launch: its maps argument, or None where it takes none
         monkeypatch.setattr(_bwd_plan, "_streamed_maps", self.streamed_maps)
@@ -565,6 +566,40 @@ def test_hopper_fuses_dq_where_it_was_faster(monkeypatch, d, causal, seqlen, fus
     assert kinds() == split
 
 
+def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
+    """At d = 64 Hopper's fused dk/dv kernel is the persistent one: at most a CTA an SM
+    (the key blocks past them from a counter that the preprocess zeroes, in the scratch
+    after dq's sums); CUFA_BWD_PERSISTENT=0, or arrays the copy engine refuses (its
+    cp.async twin), keep a CTA a key block; d = 128 has none."""
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    for env in (_compile.FAMILY_ENV, _compile.BWD_SM90_ENV, _compile.BWD_SM90_TILES_ENV,
+                _compile.BWD_FUSED_ENV, _compile.BWD_SM90_PRODUCER_ENV, _compile.BWD_SM90_TMA_ENV,
+                _compile.BWD_PERSISTENT_ENV):
+        monkeypatch.setitem(_compile._overrides, env, None)
+
+    def launch(d, b=2, s=1000, hk=2):
+        rec.launches.clear()
+        cufa.flash_attn_backward(*dense_args(b=b, sq=s, sk=s, hk=hk, d=d), causal=True)
+        (pre, _, _, _, _, (_, pre_bwd)), (kv, blocks, _, smem, _, (_, bwd)) = rec.launches[:2]
+        return kv, blocks, smem, pre_bwd, bwd
+    kv, blocks, smem, pre_bwd, bwd = launch(64)
+    assert kv.persistent and kv.fused_dq and kv.tma and kv.threads == 384
+    assert blocks == 2 * 2 * -(-1000 // 128) and smem == kv.smem_bytes <= 227 * 1024
+    assert bwd["tile_counter"] == pre_bwd["tile_counter"] != 0
+    assert bwd["tile_counter"] >= bwd["dq_accum"] + 4 * bwd["dq_accum_floats"]
+    kv, blocks, *_ = launch(64, b=8, hk=4)  # (8 x 4 x 8 key blocks: more than the SMs)
+    assert kv.persistent and blocks == 132
+    assert not launch(128)[0].persistent and launch(128)[4]["tile_counter"] == 0
+    rec.maps_refused = True
+    kv, blocks, _, _, bwd = launch(64, b=8, hk=4)
+    assert not kv.persistent and not kv.tma and blocks == 8 * 4 * 8 and bwd["tile_counter"] == 0
+    rec.maps_refused = False
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "0")
+    kv, blocks, *_ = launch(64, b=8, hk=4)
+    assert not kv.persistent and kv.tma and blocks == 8 * 4 * 8
+
+
 def test_fused_dq_variable_takes_0_or_1(monkeypatch):
     """CUFA_BWD_FUSED_DQ: "1", "0", or unset (or empty) for the default; "false" read as
     unset would fuse dq on Hopper, so it is refused naming the variable."""
@@ -602,6 +637,9 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
                 tiles += 2 * 2 * v.block_m * v.block_n + slabs * 64 * 64 * 4 + 8 + pair
             if v.producer or v.tma:
                 tiles += 16 * v.stages
+            if v.persistent:  # a second K/V buffer, kv_empty[2], the tile ring (four
+                # mbarriers, two numbers) and the sender's record (a pointer a stage)
+                tiles += 2 * v.block_n * row + 16 + 40 + 8 * v.stages
         assert v.smem_bytes == 1024 + tiles, v.key
     # the defaults and one warpgroup's tiles: at d = 64 dq on 64 rows, dk/dv on 128- and
     # 64-query blocks (score mods only 64); at d = 128 dq on 128 and 64 rows, dk/dv on 128
@@ -610,8 +648,9 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     # at d = 128 (both masks); all streaming by TMA and by cp.async, but d = 64's windowed
     # dk/dv on 128-query blocks (it would spill); and d = 64's windowed dk/dv on two
     # warpgroups with a producer, by TMA and by cp.async (its twin where the copy engine
-    # refuses the arrays)
-    assert seen == 2 * ((4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3) - 2 + 8 * 2 + 8 * 2 + 2 * 2
+    # refuses the arrays); and the persistent fused kernel at d = 64 (both masks)
+    assert seen == (2 * ((4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3) - 2 + 8 * 2 + 8 * 2 + 2 * 2
+                    + 2 * 2)
 
 
 @pytest.mark.parametrize("d, causal, seqlen, producer", [
@@ -658,7 +697,8 @@ def test_every_tma_kernel_has_its_cp_async_twin_in_the_library():
     cp.async twin (_bwd_plan._launch): warmup compiles it too."""
     variants = set(_compile.all_variants())
     tma = [v for v in variants if getattr(v, "tma", False)]
-    assert tma and all(dataclasses.replace(v, tma=False) in variants for v in tma)
+    assert tma and all(dataclasses.replace(v, tma=False, **(
+        {"persistent": False} if hasattr(v, "persistent") else {})) in variants for v in tma)
 
 
 @pytest.mark.parametrize("d", [64, 128])

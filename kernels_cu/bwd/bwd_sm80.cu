@@ -73,6 +73,8 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
   const int sub_row = lane / lanes, first_col = (lane % lanes) * 8;
   const float sink = load_sink(p.learnable_sink, p.sink_dtype, h);
   float dsink = 0.f;
+  if (g.tile_counter && blockIdx.x == 0 && threadIdx.x == 0)
+    *reinterpret_cast<int*>(g.tile_counter) = 0;
   if (g.dq_accum) {
     float* sums = reinterpret_cast<float*>(g.dq_accum);
     for (i64 i = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; i < g.dq_accum_floats / 4;

@@ -977,4 +977,277 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   bwd_trace(tid == 0, kBwdStored);
 }
 
+// -- the persistent fused kernel (d = 64): bwd_dkdv_sm90_kernel's fused case (two
+//    warpgroups of 64 keys, 64-query steps, a producer warpgroup, TMA), but a CTA an SM
+//    that takes key blocks one after another: its first is blockIdx.x, the next ones
+//    come from g.tile_counter (zeroed by the preprocess), so that they go as the SMs free
+//    up, heaviest first, as the launch's own CTAs did. K and V have two buffers: the next
+//    block's are copied in its first step's group, under this block's last steps, and a
+//    buffer is free again once the consumers' stores have read it back (kv_empty). The
+//    steps keep one count across blocks, so the Q/dout ring, the dS tiles and dq's slabs
+//    run on without a break. Key blocks that no query sees (no steps) are written as zeros
+//    by the consumers alone and take no K/V buffer. (A CTA a block spent 3-4 us of a 20-45
+//    us CTA at 1k tokens on its prologue, and left a gap to the next CTA: 11-13 % each at
+//    d = 64 causal.) --
+enum : int { kTileReaders = 8 + 3 };  // (the consumer warps, the producer's other warps)
+struct TileRing {  // a key block's number, handed from the producer's thread 0 to the others
+  u32 bars;  // full[2] (thread 0's arrival), empty[2] (kTileReaders), then the numbers (int[2])
+  __device__ __forceinline__ u32 full(int n) const { return bars + 8 * (n & 1); }
+  __device__ __forceinline__ u32 empty(int n) const { return bars + 16 + 8 * (n & 1); }
+  __device__ __forceinline__ u32 slot(int n) const { return bars + 32 + 4 * (n & 1); }
+  __device__ __forceinline__ void init() const {
+    for (int s = 0; s < 2; ++s) mbar_init(full(s), 1), mbar_init(empty(s), kTileReaders);
+  }
+  // thread 0: block n's number, once the slot's block n - 2 has been read by every reader
+  __device__ __forceinline__ void put(int n, int tile) const {
+    if (n >= 2) mbar_wait(empty(n), ((n >> 1) - 1) & 1);
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(slot(n)), "r"(tile) : "memory");
+    mbar_arrive(full(n));
+  }
+  // a reader warp: block n's number
+  __device__ __forceinline__ int get(int n, int lane) const {
+    mbar_wait(full(n), (n >> 1) & 1);
+    int tile;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(tile) : "r"(slot(n)) : "memory");
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty(n));
+    return tile;
+  }
+};
+
+template <int kDtype, int kMask, int kStages>
+__global__ void __launch_bounds__(384, 1)
+    bwd_dkdv_persistent_sm90_kernel(const FwdParams p, const BwdParams g,
+                                    const __grid_constant__ TensorMaps maps) {
+  constexpr int kHeadDim = 64, kBlockM = 64, kBlockN = 128, kThreads = 256;
+  constexpr int kQTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
+  constexpr int kTileBytes = kBlockM * kHeadDim * 2;
+  constexpr int kStageBytes = (2 * kTileBytes + 8 * kBlockM + 1023) / 1024 * 1024;
+  constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  constexpr int kDsBytes = kBlockM * kBlockN * 2;
+  constexpr int kProducerThreads = Ring<kStages>::kProducerThreads;
+  constexpr int kStatsThread0 = kProducerThreads - kBlockM;  // (lse and D: the last warps)
+  // (the producer walks the key blocks too: with 24 registers it spilled 500 bytes, with
+  // 56 140; the consumers fit in 216)
+  constexpr int kProducerRegs = 72, kConsumerRegs = 216;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "the launch's registers");
+  extern __shared__ unsigned char smem_raw[];
+  const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
+  // K and V (two buffers), the steps' ring, two dS tiles, the slabs (stage_dq_pair's
+  // three), then the mbarriers: the ring's, dq_empty, DqPair's, kv_empty[2], TileRing's;
+  // then the sender's record of each stage's block of sums (u64[kStages])
+  const u32 sstages = base + 4 * kKVBytes;
+  unsigned char* stages = smem + 4 * kKVBytes;
+  const u32 sds = sstages + kStages * kStageBytes, sdq = sds + 2 * kDsBytes;
+  const Ring<kStages> ring{sdq + 3 * kDqSlabBytes};
+  const u32 dq_empty = ring.bars + 16 * kStages;
+  const DqPair dq_pair{dq_empty + 8};
+  const u32 kv_empty = dq_empty + 40;
+  const TileRing tiles{kv_empty + 16};
+  u64* sent_to = reinterpret_cast<u64*>(smem + (tiles.bars + 40 - base));
+  if (threadIdx.x == 0) {
+    ring.init(kThreads);
+    mbar_init(dq_empty, 1);
+    dq_pair.init();
+    mbar_init(kv_empty, 8);
+    mbar_init(kv_empty + 8, 8);
+    tiles.init();
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int group = p.nheads / p.nheads_k;
+  int* counter = reinterpret_cast<int*>(g.tile_counter);
+
+  if (threadIdx.x < kProducerThreads) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int stats_r = static_cast<int>(threadIdx.x) - kStatsThread0;
+    int tile = static_cast<int>(blockIdx.x);
+    int step = 0, kv_blocks = 0;  // (steps and blocks with steps so far)
+    for (int n = 0;; ++n) {
+      if (warp == 0) {
+        if (lane == 0) tiles.put(n, tile);
+        tile = __shfl_sync(0xffffffffu, tile, 0);
+      } else {
+        tile = tiles.get(n, lane);
+      }
+      KeyBlock kb;
+      if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb, tile)) break;
+      int upcoming = 0;  // (thread 0: the next block, its atomic's wait at the next put)
+      if (threadIdx.x == 0) upcoming = static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+      const Tile& t = kb.t;
+      const int steps = group * kb.m_blocks;
+      if (steps) {
+        const int buffer = kv_blocks & 1;
+        if (kv_blocks >= 2) mbar_wait(kv_empty + 8 * buffer, ((kv_blocks >> 1) - 1) & 1);
+        ++kv_blocks;
+        const u32 sk = base + buffer * 2 * kKVBytes;
+        const TilePointers kv = tile_pointers(p, t);
+        const auto head_of = [&](int i) { return kb.h_k * group + i / kb.m_blocks; };
+        const auto q0_of = [&](int i) { return (kb.m_block_min + i % kb.m_blocks) * kBlockM; };
+        const i64 seq_row = p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
+        for (int i = 0; i < steps; ++i, ++step) {
+          const int stage = step % kStages;
+          if (step >= kStages) {
+            mbar_wait(ring.empty(stage), ((step / kStages) & 1) ^ 1);
+            // (the sender: the sums of the step that last used this stage)
+            send_dq_share<kHeadDim>(reinterpret_cast<float*>(sent_to[stage]), sdq);
+          }
+          Tile th = t;
+          th.h = head_of(i);
+          const int q0 = q0_of(i);
+          if (threadIdx.x == kDqSender)
+            sent_to[stage] = reinterpret_cast<u64>(
+                reinterpret_cast<float*>(g.dq_accum) + t.b * g.dq_accum_batch_stride +
+                th.h * g.dq_accum_head_stride + (seq_row + q0) * g.dq_accum_row_stride);
+          if (i == 0) {
+            load_panels<kBlockN, kHeadDim, kProducerThreads>(
+                sk, kv.k + kb.key0 * p.k_row_stride, p.k_row_stride, t.seqlen_k - kb.key0,
+                p.head_dim);
+            load_panels<kBlockN, kHeadDim, kProducerThreads>(
+                sk + kKVBytes, kv.v + kb.key0 * p.v_row_stride, p.v_row_stride,
+                t.seqlen_k - kb.key0, p.head_dim);
+          }
+          // lse and D (a row a thread of the last warps), then Q and dout by TMA or copies
+          float* s_stats = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
+          const i64 stats_at = row_stats_offset(p, th) + q0 + stats_r;
+          const bool stats_valid = q0 + stats_r < t.seqlen_q;
+          if (stats_r >= 0) {
+            cp_async_4(smem_u32(s_stats + stats_r),
+                       reinterpret_cast<const float*>(p.lse) + stats_at, stats_valid ? 4 : 0);
+            cp_async_4(smem_u32(s_stats + kBlockM + stats_r),
+                       reinterpret_cast<const float*>(g.softmax_d) + stats_at, stats_valid ? 4 : 0);
+          }
+          const u32 sq = sstages + stage * kStageBytes;
+          const bool packed = p.cu_seqlens_q != 0;
+          if (!tma_step_pair<kBlockM, kHeadDim>(p, maps, sq, sq + kTileBytes, ring.full(stage),
+                                                static_cast<int>(packed ? t.q_start : 0) + q0,
+                                                t.seqlen_q - q0, th.h, t.b, packed)) {
+            const TilePointers ptr = tile_pointers(p, th);
+            const u16* dout = reinterpret_cast<const u16*>(g.dout) + th.b * g.dout_batch_stride +
+                              th.h * g.dout_head_stride + (th.q_start + q0) * g.dout_row_stride;
+            load_panels<kBlockM, kHeadDim, kProducerThreads>(
+                sq, ptr.q + q0 * p.q_row_stride, p.q_row_stride, t.seqlen_q - q0, p.head_dim);
+            load_panels<kBlockM, kHeadDim, kProducerThreads>(
+                sq + kTileBytes, dout, g.dout_row_stride, t.seqlen_q - q0, p.head_dim);
+          }
+          cp_async_commit();
+          // the step announced once its copies have landed (lse into log2 units first)
+          cp_async_wait<0>();
+          if (stats_r >= 0) s_stats[stats_r] = lse_log2_of(s_stats + stats_r, 0, stats_valid);
+          fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(ring.full(stage));
+          if (step >= kStages) free_dq_slabs(dq_empty);
+        }
+      }
+      if (threadIdx.x == 0) tile = upcoming;
+    }
+    // the last steps' sums, once released
+    for (int j = max(0, step - kStages); j < step; ++j) {
+      mbar_wait(ring.empty(j % kStages), (j / kStages) & 1);
+      send_dq_share<kHeadDim>(reinterpret_cast<float*>(sent_to[j % kStages]), sdq);
+      free_dq_slabs(dq_empty);
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  const unsigned tid = threadIdx.x - kProducerThreads;
+  const int warp_row0 = (tid / 32) * 16, wg = tid / 128;
+  int stage = 0, step = 0, kv_blocks = 0;
+  u32 phase = 0;
+  for (int n = 0;; ++n) {
+    KeyBlock kb;
+    if (!key_block<kMask, kBlockM, kBlockN>(p, g, kb, tiles.get(n, lane))) break;
+    const Tile& t = kb.t;
+    const int steps = group * kb.m_blocks;
+    const int buffer = kv_blocks & 1;
+    const u32 sk = base + buffer * 2 * kKVBytes, sv = sk + kKVBytes;
+    const u32 wg_rows = wg * 64 * 128;
+    const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024);
+    const u64 v_desc = smem_desc(sv + wg_rows, 16, 1024);
+    const int wg_key0 = kb.key0 + wg * 64;
+    const int first_key = frag_row(kb.key0 + warp_row0, 0, 0, lane);
+    float acc_dk[1][kDTiles][4], acc_dv[1][kDTiles][4];
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = acc_dv[0][dt][e] = 0.f;
+    for (int i = 0; i < steps; ++i, ++step) {
+      ring.await_full(stage, phase);
+      Tile th = t;
+      th.h = kb.h_k * group + i / kb.m_blocks;
+      const int q0 = (kb.m_block_min + i % kb.m_blocks) * kBlockM;
+      const u32 sq = sstages + stage * kStageBytes, sdo = sq + kTileBytes;
+      const float* s_lse = reinterpret_cast<const float*>(stages + stage * kStageBytes +
+                                                          2 * kTileBytes);
+      const float* s_d = s_lse + kBlockM;
+      float st[1][kQTiles][4], dpt[1][kQTiles][4];
+      wgmma_fence();
+      issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(st, k_desc,
+                                                                smem_desc(sq, 16, 1024));
+      issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(dpt, v_desc,
+                                                                smem_desc(sdo, 16, 1024));
+      wgmma_wait<1>();
+      fence_registers(st);
+      const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
+                                                  wg_key0, wg_key0 + 64);
+      float grad[1][1][4];
+      probs_t<kMask, false, true>(st, grad, masked, p, th, TileMods{}, q0, first_key, s_lse,
+                                  lane);
+      u32 p_frag[kQTiles / 2][4], ds_frag[kQTiles / 2][4];
+      pack_p<kDtype>(p_frag, st);
+      wgmma_fence();
+      issue_accumulate<kDtype>(acc_dv, p_frag, smem_desc(sdo, kBlockM * 128, 1024));
+      wgmma_wait<1>();
+      fence_registers(dpt);
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[frag_col(0, nt, e, lane)]) * p.scale;
+      pack_p<kDtype>(ds_frag, dpt);
+      const u32 sds_step = sds + (step & 1) * kDsBytes;
+      stage_ds<kBlockM, kQTiles>(ds_frag, sds_step, warp_row0, lane);
+      wgmma_fence();
+      issue_accumulate<kDtype>(acc_dk, ds_frag, smem_desc(sq, kBlockM * 128, 1024));
+      wgmma_wait<1>();
+      fence_registers(p_frag);
+      fence_registers(acc_dv);
+      float acc_dq[1][8][4];
+      issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg);
+      wgmma_wait<0>();
+      fence_registers(acc_dq);
+      fence_registers(ds_frag);
+      fence_registers(acc_dk);
+      stage_dq_pair(acc_dq, sdq, dq_empty, dq_pair, step, wg);
+      ring.release(stage, phase, lane);
+    }
+    const int rows = kb.rows_out - kb.key0;
+    const i64 k_row = t.k_start + kb.key0;
+    u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + kb.h_k * g.dk_head_stride +
+              k_row * g.dk_row_stride;
+    u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + kb.h_k * g.dv_head_stride +
+              k_row * g.dv_row_stride;
+    if (steps) {  // (through this warp's rows of V's buffer, then that buffer freed)
+      ++kv_blocks;
+      warpgroup_barrier(wg);
+      store_rows_staged<kDtype, kBlockN, kHeadDim, kHeadDim>(
+          acc_dv, dv, i64{g.dv_row_stride}, rows, int{p.head_dim}, sv, warp_row0, warp_row0,
+          lane);
+      __syncwarp();
+      store_rows_staged<kDtype, kBlockN, kHeadDim, kHeadDim>(
+          acc_dk, dk, i64{g.dk_row_stride}, rows, int{p.head_dim}, sv, warp_row0, warp_row0,
+          lane);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(kv_empty + 8 * buffer);
+    } else {  // (zeros, from registers: no buffer)
+      store_rows<kDtype>(acc_dk, dk, g.dk_row_stride, warp_row0, rows, p.head_dim, lane);
+      store_rows<kDtype>(acc_dv, dv, g.dv_row_stride, warp_row0, rows, p.head_dim, lane);
+    }
+  }
+}
+
 }  // namespace cufa

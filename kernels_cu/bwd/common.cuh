@@ -201,7 +201,8 @@ struct KeyBlock {
   int h_k, key0, rows_out, m_block_min, m_blocks;
 };
 template <int kMask, int kBlockM, int kBlockN>
-__device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g, KeyBlock& kb) {
+__device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g, KeyBlock& kb,
+                                          int tile) {
   Tile& t = kb.t;
   {
     FwdParams by_key = p;
@@ -211,7 +212,7 @@ __device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g
     by_key.num_m_blocks = g.num_n_blocks;
     by_key.heads_per_group = 1;
     by_key.tail_group_head = p.batch * p.nheads_k;
-    if (!get_tile(by_key, static_cast<int>(blockIdx.x), t)) return false;
+    if (!get_tile(by_key, tile, t)) return false;
   }
   kb.h_k = t.h;
   kb.rows_out = t.seqlen_k;
@@ -233,6 +234,11 @@ __device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g
   kb.m_block_min = q_begin / kBlockM;
   kb.m_blocks = (q_end + kBlockM - 1) / kBlockM - kb.m_block_min;
   return true;
+}
+// (the launch's own: a CTA a key block)
+template <int kMask, int kBlockM, int kBlockN>
+__device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g, KeyBlock& kb) {
+  return key_block<kMask, kBlockM, kBlockN>(p, g, kb, static_cast<int>(blockIdx.x));
 }
 
 }  // namespace cufa

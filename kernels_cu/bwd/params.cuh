@@ -31,6 +31,9 @@ struct BwdParams {
   i64 dq_accum_floats;
   int num_n_blocks;     // padded batches: key blocks a sequence
   int rows;             // the preprocess's rows: batch * seqlen_q (packed: total_q)
+  // the persistent dk/dv kernel's count of key blocks taken beyond its CTAs' first ones
+  // (int, zeroed by the preprocess); 0: none. Last, so the other fields keep their places
+  u64 tile_counter;
 };
 
 }  // namespace cufa
