@@ -429,14 +429,21 @@ def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True, persist
 
 
 # The persistent fused kernel (bwd_dkdv_persistent_sm90_kernel): at d = 64, where two K/V
-# buffers fit beside the ring (d = 128's would not), Hopper's default;
-# CUFA_BWD_PERSISTENT=0 keeps a CTA a key block.
+# buffers fit beside the ring (d = 128's would not), Hopper's default for calls of at most
+# PERSISTENT_MAX_ROWS query rows (a packed batch's total), where a key block's CTA runs
+# few steps: on an H200 at 1k 0.92x the time causal, 0.98-1.00x full, but from 4k
+# 1.01-1.05x (its consumers' 216 registers, where a CTA a key block gives them 240:
+# bench/results/bwd_persistent64_h200.md). CUFA_BWD_PERSISTENT=0 keeps a CTA a key block.
 BWD_PERSISTENT_HEAD_DIMS = (64,)
+BWD_PERSISTENT_MAX_ROWS = 1024
 BWD_PERSISTENT_ENV = "CUFA_BWD_PERSISTENT"
 
 
-def bwd_persistent_wanted():
-    return _overrides.get(BWD_PERSISTENT_ENV) != "0"
+def bwd_persistent_wanted(seqlen_q):
+    """Whether a call of seqlen_q query rows (_bwd_plan.variants_of's) takes the persistent
+    kernel where it applies."""
+    return (_overrides.get(BWD_PERSISTENT_ENV) != "0"
+            and seqlen_q <= BWD_PERSISTENT_MAX_ROWS)
 
 
 def bwd_fused_wanted():

@@ -567,7 +567,8 @@ def test_hopper_fuses_dq_where_it_was_faster(monkeypatch, d, causal, seqlen, fus
 
 
 def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
-    """At d = 64 Hopper's fused dk/dv kernel is the persistent one: at most a CTA an SM
+    """At d = 64 and up to 1024 query rows Hopper's fused dk/dv kernel is the persistent one:
+    at most a CTA an SM
     (the key blocks past them from a counter that the preprocess zeroes, in the scratch
     after dq's sums); CUFA_BWD_PERSISTENT=0, or arrays the copy engine refuses (its
     cp.async twin), keep a CTA a key block; d = 128 has none."""
@@ -590,6 +591,8 @@ def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
     assert bwd["tile_counter"] >= bwd["dq_accum"] + 4 * bwd["dq_accum_floats"]
     kv, blocks, *_ = launch(64, b=8, hk=4)  # (8 x 4 x 8 key blocks: more than the SMs)
     assert kv.persistent and blocks == 132
+    kv, blocks, *_ = launch(64, s=1025)  # (past BWD_PERSISTENT_MAX_ROWS: a CTA a key block)
+    assert not kv.persistent and kv.fused_dq and blocks == 2 * 2 * -(-1025 // 128)
     assert not launch(128)[0].persistent and launch(128)[4]["tile_counter"] == 0
     rec.maps_refused = True
     kv, blocks, _, _, bwd = launch(64, b=8, hk=4)
