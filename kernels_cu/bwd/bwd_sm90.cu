@@ -1206,8 +1206,10 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int nt = 0; nt < kQTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - s_d[frag_col(0, nt, e, lane)]) * p.scale;
+        for (int e = 0; e < 4; ++e) {
+          const float dsum = s_d[frag_col(0, nt, e, lane)];
+          dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - dsum) * p.scale;
+        }
       pack_p<kDtype>(ds_frag, dpt);
       const u32 sds_step = sds + (step & 1) * kDsBytes;
       stage_ds<kBlockM, kQTiles>(ds_frag, sds_step, warp_row0, lane);
