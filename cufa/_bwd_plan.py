@@ -424,10 +424,10 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     launches = [(pre, max(-(-bwd["rows"] // 32) * nheads, 1 if packed else 0))]
     if not fused:
         launches.append((dq_variant, q_blocks * nheads if seqlen_q else 0))
-    # (the persistent kernel: a CTA an SM at most, the key blocks past them from a counter
-    # the preprocess zeroes)
-    launches += [(v, min(kv_blocks * nheads_k, _runtime.sm_count(device)) if v.persistent
-                  else kv_blocks * nheads_k) if seqlen_k else (v, 0) for v in kv_variants]
+    for v in kv_variants:  # (the persistent kernel: a CTA an SM at most, the key blocks
+        # past them from a counter the preprocess zeroes)
+        blocks = kv_blocks * nheads_k if seqlen_k else 0
+        launches.append((v, min(blocks, _runtime.sm_count(device)) if v.persistent else blocks))
     if fused:  # (dq's sums, converted; the rows of sequences without keys are zeros)
         if variants[2].kind == "dq_blocks":  # (a CTA a 64-row block of a head's sums)
             sum_rows = bwd["dq_accum_head_stride"] // bwd["dq_accum_row_stride"]

@@ -339,18 +339,16 @@ class BwdVariant:
             if self.kind == "dq":
                 return 1024 + 2 * (self.block_m + stages * self.block_n) * row + ring
             stage = -(-(2 * self.block_m * row + 8 * self.block_m) // 1024) * 1024
-            if self.persistent:  # (two K/V buffers; the mbarriers, tile numbers and the
-                # sender's record: bwd_dkdv_persistent_sm90_kernel's layout)
-                return (1024 + 4 * self.block_n * row + stages * stage
-                        + 2 * 2 * self.block_m * self.block_n + 3 * 64 * 64 * 4 + 16 * stages
-                        + 96 + 8 * stages)
+            # the persistent kernel: a second K/V buffer, kv_empty[2], the tile ring (four
+            # mbarriers, two numbers) and the sender's record (a pointer a stage)
+            persistent = 2 * self.block_n * row + 16 + 40 + 8 * stages if self.persistent else 0
             # dq fused: two tiles of the step's dS (16-bit), each warpgroup's slab of 64 x
             # 64 sums (kDqSlabBytes; at d = 64 warpgroup 1 has two) and the slabs' mbarrier
             # (at d = 64 four more: stage_dq_pair's)
             slabs = 3 if self.head_dim == 64 else 2
             fused = (2 * 2 * self.block_m * self.block_n + slabs * 64 * 64 * 4 + 8
                      + (32 if self.head_dim == 64 else 0) if self.fused_dq else 0)
-            return 1024 + 2 * self.block_n * row + stages * stage + fused + ring
+            return 1024 + 2 * self.block_n * row + stages * stage + fused + ring + persistent
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
