@@ -463,6 +463,21 @@ __device__ __forceinline__ void issue_dq_share(float (&acc)[1][8][4], u32 sds, u
   wgmma_commit();
 }
 
+// a step's dq share (issue_dq_share), once dv's product is done: P^T's registers are then
+// free for the sums; issued behind dk's product, the last wait is for both
+template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kPTiles, int kDvTiles>
+__device__ __forceinline__ void dq_share_after_dv(float (&acc_dq)[1][8][4],
+                                                  u32 (&p_frag)[kPTiles][4],
+                                                  float (&acc_dv)[1][kDvTiles][4], u32 sds_step,
+                                                  u32 sk, int wg) {
+  wgmma_wait<1>();
+  fence_registers(p_frag);
+  fence_registers(acc_dv);
+  issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg);
+  wgmma_wait<0>();
+  fence_registers(acc_dq);
+}
+
 // a thread's sums into a slab at `at` (its own float4s: at + j * 128 * 16)
 __device__ __forceinline__ void store_slab(const float (&acc)[1][8][4], u32 at) {
 #pragma unroll
@@ -915,15 +930,9 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dk, ds_frag, q_mn_desc);
       if constexpr (kFusedDq) {
-        // (dv's product done: P^T's registers free for dq's sums; issued behind dk's, the
-        // wait below is for both)
-        wgmma_wait<1>();
-        fence_registers(p_frag);
-        fence_registers(acc_dv);
         float acc_dq[1][8][4];
-        issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg);
-        wgmma_wait<0>();
-        fence_registers(acc_dq);
+        dq_share_after_dv<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, p_frag, acc_dv, sds_step,
+                                                              sk, wg);
         if constexpr (kHeadDim == 64)
           stage_dq_pair(acc_dq, sdq, dq_empty, dq_pair, i, wg);
         else
@@ -1215,13 +1224,9 @@ __global__ void __launch_bounds__(384, 1)
       stage_ds<kBlockM, kQTiles>(ds_frag, sds_step, warp_row0, lane);
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dk, ds_frag, smem_desc(sq, kBlockM * 128, 1024));
-      wgmma_wait<1>();
-      fence_registers(p_frag);
-      fence_registers(acc_dv);
       float acc_dq[1][8][4];
-      issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg);
-      wgmma_wait<0>();
-      fence_registers(acc_dq);
+      dq_share_after_dv<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, p_frag, acc_dv, sds_step,
+                                                            sk, wg);
       fence_registers(ds_frag);
       fence_registers(acc_dk);
       stage_dq_pair(acc_dq, sdq, dq_empty, dq_pair, step, wg);
