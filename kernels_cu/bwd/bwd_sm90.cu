@@ -1119,14 +1119,16 @@ __global__ void __launch_bounds__(384, 1)
                 t.seqlen_k - kb.key0, p.head_dim);
           }
           // lse and D (a row a thread of the last warps), then Q and dout by TMA or copies
-          float* s_stats = reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
+          float* s_stats =
+              reinterpret_cast<float*>(stages + stage * kStageBytes + 2 * kTileBytes);
           const i64 stats_at = row_stats_offset(p, th) + q0 + stats_r;
           const bool stats_valid = q0 + stats_r < t.seqlen_q;
           if (stats_r >= 0) {
             cp_async_4(smem_u32(s_stats + stats_r),
                        reinterpret_cast<const float*>(p.lse) + stats_at, stats_valid ? 4 : 0);
             cp_async_4(smem_u32(s_stats + kBlockM + stats_r),
-                       reinterpret_cast<const float*>(g.softmax_d) + stats_at, stats_valid ? 4 : 0);
+                       reinterpret_cast<const float*>(g.softmax_d) + stats_at,
+                       stats_valid ? 4 : 0);
           }
           const u32 sq = sstages + stage * kStageBytes;
           const bool packed = p.cu_seqlens_q != 0;
