@@ -441,36 +441,17 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
   else named_barrier_sync(2, 128);
 }
 
-// d = 128, where a warpgroup's dq product reads both warpgroups' dS: each announces its
-// own once staged (a named barrier's arrive) and waits for the other's only at its dq
-// product (the barrier's sync, which its own four warps' stores are ordered by too). One
-// barrier of both at the product had held each until the other's dk product was issued
-// and its dv product done. Ids by warpgroup and step parity: a warpgroup a step ahead must
-// not complete an instance that the other still waits on.
-constexpr int kDsStagedBarrier = 4;  // 4-7 (1: unused since; 2, 3: warpgroup_barrier)
-__device__ __forceinline__ int ds_staged_barrier(int wg, int step) {
-  return kDsStagedBarrier + 2 * wg + (step & 1);
-}
-__device__ __forceinline__ void announce_ds(int wg, int step) {
-  fence_proxy_async();  // (stage_ds' stores, before the products read them)
-  named_barrier_arrive(ds_staged_barrier(wg, step), 256);
-}
-
 // this warpgroup's dq product, once the dS it reads is in (its own panel, or both): A its
 // keys' panel of dS (d = 64) or both; B its keys' rows of K (one panel), or all the keys'
 // rows of its 64-column panel (d = 128). One committed group
 template <int kDtype, int kHeadDim, int kBlockM, int kBlockN>
-__device__ __forceinline__ void issue_dq_share(float (&acc)[1][8][4], u32 sds, u32 sk, int wg,
-                                               int step) {
+__device__ __forceinline__ void issue_dq_share(float (&acc)[1][8][4], u32 sds, u32 sk, int wg) {
   static_assert(kBlockM == 64 && kBlockN == 128, "two warpgroups of 64 keys, 64-query steps");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "64 of dq's columns a warpgroup");
   constexpr bool kOwnKeys = kHeadDim == 64;
-  if constexpr (kOwnKeys) {
-    fence_proxy_async();  // (stage_ds' stores, before the product reads them)
-    warpgroup_barrier(wg);  // its keys in place
-  } else {
-    named_barrier_sync(ds_staged_barrier(1 - wg, step), 2 * kBlockN);  // (announce_ds)
-  }
+  fence_proxy_async();  // (stage_ds' stores, before the product reads them)
+  if constexpr (kOwnKeys) warpgroup_barrier(wg);  // its keys in place
+  else named_barrier_sync(1, 2 * kBlockN);        // both warpgroups' keys in place
   const u64 a_desc = smem_desc(kOwnKeys ? sds + wg * kBlockM * 128 : sds, 16, 1024);
   const u64 b_desc = smem_desc(kOwnKeys ? sk + wg * 64 * 128 : sk + wg * kBlockN * 128,
                                kBlockN * 128, 1024);
@@ -488,11 +469,11 @@ template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kPTiles, int k
 __device__ __forceinline__ void dq_share_after_dv(float (&acc_dq)[1][8][4],
                                                   u32 (&p_frag)[kPTiles][4],
                                                   float (&acc_dv)[1][kDvTiles][4], u32 sds_step,
-                                                  u32 sk, int wg, int step) {
+                                                  u32 sk, int wg) {
   wgmma_wait<1>();
   fence_registers(p_frag);
   fence_registers(acc_dv);
-  issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg, step);
+  issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg);
   wgmma_wait<0>();
   fence_registers(acc_dq);
 }
@@ -945,16 +926,13 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
         }
       pack_p<kDtype>(ds_frag, dpt);
       const u32 sds_step = sds + (i & 1) * kDsBytes;  // (kFusedDq)
-      if constexpr (kFusedDq) {
-        stage_ds<kBlockM, kQTiles>(ds_frag, sds_step, warp_row0, lane);
-        if constexpr (kHeadDim == 128) announce_ds(wg, i);
-      }
+      if constexpr (kFusedDq) stage_ds<kBlockM, kQTiles>(ds_frag, sds_step, warp_row0, lane);
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dk, ds_frag, q_mn_desc);
       if constexpr (kFusedDq) {
         float acc_dq[1][8][4];
         dq_share_after_dv<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, p_frag, acc_dv, sds_step,
-                                                              sk, wg, i);
+                                                              sk, wg);
         if constexpr (kHeadDim == 64)
           stage_dq_pair(acc_dq, sdq, dq_empty, dq_pair, i, wg);
         else
@@ -1250,7 +1228,7 @@ __global__ void __launch_bounds__(384, 1)
       issue_accumulate<kDtype>(acc_dk, ds_frag, smem_desc(sq, kBlockM * 128, 1024));
       float acc_dq[1][8][4];
       dq_share_after_dv<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, p_frag, acc_dv, sds_step,
-                                                            sk, wg, step);
+                                                            sk, wg);
       fence_registers(ds_frag);
       fence_registers(acc_dk);
       stage_dq_pair(acc_dq, sdq, dq_empty, dq_pair, step, wg);
