@@ -327,7 +327,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
         else:
             held, base = stream_workspace(framework, q.device, stream, needed)
         places = [None if at is None else base + at for at in offsets]
-        if places[3] is not None:  # (dq's sums: zeroed below)
+        if places[3] is not None:  # (dq's sums: zeroed by the preprocess)
             floats, *strides = dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d)
             bwd.update(dq_accum=places[3], dq_accum_floats=floats, **dict(zip(
                 ("dq_accum_batch_stride", "dq_accum_row_stride", "dq_accum_head_stride"),
@@ -346,10 +346,6 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
             stream_call(cupy.cuda.runtime.memsetAsync, dmask.ptr, 0,
                         4 * math.prod(dmask.shape), stream)
         if batch and nheads and (seqlen_q or seqlen_k):
-            if places[3] is not None:
-                import cupy
-                stream_call(cupy.cuda.runtime.memsetAsync, places[3], 0,
-                            4 * bwd["dq_accum_floats"], stream)
             _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, places,
                     dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k,
                     attn_mask.ptr if attn_mask is not None else 0,

@@ -67,7 +67,7 @@ template <int kDtype>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, const BwdParams g) {
   constexpr int kRowsPerWarp = 4, kRowsPerCta = 8 * kRowsPerWarp;
   const int h = blockIdx.x % p.nheads;
-  const int first_row = static_cast<int>(blockIdx.x / p.nheads) * kRowsPerCta;  // (< g.rows)
+  const i64 first_row = (i64)(blockIdx.x / p.nheads) * kRowsPerCta;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lanes = lanes_per_row(p.head_dim), rows_at_once = 32 / lanes;
   const int sub_row = lane / lanes, first_col = (lane % lanes) * 8;
@@ -75,6 +75,14 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
   float dsink = 0.f;
   if (g.tile_counter && blockIdx.x == 0 && threadIdx.x == 0)
     *reinterpret_cast<int*>(g.tile_counter) = 0;
+  if (g.dq_accum) {
+    float* sums = reinterpret_cast<float*>(g.dq_accum);
+    for (i64 i = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; i < g.dq_accum_floats / 4;
+         i += static_cast<i64>(gridDim.x) * 256)
+      reinterpret_cast<float4*>(sums)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (blockIdx.x == 0 && threadIdx.x < g.dq_accum_floats % 4)
+      sums[g.dq_accum_floats - 1 - threadIdx.x] = 0.f;
+  }
   // a packed batch's rows past its last sequence (of q, and of k and v): no output reads
   // them, so their gradients are zeros, which the dq and dk/dv kernels (the sequences'
   // rows alone) leave to this launch (seqlen_q, seqlen_k: the tensors' rows)
@@ -89,10 +97,9 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
   }
   // (every lane runs every pass: the reductions' shuffles take the whole warp)
   for (int i0 = 0; i0 < kRowsPerWarp; i0 += rows_at_once) {
-    // (32 bits: g.rows is an int)
-    const int r = first_row + warp * kRowsPerWarp + i0 + sub_row;
+    const i64 r = first_row + warp * kRowsPerWarp + i0 + sub_row;
     const bool valid = i0 + sub_row < kRowsPerWarp && r < g.rows;
-    const int b = valid ? r / p.seqlen_q : 0, row = valid ? r - b * p.seqlen_q : 0;
+    const i64 b = valid ? r / p.seqlen_q : 0, row = valid ? r % p.seqlen_q : 0;
     const u16* o = reinterpret_cast<const u16*>(p.o) + b * p.o_batch_stride +
                    row * p.o_row_stride + h * p.o_head_stride;
     const u16* dout = reinterpret_cast<const u16*>(g.dout) + b * g.dout_batch_stride +

@@ -16,9 +16,8 @@ struct BwdParams {
   // float32 in attn_mask's shape, zeroed: an additive mask's gradient, dS summed over the
   // dimensions the mask broadcasts along (its strides below, 0 there); 0: none
   u64 dmask;
-  // dq fused into the key-block kernel: float32 sums (zeroed by the host's memset before
-  // the preprocess: 4 bytes a query row's column, which the preprocess's own stores wrote
-  // at 55-62 % of the H200's bandwidth), dq_accum_floats of them, strides below
+  // dq fused into the key-block kernel: float32 sums (zeroed by the preprocess),
+  // dq_accum_floats of them, strides below
   u64 dq_accum;
   // Packed batches: the (sequence, key block) list of the key-block kernel, built by
   // varlen_schedule over cu_seqlens_k, and its length; 0 for padded batches
