@@ -95,6 +95,8 @@ def main(argv=None):
     for spec in args.tiles:
         OPTIONS[f"cufa {spec}"] = {"CUFA_BWD_SM90_TILES": spec}
         options.append(f"cufa {spec}")
+    from_environment = {env: _compile._overrides.get(env)
+                        for values in OPTIONS.values() for env in values}
     rows = []
     cases = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens
              for c in args.causal]
@@ -107,8 +109,10 @@ def main(argv=None):
         out, lse = cufa.flash_attn_func(q, k, v, causal=bool(causal), return_lse=True)
 
         def choose(option=None):  # option: one of OPTIONS' {variable: value}, or the default
+            # (the default: the environment's own values, so that e.g. CUFA_BWD_SM90=all
+            # given to the script reaches the cufa column)
             for env in {env for values in OPTIONS.values() for env in values}:
-                _compile._overrides[env] = (option or {}).get(env)
+                _compile._overrides[env] = (option or {}).get(env, from_environment[env])
 
         def backward(option=None):
             choose(option)
