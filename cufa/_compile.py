@@ -479,8 +479,9 @@ def bwd_sm90_fused_by_default(head_dim):
 # 64 keys against 128-query blocks (1.01-1.14x, but 0.97x causal at N = 1024; with score
 # mods they spill 216 bytes, so 64); a 128-query block at d = 128 spills.
 # Above d = 128, dk and dv are launched apart (as on mma.sync) and score mods take 32-key
-# dq blocks (64 spill 8-108 bytes); there they are opt-in (CUFA_BWD_SM90=all): on causal
-# rows the mma.sync kernels are 1.04-1.15x faster on an H200, elsewhere within 0.95-1.02x.
+# dq blocks (64 spill 8-108 bytes). There they were opt-in while the mma.sync kernels were
+# as fast; since the wgmma kernels stream by TMA they take 0.46-0.66x the mma.sync time at
+# d = 192 and 256 on an H200 (bench/results/bwd_gaps_h200.md), so they are the default.
 # Where one of the two spills, that launch stays on mma.sync.
 BWD_SM90_TILES = {64: ((64, 64), (64, 128)), 128: ((128, 64), (128, 64)),
                   192: ((64, 64), (64, 64)), 256: ((64, 64), (64, 64))}
@@ -499,7 +500,7 @@ BWD_SM90_SHORT_WINDOW_KV = {64: (64, 64)}
 BWD_SM90_WINDOW_KV_TMA = {64: (128, 64)}
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
-BWD_SM90_HEAD_DIMS = (64, 128)
+BWD_SM90_HEAD_DIMS = (64, 128, 192, 256)  # (every one of BWD_SM90_TILES: "all" is "1")
 # CUFA_BWD_SM90_TILES="dq=RxK,kv=KxQ" (either part alone) replaces those tiles at every
 # head dim, to time others: dq's R query rows (64 or 128: one or two warpgroups sharing
 # each K/V block) and key block K (32, 64 or 128); dk/dv's K keys (64 or 128, the same) and

@@ -250,7 +250,8 @@ def test_hopper_launches_dk_and_dv_apart_on_wgmma_above_128(monkeypatch, d, mods
 
 
 @pytest.mark.parametrize("value, wgmma_head_dims", [
-    (None, (64, 128)), ("1", (64, 128)), ("0", ()), ("all", (64, 128, 192, 256))])
+    (None, (64, 128, 192, 256)), ("1", (64, 128, 192, 256)), ("0", ()),
+    ("all", (64, 128, 192, 256))])
 def test_hopper_head_dims_on_wgmma(monkeypatch, value, wgmma_head_dims):
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, value)
