@@ -500,7 +500,7 @@ BWD_SM90_SHORT_WINDOW_KV = {64: (64, 64)}
 BWD_SM90_WINDOW_KV_TMA = {64: (128, 64)}
 BWD_SM90_SPILLS = {("dkdv", 128, "window", True)}  # (20 bytes; the same with 128 keys)
 BWD_SM90_ENV = "CUFA_BWD_SM90"
-BWD_SM90_HEAD_DIMS = (64, 128, 192, 256)  # (every one of BWD_SM90_TILES: "all" is "1")
+BWD_SM90_HEAD_DIMS = tuple(BWD_SM90_TILES)  # (so CUFA_BWD_SM90=all is the default)
 # CUFA_BWD_SM90_TILES="dq=RxK,kv=KxQ" (either part alone) replaces those tiles at every
 # head dim, to time others: dq's R query rows (64 or 128: one or two warpgroups sharing
 # each K/V block) and key block K (32, 64 or 128); dk/dv's K keys (64 or 128, the same) and
@@ -622,12 +622,12 @@ def bwd_sm90_tiles():
 
 
 def bwd_sm90_head_dims():
-    """The padded head dims the wgmma backward takes: none with CUFA_BWD_SM90=0, every one
-    of BWD_SM90_TILES' with CUFA_BWD_SM90=all, else BWD_SM90_HEAD_DIMS."""
+    """The padded head dims the wgmma backward takes: none with CUFA_BWD_SM90=0, else
+    BWD_SM90_HEAD_DIMS ("1" and "all", which once added 192 and 256, are the default)."""
     value = _overrides.get(BWD_SM90_ENV)
     if value not in (None, "", "0", "1", "all"):
         raise ValueError(f"{BWD_SM90_ENV} takes 0, 1 or all; got {value!r}")
-    return {"0": (), "all": tuple(BWD_SM90_TILES)}.get(value, BWD_SM90_HEAD_DIMS)
+    return () if value == "0" else BWD_SM90_HEAD_DIMS
 
 
 def _two_stages_where_they_fit(variant):
