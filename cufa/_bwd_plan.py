@@ -222,7 +222,8 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q, deter
         wgmma = _compile.bwd_sm90_variants(
             *key, _compile.bwd_sm90_tiles(),
             short_window=seqlen_q <= _compile.BWD_SM90_SHORT_WINDOW_ROWS,
-            producer=_compile.bwd_producer_wanted(), tma=_compile.bwd_tma_wanted())
+            producer=_compile.bwd_producer_wanted(), tma=_compile.bwd_tma_wanted(),
+            split_cols=_compile.bwd_split_cols_wanted())
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
     fused, wanted = None, _compile.bwd_fused_wanted()

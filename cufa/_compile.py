@@ -258,6 +258,9 @@ class BwdVariant:
     # sm90 dkdv with dq fused at d = 64: a CTA an SM taking key blocks from a counter
     # (bwd_dkdv_persistent_sm90_kernel; TMA, a producer)
     persistent: bool = False
+    # sm90 dkdv above d = 128: both gradients by two warpgroups on one 64-key block, one
+    # taking S and P, the other dP and dS, each a share of the columns (kSplitCols)
+    split_cols: bool = False
     family: str = "sm80"    # dq, dkdv: "sm90", wgmma (bwd/bwd_sm90.cu)
     ctas_per_sm: int = 1
 
@@ -285,6 +288,7 @@ class BwdVariant:
         producer = "_wp" if self.producer else ""
         tma = "_tma" if self.tma else ""
         persistent = "_pers" if self.persistent else ""
+        persistent += "_sc" if self.split_cols else ""
         family = "_sm90" if self.family == "sm90" else ""
         return (f"bwd_{self.kind}{family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
                 f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}{producer}"
@@ -309,7 +313,7 @@ class BwdVariant:
         if self.family == "sm90":
             return (f"cufa::bwd_dkdv_sm90_kernel<{args}, {BWD_GRADS.index(self.grads)}, "
                     f"{self.stages}, {self.block_n}"
-                    f"{_flags(self.fused_dq, self.producer, self.tma)}>")
+                    f"{_flags(self.fused_dq, self.producer, self.tma, self.split_cols)}>")
         fused = ", true" if self.fused_dq else ""
         kernel = "bwd_dkdv_kernel"
         return (f"cufa::{kernel}<{args}, {BWD_GRADS.index(self.grads)}, "
@@ -321,8 +325,9 @@ class BwdVariant:
             return 256
         if self.family == "sm90":  # a warpgroup every 64 keys (dk/dv) or query rows (dq),
             # and the producer's
-            return 2 * (self.block_n if self.kind == "dkdv" else self.block_m) + (
-                128 if self.producer else 0)
+            consumers = 256 if self.split_cols else 2 * (
+                self.block_n if self.kind == "dkdv" else self.block_m)
+            return consumers + (128 if self.producer else 0)
         return 256 if self.kind in ("preprocess", "dq_convert") else 128
 
     @functools.cached_property
@@ -348,7 +353,10 @@ class BwdVariant:
             slabs = 3 if self.head_dim == 64 else 2
             fused = (2 * 2 * self.block_m * self.block_n + slabs * 64 * 64 * 4 + 8
                      + (32 if self.head_dim == 64 else 0) if self.fused_dq else 0)
-            return 1024 + 2 * self.block_n * row + stages * stage + fused + ring + persistent
+            # columns split: the exchange's P^T (fp32) and dS^T (16-bit) of 64 x 64
+            split = 64 * 64 * (4 + 2) if self.split_cols else 0
+            return (1024 + 2 * self.block_n * row + stages * stage + fused + ring + persistent
+                    + split)
         if self.kind == "dq":  # Q, dout; the stages' K, V
             return 2 * (self.block_m + stages * self.block_n) * row
         if self.kind == "dkdv":  # K, V; the stages' Q, dout, lse and D of block_m rows
@@ -478,13 +486,15 @@ def bwd_sm90_fused_by_default(head_dim):
 # (128 rows, 128 keys a CTA; 1.02-1.20x one warpgroup's speed), at d = 64 one warpgroup's
 # 64 keys against 128-query blocks (1.01-1.14x, but 0.97x causal at N = 1024; with score
 # mods they spill 216 bytes, so 64); a 128-query block at d = 128 spills.
-# Above d = 128, dk and dv are launched apart (as on mma.sync) and score mods take 32-key
-# dq blocks (64 spill 8-108 bytes). There they were opt-in while the mma.sync kernels were
-# as fast; since the wgmma kernels stream by TMA they take 0.46-0.66x the mma.sync time at
-# d = 192 and 256 on an H200 (bench/results/bwd_gaps_h200.md), so they are the default.
-# Where one of the two spills, that launch stays on mma.sync.
+# Above d = 128 dq takes two warpgroups of 64 rows on 32-key blocks with a producer (one
+# warpgroup on 64-key blocks, 192 KB, left one warpgroup an SM: 1.03-1.10x the time on an
+# H200, bench/results/bwd_split_cols_h200.md), score mods one warpgroup on 32-key blocks
+# (64 spill 8-108 bytes); dk and dv come from one launch split by columns (_split_cols),
+# or with score mods, or CUFA_BWD_SPLIT_COLS=0, are launched apart (as on mma.sync). The
+# wgmma kernels there take 0.46-0.66x the mma.sync time (bench/results/bwd_gaps_h200.md).
+# Where one of them spills, that launch stays on mma.sync.
 BWD_SM90_TILES = {64: ((64, 64), (64, 128)), 128: ((128, 64), (128, 64)),
-                  192: ((64, 64), (64, 64)), 256: ((64, 64), (64, 64))}
+                  192: ((128, 32), (64, 64)), 256: ((128, 32), (64, 64))}
 BWD_SM90_TILES_SCORE_MODS = {**BWD_SM90_TILES, 64: ((64, 64), (64, 64)),
                              192: ((64, 32), (64, 64)), 256: ((64, 32), (64, 64))}
 # Windowed (causal) calls of at most SHORT_WINDOW_ROWS query rows (a packed batch's total)
@@ -518,12 +528,19 @@ SM90_SMEM_LIMIT = 227 * 1024
 # consumers need more than their 240 registers).
 BWD_SM90_PRODUCER_ENV = "CUFA_BWD_SM90_PRODUCER"
 BWD_SM90_PRODUCER_STAGES = 3
+BWD_PRODUCER_MAX_STAGES = 3
+# Above d = 128, where one warpgroup cannot hold both gradients of its keys, dk and dv come
+# from one launch with the work split between two warpgroups (_split_cols; it needs the
+# producer): on an H200 0.49-0.54x the time of dk's and dv's launches apart
+# (bench/results/bwd_split_cols_h200.md). CUFA_BWD_SPLIT_COLS=0 launches them apart.
+BWD_SPLIT_COLS_ENV = "CUFA_BWD_SPLIT_COLS"
 # Kernels with two consumer warpgroups, which the producer keeps from waiting on each
-# other: d = 128's; at d = 64 only those streaming by TMA (the windowed dk/dv of
+# other: those of d = 128 and above (d = 192 and 256's dq: 0.92-0.95x the time without
+# it on an H200); at d = 64 only those streaming by TMA (the windowed dk/dv of
 # BWD_SM90_WINDOW_KV_TMA, or tiles CUFA_BWD_SM90_TILES sets): d = 64's others have one
 # warpgroup (two to four CTAs an SM), where a producer's warpgroup would cost CTAs an SM
 # and spare no wait, and with cp.async it cost more than it spared.
-BWD_SM90_PRODUCER_HEAD_DIMS = (128,)
+BWD_SM90_PRODUCER_HEAD_DIMS = (128, 192, 256)
 BWD_SM90_TMA_PRODUCER_HEAD_DIMS = (64,)
 # The wgmma kernels stream each step's tiles by TMA (kTma: one thread's boxes, by the
 # producer or a consumer): the cp.async address arithmetic of 128 threads had held the
@@ -562,13 +579,14 @@ def parse_bwd_sm90_tiles(text):
 
 @functools.lru_cache(maxsize=None)
 def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_window=False,
-                      producer=False, tma=False):
+                      producer=False, tma=False, split_cols=False):
     """(preprocess, dq, dk/dv...), those on wgmma that it has, for a call; None where it has
     neither. override: parse_bwd_sm90_tiles' tiles in place of the table's; short_window:
     a windowed call of few query rows (BWD_SM90_SHORT_WINDOW_KV's tiles); producer: the
     kernels with a producer warpgroup (BWD_SM90_PRODUCER_STAGES buffers) where they have
     one (two consumer warpgroups); tma: the wgmma kernels stream their steps' tiles by TMA
-    (BWD_SM90_TMA_ENV)."""
+    (BWD_SM90_TMA_ENV); split_cols: above d = 128 with a producer and no score mods, dk and
+    dv from one launch (_split_cols)."""
     pre, dq, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
     table = BWD_SM90_TILES_SCORE_MODS if score_mods else BWD_SM90_TILES
     if dq.head_dim not in table:
@@ -591,12 +609,29 @@ def bwd_sm90_variants(dtype, head_dim, mask, score_mods, override=(), short_wind
     if producer and not score_mods and (dq.head_dim in BWD_SM90_PRODUCER_HEAD_DIMS or (
             tma and dq.head_dim in BWD_SM90_TMA_PRODUCER_HEAD_DIMS)):
         wgmma = [_with_producer(v) for v in wgmma]
+    if split_cols and producer and not score_mods and len(kv) == 2:
+        wgmma = [wgmma[0], _split_cols(wgmma[1])]
     for v in wgmma:
         if v.smem_bytes > SM90_SMEM_LIMIT:
             raise ValueError(f"{BWD_SM90_TILES_ENV}={_overrides.get(BWD_SM90_TILES_ENV)!r}: the "
                              f"{v.kind} kernel's tiles at head dim {v.head_dim} take "
                              f"{v.smem_bytes} bytes of shared memory, over {SM90_SMEM_LIMIT}")
     return (pre, *wgmma)
+
+
+def _split_cols(dk):
+    """The dk/dv kernel that takes both gradients of a 64-key block on two warpgroups split
+    by product and columns (BwdVariant.split_cols), with a producer and as many buffers as
+    fit, in place of dk's and dv's launches apart (dk: the dk launch's variant)."""
+    split = dataclasses.replace(dk, grads="both", split_cols=True, producer=True,
+                                block_m=64, block_n=64, stages=BWD_PRODUCER_MAX_STAGES)
+    while split.smem_bytes > SM90_SMEM_LIMIT:
+        split = dataclasses.replace(split, stages=split.stages - 1)
+    return split
+
+
+def bwd_split_cols_wanted():
+    return _overrides.get(BWD_SPLIT_COLS_ENV) != "0"
 
 
 def _with_producer(v):
@@ -1188,7 +1223,7 @@ def read_overrides():
                       for name in (FAMILY_ENV, SM90_ROWS_ENV, DECODE_TMA_ENV, BWD_FUSED_ENV,
                                    BWD_SM90_ENV, BWD_SM90_TILES_ENV, WIDE_TILES_ENV,
                                    BWD_SM90_PRODUCER_ENV, BWD_SM90_TMA_ENV, SPIN_LIMIT_ENV,
-                                   TRACE_ENV, BWD_PERSISTENT_ENV))
+                                   TRACE_ENV, BWD_PERSISTENT_ENV, BWD_SPLIT_COLS_ENV))
 
 
 _overrides = {}
@@ -1236,6 +1271,11 @@ def all_variants():
                  for mask in MASKS for tma in (False, True)
                  for v in bwd_sm90_variants(dt, hd, mask, False, producer=True, tma=tma)
                  if v.producer]
+    variants += [v for dt in DTYPES for hd in SM80_HEAD_DIMS for mask in MASKS
+                 for tma in (False, True)
+                 for v in (bwd_sm90_variants(dt, hd, mask, False, producer=True, tma=tma,
+                                             split_cols=True) or ())
+                 if v.split_cols]
     # and each TMA kernel's cp.async twin, which a launch takes where the copy engine
     # cannot describe its arrays (_bwd_plan._launch)
     variants += [dataclasses.replace(v, tma=False, persistent=False) for v in variants

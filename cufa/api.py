@@ -703,7 +703,7 @@ def clear_plans():
     """Forget every launch plan (the next call of each signature plans again) and read
     the environment's overrides (CUFA_KERNEL_FAMILY, CUFA_SM90_BLOCK_M, CUFA_DECODE_TMA,
     CUFA_BWD_FUSED_DQ, CUFA_BWD_SM90, CUFA_BWD_SM90_TILES, CUFA_BWD_SM90_PRODUCER,
-    CUFA_WIDE_TILES) afresh."""
+    CUFA_BWD_SPLIT_COLS, CUFA_WIDE_TILES) afresh."""
     _runtime.plans.clear()
     _fwd_plan.layouts.clear()
     _jax.replays.clear()

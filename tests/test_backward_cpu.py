@@ -235,18 +235,27 @@ def test_tiles_that_do_not_apply_are_refused(monkeypatch, tiles, message):
         _compile.bwd_sm90_variants("fp16", 256, "none", False, _compile.bwd_sm90_tiles())
 
 
-@pytest.mark.parametrize("d, mods, dq_keys", [(256, False, 64), (192, True, 32), (248, True, 32)])
-def test_hopper_launches_dk_and_dv_apart_on_wgmma_above_128(monkeypatch, d, mods, dq_keys):
-    """CUFA_BWD_SM90=all: above d = 128 too (by default mma.sync there)."""
+@pytest.mark.parametrize("d, mods, split_env, kv", [
+    (256, False, None, [("both", True)]), (176, False, None, [("both", True)]),
+    (256, False, "0", [("dk", False), ("dv", False)]),
+    (192, True, None, [("dk", False), ("dv", False)]),
+    (248, True, None, [("dk", False), ("dv", False)])])
+def test_hopper_dk_and_dv_above_128(monkeypatch, d, mods, split_env, kv):
+    """Above d = 128 on wgmma: dq on 32-key blocks; dk and dv from one launch split by
+    columns, or launched apart with score mods or CUFA_BWD_SPLIT_COLS=0."""
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
     monkeypatch.setitem(_compile._overrides, _compile.FAMILY_ENV, None)
     monkeypatch.setitem(_compile._overrides, _compile.BWD_SM90_ENV, "all")
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_SPLIT_COLS_ENV, split_env)
     cufa.flash_attn_backward(*dense_args(d=d), causal=True, softcap=5.0 if mods else 0.0)
-    assert [(f.kind, f.family, f.grads, f.block_n) for f, *_ in rec.launches] == [
-        ("preprocess", "sm80", "both", 0), ("dq", "sm90", "both", dq_keys),
-        ("dkdv", "sm90", "dk", 64), ("dkdv", "sm90", "dv", 64)]
+    assert [(f.kind, f.family, f.grads, f.block_n, f.split_cols) for f, *_ in rec.launches] == [
+        ("preprocess", "sm80", "both", 0, False), ("dq", "sm90", "both", 32, False),
+        *(("dkdv", "sm90", grads, 64, split) for grads, split in kv)]
     assert all(threads == f.threads and smem <= 227 * 1024 for f, _, threads, smem, *_ in rec.launches)
+    if split_env is None and not mods:
+        split = rec.launches[2][0]
+        assert (split.threads, split.producer, split.block_m) == (384, True, 64)
 
 
 @pytest.mark.parametrize("value, wgmma_head_dims", [
@@ -641,6 +650,8 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
                 tiles += 2 * 2 * v.block_m * v.block_n + slabs * 64 * 64 * 4 + 8 + pair
             if v.producer or v.tma:
                 tiles += 16 * v.stages
+            if v.split_cols:  # the exchange: P^T in fp32, dS^T in 16 bits
+                tiles += 64 * 64 * (4 + 2)
             if v.persistent:  # a second K/V buffer, kv_empty[2], the tile ring (four
                 # mbarriers, two numbers) and the sender's record (a pointer a stage)
                 tiles += 2 * v.block_n * row + 16 + 40 + 8 * v.stages
@@ -652,9 +663,11 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     # at d = 128 (both masks); all streaming by TMA and by cp.async, but d = 64's windowed
     # dk/dv on 128-query blocks (it would spill); and d = 64's windowed dk/dv on two
     # warpgroups with a producer, by TMA and by cp.async (its twin where the copy engine
-    # refuses the arrays); and the persistent fused kernel at d = 64 (both masks)
+    # refuses the arrays); and the persistent fused kernel at d = 64 (both masks); and
+    # above d = 128 the producer's dq and the dk/dv split by columns (two dtypes, two
+    # head dims, both masks, by TMA and by cp.async)
     assert seen == (2 * ((4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3) - 2 + 8 * 2 + 8 * 2 + 2 * 2
-                    + 2 * 2)
+                    + 2 * 2 + 16 + 16)
 
 
 @pytest.mark.parametrize("d, causal, seqlen, producer", [

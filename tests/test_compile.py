@@ -97,6 +97,10 @@ def representative_variants():
         *C.bwd_sm90_fused_variants("bf16", 128, "window", False)[1:],  # dq fused on wgmma
         *C.bwd_sm90_variants("bf16", 128, "window", False, producer=True,
                              tma=True)[1:],  # producers streaming by TMA
+        *C.bwd_sm90_variants("bf16", 256, "window", False, producer=True, tma=True,
+                             split_cols=True)[1:],  # dk and dv split by columns
+        C.bwd_sm90_variants("fp16", 192, "none", False, producer=True,
+                            split_cols=True)[2],  # (128 and 64 columns; cp.async)
     ]
 
 

@@ -438,7 +438,7 @@ def test_dq_fused_by_cp_async(fused_dq, monkeypatch, d):
     assert len(fused) == 2 and all(x.family == "sm90" and not x.tma for x in fused)
 
 
-PRODUCER = {  # (the producer: two consumer warpgroups, d = 128)
+PRODUCER = {  # (the producer: two consumer warpgroups, d = 128 and above)
     "d128": dict(b=2, sq=1100, sk=1100, h=4, hk=2, d=128),
     "d128 causal, more queries (dq blocks without keys)": dict(b=2, sq=300, sk=100, h=4, hk=1,
                                                                d=128, causal=True),
@@ -447,6 +447,11 @@ PRODUCER = {  # (the producer: two consumer warpgroups, d = 128)
                                                                   window_size=(10, 0)),
     "d112 window": dict(b=1, sq=517, sk=517, h=2, hk=2, d=112, window_size=(100, 7)),
     "d128, one key block": dict(b=3, sq=5, sk=70, h=2, hk=2, d=128),
+    # (above d = 128: dq's two warpgroups on 32-key blocks; dk and dv split by columns
+    # with the producer, launched apart without)
+    "d256 causal, GQA": dict(b=1, sq=300, sk=300, h=4, hk=2, d=256, causal=True),
+    "d176 window, more queries": dict(b=1, sq=400, sk=333, h=2, hk=2, d=176,
+                                      window_size=(50, 3)),
 }
 
 
@@ -502,6 +507,79 @@ def test_producer_warpgroup_varlen(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(grads[None][:3], grads["0"][:3]))
     dq, dk, dv = grads[None][:3]
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, "producer varlen")
+
+
+SPLIT = {  # (Hopper above d = 128: dk and dv from one launch, the columns split)
+    "d256, GQA, odd lengths": dict(b=2, sq=300, sk=517, h=4, hk=2, d=256),
+    "d192 causal, more queries (rows without keys), MQA": dict(b=1, sq=300, sk=100, h=4, hk=1,
+                                                              d=192, causal=True),
+    "d160 window, more keys (key blocks without queries)": dict(b=1, sq=100, sk=300, h=2,
+                                                                hk=2, d=160,
+                                                                window_size=(10, 0)),
+    "d256, one key block": dict(b=3, sq=5, sk=70, h=2, hk=2, d=256),
+    "d200 causal, strided": dict(b=1, sq=200, sk=260, h=2, hk=2, d=200, causal=True,
+                                 layout="bhsd"),
+    "d256 window, long": dict(b=1, sq=1500, sk=1500, h=2, hk=2, d=256, window_size=(300, 40)),
+}
+
+
+def _with_split_and_apart(monkeypatch, call):
+    """call() with dk and dv split by columns (the default above d = 128 on Hopper), then
+    launched apart (CUFA_BWD_SPLIT_COLS=0)."""
+    from cufa import _compile
+    results = []
+    try:
+        for env in (None, "0"):
+            if env:
+                monkeypatch.setenv(_compile.BWD_SPLIT_COLS_ENV, env)
+            else:
+                monkeypatch.delenv(_compile.BWD_SPLIT_COLS_ENV, raising=False)
+            cufa.api.clear_plans()
+            results.append(call())
+    finally:
+        monkeypatch.undo()
+        cufa.api.clear_plans()
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_split_columns(monkeypatch, name, dtype):
+    """dk and dv of a 64-key block from two warpgroups, one computing S and P, the other dP
+    and dS, each a share of the columns: the reference's gradients, and the same bits as
+    dk and dv launched apart (the same products of the same operands)."""
+    wgmma_or_skip("dk and dv split by columns")
+    case = dict(SPLIT[name])
+    kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case} | EXACT
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    first = []
+
+    def call():
+        if not first:
+            first.append(run_dense(rng, dtype, label=f"split {name}", **case, **kw))
+            return first[0][-1]
+        q, k, v, dout, out, lse, _ = first[0]
+        return cufa.flash_attn_backward(dout, q, k, v, out, lse, **kw)
+
+    split, apart = _with_split_and_apart(monkeypatch, call)
+    assert all(torch.equal(a, b) for a, b in zip(split[:3], apart[:3]))
+
+
+def test_split_columns_varlen(monkeypatch):
+    """A packed batch with an empty and a one-token sequence at d = 256, split by columns:
+    each sequence's gradients against the reference, the same bits as dk and dv apart."""
+    wgmma_or_skip("dk and dv split by columns")
+    rng = np.random.default_rng(73)
+    dtype, h, d = torch.bfloat16, 2, 256
+    lens = [0, 150, 1, 333]
+    q, k, v, dout = (randn(rng, (1, sum(lens), h, d), dtype)[0] for _ in range(4))
+    cu = cu_seqlens(lens)
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 333, 333, causal=True,
+                                           return_lse=True)
+    split, apart = _with_split_and_apart(monkeypatch, lambda: cufa.flash_attn_varlen_backward(
+        dout, q, k, v, out, lse, cu, cu, 333, 333, causal=True, **EXACT))
+    assert all(torch.equal(a, b) for a, b in zip(split[:3], apart[:3]))
+    check_packed_grads(split[:3], q, k, v, dout, out, lens, "split varlen")
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -630,6 +630,179 @@ __global__ void __launch_bounds__(256) bwd_dq_blocks_kernel(const FwdParams p, c
   }
 }
 
+// -- kSplitCols (head dims over 128): both consumer warpgroups take the same 64 keys and
+//    split the step by product instead of by keys. Warpgroup 0 computes S^T = K Q^T and P^T,
+//    warpgroup 1 dP^T = V dout^T and dS^T (from warpgroup 0's P^T, fp32, through shared
+//    memory); then each adds its share of the head dim's columns to dv += P^T dout and
+//    dk += dS^T Q (warpgroup 0 the first ceil(panels / 2) 64-column panels, from P^T and
+//    dS^T in registers). One warpgroup with both gradients would hold 2 x 128 accumulators
+//    a thread at d = 256; so each holds at most 128, S is computed once a step (dk and dv
+//    launched apart computed it twice) and two warpgroups share the SM, where the launches
+//    apart had one --
+template <int kHeadDim>
+struct SplitCols {
+  static constexpr int kCols0 = (kHeadDim / 64 + 1) / 2 * 64;
+  template <int kRole>
+  __device__ static constexpr int cols() { return kRole == 0 ? kCols0 : kHeadDim - kCols0; }
+  template <int kRole>
+  __device__ static constexpr int col0() { return kRole == 0 ? 0 : kCols0; }
+};
+// The exchange, each array in its accumulator's order (thread t's float4 or 16-bit
+// fragment j at (j * 128 + t) * 16: no bank conflicts, no shuffles): P^T in fp32 (dS is
+// computed from P unrounded, as the other kernels do), then dS^T's fragments. Named
+// barriers 4 (P^T in) and 5 (dS^T in): one warpgroup arrives, the other waits. A buffer of
+// each is enough: warpgroup 1 has read P^T before it announces dS^T, which warpgroup 0
+// waits for before it writes the next P^T, and the same the other way round
+enum : int { kSplitPBytes = 64 * 64 * 4, kSplitDsBytes = 64 * 64 * 2, kBarP = 4, kBarDs = 5 };
+
+__device__ __forceinline__ void put_p_t(const float (&x)[1][8][4], u32 at) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + j * 128 * 16),
+                 "f"(x[0][j][0]), "f"(x[0][j][1]), "f"(x[0][j][2]), "f"(x[0][j][3])
+                 : "memory");
+}
+
+// warpgroup 1's dS^T = P^T (dP^T - D) scale in place of dP^T, from warpgroup 0's P^T
+// (read once: it also becomes P^T's 16-bit fragments for dv)
+template <int kDtype>
+__device__ __forceinline__ void ds_t_from_p_t(float (&dpt)[1][8][4], u32 (&p_frag)[4][4], u32 at,
+                                              const float* s_d, float scale, int lane) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float pr[4];
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(pr[0]), "=f"(pr[1]), "=f"(pr[2]), "=f"(pr[3])
+                 : "r"(at + j * 128 * 16) : "memory");
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      dpt[0][j][e] = pr[e] * (dpt[0][j][e] - s_d[frag_col(0, j, e, lane)]) * scale;
+    p_frag[j / 2][2 * (j % 2)] = pack2<kDtype>(pr[0], pr[1]);  // (pack_p's order)
+    p_frag[j / 2][2 * (j % 2) + 1] = pack2<kDtype>(pr[2], pr[3]);
+  }
+}
+
+__device__ __forceinline__ void put_fragments(const u32 (&f)[4][4], u32 at) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + j * 128 * 16),
+                 "r"(f[j][0]), "r"(f[j][1]), "r"(f[j][2]), "r"(f[j][3])
+                 : "memory");
+}
+__device__ __forceinline__ void get_fragments(u32 (&f)[4][4], u32 at) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 v = ld_shared_v4(at + j * 128 * 16);
+    f[j][0] = v.x, f[j][1] = v.y, f[j][2] = v.z, f[j][3] = v.w;
+  }
+}
+
+// a split block's consumer warpgroup (kRole 0 or 1): its loop over the steps, then its
+// columns of dv and dk
+template <int kStages>
+struct SplitBlock {
+  Tile t;
+  Ring<kStages> ring;
+  u32 sk, sv, sstages, sx;  // K, V, the ring's first stage, the exchange
+  const unsigned char* stages;  // (the first stage, as a generic address: lse and D)
+  int key0, rows_out, h_k, group, m_block_min, m_blocks;
+  i64 k_row;
+  unsigned tid;  // (the consumers': 0-255)
+};
+template <int kDtype, int kHeadDim, int kMask, int kRole, int kStages>
+__device__ __forceinline__ void dkdv_split_consumer(const FwdParams& p, const BwdParams& g,
+                                                    const SplitBlock<kStages>& c) {
+  constexpr int kBlockM = 64, kBlockN = 64, kQTiles = kBlockM / 8;
+  constexpr int kTileBytes = kBlockM * kHeadDim * 2;
+  constexpr int kStageBytes = (2 * kTileBytes + 8 * kBlockM + 1023) / 1024 * 1024;
+  constexpr int kCols = SplitCols<kHeadDim>::template cols<kRole>();
+  constexpr int kCol0 = SplitCols<kHeadDim>::template col0<kRole>();
+  constexpr u32 kColsAt = kCol0 / 64 * kBlockM * 128;  // (its first panel in a stage's tile)
+  const Tile& t = c.t;
+  const int lane = threadIdx.x % 32;
+  const int warp_row0 = (c.tid % 128 / 32) * 16;  // the warp's 16 keys
+  const int first_key = frag_row(c.key0 + warp_row0, 0, 0, lane);
+  const u32 thread_at = c.tid % 128 * 16, sp = c.sx, sdst = c.sx + kSplitPBytes;
+  const int steps = c.group * c.m_blocks;
+  float acc_dk[1][kCols / 8][4], acc_dv[1][kCols / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < kCols / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = acc_dv[0][dt][e] = 0.f;
+  int stage = 0;
+  u32 phase = 0;
+  for (int i = 0; i < steps; ++i) {
+    c.ring.await_full(stage, phase);
+    bwd_trace(i == 0 && c.tid == 0, kBwdFirstStep);
+    const u32 sq = c.sstages + stage * kStageBytes, sdo = sq + kTileBytes;
+    const float* s_lse =
+        reinterpret_cast<const float*>(c.stages + stage * kStageBytes + 2 * kTileBytes);
+    const u64 q_cols = smem_desc(sq + kColsAt, kBlockM * 128, 1024);
+    const u64 do_cols = smem_desc(sdo + kColsAt, kBlockM * 128, 1024);
+    // S^T = K Q^T (warpgroup 0) or dP^T = V dout^T (1)
+    float x[1][kQTiles][4];
+    u32 p_frag[kQTiles / 2][4], ds_frag[kQTiles / 2][4];
+    wgmma_fence();
+    if constexpr (kRole == 0)
+      issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(x, smem_desc(c.sk, 16, 1024),
+                                                                smem_desc(sq, 16, 1024));
+    else
+      issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(x, smem_desc(c.sv, 16, 1024),
+                                                                smem_desc(sdo, 16, 1024));
+    wgmma_wait<0>();
+    fence_registers(x);
+    if constexpr (kRole == 0) {
+      Tile th = t;
+      th.h = c.h_k * c.group + i / c.m_blocks;
+      const int q0 = (c.m_block_min + i % c.m_blocks) * kBlockM;
+      const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
+                                                  c.key0, c.key0 + kBlockN);
+      float grad[1][1][4];
+      probs_t<kMask, false, true>(x, grad, masked, p, th, TileMods{}, q0, first_key, s_lse,
+                                  lane);
+      put_p_t(x, sp + thread_at);
+      named_barrier_arrive(kBarP, 256);
+      pack_p<kDtype>(p_frag, x);
+      wgmma_fence();
+      issue_accumulate<kDtype>(acc_dv, p_frag, do_cols);
+      named_barrier_sync(kBarDs, 256);
+      get_fragments(ds_frag, sdst + thread_at);
+    } else {
+      named_barrier_sync(kBarP, 256);
+      ds_t_from_p_t<kDtype>(x, p_frag, sp + thread_at, s_lse + kBlockM, p.scale, lane);
+      pack_p<kDtype>(ds_frag, x);
+      put_fragments(ds_frag, sdst + thread_at);
+      named_barrier_arrive(kBarDs, 256);
+      wgmma_fence();
+      issue_accumulate<kDtype>(acc_dv, p_frag, do_cols);
+    }
+    wgmma_fence();
+    issue_accumulate<kDtype>(acc_dk, ds_frag, q_cols);
+    wgmma_wait<0>();
+    fence_registers(p_frag);
+    fence_registers(ds_frag);
+    fence_registers(acc_dv);
+    fence_registers(acc_dk);
+    c.ring.release(stage, phase, lane);
+  }
+  bwd_trace(c.tid == 0, kBwdLoopEnd);
+  // dv, then dk, through the tile that only this warpgroup's products read (K for
+  // warpgroup 0, V for 1), once its four warps are past the loop
+  const int rows = c.rows_out - c.key0, cols = p.head_dim - kCol0;
+  const u32 staging = kRole == 0 ? c.sk : c.sv;
+  u16* dk = reinterpret_cast<u16*>(g.dk) + t.b * g.dk_batch_stride + c.h_k * g.dk_head_stride +
+            c.k_row * g.dk_row_stride + kCol0;
+  u16* dv = reinterpret_cast<u16*>(g.dv) + t.b * g.dv_batch_stride + c.h_k * g.dv_head_stride +
+            c.k_row * g.dv_row_stride + kCol0;
+  warpgroup_barrier(kRole);
+  store_rows_staged<kDtype, kBlockN, kCols, kCols>(acc_dv, dv, i64{g.dv_row_stride}, rows, cols,
+                                                   staging, warp_row0, warp_row0, lane);
+  __syncwarp();  // (the warp's dv rows read back)
+  store_rows_staged<kDtype, kBlockN, kCols, kCols>(acc_dk, dk, i64{g.dk_row_stride}, rows, cols,
+                                                   staging, warp_row0, warp_row0, lane);
+  bwd_trace(c.tid == 0, kBwdStored);
+}
+
 // dk, dv: kBlockN keys of a KV head (64 a warpgroup: its M), the query blocks of every head
 // of its group; the warpgroups share each step's Q and dout. kProducer: a warpgroup of
 // its own copies each step's Q, dout, lse and D (a row a thread) into a ring of kStages
@@ -641,11 +814,11 @@ __global__ void __launch_bounds__(256) bwd_dq_blocks_kernel(const FwdParams p, c
 // released step's sums (send_dq_share, free_dq_slabs).
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kGrads,
           int kStages, int kBlockN, bool kFusedDq = false, bool kProducer = false,
-          bool kTma = false>
-__global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
+          bool kTma = false, bool kSplitCols = false>
+__global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer ? 128 : 0), 1)
     bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g,
                          const __grid_constant__ TensorMaps maps) {
-  constexpr int kThreads = 2 * kBlockN;  // the consumers'
+  constexpr int kThreads = kSplitCols ? 256 : 2 * kBlockN;  // the consumers'
   using StepRing = Ring<kStages>;
   constexpr int kProducerThreads = kProducer ? StepRing::kProducerThreads : 0;
   // the threads that issue the copies: the consumers, or the producer's whole warpgroup
@@ -666,6 +839,10 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
                               !kScoreMods && kProducer && kBlockM == 64),
                 "dq fused at head dims 64 and 128, dk and dv together, no score mods, a "
                 "producer, 64-query steps");
+  static_assert(!kSplitCols || (kHeadDim > 128 && kBlockN == 64 && kBlockM == 64 &&
+                                kGrads == KV_BOTH && !kScoreMods && kProducer && !kFusedDq),
+                "columns split above d = 128: 64 keys, 64-query steps, both gradients, no "
+                "score mods, a producer");
   extern __shared__ unsigned char smem_raw[];
   // (the swizzle's phase is the address's: panels start at 1024-byte boundaries)
   const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -680,7 +857,10 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
   // producer's reductions have read them)
   // (d = 64: warpgroup 0's slab, then two of warpgroup 1's: stage_dq_pair)
   constexpr int kSlabs = kHeadDim == 64 ? 3 : 2;
-  [[maybe_unused]] const StepRing ring{kFusedDq ? sdq + kSlabs * kDqSlabBytes : sds};
+  // (kSplitCols: the exchange's P^T and dS^T at sds)
+  [[maybe_unused]] const StepRing ring{kFusedDq     ? sdq + kSlabs * kDqSlabBytes
+                                       : kSplitCols ? sds + kSplitPBytes + kSplitDsBytes
+                                                    : sds};
   [[maybe_unused]] const u32 dq_empty = ring.bars + 16 * kStages;
   [[maybe_unused]] const DqPair dq_pair{dq_empty + 8};  // (kFusedDq at d = 64)
 
@@ -865,6 +1045,14 @@ __global__ void __launch_bounds__(2 * kBlockN + (kProducer ? 128 : 0), 1)
     }
     load_kv();
     stream_step(0, 0);
+  }
+  if constexpr (kSplitCols) {
+    const SplitBlock<kStages> c{t,     ring,     sk,       sv,          sstages, sds,
+                                stages, key0, rows_out, h_k, group, m_block_min,
+                                m_blocks, k_row, tid};
+    if (wg == 0) dkdv_split_consumer<kDtype, kHeadDim, kMask, 0>(p, g, c);
+    else dkdv_split_consumer<kDtype, kHeadDim, kMask, 1>(p, g, c);
+    return;
   }
   const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
 
