@@ -352,7 +352,8 @@ class BwdVariant:
             # (at d = 64 four more: stage_dq_pair's)
             slabs = 3 if self.head_dim == 64 else 2
             fused = (2 * 2 * self.block_m * self.block_n + slabs * 64 * 64 * 4 + 8
-                     + (32 if self.head_dim == 64 else 0) if self.fused_dq else 0)
+                     + (32 if self.head_dim == 64 else 0)
+                     if self.fused_dq and not self.split_cols else 0)
             # columns split: the exchange's P^T (fp32) and dS^T (16-bit) of 64 x 64
             split = 64 * 64 * (4 + 2) if self.split_cols else 0
             return (1024 + 2 * self.block_n * row + stages * stage + fused + ring + persistent
@@ -412,7 +413,8 @@ def bwd_fused_variants(dtype, head_dim, mask, score_mods):
 
 # dq fused on wgmma (kFusedDq in bwd/bwd_sm90.cu): padded head dims 64 and 128, two
 # warpgroups of 64 keys, 64-query steps, a producer warpgroup (which also sends the sums),
-# no score mods; Hopper's default where bwd_sm90_fused_by_default says, everywhere with
+# no score mods (above d = 128: the split kernel's consumers add each step's dq from
+# registers); Hopper's default where bwd_sm90_fused_by_default says, everywhere with
 # CUFA_BWD_FUSED_DQ=1. padded head dim -> (keys, queries, buffers: as many as fit)
 BWD_SM90_FUSED_TILES = {64: (128, 64, 3), 128: (128, 64, 2)}
 
@@ -424,6 +426,13 @@ def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True, persist
     BWD_PERSISTENT_HEAD_DIMS with TMA, a CTA an SM that takes key blocks one after
     another."""
     pre, _, *kv = bwd_variants(dtype, head_dim, mask, score_mods)
+    if len(kv) == 2:  # (above d = 128: dq fused into the kernel split by columns)
+        wgmma = None if score_mods else bwd_sm90_variants(
+            dtype, head_dim, mask, False, producer=True, tma=tma, split_cols=True)
+        if not wgmma or not wgmma[-1].split_cols:
+            return None
+        return (pre, dataclasses.replace(wgmma[-1], fused_dq=True),
+                BwdVariant("dq_blocks", dtype, wgmma[-1].head_dim, family="sm90"))
     tiles = BWD_SM90_FUSED_TILES.get(kv[0].head_dim)
     if tiles is None or score_mods or len(kv) != 1:
         return None

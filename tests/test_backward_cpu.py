@@ -644,7 +644,8 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
             # dq fused: two dS tiles, each warpgroup's slab of sums and their mbarrier
             tiles = 2 * v.block_n * row + v.stages * -(-(2 * v.block_m * row + 8 * v.block_m)
                                                       // 1024) * 1024
-            if v.fused_dq:  # two dS tiles, two slabs of 64 x 64 sums, their mbarrier;
+            if v.fused_dq and not v.split_cols:  # two dS tiles, two slabs of 64 x 64
+                # sums, their mbarrier (split by columns: dS in the exchange's place);
                 # d = 64: a third slab and the hand-over's four mbarriers (DqPair)
                 slabs, pair = (3, 32) if v.head_dim == 64 else (2, 0)
                 tiles += 2 * 2 * v.block_m * v.block_n + slabs * 64 * 64 * 4 + 8 + pair
@@ -665,9 +666,9 @@ def test_wgmma_kernels_get_their_tiles_and_the_alignment():
     # warpgroups with a producer, by TMA and by cp.async (its twin where the copy engine
     # refuses the arrays); and the persistent fused kernel at d = 64 (both masks); and
     # above d = 128 the producer's dq and the dk/dv split by columns (two dtypes, two
-    # head dims, both masks, by TMA and by cp.async)
+    # head dims, both masks, by TMA and by cp.async), that split kernel with dq fused too
     assert seen == (2 * ((4 * 3 + 4 * 2) + (6 * 4 + 2 * 2) + 16 * 3) - 2 + 8 * 2 + 8 * 2 + 2 * 2
-                    + 2 * 2 + 16 + 16)
+                    + 2 * 2 + 16 + 16 + 16)
 
 
 @pytest.mark.parametrize("d, causal, seqlen, producer", [

@@ -101,6 +101,7 @@ def representative_variants():
                              split_cols=True)[1:],  # dk and dv split by columns
         C.bwd_sm90_variants("fp16", 192, "none", False, producer=True,
                             split_cols=True)[2],  # (128 and 64 columns; cp.async)
+        *C.bwd_sm90_fused_variants("bf16", 256, "none", False)[1:],  # and dq fused
     ]
 
 

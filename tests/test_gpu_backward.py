@@ -372,7 +372,8 @@ def test_dq_fused(fused_dq, name, dtype):
               label=f"fused {name} {dtype}", **case, **kw)
 
 
-@pytest.mark.parametrize("d", [64, 128])  # (on Hopper, d = 128 takes the wgmma kernel)
+# (on Hopper, d = 128 takes the wgmma kernel, d = 256 the kernel split by columns)
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dq_fused_varlen(fused_dq, d):
     rng = np.random.default_rng(37 + d)
     dtype, h = torch.bfloat16, 4
@@ -385,6 +386,37 @@ def test_dq_fused_varlen(fused_dq, d):
     dq, dk, dv = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 150, 150,
                                                  causal=True)
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, f"fused varlen d={d}")
+
+
+def _route(dtype, d, seqlen_q):
+    """The backward's launches for a call of this dtype, head dim and query rows (no mask)."""
+    from cufa import _bwd_plan, _checks, _interop
+    q = _interop.as_device_array(torch.ones(1, 1, 1, d, dtype=dtype, device="cuda"), "q")
+    return _bwd_plan.variants_of(q, d, (_checks.UNBOUNDED,) * 2, 0.0, None, seqlen_q=seqlen_q)
+
+
+SPLIT_FUSED = {  # (Hopper above d = 128: dq added from the split kernel's registers)
+    "d256, GQA, odd lengths": dict(b=2, sq=300, sk=517, h=4, hk=2, d=256),
+    "d192 causal, more queries (rows without keys)": dict(b=1, sq=300, sk=100, h=4, hk=1,
+                                                         d=192, causal=True),
+    "d176 window, more keys": dict(b=1, sq=100, sk=300, h=2, hk=2, d=176,
+                                   window_size=(10, 0)),
+    "d256 causal, long": dict(b=1, sq=1100, sk=1100, h=2, hk=2, d=256, causal=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(SPLIT_FUSED))
+def test_dq_fused_split_columns(fused_dq, name, dtype):
+    """dq fused into the kernel that splits dk and dv by columns: each warpgroup's share of
+    each step's dq, from a tile of dS, added to the float32 sums from registers."""
+    wgmma_or_skip("dq fused into the split kernel")
+    case = dict(SPLIT_FUSED[name])
+    kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case}
+    route = _route(dtype, case["d"], case["sq"])
+    assert route[1].split_cols and route[1].fused_dq, route
+    run_dense(np.random.default_rng(zlib.crc32(name.encode())), dtype,
+              label=f"fused split {name} {dtype}", **case, **kw)
 
 
 def wgmma_or_skip(what):
@@ -513,8 +545,8 @@ SPLIT = {  # (Hopper above d = 128: dk and dv from one launch, the columns split
     "d256, GQA, odd lengths": dict(b=2, sq=300, sk=517, h=4, hk=2, d=256),
     "d192 causal, more queries (rows without keys), MQA": dict(b=1, sq=300, sk=100, h=4, hk=1,
                                                               d=192, causal=True),
-    "d160 window, more keys (key blocks without queries)": dict(b=1, sq=100, sk=300, h=2,
-                                                                hk=2, d=160,
+    "d176 window, more keys (key blocks without queries)": dict(b=1, sq=100, sk=300, h=2,
+                                                                hk=2, d=176,
                                                                 window_size=(10, 0)),
     "d256, one key block": dict(b=3, sq=5, sk=70, h=2, hk=2, d=256),
     "d200 causal, strided": dict(b=1, sq=200, sk=260, h=2, hk=2, d=200, causal=True,
@@ -551,6 +583,7 @@ def test_split_columns(monkeypatch, name, dtype):
     wgmma_or_skip("dk and dv split by columns")
     case = dict(SPLIT[name])
     kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case} | EXACT
+    assert _route(dtype, case["d"], case["sq"])[2].split_cols
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     first = []
 

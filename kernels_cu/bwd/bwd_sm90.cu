@@ -571,7 +571,10 @@ __device__ __forceinline__ void free_dq_slabs(u32 dq_empty) {
 // of each sector and took 1.7x the time of cuDNN's conversion on an H200)
 template <int kDtype, int kHeadDim>
 __global__ void __launch_bounds__(256) bwd_dq_blocks_kernel(const FwdParams p, const BwdParams g) {
-  constexpr int kStride = kHeadDim + 8;  // (floats: a float2 of 8 rows in 2 wavefronts)
+  // the rows a chunk of columns at a time (64 x 128 floats at most: static shared memory
+  // stops at 48 KB)
+  constexpr int kChunkCols = kHeadDim % 128 == 0 ? 128 : 64;
+  constexpr int kStride = kChunkCols + 8;  // (floats: a float2 of 8 rows in 2 wavefronts)
   __shared__ __align__(16) float rows[64 * kStride];
   const int h = static_cast<int>(blockIdx.x % p.nheads);
   const int block = static_cast<int>(blockIdx.x / p.nheads);
@@ -601,32 +604,36 @@ __global__ void __launch_bounds__(256) bwd_dq_blocks_kernel(const FwdParams p, c
   const float4* sums = reinterpret_cast<const float4*>(
       reinterpret_cast<const float*>(g.dq_accum) + h * g.dq_accum_head_stride +
       static_cast<i64>(block) * 64 * g.dq_accum_row_stride);
-  // float4 f of a slab: its accumulator's tile j = f / 128 of thread t = f % 128, rows r
-  // and r + 8, columns c and c + 1
-#pragma unroll
-  for (int k = 0; k < kHeadDim / 16; ++k) {
-    const int f = k * 256 + threadIdx.x;
-    const float4 x = sums[f];
-    const int t = f % 128, slab_f = f % 1024;
-    const int r = (t / 32) * 16 + (t % 32) / 4;
-    const int c = (f / 1024) * 64 + (slab_f / 128) * 8 + (t % 4) * 2;
-    *reinterpret_cast<float2*>(rows + r * kStride + c) = make_float2(x.x, x.y);
-    *reinterpret_cast<float2*>(rows + (r + 8) * kStride + c) = make_float2(x.z, x.w);
-  }
-  __syncthreads();
-  constexpr int kChunks = kHeadDim / 8;
   const int valid = min(64, seq_rows - q0);
   // (a packed batch's rows are cu[b] + row: batch strides 0)
   u16* dq = reinterpret_cast<u16*>(g.dq) + b * g.dq_batch_stride + h * g.dq_head_stride +
             static_cast<i64>(row0 + q0) * g.dq_row_stride;
-  for (int i = threadIdx.x; i < 64 * kChunks; i += 256) {
-    const int r = i / kChunks, c0 = (i % kChunks) * 8;
-    if (r >= valid || c0 >= p.head_dim) continue;
-    const float4 lo = *reinterpret_cast<const float4*>(rows + r * kStride + c0);
-    const float4 hi = *reinterpret_cast<const float4*>(rows + r * kStride + c0 + 4);
-    *reinterpret_cast<uint4*>(dq + r * g.dq_row_stride + c0) =
-        make_uint4(pack2<kDtype>(lo.x, lo.y), pack2<kDtype>(lo.z, lo.w),
-                   pack2<kDtype>(hi.x, hi.y), pack2<kDtype>(hi.z, hi.w));
+  constexpr int kChunks = kChunkCols / 8;
+#pragma unroll 1
+  for (int col0 = 0; col0 < kHeadDim; col0 += kChunkCols) {
+    if (col0 > 0) __syncthreads();  // (the previous chunk's rows read)
+    // float4 f of a slab: its accumulator's tile j = f / 128 of thread t = f % 128, rows r
+    // and r + 8, columns c and c + 1
+#pragma unroll
+    for (int k = 0; k < kChunkCols / 16; ++k) {
+      const int f = col0 / 64 * 1024 + k * 256 + threadIdx.x;
+      const float4 x = sums[f];
+      const int t = f % 128, slab_f = f % 1024;
+      const int r = (t / 32) * 16 + (t % 32) / 4;
+      const int c = (f / 1024) * 64 - col0 + (slab_f / 128) * 8 + (t % 4) * 2;
+      *reinterpret_cast<float2*>(rows + r * kStride + c) = make_float2(x.x, x.y);
+      *reinterpret_cast<float2*>(rows + (r + 8) * kStride + c) = make_float2(x.z, x.w);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * kChunks; i += 256) {
+      const int r = i / kChunks, c0 = (i % kChunks) * 8;
+      if (r >= valid || col0 + c0 >= p.head_dim) continue;
+      const float4 lo = *reinterpret_cast<const float4*>(rows + r * kStride + c0);
+      const float4 hi = *reinterpret_cast<const float4*>(rows + r * kStride + c0 + 4);
+      *reinterpret_cast<uint4*>(dq + r * g.dq_row_stride + col0 + c0) =
+          make_uint4(pack2<kDtype>(lo.x, lo.y), pack2<kDtype>(lo.z, lo.w),
+                     pack2<kDtype>(hi.x, hi.y), pack2<kDtype>(hi.z, hi.w));
+    }
   }
 }
 
@@ -697,6 +704,52 @@ __device__ __forceinline__ void get_fragments(u32 (&f)[4][4], u32 at) {
   }
 }
 
+// kFusedDq in a split block: dq += dS K by both warpgroups, each over its panels of the
+// head dim's columns (its dk and dv columns), a 64-column panel at a time (32 accumulators
+// a thread, where the split block has no registers for more), from a 64 x 64 tile of dS
+// that warpgroup 1 stores (stage_ds) in place of the dS^T fragments' copy and warpgroup 0
+// reads its fragments back from (ldmatrix .trans undoes stmatrix .trans). The sums go to
+// dq_accum's block from registers by vector reductions, in the slabs' order that
+// bwd_dq_blocks_kernel reads (no shared memory is left at d = 256 for a slab to send).
+__device__ __forceinline__ void add_dq_share(const float (&acc)[1][8][4], float* slab,
+                                             unsigned thread) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(
+                     slab + (j * 128 + thread) * 4),
+                 "f"(acc[0][j][0]), "f"(acc[0][j][1]), "f"(acc[0][j][2]), "f"(acc[0][j][3])
+                 : "memory");
+}
+template <int kQTiles>
+__device__ __forceinline__ void load_ds_t(u32 (&ds_frag)[kQTiles / 2][4], u32 sds, int warp_row0,
+                                          int lane) {
+  const int matrix = lane / 8, row = lane % 8;
+#pragma unroll
+  for (int kk = 0; kk < kQTiles / 2; ++kk) {  // (stage_ds' addresses)
+    const int query = 16 * kk + (matrix / 2) * 8 + row, key = warp_row0 + (matrix % 2) * 8;
+    ldmatrix_x4_trans(ds_frag[kk], sds + panel_offset<64>(query, key / 8));
+  }
+}
+template <int kDtype, int kPanels>
+__device__ __forceinline__ void dq_panels(float* block, int panel0, u32 sds, u32 sk,
+                                          unsigned thread) {
+#pragma unroll 1
+  for (int c = panel0; c < panel0 + kPanels; ++c) {
+    float acc[1][8][4];
+    const u64 a_desc = smem_desc(sds, 16, 1024);
+    const u64 b_desc = smem_desc(sk + c * 64 * 128, 64 * 128, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      wgmma_ss_mn<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, 64)),
+                          desc_add(b_desc, mn_kstep_offset(ks)), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(acc);
+    add_dq_share(acc, block + c * (kDqSlabBytes / 4), thread);
+  }
+}
+
 // a split block's consumer warpgroup (kRole 0 or 1): its loop over the steps, then its
 // columns of dv and dk
 template <int kStages>
@@ -708,8 +761,9 @@ struct SplitBlock {
   int key0, rows_out, h_k, group, m_block_min, m_blocks;
   i64 k_row;
   unsigned tid;  // (the consumers': 0-255)
+  i64 dq_row0;   // kFusedDq: the sequence's first row of dq_accum's blocks
 };
-template <int kDtype, int kHeadDim, int kMask, int kRole, int kStages>
+template <int kDtype, int kHeadDim, int kMask, int kRole, bool kFusedDq, int kStages>
 __device__ __forceinline__ void dkdv_split_consumer(const FwdParams& p, const BwdParams& g,
                                                     const SplitBlock<kStages>& c) {
   constexpr int kBlockM = 64, kBlockN = 64, kQTiles = kBlockM / 8;
@@ -766,18 +820,31 @@ __device__ __forceinline__ void dkdv_split_consumer(const FwdParams& p, const Bw
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dv, p_frag, do_cols);
       named_barrier_sync(kBarDs, 256);
-      get_fragments(ds_frag, sdst + thread_at);
+      if constexpr (kFusedDq) load_ds_t<kQTiles>(ds_frag, sdst, warp_row0, lane);
+      else get_fragments(ds_frag, sdst + thread_at);
     } else {
       named_barrier_sync(kBarP, 256);
       ds_t_from_p_t<kDtype>(x, p_frag, sp + thread_at, s_lse + kBlockM, p.scale, lane);
       pack_p<kDtype>(ds_frag, x);
-      put_fragments(ds_frag, sdst + thread_at);
+      if constexpr (kFusedDq) {
+        stage_ds<kBlockM, kQTiles>(ds_frag, sdst, warp_row0, lane);
+        fence_proxy_async();  // (for both warpgroups' dq products)
+      } else {
+        put_fragments(ds_frag, sdst + thread_at);
+      }
       named_barrier_arrive(kBarDs, 256);
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dv, p_frag, do_cols);
     }
     wgmma_fence();
     issue_accumulate<kDtype>(acc_dk, ds_frag, q_cols);
+    if constexpr (kFusedDq) {
+      const int head = c.h_k * c.group + i / c.m_blocks;
+      const int q0 = (c.m_block_min + i % c.m_blocks) * kBlockM;
+      float* block = reinterpret_cast<float*>(g.dq_accum) + t.b * g.dq_accum_batch_stride +
+                     head * g.dq_accum_head_stride + (c.dq_row0 + q0) * g.dq_accum_row_stride;
+      dq_panels<kDtype, kCols / 64>(block, kCol0 / 64, sdst, c.sk, c.tid % 128);
+    }
     wgmma_wait<0>();
     fence_registers(p_frag);
     fence_registers(ds_frag);
@@ -819,6 +886,9 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     bwd_dkdv_sm90_kernel(const FwdParams p, const BwdParams g,
                          const __grid_constant__ TensorMaps maps) {
   constexpr int kThreads = kSplitCols ? 256 : 2 * kBlockN;  // the consumers'
+  // dq's sums sent from slabs by the producer (kFusedDq but where the columns are split:
+  // there the consumers add them from registers, dq_panels)
+  constexpr bool kSlabDq = kFusedDq && !kSplitCols;
   using StepRing = Ring<kStages>;
   constexpr int kProducerThreads = kProducer ? StepRing::kProducerThreads : 0;
   // the threads that issue the copies: the consumers, or the producer's whole warpgroup
@@ -835,12 +905,12 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
   static_assert(kProducer ? kStages >= 2 : kStages == 2,
                 "two Q/dout buffers (await_then_prefetch), or a ring of two or more");
   static_assert(kProducer || !kTma || kStages == 2, "two buffers without a producer");
-  static_assert(!kFusedDq || ((kHeadDim == 64 || kHeadDim == 128) && kGrads == KV_BOTH &&
-                              !kScoreMods && kProducer && kBlockM == 64),
-                "dq fused at head dims 64 and 128, dk and dv together, no score mods, a "
-                "producer, 64-query steps");
+  static_assert(!kFusedDq || ((kHeadDim == 64 || kHeadDim == 128 || kSplitCols) &&
+                              kGrads == KV_BOTH && !kScoreMods && kProducer && kBlockM == 64),
+                "dq fused at head dims 64 and 128 (or split by columns), dk and dv together, "
+                "no score mods, a producer, 64-query steps");
   static_assert(!kSplitCols || (kHeadDim > 128 && kBlockN == 64 && kBlockM == 64 &&
-                                kGrads == KV_BOTH && !kScoreMods && kProducer && !kFusedDq),
+                                kGrads == KV_BOTH && !kScoreMods && kProducer),
                 "columns split above d = 128: 64 keys, 64-query steps, both gradients, no "
                 "score mods, a producer");
   extern __shared__ unsigned char smem_raw[];
@@ -858,7 +928,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
   // (d = 64: warpgroup 0's slab, then two of warpgroup 1's: stage_dq_pair)
   constexpr int kSlabs = kHeadDim == 64 ? 3 : 2;
   // (kSplitCols: the exchange's P^T and dS^T at sds)
-  [[maybe_unused]] const StepRing ring{kFusedDq     ? sdq + kSlabs * kDqSlabBytes
+  [[maybe_unused]] const StepRing ring{kSlabDq      ? sdq + kSlabs * kDqSlabBytes
                                        : kSplitCols ? sds + kSplitPBytes + kSplitDsBytes
                                                     : sds};
   [[maybe_unused]] const u32 dq_empty = ring.bars + 16 * kStages;
@@ -1017,7 +1087,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     // 64 b) rounded down to 64 rows)
     const i64 seq_row = p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
     const auto send_sums = [&](int i) {
-      if constexpr (kFusedDq)
+      if constexpr (kSlabDq)
         send_dq_share<kHeadDim>(reinterpret_cast<float*>(g.dq_accum) +
                                     t.b * g.dq_accum_batch_stride +
                                     head_of(i) * g.dq_accum_head_stride +
@@ -1025,15 +1095,15 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
                                 sdq);
     };
     const auto sums_read = [&] {
-      if constexpr (kFusedDq) free_dq_slabs(dq_empty);
+      if constexpr (kSlabDq) free_dq_slabs(dq_empty);
     };
-    if constexpr (kFusedDq) {
+    if constexpr (kSlabDq) {
       if (threadIdx.x == 0) {  // (fenced by the ring's init)
         mbar_init(dq_empty, 1);
         if constexpr (kHeadDim == 64) dq_pair.init();
       }
     }
-    if (!ring.template consumer_after_roles<kThreads, kTma, kFusedDq>(steps, copy, to_log2,
+    if (!ring.template consumer_after_roles<kThreads, kTma, kSlabDq>(steps, copy, to_log2,
                                                                       send_sums, sums_read)) {
       bwd_trace(threadIdx.x == 0, kBwdProducerEnd);
       return;
@@ -1047,11 +1117,12 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     stream_step(0, 0);
   }
   if constexpr (kSplitCols) {
+    const i64 dq_row0 = p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
     const SplitBlock<kStages> c{t,     ring,     sk,       sv,          sstages, sds,
                                 stages, key0, rows_out, h_k, group, m_block_min,
-                                m_blocks, k_row, tid};
-    if (wg == 0) dkdv_split_consumer<kDtype, kHeadDim, kMask, 0>(p, g, c);
-    else dkdv_split_consumer<kDtype, kHeadDim, kMask, 1>(p, g, c);
+                                m_blocks, k_row, tid, dq_row0};
+    if (wg == 0) dkdv_split_consumer<kDtype, kHeadDim, kMask, 0, kFusedDq>(p, g, c);
+    else dkdv_split_consumer<kDtype, kHeadDim, kMask, 1, kFusedDq>(p, g, c);
     return;
   }
   const int first_key = frag_row(key0 + warp_row0, 0, 0, lane);  // this lane's keys: + 0, + 8
@@ -1114,10 +1185,10 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
         }
       pack_p<kDtype>(ds_frag, dpt);
       const u32 sds_step = sds + (i & 1) * kDsBytes;  // (kFusedDq)
-      if constexpr (kFusedDq) stage_ds<kBlockM, kQTiles>(ds_frag, sds_step, warp_row0, lane);
+      if constexpr (kSlabDq) stage_ds<kBlockM, kQTiles>(ds_frag, sds_step, warp_row0, lane);
       wgmma_fence();
       issue_accumulate<kDtype>(acc_dk, ds_frag, q_mn_desc);
-      if constexpr (kFusedDq) {
+      if constexpr (kSlabDq) {
         float acc_dq[1][8][4];
         dq_share_after_dv<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, p_frag, acc_dv, sds_step,
                                                               sk, wg);
