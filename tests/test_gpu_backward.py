@@ -388,11 +388,12 @@ def test_dq_fused_varlen(fused_dq, d):
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, f"fused varlen d={d}")
 
 
-def _route(dtype, d, seqlen_q):
+def _route(dtype, d, seqlen_q, deterministic=False):
     """The backward's launches for a call of this dtype, head dim and query rows (no mask)."""
     from cufa import _bwd_plan, _checks, _interop
     q = _interop.as_device_array(torch.ones(1, 1, 1, d, dtype=dtype, device="cuda"), "q")
-    return _bwd_plan.variants_of(q, d, (_checks.UNBOUNDED,) * 2, 0.0, None, seqlen_q=seqlen_q)
+    return _bwd_plan.variants_of(q, d, (_checks.UNBOUNDED,) * 2, 0.0, None, seqlen_q=seqlen_q,
+                                 deterministic=deterministic)
 
 
 SPLIT_FUSED = {  # (Hopper above d = 128: dq added from the split kernel's registers)
@@ -549,7 +550,7 @@ SPLIT = {  # (Hopper above d = 128: dk and dv from one launch, the columns split
                                                                 hk=2, d=176,
                                                                 window_size=(10, 0)),
     "d256, one key block": dict(b=3, sq=5, sk=70, h=2, hk=2, d=256),
-    "d200 causal, strided": dict(b=1, sq=200, sk=260, h=2, hk=2, d=200, causal=True,
+    "d184 causal, strided": dict(b=1, sq=200, sk=260, h=2, hk=2, d=184, causal=True,
                                  layout="bhsd"),
     "d256 window, long": dict(b=1, sq=1500, sk=1500, h=2, hk=2, d=256, window_size=(300, 40)),
 }
@@ -583,7 +584,7 @@ def test_split_columns(monkeypatch, name, dtype):
     wgmma_or_skip("dk and dv split by columns")
     case = dict(SPLIT[name])
     kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case} | EXACT
-    assert _route(dtype, case["d"], case["sq"])[2].split_cols
+    assert _route(dtype, case["d"], case["sq"], deterministic=True)[2].split_cols
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     first = []
 
