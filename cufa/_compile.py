@@ -288,11 +288,11 @@ class BwdVariant:
         producer = "_wp" if self.producer else ""
         tma = "_tma" if self.tma else ""
         persistent = "_pers" if self.persistent else ""
-        persistent += "_sc" if self.split_cols else ""
+        split = "_sc" if self.split_cols else ""
         family = "_sm90" if self.family == "sm90" else ""
         return (f"bwd_{self.kind}{family}_{self.dtype}_hd{self.head_dim}_bm{self.block_m}"
                 f"_bn{self.block_n}_{self.mask}{mods}{grads}_s{self.stages}{fused}{producer}"
-                f"{tma}{persistent}")
+                f"{tma}{persistent}{split}")
 
     @property
     def name_expression(self):
@@ -537,7 +537,6 @@ SM90_SMEM_LIMIT = 227 * 1024
 # consumers need more than their 240 registers).
 BWD_SM90_PRODUCER_ENV = "CUFA_BWD_SM90_PRODUCER"
 BWD_SM90_PRODUCER_STAGES = 3
-BWD_PRODUCER_MAX_STAGES = 3
 # Above d = 128, where one warpgroup cannot hold both gradients of its keys, dk and dv come
 # from one launch with the work split between two warpgroups (_split_cols; it needs the
 # producer): on an H200 0.49-0.54x the time of dk's and dv's launches apart
@@ -633,7 +632,7 @@ def _split_cols(dk):
     by product and columns (BwdVariant.split_cols), with a producer and as many buffers as
     fit, in place of dk's and dv's launches apart (dk: the dk launch's variant)."""
     split = dataclasses.replace(dk, grads="both", split_cols=True, producer=True,
-                                block_m=64, block_n=64, stages=BWD_PRODUCER_MAX_STAGES)
+                                block_m=64, block_n=64, stages=BWD_SM90_PRODUCER_STAGES)
     while split.smem_bytes > SM90_SMEM_LIMIT:
         split = dataclasses.replace(split, stages=split.stages - 1)
     return split

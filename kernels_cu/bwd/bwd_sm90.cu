@@ -478,6 +478,12 @@ __device__ __forceinline__ void dq_share_after_dv(float (&acc_dq)[1][8][4],
   fence_registers(acc_dq);
 }
 
+// The first row of a tile's sequence in dq_accum's blocks (a packed batch's sequences at
+// (q_start + 64 b) rounded down to 64 rows: at most its rows + 64 a sequence)
+__device__ __forceinline__ i64 dq_accum_seq_row(const FwdParams& p, const Tile& t) {
+  return p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
+}
+
 // a thread's sums into a slab at `at` (its own float4s: at + j * 128 * 16)
 __device__ __forceinline__ void store_slab(const float (&acc)[1][8][4], u32 at) {
 #pragma unroll
@@ -662,14 +668,6 @@ struct SplitCols {
 // waits for before it writes the next P^T, and the same the other way round
 enum : int { kSplitPBytes = 64 * 64 * 4, kSplitDsBytes = 64 * 64 * 2, kBarP = 4, kBarDs = 5 };
 
-__device__ __forceinline__ void put_p_t(const float (&x)[1][8][4], u32 at) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + j * 128 * 16),
-                 "f"(x[0][j][0]), "f"(x[0][j][1]), "f"(x[0][j][2]), "f"(x[0][j][3])
-                 : "memory");
-}
-
 // warpgroup 1's dS^T = P^T (dP^T - D) scale in place of dP^T, from warpgroup 0's P^T
 // (read once: it also becomes P^T's 16-bit fragments for dv)
 template <int kDtype>
@@ -814,7 +812,7 @@ __device__ __forceinline__ void dkdv_split_consumer(const FwdParams& p, const Bw
       float grad[1][1][4];
       probs_t<kMask, false, true>(x, grad, masked, p, th, TileMods{}, q0, first_key, s_lse,
                                   lane);
-      put_p_t(x, sp + thread_at);
+      store_slab(x, sp + thread_at);
       named_barrier_arrive(kBarP, 256);
       pack_p<kDtype>(p_frag, x);
       wgmma_fence();
@@ -1083,9 +1081,8 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
       }
       load_step(i, stage, true, false);  // (Q and dout; commits the group)
     };
-    // kFusedDq: a released step's sums, sent (a packed batch's sequences at (q_start +
-    // 64 b) rounded down to 64 rows)
-    const i64 seq_row = p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
+    // kFusedDq: a released step's sums, sent
+    const i64 seq_row = dq_accum_seq_row(p, t);
     const auto send_sums = [&](int i) {
       if constexpr (kSlabDq)
         send_dq_share<kHeadDim>(reinterpret_cast<float*>(g.dq_accum) +
@@ -1117,7 +1114,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     stream_step(0, 0);
   }
   if constexpr (kSplitCols) {
-    const i64 dq_row0 = p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
+    const i64 dq_row0 = dq_accum_seq_row(p, t);
     const SplitBlock<kStages> c{t,     ring,     sk,       sv,          sstages, sds,
                                 stages, key0, rows_out, h_k, group, m_block_min,
                                 m_blocks, k_row, tid, dq_row0};
@@ -1354,7 +1351,7 @@ __global__ void __launch_bounds__(384, 1)
         const TilePointers kv = tile_pointers(p, t);
         const auto head_of = [&](int i) { return kb.h_k * group + i / kb.m_blocks; };
         const auto q0_of = [&](int i) { return (kb.m_block_min + i % kb.m_blocks) * kBlockM; };
-        const i64 seq_row = p.cu_seqlens_q ? (t.q_start + 64 * t.b) / 64 * 64 : 0;
+        const i64 seq_row = dq_accum_seq_row(p, t);
         for (int i = 0; i < steps; ++i, ++step) {
           const int stage = step % kStages;
           if (step >= kStages) {
