@@ -6,7 +6,7 @@ the gradients in the caller's framework and launches preprocess, dq, then dk/dv.
 import dataclasses
 import math
 
-from . import _arrays, _compile, _interop, _params, _runtime, _tma
+from . import _arrays, _compile, _heuristics, _interop, _params, _runtime, _tma
 from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, check_options,
                       check_packed, window_mask_kind)
 from ._fwd_plan import _broadcast_strides, _work_list_ints, tma_views
@@ -359,6 +359,16 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
     return tuple(result)
 
 
+def _resident_per_sm(variant):
+    """About how many CTAs of a dq or dk/dv launch an SM runs at once (for the tail rule of
+    _heuristics.bwd_groups): one where a CTA has two or more warpgroups (their registers
+    fill the SM); else as many as the shared memory holds, at most two (128 threads of up
+    to 255 registers)."""
+    if variant.threads > 128:
+        return 1
+    return max(1, min(2, _compile.SM90_SMEM_PER_SM // (variant.smem_bytes + 1024)))
+
+
 def _streamed_maps(variant, x, y, seq_dim, head_dim, d, packed):
     """The TMA maps of a kernel whose producer streams x and y (kTma, bwd/bwd_sm90.cu: dq
     streams k and v, dk/dv q and dout) in the maps' k and v places (q's holds x again) and,
@@ -394,6 +404,18 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     q_blocks = fwd["num_m_blocks"] * batch
     kv_blocks = bwd["num_n_blocks"] * batch
     pointers = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, tile_list=0, tile_count=0)
+    # the order of a padded batch's blocks (a packed batch's comes from its work list)
+    bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = 1, batch * nheads_k
+    if not packed:
+        sms, group = _runtime.sm_count(device), nheads // max(nheads_k, 1)
+        kv = kv_variants[0]
+        bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = _heuristics.bwd_groups(
+            batch * nheads_k, bwd["num_n_blocks"], seqlen_q * d * 8 * group,
+            sms * _resident_per_sm(kv), kv.mask == "window")
+        if not fused:
+            fwd["heads_per_group"], fwd["tail_group_head"] = _heuristics.bwd_groups(
+                batch * nheads, fwd["num_m_blocks"], seqlen_k * d * 4,
+                sms * _resident_per_sm(dq_variant), dq_variant.mask == "window")
     if packed:
         q_blocks = seqlen_q // block_m + batch
         kv_blocks = seqlen_k // block_n + batch

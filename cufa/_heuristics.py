@@ -113,6 +113,29 @@ def tail_group_head(heads, group_heads, num_m_blocks, resident_ctas=None, masked
     return full_groups * group_heads
 
 
+# -- backward: the order of its blocks ---------------------------------------------------------
+
+def bwd_groups(heads, blocks, bytes_per_head, resident_ctas, masked):
+    """(heads_per_group, tail_group_head) of a backward launch over `heads` (batch x heads)
+    of `blocks` blocks each (dk/dv: a KV head's key blocks; dq: a head's query blocks), in
+    get_tile's order. Without a mask (masked False) the blocks cost alike: one head at a
+    time, whose Q and dout (dk/dv) or K and V (dq) stay in L2 while its blocks run. Under a
+    causal or local mask as the forward's: groups of as many heads as keep bytes_per_head
+    each within L2_BUDGET, each group's heaviest blocks first, and a tail group that ends
+    the launch balanced (tail_group_head, resident_ctas the CTAs that run at once). One head
+    at a time had left the SMs idle for 5-6 % of a causal launch at 1k and 4k tokens (the
+    last heads' heaviest blocks running alone at the end: bench/results/bwd_block_order_h200.md).
+
+    Example: d = 128 causal, 16 x 16 heads of 1k keys, 128-key blocks (8 a head), 132 CTAs:
+    Q, dout and dq's sums take 1 MB a head, so groups of 25 heads, and the tail group needs
+    33 heads (2 x 132 blocks): groups from heads 0, 25, .., 175, the tail from 200.
+    """
+    if not masked or heads <= 1:
+        return 1, heads
+    group_heads = max(1, min(heads, L2_BUDGET // max(bytes_per_head, 1)))
+    return group_heads, tail_group_head(heads, group_heads, blocks, resident_ctas, masked=True)
+
+
 # -- decode: one CTA an SM -----------------------------------------------------------------------
 
 # One decode CTA an SM streams an SM's share of the memory bandwidth only up to a point:

@@ -107,7 +107,8 @@ BWD_FIELDS = [(n, _PTR) for n in ("dout", "dq", "dk", "dv", "softmax_d", "dsink"
     for d in ("batch", "row", "head")] + [
     (f"dmask_{d}_stride", _I64) for d in ("batch", "head", "row", "col")] + [
     (f"dq_accum_{d}_stride", _I64) for d in ("batch", "row", "head")] + [
-    ("dq_accum_floats", _I64), ("num_n_blocks", _I32), ("rows", _I32), ("tile_counter", _PTR)]
+    ("dq_accum_floats", _I64), ("num_n_blocks", _I32), ("rows", _I32), ("tile_counter", _PTR),
+    ("kv_heads_per_group", _I32), ("kv_tail_group_head", _I32)]
 
 
 SCHEDULE_FIELDS = [(n, _PTR) for n in ("cu_seqlens_q", "scratch", "tile_list", "tile_count",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cufa
-from cufa import _bwd_plan, _checks, _compile, _params, _tma
+from cufa import _bwd_plan, _checks, _compile, _heuristics, _params, _tma
 from cufa._interop import DeviceArray
 
 
@@ -153,8 +153,11 @@ def test_dense_launches_and_records(monkeypatch):
     assert (fwd["window_left"], fwd["window_right"], fwd["bottom_right"]) == (1 << 30, 0, 1)
     assert (fwd["head_dim"], fwd["nheads"], fwd["nheads_k"]) == (72, 4, 2)
     assert (fwd["lse_batch_stride"], fwd["lse_head_stride"]) == (4 * 33, 33)
+    # causal: every head in one (tail) group, since 8 heads of a block or two are fewer than
+    # the launch's CTAs (_heuristics.bwd_groups), for dq's query blocks and the key blocks
     assert (fwd["num_m_blocks"], fwd["heads_per_group"], fwd["tail_group_head"]) == (
-        -(-33 // dqv.block_m), 1, 8)
+        -(-33 // dqv.block_m), 8, 0)
+    assert (bwd["kv_heads_per_group"], bwd["kv_tail_group_head"]) == (4, 0)
     assert (fwd["q_batch_stride"], fwd["q_row_stride"], fwd["q_head_stride"]) == (33 * 288, 288, 72)
     assert (fwd["k_batch_stride"], fwd["k_row_stride"], fwd["k_head_stride"]) == (47 * 144, 144, 72)
     assert fwd["tile_list"] == 0 and bwd["kv_tile_list"] == 0
@@ -164,6 +167,41 @@ def test_dense_launches_and_records(monkeypatch):
     assert (bwd["num_n_blocks"], bwd["rows"]) == (1, 66)
     assert (bwd["dk_batch_stride"], bwd["dk_row_stride"], bwd["dk_head_stride"]) == (47 * 144, 144, 72)
     assert len(rec.allocations) == 3 and rec.workspace_bytes == -(-4 * 2 * 4 * 33 // 256) * 256
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_blocks_heaviest_first_in_groups_under_a_mask(monkeypatch, causal):
+    """The key blocks' order (BwdParams.kv_heads_per_group, kv_tail_group_head): on Hopper
+    at d = 128 causal, 16 x 16 heads of 1k tokens (8 key blocks a head, one CTA an SM):
+    Q, dout and dq's sums take 1 MiB a head, so groups of 25 heads and a tail group of at
+    least 2 x 132 blocks (33 heads) from head 200; without a mask one head at a time, as
+    before. dq's launch (apart at d = 256) gets the forward's fields the same way."""
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    for d, fields in ((128, ("kv_heads_per_group", "kv_tail_group_head")),
+                      (256, ("heads_per_group", "tail_group_head"))):
+        rec.launches.clear()
+        dout, q, k, v, out, lse = dense_args(b=16, sq=1024, sk=1024, h=2048 // d,
+                                             hk=2048 // d, d=d)
+        cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+        *_, (fwd, bwd) = rec.launches[-1 if d == 128 else 1]
+        record = bwd if d == 128 else fwd
+        got = tuple(int(record[f]) for f in fields)
+        heads = 16 * 2048 // d
+        if not causal:
+            assert got == (1, heads)
+        elif d == 128:
+            assert got == (25, 200)
+        else:  # dq: 128-row blocks (8 a head) on 132 CTAs, K and V 1 MiB a head
+            assert got[0] == _heuristics.L2_BUDGET // (1024 * 256 * 4)
+            assert (heads - got[1]) * 8 >= 2 * 132 and got[1] % got[0] == 0
+
+
+def test_bwd_groups_example():
+    assert _heuristics.bwd_groups(256, 8, 2**20, 132, masked=True) == (25, 200)
+    assert _heuristics.bwd_groups(256, 8, 2**20, 132, masked=False) == (1, 256)
+    assert _heuristics.bwd_groups(16, 128, 16 * 2**20, 132, masked=True) == (1, 13)
+    assert _heuristics.bwd_groups(1, 8, 2**20, 132, masked=True) == (1, 1)
 
 
 @pytest.mark.parametrize("capability, opt_out, families", [

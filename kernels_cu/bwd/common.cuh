@@ -210,8 +210,8 @@ __device__ __forceinline__ bool key_block(const FwdParams& p, const BwdParams& g
     by_key.tile_list = g.kv_tile_list;
     by_key.tile_count = g.kv_tile_count;
     by_key.num_m_blocks = g.num_n_blocks;
-    by_key.heads_per_group = 1;
-    by_key.tail_group_head = p.batch * p.nheads_k;
+    by_key.heads_per_group = g.kv_heads_per_group;
+    by_key.tail_group_head = g.kv_tail_group_head;
     if (!get_tile(by_key, tile, t)) return false;
   }
   kb.h_k = t.h;

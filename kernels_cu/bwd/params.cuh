@@ -34,6 +34,11 @@ struct BwdParams {
   // the persistent dk/dv kernel's count of key blocks taken beyond its CTAs' first ones
   // (int, zeroed by the preprocess); 0: none. Last, so the other fields keep their places
   u64 tile_counter;
+  // the key-block launches' order for padded batches, as FwdParams' heads_per_group and
+  // tail_group_head order the forward's tiles (over batch x KV heads): one head at a time
+  // (1, all of them) without a mask; under a causal or local mask groups whose heaviest
+  // blocks go first and a tail group that ends the launch balanced (_heuristics.bwd_groups)
+  int kv_heads_per_group, kv_tail_group_head;
 };
 
 }  // namespace cufa
