@@ -333,6 +333,16 @@ def check_packed_grads(grads, q, k, v, dout, out, lens, label):
                         f"{label} {i}", out=out[r][None], causal=True)
 
 
+def causal_packed(rng, lens, h, d, dtype=torch.bfloat16):
+    """A packed batch of sequences `lens`: q, k, v and dout (fresh normal values), its
+    cu_seqlens, and the causal forward's out and lse."""
+    q, k, v, dout = (randn(rng, (1, sum(lens), h, d), dtype)[0] for _ in range(4))
+    cu = cu_seqlens(lens)
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                           return_lse=True)
+    return q, k, v, dout, cu, out, lse
+
+
 @pytest.fixture
 def fused_dq(monkeypatch):
     """CUFA_BWD_FUSED_DQ=1 for the test (dq added atomically by the dk/dv kernel), then
@@ -376,13 +386,8 @@ def test_dq_fused(fused_dq, name, dtype):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_dq_fused_varlen(fused_dq, d):
     rng = np.random.default_rng(37 + d)
-    dtype, h = torch.bfloat16, 4
     lens = [0, 70, 1, 150]
-    q, k, v = (randn(rng, (1, sum(lens), h, d), dtype)[0] for _ in range(3))
-    dout = randn(rng, (1, sum(lens), h, d), dtype)[0]
-    cu = cu_seqlens(lens)
-    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True,
-                                           return_lse=True)
+    q, k, v, dout, cu, out, lse = causal_packed(rng, lens, 4, d)
     dq, dk, dv = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 150, 150,
                                                  causal=True)
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, f"fused varlen d={d}")
@@ -454,10 +459,7 @@ def test_dq_fused_by_cp_async(fused_dq, monkeypatch, d):
         run_dense(rng, torch.bfloat16, 2, 300, 300, 4, 2, d, f"fused by cp.async d={d}",
                   causal=True)
         lens = [0, 70, 1, 150]
-        q, k, v, dout = (randn(rng, (1, sum(lens), 4, d), torch.bfloat16)[0] for _ in range(4))
-        cu = cu_seqlens(lens)
-        out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True,
-                                               return_lse=True)
+        q, k, v, dout, cu, out, lse = causal_packed(rng, lens, 4, d)
         grads = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 150, 150,
                                                 causal=True)
     finally:
@@ -517,13 +519,8 @@ def test_producer_warpgroup_varlen(monkeypatch):
     """A packed batch with an empty and a one-token sequence through the producer's kernels:
     each sequence's gradients against the reference, the same bits as without it."""
     from cufa import _compile
-    rng = np.random.default_rng(71)
-    dtype, h, d = torch.bfloat16, 4, 128
     lens = [0, 150, 1, 333]
-    q, k, v, dout = (randn(rng, (1, sum(lens), h, d), dtype)[0] for _ in range(4))
-    cu = cu_seqlens(lens)
-    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 333, 333, causal=True,
-                                           return_lse=True)
+    q, k, v, dout, cu, out, lse = causal_packed(np.random.default_rng(71), lens, 4, 128)
     try:
         grads = {}
         for env in (None, "0"):
@@ -603,13 +600,8 @@ def test_split_columns_varlen(monkeypatch):
     """A packed batch with an empty and a one-token sequence at d = 256, split by columns:
     each sequence's gradients against the reference, the same bits as dk and dv apart."""
     wgmma_or_skip("dk and dv split by columns")
-    rng = np.random.default_rng(73)
-    dtype, h, d = torch.bfloat16, 2, 256
     lens = [0, 150, 1, 333]
-    q, k, v, dout = (randn(rng, (1, sum(lens), h, d), dtype)[0] for _ in range(4))
-    cu = cu_seqlens(lens)
-    out, lse = cufa.flash_attn_varlen_func(q, k, v, cu, cu, 333, 333, causal=True,
-                                           return_lse=True)
+    q, k, v, dout, cu, out, lse = causal_packed(np.random.default_rng(73), lens, 2, 256)
     split, apart = _with_split_and_apart(monkeypatch, lambda: cufa.flash_attn_varlen_backward(
         dout, q, k, v, out, lse, cu, cu, 333, 333, causal=True, **EXACT))
     assert all(torch.equal(a, b) for a, b in zip(split[:3], apart[:3]))
