@@ -405,8 +405,9 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     kv_blocks = bwd["num_n_blocks"] * batch
     pointers = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, tile_list=0, tile_count=0)
     # the order of a padded batch's blocks (a packed batch's comes from its work list)
-    bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = 1, batch * nheads_k
-    if not packed:
+    if packed:
+        bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = 1, batch * nheads_k
+    else:
         sms, group = _runtime.sm_count(device), nheads // max(nheads_k, 1)
         kv = kv_variants[0]
         bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = _heuristics.bwd_groups(

@@ -32,7 +32,8 @@ struct BwdParams {
   int num_n_blocks;     // padded batches: key blocks a sequence
   int rows;             // the preprocess's rows: batch * seqlen_q (packed: total_q)
   // the persistent dk/dv kernel's count of key blocks taken beyond its CTAs' first ones
-  // (int, zeroed by the preprocess); 0: none. Last, so the other fields keep their places
+  // (int, zeroed by the preprocess); 0: none. (Fields are added after the others, so that
+  // those keep their places)
   u64 tile_counter;
   // the key-block launches' order for padded batches, as FwdParams' heads_per_group and
   // tail_group_head order the forward's tiles (over batch x KV heads): one head at a time
