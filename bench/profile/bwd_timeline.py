@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 torch = cufa = None  # main() imports them, with the trace build asked for first
 
 CTAS, FIELDS = 8192, 8  # (bwd_sm90.cu's kBwdTraceCtas, kBwdTraceFields)
-START, FIRST_STEP, LOOP_END, STORED, PRODUCER_END, SM = 0, 1, 2, 3, 4, 7
+START, FIRST_STEP, LOOP_END, STORED, PRODUCER_END, ISSUED, LANDED, SM = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def run(dtype, d, n, causal, tokens):
@@ -74,7 +74,15 @@ def analyse(t):
         tail += resident * span - np.sum(np.sort(end[order])[-resident:])
     total = span * len(sms) * resident
     stepped = first > 0  # (CTAs with a step)
+    # the prologue's parts where a producer stamps them: its thread 0's copies of the first
+    # step issued, then landed (its own cp.async: K and V, lse and D), then the step's
+    # arrival at the consumers (every producer warp's copies, and Q and dout by TMA)
+    staged = stepped & (t[:, ISSUED] > 0) & (t[:, LANDED] > 0)
+    issued, landed = t[:, ISSUED] - t0, t[:, LANDED] - t0
+    parts = ([float(np.median(x[staged])) / 1e3 for x in
+              (issued - start, landed - issued, first - landed)] if staged.any() else None)
     return {
+        "prologue_parts_us": parts,
         "ctas": len(t), "sms": len(sms), "resident": resident, "span_us": span / 1e3,
         "prologue_us": np.median((first - start)[stepped]) / 1e3,
         "loop_us": np.median((loop_end - first)[stepped]) / 1e3,
@@ -118,6 +126,9 @@ def main():
                       f"{a['prologue_us']:.2f} {a['loop_us']:.2f} {a['epilogue_us']:.2f} "
                       f"{a['drain_us']:.2f} "
                       f"{a['gap_us']:.2f} | {share}", flush=True)
+                if a["prologue_parts_us"]:
+                    print("    prologue, medians us: copies issued %.2f, landed %.2f, step "
+                          "announced %.2f" % tuple(a["prologue_parts_us"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@ namespace cufa {
 //    of its loop and of its stores (a consumer's first thread), the producer's end (its
 //    last sums sent and read) and its SM, on the global timer (ns), for
 //    bench/profile/bwd_timeline.py. Without the flag the stamps compile to nothing --
+//    (With a producer, also its thread 0 once its copies of the first step (K, V, lse and
+//    D, the TMA of Q and dout) are issued and once its own copies have landed.)
 enum BwdTraceField : int {
-  kBwdStart = 0, kBwdFirstStep, kBwdLoopEnd, kBwdStored, kBwdProducerEnd, kBwdSm = 7
+  kBwdStart = 0, kBwdFirstStep, kBwdLoopEnd, kBwdStored, kBwdProducerEnd, kBwdIssued,
+  kBwdLanded, kBwdSm
 };
 #ifdef CUFA_TRACE
 constexpr int kBwdTraceCtas = 8192, kBwdTraceFields = 8;
@@ -1002,6 +1005,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     }
   };
   const auto to_log2 = [&](int i, int stage) {
+    bwd_trace(kProducer && threadIdx.x == 0 && i == 0, kBwdLanded);
     if (stats_thread) {
       const StatsRow row = stats_row(i, stage);
       *row.s = lse_log2_of(row.s, 0, row.valid);  // (a row past the sequence: +inf)
@@ -1076,10 +1080,12 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
       if constexpr (kTma) {
         if (tma_q_dout(i, stage)) {
           cp_async_commit();  // (the step's group: lse and D)
+          bwd_trace(threadIdx.x == 0 && i == 0, kBwdIssued);
           return;
         }
       }
       load_step(i, stage, true, false);  // (Q and dout; commits the group)
+      bwd_trace(threadIdx.x == 0 && i == 0, kBwdIssued);
     };
     // kFusedDq: a released step's sums, sent
     const i64 seq_row = dq_accum_seq_row(p, t);
