@@ -58,6 +58,31 @@ __device__ __forceinline__ void load_panels(u32 smem, const u16* gmem, i64 row_s
       [](int r, int c) { return panel_offset<kRows>(r, c); });
 }
 
+// The same by `thread` of kThreads (a consumer's index), for threads with registers to
+// spare: where they cover whole rows a pass each keeps one chunk column, in an unrolled
+// loop of independent copies.
+template <int kRows, int kHeadDim, int kThreads>
+__device__ __forceinline__ void load_panels_from(u32 smem, const u16* gmem, i64 row_stride,
+                                                 int rows_valid, int head_dim, int thread) {
+  constexpr int kChunks = kHeadDim / 8;
+  if constexpr (kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {
+    constexpr int kRowStep = kThreads / kChunks;
+    const int c = thread % kChunks, r0 = thread / kChunks;
+    const bool column = c * 8 < head_dim;
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const int r = r0 + i * kRowStep;
+      const bool valid = column && r < rows_valid;
+      cp_async_16(smem + panel_offset<kRows>(r, c), valid ? gmem + r * row_stride + c * 8 : gmem,
+                  valid ? 16 : 0);
+    }
+  } else {
+    copy_rows_async<kRows, kHeadDim, kThreads>(
+        smem, [=](int r) { return gmem + r * row_stride; }, gmem, rows_valid, head_dim,
+        [](int r, int c) { return panel_offset<kRows>(r, c); }, thread);
+  }
+}
+
 // -- acc = A B^T over the head dim: A 64 rows (the warpgroup's M) of a K-major tile of
 //    kRowsA rows (its panels' height), B one of kRowsB rows (N); one committed group --
 template <int kDtype, int kHeadDim, int kRowsB, int kNTiles, int kRowsA = 64>
@@ -439,6 +464,7 @@ __device__ __forceinline__ void stage_ds(const u32 (&ds_frag)[kQTiles / 2][4], u
 }
 
 // a named barrier of one warpgroup (ids 2 and 3: constants, so ptxas counts two)
+constexpr int kKVInBarrier = 6;  // (the consumers' K and V landed: named barriers 1-5 are taken)
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
   if (wg) named_barrier_sync(3, 128);
   else named_barrier_sync(2, 128);
@@ -1074,8 +1100,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     }
   };
   if constexpr (kProducer) {
-    const auto copy = [&](int i, int stage) {
-      if (i == 0) load_kv();
+    const auto copy = [&](int i, int stage) {  // (K and V: the consumers', below)
       copy_stats(i, stage);
       if constexpr (kTma) {
         if (tma_q_dout(i, stage)) {
@@ -1118,6 +1143,25 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     }
     load_kv();
     stream_step(0, 0);
+  }
+  if constexpr (kProducer) {
+    // K and V by the consumers, before their first step: the producer's 24 registers had
+    // it issue the copies one dependent step at a time, 2.6 us of a d = 128 CTA's 3.4 us
+    // prologue on an H200 (bench/results/bwd_kv_by_consumers_h200.md); the consumers have
+    // registers to spare until their loop. Landed, fenced for wgmma, then all of them met
+    if (steps) {
+      load_panels_from<kBlockN, kHeadDim, kThreads>(sk, kv.k + key0 * p.k_row_stride,
+                                                    p.k_row_stride, t.seqlen_k - key0,
+                                                    p.head_dim, static_cast<int>(tid));
+      if (kDk)
+        load_panels_from<kBlockN, kHeadDim, kThreads>(sv, kv.v + key0 * p.v_row_stride,
+                                                      p.v_row_stride, t.seqlen_k - key0,
+                                                      p.head_dim, static_cast<int>(tid));
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      named_barrier_sync(kKVInBarrier, kThreads);
+    }
   }
   if constexpr (kSplitCols) {
     const i64 dq_row0 = dq_accum_seq_row(p, t);
