@@ -75,8 +75,9 @@ def analyse(t):
     total = span * len(sms) * resident
     stepped = first > 0  # (CTAs with a step)
     # the prologue's parts where a producer stamps them: its thread 0's copies of the first
-    # step issued, then landed (its own cp.async: K and V, lse and D), then the step's
-    # arrival at the consumers (every producer warp's copies, and Q and dout by TMA)
+    # step issued, then landed (its own cp.async: lse and D), then the step's arrival at
+    # the consumers (every producer warp's copies, Q and dout by TMA, and the consumers'
+    # own copies of K and V)
     staged = stepped & (t[:, ISSUED] > 0) & (t[:, LANDED] > 0)
     issued, landed = t[:, ISSUED] - t0, t[:, LANDED] - t0
     parts = ([float(np.median(x[staged])) / 1e3 for x in

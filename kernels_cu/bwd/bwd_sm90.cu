@@ -21,8 +21,9 @@ namespace cufa {
 //    of its loop and of its stores (a consumer's first thread), the producer's end (its
 //    last sums sent and read) and its SM, on the global timer (ns), for
 //    bench/profile/bwd_timeline.py. Without the flag the stamps compile to nothing --
-//    (With a producer, also its thread 0 once its copies of the first step (K, V, lse and
-//    D, the TMA of Q and dout) are issued and once its own copies have landed.)
+//    (With a producer, also its thread 0 once its copies of the first step (lse and D,
+//    the TMA of Q and dout; the consumers copy K and V) are issued and once its own
+//    copies have landed.)
 enum BwdTraceField : int {
   kBwdStart = 0, kBwdFirstStep, kBwdLoopEnd, kBwdStored, kBwdProducerEnd, kBwdIssued,
   kBwdLanded, kBwdSm
@@ -1070,7 +1071,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
       cp_async_commit();
     }
   };
-  // K and V (in the first step's copy group)
+  // K and V without a producer (in the first step's copy group)
   const auto load_kv = [&] {
     load_panels<kBlockN, kHeadDim, kCopiers>(sk, kv.k + key0 * p.k_row_stride, p.k_row_stride,
                                              t.seqlen_k - key0, p.head_dim);
