@@ -464,8 +464,10 @@ __device__ __forceinline__ void stage_ds(const u32 (&ds_frag)[kQTiles / 2][4], u
   }
 }
 
+// the consumers' K and V landed (named barrier 6: 1-5 are taken)
+constexpr int kKVInBarrier = 6;
+
 // a named barrier of one warpgroup (ids 2 and 3: constants, so ptxas counts two)
-constexpr int kKVInBarrier = 6;  // (the consumers' K and V landed: named barriers 1-5 are taken)
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
   if (wg) named_barrier_sync(3, 128);
   else named_barrier_sync(2, 128);
