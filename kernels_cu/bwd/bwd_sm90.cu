@@ -464,8 +464,9 @@ __device__ __forceinline__ void stage_ds(const u32 (&ds_frag)[kQTiles / 2][4], u
   }
 }
 
-// the consumers' K and V landed (named barrier 6: 1-5 are taken)
-constexpr int kKVInBarrier = 6;
+// the consumers' K and V landed (named barrier 6: 1-5 are taken; an enum: unused where
+// no kernel of the source has a producer)
+enum : int { kKVInBarrier = 6 };
 
 // a named barrier of one warpgroup (ids 2 and 3: constants, so ptxas counts two)
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
