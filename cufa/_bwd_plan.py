@@ -404,19 +404,18 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     q_blocks = fwd["num_m_blocks"] * batch
     kv_blocks = bwd["num_n_blocks"] * batch
     pointers = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, tile_list=0, tile_count=0)
-    # the order of a padded batch's blocks (a packed batch's comes from its work list)
-    if packed:
-        bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = 1, batch * nheads_k
-    else:
-        sms, group = _runtime.sm_count(device), nheads // max(nheads_k, 1)
-        kv = kv_variants[0]
+    # the order of a padded batch's blocks on Hopper's kernels (a packed batch's comes from
+    # its work list; the mma.sync kernels keep one head at a time, as timed)
+    bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = 1, batch * nheads_k
+    kv, sms = kv_variants[0], _runtime.sm_count(device)
+    if not packed and kv.family == "sm90":
         bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = _heuristics.bwd_groups(
-            batch * nheads_k, bwd["num_n_blocks"], seqlen_q * d * 8 * group,
+            batch * nheads_k, bwd["num_n_blocks"], seqlen_q * d * 8 * (nheads // nheads_k),
             sms * _resident_per_sm(kv), kv.mask == "window")
-        if not fused:
-            fwd["heads_per_group"], fwd["tail_group_head"] = _heuristics.bwd_groups(
-                batch * nheads, fwd["num_m_blocks"], seqlen_k * d * 4,
-                sms * _resident_per_sm(dq_variant), dq_variant.mask == "window")
+    if not packed and not fused and dq_variant.family == "sm90":
+        fwd["heads_per_group"], fwd["tail_group_head"] = _heuristics.bwd_groups(
+            batch * nheads, fwd["num_m_blocks"], seqlen_k * d * 4,
+            sms * _resident_per_sm(dq_variant), dq_variant.mask == "window")
     if packed:
         q_blocks = seqlen_q // block_m + batch
         kv_blocks = seqlen_k // block_n + batch

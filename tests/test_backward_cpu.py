@@ -153,11 +153,10 @@ def test_dense_launches_and_records(monkeypatch):
     assert (fwd["window_left"], fwd["window_right"], fwd["bottom_right"]) == (1 << 30, 0, 1)
     assert (fwd["head_dim"], fwd["nheads"], fwd["nheads_k"]) == (72, 4, 2)
     assert (fwd["lse_batch_stride"], fwd["lse_head_stride"]) == (4 * 33, 33)
-    # causal: every head in one (tail) group, since 8 heads of a block or two are fewer than
-    # the launch's CTAs (_heuristics.bwd_groups), for dq's query blocks and the key blocks
+    # (the mma.sync kernels: one head at a time, causal or not)
     assert (fwd["num_m_blocks"], fwd["heads_per_group"], fwd["tail_group_head"]) == (
-        -(-33 // dqv.block_m), 8, 0)
-    assert (bwd["kv_heads_per_group"], bwd["kv_tail_group_head"]) == (4, 0)
+        -(-33 // dqv.block_m), 1, 8)
+    assert (bwd["kv_heads_per_group"], bwd["kv_tail_group_head"]) == (1, 4)
     assert (fwd["q_batch_stride"], fwd["q_row_stride"], fwd["q_head_stride"]) == (33 * 288, 288, 72)
     assert (fwd["k_batch_stride"], fwd["k_row_stride"], fwd["k_head_stride"]) == (47 * 144, 144, 72)
     assert fwd["tile_list"] == 0 and bwd["kv_tile_list"] == 0

@@ -38,7 +38,8 @@ struct BwdParams {
   // the key-block launches' order for padded batches, as FwdParams' heads_per_group and
   // tail_group_head order the forward's tiles (over batch x KV heads): one head at a time
   // (1, all of them) without a mask; under a causal or local mask groups whose heaviest
-  // blocks go first and a tail group that ends the launch balanced (_heuristics.bwd_groups)
+  // blocks go first and a tail group that ends the launch balanced (_heuristics.bwd_groups;
+  // Hopper's kernels: the mma.sync dk/dv kernel keeps one head at a time)
   int kv_heads_per_group, kv_tail_group_head;
 };
 
