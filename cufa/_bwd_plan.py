@@ -450,7 +450,7 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     for v in kv_variants:  # (the persistent kernel: a CTA an SM at most, the key blocks
         # past them from a counter the preprocess zeroes)
         blocks = kv_blocks * nheads_k if seqlen_k else 0
-        launches.append((v, min(blocks, _runtime.sm_count(device)) if v.persistent else blocks))
+        launches.append((v, min(blocks, sms) if v.persistent else blocks))
     if fused:  # (dq's sums, converted; the rows of sequences without keys are zeros)
         if variants[2].kind == "dq_blocks":  # (a CTA a 64-row block of a head's sums)
             sum_rows = bwd["dq_accum_head_stride"] // bwd["dq_accum_row_stride"]
