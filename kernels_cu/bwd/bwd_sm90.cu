@@ -239,6 +239,10 @@ __device__ __forceinline__ bool tma_step_pair(const FwdParams& p, const TensorMa
   return true;
 }
 
+// the consumers' own copies landed (dk/dv: K and V; dq: Q and dout), all of them past
+// (named barrier 6: 1-5 are taken)
+enum : int { kCopiesInBarrier = 6 };  // (an enum: unused where no kernel has a producer)
+
 // dq: kBlockM query rows of a head (64 a warpgroup: its M), every key block they see; the
 // warpgroups share each streamed K/V block. kProducer: a warpgroup of its own streams the
 // K/V blocks through a Ring of kStages buffers
@@ -343,11 +347,10 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
     }
   };
   if constexpr (kProducer) {
-    const auto copy = [&](int i, int stage) {
-      if (i == 0) load_q_dout();
+    const auto copy = [&](int i, int stage) {  // (Q and dout: the consumers', below)
       if constexpr (kTma) {
         if (tma_kv(i, stage)) {
-          cp_async_commit();  // (the step's group, empty but for Q and dout at step 0)
+          cp_async_commit();  // (the step's group, empty)
           return;
         }
       }
@@ -356,6 +359,20 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
     if (!ring.template consumer_after_roles<kThreads, kTma>(n_block_max - n_block_min, copy,
                                                       [](int, int) {}, [](int) {}, [] {}))
       return;
+    // Q and dout by the consumers, as the dk/dv kernel's K and V (the producer's 24
+    // registers issued them one dependent step at a time: 128 KB a CTA at d = 256)
+    if (n_block_min < n_block_max) {
+      load_panels_from<kBlockM, kHeadDim, kThreads>(sq, ptr.q + row0 * p.q_row_stride,
+                                                    p.q_row_stride, t.seqlen_q - row0,
+                                                    p.head_dim, static_cast<int>(tid));
+      load_panels_from<kBlockM, kHeadDim, kThreads>(sdo, dout, g.dout_row_stride,
+                                                    t.seqlen_q - row0, p.head_dim,
+                                                    static_cast<int>(tid));
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      named_barrier_sync(kCopiesInBarrier, kThreads);
+    }
   } else if (n_block_min < n_block_max) {
     if constexpr (kTma) {
       ring.init_full();
@@ -464,9 +481,6 @@ __device__ __forceinline__ void stage_ds(const u32 (&ds_frag)[kQTiles / 2][4], u
   }
 }
 
-// the consumers' K and V landed (named barrier 6: 1-5 are taken; an enum: unused where
-// no kernel of the source has a producer)
-enum : int { kKVInBarrier = 6 };
 
 // a named barrier of one warpgroup (ids 2 and 3: constants, so ptxas counts two)
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
@@ -1164,7 +1178,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
       cp_async_commit();
       cp_async_wait<0>();
       fence_proxy_async();
-      named_barrier_sync(kKVInBarrier, kThreads);
+      named_barrier_sync(kCopiesInBarrier, kThreads);
     }
   }
   if constexpr (kSplitCols) {
