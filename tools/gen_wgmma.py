@@ -12,7 +12,8 @@ SS_N = (32, 64, 80, 128, 192)  # S = Q K^T: N = block_n
 SS_MN_N = (64, 256)          # dq += dS K from shared memory: N = half of head dim 128;
                              # MLA's O += P V with P from shared memory: half of V's 512
 RS_N = (64, 128, 192, 256)   # O += P V: N = padded head dim
-RS_K_N = (32,)               # MLA's S = Q K^T over the k-steps of Q held in registers
+RS_K_N = (32, 64)            # MLA's S = Q K^T over the k-steps of Q held in registers;
+                             # the d = 64 backward's S^T = K Q^T, dP^T = V dout^T (K, V held)
 # e4m3 (the fp8 forward): k32 steps, both operands K-major (fp8 wgmma has no transpose), so
 # V comes transposed; S = Q K^T from shared memory at N = block_n, O += P V with P from
 # registers at N = the head dim

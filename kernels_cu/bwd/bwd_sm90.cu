@@ -95,6 +95,28 @@ __device__ __forceinline__ void issue_scores(float (&acc)[1][kNTiles][4], u64 a_
   wgmma_commit();
 }
 
+// -- the same with A held in registers (the warp's fragments, every k-step:
+//    load_a_frags) --
+template <int kDtype, int kHeadDim, int kRowsB, int kNTiles>
+__device__ __forceinline__ void issue_scores_held(float (&acc)[1][kNTiles][4],
+                                                  const u32 (&a)[kHeadDim / 16][4], u64 b_desc) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    wgmma_rs_k<kDtype>(acc, a[ks], desc_add(b_desc, kstep_offset(ks, kRowsB)), ks > 0);
+  wgmma_commit();
+}
+
+// a warp's A fragments of a K-major tile of kRows rows in 64-column panels: its 16 rows
+// from row0, every 16-column k-step
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void load_a_frags(u32 (&a)[kHeadDim / 16][4], u32 tile, int row0,
+                                             int lane) {
+  const int r = row0 + (lane & 15);
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    ldmatrix_x4(a[ks], tile + panel_offset<kRows>(r, 2 * ks + (lane >> 4)));
+}
+
 // -- acc += A B: A from registers (kSteps fragments of 16 columns), B an MN-major tile
 //    whose rows are those columns; one committed group --
 template <int kDtype, int kSteps, int kDTiles>
@@ -1162,6 +1184,11 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     load_kv();
     stream_step(0, 0);
   }
+  // (kKVHeld) K and V as this warp's A fragments for S^T and dP^T, loaded once: at d = 64
+  // their shared-memory reads were a quarter of a step's products' (the step's Q and dout,
+  // dS and K, dq's slabs and the copies read and write it besides)
+  constexpr bool kKVHeld = kSlabDq && kHeadDim == 64;
+  u32 k_frag[kKVHeld ? kHeadDim / 16 : 1][4], v_frag[kKVHeld ? kHeadDim / 16 : 1][4];
   if constexpr (kProducer) {
     // K and V by the consumers, before their first step: the producer's 24 registers had
     // it issue the copies one dependent step at a time, 2.6 us of a d = 128 CTA's 3.4 us
@@ -1179,6 +1206,10 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
       cp_async_wait<0>();
       fence_proxy_async();
       named_barrier_sync(kCopiesInBarrier, kThreads);
+      if constexpr (kKVHeld) {
+        load_a_frags<kBlockN, kHeadDim>(k_frag, sk, warp_row0, lane);
+        load_a_frags<kBlockN, kHeadDim>(v_frag, sv, warp_row0, lane);
+      }
     }
   }
   if constexpr (kSplitCols) {
@@ -1220,8 +1251,14 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
     // S^T = K Q^T and (for dk) dP^T = V dout^T, two groups in flight
     float st[1][kQTiles][4], dpt[1][kDk ? kQTiles : 2][4];
     wgmma_fence();
-    issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(st, k_desc, q_desc);
-    if constexpr (kDk) issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(dpt, v_desc, do_desc);
+    if constexpr (kKVHeld) {
+      issue_scores_held<kDtype, kHeadDim, kBlockM, kQTiles>(st, k_frag, q_desc);
+      issue_scores_held<kDtype, kHeadDim, kBlockM, kQTiles>(dpt, v_frag, do_desc);
+    } else {
+      issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(st, k_desc, q_desc);
+      if constexpr (kDk)
+        issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(dpt, v_desc, do_desc);
+    }
     wgmma_wait<kDk ? 1 : 0>();
     fence_registers(st);
 
