@@ -1537,9 +1537,6 @@ __global__ void __launch_bounds__(384, 1)
     const int steps = group * kb.m_blocks;
     const int buffer = kv_blocks & 1;
     const u32 sk = base + buffer * 2 * kKVBytes, sv = sk + kKVBytes;
-    const u32 wg_rows = wg * 64 * 128;
-    const u64 k_desc = smem_desc(sk + wg_rows, 16, 1024);
-    const u64 v_desc = smem_desc(sv + wg_rows, 16, 1024);
     const int wg_key0 = kb.key0 + wg * 64;
     const int first_key = frag_row(kb.key0 + warp_row0, 0, 0, lane);
     float acc_dk[1][kDTiles][4], acc_dv[1][kDTiles][4];
@@ -1547,8 +1544,17 @@ __global__ void __launch_bounds__(384, 1)
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = acc_dv[0][dt][e] = 0.f;
+    // K and V as A fragments, as bwd_dkdv_sm90_kernel's (kKVHeld); under a window V stays
+    // in shared memory (its fragments spilled 52 bytes at the consumers' 216 registers)
+    constexpr bool kVHeld = kMask != MASK_WINDOW;
+    u32 k_frag[kHeadDim / 16][4], v_frag[kVHeld ? kHeadDim / 16 : 1][4];
+    const u64 v_desc = smem_desc(sv + wg * 64 * 128, 16, 1024);
     for (int i = 0; i < steps; ++i, ++step) {
       ring.await_full(stage, phase);
+      if (i == 0) {  // (the block's K and V came with its first step)
+        load_a_frags<kBlockN, kHeadDim>(k_frag, sk, warp_row0, lane);
+        if constexpr (kVHeld) load_a_frags<kBlockN, kHeadDim>(v_frag, sv, warp_row0, lane);
+      }
       Tile th = t;
       th.h = kb.h_k * group + i / kb.m_blocks;
       const int q0 = (kb.m_block_min + i % kb.m_blocks) * kBlockM;
@@ -1558,10 +1564,13 @@ __global__ void __launch_bounds__(384, 1)
       const float* s_d = s_lse + kBlockM;
       float st[1][kQTiles][4], dpt[1][kQTiles][4];
       wgmma_fence();
-      issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(st, k_desc,
-                                                                smem_desc(sq, 16, 1024));
-      issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(dpt, v_desc,
-                                                                smem_desc(sdo, 16, 1024));
+      issue_scores_held<kDtype, kHeadDim, kBlockM, kQTiles>(st, k_frag, smem_desc(sq, 16, 1024));
+      if constexpr (kVHeld)
+        issue_scores_held<kDtype, kHeadDim, kBlockM, kQTiles>(dpt, v_frag,
+                                                              smem_desc(sdo, 16, 1024));
+      else
+        issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(dpt, v_desc,
+                                                                  smem_desc(sdo, 16, 1024));
       wgmma_wait<1>();
       fence_registers(st);
       const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
