@@ -510,25 +510,53 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
   else named_barrier_sync(2, 128);
 }
 
-// this warpgroup's dq product, once the dS it reads is in (its own panel, or both): A its
-// keys' panel of dS (d = 64) or both; B its keys' rows of K (one panel), or all the keys'
-// rows of its 64-column panel (d = 128). One committed group
+// At d = 64 a warpgroup's dq share is over its own 64 keys, as dq^T = K^T dS^T: K^T's A
+// fragments held for the block (load_kt_frags), dS^T's B the dS tile as stage_ds leaves
+// it, so the product reads only B from shared memory (as dS K it read both: a quarter of
+// a step's shared-memory reads once K and V were held); the slab then holds dq^T, which
+// bwd_dq_blocks_kernel turns back. (d = 128 takes all the keys for 64 columns: unused)
+template <int kHeadDim>
+using DqKtFrags = u32[kHeadDim == 64 ? 4 : 1][4];
+
+// this warp's K^T fragments (DqKtFrags): A's rows are its warpgroup's 16 w.. of the head
+// dim (w: the warp in its warpgroup), its k-steps the warpgroup's keys, from K's tile of
+// kRows keys (one 64-column panel)
+template <int kRows>
+__device__ __forceinline__ void load_kt_frags(DqKtFrags<64>& a, u32 sk, int wg, int lane) {
+  const int matrix = lane / 8, dim_chunk = 2 * ((threadIdx.x / 32) % 4) + matrix % 2;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    ldmatrix_x4_trans(a[kk], sk + panel_offset<kRows>(wg * 64 + 16 * kk + (matrix / 2) * 8 +
+                                                      lane % 8, dim_chunk));
+}
+
+// this warpgroup's dq product, once the dS it reads is in (its own panel, or both). d = 64:
+// dq^T, A K^T from registers, B its keys' panel of dS (K-major: rows of queries); d = 128:
+// dq, A both panels of dS, B all the keys' rows of its 64-column panel of K. One committed
+// group
 template <int kDtype, int kHeadDim, int kBlockM, int kBlockN>
-__device__ __forceinline__ void issue_dq_share(float (&acc)[1][8][4], u32 sds, u32 sk, int wg) {
+__device__ __forceinline__ void issue_dq_share(float (&acc)[1][8][4], u32 sds, u32 sk,
+                                               const DqKtFrags<kHeadDim>& kt, int wg) {
   static_assert(kBlockM == 64 && kBlockN == 128, "two warpgroups of 64 keys, 64-query steps");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "64 of dq's columns a warpgroup");
-  constexpr bool kOwnKeys = kHeadDim == 64;
   fence_proxy_async();  // (stage_ds' stores, before the product reads them)
-  if constexpr (kOwnKeys) warpgroup_barrier(wg);  // its keys in place
-  else named_barrier_sync(1, 2 * kBlockN);        // both warpgroups' keys in place
-  const u64 a_desc = smem_desc(kOwnKeys ? sds + wg * kBlockM * 128 : sds, 16, 1024);
-  const u64 b_desc = smem_desc(kOwnKeys ? sk + wg * 64 * 128 : sk + wg * kBlockN * 128,
-                               kBlockN * 128, 1024);
-  wgmma_fence();
+  if constexpr (kHeadDim == 64) {
+    warpgroup_barrier(wg);  // its keys in place
+    const u64 b_desc = smem_desc(sds + wg * kBlockM * 128, 16, 1024);
+    wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < (kOwnKeys ? 64 : kBlockN) / 16; ++ks)
-    wgmma_ss_mn<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, kBlockM)),
-                        desc_add(b_desc, mn_kstep_offset(ks)), ks > 0);
+    for (int ks = 0; ks < 4; ++ks)
+      wgmma_rs_k<kDtype>(acc, kt[ks], desc_add(b_desc, kstep_offset(ks, kBlockM)), ks > 0);
+  } else {
+    named_barrier_sync(1, 2 * kBlockN);  // both warpgroups' keys in place
+    const u64 a_desc = smem_desc(sds, 16, 1024);
+    const u64 b_desc = smem_desc(sk + wg * kBlockN * 128, kBlockN * 128, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks)
+      wgmma_ss_mn<kDtype>(acc, desc_add(a_desc, kstep_offset(ks, kBlockM)),
+                          desc_add(b_desc, mn_kstep_offset(ks)), ks > 0);
+  }
   wgmma_commit();
 }
 
@@ -538,11 +566,12 @@ template <int kDtype, int kHeadDim, int kBlockM, int kBlockN, int kPTiles, int k
 __device__ __forceinline__ void dq_share_after_dv(float (&acc_dq)[1][8][4],
                                                   u32 (&p_frag)[kPTiles][4],
                                                   float (&acc_dv)[1][kDvTiles][4], u32 sds_step,
-                                                  u32 sk, int wg) {
+                                                  u32 sk, const DqKtFrags<kHeadDim>& kt,
+                                                  int wg) {
   wgmma_wait<1>();
   fence_registers(p_frag);
   fence_registers(acc_dv);
-  issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, wg);
+  issue_dq_share<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, sds_step, sk, kt, wg);
   wgmma_wait<0>();
   fence_registers(acc_dq);
 }
@@ -696,8 +725,15 @@ __global__ void __launch_bounds__(256) bwd_dq_blocks_kernel(const FwdParams p, c
       const int t = f % 128, slab_f = f % 1024;
       const int r = (t / 32) * 16 + (t % 32) / 4;
       const int c = (f / 1024) * 64 - col0 + (slab_f / 128) * 8 + (t % 4) * 2;
-      *reinterpret_cast<float2*>(rows + r * kStride + c) = make_float2(x.x, x.y);
-      *reinterpret_cast<float2*>(rows + (r + 8) * kStride + c) = make_float2(x.z, x.w);
+      if constexpr (kHeadDim == 64) {  // (dq^T: r a column of dq, c a row; DqKtFrags)
+        rows[c * kStride + r] = x.x;
+        rows[(c + 1) * kStride + r] = x.y;
+        rows[c * kStride + r + 8] = x.z;
+        rows[(c + 1) * kStride + r + 8] = x.w;
+      } else {
+        *reinterpret_cast<float2*>(rows + r * kStride + c) = make_float2(x.x, x.y);
+        *reinterpret_cast<float2*>(rows + (r + 8) * kStride + c) = make_float2(x.z, x.w);
+      }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < 64 * kChunks; i += 256) {
@@ -1189,6 +1225,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
   // dS and K, dq's slabs and the copies read and write it besides)
   constexpr bool kKVHeld = kSlabDq && kHeadDim == 64;
   u32 k_frag[kKVHeld ? kHeadDim / 16 : 1][4], v_frag[kKVHeld ? kHeadDim / 16 : 1][4];
+  [[maybe_unused]] DqKtFrags<kHeadDim> kt_frag;  // (kSlabDq at d = 64)
   if constexpr (kProducer) {
     // K and V by the consumers, before their first step: the producer's 24 registers had
     // it issue the copies one dependent step at a time, 2.6 us of a d = 128 CTA's 3.4 us
@@ -1209,6 +1246,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
       if constexpr (kKVHeld) {
         load_a_frags<kBlockN, kHeadDim>(k_frag, sk, warp_row0, lane);
         load_a_frags<kBlockN, kHeadDim>(v_frag, sv, warp_row0, lane);
+        load_kt_frags<kBlockN>(kt_frag, sk, wg, lane);
       }
     }
   }
@@ -1293,7 +1331,7 @@ __global__ void __launch_bounds__((kSplitCols ? 256 : 2 * kBlockN) + (kProducer 
       if constexpr (kSlabDq) {
         float acc_dq[1][8][4];
         dq_share_after_dv<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, p_frag, acc_dv, sds_step,
-                                                              sk, wg);
+                                                              sk, kt_frag, wg);
         if constexpr (kHeadDim == 64)
           stage_dq_pair(acc_dq, sdq, dq_empty, dq_pair, i, wg);
         else
@@ -1544,16 +1582,19 @@ __global__ void __launch_bounds__(384, 1)
     for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = acc_dv[0][dt][e] = 0.f;
-    // K and V as A fragments, as bwd_dkdv_sm90_kernel's (kKVHeld); under a window V stays
-    // in shared memory (its fragments spilled 52 bytes at the consumers' 216 registers)
-    constexpr bool kVHeld = kMask != MASK_WINDOW;
-    u32 k_frag[kHeadDim / 16][4], v_frag[kVHeld ? kHeadDim / 16 : 1][4];
+    // K^T (DqKtFrags) and K as A fragments, as bwd_dkdv_sm90_kernel's; V stays in shared
+    // memory, and under a window K too: at the consumers' 216 registers K, V and K^T
+    // spilled 128 bytes, and K and K^T under a window 48
+    constexpr bool kKHeld = kMask != MASK_WINDOW;
+    u32 k_frag[kKHeld ? kHeadDim / 16 : 1][4];
+    DqKtFrags<kHeadDim> kt_frag;
+    const u64 k_desc = smem_desc(sk + wg * 64 * 128, 16, 1024);
     const u64 v_desc = smem_desc(sv + wg * 64 * 128, 16, 1024);
     for (int i = 0; i < steps; ++i, ++step) {
       ring.await_full(stage, phase);
       if (i == 0) {  // (the block's K and V came with its first step)
-        load_a_frags<kBlockN, kHeadDim>(k_frag, sk, warp_row0, lane);
-        if constexpr (kVHeld) load_a_frags<kBlockN, kHeadDim>(v_frag, sv, warp_row0, lane);
+        if constexpr (kKHeld) load_a_frags<kBlockN, kHeadDim>(k_frag, sk, warp_row0, lane);
+        load_kt_frags<kBlockN>(kt_frag, sk, wg, lane);
       }
       Tile th = t;
       th.h = kb.h_k * group + i / kb.m_blocks;
@@ -1564,13 +1605,13 @@ __global__ void __launch_bounds__(384, 1)
       const float* s_d = s_lse + kBlockM;
       float st[1][kQTiles][4], dpt[1][kQTiles][4];
       wgmma_fence();
-      issue_scores_held<kDtype, kHeadDim, kBlockM, kQTiles>(st, k_frag, smem_desc(sq, 16, 1024));
-      if constexpr (kVHeld)
-        issue_scores_held<kDtype, kHeadDim, kBlockM, kQTiles>(dpt, v_frag,
-                                                              smem_desc(sdo, 16, 1024));
+      if constexpr (kKHeld)
+        issue_scores_held<kDtype, kHeadDim, kBlockM, kQTiles>(st, k_frag, smem_desc(sq, 16, 1024));
       else
-        issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(dpt, v_desc,
-                                                                  smem_desc(sdo, 16, 1024));
+        issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(st, k_desc,
+                                                                  smem_desc(sq, 16, 1024));
+      issue_scores<kDtype, kHeadDim, kBlockM, kQTiles, kBlockN>(dpt, v_desc,
+                                                                smem_desc(sdo, 16, 1024));
       wgmma_wait<1>();
       fence_registers(st);
       const bool masked = block_needs_mask<kMask>(p, th, q0, min(q0 + kBlockM, t.seqlen_q),
@@ -1598,7 +1639,7 @@ __global__ void __launch_bounds__(384, 1)
       issue_accumulate<kDtype>(acc_dk, ds_frag, smem_desc(sq, kBlockM * 128, 1024));
       float acc_dq[1][8][4];
       dq_share_after_dv<kDtype, kHeadDim, kBlockM, kBlockN>(acc_dq, p_frag, acc_dv, sds_step,
-                                                            sk, wg);
+                                                            sk, kt_frag, wg);
       fence_registers(ds_frag);
       fence_registers(acc_dk);
       stage_dq_pair(acc_dq, sdq, dq_empty, dq_pair, step, wg);
