@@ -448,7 +448,8 @@ def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True, persist
 # PERSISTENT_MAX_ROWS query rows (a packed batch's total), where a key block's CTA runs
 # few steps: on an H200 at 1k 0.92x the time causal, 0.98-1.00x full, but from 4k
 # 1.01-1.05x (its consumers' 216 registers, where a CTA a key block gives them 240:
-# bench/results/bwd_persistent64_h200.md). CUFA_BWD_PERSISTENT=0 keeps a CTA a key block.
+# bench/results/bwd_persistent64_h200.md). CUFA_BWD_PERSISTENT=0 keeps a CTA a key block,
+# =1 takes the persistent kernel at any length (to time it there).
 BWD_PERSISTENT_HEAD_DIMS = (64,)
 BWD_PERSISTENT_MAX_ROWS = 1024
 BWD_PERSISTENT_ENV = "CUFA_BWD_PERSISTENT"
@@ -456,9 +457,13 @@ BWD_PERSISTENT_ENV = "CUFA_BWD_PERSISTENT"
 
 def bwd_persistent_wanted(seqlen_q):
     """Whether a call of seqlen_q query rows (_bwd_plan.variants_of's) takes the persistent
-    kernel where it applies."""
-    return (_overrides.get(BWD_PERSISTENT_ENV) != "0"
-            and seqlen_q <= BWD_PERSISTENT_MAX_ROWS)
+    kernel where it applies: CUFA_BWD_PERSISTENT "0" never, "1" at any length, unset or
+    empty up to BWD_PERSISTENT_MAX_ROWS; anything else is refused."""
+    value = _overrides.get(BWD_PERSISTENT_ENV)
+    if value not in (None, "", "0", "1"):
+        raise ValueError(f"{BWD_PERSISTENT_ENV} takes 0 (never) or 1 (at any length); "
+                         f"got {value!r}")
+    return value == "1" or (value != "0" and seqlen_q <= BWD_PERSISTENT_MAX_ROWS)
 
 
 def bwd_fused_wanted():

@@ -648,6 +648,12 @@ def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
     monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "0")
     kv, blocks, *_ = launch(64, b=8, hk=4)
     assert not kv.persistent and kv.tma and blocks == 8 * 4 * 8
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "1")  # (any length)
+    kv, blocks, *_ = launch(64, s=4096)
+    assert kv.persistent and blocks == 2 * 2 * 4096 // 128
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "yes")
+    with pytest.raises(ValueError, match="CUFA_BWD_PERSISTENT takes 0 .* or 1"):
+        launch(64)
 
 
 def test_fused_dq_variable_takes_0_or_1(monkeypatch):
