@@ -230,12 +230,12 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q, deter
     if not deterministic and attn_mask is None and wanted is not False:
         if wanted:
             fused = ((_compile.bwd_sm90_fused_variants(*key, _compile.bwd_tma_wanted(),
-                                                        _compile.bwd_persistent_wanted(seqlen_q))
+                                                        _compile.bwd_persistent_wanted(seqlen_q, mask))
                       if wgmma else None)
                      or _compile.bwd_fused_variants(*key))
         elif wgmma and _compile.bwd_sm90_fused_by_default(wgmma[1].head_dim):
             fused = _compile.bwd_sm90_fused_variants(
-                *key, persistent=_compile.bwd_persistent_wanted(seqlen_q))
+                *key, persistent=_compile.bwd_persistent_wanted(seqlen_q, mask))
     return fused or wgmma or _compile.bwd_variants(*key)
 
 

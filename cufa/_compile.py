@@ -444,26 +444,30 @@ def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True, persist
 
 
 # The persistent fused kernel (bwd_dkdv_persistent_sm90_kernel): at d = 64, where two K/V
-# buffers fit beside the ring (d = 128's would not), Hopper's default for calls of at most
-# PERSISTENT_MAX_ROWS query rows (a packed batch's total), where a key block's CTA runs
-# few steps: on an H200 at 1k 0.92x the time causal, 0.98-1.00x full, but from 4k
-# 1.01-1.05x (its consumers' 216 registers, where a CTA a key block gives them 240:
-# bench/results/bwd_persistent64_h200.md). CUFA_BWD_PERSISTENT=0 keeps a CTA a key block,
-# =1 takes the persistent kernel at any length (to time it there).
+# buffers fit beside the ring (d = 128's would not), Hopper's default for windowed (causal)
+# calls of at most PERSISTENT_MAX_ROWS query rows (a packed batch's total), where a key
+# block's CTA runs few steps. On an H200, since a CTA a key block holds K, V and K^T in
+# registers (the persistent one, at 216 registers a consumer, K and K^T): causal 0.90x the
+# time at 512 rows, 0.94x at 1k, 1.00x at 2k, 1.05-1.11x from 4k; without a mask 1.01x at
+# 512, 1.05-1.08x from 1k (bench/results/bwd_d64_held_h200.md; before, 0.98-1.00x full at
+# 1k: bwd_persistent64_h200.md). CUFA_BWD_PERSISTENT=0 keeps a CTA a key block, =1 takes
+# the persistent kernel wherever it applies (to time it there).
 BWD_PERSISTENT_HEAD_DIMS = (64,)
 BWD_PERSISTENT_MAX_ROWS = 1024
 BWD_PERSISTENT_ENV = "CUFA_BWD_PERSISTENT"
 
 
-def bwd_persistent_wanted(seqlen_q):
-    """Whether a call of seqlen_q query rows (_bwd_plan.variants_of's) takes the persistent
-    kernel where it applies: CUFA_BWD_PERSISTENT "0" never, "1" at any length, unset or
-    empty up to BWD_PERSISTENT_MAX_ROWS; anything else is refused."""
+def bwd_persistent_wanted(seqlen_q, mask):
+    """Whether a call of seqlen_q query rows and this mask kind (_bwd_plan.variants_of's)
+    takes the persistent kernel where it applies: CUFA_BWD_PERSISTENT "0" never, "1"
+    always, unset or empty under a window up to BWD_PERSISTENT_MAX_ROWS; anything else is
+    refused."""
     value = _overrides.get(BWD_PERSISTENT_ENV)
     if value not in (None, "", "0", "1"):
-        raise ValueError(f"{BWD_PERSISTENT_ENV} takes 0 (never) or 1 (at any length); "
+        raise ValueError(f"{BWD_PERSISTENT_ENV} takes 0 (never) or 1 (wherever it applies); "
                          f"got {value!r}")
-    return value == "1" or (value != "0" and seqlen_q <= BWD_PERSISTENT_MAX_ROWS)
+    return value == "1" or (value != "0" and mask == "window"
+                            and seqlen_q <= BWD_PERSISTENT_MAX_ROWS)
 
 
 def bwd_fused_wanted():

@@ -614,8 +614,8 @@ def test_hopper_fuses_dq_where_it_was_faster(monkeypatch, d, causal, seqlen, fus
 
 
 def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
-    """At d = 64 and up to 1024 query rows Hopper's fused dk/dv kernel is the persistent one:
-    at most a CTA an SM
+    """At d = 64 under a window (causal) and up to 1024 query rows Hopper's fused dk/dv
+    kernel is the persistent one (without a mask a CTA a key block): at most a CTA an SM
     (the key blocks past them from a counter that the preprocess zeroes, in the scratch
     after dq's sums); CUFA_BWD_PERSISTENT=0, or arrays the copy engine refuses (its
     cp.async twin), keep a CTA a key block; d = 128 has none."""
@@ -626,9 +626,9 @@ def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
                 _compile.BWD_PERSISTENT_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
 
-    def launch(d, b=2, s=1000, hk=2):
+    def launch(d, b=2, s=1000, hk=2, causal=True):
         rec.launches.clear()
-        cufa.flash_attn_backward(*dense_args(b=b, sq=s, sk=s, hk=hk, d=d), causal=True)
+        cufa.flash_attn_backward(*dense_args(b=b, sq=s, sk=s, hk=hk, d=d), causal=causal)
         (pre, _, _, _, _, (_, pre_bwd)), (kv, blocks, _, smem, _, (_, bwd)) = rec.launches[:2]
         return kv, blocks, smem, pre_bwd, bwd
     kv, blocks, smem, pre_bwd, bwd = launch(64)
@@ -640,6 +640,8 @@ def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
     assert kv.persistent and blocks == 132
     kv, blocks, *_ = launch(64, s=1025)  # (past BWD_PERSISTENT_MAX_ROWS: a CTA a key block)
     assert not kv.persistent and kv.fused_dq and blocks == 2 * 2 * -(-1025 // 128)
+    kv, blocks, *_ = launch(64, causal=False)  # (no mask: a CTA a key block)
+    assert not kv.persistent and kv.fused_dq and blocks == 2 * 2 * -(-1000 // 128)
     assert not launch(128)[0].persistent and launch(128)[4]["tile_counter"] == 0
     rec.maps_refused = True
     kv, blocks, _, _, bwd = launch(64, b=8, hk=4)
@@ -648,9 +650,10 @@ def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
     monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "0")
     kv, blocks, *_ = launch(64, b=8, hk=4)
     assert not kv.persistent and kv.tma and blocks == 8 * 4 * 8
-    monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "1")  # (any length)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "1")  # (always)
     kv, blocks, *_ = launch(64, s=4096)
     assert kv.persistent and blocks == 2 * 2 * 4096 // 128
+    assert launch(64, causal=False)[0].persistent
     monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "yes")
     with pytest.raises(ValueError, match="CUFA_BWD_PERSISTENT takes 0 .* or 1"):
         launch(64)
