@@ -31,6 +31,7 @@ METRICS = {  # label: ncu metric
     "regs": "launch__registers_per_thread",
     "smem KB": "launch__shared_mem_per_block_dynamic",
     "grid": "launch__grid_size",
+    "L1/smem %": "l1tex__throughput.avg.pct_of_peak_sustained_active",
 }
 # stall reasons, cycles a warp spends in each per issued instruction
 STALLS = ("wait", "barrier", "long_scoreboard", "short_scoreboard", "math_pipe_throttle",
