@@ -227,15 +227,15 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q, deter
     if wgmma and _compile.family_for(_runtime.compute_capability(q.device)) != "sm90":
         wgmma = None
     fused, wanted = None, _compile.bwd_fused_wanted()
+    persistent = _compile.bwd_persistent_wanted(seqlen_q, mask)  # (its variable checked always)
     if not deterministic and attn_mask is None and wanted is not False:
         if wanted:
             fused = ((_compile.bwd_sm90_fused_variants(*key, _compile.bwd_tma_wanted(),
-                                                        _compile.bwd_persistent_wanted(seqlen_q, mask))
+                                                        persistent)
                       if wgmma else None)
                      or _compile.bwd_fused_variants(*key))
         elif wgmma and _compile.bwd_sm90_fused_by_default(wgmma[1].head_dim):
-            fused = _compile.bwd_sm90_fused_variants(
-                *key, persistent=_compile.bwd_persistent_wanted(seqlen_q, mask))
+            fused = _compile.bwd_sm90_fused_variants(*key, persistent=persistent)
     return fused or wgmma or _compile.bwd_variants(*key)
 
 

@@ -657,6 +657,9 @@ def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
     monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "yes")
     with pytest.raises(ValueError, match="CUFA_BWD_PERSISTENT takes 0 .* or 1"):
         launch(64)
+    monkeypatch.setitem(_compile._overrides, _compile.BWD_FUSED_ENV, "0")  # (no fused route)
+    with pytest.raises(ValueError, match="CUFA_BWD_PERSISTENT takes 0 .* or 1"):
+        launch(128)
 
 
 def test_fused_dq_variable_takes_0_or_1(monkeypatch):

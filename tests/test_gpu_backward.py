@@ -393,6 +393,36 @@ def test_dq_fused_varlen(fused_dq, d):
     check_packed_grads((dq, dk, dv), q, k, v, dout, out, lens, f"fused varlen d={d}")
 
 
+PERSISTENT = {  # (d = 64 on Hopper; CUFA_BWD_PERSISTENT=1 takes it past the default's rule)
+    "no mask, GQA": dict(b=2, sq=300, sk=300, h=4, hk=2, d=64),
+    "causal, more keys, d56": dict(b=1, sq=200, sk=333, h=4, hk=4, d=56, causal=True),
+    "window, past 1024 rows": dict(b=1, sq=1500, sk=1500, h=2, hk=1, d=64,
+                                   window_size=(100, 20)),
+}
+
+
+@pytest.mark.parametrize("name", list(PERSISTENT))
+def test_persistent_dkdv_kernel(monkeypatch, name):
+    """The persistent d = 64 dk/dv kernel (a CTA an SM taking key blocks from a counter;
+    the default only under a window up to 1024 query rows) wherever it applies, with
+    CUFA_BWD_PERSISTENT=1: without a mask (where it holds K's fragments as well as K^T's),
+    causal, and a sliding window past 1024 rows; the reference's gradients."""
+    from cufa import _compile
+    wgmma_or_skip("the persistent kernel")
+    case = dict(PERSISTENT[name])
+    kw = {n: case.pop(n) for n in ("causal", "window_size") if n in case}
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    try:
+        monkeypatch.setenv(_compile.BWD_PERSISTENT_ENV, "1")
+        cufa.api.clear_plans()
+        if not kw:
+            assert any(v.persistent for v in _route(torch.bfloat16, 64, case["sq"]))
+        run_dense(rng, torch.bfloat16, label=f"persistent {name}", **case, **kw)
+    finally:
+        monkeypatch.undo()
+        cufa.api.clear_plans()
+
+
 def _route(dtype, d, seqlen_q, deterministic=False):
     """The backward's launches for a call of this dtype, head dim and query rows (no mask)."""
     from cufa import _bwd_plan, _checks, _interop

@@ -473,21 +473,14 @@ __global__ void __launch_bounds__(2 * kBlockM + (kProducer ? 128 : 0), 1)
 //    K-major tile of both warpgroups' keys (a 64-key panel each), two tiles alternating by
 //    step. At d = 128, once both are in, each takes 64 of the head dim's columns over all
 //    of the keys; at d = 64 each takes the whole head dim over its own keys (no wait for
-//    the other's dS), and warpgroup 0 adds warpgroup 1's sums to its own (stage_dq_pair).
-//    The sums go to shared memory as the accumulators hold them, a slab of 64 x 64 a
-//    warpgroup (float4 j of thread t at (j * 128 + t) * 16 bytes: no bank conflicts, no
-//    shuffle), and once the step's buffer is released the producer adds the step's 16 KB
-//    (d = 64) or 32 KB to the step's block of dq_accum, which keeps that order
-//    (dq_slab_index), by one bulk reduction; bwd_dq_blocks_kernel puts the sums back in
-//    rows --
+//    the other's dS) as dq^T = K^T dS^T (DqKtFrags), and warpgroup 0 adds warpgroup 1's
+//    sums to its own (stage_dq_pair). The sums go to shared memory as the accumulators
+//    hold them, a slab of 64 x 64 a warpgroup (float4 j of thread t at (j * 128 + t) * 16
+//    bytes: no bank conflicts, no shuffle; the accumulator's rows are dq's rows, or at
+//    d = 64 its columns), and once the step's buffer is released the producer adds the
+//    step's 16 KB (d = 64) or 32 KB to the step's block of dq_accum, which keeps that
+//    order, by one bulk reduction; bwd_dq_blocks_kernel puts the sums back in rows --
 enum : int { kDqSlabBytes = 64 * 64 * 4 };  // (an enum: unused where dq is not fused)
-
-// where a slab keeps the sum of row r, column c (both < 64): the float of its
-// accumulator's thread (warp r / 16) that holds it
-__device__ __forceinline__ int dq_slab_index(int r, int c) {
-  const int thread = (r / 16) * 32 + (r % 8) * 4 + (c % 8) / 2;
-  return ((c / 8) * 128 + thread) * 4 + 2 * ((r % 16) / 8) + c % 2;
-}
 
 // the warp's dS^T fragments (its 16 keys x kBlockM queries) as dS, before they are the A
 // operand of an in-flight product (its registers must not be read until it completes)
@@ -518,9 +511,9 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
 template <int kHeadDim>
 using DqKtFrags = u32[kHeadDim == 64 ? 4 : 1][4];
 
-// this warp's K^T fragments (DqKtFrags): A's rows are its warpgroup's 16 w.. of the head
-// dim (w: the warp in its warpgroup), its k-steps the warpgroup's keys, from K's tile of
-// kRows keys (one 64-column panel)
+// this warp's K^T fragments (DqKtFrags): A's rows are the head dim's 16 w .. 16 w + 15 (w:
+// the warp in its warpgroup; the consumers' threads start at a multiple of 128), its
+// k-steps its warpgroup's 64 keys, from K's tile of kRows keys (one 64-column panel)
 template <int kRows>
 __device__ __forceinline__ void load_kt_frags(DqKtFrags<64>& a, u32 sk, int wg, int lane) {
   const int matrix = lane / 8, dim_chunk = 2 * ((threadIdx.x / 32) % 4) + matrix % 2;
@@ -667,7 +660,7 @@ __device__ __forceinline__ void free_dq_slabs(u32 dq_empty) {
   mbar_arrive(dq_empty);
 }
 
-// dq's rows from the fused kernel's blocks of sums (float32, dq_slab_index's order; a
+// dq's rows from the fused kernel's blocks of sums (float32, in slabs' order; a
 // 64-row block of a sequence at a row of dq_accum that is a multiple of 64: the sequences
 // of a packed batch start at (q_start + 64 b) rounded down). A CTA a block of a head: the
 // block read in order (float4s), turned into rows in shared memory, written a row's 16
@@ -717,7 +710,7 @@ __global__ void __launch_bounds__(256) bwd_dq_blocks_kernel(const FwdParams p, c
   for (int col0 = 0; col0 < kHeadDim; col0 += kChunkCols) {
     if (col0 > 0) __syncthreads();  // (the previous chunk's rows read)
     // float4 f of a slab: its accumulator's tile j = f / 128 of thread t = f % 128, rows r
-    // and r + 8, columns c and c + 1
+    // and r + 8, columns c and c + 1 (at d = 64 of dq^T)
 #pragma unroll
     for (int k = 0; k < kChunkCols / 16; ++k) {
       const int f = col0 / 64 * 1024 + k * 256 + threadIdx.x;

@@ -4,7 +4,8 @@
 //   wgmma_ss: A and B from shared memory (descriptors), both K-major (S = Q K^T).
 //   wgmma_ss_mn: the same with B MN-major (dq += dS K, dS staged in shared memory).
 //   wgmma_rs: A from registers, B from shared memory MN-major (O += P V).
-//   wgmma_rs_k: A from registers, B K-major (MLA's S over Q's k-steps in registers).
+//   wgmma_rs_k: A from registers, B K-major (MLA's S over Q's k-steps in registers;
+//     the d = 64 backward's S^T, dP^T and dq^T with K, V and K^T held).
 //   wgmma_ss_e4m3, wgmma_rs_e4m3: e4m3 operands, k32 steps, both K-major.
 // accumulate = 0 overwrites d, 1 adds to it. Accumulators use the mma.sync C layout
 // per warp: d[0][n / 8][e] is row 16 * warp + lane / 4 + 8 * (e / 2), column n.
