@@ -66,13 +66,26 @@ __device__ __forceinline__ void add_mask_grad(const BwdParams& g, const Tile& t,
               ds);
 }
 
-// The query rows lo..hi that see key `key` (in the sequence's numbering; none where lo >
-// hi): row r sees it where key < seqlen_k and key is within window_left keys before r's
-// diagonal key (r + diag_offset) and window_right after it, a side of kUnboundedWindow or
-// more having no bound. Worked out once for a lane's key, so that a masked step tests
-// each score by two compares (a test of each (row, key) pair in 64 bits took ~20
-// instructions and branches an element: ncu counted 18-45 % more instructions than
-// cuDNN's backward under a causal mask at d = 64). Clamped to int: the rows compared are.
+// Whether key `key` is within a window side of `side` keys of `diagonal` (a side of
+// kUnboundedWindow or more has no bound)
+__device__ __forceinline__ bool within_side(i64 distance, int side) {
+  return side >= kUnboundedWindow || distance <= side;
+}
+
+// Whether query `row` sees key `key` (both in the sequence's numbering)
+template <int kMask>
+__device__ __forceinline__ bool visible(const FwdParams& p, const Tile& t, int row, int key) {
+  if (key >= t.seqlen_k) return false;
+  if (kMask == MASK_NONE) return true;
+  const i64 diagonal = (i64)row + t.diag_offset;
+  return within_side(diagonal - key, p.window_left) && within_side(key - diagonal, p.window_right);
+}
+
+// The query rows lo..hi that see key `key`, as visible() has it (none where lo > hi),
+// worked out once in 64 bits and clamped to int: the rows compared are ints from 0, and
+// the host's windows (0..kUnboundedWindow) and diagonal offsets (0 or seqlen_k -
+// seqlen_q) keep an unclamped lo below seqlen_q and hi above INT_MIN, where the clamps
+// do not reach
 struct RowSpan {
   int lo, hi;
 };
@@ -94,14 +107,23 @@ __device__ __forceinline__ RowSpan rows_seeing(const FwdParams& p, const Tile& t
 //    the one loop made a branch of every element, and the exponentials ran one at a time
 //    on every step. Score mods keep one loop and exp2f (two loops, or ex2.approx.ftz,
 //    spilled on mma.sync at d = 128); callers that pass kSplit false keep one loop --
-template <int kMask, bool kScoreMods, bool kMaskTest, int kQTiles, int kGradTiles>
+// kSpans: in the masked steps' own loop under a window, the rows that see each of the
+// lane's two keys are worked out once (rows_seeing) and a score is tested by two compares
+// (visible() on each score, in 64 bits under a branch, was ~20 instructions an element:
+// ncu counted 18-45 % more instructions than cuDNN's kernel under a causal mask at
+// d = 64). The one loop of every step (score mods, or kSplit false) keeps visible(), and
+// so do 128-query steps, for their registers (the spans spilled 60-80 bytes at d = 128
+// with score mods, 8-16 at d = 64 on 128 queries); without a window visible() is one
+// compare
+template <int kMask, bool kScoreMods, bool kMaskTest, bool kSpans, int kQTiles,
+          int kGradTiles>
 __device__ __forceinline__ void probs_t_of(float (&st)[1][kQTiles][4],
                                            float (&grad)[1][kGradTiles][4], bool masked,
                                            const FwdParams& p, const Tile& th,
                                            const TileMods& mods, int q0, int first_key,
                                            const float* s_lse, int lane) {
-  RowSpan seen[2];  // (kMaskTest: the rows that see this lane's two keys)
-  if constexpr (kMaskTest)
+  RowSpan seen[2];
+  if constexpr (kSpans)
 #pragma unroll
     for (int h = 0; h < 2; ++h) seen[h] = rows_seeing<kMask>(p, th, first_key + 8 * h);
 #pragma unroll
@@ -115,8 +137,11 @@ __device__ __forceinline__ void probs_t_of(float (&st)[1][kQTiles][4],
         x = modded_score(st[0][nt][e], p, th, mods, q0 + col, key, grad[0][nt][e]);
       else
         x = st[0][nt][e] * p.scale_log2;
-      if (kMaskTest && masked && (q0 + col < seen[e >> 1].lo || q0 + col > seen[e >> 1].hi))
+      if constexpr (kSpans) {
+        if (q0 + col < seen[e >> 1].lo || q0 + col > seen[e >> 1].hi) x = -CUFA_INF;
+      } else if (kMaskTest && masked && !visible<kMask>(p, th, q0 + col, key)) {
         x = -CUFA_INF;
+      }
       st[0][nt][e] = kScoreMods ? exp2f(x - s_lse[col]) : fast_exp2(x - s_lse[col]);
     }
 }
@@ -125,12 +150,16 @@ __device__ __forceinline__ void probs_t(float (&st)[1][kQTiles][4],
                                         float (&grad)[1][kGradTiles][4], bool masked,
                                         const FwdParams& p, const Tile& th, const TileMods& mods,
                                         int q0, int first_key, const float* s_lse, int lane) {
-  if (kScoreMods || !kSplit || masked)
-    probs_t_of<kMask, kScoreMods, true>(st, grad, masked, p, th, mods, q0, first_key, s_lse,
-                                        lane);
+  constexpr bool kSpans = kMask == MASK_WINDOW && kQTiles <= 8;
+  if (kScoreMods || !kSplit)
+    probs_t_of<kMask, kScoreMods, true, false>(st, grad, masked, p, th, mods, q0, first_key,
+                                               s_lse, lane);
+  else if (masked)
+    probs_t_of<kMask, kScoreMods, true, kSpans>(st, grad, true, p, th, mods, q0, first_key,
+                                                s_lse, lane);
   else
-    probs_t_of<kMask, kScoreMods, false>(st, grad, false, p, th, mods, q0, first_key, s_lse,
-                                         lane);
+    probs_t_of<kMask, kScoreMods, false, false>(st, grad, false, p, th, mods, q0, first_key,
+                                                s_lse, lane);
 }
 
 // -- store a warp's 16-row tiles of float accumulators as rows of kDtype, rows below
