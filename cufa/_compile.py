@@ -447,13 +447,13 @@ def bwd_sm90_fused_variants(dtype, head_dim, mask, score_mods, tma=True, persist
 # buffers fit beside the ring (d = 128's would not), Hopper's default for windowed (causal)
 # calls of at most PERSISTENT_MAX_ROWS query rows (a packed batch's total), where a key
 # block's CTA runs few steps. On an H200, since a CTA a key block holds K, V and K^T in
-# registers (the persistent one, at 216 registers a consumer, K and K^T): causal 0.90x the
-# time at 512 rows, 0.94x at 1k, 1.00x at 2k, 1.05-1.11x from 4k; without a mask 1.01x at
-# 512, 1.05-1.08x from 1k (bench/results/bwd_d64_held_h200.md; before, 0.98-1.00x full at
-# 1k: bwd_persistent64_h200.md). CUFA_BWD_PERSISTENT=0 keeps a CTA a key block, =1 takes
-# the persistent kernel wherever it applies (to time it there).
+# registers and tests a masked score against its key's row span: causal 0.96x the time
+# at 512 rows, 1.02-1.03x at 1k, 1.07x at 2k; without a mask 1.01x at 512, 1.04-1.07x
+# from 1k (bench/results/bwd_mask_rows_h200.md; before the row spans 0.94x at 1k causal:
+# bwd_d64_held_h200.md). CUFA_BWD_PERSISTENT=0 keeps a CTA a key block, =1 takes the
+# persistent kernel wherever it applies (to time it there).
 BWD_PERSISTENT_HEAD_DIMS = (64,)
-BWD_PERSISTENT_MAX_ROWS = 1024
+BWD_PERSISTENT_MAX_ROWS = 512
 BWD_PERSISTENT_ENV = "CUFA_BWD_PERSISTENT"
 
 

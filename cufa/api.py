@@ -326,9 +326,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     was called. dk and dv are summed over the query heads that share a KV head (GQA);
     rows that see no key give zero gradients, and so do keys that no query sees. dq, dk,
     dv: arrays to write the gradients into (q's, k's and v's shapes and dtype), else new
-    contiguous ones of q's framework. On Hopper at head dims 97-128 (and 33-64 with a
-    causal or sliding window over more than 1024 query rows), without softcap or ALiBi,
-    dq is summed in float32 by the dk/dv kernel, so its last bits vary from run to run;
+    contiguous ones of q's framework. On Hopper at head dims 33-64 and 97-128, without
+    softcap or ALiBi, dq is summed in float32 by the dk/dv kernel, so its last bits vary from run to run;
     deterministic=True (or torch.use_deterministic_algorithms(True)) keeps a dq kernel of
     its own: the same bits every run, at 1.0-1.2x the time (docs/api.md). dsink sums with
     atomics.

@@ -614,7 +614,7 @@ def test_hopper_fuses_dq_where_it_was_faster(monkeypatch, d, causal, seqlen, fus
 
 
 def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
-    """At d = 64 under a window (causal) and up to 1024 query rows Hopper's fused dk/dv
+    """At d = 64 under a window (causal) and up to 512 query rows Hopper's fused dk/dv
     kernel is the persistent one (without a mask a CTA a key block): at most a CTA an SM
     (the key blocks past them from a counter that the preprocess zeroes, in the scratch
     after dq's sums); CUFA_BWD_PERSISTENT=0, or arrays the copy engine refuses (its
@@ -626,30 +626,30 @@ def test_d64_fused_dq_is_persistent_on_hopper(monkeypatch):
                 _compile.BWD_PERSISTENT_ENV):
         monkeypatch.setitem(_compile._overrides, env, None)
 
-    def launch(d, b=2, s=1000, hk=2, causal=True):
+    def launch(d, b=2, s=500, hk=2, causal=True):
         rec.launches.clear()
         cufa.flash_attn_backward(*dense_args(b=b, sq=s, sk=s, hk=hk, d=d), causal=causal)
         (pre, _, _, _, _, (_, pre_bwd)), (kv, blocks, _, smem, _, (_, bwd)) = rec.launches[:2]
         return kv, blocks, smem, pre_bwd, bwd
     kv, blocks, smem, pre_bwd, bwd = launch(64)
     assert kv.persistent and kv.fused_dq and kv.tma and kv.threads == 384
-    assert blocks == 2 * 2 * -(-1000 // 128) and smem == kv.smem_bytes <= 227 * 1024
+    assert blocks == 2 * 2 * -(-500 // 128) and smem == kv.smem_bytes <= 227 * 1024
     assert bwd["tile_counter"] == pre_bwd["tile_counter"] != 0
     assert bwd["tile_counter"] >= bwd["dq_accum"] + 4 * bwd["dq_accum_floats"]
-    kv, blocks, *_ = launch(64, b=8, hk=4)  # (8 x 4 x 8 key blocks: more than the SMs)
+    kv, blocks, *_ = launch(64, b=16, hk=4)  # (16 x 4 x 4 key blocks: more than the SMs)
     assert kv.persistent and blocks == 132
-    kv, blocks, *_ = launch(64, s=1025)  # (past BWD_PERSISTENT_MAX_ROWS: a CTA a key block)
-    assert not kv.persistent and kv.fused_dq and blocks == 2 * 2 * -(-1025 // 128)
+    kv, blocks, *_ = launch(64, s=513)  # (past BWD_PERSISTENT_MAX_ROWS: a CTA a key block)
+    assert not kv.persistent and kv.fused_dq and blocks == 2 * 2 * -(-513 // 128)
     kv, blocks, *_ = launch(64, causal=False)  # (no mask: a CTA a key block)
-    assert not kv.persistent and kv.fused_dq and blocks == 2 * 2 * -(-1000 // 128)
+    assert not kv.persistent and kv.fused_dq and blocks == 2 * 2 * -(-500 // 128)
     assert not launch(128)[0].persistent and launch(128)[4]["tile_counter"] == 0
     rec.maps_refused = True
-    kv, blocks, _, _, bwd = launch(64, b=8, hk=4)
-    assert not kv.persistent and not kv.tma and blocks == 8 * 4 * 8 and bwd["tile_counter"] == 0
+    kv, blocks, _, _, bwd = launch(64, b=16, hk=4)
+    assert not kv.persistent and not kv.tma and blocks == 16 * 4 * 4 and bwd["tile_counter"] == 0
     rec.maps_refused = False
     monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "0")
-    kv, blocks, *_ = launch(64, b=8, hk=4)
-    assert not kv.persistent and kv.tma and blocks == 8 * 4 * 8
+    kv, blocks, *_ = launch(64, b=16, hk=4)
+    assert not kv.persistent and kv.tma and blocks == 16 * 4 * 4
     monkeypatch.setitem(_compile._overrides, _compile.BWD_PERSISTENT_ENV, "1")  # (always)
     kv, blocks, *_ = launch(64, s=4096)
     assert kv.persistent and blocks == 2 * 2 * 4096 // 128

@@ -396,7 +396,7 @@ def test_dq_fused_varlen(fused_dq, d):
 PERSISTENT = {  # (d = 64 on Hopper; CUFA_BWD_PERSISTENT=1 takes it past the default's rule)
     "no mask, GQA": dict(b=2, sq=300, sk=300, h=4, hk=2, d=64),
     "causal, more keys, d56": dict(b=1, sq=200, sk=333, h=4, hk=4, d=56, causal=True),
-    "window, past 1024 rows": dict(b=1, sq=1500, sk=1500, h=2, hk=1, d=64,
+    "window, past 512 rows": dict(b=1, sq=1500, sk=1500, h=2, hk=1, d=64,
                                    window_size=(100, 20)),
 }
 
@@ -404,9 +404,9 @@ PERSISTENT = {  # (d = 64 on Hopper; CUFA_BWD_PERSISTENT=1 takes it past the def
 @pytest.mark.parametrize("name", list(PERSISTENT))
 def test_persistent_dkdv_kernel(monkeypatch, name):
     """The persistent d = 64 dk/dv kernel (a CTA an SM taking key blocks from a counter;
-    the default only under a window up to 1024 query rows) wherever it applies, with
+    the default only under a window up to 512 query rows) wherever it applies, with
     CUFA_BWD_PERSISTENT=1: without a mask (where it holds K's fragments as well as K^T's),
-    causal, and a sliding window past 1024 rows; the reference's gradients."""
+    causal, and a sliding window past 512 rows; the reference's gradients."""
     from cufa import _compile
     wgmma_or_skip("the persistent kernel")
     case = dict(PERSISTENT[name])
