@@ -12,6 +12,8 @@ from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, ch
 from ._fwd_plan import _broadcast_strides, _work_list_ints, tma_views
 from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, stream_workspace
 
+# the preprocess's rows of one head a CTA (bwd_sm80.cu: 8 warps of kPreprocessRowsPerWarp)
+PREPROCESS_ROWS_PER_CTA = 128
 
 def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq=None, dk=None,
           dv=None, dsink=None, dlse=None, softmax_scale=None, causal=False,
@@ -444,7 +446,8 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
     # (a packed batch's preprocess also zeroes the gradients' rows past its last sequence:
     # at least one CTA)
-    launches = [(pre, max(-(-bwd["rows"] // 32) * nheads, 1 if packed else 0))]
+    launches = [(pre, max(-(-bwd["rows"] // PREPROCESS_ROWS_PER_CTA) * nheads,
+                          1 if packed else 0))]
     if not fused:
         launches.append((dq_variant, q_blocks * nheads if seqlen_q else 0))
     for v in kv_variants:  # (the persistent kernel: a CTA an SM at most, the key blocks

@@ -145,7 +145,7 @@ def test_dense_launches_and_records(monkeypatch):
     kinds = [(f.kind, f.head_dim) for f, *_ in rec.launches]
     assert kinds == [("preprocess", 0), ("dq", 96), ("dkdv", 96)]
     (pre, pre_blocks, *_), (dqv, dq_blocks, *_), (kv, kv_blocks, _, _, _, (fwd, bwd)) = rec.launches
-    assert pre_blocks == -(-2 * 33 // 32) * 4
+    assert pre_blocks == -(-2 * 33 // _bwd_plan.PREPROCESS_ROWS_PER_CTA) * 4
     assert dq_blocks == -(-33 // dqv.block_m) * 2 * 4
     assert kv_blocks == -(-47 // 64) * 2 * 2
     assert (fwd["q"], fwd["k"], fwd["v"], fwd["o"], fwd["lse"]) == (0x1000, 0x2000, 0x3000,
@@ -378,7 +378,7 @@ def test_varlen_builds_both_work_lists(monkeypatch):
     fwd, bwd = kernels[1][-1]
     q_tiles, kv_tiles = 100 // dqv.block_m + 3, 130 // 64 + 3
     assert kernels[1][1] == q_tiles * h and kernels[2][1] == kv_tiles * hk
-    assert kernels[0][1] == -(-100 // 32) * h and bwd["rows"] == 100
+    assert kernels[0][1] == -(-100 // _bwd_plan.PREPROCESS_ROWS_PER_CTA) * h and bwd["rows"] == 100
     assert (fwd["cu_seqlens_q"], fwd["cu_seqlens_k"], fwd["seqused_k"]) == (0xa000, 0xb000, 0xc000)
     d_bytes = -(-4 * h * 100 // 256) * 256  # D first
     assert bwd["softmax_d"] == 0x900000
@@ -872,7 +872,7 @@ def test_packed_preprocess_zeroes_the_rows_past_the_last_sequence(monkeypatch, t
     cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True)
     pre, blocks, *_, (fwd, bwd) = next(x for x in rec.launches
                                        if getattr(x[0], "kind", "") == "preprocess")
-    assert blocks == max(-(-total_q // 32) * h, 1)
+    assert blocks == max(-(-total_q // _bwd_plan.PREPROCESS_ROWS_PER_CTA) * h, 1)
     assert fwd["cu_seqlens_q"] == fwd["cu_seqlens_k"] == 0x8000
     assert (fwd["seqlen_q"], fwd["seqlen_k"], fwd["nheads_k"]) == (total_q, 300, hk)
     assert bwd["dq"] and bwd["dk"] and bwd["dv"]

@@ -26,7 +26,7 @@ __device__ __forceinline__ void load_rows(u32 smem, const u16* gmem, i64 row_str
 // ---------------------------------------------------------------------------------------
 // preprocess: D = rowsum(dout * out) for every (row, head) (less lse's gradient, where
 // given), and the sink's gradient dsink_h = -sum_rows exp(sink_h - lse) * D (a row's output
-// falls by its sink's share as the sink grows). A CTA of 8 warps takes 32 rows of one head.
+// falls by its sink's share as the sink grows). A CTA of 8 warps takes 128 rows of one head.
 // A row is read in 16-byte pieces (the backward's alignment rule) by the fewest lanes that
 // cover it in one pass, so a warp takes several short rows at once: one lane a row with a
 // loop of dependent reductions left the small head dims latency-bound (d = 64 took 2x d =
@@ -63,9 +63,12 @@ __device__ __forceinline__ void zero_rows(u64 grad, i64 row_stride, i64 head_str
   }
 }
 
+// A CTA takes 8 * kPreprocessRowsPerWarp rows of one head (the host's grid: _bwd_plan)
+enum : int { kPreprocessRowsPerWarp = 16, kPassesInFlight = 4 };
+
 template <int kDtype>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, const BwdParams g) {
-  constexpr int kRowsPerWarp = 4, kRowsPerCta = 8 * kRowsPerWarp;
+  constexpr int kRowsPerWarp = kPreprocessRowsPerWarp, kRowsPerCta = 8 * kRowsPerWarp;
   const int h = blockIdx.x % p.nheads;
   const i64 first_row = (i64)(blockIdx.x / p.nheads) * kRowsPerCta;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -95,27 +98,55 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
     zero_rows(g.dk, g.dk_row_stride, g.dk_head_stride, end_k, p.seqlen_k, p.nheads_k, p.head_dim);
     zero_rows(g.dv, g.dv_row_stride, g.dv_head_stride, end_k, p.seqlen_k, p.nheads_k, p.head_dim);
   }
-  // (every lane runs every pass: the reductions' shuffles take the whole warp)
-  for (int i0 = 0; i0 < kRowsPerWarp; i0 += rows_at_once) {
-    const i64 r = first_row + warp * kRowsPerWarp + i0 + sub_row;
-    const bool valid = i0 + sub_row < kRowsPerWarp && r < g.rows;
-    const i64 b = valid ? r / p.seqlen_q : 0, row = valid ? r % p.seqlen_q : 0;
-    const u16* o = reinterpret_cast<const u16*>(p.o) + b * p.o_batch_stride +
-                   row * p.o_row_stride + h * p.o_head_stride;
-    const u16* dout = reinterpret_cast<const u16*>(g.dout) + b * g.dout_batch_stride +
-                      row * g.dout_row_stride + h * g.dout_head_stride;
-    float sum = 0.f;
-    if (valid)
-      for (int c = first_col; c < p.head_dim; c += lanes * 8)
-        sum += dot8<kDtype>(*reinterpret_cast<const uint4*>(o + c),
-                            *reinterpret_cast<const uint4*>(dout + c));
-    for (int s = lanes / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    if (valid && lane % lanes == 0) {
-      const i64 at = b * p.lse_batch_stride + h * p.lse_head_stride + row;
-      if (g.dlse) sum -= reinterpret_cast<const float*>(g.dlse)[at];
-      reinterpret_cast<float*>(g.softmax_d)[at] = sum;
-      if (g.dsink && sum != 0.f)  // (a row without keys: lse = sink, out 0, nothing to add)
-        dsink -= __expf(sink - reinterpret_cast<const float*>(p.lse)[at]) * sum;
+  // (every lane runs every pass: the reductions' shuffles take the whole warp). A warp's
+  // passes go kPassesInFlight at a time, their 16-byte pieces loaded before any is
+  // reduced, so that each thread has several loads in flight (one pass at a time left
+  // the preprocess at ~3.3 TB/s on an H200)
+  auto row_of = [&](int i0, int j, int& b, int& row) {  // (false: past the warp's rows)
+    const int in_warp = i0 + j * rows_at_once + sub_row;
+    const i64 r = first_row + warp * kRowsPerWarp + in_warp;
+    const bool valid = in_warp < kRowsPerWarp && r < g.rows;
+    b = valid ? static_cast<int>(r / p.seqlen_q) : 0;
+    row = valid ? static_cast<int>(r % p.seqlen_q) : 0;
+    return valid;
+  };
+  auto piece = [&](u64 base, i64 batch_stride, i64 row_stride, i64 head_stride, int b, int row,
+                   int col) {
+    return *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + b * batch_stride +
+                                           row * row_stride + h * head_stride + col);
+  };
+  for (int i0 = 0; i0 < kRowsPerWarp; i0 += kPassesInFlight * rows_at_once) {
+    uint4 o_piece[kPassesInFlight], dout_piece[kPassesInFlight];
+#pragma unroll
+    for (int j = 0; j < kPassesInFlight; ++j) {
+      int b, row;
+      o_piece[j] = dout_piece[j] = make_uint4(0, 0, 0, 0);
+      if (row_of(i0, j, b, row) && first_col < p.head_dim) {
+        o_piece[j] = piece(p.o, p.o_batch_stride, p.o_row_stride, p.o_head_stride, b, row,
+                           first_col);
+        dout_piece[j] = piece(g.dout, g.dout_batch_stride, g.dout_row_stride,
+                              g.dout_head_stride, b, row, first_col);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPassesInFlight; ++j) {
+      int b, row;
+      const bool valid = row_of(i0, j, b, row);
+      float sum = dot8<kDtype>(o_piece[j], dout_piece[j]);
+      if (valid)  // (past 32 lanes' pieces: head dims over 256)
+        for (int c = first_col + lanes * 8; c < p.head_dim; c += lanes * 8)
+          sum += dot8<kDtype>(
+              piece(p.o, p.o_batch_stride, p.o_row_stride, p.o_head_stride, b, row, c),
+              piece(g.dout, g.dout_batch_stride, g.dout_row_stride, g.dout_head_stride, b, row,
+                    c));
+      for (int s = lanes / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+      if (valid && lane % lanes == 0) {
+        const i64 at = b * p.lse_batch_stride + h * p.lse_head_stride + row;
+        if (g.dlse) sum -= reinterpret_cast<const float*>(g.dlse)[at];
+        reinterpret_cast<float*>(g.softmax_d)[at] = sum;
+        if (g.dsink && sum != 0.f)  // (a row without keys: lse = sink, out 0, nothing to add)
+          dsink -= __expf(sink - reinterpret_cast<const float*>(p.lse)[at]) * sum;
+      }
     }
   }
   if (!g.dsink) return;
