@@ -15,6 +15,7 @@ from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, 
 # the preprocess's rows of one head a CTA (bwd_sm80.cu: 8 warps of kPreprocessRowsPerWarp)
 PREPROCESS_ROWS_PER_CTA = 128
 
+
 def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq=None, dk=None,
           dv=None, dsink=None, dlse=None, softmax_scale=None, causal=False,
           window_size=(-1, -1), softcap=0.0, deterministic=False, stream=None, scratch=None):

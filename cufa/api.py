@@ -327,10 +327,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     rows that see no key give zero gradients, and so do keys that no query sees. dq, dk,
     dv: arrays to write the gradients into (q's, k's and v's shapes and dtype), else new
     contiguous ones of q's framework. On Hopper at head dims 33-64 and 97-128, without
-    softcap or ALiBi, dq is summed in float32 by the dk/dv kernel, so its last bits vary from run to run;
-    deterministic=True (or torch.use_deterministic_algorithms(True)) keeps a dq kernel of
-    its own: the same bits every run, at 1.0-1.2x the time (docs/api.md). dsink sums with
-    atomics.
+    softcap or ALiBi, dq is summed in float32 by the dk/dv kernel, so its last bits vary
+    from run to run; deterministic=True (or torch.use_deterministic_algorithms(True))
+    keeps a dq kernel of its own: the same bits every run, at 1.0-1.2x the time
+    (docs/api.md). dsink sums with atomics.
     Needs 16-byte rows: head dims and strides that are multiples of 8. dlse: the gradient
     of lse as well, where a loss reads lse (its shape, float32, contiguous). Torch tensors
     are read detached (this is what a backward runs on)."""
