@@ -30,7 +30,8 @@ __device__ __forceinline__ void load_rows(u32 smem, const u16* gmem, i64 row_str
 // A row is read in 16-byte pieces (the backward's alignment rule) by the fewest lanes that
 // cover it in one pass, so a warp takes several short rows at once: one lane a row with a
 // loop of dependent reductions left the small head dims latency-bound (d = 64 took 2x d =
-// 128's time on an H200). With dq fused, the CTAs also zero its float32 sums, a share each
+// 128's time on an H200). 32 lanes cover 256, the backward's widest head; a loop for wider
+// rows cost 14 registers. With dq fused, the CTAs also zero its float32 sums, a share each
 // (a memset of its own took another pass over the same bytes: 30 us of a d = 128 call of
 // 16k tokens on an H200).
 __device__ __forceinline__ int lanes_per_row(int head_dim) {
@@ -133,12 +134,6 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const FwdParams p, 
       int b, row;
       const bool valid = row_of(i0, j, b, row);
       float sum = dot8<kDtype>(o_piece[j], dout_piece[j]);
-      if (valid)  // (past 32 lanes' pieces: head dims over 256)
-        for (int c = first_col + lanes * 8; c < p.head_dim; c += lanes * 8)
-          sum += dot8<kDtype>(
-              piece(p.o, p.o_batch_stride, p.o_row_stride, p.o_head_stride, b, row, c),
-              piece(g.dout, g.dout_batch_stride, g.dout_row_stride, g.dout_head_stride, b, row,
-                    c));
       for (int s = lanes / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
       if (valid && lane % lanes == 0) {
         const i64 at = b * p.lse_batch_stride + h * p.lse_head_stride + row;
