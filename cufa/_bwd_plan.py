@@ -10,10 +10,36 @@ from . import _arrays, _compile, _heuristics, _interop, _params, _runtime, _tma
 from ._checks import (ATTN_MASK_TYPES, KERNEL_DTYPES, UNBOUNDED, check_dense, check_options,
                       check_packed, window_mask_kind)
 from ._fwd_plan import _broadcast_strides, _work_list_ints, tma_views
-from ._runtime import caller_stream, check_scratch, driver_launch, stream_call, stream_workspace
+from ._runtime import (caller_stream, check_scratch, driver_launch, plans, remember, stream_call,
+                       stream_workspace)
 
 # the preprocess's rows of one head a CTA (bwd_sm80.cu: 8 warps of kPreprocessRowsPerWarp)
 PREPROCESS_ROWS_PER_CTA = 128
+
+# the arrays of each entry point's signature (_kept), their addresses' names as _launch
+# reads them
+_DENSE_NAMES = ("dout", "q", "k", "v", "out", "lse", "alibi_slopes", "learnable_sink", "dlse")
+_PACKED_NAMES = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
+                 "seqused_k", "alibi_slopes", "learnable_sink", "dlse")
+_SDPA_NAMES = ("dout", "q", "k", "v", "out", "lse", "attn_mask", "learnable_sink", "dlse")
+
+
+def _kept(head, arrays, names, given, stream, scratch):
+    """(key, gradients): a call that passes no output arrays of its own (given: dq, dk, dv,
+    dsink, dmask) launches the plan kept for its signature (arrays: dout, q, k, v first),
+    which skips validation as the forward's plans do (a kept plan's arrays passed it);
+    else (the key to keep its plan under, or None where outputs were given, and None)."""
+    if any(x is not None for x in given):
+        return None, None
+    entries, addresses = _interop.signature(arrays, names)
+    key = head + entries
+    plan = plans.get(key)
+    if plan is None:
+        return key, None
+    found = dict(zip(names, addresses))
+    found.setdefault("attn_mask", 0)
+    found["dmask"] = 0
+    return key, _execute(plan, found, arrays[1:4], (None,) * 4, stream, scratch)
 
 
 def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq=None, dk=None,
@@ -26,6 +52,11 @@ def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq
     derivative by a score is P, so it enters as D - dlse. deterministic: the same bits
     every run (variants_of)."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
+    key, done = _kept(("bwd_dense", window, scale, softcap, bool(deterministic)),
+                      (dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse),
+                      _DENSE_NAMES, (dq, dk, dv, dsink), stream, scratch)
+    if done is not None:
+        return done
     a = _arrays.Dense(*(_view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"),
                                                  (alibi_slopes, "alibi_slopes"),
                                                  (learnable_sink, "learnable_sink"),
@@ -35,7 +66,7 @@ def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq
     return _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, seq_dim=1, head_dim=2, batch=batch,
                 nheads=nheads, seqlen_q=seqlen_q, seqlen_k=a.k.shape[1], d=d, window=window,
                 scale=scale, softcap=softcap, stream=stream, scratch=scratch,
-                lse_shape=(batch, nheads, seqlen_q), deterministic=deterministic)
+                lse_shape=(batch, nheads, seqlen_q), deterministic=deterministic, key=key)
 
 
 def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,
@@ -45,6 +76,12 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
     """flash_attn_varlen_func's gradients -> (dq, dk, dv, dsink or None); the rest as
     dense's."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
+    key, done = _kept(("bwd_packed", window, scale, softcap, bool(deterministic)),
+                      (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                       alibi_slopes, learnable_sink, dlse), _PACKED_NAMES, (dq, dk, dv, dsink),
+                      stream, scratch)
+    if done is not None:
+        return done
     names = _arrays.Packed._fields
     given = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  seqused_k=seqused_k, alibi_slopes=alibi_slopes,
@@ -55,7 +92,8 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
     return _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, seq_dim=0, head_dim=1, batch=batch,
                 nheads=nheads, seqlen_q=total_q, seqlen_k=a.k.shape[0], d=d, window=window,
                 scale=scale, softcap=softcap, stream=stream, scratch=scratch,
-                lse_shape=(nheads, total_q), packed=True, deterministic=deterministic)
+                lse_shape=(nheads, total_q), packed=True, deterministic=deterministic,
+                key=key)
 
 
 def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, scale=None,
@@ -69,6 +107,12 @@ def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, 
     dense's."""
     from ._checks import check_scale, check_sdpa
     scale = check_scale(scale, "scale")
+    plan_key, done = _kept(("bwd_sdpa", bool(is_causal), scale, bool(enable_gqa),
+                            bool(deterministic)),
+                           (dout, query, key, value, out, lse, attn_mask, learnable_sink,
+                            dlse), _SDPA_NAMES, (dq, dk, dv, dsink, dmask), stream, scratch)
+    if done is not None:
+        return done
     views = _arrays.Sdpa(*(_view(x, n) for x, n in (
         (query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
         (learnable_sink, "learnable_sink"))))
@@ -82,7 +126,7 @@ def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, 
                 scale=scale, softcap=0.0, stream=stream, scratch=scratch,
                 lse_shape=(batch, nheads, seqlen_q), bottom_right=False,
                 attn_mask=views.attn_mask, dmask=_mask_grad(dmask, views.attn_mask),
-                deterministic=deterministic)
+                deterministic=deterministic, key=plan_key)
 
 
 def _mask_grad(dmask, mask):
@@ -244,7 +288,10 @@ def variants_of(q, d, window, softcap, alibi, attn_mask=None, *, seqlen_q, deter
 
 def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, batch, nheads,
          seqlen_q, seqlen_k, d, window, scale, softcap, stream, scratch, lse_shape,
-         packed=False, bottom_right=True, attn_mask=None, dmask=None, deterministic=False):
+         packed=False, bottom_right=True, attn_mask=None, dmask=None, deterministic=False,
+         key=None):
+    """Validate the views, plan and launch; key: the call's _runtime.plans key where its
+    plan may be kept (no gradient arrays of the caller's), else None."""
     q, k, v, o = a.q, a.k, a.v, a.out
     if o is None:
         raise ValueError("out, the forward's output, is needed for the backward")
@@ -279,6 +326,52 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
             "the backward moves rows in 16-byte chunks: q, k, v, out, dout (and dq, dk, dv "
             "if given) need a head dim that is a multiple of 8, strides that are multiples "
             "of 8 elements and 16-byte aligned starts")
+    plan = _plan(a, do, grads, dsink, seq_dim=seq_dim, head_dim=head_dim, batch=batch,
+                 nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, window=window,
+                 scale=scale, softcap=softcap, lse_shape=lse_shape, packed=packed,
+                 bottom_right=bottom_right, attn_mask=attn_mask, dmask=dmask,
+                 deterministic=deterministic)
+    if key is not None:
+        remember(key, plan)
+    addresses = {name: x.ptr for name, x in a._asdict().items() if x is not None}
+    addresses.update(out=o.ptr, dout=do.ptr, lse=lse_view.ptr, dlse=dlse.ptr if dlse is not None else 0,
+                     attn_mask=attn_mask.ptr if attn_mask is not None else 0,
+                     dmask=dmask.ptr if dmask is not None else 0)
+    return _execute(plan, addresses, (q.obj, k.obj, v.obj),
+                    tuple(grads.get(n) for n in ("dq", "dk", "dv")) + (dsink,), stream, scratch)
+
+
+@dataclasses.dataclass  # (not frozen: see _fwd_plan._Plan)
+class _Plan:
+    """What a backward's launches need besides the arrays' addresses: it follows from the
+    call's signature, so where the caller passes no gradient arrays of its own (autograd's
+    calls) it is made once per signature and kept in _runtime.plans beside the forward's;
+    a repeated call then allocates its gradients, fills in the addresses and launches."""
+    framework: str        # of the gradients
+    device: int
+    dtype: str
+    grad_shapes: tuple    # dq's, dk's and dv's: q's, k's and v's
+    like_inputs: bool     # q, k, v are of `framework`: new gradients are allocated like them
+    nheads: int
+    sink: bool            # a learnable sink: dsink, float32 (nheads,), zeroed, summed into
+    dmask_bytes: int      # an additive mask's gradient: zeroed in the stream, summed into
+    scratch_bytes: int
+    offsets: list         # scratch_bytes' offsets: D, the work lists, dq's sums, the counter
+    fwd: dict             # the FwdParams fields but the addresses
+    bwd: dict             # the BwdParams fields but the addresses
+    to_jax: bool
+    schedules: tuple = ()  # a packed batch's work lists: (ScheduleParams record, the
+                           # cu_seqlens' name, its offset's index, its tiles)
+    launches: tuple = ()   # (variant, CUfunction, blocks, maps): maps None where the kernel
+                           # takes none, else (TMA template or None, the arrays it streams)
+    persistent: bool = False  # a launch takes the key-block counter
+
+
+def _plan(a, do, grads, dsink, *, seq_dim, head_dim, batch, nheads, seqlen_q, seqlen_k, d,
+          window, scale, softcap, lse_shape, packed, bottom_right, attn_mask, dmask,
+          deterministic):
+    """The _Plan of validated views (grads, dsink: the caller's, where given)."""
+    q, k, v, o = a.q, a.k, a.v, a.out
     nheads_k = k.shape[head_dim]
     framework = "cupy" if q.framework == "dlpack" else q.framework
     variants = variants_of(q, d, window, softcap, a.alibi_slopes, attn_mask, seqlen_q=seqlen_q,
@@ -303,61 +396,66 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
     if dmask is not None:
         (bwd["dmask_batch_stride"], bwd["dmask_head_stride"], bwd["dmask_row_stride"],
          bwd["dmask_col_stride"]) = _broadcast_strides(dmask, (batch, nheads, seqlen_q, seqlen_k))
+    strided = [(q, "q", fwd), (k, "k", fwd), (v, "v", fwd), (o, "o", fwd), (do, "dout", bwd)]
+    for name, like in (("dq", q), ("dk", k), ("dv", v)):  # (new ones are contiguous)
+        strided.append((grads.get(name) or _interop.DeviceArray(
+            None, framework, 0, like.shape, _interop.contiguous_strides(like.shape), q.dtype,
+            q.device, like.itemsize), name, bwd))
+    for x, prefix, record in strided:
+        record[f"{prefix}_batch_stride"] = 0 if packed else x.strides[0]
+        record[f"{prefix}_row_stride"] = x.strides[seq_dim]
+        record[f"{prefix}_head_stride"] = x.strides[head_dim]
+    needed, offsets = scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed, d)
+    if offsets[3] is not None:  # (dq's sums: zeroed by the preprocess)
+        floats, *strides = dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d)
+        bwd.update(dq_accum_floats=floats, **dict(zip(
+            ("dq_accum_batch_stride", "dq_accum_row_stride", "dq_accum_head_stride"), strides)))
+    plan = _Plan(framework, q.device, q.dtype, (q.shape, k.shape, v.shape),
+                 q.framework == framework, nheads, sink is not None,
+                 4 * math.prod(dmask.shape) if dmask is not None else 0, needed, offsets, fwd,
+                 bwd, _interop.returns_jax(q))
+    if batch and nheads and (seqlen_q or seqlen_k):
+        _plan_launches(plan, variants, a, do, packed, batch, seqlen_q, seqlen_k, nheads,
+                       nheads_k, seq_dim, head_dim, d)
+    return plan
 
-    with caller_stream(framework, q.device, stream) as stream:
-        outs = {}
-        for name, like in (("dq", q), ("dk", k), ("dv", v)):
-            if name in grads:
-                outs[name] = (grads[name].obj, grads[name])
-            else:
-                native, ptr = _interop.allocate(framework, like.shape, q.dtype, q.device, stream,
-                                                like.obj if like.framework == framework else None)
-                outs[name] = (native, _interop.DeviceArray(
-                    native, framework, ptr, like.shape, _interop.contiguous_strides(like.shape),
-                    q.dtype, q.device, like.itemsize))
-        for x, prefix, record in ((q, "q", fwd), (k, "k", fwd), (v, "v", fwd), (o, "o", fwd),
-                                  (do, "dout", bwd), (outs["dq"][1], "dq", bwd),
-                                  (outs["dk"][1], "dk", bwd), (outs["dv"][1], "dv", bwd)):
-            record[f"{prefix}_batch_stride"] = 0 if packed else x.strides[0]
-            record[f"{prefix}_row_stride"] = x.strides[seq_dim]
-            record[f"{prefix}_head_stride"] = x.strides[head_dim]
+
+def _execute(plan, addresses, inputs, given, stream, scratch):
+    """Allocate the gradients (but the caller's `given` (dq, dk, dv, dsink) views) and
+    queue the plan's launches on the caller's stream. addresses: {name: device address} of
+    the arrays (_arrays' names, and out, dout, lse, dlse, attn_mask, dmask); inputs: the
+    caller's q, k, v (new gradients are allocated like them)."""
+    with caller_stream(plan.framework, plan.device, stream) as stream:
+        outs = []
+        for x, shape, like in zip(given, plan.grad_shapes, inputs):
+            outs.append((x.obj, x.ptr) if x is not None else _interop.allocate(
+                plan.framework, shape, plan.dtype, plan.device, stream,
+                like if plan.like_inputs else None))
         # D and a packed batch's work lists: XLA's scratch under jax.jit, else the stream's
         # workspace (held until the launches are queued)
-        needed, offsets = scratch_bytes(variants, lse_shape, batch, seqlen_q, seqlen_k, packed,
-                                        d)
         held = None
         if scratch is not None:
-            base = check_scratch(scratch, needed)
+            base = check_scratch(scratch, plan.scratch_bytes)
         else:
-            held, base = stream_workspace(framework, q.device, stream, needed)
-        places = [None if at is None else base + at for at in offsets]
-        if places[3] is not None:  # (dq's sums: zeroed by the preprocess)
-            floats, *strides = dq_sums_layout(variants, lse_shape, batch, seqlen_q, packed, d)
-            bwd.update(dq_accum=places[3], dq_accum_floats=floats, **dict(zip(
-                ("dq_accum_batch_stride", "dq_accum_row_stride", "dq_accum_head_stride"),
-                strides)))
-        dsink_out = dsink_ptr = None
-        if sink is not None:
+            held, base = stream_workspace(plan.framework, plan.device, stream,
+                                          plan.scratch_bytes)
+        places = [None if at is None else base + at for at in plan.offsets]
+        dsink, dsink_ptr = (given[3].obj, given[3].ptr) if given[3] is not None else (None, 0)
+        if plan.sink:
             import cupy
-            if dsink is not None:
-                dsink_out, dsink_ptr = dsink.obj, dsink.ptr
-            else:
-                dsink_out, dsink_ptr = _interop.allocate(framework, (nheads,), "float32",
-                                                         q.device, stream)
-            stream_call(cupy.cuda.runtime.memsetAsync, dsink_ptr, 0, 4 * nheads, stream)
-        if dmask is not None:  # (summed into: zeroed in the stream, as dsink)
+            if dsink is None:
+                dsink, dsink_ptr = _interop.allocate(plan.framework, (plan.nheads,), "float32",
+                                                     plan.device, stream)
+            stream_call(cupy.cuda.runtime.memsetAsync, dsink_ptr, 0, 4 * plan.nheads, stream)
+        if plan.dmask_bytes:  # (summed into: zeroed in the stream, as dsink)
             import cupy
-            stream_call(cupy.cuda.runtime.memsetAsync, dmask.ptr, 0,
-                        4 * math.prod(dmask.shape), stream)
-        if batch and nheads and (seqlen_q or seqlen_k):
-            _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse_view, outs, places,
-                    dsink_ptr or 0, packed, batch, seqlen_q, seqlen_k, nheads, nheads_k,
-                    attn_mask.ptr if attn_mask is not None else 0,
-                    dlse.ptr if dlse is not None else 0, dmask.ptr if dmask is not None else 0,
-                    seq_dim, head_dim, d)
+            stream_call(cupy.cuda.runtime.memsetAsync, addresses["dmask"], 0, plan.dmask_bytes,
+                        stream)
+        if plan.launches:
+            _launch(plan, stream, addresses, [ptr for _, ptr in outs], places, dsink_ptr)
         del held
-    result = [outs[n][0] for n in ("dq", "dk", "dv")] + [dsink_out]
-    if _interop.returns_jax(q):
+    result = [x for x, _ in outs] + [dsink]
+    if plan.to_jax:
         result = _interop.to_jax(*result)
     return tuple(result)
 
@@ -372,32 +470,32 @@ def _resident_per_sm(variant):
     return max(1, min(2, _compile.SM90_SMEM_PER_SM // (variant.smem_bytes + 1024)))
 
 
-def _streamed_maps(variant, x, y, seq_dim, head_dim, d, packed):
-    """The TMA maps of a kernel whose producer streams x and y (kTma, bwd/bwd_sm90.cu: dq
-    streams k and v, dk/dv q and dout) in the maps' k and v places (q's holds x again) and,
-    for a packed batch, their tails, as a ctypes record; None if the copy engine cannot
-    describe them or a packed batch's tails (the kernels count on those where the tails
-    are on)."""
+def _streamed_template(variant, x, y, seq_dim, head_dim, d, packed):
+    """The TMA maps' template (_tma.template) of a kernel whose producer streams x and y
+    (kTma, bwd/bwd_sm90.cu: dq streams k and v, dk/dv q and dout) in the maps' k and v
+    places (q's holds x again) and, for a packed batch, their tails; None if the copy
+    engine cannot describe them or a packed batch's tails (the kernels count on those where
+    the tails are on)."""
     box_rows = variant.block_n if variant.kind == "dq" else variant.block_m
     views, tails = tma_views(((x, box_rows), (x, box_rows), (y, box_rows)), seq_dim, head_dim,
                              d, packed)
     template = _tma.template(x.dtype, views, tails)
-    if template is None or (packed and not template.has_tails):
-        return None
-    return _tma.with_addresses(template, x.ptr, x.ptr, y.ptr)
+    return None if template is None or (packed and not template.has_tails) else template
 
 
-def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, places, dsink_ptr,
-            packed, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask_ptr, dlse_ptr, dmask_ptr,
-            seq_dim, head_dim, d):
-    """preprocess, dq, dk/dv on `stream`, a packed batch's work lists built first; places:
-    the scratch addresses of scratch_bytes' offsets (D, then the lists)."""
+def _plan_launches(plan, variants, a, do, packed, batch, seqlen_q, seqlen_k, nheads,
+                   nheads_k, seq_dim, head_dim, d):
+    """plan's launches, work lists and the launch-shaped fields of its records: preprocess,
+    dq, dk/dv (or dk/dv with dq fused, then dq's sums to rows)."""
+    q, fwd, bwd = a.q, plan.fwd, plan.bwd
     # the TMA kernels' maps; a kernel whose arrays the copy engine cannot describe (None)
     # runs its cp.async twin instead
-    maps = {v: _streamed_maps(v, *((a.k, a.v) if v.kind == "dq" else (q, do)), seq_dim,
-                              head_dim, d, packed) for v in variants if v.tma}
+    streamed = {v: ("k", "v") if v.kind == "dq" else ("q", "dout") for v in variants if v.tma}
+    views = dict(q=q, k=a.k, v=a.v, dout=do)
+    templates = {v: _streamed_template(v, views[x], views[y], seq_dim, head_dim, d, packed)
+                 for v, (x, y) in streamed.items()}
     variants = tuple(dataclasses.replace(v, tma=False, persistent=False)
-                     if v in maps and maps[v] is None else v for v in variants)
+                     if v in templates and templates[v] is None else v for v in variants)
     fwd["kv_tail_maps"] = int(packed and any(v.tma for v in variants))  # (maps with tails)
     fused = variants[1].kind == "dkdv"
     pre, kv_variants = variants[0], variants[1:2] if fused else variants[2:]
@@ -406,7 +504,6 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     device = q.device
     q_blocks = fwd["num_m_blocks"] * batch
     kv_blocks = bwd["num_n_blocks"] * batch
-    pointers = dict(cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, tile_list=0, tile_count=0)
     # the order of a padded batch's blocks on Hopper's kernels (a packed batch's comes from
     # its work list; the mma.sync kernels keep one head at a time, as timed)
     bwd["kv_heads_per_group"], bwd["kv_tail_group_head"] = 1, batch * nheads_k
@@ -422,29 +519,11 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
     if packed:
         q_blocks = seqlen_q // block_m + batch
         kv_blocks = seqlen_k // block_n + batch
-        schedule = _compile.function_pointer(_compile.VARLEN_SCHEDULE, device)
-        for cu, total, block, tiles, start in (
-                (a.cu_seqlens_q.ptr, seqlen_q, block_m, q_blocks, places[1]),
-                (a.cu_seqlens_k.ptr, seqlen_k, block_n, kv_blocks, places[2])):
-            record = _params.SCHEDULE.pack(dict(batch=batch, total_q=total, block_m=block,
-                                                num_buckets=total // block + 2))
-            count = start + 8 * tiles
-            driver_launch(schedule, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
-                          (_params.SCHEDULE.with_pointer_values(record, (
-                              cu, count + 4, start, count, 0, 0, 0, 0)),))
-        pointers = dict(cu_seqlens_q=a.cu_seqlens_q.ptr, cu_seqlens_k=a.cu_seqlens_k.ptr,
-                        seqused_k=a.seqused_k.ptr if a.seqused_k is not None else 0,
-                        tile_list=places[1], tile_count=places[1] + 8 * q_blocks)
-        bwd.update(kv_tile_list=places[2], kv_tile_count=places[2] + 8 * kv_blocks)
-    fwd_record = _params.FWD.pack(dict(
-        fwd, q=q.ptr, k=a.k.ptr, v=a.v.ptr, o=o.ptr, lse=lse.ptr, attn_mask=mask_ptr,
-        alibi_slopes=a.alibi_slopes.ptr if a.alibi_slopes is not None else 0,
-        learnable_sink=a.learnable_sink.ptr if a.learnable_sink is not None else 0, **pointers))
-    bwd_record = _params.BWD.pack(dict(
-        bwd, dout=do.ptr, dq=outs["dq"][1].ptr, dk=outs["dk"][1].ptr, dv=outs["dv"][1].ptr,
-        softmax_d=places[0], dsink=dsink_ptr, dlse=dlse_ptr, dmask=dmask_ptr,
-        tile_counter=places[4] if any(v.persistent for v in variants) else 0))
-    args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
+        plan.schedules = tuple(
+            (_params.SCHEDULE.pack(dict(batch=batch, total_q=total, block_m=block,
+                                        num_buckets=total // block + 2)), cu, at, tiles)
+            for cu, total, block, tiles, at in (("cu_seqlens_q", seqlen_q, block_m, q_blocks, 1),
+                                                ("cu_seqlens_k", seqlen_k, block_n, kv_blocks, 2)))
     # (a packed batch's preprocess also zeroes the gradients' rows past its last sequence:
     # at least one CTA)
     launches = [(pre, max(-(-bwd["rows"] // PREPROCESS_ROWS_PER_CTA) * nheads,
@@ -461,10 +540,48 @@ def _launch(variants, fwd, bwd, stream, framework, q, a, o, do, lse, outs, place
             launches.append((variants[2], -(-sum_rows // 64) * nheads))
         else:  # (a thread a column)
             launches.append((variants[2], -(-bwd["rows"] * nheads * fwd["head_dim"] // 256)))
-    for variant, blocks in launches:
-        if blocks:
-            # (bwd_sm90.cu's dq and dk/dv kernels take the maps: a TMA producer's, else none)
-            takes_maps = variant.family == "sm90" and variant.kind in ("dq", "dkdv")
-            driver_launch(_compile.function_pointer(variant, device), blocks, variant.threads,
-                          variant.smem_bytes, stream,
-                          args + ((maps.get(variant) or _tma.NO_MAPS,) if takes_maps else ()))
+    # (bwd_sm90.cu's dq and dk/dv kernels take the maps: a TMA producer's, else none)
+    plan.launches = tuple(
+        (v, _compile.function_pointer(v, device), blocks,
+         (templates.get(v), *streamed.get(v, ("q", "q")))
+         if v.family == "sm90" and v.kind in ("dq", "dkdv") else None)
+        for v, blocks in launches if blocks)
+    plan.persistent = any(v.persistent for v in variants)
+
+
+def _launch(plan, stream, addresses, grads, places, dsink_ptr):
+    """The plan's launches on `stream` (the device current), a packed batch's work lists
+    first; grads: dq's, dk's and dv's addresses; places: the scratch addresses of
+    scratch_bytes' offsets."""
+    lists = {}
+    for record, cu, at, tiles in plan.schedules:
+        start = places[at]
+        count = start + 8 * tiles
+        lists[cu] = (start, count)
+        driver_launch(_compile.function_pointer(_compile.VARLEN_SCHEDULE, plan.device), 1,
+                      _compile.VARLEN_SCHEDULE.threads, 0, stream,
+                      (_params.SCHEDULE.with_pointer_values(record, (
+                          addresses[cu], count + 4, start, count, 0, 0, 0, 0)),))
+    tile_list, tile_count = lists.get("cu_seqlens_q", (0, 0))
+    kv_tile_list, kv_tile_count = lists.get("cu_seqlens_k", (0, 0))
+    get = addresses.get
+    fwd_record = _params.FWD.pack(dict(
+        plan.fwd, q=addresses["q"], k=addresses["k"], v=addresses["v"], o=addresses["out"],
+        lse=addresses["lse"], attn_mask=addresses["attn_mask"],
+        alibi_slopes=get("alibi_slopes", 0), learnable_sink=get("learnable_sink", 0),
+        cu_seqlens_q=get("cu_seqlens_q", 0), cu_seqlens_k=get("cu_seqlens_k", 0),
+        seqused_k=get("seqused_k", 0), tile_list=tile_list, tile_count=tile_count))
+    bwd_record = _params.BWD.pack(dict(
+        plan.bwd, dout=addresses["dout"], dq=grads[0], dk=grads[1], dv=grads[2],
+        softmax_d=places[0], dsink=dsink_ptr, dlse=addresses["dlse"],
+        dmask=addresses["dmask"], kv_tile_list=kv_tile_list, kv_tile_count=kv_tile_count,
+        dq_accum=places[3] or 0, tile_counter=places[4] if plan.persistent else 0))
+    args = (_params.FWD.argument(fwd_record), _params.BWD.argument(bwd_record))
+    for variant, function, blocks, maps in plan.launches:
+        extra = ()
+        if maps is not None:
+            template, x, y = maps
+            extra = (_tma.with_addresses(template, addresses[x], addresses[x], addresses[y])
+                     if template is not None else _tma.NO_MAPS,)
+        driver_launch(function, blocks, variant.threads, variant.smem_bytes, stream,
+                      args + extra)

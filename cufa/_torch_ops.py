@@ -16,7 +16,7 @@ import sys
 
 from . import _bwd_plan, _decode_plan, _fwd_plan, _interop
 
-_ops = None
+_ops = _recorded = None
 
 
 def compiling(x):
@@ -26,10 +26,10 @@ def compiling(x):
 
 
 def register_if_torch_loaded():
-    global _ops
+    global _ops, _recorded
     if _ops is None and "torch" in sys.modules:
         _interop.know_torch(sys.modules["torch"])
-        _ops = _register()
+        _ops, _recorded = _register()
 
 
 def op(name):
@@ -38,6 +38,31 @@ def op(name):
         raise RuntimeError("cufa's torch.compile ops are not registered yet: import torch "
                            "before cufa, or call cufa once outside torch.compile first")
     return _ops[name]
+
+
+def recorded(name, x):
+    """The call of differentiable op `name` where autograd records it: the op while
+    torch.compile traces (x: an input), else the same forward and formulas as an
+    autograd.Function (_eager_autograd)."""
+    return op(name) if compiling(x) else _recorded[name]
+
+
+def _eager_autograd(torch, forward, setup, backward):
+    """forward as an autograd.Function with an op's own setup_context and backward formulas,
+    the formulas calling the backward's function rather than its op (ctx.eager). Dispatching
+    the op and its backward op through torch.library cost an eager call 0.9 ms of host time
+    on the H200's host (fwd + bwd of a 1 x 128 x 4 x 64 problem: 1206 us, SDPA cuDNN's 292),
+    more than the kernels of a 2k-token training step's attention layer."""
+    def forward_and_setup(ctx, *inputs):  # (not a setup_context of its own: apply then
+        output = forward(*inputs)           # binds the arguments by inspect.signature, 50 us)
+        setup(ctx, inputs, output)
+        ctx.eager = True
+        ctx.set_materialize_grads(False)  # (an unused lse's gradient stays None)
+        return output
+
+    # (named so that grad_fn reads cufa_flash_attnBackward)
+    return type(f"cufa_{forward.__name__[:-len('_impl')]}", (torch.autograd.Function,), dict(
+        forward=staticmethod(forward_and_setup), backward=staticmethod(backward))).apply
 
 
 def grad_mode():
@@ -95,7 +120,10 @@ def _backward(run, dout, q, k, v, out, lse, scale, dlse):
     arguments bound) on tensors the kernels take, and the op's outputs: (dq, dk, dv (cut
     back to the head dim where _on_chunks padded it), dsink). dlse: lse's gradient or
     None."""
-    # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0)
+    # (dout.contiguous(): autograd's dout of a sum is an expanded one, strides 0; None where
+    # only lse was used)
+    if dout is None:
+        dout = sys.modules["torch"].zeros_like(out)
     (dout, q, k, v, out), cut = _on_chunks(dout.contiguous(), q.detach(), k.detach(),
                                            v.detach(), out.detach())
     if cut and scale is None:  # (the default scale is the head dim's, not the padded one's)
@@ -114,8 +142,7 @@ def _register():
     import torch
     from torch import Tensor
 
-    @torch.library.custom_op("cufa::flash_attn", mutates_args=())
-    def flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
+    def flash_attn_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
                    causal: bool, window_left: int, window_right: int, softcap: float,
                    alibi_slopes: Optional[Tensor],
                    learnable_sink: Optional[Tensor], deterministic: bool = False
@@ -127,6 +154,8 @@ def _register():
                                softcap=softcap, return_lse=True,
                                learnable_sink=_interop.detached(learnable_sink))
 
+    flash_attn = torch.library.custom_op("cufa::flash_attn", mutates_args=())(flash_attn_impl)
+
     @flash_attn.register_fake
     def _(q, k, v, *rest):  # (out's head dim: v's)
         batch, seqlen_q, nheads, _ = q.shape
@@ -136,8 +165,7 @@ def _register():
     # -- the backward: one op per forward, registered as its autograd formula, so eager
     #    calls, torch.compile and activation checkpointing all take it. dsink is empty (0,)
     #    without a sink (an op returns tensors) --
-    @torch.library.custom_op("cufa::flash_attn_bwd", mutates_args=())
-    def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    def flash_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        softmax_scale: Optional[float], causal: bool, window_left: int,
                        window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                        learnable_sink: Optional[Tensor], dlse: Optional[Tensor],
@@ -149,6 +177,9 @@ def _register():
             deterministic=_deterministic(deterministic)),
             dout, q, k, v, out, lse, softmax_scale, dlse)
 
+    flash_attn_bwd = torch.library.custom_op("cufa::flash_attn_bwd",
+                                             mutates_args=())(flash_attn_bwd_impl)
+
     def bwd_fake(dout, q, k, v, out, lse, *rest):  # (both ops end in learnable_sink, dlse,
         sink = rest[-3]                             # deterministic)
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
@@ -156,8 +187,7 @@ def _register():
 
     flash_attn_bwd.register_fake(bwd_fake)
 
-    @torch.library.custom_op("cufa::flash_attn_varlen_bwd", mutates_args=())
-    def flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    def flash_attn_varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                               lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                               softmax_scale: Optional[float], causal: bool, window_left: int,
                               window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
@@ -171,6 +201,8 @@ def _register():
             deterministic=_deterministic(deterministic)),
             dout, q, k, v, out, lse, softmax_scale, dlse)
 
+    flash_attn_varlen_bwd = torch.library.custom_op("cufa::flash_attn_varlen_bwd",
+                                                    mutates_args=())(flash_attn_varlen_bwd_impl)
     flash_attn_varlen_bwd.register_fake(bwd_fake)
 
     def dense_setup(ctx, inputs, output):
@@ -182,7 +214,8 @@ def _register():
     def dense_backward(ctx, dout, dlse):
         _no_alibi_grad(ctx.needs_input_grad[8])
         q, k, v, out, lse, alibi, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = flash_attn_bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink,
+        bwd = flash_attn_bwd_impl if getattr(ctx, "eager", False) else flash_attn_bwd
+        dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink,
                                            dlse, ctx.deterministic)
         return (dq, dk, dv, None, None, None, None, None, None,
                 _as_sink_grad(dsink, sink, ctx.needs_input_grad[9]), None)
@@ -203,9 +236,10 @@ def _register():
                                       "backward pass")
         _no_alibi_grad(ctx.needs_input_grad[12])
         q, k, v, out, lse, cu_q, cu_k, alibi, used, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k,
-                                                  *ctx.options, alibi, used, sink, dlse,
-                                                  ctx.deterministic)
+        bwd = (flash_attn_varlen_bwd_impl if getattr(ctx, "eager", False)
+               else flash_attn_varlen_bwd)
+        dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options, alibi, used,
+                                sink, dlse, ctx.deterministic)
         return (dq, dk, dv) + (None,) * 12 + (
             _as_sink_grad(dsink, sink, ctx.needs_input_grad[15]), None, None, None)
 
@@ -223,14 +257,15 @@ def _register():
 
     # SDPA where autograd records: out and the lse its backward reads (the op above, out
     # alone, stays the inference one)
-    @torch.library.custom_op("cufa::sdpa_lse", mutates_args=())
-    def sdpa_lse(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+    def sdpa_lse_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                  is_causal: bool, scale: Optional[float], enable_gqa: bool,
                  learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.sdpa(query.detach(), key.detach(), value.detach(),
                               _interop.detached(attn_mask), None, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa,
                               learnable_sink=_interop.detached(learnable_sink), return_lse=True)
+
+    sdpa_lse = torch.library.custom_op("cufa::sdpa_lse", mutates_args=())(sdpa_lse_impl)
 
     @sdpa_lse.register_fake
     def _(query, *rest):
@@ -239,8 +274,7 @@ def _register():
                 query.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
     # (dmask: the additive mask's gradient, float32 in its shape, where mask_grad; else (0,))
-    @torch.library.custom_op("cufa::sdpa_bwd", mutates_args=())
-    def sdpa_bwd(dout: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+    def sdpa_bwd_impl(dout: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
                  lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                  scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor],
                  mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -252,6 +286,8 @@ def _register():
             dmask=dmask if mask_grad else None, deterministic=_deterministic(False)),
             dout, query, key, value, out, lse, scale,
             None) + (dmask,)
+
+    sdpa_bwd = torch.library.custom_op("cufa::sdpa_bwd", mutates_args=())(sdpa_bwd_impl)
 
     @sdpa_bwd.register_fake
     def _(dout, q, k, v, out, lse, mask, *rest):
@@ -268,15 +304,15 @@ def _register():
     def sdpa_backward(ctx, dout, dlse):
         query, key, value, out, lse, mask, sink = ctx.saved_tensors
         mask_grad = bool(ctx.needs_input_grad[3])
-        dq, dk, dv, dsink, dmask = sdpa_bwd(dout, query, key, value, out, lse, mask,
+        bwd = sdpa_bwd_impl if getattr(ctx, "eager", False) else sdpa_bwd
+        dq, dk, dv, dsink, dmask = bwd(dout, query, key, value, out, lse, mask,
                                             *ctx.options, sink, mask_grad)
         return (dq, dk, dv, dmask.to(mask.dtype) if mask_grad else None, None, None, None,
                 _as_sink_grad(dsink, sink, ctx.needs_input_grad[7]))
 
     sdpa_lse.register_autograd(sdpa_backward, setup_context=sdpa_setup)
 
-    @torch.library.custom_op("cufa::flash_attn_varlen", mutates_args=())
-    def flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+    def flash_attn_varlen_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           softmax_scale: Optional[float], causal: bool, window_left: int,
                           window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
@@ -289,6 +325,9 @@ def _register():
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
             softcap=softcap, return_lse=True, learnable_sink=_interop.detached(learnable_sink),
             k_descale=k_descale, v_descale=v_descale)
+
+    flash_attn_varlen = torch.library.custom_op("cufa::flash_attn_varlen",
+                                                mutates_args=())(flash_attn_varlen_impl)
 
     @flash_attn_varlen.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
@@ -385,6 +424,11 @@ def _register():
     def _(out_a, lse_a, out_b, lse_b):
         return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)
 
+    recorded = dict(
+        flash_attn=_eager_autograd(torch, flash_attn_impl, dense_setup, dense_backward),
+        flash_attn_varlen=_eager_autograd(torch, flash_attn_varlen_impl, packed_setup,
+                                          packed_backward),
+        sdpa_lse=_eager_autograd(torch, sdpa_lse_impl, sdpa_setup, sdpa_backward))
     return dict(flash_attn=flash_attn, sdpa=sdpa, sdpa_lse=sdpa_lse,
                 flash_attn_varlen=flash_attn_varlen, flash_attn_fp8=flash_attn_fp8,
-                flash_attn_varlen_fp8=flash_attn_varlen_fp8, merge=merge, **ops)
+                flash_attn_varlen_fp8=flash_attn_varlen_fp8, merge=merge, **ops), recorded

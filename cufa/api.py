@@ -80,10 +80,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             if out is not None:
                 raise NotImplementedError("out= is not supported inside torch.compile or where "
                                           "autograd records the call")
-            o, lse = _torch_ops.op("flash_attn")(q, k, v, softmax_scale, causal,
-                                                 *window_ints(window_size), softcap,
-                                                 alibi_slopes, learnable_sink,
-                                                 check_flag(deterministic, "deterministic"))
+            o, lse = _torch_ops.recorded("flash_attn", q)(
+                q, k, v, softmax_scale, causal, *window_ints(window_size), softcap, alibi_slopes,
+                learnable_sink, check_flag(deterministic, "deterministic"))
             return _returned(o, lse, return_lse, return_attn_probs)
         if _jax.tracing(q, k, v, alibi_slopes, learnable_sink):
             o, *lse = _jax.call("flash_attn_func", dict(q=q, k=k, v=v,
@@ -280,7 +279,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                     for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                                     (cu_seqlens_k, "cu_seqlens_k"), (seqused_k, "seqused_k"),
                                     (None, ""), (block_table, "block_table")))))
-            o, lse = _torch_ops.op("flash_attn_varlen")(
+            o, lse = _torch_ops.recorded("flash_attn_varlen", q)(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 causal, *window_ints(window_size), softcap, alibi_slopes, seqused_k, block_table,
                 learnable_sink, k_descale, v_descale, check_flag(deterministic, "deterministic"))
@@ -428,8 +427,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         learnable_sink = sink_without_grad(learnable_sink, differentiable=True)
     if _records_grad(query, key, value, learnable_sink) or (
             getattr(attn_mask, "requires_grad", False) and _torch_ops.grad_mode()):
-        return _torch_ops.op("sdpa_lse")(query, key, value, attn_mask, is_causal, scale,
-                                         enable_gqa, learnable_sink)[0]
+        return _torch_ops.recorded("sdpa_lse", query)(query, key, value, attn_mask, is_causal,
+                                                       scale, enable_gqa, learnable_sink)[0]
     if _torch_ops.compiling(query):
         return _torch_ops.op("sdpa")(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                      learnable_sink)

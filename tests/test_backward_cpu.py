@@ -112,11 +112,16 @@ class Recorder:
         monkeypatch.setattr(_bwd_plan._runtime, "sm_count", lambda device: 132)  # (an H200's)
         # TMA maps without a driver: a record naming what the producer streams
         self.maps = []  # per launch: its maps argument, or None where it takes none
-        monkeypatch.setattr(_bwd_plan, "_streamed_maps", self.streamed_maps)
+        monkeypatch.setattr(_bwd_plan, "_streamed_template", self.streamed_template)
+        monkeypatch.setattr(_bwd_plan._tma, "with_addresses",
+                            lambda template, x, x_again, y: template[:2] + (x, y) + template[2:])
         self.maps_refused = False
+        # every call planned: the tests change what planning reads between calls of one
+        # signature (test_a_kept_plan_launches_as_planned keeps them)
+        monkeypatch.setattr(_bwd_plan, "_kept", lambda *args: (None, None))
 
-    def streamed_maps(self, variant, x, y, seq_dim, head_dim, d, packed):
-        return None if self.maps_refused else ("maps", variant.kind, x.ptr, y.ptr, packed)
+    def streamed_template(self, variant, x, y, seq_dim, head_dim, d, packed):
+        return None if self.maps_refused else ("maps", variant.kind, packed)
 
     def allocate(self, framework, shape, dtype, device, stream, like=None):
         ptr = self.next_ptr
@@ -820,7 +825,7 @@ def test_tma_streams_get_the_maps_of_what_they_stream(monkeypatch, packed, d):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_streamed_maps_views(monkeypatch, packed):
-    """_streamed_maps' layouts: x in the q and k slots and y in v's, boxes of the step's
+    """_streamed_template's layouts: x in the q and k slots and y in v's, boxes of the step's
     rows (dq: its key block; dk/dv: its query block), a padded batch as (batch, rows,
     heads, columns), a packed one as one sequence with x's and y's tails; the driver's
     refusal (None), or a packed batch's tails refused, gives None."""
@@ -830,7 +835,6 @@ def test_streamed_maps_views(monkeypatch, packed):
         made.update(dtype=dtype, views=views, tails=tails)
         return None if made.get("refuse") else _tma.Template(b"", bool(tails), ())
     monkeypatch.setattr(_bwd_plan._tma, "template", template)
-    monkeypatch.setattr(_bwd_plan._tma, "with_addresses", lambda t, *ptrs: ptrs)
     _, dq, kv = _compile.bwd_sm90_variants("bf16", 128, "none", False, producer=True, tma=True)
     if packed:
         x = arr((300, 4, 128), "bfloat16", strides=(3 * 4 * 128, 128, 1), ptr=0x1000)
@@ -841,8 +845,8 @@ def test_streamed_maps_views(monkeypatch, packed):
         y = arr((2, 300, 4, 128), "bfloat16", strides=(300 * 1024, 1024, 128, 1), ptr=0x2000)
         seq_dim, head_dim = 1, 2
     for variant, box in ((dq, dq.block_n), (kv, kv.block_m)):
-        assert _bwd_plan._streamed_maps(variant, x, y, seq_dim, head_dim, 120, packed) == (
-            0x1000, 0x1000, 0x2000)
+        template = _bwd_plan._streamed_template(variant, x, y, seq_dim, head_dim, 120, packed)
+        assert template.has_tails == packed
         assert made["dtype"] == "bfloat16"
         if packed:
             assert made["views"] == (((1, 300, 4, 120), (0, 1536, 128), box),) * 2 + (
@@ -854,7 +858,7 @@ def test_streamed_maps_views(monkeypatch, packed):
                 ((2, 300, 4, 120), (300 * 1024, 1024, 128), box),)
             assert made["tails"] == ()
     made["refuse"] = True
-    assert _bwd_plan._streamed_maps(kv, x, y, seq_dim, head_dim, 120, packed) is None
+    assert _bwd_plan._streamed_template(kv, x, y, seq_dim, head_dim, 120, packed) is None
 
 
 @pytest.mark.parametrize("total_q", [300, 0])
@@ -930,6 +934,74 @@ def test_alibi_slopes_that_require_grad_are_refused_at_backward(monkeypatch):
     out, _ = torch.ops.cufa.flash_attn(q, q, q, None, False, -1, -1, 0.0, slopes, None)
     with pytest.raises(NotImplementedError, match="alibi_slopes requires grad"):
         out.sum().backward()
+
+
+def test_a_kept_plan_launches_as_planned(monkeypatch):
+    """A call that passes no gradient arrays of its own keeps its plan: the next call of
+    its signature (the same arrays at other addresses) is not planned again and launches
+    the same kernels with the same records but for the addresses; a call with dq= is
+    planned every time."""
+    kept = _bwd_plan._kept
+    rec = Recorder(monkeypatch)
+    monkeypatch.setattr(_bwd_plan, "_kept", kept)
+    monkeypatch.setattr(_bwd_plan._runtime, "compute_capability", lambda device: 90)
+    cufa.api.clear_plans()
+    planned, plan = [], _bwd_plan._plan
+    monkeypatch.setattr(_bwd_plan, "_plan", lambda *a, **kw: planned.append(1) or plan(*a, **kw))
+
+    def call(shift, **kw):
+        rec.launches.clear()
+        rec.allocations.clear()
+        dout, q, k, v, out, lse = (dataclasses.replace(x, ptr=x.ptr + shift) for x in dense_args())
+        cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=True, softcap=3.0, **kw)
+        return [(f, blocks, threads, smem, records) for f, blocks, threads, smem, _, records
+                in rec.launches], [ptr for *_, ptr in rec.allocations]
+
+    (first, _), (second, grads) = call(0), call(0x100)
+    assert len(planned) == 1 and len(first) == len(second) == 3
+    moved = dict(q=0x100, k=0x100, v=0x100, o=0x100, lse=0x100, dout=0x100)
+    for (f, *launch, records), (f2, *launch2, records2) in zip(first, second):
+        assert (f, launch) == (f2, launch2)
+        for r, r2 in zip(records, records2):
+            for name in r.dtype.names:
+                if name in ("dq", "dk", "dv"):
+                    assert r2[name] == grads[("dq", "dk", "dv").index(name)]
+                else:
+                    assert r2[name] == r[name] + moved.get(name, 0), name
+    call(0, dq=arr((2, 33, 4, 64), ptr=0x20000))
+    assert len(planned) == 2
+    cufa.api.clear_plans()
+
+
+def test_eager_autograd_calls_the_backward_function_not_its_op(monkeypatch):
+    """An eager call that autograd records takes the ops' own formulas as an
+    autograd.Function, which call the backward's function directly (torch.library's
+    dispatch of two ops cost 0.9 ms of host time a call); an unused output's gradient
+    reaches the backward as None (dlse), or zeros where out's is the unused one."""
+    torch = pytest.importorskip("torch")
+    from cufa import _bwd_plan, _fwd_plan, _torch_ops
+    _torch_ops.register_if_torch_loaded()
+    monkeypatch.setattr(_fwd_plan, "dense", lambda q, k, v, *a, **kw: (
+        2 * q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    seen = []
+
+    def backward(dout, q, k, v, out, lse, **kw):
+        seen.append((dout.clone(), kw["dlse"]))
+        return torch.full_like(q, 3), torch.zeros_like(k), torch.zeros_like(v), None
+
+    monkeypatch.setattr(_bwd_plan, "dense", backward)
+    monkeypatch.setattr(_torch_ops, "_on_chunks", lambda *xs: (xs, None))
+    monkeypatch.setattr(torch.ops.cufa.flash_attn_bwd, "default", None)  # (never called)
+    q = torch.ones(1, 4, 2, 8, requires_grad=True)
+    out, lse = _torch_ops.recorded("flash_attn", q)(q, q.detach(), q.detach(), None, True, -1,
+                                                    0, 0.0, None, None, False)
+    assert type(out.grad_fn).__name__.startswith("cufa_flash_attn")
+    out.sum().backward(retain_graph=True)
+    assert seen[-1][1] is None and torch.equal(seen[-1][0], torch.ones_like(q))
+    assert torch.equal(q.grad, torch.full_like(q, 3))
+    lse.sum().backward()
+    assert torch.equal(seen[-1][0], torch.zeros_like(q))
+    assert torch.equal(seen[-1][1], torch.ones_like(lse))
 
 
 def test_a_jax_array_is_not_written_as_a_gradient():

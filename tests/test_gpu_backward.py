@@ -351,13 +351,13 @@ def fused_dq(monkeypatch):
     from cufa import _compile
     before = os.environ.get(_compile.BWD_FUSED_ENV)
     monkeypatch.setenv(_compile.BWD_FUSED_ENV, "1")
-    _compile.read_overrides()
+    cufa.api.clear_plans()
     yield
     if before is None:
         monkeypatch.delenv(_compile.BWD_FUSED_ENV)
     else:
         monkeypatch.setenv(_compile.BWD_FUSED_ENV, before)
-    _compile.read_overrides()
+    cufa.api.clear_plans()
 
 
 FUSED = {
@@ -483,7 +483,7 @@ def test_dq_fused_by_cp_async(fused_dq, monkeypatch, d):
     before = os.environ.get(_compile.BWD_SM90_TMA_ENV)
     monkeypatch.setenv(_compile.BWD_SM90_TMA_ENV, "0")
     monkeypatch.setattr(_compile, "function_pointer", spy)
-    _compile.read_overrides()
+    cufa.api.clear_plans()
     try:
         rng = np.random.default_rng(41 + d)
         run_dense(rng, torch.bfloat16, 2, 300, 300, 4, 2, d, f"fused by cp.async d={d}",
@@ -497,7 +497,7 @@ def test_dq_fused_by_cp_async(fused_dq, monkeypatch, d):
             monkeypatch.delenv(_compile.BWD_SM90_TMA_ENV)
         else:
             monkeypatch.setenv(_compile.BWD_SM90_TMA_ENV, before)
-        _compile.read_overrides()
+        cufa.api.clear_plans()
     check_packed_grads(grads, q, k, v, dout, out, lens, f"fused varlen by cp.async d={d}")
     fused = [x for x in launched if getattr(x, "fused_dq", False)]
     assert len(fused) == 2 and all(x.family == "sm90" and not x.tma for x in fused)
