@@ -443,7 +443,7 @@ def _execute(plan, addresses, inputs, given, stream, scratch):
         dsink, dsink_ptr = (given[3].obj, given[3].ptr) if given[3] is not None else (None, 0)
         if plan.sink:
             import cupy
-            if dsink is None:
+            if given[3] is None:  # (XLA's buffer's view has no obj)
                 dsink, dsink_ptr = _interop.allocate(plan.framework, (plan.nheads,), "float32",
                                                      plan.device, stream)
             stream_call(cupy.cuda.runtime.memsetAsync, dsink_ptr, 0, 4 * plan.nheads, stream)
