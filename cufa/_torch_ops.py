@@ -49,10 +49,11 @@ def recorded(name, x):
 
 def _eager_autograd(torch, forward, setup, backward):
     """forward as an autograd.Function with an op's own setup_context and backward formulas,
-    the formulas calling the backward's function rather than its op (ctx.eager). Dispatching
-    the op and its backward op through torch.library cost an eager call 0.9 ms of host time
-    on the H200's host (fwd + bwd of a 1 x 128 x 4 x 64 problem: 1206 us, SDPA cuDNN's 292),
-    more than the kernels of a 2k-token training step's attention layer."""
+    the formulas calling the backward's function rather than its op (ctx.eager).
+    torch.library's dispatch of the forward op under autograd and of the backward op cost
+    an eager call about 0.4 ms of host time on the H200 machine's host (the forward op 319
+    us against its planner's 21.5: bench/results/bwd_host_h200.md), enough to leave a GPT's
+    training step host-bound."""
     def forward_and_setup(ctx, *inputs):  # (not a setup_context of its own: apply then
         output = forward(*inputs)           # binds the arguments by inspect.signature, 50 us)
         setup(ctx, inputs, output)
