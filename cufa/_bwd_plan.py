@@ -1,8 +1,11 @@
 """Backward launches: the gradients dq, dk, dv (and the learnable sink's, an additive
 mask's) of a flash_attn_func, flash_attn_varlen_func or scaled_dot_product_attention call,
-from its inputs, its output, its lse and the output's gradient. The kernels (bwd/bwd_sm80.cu, any GPU from sm_80 on) read the
-forward's FwdParams record beside a BwdParams one; a call validates, builds both, allocates
-the gradients in the caller's framework and launches preprocess, dq, then dk/dv."""
+from its inputs, its output, its lse and the output's gradient. The kernels (bwd/bwd_sm80.cu
+on any GPU from sm_80 on, bwd/bwd_sm90.cu on Hopper) read the forward's FwdParams record
+beside a BwdParams one; a call validates and plans (a _Plan: variants, both records' fields
+but the addresses, the launches; kept per signature where the call passes no gradient
+arrays of its own), then allocates the gradients in the caller's framework and launches
+preprocess, dq, then dk/dv (or dk/dv with dq fused, then dq's sums to rows)."""
 import dataclasses
 import math
 
@@ -334,7 +337,8 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
     if key is not None:
         remember(key, plan)
     addresses = {name: x.ptr for name, x in a._asdict().items() if x is not None}
-    addresses.update(out=o.ptr, dout=do.ptr, lse=lse_view.ptr, dlse=dlse.ptr if dlse is not None else 0,
+    addresses.update(out=o.ptr, dout=do.ptr, lse=lse_view.ptr,
+                     dlse=dlse.ptr if dlse is not None else 0,
                      attn_mask=attn_mask.ptr if attn_mask is not None else 0,
                      dmask=dmask.ptr if dmask is not None else 0)
     return _execute(plan, addresses, (q.obj, k.obj, v.obj),

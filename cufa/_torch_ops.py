@@ -322,7 +322,8 @@ def _register():
                           v_descale: Optional[Tensor], deterministic: bool = False
                           ) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.packed(
-            q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, block_table, None,
+            q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, seqused_k,
+            alibi_slopes, block_table, None,
             softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
             softcap=softcap, return_lse=True, learnable_sink=_interop.detached(learnable_sink),
             k_descale=k_descale, v_descale=v_descale)
