@@ -105,6 +105,31 @@ def test_gradients_are_the_same_bits_every_run():
     assert all(torch.equal(a, b) for a, b in zip(runs[0], got[:3]))
 
 
+def test_a_kept_plan_at_new_addresses():
+    """A backward that passes no gradient arrays of its own keeps its plan: the next call
+    of its signature, on fresh arrays at other addresses, launches that plan. Both calls'
+    gradients against the reference: a padded batch with a learnable sink (the plan
+    allocates and zeroes dsink) and a packed one (the plan builds its work lists)."""
+    rng = np.random.default_rng(37)
+    cufa.api.clear_plans()
+    for call in range(2):
+        q = randn(rng, (2, 77, 4, 128), torch.bfloat16)
+        k, v = (randn(rng, (2, 77, 2, 128), torch.bfloat16) for _ in range(2))
+        dout = randn(rng, (2, 77, 4, 128), torch.bfloat16)
+        sink = torch.tensor(2 * rng.standard_normal(4), dtype=torch.float32, device="cuda")
+        out, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True,
+                                        learnable_sink=sink)
+        got = cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=True,
+                                       learnable_sink=sink)
+        check_grads(got, q, k, v, dout, f"kept plan, call {call}", out=out, causal=True,
+                    learnable_sink=sink)
+        lens = [0, 70, 1, 150]
+        q, k, v, dout, cu, out, lse = causal_packed(rng, lens, 4, 64)
+        grads = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 150, 150,
+                                                causal=True)
+        check_packed_grads(grads, q, k, v, dout, out, lens, f"kept packed plan, call {call}")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("used", [False, True])
 def test_varlen_backward(causal, used):
@@ -276,8 +301,10 @@ def test_sdpa_autograd(mask):
                 f"sdpa mask={mask}", out=t(out), **kw)
 
 
-def test_gradient_through_lse():
-    """A loss that reads lse as well (a hand-made merge of partial attentions does): its
+@pytest.mark.parametrize("reads", ["out and lse", "lse alone"])
+def test_gradient_through_lse(reads):
+    """A loss that reads lse as well (a hand-made merge of partial attentions does), or lse
+    alone (out's gradient then never comes: the eager route hands the backward zeros): its
     gradient against torch autograd of the naive attention in float64 (lse's derivative by a
     score is P, so it enters as D - dlse). Rows within 1 % of their largest gradient, bf16."""
     rng = np.random.default_rng(29)
@@ -285,14 +312,18 @@ def test_gradient_through_lse():
     q, k, v = (randn(rng, (b, s, h, d), dtype).requires_grad_() for _ in range(3))
     dout = randn(rng, (b, s, h, d), dtype)
     wl = torch.from_numpy(rng.standard_normal((b, h, s))).float().cuda()
+    out_weight = 1.0 if reads == "out and lse" else 0.0
     out, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
-    ((out.float() * dout.float()).sum() + (lse * wl).sum()).backward()
+    loss = (lse * wl).sum()
+    if out_weight:
+        loss = loss + (out.float() * dout.float()).sum()
+    loss.backward()
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     sc = torch.einsum("bihd,bjhd->bhij", q64, k64) / d ** 0.5
     sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
     lse64 = torch.logsumexp(sc, -1)
     o64 = torch.einsum("bhij,bjhd->bihd", torch.softmax(sc, -1), v64)
-    ((o64 * dout.double()).sum() + (lse64 * wl.double()).sum()).backward()
+    ((o64 * dout.double()).sum() * out_weight + (lse64 * wl.double()).sum()).backward()
     for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
                             ("dv", v.grad, v64.grad)):
         err = (got.double() - want).abs().amax(-1)
