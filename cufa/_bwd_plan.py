@@ -19,19 +19,21 @@ from ._runtime import (caller_stream, check_scratch, driver_launch, plans, remem
 # the preprocess's rows of one head a CTA (bwd_sm80.cu: 8 warps of kPreprocessRowsPerWarp)
 PREPROCESS_ROWS_PER_CTA = 128
 
-# the arrays of each entry point's signature (_kept), their addresses' names as _launch
-# reads them
-_DENSE_NAMES = ("dout", "q", "k", "v", "out", "lse", "alibi_slopes", "learnable_sink", "dlse")
-_PACKED_NAMES = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
+# the arrays of each entry point's signature (_kept), by their argument names (which
+# _launch reads as _ADDRESSES renames them)
+_DENSE_NAMES = ("q", "k", "v", "dout", "out", "lse", "alibi_slopes", "learnable_sink", "dlse")
+_PACKED_NAMES = ("q", "k", "v", "dout", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
                  "seqused_k", "alibi_slopes", "learnable_sink", "dlse")
-_SDPA_NAMES = ("dout", "q", "k", "v", "out", "lse", "attn_mask", "learnable_sink", "dlse")
+_SDPA_NAMES = ("query", "key", "value", "dout", "out", "lse", "attn_mask", "learnable_sink",
+               "dlse")
+_ADDRESSES = dict(query="q", key="k", value="v")
 
 
 def _kept(head, arrays, names, given, stream, scratch):
     """(key, gradients): a call that passes no output arrays of its own (given: dq, dk, dv,
-    dsink, dmask) launches the plan kept for its signature (arrays: dout, q, k, v first),
-    which skips validation as the forward's plans do (a kept plan's arrays passed it);
-    else (the key to keep its plan under, or None where outputs were given, and None)."""
+    dsink, dmask) launches the plan kept for its signature (arrays: q, k, v first), which
+    skips validation as the forward's plans do (a kept plan's arrays passed it); else (the
+    key to keep its plan under, or None where outputs were given, and None)."""
     if any(x is not None for x in given):
         return None, None
     entries, addresses = _interop.signature(arrays, names)
@@ -39,10 +41,10 @@ def _kept(head, arrays, names, given, stream, scratch):
     plan = plans.get(key)
     if plan is None:
         return key, None
-    found = dict(zip(names, addresses))
+    found = {_ADDRESSES.get(n, n): at for n, at in zip(names, addresses)}
     found.setdefault("attn_mask", 0)
     found["dmask"] = 0
-    return key, _execute(plan, found, arrays[1:4], (None,) * 4, stream, scratch)
+    return key, _execute(plan, found, arrays[:3], (None,) * 4, stream, scratch)
 
 
 def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq=None, dk=None,
@@ -56,7 +58,7 @@ def dense(dout, q, k, v, out, lse, *, alibi_slopes=None, learnable_sink=None, dq
     every run (variants_of)."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
     key, done = _kept(("bwd_dense", window, scale, softcap, bool(deterministic)),
-                      (dout, q, k, v, out, lse, alibi_slopes, learnable_sink, dlse),
+                      (q, k, v, dout, out, lse, alibi_slopes, learnable_sink, dlse),
                       _DENSE_NAMES, (dq, dk, dv, dsink), stream, scratch)
     if done is not None:
         return done
@@ -80,7 +82,7 @@ def packed(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, seqused_k=Non
     dense's."""
     window, scale, softcap = check_options(softmax_scale, causal, window_size, softcap)
     key, done = _kept(("bwd_packed", window, scale, softcap, bool(deterministic)),
-                      (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                      (q, k, v, dout, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                        alibi_slopes, learnable_sink, dlse), _PACKED_NAMES, (dq, dk, dv, dsink),
                       stream, scratch)
     if done is not None:
@@ -112,7 +114,7 @@ def sdpa(dout, query, key, value, out, lse, attn_mask=None, *, is_causal=False, 
     scale = check_scale(scale, "scale")
     plan_key, done = _kept(("bwd_sdpa", bool(is_causal), scale, bool(enable_gqa),
                             bool(deterministic)),
-                           (dout, query, key, value, out, lse, attn_mask, learnable_sink,
+                           (query, key, value, dout, out, lse, attn_mask, learnable_sink,
                             dlse), _SDPA_NAMES, (dq, dk, dv, dsink, dmask), stream, scratch)
     if done is not None:
         return done

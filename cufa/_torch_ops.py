@@ -5,8 +5,9 @@ public functions hand torch tensors to ``torch.ops.cufa.*`` (flash_attn, flash_a
 flash_attn_fp8, flash_attn_varlen_fp8, sdpa, kvcache, kvcache_append, merge): opaque ops
 with fake implementations that only compute output shapes, symbolically under dynamic
 shapes. When the compiled code runs, each op takes its tensors to the planners, as an
-eager call does (the public function has checked its other arguments while tracing). In
-eager mode nothing goes through here.
+eager call does (the public function has checked its other arguments while tracing).
+Eager calls that autograd records take the differentiable ops' own formulas as a plain
+autograd.Function (recorded); other eager calls do not come through here.
 
 Importing cufa never imports torch, and torch.compile cannot trace the registration
 itself, so the ops are registered when cufa is imported after torch, or else at the
@@ -41,10 +42,17 @@ def op(name):
 
 
 def recorded(name, x):
-    """The call of differentiable op `name` where autograd records it: the op while
-    torch.compile traces (x: an input), else the same forward and formulas as an
-    autograd.Function (_eager_autograd)."""
-    return op(name) if compiling(x) else _recorded[name]
+    """The call of differentiable op `name` where autograd records it (x: its q): the op
+    itself while torch.compile traces, under a dispatch mode (FakeTensorMode, selective
+    activation checkpointing's policies: both see ops), under torch.func's transforms, or
+    for a tensor that is not a plain one (meta, a subclass); else the same forward and
+    formulas as an autograd.Function (_eager_autograd)."""
+    torch = sys.modules["torch"]
+    if (compiling(x) or (type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter)
+            or x.is_meta or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()):
+        return op(name)
+    return _recorded[name]
 
 
 def _eager_autograd(torch, forward, setup, backward):
@@ -61,9 +69,23 @@ def _eager_autograd(torch, forward, setup, backward):
         ctx.set_materialize_grads(False)  # (an unused lse's gradient stays None)
         return output
 
+    def first_order(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        # create_graph: the gradients were made without autograd, so a derivative through
+        # them raises, as the op's backward op (which has no formula) does. (Not
+        # once_differentiable, which marks them only where dout requires grad: a gradient
+        # penalty's second derivative would silently leave attention's share out.)
+        error = torch._C._functions.DelayedError(
+            b"cufa's attention gradients are first-order: differentiating them again "
+            b"(create_graph=True) is not supported", len(outputs))
+        return error(*[None if x is None else x.detach().requires_grad_() for x in outputs])
+
     # (named so that grad_fn reads cufa_flash_attnBackward)
     return type(f"cufa_{forward.__name__[:-len('_impl')]}", (torch.autograd.Function,), dict(
-        forward=staticmethod(forward_and_setup), backward=staticmethod(backward))).apply
+        forward=staticmethod(forward_and_setup), backward=staticmethod(first_order))).apply
 
 
 def grad_mode():
@@ -163,9 +185,10 @@ def _register():
         return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
                 q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
-    # -- the backward: one op per forward, registered as its autograd formula, so eager
-    #    calls, torch.compile and activation checkpointing all take it. dsink is empty (0,)
-    #    without a sink (an op returns tensors) --
+    # -- the backward: one op per forward, registered as its autograd formula, so
+    #    torch.compile and activation checkpointing take it (eager calls the same formula
+    #    through _eager_autograd, with the op's function). dsink is empty (0,) without a
+    #    sink (an op returns tensors) --
     def flash_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        softmax_scale: Optional[float], causal: bool, window_left: int,
                        window_right: int, softcap: float, alibi_slopes: Optional[Tensor],

@@ -937,11 +937,13 @@ def test_alibi_slopes_that_require_grad_are_refused_at_backward(monkeypatch):
         out.sum().backward()
 
 
-def test_a_kept_plan_launches_as_planned(monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_kept_plan_launches_as_planned(monkeypatch, packed):
     """A call that passes no gradient arrays of its own keeps its plan: the next call of
     its signature (the same arrays at other addresses) is not planned again and launches
-    the same kernels with the same records but for the addresses; a call with dq= is
-    planned every time."""
+    the same kernels with the same records and TMA maps but for the addresses (a packed
+    batch with a learnable sink: the same work-list launches, dsink allocated and in the
+    record); a call with dq= is planned every time."""
     kept = _bwd_plan._kept
     rec = Recorder(monkeypatch)
     monkeypatch.setattr(_bwd_plan, "_kept", kept)
@@ -949,42 +951,63 @@ def test_a_kept_plan_launches_as_planned(monkeypatch):
     cufa.api.clear_plans()
     planned, plan = [], _bwd_plan._plan
     monkeypatch.setattr(_bwd_plan, "_plan", lambda *a, **kw: planned.append(1) or plan(*a, **kw))
+    cu = arr((3,), "int32", ptr=0x8000)  # (where it stays: the work lists' records read it)
 
     def call(shift, **kw):
         rec.launches.clear()
         rec.allocations.clear()
-        dout, q, k, v, out, lse = (dataclasses.replace(x, ptr=x.ptr + shift) for x in dense_args())
-        cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=True, softcap=3.0, **kw)
-        return [(f, blocks, threads, smem, records) for f, blocks, threads, smem, _, records
-                in rec.launches], [ptr for *_, ptr in rec.allocations]
+        rec.maps.clear()
+        dout, q, k, v, out, lse = (dataclasses.replace(x, ptr=x.ptr + shift)
+                                   for x in dense_args(b=1 if packed else 2))
+        if packed:
+            dout, q, k, v, out = (DeviceArray(None, "cupy", x.ptr, x.shape[1:], x.strides[1:],
+                                              x.dtype, 0, 2) for x in (dout, q, k, v, out))
+            sink = arr((4,), "float32", ptr=0x7000 + shift)
+            cufa.flash_attn_varlen_backward(
+                dout, q, k, v, out, arr((4, 33), "float32", ptr=0x6000 + shift), cu,
+                arr((3,), "int32", ptr=0x8100), 20, 30, causal=True, learnable_sink=sink, **kw)
+        else:
+            cufa.flash_attn_backward(dout, q, k, v, out, lse, causal=True, softcap=3.0, **kw)
+        return ([(f, blocks, threads, smem, records) for f, blocks, threads, smem, _, records
+                 in rec.launches], [ptr for *_, ptr in rec.allocations], list(rec.maps))
 
-    (first, _), (second, grads) = call(0), call(0x100)
-    assert len(planned) == 1 and len(first) == len(second) == 3
-    moved = dict(q=0x100, k=0x100, v=0x100, o=0x100, lse=0x100, dout=0x100)
+    (first, _, maps), (second, grads, maps2) = call(0), call(0x100)
+    assert len(planned) == 1 and len(first) == len(second) >= 3
+    assert [m[:2] + tuple(at + 0x100 for at in m[2:4]) + m[4:] if m is not None else None
+            for m in maps] == maps2
+    moved = dict(q=0x100, k=0x100, v=0x100, o=0x100, lse=0x100, dout=0x100,
+                 learnable_sink=0x100 if packed else 0)
     for (f, *launch, records), (f2, *launch2, records2) in zip(first, second):
         assert (f, launch) == (f2, launch2)
+        if f is _compile.VARLEN_SCHEDULE:  # (its record: cu_seqlens and the scratch's places)
+            assert bytes(records[0]) == bytes(records2[0])
+            continue
         for r, r2 in zip(records, records2):
             for name in r.dtype.names:
-                if name in ("dq", "dk", "dv"):
-                    assert r2[name] == grads[("dq", "dk", "dv").index(name)]
+                if name in ("dq", "dk", "dv", "dsink")[:len(grads)]:
+                    assert r2[name] == grads[("dq", "dk", "dv", "dsink").index(name)], name
                 else:
                     assert r2[name] == r[name] + moved.get(name, 0), name
-    call(0, dq=arr((2, 33, 4, 64), ptr=0x20000))
-    assert len(planned) == 2
+    assert len(grads) == 4 if packed else len(grads) == 3
+    call(0, dq=arr((33, 4, 64) if packed else (2, 33, 4, 64), ptr=0x20000))
+    call(0, dq=arr((33, 4, 64) if packed else (2, 33, 4, 64), ptr=0x20000))
+    assert len(planned) == 3
     cufa.api.clear_plans()
 
 
-def test_eager_autograd_calls_the_backward_function_not_its_op(monkeypatch):
-    """An eager call that autograd records takes the ops' own formulas as an
-    autograd.Function, which call the backward's function directly (torch.library's
-    dispatch of two ops cost about 0.4 ms of host time a call); an unused output's gradient
-    reaches the backward as None (dlse), or zeros where out's is the unused one."""
-    torch = pytest.importorskip("torch")
+def _stub_planners(monkeypatch, torch):
+    """The forward's and the backward's planners replaced by CPU stubs (out = 2 q, the
+    gradients 3, 0, 0); returns what the backward saw, (dout, dlse) a call, and after
+    them "forward" for each forward planned."""
     from cufa import _bwd_plan, _fwd_plan, _torch_ops
     _torch_ops.register_if_torch_loaded()
-    monkeypatch.setattr(_fwd_plan, "dense", lambda q, k, v, *a, **kw: (
-        2 * q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     seen = []
+
+    def forward(q, k, v, *a, **kw):
+        seen.append("forward")
+        return 2 * q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(_fwd_plan, "dense", forward)
 
     def backward(dout, q, k, v, out, lse, **kw):
         seen.append((dout.clone(), kw["dlse"]))
@@ -992,17 +1015,78 @@ def test_eager_autograd_calls_the_backward_function_not_its_op(monkeypatch):
 
     monkeypatch.setattr(_bwd_plan, "dense", backward)
     monkeypatch.setattr(_torch_ops, "_on_chunks", lambda *xs: (xs, None))
-    monkeypatch.setattr(torch.ops.cufa.flash_attn_bwd, "default", None)  # (never called)
+    return seen
+
+
+def _dense_call(q):
+    from cufa import _torch_ops
+    return _torch_ops.recorded("flash_attn", q)(q, q.detach(), q.detach(), None, True, -1, 0,
+                                                0.0, None, None, False)
+
+
+def test_eager_autograd_calls_the_backward_function_not_its_op(monkeypatch):
+    """An eager call that autograd records takes the ops' own formulas as an
+    autograd.Function, which call the backward's function directly (torch.library's
+    dispatch of two ops cost about 0.4 ms of host time a call): no cufa op in the
+    profile. An unused output's gradient reaches the backward as None (dlse), or zeros
+    where out's is the unused one."""
+    torch = pytest.importorskip("torch")
+    seen = _stub_planners(monkeypatch, torch)
     q = torch.ones(1, 4, 2, 8, requires_grad=True)
-    out, lse = _torch_ops.recorded("flash_attn", q)(q, q.detach(), q.detach(), None, True, -1,
-                                                    0, 0.0, None, None, False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out, lse = _dense_call(q)
+        out.sum().backward(retain_graph=True)
+    assert not [e.name for e in prof.events() if e.name.startswith("cufa::")]
     assert type(out.grad_fn).__name__.startswith("cufa_flash_attn")
-    out.sum().backward(retain_graph=True)
     assert seen[-1][1] is None and torch.equal(seen[-1][0], torch.ones_like(q))
     assert torch.equal(q.grad, torch.full_like(q, 3))
     lse.sum().backward()
     assert torch.equal(seen[-1][0], torch.zeros_like(q))
     assert torch.equal(seen[-1][1], torch.ones_like(lse))
+
+
+def test_a_second_derivative_raises(monkeypatch):
+    """The gradients are made without autograd: differentiating them again raises (eager,
+    as through the op, whose backward op has no formula) rather than leaving attention's
+    share out of a gradient penalty or a Hessian-vector product."""
+    torch = pytest.importorskip("torch")
+    _stub_planners(monkeypatch, torch)
+    x = torch.ones(1, 4, 2, 8, requires_grad=True)
+    loss = _dense_call(x * 1)[0].sum() + (x ** 2).sum()
+    grad, = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="first-order: differentiating them again"):
+        grad.sum().backward()
+
+
+def test_dispatch_modes_and_meta_tensors_take_the_op(monkeypatch):
+    """Where something watches ops (FakeTensorMode, a dispatch mode such as selective
+    activation checkpointing's), or q is a meta tensor, the call goes through the op:
+    its fake implementation gives the shapes, and a policy sees it."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    planned = _stub_planners(monkeypatch, torch)
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        q = torch.empty(1, 64, 2, 64, requires_grad=True)
+        out, lse = _dense_call(q)
+        assert out.shape == q.shape and lse.shape == (1, 2, 64)
+    q = torch.empty(1, 64, 2, 64, device="meta", requires_grad=True)
+    assert _dense_call(q)[0].shape == q.shape
+    assert not planned  # (the fake implementations, not the planners)
+    q = torch.ones(1, 4, 2, 8, requires_grad=True)
+    with Names() as mode:
+        _dense_call(q)[0].sum().backward()
+    assert "cufa.flash_attn.default" in mode.names and "cufa.flash_attn_bwd.default" in mode.names
 
 
 def test_a_jax_array_is_not_written_as_a_gradient():

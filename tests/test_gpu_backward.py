@@ -105,13 +105,17 @@ def test_gradients_are_the_same_bits_every_run():
     assert all(torch.equal(a, b) for a, b in zip(runs[0], got[:3]))
 
 
-def test_a_kept_plan_at_new_addresses():
+def test_a_kept_plan_at_new_addresses(monkeypatch):
     """A backward that passes no gradient arrays of its own keeps its plan: the next call
     of its signature, on fresh arrays at other addresses, launches that plan. Both calls'
     gradients against the reference: a padded batch with a learnable sink (the plan
     allocates and zeroes dsink) and a packed one (the plan builds its work lists)."""
+    from cufa import _bwd_plan
     rng = np.random.default_rng(37)
     cufa.api.clear_plans()
+    planned, plan = [], _bwd_plan._plan
+    monkeypatch.setattr(_bwd_plan, "_plan", lambda *a, **kw: planned.append(1) or plan(*a, **kw))
+    held = []  # (the first call's arrays stay alive: the second's come at other addresses)
     for call in range(2):
         q = randn(rng, (2, 77, 4, 128), torch.bfloat16)
         k, v = (randn(rng, (2, 77, 2, 128), torch.bfloat16) for _ in range(2))
@@ -123,11 +127,14 @@ def test_a_kept_plan_at_new_addresses():
                                        learnable_sink=sink)
         check_grads(got, q, k, v, dout, f"kept plan, call {call}", out=out, causal=True,
                     learnable_sink=sink)
+        held.append((q, k, v, dout, out, lse, sink, got))
         lens = [0, 70, 1, 150]
         q, k, v, dout, cu, out, lse = causal_packed(rng, lens, 4, 64)
         grads = cufa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, 150, 150,
                                                 causal=True)
         check_packed_grads(grads, q, k, v, dout, out, lens, f"kept packed plan, call {call}")
+        held.append((q, k, v, dout, cu, out, lse, grads))
+    assert len(planned) == 2  # (the first call of each signature)
 
 
 @pytest.mark.parametrize("causal", [False, True])
