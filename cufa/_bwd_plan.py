@@ -331,7 +331,7 @@ def _run(dout, a, lse, dq, dk, dv, dsink, dlse, aligned, *, seq_dim, head_dim, b
             "the backward moves rows in 16-byte chunks: q, k, v, out, dout (and dq, dk, dv "
             "if given) need a head dim that is a multiple of 8, strides that are multiples "
             "of 8 elements and 16-byte aligned starts")
-    plan = _plan(a, do, grads, dsink, seq_dim=seq_dim, head_dim=head_dim, batch=batch,
+    plan = _plan(a, do, grads, seq_dim=seq_dim, head_dim=head_dim, batch=batch,
                  nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, d=d, window=window,
                  scale=scale, softcap=softcap, lse_shape=lse_shape, packed=packed,
                  bottom_right=bottom_right, attn_mask=attn_mask, dmask=dmask,
@@ -366,17 +366,18 @@ class _Plan:
     fwd: dict             # the FwdParams fields but the addresses
     bwd: dict             # the BwdParams fields but the addresses
     to_jax: bool
-    schedules: tuple = ()  # a packed batch's work lists: (ScheduleParams record, the
-                           # cu_seqlens' name, its offset's index, its tiles)
+    schedules: tuple = ()  # a packed batch's work lists: (the schedule kernel's CUfunction,
+                           # its ScheduleParams record, the cu_seqlens' name, its offset's
+                           # index, its tiles)
     launches: tuple = ()   # (variant, CUfunction, blocks, maps): maps None where the kernel
                            # takes none, else (TMA template or None, the arrays it streams)
     persistent: bool = False  # a launch takes the key-block counter
 
 
-def _plan(a, do, grads, dsink, *, seq_dim, head_dim, batch, nheads, seqlen_q, seqlen_k, d,
+def _plan(a, do, grads, *, seq_dim, head_dim, batch, nheads, seqlen_q, seqlen_k, d,
           window, scale, softcap, lse_shape, packed, bottom_right, attn_mask, dmask,
           deterministic):
-    """The _Plan of validated views (grads, dsink: the caller's, where given)."""
+    """The _Plan of validated views (grads: the caller's dq, dk, dv, where given)."""
     q, k, v, o = a.q, a.k, a.v, a.out
     nheads_k = k.shape[head_dim]
     framework = "cupy" if q.framework == "dlpack" else q.framework
@@ -525,9 +526,11 @@ def _plan_launches(plan, variants, a, do, packed, batch, seqlen_q, seqlen_k, nhe
     if packed:
         q_blocks = seqlen_q // block_m + batch
         kv_blocks = seqlen_k // block_n + batch
+        schedule = _compile.function_pointer(_compile.VARLEN_SCHEDULE, device)
         plan.schedules = tuple(
-            (_params.SCHEDULE.pack(dict(batch=batch, total_q=total, block_m=block,
-                                        num_buckets=total // block + 2)), cu, at, tiles)
+            (schedule, _params.SCHEDULE.pack(dict(batch=batch, total_q=total, block_m=block,
+                                                  num_buckets=total // block + 2)),
+             cu, at, tiles)
             for cu, total, block, tiles, at in (("cu_seqlens_q", seqlen_q, block_m, q_blocks, 1),
                                                 ("cu_seqlens_k", seqlen_k, block_n, kv_blocks, 2)))
     # (a packed batch's preprocess also zeroes the gradients' rows past its last sequence:
@@ -560,12 +563,11 @@ def _launch(plan, stream, addresses, grads, places, dsink_ptr):
     first; grads: dq's, dk's and dv's addresses; places: the scratch addresses of
     scratch_bytes' offsets."""
     lists = {}
-    for record, cu, at, tiles in plan.schedules:
+    for function, record, cu, at, tiles in plan.schedules:
         start = places[at]
         count = start + 8 * tiles
         lists[cu] = (start, count)
-        driver_launch(_compile.function_pointer(_compile.VARLEN_SCHEDULE, plan.device), 1,
-                      _compile.VARLEN_SCHEDULE.threads, 0, stream,
+        driver_launch(function, 1, _compile.VARLEN_SCHEDULE.threads, 0, stream,
                       (_params.SCHEDULE.with_pointer_values(record, (
                           addresses[cu], count + 4, start, count, 0, 0, 0, 0)),))
     tile_list, tile_count = lists.get("cu_seqlens_q", (0, 0))

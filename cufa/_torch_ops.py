@@ -88,6 +88,12 @@ def _eager_autograd(torch, forward, setup, backward):
         forward=staticmethod(forward_and_setup), backward=staticmethod(first_order))).apply
 
 
+def _backward_of(ctx, function, registered):
+    """The backward a formula calls: its function where the eager route recorded the call
+    (ctx.eager, _eager_autograd), else its op (torch.compile traces the op)."""
+    return function if getattr(ctx, "eager", False) else registered
+
+
 def grad_mode():
     """Whether autograd records (torch's grad mode), where a tensor requires grad."""
     return sys.modules["torch"].is_grad_enabled()
@@ -166,10 +172,10 @@ def _register():
     from torch import Tensor
 
     def flash_attn_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
-                   causal: bool, window_left: int, window_right: int, softcap: float,
-                   alibi_slopes: Optional[Tensor],
-                   learnable_sink: Optional[Tensor], deterministic: bool = False
-                   ) -> Tuple[Tensor, Tensor]:
+                        causal: bool, window_left: int, window_right: int, softcap: float,
+                        alibi_slopes: Optional[Tensor],
+                        learnable_sink: Optional[Tensor], deterministic: bool = False
+                        ) -> Tuple[Tensor, Tensor]:
         # (deterministic: for the backward, which setup_context keeps)
         return _fwd_plan.dense(q.detach(), k.detach(), v.detach(), alibi_slopes, None,
                                softmax_scale=softmax_scale,
@@ -189,11 +195,12 @@ def _register():
     #    torch.compile and activation checkpointing take it (eager calls the same formula
     #    through _eager_autograd, with the op's function). dsink is empty (0,) without a
     #    sink (an op returns tensors) --
-    def flash_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       softmax_scale: Optional[float], causal: bool, window_left: int,
-                       window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                       learnable_sink: Optional[Tensor], dlse: Optional[Tensor],
-                       deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    def flash_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                            lse: Tensor, softmax_scale: Optional[float], causal: bool,
+                            window_left: int, window_right: int, softcap: float,
+                            alibi_slopes: Optional[Tensor], learnable_sink: Optional[Tensor],
+                            dlse: Optional[Tensor], deterministic: bool = False
+                            ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         return _backward(lambda arrays, scale, dlse: _bwd_plan.dense(
             *arrays, alibi_slopes=alibi_slopes, learnable_sink=_interop.detached(learnable_sink),
             dlse=dlse, softmax_scale=scale, causal=causal,
@@ -212,12 +219,13 @@ def _register():
     flash_attn_bwd.register_fake(bwd_fake)
 
     def flash_attn_varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                              lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                              softmax_scale: Optional[float], causal: bool, window_left: int,
-                              window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                              seqused_k: Optional[Tensor], learnable_sink: Optional[Tensor],
-                              dlse: Optional[Tensor], deterministic: bool = False
-                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                                   lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                   softmax_scale: Optional[float], causal: bool,
+                                   window_left: int, window_right: int, softcap: float,
+                                   alibi_slopes: Optional[Tensor], seqused_k: Optional[Tensor],
+                                   learnable_sink: Optional[Tensor],
+                                   dlse: Optional[Tensor], deterministic: bool = False
+                                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         return _backward(lambda arrays, scale, dlse: _bwd_plan.packed(
             *arrays, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
             learnable_sink=_interop.detached(learnable_sink), dlse=dlse, softmax_scale=scale,
@@ -238,9 +246,9 @@ def _register():
     def dense_backward(ctx, dout, dlse):
         _no_alibi_grad(ctx.needs_input_grad[8])
         q, k, v, out, lse, alibi, sink = ctx.saved_tensors
-        bwd = flash_attn_bwd_impl if getattr(ctx, "eager", False) else flash_attn_bwd
-        dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink,
-                                           dlse, ctx.deterministic)
+        bwd = _backward_of(ctx, flash_attn_bwd_impl, flash_attn_bwd)
+        dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, *ctx.options, alibi, sink, dlse,
+                                ctx.deterministic)
         return (dq, dk, dv, None, None, None, None, None, None,
                 _as_sink_grad(dsink, sink, ctx.needs_input_grad[9]), None)
 
@@ -260,8 +268,7 @@ def _register():
                                       "backward pass")
         _no_alibi_grad(ctx.needs_input_grad[12])
         q, k, v, out, lse, cu_q, cu_k, alibi, used, sink = ctx.saved_tensors
-        bwd = (flash_attn_varlen_bwd_impl if getattr(ctx, "eager", False)
-               else flash_attn_varlen_bwd)
+        bwd = _backward_of(ctx, flash_attn_varlen_bwd_impl, flash_attn_varlen_bwd)
         dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options, alibi, used,
                                 sink, dlse, ctx.deterministic)
         return (dq, dk, dv) + (None,) * 12 + (
@@ -282,8 +289,8 @@ def _register():
     # SDPA where autograd records: out and the lse its backward reads (the op above, out
     # alone, stays the inference one)
     def sdpa_lse_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
-                 is_causal: bool, scale: Optional[float], enable_gqa: bool,
-                 learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                      is_causal: bool, scale: Optional[float], enable_gqa: bool,
+                      learnable_sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.sdpa(query.detach(), key.detach(), value.detach(),
                               _interop.detached(attn_mask), None, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa,
@@ -299,9 +306,9 @@ def _register():
 
     # (dmask: the additive mask's gradient, float32 in its shape, where mask_grad; else (0,))
     def sdpa_bwd_impl(dout: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
-                 lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                 scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor],
-                 mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                      lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                      scale: Optional[float], enable_gqa: bool, learnable_sink: Optional[Tensor],
+                      mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         dmask = (torch.empty(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
                  if mask_grad else query.new_empty((0,), dtype=torch.float32))
         return _backward(lambda arrays, s, dlse: _bwd_plan.sdpa(
@@ -328,22 +335,22 @@ def _register():
     def sdpa_backward(ctx, dout, dlse):
         query, key, value, out, lse, mask, sink = ctx.saved_tensors
         mask_grad = bool(ctx.needs_input_grad[3])
-        bwd = sdpa_bwd_impl if getattr(ctx, "eager", False) else sdpa_bwd
-        dq, dk, dv, dsink, dmask = bwd(dout, query, key, value, out, lse, mask,
-                                            *ctx.options, sink, mask_grad)
+        bwd = _backward_of(ctx, sdpa_bwd_impl, sdpa_bwd)
+        dq, dk, dv, dsink, dmask = bwd(dout, query, key, value, out, lse, mask, *ctx.options,
+                                       sink, mask_grad)
         return (dq, dk, dv, dmask.to(mask.dtype) if mask_grad else None, None, None, None,
                 _as_sink_grad(dsink, sink, ctx.needs_input_grad[7]))
 
     sdpa_lse.register_autograd(sdpa_backward, setup_context=sdpa_setup)
 
     def flash_attn_varlen_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          softmax_scale: Optional[float], causal: bool, window_left: int,
-                          window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                          seqused_k: Optional[Tensor], block_table: Optional[Tensor],
-                          learnable_sink: Optional[Tensor], k_descale: Optional[Tensor],
-                          v_descale: Optional[Tensor], deterministic: bool = False
-                          ) -> Tuple[Tensor, Tensor]:
+                               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                               softmax_scale: Optional[float], causal: bool, window_left: int,
+                               window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                               seqused_k: Optional[Tensor], block_table: Optional[Tensor],
+                               learnable_sink: Optional[Tensor], k_descale: Optional[Tensor],
+                               v_descale: Optional[Tensor], deterministic: bool = False
+                               ) -> Tuple[Tensor, Tensor]:
         return _fwd_plan.packed(
             q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, seqused_k,
             alibi_slopes, block_table, None,
