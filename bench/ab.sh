@@ -53,7 +53,8 @@ if os.path.exists("_ab/ORDER"):
 
 def fwd_rows(data):
     for r in data["rows"]:
-        name = (f"{r['dtype']} d={r['head_dim']} N={r['seqlen']} "
+        dims = f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else r["head_dim"]
+        name = (f"{r['dtype']} d={dims} N={r['seqlen']} "
                 f"{'causal' if r['causal'] else 'full'}"
                 + (f" {r['nheads']}/{r['nheads_k']}" if r["nheads"] != r["nheads_k"] else ""))
         if "ms" in r["impls"].get("cufa", {}):
@@ -95,7 +96,8 @@ def reasons(data):
 
 def bwd_rows(data):
     for r in data["rows"]:
-        name = (f"{r['dtype']} d={r['head_dim']} N={r['seqlen']} "
+        dims = f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else r["head_dim"]
+        name = (f"{r['dtype']} d={dims} N={r['seqlen']} "
                 f"{'causal' if r['causal'] else 'full'}")
         for impl, v in r["impls"].items():
             if impl.startswith("cufa") and "ms" in v:

@@ -4,7 +4,7 @@ cuDNN, one run.
 
     python3 bench/bench_fwd.py --out DIR [--quick] [--dtypes fp16,bf16] [--head-dims 64,128,256]
         [--seqlens 512,1024,...] [--causal 0,1] [--reps 48] [--unaligned] [--no-peers] [--sink]
-        [--fp8] [--no-plot] [--no-memory] [--list]
+        [--fp8] [--latent] [--deepseek] [--no-plot] [--no-memory] [--list]
 
 Shapes: 16,384 tokens per batch (batch = 16384 // N), heads = 2048 // headdim (the head dim
 rounded up to a multiple of 8, so that d = 59 and 64 have the same heads), plus one GQA
@@ -14,7 +14,7 @@ rows one element longer (strides no multiple of 8, a start 2 bytes off 16), whic
 them at any head dim (the peers read the same values contiguous). So the cost of an odd
 head dim is the rows d = 59 against 64, 111 against 112 and 128, and that of the
 element-wise kernels alone a run with --unaligned against one without. TFLOP/s =
-4*B*H*N^2*d (--latent's rows of a v head dim of its own: 2*B*H*N^2*(d + dv)), halved
+4*B*H*N^2*d (--latent's and --deepseek's rows of a v head dim of its own: 2*B*H*N^2*(d + dv)), halved
 for causal. GPU-side implementations are timed with one pair of CUDA
 events per call, the calls queued behind a spinning kernel so the host's cost stays hidden (`queue_ahead`), median of
 --reps, rotating among input sets that together exceed the 50 MB L2. The calls of a row are
@@ -64,7 +64,7 @@ class Shape:
     batch: int
     nheads: int
     nheads_k: int
-    head_dim_v: int = 0  # v's and out's where not head_dim's (--latent)
+    head_dim_v: int = 0  # v's and out's where not head_dim's (--latent, --deepseek)
 
     @property
     def gqa(self):
@@ -108,6 +108,9 @@ def parse_args(argv=None):
     p.add_argument("--latent", action="store_true",
                    help="also rows of q and k of 576 against v of 512, 16 query heads over "
                         "one KV head (DeepSeek's latent attention in its absorbed form)")
+    p.add_argument("--deepseek", action="store_true",
+                   help="also rows of q and k of 192 against v of 128, 16 heads (DeepSeek's "
+                        "prefill)")
     p.add_argument("--sink", action="store_true",
                    help="also time cufa with a learnable sink (the 'cufa sink' column)")
     p.add_argument("--fp8", action="store_true",
@@ -140,6 +143,9 @@ def sweep(args):
         shapes += [Shape(dt, **GQA) for dt in args.dtypes]
     if args.latent:
         shapes += [Shape(dt, 576, n, TOKENS // n, 16, 1, head_dim_v=512)
+                   for dt in args.dtypes for n in args.seqlens]
+    if args.deepseek:
+        shapes += [Shape(dt, 192, n, TOKENS // n, 16, 16, head_dim_v=128)
                    for dt in args.dtypes for n in args.seqlens]
     return shapes
 

@@ -36,9 +36,10 @@ SM80_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SM80_TILES = {32: (128, 64), 64: (128, 64), 96: (128, 32), 128: (128, 32),
               160: (64, 64), 192: (64, 64), 224: (64, 64), 256: (64, 64)}
 SM80_TILES_SCORE_MODS = {**SM80_TILES, 128: (64, 64)}
-# Head dims of V (and out) of their own, on the sm80 family's kernels: padded (Q and K's, V's)
-# pairs, V's smaller (out is staged over Q's tile); the tiles are Q's head dim's. DeepSeek's
-# prefill (MLA's keys of 128 + 64 rotary dims against values of 128).
+# Head dims of V (and out) of their own: padded (Q and K's, V's) pairs, V's smaller (out is
+# staged over Q's tile); the tiles are Q's head dim's, on either family (the Hopper kernel's
+# V stages are then V's width). DeepSeek's prefill (MLA's keys of 128 + 64 rotary dims
+# against values of 128).
 HEAD_DIM_V_PAIRS = ((192, 128),)
 # Head dims above 256, up to WIDE_HEAD_DIM (Gemma 4's global layers), for flash_attn_func and
 # flash_attn_varlen_func: the sm80 family's kernel (any GPU) on Q and K padded to 512, V's
@@ -115,7 +116,7 @@ class FwdVariant:
     hold_pv_wait: bool = False  # sm90: SM90_HOLD_PV_WAIT
     element_io: bool = False    # sm80: rows moved an element at a time (ELEMENT_IO)
     e4m3_kv: bool = False       # sm80: K and V from an e4m3 cache (q and out stay dtype)
-    head_dim_v: int = 0         # sm80: V's and out's padded head dim, where not head_dim's
+    head_dim_v: int = 0         # V's and out's padded head dim, where not head_dim's
     fp8: bool = False           # sm90: q, k, v e4m3, V transposed beforehand; out in dtype
 
     @property
@@ -169,6 +170,8 @@ class FwdVariant:
                 elem = f", false, false, {self.head_dim_v}"
             return f"cufa::fwd_kernel<{args}, {self.block_m}, {self.block_n}{elem}>"
         fp8 = ", true" if self.fp8 else ""
+        if self.head_dim_v:
+            fp8 = f", {str(self.fp8).lower()}, {self.head_dim_v}"
         return (f"cufa::fwd_sm90_kernel<{args}, {self.block_m}, {self.block_n}, {self.q_stages}, "
                 f"{self.kv_stages}, {str(self.hold_pv_wait).lower()}{fp8}>")
 
@@ -187,7 +190,8 @@ class FwdVariant:
     def _sm90_smem(self, q_stages, kv_stages):
         # Q and K/V stages; 1024 for the swizzle's alignment, the mbarriers and then,
         # 16-byte aligned, a 32-byte tile slot per Q stage
-        tiles = (q_stages * self.block_m + 2 * kv_stages * self.block_n) * self.head_dim * \
+        kv_row = self.head_dim + (self.head_dim_v or self.head_dim)  # a K row and a V row
+        tiles = (q_stages * self.block_m * self.head_dim + kv_stages * self.block_n * kv_row) * \
             self.elem_bytes
         return tiles + 1024 + 8 * (2 * q_stages + 4 * kv_stages) + 8 + 32 * q_stages
 
@@ -1153,10 +1157,10 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
                 head_dim_v=0, wide_tiles=WIDE_TILES):
     """rows: the sm90 tile class of the batch (sm90_rows): "short" takes the 64-row
     tiles, "mid" the middle ones, where the head dim has them, else the next longer.
-    e4m3_kv: K and V from an e4m3 cache; head_dim_v: V's head dim where it is not Q's
-    (a HEAD_DIM_V_PAIRS pair); both on the sm80 family's kernel (any GPU), as head dims
-    above 256 are (WIDE_HEAD_DIM, on wide_tiles)."""
-    if e4m3_kv or head_dim_v or head_dim > MAX_HEAD_DIM:
+    e4m3_kv: K and V from an e4m3 cache, on the sm80 family's kernel (any GPU), as head
+    dims above 256 are (WIDE_HEAD_DIM, on wide_tiles); head_dim_v: V's head dim where it
+    is not Q's (a HEAD_DIM_V_PAIRS pair, on either family)."""
+    if e4m3_kv or head_dim > MAX_HEAD_DIM:
         family = "sm80"
     if head_dim > WIDE_HEAD_DIM:  # (a wide pair: check_head_dim_v has checked v's)
         if e4m3_kv or not head_dim_v or head_dim > WIDE_QK_HEAD_DIM:
@@ -1258,8 +1262,10 @@ def all_variants():
     variants += [fwd_element_io_variant(dt, hd) for dt in DTYPES for hd in SM80_HEAD_DIMS]
     variants += [fwd_variant(dt, hd, mask, mods, e4m3_kv=True) for dt in DTYPES
                  for hd in SM80_HEAD_DIMS for mask in MASKS for mods in (False, True)]
-    variants += [fwd_variant(dt, hd, mask, mods, head_dim_v=dv) for dt in DTYPES
-                 for hd, dv in HEAD_DIM_V_PAIRS for mask in MASKS for mods in (False, True)]
+    variants += [fwd_variant(dt, hd, mask, mods, family, rows, head_dim_v=dv)
+                 for family in ("sm80", "sm90") for rows in SM90_ROW_CLASSES.values()
+                 for dt in DTYPES for hd, dv in HEAD_DIM_V_PAIRS for mask in MASKS
+                 for mods in (False, True)]
     variants += [fwd_variant(dt, WIDE_HEAD_DIM, mask, mods, wide_tiles=tiles) for dt in DTYPES
                  for mask in MASKS for mods in (False, True)
                  for tiles in (WIDE_TILES, WIDE_TILES_PORTABLE)]

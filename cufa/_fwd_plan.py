@@ -285,8 +285,10 @@ class _Mover:
     def of(cls, plan, views, entries, packed):
         """plan's mover, or None where the layout does not move (its cu_seqlens strided,
         or planned on the portable kernels where Hopper's could not describe it). The
-        rest is read off the entries at the first move (a new layout pays no more)."""
-        if plan.variant.family != _compile.family_for(_runtime.compute_capability(plan.device)):
+        rest is read off the entries at the first move (a new layout pays no more). (Not
+        for v of its own head dim: the moves' sizes and maps assume one.)"""
+        if (plan.variant.family != _compile.family_for(_runtime.compute_capability(plan.device))
+                or plan.variant.head_dim_v):
             return None
         if packed and any(x is not None and x.strides != (1,)
                           for x in (views.cu_seqlens_q, views.cu_seqlens_k, views.seqused_k)):
@@ -481,12 +483,15 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
             f"head dim {d} (over {_compile.MAX_HEAD_DIM}) needs a head dim that is a multiple "
             "of 8 and q, k, v (and out) on strides that are multiples of 8 elements from "
             "16-byte aligned starts")
-    elif d_v != d or d > _compile.MAX_HEAD_DIM:  # (v's own head dim; over 256: sm80's)
+    elif d > _compile.MAX_HEAD_DIM or d_v != d and (family != "sm90" or paged is not None
+                                                    or not aligned):
+        # (over 256, or v's own head dim off Hopper's contiguous K/V: sm80's)
         variant, tma_template = _wide_variant(KERNEL_DTYPES[q.dtype], d, d_v, mask_kind,
                                               score_mods, q.device), None
     elif aligned:
         variant, tma_template = _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed,
-                                         mask_kind, score_mods, family, paged, keys)
+                                         mask_kind, score_mods, family, paged, keys,
+                                         d_v if d_v != d else 0)
     else:
         variant, tma_template = _compile.fwd_element_io_variant(KERNEL_DTYPES[q.dtype], d), None
     values, num_blocks, max_tiles, num_buckets, scratch_bytes = _sizes(
@@ -547,19 +552,21 @@ def _wide_variant(dtype, d, d_v, mask_kind, score_mods, device):
 
 
 def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, score_mods,
-             family, paged=None, keys_per_sequence=0):
-    """(kernel variant, _tma.Template or None) of a plan."""
+             family, paged=None, keys_per_sequence=0, d_v=0):
+    """(kernel variant, _tma.Template or None) of a plan. d_v: v's own head dim (not
+    paged), else 0."""
     rows = _heuristics.sm90_rows(packed, seqlen_q, batch, d, mask_kind, keys_per_sequence)
     variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, family,
-                                   rows)
+                                   rows, head_dim_v=d_v)
     if family != "sm90":
         return variant, None
     if paged is not None:
         tma_template = _tma.template(q.dtype, _paged_tma_views(variant, q, k, v, d))
     else:
-        tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed)
+        tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, d_v=d_v)
     if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
-        variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80")
+        variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80",
+                                       head_dim_v=d_v)
     return variant, tma_template
 
 
@@ -603,27 +610,30 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     return values, num_blocks, max_tiles, num_buckets, scratch_bytes
 
 
-def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.template):
+def _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, make=_tma.template, d_v=0):
     """q, k, v (and for packed batches the k/v tails) made into a _tma.Template by `make`
     (_tma.template, cached per layout; a moved plan's new shape: _tma.new_shape_template);
-    None if the copy engine cannot describe them."""
-    return make(q.dtype, *_tma_views(variant, q, k, v, seq_dim, head_dim, d, packed))
+    None if the copy engine cannot describe them. d_v: v's own head dim, else 0."""
+    return make(q.dtype, *_tma_views(variant, q, k, v, seq_dim, head_dim, d, packed, d_v))
 
 
-def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed):
+def _tma_views(variant, q, k, v, seq_dim, head_dim, d, packed, d_v=0):
     """q, k, v (and for packed batches the k/v tails) as (batch, rows, heads, columns)
     views of _tma.template: (views, tail views)."""
     return tma_views(((q, variant.block_m), (k, variant.block_n), (v, variant.block_n)),
-                     seq_dim, head_dim, d, packed)
+                     seq_dim, head_dim, d, packed, d_v)
 
 
-def tma_views(arrays, seq_dim, head_dim, d, packed):
+def tma_views(arrays, seq_dim, head_dim, d, packed, d_v=0):
     """(array, box rows) pairs as (batch, rows, heads, columns) views of _tma.template, a
     packed batch's as one sequence of all rows with the tail views of all but the first:
-    (views, tail views). The forward's are q, k, v; the backward's streamed pairs
-    (_bwd_plan) fill the same three places."""
+    (views, tail views). Each view has d columns, the third d_v where given (v's own head
+    dim). The forward's are q, k, v; the backward's streamed pairs (_bwd_plan) fill the
+    same three places."""
     views, tails = [], []
     for place, (x, box_rows) in enumerate(arrays):
+        if place == 2 and d_v:
+            d = d_v
         rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
                                                 x.strides[seq_dim], x.strides[head_dim])
         if packed:

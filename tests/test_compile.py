@@ -74,6 +74,7 @@ def representative_variants():
         C.fwd_variant("bf16", 128, "window", False, "sm90", "long"),      # 192 rows
         C.fwd_variant("fp16", 256, "window", False, "sm90", "mid"),       # one K/V stage
         C.fwd_variant("bf16", 128, "none", True, "sm90", "mid"),          # score mods
+        C.fwd_variant("fp16", 192, "window", False, "sm90", head_dim_v=128),  # V's own
         C.VARLEN_SCHEDULE,
         C.decode_kernel("fp16", 128),
         C.decode_kernel("bf16", 512),                                     # V's halves

@@ -103,3 +103,20 @@ def test_under_torch_compile(rng):
     out, lse = step(q, k, v)
     assert out.shape == (1, 100, 4, 128)
     check_attention(out, lse, q, k, v, label="torch.compile d=192/128", causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_strided_views_and_long_rows(rng, dtype):
+    """v a column slice of a wider array and out= a slice too (their TMA views and O's
+    stores take the strides), GQA 12/4, 1000 query rows over 1500 keys (several tiles a
+    head, the K/V stages reused many times), causal."""
+    q = randn(rng, (2, 1000, 12, 192), dtype)
+    k = randn(rng, (2, 1500, 4, 192), dtype)
+    v_wide = randn(rng, (2, 1500, 4, 256), dtype)
+    v = v_wide[..., 64:192]
+    out_wide = torch.full((2, 1000, 12, 160), NAN, dtype=q.dtype, device="cuda")
+    out = out_wide[..., 16:144]
+    res, lse = cufa.flash_attn_func(q, k, v, causal=True, out=out, return_lse=True)
+    assert res.data_ptr() == out.data_ptr()
+    assert torch.isnan(out_wide[..., :16]).all() and torch.isnan(out_wide[..., 144:]).all()
+    check_attention(out, lse, q, k, v, label=f"{dtype} strided v and out", causal=True)

@@ -1,7 +1,8 @@
 """CPU: a head dim of v's own (DeepSeek's prefill: q and k of 192, v and out of 128) in
-flash_attn_func and flash_attn_varlen_func -- the variant (the sm80 family's kernel with
-kHeadDimVWanted, on any GPU), what the planner launches (head_dim_v, out's shape), and
-every call it does not take, refused with the argument named."""
+flash_attn_func and flash_attn_varlen_func -- the variants (Hopper's kernel with kHeadDimV,
+the sm80 family's with kHeadDimVWanted on any GPU), what the planner launches (head_dim_v,
+out's shape, V's TMA map), and every call it does not take, refused with the argument
+named."""
 import numpy as np
 import pytest
 
@@ -12,10 +13,18 @@ from test_launch_path_cpu import device, record  # noqa: F401  (the fixture)
 
 
 def test_the_variant_pads_both_head_dims_to_a_kernel_pair():
-    v = _compile.fwd_variant("bf16", 176, "window", True, "sm90", head_dim_v=100)
+    v = _compile.fwd_variant("bf16", 176, "window", True, "sm80", head_dim_v=100)
     assert (v.family, v.head_dim, v.head_dim_v) == ("sm80", 192, 128)
     assert v.key.endswith("_dv128") and v.name_expression.endswith(", false, false, 128>")
     assert v.smem_bytes == (v.block_m * 192 + v.block_n * (192 + 128)) * 2
+    # Hopper's: the d = 192 tiles, V's stages 128 wide, kHeadDimV after the fp8 flag
+    h = _compile.fwd_variant("bf16", 176, "window", True, "sm90", head_dim_v=100)
+    plain = _compile.fwd_variant("bf16", 176, "window", True, "sm90")
+    assert (h.family, h.head_dim, h.head_dim_v) == ("sm90", 192, 128)
+    assert (h.block_m, h.block_n) == (plain.block_m, plain.block_n)
+    assert h.name_expression == plain.name_expression[:-1] + ", false, 128>"
+    assert h.smem_bytes == plain.smem_bytes - h.kv_stages * h.block_n * 64 * 2
+    assert (h.q_stages, h.kv_stages) == (2, 2) and h.key == plain.key + "_dv128"
     assert _compile.fwd_variant("bf16", 192, "window", True, head_dim_v=192).head_dim_v == 0
     # a narrower v (any up to the pair's 128) takes the pair's kernel: its columns are bounded
     # by head_dim_v at run time
@@ -25,7 +34,8 @@ def test_the_variant_pads_both_head_dims_to_a_kernel_pair():
     with pytest.raises(ValueError, match="with e4m3 k, v"):
         _compile.fwd_variant("fp16", 192, "none", False, e4m3_kv=True, head_dim_v=128)
     keys = {x.key for x in _compile.all_variants()}
-    assert {f"fwd_sm80_{dt}_hd192_bm64_bn64_{m}{mods}_dv128" for dt in ("fp16", "bf16")
+    assert {f"fwd_{family}_{dt}_hd192_{tiles}_{m}{mods}_dv128" for dt in ("fp16", "bf16")
+            for family, tiles in (("sm80", "bm64_bn64"), ("sm90", "bm128_bn64"))
             for m in ("none", "window") for mods in ("", "_mods")} <= keys
 
 
@@ -40,7 +50,7 @@ def test_dense_and_packed_calls_launch_it_with_out_in_v_s_head_dim(device):  # n
     assert (r["o_batch_stride"], r["o_row_stride"], r["o_head_stride"]) == (102400, 1024, 128)
     assert r["o"] == int(out.split("@")[1], 16)
     plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None)
-    assert plan.variant.head_dim_v == 128 and plan.variant.family == "sm80"
+    assert plan.variant.head_dim_v == 128 and plan.variant.family == "sm90"
     assert not plan.out_like_q  # (torch allocates it by shape, not like q)
     device.launches.clear()
     q, k, v = view((150, 8, 192)), view((400, 2, 192)), view((400, 2, 128))
@@ -55,6 +65,34 @@ def test_dense_and_packed_calls_launch_it_with_out_in_v_s_head_dim(device):  # n
     cufa.flash_attn_func(q, k, v)
     r = record(device.launches[0])
     assert (r["head_dim_v"], r["o_head_stride"]) == (64, 64)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_hopper_maps_give_v_its_own_columns(device, monkeypatch, packed):  # noqa: F811
+    """On Hopper the pair runs the wgmma kernel: V's TMA view (and a packed batch's V tail)
+    has v's 128 columns, q's and k's 192; CUFA_KERNEL_FAMILY=sm80 keeps mma.sync's."""
+    from cufa import _fwd_plan
+    made = []
+    real = _fwd_plan.tma_views
+    monkeypatch.setattr(_fwd_plan, "tma_views",
+                        lambda *args: made.append(real(*args)) or made[-1])
+    if packed:
+        q, k, v = view((150, 8, 192)), view((400, 2, 192)), view((400, 2, 128))
+        cufa.flash_attn_varlen_func(q, k, v, view((4,), "int32"), view((4,), "int32"), 64, 64)
+    else:
+        q, k, v = view((2, 100, 8, 192)), view((2, 300, 2, 192)), view((2, 300, 2, 128))
+        cufa.flash_attn_func(q, k, v, causal=True)
+    (views, tails), = made
+    assert [shape[-1] for shape, _, _ in views] == [192, 192, 128]
+    assert [shape[-1] for shape, _, _ in tails] == ([192, 128] if packed else [])
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None)
+    assert (plan.variant.family, plan.variant.head_dim_v) == ("sm90", 128)
+    monkeypatch.setenv(_compile.FAMILY_ENV, "sm80")
+    cufa.api.clear_plans()
+    q, k, v = view((2, 10, 8, 192)), view((2, 30, 2, 192)), view((2, 30, 2, 128))
+    cufa.flash_attn_func(q, k, v)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None)
+    assert (plan.variant.family, plan.variant.head_dim_v) == ("sm80", 128)
 
 
 @pytest.mark.parametrize("case, error, words", [

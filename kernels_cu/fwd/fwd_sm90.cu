@@ -18,11 +18,14 @@ namespace cufa {
 // _compile.SM90_HOLD_PV_WAIT)
 // kE4m3: the fp8 forward (q, k, v e4m3, V transposed by transpose_v_e4m3 beforehand; out
 // in kDtype), on padded and packed batches
+// kHeadDimV: V's (and O's) padded head dim where V has one of its own (p.head_dim_v its
+// columns), else 0
 template <int kDtype, int kHeadDim, int kMask, bool kScoreMods, int kBlockM, int kBlockN,
-          int kQStages, int kKVStages, bool kHoldPVWait, bool kE4m3 = false>
+          int kQStages, int kKVStages, bool kHoldPVWait, bool kE4m3 = false, int kHeadDimV = 0>
 __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TensorMaps maps) {
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "whole 128-byte panels, 16-key steps");
+  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kBlockN % 16 == 0,
+                "whole 128-byte panels, 16-key steps");
   static_assert(!kE4m3 || (kHeadDim % 128 == 0 && kBlockN == 128 && !kScoreMods),
                 "fp8: whole 128-byte panels of e4m3, 128-key blocks, no score mods");
   static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 192, "one to three consumer warpgroups");
@@ -34,7 +37,8 @@ __global__ void __launch_bounds__(kSm90Threads<kBlockM>, kCtasPerSm<kBlockM>)
                     65536 / kCtasPerSm<kBlockM>,
                 "register split over the SM's file");
   extern __shared__ unsigned char smem_raw[];
-  const Sm90Smem<kBlockM, kHeadDim, kBlockN, kQStages, kKVStages, kE4m3> sm(smem_u32(smem_raw));
+  const Sm90Smem<kBlockM, kHeadDim, kBlockN, kQStages, kKVStages, kE4m3, kHeadDimV> sm(
+      smem_u32(smem_raw));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kQStages; ++s) {
       mbar_init(sm.q_full() + 8 * s, 1);  // the producer's one arrival, plus the bytes its copies bring

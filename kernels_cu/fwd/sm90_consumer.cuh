@@ -57,7 +57,7 @@ constexpr bool kHalfFirstBlock = kBlockN == 128 && kBlockM <= 128 && !kScoreMods
 //    epilogue; consumer 0 writes only once consumer 1's last Q K^T has read it --
 // (Two consumers, neither ever solo: consumer 0 waits for consumer 1's signal every tile.)
 template <class Smem>
-constexpr bool kStageOInK = kStagedOutput<Smem::kHeadDim> && !Smem::kE4m3 &&
+constexpr bool kStageOInK = kStagedOutput<Smem::kHeadDim> && !Smem::kE4m3 && !Smem::kOwnHeadDimV &&
                             Smem::kQStages == 1 && Smem::kStages > 1 &&
                             kConsumers<Smem::kBlockM> == 2;
 constexpr int kStageOInKBytes = 64 * 128 * 2;  // a consumer's rows, 128 columns
@@ -173,9 +173,10 @@ __device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softm
     if (in_k && consumer == 0) named_barrier_sync(kKReadBarrier, 256);
     const u32 area = (in_k ? sm.k() + k_last * Smem::kKVBytes : sm.q + q_stage * Smem::kQBytes) +
                      consumer * kStageOInKBytes;
-    write_output_staged<kDtype, 64, 128, Smem::kHeadDim>(acc_o, lse, p, t.seqlen_q, ptr.o,
-                                                         ptr.lse, area, row_base - row0 - 64 * consumer,
-                                                         row_base, lane);
+    write_output_staged<kDtype, 64, 128, Smem::kHeadDim>(acc_o, lse, p, t.seqlen_q, p.head_dim,
+                                                         ptr.o, ptr.lse, area,
+                                                         row_base - row0 - 64 * consumer, row_base,
+                                                         lane);
     // The stage's next K or Q comes by TMA (the async proxy) over what this warpgroup
     // just wrote and read through the generic one.
     fence_proxy_async();
@@ -185,16 +186,17 @@ __device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softm
     } else {
       mbar_arrive(sm.q_empty() + 8 * q_stage);
     }
-  } else if constexpr (kStagedOutput<Smem::kHeadDim> && !Smem::kE4m3) {  // (an e4m3 Q stage is half O's tile)
-    write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDim, Smem::kHeadDim>(
-        acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, sm.q + q_stage * Smem::kQBytes, row_base - row0,
-        row_base, lane);
+  } else if constexpr (kStagedOutput<Smem::kHeadDimV> && !Smem::kE4m3) {  // (an e4m3 Q stage is half O's tile)
+    write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDimV, Smem::kHeadDimV>(
+        acc_o, lse, p, t.seqlen_q, head_dim_v<Smem>(p), ptr.o, ptr.lse,
+        sm.q + q_stage * Smem::kQBytes, row_base - row0, row_base, lane);
     // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
     // and read through the generic one.
     fence_proxy_async();
     mbar_arrive(sm.q_empty() + 8 * q_stage);
   } else {
-    write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, ptr.o, ptr.lse, row_base, lane);
+    write_output_direct<kDtype>(acc_o, lse, p, t.seqlen_q, head_dim_v<Smem>(p), ptr.o, ptr.lse,
+                                row_base, lane);
   }
 }
 
@@ -241,13 +243,13 @@ template <int kDtype, int kMask, bool kScoreMods, bool kHoldPVWait, class Smem>
 __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int consumer) {
   constexpr int kBlockM = Smem::kBlockM, kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
   constexpr int kNTiles = kBlockN / 8;
-  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kDTiles = Smem::kHeadDimV / 8;  // O's column tiles
   // fp8 (kE4m3): e4m3 products, P * 2^kE4m3ProbLog2 in e4m3 registers (a k32 step holds
   // 32 keys, so half the 16-bit P's registers); the max exact (update_lazy without slack:
   // O rescaled only where a row's max rose), O written from registers
   constexpr bool kE4m3 = Smem::kE4m3;
   constexpr bool kLazy = kLazyRescale<kHeadDim> || kE4m3;
-  constexpr bool kStagedO = kStagedOutput<kHeadDim> && !kE4m3;
+  constexpr bool kStagedO = kStagedOutput<Smem::kHeadDimV> && !kE4m3;
   constexpr bool kOInK = kStageOInK<Smem>;
   static_assert(!kOInK || (kHeadDim == 256 && Smem::kKVBytes >= 2 * kStageOInKBytes),
                 "both consumers' rows, 128 columns, in a K stage; no solo tiles (d = 256)");
@@ -263,7 +265,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
   const u64 q_desc = smem_desc(sm.q + consumer * 64 * 128, 16, 1024);
   const u64 k_desc = smem_desc(sm.k(), 16, 1024);
   const u64 v_desc = kE4m3 ? smem_desc(sm.v(), 16, 1024) : smem_desc(sm.v(), kBlockN * 128, 1024);
-  constexpr u32 kStageStep = Smem::kKVBytes >> 4;
+  constexpr u32 kStageStep = Smem::kKVBytes >> 4, kVStageStep = Smem::kVBytes >> 4;
 
   int block_count = 0;
   bool took_turns = false;
@@ -339,7 +341,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       };
       u32 p_prev[kPSteps][4];
       auto issue_pv = [&](u32 stage) {
-        const u64 v_stage_desc = desc_add(v_desc, stage * kStageStep);
+        const u64 v_stage_desc = desc_add(v_desc, stage * kVStageStep);
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
           if constexpr (kE4m3)

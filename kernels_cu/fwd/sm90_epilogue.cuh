@@ -26,6 +26,7 @@ __device__ __forceinline__ void write_lse(const float (&lse)[1][2], int seqlen_q
 template <int kHeadDim>
 constexpr bool kStagedOutput = kHeadDim >= 128;
 
+// head_dim_v: O's columns in the array (where V has Q's head dim, p.head_dim);
 // stage: the staging area's base, whose panels are kPanelRows rows; stage_row0: this
 // warp's first row in it; row_base: the warp's first row in the sequence. O goes out in
 // passes of kPassColumns (the whole head dim where the area holds it; d = 256 staged in
@@ -33,19 +34,19 @@ constexpr bool kStagedOutput = kHeadDim >= 128;
 template <int kDtype, int kPanelRows, int kPassColumns, int kHeadDim, int kDTiles>
 __device__ __forceinline__ void write_output_staged(const float (&o)[1][kDTiles][4],
                                                     const float (&lse)[1][2], const FwdParams& p,
-                                                    int seqlen_q, u16* o_ptr, float* lse_ptr,
-                                                    u32 stage, int stage_row0, int row_base,
-                                                    int lane) {
+                                                    int seqlen_q, const int& head_dim_v, u16* o_ptr,
+                                                    float* lse_ptr, u32 stage, int stage_row0,
+                                                    int row_base, int lane) {
   store_rows_staged<kDtype, kPanelRows, kPassColumns, kHeadDim>(
-      o, o_ptr, p.o_row_stride, seqlen_q, p.head_dim, stage, stage_row0, row_base, lane);
+      o, o_ptr, p.o_row_stride, seqlen_q, head_dim_v, stage, stage_row0, row_base, lane);
   if (p.lse) write_lse(lse, seqlen_q, lse_ptr, row_base, lane);  // lse asked for
 }
 
 template <int kDtype, int kDTiles>
 __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles][4],
                                                     const float (&lse)[1][2], const FwdParams& p,
-                                                    int seqlen_q, u16* o_ptr, float* lse_ptr,
-                                                    int row_base, int lane) {
+                                                    int seqlen_q, const int& head_dim_v, u16* o_ptr,
+                                                    float* lse_ptr, int row_base, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = frag_row(row_base, 0, 2 * h, lane);
@@ -53,7 +54,7 @@ __device__ __forceinline__ void write_output_direct(const float (&o)[1][kDTiles]
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt) {
       const int col = frag_col(0, dt, 0, lane);
-      if (col < p.head_dim)
+      if (col < head_dim_v)
         *reinterpret_cast<u32*>(o_ptr + row * p.o_row_stride + col) =
             pack2<kDtype>(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
     }

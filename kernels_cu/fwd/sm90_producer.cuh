@@ -29,6 +29,25 @@ __device__ __forceinline__ void mark_copied_stage_full(const Smem& sm, u32 stage
   }
 }
 
+// -- a key block's K or V (kColumns wide) from a paged cache: lane i < boxes issues box
+//    i, rows page_row.. of its page there; `elected` (lane 0) expects the bytes. A box a lane,
+//    each lane issuing its own copies: one lane issuing them all, the pages passed to it
+//    by shuffles, read pages of 16 at 60-65 % of a contiguous cache's speed on an H100,
+//    against 85-92 % so (docs/decisions.md) --
+template <int kBlockN, int kColumns>
+__device__ __forceinline__ void load_page_boxes(u32 dst, const TensorMap& map, u32 bar,
+                                                bool elected, int lane, int boxes, int box_shift,
+                                                int page, int page_row, int head) {
+  if (elected) mbar_arrive_expect_bytes(bar, kBlockN * kColumns * 2);
+  __syncwarp();  // the bytes expected before any box's land
+  if (lane < boxes) {
+#pragma unroll
+    for (int panel = 0; panel < kColumns / 64; ++panel)
+      tma_load_4d(dst + panel * kBlockN * 128 + (lane << box_shift) * 128, map, bar, panel * 64,
+                  page_row, head, page);
+  }
+}
+
 // -- a key block of a paged cache (block_table): boxes of whole rows inside one page by
 //    TMA, each from its page (the maps view K and V as (columns, page rows, heads, pages)
 //    in boxes of the page's rows, or of the largest power of two up to 128 dividing
@@ -41,13 +60,13 @@ template <class Smem>
 __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const TensorMaps& maps,
                                                     const Smem& sm, const Tile& t, int key0,
                                                     int block_count) {
-  constexpr int kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
+  constexpr int kHeadDim = Smem::kHeadDim, kHeadDimV = Smem::kHeadDimV, kBlockN = Smem::kBlockN;
   constexpr int kBlockNShift =
       kBlockN % 128 == 0 ? 7 : kBlockN % 64 == 0 ? 6 : kBlockN % 32 == 0 ? 5 : 4;
   const bool elected = threadIdx.x == 0;
   const int lane = threadIdx.x % 32;
   const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
-  const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kKVBytes;
+  const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kVBytes;
   const bool reused = block_count >= Smem::kStages;
   if (key0 + kBlockN > t.seqlen_k) {
     if (reused) {
@@ -59,38 +78,27 @@ __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const Te
     copy_rows_async<kBlockN, kHeadDim, 32>(
         k_dst, [&](int r) { return paged_row(p, t, ptr.k, p.k_batch_stride, p.k_row_stride, key0 + r); },
         ptr.k, t.seqlen_k - key0, p.head_dim, panels, lane);
-    copy_rows_async<kBlockN, kHeadDim, 32>(
+    copy_rows_async<kBlockN, kHeadDimV, 32>(
         v_dst, [&](int r) { return paged_row(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0 + r); },
-        ptr.v, t.seqlen_k - key0, p.head_dim, panels, lane);
+        ptr.v, t.seqlen_k - key0, head_dim_v<Smem>(p), panels, lane);
     mark_copied_stage_full(sm, stage);
     return;
   }
   const int box_shift = min(p.page_shift, kBlockNShift);
   const int boxes = kBlockN >> box_shift;  // at most 16: pages of 8 rows and more take this path
-  int page = 0, page_row = 0;
+  int page_row = 0, page = 0;
   if (lane < boxes) {
     const int key = key0 + (lane << box_shift);
     const int* pages = reinterpret_cast<const int*>(p.block_table) + t.b * p.block_table_batch_stride;
     page = min(max(pages[key >> p.page_shift], 0), p.num_pages - 1);
     page_row = key & ((1 << p.page_shift) - 1);
   }
-  // A box a lane, each lane issuing its own copies: one lane issuing them all, the
-  // pages passed to it by shuffles, read pages of 16 at 60-65 % of a contiguous cache's
-  // speed on an H100, against 85-92 % so (docs/decisions.md)
-  const auto load = [&](u32 dst, const TensorMap& map, u32 bar) {
-    if (elected) mbar_arrive_expect_bytes(bar, Smem::kKVBytes);
-    __syncwarp();  // the bytes expected before any box's land
-    if (lane < boxes) {
-#pragma unroll
-      for (int panel = 0; panel < kHeadDim / 64; ++panel)
-        tma_load_4d(dst + panel * kBlockN * 128 + (lane << box_shift) * 128, map, bar, panel * 64,
-                    page_row, t.h_k, page);
-    }
-  };
   if (reused) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
-  load(k_dst, maps.k, sm.k_full() + 8 * stage);
+  load_page_boxes<kBlockN, kHeadDim>(k_dst, maps.k, sm.k_full() + 8 * stage, elected, lane,
+                                     boxes, box_shift, page, page_row, t.h_k);
   if (reused) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
-  load(v_dst, maps.v, sm.v_full() + 8 * stage);
+  load_page_boxes<kBlockN, kHeadDimV>(v_dst, maps.v, sm.v_full() + 8 * stage, elected,
+                                      lane, boxes, box_shift, page, page_row, t.h_k);
   __syncwarp();
 }
 
@@ -100,7 +108,7 @@ template <class Smem>
 __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const TensorMaps& maps,
                                                     const Smem& sm, const Sm90Work& w, int it,
                                                     int block_count) {
-  constexpr int kHeadDim = Smem::kHeadDim, kBlockN = Smem::kBlockN;
+  constexpr int kHeadDim = Smem::kHeadDim, kHeadDimV = Smem::kHeadDimV, kBlockN = Smem::kBlockN;
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
   const Tile& t = w.t;
@@ -110,7 +118,7 @@ __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const Te
     return;
   }
   const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
-  const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kKVBytes;
+  const u32 k_dst = sm.k() + stage * Smem::kKVBytes, v_dst = sm.v() + stage * Smem::kVBytes;
   if (block_count >= Smem::kStages) mbar_wait(sm.k_empty() + 8 * stage, parity ^ 1);
   // (map, row coordinate, last coordinate) of this block's K and V boxes
   const TensorMap *k_map = &maps.k, *v_map = &maps.v;
@@ -127,8 +135,8 @@ __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const Te
       const TilePointers ptr = tile_pointers(p, t);
       load_panels<kBlockN, kHeadDim>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
                                      t.seqlen_k - key0, p.head_dim);
-      load_panels<kBlockN, kHeadDim>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
-                                     t.seqlen_k - key0, p.head_dim);
+      load_panels<kBlockN, kHeadDimV>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
+                                      t.seqlen_k - key0, head_dim_v<Smem>(p));
       mark_copied_stage_full(sm, stage);
       return;
     }
@@ -139,8 +147,8 @@ __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const Te
   }
   if (block_count >= Smem::kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
   if (elected) {
-    mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kKVBytes);
-    tma_load_panels<kBlockN, kHeadDim>(v_dst, *v_map, sm.v_full() + 8 * stage, row, t.h_k, last);
+    mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kVBytes);
+    tma_load_panels<kBlockN, kHeadDimV>(v_dst, *v_map, sm.v_full() + 8 * stage, row, t.h_k, last);
   }
   __syncwarp();
 }

@@ -33,12 +33,17 @@ constexpr int kConsumerRegs = kE4m3 && kBlockM == 128 ? 240 : kBlockM == 64 ? 20
 //    n % kQStages (two where they fit, so the next tile's Q loads during this one), and
 //    the producer hands the consumers that tile in the slot tile() + 32 * s. The fp8
 //    forward's (kE4m3) tiles hold a byte an element: Q and K as rows of e4m3, and V
-//    transposed, kHeadDim rows of kBlockN keys (fp8 wgmma reads both operands K-major) --
+//    transposed, kHeadDim rows of kBlockN keys (fp8 wgmma reads both operands K-major).
+//    V's rows (and O's) are kHeadDimV wide where V has a head dim of its own (DeepSeek's
+//    prefill: 192 for Q and K, 128 for V); 0: kHeadDim --
 template <int kBlockM_, int kHeadDim_, int kBlockN_, int kQStages_, int kStages_,
-          bool kE4m3_ = false>
+          bool kE4m3_ = false, int kHeadDimV_ = 0>
 struct Sm90Smem {
   static constexpr int kBlockM = kBlockM_, kHeadDim = kHeadDim_, kBlockN = kBlockN_;
+  static constexpr bool kOwnHeadDimV = kHeadDimV_ != 0;
+  static constexpr int kHeadDimV = kOwnHeadDimV ? kHeadDimV_ : kHeadDim_;
   static constexpr bool kE4m3 = kE4m3_;
+  static_assert(!kE4m3 || kHeadDimV == kHeadDim, "fp8: one head dim");
   static constexpr int kElemBytes = kE4m3 ? 1 : 2;
   // a row's 16-bit units, which the TMA maps and the 64-column panels count (an e4m3 row
   // moves as pairs of bytes)
@@ -47,12 +52,14 @@ struct Sm90Smem {
   // not fit (d = 256's 128-key blocks: the loop then waits for each product, as cuDNN's)
   static constexpr int kQStages = kQStages_, kStages = kStages_;
   static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;
-  // Offsets from q, the 1024-aligned base; stage s of K at k() + s * kKVBytes, stage s's
-  // barrier at + 8 * s. (Addresses are computed, not stored: the producer warp has few
-  // registers, and arrays indexed at run time would go to local memory.)
+  static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;  // a K stage
+  static constexpr int kVBytes = kBlockN * kHeadDimV * kElemBytes;   // a V stage
+  // Offsets from q, the 1024-aligned base; stage s of K at k() + s * kKVBytes, of V at
+  // v() + s * kVBytes, stage s's barrier at + 8 * s. (Addresses are computed, not stored:
+  // the producer warp has few registers, and arrays indexed at run time would go to local
+  // memory.)
   static constexpr u32 kK = kQStages * kQBytes, kV = kK + kStages * kKVBytes;
-  static constexpr u32 kQFull = kV + kStages * kKVBytes, kQEmpty = kQFull + 8 * kQStages;
+  static constexpr u32 kQFull = kV + kStages * kVBytes, kQEmpty = kQFull + 8 * kQStages;
   static constexpr u32 kKFull = kQEmpty + 8 * kQStages, kVFull = kKFull + 8 * kStages;
   static constexpr u32 kKEmpty = kVFull + 8 * kStages, kVEmpty = kKEmpty + 8 * kStages;
   static constexpr u32 kTile = (kVEmpty + 8 * kStages + 15) & ~15u;
@@ -74,6 +81,13 @@ struct Sm90Smem {
   __device__ static u32 q_stage(int n) { return static_cast<u32>(n % kQStages); }
   __device__ static u32 q_parity(int n) { return static_cast<u32>((n / kQStages) & 1); }
 };
+
+// -- V's and O's columns in the arrays: p.head_dim where V has Q's head dim, which those
+//    variants alone read --
+template <class Smem>
+__device__ __forceinline__ const int& head_dim_v(const FwdParams& p) {
+  return Smem::kOwnHeadDimV ? p.head_dim_v : p.head_dim;
+}
 
 // -- one tile's work: the tile, its rows, and its key blocks n_block_max - n_blocks ..
 //    n_block_max - 1, visited last first --
