@@ -78,6 +78,10 @@ SM90_TILES = {64: (192, 128), 128: (192, 80), 192: (128, 64), 256: (128, 80)}
 SM90_TILES_WINDOW = dict(SM90_TILES)  # causal / local (the same; docs/decisions.md)
 SM90_TILES_SCORE_MODS = {**SM90_TILES_WINDOW, 128: (128, 64), 256: (128, 32)}  # else ptxas spills
 SM90_KV_STAGES = 2  # Sm90Smem::kStages in fwd_sm90.cu, where two fit (else one)
+# - a HEAD_DIM_V_PAIRS pair without score mods: V's narrower stages leave room for two of
+#   128 keys beside one Q stage (H200, bf16 192/128, 16 heads: 1.10-1.15x the TFLOP/s of
+#   128 x 64 from 4k rows, 1.00 and 0.98 at 1k; bench/results/sm90_head_dim_v_h200.md)
+SM90_HEAD_DIM_V_TILES = {192: (128, 128)}
 # - mid: 128-row tiles at d = 128, where a sequence's last 192-row tile would be mostly
 #   empty and fewer tiles fill the SMs unevenly; at d = 256 128-key blocks (cuDNN's
 #   shape: one K and one V buffer fit, and the kernel waits for each product where it
@@ -1193,6 +1197,8 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
         block_m, block_n = SM90_MID_TILES[hd]
     else:
         block_m, block_n = (SM90_TILES_WINDOW if mask == "window" else SM90_TILES)[hd]
+    if family == "sm90" and dv and not score_mods:
+        block_m, block_n = SM90_HEAD_DIM_V_TILES[hd]
     hold = (family == "sm90" and rows == "long" and not score_mods
             and SM90_HOLD_PV_WAIT.get(hd) == (block_m, block_n))
     return FwdVariant(family, dtype, hd, mask, bool(score_mods), block_m, block_n, hold,

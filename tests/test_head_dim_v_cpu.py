@@ -25,6 +25,10 @@ def test_the_variant_pads_both_head_dims_to_a_kernel_pair():
     assert h.name_expression == plain.name_expression[:-1] + ", false, 128>"
     assert h.smem_bytes == plain.smem_bytes - h.kv_stages * h.block_n * 64 * 2
     assert (h.q_stages, h.kv_stages) == (2, 2) and h.key == plain.key + "_dv128"
+    # without score mods, 128-key blocks: two K/V stages beside one Q stage
+    h = _compile.fwd_variant("fp16", 192, "none", False, "sm90", "mid", head_dim_v=128)
+    assert (h.block_m, h.block_n, h.q_stages, h.kv_stages) == (128, 128, 1, 2)
+    assert h.smem_bytes <= h.smem_limit
     assert _compile.fwd_variant("bf16", 192, "window", True, head_dim_v=192).head_dim_v == 0
     # a narrower v (any up to the pair's 128) takes the pair's kernel: its columns are bounded
     # by head_dim_v at run time
@@ -35,8 +39,9 @@ def test_the_variant_pads_both_head_dims_to_a_kernel_pair():
         _compile.fwd_variant("fp16", 192, "none", False, e4m3_kv=True, head_dim_v=128)
     keys = {x.key for x in _compile.all_variants()}
     assert {f"fwd_{family}_{dt}_hd192_{tiles}_{m}{mods}_dv128" for dt in ("fp16", "bf16")
-            for family, tiles in (("sm80", "bm64_bn64"), ("sm90", "bm128_bn64"))
-            for m in ("none", "window") for mods in ("", "_mods")} <= keys
+            for family, tiles, mods in (("sm80", "bm64_bn64", ""), ("sm80", "bm64_bn64", "_mods"),
+                                        ("sm90", "bm128_bn128", ""), ("sm90", "bm128_bn64", "_mods"))
+            for m in ("none", "window")} <= keys
 
 
 def test_dense_and_packed_calls_launch_it_with_out_in_v_s_head_dim(device):  # noqa: F811
