@@ -14,8 +14,8 @@ rows one element longer (strides no multiple of 8, a start 2 bytes off 16), whic
 them at any head dim (the peers read the same values contiguous). So the cost of an odd
 head dim is the rows d = 59 against 64, 111 against 112 and 128, and that of the
 element-wise kernels alone a run with --unaligned against one without. TFLOP/s =
-4*B*H*N^2*d (--latent's and --deepseek's rows of a v head dim of its own: 2*B*H*N^2*(d + dv)), halved
-for causal. GPU-side implementations are timed with one pair of CUDA
+4*B*H*N^2*d (--latent's and --deepseek's rows of a v head dim of its own:
+2*B*H*N^2*(d + dv)), halved for causal. GPU-side implementations are timed with one pair of CUDA
 events per call, the calls queued behind a spinning kernel so the host's cost stays hidden (`queue_ahead`), median of
 --reps, rotating among input sets that together exceed the 50 MB L2. The calls of a row are
 taken in 4 interleaved rounds (the implementations in a fresh random order each round, at
