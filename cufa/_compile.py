@@ -82,6 +82,11 @@ SM90_KV_STAGES = 2  # Sm90Smem::kStages in fwd_sm90.cu, where two fit (else one)
 #   128 keys beside one Q stage (H200, bf16 192/128, 16 heads: 1.10-1.15x the TFLOP/s of
 #   128 x 64 from 4k rows, 1.00 and 0.98 at 1k; bench/results/sm90_head_dim_v_h200.md)
 SM90_HEAD_DIM_V_TILES = {192: (128, 128)}
+# - above 256 (WIDE_HEAD_DIM, one head dim for q, k and v): q and k padded to 512, a query
+#   tile two CTAs, each computing the scores and one half of v's and out's 512 columns (as
+#   the sm80 family's kernel, whose O would not fit in registers either). Q (128 KB), one
+#   64-key K stage (64 KB) and one V stage of 256 columns (32 KB) fill the SM.
+SM90_WIDE_TILES = (128, 64)
 # - mid: 128-row tiles at d = 128, where a sequence's last 192-row tile would be mostly
 #   empty and fewer tiles fill the SMs unevenly; at d = 256 128-key blocks (cuDNN's
 #   shape: one K and one V buffer fit, and the kernel waits for each product where it
@@ -1164,7 +1169,8 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
     e4m3_kv: K and V from an e4m3 cache, on the sm80 family's kernel (any GPU), as head
     dims above 256 are (WIDE_HEAD_DIM, on wide_tiles); head_dim_v: V's head dim where it
     is not Q's (a HEAD_DIM_V_PAIRS pair, on either family)."""
-    if e4m3_kv or head_dim > MAX_HEAD_DIM:
+    if e4m3_kv or head_dim > WIDE_HEAD_DIM or head_dim > MAX_HEAD_DIM and head_dim_v not in (
+            0, head_dim):
         family = "sm80"
     if head_dim > WIDE_HEAD_DIM:  # (a wide pair: check_head_dim_v has checked v's)
         if e4m3_kv or not head_dim_v or head_dim > WIDE_QK_HEAD_DIM:
@@ -1173,6 +1179,9 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
                              f"{WIDE_V_HEAD_DIM}")
         return FwdVariant("sm80", dtype, WIDE_QK_HEAD_DIM, mask, bool(score_mods), *wide_tiles,
                           head_dim_v=WIDE_V_HEAD_DIM // 2)
+    if family == "sm90" and head_dim > MAX_HEAD_DIM:
+        return FwdVariant("sm90", dtype, WIDE_HEAD_DIM, mask, bool(score_mods), *SM90_WIDE_TILES,
+                          head_dim_v=WIDE_HEAD_DIM // 2)
     hd = padded_head_dim(head_dim, family)
     if hd > MAX_HEAD_DIM:
         if e4m3_kv or (head_dim_v and head_dim_v != head_dim):
@@ -1275,6 +1284,8 @@ def all_variants():
     variants += [fwd_variant(dt, WIDE_HEAD_DIM, mask, mods, wide_tiles=tiles) for dt in DTYPES
                  for mask in MASKS for mods in (False, True)
                  for tiles in (WIDE_TILES, WIDE_TILES_PORTABLE)]
+    variants += [fwd_variant(dt, WIDE_HEAD_DIM, mask, mods, "sm90") for dt in DTYPES
+                 for mask in MASKS for mods in (False, True)]
     variants += [fwd_variant(dt, WIDE_QK_HEAD_DIM, mask, mods, head_dim_v=WIDE_V_HEAD_DIM)
                  for dt in DTYPES for mask in MASKS for mods in (False, True)]
     variants += [TransposeVVariant(), GatherPagesVariant()]  # (the fp8 forward's pre-passes)

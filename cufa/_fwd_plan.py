@@ -483,9 +483,10 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
             f"head dim {d} (over {_compile.MAX_HEAD_DIM}) needs a head dim that is a multiple "
             "of 8 and q, k, v (and out) on strides that are multiples of 8 elements from "
             "16-byte aligned starts")
-    elif d > _compile.MAX_HEAD_DIM or d_v != d and (family != "sm90" or paged is not None
-                                                    or not aligned):
-        # (over 256, or v's own head dim off Hopper's contiguous K/V: sm80's)
+    elif (d_v != d or d > _compile.MAX_HEAD_DIM) and not (family == "sm90" and aligned and (
+            d_v == d or paged is None and d <= _compile.MAX_HEAD_DIM)):
+        # v's own head dim or one over 256: Hopper's kernel takes one head dim up to 512 and
+        # DeepSeek's pair on contiguous K/V; the rest (the latent pair always) sm80's
         variant, tma_template = _wide_variant(KERNEL_DTYPES[q.dtype], d, d_v, mask_kind,
                                               score_mods, q.device), None
     elif aligned:

@@ -75,6 +75,7 @@ def representative_variants():
         C.fwd_variant("fp16", 256, "window", False, "sm90", "mid"),       # one K/V stage
         C.fwd_variant("bf16", 128, "none", True, "sm90", "mid"),          # score mods
         C.fwd_variant("fp16", 192, "window", False, "sm90", head_dim_v=128),  # V's own
+        C.fwd_variant("bf16", 512, "window", True, "sm90"),               # column halves
         C.VARLEN_SCHEDULE,
         C.decode_kernel("fp16", 128),
         C.decode_kernel("bf16", 512),                                     # V's halves
@@ -151,7 +152,7 @@ def test_variant_list_is_complete_and_keys_unique():
     assert {v.dtype for v in variants} == set(_compile.DTYPES)
     for family, dims in (("sm80", _compile.SM80_HEAD_DIMS + (_compile.WIDE_HEAD_DIM,
                                                          _compile.WIDE_QK_HEAD_DIM)),
-                         ("sm90", _compile.SM90_HEAD_DIMS)):
+                         ("sm90", _compile.SM90_HEAD_DIMS + (_compile.WIDE_HEAD_DIM,))):
         assert {v.head_dim for v in variants if v.family == family} == set(dims)
     assert {(v.mask, v.score_mods) for v in variants} == {
         (m, s) for m in _compile.MASKS for s in (False, True)}

@@ -1,6 +1,7 @@
 """GPU: head dims above 256, up to 512 (Gemma 4's global layers), on flash_attn_func and
-flash_attn_varlen_func (contiguous and paged): the mma.sync kernel on Q and K padded to 512,
-V's and O's columns in two halves a query tile; and on flash_attn_with_kvcache: the decode
+flash_attn_varlen_func (contiguous and paged): the forward kernels (Hopper's wgmma one, the
+mma.sync one elsewhere and under CUFA_KERNEL_FAMILY=sm80) on Q and K padded to 512, V's and
+O's columns in two halves a query tile; and on flash_attn_with_kvcache: the decode
 kernel on 512, V's halves a CTA each, its splits merged by decode_combine. Outputs and lse
 against the float64 reference (pass rule in _attention_check.py), out= poisoned with NaN;
 odd lengths, empty sequences, GQA, every mask, softcap, ALiBi, a learnable sink, appends,
@@ -81,23 +82,40 @@ def test_paged_prefill_and_decode_sized_sequences(rng, page_size):
                            f"paged {page_size}", causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [320, 512])
+def test_long_rows_and_strided_arrays(rng, d, causal):
+    """700 query rows over 900 keys, GQA 4/2 (several tiles a head, every K and V stage
+    refilled many times), v a column slice of a wider array, out= a slice of one."""
+    q = randn(rng, (2, 700, 4, d), "bfloat16")
+    k = randn(rng, (2, 900, 2, d), "bfloat16")
+    v = randn(rng, (2, 900, 2, d + 64), "bfloat16")[..., 40:40 + d]
+    out_wide = torch.full((2, 700, 4, d + 16), NAN, dtype=q.dtype, device="cuda")
+    out = out_wide[..., 8:8 + d]
+    res, lse = cufa.flash_attn_func(q, k, v, causal=causal, out=out, return_lse=True)
+    assert res.data_ptr() == out.data_ptr()
+    assert torch.isnan(out_wide[..., :8]).all() and torch.isnan(out_wide[..., 8 + d:]).all()
+    check_attention(out, lse, q, k, v, causal=causal, label=f"d={d} long rows")
+
+
 @pytest.mark.parametrize("spec", ["64x16", "64x64"])
 def test_other_key_blocks(rng, monkeypatch, spec):
-    """CUFA_WIDE_TILES (to time them): 16-key blocks (the planner's where a block gets
-    under 112 KB) and 64-key ones, dense and packed, where the GPU grants their shared
-    memory."""
+    """The mma.sync kernel (CUFA_KERNEL_FAMILY=sm80 on Hopper) on CUFA_WIDE_TILES' tiles
+    (to time them): 16-key blocks (the planner's where a block gets under 112 KB) and
+    64-key ones, dense and packed, where the GPU grants their shared memory."""
     from cufa import _compile, _runtime
     keys = int(spec.split("x")[1])
     if (64 * 512 + keys * 768) * 2 > _runtime.smem_per_block(torch.cuda.current_device()):
         pytest.skip(f"{spec} takes more shared memory than this GPU grants a block")
-    monkeypatch.setenv(_compile.WIDE_TILES_ENV, spec)
-    cufa.api.clear_plans()
     try:
-        test_dense(rng, "bfloat16", 384, "causal")
-        test_dense(rng, "float16", 512, "window softcap")
-        test_packed_with_empty_and_odd_sequences(rng, 296)
+        with monkeypatch.context() as env:  # (the caller's settings back at its end)
+            env.setenv(_compile.WIDE_TILES_ENV, spec)
+            env.setenv(_compile.FAMILY_ENV, "sm80")
+            cufa.api.clear_plans()
+            test_dense(rng, "bfloat16", 384, "causal")
+            test_dense(rng, "float16", 512, "window softcap")
+            test_packed_with_empty_and_odd_sequences(rng, 296)
     finally:
-        monkeypatch.delenv(_compile.WIDE_TILES_ENV)
         cufa.api.clear_plans()
 
 

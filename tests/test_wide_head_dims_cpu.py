@@ -1,8 +1,8 @@
 """CPU: head dims above 256, up to 512 (Gemma 4's global layers), in flash_attn_func,
-flash_attn_varlen_func and flash_attn_with_kvcache -- the variants (the sm80 family's
-forward kernel on Q and K padded to 512, the decode kernel on 512; V's and O's columns in
-two halves, two CTAs a tile), what the planners launch, and every call that does not take
-them, refused with the argument named."""
+flash_attn_varlen_func and flash_attn_with_kvcache -- the variants (the forward kernels,
+Hopper's and the sm80 family's, on Q and K padded to 512, the decode kernel on 512; V's and
+O's columns in two halves, two CTAs a tile), what the planners launch, and every call that
+does not take them, refused with the argument named."""
 import pytest
 
 import cufa
@@ -13,41 +13,65 @@ from test_launch_path_cpu import device, record  # noqa: F401  (the fixture)
 
 def test_the_variant_pads_to_512_and_splits_v_in_halves():
     for d in (257, 320, 512):
-        v = _compile.fwd_variant("bf16", d, "window", True, "sm90")
+        v = _compile.fwd_variant("bf16", d, "window", True, "sm80")
         assert (v.family, v.head_dim, v.head_dim_v, v.ctas_per_tile) == ("sm80", 512, 256, 2)
         assert (v.block_m, v.block_n) == _compile.WIDE_TILES == (64, 32)
         assert v.smem_bytes == (64 * 512 + 32 * (512 + 256)) * 2
-        portable = _compile.fwd_variant("bf16", d, "window", True, "sm90",
+        portable = _compile.fwd_variant("bf16", d, "window", True, "sm80",
                                         wide_tiles=_compile.WIDE_TILES_PORTABLE)
         assert portable.smem_bytes == (64 * 512 + 16 * (512 + 256)) * 2 <= 99 * 1024
+        # Hopper's: 128-row tiles, one Q, K and V stage (V's half) filling the SM
+        h = _compile.fwd_variant("bf16", d, "window", True, "sm90")
+        assert (h.family, h.head_dim, h.head_dim_v, h.ctas_per_tile) == ("sm90", 512, 256, 2)
+        assert (h.block_m, h.block_n, h.q_stages, h.kv_stages) == (128, 64, 1, 1)
+        assert h.smem_limit >= h.smem_bytes > (128 * 512 + 64 * (512 + 256)) * 2
+        assert h.name_expression.endswith(", 1, 1, false, false, 256>")
     assert _compile.fwd_variant("fp16", 256, "none", False).ctas_per_tile == 1
     with pytest.raises(ValueError, match="head dim 300 .over 256. takes 16-bit k and v"):
         _compile.fwd_variant("fp16", 300, "none", False, e4m3_kv=True)
     keys = {x.key for x in _compile.all_variants()}
     assert {f"fwd_sm80_{dt}_hd512_bm64_bn{n}_{m}{mods}_dv256" for dt in ("fp16", "bf16")
             for m in ("none", "window") for mods in ("", "_mods") for n in (16, 32)} <= keys
+    assert {f"fwd_sm90_{dt}_hd512_bm128_bn64_{m}{mods}_dv256" for dt in ("fp16", "bf16")
+            for m in ("none", "window") for mods in ("", "_mods")} <= keys
 
 
+def on_sm80(monkeypatch):
+    """The planners on an sm_80 GPU (the device fixture's is Hopper)."""
+    monkeypatch.setattr(_runtime, "compute_capability", lambda device: "80")
+
+
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
 @pytest.mark.parametrize("d", [320, 512])
-def test_dense_calls_launch_two_ctas_a_tile(device, d):  # noqa: F811
+def test_dense_calls_launch_two_ctas_a_tile(device, monkeypatch, d, family):  # noqa: F811
+    if family == "sm80":
+        on_sm80(monkeypatch)
     q, k, v = view((2, 100, 8, d)), view((2, 300, 2, d)), view((2, 300, 2, d))
     out = cufa.flash_attn_func(q, k, v, causal=True)
     (launch,) = device.launches
     r = record(launch)
     assert (r["head_dim"], r["head_dim_v"], r["v_row_stride"]) == (d, d, 2 * d)
-    assert launch[1] == 2 * 2 * 8 * -(-100 // 64)  # (batch x heads x query tiles, twice)
+    # batch x heads x query tiles, twice (Hopper's: no more than its CTAs on the SMs)
+    rows = 64 if family == "sm80" else 128
+    assert launch[1] == 2 * 2 * 8 * -(-100 // rows)
     assert device.allocations[0] == ((2, 100, 8, d), "float16")
     assert r["o"] == int(out.split("@")[1], 16)
     plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None)
-    assert (plan.variant.head_dim, plan.variant.head_dim_v) == (512, 256)
+    assert (plan.variant.family, plan.variant.head_dim, plan.variant.head_dim_v) == (
+        family, 512, 256)
+    assert (plan.tma_template is not None) == (family == "sm90")
 
 
-def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+def test_packed_and_paged_calls_launch_two_ctas_a_tile(device, monkeypatch, family):  # noqa: F811
+    if family == "sm80":
+        on_sm80(monkeypatch)
+    rows = 64 if family == "sm80" else 128
     q, k, v = view((150, 8, 384)), view((400, 2, 384)), view((400, 2, 384))
     cu = view((4,), "int32")
     cufa.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64)
     schedule, forward = device.launches
-    assert forward[1] == 2 * 8 * (150 // 64 + 3)
+    assert forward[1] == 2 * 8 * (150 // rows + 3)
     assert record(forward)["head_dim_v"] == 384
     device.launches.clear()
     cache, table = view((40, 16, 2, 384)), view((3, 10), "int32")
@@ -55,7 +79,7 @@ def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
     # the forward takes the longer sequences, the decode kernel (two CTAs a unit) the short
     schedule, forward, decode, *combine = device.launches
     r = record(forward)
-    assert forward[1] == 2 * 8 * (150 // 64 + 3) and r["page_shift"] == 4
+    assert forward[1] == 2 * 8 * (150 // rows + 3) and r["page_shift"] == 4
     rd = record(decode, _params.DECODE)
     assert (rd["head_dim"], rd["seqlen_q"], rd["split_counters"]) == (384, 4, 0)
     assert tuple(decode[1]) == (2 * int(rd["num_m_blocks"]) * int(rd["num_splits"]), 2, 3)
@@ -67,8 +91,9 @@ def test_packed_and_paged_calls_launch_two_ctas_a_tile(device):  # noqa: F811
     (None, 99 * 1024, 16), ("64x16", 227 * 1024, 16), ("64x32", 112 * 1024, 32),
     ("64x64", 227 * 1024, 64)])
 def test_wide_tiles_from_the_environment_or_the_gpu(device, monkeypatch, spec, smem, keys):  # noqa: F811
-    """The planner's 32-key blocks where a block's shared memory holds them, else 16;
-    CUFA_WIDE_TILES's where it asks."""
+    """The sm80 family's planner: 32-key blocks where a block's shared memory holds them,
+    else 16; CUFA_WIDE_TILES's where it asks."""
+    on_sm80(monkeypatch)
     monkeypatch.setitem(_compile._overrides, _compile.WIDE_TILES_ENV, spec)
     monkeypatch.setattr(_runtime, "smem_per_block", lambda device: smem)
     q, k, v = view((1, 70, 4, 320)), view((1, 90, 4, 320)), view((1, 90, 4, 320))
@@ -87,6 +112,7 @@ def test_wide_tiles_that_do_not_exist_are_refused(monkeypatch, spec):
 
 
 def test_wide_tiles_over_the_gpus_shared_memory_are_refused(device, monkeypatch):  # noqa: F811
+    on_sm80(monkeypatch)
     monkeypatch.setitem(_compile._overrides, _compile.WIDE_TILES_ENV, "64x64")
     monkeypatch.setattr(_runtime, "smem_per_block", lambda device: 99 * 1024)
     q, k, v = view((1, 70, 4, 320)), view((1, 90, 4, 320)), view((1, 90, 4, 320))

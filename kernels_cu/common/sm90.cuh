@@ -136,13 +136,14 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 b
 }
 
 // -- one thread loads a tile with TMA, one 64-column panel per copy: rows `row`.. of
-//    head `head` (columns, rows, heads, batch map); past the tensor's ends come zeros --
+//    head `head` (columns, rows, heads, batch map), kHeadDim columns from col0; past the
+//    tensor's ends come zeros --
 template <int kRows, int kHeadDim>
 __device__ __forceinline__ void tma_load_panels(u32 smem, const TensorMap& map, u32 bar, int row,
-                                                int head, int batch) {
+                                                int head, int batch, int col0 = 0) {
 #pragma unroll
   for (int panel = 0; panel < kHeadDim / 64; ++panel)
-    tma_load_4d(smem + panel * kRows * 128, map, bar, panel * 64, row, head, batch);
+    tma_load_4d(smem + panel * kRows * 128, map, bar, panel * 64 + col0, row, head, batch);
 }
 
 // -- shared memory by address (ordered with the barrier asm around it) --

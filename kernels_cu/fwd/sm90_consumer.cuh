@@ -163,7 +163,7 @@ template <int kDtype, class Smem, int kDTiles, class Softmax>
 __device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softmax& softmax,
                                             float scale_log2, const FwdParams& p, const Tile& t,
                                             const Smem& sm, u32 q_stage, int k_last, int consumer,
-                                            int row0, int row_base, int lane) {
+                                            int row0, int row_base, int lane, int v_col0) {
   float lse[1][2];
   softmax.finalize(acc_o, lse, scale_log2, load_sink(p.learnable_sink, p.sink_dtype, t.h));
   const TilePointers ptr = tile_pointers(p, t);
@@ -187,9 +187,16 @@ __device__ __forceinline__ void finish_tile(float (&acc_o)[1][kDTiles][4], Softm
       mbar_arrive(sm.q_empty() + 8 * q_stage);
     }
   } else if constexpr (kStagedOutput<Smem::kHeadDimV> && !Smem::kE4m3) {  // (an e4m3 Q stage is half O's tile)
-    write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDimV, Smem::kHeadDimV>(
-        acc_o, lse, p, t.seqlen_q, head_dim_v<Smem>(p), ptr.o, ptr.lse,
-        sm.q + q_stage * Smem::kQBytes, row_base - row0, row_base, lane);
+    if constexpr (Smem::kColumnHalves) {  // this CTA's half of O; the first half's writes lse
+      store_rows_staged<kDtype, Smem::kBlockM, Smem::kHeadDimV, Smem::kHeadDimV>(
+          acc_o, ptr.o + v_col0, p.o_row_stride, t.seqlen_q, head_dim_v<Smem>(p) - v_col0,
+          sm.q + q_stage * Smem::kQBytes, row_base - row0, row_base, lane);
+      if (p.lse && v_col0 == 0) write_lse(lse, t.seqlen_q, ptr.lse, row_base, lane);
+    } else {
+      write_output_staged<kDtype, Smem::kBlockM, Smem::kHeadDimV, Smem::kHeadDimV>(
+          acc_o, lse, p, t.seqlen_q, head_dim_v<Smem>(p), ptr.o, ptr.lse,
+          sm.q + q_stage * Smem::kQBytes, row_base - row0, row_base, lane);
+    }
     // The stage's next Q comes by TMA (the async proxy) over what this warp just wrote
     // and read through the generic one.
     fence_proxy_async();
@@ -275,6 +282,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
     mbar_wait(sm.q_full() + 8 * q_stage, Smem::q_parity(tile_count));
     Tile t;
     if (!load_tile(sm.tile() + 32 * q_stage, p, t)) break;
+    const int v_col0 = split_half<Smem>(t);  // (column halves: this CTA's half of V and O)
     Sm90Work w = sm90_work<kBlockM, kMask, kBlockN>(p, t);
     // The key-block count drives the stage indices and so every wgmma descriptor. Read
     // from shared memory, ptxas cannot tell it is the same across the warp; broadcast
@@ -499,7 +507,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem& sm, int 
       scale_output(acc_o, fp8_v_descale(p, t));
     const int k_last = w.n_blocks > 0 ? static_cast<int>(Smem::stage(block_count - 1)) : -1;
     finish_tile<kDtype>(acc_o, softmax, tile_scale_log2, p, t, sm, q_stage, k_last, consumer,
-                        w.row0, row_base, lane);
+                        w.row0, row_base, lane, v_col0);
     trace_tile(tile_count, consumer == 0 ? kTraceEnd0 : kTraceEnd1, trace_clock());
     if (consumer == 0) trace_tile(tile_count, kTraceNsEnd0, trace_ns());
   }

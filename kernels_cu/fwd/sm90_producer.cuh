@@ -37,14 +37,14 @@ __device__ __forceinline__ void mark_copied_stage_full(const Smem& sm, u32 stage
 template <int kBlockN, int kColumns>
 __device__ __forceinline__ void load_page_boxes(u32 dst, const TensorMap& map, u32 bar,
                                                 bool elected, int lane, int boxes, int box_shift,
-                                                int page, int page_row, int head) {
+                                                int page, int page_row, int head, int col0 = 0) {
   if (elected) mbar_arrive_expect_bytes(bar, kBlockN * kColumns * 2);
   __syncwarp();  // the bytes expected before any box's land
   if (lane < boxes) {
 #pragma unroll
     for (int panel = 0; panel < kColumns / 64; ++panel)
-      tma_load_4d(dst + panel * kBlockN * 128 + (lane << box_shift) * 128, map, bar, panel * 64,
-                  page_row, head, page);
+      tma_load_4d(dst + panel * kBlockN * 128 + (lane << box_shift) * 128, map, bar,
+                  col0 + panel * 64, page_row, head, page);
   }
 }
 
@@ -59,7 +59,7 @@ __device__ __forceinline__ void load_page_boxes(u32 dst, const TensorMap& map, u
 template <class Smem>
 __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const TensorMaps& maps,
                                                     const Smem& sm, const Tile& t, int key0,
-                                                    int block_count) {
+                                                    int block_count, int v_col0) {
   constexpr int kHeadDim = Smem::kHeadDim, kHeadDimV = Smem::kHeadDimV, kBlockN = Smem::kBlockN;
   constexpr int kBlockNShift =
       kBlockN % 128 == 0 ? 7 : kBlockN % 64 == 0 ? 6 : kBlockN % 32 == 0 ? 5 : 4;
@@ -79,8 +79,11 @@ __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const Te
         k_dst, [&](int r) { return paged_row(p, t, ptr.k, p.k_batch_stride, p.k_row_stride, key0 + r); },
         ptr.k, t.seqlen_k - key0, p.head_dim, panels, lane);
     copy_rows_async<kBlockN, kHeadDimV, 32>(
-        v_dst, [&](int r) { return paged_row(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0 + r); },
-        ptr.v, t.seqlen_k - key0, head_dim_v<Smem>(p), panels, lane);
+        v_dst,
+        [&](int r) {
+          return paged_row(p, t, ptr.v, p.v_batch_stride, p.v_row_stride, key0 + r) + v_col0;
+        },
+        ptr.v, t.seqlen_k - key0, head_dim_v<Smem>(p) - v_col0, panels, lane);
     mark_copied_stage_full(sm, stage);
     return;
   }
@@ -98,23 +101,23 @@ __device__ __forceinline__ void produce_paged_block(const FwdParams& p, const Te
                                      boxes, box_shift, page, page_row, t.h_k);
   if (reused) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
   load_page_boxes<kBlockN, kHeadDimV>(v_dst, maps.v, sm.v_full() + 8 * stage, elected,
-                                      lane, boxes, box_shift, page, page_row, t.h_k);
+                                      lane, boxes, box_shift, page, page_row, t.h_k, v_col0);
   __syncwarp();
 }
 
 // -- the producer's K and V copies of key block `it` of a tile, the CTA's block number
-//    `block_count` (16-bit K and V) --
+//    `block_count` (16-bit K and V; V's columns from v_col0) --
 template <class Smem>
 __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const TensorMaps& maps,
                                                     const Smem& sm, const Sm90Work& w, int it,
-                                                    int block_count) {
+                                                    int block_count, int v_col0) {
   constexpr int kHeadDim = Smem::kHeadDim, kHeadDimV = Smem::kHeadDimV, kBlockN = Smem::kBlockN;
   const bool elected = threadIdx.x == 0;
   const bool packed = p.cu_seqlens_k != 0;
   const Tile& t = w.t;
   const int key0 = (w.n_block_max - 1 - it) * kBlockN;
   if (p.block_table) {
-    produce_paged_block(p, maps, sm, t, key0, block_count);
+    produce_paged_block(p, maps, sm, t, key0, block_count, v_col0);
     return;
   }
   const u32 stage = Smem::stage(block_count), parity = Smem::parity(block_count);
@@ -135,8 +138,9 @@ __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const Te
       const TilePointers ptr = tile_pointers(p, t);
       load_panels<kBlockN, kHeadDim>(k_dst, ptr.k + key0 * p.k_row_stride, p.k_row_stride,
                                      t.seqlen_k - key0, p.head_dim);
-      load_panels<kBlockN, kHeadDimV>(v_dst, ptr.v + key0 * p.v_row_stride, p.v_row_stride,
-                                      t.seqlen_k - key0, head_dim_v<Smem>(p));
+      load_panels<kBlockN, kHeadDimV>(v_dst, ptr.v + key0 * p.v_row_stride + v_col0,
+                                      p.v_row_stride, t.seqlen_k - key0,
+                                      head_dim_v<Smem>(p) - v_col0);
       mark_copied_stage_full(sm, stage);
       return;
     }
@@ -148,7 +152,8 @@ __device__ __forceinline__ void produce_16bit_block(const FwdParams& p, const Te
   if (block_count >= Smem::kStages) mbar_wait(sm.v_empty() + 8 * stage, parity ^ 1);
   if (elected) {
     mbar_arrive_expect_bytes(sm.v_full() + 8 * stage, Smem::kVBytes);
-    tma_load_panels<kBlockN, kHeadDimV>(v_dst, *v_map, sm.v_full() + 8 * stage, row, t.h_k, last);
+    tma_load_panels<kBlockN, kHeadDimV>(v_dst, *v_map, sm.v_full() + 8 * stage, row, t.h_k, last,
+                                        v_col0);
   }
   __syncwarp();
 }
@@ -207,11 +212,11 @@ __device__ __forceinline__ void produce_e4m3_block(const FwdParams& p, const Ten
 template <class Smem>
 __device__ __forceinline__ void produce_block(const FwdParams& p, const TensorMaps& maps,
                                               const Smem& sm, const Sm90Work& w, int it,
-                                              int block_count) {
+                                              int block_count, int v_col0) {
   if constexpr (Smem::kE4m3)
     produce_e4m3_block(p, maps, sm, w, it, block_count);
   else
-    produce_16bit_block(p, maps, sm, w, it, block_count);
+    produce_16bit_block(p, maps, sm, w, it, block_count, v_col0);
 }
 
 // -- the last CTA out of the tile loop zeroes the tile counter (and its count of CTAs
@@ -243,11 +248,16 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
   int block_count = 0, tile_count = 0;
   for (u32 index = blockIdx.x;; ++tile_count) {  // < 2^31 + gridDim.x: the host keeps tiles in int32
     Tile t{};  // stored whole even past the end of the list
-    const bool more = index <= 0x7fffffffu && get_tile(p, static_cast<int>(index), t);
+    // (column halves: two work units a tile, its halves of V's and O's columns)
+    const u32 tile_index = Smem::kColumnHalves ? index >> 1 : index;
+    const int v_col0 = Smem::kColumnHalves ? static_cast<int>(index & 1) * Smem::kHeadDimV : 0;
+    const bool more = index <= 0x7fffffffu && get_tile(p, static_cast<int>(tile_index), t);
     const Sm90Work w = sm90_work<Smem::kBlockM, kMask, Smem::kBlockN>(p, t);
     const u32 q_stage = Smem::q_stage(tile_count);
     if (tile_count >= kQStages) mbar_wait(sm.q_empty() + 8 * q_stage, Smem::q_parity(tile_count) ^ 1);
     if (elected) {
+      if constexpr (Smem::kColumnHalves)  // the half for the consumers (split_half); w has t's
+        t.m_block = 2 * t.m_block + static_cast<int>(index & 1);
       store_tile(sm.tile() + 32 * q_stage, t, more);
       if (more && w.n_blocks > 0) {
         mbar_arrive_expect_bytes(sm.q_full() + 8 * q_stage, Smem::kQBytes);
@@ -266,7 +276,7 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TensorMaps& ma
     u32 next = 0;
     if (elected) next = atomicAdd(counter, 1u);  // in flight while the K/V copies go out
     for (int it = 0; it < w.n_blocks; ++it, ++block_count)
-      produce_block(p, maps, sm, w, it, block_count);
+      produce_block(p, maps, sm, w, it, block_count, v_col0);
     index = gridDim.x + __shfl_sync(0xffffffffu, next, 0);
   }
 }

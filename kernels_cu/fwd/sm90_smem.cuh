@@ -35,7 +35,10 @@ constexpr int kConsumerRegs = kE4m3 && kBlockM == 128 ? 240 : kBlockM == 64 ? 20
 //    forward's (kE4m3) tiles hold a byte an element: Q and K as rows of e4m3, and V
 //    transposed, kHeadDim rows of kBlockN keys (fp8 wgmma reads both operands K-major).
 //    V's rows (and O's) are kHeadDimV wide where V has a head dim of its own (DeepSeek's
-//    prefill: 192 for Q and K, 128 for V); 0: kHeadDim --
+//    prefill: 192 for Q and K, 128 for V); 0: kHeadDim. Above head dim 256
+//    (kColumnHalves) a query tile is two CTAs, each computing the scores and one half of
+//    V's and O's columns (O's 64 rows a warpgroup of 512 columns would not fit in
+//    registers), kHeadDimV = 256 --
 template <int kBlockM_, int kHeadDim_, int kBlockN_, int kQStages_, int kStages_,
           bool kE4m3_ = false, int kHeadDimV_ = 0>
 struct Sm90Smem {
@@ -43,7 +46,10 @@ struct Sm90Smem {
   static constexpr bool kOwnHeadDimV = kHeadDimV_ != 0;
   static constexpr int kHeadDimV = kOwnHeadDimV ? kHeadDimV_ : kHeadDim_;
   static constexpr bool kE4m3 = kE4m3_;
+  static constexpr bool kColumnHalves = kHeadDim > 256;
   static_assert(!kE4m3 || kHeadDimV == kHeadDim, "fp8: one head dim");
+  static_assert(!kColumnHalves || (kOwnHeadDimV && kHeadDimV == 256 && !kE4m3),
+                "above 256: 16-bit, V's and O's columns in halves of 256");
   static constexpr int kElemBytes = kE4m3 ? 1 : 2;
   // a row's 16-bit units, which the TMA maps and the 64-column panels count (an e4m3 row
   // moves as pairs of bytes)
@@ -87,6 +93,20 @@ struct Sm90Smem {
 template <class Smem>
 __device__ __forceinline__ const int& head_dim_v(const FwdParams& p) {
   return Smem::kOwnHeadDimV ? p.head_dim_v : p.head_dim;
+}
+
+// -- with column halves (kColumnHalves) the tile the producer hands the consumers carries
+//    the CTA's half (its work unit's bit 0) in bit 0 of m_block (the slot's 32 bytes are
+//    full); split_half takes it out again --
+template <class Smem>
+__device__ __forceinline__ int split_half(Tile& t) {  // -> V's and O's first column
+  if constexpr (Smem::kColumnHalves) {
+    const int v_col0 = (t.m_block & 1) * Smem::kHeadDimV;
+    t.m_block >>= 1;
+    return v_col0;
+  } else {
+    return 0;
+  }
 }
 
 // -- one tile's work: the tile, its rows, and its key blocks n_block_max - n_blocks ..
