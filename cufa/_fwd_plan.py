@@ -285,10 +285,8 @@ class _Mover:
     def of(cls, plan, views, entries, packed):
         """plan's mover, or None where the layout does not move (its cu_seqlens strided,
         or planned on the portable kernels where Hopper's could not describe it). The
-        rest is read off the entries at the first move (a new layout pays no more). (Not
-        for v of its own head dim: the moves' sizes and maps assume one.)"""
-        if (plan.variant.family != _compile.family_for(_runtime.compute_capability(plan.device))
-                or plan.variant.head_dim_v):
+        rest is read off the entries at the first move (a new layout pays no more)."""
+        if plan.variant.family != _compile.family_for(_runtime.compute_capability(plan.device)):
             return None
         if packed and any(x is not None and x.strides != (1,)
                           for x in (views.cu_seqlens_q, views.cu_seqlens_k, views.seqused_k)):
@@ -566,8 +564,12 @@ def _variant(q, k, v, seq_dim, head_dim, d, batch, seqlen_q, packed, mask_kind, 
     else:
         tma_template = _tma_template(variant, q, k, v, seq_dim, head_dim, d, packed, d_v=d_v)
     if tma_template is None:  # a layout the copy engine cannot describe: the portable kernels
-        variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods, "sm80",
-                                       head_dim_v=d_v)
+        if d_v or d > _compile.MAX_HEAD_DIM:
+            variant = _wide_variant(KERNEL_DTYPES[q.dtype], d, d_v or d, mask_kind, score_mods,
+                                    q.device)
+        else:
+            variant = _compile.fwd_variant(KERNEL_DTYPES[q.dtype], d, mask_kind, score_mods,
+                                           "sm80")
     return variant, tma_template
 
 
@@ -599,10 +601,12 @@ def _sizes(variant, batch, nheads, seqlen_q, seqlen_k, packed, device):
     if variant.persistent:  # as many CTAs as fit on the SMs, each taking tiles until none are left
         resident = _runtime.sm_count(device) * variant.ctas_per_sm
         num_blocks = min(num_blocks, resident)
+    # (the scheduling rules count tiles a wave: a tile in column halves is two CTAs' work)
+    resident_tiles = resident and resident // variant.ctas_per_tile
     group_heads = _heuristics.heads_per_group(batch * nheads, seqlen_k, variant.head_dim,
-                                              num_m_blocks, resident)
-    tail_head = _heuristics.tail_group_head(batch * nheads, group_heads, num_m_blocks, resident,
-                                            masked=variant.mask == "window")
+                                              num_m_blocks, resident_tiles)
+    tail_head = _heuristics.tail_group_head(batch * nheads, group_heads, num_m_blocks,
+                                            resident_tiles, masked=variant.mask == "window")
     values = (0 if packed else nheads * seqlen_q, seqlen_q, batch, seqlen_q, seqlen_k,
               num_m_blocks, group_heads, tail_head)
     # packed: the work list's int32s (see _launch) and the 2-int tile counter after them

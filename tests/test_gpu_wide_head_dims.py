@@ -98,6 +98,23 @@ def test_long_rows_and_strided_arrays(rng, d, causal):
     check_attention(out, lse, q, k, v, causal=causal, label=f"d={d} long rows")
 
 
+def test_more_tiles_than_ctas(rng):
+    """More work units than a wave of CTAs (Hopper's persistent kernel: an H200's 132 CTAs
+    take 384 dense and 448 packed halves, three or more each): the one Q stage reused after
+    O was staged through it, the K and V stages' phases across tiles, a tile's half carried
+    to the consumers on each; dense causal, and packed with a one-row sequence."""
+    q = randn(rng, (1, 1536, 16, 512), "bfloat16")
+    k, v = (randn(rng, (1, 1536, 8, 512), "bfloat16") for _ in range(2))
+    out, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=True, label="d=512 1536 rows, 16/8 heads")
+    lens = [700, 1, 900, 333, 1200]
+    q = randn(rng, (1, sum(lens), 8, 384), "float16")[0]
+    k, v = (randn(rng, (1, sum(lens), 4, 384), "float16")[0] for _ in range(2))
+    out, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens), _cu(lens), max(lens), max(lens),
+                                           return_lse=True)
+    _check_each_sequence(out, lse, q, k, v, lens, lens, causal=False, label="d=384 packed")
+
+
 @pytest.mark.parametrize("spec", ["64x16", "64x64"])
 def test_other_key_blocks(rng, monkeypatch, spec):
     """The mma.sync kernel (CUFA_KERNEL_FAMILY=sm80 on Hopper) on CUFA_WIDE_TILES' tiles

@@ -835,7 +835,8 @@ def _model_driver(monkeypatch):
 def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, heads_first,
                                                                        driver, monkeypatch):
     """Moved plans (_fwd_plan._Mover) equal the plans made by validation and planning, at sizes
-    that cross the tile classes (64-, 128- and 192-row tiles), for padded and packed
+    that cross the tile classes (64-, 128- and 192-row tiles; head dims over 256 on the
+    column halves' kernel, two CTAs a tile), for padded and packed
     batches, with and without out=, and a (B, H, N, d) storage whose head stride grows;
     with a driver whose maps _tma writes (moved maps written from a layout's pieces), and
     one whose maps it does not (moved through _tma's general path)."""
@@ -856,7 +857,7 @@ def test_a_new_size_of_a_planned_layout_gets_the_plan_made_from_scratch(device, 
 
     monkeypatch.setattr(_fwd_plan._Mover, "_moved", counted)
     for case in range(60):
-        d, h, hk = rng.choice((64, 128, 72)), rng.choice((4, 8)), rng.choice((1, 2, 4))
+        d, h, hk = rng.choice((64, 128, 72, 320)), rng.choice((4, 8)), rng.choice((1, 2, 4))
         causal, dense, with_out = rng.random() < 0.5, rng.random() < 0.6, rng.random() < 0.3
         for n_q, n_k, batch in [(rng.randrange(1, 5000), rng.randrange(1, 5000),
                                  rng.randrange(1, 6)) for _ in range(3)]:

@@ -267,3 +267,27 @@ def test_latent_pair_calls_it_does_not_take(device, monkeypatch, shapes, smem, w
     for w in words:
         assert w in str(e.value), (w, str(e.value))
     assert not device.launches
+
+
+def test_hopper_groups_count_tiles_of_two_ctas(device):  # noqa: F811
+    """The persistent kernel's scheduling groups (heads_per_group, tail_group_head) count
+    the tiles a wave covers: 132 CTAs an H200 hold 66 tiles of column halves."""
+    q, k, v = view((2, 4096, 8, 512)), view((2, 4096, 8, 512)), view((2, 4096, 8, 512))
+    cufa.flash_attn_func(q, k, v, causal=True)
+    r = record(device.launches[0])
+    groups = _heuristics.heads_per_group(16, 4096, 512, 32, 66)
+    assert r["heads_per_group"] == groups
+    assert r["tail_group_head"] == _heuristics.tail_group_head(16, groups, 32, 66, masked=True)
+    assert device.launches[0][1] == 132  # (every CTA on the SMs; 2 x 8 x 32 tiles, twice)
+
+
+def test_maps_the_copy_engine_refuses_take_the_wide_tiles_rule(device, monkeypatch):  # noqa: F811
+    """Where TMA cannot describe the arrays (a batch stride over its 2^40 bytes) the call
+    runs the mma.sync kernel on the tiles _wide_variant picks (CUFA_WIDE_TILES honoured)."""
+    from test_head_dims_cpu import strided
+    monkeypatch.setitem(_compile._overrides, _compile.WIDE_TILES_ENV, "64x16")
+    q = strided((2, 100, 8, 320), (1 << 40, 8 * 320, 320, 1))
+    k, v = view((2, 300, 2, 320)), view((2, 300, 2, 320))
+    cufa.flash_attn_func(q, k, v)
+    plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None)
+    assert (plan.variant.family, plan.variant.block_n, plan.tma_template) == ("sm80", 16, None)
