@@ -1169,9 +1169,8 @@ def fwd_variant(dtype, head_dim, mask, score_mods, family="sm80", rows="long", e
     e4m3_kv: K and V from an e4m3 cache, on the sm80 family's kernel (any GPU), as head
     dims above 256 are (WIDE_HEAD_DIM, on wide_tiles); head_dim_v: V's head dim where it
     is not Q's (a HEAD_DIM_V_PAIRS pair, on either family)."""
-    if e4m3_kv or head_dim > WIDE_HEAD_DIM or head_dim > MAX_HEAD_DIM and head_dim_v not in (
-            0, head_dim):
-        family = "sm80"
+    if e4m3_kv or (head_dim > MAX_HEAD_DIM and head_dim_v not in (0, head_dim)):
+        family = "sm80"  # (and the latent pair, q and k over 512: below)
     if head_dim > WIDE_HEAD_DIM:  # (a wide pair: check_head_dim_v has checked v's)
         if e4m3_kv or not head_dim_v or head_dim > WIDE_QK_HEAD_DIM:
             raise ValueError(f"head dim {head_dim} (over {WIDE_HEAD_DIM}) takes 16-bit k and "

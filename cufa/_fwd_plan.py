@@ -481,10 +481,8 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
             f"head dim {d} (over {_compile.MAX_HEAD_DIM}) needs a head dim that is a multiple "
             "of 8 and q, k, v (and out) on strides that are multiples of 8 elements from "
             "16-byte aligned starts")
-    elif (d_v != d or d > _compile.MAX_HEAD_DIM) and not (family == "sm90" and aligned and (
-            d_v == d or paged is None and d <= _compile.MAX_HEAD_DIM)):
-        # v's own head dim or one over 256: Hopper's kernel takes one head dim up to 512 and
-        # DeepSeek's pair on contiguous K/V; the rest (the latent pair always) sm80's
+    elif (d_v != d or d > _compile.MAX_HEAD_DIM) and not _hopper_takes(family, d, d_v, paged,
+                                                                      aligned):
         variant, tma_template = _wide_variant(KERNEL_DTYPES[q.dtype], d, d_v, mask_kind,
                                               score_mods, q.device), None
     elif aligned:
@@ -531,6 +529,14 @@ def _plan(q, k, v, out, *, seq_dim, head_dim, batch, nheads, nheads_k, seqlen_q,
                                 batch=batch, total_q=seqlen_q, block_m=variant.block_m,
                                 num_buckets=num_buckets)))
                  if packed else None)
+
+
+def _hopper_takes(family, d, d_v, paged, aligned):
+    """Whether Hopper's kernel takes a head dim of v's own or one over 256: one head dim up
+    to 512 (_checks refuses the rest), and DeepSeek's pair on contiguous K/V; both on
+    aligned arrays. The rest (the latent pair always) run sm80's wide kernel."""
+    return family == "sm90" and aligned and (
+        d_v == d or paged is None and d <= _compile.MAX_HEAD_DIM)
 
 
 def _wide_variant(dtype, d, d_v, mask_kind, score_mods, device):
