@@ -105,13 +105,17 @@ def test_more_tiles_than_ctas(rng):
     to the consumers on each; dense causal, and packed with a one-row sequence."""
     q = randn(rng, (1, 1536, 16, 512), "bfloat16")
     k, v = (randn(rng, (1, 1536, 8, 512), "bfloat16") for _ in range(2))
-    out, lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    out = torch.full_like(q, NAN)
+    res, lse = cufa.flash_attn_func(q, k, v, causal=True, out=out, return_lse=True)
+    assert res is out
     check_attention(out, lse, q, k, v, causal=True, label="d=512 1536 rows, 16/8 heads")
     lens = [700, 1, 900, 333, 1200]
     q = randn(rng, (1, sum(lens), 8, 384), "float16")[0]
     k, v = (randn(rng, (1, sum(lens), 4, 384), "float16")[0] for _ in range(2))
-    out, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens), _cu(lens), max(lens), max(lens),
-                                           return_lse=True)
+    out = torch.full_like(q, NAN)
+    res, lse = cufa.flash_attn_varlen_func(q, k, v, _cu(lens), _cu(lens), max(lens), max(lens),
+                                           out=out, return_lse=True)
+    assert res is out
     _check_each_sequence(out, lse, q, k, v, lens, lens, causal=False, label="d=384 packed")
 
 
