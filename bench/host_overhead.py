@@ -4,8 +4,10 @@ from Python, cufa against PyTorch SDPA (flash). Queues N calls, then syncs once.
 signature": every call has sizes no recent call had (a batch size out of a cycle of
 CYCLE, more than cufa keeps plans for), as a server's next packed batch or a new sequence
 length; "new layout": every call has a head count no recent call had, so nothing planned
-before applies. Also a decode call against SDPA's, and, where JAX with buffer_callback is
-installed, a jitted cufa call against jax.nn.dot_product_attention.
+before applies. Also a training step's calls (the forward recorded by autograd, forward
+and backward, flash_attn_backward alone) against SDPA's, a decode call against SDPA's,
+and, where JAX with buffer_callback is installed, a jitted cufa call against
+jax.nn.dot_product_attention.
 
     python3 bench/host_overhead.py [--calls 1000] [--rounds 5] [--profile]
 
@@ -109,6 +111,30 @@ def main():
         "cufa.scaled_dot_product_attention": lambda: cufa.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
     }
+    # A training step's calls: the forward with autograd recording it, forward and
+    # backward, and flash_attn_backward alone (its plan kept from the second call on);
+    # autograd's own floor beside them
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(q)
+    out_lse = cufa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+    def cufa_fwd_bwd():
+        cufa.flash_attn_func(qg, kg, vg, causal=True).backward(dout)
+
+    def sdpa_fwd_bwd():
+        sdpa(*(x.transpose(1, 2) for x in (qg, kg, vg)), is_causal=True).backward(
+            dout.transpose(1, 2))
+    cases.update({
+        "cufa.flash_attn_func, q k v require grad": lambda: cufa.flash_attn_func(
+            qg, kg, vg, causal=True),
+        "cufa.flash_attn_func + .backward()": cufa_fwd_bwd,
+        "cufa.flash_attn_backward": lambda: cufa.flash_attn_backward(dout, q, k, v, *out_lse,
+                                                                     causal=True),
+        "torch SDPA (flash), q k v require grad": lambda: sdpa(
+            *(x.transpose(1, 2) for x in (qg, kg, vg)), is_causal=True),
+        "torch SDPA (flash) + .backward()": sdpa_fwd_bwd,
+        "(q * 1.0).backward(): autograd's floor": lambda: (qg * 1.0).backward(dout),
+    })
     cache = torch.randn(8, 1024, 2, 64, device="cuda", dtype=torch.float16)
     q1 = torch.randn(8, 1, 8, 64, device="cuda", dtype=torch.float16)
     lens = torch.full((8,), 1000, device="cuda", dtype=torch.int32)
