@@ -643,16 +643,16 @@ def tma_views(arrays, seq_dim, head_dim, d, packed, d_v=0):
     same three places."""
     views, tails = [], []
     for place, (x, box_rows) in enumerate(arrays):
-        if place == 2 and d_v:
-            d = d_v
+        cols = d_v if place == 2 and d_v else d
         rows, heads, row_stride, head_stride = (x.shape[seq_dim], x.shape[head_dim],
                                                 x.strides[seq_dim], x.strides[head_dim])
         if packed:
-            views.append(((1, rows, heads, d), (0, row_stride, head_stride), box_rows))
+            views.append(((1, rows, heads, cols), (0, row_stride, head_stride), box_rows))
             if place:  # (k's and v's places: a packed q needs none)
-                tails.append(_tma.tail_view(rows, heads, d, row_stride, head_stride, box_rows))
+                tails.append(_tma.tail_view(rows, heads, cols, row_stride, head_stride,
+                                            box_rows))
         else:
-            views.append(((x.shape[0], rows, heads, d),
+            views.append(((x.shape[0], rows, heads, cols),
                           (x.strides[0], row_stride, head_stride), box_rows))
     return tuple(views), tuple(tails)
 
