@@ -291,3 +291,18 @@ def test_maps_the_copy_engine_refuses_take_the_wide_tiles_rule(device, monkeypat
     cufa.flash_attn_func(q, k, v)
     plan = next(p for p in _runtime.plans.values() if getattr(p, "variant", None) is not None)
     assert (plan.variant.family, plan.variant.block_n, plan.tma_template) == ("sm80", 16, None)
+
+
+@pytest.mark.parametrize("family, d, d_v, paged, aligned, hopper", [
+    ("sm90", 512, 512, False, True, True),    # one head dim over 256
+    ("sm90", 320, 320, True, True, True),     # ... paged too
+    ("sm90", 192, 128, False, True, True),    # DeepSeek's pair on contiguous K/V
+    ("sm90", 192, 128, True, True, False),    # ... not paged
+    ("sm90", 192, 128, False, False, False),  # ... nor unaligned
+    ("sm90", 576, 512, False, True, False),   # the latent pair: mma.sync's
+    ("sm80", 512, 512, False, True, False),   # other GPUs, CUFA_KERNEL_FAMILY=sm80
+    ("sm80", 192, 128, False, True, False),
+])
+def test_which_wide_calls_hopper_takes(family, d, d_v, paged, aligned, hopper):
+    from cufa import _fwd_plan
+    assert _fwd_plan._hopper_takes(family, d, d_v, {} if paged else None, aligned) == hopper
