@@ -51,10 +51,14 @@ if os.path.exists("_ab/ORDER"):
         print("  " + line.rstrip())
 
 
+def head_dims(r):
+    """A row's head dim, "q/v" where v has one of its own (bench_fwd.py --deepseek)."""
+    return f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else r["head_dim"]
+
+
 def fwd_rows(data):
     for r in data["rows"]:
-        dims = f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else r["head_dim"]
-        name = (f"{r['dtype']} d={dims} N={r['seqlen']} "
+        name = (f"{r['dtype']} d={head_dims(r)} N={r['seqlen']} "
                 f"{'causal' if r['causal'] else 'full'}"
                 + (f" {r['nheads']}/{r['nheads_k']}" if r["nheads"] != r["nheads_k"] else ""))
         if "ms" in r["impls"].get("cufa", {}):
@@ -96,8 +100,7 @@ def reasons(data):
 
 def bwd_rows(data):
     for r in data["rows"]:
-        dims = f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else r["head_dim"]
-        name = (f"{r['dtype']} d={dims} N={r['seqlen']} "
+        name = (f"{r['dtype']} d={head_dims(r)} N={r['seqlen']} "
                 f"{'causal' if r['causal'] else 'full'}")
         for impl, v in r["impls"].items():
             if impl.startswith("cufa") and "ms" in v:
