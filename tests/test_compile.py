@@ -109,7 +109,11 @@ def representative_variants():
 
 @pytest.fixture(scope="module")
 def reports():
-    variants = _compile.all_variants() if ALL_VARIANTS else representative_variants()
+    reps = representative_variants()
+    # (all of them: the representatives first, whose reports the README's run, which
+    # .ci/run starts beside this one, then finds in the cache rather than compiling them)
+    variants = reps + [v for v in _compile.all_variants() if v not in reps] if ALL_VARIANTS \
+        else reps
     jobs = [(v, a) for v in variants for a in v.archs]
     kept = {}  # job -> its report's file, with CUFA_TEST_COMPILE_CACHE set
     if os.environ.get("CUFA_TEST_COMPILE_CACHE"):
@@ -119,13 +123,14 @@ def reports():
     with ProcessPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         for i, (job, report) in enumerate(zip(todo, pool.map(_compile_one, todo)), 1):
             fresh[job] = report
+            if job in kept:  # (whole or not at all: another run may be reading the cache)
+                kept[job].parent.mkdir(parents=True, exist_ok=True)
+                part = kept[job].with_suffix(f".{os.getpid()}.part")
+                part.write_text(json.dumps(report))
+                os.replace(part, kept[job])
             if i % 25 == 0 or i == len(todo):
                 print(f"  compiled {i} of {len(todo)} ({len(jobs) - len(todo)} from the "
                       "report cache)", flush=True)
-    for job in todo:
-        if job in kept:
-            kept[job].parent.mkdir(parents=True, exist_ok=True)
-            kept[job].write_text(json.dumps(fresh[job]))
     return [fresh[job] if job in fresh else json.loads(kept[job].read_text()) for job in jobs]
 
 
