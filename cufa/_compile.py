@@ -966,12 +966,12 @@ class MlaVariant(_CacheKernel):
     @property
     def smem_bytes(self):
         """MlaSmem::kBytes: Q and the ring's blocks (576 columns), the staged e4m3 blocks,
-        the one P panel (64 columns), three float arrays of two rows' worth, the mbarriers,
-        the alignment."""
+        the one P panel (64 columns), three float arrays of two rows' worth, the mbarriers
+        (each stage's full and empty, each staged block's, Q's), the alignment."""
         dim = MLA_LATENT_DIM + MLA_ROPE_DIM
         stages, staged = self.stages
         return (MLA_ROWS * dim * 2 + stages * MLA_KEYS * dim * 2 + staged * MLA_KEYS * dim
-                + MLA_ROWS * 64 * 2 + 3 * 2 * MLA_ROWS * 4 + 8 * (2 * stages + staged) + 1024)
+                + MLA_ROWS * 64 * 2 + 3 * 2 * MLA_ROWS * 4 + 8 * (2 * stages + staged + 1) + 1024)
 
     @property
     def ctas_per_sm(self):

@@ -71,7 +71,7 @@ constexpr int kMlaReadyBarrier = 1, kMlaEndBarrier = 3;
 // that read has completed, so the panel passes from one to the other in turn; the space
 // of a second panel holds the ring's fourth buffer (with e4m3, the staging ring: three
 // 16-bit buffers and two staged blocks). MlaVariant.smem_bytes in cufa/_compile.py
-// mirrors kBytes (232,000 of sm_90's 232,448 bytes a CTA, either way).
+// mirrors kBytes (232,008 of sm_90's 232,448 bytes a CTA, either way).
 template <bool kFp8>
 struct MlaSmem {
   static constexpr int kStages = kFp8 ? 3 : 4;  // 16-bit blocks
@@ -82,8 +82,8 @@ struct MlaSmem {
   static constexpr u32 kMax = kP + kMlaPBytes;       // float [2][kMlaRows]
   static constexpr u32 kCorr = kMax + 2 * kMlaRows * 4;
   static constexpr u32 kSum = kCorr + 2 * kMlaRows * 4;
-  static constexpr u32 kBars = kSum + 2 * kMlaRows * 4;  // full, empty, staged_full
-  static constexpr int kBytes = kBars + 8 * (2 * kStages + kStaged) + 1024;  // (+ the alignment)
+  static constexpr u32 kBars = kSum + 2 * kMlaRows * 4;  // full, empty, staged_full, q_full
+  static constexpr int kBytes = kBars + 8 * (2 * kStages + kStaged + 1) + 1024;  // (+ the alignment)
   u32 base;
   __device__ u32 q() const { return base; }
   __device__ u32 block(int stage) const { return base + kRing + stage * kMlaBlockBytes; }
@@ -95,6 +95,7 @@ struct MlaSmem {
   __device__ u32 full(int stage) const { return base + kBars + 8 * stage; }
   __device__ u32 empty(int stage) const { return base + kBars + 8 * (kStages + stage); }
   __device__ u32 staged_full(int i) const { return base + kBars + 8 * (2 * kStages + i); }
+  __device__ u32 q_full() const { return base + kBars + 8 * (2 * kStages + kStaged); }
 };
 static_assert(MlaSmem<false>::kBytes <= 227 * 1024 && MlaSmem<true>::kBytes <= 227 * 1024,
               "shared memory a CTA of sm_90");
@@ -130,29 +131,40 @@ __device__ __forceinline__ bool mla_work(const DecodeParams& p, MlaWork& w) {
   return true;
 }
 
-// -- the producer: Q (with block 0's copies), then block i of the split into stage
-//    i % kStages once both consumers have released it. Each thread's copies announce
-//    themselves on the stage's full barrier as they land (cp.async's own arrival), so
-//    every free buffer has its copy in flight, and a block is announced the moment it is
-//    in, not when the producer next gets round to it. A thread copies a quarter of one
-//    key's chunks, its page looked up a block ahead (the lookup's latency under the wait
-//    for a buffer); keys past the split, and rows past the CTA's, are zeros --
-__device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork& w, u32 sq, int tid) {
-  for (int idx = tid; idx < kMlaRows * kMlaChunks; idx += 128) {
-    const int r = idx / kMlaChunks, c = idx % kMlaChunks;
-    const bool valid = r < w.rows;
-    const int gr = w.row0 + (valid ? r : 0);
-    const int t = gr / p.group, h = blockIdx.y * p.group + gr % p.group;
-    const i64 row = w.s.q_row0 + t;
-    const u16* src = c < kMlaLatent / 8
-        ? reinterpret_cast<const u16*>(p.qv) + w.s.b * p.qv_batch_stride + row * p.qv_row_stride +
-              h * p.qv_head_stride + c * 8
-        : reinterpret_cast<const u16*>(p.q) + w.s.b * p.q_batch_stride + row * p.q_row_stride +
-              h * p.q_head_stride + (c - kMlaLatent / 8) * 8;
-    cp_async_16(sq + panel_offset<kMlaRows>(r, c), src, valid ? 16 : 0);
+// -- Q: the CTA's 64 rows of qv and q (72 16-byte chunks a row) copied by all 384 threads
+//    before the warpgroups part, six threads a row, each every sixth chunk of it, its row's
+//    addresses worked out once; rows past the CTA's are zeros. The copies announce
+//    themselves on q_full. (The producer's 128 threads alone, with a division a chunk, took
+//    6 us of a 14 us launch on a 1k cache; all threads, 3: H200.) --
+constexpr int kMlaThreads = 384;
+constexpr int kMlaQThreadsARow = kMlaThreads / kMlaRows;
+static_assert(kMlaThreads % kMlaRows == 0 && kMlaChunks % kMlaQThreadsARow == 0,
+              "Q's chunks shared evenly");
+__device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork& w, u32 sq) {
+  const int r = threadIdx.x / kMlaQThreadsARow, first = threadIdx.x % kMlaQThreadsARow;
+  const bool valid = r < w.rows;
+  const int gr = w.row0 + (valid ? r : 0);
+  const int t = gr / p.group, h = blockIdx.y * p.group + gr % p.group;
+  const i64 row = w.s.q_row0 + t;
+  const u16* qv = reinterpret_cast<const u16*>(p.qv) + w.s.b * p.qv_batch_stride +
+                  row * p.qv_row_stride + h * p.qv_head_stride;
+  const u16* q = reinterpret_cast<const u16*>(p.q) + w.s.b * p.q_batch_stride +
+                 row * p.q_row_stride + h * p.q_head_stride;
+#pragma unroll
+  for (int j = 0; j < kMlaChunks / kMlaQThreadsARow; ++j) {
+    const int c = first + j * kMlaQThreadsARow;
+    cp_async_16(sq + panel_offset<kMlaRows>(r, c),
+                c < kMlaLatent / 8 ? qv + c * 8 : q + (c - kMlaLatent / 8) * 8, valid ? 16 : 0);
   }
 }
 
+// -- the producer: block i of the split into stage i % kStages once both consumers have
+//    released it. Each thread's copies announce themselves on the stage's full barrier as
+//    they land (cp.async's own arrival), so every free buffer has its copy in flight, and
+//    a block is announced the moment it is in, not when the producer next gets round to
+//    it. A thread copies a quarter of one key's chunks, its page looked up a block ahead
+//    (the lookup's latency under the wait for a buffer); keys past the split, and rows
+//    past the CTA's, are zeros --
 // This thread's key in block `block`: its cache position (the split's first key's for a
 // key past the split, whose copy is zeros).
 __device__ __forceinline__ int mla_key_pos(const MlaWork& w, int block, int tid) {
@@ -205,9 +217,9 @@ __device__ __forceinline__ void mla_copy_block(const DecodeParams& p, const MlaW
 //    the ring's panels as the copies would lay them out. The other blocks (a split's
 //    partial last one, whose rows past the split must be zeros, not the cache's contents;
 //    one across a page boundary) are copied as without maps. Every thread still arrives
-//    through cp.async (count 128), so that Q's copies, which block 0 announces, and a
-//    copied block are covered alike; a box's bytes are expected before the issuing thread
-//    arrives, so the phase cannot complete without them --
+//    through cp.async (count 128), so that a boxed and a copied block are covered alike;
+//    a box's bytes are expected before the issuing thread arrives, so the phase cannot
+//    complete without them --
 __device__ __forceinline__ bool mla_block_boxed(const DecodeParams& p, const MlaWork& w, int block) {
   const int key = w.key0 + block * kMlaKeys;
   if (key + kMlaKeys > w.key_end) return false;
@@ -246,7 +258,6 @@ __device__ __forceinline__ void mla_produce(const DecodeParams& p, const TensorM
     const int page = next_page;
     if (i + 1 < w.blocks) next_page = mla_key_page(p, w, i + 1, tid);
     if (i >= kStages) mbar_wait(sm.empty(stage), ((i / kStages) & 1) ^ 1);
-    if (i == 0) mla_copy_q(p, w, sm.q(), tid);
     if (kTma && mla_block_boxed(p, w, i)) {
       // (thread 0's page is its first key's, tid / 4 = 0: the block's)
       if (tid == 0) mla_box_block<false>(p, maps, w, i, page, sm.block(stage), sm.full(stage));
@@ -327,7 +338,6 @@ __device__ __forceinline__ void mla_produce_e4m3(const DecodeParams& p, const Te
     mla_copy_e4m3(p, w, i, page, dst, tid, !boxed);
     cp_async_mbar_arrive(bar);
   };
-  mla_copy_q(p, w, sm.q(), tid);  // (its arrival: block 0's staging's, every thread's)
   for (int i = 0; i < kStaged && i < w.blocks; ++i) stage_bytes(i, mla_key_page(p, w, i, tid));
   for (int i = 0; i < w.blocks; ++i) {
     const int stage = i % kStages;
@@ -440,13 +450,38 @@ __device__ __forceinline__ void mla_stage_p(const u32 (&a)[kMlaKeys / 16][4], u3
 }
 
 // -- the output: O / l of each row (and lse, by consumer 0), or a split's normalized
-//    share and its lse --
+//    share and its lse. Unsplit, where the CTA's rows lie a stride apart (one token's
+//    heads, or tokens whose heads are laid out back to back), O goes out through shared
+//    memory (Q's and the ring's, free once both consumers have met), whole rows per
+//    store: 2 us against 4 from registers, a quad storing 4 bytes of 8 rows at a time. A
+//    split's float shares staged so measured 1.5 us slower (H200), and go out directly --
 template <int kDtype, int kDTiles>
 __device__ __forceinline__ void mla_write(const DecodeParams& p, const MlaWork& w,
                                           const float (&o)[1][kDTiles][4], const float (&m)[2],
                                           const float (&l)[2], float scale_log2, int consumer,
-                                          int warp, int lane) {
+                                          int warp, int lane, u32 stage) {
   const int split = blockIdx.x / p.num_m_blocks;
+  const bool one_token = p.seqlen_q == 1 || p.group % kMlaRows == 0;
+  const bool staged =
+      p.num_splits == 1 && (one_token || p.o_row_stride == p.group * p.o_head_stride);
+  if (staged) {
+    float on[1][kDTiles][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float inv = sink_row_scale(m[i] * scale_log2, l[i], -CUFA_INF).inv;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) on[0][dt][2 * i + e] = o[0][dt][2 * i + e] * inv;
+    }
+    const int t0 = w.row0 / p.group, h0 = blockIdx.y * p.group + w.row0 % p.group;
+    u16* dst = reinterpret_cast<u16*>(p.o) + w.s.b * p.o_batch_stride +
+               (w.s.q_row0 + t0) * p.o_row_stride + h0 * p.o_head_stride + consumer * kMlaHalf;
+    const int cols = kMlaHalf;
+    store_rows_staged<kDtype, kMlaRows, kMlaHalf, kMlaHalf>(
+        on, dst, p.o_head_stride, w.rows, cols, stage + consumer * (kMlaRows * kMlaHalf * 2),
+        16 * warp, 16 * warp, lane);
+  }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = 16 * warp + lane / 4 + 8 * i;
@@ -469,7 +504,7 @@ __device__ __forceinline__ void mla_write(const DecodeParams& p, const MlaWork& 
       u16* dst = reinterpret_cast<u16*>(p.o) + w.s.b * p.o_batch_stride +
                  (w.s.q_row0 + t) * p.o_row_stride + h * p.o_head_stride + col0;
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt)
+      for (int dt = 0; dt < kDTiles && !staged; ++dt)
         *reinterpret_cast<u32*>(dst + dt * 8) =
             pack2<kDtype>(o[0][dt][2 * i] * n.inv, o[0][dt][2 * i + 1] * n.inv);
       if (consumer == 0 && lane % 4 == 0 && p.lse)
@@ -484,7 +519,7 @@ __device__ __forceinline__ void mla_write(const DecodeParams& p, const MlaWork& 
 // (columns, rows, heads, pages or batch) views in boxes of 32 rows (kFp8: the latent's
 // bytes as bfloat16 pairs, in every slot); unused otherwise. kFp8: the caches hold e4m3.
 template <int kDtype, bool kTma, bool kFp8>
-__global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p,
+__global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const DecodeParams p,
                                                             const __grid_constant__ TensorMaps maps) {
   constexpr int kDTiles = kMlaHalf / 8;
   constexpr int kNTiles = kMlaKeys / 8;
@@ -505,9 +540,12 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
       mbar_init(sm.empty(s), 2);   // one thread a consumer
     }
     for (int s = 0; s < Smem::kStaged; ++s) mbar_init(sm.staged_full(s), 128);  // (copies)
+    mbar_init(sm.q_full(), kMlaThreads);
     if (kTma) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // (for the copy engine)
   }
   __syncthreads();
+  mla_copy_q(p, w, sm.q());
+  cp_async_mbar_arrive(sm.q_full());
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kMlaProducerRegs>();
     if constexpr (kFp8)
@@ -548,11 +586,12 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
   for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-  // Q's k-steps from kQSmemSteps on, once Q has landed (with this consumer's first
-  // block: the producer's copies of Q come before it)
+  // Q's k-steps from kQSmemSteps on, once Q has landed (every consumer waits for it: the
+  // epilogue may stage O where Q was)
+  mbar_wait(sm.q_full(), 0);
+  fence_proxy_async();  // (cp.async wrote Q through the generic proxy; wgmma reads it)
   u32 q_frag[kQRegSteps][4];
   if (w.blocks > consumer) {
-    mbar_wait(sm.full(consumer), 0);
     const int m = lane / 8;  // (lane's address: row lane % 8 of matrix m, as in mla_stage_p)
     const int row = 16 * warp + (m & 1) * 8 + lane % 8;
 #pragma unroll
@@ -702,7 +741,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_kernel(const DecodeParams p
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[0][dt][e] *= latent_scale;
   }
-  mla_write<kDtype>(p, w, acc_o, row_max, l, scale_log2, consumer, warp, lane);
+  mla_write<kDtype>(p, w, acc_o, row_max, l, scale_log2, consumer, warp, lane, sm.q());
 }
 
 }  // namespace cufa
