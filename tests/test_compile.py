@@ -4,8 +4,9 @@ struct. No GPU needed.
 
 By default one representative variant of each kind of kernel compiles (seconds on two
 cores): the README's test command stays short. CUFA_TEST_ALL_VARIANTS=1 compiles every
-variant the library can launch (about 180 CPU-seconds here; .ci/run does it in a step of its
-own), with a progress line every 25 compiles when pytest shows output (-s)."""
+variant the library can launch (about 20 CPU-minutes on the CI's machines; .ci/run does it
+in a step of its own), with a progress line every 25 compiles when pytest shows output (-s),
+on CUFA_TEST_COMPILE_WORKERS processes (default: one a core, at least two)."""
 import hashlib
 import itertools
 import json
@@ -110,8 +111,8 @@ def representative_variants():
 @pytest.fixture(scope="module")
 def reports():
     reps = representative_variants()
-    # (all of them: the representatives first, whose reports the README's run, which
-    # .ci/run starts beside this one, then finds in the cache rather than compiling them)
+    # (all of them: the representatives first, whose reports the README's run, beside
+    # which .ci/run starts this one, then finds in the cache rather than compiling them)
     variants = reps + [v for v in _compile.all_variants() if v not in reps] if ALL_VARIANTS \
         else reps
     jobs = [(v, a) for v in variants for a in v.archs]
@@ -120,7 +121,8 @@ def reports():
         kept = {job: _report_file(job) for job in jobs}
     todo = [job for job in jobs if job not in kept or not kept[job].exists()]
     fresh = {}
-    with ProcessPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+    workers = int(os.environ.get("CUFA_TEST_COMPILE_WORKERS") or max(2, os.cpu_count() or 2))
+    with ProcessPoolExecutor(max_workers=workers) as pool:
         for i, (job, report) in enumerate(zip(todo, pool.map(_compile_one, todo)), 1):
             fresh[job] = report
             if job in kept:  # (whole or not at all: another run may be reading the cache)
