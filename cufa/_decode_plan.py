@@ -127,9 +127,12 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
     pairs = not mla and _heuristics.head_pairs(
         d, nheads_k, (kc.strides[2], vc.strides[2]), seqlen_q * group, fp8, aligned, q.device)
     maps = None  # (the TMA kernels': the decode kernel's, over 16-bit caches, and MLA's)
+    rotary = rotary_dim > 0
+    q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides  # (the kernel's q)
     if mla:
         kernel, maps, num_m_blocks, num_splits = _mla_kernel(
-            q, kc, vc, softcap, fp8, seqlen_q * group, batch * nheads_k, capacity, num_splits)
+            q, q_strides, a.qv, kc, vc, softcap, fp8, seqlen_q * group, batch * nheads_k,
+            capacity, num_splits)
     else:
         num_m_blocks = -(-seqlen_q * group // _compile.DECODE_ROWS)
         kernel, num_splits, pairs = _heuristics.decode_route(
@@ -139,7 +142,6 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
             element_io=not aligned, fp8_cache=fp8)
     heads_a_cta = 2 if pairs else 1
     tiles_k = nheads_k // heads_a_cta  # (the grid's y)
-    rotary = rotary_dim > 0
     p = dict(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, group=group,
              head_dim=d, head_dim_v=dv, cache_seqlen_fixed=fixed or 0, seqlen_new=seqlen_new,
              capacity=capacity, cache_rows=cache_rows, num_splits=num_splits,
@@ -152,7 +154,6 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
              **descale_strides(a.k_descale, a.v_descale),
              # (MLA's default scale: 1 / sqrt of the scores' 576 dims, as FlashAttention-3's)
              **_params.score_fields(window, scale, softcap, d + dv if mla else d, alibi))
-    q_strides = _interop.contiguous_strides(q.shape) if rotary else q.strides
     o_strides = o.strides if o is not None else _interop.contiguous_strides(outputs["out_shape"])
     for name, strides in (("q", q_strides), ("k", kc.strides), ("v", vc.strides),
                           ("o", o_strides), ("qv", a.qv.strides if mla else (0, 0, 0)),
@@ -195,11 +196,12 @@ def plan_kvcache(a, out, fixed, *, window, scale, softcap, interleaved, num_spli
                    maps=maps, merge_in_launch=merge_in_launch)
 
 
-def _mla_kernel(q, kc, vc, softcap, fp8, rows, units, capacity, num_splits):
+def _mla_kernel(q, q_strides, qv, kc, vc, softcap, fp8, rows, units, capacity, num_splits):
     """(the MLA decode kernel, its maps' template or None, its query blocks, the split
     count) for a call with qv: `rows` (token, head) rows of each of `units` (sequence, KV
-    head) pairs, over a 16-bit or (fp8) an e4m3 cache; Hopper's alone (wgmma). The kernel
-    takes whole key blocks as TMA boxes where maps describe the cache (_mla_maps)."""
+    head) pairs, over a 16-bit or (fp8) an e4m3 cache; Hopper's alone (wgmma). q_strides:
+    those of the q the kernel reads (a rotated copy's, with rotary). The kernel takes Q
+    and whole key blocks as TMA boxes where maps describe them all (_mla_maps)."""
     if softcap > 0:
         raise NotImplementedError("softcap is not supported with qv (MLA decode)")
     family = _compile.family_for(_runtime.compute_capability(q.device))
@@ -209,7 +211,7 @@ def _mla_kernel(q, kc, vc, softcap, fp8, rows, units, capacity, num_splits):
             f"{_compile.FAMILY_ENV}) takes the {family} kernels. Without qv, the same "
             "attention is q' = [qv, q] against k' = [v_cache, k_cache] with v_cache as values "
             "(a copy of the cache)")
-    maps = _mla_maps(q.dtype, kc, vc, fp8) if rows else None
+    maps = _mla_maps(q.dtype, q.shape, q_strides, qv, kc, vc, fp8) if rows else None
     kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype], tma=maps is not None, fp8_cache=fp8)
     num_m_blocks = -(-rows // _compile.MLA_ROWS)
     return kernel, maps, num_m_blocks, _heuristics.mla_splits(num_splits, units * num_m_blocks,
@@ -248,22 +250,31 @@ def _tma_route(dtype_name, d, kc, vc, units, num_splits, batch, capacity, device
                                       per_cta), template
 
 
-def _mla_maps(dtype_name, kc, vc, fp8):
+def _mla_maps(dtype_name, q_shape, q_strides, qv, kc, vc, fp8):
     """The MLA kernel's maps' template: k_cache (the rope) and v_cache (the latent) as
-    (pages or batch, rows, KV heads, columns) views in boxes of a key block's rows, k's in
-    the record's q slot too (unused); None where a map cannot describe them (the kernel
-    then copies every block itself). An e4m3 cache's latent goes as bytes: described as
-    bfloat16 pairs (half the columns and strides; a 64-column box is 128 of its values),
-    which the copy engine moves the same, its rope by the producer's copies (v's map in
-    every slot)."""
+    (pages or batch, rows, KV heads, columns) views in boxes of a key block's rows; qv and
+    q (shape q_shape, strides q_strides) as (batch, heads, tokens, columns) views in
+    boxes of a CTA's 64 rows (one token's heads), in the q slot and the first tail slot
+    (both tails); None where a map cannot describe them all (the kernel then copies Q and
+    every block itself). An e4m3 cache's latent goes as bytes: described as bfloat16 pairs
+    (half the columns and strides; a 64-column box is 128 of its values), which the copy
+    engine moves the same, its rope by the producer's copies (v's map in k's slot too).
+    Every map is of 2-byte elements, whichever dtype it names."""
+    batch, seqlen_q, nheads = q_shape[:3]
+    q_views = [((batch, nheads, seqlen_q, x_shape[3]), (s[0], s[2], s[1]), _compile.MLA_ROWS)
+               for x_shape, s in ((tuple(qv.shape), tuple(qv.strides)), (q_shape, q_strides))]
     if fp8:
         if any(s % 2 for s in vc.strides[:3]):
             return None
-        view = ((vc.shape[:3] + (vc.shape[3] // 2,)), tuple(s // 2 for s in vc.strides[:3]),
-                _compile.MLA_KEYS)
-        return _tma.template("bfloat16", (view, view, view))
-    k_view, v_view = ((tuple(c.shape), tuple(c.strides[:3]), _compile.MLA_KEYS) for c in (kc, vc))
-    return _tma.template(dtype_name, (k_view, k_view, v_view))
+        dtype_name = "bfloat16"
+        v_view = ((vc.shape[:3] + (vc.shape[3] // 2,)), tuple(s // 2 for s in vc.strides[:3]),
+                  _compile.MLA_KEYS)
+        k_view = v_view
+    else:
+        k_view, v_view = ((tuple(c.shape), tuple(c.strides[:3]), _compile.MLA_KEYS)
+                          for c in (kc, vc))
+    made = _tma.template(dtype_name, (q_views[0], k_view, v_view), (q_views[1], q_views[1]))
+    return made if made is not None and made.has_tails else None
 
 
 def _partial_cols(d):
@@ -282,6 +293,9 @@ def _workspace(*sizes):
     return (total, *offsets)
 
 
+_QV_FIELD = _params.DECODE.pointer_fields.index("qv")  # (its value's place in a record's)
+
+
 def _launch_decode(record, launches, workspace, merge_in_launch, pointers, framework, device,
                    stream, scratch_ptr, reserved=0, maps=None):
     """`launches` ((kind, CUfunction, grid, threads, smem) entries) of one DecodeParams
@@ -295,8 +309,9 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     jax.jit (whose replays must not depend on memory cufa keeps) and under graph capture
     (where the counters would need a memset node) decode_combine merges them. reserved:
     bytes at the start of the stream's buffer left untouched (a packed batch's work list
-    and decode order, made by the launches before). maps: the TMA decode kernel's map
-    template, pointed at the call's cache (the record's k and v)."""
+    and decode order, made by the launches before). maps: the TMA kernels' map
+    template, pointed at the call's cache (the record's k and v), and MLA's at its qv and
+    q too."""
     held, base = None, scratch_ptr
     # (one capture check a call: it is a driver call)
     capturing = None if scratch_ptr or not merge_in_launch else stream_capturing(stream)
@@ -312,10 +327,15 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
         launches = launches[:-1]
     values = pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters)
     params = _params.DECODE.with_pointer_values(record, values)
-    # (the maps' q slot holds k's map: the kernel reads k and v; values are DECODE_FIELDS'
-    # order, q, k, v first)
-    with_maps = (params, _tma.with_addresses(maps, values[1], values[1], values[2]) if maps
-                  else _tma.NO_MAPS)
+    # (values are DECODE_FIELDS' order, q, k, v first. The decode kernel's maps hold k's
+    # map in the q slot: it reads k and v. MLA's hold qv's there, and q's in the tail slots)
+    if maps is None:
+        with_maps = (params, _tma.NO_MAPS)
+    elif any(kind == "decode_mla" for kind, *_ in launches):
+        with_maps = (params, _tma.with_addresses(maps, values[_QV_FIELD], values[1], values[2],
+                                                 tails=(values[0], values[0])))
+    else:
+        with_maps = (params, _tma.with_addresses(maps, values[1], values[1], values[2]))
     for kind, function, grid, threads, smem in launches:
         driver_launch(function, grid, threads, smem, stream,
                       with_maps if kind in ("decode_tma", "decode_mla") else (params,))

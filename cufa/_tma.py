@@ -15,7 +15,6 @@ record is a copy with the addresses replaced (with_addresses).
 import ctypes
 import functools
 import struct
-from dataclasses import dataclass
 
 MAPS_BYTES = 5 * 128                     # q, k, v, k_tail, v_tail (TensorMaps, common/sm90.cuh)
 _MAPS_BUFFER = ctypes.c_char * MAPS_BYTES  # a record's type as a launch argument
@@ -199,13 +198,13 @@ def moved_map(writer, batch, rows, batch_stride):
                            tail)
 
 
-def with_addresses(template, q, k, v):
+def with_addresses(template, q, k, v, tails=None):
     """The template's record with its maps pointed at q, k and v (the tail maps at k and
-    v), as a ctypes buffer to pass by address (the launch copies it). A model's
-    activations come at new addresses every call: the addresses are written into a copy
-    of the record where their place in it is known (_address_field), else moved by
-    cuTensorMapReplaceAddress, one driver call a map."""
-    pointers = (q, k, v, k, v) if template.has_tails else (q, k, v)
+    v, or at the pair `tails`), as a ctypes buffer to pass by address (the launch copies
+    it). A model's activations come at new addresses every call: the addresses are written
+    into a copy of the record where their place in it is known (_address_field), else
+    moved by cuTensorMapReplaceAddress, one driver call a map."""
+    pointers = (q, k, v) + ((tails or (k, v)) if template.has_tails else ())
     if not template.address_words:
         return _moved_by_driver(template, pointers)
     record = _MAPS_BUFFER.from_buffer_copy(template.record)  # (create_string_buffer costs more)

@@ -157,6 +157,25 @@ def test_mla_whole_blocks_come_through_maps(planner, encoded, paged):
     box = (64, _compile.MLA_KEYS, 1, 1)
     for cols in (ROPE, LATENT):
         assert ((cols, rows, 1, outer), (2 * cols, 2 * cols, 2 * cols * rows), box) in encoded
+    # Q too: qv's and q's (columns, heads, tokens, batch) views in boxes of a CTA's 64 rows
+    for cols in (ROPE, LATENT):
+        assert ((cols, 128, 1, 8), (2 * cols, 2 * cols * 128, 2 * cols * 128),
+                (64, _compile.MLA_ROWS, 1, 1)) in encoded
+
+
+def test_mla_q_maps_follow_the_q_the_kernel_reads(planner, encoded):
+    """With rotary embedding the kernel reads a rotated copy of q (contiguous), and q's map
+    describes that copy, not the caller's q; a q whose views the copy engine cannot take
+    leaves the call without maps (the kernel copies Q and every block)."""
+    from test_kvcache_plan_cpu import arr as make
+    q, k_pe, c_kv, qv, lens = mla_args(batch=2, sq=2, heads=16)
+    strided = make((2, 2, 16, ROPE), "bfloat16", strides=(16 * 4 * ROPE, 16 * 2 * ROPE, 2 * ROPE, 1))
+    cos = make((4096, ROPE // 2), "float32")
+    plan = planner(strided, k_pe, c_kv, cache_seqlens=lens, qv=qv, rotary_cos=cos,
+                   rotary_sin=cos)
+    assert plan.maps is not None and plan.maps.has_tails
+    assert ((ROPE, 16, 2, 2), (2 * ROPE, 2 * ROPE * 16, 2 * ROPE * 16 * 2),
+            (64, _compile.MLA_ROWS, 1, 1)) in encoded
 
 
 def test_mla_without_maps_copies_every_block(planner, monkeypatch):

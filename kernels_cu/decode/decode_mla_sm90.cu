@@ -158,6 +158,27 @@ __device__ __forceinline__ void mla_copy_q(const DecodeParams& p, const MlaWork&
   }
 }
 
+// -- Q as TMA boxes (kTma: the host's maps describe qv and q with the cache), where the
+//    CTA's rows are one token's consecutive heads: qv's eight boxes of 64 columns and q's
+//    one, each of 64 heads (heads past the last read as zeros), issued by one thread.
+//    (The threads' copies took 3 us of a 1k cache's launch: H200.) maps.q is qv's,
+//    maps.k_tail q's, both (columns, heads, tokens, batch) views --
+__device__ __forceinline__ bool mla_q_boxed(const DecodeParams& p) {
+  return p.seqlen_q == 1 || p.group % kMlaRows == 0;
+}
+__device__ __forceinline__ void mla_box_q(const DecodeParams& p, const TensorMaps& maps,
+                                          const MlaWork& w, u32 sq, u32 full) {
+  const int token = w.s.q_row0 + w.row0 / p.group;
+  const int head = blockIdx.y * p.group + w.row0 % p.group;
+  mbar_expect_bytes(full, kMlaQBytes);
+#pragma unroll
+  for (int j = 0; j < kMlaLatent / 64; ++j)
+    tma_load_4d(sq + j * kMlaRows * 128, maps.q, full, 64 * j, head, token,
+                p.qv_batch_stride ? w.s.b : 0);
+  tma_load_4d(sq + kMlaLatent / 64 * kMlaRows * 128, maps.k_tail, full, 0, head, token,
+              p.q_batch_stride ? w.s.b : 0);
+}
+
 // -- the producer: block i of the split into stage i % kStages once both consumers have
 //    released it. Each thread's copies announce themselves on the stage's full barrier as
 //    they land (cp.async's own arrival), so every free buffer has its copy in flight, and
@@ -517,7 +538,9 @@ __device__ __forceinline__ void mla_write(const DecodeParams& p, const MlaWork& 
 // grid: (num_m_blocks * num_splits, nheads_k, batch); 384 threads: the producer
 // warpgroup, then consumers 0 and 1. maps (kTma): k's (the rope) and v's (the latent)
 // (columns, rows, heads, pages or batch) views in boxes of 32 rows (kFp8: the latent's
-// bytes as bfloat16 pairs, in every slot); unused otherwise. kFp8: the caches hold e4m3.
+// bytes as bfloat16 pairs, in k's slot too), and in the q and k_tail slots qv's and q's
+// (columns, heads, tokens, batch) views in boxes of 64 heads; unused otherwise. kFp8: the
+// caches hold e4m3.
 template <int kDtype, bool kTma, bool kFp8>
 __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const DecodeParams p,
                                                             const __grid_constant__ TensorMaps maps) {
@@ -531,6 +554,8 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
   MlaWork w;
   if (!mla_work(p, w)) return;  // (the whole CTA: no barrier has been met yet)
   if (kTma && threadIdx.x == 0) {  // (fetched while the barriers are set up)
+    prefetch_tensor_map(maps.q);
+    prefetch_tensor_map(maps.k_tail);
     if (!kFp8) prefetch_tensor_map(maps.k);
     prefetch_tensor_map(maps.v);
   }
@@ -544,7 +569,11 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
     if (kTma) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // (for the copy engine)
   }
   __syncthreads();
-  mla_copy_q(p, w, sm.q());
+  if (kTma && mla_q_boxed(p)) {
+    if (threadIdx.x == 0) mla_box_q(p, maps, w, sm.q(), sm.q_full());  // (before its arrival)
+  } else {
+    mla_copy_q(p, w, sm.q());
+  }
   cp_async_mbar_arrive(sm.q_full());
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kMlaProducerRegs>();
