@@ -1513,13 +1513,17 @@ _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 
 def compile_for_arch(variant, arch, extra_options=()):
     """Compile `variant` for `arch` (e.g. "sm_90", "sm_90a") with NVRTC, no GPU needed
-    (extra_options: more NVRTC options, as debug_options').
+    (extra_options: more NVRTC options, as debug_options'). A virtual arch ("compute_90")
+    stops at the PTX: no ptxas, so no registers (-1) or spills in the report, and its
+    size is the PTX's.
 
     Raises cupy.cuda.compiler.CompileException on a compile error.
     """
     from cupy.cuda import compiler, nvrtc
     src = assembled_source(variant.source)
-    options = NVRTC_OPTIONS + (f"-arch={arch}", "-Xptxas=-v") + tuple(extra_options)
+    ptx_only = arch.startswith("compute_")
+    options = (NVRTC_OPTIONS + (f"-arch={arch}",) + (() if ptx_only else ("-Xptxas=-v",))
+               + tuple(extra_options))
     prog = nvrtc.createProgram(src, variant.source, (), ())
     try:
         nvrtc.addNameExpression(prog, variant.name_expression)
@@ -1529,7 +1533,7 @@ def compile_for_arch(variant, arch, extra_options=()):
             raise compiler.CompileException(nvrtc.getProgramLog(prog), src, variant.source,
                                             options, "nvrtc") from None
         log = nvrtc.getProgramLog(prog).rstrip("\x00")
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = nvrtc.getPTX(prog) if ptx_only else nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
     regs = _PTXAS_REGS.search(log)
