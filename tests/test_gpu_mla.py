@@ -204,14 +204,16 @@ def test_mla_under_jax_jit(hopper):
     check_mla(out_t, lse_t, kw, k_pe, c_kv, [300, 41], "jax.jit")
 
 
+@pytest.mark.parametrize("sq", [1, 2], ids=["one token (Q by TMA)", "two tokens"])
 @pytest.mark.parametrize("page", [None, 64], ids=["contiguous", "pages of 64"])
-def test_mla_rotary_append(hopper, page):
+def test_mla_rotary_append(hopper, page, sq):
     """q and the new k_pe rotated (rotary_cos / rotary_sin over the 64 rotary dims, at the
     sequences' positions), the new k_pe and c_kv appended: the reference's rotated
-    attention (kvcache_references, which learns qv) and its caches after the append."""
+    attention (kvcache_references, which learns qv) and its caches after the append. With
+    one token the kernel reads the rotated copy of q through its map."""
     rng = np.random.default_rng(14)
     lens = [70, 0, 129]
-    kw, _, _ = build(rng, lens=lens, sq=2, heads=16, page=page, new=2)
+    kw, _, _ = build(rng, lens=lens, sq=sq, heads=16, page=page, new=2)
     angles = rng.uniform(0, 6.3, (512, 32))
     cos, sin = (torch.from_numpy(f(angles)).float().cuda() for f in (np.cos, np.sin))
     before = {n: kw[n].clone() for n in ("k_cache", "v_cache")}
