@@ -1423,8 +1423,9 @@ def debug_options():
     kernel with mbarrier waits that trap after N tries (common/sm90.cuh's mbar_wait), so
     that a new kernel's deadlock fails its launch rather than hanging the process;
     CUFA_TRACE=1 builds the Hopper forward with its tiles' timeline (fwd/sm90_trace.cuh,
-    read by bench/profile/tile_timeline.py). CuPy's disk cache keys the options, so such
-    builds sit beside the plain ones."""
+    read by bench/profile/tile_timeline.py), and the backward's dk/dv and the MLA decode
+    kernels with their CTAs' (bwd_timeline.py, mla_timeline.py). CuPy's disk cache keys
+    the options, so such builds sit beside the plain ones."""
     options = ()
     limit = _overrides.get(SPIN_LIMIT_ENV)
     if limit:

@@ -392,11 +392,11 @@ def test_spin_limit_builds_trap_on_a_wait_that_never_ends(monkeypatch):
 
 
 def test_trace_builds_hold_the_tile_table_and_plain_builds_do_not(monkeypatch):
-    """CUFA_TRACE=1 (bench/profile/tile_timeline.py's and bwd_timeline.py's build) reaches
-    NVRTC as a define and gives the Hopper forward its table of tile stamps (264 CTAs x 512
-    tiles x 10 u64: ptxas counts it as global memory), and the backward's dk/dv kernel its
-    CTAs'; without it the kernels have none, and any other value is refused naming the
-    variable."""
+    """CUFA_TRACE=1 (bench/profile/tile_timeline.py's, bwd_timeline.py's and
+    mla_timeline.py's build) reaches NVRTC as a define and gives the Hopper forward its
+    table of tile stamps (264 CTAs x 512 tiles x 10 u64: ptxas counts it as global memory),
+    and the backward's dk/dv kernel and the MLA decode kernel their CTAs'; without it the
+    kernels have none, and any other value is refused naming the variable."""
     monkeypatch.setitem(_compile._overrides, _compile.SPIN_LIMIT_ENV, None)
     monkeypatch.setitem(_compile._overrides, _compile.TRACE_ENV, "1")
     assert _compile.debug_options() == ("-DCUFA_TRACE",)
@@ -416,6 +416,13 @@ def test_trace_builds_hold_the_tile_table_and_plain_builds_do_not(monkeypatch):
     # the backward's dk/dv kernel: its CTAs' stamps (8192 x 8 u64, bench/profile/bwd_timeline.py)
     variant = _compile.bwd_sm90_fused_variants("bf16", 128, "none", False)[1]
     table = 8192 * 8 * 8
+    for options, has_table in ((("-DCUFA_TRACE",), True), ((), False)):
+        gmem = [int(line.split()[-3]) for line in
+                _compile.compile_for_arch(variant, "sm_90a", options).log.splitlines()
+                if line.endswith("bytes gmem")]
+        assert (max(gmem, default=0) >= table) == has_table, options
+    # the MLA decode kernel's: its CTAs' stamps (4096 x 8 u64, bench/profile/mla_timeline.py)
+    variant, table = _compile.MlaVariant("bf16", tma=True), 4096 * 8 * 8
     for options, has_table in ((("-DCUFA_TRACE",), True), ((), False)):
         gmem = [int(line.split()[-3]) for line in
                 _compile.compile_for_arch(variant, "sm_90a", options).log.splitlines()

@@ -103,6 +103,40 @@ static_assert(MlaSmem<true>::kStaging % 1024 == 0 && kMlaE4m3BlockBytes % 1024 =
                   MlaSmem<true>::kP % 1024 == 0 && MlaSmem<false>::kP % 1024 == 0,
               "swizzled panels (boxes, P) on 1024-byte boundaries");
 
+// -- a diagnostic build (CUFA_TRACE=1: cufa/_compile.py's debug_options) stamps each CTA's
+//    start, Q's arrival, its first P, the end of its loop and of its stores (consumer 0's
+//    first thread), the producer's end, its key blocks and its SM, on the global timer
+//    (ns), for bench/profile/mla_timeline.py. Without the flag the stamps compile to
+//    nothing --
+enum MlaTraceField : int {
+  kMlaStart = 0, kMlaQReady, kMlaFirstP, kMlaLoopEnd, kMlaWritten, kMlaProducerEnd,
+  kMlaBlocks, kMlaSm
+};
+#ifdef CUFA_TRACE
+constexpr int kMlaTraceCtas = 4096, kMlaTraceFields = 8;
+extern "C" {
+__device__ u64 cufa_mla_trace[kMlaTraceCtas][kMlaTraceFields];
+}
+#endif
+__device__ __forceinline__ void mla_trace(MlaTraceField field, u64 value = 0) {
+#ifdef CUFA_TRACE
+  const u32 cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta >= kMlaTraceCtas) return;
+  if (field == kMlaBlocks) {
+    cufa_mla_trace[cta][field] = value;
+    return;
+  }
+  u64 ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  cufa_mla_trace[cta][field] = ns;
+  if (field == kMlaStart) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    cufa_mla_trace[cta][kMlaSm] = sm;
+  }
+#endif
+}
+
 // -- the CTA's work: its rows (row r: token r / group, head h_k * group + r % group of
 //    the CTA's 64 consecutive (token, head) rows) and its split's key blocks --
 struct MlaWork {
@@ -551,8 +585,10 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
   constexpr int kStages = Smem::kStages;
   constexpr int kQRegSteps = kMlaQRegSteps<kFp8>, kQSmemSteps = kMlaQSmemSteps<kFp8>;
   const Smem sm{(smem_u32(smem_raw) + 1023) & ~1023u};
+  if (threadIdx.x == 0) mla_trace(kMlaStart);
   MlaWork w;
   if (!mla_work(p, w)) return;  // (the whole CTA: no barrier has been met yet)
+  if (threadIdx.x == 0) mla_trace(kMlaBlocks, w.blocks);
   if (kTma && threadIdx.x == 0) {  // (fetched while the barriers are set up)
     prefetch_tensor_map(maps.q);
     prefetch_tensor_map(maps.k_tail);
@@ -581,6 +617,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
       mla_produce_e4m3<kDtype, kTma>(p, maps, w, sm, threadIdx.x);
     else
       mla_produce<kTma>(p, maps, w, sm, threadIdx.x);
+    if (threadIdx.x == 0) mla_trace(kMlaProducerEnd);
     return;
   }
   setmaxnreg_inc<kMlaConsumerRegs>();
@@ -619,6 +656,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
   // epilogue may stage O where Q was)
   mbar_wait(sm.q_full(), 0);
   fence_proxy_async();  // (cp.async wrote Q through the generic proxy; wgmma reads it)
+  if (consumer == 0 && tid == 0) mla_trace(kMlaQReady);
   u32 q_frag[kQRegSteps][4];
   if (w.blocks > consumer) {
     const int m = lane / 8;  // (lane's address: row lane % 8 of matrix m, as in mla_stage_p)
@@ -707,6 +745,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
     mla_softmax(acc_s, rows, w.key0 + t * kMlaKeys, lane, scale_log2, row_max, corr, sum);
     u32 p_frag[kMlaKeys / 16][4];
     pack_p<kDtype>(p_frag, acc_s);
+    if (t == 0 && tid == 0) mla_trace(kMlaFirstP);  // (block 0 is consumer 0's)
     // -- the other's P V of block t - 1 done before P is staged: it reads this
     //    consumer's O and the one P panel, which this block's P overwrites (the panel's
     //    hand-over rests on this wait; no P V of the other's block may still be in flight
@@ -755,6 +794,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
     fence_registers(acc_o);
   }
 
+  if (consumer == 0 && tid == 0) mla_trace(kMlaLoopEnd);
   // -- the row sums over both consumers (both rescaled to the last max), then the output --
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -771,6 +811,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
       for (int e = 0; e < 4; ++e) acc_o[0][dt][e] *= latent_scale;
   }
   mla_write<kDtype>(p, w, acc_o, row_max, l, scale_log2, consumer, warp, lane, sm.q());
+  if (consumer == 0 && tid == 0) mla_trace(kMlaWritten);
 }
 
 }  // namespace cufa
