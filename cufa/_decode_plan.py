@@ -328,10 +328,11 @@ def _launch_decode(record, launches, workspace, merge_in_launch, pointers, frame
     values = pointers(lambda offset: base + 4 * offset if offset >= 0 else 0, counters)
     params = _params.DECODE.with_pointer_values(record, values)
     # (values are DECODE_FIELDS' order, q, k, v first. The decode kernel's maps hold k's
-    # map in the q slot: it reads k and v. MLA's hold qv's there, and q's in the tail slots)
+    # map in the q slot: it reads k and v. MLA's hold qv's there, and q's in the tail
+    # slots, the only decode maps with tails)
     if maps is None:
         with_maps = (params, _tma.NO_MAPS)
-    elif any(kind == "decode_mla" for kind, *_ in launches):
+    elif maps.has_tails:
         with_maps = (params, _tma.with_addresses(maps, values[_QV_FIELD], values[1], values[2],
                                                  tails=(values[0], values[0])))
     else:

@@ -256,3 +256,32 @@ def test_mla_fp8_cache_without_maps_copies_every_block(planner, monkeypatch):
     kernel = _compile.MlaVariant("bf16", fp8_cache=True)
     assert (kernel.tma, kernel.fp8_cache) == (False, True) and plan.maps is None
     assert plan.launches[0][1] == hash(kernel.key)
+
+
+def test_mla_launch_points_its_maps_at_qv_k_v_and_q(planner, monkeypatch):
+    """The launch points the record's five maps at qv, k_cache, v_cache, q and q (its q
+    and tail slots: the kernel's Q boxes)."""
+    import ctypes
+    from cufa import _decode_plan, _params
+
+    def replace(addr, ptr):  # (a driver that keeps a map's address in its first word)
+        ctypes.memmove(addr, ptr.to_bytes(8, "little"), 8)
+        return 0
+    monkeypatch.setattr(_tma, "_replace_fn", lambda: replace)
+    _tma._moved_by_driver.cache_clear()
+    q, k_pe, c_kv, qv, lens = mla_args(batch=2, heads=128)
+    plan = planner(q, k_pe, c_kv, cache_seqlens=lens, qv=qv)
+    assert plan.maps is not None and plan.maps.has_tails
+    fields = _params.DECODE.pointer_fields
+    at = {"q": 0x1000, "k": 0x2000, "v": 0x3000, "qv": 0x4000}
+    launched = []
+    monkeypatch.setattr(_decode_plan, "driver_launch",
+                        lambda fn, grid, threads, smem, stream, args: launched.append(args))
+    _decode_plan._launch_decode(plan.params, plan.launches, plan.workspace, False,
+                                lambda at_offset, counters: [at.get(n, 0) for n in fields],
+                                "cupy", 0, 0, scratch_ptr=0x9000_0000, maps=plan.maps)
+    (args,) = [a for a in launched if len(a) == 2]
+    record = bytes(args[1])
+    words = [int.from_bytes(record[128 * i:128 * i + 8], "little") for i in range(5)]
+    assert words == [at["qv"], at["k"], at["v"], at["q"], at["q"]]
+    _tma._moved_by_driver.cache_clear()
