@@ -16,7 +16,8 @@ case runs in each of --rounds rounds, the cases in a new random order each round
 the table gives the best round (noise only adds time) and the median.
 
 --profile adds cProfile's top functions (own time) for cufa.flash_attn_func and the decode
-call. The CuPy rows take the same memory as CuPy arrays (the caller's stream is then
+call, and torch.profiler's host events of a training step's forward and backward, cufa's
+and SDPA's. The CuPy rows take the same memory as CuPy arrays (the caller's stream is then
 CuPy's current stream).
 """
 import argparse
@@ -175,6 +176,15 @@ def main():
             profiler = cProfile.Profile()
             profiler.runcall(per_call_us, cases[name], args.calls)
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        # (autograd runs a CUDA backward on its own thread, which cProfile does not see:
+        # torch.profiler's host-side events cover both threads)
+        from torch.profiler import ProfilerActivity, profile
+        for name in ("cufa.flash_attn_func + .backward()", "torch SDPA (flash) + .backward()"):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                per_call_us(cases[name], args.calls // 10)
+            print(f"\ntorch.profiler, host events, {name} ({args.calls // 10} calls):")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
+                                            max_name_column_width=70))
 
 
 def jax_table(calls, rounds):
