@@ -162,9 +162,13 @@ def test_only_the_portable_families_sm_90_compiles_stop_at_the_ptx():
     jobs = [(v, a, compile_arch(v, a)) for v in representative_variants() for a in v.archs]
     ptx = {(type(v).__name__, v.family) for v, _, arch in jobs if arch.startswith("compute_")}
     assert ptx == {("FwdVariant", "sm80"), ("BwdVariant", "sm80")}
-    for v, a, arch in jobs:
-        portable = isinstance(v, (_compile.FwdVariant, _compile.BwdVariant)) and v.family == "sm80"
-        assert arch == ("compute_90" if portable and a == "sm_90" else a), (v.key, a)
+    C = _compile
+    portable = C.fwd_variant("fp16", 128, "window", True, "sm80")
+    assert [compile_arch(portable, a) for a in portable.archs] == ["sm_80", "compute_90"]
+    for v in (C.decode_kernel("fp16", 128), C.CombineVariant("fp16", rows=4),
+              C.fwd_variant("bf16", 64, "window", False, "sm90", "short"), C.MlaVariant("bf16"),
+              C.bwd_sm90_variants("fp16", 128, "window", False)[1]):
+        assert [compile_arch(v, a) for a in v.archs] == list(v.archs), v.key
 
 
 def test_variant_list_is_complete_and_keys_unique():
