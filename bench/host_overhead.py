@@ -15,8 +15,9 @@ The lent machines' host CPUs are shared and drift by up to 2x within a minute, s
 case runs in each of --rounds rounds, the cases in a new random order each round, and
 the table gives the best round (noise only adds time) and the median.
 
---profile adds cProfile's top functions (own time) for cufa.flash_attn_func and the decode
-call, and torch.profiler's host events of a training step's forward and backward, cufa's
+--profile adds cProfile's top functions (own time) for cufa.flash_attn_func, the decode
+call and a training step's forward and backward (autograd on the calling thread), and
+torch.profiler's host events of a training step's forward and backward, cufa's
 and SDPA's. The CuPy rows take the same memory as CuPy arrays (the caller's stream is then
 CuPy's current stream).
 """
@@ -176,8 +177,17 @@ def main():
             profiler = cProfile.Profile()
             profiler.runcall(per_call_us, cases[name], args.calls)
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-        # (autograd runs a CUDA backward on its own thread, which cProfile does not see:
-        # torch.profiler's host-side events cover both threads)
+        # (autograd runs a CUDA backward on its own thread, which cProfile does not see,
+        # unless autograd's threads are off: then the step's Python, cufa's backward too)
+        import torch
+        torch.autograd.set_multithreading_enabled(False)
+        name = "cufa.flash_attn_func + .backward()"
+        print(f"\ncProfile, {name}, autograd on the calling thread:")
+        profiler = cProfile.Profile()
+        profiler.runcall(per_call_us, cases[name], args.calls)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        torch.autograd.set_multithreading_enabled(True)
+        # (torch.profiler's host-side events cover both threads)
         from torch.profiler import ProfilerActivity, profile
         for name in ("cufa.flash_attn_func + .backward()", "torch SDPA (flash) + .backward()"):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
