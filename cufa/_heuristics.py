@@ -248,23 +248,39 @@ def split_count(num_splits, units, capacity, kernel, device, paged):
     return min(num_splits, _compile.MAX_SPLITS)
 
 
-MLA_MIN_SPLIT_KEYS = 64  # keys a split of the MLA kernel takes, at least (two blocks)
+# The MLA split rule's costs, in key blocks of one CTA (_compile.MLA_KEYS keys each): the
+# combine launch, and each CTA's share of it (its partial rows written, then merged). Fit on
+# an H200 (bench/profile/mla_splits.py, bench/results/mla_decode_h200.md): a block took
+# ~0.87 us, the combine ~3.2 us plus ~0.07-0.1 us a CTA; 128 heads, 1 x 8k: 21.2 us at 32
+# splits against 22.5 at 66, 32 x 1k: 37.8 unsplit against 42.8 at 2.
+MLA_COMBINE_BLOCKS = 3.7
+MLA_SHARE_BLOCKS = 0.1
 
 
 def mla_splits(num_splits, units, capacity, device):
     """The MLA decode kernel's split count: num_splits as given (capped at
-    _compile.MAX_SPLITS), or for 0 enough splits that the CTAs (`units` of query rows,
-    one CTA an SM: its shared memory) fill the SMs once, each split at least
-    MLA_MIN_SPLIT_KEYS of the `capacity` keys. Its work is the matrix units' (~240 FLOPs a
-    cache byte at 128 heads), so an idle SM is lost time, and the merge costs a launch.
+    _compile.MAX_SPLITS), or for 0 the count, of those that keep the CTAs (`units` of query
+    rows, one CTA an SM: its shared memory) within one wave, that takes the least time
+    by the blocks a CTA reads of the `capacity` keys, plus the combine's costs where split
+    (MLA_COMBINE_BLOCKS, MLA_SHARE_BLOCKS a CTA). Its work is the matrix units' (~240
+    FLOPs a cache byte at 128 heads), so an idle SM is lost time; but a split's partial
+    rows (128 KB a CTA of 64 rows) outweigh a few blocks of keys.
 
-    Example, 132 SMs: one sequence of 128 heads (2 CTAs of rows) over 4096 keys: 64
-    splits (66 would leave splits under 64 keys); 128 sequences: unsplit.
+    Example, 132 SMs: one sequence of 128 heads (2 CTAs of rows) over 8192 keys (256
+    blocks): 32 splits, 8 blocks a CTA (64 splits: 4 blocks, but 128 CTAs' shares to
+    merge); 128 sequences: unsplit.
     """
     if num_splits:
         return min(num_splits, _compile.MAX_SPLITS)
-    fill = max(1, _runtime.sm_count(device) // max(units, 1))
-    return max(1, min(fill, capacity // MLA_MIN_SPLIT_KEYS, _compile.MAX_SPLITS))
+    blocks = max(1, -(-capacity // _compile.MLA_KEYS))
+    units = max(units, 1)
+    most = max(1, min(_runtime.sm_count(device) // units, blocks, _compile.MAX_SPLITS))
+
+    def cost(splits):
+        merge = MLA_COMBINE_BLOCKS + MLA_SHARE_BLOCKS * units * splits if splits > 1 else 0
+        return -(-blocks // splits) + merge
+
+    return min(range(1, most + 1), key=cost)  # (the fewest splits among equals)
 
 
 def pages_read_whole(page_shift, no_leftpad, window_left):
