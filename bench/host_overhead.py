@@ -179,7 +179,6 @@ def main():
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         # (autograd runs a CUDA backward on its own thread, which cProfile does not see,
         # unless autograd's threads are off: then the step's Python, cufa's backward too)
-        import torch
         torch.autograd.set_multithreading_enabled(False)
         name = "cufa.flash_attn_func + .backward()"
         print(f"\ncProfile, {name}, autograd on the calling thread:")
