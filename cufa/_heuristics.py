@@ -249,35 +249,40 @@ def split_count(num_splits, units, capacity, kernel, device, paged):
 
 
 # The MLA split rule's costs, in key blocks of one CTA (_compile.MLA_KEYS keys each): the
-# combine launch, and each CTA's share of it (its partial rows written, then merged). Fit on
-# an H200 (bench/profile/mla_splits.py, bench/results/mla_decode_h200.md): a block took
-# ~0.87 us, the combine ~3.2 us plus ~0.07-0.1 us a CTA; 128 heads, 1 x 8k: 21.2 us at 32
-# splits against 22.5 at 66, 32 x 1k: 37.8 unsplit against 42.8 at 2.
+# combine launch, and for each split of each CTA its share of it: a fixed part, and a part
+# by the query rows whose partial output (2 KB a row) it writes and the combine reads. Fit
+# on an H200 (bench/profile/mla_splits.py, bench/results/mla_decode_h200.md): a block took
+# ~0.87 us, the combine ~3.2 us plus ~0.09 us a 64-row CTA and ~0.055 us a 16-row one;
+# 128 heads 1 x 8k: 21.1 us at 32 splits against 22.6 at 66; 32 x 1k: 37.0 unsplit
+# against 42.1 at 2; 16 heads 1 x 8k: 15.0 at 64 against 16.7 at 128.
 MLA_COMBINE_BLOCKS = 3.7
-MLA_SHARE_BLOCKS = 0.1
+MLA_SHARE_BLOCKS = 0.05
+MLA_ROW_SHARE_BLOCKS = 0.05 / 64
 
 
-def mla_splits(num_splits, units, capacity, device):
+def mla_splits(num_splits, ctas, rows, capacity, device):
     """The MLA decode kernel's split count: num_splits as given (capped at
-    _compile.MAX_SPLITS), or for 0 the count, of those that keep the CTAs (`units` of query
-    rows, one CTA an SM: its shared memory) within one wave, that takes the least time
-    by the blocks a CTA reads of the `capacity` keys, plus the combine's costs where split
-    (MLA_COMBINE_BLOCKS, MLA_SHARE_BLOCKS a CTA). Its work is the matrix units' (~240
-    FLOPs a cache byte at 128 heads), so an idle SM is lost time; but a split's partial
-    rows (128 KB a CTA of 64 rows) outweigh a few blocks of keys.
+    _compile.MAX_SPLITS), or for 0 the count, of those that keep the CTAs within one wave
+    (`ctas` a split, one an SM: its shared memory), that takes the least time by the
+    blocks a CTA reads of the `capacity` keys, plus where split the combine's costs
+    (MLA_COMBINE_BLOCKS, and MLA_SHARE_BLOCKS a CTA and MLA_ROW_SHARE_BLOCKS a row of
+    the `rows` query rows a split). Its work is the matrix units' (~240 FLOPs a cache byte
+    at 128 heads), so an idle SM is lost time; but a split's partial rows (128 KB a CTA of
+    64 rows) outweigh a few blocks of keys.
 
-    Example, 132 SMs: one sequence of 128 heads (2 CTAs of rows) over 8192 keys (256
+    Example, 132 SMs: one sequence of 128 heads (2 CTAs, 128 rows) over 8192 keys (256
     blocks): 32 splits, 8 blocks a CTA (64 splits: 4 blocks, but 128 CTAs' shares to
     merge); 128 sequences: unsplit.
     """
     if num_splits:
         return min(num_splits, _compile.MAX_SPLITS)
     blocks = max(1, -(-capacity // _compile.MLA_KEYS))
-    units = max(units, 1)
-    most = max(1, min(_runtime.sm_count(device) // units, blocks, _compile.MAX_SPLITS))
+    ctas = max(ctas, 1)
+    most = max(1, min(_runtime.sm_count(device) // ctas, blocks, _compile.MAX_SPLITS))
+    share = MLA_SHARE_BLOCKS * ctas + MLA_ROW_SHARE_BLOCKS * rows
 
     def cost(splits):
-        merge = MLA_COMBINE_BLOCKS + MLA_SHARE_BLOCKS * units * splits if splits > 1 else 0
+        merge = MLA_COMBINE_BLOCKS + share * splits if splits > 1 else 0
         return -(-blocks // splits) + merge
 
     return min(range(1, most + 1), key=cost)  # (the fewest splits among equals)

@@ -59,7 +59,7 @@ def mla_args(batch=4, sq=1, heads=128, keys=4096, paged=None):
     (128, 128, 1, 1),   # 256 CTAs of rows: two waves, unsplit
     (1, 128, 1, 26),    # 2 CTAs of rows over 128 blocks: 5 blocks a split (64 splits
                         # would read 2 each, but merge 128 CTAs' shares)
-    (4, 16, 2, 16),     # tensor-parallel heads, speculative tokens: one 64-row CTA
+    (4, 16, 2, 22),     # tensor-parallel heads, speculative tokens: one 32-row CTA
 ])
 def test_mla_plans_its_kernel_rows_and_splits(planner, batch, heads, sq, splits):
     q, k_pe, c_kv, qv, lens = mla_args(batch, sq, heads)
@@ -91,18 +91,20 @@ def test_mla_plans_its_kernel_rows_and_splits(planner, batch, heads, sq, splits)
         assert len(plan.launches) == 1 and plan.workspace[0] == 0
 
 
-@pytest.mark.parametrize("units, keys, splits", [
-    (2, 1024, 11), (2, 8192, 32), (2, 16384, 47),  # one sequence of 128 heads
-    (16, 1024, 4), (16, 4096, 8), (64, 1024, 1),    # 8 and 32 of them
-    (1, 8192, 52), (32, 1024, 3),                   # 16 heads
-    (256, 8192, 1),                                 # past a wave: unsplit
+@pytest.mark.parametrize("heads, batch, keys, splits", [
+    (128, 1, 1024, 11), (128, 1, 8192, 32), (128, 1, 16384, 47),  # one sequence
+    (128, 8, 1024, 4), (128, 8, 4096, 8), (128, 32, 1024, 1),      # 8 and 32 of them
+    (16, 1, 8192, 64), (16, 8, 4096, 16), (16, 32, 1024, 4),
+    (128, 128, 8192, 1),                                           # past a wave: unsplit
 ])
-def test_mla_split_rule_on_the_sweep(monkeypatch, units, keys, splits):
-    """The split rule's picks for bench/profile/mla_splits.py's rows on 132 SMs, each at or
-    beside that sweep's fastest count (H200: bench/results/mla_decode_h200.md)."""
+def test_mla_split_rule_on_the_sweep(monkeypatch, heads, batch, keys, splits):
+    """The split rule's picks for bench/profile/mla_splits.py's rows (one token, one latent
+    head) on 132 SMs, each at or beside that sweep's fastest count (H200:
+    bench/results/mla_decode_h200.md)."""
     monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
-    assert _heuristics.mla_splits(0, units, keys, 0) == splits
-    assert _heuristics.mla_splits(5, units, keys, 0) == 5  # (asked for: as given)
+    ctas = batch * -(-heads // _compile.MLA_ROWS)
+    assert _heuristics.mla_splits(0, ctas, batch * heads, keys, 0) == splits
+    assert _heuristics.mla_splits(5, ctas, batch * heads, keys, 0) == 5  # (asked for: as given)
 
 
 def test_mla_paged_and_appending(planner):

@@ -97,7 +97,8 @@ def main(argv=None):
         med = {c: statistics.median(t) for c, t in times.items()}
         best = min(med.values())
         units = b * -(-args.tokens * h // _compile.MLA_ROWS)
-        planned = _heuristics.mla_splits(0, units, n, torch.cuda.current_device())
+        planned = _heuristics.mla_splits(0, units, b * args.tokens * h, n,
+                                         torch.cuda.current_device())
         cells = [f"{c[0]}{f' ({planned})' if c[1] == 0 else ''} {m:.1f}"
                  f"{'*' if m == best else ''}" for c, m in med.items()]
         print(f"{h} heads {b}x{n} ({2 * b * n * (ROPE + LATENT) / 1e6:.0f} MB): "
