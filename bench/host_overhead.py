@@ -137,6 +137,14 @@ def main():
         "torch SDPA (flash) + .backward()": sdpa_fwd_bwd,
         "(q * 1.0).backward(): autograd's floor": lambda: (qg * 1.0).backward(dout),
     })
+
+    def on_calling_thread(step):  # (the backward on the caller's thread, not autograd's)
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                step()
+        return run
+    cases["cufa.flash_attn_func + .backward(), one thread"] = on_calling_thread(cufa_fwd_bwd)
+    cases["torch SDPA (flash) + .backward(), one thread"] = on_calling_thread(sdpa_fwd_bwd)
     cache = torch.randn(8, 1024, 2, 64, device="cuda", dtype=torch.float16)
     q1 = torch.randn(8, 1, 8, 64, device="cuda", dtype=torch.float16)
     lens = torch.full((8,), 1000, device="cuda", dtype=torch.int32)
