@@ -16,7 +16,7 @@ case runs in each of --rounds rounds, the cases in a new random order each round
 the table gives the best round (noise only adds time) and the median.
 
 --profile adds cProfile's top functions (own time) for cufa.flash_attn_func, the decode
-call and a training step's forward and backward (autograd on the calling thread), and
+call and a training step's forward and backward (on one thread), and
 torch.profiler's host events of a training step's forward and backward, cufa's
 and SDPA's. The CuPy rows take the same memory as CuPy arrays (the caller's stream is then
 CuPy's current stream).
@@ -186,14 +186,12 @@ def main():
             profiler.runcall(per_call_us, cases[name], args.calls)
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         # (autograd runs a CUDA backward on its own thread, which cProfile does not see,
-        # unless autograd's threads are off: then the step's Python, cufa's backward too)
-        torch.autograd.set_multithreading_enabled(False)
-        name = "cufa.flash_attn_func + .backward()"
-        print(f"\ncProfile, {name}, autograd on the calling thread:")
+        # unless the step runs on one thread: then cufa's backward's Python too)
+        name = "cufa.flash_attn_func + .backward(), one thread"
+        print(f"\ncProfile, {name}:")
         profiler = cProfile.Profile()
         profiler.runcall(per_call_us, cases[name], args.calls)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-        torch.autograd.set_multithreading_enabled(True)
         # (torch.profiler's host-side events cover both threads)
         from torch.profiler import ProfilerActivity, profile
         for name in ("cufa.flash_attn_func + .backward()", "torch SDPA (flash) + .backward()"):
