@@ -7,7 +7,10 @@ interleaved rounds (every column of a row runs in each round). The fastest colum
 row is starred.
 
     python3 bench/profile/mla_splits.py [--shapes 1x1024,1x8192,8x1024] [--heads 128,16]
-        [--splits 1,2,4,8,16,32,64] [--tokens 1] [--rounds 5] [--calls 40] [--dry-run]
+        [--splits 1,2,4,8,16,32,64] [--tokens 1] [--fp8] [--rounds 5] [--calls 40] [--dry-run]
+
+--fp8: float8_e4m3fn caches with per-sequence descales (the split rule's constants are the
+16-bit cache's; an e4m3 block costs more).
 
 --dry-run lists the rows and columns without a GPU. Results go in bench/results/ with the
 card named (bench/results/mla_decode_h200.md).
@@ -40,6 +43,7 @@ def parse(argv=None):
     p.add_argument("--heads", type=_timing.int_list, default=(128, 16))
     p.add_argument("--splits", type=_timing.int_list, default=(1, 2, 4, 8, 16, 32, 64))
     p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--fp8", action="store_true", help="float8_e4m3fn caches")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--dry-run", action="store_true")
@@ -67,7 +71,8 @@ def main(argv=None):
     from cufa import _compile, _heuristics, reference
     rng = np.random.default_rng(0)
     print(f"MLA decode, us a call (median of {args.rounds} rounds x {args.calls} calls), "
-          f"{torch.cuda.get_device_name()}, bf16, {args.tokens} token(s), pages of {PAGE}")
+          f"{torch.cuda.get_device_name()}, bf16{' over e4m3 caches' if args.fp8 else ''}, "
+          f"{args.tokens} token(s), pages of {PAGE}")
     for h, b, n in rows(args):
         table, pages = reference.paged_layout(b, n, PAGE, rng, spare_pages=0)
         kw = dict(q=torch.randn(b, args.tokens, h, ROPE, device="cuda", dtype=torch.bfloat16),
@@ -77,6 +82,11 @@ def main(argv=None):
                                       dtype=torch.bfloat16),
                   cache_seqlens=torch.full((b,), n, dtype=torch.int32, device="cuda"),
                   block_table=torch.from_numpy(table).cuda(), causal=True)
+        if args.fp8:
+            for name in ("k_cache", "v_cache"):
+                kw[name] = kw[name].to(torch.float8_e4m3fn)
+            kw["k_descale"], kw["v_descale"] = (
+                torch.rand(b, 1, device="cuda") * 0.5 + 0.05 for _ in range(2))
         cols = columns(args.splits)
         times = {c: [] for c in cols}
         for _ in range(args.rounds):
@@ -101,8 +111,8 @@ def main(argv=None):
                                          torch.cuda.current_device())
         cells = [f"{c[0]}{f' ({planned})' if c[1] == 0 else ''} {m:.1f}"
                  f"{'*' if m == best else ''}" for c, m in med.items()]
-        print(f"{h} heads {b}x{n} ({2 * b * n * (ROPE + LATENT) / 1e6:.0f} MB): "
-              + " | ".join(cells), flush=True)
+        cache_mb = (1 if args.fp8 else 2) * b * n * (ROPE + LATENT) / 1e6
+        print(f"{h} heads {b}x{n} ({cache_mb:.0f} MB): " + " | ".join(cells), flush=True)
         del kw
 
 
