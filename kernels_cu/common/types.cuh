@@ -104,6 +104,33 @@ __device__ __forceinline__ void e4m3x4_to_pairs(u32 x, u32& even, u32& odd) {
   }
 }
 
+// x's four e4m3 bytes -> the 16-bit pairs of bytes 0, 1 (lo) and 2, 3 (hi), each value
+// the e4m3 value over e4m3_to_half_scale<DT, true>(): fp16 by the hardware's conversion (2
+// instructions for the 4 values); bf16 as e4m3x4_to_pairs' bits, with each pair's bytes
+// first moved to its halves' upper bytes (5 a pair, where the pairs and their permutes
+// take 13 for both)
+template <int DT>
+__device__ __forceinline__ void e4m3x4_to_halves(u32 x, u32& lo, u32& hi) {
+  if constexpr (e4m3_by_cvt<DT, true>()) {
+    e4m3x4_to_half2_halves(x, lo, hi);
+  } else if constexpr (DT == FP16) {
+    u32 even, odd;
+    e4m3x4_to_pairs<DT>(x, even, odd);
+    lo = __byte_perm(even, odd, 0x5410);
+    hi = __byte_perm(even, odd, 0x7632);
+  } else {
+    const auto widen = [](u32 w) {  // (bytes at bits 15..8 and 31..24)
+      const u32 lift = 0x77807780u, minus_zero = 0x80008000u;  // as e4m3x4_to_pairs'
+      const u32 bits = ((w & 0x7f007f00u) >> 4) | (w & 0x80008000u);
+      u32 r;
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(bits), "r"(lift), "r"(minus_zero));
+      return r;
+    };
+    lo = widen(__byte_perm(x, 0, 0x1404));
+    hi = widen(__byte_perm(x, 0, 0x3424));
+  }
+}
+
 // e4m3x4_to_pairs of __byte_perm(x, y, perm) (perm: a constant); by conversion, that byte
 // permute and the conversion's own are composed into one a pair
 template <int DT, bool kCvt = false>

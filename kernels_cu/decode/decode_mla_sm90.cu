@@ -22,7 +22,7 @@
 // An e4m3 cache (kFp8) arrives as bytes in a staging ring (its latent as TMA boxes where
 // maps describe it, its rope and the other blocks by the producer's copies) and is widened
 // to the 16-bit dtype by the producer on its way into the ring, exactly (e4m3 values over
-// e4m3_to_half_scale<kDtype>() are fp16 and bf16 values); the scores' latent and rotary parts sum
+// e4m3_to_half_scale<kDtype, true>() are fp16 and bf16 values); the scores' latent and rotary parts sum
 // in two accumulators, each times its descale, and O takes v's descale at the end.
 #include "cache.cuh"
 #include "score.cuh"
@@ -53,11 +53,16 @@ constexpr int kMlaBlockBytes = kMlaKeys * kMlaDim * 2;
 constexpr int kMlaE4m3LatentBytes = kMlaKeys * kMlaLatent;
 constexpr int kMlaE4m3BlockBytes = kMlaKeys * kMlaDim;
 constexpr int kMlaPBytes = kMlaRows * 64 * 2;    // P in one 64-column panel (32 used)
-constexpr int kMlaProducerRegs = 40, kMlaConsumerRegs = 232;
+// An e4m3 cache's producer widens every block, with its loads ahead of their conversions
+// (mla_widen_e4m3): 56 registers, which its consumers (fewer of Q's k-steps in registers)
+// give up
+template <bool kFp8> constexpr int kMlaProducerRegs = kFp8 ? 56 : 40;
+template <bool kFp8> constexpr int kMlaConsumerRegs = kFp8 ? 224 : 232;
 // setmaxnreg moves registers between the warpgroups within the CTA's allotment (384
 // threads at 168, __launch_bounds__(384, 1)); asked for more, the consumers would wait for
 // registers forever
-static_assert(128 * kMlaProducerRegs + 256 * kMlaConsumerRegs <= 384 * 168,
+static_assert(128 * kMlaProducerRegs<false> + 256 * kMlaConsumerRegs<false> <= 384 * 168 &&
+                  128 * kMlaProducerRegs<true> + 256 * kMlaConsumerRegs<true> <= 384 * 168,
               "the warpgroups' registers within the CTA's");
 // named barriers (0 is __syncthreads'): "block t's P is ready" for consumer 0 and 1 (1, 2),
 // and the consumers' meeting before the epilogue (3); an e4m3 cache's producer has a
@@ -354,30 +359,40 @@ __device__ __forceinline__ void mla_copy_e4m3(const DecodeParams& p, const MlaWo
   }
 }
 
-// This thread's nine chunks of a staged block -> the 16-bit block (e4m3 chunk c's 16 dims
-// are the 16-bit chunks 2c and 2c + 1): latent chunk tid % 32 of keys tid / 32 + 4j, then
-// rope chunk tid % 4 of key tid / 4 (a warp reads 512 contiguous bytes either way).
+// One staged 16-byte chunk (16 e4m3 values) -> the 16-bit chunks `chunk` and `chunk` + 1
+// of key r of the block.
+template <int kDtype>
+__device__ __forceinline__ void mla_widen_chunk(uint4 x, u32 dst, int r, int chunk) {
+  u32 h[8];
+  e4m3x4_to_halves<kDtype>(x.x, h[0], h[1]);
+  e4m3x4_to_halves<kDtype>(x.y, h[2], h[3]);
+  e4m3x4_to_halves<kDtype>(x.z, h[4], h[5]);
+  e4m3x4_to_halves<kDtype>(x.w, h[6], h[7]);
+  st_shared_16(dst + panel_offset<kMlaKeys>(r, chunk), make_uint4(h[0], h[1], h[2], h[3]));
+  st_shared_16(dst + panel_offset<kMlaKeys>(r, chunk + 1), make_uint4(h[4], h[5], h[6], h[7]));
+}
+
+// This thread's nine chunks of a staged block -> the 16-bit block: latent chunk tid % 32 of
+// keys tid / 32 + 4j (a warp reads 512 contiguous bytes), then rope chunk tid % 4 of key
+// tid / 4. The latent's loads go kMlaWidenLoads at a time ahead of their conversions: one
+// chunk at a time, each load's latency and its conversion's chain were the loop's, and the
+// widening bounded the e4m3 kernel (half its time at 16 heads: H200).
+constexpr int kMlaWidenLoads = 4;
 template <int kDtype>
 __device__ __forceinline__ void mla_widen_e4m3(u32 src, u32 dst, int tid) {
-#pragma unroll 1  // (the producer has 40 registers)
-  for (int j = 0; j <= kMlaKeys / 4; ++j) {
-    const bool rope = j == kMlaKeys / 4;
-    const int r = rope ? tid / 4 : tid / 32 + 4 * j, c = rope ? tid % 4 : tid % 32;
-    const uint4 x = ld_shared_16(src + (rope ? mla_e4m3_rope_offset(r, c) : mla_e4m3_latent_offset(r, c)));
-    const int chunk = rope ? kMlaLatent / 8 + 2 * c : 2 * c;  // (16-bit chunks)
-    const u32 bytes[4] = {x.x, x.y, x.z, x.w};
-    u32 half[8];  // dims 4i..4i+3 in half[2i] (4i, 4i+1) and half[2i + 1] (4i+2, 4i+3)
+  const int c = tid % 32;
+#pragma unroll 1
+  for (int j0 = 0; j0 < kMlaKeys / 4; j0 += kMlaWidenLoads) {
+    uint4 x[kMlaWidenLoads];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      u32 even, odd;  // (dims 4i, 4i+2) and (4i+1, 4i+3)
-      e4m3x4_to_pairs<kDtype>(bytes[i], even, odd);
-      half[2 * i] = __byte_perm(even, odd, 0x5410);
-      half[2 * i + 1] = __byte_perm(even, odd, 0x7632);
-    }
-    st_shared_16(dst + panel_offset<kMlaKeys>(r, chunk), make_uint4(half[0], half[1], half[2], half[3]));
-    st_shared_16(dst + panel_offset<kMlaKeys>(r, chunk + 1),
-                 make_uint4(half[4], half[5], half[6], half[7]));
+    for (int j = 0; j < kMlaWidenLoads; ++j)
+      x[j] = ld_shared_16(src + mla_e4m3_latent_offset(tid / 32 + 4 * (j0 + j), c));
+#pragma unroll
+    for (int j = 0; j < kMlaWidenLoads; ++j)
+      mla_widen_chunk<kDtype>(x[j], dst, tid / 32 + 4 * (j0 + j), 2 * c);
   }
+  mla_widen_chunk<kDtype>(ld_shared_16(src + mla_e4m3_rope_offset(tid / 4, tid % 4)), dst, tid / 4,
+                          kMlaLatent / 8 + 2 * (tid % 4));
 }
 
 template <int kDtype, bool kTma>
@@ -612,7 +627,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
   }
   cp_async_mbar_arrive(sm.q_full());
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<kMlaProducerRegs>();
+    setmaxnreg_dec<kMlaProducerRegs<kFp8>>();
     if constexpr (kFp8)
       mla_produce_e4m3<kDtype, kTma>(p, maps, w, sm, threadIdx.x);
     else
@@ -620,7 +635,7 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
     if (threadIdx.x == 0) mla_trace(kMlaProducerEnd);
     return;
   }
-  setmaxnreg_inc<kMlaConsumerRegs>();
+  setmaxnreg_inc<kMlaConsumerRegs<kFp8>>();
   const int consumer = threadIdx.x / 128 - 1, tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
   const float scale_log2 = p.scale_log2;
@@ -629,13 +644,13 @@ __global__ void __launch_bounds__(kMlaThreads, 1) decode_mla_kernel(const Decode
   float* s_corr = sm.row_floats(smem_raw, Smem::kCorr);  // [block parity][row]
   float* s_sum = sm.row_floats(smem_raw, Smem::kSum);    // [consumer][row]
   // an e4m3 cache's scales: the scores' latent and rotary parts (each e4m3 value was
-  // widened to itself over e4m3_to_half_scale<kDtype>()), and the output's (the latent's)
+  // widened to itself over e4m3_to_half_scale<kDtype, true>()), and the output's (the latent's)
   const float latent_scale = kFp8 ? cache_descale(p.v_descale, p.v_descale_batch_stride,
                                                   p.v_descale_head_stride, w.s.b, blockIdx.y) *
-                                        e4m3_to_half_scale<kDtype>() : 1.f;
+                                        e4m3_to_half_scale<kDtype, true>() : 1.f;
   const float rope_scale = kFp8 ? cache_descale(p.k_descale, p.k_descale_batch_stride,
                                                 p.k_descale_head_stride, w.s.b, blockIdx.y) *
-                                      e4m3_to_half_scale<kDtype>() : 1.f;
+                                      e4m3_to_half_scale<kDtype, true>() : 1.f;
   const int row_of[2] = {16 * warp + lane / 4, 16 * warp + lane / 4 + 8};
 
   // K-major Q and K: 8-row groups 1024 bytes apart, 16 columns a k-step; V (a block's
