@@ -377,7 +377,7 @@ __device__ __forceinline__ void mla_widen_chunk(uint4 x, u32 dst, int r, int chu
 // tid / 4. The latent's loads go kMlaWidenLoads at a time ahead of their conversions: one
 // chunk at a time, each load's latency and its conversion's chain were the loop's, and the
 // widening bounded the e4m3 kernel (half its time at 16 heads: H200).
-constexpr int kMlaWidenLoads = 4;
+constexpr int kMlaWidenLoads = 2;
 template <int kDtype>
 __device__ __forceinline__ void mla_widen_e4m3(u32 src, u32 dst, int tid) {
   const int c = tid % 32;
