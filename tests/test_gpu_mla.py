@@ -273,27 +273,34 @@ E4M3 = getattr(torch, "float8_e4m3fn", None)
 def e4m3_descales(rng, kind, batch, heads_k):
     if kind == "none":
         return None, None
+    if kind == "subnormals to unit size":  # (keys up to 1.75, values up to 7)
+        return (torch.tensor([2.0 ** 7], device="cuda"), torch.tensor([2.0 ** 9], device="cuda"))
     shape = (batch, heads_k) if kind == "per sequence and head" else (1,)
     return tuple(torch.from_numpy(2.0 ** rng.integers(-3, 2, shape)).float().cuda()
                  for _ in range(2))
 
 
 def build_e4m3(rng, *, dtype="bfloat16", lens, sq=1, heads=16, heads_k=1, page=None, new=0,
-               descale, batch_idx=False):
+               descale, batch_idx=False, codes=None):
     """The call's arguments over e4m3 caches of random values; the dequantized logical
     caches (batch, capacity, heads_k, d) of each sequence as they are after the call (q's
     dtype, exact); and the bytes each cache must hold after it, in its layout (the new
     rows as torch quantizes k / k_descale after the clamp to +-448, every other byte as
     it was). batch_idx: the sequences on cache rows in a random order, two rows spare;
-    pages of no sequence hold 448 (0x7e), so that a read of one shows."""
+    pages of no sequence hold 448 (0x7e), so that a read of one shows. codes: the caches'
+    bytes drawn from these e4m3 codes instead."""
     batch = len(lens)
     capacity = -(-(max(lens) + new + 1) // 64) * 64
     rows = batch + 2 if batch_idx else batch
     idx = rng.permutation(rows)[:batch] if batch_idx else np.arange(batch)
     kd, vd = e4m3_descales(rng, descale, batch, heads_k)
-    caches = [torch.from_numpy(rng.standard_normal((rows, capacity, heads_k, d),
-                                                   dtype=np.float32) * 4)
-              .clamp(-448, 448).to("cuda", E4M3) for d in (ROPE, LATENT)]
+    if codes is None:
+        caches = [torch.from_numpy(rng.standard_normal((rows, capacity, heads_k, d),
+                                                       dtype=np.float32) * 4)
+                  .clamp(-448, 448).to("cuda", E4M3) for d in (ROPE, LATENT)]
+    else:
+        caches = [torch.from_numpy(rng.choice(np.array(codes, np.uint8), (rows, capacity, heads_k, d)))
+                  .cuda().view(E4M3) for d in (ROPE, LATENT)]
     kw = dict(q=randn(rng, (batch, sq, heads, ROPE), dtype),
               qv=randn(rng, (batch, sq, heads, LATENT), dtype), cache_seqlens=i32(lens),
               k_descale=kd, v_descale=vd)
@@ -342,6 +349,15 @@ E4M3_CASES = {
                                           descale="per sequence and head", causal=True),
     "append 1, rows picked, 128 heads": dict(lens=[5, 130, 64], heads=128, new=1,
                                              descale="one", batch_idx=True),
+    # every code but NaN's: the widening's bits of each value (the bf16 path's 2^-120 and
+    # its lift, fp16's conversion, -0)
+    "every code, 128 heads, pages of 64": dict(lens=[700, 64], heads=128, page=64,
+                                               descale="per sequence and head",
+                                               codes=[c for c in range(256) if c & 0x7f != 0x7f]),
+    # subnormals alone, scaled to unit size: flushed, they would leave scores and outputs 0
+    "subnormals and zeros, 16 heads": dict(lens=[300, 45], descale="subnormals to unit size",
+                                           codes=[0x00, 0x80] + [s | c for s in (0, 0x80)
+                                                                 for c in range(1, 8)]),
 }
 
 
