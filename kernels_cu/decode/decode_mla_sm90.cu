@@ -376,19 +376,22 @@ __device__ __forceinline__ void mla_widen_chunk(uint4 x, u32 dst, int r, int chu
 // keys tid / 32 + 4j (a warp reads 512 contiguous bytes), then rope chunk tid % 4 of key
 // tid / 4. The latent's loads go kMlaWidenLoads at a time ahead of their conversions: one
 // chunk at a time, each load's latency and its conversion's chain were the loop's, and the
-// widening bounded the e4m3 kernel (half its time at 16 heads: H200).
-constexpr int kMlaWidenLoads = 2;
+// widening bounded the e4m3 kernel (half its time at 16 heads: H200). (fp16's conversions
+// hold more registers: four at a time spilled 8 bytes in the producer's 56.)
+template <int kDtype>
+constexpr int kMlaWidenLoads = kDtype == FP16 ? 2 : 4;
 template <int kDtype>
 __device__ __forceinline__ void mla_widen_e4m3(u32 src, u32 dst, int tid) {
+  constexpr int kLoads = kMlaWidenLoads<kDtype>;
   const int c = tid % 32;
 #pragma unroll 1
-  for (int j0 = 0; j0 < kMlaKeys / 4; j0 += kMlaWidenLoads) {
-    uint4 x[kMlaWidenLoads];
+  for (int j0 = 0; j0 < kMlaKeys / 4; j0 += kLoads) {
+    uint4 x[kLoads];
 #pragma unroll
-    for (int j = 0; j < kMlaWidenLoads; ++j)
+    for (int j = 0; j < kLoads; ++j)
       x[j] = ld_shared_16(src + mla_e4m3_latent_offset(tid / 32 + 4 * (j0 + j), c));
 #pragma unroll
-    for (int j = 0; j < kMlaWidenLoads; ++j)
+    for (int j = 0; j < kLoads; ++j)
       mla_widen_chunk<kDtype>(x[j], dst, tid / 32 + 4 * (j0 + j), 2 * c);
   }
   mla_widen_chunk<kDtype>(ld_shared_16(src + mla_e4m3_rope_offset(tid / 4, tid % 4)), dst, tid / 4,
