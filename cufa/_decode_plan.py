@@ -215,7 +215,7 @@ def _mla_kernel(q, q_strides, qv, kc, vc, softcap, fp8, rows, units, capacity, n
     kernel = _compile.MlaVariant(KERNEL_DTYPES[q.dtype], tma=maps is not None, fp8_cache=fp8)
     num_m_blocks = -(-rows // _compile.MLA_ROWS)
     return kernel, maps, num_m_blocks, _heuristics.mla_splits(
-        num_splits, units * num_m_blocks, units * rows, capacity, q.device)
+        num_splits, units * num_m_blocks, units * rows, capacity, q.device, fp8)
 
 
 def descale_strides(kd, vd, qd=None):

@@ -258,15 +258,21 @@ def split_count(num_splits, units, capacity, kernel, device, paged):
 MLA_COMBINE_BLOCKS = 3.7
 MLA_SHARE_BLOCKS = 0.05
 MLA_ROW_SHARE_BLOCKS = 0.05 / 64
+# An e4m3 cache's block in 16-bit blocks (its producer widens it): one CTA read a 1k or 16k
+# cache at 1.45-1.59 us a block against 0.95 (H200), so the fixed costs above weigh less:
+# 128 heads 32 x 1k 51.4 us at 2 splits against 59.0 unsplit, 16 heads 1 x 1k 12.1 at 32
+# against 14.2 at 16.
+MLA_E4M3_BLOCK_COST = 1.6
 
 
-def mla_splits(num_splits, ctas, rows, capacity, device):
+def mla_splits(num_splits, ctas, rows, capacity, device, fp8_cache=False):
     """The MLA decode kernel's split count: num_splits as given (capped at
     _compile.MAX_SPLITS), or for 0 the count, of those that keep the CTAs within one wave
     (`ctas` a split, one an SM: its shared memory), that takes the least time by the
     blocks a CTA reads of the `capacity` keys, plus where split the combine's costs
     (MLA_COMBINE_BLOCKS, and MLA_SHARE_BLOCKS a CTA and MLA_ROW_SHARE_BLOCKS a row of
-    the `rows` query rows a split). Its work is the matrix units' (~240 FLOPs a cache byte
+    the `rows` query rows a split; over an e4m3 cache, fp8_cache, in its blocks of
+    MLA_E4M3_BLOCK_COST). Its work is the matrix units' (~240 FLOPs a cache byte
     at 128 heads), so an idle SM is lost time; but a split's partial rows (128 KB a CTA of
     64 rows) outweigh a few blocks of keys.
 
@@ -279,10 +285,11 @@ def mla_splits(num_splits, ctas, rows, capacity, device):
     blocks = max(1, -(-capacity // _compile.MLA_KEYS))
     ctas = max(ctas, 1)
     most = max(1, min(_runtime.sm_count(device) // ctas, blocks, _compile.MAX_SPLITS))
-    share = MLA_SHARE_BLOCKS * ctas + MLA_ROW_SHARE_BLOCKS * rows
+    block = MLA_E4M3_BLOCK_COST if fp8_cache else 1.0
+    share = (MLA_SHARE_BLOCKS * ctas + MLA_ROW_SHARE_BLOCKS * rows) / block
 
     def cost(splits):
-        merge = MLA_COMBINE_BLOCKS + share * splits if splits > 1 else 0
+        merge = MLA_COMBINE_BLOCKS / block + share * splits if splits > 1 else 0
         return -(-blocks // splits) + merge
 
     return min(range(1, most + 1), key=cost)  # (the fewest splits among equals)

@@ -107,6 +107,22 @@ def test_mla_split_rule_on_the_sweep(monkeypatch, heads, batch, keys, splits):
     assert _heuristics.mla_splits(5, ctas, batch * heads, keys, 0) == 5  # (asked for: as given)
 
 
+@pytest.mark.parametrize("heads, batch, keys, splits", [
+    (128, 1, 1024, 16), (128, 1, 8192, 43), (128, 32, 1024, 2),
+    (16, 1, 1024, 32), (16, 8, 1024, 11), (128, 128, 8192, 1),
+])
+def test_mla_split_rule_over_an_e4m3_cache(monkeypatch, heads, batch, keys, splits):
+    """An e4m3 block costs more (its producer widens it), so the same shapes split finer:
+    each pick at or beside the e4m3 sweep's fastest count (H200:
+    bench/results/mla_decode_h200.md), and more splits than the 16-bit cache's but past a
+    wave."""
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
+    ctas = batch * -(-heads // _compile.MLA_ROWS)
+    got = _heuristics.mla_splits(0, ctas, batch * heads, keys, 0, fp8_cache=True)
+    assert got == splits
+    assert got > _heuristics.mla_splits(0, ctas, batch * heads, keys, 0) or splits == 1
+
+
 def test_mla_paged_and_appending(planner):
     """Pages of 64 and one new token: the append writes k's 64 rotary dims into k_cache and
     v's 512 latent ones into v_cache (DecodeParams' head_dim and head_dim_v), then the MLA
