@@ -9,8 +9,8 @@ row is starred.
     python3 bench/profile/mla_splits.py [--shapes 1x1024,1x8192,8x1024] [--heads 128,16]
         [--splits 1,2,4,8,16,32,64] [--tokens 1] [--fp8] [--rounds 5] [--calls 40] [--dry-run]
 
---fp8: float8_e4m3fn caches with per-sequence descales (the split rule's constants are the
-16-bit cache's; an e4m3 block costs more).
+--fp8: float8_e4m3fn caches with per-sequence descales (an e4m3 block costs more: the
+rule's MLA_E4M3_BLOCK_COST).
 
 --dry-run lists the rows and columns without a GPU. Results go in bench/results/ with the
 card named (bench/results/mla_decode_h200.md).
@@ -108,7 +108,7 @@ def main(argv=None):
         best = min(med.values())
         units = b * -(-args.tokens * h // _compile.MLA_ROWS)
         planned = _heuristics.mla_splits(0, units, b * args.tokens * h, n,
-                                         torch.cuda.current_device())
+                                         torch.cuda.current_device(), fp8_cache=args.fp8)
         cells = [f"{c[0]}{f' ({planned})' if c[1] == 0 else ''} {m:.1f}"
                  f"{'*' if m == best else ''}" for c, m in med.items()]
         cache_mb = (1 if args.fp8 else 2) * b * n * (ROPE + LATENT) / 1e6
