@@ -111,13 +111,9 @@ __device__ __forceinline__ void e4m3x4_to_pairs(u32 x, u32& even, u32& odd) {
 // take 13 for both)
 template <int DT>
 __device__ __forceinline__ void e4m3x4_to_halves(u32 x, u32& lo, u32& hi) {
-  if constexpr (e4m3_by_cvt<DT, true>()) {
+  static_assert(DT != FP16 || CUFA_E4M3_CVT, "fp16 halves by the conversion: sm_89 on");
+  if constexpr (DT == FP16) {
     e4m3x4_to_half2_halves(x, lo, hi);
-  } else if constexpr (DT == FP16) {
-    u32 even, odd;
-    e4m3x4_to_pairs<DT>(x, even, odd);
-    lo = __byte_perm(even, odd, 0x5410);
-    hi = __byte_perm(even, odd, 0x7632);
   } else {
     const auto widen = [](u32 w) {  // (bytes at bits 15..8 and 31..24)
       const u32 lift = 0x77807780u, minus_zero = 0x80008000u;  // as e4m3x4_to_pairs'
