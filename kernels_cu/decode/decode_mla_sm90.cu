@@ -383,6 +383,7 @@ constexpr int kMlaWidenLoads = kDtype == FP16 ? 2 : 4;
 template <int kDtype>
 __device__ __forceinline__ void mla_widen_e4m3(u32 src, u32 dst, int tid) {
   constexpr int kLoads = kMlaWidenLoads<kDtype>;
+  static_assert((kMlaKeys / 4) % kLoads == 0, "every latent chunk of the thread's widened");
   const int c = tid % 32;
 #pragma unroll 1
   for (int j0 = 0; j0 < kMlaKeys / 4; j0 += kLoads) {
