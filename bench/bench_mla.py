@@ -59,6 +59,28 @@ def rows(args):
             for sq in SEQLENS_Q]
 
 
+def call_kwargs(torch, rng, batch, n, sq, heads, page, fp8, make_cache=None):
+    """flash_attn_with_kvcache's arguments for one row: random q and qv, caches of
+    make_cache(shape) (default torch.randn's values), pages of `page` rows in rng's random
+    order, every sequence full; fp8: the caches x 4 in e4m3, descales per sequence."""
+    from cufa import reference
+    make_cache = make_cache or (lambda shape: torch.randn(shape, device="cuda",
+                                                          dtype=torch.bfloat16))
+    table, pages = reference.paged_layout(batch, n, page, rng, spare_pages=0)
+    kw = dict(q=torch.randn(batch, sq, heads, ROPE, device="cuda", dtype=torch.bfloat16),
+              qv=torch.randn(batch, sq, heads, LATENT, device="cuda", dtype=torch.bfloat16),
+              k_cache=make_cache((pages, page, 1, ROPE)),
+              v_cache=make_cache((pages, page, 1, LATENT)),
+              cache_seqlens=torch.full((batch,), n, dtype=torch.int32, device="cuda"),
+              block_table=torch.from_numpy(table).cuda())
+    if fp8:
+        for name in ("k_cache", "v_cache"):
+            kw[name] = (kw[name] * 4).to(torch.float8_e4m3fn)
+        kw["k_descale"], kw["v_descale"] = (
+            torch.rand(batch, 1, device="cuda") * 0.5 + 0.05 for _ in range(2))
+    return kw
+
+
 def cache_bytes(batch, n, fp8=False):
     return (1 if fp8 else 2) * batch * n * (ROPE + LATENT)
 
@@ -80,7 +102,6 @@ def main(argv=None):
     if isinstance(cufa, str):
         sys.exit(cufa)
     import numpy as np
-    from cufa import reference
     copy = T.copy_tbps(torch)
     matmul = T.matmul_tflops(torch)
     device = torch.cuda.get_device_name()
@@ -93,22 +114,8 @@ def main(argv=None):
         sets = 1 if size >= ROTATE_BELOW else T.rotating_sets(size)
         arg_sets = []
         for _ in range(sets):
-            table, pages = reference.paged_layout(b, n, args.page, rng, spare_pages=0)
-            kw = dict(q=torch.randn(b, sq, args.heads, ROPE, device="cuda", dtype=torch.bfloat16),
-                      qv=torch.randn(b, sq, args.heads, LATENT, device="cuda",
-                                     dtype=torch.bfloat16),
-                      k_cache=torch.randn(pages, args.page, 1, ROPE, device="cuda",
-                                          dtype=torch.bfloat16),
-                      v_cache=torch.randn(pages, args.page, 1, LATENT, device="cuda",
-                                          dtype=torch.bfloat16),
-                      cache_seqlens=torch.full((b,), n, dtype=torch.int32, device="cuda"),
-                      block_table=torch.from_numpy(table).cuda())
-            if args.fp8:
-                for name in ("k_cache", "v_cache"):
-                    kw[name] = (kw[name] * 4).to(torch.float8_e4m3fn)
-                kw["k_descale"], kw["v_descale"] = (
-                    torch.rand(b, 1, device="cuda") * 0.5 + 0.05 for _ in range(2))
-            arg_sets.append((kw,))
+            arg_sets.append((call_kwargs(torch, rng, b, n, sq, args.heads, args.page,
+                                         args.fp8),))
 
         def call(kw):
             cufa.flash_attn_with_kvcache(**kw, causal=True)

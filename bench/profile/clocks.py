@@ -11,8 +11,8 @@ behind a spinning kernel, CUDA events, interleaved rounds), then run back to bac
         [--values randn,zeros,const] [--peers] [--seconds 1.5] [--dry-run]
 
 --fwd d:N:causal (bf16, 16k tokens a batch, heads = 2048 / d, as bench_fwd.py; --peers adds
-SDPA cuDNN beside cufa); --mla heads:B:N:tokens[:e4m3] (pages of 64, as bench_mla.py; the
-values are the caches', q stays random). Values: randn, zeros, const (0.5 everywhere).
+SDPA cuDNN beside cufa); --mla heads:B:N:tokens[:e4m3] (bench_mla.py's arguments, pages
+of 64; the values are the caches', q stays random). Values: randn, zeros, const (0.5 everywhere).
 --dry-run lists the rows without a GPU. Results go in bench/results/ with the card named.
 """
 import argparse
@@ -23,8 +23,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import _timing  # noqa: E402  (finds the checkout's cufa when none is on the path)
+import bench_mla  # noqa: E402
 
-ROPE, LATENT, PAGE, TOKENS = 64, 512, 64, 16384
+PAGE, TOKENS = 64, 16384  # (MLA pages of 64, as bench_mla.py's default; 16k tokens a batch)
 VALUES = ("randn", "zeros", "const")
 
 
@@ -90,7 +91,6 @@ def fill(torch, shape, values, dtype):
 def build(torch, cufa, kind, row, values, who):
     """(call, its arguments, FLOPs)."""
     import numpy as np
-    from cufa import reference
     if kind == "fwd":
         d, n, causal = row
         b, h = TOKENS // n, 2048 // d
@@ -107,19 +107,10 @@ def build(torch, cufa, kind, row, values, who):
                 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
         return sdpa, (qt, kt, vt), flops
     heads, b, n, sq, e4m3 = row
-    table, pages = reference.paged_layout(b, n, PAGE, np.random.default_rng(0), spare_pages=0)
-    kw = dict(q=torch.randn(b, sq, heads, ROPE, device="cuda", dtype=torch.bfloat16),
-              qv=torch.randn(b, sq, heads, LATENT, device="cuda", dtype=torch.bfloat16),
-              cache_seqlens=torch.full((b,), n, dtype=torch.int32, device="cuda"),
-              block_table=torch.from_numpy(table).cuda())
-    for name, d in (("k_cache", ROPE), ("v_cache", LATENT)):
-        cache = fill(torch, (pages, PAGE, 1, d), values, torch.bfloat16)
-        kw[name] = cache.to(torch.float8_e4m3fn) if e4m3 else cache
-    if e4m3:
-        kw["k_descale"], kw["v_descale"] = (torch.full((b, 1), 0.25, device="cuda")
-                                            for _ in range(2))
-    flops = 2 * b * heads * sq * n * (ROPE + 2 * LATENT)
-    return (lambda kw: cufa.flash_attn_with_kvcache(**kw, causal=True)), (kw,), flops
+    kw = bench_mla.call_kwargs(torch, np.random.default_rng(0), b, n, sq, heads, PAGE, e4m3,
+                               lambda shape: fill(torch, shape, values, torch.bfloat16))
+    return ((lambda kw: cufa.flash_attn_with_kvcache(**kw, causal=True)), (kw,),
+            bench_mla.flops(b, heads, sq, n))
 
 
 def sample(torch, call, call_args, seconds):
